@@ -1,0 +1,16 @@
+"""portable_overlap: fused computation + communication kernels for multi-GPU PyTorch.
+
+Ops start sending the first finished tiles of their output to the other GPUs while the rest is
+still being computed. See README.md for how the pieces fit.
+"""
+from .backends import get_backend
+from .errors import (BackendUnavailable, ContextBrokenError, PeerTimeoutError,
+                     PortableOverlapError, RankMismatchError)
+from .modules.linear import RowParallelLinear
+from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
+from .world import World
+
+__version__ = "0.1.0"
+__all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_reduce",
+           "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
+           "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError"]

@@ -1,0 +1,164 @@
+"""The backend interface: everything the library needs from a vendor runtime.
+
+Only modules under ``portable_overlap/backends/`` know which vendor they talk to. Everything above
+(the symmetric heap, the transports, the ops) calls the entries of :class:`Backend` and never asks
+which implementation it got.
+
+Addresses are plain Python ints. On a GPU they are device virtual addresses (unified addressing, so
+a peer buffer opened through IPC is just another address the kernels can store to); on the
+CPU-emulated backend they are addresses in this process's mapping of a shared-memory segment, which
+the Triton interpreter dereferences the same way.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from ..errors import BackendEntryMissing
+
+#: The entries every backend must implement; ``tests/test_backends.py`` checks each of them.
+ENTRIES = (
+    "is_usable",
+    "device_facts",
+    "alloc_exportable",
+    "export_handle",
+    "open_handle",
+    "close_handle",
+    "free",
+    "can_access_peer",
+    "enable_peer_access",
+    "copy_async",
+    "stream_wait_value",
+    "stream_write_value",
+    "alloc_host_mapped",
+    "current_stream",
+    "synchronize",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What the schedulers need to know about one device."""
+
+    vendor: str  # "nvidia", "amd" or "cpu"
+    name: str
+    arch: str  # "sm_90", "gfx942", "cpu"
+    sm_count: int  # streaming multiprocessors (NVIDIA) / compute units (AMD) / emulated slots
+    warp_size: int
+    max_shared_bytes_per_sm: int
+    max_regs_per_sm: int
+    max_warps_per_sm: int
+
+
+@dataclasses.dataclass
+class Allocation:
+    """Device memory this process owns and may export to peers."""
+
+    address: int
+    nbytes: int
+    tensor: torch.Tensor  # uint8 view of the whole allocation, on ``device``
+    device: torch.device
+    native: Any = None  # backend-private (the driver handle, the shm segment, ...)
+
+
+@dataclasses.dataclass
+class PeerMapping:
+    """A peer's exported allocation, mapped into this process."""
+
+    address: int
+    nbytes: int
+    native: Any = None
+
+
+@dataclasses.dataclass
+class HostMapped:
+    """Pinned host memory that device code can store to and the host can read without a sync."""
+
+    tensor: torch.Tensor  # a CPU tensor over the memory
+    device_address: int  # the address kernels use
+
+
+class Backend(abc.ABC):
+    """One vendor runtime. Each entry documents its contract; the CUDA, ROCm and CPU-emulated
+    backends implement all of them (see ``ENTRIES``)."""
+
+    name: str = "abstract"
+    poll_rate_hz: float = 1e6
+
+    # -- discovery -------------------------------------------------------------------------
+    @classmethod
+    def is_usable(cls) -> tuple[bool, str]:
+        """(usable, reason). ``reason`` says what is missing when not usable."""
+        return False, "abstract backend"
+
+    def device_facts(self, device: torch.device) -> DeviceFacts:
+        """SM/CU count, architecture and per-SM limits of ``device``."""
+        raise self._missing("device_facts")
+
+    # -- memory that peers can open --------------------------------------------------------
+    def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
+        """Allocate ``nbytes`` that can be exported to other processes (IPC)."""
+        raise self._missing("alloc_exportable")
+
+    def export_handle(self, alloc: Allocation) -> bytes:
+        """A picklable handle another process of the same node opens with :meth:`open_handle`."""
+        raise self._missing("export_handle")
+
+    def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:
+        """Map a peer's exported allocation; the result's address is usable by this process's
+        kernels (peer access enabled as needed)."""
+        raise self._missing("open_handle")
+
+    def close_handle(self, mapping: PeerMapping) -> None:
+        """Unmap what :meth:`open_handle` mapped."""
+        raise self._missing("close_handle")
+
+    def free(self, alloc: Allocation) -> None:
+        """Release an allocation made by :meth:`alloc_exportable`."""
+        raise self._missing("free")
+
+    # -- peer access -----------------------------------------------------------------------
+    def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
+        """Whether kernels on ``device`` can load/store ``peer``'s memory directly."""
+        raise self._missing("can_access_peer")
+
+    def enable_peer_access(self, device: torch.device, peer: torch.device) -> None:
+        """Enable direct access from ``device`` to ``peer`` (idempotent)."""
+        raise self._missing("enable_peer_access")
+
+    # -- copy engine and stream-ordered flags ----------------------------------------------
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
+        """Copy ``nbytes`` from address ``src`` to ``dst`` (either may be a peer's) on the DMA
+        copy engine, ordered on ``stream``; uses no SMs."""
+        raise self._missing("copy_async")
+
+    def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
+        """Make ``stream`` wait, without a spinning kernel, until the int32 at ``address`` is
+        >= ``value``."""
+        raise self._missing("stream_wait_value")
+
+    def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:
+        """Write the int32 ``value`` to ``address`` in ``stream`` order."""
+        raise self._missing("stream_write_value")
+
+    def alloc_host_mapped(self, nbytes: int) -> HostMapped:
+        """Host memory kernels can store into and the host can read at any time."""
+        raise self._missing("alloc_host_mapped")
+
+    def current_stream(self, device: torch.device) -> Optional[int]:
+        """The raw handle of the current stream of ``device`` (None where streams don't exist)."""
+        raise self._missing("current_stream")
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for all work queued on ``device``."""
+        raise self._missing("synchronize")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _missing(self, entry: str) -> BackendEntryMissing:
+        return BackendEntryMissing(self.name, entry)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"

@@ -1,0 +1,155 @@
+"""NVIDIA backend over cuda-python's driver bindings (``cuda.bindings.driver``).
+
+Memory for the symmetric heap comes from ``cuMemAlloc`` and travels between processes as a legacy
+IPC handle (``cuIpcGetMemHandle`` / ``cuIpcOpenMemHandle`` with lazy peer access), which works for
+the one-process-per-GPU layout torchrun gives. Copies go through ``cuMemcpyAsync`` (copy engine,
+unified addressing), stream flags through ``cuStreamWaitValue32`` / ``cuStreamWriteValue32``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...errors import BackendUnavailable
+from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
+from .._native import DeviceArray, lazy_module
+
+#: The driver symbols this backend calls; the CPU test suite checks that each resolves.
+SYMBOLS = (
+    "cuInit", "cuDeviceGet", "cuDeviceGetAttribute", "cuMemAlloc", "cuMemFree", "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle", "cuIpcCloseMemHandle", "CUipcMemHandle", "cuDeviceCanAccessPeer",
+    "cuDevicePrimaryCtxRetain", "cuCtxEnablePeerAccess", "cuMemcpyAsync", "cuStreamWaitValue32",
+    "cuStreamWriteValue32", "cuMemHostGetDevicePointer", "CUstream", "CUdeviceptr",
+    "CUipcMem_flags", "CUstreamWaitValue_flags", "CUstreamWriteValue_flags", "CUdevice_attribute",
+    "CUresult",
+)
+
+
+def _import_driver():
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except ImportError:  # older layout
+        from cuda import cuda as driver  # type: ignore[no-redef]
+    return driver
+
+
+driver = lazy_module(_import_driver)
+
+
+def check(result):
+    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising on error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        _, name = driver.cuGetErrorName(err)
+        raise RuntimeError(f"CUDA driver call failed: {name.decode() if name else int(err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)
+    poll_rate_hz = 2e6
+
+    def __init__(self):
+        check(driver.cuInit(0))
+
+    @classmethod
+    def is_usable(cls) -> tuple[bool, str]:
+        if not torch.cuda.is_available() or torch.version.hip is not None:
+            return False, "torch sees no NVIDIA GPU"
+        try:
+            _import_driver()
+        except ImportError as e:
+            return False, f"cuda-python is not installed ({e}); pip install 'portable_overlap[cuda]'"
+        return True, ""
+
+    @staticmethod
+    def _dev(device: torch.device):
+        torch.cuda.set_device(device)
+        torch.cuda.init()  # makes the primary context current for this thread's driver calls
+        return check(driver.cuDeviceGet(device.index if device.index is not None else 0))
+
+    def device_facts(self, device: torch.device) -> DeviceFacts:
+        dev = self._dev(device)
+        attr = driver.CUdevice_attribute
+        sms = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
+        major = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
+        minor = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
+        smem = check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, dev))
+        regs = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR, dev))
+        threads = check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev))
+        return DeviceFacts(
+            vendor="nvidia", name=torch.cuda.get_device_name(device), arch=f"sm_{major}{minor}",
+            sm_count=int(sms), warp_size=32, max_shared_bytes_per_sm=int(smem),
+            max_regs_per_sm=int(regs), max_warps_per_sm=int(threads) // 32,
+        )
+
+    def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
+        self._dev(device)
+        ptr = check(driver.cuMemAlloc(nbytes))
+        addr = int(ptr)
+        tensor = torch.as_tensor(DeviceArray(addr, nbytes), device=device)
+        return Allocation(addr, nbytes, tensor, device, native=ptr)
+
+    def export_handle(self, alloc: Allocation) -> bytes:
+        handle = check(driver.cuIpcGetMemHandle(alloc.native))
+        return bytes(handle.reserved)
+
+    def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:
+        self._dev(device)
+        h = driver.CUipcMemHandle()
+        h.reserved = handle
+        flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        ptr = check(driver.cuIpcOpenMemHandle(h, flags))
+        return PeerMapping(int(ptr), nbytes, native=ptr)
+
+    def close_handle(self, mapping: PeerMapping) -> None:
+        check(driver.cuIpcCloseMemHandle(mapping.native))
+
+    def free(self, alloc: Allocation) -> None:
+        alloc.tensor = None
+        check(driver.cuMemFree(alloc.native))
+
+    def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
+        if device == peer:
+            return True
+        return bool(check(driver.cuDeviceCanAccessPeer(self._dev(device), self._dev(peer))))
+
+    def enable_peer_access(self, device: torch.device, peer: torch.device) -> None:
+        if device == peer:
+            return
+        peer_ctx = check(driver.cuDevicePrimaryCtxRetain(self._dev(peer)))
+        self._dev(device)
+        err, = driver.cuCtxEnablePeerAccess(peer_ctx, 0)
+        if int(err) not in (0, int(driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)):
+            check((err,))
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
+        check(driver.cuMemcpyAsync(driver.CUdeviceptr(dst), driver.CUdeviceptr(src), nbytes,
+                                   driver.CUstream(stream or 0)))
+
+    def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
+        check(driver.cuStreamWaitValue32(
+            driver.CUstream(stream or 0), driver.CUdeviceptr(address), value,
+            driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+
+    def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:
+        check(driver.cuStreamWriteValue32(
+            driver.CUstream(stream or 0), driver.CUdeviceptr(address), value,
+            driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
+
+    def alloc_host_mapped(self, nbytes: int) -> HostMapped:
+        t = torch.zeros((nbytes + 7) // 8, dtype=torch.int64, pin_memory=True)
+        dptr = check(driver.cuMemHostGetDevicePointer(t.data_ptr(), 0))
+        return HostMapped(t, int(dptr))
+
+    def current_stream(self, device: torch.device) -> Optional[int]:
+        return torch.cuda.current_stream(device).cuda_stream
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)

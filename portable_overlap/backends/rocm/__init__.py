@@ -1,0 +1,151 @@
+"""AMD backend over hip-python (``from hip import hip``).
+
+The same design as the CUDA backend: ``hipMalloc`` memory exported through HIP IPC handles, opened
+with lazy peer access; ``hipMemcpyAsync`` on the SDMA engines; ``hipStreamWaitValue32`` /
+``hipStreamWriteValue32`` for stream-ordered flags; pinned host memory from torch, whose device
+address ``hipHostGetDevicePointer`` returns.
+
+Not run on AMD hardware in this project so far: CI imports this module and checks that every HIP
+symbol below resolves in hip-python and that argument objects are built the way the calls take
+them; the first real call needs ``libamdhip64.so``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
+from .._native import DeviceArray, lazy_module
+
+#: The HIP symbols this backend calls; the CPU test suite checks that each resolves.
+SYMBOLS = (
+    "hipSetDevice", "hipDeviceGetAttribute", "hipDeviceAttribute_t", "hipMalloc", "hipFree",
+    "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipIpcCloseMemHandle", "hipIpcMemHandle_t",
+    "hipIpcMemLazyEnablePeerAccess", "hipDeviceCanAccessPeer", "hipDeviceEnablePeerAccess",
+    "hipMemcpyAsync", "hipMemcpyKind", "hipStreamWaitValue32", "hipStreamWaitValueGte",
+    "hipStreamWriteValue32", "hipHostGetDevicePointer", "hipGetErrorName", "hipError_t",
+)
+
+
+def _import_hip():
+    from hip import hip
+
+    return hip
+
+
+hip = lazy_module(_import_hip)
+
+
+def check(result):
+    """Unpack a hip-python ``(hipError_t, *values)`` tuple, raising on error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"HIP call failed: {hip.hipGetErrorName(err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else 0
+
+
+class RocmBackend(Backend):
+    name = "rocm"
+    #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)
+    poll_rate_hz = 2e6
+
+    @classmethod
+    def is_usable(cls) -> tuple[bool, str]:
+        if not torch.cuda.is_available() or torch.version.hip is None:
+            return False, "torch sees no AMD GPU (needs a ROCm build of torch)"
+        try:
+            _import_hip()
+        except Exception as e:  # ImportError, or the loader failing without libamdhip64
+            return False, f"hip-python is not usable ({e}); pip install 'portable_overlap[rocm]'"
+        return True, ""
+
+    def _set(self, device: torch.device) -> int:
+        torch.cuda.set_device(device)
+        check(hip.hipSetDevice(_index(device)))
+        return _index(device)
+
+    def device_facts(self, device: torch.device) -> DeviceFacts:
+        idx = self._set(device)
+        attr = hip.hipDeviceAttribute_t
+        cus = check(hip.hipDeviceGetAttribute(attr.hipDeviceAttributeMultiprocessorCount, idx))
+        props = torch.cuda.get_device_properties(device)
+        arch = getattr(props, "gcnArchName", "gfx").split(":")[0]
+        return DeviceFacts(
+            vendor="amd", name=props.name, arch=arch, sm_count=int(cus), warp_size=64,
+            max_shared_bytes_per_sm=64 * 1024, max_regs_per_sm=512 * 64 * 4,
+            max_warps_per_sm=32,
+        )
+
+    def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
+        self._set(device)
+        ptr = check(hip.hipMalloc(nbytes))
+        addr = int(ptr)
+        tensor = torch.as_tensor(DeviceArray(addr, nbytes), device=device)
+        return Allocation(addr, nbytes, tensor, device, native=ptr)
+
+    def export_handle(self, alloc: Allocation) -> bytes:
+        handle = check(hip.hipIpcGetMemHandle(alloc.native))
+        return bytes(handle.reserved)
+
+    @staticmethod
+    def make_ipc_handle(data: bytes):
+        """Rebuild a hipIpcMemHandle_t from the bytes :meth:`export_handle` returned."""
+        h = hip.hipIpcMemHandle_t()
+        h.reserved = data
+        return h
+
+    def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:
+        self._set(device)
+        ptr = check(hip.hipIpcOpenMemHandle(self.make_ipc_handle(handle),
+                                            hip.hipIpcMemLazyEnablePeerAccess))
+        return PeerMapping(int(ptr), nbytes, native=ptr)
+
+    def close_handle(self, mapping: PeerMapping) -> None:
+        check(hip.hipIpcCloseMemHandle(mapping.native))
+
+    def free(self, alloc: Allocation) -> None:
+        alloc.tensor = None
+        check(hip.hipFree(alloc.native))
+
+    def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
+        if device == peer:
+            return True
+        return bool(check(hip.hipDeviceCanAccessPeer(_index(device), _index(peer))))
+
+    def enable_peer_access(self, device: torch.device, peer: torch.device) -> None:
+        if device == peer:
+            return
+        self._set(device)
+        err, = hip.hipDeviceEnablePeerAccess(_index(peer), 0)
+        # 0 = success; hipErrorPeerAccessAlreadyEnabled (704) means it was on already
+        if int(err) not in (0, 704):
+            check((err,))
+
+    def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
+        check(hip.hipMemcpyAsync(dst, src, nbytes, hip.hipMemcpyKind.hipMemcpyDeviceToDevice,
+                                 stream or 0))
+
+    def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
+        check(hip.hipStreamWaitValue32(stream or 0, address, value, hip.hipStreamWaitValueGte,
+                                       0xFFFFFFFF))
+
+    def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:
+        check(hip.hipStreamWriteValue32(stream or 0, address, value, 0))
+
+    def alloc_host_mapped(self, nbytes: int) -> HostMapped:
+        t = torch.zeros((nbytes + 7) // 8, dtype=torch.int64, pin_memory=True)
+        dptr = check(hip.hipHostGetDevicePointer(t.data_ptr(), 0))
+        return HostMapped(t, int(dptr))
+
+    def current_stream(self, device: torch.device) -> Optional[int]:
+        return torch.cuda.current_stream(device).cuda_stream
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)

@@ -1,0 +1,35 @@
+"""Exceptions raised by portable_overlap. Every message names the op, rank and what to do."""
+from __future__ import annotations
+
+
+class PortableOverlapError(RuntimeError):
+    """Base class of the library's errors."""
+
+
+class BackendUnavailable(PortableOverlapError):
+    """The backend named (by ``PORTABLE_OVERLAP_BACKEND`` or by argument) cannot be used here."""
+
+
+class BackendEntryMissing(PortableOverlapError, NotImplementedError):
+    """A backend does not implement one entry of the interface."""
+
+    def __init__(self, backend: str, entry: str):
+        super().__init__(f"backend {backend!r} does not implement {entry!r}")
+        self.backend = backend
+        self.entry = entry
+
+
+class PeerTimeoutError(PortableOverlapError):
+    """A bounded wait inside a kernel gave up: a peer never signalled.
+
+    The kernel recorded which op, which rank waited, for which peer and which flag; the context
+    that raised it is out of step with its peers and must be closed.
+    """
+
+
+class RankMismatchError(PortableOverlapError):
+    """The ranks called a collective op with different shapes or arguments."""
+
+
+class ContextBrokenError(PortableOverlapError):
+    """The context already raised a peer error; its peers are out of step, create a new one."""

@@ -1,0 +1,85 @@
+"""Triton device helpers over the symmetric heap: pointer translation, remote stores, signals
+(release) and bounded waits (acquire).
+
+Every rank's heap holds the same buffers at the same offsets, and ``bases_ptr`` points at an int64
+table of each rank's heap base *as mapped in this process*. Translating a local address into a
+peer's is then one subtraction and one addition; the result is an ordinary pointer, so stores and
+loads to it are plain (zero-copy) stores over NVLink / Infinity Fabric, or plain memory writes into
+another process's shared-memory mapping on the CPU-emulated backend.
+
+Flags are int64 words holding ``(tag << 32) | epoch``: the epoch (the call's sequence number)
+makes a flag from the previous call distinguishable from this one, so nothing is ever reset, and
+the tag lets the waiter check that the peer called the op with the same shapes.
+"""
+import triton
+import triton.language as tl
+
+#: status codes written to a program's status slot
+STATUS_OK = tl.constexpr(0)
+STATUS_TIMEOUT = tl.constexpr(1)
+STATUS_MISMATCH = tl.constexpr(2)
+
+
+@triton.jit
+def peer_ptr(ptr, bases_ptr, rank, peer):
+    """The address in ``peer``'s heap of the local heap pointer ``ptr`` (a scalar pointer)."""
+    my_base = tl.load(bases_ptr + rank)
+    peer_base = tl.load(bases_ptr + peer)
+    return (ptr.to(tl.int64) - my_base + peer_base).to(ptr.dtype)
+
+
+@triton.jit
+def flag_value(epoch, tag):
+    """The word a signal writes: tag in the high half, epoch in the low half."""
+    return (tag.to(tl.int64) << 32) | (epoch.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def signal_peer(flag_ptr, value, bases_ptr, rank, peer):
+    """Set the flag at ``flag_ptr`` (a local heap address) in ``peer``'s heap to ``value`` with
+    release semantics at system scope, after this program's earlier stores.
+
+    The caller puts a ``tl.debug_barrier()`` before the first signal so that the stores of every
+    thread of the program are ordered before the one thread's release (release is cumulative)."""
+    tl.atomic_xchg(peer_ptr(flag_ptr, bases_ptr, rank, peer), value, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, max_spins):
+    """Spin (acquire, system scope) until the local flag holds ``epoch`` in its low half, at most
+    ``max_spins`` polls. Returns (the word last read, arrived)."""
+    want = epoch.to(tl.int64) & 0xFFFFFFFF
+    v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    spins = 0
+    while ((v & 0xFFFFFFFF) != want) & (spins < max_spins):
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        spins += 1
+    return v, (v & 0xFFFFFFFF) == want
+
+
+@triton.jit
+def report(status_addr, pid, code, peer, what, expected):
+    """Record why program ``pid`` gave up, in its own 4-word slot of the host-visible status board
+    (plain stores: host memory over PCIe does not take every atomic)."""
+    slot = status_addr.to(tl.pointer_type(tl.int64)) + pid * 4
+    tl.store(slot + 1, peer)
+    tl.store(slot + 2, what)
+    tl.store(slot + 3, expected)
+    tl.store(slot + 0, code)
+
+
+@triton.jit
+def begin_call(ctl_ptr):
+    """The epoch of this call: one more than the last finished call's (read by every program
+    before any of them can finish, see ``end_call``)."""
+    return tl.atomic_add(ctl_ptr, 0, sem="relaxed", scope="gpu") + 1
+
+
+@triton.jit
+def end_call(ctl_ptr, epoch):
+    """Count this program out; the last one of the launch publishes ``epoch`` for the next call.
+    Safe because every program read the epoch before taking its ticket."""
+    ticket = tl.atomic_add(ctl_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    last = ticket == tl.num_programs(0) - 1
+    tl.atomic_xchg(ctl_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctl_ptr, epoch.to(tl.int64), mask=last, sem="release", scope="gpu")

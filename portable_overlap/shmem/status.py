@@ -1,0 +1,53 @@
+"""The status board: host-visible words where a kernel records why a program gave up.
+
+Each program owns a 4-word slot (code, peer, what, expected) and writes it with plain stores, so
+the host reads it at any time without a device sync (pinned, mapped memory on GPUs). Ops check
+it at the start of every eager call and in :meth:`StatusBoard.raise_if_failed`."""
+from __future__ import annotations
+
+from ..errors import PeerTimeoutError, RankMismatchError
+from .device import STATUS_MISMATCH as _MISMATCH, STATUS_TIMEOUT as _TIMEOUT
+
+STATUS_TIMEOUT = int(_TIMEOUT.value)
+STATUS_MISMATCH = int(_MISMATCH.value)
+
+
+class StatusBoard:
+    def __init__(self, backend, slots: int):
+        self.slots = slots
+        self._mem = backend.alloc_host_mapped(slots * 4 * 8)
+        self.words = self._mem.tensor[: slots * 4].view(slots, 4)
+        self.address = self._mem.device_address
+
+    def failed(self) -> bool:
+        return bool(self.words[:, 0].any())
+
+    def describe(self, op: str, rank: int, what_names: dict) -> list[tuple[int, str]]:
+        out = []
+        for pid in self.words[:, 0].nonzero().flatten().tolist():
+            code, peer, what, expected = self.words[pid].tolist()
+            flag = what_names.get(what >> 32, f"flag kind {what >> 32}")
+            index = what & 0xFFFFFFFF
+            if code == STATUS_TIMEOUT:
+                msg = (f"{op}: rank {rank} program {pid} timed out waiting for rank {peer}'s "
+                       f"{flag} flag [{index}] of call #{expected}; rank {peer} never arrived "
+                       f"(did it skip this call, or crash?)")
+            elif code == STATUS_MISMATCH:
+                msg = (f"{op}: rank {rank} program {pid}: rank {peer} called with different "
+                       f"shapes (its shape tag {expected:#x} differs from ours)")
+            else:
+                msg = f"{op}: rank {rank} program {pid}: status code {code}"
+            out.append((code, msg))
+        return out
+
+    def raise_if_failed(self, op: str, rank: int, what_names: dict) -> None:
+        if not self.failed():
+            return
+        found = self.describe(op, rank, what_names)
+        lines = "\n  ".join(m for _, m in found[:8])
+        more = f"\n  (+{len(found) - 8} more programs)" if len(found) > 8 else ""
+        cls = RankMismatchError if any(c == STATUS_MISMATCH for c, _ in found) else PeerTimeoutError
+        raise cls(f"{op} failed on rank {rank}:\n  {lines}{more}")
+
+    def clear(self) -> None:
+        self.words.zero_()

@@ -1,0 +1,1 @@
+"""Triton building blocks shared by several ops (one module each, imported, never copied)."""
