@@ -120,6 +120,11 @@ class Backend(abc.ABC):
         """Release an allocation made by :meth:`alloc_exportable`."""
         raise self._missing("free")
 
+    def exported_everywhere(self, alloc: Allocation) -> None:
+        """Called once every peer has opened ``alloc``: a backend may drop what exporting needed
+        (the CPU backend unlinks its shared-memory file, so nothing is left behind on a crash)."""
+        return None
+
     # -- peer access -----------------------------------------------------------------------
     def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
         """Whether kernels on ``device`` can load/store ``peer``'s memory directly."""
@@ -155,6 +160,11 @@ class Backend(abc.ABC):
     def synchronize(self, device: torch.device) -> None:
         """Wait for all work queued on ``device``."""
         raise self._missing("synchronize")
+
+    def extra_facts(self) -> dict:
+        """Vendor-specific facts for ``python -m portable_overlap env`` (device-initiated
+        communication libraries and the like)."""
+        return {}
 
     # -- helpers ---------------------------------------------------------------------------
     def _missing(self, entry: str) -> BackendEntryMissing:

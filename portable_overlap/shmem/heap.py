@@ -46,6 +46,7 @@ class SymmetricHeap:
         self._closed = False
         self.backend.synchronize(self.device)
         world.barrier()  # every rank has zeroed and mapped before anyone stores to a peer
+        self.backend.exported_everywhere(self._alloc)
 
     @property
     def base_address(self) -> int:
@@ -78,20 +79,18 @@ class SymmetricHeap:
         return self.addresses[peer] + self.offset_of(t)
 
     def close(self) -> None:
+        """Collective: waits until every rank's queued kernels are done before unmapping, so
+        no peer can still be storing into this heap."""
         if self._closed:
             return
         self._closed = True
         self.backend.synchronize(self.device)
+        self.world.barrier()
         for m in self._peers.values():
             self.backend.close_handle(m)
         self._peers.clear()
         self.backend.free(self._alloc)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def heap_bytes(buffers: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:

@@ -96,6 +96,12 @@ class CpuBackend(Backend):
         except FileNotFoundError:
             pass
 
+    def exported_everywhere(self, alloc: Allocation) -> None:
+        try:
+            os.unlink(alloc.native.path)
+        except FileNotFoundError:
+            pass
+
     def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
         return True
 

@@ -148,6 +148,24 @@ class CudaBackend(Backend):
         dptr = check(driver.cuMemHostGetDevicePointer(t.data_ptr(), 0))
         return HostMapped(t, int(dptr))
 
+    def extra_facts(self) -> dict:
+        facts = {}
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            ok = getattr(symm_mem, "is_nvshmem_available", lambda: False)()
+            facts["nvshmem (torch symmetric memory backend)"] = "available" if ok else "not available"
+        except Exception as e:  # torch without symmetric memory
+            facts["nvshmem (torch symmetric memory backend)"] = f"not available ({e})"
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec("nvidia.nvshmem")
+            facts["nvshmem python package"] = "installed" if spec else "not installed"
+        except Exception:
+            facts["nvshmem python package"] = "not installed"
+        return facts
+
     def current_stream(self, device: torch.device) -> Optional[int]:
         return torch.cuda.current_stream(device).cuda_stream
 

@@ -144,6 +144,12 @@ class RocmBackend(Backend):
         dptr = check(hip.hipHostGetDevicePointer(t.data_ptr(), 0))
         return HostMapped(t, int(dptr))
 
+    def extra_facts(self) -> dict:
+        import importlib.util
+
+        return {"rocshmem": "not integrated yet (device-initiated puts are NVSHMEM-only so far)",
+                "hip-python": "installed" if importlib.util.find_spec("hip") else "not installed"}
+
     def current_stream(self, device: torch.device) -> Optional[int]:
         return torch.cuda.current_stream(device).cuda_stream
 

@@ -76,17 +76,19 @@ class GemvAllReduce:
             _contexts[self.handle] = self
 
     # -- the call ------------------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor, w: torch.Tensor,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 *, config: Optional[GemvConfig] = None) -> torch.Tensor:
+        """Run the op (see the module docstring); ``out`` is filled if given. ``config``
+        overrides the launch configuration for this call (tuning sweeps)."""
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:
             self.check()
         M, K = x.shape if x.dim() == 2 else (None, None)
         key = (tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, x.device, w.device,
-               x.is_contiguous(), w.is_contiguous())
+               x.is_contiguous(), w.is_contiguous(), config)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(x, w)
+            plan = self._plans[key] = self._plan(x, w, config or self.config)
         N = w.shape[0]
         if out is None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -121,17 +123,18 @@ class GemvAllReduce:
         self.check()
 
     def close(self) -> None:
+        """Collective (every rank): free the workspace once all ranks' calls have finished."""
         with _lock:
             _contexts.pop(self.handle, None)
         self.heap.close()
 
     # -- planning (once per shape) -------------------------------------------------------------
-    def _plan(self, x: torch.Tensor, w: torch.Tensor):
+    def _plan(self, x: torch.Tensor, w: torch.Tensor, config: Optional[GemvConfig]):
         _validate(x, w, self.world.device, self.max_n)
         M, K = x.shape
         N = w.shape[0]
         facts = self.world.facts
-        cfg = self.config or pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
+        cfg = config or pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
                                          self.world.world_size)
         n_blocks = -(-N // cfg.block_n)
         consts = dict(

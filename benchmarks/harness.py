@@ -1,0 +1,96 @@
+"""The benchmark protocol of the project (see README "Benchmarks"):
+
+CUDA events around each iteration, a barrier before each one, warm-up, the median of at least 50,
+once with plain launches and once replaying a CUDA graph; the slowest rank's median counts.
+Results are JSON lines with keys op, shape, dtype, world, device, impl, graph, median_ms, p10_ms,
+p90_ms, date, commit.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def time_op(fn: Callable[[], object], world, *, graph: bool, iters: int = 100, warmup: int = 20,
+            setup: Callable[[], object] = None) -> dict:
+    """Median / p10 / p90 milliseconds of ``fn`` on this rank, then the slowest rank's numbers.
+
+    With ``graph``, ``fn`` is captured once into a CUDA graph and each iteration replays it."""
+    run = fn
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up outside the capture (compiles, plans, NCCL comms)
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        world.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        world.barrier()
+        starts[i].record()
+        run()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = [a.elapsed_time(b) for a, b in zip(starts, ends)]
+    mine = {"median_ms": statistics.median(ms), "p10_ms": _quantile(ms, 0.1),
+            "p90_ms": _quantile(ms, 0.9)}
+    everyone = world.all_gather_object(mine)
+    return max(everyone, key=lambda d: d["median_ms"])
+
+
+def hbm_read_bandwidth(device, gib: float = 2.0, iters: int = 20) -> float:
+    """GB/s of torch.sum over a ``gib`` GiB bf16 tensor (bytes read / median time)."""
+    t = torch.randn(int(gib * 2**30) // 2, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        t.sum()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t.sum()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    del t
+    return gib * 2**30 / (statistics.median(times) * 1e-3) / 1e9
+
+
+class ResultWriter:
+    def __init__(self, path: str, device_kind: str, world_size: int):
+        self.path = path
+        self.device = device_kind
+        self.world = world_size
+        self.commit = os.environ.get("PO_COMMIT", "unknown")
+        self.date = datetime.date.today().isoformat()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+    def write(self, **fields) -> dict:
+        row = {"op": fields.pop("op"), "shape": fields.pop("shape", {}),
+               "dtype": fields.pop("dtype", None), "world": self.world, "device": self.device}
+        row.update(fields)
+        row.setdefault("date", self.date)
+        row.setdefault("commit", self.commit)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Everything that needs GPUs, in one go: environment report, GPU checks (torchrun, 2 ranks by
+# default), then the benchmark. Logs and results go to the folder given as $1 (or $OUT).
+#   bash ci/gpu.sh OUTDIR [NPROC]
+# Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
+#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1, PO_COMMIT (recorded with every result).
+set -uo pipefail
+out=${1:-${OUT:-out}}
+nproc=${2:-2}
+kind=${PO_DEVICE_KIND:-nvidia-h200-x${nproc}}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+# Never use NVLink multicast on the shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache TRITON_CACHE_DIR=/tmp/triton_cache
+status=0
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$out/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$out/gpus.txt" 2>&1
+timeout 120 python3 -m portable_overlap env 2>&1 | tee "$out/env.txt"
+run() { timeout "$1" torchrun --nproc-per-node "$nproc" --master-port "$((29500 + RANDOM % 1000))" "${@:2}"; }
+if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
+  run 420 tests/gpu/gpu_checks.py 2>&1 | tee "$out/checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
+  tune=(); [ "${PO_TUNE:-0}" = 1 ] && tune=(--tune)
+  run 540 benchmarks/bench_gemv_allreduce.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      "${tune[@]}" ${PO_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -vE "^\[|Warning|warn" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+exit $status

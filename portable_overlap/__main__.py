@@ -1,0 +1,28 @@
+"""``python -m portable_overlap env`` prints what this machine offers the library;
+``python -m portable_overlap demo`` runs the 2-rank fused GEMV + AllReduce demo."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m portable_overlap")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("env", help="backend, devices, peer access, NVSHMEM availability")
+    d = sub.add_parser("demo", help="2-rank fused GEMV + AllReduce: correctness and timing table")
+    d.add_argument("--cpu", action="store_true", help="use CPU-emulated ranks even with GPUs")
+    d.add_argument("--ranks", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.cmd == "env":
+        from .env_report import print_env
+
+        print_env()
+        return 0
+    from .demo import run_demo
+
+    return run_demo(force_cpu=args.cpu, ranks=args.ranks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Representative compile signatures of this op's kernels, for the compile matrix
+(tests/test_compile_matrix.py compiles each for sm_90 and gfx942 on a CPU-only machine)."""
+from .kernel import gemv_allreduce_kernel
+
+_PTRS = {"x_ptr": "*{dt}", "w_ptr": "*{dt}", "out_ptr": "*{dt}", "partial_ptr": "*fp32",
+         "result_ptr": "*{dt}", "ready_ptr": "*i64", "bcast_ptr": "*i64", "ctl_ptr": "*i64",
+         "bases_ptr": "*i64"}
+_SCALARS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_xm:i32 stride_wn:i32 n_blocks:i32 G:i32 "
+            "rank:i32 world:i32 tag:i32 max_spins:i32")
+
+
+def specs():
+    for dt, prec in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
+        for block_m, even in ((16, True), (64, False)):
+            sig = {k: v.format(dt=dt) for k, v in _PTRS.items()}
+            sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
+            consts = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, EVEN_K=even,
+                          EVEN_N=even, PRECISION=prec, UPCAST=False, G_MAX=1024)
+            sig.update({k: "constexpr" for k in consts})
+            # what the JIT specializes at run time: 16-byte aligned pointers, K and strides % 16
+            aligned = [*_PTRS, "K", "stride_xm", "stride_wn"] if even else [*_PTRS]
+            yield (f"gemv_allreduce[{dt},BM{block_m},even={even}]", gemv_allreduce_kernel, sig,
+                   consts, aligned)

@@ -1,0 +1,234 @@
+"""GPU checks of the backend primitives and of fused GEMV + AllReduce, run by ci/gpu.sh under
+torchrun (2 ranks or more):
+
+    torchrun --nproc-per-node 2 tests/gpu/gpu_checks.py
+
+Each check prints ``PASS``/``FAIL`` on rank 0; the exit code is 1 if any failed on any rank.
+(Not collected by pytest: it needs one process per GPU.)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from portable_overlap import (GemvAllReduce, PeerTimeoutError, PortableOverlapError, World,
+                              gemv_all_reduce, gemv_all_reduce_reference)
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+results: list[tuple[str, bool, str]] = []
+
+
+def record(name: str, ok: bool, detail: str = "") -> None:
+    results.append((name, bool(ok), detail))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def same_on_all_ranks(world: World, y: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(y) for _ in range(world.world_size)]
+    dist.all_gather(gathered, y.contiguous(), group=world.group)
+    return all(torch.equal(g.view(torch.uint8), gathered[0].view(torch.uint8)) for g in gathered)
+
+
+def rand(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def check_backend(world: World, gen) -> None:
+    """IPC-opened peer memory, copy-engine copies into it, and stream wait/write on a flag."""
+    from portable_overlap.shmem import SymmetricHeap
+
+    be = world.backend
+    heap = SymmetricHeap(world, 1 << 20)
+    buf = heap.alloc((1024,), torch.float32)
+    flag = heap.alloc((4,), torch.int32)
+    src = rand((1024,), torch.float32, world.device, gen)
+    peer = (world.rank + 1) % world.world_size
+    # copy engine: my src -> the next rank's buf
+    be.copy_async(heap.peer_address(buf, peer), src.data_ptr(), src.numel() * 4,
+                  be.current_stream(world.device))
+    torch.cuda.synchronize()
+    world.barrier()
+    got = world.all_gather_object(src.cpu())[(world.rank - 1) % world.world_size]
+    record("backend: copy engine into a peer's heap", torch.equal(buf.cpu(), got))
+    # stream wait-value: a side stream holds a copy until the main stream writes the flag
+    dst = torch.zeros_like(src)
+    side = torch.cuda.Stream()
+    be.stream_wait_value(side.cuda_stream, flag.data_ptr(), 1)
+    with torch.cuda.stream(side):
+        dst.copy_(src)
+    torch.cuda._sleep(10_000_000)  # ~5 ms of spinning on the main stream before the flag
+    early = dst.clone()  # ordered on the main stream: before the flag is written
+    be.stream_write_value(be.current_stream(world.device), flag.data_ptr(), 1)
+    torch.cuda.synchronize()
+    record("backend: stream wait-value gates a copy", torch.equal(dst, src)
+           and not torch.equal(early, src), f"peer access={be.can_access_peer(world.device, torch.device('cuda', peer))}")
+    heap.close()
+
+
+def check_shapes(world: World, ctx: GemvAllReduce, gen) -> None:
+    shapes = [(1, 8192, 14336), (8, 4096, 7168), (32, 8192, 4096), (64, 1000, 333),
+              (3, 77, 1030), (17, 4099, 2049), (1, 16, 16), (5, 1, 7)]
+    for M, N, K in shapes:
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            x, w = rand((M, K), dt, world.device, gen), rand((N, K), dt, world.device, gen)
+            out = torch.full((M, N), float("nan"), dtype=dt, device=world.device)
+            ctx(x, w, out=out)
+            ctx.synchronize()
+            err = rel_err(out, gemv_all_reduce_reference(x, w, world.group))
+            same = same_on_all_ranks(world, out)
+            record(f"shape M={M} N={N} K={K} {str(dt)[6:]}", err < TOL[dt] and same,
+                   f"rel_err={err:.2e} identical_on_ranks={same}")
+
+
+def check_back_to_back(world: World, ctx: GemvAllReduce, gen, calls: int = 1000) -> None:
+    N, K = 4096, 2048
+    w = rand((N, K), torch.bfloat16, world.device, gen)
+    ms = torch.randint(1, 65, (calls,), generator=torch.Generator().manual_seed(7)).tolist()
+    xs = [rand((m, K), torch.bfloat16, world.device, gen) for m in ms]
+    outs = [torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=world.device) for m in ms]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for x, o in zip(xs, outs):
+        ctx(x, w, out=o)
+    ctx.synchronize()
+    dt = time.perf_counter() - t0
+    worst = max(rel_err(o, gemv_all_reduce_reference(x, w, world.group)) for x, o in zip(xs, outs))
+    record(f"{calls} back-to-back calls, random M", worst < TOL[torch.bfloat16],
+           f"worst rel_err={worst:.2e}, {dt / calls * 1e6:.1f} us/call")
+
+
+def check_graph(world: World, ctx: GemvAllReduce, gen, replays: int = 100) -> None:
+    M, N, K = 8, 4096, 7168
+    x = rand((M, K), torch.bfloat16, world.device, gen)
+    w = rand((N, K), torch.bfloat16, world.device, gen)
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=world.device)
+    ctx(x, w, out=out)  # plan + compile outside the capture
+    ctx.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ctx(x, w, out=out)
+    worst, same = 0.0, True
+    for _ in range(replays):
+        x.copy_(rand((M, K), torch.bfloat16, world.device, gen))
+        out.fill_(float("nan"))
+        g.replay()
+        ctx.synchronize()
+        worst = max(worst, rel_err(out, gemv_all_reduce_reference(x, w, world.group)))
+        same &= same_on_all_ranks(world, out)
+    record(f"CUDA graph: {replays} replays, changing inputs", worst < 1e-2 and same,
+           f"worst rel_err={worst:.2e} identical_on_ranks={same}")
+
+
+def check_compile(world: World, ctx: GemvAllReduce, gen) -> None:
+    M, N, K = 4, 2048, 1024
+    w = rand((N, K), torch.bfloat16, world.device, gen)
+
+    def f(x):
+        return torch.relu(gemv_all_reduce(x * 2, w, ctx)) + 1
+
+    cf = torch.compile(f, fullgraph=True)
+    x = rand((M, K), torch.bfloat16, world.device, gen)
+    y = cf(x)
+    ctx.synchronize()
+    ref = torch.relu(gemv_all_reduce_reference(x * 2, w, world.group)) + 1
+    err = rel_err(y, ref)
+    record("torch.compile(fullgraph=True)", err < 1e-2, f"rel_err={err:.2e}")
+
+
+def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
+    d = world.device
+    x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
+    w = torch.randn(128, 64, device=d, dtype=torch.bfloat16)
+    cases = {
+        "dtype mismatch": (x, w.float()),
+        "int dtype": (x.to(torch.int32), w.to(torch.int32)),
+        "cpu tensor": (x.cpu(), w),
+        "K mismatch": (x, w[:, :32].contiguous()),
+        "non-contiguous": (x, w.t().contiguous().t()),
+        "M > 64": (torch.randn(65, 64, device=d, dtype=torch.bfloat16), w),
+        "3-d x": (x[None], w),
+    }
+    for name, (a, b) in cases.items():
+        try:
+            ctx(a, b)
+            record(f"bad input: {name}", False, "no error raised")
+        except (ValueError, TypeError) as e:
+            record(f"bad input: {name}", True, str(e)[:70])
+
+
+def check_peer_failures(world: World, gen) -> None:
+    # A rank called with other shapes: every rank gets a clear error, nobody hangs.
+    ctx = GemvAllReduce(world, max_n=4096, timeout_s=1.0)
+    N = 2048 if world.rank == 0 else 2048 + 64
+    x = rand((4, 512), torch.bfloat16, world.device, gen)
+    w = rand((N, 512), torch.bfloat16, world.device, gen)
+    t0 = time.perf_counter()
+    try:
+        ctx(x, w)
+        ctx.synchronize()
+        record("ranks disagree on N", False, "no error raised")
+    except PortableOverlapError as e:
+        record("ranks disagree on N", True,
+               f"{type(e).__name__} after {time.perf_counter() - t0:.2f}s: "
+               f"{str(e).splitlines()[1].strip()[:90]}")
+    ctx.close()
+    # One rank skips a call: the other times out, names op, rank and flag, then raises.
+    ctx = GemvAllReduce(world, max_n=4096, timeout_s=1.0)
+    w = rand((2048, 512), torch.bfloat16, world.device, gen)
+    t0 = time.perf_counter()
+    if world.rank != world.world_size - 1:
+        try:
+            ctx(x, w)
+            ctx.synchronize()
+            record("peer skips a call", False, "no error raised")
+        except PeerTimeoutError as e:
+            msg = str(e).splitlines()[1].strip()
+            record("peer skips a call", f"rank {world.world_size - 1}" in msg,
+                   f"after {time.perf_counter() - t0:.2f}s: {msg[:110]}")
+    ctx.close()
+
+
+def main() -> int:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    world = World.from_env()
+    gen = torch.Generator(device=world.device).manual_seed(1000 + world.rank)
+    try:
+        check_backend(world, gen)
+    except Exception as e:
+        record("backend", False, f"raised {type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
+    ctx = GemvAllReduce(world, max_n=8192)
+    for check in (check_shapes, check_back_to_back, check_graph, check_compile):
+        try:
+            check(world, ctx, gen)
+        except Exception as e:
+            record(check.__name__, False, f"raised {type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+    check_bad_input(world, ctx)
+    ctx.close()
+    try:
+        check_peer_failures(world, gen)
+    except Exception as e:
+        record("peer failures", False, f"raised {type(e).__name__}: {e}"[:300])
+    failed = sum(not ok for _, ok, _ in results)
+    all_failed = world.all_gather_object(failed)
+    if world.rank == 0:
+        for name, ok, detail in results:
+            print(f"{'PASS' if ok else 'FAIL'}  {name:45s} {detail}", flush=True)
+        print(f"gpu checks: {sum(ok for _, ok, _ in results)} passed, {sum(all_failed)} failed "
+              f"(all ranks)", flush=True)
+    dist.destroy_process_group()
+    return 1 if sum(all_failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
