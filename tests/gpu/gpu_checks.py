@@ -25,6 +25,8 @@ results: list[tuple[str, bool, str]] = []
 
 def record(name: str, ok: bool, detail: str = "") -> None:
     results.append((name, bool(ok), detail))
+    if os.environ.get("RANK", "0") == "0":  # progress as it goes; the summary comes at the end
+        print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:45s} {detail}", flush=True)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,6 +50,13 @@ def check_backend(world: World, gen) -> None:
 
     be = world.backend
     heap = SymmetricHeap(world, 1 << 20)
+    try:
+        _check_backend(world, gen, be, heap)
+    finally:
+        heap.close()
+
+
+def _check_backend(world, gen, be, heap) -> None:
     buf = heap.alloc((1024,), torch.float32)
     flag = heap.alloc((4,), torch.int32)
     src = rand((1024,), torch.float32, world.device, gen)
@@ -71,7 +80,6 @@ def check_backend(world: World, gen) -> None:
     torch.cuda.synchronize()
     record("backend: stream wait-value gates a copy", torch.equal(dst, src)
            and not torch.equal(early, src), f"peer access={be.can_access_peer(world.device, torch.device('cuda', peer))}")
-    heap.close()
 
 
 def check_shapes(world: World, ctx: GemvAllReduce, gen) -> None:
@@ -180,24 +188,33 @@ def check_peer_failures(world: World, gen) -> None:
         record("ranks disagree on N", True,
                f"{type(e).__name__} after {time.perf_counter() - t0:.2f}s: "
                f"{str(e).splitlines()[1].strip()[:90]}")
-    ctx.close()
+    except Exception as e:
+        record("ranks disagree on N", False, f"raised {type(e).__name__}: {e}"[:200])
+    finally:
+        ctx.close()
     # One rank skips a call: the other times out, names op, rank and flag, then raises.
     ctx = GemvAllReduce(world, max_n=4096, timeout_s=1.0)
     w = rand((2048, 512), torch.bfloat16, world.device, gen)
     t0 = time.perf_counter()
-    if world.rank != world.world_size - 1:
-        try:
+    try:
+        if world.rank != world.world_size - 1:
             ctx(x, w)
             ctx.synchronize()
             record("peer skips a call", False, "no error raised")
-        except PeerTimeoutError as e:
-            msg = str(e).splitlines()[1].strip()
-            record("peer skips a call", f"rank {world.world_size - 1}" in msg,
-                   f"after {time.perf_counter() - t0:.2f}s: {msg[:110]}")
-    ctx.close()
+    except PeerTimeoutError as e:
+        msg = str(e).splitlines()[1].strip()
+        record("peer skips a call", f"rank {world.world_size - 1}" in msg,
+               f"after {time.perf_counter() - t0:.2f}s: {msg[:110]}")
+    except Exception as e:
+        record("peer skips a call", False, f"raised {type(e).__name__}: {e}"[:200])
+    finally:
+        ctx.close()
 
 
 def main() -> int:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(360, exit=True)  # a stuck check prints where, then exits
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = World.from_env()
     gen = torch.Generator(device=world.device).manual_seed(1000 + world.rank)

@@ -95,10 +95,7 @@ class GemvAllReduce:
         else:
             _check_out(out, M, N, x)
         grid, consts, tag, n_blocks = plan
-        gemv_allreduce_kernel[grid](
-            x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctl,
-            self.heap.bases, self.status.address, M, N, K, x.stride(0), w.stride(0), n_blocks,
-            grid[0], self.rank, self.world.world_size, tag, self.max_spins, **consts)
+        gemv_allreduce_kernel[grid](*self._args(x, w, out, tag, n_blocks, grid[0]), **consts)
         if self._sync_errors and not capturing:
             self.check()
         return out
@@ -128,6 +125,12 @@ class GemvAllReduce:
             _contexts.pop(self.handle, None)
         self.heap.close()
 
+    def _args(self, x, w, out, tag, n_blocks, programs):
+        M, K = x.shape
+        return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctl,
+                self.heap.bases, self.status.address, M, w.shape[0], K, x.stride(0), w.stride(0),
+                n_blocks, programs, self.rank, self.world.world_size, tag, self.max_spins)
+
     # -- planning (once per shape) -------------------------------------------------------------
     def _plan(self, x: torch.Tensor, w: torch.Tensor, config: Optional[GemvConfig]):
         _validate(x, w, self.world.device, self.max_n)
@@ -144,21 +147,23 @@ class GemvAllReduce:
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX,
-                       self._resident_programs(x, w, consts, facts))
         # Same code on every rank, so only the shape tag is sent with the flags: a rank that
         # was called with other shapes is caught by the first flag it sends.
         tag = zlib.crc32(repr((M, N, K, str(x.dtype))).encode()) & 0x7FFFFFFF
+        programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX)
+        if facts.vendor != "cpu":
+            # compile with the very arguments of the launch (the JIT specializes on values)
+            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+            k = gemv_allreduce_kernel.warmup(*self._args(x, w, out, tag, n_blocks, programs),
+                                             grid=(programs,), **consts)
+            programs = min(programs, self._resident_programs(k, consts, facts))
         return (programs,), consts, tag, n_blocks
 
-    def _resident_programs(self, x, w, consts, facts) -> int:
-        """How many programs of this kernel fit on the device at once. Waits between programs of
-        one launch need them all resident, so the grid never exceeds this."""
-        if facts.vendor == "cpu":
-            return G_MAX
-        k = gemv_allreduce_kernel.warmup(
-            x, w, x, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctl,
-            self.heap.bases, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 1, grid=(1,), **consts)
+    @staticmethod
+    def _resident_programs(k, consts, facts) -> int:
+        """How many programs of the compiled kernel ``k`` fit on the device at once. A program
+        waits for its counterpart on the peers, and a wait must never hold an SM that a program
+        it depends on needs, so the grid never exceeds this."""
         k._init_handles()
         warps = consts["num_warps"]
         by_warps = facts.max_warps_per_sm // warps
