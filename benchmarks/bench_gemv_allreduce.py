@@ -146,6 +146,19 @@ def main() -> int:
                                  **{k: round(v, 5) for k, v in r.items()},
                                  **({"config": cfg.__dict__} if (name == "fused" and cfg) else {}))
         table.append(row)
+        if world.rank == 0:
+            for graph in (False, True):
+                t = {n: row.get((n, graph)) for n in impls}
+                if None in (t["fused"], t["sequential"], t["compute"], t["comm"]):
+                    continue
+                ideal = max(t["compute"], t["comm"])
+                writer.write(op=OP + "_summary", shape=shape, dtype="bf16", graph=graph,
+                             floor_ms=round(floor_ms, 5), ideal_ms=round(ideal, 5),
+                             fused_ms=round(t["fused"], 5), sequential_ms=round(t["sequential"], 5),
+                             speedup=round(t["sequential"] / t["fused"], 3),
+                             fraction_of_ideal=round((t["sequential"] - t["fused"])
+                                                     / max(1e-9, t["sequential"] - ideal), 3),
+                             fused_over_floor=round(t["fused"] / floor_ms, 3))
     ctx.close()
     if world.rank == 0:
         print(f"\nHBM read bandwidth {min(bws):.0f} GB/s; times in microseconds, slowest rank's "

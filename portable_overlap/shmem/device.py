@@ -59,13 +59,16 @@ def wait_flag(flag_ptr, epoch, max_spins):
 
 @triton.jit
 def report(status_addr, pid, code, peer, what, expected):
-    """Record why program ``pid`` gave up, in its own 4-word slot of the host-visible status board
-    (plain stores: host memory over PCIe does not take every atomic)."""
-    slot = status_addr.to(tl.pointer_type(tl.int64)) + pid * 4
+    """Record why program ``pid`` gave up, in its own 4-word slot of the host-visible status board,
+    and raise the board's header word, which the host polls (plain stores: host memory over PCIe
+    does not take every atomic; every writer of the header writes the same 1)."""
+    board = status_addr.to(tl.pointer_type(tl.int64))
+    slot = board + (pid + 1) * 4
     tl.store(slot + 1, peer)
     tl.store(slot + 2, what)
     tl.store(slot + 3, expected)
     tl.store(slot + 0, code)
+    tl.store(board, 1)
 
 
 @triton.jit

@@ -13,14 +13,18 @@ STATUS_MISMATCH = int(_MISMATCH.value)
 
 
 class StatusBoard:
+    """A header slot (word 0 goes to 1 when any program reports) and one slot per program."""
+
     def __init__(self, backend, slots: int):
         self.slots = slots
-        self._mem = backend.alloc_host_mapped(slots * 4 * 8)
-        self.words = self._mem.tensor[: slots * 4].view(slots, 4)
+        self._mem = backend.alloc_host_mapped((slots + 1) * 4 * 8)
+        self._all = self._mem.tensor[: (slots + 1) * 4].view(slots + 1, 4)
+        self.words = self._all[1:]
+        self._header = self._all.numpy()[0]  # a numpy view: reading it costs no torch dispatch
         self.address = self._mem.device_address
 
     def failed(self) -> bool:
-        return bool(self.words[:, 0].any())
+        return bool(self._header[0])
 
     def describe(self, op: str, rank: int, what_names: dict) -> list[tuple[int, str]]:
         out = []
@@ -50,4 +54,4 @@ class StatusBoard:
         raise cls(f"{op} failed on rank {rank}:\n  {lines}{more}")
 
     def clear(self) -> None:
-        self.words.zero_()
+        self._all.zero_()

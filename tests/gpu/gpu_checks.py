@@ -68,15 +68,18 @@ def _check_backend(world, gen, be, heap) -> None:
     world.barrier()
     got = world.all_gather_object(src.cpu())[(world.rank - 1) % world.world_size]
     record("backend: copy engine into a peer's heap", torch.equal(buf.cpu(), got))
-    # stream wait-value: a side stream holds a copy until the main stream writes the flag
+    # stream wait-value: a side stream holds a copy until another stream writes the flag. Both
+    # are created streams: the legacy default stream would wait for the held one (deadlock).
     dst = torch.zeros_like(src)
-    side = torch.cuda.Stream()
+    side, main = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
     be.stream_wait_value(side.cuda_stream, flag.data_ptr(), 1)
     with torch.cuda.stream(side):
         dst.copy_(src)
-    torch.cuda._sleep(10_000_000)  # ~5 ms of spinning on the main stream before the flag
-    early = dst.clone()  # ordered on the main stream: before the flag is written
-    be.stream_write_value(be.current_stream(world.device), flag.data_ptr(), 1)
+    with torch.cuda.stream(main):
+        torch.cuda._sleep(10_000_000)  # ~5 ms of spinning before the flag is written
+        early = dst.clone()  # ordered before the flag: the copy must not have happened yet
+    be.stream_write_value(main.cuda_stream, flag.data_ptr(), 1)
     torch.cuda.synchronize()
     record("backend: stream wait-value gates a copy", torch.equal(dst, src)
            and not torch.equal(early, src), f"peer access={be.can_access_peer(world.device, torch.device('cuda', peer))}")

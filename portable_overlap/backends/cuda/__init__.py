@@ -167,7 +167,8 @@ class CudaBackend(Backend):
         return facts
 
     def current_stream(self, device: torch.device) -> Optional[int]:
-        return torch.cuda.current_stream(device).cuda_stream
+        # the raw-handle getter skips building a torch.cuda.Stream object (on the launch path)
+        return torch._C._cuda_getCurrentRawStream(device.index)
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)

@@ -151,7 +151,8 @@ class RocmBackend(Backend):
                 "hip-python": "installed" if importlib.util.find_spec("hip") else "not installed"}
 
     def current_stream(self, device: torch.device) -> Optional[int]:
-        return torch.cuda.current_stream(device).cuda_stream
+        # the raw-handle getter skips building a torch.cuda.Stream object (on the launch path)
+        return torch._C._cuda_getCurrentRawStream(device.index)
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)

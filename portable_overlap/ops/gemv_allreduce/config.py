@@ -29,7 +29,14 @@ class GemvConfig:
 
 #: Best configurations measured on a device kind, keyed by (arch, world, M bucket, N, K_local).
 #: Filled from the tuning sweep of ci/gpu.sh; anything missing uses the heuristic below.
-TUNED: dict = {}
+#: Measured 2026-11-22 on nvidia-h200-x2 (benchmarks/results/nvidia-h200-x2.jsonl, op
+#: "gemv_allreduce_tuning"): bf16, graph replay, fastest of the sweep in bench_gemv_allreduce.py.
+TUNED: dict = {
+    ("sm_90", 2, 16, 8192, 14336): GemvConfig(64, 128, 4, 6, 1),  # M=1: 68.4 us, M=8: 69.1 us
+    ("sm_90", 2, 32, 8192, 14336): GemvConfig(64, 128, 4, 6, 1),  # 73.1 us
+    ("sm_90", 2, 16, 16384, 26624): GemvConfig(128, 128, 4, 4, 1),  # 208.5 us
+    ("sm_90", 2, 16, 4096, 7168): GemvConfig(32, 256, 4, 4, 2),  # 33.5 us
+}
 
 
 def m_bucket(m: int) -> int:
@@ -44,12 +51,12 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count:
     if arch == "cpu":  # the interpreter: few, small programs keep the emulated run short
         return GemvConfig(block_n=16 if n <= 64 else 32, block_k=32, num_warps=1, num_stages=1,
                           programs_per_sm=1)
-    # Enough column blocks to give every SM two programs, the widest tile that still does.
-    block_n = 16
-    for bn in (128, 64, 32):
-        if -(-n // bn) >= 2 * sm_count:
-            block_n = bn
-            break
-    block_k = 256 if dtype != torch.float32 else 128
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4,
-                      programs_per_sm=2)
+    # What the sweep on H200 favoured: one program per SM streaming 64-column tiles through six
+    # stages when there are about as many column blocks as SMs; narrower tiles and two programs
+    # per SM when N is small, so that every SM still has W rows to stream.
+    if dtype == torch.float32:
+        return GemvConfig(block_n=32, block_k=64, num_warps=4, num_stages=4, programs_per_sm=2)
+    if -(-n // 64) >= sm_count * 0.9:
+        return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6, programs_per_sm=1)
+    return GemvConfig(block_n=32 if n >= 32 * sm_count else 16, block_k=256, num_warps=4,
+                      num_stages=4, programs_per_sm=2)
