@@ -29,4 +29,8 @@ if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
       "${tune[@]}" ${PO_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -vE "^\[|Warning|warn" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
+  timeout 300 python3 -m portable_overlap demo 2>&1 | tee "$out/demo.log" | grep -vE "^\[|Warning|warn" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 exit $status
