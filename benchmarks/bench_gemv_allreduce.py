@@ -156,8 +156,10 @@ def main() -> int:
                              floor_ms=round(floor_ms, 5), ideal_ms=round(ideal, 5),
                              fused_ms=round(t["fused"], 5), sequential_ms=round(t["sequential"], 5),
                              speedup=round(t["sequential"] / t["fused"], 3),
+                             # undefined when the sequential run was not slower than the ideal
                              fraction_of_ideal=round((t["sequential"] - t["fused"])
-                                                     / max(1e-9, t["sequential"] - ideal), 3),
+                                                     / (t["sequential"] - ideal), 3)
+                             if t["sequential"] > ideal else None,
                              fused_over_floor=round(t["fused"] / floor_ms, 3))
     ctx.close()
     if world.rank == 0:

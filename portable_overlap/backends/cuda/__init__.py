@@ -50,8 +50,9 @@ def check(result):
 
 class CudaBackend(Backend):
     name = "cuda"
-    #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)
-    poll_rate_hz = 2e6
+    #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts);
+    #: measured on H200: 2e6 polls gave up after 0.45 s
+    poll_rate_hz = 4.4e6
 
     def __init__(self):
         check(driver.cuInit(0))
