@@ -7,6 +7,8 @@ unified addressing), stream flags through ``cuStreamWaitValue32`` / ``cuStreamWr
 """
 from __future__ import annotations
 
+import ctypes
+
 from typing import Optional
 
 import torch
@@ -46,6 +48,24 @@ def check(result):
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+_IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
+
+
+def handle_bytes(handle) -> bytes:
+    """The 64 bytes of a CUipcMemHandle. Read through its address: cuda-python 13.4 dropped the
+    ``reserved`` accessor that 13.3 had, ``getPtr`` is in both."""
+    return ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES)
+
+
+def make_ipc_handle(data: bytes):
+    """A CUipcMemHandle holding ``data`` (what :func:`handle_bytes` returned in another process)."""
+    if len(data) != _IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle has {_IPC_HANDLE_BYTES} bytes, got {len(data)}")
+    h = driver.CUipcMemHandle()
+    ctypes.memmove(h.getPtr(), data, _IPC_HANDLE_BYTES)
+    return h
 
 
 class CudaBackend(Backend):
@@ -98,13 +118,11 @@ class CudaBackend(Backend):
         return Allocation(addr, nbytes, tensor, device, native=ptr)
 
     def export_handle(self, alloc: Allocation) -> bytes:
-        handle = check(driver.cuIpcGetMemHandle(alloc.native))
-        return bytes(handle.reserved)
+        return handle_bytes(check(driver.cuIpcGetMemHandle(alloc.native)))
 
     def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:
         self._dev(device)
-        h = driver.CUipcMemHandle()
-        h.reserved = handle
+        h = make_ipc_handle(handle)
         flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         ptr = check(driver.cuIpcOpenMemHandle(h, flags))
         return PeerMapping(int(ptr), nbytes, native=ptr)

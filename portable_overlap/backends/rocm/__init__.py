@@ -11,6 +11,8 @@ them; the first real call needs ``libamdhip64.so``.
 """
 from __future__ import annotations
 
+import ctypes
+
 from typing import Optional
 
 import torch
@@ -92,13 +94,16 @@ class RocmBackend(Backend):
 
     def export_handle(self, alloc: Allocation) -> bytes:
         handle = check(hip.hipIpcGetMemHandle(alloc.native))
-        return bytes(handle.reserved)
+        return ctypes.string_at(handle.as_c_void_p().value, handle.c_sizeof())
 
     @staticmethod
     def make_ipc_handle(data: bytes):
-        """Rebuild a hipIpcMemHandle_t from the bytes :meth:`export_handle` returned."""
+        """Rebuild a hipIpcMemHandle_t from the bytes :meth:`export_handle` returned (its
+        ``reserved`` field is read-only in hip-python, so the bytes go in through its address)."""
         h = hip.hipIpcMemHandle_t()
-        h.reserved = data
+        if len(data) != h.c_sizeof():
+            raise ValueError(f"a HIP IPC handle has {h.c_sizeof()} bytes, got {len(data)}")
+        ctypes.memmove(h.as_c_void_p().value, data, len(data))
         return h
 
     def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:

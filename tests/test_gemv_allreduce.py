@@ -1,0 +1,223 @@
+"""Fused GEMV + AllReduce on CPU-emulated ranks (the real Triton kernel under the interpreter)
+against the torch reference (fp32 product + gloo all_reduce)."""
+import pytest
+import torch
+
+from portable_overlap import (ContextBrokenError, GemvAllReduce, GemvConfig, PeerTimeoutError,
+                              PortableOverlapError, RankMismatchError, RowParallelLinear,
+                              gemv_all_reduce, gemv_all_reduce_reference)
+
+# bf16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
+# the output differs from the reference by up to an ulp (~0.4%).
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(world, M, N, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 1000 + world.rank)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    return x, w
+
+
+def _run_cases(world, cases, config=None):
+    """Each case on a fresh poisoned output; returns (rel error, output bytes) per case."""
+    ctx = GemvAllReduce(world, max_n=max(c[1] for c in cases), config=config)
+    out = []
+    try:
+        for i, (M, N, K, dtype) in enumerate(cases):
+            x, w = _inputs(world, M, N, K, dtype, seed=i)
+            y = torch.full((M, N), float("nan"), dtype=dtype)
+            ctx(x, w, out=y)
+            assert not torch.isnan(y).any(), "output not fully written"
+            ref = gemv_all_reduce_reference(x, w, world.group)
+            out.append((_rel(y, ref), y.view(torch.uint8).clone()))
+    finally:
+        ctx.close()
+    return out
+
+
+# (M, N, K): N not a multiple of the tile, odd K, M from 1 to 64, tiny and single-column shapes
+SHAPES = [(1, 40, 33), (5, 100, 64), (3, 37, 130), (64, 48, 31), (17, 1, 9), (1, 16, 16),
+          (2, 129, 257)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_matches_reference_and_is_identical_on_ranks(world, dtype):
+    results = world.run(_run_cases, [(M, N, K, dtype) for M, N, K in SHAPES])
+    for rank_results in results:
+        for (err, _), shape in zip(rank_results, SHAPES):
+            assert err < TOL[dtype], f"shape {shape}: rel err {err}"
+    for i in range(len(SHAPES)):  # bitwise identical on every rank
+        assert all(torch.equal(r[i][1], results[0][i][1]) for r in results), SHAPES[i]
+
+
+def test_other_tilings_and_several_rounds_per_program(world2):
+    # one program (G=1) walking every block, and wide tiles: the persistent loop, ownership
+    # rotation and the remote-first order all get exercised
+    for cfg in (GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, programs_per_sm=1),
+                GemvConfig(block_n=64, block_k=32, num_warps=2, num_stages=2, programs_per_sm=2)):
+        results = world2.run(_run_cases, [(3, 150, 70, torch.float32), (1, 33, 48, torch.float32)],
+                             config=cfg)
+        for rank_results in results:
+            assert all(err < 1e-5 for err, _ in rank_results), cfg
+
+
+def _repeated_calls(world):
+    # epochs advance across calls of changing shapes; nothing is reset in between
+    ctx = GemvAllReduce(world, max_n=96)
+    worst = 0.0
+    try:
+        for i in range(12):
+            M, N, K = 1 + (7 * i) % 64, 16 + (29 * i) % 80, 8 + 5 * i
+            x, w = _inputs(world, M, N, K, torch.float32, seed=100 + i)
+            y = ctx(x, w)
+            worst = max(worst, _rel(y, gemv_all_reduce_reference(x, w, world.group)))
+        epoch = int(ctx.ctl[0])
+    finally:
+        ctx.close()
+    return worst, epoch
+
+
+def test_back_to_back_calls_with_changing_shapes(world2):
+    for worst, epoch in world2.run(_repeated_calls):
+        assert worst < 1e-5
+        assert epoch == 12  # one epoch per call, kept in the heap
+
+
+def _bad_inputs(world):
+    ctx = GemvAllReduce(world, max_n=64)
+    x = torch.randn(4, 32)
+    w = torch.randn(64, 32)
+    cases = {
+        "dtype": (x, w.double()), "mixed": (x.half(), w), "int": (x.int(), w.int()),
+        "K": (x, torch.randn(64, 31)), "rank": (x[None], w), "M0": (x[:0], w),
+        "M65": (torch.randn(65, 32), w), "N>max": (x, torch.randn(65, 32)),
+        "noncontig": (x, torch.randn(32, 64).t()), "noncontig_x": (torch.randn(32, 4).t(), w),
+        "device": (x.to("meta"), w),
+    }
+    msgs = {}
+    for name, (a, b) in cases.items():
+        try:
+            ctx(a, b)
+            msgs[name] = None
+        except (ValueError, TypeError) as e:
+            msgs[name] = str(e)
+    try:
+        ctx(x, w, out=torch.empty(4, 63))
+        msgs["out"] = None
+    except ValueError as e:
+        msgs["out"] = str(e)
+    # the context still works after rejected calls (nothing was launched)
+    y = ctx(x, w)
+    ok = _rel(y, gemv_all_reduce_reference(x, w, world.group)) < 1e-5
+    ctx.close()
+    return msgs, ok
+
+
+def test_bad_input_raises_clear_errors(world2):
+    for msgs, still_works in world2.run(_bad_inputs):
+        assert still_works
+        for name, msg in msgs.items():
+            assert msg is not None, f"{name}: no error"
+            assert msg.startswith("gemv_all_reduce"), msg
+        assert "dtype" in msgs["dtype"] and "K=31" in msgs["K"] and "1..64" in msgs["M65"]
+        assert "contiguous" in msgs["noncontig"] and "device" in msgs["device"]
+
+
+def _disagree_on_shape(world):
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=2.0)
+    N = 48 if world.rank == 0 else 40
+    x, w = _inputs(world, 2, N, 24, torch.float32, seed=7)
+    try:
+        ctx(x, w)
+        return "no error"
+    except PortableOverlapError as e:
+        err = type(e).__name__, str(e)
+    try:
+        ctx(x, w)  # a failed context refuses further calls
+        second = "no error"
+    except ContextBrokenError as e:
+        second = "broken"
+    ctx.close()
+    return err, second
+
+
+def test_ranks_disagreeing_on_a_shape_raise_on_every_rank(world2):
+    for (kind, msg), second in world2.run(_disagree_on_shape, timeout=120):
+        assert kind in ("RankMismatchError", "PeerTimeoutError"), msg
+        assert "gemv_all_reduce" in msg and "rank" in msg
+        assert second == "broken"
+    # with equal block counts the shape tag catches it explicitly
+    kinds = [r[0][0] for r in world2.run(_disagree_on_shape, timeout=120)]
+    assert "RankMismatchError" in kinds
+
+
+def _skip_one_call(world, skipper):
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=1.0)
+    x, w = _inputs(world, 3, 40, 20, torch.float32, seed=3)
+    result = "ok"
+    if world.rank != skipper:
+        try:
+            ctx(x, w)
+            result = "no error"
+        except PeerTimeoutError as e:
+            result = str(e)
+    ctx.close()
+    return result
+
+
+def test_a_rank_that_skips_a_call_is_named_and_nobody_hangs(world):
+    skipper = world.size - 1
+    results = world.run(_skip_one_call, skipper, timeout=120)
+    for rank, msg in enumerate(results):
+        if rank == skipper:
+            continue
+        assert f"rank {skipper}" in msg and "timed out" in msg and "partials-ready" in msg, msg
+        assert f"rank {rank} program" in msg
+
+
+def _compiled(world):
+    ctx = GemvAllReduce(world, max_n=32)
+    x, w = _inputs(world, 3, 32, 16, torch.float32, seed=11)
+
+    def f(a):
+        return torch.relu(gemv_all_reduce(a * 2, w, ctx)) + 1
+
+    y = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    fake = torch.library.opcheck(torch.ops.portable_overlap.gemv_all_reduce.default,
+                                 (x, w, ctx.handle), test_utils=("test_schema", "test_faketensor"))
+    ref = torch.relu(gemv_all_reduce_reference(x * 2, w, world.group)) + 1
+    ctx.close()
+    return _rel(y, ref), fake
+
+
+def test_torch_compile_fullgraph_and_fake_impl(world2):
+    for err, fake in world2.run(_compiled):
+        assert err < 1e-5
+        assert all(v == "SUCCESS" for v in fake.values()), fake
+
+
+def _row_parallel(world, rows):
+    torch.manual_seed(0)  # the same full weight on every rank; each keeps its K-slice
+    full_w = torch.randn(48, 64)
+    lin = RowParallelLinear(64, 48, world, bias=True, dtype=torch.float32)
+    k = 64 // world.world_size
+    with torch.no_grad():
+        lin.weight.copy_(full_w[:, world.rank * k:(world.rank + 1) * k])
+        lin.bias.copy_(torch.arange(48.0))
+    x_full = torch.randn(rows, 64)
+    y = lin(x_full[:, world.rank * k:(world.rank + 1) * k].reshape(1, rows, k))
+    ref = x_full.double() @ full_w.double().T + torch.arange(48.0).double()
+    lin.ctx.close()
+    return _rel(y.reshape(rows, 48), ref)
+
+
+@pytest.mark.parametrize("rows", [5, 70], ids=["fused", "fallback"])
+def test_row_parallel_linear(world, rows):
+    assert all(err < 1e-5 for err in world.run(_row_parallel, rows))

@@ -1,0 +1,94 @@
+"""The symmetric heap and the device helpers (peer pointers, remote stores, release/acquire
+signals, bounded waits) exercised directly by a small ring kernel on emulated ranks."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from portable_overlap.errors import RankMismatchError
+from portable_overlap.shmem import StatusBoard, SymmetricHeap
+from portable_overlap.shmem.device import (STATUS_TIMEOUT, flag_value, peer_ptr, report,
+                                           signal_peer, wait_flag)
+
+
+@triton.jit
+def _ring_kernel(data_ptr, inbox_ptr, flags_ptr, bases_ptr, status_addr, rank, world, epoch,
+                 max_spins, BLOCK: tl.constexpr):
+    """Store my data into the next rank's inbox, signal it, wait for the previous rank's."""
+    nxt = (rank + 1) % world
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(data_ptr + offs)
+    tl.store(peer_ptr(inbox_ptr, bases_ptr, rank, nxt) + offs, v)
+    tl.debug_barrier()
+    signal_peer(flags_ptr, flag_value(epoch, rank), bases_ptr, rank, nxt)
+    prev = (rank + world - 1) % world
+    word, ok = wait_flag(flags_ptr, epoch, max_spins)
+    if not ok:
+        report(status_addr, 0, STATUS_TIMEOUT, prev, 0, epoch)
+
+
+def _ring(world, skip_rank=-1, rounds=3):
+    heap = SymmetricHeap(world, 4096)
+    data = heap.alloc((64,), torch.float32)
+    inbox = heap.alloc((64,), torch.float32)
+    flags = heap.alloc((1,), torch.int64)
+    board = StatusBoard(world.backend, 1)
+    same_offsets = world.all_gather_object((heap.offset_of(data), heap.offset_of(inbox)))
+    got, tags = [], []
+    for epoch in range(1, rounds + 1):
+        data.copy_(torch.full((64,), float(world.rank * 100 + epoch)))
+        if world.rank != skip_rank:
+            _ring_kernel[(1,)](data, inbox, flags, heap.bases, board.address, world.rank,
+                               world.world_size, epoch, 20000, BLOCK=64)
+            got.append(inbox.clone())
+            tags.append(int(flags[0]) >> 32)
+        world.barrier()  # one inbox: the next round's store must wait until it was read
+    failed = board.failed()
+    heap.close()
+    return same_offsets, got, tags, failed
+
+
+def test_ring_of_remote_stores_and_signals(world):
+    results = world.run(_ring)
+    size = len(results)
+    for rank, (offsets, got, tags, failed) in enumerate(results):
+        assert len(set(offsets)) == 1  # same offsets on every rank
+        prev = (rank - 1) % size
+        for epoch, inbox in enumerate(got, start=1):
+            assert torch.equal(inbox, torch.full((64,), float(prev * 100 + epoch)))
+        assert tags == [prev] * 3  # the flag carries the sender's tag
+        assert not failed
+
+
+def test_wait_gives_up_when_the_peer_never_signals(world2):
+    results = world2.run(_ring, 0, 1)  # rank 0 sits the round out
+    assert results[1][3]  # rank 1 waited for rank 0, gave up and reported
+
+
+def _heap_size_mismatch(world):
+    try:
+        SymmetricHeap(world, 4096 + 1024 * world.rank)
+        return "no error"
+    except RankMismatchError as e:
+        return str(e)
+
+
+def test_ranks_asking_for_different_heap_sizes(world2):
+    for msg in world2.run(_heap_size_mismatch):
+        assert "different sizes" in msg
+
+
+def _heap_full(world):
+    heap = SymmetricHeap(world, 1024)
+    heap.alloc((100,), torch.float32)
+    try:
+        heap.alloc((1000,), torch.float32)
+        return "no error"
+    except MemoryError as e:
+        return str(e)
+    finally:
+        heap.close()
+
+
+def test_heap_full(world2):
+    assert all("full" in m for m in world2.run(_heap_full))

@@ -1,0 +1,49 @@
+"""World construction: a single process, torchrun's variables, and mpirun through mpi4py."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT")}
+    env.update(TRITON_INTERPRET="1", PORTABLE_OVERLAP_BACKEND="cpu",
+               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), **extra)
+    return env
+
+
+def test_single_process_world():
+    code = ("from portable_overlap import World; w = World.from_env(); "
+            "print(w.rank, w.world_size, w.device, w.backend.name, w.launcher)")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "cpu", "cpu", "torchrun"]
+
+
+def _mpiexec():
+    venv_bin = os.path.dirname(sys.executable)
+    return shutil.which("mpiexec", path=venv_bin + os.pathsep + os.environ.get("PATH", ""))
+
+
+def test_world_from_mpirun():
+    pytest.importorskip("mpi4py")
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec (pip install mpich)")
+    out = subprocess.run([mpiexec, "-n", "2", sys.executable, os.path.join(HERE, "scripts",
+                                                                          "mpi_world.py")],
+                         env=_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = sorted(l for l in out.stdout.splitlines() if l.startswith("MPI-WORLD"))
+    assert len(lines) == 2, out.stdout
+    for r, line in enumerate(lines):
+        assert f"rank={r} size=2 local={r} launcher=mpirun" in line, line
+        assert float(line.split("err=")[1]) < 1e-5, line
