@@ -142,7 +142,11 @@ class Backend(abc.ABC):
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         """Make ``stream`` wait, without a spinning kernel, until the int32 at ``address`` is
-        >= ``value``."""
+        >= ``value``.
+
+        Every kernel launched (on any stream) while the wait holds must already be loaded: with
+        lazy module loading (CUDA's default) a first launch waits for the device, which the held
+        stream never releases — a deadlock seen on H200."""
         raise self._missing("stream_wait_value")
 
     def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:

@@ -68,14 +68,17 @@ def _check_backend(world, gen, be, heap) -> None:
     world.barrier()
     got = world.all_gather_object(src.cpu())[(world.rank - 1) % world.world_size]
     record("backend: copy engine into a peer's heap", torch.equal(buf.cpu(), got))
-    if os.environ.get("PO_CHECK_WAIT_VALUE", "0") != "1":
-        # Hung twice on nvidia-h200-x2 (2026-11-22): the host blocked launching the sleep kernel
-        # behind the held stream. Off until understood; see docs/status.md.
-        return
     # stream wait-value: a side stream holds a copy until another stream writes the flag. Both
     # are created streams: the legacy default stream would wait for the held one (deadlock).
     dst = torch.zeros_like(src)
     side, main = torch.cuda.Stream(), torch.cuda.Stream()
+    # Load every kernel used below before any stream is held: with CUDA's lazy module loading,
+    # the first launch of a kernel waits for the device, which a held stream never releases
+    # (without this warm-up the check hung twice on nvidia-h200-x2).
+    torch.cuda._sleep(1)
+    dst.copy_(src)
+    dst.clone()
+    dst.zero_()
     torch.cuda.synchronize()
     be.stream_wait_value(side.cuda_stream, flag.data_ptr(), 1)
     with torch.cuda.stream(side):
@@ -230,6 +233,9 @@ def main() -> int:
     except Exception as e:
         record("backend", False, f"raised {type(e).__name__}: {e}"[:300])
         traceback.print_exc()
+    if os.environ.get("PO_ONLY_BACKEND") == "1":
+        dist.destroy_process_group()
+        return 0 if all(ok for _, ok, _ in results) else 1
     ctx = GemvAllReduce(world, max_n=8192)
     for check in (check_shapes, check_back_to_back, check_graph, check_compile):
         try:

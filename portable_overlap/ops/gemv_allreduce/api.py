@@ -180,7 +180,7 @@ class GemvAllReduce:
         k._init_handles()
         warps = consts["num_warps"]
         by_warps = facts.max_warps_per_sm // warps
-        by_regs = facts.max_regs_per_sm // max(1, k.n_regs * 32 * warps)
+        by_regs = facts.max_regs_per_sm // max(1, k.n_regs * facts.warp_size * warps)
         by_smem = facts.max_shared_bytes_per_sm // max(1, k.metadata.shared)
         return facts.sm_count * max(1, min(by_warps, by_regs, by_smem))
 
