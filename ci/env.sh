@@ -24,7 +24,8 @@ else
   python3 -m venv "$_root/.venv"
   # torch first and pinned: the machine's pip takes this CPU build from its local disk, where a
   # bare 'torch' would pull a multi-GB CUDA build
-  "$_root/.venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
+  # Triton pinned to what the GPU machines run (3.6), so CI compiles what they compile
+  "$_root/.venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0"
   "$_root/.venv/bin/pip" install -q --disable-pip-version-check -e "$_root[test,mpi]" mpich
   PY="$_root/.venv/bin/python"
 fi
