@@ -158,6 +158,26 @@ def test_ranks_disagreeing_on_a_shape_raise_on_every_rank(world2):
     assert "RankMismatchError" in kinds
 
 
+def _disagree_on_tiling(world):
+    # same shapes, same grid (4 programs), but another column tiling on rank 0: the blocks would
+    # be mixed up; the tag in the flags catches it
+    ctx = GemvAllReduce(world, max_n=128, timeout_s=2.0)
+    bn = 16 if world.rank == 0 else 32
+    cfg = GemvConfig(block_n=bn, block_k=16, num_warps=1, num_stages=1, programs_per_sm=1)
+    x, w = _inputs(world, 2, 128, 24, torch.float32, seed=9)
+    try:
+        ctx(x, w, config=cfg)
+        result = "no error"
+    except PortableOverlapError as e:
+        result = type(e).__name__
+    ctx.close()
+    return result
+
+
+def test_ranks_disagreeing_on_the_tiling_are_caught(world2):
+    assert world2.run(_disagree_on_tiling, timeout=120) == ["RankMismatchError"] * 2
+
+
 def _skip_one_call(world, skipper):
     ctx = GemvAllReduce(world, max_n=64, timeout_s=1.0)
     x, w = _inputs(world, 3, 40, 20, torch.float32, seed=3)

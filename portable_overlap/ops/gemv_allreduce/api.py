@@ -16,11 +16,11 @@ from typing import Optional
 
 import torch
 
-from ...errors import ContextBrokenError, RankMismatchError
+from ...errors import ContextBrokenError
 from ...shmem.heap import SymmetricHeap, heap_bytes
 from ...shmem.status import StatusBoard
-from .config import GemvConfig, pick_config
 from ...tiles.gemv import dot_upcast
+from .config import GemvConfig, pick_config
 from .kernel import FLAG_NAMES, gemv_allreduce_kernel
 
 OP = "gemv_all_reduce"
@@ -85,8 +85,9 @@ class GemvAllReduce:
         # argument binding (which costs tens of microseconds a call).
         if self._broken is not None or self.status.failed():
             self.check()
-        if x.dim() != 2 or w.dim() != 2:
-            _validate(x, w, self.world.device, self.max_n)
+        if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) \
+                or x.dim() != 2 or w.dim() != 2:
+            _validate(x, w, self.world.device, self.max_n)  # raises with the reason
         M, K = x.shape
         N = w.shape[0]
         if out is None:
@@ -145,7 +146,7 @@ class GemvAllReduce:
         N = w.shape[0]
         facts = self.world.facts
         cfg = config or pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
-                                         self.world.world_size)
+                                    self.world.world_size)
         n_blocks = -(-N // cfg.block_n)
         consts = dict(
             BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=cfg.block_n,
@@ -154,18 +155,18 @@ class GemvAllReduce:
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        # Same code on every rank, so only the shape tag is sent with the flags: a rank that
-        # was called with other shapes is caught by the first flag it sends.
-        tag = zlib.crc32(repr((M, N, K, str(x.dtype))).encode()) & 0x7FFFFFFF
         programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX)
         if facts.vendor == "cpu":  # the interpreter has no compiled kernel to hold on to
-            return _Launch(None, programs, consts, tag, n_blocks, None)
+            return _Launch(None, programs, consts, _tag(M, N, K, x.dtype, cfg, programs),
+                           n_blocks, None)
         # compile with the very arguments of the launch (the JIT specializes on values)
+        tag = _tag(M, N, K, x.dtype, cfg, programs)
         k = gemv_allreduce_kernel.warmup(*self._args(x, w, out, tag, n_blocks, programs),
                                          grid=(programs,), **consts)
         fit = min(programs, self._resident_programs(k, consts, facts))
         if fit != programs:  # G is an argument the JIT specializes on: compile for the real one
             programs = fit
+            tag = _tag(M, N, K, x.dtype, cfg, programs)
             k = gemv_allreduce_kernel.warmup(*self._args(x, w, out, tag, n_blocks, programs),
                                              grid=(programs,), **consts)
         backend, device = self.world.backend, self.world.device
@@ -209,6 +210,13 @@ class _Launch:
         meta = k.launch_metadata((self.programs, 1, 1), stream, *args) if enter else None
         k.run(self.programs, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave,
               *args, *self.const_args)
+
+
+def _tag(M, N, K, dtype, cfg: GemvConfig, programs: int) -> int:
+    """What the flags carry besides the epoch: ranks run the same code, so a rank called with
+    other shapes, or planned with another tiling or grid (a per-call config on one rank only), is
+    caught by the first flag it sends instead of mixing up column blocks."""
+    return zlib.crc32(repr((M, N, K, str(dtype), cfg.block_n, programs)).encode()) & 0x7FFFFFFF
 
 
 def _validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:
