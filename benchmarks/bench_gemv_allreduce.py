@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import ResultWriter, hbm_read_bandwidth, time_op
 from portable_overlap import GemvAllReduce, GemvConfig, World, gemv_all_reduce_reference
+from portable_overlap.ops.gemv_allreduce.config import pick_config
 
 SHAPES = [(1, 8192, 28672), (8, 8192, 28672), (32, 8192, 28672), (1, 16384, 53248),
           (8, 4096, 14336)]
@@ -74,6 +75,11 @@ def main() -> int:
                      per_rank_gbs=[round(b, 1) for b in bws], method="torch.sum over 2 GiB bf16")
 
     ctx = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes))
+    # The fused kernel on a world of one rank: its GEMV streaming without any communication,
+    # which separates the kernel's own bandwidth from what the all-reduce costs it.
+    solo_groups = [dist.new_group([r]) for r in range(W)]
+    solo = World.from_process_group(group=solo_groups[world.rank], device=dev)
+    solo_ctx = GemvAllReduce(solo, max_n=max(n for _, n, _ in shapes))
     group_name = dist.group.WORLD.group_name
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -110,8 +116,11 @@ def main() -> int:
             err = float("inf")
         correct = bool(err < 1e-2)
 
+        facts = world.facts
+        plan_cfg = cfg or pick_config(M, N, Kl, torch.bfloat16, facts.arch, facts.sm_count, W)
         impls = {
             "fused": lambda: ctx(x, w, out=out, config=cfg),
+            "fused_nocomm": lambda: solo_ctx(x, w, out=y, config=plan_cfg),
             "sequential": lambda: dist.all_reduce(torch.mm(x, w.t(), out=y)),
             "compute": lambda: torch.mm(x, w.t(), out=y),
             "comm": lambda: dist.all_reduce(y),
@@ -162,15 +171,17 @@ def main() -> int:
                              if t["sequential"] > ideal else None,
                              fused_over_floor=round(t["fused"] / floor_ms, 3))
     ctx.close()
+    solo_ctx.close()
     if world.rank == 0:
         print(f"\nHBM read bandwidth {min(bws):.0f} GB/s; times in microseconds, slowest rank's "
               f"median; floor = per-rank W bytes / HBM read bandwidth")
-        hdr = (f"{'M x N x K':>16} {'floor':>7} {'fused':>7} {'seq':>7} {'torch':>7} "
+        hdr = (f"{'M x N x K':>16} {'floor':>7} {'fused':>7} {'nocomm':>7} {'seq':>7} {'torch':>7} "
                f"{'fused/fl':>8} {'speedup':>7} | {'fusedP':>7} {'seqP':>7} {'spdP':>5} {'ok':>3}")
         print(hdr)
         for r in table:
             g = lambda n, gr: r.get((n, gr), float("nan")) * 1e3
             print(f"{r['shape']:>16} {r['floor'] * 1e3:7.1f} {g('fused', True):7.1f} "
+                  f"{g('fused_nocomm', True):7.1f} "
                   f"{g('sequential', True):7.1f} {g('torch_fused', True):7.1f} "
                   f"{g('fused', True) / (r['floor'] * 1e3):8.2f} "
                   f"{g('sequential', True) / g('fused', True):7.2f} | {g('fused', False):7.1f} "

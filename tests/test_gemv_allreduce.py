@@ -241,3 +241,23 @@ def _row_parallel(world, rows):
 @pytest.mark.parametrize("rows", [5, 70], ids=["fused", "fallback"])
 def test_row_parallel_linear(world, rows):
     assert all(err < 1e-5 for err in world.run(_row_parallel, rows))
+
+
+def _solo(world):
+    # every rank alone in its own group: no peers, the kernel is a plain GEMV
+    import torch.distributed as dist
+
+    from portable_overlap import World
+
+    groups = [dist.new_group([r]) for r in range(world.world_size)]
+    solo = World.from_process_group(group=groups[world.rank], backend="cpu")
+    ctx = GemvAllReduce(solo, max_n=50)
+    x, w = _inputs(world, 4, 50, 21, torch.float32, seed=13)
+    y = ctx(x, w)
+    ctx.close()
+    return solo.world_size, _rel(y, x.double() @ w.double().T)
+
+
+def test_world_of_one_rank_is_a_plain_gemv(world2):
+    for size, err in world2.run(_solo):
+        assert size == 1 and err < 1e-6
