@@ -1,0 +1,81 @@
+"""Persistent tile GEMM: ``c = a @ b`` for a [M, K], b [K, N] (any strides), bf16 / fp16 / fp32.
+
+Not yet measured on a GPU: it is the shared GEMM core of the coming GEMM + All-to-All and
+tile-group-signal ops, checked on CPU-emulated ranks and in the compile matrix so far."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from ...tiles.gemv import dot_upcast
+from .kernel import persistent_matmul_kernel
+
+OP = "persistent_matmul"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16: {self}")
+        if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad config {self}")
+
+
+def default_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    if device.type == "cpu":  # the interpreter: small tiles keep emulated runs short
+        return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
+                            num_stages=1)
+    if dtype == torch.float32:
+        return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    # the plain Triton GEMM measured at 655 TFLOP/s on H200 (see ../shared/DESIGN.md)
+    return MatmulConfig()
+
+
+def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[int] = None,
+                      config: Optional[MatmulConfig] = None,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b`` by a persistent grid of ``programs`` (default: one per SM, or 4 on the CPU)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"{OP}: a and b must be tensors")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"{OP}: need a [M, K] and b [K, N]; got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}")
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"{OP}: a and b must share one dtype of {DTYPES}; got {a.dtype}, {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{OP}: a and b are on {a.device} and {b.device}")
+    M, K = a.shape
+    N = b.shape[1]
+    if min(M, N, K) < 1:
+        raise ValueError(f"{OP}: empty operand {tuple(a.shape)} @ {tuple(b.shape)}")
+    cfg = config or default_config(a.dtype, a.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:
+        raise ValueError(f"{OP}: out must be {a.dtype} [{M}, {N}] on {a.device}")
+    if programs is None:
+        programs = torch.cuda.get_device_properties(a.device).multi_processor_count \
+            if a.is_cuda else int(os.environ.get("PORTABLE_OVERLAP_CPU_SLOTS", "4"))
+    n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
+    G = max(1, min(programs, n_tiles))
+    persistent_matmul_kernel[(G,)](
+        a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+        out.stride(1), G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,52 @@
+"""The tile GEMM main loop shared by the GEMM-based ops (GEMM + All-to-All and the GEMM producers
+of the signal / copy-engine transports): tile order and one output tile's accumulation.
+
+``grouped_tile`` walks output tiles in groups of GROUP_M tile rows so that consecutive tiles reuse
+the same B columns from L2. ``gemm_tile`` returns the fp32 ``[BLOCK_M, BLOCK_N]`` tile
+``a[rows, :] @ b[:, cols]``; rows and columns past the edge are computed on clamped indices (no
+load masks in the loop) and must be masked by the caller's store.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(t, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of the ``t``-th tile in grouped order."""
+    per_group = GROUP_M * num_pid_n
+    group = t // per_group
+    first_m = group * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % rows
+    pid_n = (t % per_group) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # clamp instead of masking: the edge rows/columns load valid memory, the store drops them
+    rm = tl.where(offs_m < M, offs_m, 0)
+    rn = tl.where(offs_n < N, offs_n, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+        if UPCAST:  # see tiles.gemv.dot_upcast
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
