@@ -103,13 +103,16 @@ class EmulatedWorld:
         deadline = time.monotonic() + timeout
         pending = set(range(self.size))
         while pending:
-            try:
-                rank, status, payload = self._out.get(timeout=max(0.1, deadline - time.monotonic()))
+            try:  # short polls: a rank that died (a crash in a kernel) is reported at once
+                rank, status, payload = self._out.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+                if not dead and time.monotonic() < deadline:
+                    continue
                 self.close(force=True)
-                raise WorkerHang(f"ranks {sorted(pending)} did not answer within {timeout} s "
-                                 f"(dead processes: {dead})") from None
+                why = (f"ranks {sorted(dead)} died (exit codes {list(dead.values())})" if dead
+                       else f"ranks {sorted(pending)} did not answer within {timeout} s")
+                raise WorkerHang(why) from None
             pending.discard(rank)
             if status == "err":
                 errors.append(RemoteError(rank, *payload))

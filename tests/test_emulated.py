@@ -1,0 +1,40 @@
+"""The CPU-emulated world harness: remote errors carry the rank's traceback, a crashed rank is
+reported at once instead of after the timeout."""
+import os
+import time
+
+import pytest
+
+from portable_overlap.testing import EmulatedWorld, RemoteError, WorkerHang
+
+
+def _fail_on_rank_1(world):
+    if world.rank == 1:
+        raise KeyError("boom")
+    return world.rank
+
+
+def _die_on_rank_1(world):
+    if world.rank == 1:
+        os._exit(3)
+    time.sleep(0.2)
+    return world.rank
+
+
+def test_errors_and_crashes_are_reported():
+    ew = EmulatedWorld(2)
+    try:
+        assert ew.run(lambda_free_rank) == [0, 1]
+        with pytest.raises(RemoteError, match="rank 1 raised KeyError"):
+            ew.run(_fail_on_rank_1)
+        assert ew.run(lambda_free_rank) == [0, 1]  # still serving after an error
+        t = time.monotonic()
+        with pytest.raises(WorkerHang, match=r"ranks \[1\] died \(exit codes \[3\]\)"):
+            ew.run(_die_on_rank_1, timeout=120)
+        assert time.monotonic() - t < 30
+    finally:
+        ew.close(force=True)
+
+
+def lambda_free_rank(world):
+    return world.rank
