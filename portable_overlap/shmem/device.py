@@ -31,7 +31,7 @@ def peer_ptr(ptr, bases_ptr, rank, peer):
 @triton.jit
 def flag_value(epoch, tag):
     """The word a signal writes: tag in the high half, epoch in the low half."""
-    return (tag.to(tl.int64) << 32) | (epoch.to(tl.int64) & 0xFFFFFFFF)
+    return (tl.cast(tag, tl.int64) << 32) | (tl.cast(epoch, tl.int64) & 0xFFFFFFFF)
 
 
 @triton.jit

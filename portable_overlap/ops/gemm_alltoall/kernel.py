@@ -1,0 +1,143 @@
+"""Fused dense GEMM + equal-split All-to-All by stores into the destination's heap.
+
+Rank r computes ``c_r = a_r @ b_r`` ([M, N]); rows ``[d·chunk, (d+1)·chunk)`` of ``c_r`` belong to
+rank d (``chunk = M / world``) and end in rows ``[r·chunk, (r+1)·chunk)`` of rank d's output, as
+``torch.distributed.all_to_all_single`` on ``c_r`` would put them.
+
+Program ``pid`` of rank r takes the tiles ``pid, pid + G, ...`` of the grouped order, with tile
+rows rotated to start at rank r+1's chunk, so the rows r keeps come last (communication-aware).
+A finished tile is stored where it belongs: rows r keeps straight into r's output, rows of rank d
+into ``recv`` in d's heap, at the rows they take in d's output. Then, on rank r, program pid:
+
+1. signals ``sent[r][pid]`` on every peer (release, after a CTA barrier);
+2. waits for ``sent[q][pid]`` of every peer q (acquire, bounded);
+3. copies from ``recv`` to its output the rows peer q's program pid sent it — it recomputes q's
+   tile list (the schedule is a function of q, pid and the shapes), so no program waits for
+   another program of its own launch;
+4. takes a ticket; the last program of the launch publishes the epoch locally and
+   ``consumed[r] = epoch`` in every peer's heap.
+
+Before its first store into rank d's ``recv`` in a call, a program waits until ``consumed[d]``
+holds the previous epoch: d has copied out the previous call's rows, so nothing is overwritten
+while d still needs it (shapes may change between calls).
+"""
+import triton
+import triton.language as tl
+
+from ...shmem.device import (STATUS_MISMATCH, STATUS_TIMEOUT, begin_call, flag_value, peer_ptr,
+                             report, signal_peer, wait_flag)
+from ...tiles.gemm import gemm_tile, grouped_tile
+
+FLAG_SENT = tl.constexpr(1)
+FLAG_CONSUMED = tl.constexpr(2)
+FLAG_NAMES = {1: "tiles-sent", 2: "recv-consumed"}
+
+
+@triton.jit
+def _tile_of(t, rank, world, chunk, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr,
+             GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of ``rank``'s t-th tile: grouped order, rows rotated so that the chunk of
+    rank+1 comes first."""
+    vm, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+    shift = (((rank + 1) % world) * chunk) // BLOCK_M
+    return (vm + shift) % num_pid_m, pid_n
+
+
+@triton.jit
+def gemm_alltoall_kernel(
+    a_ptr, b_ptr, out_ptr,  # a [M, K], b [K, N], out [M, N] (contiguous)
+    recv_ptr, sent_ptr, consumed_ptr, ctl_ptr,  # heap: recv [M, N], int64 [world, G_MAX], [world], [2]
+    bases_ptr, status_addr,
+    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, chunk, G, rank, world, tag, max_spins,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = begin_call(ctl_ptr)
+    flag = flag_value(epoch, tag)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = num_pid_m * num_pid_n
+    ok = pid >= 0
+    cleared = tl.zeros((), tl.int64)  # bit d: rank d's recv is free for this call
+
+    for i in range(0, tl.cdiv(n_tiles, G)):
+        t = pid + i * G
+        if t < n_tiles:
+            pid_m, pid_n = _tile_of(t, rank, world, chunk, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
+            acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
+                            PRECISION, UPCAST)
+            y = acc.to(out_ptr.dtype.element_ty)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols[None, :] < N
+            d_first = (pid_m * BLOCK_M) // chunk
+            d_last = (pid_m * BLOCK_M + BLOCK_M - 1) // chunk
+            # a tile's rows may straddle two ranks' chunks: one masked store per rank it touches
+            for d in range(0, world):  # bounds from arguments only (the interpreter needs that)
+                if (d >= d_first) & (d <= d_last):
+                    in_d = (rows >= d * chunk) & (rows < (d + 1) * chunk) & (rows < M)
+                    offs = (rows - d * chunk + rank * chunk)[:, None].to(tl.int64) * N \
+                        + cols[None, :]
+                    if d == rank:
+                        tl.store(out_ptr + offs, y, mask=in_d[:, None] & col_ok)
+                    else:
+                        if ((cleared >> d) & 1) == 0:
+                            # d must have copied out the previous call before we overwrite recv
+                            v, arrived = wait_flag(consumed_ptr + d, epoch - 1, max_spins)
+                            if not arrived:
+                                report(status_addr, pid, STATUS_TIMEOUT, d,
+                                       (FLAG_CONSUMED << 32) + d, epoch - 1)
+                                ok = False
+                            cleared = cleared | (tl.full((), 1, tl.int64) << d)
+                        if ok:
+                            dst = peer_ptr(recv_ptr, bases_ptr, rank, d)
+                            tl.store(dst + offs, y, mask=in_d[:, None] & col_ok)
+
+    # 1-2. this program's tiles have landed everywhere: tell the peers, wait for theirs
+    tl.debug_barrier()
+    for q in range(0, world):
+        if q != rank:
+            signal_peer(sent_ptr + rank * G_MAX + pid, flag, bases_ptr, rank, q)
+    for q in range(0, world):
+        if (q != rank) & ok:
+            v, arrived = wait_flag(sent_ptr + q * G_MAX + pid, epoch, max_spins)
+            what = (q * G_MAX + pid).to(tl.int64) + (FLAG_SENT << 32)
+            if arrived:
+                if (v >> 32) != tag:
+                    report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
+                    ok = False
+            else:
+                report(status_addr, pid, STATUS_TIMEOUT, q, what, epoch)
+                ok = False
+    tl.debug_barrier()
+
+    # 3. copy out the rows each peer's program pid stored into recv
+    if ok:
+        my_lo = rank * chunk
+        for q in range(0, world):
+            if q != rank:
+                for i in range(0, tl.cdiv(n_tiles, G)):
+                    t = pid + i * G
+                    if t < n_tiles:
+                        pid_m, pid_n = _tile_of(t, q, world, chunk, num_pid_m, num_pid_n,
+                                                BLOCK_M, GROUP_M)
+                        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                        mine = (rows >= my_lo) & (rows < my_lo + chunk) & (rows < M)
+                        offs = (rows - my_lo + q * chunk)[:, None].to(tl.int64) * N \
+                            + cols[None, :]
+                        mask = mine[:, None] & (cols[None, :] < N)
+                        tl.store(out_ptr + offs, tl.load(recv_ptr + offs, mask=mask), mask=mask)
+
+    # 4. the last program out publishes the epoch here and "recv consumed" on every peer
+    tl.debug_barrier()  # this program's reads of recv are done before its ticket
+    ticket = tl.atomic_add(ctl_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if ticket == G - 1:
+        tl.atomic_xchg(ctl_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ctl_ptr, epoch, sem="release", scope="gpu")
+        for q in range(0, world):
+            if q != rank:
+                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)

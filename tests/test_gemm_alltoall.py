@@ -1,0 +1,108 @@
+"""Fused dense GEMM + All-to-All on CPU-emulated ranks against matmul + all_to_all_single."""
+import pytest
+import torch
+
+from portable_overlap import PeerTimeoutError, PortableOverlapError
+from portable_overlap.ops.gemm_alltoall import (GemmAllToAll, gemm_all_to_all,
+                                                gemm_all_to_all_reference)
+from portable_overlap.ops.matmul import MatmulConfig
+
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+
+
+def _cases(world, dtype, shapes, config=None):
+    ctx = GemmAllToAll(world, max_elems=max(m * n for m, n, _, _ in shapes), config=config)
+    errs = []
+    try:
+        for i, (M, N, K, bt) in enumerate(shapes):
+            g = torch.Generator().manual_seed(100 * i + world.rank)
+            a = torch.randn(M, K, generator=g).to(dtype)
+            b = torch.randn(N, K, generator=g).to(dtype).t() if bt else \
+                torch.randn(K, N, generator=g).to(dtype)
+            out = torch.full((M, N), float("nan"), dtype=dtype)
+            gemm_all_to_all(a, b, ctx, out=out)
+            assert not torch.isnan(out).any(), f"output not fully written at {(M, N, K)}"
+            ref = gemm_all_to_all_reference(a, b, world.group)
+            errs.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
+    finally:
+        ctx.close()
+    return errs
+
+
+# M splits evenly over 2 and 4 ranks; chunks that are not a multiple of the tile (tiles straddle
+# two ranks' chunks), odd N and K, a transposed b, and shapes that change from call to call on
+# one context (the receive buffer is reused under a different layout)
+SHAPES = [(8, 20, 12, False), (24, 33, 17, True), (4, 5, 40, False), (40, 16, 16, False),
+          (12, 50, 9, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_matches_matmul_plus_all_to_all(world, dtype):
+    shapes = [s for s in SHAPES if s[0] % world.size == 0]
+    for errs in world.run(_cases, dtype, shapes, SMALL):
+        assert all(e < TOL[dtype] for e in errs), errs
+
+
+def test_default_tiling_and_one_program(world2):
+    # the CPU default tiling, then a single program walking every tile
+    for errs in world2.run(_cases, torch.float32, [(6, 40, 20, False), (2, 3, 5, True)]):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def _bad(world):
+    ctx = GemmAllToAll(world, max_elems=64, config=SMALL)
+    msgs = []
+    for a, b in [(torch.randn(5, 8), torch.randn(8, 4)),  # M does not split
+                 (torch.randn(4, 8), torch.randn(7, 4)),  # K mismatch
+                 (torch.randn(4, 8), torch.randn(8, 4).double()),
+                 (torch.randn(8, 8), torch.randn(8, 16))]:  # larger than the receive buffer
+        try:
+            ctx(a, b)
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    ctx.close()
+    return msgs
+
+
+def test_bad_input(world2):
+    for msgs in world2.run(_bad):
+        assert all(m and m.startswith("gemm_all_to_all") for m in msgs), msgs
+        assert "split evenly" in msgs[0] and "max_elems" in msgs[3]
+
+
+def _mismatch(world):
+    ctx = GemmAllToAll(world, max_elems=256, config=SMALL, timeout_s=2.0)
+    N = 16 if world.rank == 0 else 32
+    try:
+        ctx(torch.randn(8, 8), torch.randn(8, N))
+        r = "no error"
+    except PortableOverlapError as e:
+        r = type(e).__name__
+    ctx.close()
+    return r
+
+
+def test_ranks_disagreeing_on_n_raise(world2):
+    for r in world2.run(_mismatch, timeout=120):
+        assert r in ("RankMismatchError", "PeerTimeoutError")
+
+
+def _skip(world):
+    ctx = GemmAllToAll(world, max_elems=256, config=SMALL, timeout_s=1.0)
+    r = "ok"
+    if world.rank == 0:
+        try:
+            ctx(torch.randn(8, 8), torch.randn(8, 16))
+            r = "no error"
+        except PeerTimeoutError as e:
+            r = str(e)
+    ctx.close()
+    return r
+
+
+def test_a_rank_that_skips_a_call_is_named(world2):
+    msg = world2.run(_skip, timeout=120)[0]
+    assert "rank 1" in msg and "tiles-sent" in msg, msg
