@@ -162,6 +162,28 @@ def check_compile(world: World, ctx: GemvAllReduce, gen) -> None:
     record("torch.compile(fullgraph=True)", err < 1e-2, f"rel_err={err:.2e}")
 
 
+def check_gemm_alltoall(world: World, gen) -> None:
+    """Fused dense GEMM + All-to-All (first GPU run: correctness only)."""
+    from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
+
+    W = world.world_size
+    shapes = [(4096, 4096, 4096), (1000 * W, 777, 333), (64 * W, 4096, 2048)]
+    ctx = GemmAllToAll(world, max_elems=max(m * n for m, n, _ in shapes))
+    try:
+        for M, N, K in shapes:
+            for dt in (torch.bfloat16, torch.float32):
+                a, b = rand((M, K), dt, world.device, gen), rand((K, N), dt, world.device, gen)
+                out = torch.full((M, N), float("nan"), dtype=dt, device=world.device)
+                for _ in range(3):  # repeated calls reuse the receive buffer
+                    ctx(a, b, out=out)
+                ctx.synchronize()
+                err = rel_err(out, gemm_all_to_all_reference(a, b, world.group))
+                record(f"gemm+all-to-all M={M} N={N} K={K} {str(dt)[6:]}", err < TOL[dt] * 2,
+                       f"rel_err={err:.2e}")
+    finally:
+        ctx.close()
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -245,6 +267,11 @@ def main() -> int:
             traceback.print_exc()
     check_bad_input(world, ctx)
     ctx.close()
+    try:
+        check_gemm_alltoall(world, gen)
+    except Exception as e:
+        record("gemm+all-to-all", False, f"raised {type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
     try:
         check_peer_failures(world, gen)
     except Exception as e:

@@ -89,7 +89,8 @@ def gemm_alltoall_kernel(
                             v, arrived = wait_flag(consumed_ptr + d, epoch - 1, max_spins)
                             if not arrived:
                                 report(status_addr, pid, STATUS_TIMEOUT, d,
-                                       (FLAG_CONSUMED << 32) + d, epoch - 1)
+                                       tl.cast(d, tl.int64) + (FLAG_CONSUMED << 32),
+                                       epoch - 1)
                                 ok = False
                             cleared = cleared | (tl.full((), 1, tl.int64) << d)
                         if ok:
