@@ -86,3 +86,34 @@ def end_call(ctl_ptr, epoch):
     last = ticket == tl.num_programs(0) - 1
     tl.atomic_xchg(ctl_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl_ptr, epoch.to(tl.int64), mask=last, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, max_spins, status_addr,
+               ok, G_MAX: tl.constexpr):
+    """Wait for ``flags[q][pid]`` (a ``[world, G_MAX]`` flag array in the local heap) of every
+    peer q to hold this epoch and ``tag``; report a timeout or a tag mismatch (flag ``kind``) and
+    return ``ok`` and-ed with the outcome. After a failure it stops waiting, so a missing peer
+    costs one timeout, not one per flag."""
+    for q in range(0, world):
+        if (q != rank) & ok:
+            v, arrived = wait_flag(flags_ptr + q * G_MAX + pid, epoch, max_spins)
+            what = (q * G_MAX + pid).to(tl.int64) + (kind << 32)
+            if arrived:
+                if (v >> 32) != tag:
+                    report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
+                    ok = False
+            else:
+                report(status_addr, pid, STATUS_TIMEOUT, q, what, epoch)
+                ok = False
+    tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
+    return ok
+
+
+@triton.jit
+def signal_peers(flags_ptr, bases_ptr, pid, rank, world, value, G_MAX: tl.constexpr):
+    """Set ``flags[rank][pid]`` to ``value`` in every peer's heap, after this program's stores."""
+    tl.debug_barrier()  # every thread's stores before the (cumulative) release
+    for q in range(0, world):
+        if q != rank:
+            signal_peer(flags_ptr + rank * G_MAX + pid, value, bases_ptr, rank, q)

@@ -21,11 +21,10 @@ import torch
 
 from ...tiles.gemv import dot_upcast
 from ..context import G_MAX, OverlapContext, align_key, get_context
-from ..matmul.api import MatmulConfig, default_config
+from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
 
 OP = "gemm_all_to_all"
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class GemmAllToAll(OverlapContext):
@@ -101,19 +100,8 @@ class GemmAllToAll(OverlapContext):
 
 
 def _validate(a, b, world, max_elems: int) -> None:
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError(f"{OP}: a and b must be tensors")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"{OP}: need a [M, K] and b [K, N]; got {tuple(a.shape)}, "
-                         f"{tuple(b.shape)}")
-    if a.dtype not in DTYPES or b.dtype != a.dtype:
-        raise TypeError(f"{OP}: a and b must share one dtype of {DTYPES}; got {a.dtype}, {b.dtype}")
-    if a.device != world.device or b.device != world.device:
-        raise ValueError(f"{OP}: a and b must be on this rank's device {world.device}")
-    M, K = a.shape
-    N = b.shape[1]
-    if min(M, K, N) < 1:
-        raise ValueError(f"{OP}: empty operand {tuple(a.shape)} @ {tuple(b.shape)}")
+    check_operands(OP, a, b, world.device)
+    M, N = a.shape[0], b.shape[1]
     if M % world.world_size:
         raise ValueError(f"{OP}: M={M} rows must split evenly over {world.world_size} ranks "
                          f"(equal-split All-to-All)")

@@ -24,8 +24,8 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_MISMATCH, STATUS_TIMEOUT, begin_call, flag_value, peer_ptr,
-                             report, signal_peer, wait_flag)
+from ...shmem.device import (STATUS_TIMEOUT, begin_call, flag_value, peer_ptr, report,
+                             signal_peer, signal_peers, wait_flag, wait_peers)
 from ...tiles.gemm import gemm_tile, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
@@ -98,22 +98,9 @@ def gemm_alltoall_kernel(
                             tl.store(dst + offs, y, mask=in_d[:, None] & col_ok)
 
     # 1-2. this program's tiles have landed everywhere: tell the peers, wait for theirs
-    tl.debug_barrier()
-    for q in range(0, world):
-        if q != rank:
-            signal_peer(sent_ptr + rank * G_MAX + pid, flag, bases_ptr, rank, q)
-    for q in range(0, world):
-        if (q != rank) & ok:
-            v, arrived = wait_flag(sent_ptr + q * G_MAX + pid, epoch, max_spins)
-            what = (q * G_MAX + pid).to(tl.int64) + (FLAG_SENT << 32)
-            if arrived:
-                if (v >> 32) != tag:
-                    report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
-                    ok = False
-            else:
-                report(status_addr, pid, STATUS_TIMEOUT, q, what, epoch)
-                ok = False
-    tl.debug_barrier()
+    signal_peers(sent_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
+    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, max_spins, status_addr, ok,
+                    G_MAX)
 
     # 3. copy out the rows each peer's program pid stored into recv
     if ok:

@@ -25,42 +25,13 @@ the last program of each launch, so the kernel can be replayed from a CUDA graph
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_MISMATCH, STATUS_TIMEOUT, begin_call, end_call, flag_value,
-                             peer_ptr, report, signal_peer, wait_flag)
+from ...shmem.device import begin_call, end_call, flag_value, peer_ptr, signal_peers, wait_peers
 from ...tiles.gemv import gemv_tile
 
 #: flag kinds named in timeout reports
 FLAG_READY = tl.constexpr(1)
 FLAG_BCAST = tl.constexpr(2)
 FLAG_NAMES = {1: "partials-ready", 2: "result-broadcast"}
-
-
-@triton.jit
-def _wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, max_spins, status_addr, ok,
-                G_MAX: tl.constexpr):
-    """Wait for ``flags[q][pid]`` of every peer q; returns ``ok`` and-ed with the outcome.
-    After a failure it stops waiting, so a missing peer costs one timeout, not one per flag."""
-    for q in range(0, world):
-        if (q != rank) & ok:
-            v, arrived = wait_flag(flags_ptr + q * G_MAX + pid, epoch, max_spins)
-            what = (q * G_MAX + pid).to(tl.int64) + (kind << 32)
-            if arrived:
-                if (v >> 32) != tag:
-                    report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
-                    ok = False
-            else:
-                report(status_addr, pid, STATUS_TIMEOUT, q, what, epoch)
-                ok = False
-    tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
-    return ok
-
-
-@triton.jit
-def _signal_peers(flags_ptr, bases_ptr, pid, rank, world, value, G_MAX: tl.constexpr):
-    tl.debug_barrier()  # every thread's stores before the (cumulative) release
-    for q in range(0, world):
-        if q != rank:
-            signal_peer(flags_ptr + rank * G_MAX + pid, value, bases_ptr, rank, q)
 
 
 @triton.jit
@@ -95,7 +66,7 @@ def gemv_allreduce_kernel(
             dst = peer_ptr(partial_ptr + rank * MN + n0, bases_ptr, rank, owner)
             tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N))
     # 2. tell every peer this program's partials for it have landed
-    _signal_peers(ready_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
+    signal_peers(ready_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
 
     # 3. blocks this rank owns: own partial into the local slot (read back in step 4)
     for i in range(0, n_rounds):
@@ -108,7 +79,7 @@ def gemv_allreduce_kernel(
             tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N))
 
     # 4. reduce owned blocks in rank order, store locally and into every peer's result buffer
-    ok = _wait_peers(ready_ptr, FLAG_READY, pid, rank, world, epoch, tag, max_spins,
+    ok = wait_peers(ready_ptr, FLAG_READY, pid, rank, world, epoch, tag, max_spins,
                      status_addr, pid >= 0, G_MAX)
     if ok:
         for i in range(0, n_rounds):
@@ -125,10 +96,10 @@ def gemv_allreduce_kernel(
                     if q != rank:
                         dst = peer_ptr(result_ptr + n0, bases_ptr, rank, q)
                         tl.store(dst + tile_off, y, mask=mask)
-    _signal_peers(bcast_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
+    signal_peers(bcast_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
 
     # 5. blocks peers own: their reduced tiles arrived in result; copy them to the output
-    ok = _wait_peers(bcast_ptr, FLAG_BCAST, pid, rank, world, epoch, tag, max_spins,
+    ok = wait_peers(bcast_ptr, FLAG_BCAST, pid, rank, world, epoch, tag, max_spins,
                      status_addr, ok, G_MAX)
     if ok:
         for i in range(0, n_rounds):

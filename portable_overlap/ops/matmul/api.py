@@ -45,23 +45,29 @@ def default_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
     return MatmulConfig()
 
 
+def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None:
+    """The checks every GEMM-based op makes of ``a [M, K] @ b [K, N]`` (any strides)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"{op}: a and b must be tensors")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"{op}: need a [M, K] and b [K, N]; got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)}")
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"{op}: a and b must share one dtype of {DTYPES}; got {a.dtype}, {b.dtype}")
+    device = device or a.device
+    if a.device != device or b.device != device:
+        raise ValueError(f"{op}: a and b must be on {device}; got {a.device}, {b.device}")
+    if min(a.shape[0], a.shape[1], b.shape[1]) < 1:
+        raise ValueError(f"{op}: empty operand {tuple(a.shape)} @ {tuple(b.shape)}")
+
+
 def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[int] = None,
                       config: Optional[MatmulConfig] = None,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``a @ b`` by a persistent grid of ``programs`` (default: one per SM, or 4 on the CPU)."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise TypeError(f"{OP}: a and b must be tensors")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"{OP}: need a [M, K] and b [K, N]; got {tuple(a.shape)}, "
-                         f"{tuple(b.shape)}")
-    if a.dtype not in DTYPES or b.dtype != a.dtype:
-        raise TypeError(f"{OP}: a and b must share one dtype of {DTYPES}; got {a.dtype}, {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"{OP}: a and b are on {a.device} and {b.device}")
+    check_operands(OP, a, b)
     M, K = a.shape
     N = b.shape[1]
-    if min(M, N, K) < 1:
-        raise ValueError(f"{OP}: empty operand {tuple(a.shape)} @ {tuple(b.shape)}")
     cfg = config or default_config(a.dtype, a.device)
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
