@@ -202,6 +202,30 @@ def test_a_rank_that_skips_a_call_is_named_and_nobody_hangs(world):
         assert f"rank {rank} program" in msg
 
 
+def _late_rank(world):
+    # rank 1 arrives after rank 0 gave up: rank 0 reports the timeout, and rank 1, which does
+    # get rank 0's partials, must not take the never-written broadcast for results
+    import time
+
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=0.3)
+    x, w = _inputs(world, 2, 40, 16, torch.float32, seed=21)
+    if world.rank == 1:
+        time.sleep(6.0)
+    try:
+        ctx(x, w)
+        result = "no error"
+    except PortableOverlapError as e:
+        result = str(e)
+    ctx.close()
+    return result
+
+
+def test_a_late_rank_gets_an_error_not_garbage(world2):
+    r0, r1 = world2.run(_late_rank, timeout=120)
+    assert "timed out" in r0, r0
+    assert "gave up" in r1, r1
+
+
 def _compiled(world):
     ctx = GemvAllReduce(world, max_n=32)
     x, w = _inputs(world, 3, 32, 16, torch.float32, seed=11)

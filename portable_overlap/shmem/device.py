@@ -18,6 +18,12 @@ import triton.language as tl
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
 STATUS_MISMATCH = tl.constexpr(2)
+STATUS_PEER_FAILED = tl.constexpr(3)
+
+#: The tag a program signals with once it has given up on the call: the peer then reports the
+#: failure instead of consuming data that was never written. Shape tags stay below it.
+FAILED_TAG = tl.constexpr(0x7FFFFFFF)
+TAG_MASK = 0x7FFFFFFE
 
 
 @triton.jit
@@ -100,7 +106,10 @@ def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, max_
             v, arrived = wait_flag(flags_ptr + q * G_MAX + pid, epoch, max_spins)
             what = (q * G_MAX + pid).to(tl.int64) + (kind << 32)
             if arrived:
-                if (v >> 32) != tag:
+                if (v >> 32) == FAILED_TAG:
+                    report(status_addr, pid, STATUS_PEER_FAILED, q, what, epoch)
+                    ok = False
+                elif (v >> 32) != tag:
                     report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
                     ok = False
             else:
@@ -108,6 +117,13 @@ def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, max_
                 ok = False
     tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
     return ok
+
+
+@triton.jit
+def call_flag(epoch, tag, ok):
+    """The word a program signals with: its shape tag while it is on track, FAILED_TAG once it
+    has given up (so peers do not take unwritten data for results)."""
+    return flag_value(epoch, tl.where(ok, tag, FAILED_TAG))
 
 
 @triton.jit

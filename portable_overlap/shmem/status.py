@@ -6,10 +6,13 @@ it at the start of every eager call and in :meth:`StatusBoard.raise_if_failed`."
 from __future__ import annotations
 
 from ..errors import PeerTimeoutError, RankMismatchError
-from .device import STATUS_MISMATCH as _MISMATCH, STATUS_TIMEOUT as _TIMEOUT
+from .device import STATUS_MISMATCH as _MISMATCH
+from .device import STATUS_PEER_FAILED as _PEER_FAILED
+from .device import STATUS_TIMEOUT as _TIMEOUT
 
 STATUS_TIMEOUT = int(_TIMEOUT.value)
 STATUS_MISMATCH = int(_MISMATCH.value)
+STATUS_PEER_FAILED = int(_PEER_FAILED.value)
 
 
 class StatusBoard:
@@ -36,6 +39,10 @@ class StatusBoard:
                 msg = (f"{op}: rank {rank} program {pid} timed out waiting for rank {peer}'s "
                        f"{flag} flag [{index}] of call #{expected}; rank {peer} never arrived "
                        f"(did it skip this call, or crash?)")
+            elif code == STATUS_PEER_FAILED:
+                msg = (f"{op}: rank {rank} program {pid}: rank {peer} gave up on call #{expected} "
+                       f"(its {flag} flag says so; it raises its own error) — this rank's "
+                       f"output of that call is not valid")
             elif code == STATUS_MISMATCH:
                 msg = (f"{op}: rank {rank} program {pid}: rank {peer} called with different "
                        f"shapes (its shape tag {expected:#x} differs from ours)")
@@ -51,6 +58,7 @@ class StatusBoard:
         lines = "\n  ".join(m for _, m in found[:8])
         more = f"\n  (+{len(found) - 8} more programs)" if len(found) > 8 else ""
         cls = RankMismatchError if any(c == STATUS_MISMATCH for c, _ in found) else PeerTimeoutError
+        # (a peer that gave up is reported as a timeout-class error: a peer went missing)
         raise cls(f"{op} failed on rank {rank}:\n  {lines}{more}")
 
     def clear(self) -> None:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
+from ...shmem.device import TAG_MASK
 from ..context import G_MAX, OverlapContext, align_key, get_context
 from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
@@ -91,7 +92,7 @@ class GemmAllToAll(OverlapContext):
         programs = min(n_tiles, self.world.facts.sm_count, G_MAX)
 
         def tag_of(g):  # shapes, tiling and grid: a rank planned differently is caught
-            return zlib.crc32(repr((M, N, K, str(a.dtype), cfg, g)).encode()) & 0x7FFFFFFF
+            return zlib.crc32(repr((M, N, K, str(a.dtype), cfg, g)).encode()) & TAG_MASK
 
         plan = self._compile(gemm_alltoall_kernel, programs, consts,
                              lambda g: self._args(a, b, out, tag_of(g), g))

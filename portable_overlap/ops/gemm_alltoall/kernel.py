@@ -24,7 +24,7 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_TIMEOUT, begin_call, flag_value, peer_ptr, report,
+from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, flag_value, peer_ptr, report,
                              signal_peer, signal_peers, wait_flag, wait_peers)
 from ...tiles.gemm import gemm_tile, grouped_tile
 
@@ -55,7 +55,6 @@ def gemm_alltoall_kernel(
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
-    flag = flag_value(epoch, tag)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     n_tiles = num_pid_m * num_pid_n
@@ -98,7 +97,7 @@ def gemm_alltoall_kernel(
                             tl.store(dst + offs, y, mask=in_d[:, None] & col_ok)
 
     # 1-2. this program's tiles have landed everywhere: tell the peers, wait for theirs
-    signal_peers(sent_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
+    signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
     ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, max_spins, status_addr, ok,
                     G_MAX)
 

@@ -25,7 +25,8 @@ the last program of each launch, so the kernel can be replayed from a CUDA graph
 import triton
 import triton.language as tl
 
-from ...shmem.device import begin_call, end_call, flag_value, peer_ptr, signal_peers, wait_peers
+from ...shmem.device import (begin_call, call_flag, end_call, flag_value, peer_ptr, signal_peers,
+                             wait_peers)
 from ...tiles.gemv import gemv_tile
 
 #: flag kinds named in timeout reports
@@ -96,7 +97,7 @@ def gemv_allreduce_kernel(
                     if q != rank:
                         dst = peer_ptr(result_ptr + n0, bases_ptr, rank, q)
                         tl.store(dst + tile_off, y, mask=mask)
-    signal_peers(bcast_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
+    signal_peers(bcast_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
 
     # 5. blocks peers own: their reduced tiles arrived in result; copy them to the output
     ok = wait_peers(bcast_ptr, FLAG_BCAST, pid, rank, world, epoch, tag, max_spins,
