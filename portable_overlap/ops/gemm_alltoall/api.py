@@ -42,6 +42,8 @@ class GemmAllToAll(OverlapContext):
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
         world.check_same(f"{OP} context arguments (max_elems, config)", (max_elems, config))
         W = world.world_size
+        if W > 64:  # the kernel keeps one bit per peer ("its receive buffer is free") in an int64
+            raise ValueError(f"{OP}: at most 64 ranks, got {W}")
         super().__init__(world, [
             ("_recv_raw", (max_elems,), torch.float32),  # rows from peers, viewed per dtype
             ("sent", (W, G_MAX), torch.int64), ("consumed", (W,), torch.int64),
