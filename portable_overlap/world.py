@@ -52,7 +52,7 @@ class World:
         device = _device_for(be, local_rank)
         if not dist.is_initialized():
             dist.init_process_group(
-                backend=_pg_backend(be), timeout=datetime.timedelta(seconds=timeout_s),
+                backend=be.process_group_backend, timeout=datetime.timedelta(seconds=timeout_s),
                 device_id=device if device.type != "cpu" else None)
         w = cls.from_process_group(backend=be.name, device=device)
         w.launcher = "torchrun"
@@ -136,10 +136,6 @@ def _device_for(be: Backend, local_rank: int) -> torch.device:
     dev = torch.device("cuda", local_rank % n)
     torch.cuda.set_device(dev)
     return dev
-
-
-def _pg_backend(be: Backend) -> str:
-    return "gloo" if be.name == "cpu" else "nccl"  # nccl is RCCL on ROCm builds of torch
 
 
 def _free_port() -> int:

@@ -87,6 +87,8 @@ class Backend(abc.ABC):
 
     name: str = "abstract"
     poll_rate_hz: float = 1e6
+    #: the torch.distributed backend for host collectives on this backend's devices
+    process_group_backend: str = "gloo"
 
     # -- discovery -------------------------------------------------------------------------
     @classmethod

@@ -87,11 +87,13 @@ def begin_call(ctl_ptr):
 @triton.jit
 def end_call(ctl_ptr, epoch):
     """Count this program out; the last one of the launch publishes ``epoch`` for the next call.
-    Safe because every program read the epoch before taking its ticket."""
+    Safe because every program read the epoch before taking its ticket. Returns whether this
+    program was the last."""
     ticket = tl.atomic_add(ctl_ptr + 1, 1, sem="acq_rel", scope="gpu")
     last = ticket == tl.num_programs(0) - 1
     tl.atomic_xchg(ctl_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
     tl.atomic_xchg(ctl_ptr, epoch.to(tl.int64), mask=last, sem="release", scope="gpu")
+    return last
 
 
 @triton.jit

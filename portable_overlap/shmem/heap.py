@@ -48,15 +48,6 @@ class SymmetricHeap:
         world.barrier()  # every rank has zeroed and mapped before anyone stores to a peer
         self.backend.exported_everywhere(self._alloc)
 
-    @property
-    def base_address(self) -> int:
-        return self._alloc.address
-
-    @property
-    def raw(self) -> torch.Tensor:
-        """The whole local heap as a uint8 tensor."""
-        return self._alloc.tensor
-
     def alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor in the heap at the same offset on every rank."""
         numel = math.prod(shape)

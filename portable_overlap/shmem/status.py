@@ -61,5 +61,3 @@ class StatusBoard:
         # (a peer that gave up is reported as a timeout-class error: a peer went missing)
         raise cls(f"{op} failed on rank {rank}:\n  {lines}{more}")
 
-    def clear(self) -> None:
-        self._all.zero_()

@@ -73,6 +73,7 @@ class CudaBackend(Backend):
     #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts);
     #: measured on H200: 2e6 polls gave up after 0.45 s
     poll_rate_hz = 4.4e6
+    process_group_backend = "nccl"
 
     def __init__(self):
         check(driver.cuInit(0))

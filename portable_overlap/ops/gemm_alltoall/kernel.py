@@ -24,7 +24,7 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, flag_value, peer_ptr, report,
+from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value, peer_ptr, report,
                              signal_peer, signal_peers, wait_flag, wait_peers)
 from ...tiles.gemm import gemm_tile, grouped_tile
 
@@ -121,10 +121,7 @@ def gemm_alltoall_kernel(
 
     # 4. the last program out publishes the epoch here and "recv consumed" on every peer
     tl.debug_barrier()  # this program's reads of recv are done before its ticket
-    ticket = tl.atomic_add(ctl_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if ticket == G - 1:
-        tl.atomic_xchg(ctl_ptr + 1, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctl_ptr, epoch, sem="release", scope="gpu")
+    if end_call(ctl_ptr, epoch):
         for q in range(0, world):
             if q != rank:
                 signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)

@@ -5,7 +5,6 @@ tile-group-signal ops, checked on CPU-emulated ranks and in the compile matrix s
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -73,9 +72,10 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:
         raise ValueError(f"{OP}: out must be {a.dtype} [{M}, {N}] on {a.device}")
-    if programs is None:
-        programs = torch.cuda.get_device_properties(a.device).multi_processor_count \
-            if a.is_cuda else int(os.environ.get("PORTABLE_OVERLAP_CPU_SLOTS", "4"))
+    if programs is None:  # one per SM / CU (the CPU backend reports a few emulated slots)
+        from ...backends import get_backend
+
+        programs = get_backend().device_facts(a.device).sm_count
     n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     G = max(1, min(programs, n_tiles))
     persistent_matmul_kernel[(G,)](
