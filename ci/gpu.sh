@@ -3,7 +3,8 @@
 # default), then the benchmark. Logs and results go to the folder given as $1 (or $OUT).
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
-#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1, PO_COMMIT (recorded with every result).
+#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark), PO_SKIP_A2A=1 (GEMM +
+#      All-to-All benchmark), PO_A2A_ARGS, PO_SKIP_DEMO=1, PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
@@ -27,6 +28,11 @@ if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
   tune=(); [ "${PO_TUNE:-0}" = 1 ] && tune=(--tune)
   run 540 benchmarks/bench_gemv_allreduce.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       "${tune[@]}" ${PO_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -vE "^\[|Warning|warn" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_A2A:-0}" != 1 ]; then
+  run 420 benchmarks/bench_gemm_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      ${PO_A2A_ARGS:-} 2>&1 | tee "$out/bench_a2a.log" | grep -vE "^\[|Warning|warn" | tail -14
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then

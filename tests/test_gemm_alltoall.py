@@ -11,8 +11,9 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
 
 
-def _cases(world, dtype, shapes, config=None):
-    ctx = GemmAllToAll(world, max_elems=max(m * n for m, n, _, _ in shapes), config=config)
+def _cases(world, dtype, shapes, config=None, transport="stores", pieces=4):
+    ctx = GemmAllToAll(world, max_elems=max(m * n for m, n, _, _ in shapes), config=config,
+                       transport=transport, pieces=pieces)
     errs = []
     try:
         for i, (M, N, K, bt) in enumerate(shapes):
@@ -51,6 +52,36 @@ def test_default_tiling_and_one_program(world2):
         assert all(e < 1e-5 for e in errs), errs
 
 
+# copy-engine transport: pieces that do not divide the chunk, more pieces than rows (empty
+# pieces), shape changes between calls on one context, every dtype
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_copy_engine_matches_matmul_plus_all_to_all(world, dtype):
+    shapes = [s for s in SHAPES if s[0] % world.size == 0] + [(world.size, 7, 5, False)]
+    for pieces in (3, 1):
+        for errs in world.run(_cases, dtype, shapes, None, "copy_engine", pieces):
+            assert all(e < TOL[dtype] for e in errs), (pieces, errs)
+
+
+def _ce_skip(world):
+    ctx = GemmAllToAll(world, max_elems=256, transport="copy_engine", pieces=2, timeout_s=1.0)
+    r = "ok"
+    if world.rank == 0:
+        try:
+            ctx(torch.randn(8, 8), torch.randn(8, 16))
+            ctx.synchronize()
+            r = "no error"
+        except PeerTimeoutError as e:
+            r = str(e)
+    ctx.close()
+    return r
+
+
+def test_copy_engine_peer_that_skips_a_call_is_named(world2):
+    msg = world2.run(_ce_skip, timeout=120)[0]
+    assert "rank 1" in msg and "piece-ready" in msg, msg
+
+
 def _bad(world):
     ctx = GemmAllToAll(world, max_elems=64, config=SMALL)
     msgs = []
@@ -65,6 +96,22 @@ def _bad(world):
             msgs.append(str(e))
     ctx.close()
     return msgs
+
+
+def _bad_args(world):
+    msgs = []
+    for kw in (dict(transport="dma"), dict(transport="copy_engine", pieces=0)):
+        try:
+            GemmAllToAll(world, max_elems=64, **kw)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_bad_context_arguments(world2):
+    for msgs in world2.run(_bad_args):
+        assert "transport" in msgs[0] and "pieces" in msgs[1], msgs
 
 
 def test_bad_input(world2):

@@ -163,25 +163,45 @@ def check_compile(world: World, ctx: GemvAllReduce, gen) -> None:
 
 
 def check_gemm_alltoall(world: World, gen) -> None:
-    """Fused dense GEMM + All-to-All (first GPU run: correctness only)."""
+    """Dense GEMM + All-to-All, both transports: odd shapes, repeated calls, graph replays."""
     from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 
     W = world.world_size
-    shapes = [(4096, 4096, 4096), (1000 * W, 777, 333), (64 * W, 4096, 2048)]
-    ctx = GemmAllToAll(world, max_elems=max(m * n for m, n, _ in shapes))
-    try:
-        for M, N, K in shapes:
-            for dt in (torch.bfloat16, torch.float32):
-                a, b = rand((M, K), dt, world.device, gen), rand((K, N), dt, world.device, gen)
-                out = torch.full((M, N), float("nan"), dtype=dt, device=world.device)
-                for _ in range(3):  # repeated calls reuse the receive buffer
-                    ctx(a, b, out=out)
+    shapes = [(4096, 4096, 4096), (1000 * W, 777, 333), (64 * W, 4096, 2048), (3 * W, 5, 7)]
+    for transport in ("stores", "copy_engine"):
+        ctx = GemmAllToAll(world, max_elems=max(m * n for m, n, _ in shapes), transport=transport)
+        try:
+            for M, N, K in shapes:
+                for dt in (torch.bfloat16, torch.float16, torch.float32):
+                    a, b = rand((M, K), dt, world.device, gen), rand((K, N), dt, world.device, gen)
+                    out = torch.full((M, N), float("nan"), dtype=dt, device=world.device)
+                    for _ in range(3):  # repeated calls reuse the receive buffer
+                        ctx(a, b, out=out)
+                    ctx.synchronize()
+                    err = rel_err(out, gemm_all_to_all_reference(a, b, world.group))
+                    record(f"gemm+a2a[{transport}] {M}x{N}x{K} {str(dt)[6:]}",
+                           err < TOL[dt] * 2, f"rel_err={err:.2e}")
+            # graph replays with inputs changing between replays
+            M, N, K = 2048 * W, 1024, 512
+            a = rand((M, K), torch.bfloat16, world.device, gen)
+            b = rand((K, N), torch.bfloat16, world.device, gen)
+            out = torch.empty(M, N, dtype=torch.bfloat16, device=world.device)
+            ctx(a, b, out=out)
+            ctx.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                ctx(a, b, out=out)
+            worst = 0.0
+            for _ in range(20):
+                a.copy_(rand((M, K), torch.bfloat16, world.device, gen))
+                out.fill_(float("nan"))
+                g.replay()
                 ctx.synchronize()
-                err = rel_err(out, gemm_all_to_all_reference(a, b, world.group))
-                record(f"gemm+all-to-all M={M} N={N} K={K} {str(dt)[6:]}", err < TOL[dt] * 2,
-                       f"rel_err={err:.2e}")
-    finally:
-        ctx.close()
+                worst = max(worst, rel_err(out, gemm_all_to_all_reference(a, b, world.group)))
+            record(f"gemm+a2a[{transport}] 20 graph replays", worst < TOL[torch.bfloat16] * 2,
+                   f"worst rel_err={worst:.2e}")
+        finally:
+            ctx.close()
 
 
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:

@@ -6,11 +6,16 @@ What it computes, with ``a_r``, ``b_r`` the tensors rank r passes (a [M, K], b [
     c_r = a_r @ b_r                                          # [M, N] on rank r; chunk = M // world
     out_d[r*chunk:(r+1)*chunk] = c_r[d*chunk:(d+1)*chunk]    # on rank d, for every source r
 
-i.e. ``torch.distributed.all_to_all_single(out, a @ b)``, each tile stored into the destination's
-heap as soon as it is computed (see kernel.py).
+i.e. ``torch.distributed.all_to_all_single(out, a @ b)``, with the communication overlapped by one
+of two transports (``GemmAllToAll(..., transport=...)``):
 
-Status: correct on CPU-emulated ranks (2 and 4) and compiled for sm_90 and gfx942; not yet run or
-measured on GPUs.
+- ``"stores"`` (default): one persistent Triton kernel computes the tiles, rows for other ranks
+  first, and stores each finished tile straight into the destination's heap (kernel.py);
+- ``"copy_engine"``: the device's BLAS computes the rows for each destination in ``pieces`` row
+  blocks, destinations other than this rank first, and each finished block goes to its
+  destination by DMA on a side stream (transports/copy_engine.py) while the next block is computed;
+  the receiver's side stream copies arrived blocks into ``out`` while its own rows are computed.
+  No SM is spent on communication, and the GEMM is the vendor's own.
 """
 from __future__ import annotations
 
@@ -22,8 +27,11 @@ import torch
 from ...tiles.gemv import dot_upcast
 from ...shmem.device import TAG_MASK
 from ..context import G_MAX, OverlapContext, align_key, get_context
+from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
+
+TRANSPORTS = ("stores", "copy_engine")
 
 OP = "gemm_all_to_all"
 
@@ -37,10 +45,17 @@ class GemmAllToAll(OverlapContext):
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, max_elems: int, *, timeout_s: float = 10.0,
-                 config: Optional[MatmulConfig] = None):
+                 config: Optional[MatmulConfig] = None, transport: str = "stores",
+                 pieces: int = 4):
         if max_elems < 1:
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
-        world.check_same(f"{OP} context arguments (max_elems, config)", (max_elems, config))
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
+        if not 1 <= pieces <= G_MAX // world.world_size:
+            raise ValueError(f"{OP}: pieces must be in [1, {G_MAX // world.world_size}], "
+                             f"got {pieces}")
+        world.check_same(f"{OP} context arguments (max_elems, config, transport, pieces)",
+                         (max_elems, config, transport, pieces))
         W = world.world_size
         if W > 64:  # the kernel keeps one bit per peer ("its receive buffer is free") in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
@@ -48,10 +63,19 @@ class GemmAllToAll(OverlapContext):
             ("_recv_raw", (max_elems,), torch.float32),  # rows from peers, viewed per dtype
             ("sent", (W, G_MAX), torch.int64), ("consumed", (W,), torch.int64),
             ("ctl", (2,), torch.int64),
+            # copy-engine transport: per-piece ready flags, consumed flags, epoch
+            ("ce_ready", (W, pieces), torch.int64), ("ce_consumed", (W,), torch.int64),
+            ("ce_ctl", (1,), torch.int64),
         ], timeout_s)
         self.max_elems = max_elems
         self.config = config
+        self.transport = transport
+        self.pieces = pieces
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        self._links = None
+        if transport == "copy_engine":
+            self.FLAG_NAMES = CE_FLAG_NAMES
+            self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
                  *, config: Optional[MatmulConfig] = None) -> torch.Tensor:
@@ -65,6 +89,10 @@ class GemmAllToAll(OverlapContext):
                 or not out.is_contiguous():
             raise ValueError(f"{OP}: out must be a contiguous {a.dtype} [{M}, {N}] tensor on "
                              f"{a.device}")
+        if self._links is not None:
+            self._call_copy_engine(a, b, out)
+            self._after_call()
+            return out
         key = (M, K, N, a.dtype, a.stride(), b.stride(), align_key(a, b, out), config)
         plan = self._plans.get(key)
         if plan is None:
@@ -72,6 +100,43 @@ class GemmAllToAll(OverlapContext):
         plan(self._args(a, b, out, plan.tag, plan.programs))
         self._after_call()
         return out
+
+    def _call_copy_engine(self, a, b, out) -> None:
+        """Rows for each destination in ``pieces`` blocks, by BLAS on this stream; each block to
+        its destination by DMA on the side stream (see the module docstring). ``out``'s rows of
+        peer d first stage what goes to d, then receive what d sent (both on the side stream, in
+        that order)."""
+        links, W, r = self._links, self.world.world_size, self.rank
+        M, K = a.shape
+        N = b.shape[1]
+        chunk = M // W
+        bounds = [chunk * i // self.pieces for i in range(self.pieces + 1)]
+        tag = zlib.crc32(repr((OP, M, N, K, str(a.dtype), self.pieces)).encode()) & TAG_MASK
+        recv = self._recv[a.dtype][: M * N].view(M, N)
+        links.begin()
+        for i in range(1, W):  # communication first: rows of rank r+1, r+2, ...
+            d = (r + i) % W
+            for k in range(self.pieces):
+                lo, hi = d * chunk + bounds[k], d * chunk + bounds[k + 1]
+                torch.matmul(a[lo:hi], b, out=out[lo:hi])
+                links.follow()
+                with links.on_side():
+                    if k == 0:
+                        links.wait_consumed(d)
+                    # into d's recv at the rows d's output takes from this rank
+                    dst = recv[r * chunk + bounds[k]: r * chunk + bounds[k + 1]]
+                    links.put(d, dst, out[lo:hi], k, tag)
+        with links.on_side():  # what the peers sent, copied into place as it lands
+            for i in range(1, W):
+                q = (r - i) % W  # q computed this rank's rows i-th: the order they finish in
+                for k in range(self.pieces):
+                    lo, hi = q * chunk + bounds[k], q * chunk + bounds[k + 1]
+                    links.wait_ready(q, k, tag)
+                    links.copy_local(out[lo:hi], recv[lo:hi])
+                links.release(q)
+        lo, hi = r * chunk, (r + 1) * chunk
+        torch.matmul(a[lo:hi], b, out=out[lo:hi])  # this rank's own rows last
+        links.rejoin()
 
     def _args(self, a, b, out, tag, programs):
         M, K = a.shape

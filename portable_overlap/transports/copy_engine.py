@@ -1,0 +1,117 @@
+"""Copy-engine transport: DMA copies into peers' heaps, ordered on a side stream.
+
+The producer (any kernel or library call on the caller's stream) computes a piece; the side stream
+waits for it (an event), waits until the destination's receive buffer is free, copies the piece
+into the destination's heap on the copy engine (no SM), then a one-program kernel sets the
+destination's ready flag. The receiver's side stream waits for the ready flag (a one-program,
+bounded wait) and copies the piece where it belongs. Nothing polls on the host, every wait is
+bounded (a timeout is recorded on the status board and raised by the context's next check), and
+every flag carries the call's epoch from the heap, so CUDA-graph replays stay correct.
+
+Flags (heap, int64, ``(tag << 32) | epoch`` as in shmem.device):
+``ready[q][k]``  set by rank q once its k-th transfer into this rank landed (this call's epoch);
+``consumed[d]``  set by rank d once it copied out everything this rank sent it (that call's epoch):
+                 a sender waits for ``consumed[d] == epoch - 1`` before its first copy into d.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .flag_kernels import epoch_kernel, signal_kernel, wait_kernel
+
+#: the wait kernels' "what" words: (kind << 32) | index, named in errors
+KIND_READY, KIND_CONSUMED = 1, 2
+FLAG_NAMES = {KIND_READY: "piece-ready", KIND_CONSUMED: "recv-consumed"}
+
+
+class CopyEngineLinks:
+    """The copy-engine links of one context's rank to its peers. ``ready`` is a heap int64
+    ``[world, slots]`` tensor, ``consumed`` ``[world]`` and ``ctl`` ``[1]`` (the epoch)."""
+
+    def __init__(self, ctx, ready: torch.Tensor, consumed: torch.Tensor, ctl: torch.Tensor):
+        self.ctx = ctx
+        self.world = ctx.world
+        self.backend = ctx.world.backend
+        self.rank = ctx.rank
+        self.ready, self.consumed, self.ctl = ready, consumed, ctl
+        self.slots = ready.shape[1]
+        dev = self.world.device
+        self._mod = torch.get_device_module(dev)
+        # the interpreter runs everything in program order: no side stream there
+        self.side = self._mod.Stream() if dev.type != "cpu" else None
+        self._launch = {}
+        one = dict(num_warps=1, num_stages=1)
+        tag0 = 1
+        st = ctx.status.address
+        self._launch["epoch"] = ctx._compile(epoch_kernel, 1, one, lambda g: (ctl,))
+        self._launch["signal"] = ctx._compile(
+            signal_kernel, 1, one,
+            lambda g: (consumed, ctx.heap.bases, self.rank, (self.rank + 1) % self.world.world_size,
+                       ctl, 0, tag0, st))
+        for check in (True, False):
+            self._launch[("wait", check)] = ctx._compile(
+                wait_kernel, 1, dict(one, CHECK_TAG=check),
+                lambda g: (consumed, 0, ctl, 0, tag0, 1, st, 0, 1 << 33))
+
+    # -- streams ---------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start a call on the caller's stream (advances the epoch)."""
+        self._launch["epoch"]((self.ctl,))
+
+    def follow(self) -> None:
+        """The side stream waits for what the caller's stream has queued so far."""
+        if self.side is not None:
+            self.side.wait_stream(self._mod.current_stream())
+
+    def rejoin(self) -> None:
+        """The caller's stream waits for everything queued on the side stream."""
+        if self.side is not None:
+            self._mod.current_stream().wait_stream(self.side)
+
+    @contextlib.contextmanager
+    def on_side(self):
+        if self.side is None:
+            yield
+        else:
+            with self._mod.stream(self.side):
+                yield
+
+    # -- transfers (call inside on_side) ---------------------------------------------------------
+    def wait_consumed(self, d: int) -> None:
+        """Hold until rank d has copied out what this rank sent it in the previous call."""
+        what = (KIND_CONSUMED << 32) | d
+        self._launch[("wait", False)]((self.consumed[d:], d, self.ctl, 1, 0, self.ctx.max_spins,
+                                       self.ctx.status.address, d, what))
+
+    def put(self, d: int, dst: torch.Tensor, src: torch.Tensor, slot: int, tag: int) -> None:
+        """Copy ``src`` (local, contiguous) into ``dst``'s place (a local heap view) in rank d's
+        heap, then set ``ready[rank][slot]`` there."""
+        nbytes = src.numel() * src.element_size()
+        if nbytes:
+            self.backend.copy_async(self.ctx.heap.peer_address(dst, d), src.data_ptr(), nbytes,
+                                    self.backend.current_stream(self.world.device))
+        self._signal(self.ready[self.rank, slot:], d, 0, tag)
+
+    def wait_ready(self, q: int, slot: int, tag: int) -> None:
+        """Hold until rank q's transfer ``slot`` of this call has landed here (and q's tag
+        matches this rank's)."""
+        what = (KIND_READY << 32) | (q * self.slots + slot)
+        self._launch[("wait", True)]((self.ready[q, slot:], q, self.ctl, 0, tag,
+                                      self.ctx.max_spins, self.ctx.status.address,
+                                      q * self.slots + slot, what))
+
+    def copy_local(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = src.numel() * src.element_size()
+        if nbytes:
+            self.backend.copy_async(dst.data_ptr(), src.data_ptr(), nbytes,
+                                    self.backend.current_stream(self.world.device))
+
+    def release(self, q: int) -> None:
+        """Tell rank q that this rank has copied out everything q sent it in this call."""
+        self._signal(self.consumed[self.rank:], q, 0, 0)
+
+    def _signal(self, flag: torch.Tensor, peer: int, back: int, tag: int) -> None:
+        self._launch["signal"]((flag, self.ctx.heap.bases, self.rank, peer, self.ctl, back, tag,
+                                self.ctx.status.address))
