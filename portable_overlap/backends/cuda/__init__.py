@@ -90,8 +90,17 @@ class CudaBackend(Backend):
 
     @staticmethod
     def _dev(device: torch.device):
+        """Make ``device`` current (its primary context for this thread's driver calls) and
+        return its driver handle. Only for the rank's own device: see ``_handle``."""
         torch.cuda.set_device(device)
-        torch.cuda.init()  # makes the primary context current for this thread's driver calls
+        torch.cuda.init()
+        return check(driver.cuDeviceGet(device.index if device.index is not None else 0))
+
+    @staticmethod
+    def _handle(device: torch.device):
+        """The driver handle of any device, leaving the current device alone (making a peer
+        current would send later collectives of the process group to the wrong GPU)."""
+        torch.cuda.init()
         return check(driver.cuDeviceGet(device.index if device.index is not None else 0))
 
     def device_facts(self, device: torch.device) -> DeviceFacts:
@@ -138,12 +147,12 @@ class CudaBackend(Backend):
     def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
         if device == peer:
             return True
-        return bool(check(driver.cuDeviceCanAccessPeer(self._dev(device), self._dev(peer))))
+        return bool(check(driver.cuDeviceCanAccessPeer(self._handle(device), self._handle(peer))))
 
     def enable_peer_access(self, device: torch.device, peer: torch.device) -> None:
         if device == peer:
             return
-        peer_ctx = check(driver.cuDevicePrimaryCtxRetain(self._dev(peer)))
+        peer_ctx = check(driver.cuDevicePrimaryCtxRetain(self._handle(peer)))
         self._dev(device)
         err, = driver.cuCtxEnablePeerAccess(peer_ctx, 0)
         if int(err) not in (0, int(driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)):
