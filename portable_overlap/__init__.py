@@ -4,13 +4,17 @@ Ops start sending the first finished tiles of their output to the other GPUs whi
 still being computed. See README.md for how the pieces fit.
 """
 from .backends import get_backend
-from .errors import (BackendUnavailable, ContextBrokenError, PeerTimeoutError,
-                     PortableOverlapError, RankMismatchError)
+from .errors import (BackendUnavailable, ContextBrokenError, InvalidInputError,
+                     PeerTimeoutError, PortableOverlapError, RankMismatchError)
 from .modules.linear import RowParallelLinear
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
+from .ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all
+from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from .world import World
 
 __version__ = "0.1.0"
 __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_reduce",
            "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
-           "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError"]
+           "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError",
+           "InvalidInputError", "GemmAllToAll", "gemm_all_to_all", "MoeGemmCombine",
+           "moe_gemm_combine"]

@@ -33,3 +33,9 @@ class RankMismatchError(PortableOverlapError):
 
 class ContextBrokenError(PortableOverlapError):
     """The context already raised a peer error; its peers are out of step, create a new one."""
+
+
+class InvalidInputError(PortableOverlapError, ValueError):
+    """A kernel found data-dependent input invalid (a routing slot out of range, row counts that
+    do not add up). Checks that need no device data raise ValueError before any launch; these
+    are found on the device and raised at the context's next check."""

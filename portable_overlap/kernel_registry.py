@@ -24,9 +24,11 @@ def all_specs():
     from .ops.gemv_allreduce.compile_specs import specs as gemv_allreduce_specs
     from .ops.gemm_alltoall.compile_specs import specs as gemm_alltoall_specs
     from .ops.matmul.compile_specs import specs as matmul_specs
+    from .ops.moe_combine.compile_specs import specs as moe_combine_specs
     from .transports.compile_specs import specs as transport_specs
 
     yield from gemv_allreduce_specs()
     yield from matmul_specs()
     yield from gemm_alltoall_specs()
+    yield from moe_combine_specs()
     yield from transport_specs()

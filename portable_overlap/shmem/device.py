@@ -19,6 +19,7 @@ STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
 STATUS_MISMATCH = tl.constexpr(2)
 STATUS_PEER_FAILED = tl.constexpr(3)
+STATUS_BAD_INPUT = tl.constexpr(4)  # data-dependent input a kernel found invalid (e.g. routing)
 
 #: The tag a program signals with once it has given up on the call: the peer then reports the
 #: failure instead of consuming data that was never written. Shape tags stay below it.

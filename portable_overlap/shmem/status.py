@@ -5,14 +5,16 @@ the host reads it at any time without a device sync (pinned, mapped memory on GP
 it at the start of every eager call and in :meth:`StatusBoard.raise_if_failed`."""
 from __future__ import annotations
 
-from ..errors import PeerTimeoutError, RankMismatchError
+from ..errors import InvalidInputError, PeerTimeoutError, RankMismatchError
 from .device import STATUS_MISMATCH as _MISMATCH
+from .device import STATUS_BAD_INPUT as _BAD_INPUT
 from .device import STATUS_PEER_FAILED as _PEER_FAILED
 from .device import STATUS_TIMEOUT as _TIMEOUT
 
 STATUS_TIMEOUT = int(_TIMEOUT.value)
 STATUS_MISMATCH = int(_MISMATCH.value)
 STATUS_PEER_FAILED = int(_PEER_FAILED.value)
+STATUS_BAD_INPUT = int(_BAD_INPUT.value)
 
 
 class StatusBoard:
@@ -46,6 +48,10 @@ class StatusBoard:
             elif code == STATUS_MISMATCH:
                 msg = (f"{op}: rank {rank} program {pid}: rank {peer} called with different "
                        f"shapes (its shape tag {expected:#x} differs from ours)")
+            elif code == STATUS_BAD_INPUT:
+                # ``what`` names the check (its kind) and an index, ``expected`` the bad value
+                msg = (f"{op}: rank {rank} program {pid}: invalid {flag} [{index}]: got "
+                       f"{expected}" + (f" (from rank {peer})" if peer >= 0 else ""))
             else:
                 msg = f"{op}: rank {rank} program {pid}: status code {code}"
             out.append((code, msg))
@@ -57,7 +63,9 @@ class StatusBoard:
         found = self.describe(op, rank, what_names)
         lines = "\n  ".join(m for _, m in found[:8])
         more = f"\n  (+{len(found) - 8} more programs)" if len(found) > 8 else ""
-        cls = RankMismatchError if any(c == STATUS_MISMATCH for c, _ in found) else PeerTimeoutError
+        codes = {c for c, _ in found}
+        cls = (InvalidInputError if STATUS_BAD_INPUT in codes else
+               RankMismatchError if STATUS_MISMATCH in codes else PeerTimeoutError)
         # (a peer that gave up is reported as a timeout-class error: a peer went missing)
         raise cls(f"{op} failed on rank {rank}:\n  {lines}{more}")
 

@@ -1,0 +1,233 @@
+"""Fused MoE expert GEMM + combine All-to-All (expert parallelism), payload-efficient.
+
+What it computes on rank r, with the dispatch layout of ``routing.dispatch``::
+
+    # x [R, I]: rows for r's experts, by source rank q, then local expert e (counts[q, e] rows)
+    # w [E_local, I, H]: r's experts (global expert r * E_local + e); slots [R]: row -> slot
+    y = cat([x[seg(q, e)] @ w[e] for q in ranks for e in local experts])      # [R, H]
+    rows_q = all_to_all(y, splits=counts.sum(1))       # rows back to the ranks their tokens left
+    placed[slots_q] = rows_q                           # [S * k, H] on each source rank
+    out[s] = sum_j topk_weights[s, j] * placed[s * k + j]                       # [S, H]
+
+with one persistent grouped-GEMM kernel that stores each finished tile's rows straight into the
+source rank's combine buffer (heap) at their slots, tiles for other ranks first, and a combine
+kernel that waits for the rows and takes the weighted sum (kernel.py). Only real rows travel;
+ranks may receive different row counts and hold different token counts S.
+
+Routing data lives on the device and is never read by the host on a call: slots out of range
+and row counts that do not add up to S * k are found by the kernels, which skip the bad rows,
+and raise ``InvalidInputError`` at the context's next check (``ctx.synchronize()``).
+``validate_routing`` checks everything on the host (a device sync), for debugging.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Optional
+
+import torch
+
+from ...tiles.gemv import dot_upcast
+from ...shmem.device import TAG_MASK
+from ..context import G_MAX, OverlapContext, align_key, get_context
+from ..matmul.api import DTYPES, MatmulConfig, default_config
+from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_scatter_kernel
+
+OP = "moe_gemm_combine"
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    """Tiling of the weighted-sum kernel: tokens and hidden columns per program step."""
+    block_s: int = 8
+    block_h: int = 256
+    num_warps: int = 4
+
+
+class MoeGemmCombine(OverlapContext):
+    """Workspace of the fused expert GEMM + combine on one rank: a combine buffer of
+    ``max_tokens * top_k`` rows of ``hidden`` (the most tokens any rank holds in a call), flags
+    and row counters in the symmetric heap. Collective to create and close; calls in the same
+    order on every rank, on one stream."""
+
+    OP = OP
+    FLAG_NAMES = FLAG_NAMES
+
+    def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
+                 experts_per_rank: int, timeout_s: float = 10.0,
+                 config: Optional[MatmulConfig] = None,
+                 combine_config: Optional[CombineConfig] = None):
+        for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
+                        ("experts_per_rank", experts_per_rank)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
+        W = world.world_size
+        if W > 64:  # the GEMM kernel keeps one bit per peer in an int64
+            raise ValueError(f"{OP}: at most 64 ranks, got {W}")
+        world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden,
+                                                     experts_per_rank, config, combine_config))
+        self.max_slots = max_tokens * top_k
+        super().__init__(world, [
+            ("_combine_raw", (self.max_slots * hidden,), torch.float32),  # viewed per dtype
+            ("sent", (W, G_MAX), torch.int64), ("rows_in", (W, G_MAX), torch.int64),
+            ("rows_mine", (W, G_MAX), torch.int64), ("consumed", (W,), torch.int64),
+            ("ctl", (4,), torch.int64),
+        ], timeout_s)
+        self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
+        self.experts_per_rank = experts_per_rank
+        self.config, self.combine_config = config, combine_config
+        n = self.max_slots * hidden  # the raw buffer fits n float32s: n elements of any dtype
+        self._combine = {dt: self._combine_raw.view(torch.uint8).view(dt)[:n]
+                         .view(self.max_slots, hidden) for dt in DTYPES}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                 slots: torch.Tensor, topk_weights: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._before_call()
+        self._validate(x, w, counts, slots, topk_weights)
+        S = topk_weights.shape[0]
+        if out is None:
+            out = torch.empty((S, self.hidden), dtype=x.dtype, device=x.device)
+        elif out.shape != (S, self.hidden) or out.dtype != x.dtype or out.device != x.device \
+                or not out.is_contiguous():
+            raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{S}, {self.hidden}] "
+                             f"tensor on {x.device}")
+        # row starts of the segments: one small device op, no host sync
+        flat = counts.reshape(-1)
+        starts = (torch.cumsum(flat, 0, dtype=torch.int32) - flat).to(torch.int32)
+        # R and S are data-dependent and never specialized on (kernel.py), so plans depend only
+        # on what is fixed for a model: dtype, I, strides, pointer alignment
+        key = (x.dtype, x.shape[1], x.stride(), w.stride(), topk_weights.stride(),
+               topk_weights.dtype, align_key(x, w, counts, slots, topk_weights, out))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(x, w, counts, starts, slots, topk_weights, out)
+        gemm, comb = plan
+        gemm(self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs))
+        comb.programs = max(1, -(-S // comb.block_s))  # one program per block of tokens
+        comb(self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs))
+        self._after_call()
+        return out
+
+    # -- launches ------------------------------------------------------------------------------
+    def _gemm_args(self, x, w, counts, starts, slots, tag, programs):
+        W = self.world.world_size
+        return (x, w, counts, starts, slots, self._combine[x.dtype], self.sent, self.rows_in,
+                self.rows_mine, self.consumed, self.ctl, self.heap.bases, self.status.address,
+                x.shape[0], self.hidden, x.shape[1], self.experts_per_rank, self.max_slots,
+                x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), programs,
+                self.rank, W, tag, self.max_spins)
+
+    def _comb_args(self, topk_weights, out, dtype, tag, gemm_programs):
+        S, k = topk_weights.shape
+        return (self._combine[dtype], topk_weights, out, self.sent, self.rows_in, self.consumed,
+                self.ctl, self.heap.bases, self.status.address, S, self.hidden, k,
+                topk_weights.stride(0), topk_weights.stride(1), gemm_programs, self.rank,
+                self.world.world_size, tag, self.max_spins)
+
+    def _plan(self, x, w, counts, starts, slots, topk_weights, out):
+        I = x.shape[1]
+        cfg = self.config or default_config(x.dtype, x.device)
+        gemm_consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
+                           EVEN_K=I % cfg.block_k == 0,
+                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages)
+        # The grid does not depend on the data-dependent row count: ranks receive different
+        # numbers of rows, and a peer's combine waits for every program of this launch.
+        programs = min(self.world.facts.sm_count, G_MAX)
+
+        def tag_of(g):  # what must agree across ranks (not R or S, which may differ)
+            return zlib.crc32(repr((OP, self.hidden, I, self.experts_per_rank, self.top_k,
+                                    str(x.dtype), cfg, g)).encode()) & TAG_MASK
+
+        gemm = self._compile(moe_gemm_scatter_kernel, programs, gemm_consts,
+                             lambda g: self._gemm_args(x, w, counts, starts, slots, tag_of(g), g))
+        gemm.tag = tag_of(gemm.programs)
+        cc = self.combine_config or (CombineConfig() if x.device.type != "cpu" else
+                                     CombineConfig(block_s=4, block_h=16, num_warps=1))
+        S = topk_weights.shape[0]
+        comb_consts = dict(BLOCK_S=cc.block_s, BLOCK_H=cc.block_h, G_MAX=G_MAX,
+                           num_warps=cc.num_warps, num_stages=1)
+        # every program waits for the peers' rows, none for another program of this launch,
+        # so the grid needs no cap: one program per block of tokens (one when S is 0)
+        comb = self._compile(moe_combine_kernel, max(1, -(-S // cc.block_s)), comb_consts,
+                             lambda g: self._comb_args(topk_weights, out, x.dtype, gemm.tag,
+                                                       gemm.programs))
+        comb.block_s = cc.block_s
+        return gemm, comb
+
+    # -- checks --------------------------------------------------------------------------------
+    def _validate(self, x, w, counts, slots, topk_weights) -> None:
+        W, E, H = self.world.world_size, self.experts_per_rank, self.hidden
+        dev = self.world.device
+        for name, t in (("x", x), ("w", w), ("counts", counts), ("slots", slots),
+                        ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{OP}: {name} must be a tensor")
+            if t.device != dev:
+                raise ValueError(f"{OP}: {name} must be on {dev}, got {t.device}")
+        if x.dtype not in DTYPES or w.dtype != x.dtype:
+            raise TypeError(f"{OP}: x and w must share one dtype of {DTYPES}; got {x.dtype}, "
+                            f"{w.dtype}")
+        if x.dim() != 2 or w.dim() != 3 or w.shape[0] != E or w.shape[1] != x.shape[1] \
+                or w.shape[2] != H:
+            raise ValueError(f"{OP}: need x [R, I] and w [{E}, I, {H}]; got {tuple(x.shape)}, "
+                             f"{tuple(w.shape)}")
+        if x.shape[1] < 1:
+            raise ValueError(f"{OP}: I must be >= 1")
+        if counts.dtype != torch.int32 or tuple(counts.shape) != (W, E) \
+                or not counts.is_contiguous():
+            raise ValueError(f"{OP}: counts must be a contiguous int32 [{W}, {E}] tensor (rows "
+                             f"from each source rank for each local expert); got "
+                             f"{counts.dtype} {tuple(counts.shape)}")
+        if slots.dtype != torch.int32 or tuple(slots.shape) != (x.shape[0],) \
+                or not slots.is_contiguous():
+            raise ValueError(f"{OP}: slots must be a contiguous int32 [{x.shape[0]}] tensor "
+                             f"(one per row of x); got {slots.dtype} {tuple(slots.shape)}")
+        if topk_weights.dim() != 2 or topk_weights.shape[1] != self.top_k \
+                or not topk_weights.is_floating_point():
+            raise ValueError(f"{OP}: topk_weights must be a float [S, {self.top_k}] tensor; got "
+                             f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+        if topk_weights.shape[0] > self.max_tokens:
+            raise ValueError(f"{OP}: S={topk_weights.shape[0]} tokens exceed this context's "
+                             f"max_tokens={self.max_tokens}")
+
+
+def validate_routing(x, counts, slots, S: int, top_k: int, world) -> None:
+    """Collective host-side check of the routing data (syncs the device; for debugging): this
+    rank's counts add up to the rows of x, and each row's slot is inside its source rank's
+    ``S * top_k`` slots. The kernels find the same faults without a sync, at the context's next
+    check."""
+    total = int(counts.sum())
+    if total != x.shape[0]:
+        raise ValueError(f"{OP}: counts add up to {total} rows, x has {x.shape[0]}")
+    sizes = world.all_gather_object(S * top_k)
+    bounds = [0] + torch.cumsum(counts.sum(1).long(), 0).tolist()
+    for q, n_slots in enumerate(sizes):
+        s = slots[bounds[q]:bounds[q + 1]]
+        if s.numel() and (int(s.min()) < 0 or int(s.max()) >= n_slots):
+            raise ValueError(f"{OP}: rows from rank {q} must have slots in [0, {n_slots}); got "
+                             f"[{int(s.min())}, {int(s.max())}]")
+
+
+def moe_gemm_combine(x, w, counts, slots, topk_weights, ctx: MoeGemmCombine,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """See the module docstring; under ``torch.compile`` it is one opaque op."""
+    if out is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.moe_gemm_combine(x, w, counts, slots, topk_weights,
+                                                           ctx.handle)
+    return ctx(x, w, counts, slots, topk_weights, out)
+
+
+@torch.library.custom_op("portable_overlap::moe_gemm_combine", mutates_args=())
+def _moe_gemm_combine_op(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                         slots: torch.Tensor, topk_weights: torch.Tensor,
+                         handle: int) -> torch.Tensor:
+    return get_context(handle)(x, w, counts, slots, topk_weights)
+
+
+@_moe_gemm_combine_op.register_fake
+def _(x, w, counts, slots, topk_weights, handle):
+    return x.new_empty((topk_weights.shape[0], w.shape[2]))

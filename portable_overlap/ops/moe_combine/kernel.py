@@ -1,0 +1,191 @@
+"""Fused MoE expert GEMM + combine All-to-All: two kernels.
+
+``moe_gemm_scatter_kernel`` (persistent grouped GEMM). Rank r holds ``x`` [R, I]: the rows it was
+dispatched, in the order an ``all_to_all_single`` dispatch delivers them: by source rank q, then by
+local expert e (``counts[q, e]`` rows, starting at row ``starts[q, e]``). Row i of segment (q, e)
+computes ``x[i] @ w[e]`` ([H]) and belongs to slot ``slots[i]`` of rank q's combine buffer.
+
+The tiles of a segment never straddle two segments, so each tile has one destination and one
+expert. Segments are walked source by source starting at q = r+1, so the tiles whose rows go to
+other ranks come first and this rank's own rows last (communication-aware order); program ``pid``
+takes the tiles ``pid, pid + G, ...`` of that walk. A finished tile's rows are stored straight
+into the destination's combine buffer at their slots (zero-copy, only real rows travel).
+Afterwards each program tells every rank how many rows it stored there and signals
+``sent[r][pid]`` (release). Before its first store into rank q in a call, a program waits until
+``consumed[q]`` holds the previous epoch (q's combine has read the previous call's rows).
+
+``moe_combine_kernel`` (on each rank, for its own tokens). Waits for ``sent[q][p]`` of every peer
+q and program p, checks that the rows that arrived add up to S·k, then
+``out[s] = sum_j topk_weights[s, j] * combine[s·k + j]`` in float32. Its last program tells every
+peer that this rank's combine buffer is free again (``consumed[r] = epoch`` in their heaps).
+
+No program ever waits for another program of its own launch (the interpreter runs them one after
+another), and every wait is bounded (status board).
+"""
+import triton
+import triton.language as tl
+
+from ...shmem.device import (FAILED_TAG, STATUS_BAD_INPUT, STATUS_MISMATCH, STATUS_PEER_FAILED,
+                             STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
+                             peer_ptr, report, signal_peer, signal_peers, wait_flag)
+from ...tiles.gemm import gemm_tile, grouped_tile
+
+FLAG_SENT = tl.constexpr(1)
+FLAG_CONSUMED = tl.constexpr(2)
+CHECK_SLOT = tl.constexpr(3)
+CHECK_ROWS = tl.constexpr(4)
+FLAG_NAMES = {1: "rows-sent", 2: "combine-consumed", 3: "routing slot of dispatched row",
+              4: "row count arriving (expected S*top_k)"}
+
+
+@triton.jit
+def _segment(i, rank, world, E):
+    """(source rank, local expert) of the i-th segment of the walk: sources from rank+1 on."""
+    return (rank + 1 + i // E) % world, i % E
+
+
+# R (rows received) and S (tokens) change from call to call with the routing: compiled once, the
+# kernels must not be specialized on their values (== 1, divisible by 16).
+@triton.jit(do_not_specialize=["R"])
+def moe_gemm_scatter_kernel(
+    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr,  # x [R, I], w [E, I, H], int32 [W*E] x2, [R]
+    combine_ptr, sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr,  # heap
+    bases_ptr, status_addr,
+    R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+    G, rank, world, tag, max_spins,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = begin_call(ctl_ptr)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    n_seg = world * E
+    # every segment adds at most one partial row block
+    t_max = (tl.cdiv(R, BLOCK_M) + n_seg) * num_pid_n
+    ok = pid >= 0
+    cleared = tl.zeros((), tl.int64)  # bit q: rank q's combine buffer is free for this call
+    for q in range(0, world):
+        tl.store(rows_mine_ptr + q * G_MAX + pid, 0)
+    tl.debug_barrier()  # zeroed before any thread of the program counts into it
+
+    # the walk's cursor: segment index, its first tile, its tile count (monotone in t)
+    seg = 0
+    seg_t0 = 0
+    src, e = _segment(seg, rank, world, E)
+    n = tl.load(counts_ptr + src * E + e)
+    seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
+    for i in range(0, tl.cdiv(t_max, G)):
+        t = pid + i * G
+        while (t >= seg_t0 + seg_nt) & (seg < n_seg):
+            seg += 1
+            seg_t0 += seg_nt
+            src, e = _segment(seg, rank, world, E)
+            n = tl.load(counts_ptr + src * E + e, mask=seg < n_seg, other=0)
+            seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
+        if seg < n_seg:
+            pid_m, pid_n = grouped_tile(t - seg_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
+            start = tl.load(starts_ptr + src * E + e)
+            acc = gemm_tile(x_ptr + start.to(tl.int64) * stride_xm,
+                            w_ptr + tl.cast(e, tl.int64) * stride_we, n, H, I, stride_xm, stride_xk,
+                            stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                            NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+            y = acc.to(combine_ptr.dtype.element_ty)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = rows < n
+            slot = tl.load(slots_ptr + start + rows, mask=valid, other=0)
+            slot_ok = (slot >= 0) & (slot < max_slots)
+            if tl.sum((valid & ~slot_ok).to(tl.int32)) > 0:
+                bad = tl.max(tl.where(valid & ~slot_ok, start + rows, -1))
+                report(status_addr, pid, STATUS_BAD_INPUT, src,
+                       (CHECK_SLOT << 32) + bad.to(tl.int64),
+                       tl.load(slots_ptr + bad).to(tl.int64))
+                ok = False
+            keep = valid & slot_ok
+            if src == rank:
+                dst = combine_ptr
+            else:
+                if ((cleared >> src) & 1) == 0:
+                    # src must have read the previous call's rows before we overwrite them
+                    v, arrived = wait_flag(consumed_ptr + src, epoch - 1, max_spins)
+                    if not arrived:
+                        report(status_addr, pid, STATUS_TIMEOUT, src,
+                               tl.cast(src, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
+                        ok = False
+                    cleared = cleared | (tl.full((), 1, tl.int64) << src)
+                dst = peer_ptr(combine_ptr, bases_ptr, rank, src)
+            if ok:
+                offs = slot[:, None].to(tl.int64) * H + cols[None, :]
+                tl.store(dst + offs, y, mask=keep[:, None] & (cols[None, :] < H))
+                if pid_n == 0:  # count each row once, not once per column block
+                    tl.atomic_add(rows_mine_ptr + src * G_MAX + pid,
+                                  tl.sum(keep.to(tl.int64)), sem="relaxed", scope="gpu")
+
+    # tell every rank how many rows this program stored there, then signal (release)
+    tl.debug_barrier()
+    for q in range(0, world):
+        cnt = tl.atomic_add(rows_mine_ptr + q * G_MAX + pid, 0, sem="relaxed", scope="gpu")
+        tl.store(peer_ptr(rows_in_ptr + rank * G_MAX + pid, bases_ptr, rank, q), cnt)
+    signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
+    end_call(ctl_ptr, epoch)
+
+
+@triton.jit(do_not_specialize=["S"])
+def moe_combine_kernel(
+    combine_ptr, topk_ptr, out_ptr,  # heap [max_slots, H]; [S, k] (any float); [S, H]
+    sent_ptr, rows_in_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    S, H, k, stride_ts, stride_tk, G_src, rank, world, tag, max_spins,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the GEMM
+    ok = pid >= 0
+    # 1. every peer program's rows have landed (this rank's own came before, in stream order)
+    for q in range(0, world):
+        if (q != rank) & ok:
+            for p in range(0, G_src):
+                if ok:
+                    v, arrived = wait_flag(sent_ptr + q * G_MAX + p, epoch, max_spins)
+                    what = tl.cast(q * G_MAX + p, tl.int64) + (FLAG_SENT << 32)
+                    if not arrived:
+                        report(status_addr, pid, STATUS_TIMEOUT, q, what, epoch)
+                        ok = False
+                    elif (v >> 32) == FAILED_TAG:
+                        report(status_addr, pid, STATUS_PEER_FAILED, q, what, epoch)
+                        ok = False
+                    elif (v >> 32) != tag:
+                        report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
+                        ok = False
+    tl.debug_barrier()
+    # 2. the rows that arrived must be exactly this rank's S*k slots
+    if ok & (pid == 0):
+        total = tl.zeros((), tl.int64)
+        for q in range(0, world):
+            for p in range(0, G_src):
+                total += tl.load(rows_in_ptr + q * G_MAX + p, volatile=True)
+        if total != tl.cast(S, tl.int64) * k:
+            report(status_addr, pid, STATUS_BAD_INPUT, -1,
+                   tl.cast(rank, tl.int64) + (CHECK_ROWS << 32), total)
+    # 3. weighted sum over each token's k slots
+    if ok:
+        toks = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+        tok_ok = toks < S
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            m = tok_ok[:, None] & (cols[None, :] < H)
+            acc = tl.zeros((BLOCK_S, BLOCK_H), dtype=tl.float32)
+            for j in range(0, k):
+                wt = tl.load(topk_ptr + toks.to(tl.int64) * stride_ts + j * stride_tk,
+                             mask=tok_ok, other=0.0).to(tl.float32)
+                rows = toks.to(tl.int64) * k + j
+                v = tl.load(combine_ptr + rows[:, None] * H + cols[None, :], mask=m, other=0.0)
+                acc += wt[:, None] * v.to(tl.float32)
+            tl.store(out_ptr + toks[:, None].to(tl.int64) * H + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m)
+    # 4. the last program out frees this rank's combine buffer on every peer
+    tl.debug_barrier()
+    if end_call(ctl_ptr + 2, epoch):
+        for q in range(0, world):
+            if q != rank:
+                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)

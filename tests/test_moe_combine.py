@@ -1,0 +1,165 @@
+"""Fused MoE expert GEMM + combine on CPU-emulated ranks against per-segment matmul +
+all_to_all_single with splits + weighted top-k sum."""
+import pytest
+import torch
+
+from portable_overlap import InvalidInputError, PeerTimeoutError
+from portable_overlap.ops.matmul import MatmulConfig
+from portable_overlap.ops.moe_combine import (MoeGemmCombine, dispatch, moe_gemm_combine,
+                                              moe_gemm_combine_reference, validate_routing)
+
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+
+
+def _route(kind, S, E, k, rank, g):
+    """top-k expert ids [S, k] (distinct per token) for a routing pattern."""
+    if kind == "one_expert":  # every token's first choice is expert 0
+        ids = torch.rand(S, E, generator=g).topk(k, dim=1).indices
+        ids[:, 0] = 0
+        ids[:, 1:] = torch.where(ids[:, 1:] == 0, E - 1, ids[:, 1:])
+        return ids
+    if kind == "skip_upper":  # the experts of the upper half of the ranks receive nothing
+        scores = torch.rand(S, E, generator=g)
+        scores[:, E // 2:] = -1
+        return scores.topk(k, dim=1).indices
+    return torch.rand(S, E, generator=g).topk(k, dim=1).indices
+
+
+def _cases(world, dtype, cases, config=None):
+    """Each case: (S on rank 0, S on rank 1.., H, I, experts_per_rank, k, routing)."""
+    W = world.world_size
+    ctx = MoeGemmCombine(world, max_tokens=max(max(c[0]) for c in cases), top_k=cases[0][4],
+                         hidden=cases[0][1], experts_per_rank=cases[0][3], config=config)
+    errs = []
+    try:
+        for i, (S_per_rank, H, I, El, k, kind) in enumerate(cases):
+            g = torch.Generator().manual_seed(1000 * i + world.rank)
+            S = S_per_rank[world.rank % len(S_per_rank)]
+            tokens = torch.randn(S, I, generator=g).to(dtype)
+            ids = _route(kind, S, El * W, k, world.rank, g)
+            topk_w = torch.softmax(torch.randn(S, k, generator=g), dim=1)
+            w = (torch.randn(El, I, H, generator=g) / I ** 0.5).to(dtype)
+            x, counts, slots = dispatch(tokens, ids, El, world.group)
+            validate_routing(x, counts, slots, S, k, world)
+            out = torch.full((S, H), float("nan"), dtype=dtype)
+            moe_gemm_combine(x, w, counts, slots, topk_w, ctx, out=out)
+            ctx.synchronize()
+            assert not torch.isnan(out).any(), f"output not fully written in case {i}"
+            ref = moe_gemm_combine_reference(x, w, counts, slots, topk_w, world.group)
+            errs.append(((out.double() - ref.double()).norm()
+                         / ref.double().norm().clamp_min(1e-30)).item() if S else 0.0)
+    finally:
+        ctx.close()
+    return errs
+
+
+# H and I odd (edge tiles), k = 1 and k = 3 (on separate contexts), ranks holding different
+# token counts (and a rank with no tokens at all), all tokens to one expert, a rank whose
+# experts receive nothing, experts without tokens
+CASES_K2 = [((6, 9), 20, 12, 2, 2, "uniform"), ((5, 5), 20, 12, 2, 2, "one_expert"),
+            ((7, 3), 20, 12, 2, 2, "skip_upper"), ((0, 4), 20, 12, 2, 2, "uniform")]
+CASES_K1 = [((9, 4), 33, 17, 1, 1, "uniform")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_matches_reference(world, dtype):
+    for errs in world.run(_cases, dtype, CASES_K2, SMALL):
+        assert all(e < TOL[dtype] for e in errs), errs
+
+
+def test_top1_odd_shapes_and_default_tiling(world2):
+    for errs in world2.run(_cases, torch.float32, CASES_K1):
+        assert all(e < 1e-5 for e in errs), errs
+    for errs in world2.run(_cases, torch.float32, [((4, 6), 16, 8, 3, 3, "uniform")], SMALL):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def _bad_host(world):
+    ctx = MoeGemmCombine(world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2,
+                         config=SMALL)
+    W = world.world_size
+    x, w = torch.randn(6, 8), torch.randn(2, 8, 16)
+    counts = torch.tensor([[3, 0]] + [[0, 3]] * (W - 1), dtype=torch.int32)
+    slots, tw = torch.arange(6, dtype=torch.int32), torch.rand(4, 2)
+    msgs = []
+    for args in [(x, w.double(), counts, slots, tw), (x, w[:1], counts, slots, tw),
+                 (x, w, counts.long(), slots, tw), (x, w, counts, slots[:5], tw),
+                 (x, w, counts, slots, torch.rand(4, 3)), (x, w, counts, slots, torch.rand(9, 2)),
+                 (x, w, counts[:1], slots, tw)]:
+        try:
+            ctx(*args)
+            msgs.append(None)
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    ctx.close()
+    return msgs
+
+
+def test_bad_input_raises_before_launch(world2):
+    for msgs in world2.run(_bad_host):
+        assert all(m and m.startswith("moe_gemm_combine") for m in msgs), msgs
+        assert "max_tokens" in msgs[5] and "counts" in msgs[6]
+
+
+def _bad_routing(world, fault):
+    """One rank's routing data is corrupted on the device; the kernels find it, nobody hangs."""
+    ctx = MoeGemmCombine(world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2,
+                         config=SMALL, timeout_s=5.0)
+    g = torch.Generator().manual_seed(world.rank)
+    S, k = 6, 2
+    tokens = torch.randn(S, 8, generator=g)
+    ids = torch.rand(S, 2 * world.world_size, generator=g).topk(k, dim=1).indices
+    x, counts, slots = dispatch(tokens, ids, 2, world.group)
+    if world.rank == 1:
+        if fault == "slot":
+            slots[0] = 10 ** 6  # far outside the combine buffer
+        else:  # one row less than dispatched: a source gets S*k - 1 rows
+            nz = counts.flatten().nonzero()[0].item()
+            counts.view(-1)[nz] -= 1
+            x, slots = x[1:].contiguous(), slots[1:].contiguous()
+            counts = counts.contiguous()
+    try:
+        ctx(x, torch.randn(2, 8, 16, generator=g), counts, slots, torch.rand(S, k, generator=g))
+        ctx.synchronize()
+        r = "ok"
+    except InvalidInputError as e:
+        r = "invalid: " + str(e)
+    except PeerTimeoutError as e:
+        r = "timeout: " + str(e)
+    ctx.close()
+    return r
+
+
+@pytest.mark.parametrize("fault", ["slot", "count"])
+def test_bad_routing_found_on_device(world2, fault):
+    res = world2.run(_bad_routing, fault, timeout=120)
+    assert any(r.startswith("invalid") for r in res), res
+    if fault == "slot":
+        assert "routing slot" in res[1] and "1000000" in res[1], res
+    else:
+        assert any("row count" in r for r in res), res
+
+
+def _skip(world):
+    ctx = MoeGemmCombine(world, max_tokens=8, top_k=1, hidden=16, experts_per_rank=1,
+                         config=SMALL, timeout_s=1.0)
+    r = "ok"
+    if world.rank == 0:
+        x = torch.randn(2, 8)
+        counts = torch.tensor([[1], [1]], dtype=torch.int32)
+        try:
+            ctx(x, torch.randn(1, 8, 16), counts, torch.tensor([0, 1], dtype=torch.int32),
+                torch.rand(2, 1))
+            ctx.synchronize()
+            r = "no error"
+        except PeerTimeoutError as e:
+            r = str(e)
+    ctx.close()
+    return r
+
+
+def test_a_rank_that_skips_a_call_is_named(world2):
+    msg = world2.run(_skip, timeout=120)[0]
+    assert "rank 1" in msg and "rows-sent" in msg, msg
