@@ -36,6 +36,19 @@ def peer_ptr(ptr, bases_ptr, rank, peer):
 
 
 @triton.jit
+def peer_buffer(ptr, bases_ptr, rank, peer):
+    """``peer_ptr`` of a heap buffer's base, for tile stores: the result stays ``ptr`` plus a
+    whole number of 16-byte steps, so the compiler keeps ``ptr``'s alignment and stores whole
+    16-byte vectors. (A pointer rebuilt from an integer has unknown alignment, and every
+    store through it is issued element by element; ``tl.multiple_of`` on it is not honoured.)
+    Heap mappings are page-aligned, so the distance between two ranks' bases is a multiple of
+    16 bytes."""
+    step: tl.constexpr = 16 // (ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements
+    vectors = (tl.load(bases_ptr + peer) - tl.load(bases_ptr + rank)) // 16
+    return ptr + vectors * step
+
+
+@triton.jit
 def flag_value(epoch, tag):
     """The word a signal writes: tag in the high half, epoch in the low half."""
     return (tl.cast(tag, tl.int64) << 32) | (tl.cast(epoch, tl.int64) & 0xFFFFFFFF)

@@ -24,8 +24,9 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value, peer_ptr, report,
-                             signal_peer, signal_peers, wait_flag, wait_peers)
+from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
+                             peer_buffer, report, signal_peer, signal_peers, wait_flag,
+                             wait_peers)
 from ...tiles.gemm import gemm_tile, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
@@ -93,7 +94,7 @@ def gemm_alltoall_kernel(
                                 ok = False
                             cleared = cleared | (tl.full((), 1, tl.int64) << d)
                         if ok:
-                            dst = peer_ptr(recv_ptr, bases_ptr, rank, d)
+                            dst = peer_buffer(recv_ptr, bases_ptr, rank, d)
                             tl.store(dst + offs, y, mask=in_d[:, None] & col_ok)
 
     # 1-2. this program's tiles have landed everywhere: tell the peers, wait for theirs

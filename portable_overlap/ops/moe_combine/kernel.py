@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ...shmem.device import (FAILED_TAG, STATUS_BAD_INPUT, STATUS_MISMATCH, STATUS_PEER_FAILED,
                              STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
-                             peer_ptr, report, signal_peer, signal_peers, wait_flag)
+                             peer_buffer, peer_ptr, report, signal_peer, signal_peers, wait_flag)
 from ...tiles.gemm import gemm_tile, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
@@ -103,9 +103,7 @@ def moe_gemm_scatter_kernel(
                        tl.load(slots_ptr + bad).to(tl.int64))
                 ok = False
             keep = valid & slot_ok
-            if src == rank:
-                dst = combine_ptr
-            else:
+            if src != rank:
                 if ((cleared >> src) & 1) == 0:
                     # src must have read the previous call's rows before we overwrite them
                     v, arrived = wait_flag(consumed_ptr + src, epoch - 1, max_spins)
@@ -114,7 +112,7 @@ def moe_gemm_scatter_kernel(
                                tl.cast(src, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
                         ok = False
                     cleared = cleared | (tl.full((), 1, tl.int64) << src)
-                dst = peer_ptr(combine_ptr, bases_ptr, rank, src)
+            dst = peer_buffer(combine_ptr, bases_ptr, rank, src)  # this rank's own when src == rank
             if ok:
                 offs = slot[:, None].to(tl.int64) * H + cols[None, :]
                 tl.store(dst + offs, y, mask=keep[:, None] & (cols[None, :] < H))
