@@ -4,7 +4,7 @@
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
 #      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark), PO_SKIP_A2A=1 (GEMM +
-#      All-to-All benchmark), PO_A2A_ARGS, PO_SKIP_MOE=1 (MoE combine benchmark), PO_MOE_ARGS, PO_SKIP_DEMO=1, PO_COMMIT (recorded with every result).
+#      All-to-All benchmark), PO_A2A_ARGS, PO_SKIP_MOE=1 (MoE combine benchmark), PO_MOE_ARGS, PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1, PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
@@ -38,6 +38,10 @@ fi
 if [ "${PO_SKIP_MOE:-0}" != 1 ]; then
   run 480 benchmarks/bench_moe_combine.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       ${PO_MOE_ARGS:-} 2>&1 | tee "$out/bench_moe.log" | grep -vE "^\[|Warning|warn" | tail -16
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then
+  run 240 examples/moe/moe_layer.py 2>&1 | tee "$out/example_moe.log" | grep -vE "^\[|Warning|warn" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then

@@ -30,3 +30,9 @@ def test_transformer_decode_example():
     out = _run([os.path.join("examples", "transformer", "decode.py"), "--layers", "1"])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "outputs agree" in out.stdout
+
+
+def test_moe_layer_example():
+    out = _run([os.path.join("examples", "moe", "moe_layer.py")])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "outputs agree" in out.stdout
