@@ -61,6 +61,13 @@ def main() -> int:
     for S, H, I, E, k in shapes:
         El = E // W
         ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El)
+        try:  # device-initiated puts (NVSHMEM / ROC_SHMEM)
+            ctx_shmem = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
+                                       experts_per_rank=El, transport="shmem")
+        except Exception as e:
+            ctx_shmem = None
+            if r == 0:
+                print(f"shmem transport unavailable: {type(e).__name__}: {e}", flush=True)
         w = (torch.randn(El, I, H, generator=gen, device=dev) / I ** 0.5).bfloat16()
         for kind in args.routings.split(","):
             shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind}
@@ -134,26 +141,32 @@ def main() -> int:
             o_solo = torch.empty(R, H, device=dev, dtype=torch.bfloat16)
             impls = {
                 "fused": lambda: ctx(x, w, counts, slots, tw, out=out),
+                "fused_shmem": lambda: ctx_shmem(x, w, counts, slots, tw, out=out),
                 "sequential": sequential,
                 "sequential_padded": sequential_padded,
                 "compute": compute,
                 "compute_fused": lambda: solo_ctx(x, w_rep, c_solo, s_solo, t_solo, out=o_solo),
                 "comm": comm,
             }
+            if ctx_shmem is None:
+                del impls["fused_shmem"]
             real_rows = R - int(counts[r].sum())  # rows this rank sends to other ranks
-            bytes_sent = {"fused": real_rows * H * 2, "sequential": real_rows * H * 2,
+            bytes_sent = {"fused": real_rows * H * 2, "fused_shmem": real_rows * H * 2,
+                          "sequential": real_rows * H * 2,
                           "comm": real_rows * H * 2,
                           "sequential_padded": (W - 1) * El * C * H * 2}
             # correctness of fused and both baselines against each other, before timing
             errs = {}
             sequential()
             ref = out.clone()
-            for name in ("fused", "sequential_padded"):
+            for name in [n for n in ("fused", "fused_shmem", "sequential_padded") if n in impls]:
                 out.fill_(float("nan"))
                 impls[name]()
                 torch.cuda.synchronize()
                 if name == "fused":
                     ctx.check()
+                if name == "fused_shmem":
+                    ctx_shmem.check()
                 errs[name] = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
             row = {"shape": f"{S}x{H}x{I}x{E}x{k} {kind}", "errs": errs, "R": R, "C": C}
             for graph in graphs:
@@ -192,8 +205,11 @@ def main() -> int:
             table.append(row)
             solo_ctx.close()
         ctx.close()
+        if ctx_shmem is not None:
+            ctx_shmem.close()
     if r == 0:
-        names = ["fused", "sequential", "sequential_padded", "compute", "compute_fused", "comm"]
+        names = ["fused", "fused_shmem", "sequential", "sequential_padded", "compute",
+                 "compute_fused", "comm"]
         print("\nms, slowest rank's median; frac = (seq - fused) / (seq - max(compute, comm))")
         for graph in graphs:
             print(f"-- {'graph replay' if graph else 'plain launches'}")

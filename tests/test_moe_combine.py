@@ -97,6 +97,28 @@ def _bad_host(world):
     return msgs
 
 
+def _bad_ctx(world):
+    from portable_overlap.shmem.providers import ShmemUnavailable
+    msgs = []
+    for kw, exc in ((dict(transport="nvlink"), ValueError), (dict(transport="shmem"),
+                                                              ShmemUnavailable),
+                    (dict(top_k=0), ValueError)):
+        args = dict(max_tokens=8, top_k=2, hidden=16, experts_per_rank=2)
+        args.update(kw)
+        try:
+            MoeGemmCombine(world, **args)
+            msgs.append(None)
+        except exc as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_bad_context_arguments(world2):
+    # the device-initiated transport needs NVSHMEM / ROC_SHMEM: a clear error on emulated ranks
+    for msgs in world2.run(_bad_ctx):
+        assert "transport" in msgs[0] and "cpu" in msgs[1] and "top_k" in msgs[2], msgs
+
+
 def test_bad_input_raises_before_launch(world2):
     for msgs in world2.run(_bad_host):
         assert all(m and m.startswith("moe_gemm_combine") for m in msgs), msgs

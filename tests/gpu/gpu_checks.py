@@ -205,14 +205,24 @@ def check_gemm_alltoall(world: World, gen) -> None:
 
 
 def check_moe_combine(world: World, gen) -> None:
-    """Fused MoE expert GEMM + combine: ranks with different token counts, uniform and skewed
-    routing, every dtype, repeated calls, graph replays with fixed routing."""
+    """Fused MoE expert GEMM + combine, both transports: ranks with different token counts,
+    uniform and skewed routing, every dtype, repeated calls, graph replays with fixed routing."""
+    for transport in ("stores", "shmem"):
+        try:
+            _check_moe_combine(world, gen, transport)
+        except Exception as e:
+            record(f"moe combine [{transport}]", False, f"raised {type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+
+
+def _check_moe_combine(world, gen, transport):
     from portable_overlap.ops.moe_combine import (MoeGemmCombine, dispatch,
                                                   moe_gemm_combine_reference)
 
     W, dev = world.world_size, world.device
     H, I, El, k = 1024, 768, 4, 2
-    ctx = MoeGemmCombine(world, max_tokens=4096, top_k=k, hidden=H, experts_per_rank=El)
+    ctx = MoeGemmCombine(world, max_tokens=4096, top_k=k, hidden=H, experts_per_rank=El,
+                         transport=transport)
     try:
         for S, kind in ((4096 - 777 * world.rank, "uniform"), (3000, "skewed"), (5, "uniform")):
             for dt in (torch.bfloat16, torch.float16, torch.float32):
@@ -231,7 +241,7 @@ def check_moe_combine(world: World, gen) -> None:
                 ctx.synchronize()
                 err = rel_err(out, moe_gemm_combine_reference(x, w, counts, slots, tw,
                                                               world.group))
-                record(f"moe combine S={S} {kind} {str(dt)[6:]}", err < TOL[dt] * 2,
+                record(f"moe[{transport}] S={S} {kind} {str(dt)[6:]}", err < TOL[dt] * 2,
                        f"rel_err={err:.2e} rows={x.shape[0]}")
         out.fill_(float("nan"))
         graph = torch.cuda.CUDAGraph()
@@ -244,7 +254,7 @@ def check_moe_combine(world: World, gen) -> None:
             graph.replay()
             ctx.synchronize()
             worst = max(worst, rel_err(out, ref))
-        record("moe combine 10 graph replays", worst < TOL[torch.float32] * 2,
+        record(f"moe[{transport}] 10 graph replays", worst < TOL[torch.float32] * 2,
                f"worst rel_err={worst:.2e}")
     finally:
         ctx.close()

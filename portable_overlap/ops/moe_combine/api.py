@@ -9,10 +9,16 @@ What it computes on rank r, with the dispatch layout of ``routing.dispatch``::
     placed[slots_q] = rows_q                           # [S * k, H] on each source rank
     out[s] = sum_j topk_weights[s, j] * placed[s * k + j]                       # [S, H]
 
-with one persistent grouped-GEMM kernel that stores each finished tile's rows straight into the
-source rank's combine buffer (heap) at their slots, tiles for other ranks first, and a combine
-kernel that waits for the rows and takes the weighted sum (kernel.py). Only real rows travel;
-ranks may receive different row counts and hold different token counts S.
+with one persistent grouped-GEMM kernel that sends each finished tile's rows to the source
+rank's combine buffer at their slots, tiles for other ranks first, and a combine kernel that
+waits for the rows and takes the weighted sum (kernel.py). Only real rows travel; ranks may
+receive different row counts and hold different token counts S. Two transports
+(``MoeGemmCombine(..., transport=...)``):
+
+- ``"stores"`` (default, scale-up): plain stores into the peer's heap (zero-copy);
+- ``"shmem"`` (the scale-out design): device-initiated puts by the vendor's SHMEM library
+  (NVSHMEM / ROC_SHMEM, shmem/providers), rows staged per program, then put row by row into the
+  peer's symmetric combine buffer; completion (quiet) before the same release signals.
 
 Routing data lives on the device and is never read by the host on a call: slots out of range
 and row counts that do not add up to S * k are found by the kernels, which skip the bad rows,
@@ -30,8 +36,12 @@ import torch
 from ...tiles.gemv import dot_upcast
 from ...shmem.device import TAG_MASK
 from ..context import G_MAX, OverlapContext, align_key, get_context
+from ..launch import PlannedLaunch
+from ...shmem.providers import get_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config
-from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_scatter_kernel
+from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
+
+TRANSPORTS = ("stores", "shmem")
 
 OP = "moe_gemm_combine"
 
@@ -56,16 +66,20 @@ class MoeGemmCombine(OverlapContext):
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
                  experts_per_rank: int, timeout_s: float = 10.0,
                  config: Optional[MatmulConfig] = None,
-                 combine_config: Optional[CombineConfig] = None):
+                 combine_config: Optional[CombineConfig] = None, transport: str = "stores"):
         for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
                         ("experts_per_rank", experts_per_rank)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
         W = world.world_size
         if W > 64:  # the GEMM kernel keeps one bit per peer in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
-        world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden,
-                                                     experts_per_rank, config, combine_config))
+        world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
+                                                     config, combine_config, transport))
+        self.transport = transport
+        self._provider = get_provider(world) if transport == "shmem" else None
         self.max_slots = max_tokens * top_k
         super().__init__(world, [
             ("_combine_raw", (self.max_slots * hidden,), torch.float32),  # viewed per dtype
@@ -79,6 +93,25 @@ class MoeGemmCombine(OverlapContext):
         n = self.max_slots * hidden  # the raw buffer fits n float32s: n elements of any dtype
         self._combine = {dt: self._combine_raw.view(torch.uint8).view(dt)[:n]
                          .view(self.max_slots, hidden) for dt in DTYPES}
+        self._stage = self._combine  # the zero-copy transport stages nothing
+        self._sym = self._put_kernel = None
+        if self._provider is not None:
+            # the library's symmetric memory: combine rows, then one staging tile per program
+            G = min(world.facts.sm_count, G_MAX)
+            tile = max(c.block_m * c.block_n for c in
+                       (config or default_config(dt, world.device) for dt in DTYPES))
+            sym = self._provider.symmetric_empty(4 * n + 256 + 4 * G * tile)
+            self._sym = sym
+            self._combine = {dt: sym[:4 * n].view(dt)[:n].view(self.max_slots, hidden)
+                             for dt in DTYPES}
+            self._stage = {dt: sym[4 * n + 256:].view(dt) for dt in DTYPES}
+            self._put_kernel = self._provider.wrap(moe_gemm_put_kernel)
+
+    def close(self) -> None:
+        """Collective: also lets the library's symmetric memory go (torch frees it once no view
+        of it is left)."""
+        super().close()
+        self._combine = self._stage = self._sym = self._put_kernel = None
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
                  slots: torch.Tensor, topk_weights: torch.Tensor,
@@ -103,7 +136,13 @@ class MoeGemmCombine(OverlapContext):
         if plan is None:
             plan = self._plans[key] = self._plan(x, w, counts, starts, slots, topk_weights, out)
         gemm, comb = plan
-        gemm(self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs))
+        args = self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs)
+        if self._provider is None:
+            gemm(args)
+        else:  # through the library's launcher (it sets up each compiled module)
+            self._put_kernel[(gemm.programs,)](*args, **gemm.consts,
+                                               STORE=self._provider.store_rows,
+                                               FLUSH=self._provider.flush)
         comb.programs = max(1, -(-S // comb.block_s))  # one program per block of tokens
         comb(self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs))
         self._after_call()
@@ -112,7 +151,8 @@ class MoeGemmCombine(OverlapContext):
     # -- launches ------------------------------------------------------------------------------
     def _gemm_args(self, x, w, counts, starts, slots, tag, programs):
         W = self.world.world_size
-        return (x, w, counts, starts, slots, self._combine[x.dtype], self.sent, self.rows_in,
+        return (x, w, counts, starts, slots, self._combine[x.dtype], self._stage[x.dtype],
+                self.sent, self.rows_in,
                 self.rows_mine, self.consumed, self.ctl, self.heap.bases, self.status.address,
                 x.shape[0], self.hidden, x.shape[1], self.experts_per_rank, self.max_slots,
                 x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), programs,
@@ -142,8 +182,12 @@ class MoeGemmCombine(OverlapContext):
             return zlib.crc32(repr((OP, self.hidden, I, self.experts_per_rank, self.top_k,
                                     str(x.dtype), cfg, g)).encode()) & TAG_MASK
 
-        gemm = self._compile(moe_gemm_scatter_kernel, programs, gemm_consts,
-                             lambda g: self._gemm_args(x, w, counts, starts, slots, tag_of(g), g))
+        if self._provider is None:
+            gemm = self._compile(moe_gemm_scatter_kernel, programs, gemm_consts,
+                                 lambda g: self._gemm_args(x, w, counts, starts, slots, tag_of(g),
+                                                           g))
+        else:  # compiled by the library's launcher on first use; no intra-launch waits, no cap
+            gemm = PlannedLaunch(moe_gemm_put_kernel, None, programs, gemm_consts, None)
         gemm.tag = tag_of(gemm.programs)
         cc = self.combine_config or (CombineConfig() if x.device.type != "cpu" else
                                      CombineConfig(block_s=4, block_h=16, num_warps=1))

@@ -44,18 +44,74 @@ def _segment(i, rank, world, E):
     return (rank + 1 + i // E) % world, i % E
 
 
+@triton.jit
+def store_rows(combine_ptr, bases_ptr, stage_ptr, slots_ptr, row0, n_rows, col0, max_slots,
+               rank, peer, slot, cols, y, keep, H, pid,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zero-copy transport: the tile's rows stored straight into ``peer``'s combine buffer at
+    their slots (plain stores over NVLink / Infinity Fabric; this rank's own when peer == rank)."""
+    dst = peer_buffer(combine_ptr, bases_ptr, rank, peer)
+    offs = slot[:, None].to(tl.int64) * H + cols[None, :]
+    tl.store(dst + offs, y, mask=keep[:, None] & (cols[None, :] < H))
+
+
+@triton.jit
+def no_flush():
+    """Zero-copy stores need no completion step before the release signal."""
+    pass
+
+
 # R (rows received) and S (tokens) change from call to call with the routing: compiled once, the
 # kernels must not be specialized on their values (== 1, divisible by 16).
 @triton.jit(do_not_specialize=["R"])
 def moe_gemm_scatter_kernel(
-    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr,  # x [R, I], w [E, I, H], int32 [W*E] x2, [R]
-    combine_ptr, sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr,  # heap
-    bases_ptr, status_addr,
+    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
+    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
     G, rank, world, tag, max_spins,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, G_MAX: tl.constexpr,
+):
+    """The zero-copy grouped GEMM (rows stored into the sources' heaps)."""
+    _grouped_gemm_scatter(
+        x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, sent_ptr,
+        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr, R, H, I, E,
+        max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, G, rank, world, tag,
+        max_spins, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+        G_MAX, store_rows, no_flush)
+
+
+@triton.jit(do_not_specialize=["R"])
+def moe_gemm_put_kernel(
+    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
+    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+    G, rank, world, tag, max_spins,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
+):
+    """The same grouped GEMM with the row transport given by the device-shmem provider
+    (``STORE``: device-initiated puts; ``FLUSH``: their completion before the signals). A kernel
+    of its own so that the provider's module set-up applies to it alone."""
+    _grouped_gemm_scatter(
+        x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, sent_ptr,
+        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr, R, H, I, E,
+        max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, G, rank, world, tag,
+        max_spins, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+        G_MAX, STORE, FLUSH)
+
+
+@triton.jit
+def _grouped_gemm_scatter(
+    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
+    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+    G, rank, world, tag, max_spins,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
@@ -112,15 +168,16 @@ def moe_gemm_scatter_kernel(
                                tl.cast(src, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
                         ok = False
                     cleared = cleared | (tl.full((), 1, tl.int64) << src)
-            dst = peer_buffer(combine_ptr, bases_ptr, rank, src)  # this rank's own when src == rank
             if ok:
-                offs = slot[:, None].to(tl.int64) * H + cols[None, :]
-                tl.store(dst + offs, y, mask=keep[:, None] & (cols[None, :] < H))
+                STORE(combine_ptr, bases_ptr, stage_ptr, slots_ptr, start + pid_m * BLOCK_M,
+                      tl.minimum(n - pid_m * BLOCK_M, BLOCK_M), pid_n * BLOCK_N, max_slots,
+                      rank, src, slot, cols, y, keep, H, pid, BLOCK_M, BLOCK_N)
                 if pid_n == 0:  # count each row once, not once per column block
                     tl.atomic_add(rows_mine_ptr + src * G_MAX + pid,
                                   tl.sum(keep.to(tl.int64)), sem="relaxed", scope="gpu")
 
     # tell every rank how many rows this program stored there, then signal (release)
+    FLUSH()  # the transport's rows have landed before the counts and the release
     tl.debug_barrier()
     for q in range(0, world):
         cnt = tl.atomic_add(rows_mine_ptr + q * G_MAX + pid, 0, sem="relaxed", scope="gpu")
