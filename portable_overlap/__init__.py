@@ -8,9 +8,15 @@ from .errors import (BackendUnavailable, ContextBrokenError, PeerTimeoutError,
                      PortableOverlapError, RankMismatchError)
 from .modules.linear import RowParallelLinear
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
+from .ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce,
+                              gemm_all_reduce_reference, gemm_all_to_all_signal,
+                              gemm_all_to_all_signal_reference, gemm_reduce_scatter,
+                              gemm_reduce_scatter_reference)
 from .world import World
 
 __version__ = "0.1.0"
 __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_reduce",
-           "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
-           "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError"]
+           "gemv_all_reduce_reference", "GemmSignal", "SignalConfig", "gemm_all_reduce",
+           "gemm_reduce_scatter", "gemm_all_to_all_signal", "gemm_all_reduce_reference",
+           "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference", "RowParallelLinear",
+           "PortableOverlapError", "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError"]

@@ -23,8 +23,10 @@ def all_specs():
     """(name, jit function, signature, constexprs, aligned argument names) of every kernel."""
     from .ops.gemv_allreduce.compile_specs import specs as gemv_allreduce_specs
     from .ops.gemm_alltoall.compile_specs import specs as gemm_alltoall_specs
+    from .ops.gemm_signal.compile_specs import specs as gemm_signal_specs
     from .ops.matmul.compile_specs import specs as matmul_specs
 
     yield from gemv_allreduce_specs()
     yield from matmul_specs()
     yield from gemm_alltoall_specs()
+    yield from gemm_signal_specs()
