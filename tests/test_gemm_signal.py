@@ -1,0 +1,226 @@
+"""GEMM with tile-group signals (host-collective transport) on CPU-emulated ranks against
+torch.matmul + the plain collective, and the wave-group schedule on the host.
+
+Cases are batched into one emulated-world call per test (each call costs a round trip to the
+spawned ranks); shapes are tiny so the interpreter stays fast."""
+import pytest
+import torch
+
+from portable_overlap import RankMismatchError
+from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce,
+                                              gemm_all_reduce_reference, gemm_all_to_all_signal,
+                                              gemm_all_to_all_signal_reference,
+                                              gemm_reduce_scatter, gemm_reduce_scatter_reference)
+from portable_overlap.ops.matmul import MatmulConfig
+from portable_overlap.schedule import (WaveGroups, default_partition, default_partitions,
+                                       tile_layout)
+
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+OPS = {"all_reduce": (gemm_all_reduce, gemm_all_reduce_reference),
+       "reduce_scatter": (gemm_reduce_scatter, gemm_reduce_scatter_reference),
+       "all_to_all": (gemm_all_to_all_signal, gemm_all_to_all_signal_reference)}
+
+
+def _n_tiles(kind, M, N, world_size, mm=SMALL):
+    dests = 1 if kind == "all_reduce" else world_size
+    return dests * -(-(M // dests) // mm.block_m) * -(-N // mm.block_n), dests
+
+
+def _partitions(kind, M, N, world_size):
+    """Every partition the default heuristic gives for this GEMM (any grid size), plus hand-made
+    ones: a single group, one round of tiles per group, and an uneven split."""
+    n, dests = _n_tiles(kind, M, N, world_size)
+    parts = [p.sizes for p in default_partitions(n, dests)]
+    rounds = n // dests
+    hand = [(n,), (dests,) * rounds]
+    if rounds >= 3:
+        hand.append((dests * (rounds - 2), dests, dests))  # large first group, small tail
+        hand.append((dests, dests * (rounds - 1)))
+    for h in hand:
+        if h not in parts:
+            parts.append(h)
+    return parts
+
+
+def _cases(world, cases):
+    """cases: (kind, dtype, M, N, K, b_transposed, partition or None, fused epilogue);
+    returns the relative errors, and whether every counter was back at zero afterwards."""
+    ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
+    errs = []
+    try:
+        for i, (kind, dtype, M, N, K, bt, part, fused) in enumerate(cases):
+            fn, ref_fn = OPS[kind]
+            g = torch.Generator().manual_seed(1000 * i + world.rank)
+            a = torch.randn(M, K, generator=g).to(dtype)
+            b = torch.randn(N, K, generator=g).to(dtype).t() if bt else \
+                torch.randn(K, N, generator=g).to(dtype)
+            rows = M // world.world_size if kind == "reduce_scatter" else M
+            bias = torch.randn(N, generator=g).to(dtype) if fused else None
+            res = torch.randn(rows, N, generator=g).to(dtype) if fused else None
+            out = torch.full((rows, N), float("nan"), dtype=dtype)
+            cfg = SignalConfig(matmul=SMALL, partition=part) if part else None
+            fn(a, b, ctx, out, bias=bias, residual=res, config=cfg)
+            assert not torch.isnan(out).any(), f"output not fully written: {cases[i]}"
+            ref = ref_fn(a, b, world.group, bias=bias, residual=res)
+            errs.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
+        zero = bool((ctx.counters == 0).all())
+    finally:
+        ctx.close()
+    return errs, zero
+
+
+def _check(results, cases):
+    for errs, zero in results:
+        assert zero, "group counters were not reset after the calls"
+        for e, c in zip(errs, cases):
+            assert e < TOL[c[1]], (e, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_ops_match_reference(world, dtype):
+    # odd N and K, M odd for AllReduce, a transposed b, a fused bias + residual, default
+    # partitions; shapes change from call to call on one context
+    W = world.size
+    cases = [("all_reduce", dtype, 13, 33, 17, False, None, False),
+             ("all_reduce", dtype, 24, 20, 9, True, None, True),
+             ("reduce_scatter", dtype, 6 * W, 33, 17, False, None, False),
+             ("reduce_scatter", dtype, 4 * W, 20, 40, True, None, True),
+             ("all_to_all", dtype, 6 * W, 33, 17, False, None, False),
+             ("all_to_all", dtype, 2 * W, 17, 5, False, None, True)]
+    _check(world.run(_cases, cases), cases)
+
+
+def test_every_partition_gives_the_same_result(world):
+    W = world.size
+    cases = []
+    for kind, M, N, K in (("all_reduce", 40, 35, 9), ("reduce_scatter", 10 * W, 35, 9),
+                          ("all_to_all", 4 * W, 35, 9)):
+        for part in _partitions(kind, M, N, W):
+            cases.append((kind, torch.float32, M, N, K, False, part, False))
+    _check(world.run(_cases, cases), cases)
+
+
+def test_library_ops_and_defaults(world2):
+    errs = world2.run(_library_ops)
+    for e in errs:
+        assert all(x < 1e-5 for x in e), e
+
+
+def _library_ops(world):
+    # the torch.library ops through their handle, with the CPU default tiling and partition
+    ctx = GemmSignal(world)
+    try:
+        a, b = torch.randn(10, 12), torch.randn(12, 7)
+        out = [torch.ops.portable_overlap.gemm_all_reduce(a, b, ctx.handle),
+               torch.ops.portable_overlap.gemm_reduce_scatter(a, b, ctx.handle),
+               torch.ops.portable_overlap.gemm_all_to_all_signal(a, b, ctx.handle)]
+        refs = [gemm_all_reduce_reference(a, b), gemm_reduce_scatter_reference(a, b),
+                gemm_all_to_all_signal_reference(a, b)]
+        return [((o - r).norm() / r.norm()).item() for o, r in zip(out, refs)]
+    finally:
+        ctx.close()
+
+
+def _bad(world):
+    ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
+    msgs = []
+    a, b = torch.randn(8, 8), torch.randn(8, 20)  # 1 x 2 tiles (all_reduce), 4 (the others)
+    bad = [(gemm_reduce_scatter, torch.randn(5, 8), b, {}),  # M does not split
+           (gemm_all_reduce, torch.randn(4, 8), torch.randn(7, 4), {}),  # K mismatch
+           (gemm_all_reduce, a, b.double(), {}),  # dtype
+           (gemm_all_reduce, a, b, {"out": torch.empty(8, 21)}),  # out shape
+           (gemm_all_reduce, a, b, {"bias": torch.randn(8)}),  # bias shape
+           (gemm_reduce_scatter, a, b, {"residual": torch.randn(8, 20)}),  # residual shape
+           (gemm_all_reduce, a, b, {"config": SignalConfig(matmul=SMALL, partition=(1, 2))}),
+           (gemm_reduce_scatter, a, b, {"config": SignalConfig(matmul=SMALL, partition=(1, 3))}),
+           (gemm_all_reduce, a, b, {"config": SignalConfig(matmul=SMALL, reserve_sms=99)})]
+    for fn, x, y, kw in bad:
+        try:
+            fn(x, y, ctx, **kw)
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    # the context still works after refused calls
+    ok = ((gemm_all_reduce(a, b, ctx) - gemm_all_reduce_reference(a, b)).abs().max() < 1e-4)
+    ctx.close()
+    return msgs, bool(ok)
+
+
+def test_bad_input(world2):
+    for msgs, ok in world2.run(_bad):
+        assert ok
+        assert all(m and m.startswith("gemm_") for m in msgs), msgs
+        assert "split evenly" in msgs[0] and "partition" in msgs[6] and "multiples" in msgs[7]
+        assert "reserve_sms" in msgs[8]
+
+
+def _disagree(world, what):
+    r = []
+    if what == "partition":  # the ranks plan different wave groups: caught before any collective
+        ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
+        part = (2,) if world.rank == 0 else (1, 1)
+        try:
+            gemm_all_reduce(torch.randn(8, 8), torch.randn(8, 20), ctx,
+                            config=SignalConfig(matmul=SMALL, partition=part))
+            r.append("no error")
+        except RankMismatchError as e:
+            r.append(str(e))
+        ctx.close()
+    else:  # different context configs
+        try:
+            GemmSignal(world, config=SignalConfig(matmul=SMALL, reserve_sms=world.rank))
+            r.append("no error")
+        except RankMismatchError as e:
+            r.append(str(e))
+    return r
+
+
+def test_ranks_that_disagree_raise(world2):
+    for what in ("partition", "config"):
+        for r in world2.run(_disagree, what):
+            assert r[0].startswith("ranks disagree"), r
+
+
+# -- the schedule on the host ------------------------------------------------------------------
+@pytest.mark.parametrize("dests", [1, 2, 4])
+def test_default_partition_properties(dests):
+    for rounds in list(range(1, 40)) + [512, 1024, 2048]:
+        n = rounds * dests
+        for programs in sorted({1, 2, 3, 5, 8, 16, 116, 132, 304, n}):
+            wg = default_partition(n, programs, dests)
+            wg.validate(n, dests)
+            assert wg.n_groups <= 8
+            wave = max(dests, programs - programs % dests)
+            if n > wave:  # one wave first, unless a tiny remainder merged into it
+                assert wg.sizes[0] == wave or wg.n_groups == 1, (n, programs, wg.sizes)
+            assert all(s >= min(n, max(dests, wave // 2)) for s in wg.sizes[1:]) or \
+                wg.n_groups == 1, (n, programs, wg.sizes)
+
+
+@pytest.mark.parametrize("sizes,dests", [((4, 2), 2), ((1, 2, 3), 1), ((4, 8, 4), 4), ((6,), 3)])
+def test_tile_layout(sizes, dests):
+    wg = WaveGroups(sizes)
+    lay = tile_layout(wg, dests)
+    assert sorted(lay.slot) == list(range(wg.n_tiles))  # a permutation of the staging slots
+    for g, (start, size) in enumerate(zip(wg.starts, wg.sizes)):
+        ts = range(start, start + size)
+        assert {lay.slot[t] for t in ts} == set(range(start, start + size))  # contiguous chunk
+        for d in range(dests):  # destination d's part of the chunk is contiguous and in order
+            part = [lay.slot[t] for t in ts if lay.dest[t] == d]
+            assert part == list(range(start + d * size // dests, start + (d + 1) * size // dests))
+    for t in range(wg.n_tiles):
+        assert lay.tile_of_slot(lay.slot[t]) == t and lay.group[t] == wg.group_of(t)
+
+
+def test_wave_groups_validation():
+    for bad in [(), (0, 2), (3, -1)]:
+        with pytest.raises(ValueError):
+            WaveGroups(bad)
+    with pytest.raises(ValueError, match="sum to"):
+        WaveGroups((2, 2)).validate(5)
+    with pytest.raises(ValueError, match="multiples"):
+        WaveGroups((3, 3)).validate(6, multiple_of=2)
+    with pytest.raises(ValueError):
+        default_partition(5, 4, multiple_of=2)
