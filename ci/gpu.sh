@@ -3,7 +3,7 @@
 # default), then the benchmark. Logs and results go to the folder given as $1 (or $OUT).
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
-#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1, PO_COMMIT (recorded with every result).
+#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1, PO_SKIP_SIG=1, PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
@@ -28,6 +28,22 @@ if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
   run 540 benchmarks/bench_gemv_allreduce.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       "${tune[@]}" ${PO_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -vE "^\[|Warning|warn" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+# GEMM with tile-group signals (host-collective transport): checks, then its benchmark with the
+# wave-group partition and SM-reserve sweeps at 8192^3. PO_SKIP_SIG=1 skips both;
+# PO_SIG_BENCH_ARGS adds benchmark arguments.
+if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
+  if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
+    run 360 tests/gpu/check_gemm_signal.py 2>&1 | tee "$out/check_gemm_signal.log" \
+        | grep -E "PASS|FAIL|gpu checks|Error|error" | head -60
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
+  if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
+    run 300 benchmarks/bench_gemm_signal.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+        --partitions --reserves 0,8,16,24,32 ${PO_SIG_BENCH_ARGS:-} 2>&1 \
+        | tee "$out/bench_gemm_signal.log" | grep -vE "^\[|Warning|warn" | tail -45
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
   timeout 300 python3 -m portable_overlap demo 2>&1 | tee "$out/demo.log" | grep -vE "^\[|Warning|warn" | tail -12
