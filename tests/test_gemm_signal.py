@@ -118,7 +118,19 @@ def _library_ops(world):
                torch.ops.portable_overlap.gemm_all_to_all_signal(a, b, ctx.handle)]
         refs = [gemm_all_reduce_reference(a, b), gemm_reduce_scatter_reference(a, b),
                 gemm_all_to_all_signal_reference(a, b)]
-        return [((o - r).norm() / r.norm()).item() for o, r in zip(out, refs)]
+        errs = [((o - r).norm() / r.norm()).item() for o, r in zip(out, refs)]
+        # the fake implementations (torch.compile's shape propagation) give the real shapes
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+            shapes = [tuple(torch.ops.portable_overlap.gemm_all_reduce(fa, fb, ctx.handle).shape),
+                      tuple(torch.ops.portable_overlap.gemm_reduce_scatter(fa, fb,
+                                                                           ctx.handle).shape),
+                      tuple(torch.ops.portable_overlap.gemm_all_to_all_signal(
+                          fa, fb, ctx.handle).shape)]
+        assert shapes == [tuple(o.shape) for o in out], shapes
+        return errs
     finally:
         ctx.close()
 
