@@ -141,6 +141,43 @@ def _library_ops(world):
         ctx.close()
 
 
+def _rmsnorm(world, cases):
+    """The reorder fused with bias, residual and RMSNorm, against the reference."""
+    ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
+    errs = []
+    try:
+        for i, (kind, dtype, M, N, K) in enumerate(cases):
+            fn, ref_fn = OPS[kind]
+            g = torch.Generator().manual_seed(77 * i + world.rank)
+            a = torch.randn(M, K, generator=g).to(dtype)
+            b = torch.randn(K, N, generator=g).to(dtype)
+            rows = M // world.world_size if kind == "reduce_scatter" else M
+            bias, w = torch.randn(N, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+            res = torch.randn(rows, N, generator=g).to(dtype)
+            for _ in range(2):  # the second call waits on the counters
+                h = torch.full((rows, N), float("nan"), dtype=dtype)
+                normed = torch.full((rows, N), float("nan"), dtype=dtype)
+                got = fn(a, b, ctx, h, bias=bias, residual=res, rms_weight=w, eps=1e-5,
+                         normed=normed)
+                assert got[0] is h and got[1] is normed
+                ref_h, ref_n = ref_fn(a, b, world.group, bias=bias, residual=res, rms_weight=w,
+                                      eps=1e-5)
+                errs.append(max(((x.double() - r.double()).norm() / r.double().norm()).item()
+                                for x, r in ((h, ref_h), (normed, ref_n))))
+    finally:
+        ctx.close()
+    return errs
+
+
+def test_fused_rmsnorm(world2):
+    # N spans several column tiles (whole-row norm), odd sizes, edge rows
+    cases = [("all_reduce", torch.float32, 13, 50, 9),
+             ("reduce_scatter", torch.bfloat16, 20, 40, 8), ("all_to_all", torch.float32, 12, 33, 7)]
+    for errs in world2.run(_rmsnorm, cases):
+        for e, c in zip(errs, [c for c in cases for _ in range(2)]):
+            assert e < TOL[c[1]], (e, c)
+
+
 def _bad(world):
     ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
     msgs = []
@@ -153,7 +190,10 @@ def _bad(world):
            (gemm_reduce_scatter, a, b, {"residual": torch.randn(8, 20)}),  # residual shape
            (gemm_all_reduce, a, b, {"config": SignalConfig(matmul=SMALL, partition=(1, 2))}),
            (gemm_reduce_scatter, a, b, {"config": SignalConfig(matmul=SMALL, partition=(1, 3))}),
-           (gemm_all_reduce, a, b, {"config": SignalConfig(matmul=SMALL, reserve_sms=99)})]
+           (gemm_all_reduce, a, b, {"config": SignalConfig(matmul=SMALL, reserve_sms=99)}),
+           (gemm_all_reduce, a, b, {"normed": torch.empty(8, 20)}),  # normed without weight
+           (gemm_all_reduce, a, b, {"rms_weight": torch.randn(3)}),
+           (gemm_all_reduce, a, b, {"rms_weight": torch.randn(20), "eps": 0.0})]
     for fn, x, y, kw in bad:
         try:
             fn(x, y, ctx, **kw)
@@ -171,7 +211,8 @@ def test_bad_input(world2):
         assert ok
         assert all(m and m.startswith("gemm_") for m in msgs), msgs
         assert "split evenly" in msgs[0] and "partition" in msgs[6] and "multiples" in msgs[7]
-        assert "reserve_sms" in msgs[8]
+        assert "reserve_sms" in msgs[8] and "rms_weight" in msgs[9] and "rms_weight" in msgs[10]
+        assert "eps" in msgs[11]
 
 
 def _disagree(world, what):

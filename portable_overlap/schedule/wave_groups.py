@@ -133,7 +133,8 @@ def default_partition(n_tiles: int, programs: int, multiple_of: int = 1,
     bandwidth-starved collective at the end), and at most ``max_groups`` groups (each collective
     costs about 10-20 us of launch and latency). Every size is a multiple of ``multiple_of``."""
     if n_tiles < 1 or programs < 1 or multiple_of < 1 or max_groups < 1:
-        raise ValueError(f"default_partition: bad arguments {(n_tiles, programs, multiple_of, max_groups)}")
+        raise ValueError(f"default_partition: bad arguments (n_tiles, programs, multiple_of, "
+                         f"max_groups) = {(n_tiles, programs, multiple_of, max_groups)}")
     if n_tiles % multiple_of:
         raise ValueError(f"default_partition: {n_tiles} tiles is not a multiple of {multiple_of}")
     wave = max(multiple_of, programs - programs % multiple_of)

@@ -88,6 +88,26 @@ def check_shapes(world, ctx, gen) -> None:
                    f"rel_err={err:.2e} full={full} same_on_ranks={same}")
 
 
+def check_rmsnorm(world, ctx, gen) -> None:
+    """The reorder fused with bias, residual and RMSNorm over whole rows."""
+    dev = world.device
+    for kind, M, N, K in (("all_reduce", 2048, 4096, 1024), ("reduce_scatter", 2048, 5000, 512)):
+        fn, ref_fn = OPS[kind]
+        a, b = rand((M, K), torch.bfloat16, dev, gen), rand((K, N), torch.bfloat16, dev, gen)
+        rows = out_rows(kind, M, world.world_size)
+        bias, w = rand((N,), torch.bfloat16, dev, gen), rand((N,), torch.bfloat16, dev, gen)
+        res = rand((rows, N), torch.bfloat16, dev, gen)
+        worst = 0.0
+        for _ in range(3):  # the first call of a plan runs unguarded, later ones wait
+            h, normed = fn(a, b, ctx, bias=bias, residual=res, rms_weight=w, eps=1e-5)
+            ctx.synchronize()
+            ref_h, ref_n = ref_fn(a, b, world.group, bias=bias, residual=res, rms_weight=w,
+                                  eps=1e-5)
+            worst = max(worst, rel_err(h, ref_h), rel_err(normed, ref_n))
+        record(f"{kind} bf16 {M}x{N}x{K} +bias+res+rmsnorm", worst < 1e-2,
+               f"worst rel_err={worst:.2e}")
+
+
 def partitions(n_tiles, programs, dests):
     """A few partitions of n_tiles (multiples of dests): one group, one wave per group,
     uneven, many small groups."""
@@ -249,7 +269,8 @@ def main() -> int:
         print(f"[rank 0] CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '(default)')}"
               f" sm_count={world.facts.sm_count}", flush=True)
     ctx = GemmSignal(world)
-    for check in (check_shapes, check_partitions, check_back_to_back, check_graph, check_large):
+    for check in (check_shapes, check_rmsnorm, check_partitions, check_back_to_back, check_graph,
+                  check_large):
         try:
             check(world, ctx, gen)
         except Exception as e:

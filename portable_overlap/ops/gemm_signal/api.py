@@ -13,6 +13,11 @@ What the ops compute, with ``a_r [M, K_r]``, ``b_r [K_r, N]`` the tensors rank r
         i.e. torch.distributed.all_to_all_single(out, a @ b)
 
 ``bias`` [N] and ``residual`` (the shape of ``out``) are optional and fused into the reorder.
+With ``rms_weight`` [N] the reorder also normalizes whole rows and the op returns
+``(out, normed)``::
+
+    out = collective(...) (+ bias + residual)          # h, rounded once from fp32
+    normed = h * rsqrt(mean(h**2, -1) + eps) * rms_weight   # from h in fp32
 
 One call, on rank r (see docs/gemm_signal.md):
 
@@ -55,7 +60,7 @@ from ...tiles.gemv import dot_upcast
 from ..context import _contexts, _lock, align_key, get_context
 from ..launch import PlannedLaunch, resident_programs
 from ..matmul.api import MatmulConfig, check_operands, default_config
-from .kernel import gemm_signal_kernel, signal_reorder_kernel
+from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
 
 OP = "gemm_signal"
 KINDS = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter",
@@ -129,14 +134,20 @@ class GemmSignal:
             _contexts.pop(self.handle, None)
 
     # -- the ops -----------------------------------------------------------------------------
-    def all_reduce(self, a, b, out=None, *, bias=None, residual=None, config=None):
-        return self._call("all_reduce", a, b, out, bias, residual, config)
+    def all_reduce(self, a, b, out=None, *, bias=None, residual=None, config=None,
+                   rms_weight=None, eps=1e-6, normed=None):
+        return self._call("all_reduce", a, b, out, bias, residual, config, rms_weight, eps,
+                          normed)
 
-    def reduce_scatter(self, a, b, out=None, *, bias=None, residual=None, config=None):
-        return self._call("reduce_scatter", a, b, out, bias, residual, config)
+    def reduce_scatter(self, a, b, out=None, *, bias=None, residual=None, config=None,
+                       rms_weight=None, eps=1e-6, normed=None):
+        return self._call("reduce_scatter", a, b, out, bias, residual, config, rms_weight, eps,
+                          normed)
 
-    def all_to_all(self, a, b, out=None, *, bias=None, residual=None, config=None):
-        return self._call("all_to_all", a, b, out, bias, residual, config)
+    def all_to_all(self, a, b, out=None, *, bias=None, residual=None, config=None,
+                   rms_weight=None, eps=1e-6, normed=None):
+        return self._call("all_to_all", a, b, out, bias, residual, config, rms_weight, eps,
+                          normed)
 
     def check(self) -> None:
         if self._broken is not None:
@@ -149,7 +160,8 @@ class GemmSignal:
         self.check()
 
     # -- one call ------------------------------------------------------------------------------
-    def _call(self, kind, a, b, out, bias, residual, config):
+    def _call(self, kind, a, b, out, bias, residual, config, rms_weight=None, eps=1e-6,
+              normed=None):
         self.check()
         op = KINDS[kind]
         # the caller's stream: the comm stream forks from it and it joins the comm stream
@@ -166,17 +178,26 @@ class GemmSignal:
         _check_2d(op, "out", out, (out_rows, N), a)
         if residual is not None:
             _check_2d(op, "residual", residual, (out_rows, N), a)
-        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,)
-                                 or bias.dtype != a.dtype or bias.device != a.device
-                                 or bias.stride(0) != 1):
-            raise ValueError(f"{op}: bias must be a contiguous {a.dtype} [{N}] tensor on "
-                             f"{a.device}")
+        for name, vec in (("bias", bias), ("rms_weight", rms_weight)):
+            if vec is not None and (not isinstance(vec, torch.Tensor) or vec.shape != (N,)
+                                    or vec.dtype != a.dtype or vec.device != a.device
+                                    or vec.stride(0) != 1):
+                raise ValueError(f"{op}: {name} must be a contiguous {a.dtype} [{N}] tensor on "
+                                 f"{a.device}")
+        if rms_weight is not None:
+            if not eps > 0:
+                raise ValueError(f"{op}: eps must be > 0, got {eps}")
+            if normed is None:
+                normed = torch.empty_like(out)
+            _check_2d(op, "normed", normed, (out_rows, N), a)
+        elif normed is not None:
+            raise ValueError(f"{op}: normed is written only with rms_weight")
         plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
-        gemm, reorder = self._launch_plan(plan, a, b, out, bias, residual)
+        gemm, reorder = self._launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
         stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
         gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs)
-        reorder_args = _reorder_args(plan, recv, out, bias, residual)
+        reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, eps)
         first = not plan.warm
         if first and self._capturing():
             raise RuntimeError(f"{op}: call it once with these shapes outside graph capture "
@@ -193,7 +214,7 @@ class GemmSignal:
         if first:
             self.backend.synchronize(self.device)
             plan.warm = True
-        return out
+        return out if rms_weight is None else (out, normed)
 
     def _communicate(self, plan, stage, recv, first: bool) -> None:
         be, group = self.backend, self.world.group
@@ -301,6 +322,16 @@ class GemmSignal:
         plan.slot_t = torch.tensor(lay.slot, dtype=it, device=self.device)
         plan.group_t = torch.tensor(lay.group, dtype=it, device=self.device)
         plan.table_t = torch.tensor(table, dtype=it, device=self.device).reshape(-1, 3)
+        # for the fused RMSNorm: (row0, nrows) of every row block of out, and which received
+        # tile holds each (row block, column tile)
+        blocks: dict = {}
+        for s, (row0, nrows, col0) in enumerate(table):
+            blocks.setdefault(row0, [nrows, [0] * pn])[1][col0 // mm.block_n] = s
+        order = sorted(blocks)
+        plan.norm_rows_t = torch.tensor([[r0, blocks[r0][0]] for r0 in order], dtype=it,
+                                        device=self.device).reshape(-1, 2)
+        plan.norm_index_t = torch.tensor([blocks[r0][1] for r0 in order], dtype=it,
+                                         device=self.device).reshape(len(order), pn)
         esz = torch.empty((), dtype=dtype).element_size()
         plan.stage_bytes = n_tiles * tile * esz
         plan.recv_bytes = {"all_reduce": 0, "reduce_scatter": per_dest * tile * esz,
@@ -317,12 +348,13 @@ class GemmSignal:
             self._retired.append(buf)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _launch_plan(self, plan, a, b, out, bias, residual):
+    def _launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed):
         """The compiled GEMM and reorder launches for these tensors (the JIT specializes on
         strides and 16-byte alignment, so those are part of the key)."""
-        extra = [t for t in (bias, residual) if t is not None]
+        extra = [t for t in (bias, residual, rms_weight, normed) if t is not None]
         key = (id(plan), a.stride(), b.stride(), out.stride(0),
                residual.stride(0) if residual is not None else None,
+               normed.stride(0) if normed is not None else None,
                bias is not None, align_key(a, b, out, *extra))
         got = self._launches.get(key)
         if got is not None:
@@ -344,11 +376,17 @@ class GemmSignal:
         reorder_consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, ROWS=rows,
                               HAS_BIAS=bias is not None, HAS_RES=residual is not None,
                               num_warps=4)
-        reorder_args = _reorder_args(plan, recv, out, bias, residual)
-        n_src = plan.table_t.shape[0]
+        reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, 1e-6)
         gemm = self._compile(gemm_signal_kernel, plan.programs, gemm_consts, gemm_args, True)
-        reorder = self._compile(signal_reorder_kernel, n_src * (mm.block_m // rows),
-                                reorder_consts, lambda g: reorder_args, False)
+        if rms_weight is None:  # one program per ROWS rows of a received tile
+            reorder = self._compile(signal_reorder_kernel,
+                                    plan.table_t.shape[0] * (mm.block_m // rows),
+                                    reorder_consts, lambda g: reorder_args, False)
+        else:  # one program per ROWS rows of a row block of out (whole rows: the norm)
+            reorder_consts["num_warps"] = 8 if mm.block_n >= 256 else 4
+            reorder = self._compile(signal_reorder_norm_kernel,
+                                    plan.norm_rows_t.shape[0] * (mm.block_m // rows),
+                                    reorder_consts, lambda g: reorder_args, False)
         self._launches[key] = (gemm, reorder)
         return gemm, reorder
 
@@ -371,11 +409,15 @@ def _gemm_args(plan, a, b, stage, counters, programs):
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), plan.dests, programs)
 
 
-def _reorder_args(plan, recv, out, bias, residual):
+def _reorder_args(plan, recv, out, bias, residual, rms_weight=None, normed=None, eps=1e-6):
     # absent bias / residual: ``out`` stands in for the pointer (never read: HAS_BIAS / HAS_RES)
-    return (recv, plan.table_t, out, bias if bias is not None else out,
-            residual if residual is not None else out, out.shape[1], out.stride(0),
-            residual.stride(0) if residual is not None else 0)
+    bias_ = bias if bias is not None else out
+    res_, stride_rm = (residual, residual.stride(0)) if residual is not None else (out, 0)
+    if rms_weight is None:
+        return (recv, plan.table_t, out, bias_, res_, out.shape[1], out.stride(0), stride_rm)
+    return (recv, plan.norm_rows_t, plan.norm_index_t, out, normed, bias_, res_, rms_weight,
+            out.shape[1], plan.norm_index_t.shape[1], out.stride(0), normed.stride(0),
+            stride_rm, float(eps))
 
 
 def _dst(u, row_base, m_dest, pm, pn, mm):
@@ -395,34 +437,43 @@ def _check_2d(op, name, t, shape, a) -> None:
 def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
                     out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None,
                     residual: Optional[torch.Tensor] = None,
-                    config: Optional[SignalConfig] = None) -> torch.Tensor:
+                    config: Optional[SignalConfig] = None,
+                    rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                    normed: Optional[torch.Tensor] = None):
     """``all_reduce(a @ b) (+ bias + residual)`` on every rank; see the module docstring."""
-    if out is None and config is None and torch.compiler.is_compiling():
+    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
         return torch.ops.portable_overlap.gemm_all_reduce(a, b, ctx.handle, bias, residual)
-    return ctx.all_reduce(a, b, out, bias=bias, residual=residual, config=config)
+    return ctx.all_reduce(a, b, out, bias=bias, residual=residual, config=config,
+                           rms_weight=rms_weight, eps=eps, normed=normed)
 
 
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
                         out: Optional[torch.Tensor] = None, *,
                         bias: Optional[torch.Tensor] = None,
                         residual: Optional[torch.Tensor] = None,
-                        config: Optional[SignalConfig] = None) -> torch.Tensor:
+                        config: Optional[SignalConfig] = None,
+                        rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                        normed: Optional[torch.Tensor] = None):
     """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_r a_r @ b_r`` (+ bias + residual) on rank r."""
-    if out is None and config is None and torch.compiler.is_compiling():
+    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
         return torch.ops.portable_overlap.gemm_reduce_scatter(a, b, ctx.handle, bias, residual)
-    return ctx.reduce_scatter(a, b, out, bias=bias, residual=residual, config=config)
+    return ctx.reduce_scatter(a, b, out, bias=bias, residual=residual, config=config,
+                                rms_weight=rms_weight, eps=eps, normed=normed)
 
 
 def gemm_all_to_all_signal(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
                            out: Optional[torch.Tensor] = None, *,
                            bias: Optional[torch.Tensor] = None,
                            residual: Optional[torch.Tensor] = None,
-                           config: Optional[SignalConfig] = None) -> torch.Tensor:
+                           config: Optional[SignalConfig] = None,
+                           rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                           normed: Optional[torch.Tensor] = None):
     """``all_to_all_single(a @ b)`` (+ bias + residual) with equal splits."""
-    if out is None and config is None and torch.compiler.is_compiling():
+    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
         return torch.ops.portable_overlap.gemm_all_to_all_signal(a, b, ctx.handle, bias,
                                                                  residual)
-    return ctx.all_to_all(a, b, out, bias=bias, residual=residual, config=config)
+    return ctx.all_to_all(a, b, out, bias=bias, residual=residual, config=config,
+                           rms_weight=rms_weight, eps=eps, normed=normed)
 
 
 @torch.library.custom_op("portable_overlap::gemm_all_reduce", mutates_args=())

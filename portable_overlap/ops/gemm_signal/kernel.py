@@ -95,3 +95,64 @@ def signal_reorder_kernel(
                      other=0.0).to(tl.float32)
     tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
              x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _received_slab(src_ptr, s, r, c, col0, N, out_rows, mask, bias_ptr, res_ptr, stride_rm,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_RES: tl.constexpr):
+    """fp32 rows ``r`` of received tile ``s`` (+ bias + residual), zero outside ``mask``."""
+    x = tl.load(src_ptr + s.to(tl.int64) * (BLOCK_M * BLOCK_N) + r[:, None] * BLOCK_N
+                + c[None, :]).to(tl.float32)
+    col_ok = (col0 + c) < N
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        x += tl.load(res_ptr + out_rows[:, None] * stride_rm + (col0 + c)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+    return tl.where(mask, x, 0.0)
+
+
+@triton.jit
+def signal_reorder_norm_kernel(
+    src_ptr,  # received tiles, BLOCK_M x BLOCK_N each
+    rows_ptr,  # int32 [n_row_blocks, 2]: (row0, nrows) of each row block of out
+    index_ptr,  # int32 [n_row_blocks, n_col_tiles]: received tile holding (row block, col tile)
+    out_ptr, normed_ptr, bias_ptr, res_ptr, w_ptr,  # h and rmsnorm(h) * w, both [rows, N]
+    N, n_col_tiles, stride_om, stride_nm, stride_rm, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    """The reorder fused with bias, residual and RMSNorm over whole rows: program pid takes
+    ROWS rows of one row block, walks its column tiles once for ``h`` and the sum of squares,
+    then again (recomputing ``h`` in fp32 from the received tiles) for ``h * rstd * w``."""
+    pid = tl.program_id(0)
+    rb = pid // (BLOCK_M // ROWS)
+    part = pid % (BLOCK_M // ROWS)
+    row0 = tl.load(rows_ptr + rb * 2)
+    nrows = tl.load(rows_ptr + rb * 2 + 1)
+    r = part * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK_N)
+    out_rows = (row0 + r).to(tl.int64)
+    sumsq = tl.zeros((ROWS,), dtype=tl.float32)
+    for j in range(0, n_col_tiles):
+        s = tl.load(index_ptr + rb * n_col_tiles + j)
+        col0 = j * BLOCK_N
+        mask = (r[:, None] < nrows) & ((col0 + c) < N)[None, :]
+        x = _received_slab(src_ptr, s, r, c, col0, N, out_rows, mask, bias_ptr, res_ptr,
+                           stride_rm, BLOCK_M, BLOCK_N, HAS_BIAS, HAS_RES)
+        sumsq += tl.sum(x * x, axis=1)
+        tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
+                 x.to(out_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(sumsq / N + eps)
+    for j in range(0, n_col_tiles):
+        s = tl.load(index_ptr + rb * n_col_tiles + j)
+        col0 = j * BLOCK_N
+        col_ok = (col0 + c) < N
+        mask = (r[:, None] < nrows) & col_ok[None, :]
+        x = _received_slab(src_ptr, s, r, c, col0, N, out_rows, mask, bias_ptr, res_ptr,
+                           stride_rm, BLOCK_M, BLOCK_N, HAS_BIAS, HAS_RES)
+        w = tl.load(w_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(normed_ptr + out_rows[:, None] * stride_nm + (col0 + c)[None, :],
+                 y.to(normed_ptr.dtype.element_ty), mask=mask)
