@@ -3,14 +3,19 @@ ordinary NCCL/RCCL collectives gated by stream waits) by the protocol in benchma
 Run under torchrun:
 
     torchrun --nproc-per-node 2 benchmarks/bench_gemm_signal.py --out results.jsonl \
-        --device-kind nvidia-h200-x2 [--partitions] [--reserves 0,8,16,24,32]
+        --device-kind nvidia-h200-x2 [--partitions] [--reserves 0,8,16,24,32] \
+        [--comm-ctas 8,16,32]
 
 Shapes are (M, N, K) with K split over the ranks (each rank holds a [M, K/W], b [K/W, N]).
 Impls: ``fused`` (this op), ``sequential`` (torch.mm, then the NCCL collective), ``compute``
 (torch.mm alone), ``comm`` (the collective alone), ``torch_fused`` (torch's
 ``symm_mem.fused_matmul_reduce_scatter``, ReduceScatter only, skipped with a printed reason where
 it does not work), and with ``--partitions`` / ``--reserves`` named variants of ``fused`` at one
-shape (``--sweep-shape``): ``fused[<partition name>]``, ``fused[reserve=<n>]``.
+shape (``--sweep-shape``): ``fused[<partition name>]``, ``fused[reserve=<n>]``, and with
+``--comm-ctas`` ``fused[ctas=<n>]`` / ``fused[ctas=<n>,hp]``: the collectives on a process group
+whose NCCL communicator may use at most n CTAs (``ProcessGroupNCCL.Options().config.max_ctas``;
+``hp``: a high-priority NCCL stream as well). The persistent GEMM leaves only ``reserve_sms`` SMs
+free, so a collective with more CTAs than that waits for the GEMM's end in its extra CTAs.
 """
 from __future__ import annotations
 
@@ -61,6 +66,8 @@ def main() -> int:
     ap.add_argument("--partitions", action="store_true",
                     help="sweep wave-group partitions at --sweep-shape (named variants)")
     ap.add_argument("--reserves", default="", help="comma list of reserve_sms to sweep")
+    ap.add_argument("--comm-ctas", default="",
+                    help="comma list: NCCL max CTAs of the collectives' group (named variants)")
     ap.add_argument("--sweep-shape", default="8192x8192x8192")
     ap.add_argument("--no-graph", action="store_true")
     args = ap.parse_args()
@@ -72,6 +79,21 @@ def main() -> int:
     kinds = [k for k in args.ops.split(",") if k]
     graphs = (False,) if args.no_graph else (False, True)
     ctx = GemmSignal(world)
+    # contexts whose collectives run on a group with bounded NCCL CTAs (created collectively,
+    # in the same order on every rank, before any timing)
+    cta_ctxs = {}
+    for n in [int(x) for x in args.comm_ctas.split(",") if x]:
+        for hp in (False, True):
+            try:
+                opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=hp)
+                opts.config.max_ctas = n
+                g = dist.new_group(list(range(W)), backend="nccl", pg_options=opts)
+                sub = World.from_process_group(group=g, device=dev)
+                cta_ctxs[f"fused[ctas={n}{',hp' if hp else ''}]"] = GemmSignal(sub)
+            except Exception as e:
+                if world.rank == 0:
+                    print(f"ctas={n} hp={hp} skipped: {type(e).__name__}: {str(e)[:200]}",
+                          flush=True)
     group_name = dist.group.WORLD.group_name
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -83,7 +105,7 @@ def main() -> int:
     table = []
     for kind in kinds:
         op_name, fused_fn, ref_fn = OPS[kind]
-        for M, N, K in shapes + ([sweep_shape] if (args.partitions or args.reserves)
+        for M, N, K in shapes + ([sweep_shape] if (args.partitions or args.reserves or cta_ctxs)
                                   and sweep_shape not in shapes else []):
             Kl = K // W
             shape = {"M": M, "N": N, "K": K, "K_local": Kl}
@@ -91,7 +113,7 @@ def main() -> int:
             b = torch.randn(Kl, N, generator=gen, device=dev, dtype=torch.float32).bfloat16()
             rows = M // W if kind == "reduce_scatter" else M
             out = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
-            y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            y = torch.randn(M, N, generator=gen, device=dev, dtype=torch.float32).bfloat16()
             ys = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
             # correctness in the same run, before timing (fresh random inputs, poisoned output)
             out.fill_(float("nan"))
@@ -104,6 +126,7 @@ def main() -> int:
                 print(f"rank {world.rank}: fused {kind} failed at {M}x{N}x{K}: "
                       f"{type(e).__name__}: {str(e)[-300:]}", flush=True)
                 err = float("inf")
+            err = max(world.all_gather_object(err))  # every rank decides alike what to time
             correct = bool(err < 1e-2)
             if kind == "all_reduce":
                 comm = lambda: dist.all_reduce(y)  # noqa: E731
@@ -123,6 +146,7 @@ def main() -> int:
                     torch.cuda.synchronize()
                     ref = ref_fn(a, b, world.group).double()
                     terr = ((got.double() - ref).norm() / ref.norm()).item()
+                    terr = max(world.all_gather_object(terr))
                     if terr < 1e-2:
                         impls["torch_fused"] = tf
                     elif world.rank == 0:
@@ -145,22 +169,27 @@ def main() -> int:
                         variants[f"fused[{pname}]"] = (SignalConfig(partition=part), part)
                 for r in [int(x) for x in args.reserves.split(",") if x]:
                     variants[f"fused[reserve={r}]"] = (SignalConfig(reserve_sms=r), None)
+                for vname in cta_ctxs:
+                    variants[vname] = (None, None)
             for vname, (cfg, part) in variants.items():
+                vctx = cta_ctxs.get(vname, ctx)
                 try:  # plan (a host collective, kernel loads) and check outside the timing
                     out.fill_(float("nan"))
-                    fused_fn(a, b, ctx, out, config=cfg)
-                    ctx.synchronize()
+                    fused_fn(a, b, vctx, out, config=cfg)
+                    vctx.synchronize()
                     ref = ref_fn(a, b, world.group).double()
                     verr = ((out.double() - ref).norm() / ref.norm()).item()
                 except Exception as e:
-                    if world.rank == 0:
-                        print(f"{vname} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
+                    print(f"rank {world.rank}: {vname} failed: {type(e).__name__}: "
+                          f"{str(e)[:200]}", flush=True)
+                    verr = float("inf")
+                verr = max(world.all_gather_object(verr))
                 if verr >= 1e-2:
                     if world.rank == 0:
                         print(f"{vname} wrong (rel_err {verr:.2e}): not timed", flush=True)
                     continue
-                impls[vname] = (lambda c: (lambda: fused_fn(a, b, ctx, out, config=c)))(cfg)
+                impls[vname] = (lambda c, x: (lambda: fused_fn(a, b, x, out, config=c)))(cfg,
+                                                                                       vctx)
             row = {"op": kind, "shape": f"{M}x{N}x{K}", "err": err}
             for graph in graphs:
                 for name, fn in impls.items():
@@ -180,7 +209,7 @@ def main() -> int:
                         if name.startswith("fused["):
                             v = variants[name]
                             extra = {"partition": list(v[1]) if v[1] else None,
-                                     "reserve_sms": v[0].reserve_sms}
+                                     "reserve_sms": v[0].reserve_sms if v[0] else None}
                         writer.write(op=op_name, shape=shape, dtype="bf16", impl=name,
                                      graph=graph, correct=correct if name == "fused" else None,
                                      rel_err=err if name == "fused" else None,
@@ -201,6 +230,8 @@ def main() -> int:
                                                          / (t["sequential"] - ideal), 3)
                                  if t["sequential"] > ideal else None)
     ctx.close()
+    for c in cta_ctxs.values():
+        c.close()
     if world.rank == 0:
         print("\nmilliseconds, slowest rank's median; P = plain launches, G = CUDA-graph replay; "
               "frac = (seq - fused) / (seq - max(compute, comm))")

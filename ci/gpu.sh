@@ -40,7 +40,7 @@ if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
   fi
   if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
     run 300 benchmarks/bench_gemm_signal.py --out "$out/$kind.jsonl" --device-kind "$kind" \
-        --partitions --reserves 0,8,16,24,32 ${PO_SIG_BENCH_ARGS:-} 2>&1 \
+        --partitions --reserves 0,8,16,24,32 --comm-ctas 8,16 ${PO_SIG_BENCH_ARGS:-} 2>&1 \
         | tee "$out/bench_gemm_signal.log" | grep -vE "^\[|Warning|warn" | tail -45
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
