@@ -283,3 +283,122 @@ def test_wave_groups_validation():
         WaveGroups((3, 3)).validate(6, multiple_of=2)
     with pytest.raises(ValueError):
         default_partition(5, 4, multiple_of=2)
+
+
+# -- the host sequence on streams (the CPU backend has none: a recording stand-in) -------------
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name}.wait({other.name})")
+
+
+class _Module:
+    """Stands in for torch's device module: streams that log, a current-stream context."""
+
+    def __init__(self, log):
+        self.log, self.caller = log, _Stream("caller", log)
+        self.current = self.caller
+
+    def Stream(self, device=None):
+        return _Stream("comm", self.log)
+
+    def current_stream(self, device=None):
+        return self.current
+
+    def stream(self, s):
+        mod = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.prev, mod.current = mod.current, s
+
+            def __exit__(self, *exc):
+                mod.current = self.prev
+
+        return _Ctx()
+
+    def is_current_stream_capturing(self):
+        return False
+
+
+def _sequence(world):
+    from portable_overlap.ops.gemm_signal import api
+
+    log = []
+    ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL, partition=(2, 4)))
+    mod = _Module(log)
+    ctx._mod, ctx.comm_stream, ctx._comm_handle = mod, mod.Stream(), "comm"
+    be = ctx.backend
+
+    class _Backend:  # the real CPU entries, logged with the stream they were given
+        name = be.name
+
+        def stream_wait_value(self, stream, addr, value):
+            log.append(f"{stream}:wait[{(addr - ctx.counters.data_ptr()) // 4}]>={value}")
+            be.stream_wait_value(stream, addr, value)
+
+        def stream_write_value(self, stream, addr, value):
+            log.append(f"{stream}:write[{(addr - ctx.counters.data_ptr()) // 4}]={value}")
+            be.stream_write_value(stream, addr, value)
+
+        def synchronize(self, device):
+            log.append("sync")
+
+        def current_stream(self, device):
+            return mod.current.name
+
+    class _Dist:  # torch.distributed, logged with the current stream
+        def __getattr__(self, name):
+            real = getattr(torch.distributed, name)
+
+            def call(*args, **kwargs):
+                log.append(f"{mod.current.name}:{name}")
+                return real(*args, **kwargs)
+            return call
+
+    ctx.backend = _Backend()
+    real_launch = ctx._launch_plan
+
+    def launch_plan(*args):
+        gemm, reorder = real_launch(*args)
+
+        def logged(name, k):
+            def run(a):
+                log.append(f"{mod.current.name}:{name}")
+                k(a)
+            run.programs = k.programs
+            return run
+        return logged("gemm", gemm), logged("reorder", reorder)
+
+    ctx._launch_plan = launch_plan
+    saved, api.dist = api.dist, _Dist()
+    try:
+        a, b = torch.randn(12, 8), torch.randn(8, 40)  # 1 x 3 tiles per rank block: 6 tiles
+        firsts = []
+        for _ in range(2):
+            log.clear()
+            out = gemm_reduce_scatter(a, b, ctx)
+            firsts.append(list(log))
+        ref = gemm_reduce_scatter_reference(a, b, world.group)
+        assert torch.allclose(out, ref, atol=1e-5)
+    finally:
+        api.dist = saved
+        ctx.close()
+    return firsts
+
+
+def test_host_sequence_on_streams(world2):
+    first, later = world2.run(_sequence)[0]
+    # first call of a plan: no value wait (the comm stream waits for the whole GEMM), then sync
+    assert first == ["comm.wait(caller)", "caller:gemm", "comm.wait(caller)",
+                     "comm:write[0]=0", "comm:reduce_scatter_tensor",
+                     "comm:write[1]=0", "comm:reduce_scatter_tensor",
+                     "caller.wait(comm)", "caller:reorder", "sync"], first
+    # later calls: fork before the GEMM, a value wait per group on the comm stream, reset, the
+    # collective, then the join before the reorder; no sync
+    assert later == ["comm.wait(caller)", "caller:gemm",
+                     "comm:wait[0]>=2", "comm:write[0]=0", "comm:reduce_scatter_tensor",
+                     "comm:wait[1]>=4", "comm:write[1]=0", "comm:reduce_scatter_tensor",
+                     "caller.wait(comm)", "caller:reorder"], later
