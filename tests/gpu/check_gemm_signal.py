@@ -56,19 +56,25 @@ def out_rows(kind, M, W):
 
 
 def one(world, ctx, kind, dtype, M, N, K, gen, *, config=None, fused=False, bt=False):
-    """One call against the reference; returns (rel_err, output fully written)."""
+    """Two calls against the reference, fresh inputs and a poisoned output each time (the first
+    call of a plan runs unguarded, the second waits on the group counters); returns (worst
+    rel_err, output fully written both times, the last output)."""
     fn, ref_fn = OPS[kind]
     dev = world.device
-    a = rand((M, K), dtype, dev, gen)
-    b = rand((N, K), dtype, dev, gen).t() if bt else rand((K, N), dtype, dev, gen)
     rows = out_rows(kind, M, world.world_size)
-    bias = rand((N,), dtype, dev, gen) if fused else None
-    res = rand((rows, N), dtype, dev, gen) if fused else None
-    out = torch.full((rows, N), float("nan"), dtype=dtype, device=dev)
-    fn(a, b, ctx, out, bias=bias, residual=res, config=config)
-    ctx.synchronize()
-    ref = ref_fn(a, b, world.group, bias=bias, residual=res)
-    return rel_err(out, ref), not bool(torch.isnan(out).any()), out
+    worst, full = 0.0, True
+    for _ in range(2):
+        a = rand((M, K), dtype, dev, gen)
+        b = rand((N, K), dtype, dev, gen).t() if bt else rand((K, N), dtype, dev, gen)
+        bias = rand((N,), dtype, dev, gen) if fused else None
+        res = rand((rows, N), dtype, dev, gen) if fused else None
+        out = torch.full((rows, N), float("nan"), dtype=dtype, device=dev)
+        fn(a, b, ctx, out, bias=bias, residual=res, config=config)
+        ctx.synchronize()
+        ref = ref_fn(a, b, world.group, bias=bias, residual=res)
+        worst = max(worst, rel_err(out, ref))
+        full &= not bool(torch.isnan(out).any())
+    return worst, full, out
 
 
 def check_shapes(world, ctx, gen) -> None:
