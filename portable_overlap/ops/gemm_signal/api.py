@@ -1,6 +1,7 @@
 """GEMM with tile-group signals: the output of one persistent GEMM travels through ORDINARY
-collectives (torch.distributed on NCCL / RCCL / gloo), one per wave group, each started by a
-stream wait on the group's counter as soon as the GEMM has finished the group's tiles.
+collectives (torch.distributed: the vendor's collective library, or gloo), one per wave group,
+each started by a stream wait on the group's counter as soon as the GEMM has finished the
+group's tiles.
 
 What the ops compute, with ``a_r [M, K_r]``, ``b_r [K_r, N]`` the tensors rank r passes
 (W ranks, the K dimension split over them)::
