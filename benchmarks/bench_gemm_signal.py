@@ -11,7 +11,8 @@ Impls: ``fused`` (this op), ``sequential`` (torch.mm, then the NCCL collective),
 (torch.mm alone), ``comm`` (the collective alone), ``torch_fused`` (torch's
 ``symm_mem.fused_matmul_reduce_scatter``, ReduceScatter only, skipped with a printed reason where
 it does not work), and with ``--partitions`` / ``--reserves`` named variants of ``fused`` at one
-shape (``--sweep-shape``): ``fused[<partition name>]``, ``fused[reserve=<n>]``, and with
+shape (``--sweep-shape``): ``fused[<partition name>]``, ``fused[event_gate]`` (same kernels, the
+collectives after the whole GEMM: no overlap), ``fused[reserve=<n>]``, and with
 ``--comm-ctas`` ``fused[ctas=<n>]`` / ``fused[ctas=<n>,hp]``: the collectives on a process group
 whose NCCL communicator may use at most n CTAs (``ProcessGroupNCCL.Options().config.max_ctas``;
 ``hp``: a high-priority NCCL stream as well). The persistent GEMM leaves only ``reserve_sms`` SMs
@@ -167,6 +168,9 @@ def main() -> int:
                     programs = ctx._programs(ctx.config)
                     for pname, part in sweep_partitions(n_tiles, programs, dests).items():
                         variants[f"fused[{pname}]"] = (SignalConfig(partition=part), part)
+                    # the same kernels, the collectives after the whole GEMM: what the overlap
+                    # itself gains, apart from the reserve and the reorder
+                    variants["fused[event_gate]"] = (SignalConfig(gate="event"), None)
                 for r in [int(x) for x in args.reserves.split(",") if x]:
                     variants[f"fused[reserve={r}]"] = (SignalConfig(reserve_sms=r), None)
                 for vname in cta_ctxs:

@@ -172,42 +172,55 @@ def check_back_to_back(world, ctx, gen, calls: int = 300) -> None:
 
 
 def check_graph(world, ctx, gen, replays: int = 50) -> None:
-    dev = world.device
-    for kind in ("all_reduce", "reduce_scatter"):
-        M, N, K = 2048, 4096, 1024
-        fn, ref_fn = OPS[kind]
-        a = rand((M, K), torch.bfloat16, dev, gen)
-        b = rand((K, N), torch.bfloat16, dev, gen)
-        out = torch.empty((out_rows(kind, M, world.world_size), N), dtype=torch.bfloat16,
-                          device=dev)
-        fn(a, b, ctx, out)  # plans, loads every kernel, checks the ranks agree: outside capture
-        ctx.synchronize()
+    """Capture and replay: the value gate (stream value waits in the graph) for the three kinds,
+    and the event gate (no value ops: the fallback if they cannot be captured) for AllReduce."""
+    for kind, gate in (("all_reduce", "value"), ("reduce_scatter", "value"),
+                       ("all_to_all", "value"), ("all_reduce", "event")):
+        cfg = SignalConfig(gate=gate)
+        # a context of its own: a failed capture breaks the context it was captured on
+        gctx = GemmSignal(world)
         try:
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn(a, b, ctx, out)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                fn(a, b, ctx, out)
-        except Exception as e:
-            record(f"CUDA graph capture: {kind}", False, f"capture raised {type(e).__name__}: "
-                   f"{str(e)[:200]}")
-            torch.cuda.synchronize()
-            continue
-        worst = 0.0
-        for _ in range(replays):
-            a.copy_(rand((M, K), torch.bfloat16, dev, gen))
-            out.fill_(float("nan"))
-            world.barrier()
-            g.replay()
-            torch.cuda.synchronize()
-            worst = max(worst, rel_err(out, ref_fn(a, b, world.group)))
-        zero = bool((ctx.counters == 0).all())
-        record(f"CUDA graph: {kind}, {replays} replays, changing inputs", worst < 1e-2 and zero,
-               f"worst rel_err={worst:.2e} counters_zero={zero}")
+            _graph_case(world, gctx, gen, kind, gate, cfg, replays)
+        finally:
+            gctx.close()
+
+
+def _graph_case(world, ctx, gen, kind, gate, cfg, replays) -> None:
+    dev = world.device
+    M, N, K = 2048, 4096, 1024
+    fn, ref_fn = OPS[kind]
+    a = rand((M, K), torch.bfloat16, dev, gen)
+    b = rand((K, N), torch.bfloat16, dev, gen)
+    out = torch.empty((out_rows(kind, M, world.world_size), N), dtype=torch.bfloat16,
+                      device=dev)
+    fn(a, b, ctx, out, config=cfg)  # plans, loads kernels, checks the ranks: not captured
+    ctx.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn(a, b, ctx, out, config=cfg)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            fn(a, b, ctx, out, config=cfg)
+    except Exception as e:
+        record(f"CUDA graph capture: {kind}, {gate} gate", False,
+               f"capture raised {type(e).__name__}: {str(e)[:200]}")
+        torch.cuda.synchronize()
+        return
+    worst = 0.0
+    for _ in range(replays):
+        a.copy_(rand((M, K), torch.bfloat16, dev, gen))
+        out.fill_(float("nan"))
+        world.barrier()
+        g.replay()
+        torch.cuda.synchronize()
+        worst = max(worst, rel_err(out, ref_fn(a, b, world.group)))
+    zero = bool((ctx.counters == 0).all())
+    record(f"CUDA graph: {kind}, {gate} gate, {replays} replays", worst < 1e-2 and zero,
+           f"worst rel_err={worst:.2e} counters_zero={zero}")
 
 
 def check_large(world, ctx, gen) -> None:

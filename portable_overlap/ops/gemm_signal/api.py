@@ -77,14 +77,20 @@ class SignalConfig:
     """``matmul``: GEMM tiling (None: ``matmul.default_config``). ``reserve_sms``: SMs / CUs the
     GEMM grid leaves free for the collectives (None: 16 per 132, scaled by the device's count).
     ``partition``: wave-group sizes in tiles, schedule order (None: ``default_partition``).
-    ``max_groups``: bound for the default partition."""
+    ``max_groups``: bound for the default partition. ``gate``: ``"value"`` (each group's
+    collective waits on its counter: the overlap) or ``"event"`` (the collectives wait for the
+    whole GEMM by an event: the same kernels without overlap, a baseline and a fallback where a
+    stream value wait cannot be captured in a graph)."""
 
     matmul: Optional[MatmulConfig] = None
     reserve_sms: Optional[int] = None
     partition: Optional[tuple] = None
     max_groups: int = 8
+    gate: str = "value"
 
     def __post_init__(self):
+        if self.gate not in ("value", "event"):
+            raise ValueError(f"{OP}: gate must be 'value' or 'event': {self}")
         if self.reserve_sms is not None and self.reserve_sms < 0:
             raise ValueError(f"{OP}: reserve_sms must be >= 0: {self}")
         if not 1 <= self.max_groups <= MAX_GROUPS:
@@ -206,7 +212,7 @@ class GemmSignal:
         self._fork()
         gemm(gemm_args)  # nothing is waited on before this launch returned (see kernel.py)
         try:
-            self._communicate(plan, stage, recv, first)
+            self._communicate(plan, stage, recv, guarded=not first and cfg.gate == "value")
         except BaseException as e:
             self._recover(plan, e)
             raise
@@ -217,17 +223,19 @@ class GemmSignal:
             plan.warm = True
         return out if rms_weight is None else (out, normed)
 
-    def _communicate(self, plan, stage, recv, first: bool) -> None:
+    def _communicate(self, plan, stage, recv, guarded: bool) -> None:
         be, group = self.backend, self.world.group
         with self._on_comm():
-            if first:  # the comm stream waits for the whole GEMM, no stream is held
+            if not guarded:  # the comm stream waits for the whole GEMM, no stream is held; a
+                # kernel resets the counters (capturable where stream value ops may not be)
                 self._wait_caller()
+                self.counters[:plan.groups.n_groups].zero_()
             tile = plan.tile_elems
             base = self.counters.data_ptr()
             for g, (start, size) in enumerate(zip(plan.groups.starts, plan.groups.sizes)):
-                if not first:
+                if guarded:  # wait for the group's tiles, then reset its counter
                     be.stream_wait_value(self._comm_handle, base + 4 * g, size)
-                be.stream_write_value(self._comm_handle, base + 4 * g, 0)
+                    be.stream_write_value(self._comm_handle, base + 4 * g, 0)
                 chunk = stage[start * tile:(start + size) * tile]
                 if plan.kind == "all_reduce":
                     dist.all_reduce(chunk, group=group)
