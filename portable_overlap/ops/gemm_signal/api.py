@@ -206,7 +206,8 @@ class GemmSignal:
         gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs)
         reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, eps)
         first = not plan.warm
-        if first and self._capturing():
+        capturing = self._capturing()
+        if first and capturing:
             raise RuntimeError(f"{op}: call it once with these shapes outside graph capture "
                                f"first (the first call loads kernels and checks the ranks agree)")
         self._fork()
@@ -214,7 +215,13 @@ class GemmSignal:
         try:
             self._communicate(plan, stage, recv, guarded=not first and cfg.gate == "value")
         except BaseException as e:
-            self._recover(plan, e)
+            if not capturing:
+                self._recover(plan, e)
+            else:  # a failed capture ran nothing (the graph is discarded): just rejoin
+                try:
+                    self._join()
+                except Exception:
+                    pass
             raise
         self._join()
         reorder(reorder_args)
