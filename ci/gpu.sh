@@ -3,8 +3,11 @@
 # default), then the benchmark. Logs and results go to the folder given as $1 (or $OUT).
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
-#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark), PO_SKIP_A2A=1 (GEMM +
-#      All-to-All benchmark), PO_A2A_ARGS, PO_SKIP_MOE=1 (MoE combine benchmark), PO_MOE_ARGS, PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1, PO_COMMIT (recorded with every result).
+#      PO_SKIP_CHECKS=1 (all GPU checks), PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark),
+#      PO_SKIP_A2A=1 / PO_A2A_ARGS (GEMM + All-to-All benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
+#      (MoE combine benchmark), PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
+#      tile-group signals: checks and benchmark), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
+#      PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
@@ -45,6 +48,22 @@ fi
 if [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then
   run 240 examples/moe/moe_layer.py 2>&1 | tee "$out/example_moe.log" | grep -vE "^\[|Warning|warn" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+# GEMM with tile-group signals (host-collective transport): checks, then its benchmark with the
+# wave-group partition and SM-reserve sweeps at 8192^3. PO_SKIP_SIG=1 skips both;
+# PO_SIG_BENCH_ARGS adds benchmark arguments.
+if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
+  if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
+    run 360 tests/gpu/check_gemm_signal.py 2>&1 | tee "$out/check_gemm_signal.log" \
+        | grep -E "PASS|FAIL|gpu checks|Error|error" | head -60
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
+  if [ "${PO_SKIP_SIG_BENCH:-0}" != 1 ]; then
+    run 300 benchmarks/bench_gemm_signal.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+        --partitions --reserves 0,8,16,24,32 --comm-ctas 8,16 ${PO_SIG_BENCH_ARGS:-} 2>&1 \
+        | tee "$out/bench_gemm_signal.log" | grep -vE "^\[|Warning|warn" | tail -45
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
   timeout 300 python3 -m portable_overlap demo 2>&1 | tee "$out/demo.log" | grep -vE "^\[|Warning|warn" | tail -12

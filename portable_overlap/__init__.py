@@ -10,6 +10,10 @@ from .modules.linear import RowParallelLinear
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
 from .ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all
 from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine
+from .ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce,
+                              gemm_all_reduce_reference, gemm_all_to_all_signal,
+                              gemm_all_to_all_signal_reference, gemm_reduce_scatter,
+                              gemm_reduce_scatter_reference)
 from .world import World
 
 __version__ = "0.1.0"
@@ -17,4 +21,6 @@ __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_redu
            "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
            "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError",
            "InvalidInputError", "GemmAllToAll", "gemm_all_to_all", "MoeGemmCombine",
-           "moe_gemm_combine"]
+           "moe_gemm_combine", "GemmSignal", "SignalConfig", "gemm_all_reduce",
+           "gemm_reduce_scatter", "gemm_all_to_all_signal", "gemm_all_reduce_reference",
+           "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference"]

@@ -23,6 +23,7 @@ def all_specs():
     """(name, jit function, signature, constexprs, aligned argument names) of every kernel."""
     from .ops.gemv_allreduce.compile_specs import specs as gemv_allreduce_specs
     from .ops.gemm_alltoall.compile_specs import specs as gemm_alltoall_specs
+    from .ops.gemm_signal.compile_specs import specs as gemm_signal_specs
     from .ops.matmul.compile_specs import specs as matmul_specs
     from .ops.moe_combine.compile_specs import specs as moe_combine_specs
     from .transports.compile_specs import specs as transport_specs
@@ -32,3 +33,4 @@ def all_specs():
     yield from gemm_alltoall_specs()
     yield from moe_combine_specs()
     yield from transport_specs()
+    yield from gemm_signal_specs()

@@ -1,0 +1,10 @@
+"""GEMM with tile-group signals: wave groups of finished tiles go through ordinary collectives
+(AllReduce, ReduceScatter, All-to-All) gated by stream waits, then a reorder restores the layout."""
+from .api import (GemmSignal, SignalConfig, gemm_all_reduce, gemm_all_to_all_signal,
+                  gemm_reduce_scatter)
+from .reference import (gemm_all_reduce_reference, gemm_all_to_all_signal_reference,
+                        gemm_reduce_scatter_reference)
+
+__all__ = ["GemmSignal", "SignalConfig", "gemm_all_reduce", "gemm_reduce_scatter",
+           "gemm_all_to_all_signal", "gemm_all_reduce_reference", "gemm_reduce_scatter_reference",
+           "gemm_all_to_all_signal_reference"]

@@ -1,0 +1,528 @@
+"""GEMM with tile-group signals: the output of one persistent GEMM travels through ORDINARY
+collectives (torch.distributed: the vendor's collective library, or gloo), one per wave group,
+each started by a stream wait on the group's counter as soon as the GEMM has finished the
+group's tiles.
+
+What the ops compute, with ``a_r [M, K_r]``, ``b_r [K_r, N]`` the tensors rank r passes
+(W ranks, the K dimension split over them)::
+
+    c = sum_r a_r @ b_r                                  # [M, N]
+    gemm_all_reduce:       out = c (+ bias + residual)                   # [M, N] on every rank
+    gemm_reduce_scatter:   out = c[r*M/W:(r+1)*M/W] (+ bias + residual)  # [M/W, N] on rank r
+    gemm_all_to_all_signal (no sum; c_q = a_q @ b_q on rank q, each [M, N]):
+        out[q*M/W:(q+1)*M/W] = c_q[r*M/W:(r+1)*M/W]       # [M, N] on rank r, for every source q
+        i.e. torch.distributed.all_to_all_single(out, a @ b)
+
+``bias`` [N] and ``residual`` (the shape of ``out``) are optional and fused into the reorder.
+With ``rms_weight`` [N] the reorder also normalizes whole rows and the op returns
+``(out, normed)``::
+
+    out = collective(...) (+ bias + residual)          # h, rounded once from fp32
+    normed = h * rsqrt(mean(h**2, -1) + eps) * rms_weight   # from h in fp32
+
+One call, on rank r (see docs/gemm_signal.md):
+
+1. the comm stream forks from the caller's stream (so it sees every earlier write);
+2. the GEMM is launched on the caller's stream with a grid that leaves ``reserve_sms`` SMs free
+   for the collectives' kernels; each finished tile goes to its staging slot and bumps its
+   group's counter;
+3. per group g, on the comm stream: ``stream_wait_value(count[g] >= size_g)`` (no CPU polling),
+   ``stream_write_value(count[g], 0)`` (the waiter resets its own counter: see below), then the
+   collective on the group's contiguous staging chunk;
+4. the caller's stream waits for the comm stream, and the reorder kernel writes ``out``.
+
+Counters are reset by the waiter instead of compared with an epoch because a CUDA graph replays
+the captured wait *values*: with epochs, every replay would wait for the captured call's epoch,
+which earlier replays already passed, and read unfinished tiles. The reset is stream-ordered:
+it follows the wait (all ``size_g`` bumps of this call have landed, there are no more), and the
+next call's GEMM runs after the caller's stream joined the comm stream.
+
+The first call of each shape runs unguarded (the comm stream waits for the whole GEMM through an
+event) and synchronizes: it loads every kernel involved (GEMM, reorder, the collectives' own
+kernels) before any stream is ever held by a value wait — with lazy module loading, a first
+launch while a stream is held deadlocks (docs/lessons.md) — and it checks that every rank planned
+the same partition and tiling (a host collective, so never inside a CUDA-graph capture).
+
+Status: correct on CPU-emulated ranks (2 and 4) and compiled for sm_90 and gfx942; not yet run
+or measured on GPUs.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...errors import ContextBrokenError
+from ...schedule import WaveGroups, as_wave_groups, default_partition, grouped_tile, tile_layout
+from ...tiles.gemv import dot_upcast
+from ..context import _contexts, _lock, align_key, get_context
+from ..launch import PlannedLaunch, resident_programs
+from ..matmul.api import MatmulConfig, check_operands, default_config
+from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
+
+OP = "gemm_signal"
+KINDS = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter",
+         "all_to_all": "gemm_all_to_all_signal"}
+MAX_GROUPS = 256  # counters per context; a partition has at most this many groups
+#: SMs left to the collectives' kernels on a 132-SM H200 (FlashOverlap reserves SMs for NCCL);
+#: scaled by the device's SM count
+RESERVE_PER_132 = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalConfig:
+    """``matmul``: GEMM tiling (None: ``matmul.default_config``). ``reserve_sms``: SMs / CUs the
+    GEMM grid leaves free for the collectives (None: 16 per 132, scaled by the device's count).
+    ``partition``: wave-group sizes in tiles, schedule order (None: ``default_partition``).
+    ``max_groups``: bound for the default partition. ``gate``: ``"value"`` (each group's
+    collective waits on its counter: the overlap) or ``"event"`` (the collectives wait for the
+    whole GEMM by an event: the same kernels without overlap, a baseline and a fallback where a
+    stream value wait cannot be captured in a graph)."""
+
+    matmul: Optional[MatmulConfig] = None
+    reserve_sms: Optional[int] = None
+    partition: Optional[tuple] = None
+    max_groups: int = 8
+    gate: str = "value"
+
+    def __post_init__(self):
+        if self.gate not in ("value", "event"):
+            raise ValueError(f"{OP}: gate must be 'value' or 'event': {self}")
+        if self.reserve_sms is not None and self.reserve_sms < 0:
+            raise ValueError(f"{OP}: reserve_sms must be >= 0: {self}")
+        if not 1 <= self.max_groups <= MAX_GROUPS:
+            raise ValueError(f"{OP}: max_groups must be in 1..{MAX_GROUPS}: {self}")
+        if self.partition is not None:
+            object.__setattr__(self, "partition", as_wave_groups(self.partition).sizes)
+
+
+class _Plan:
+    """Everything one (kind, shape, dtype, tiling, partition) needs, agreed by every rank."""
+
+
+class GemmSignal:
+    """Workspace of the tile-group-signal ops on one rank: the group counters (device int32), the
+    staging and receive buffers (grown when a new shape is planned, never inside a call), the
+    comm stream and the plans. Collective to create; the same calls in the same order on every
+    rank. ``config`` is the default of every call (a call may pass its own)."""
+
+    OP = OP
+
+    def __init__(self, world, *, config: Optional[SignalConfig] = None):
+        world.check_same(f"{OP} context config", config)
+        self.world = world
+        self.rank, self.size = world.rank, world.world_size
+        self.config = config or SignalConfig()
+        self.device = world.device
+        self.backend = world.backend
+        self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
+        self._stage_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._recv_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._retired: list = []  # outgrown buffers, kept: a captured graph may still use them
+        self._plans: dict = {}
+        self._launches: dict = {}
+        self._broken: Optional[str] = None
+        if self.device.type == "cpu":  # the interpreter and gloo run synchronously: no streams
+            self._mod, self.comm_stream, self._comm_handle = None, None, None
+        else:
+            self._mod = torch.get_device_module(self.device)
+            self.comm_stream = self._mod.Stream(device=self.device)
+            with self._mod.stream(self.comm_stream):
+                self._comm_handle = self.backend.current_stream(self.device)
+        with _lock:
+            self.handle = max(_contexts, default=0) + 1
+            _contexts[self.handle] = self
+
+    def close(self) -> None:
+        with _lock:
+            _contexts.pop(self.handle, None)
+
+    # -- the ops -----------------------------------------------------------------------------
+    def all_reduce(self, a, b, out=None, *, bias=None, residual=None, config=None,
+                   rms_weight=None, eps=1e-6, normed=None):
+        return self._call("all_reduce", a, b, out, bias, residual, config, rms_weight, eps,
+                          normed)
+
+    def reduce_scatter(self, a, b, out=None, *, bias=None, residual=None, config=None,
+                       rms_weight=None, eps=1e-6, normed=None):
+        return self._call("reduce_scatter", a, b, out, bias, residual, config, rms_weight, eps,
+                          normed)
+
+    def all_to_all(self, a, b, out=None, *, bias=None, residual=None, config=None,
+                   rms_weight=None, eps=1e-6, normed=None):
+        return self._call("all_to_all", a, b, out, bias, residual, config, rms_weight, eps,
+                          normed)
+
+    def check(self) -> None:
+        if self._broken is not None:
+            raise ContextBrokenError(f"{OP} context on rank {self.rank} failed before and may be "
+                                     f"out of step with its peers; create a new one. First "
+                                     f"error:\n{self._broken}")
+
+    def synchronize(self) -> None:
+        self.backend.synchronize(self.device)
+        self.check()
+
+    # -- one call ------------------------------------------------------------------------------
+    def _call(self, kind, a, b, out, bias, residual, config, rms_weight=None, eps=1e-6,
+              normed=None):
+        self.check()
+        op = KINDS[kind]
+        # the caller's stream: the comm stream forks from it and it joins the comm stream
+        self._caller = self._mod.current_stream(self.device) if self._mod else None
+        cfg = config or self.config
+        check_operands(op, a, b, self.device)
+        M, K = a.shape
+        N = b.shape[1]
+        if kind != "all_reduce" and M % self.size:
+            raise ValueError(f"{op}: M={M} rows must split evenly over {self.size} ranks")
+        out_rows = M // self.size if kind == "reduce_scatter" else M
+        if out is None:
+            out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
+        _check_2d(op, "out", out, (out_rows, N), a)
+        if residual is not None:
+            _check_2d(op, "residual", residual, (out_rows, N), a)
+        for name, vec in (("bias", bias), ("rms_weight", rms_weight)):
+            if vec is not None and (not isinstance(vec, torch.Tensor) or vec.shape != (N,)
+                                    or vec.dtype != a.dtype or vec.device != a.device
+                                    or vec.stride(0) != 1):
+                raise ValueError(f"{op}: {name} must be a contiguous {a.dtype} [{N}] tensor on "
+                                 f"{a.device}")
+        if rms_weight is not None:
+            if not eps > 0:
+                raise ValueError(f"{op}: eps must be > 0, got {eps}")
+            if normed is None:
+                normed = torch.empty_like(out)
+            _check_2d(op, "normed", normed, (out_rows, N), a)
+        elif normed is not None:
+            raise ValueError(f"{op}: normed is written only with rms_weight")
+        plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
+        gemm, reorder = self._launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
+        stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
+        recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
+        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs)
+        reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, eps)
+        first = not plan.warm
+        capturing = self._capturing()
+        if first and capturing:
+            raise RuntimeError(f"{op}: call it once with these shapes outside graph capture "
+                               f"first (the first call loads kernels and checks the ranks agree)")
+        self._fork()
+        gemm(gemm_args)  # nothing is waited on before this launch returned (see kernel.py)
+        try:
+            self._communicate(plan, stage, recv, guarded=not first and cfg.gate == "value")
+        except BaseException as e:
+            if not capturing:
+                self._recover(plan, e)
+            else:  # a failed capture ran nothing (the graph is discarded): just rejoin
+                try:
+                    self._join()
+                except Exception:
+                    pass
+            raise
+        self._join()
+        reorder(reorder_args)
+        if first:
+            self.backend.synchronize(self.device)
+            plan.warm = True
+        return out if rms_weight is None else (out, normed)
+
+    def _communicate(self, plan, stage, recv, guarded: bool) -> None:
+        be, group = self.backend, self.world.group
+        with self._on_comm():
+            if not guarded:  # the comm stream waits for the whole GEMM, no stream is held; a
+                # kernel resets the counters (capturable where stream value ops may not be)
+                self._wait_caller()
+                self.counters[:plan.groups.n_groups].zero_()
+            tile = plan.tile_elems
+            base = self.counters.data_ptr()
+            for g, (start, size) in enumerate(zip(plan.groups.starts, plan.groups.sizes)):
+                if guarded:  # wait for the group's tiles, then reset its counter
+                    be.stream_wait_value(self._comm_handle, base + 4 * g, size)
+                    be.stream_write_value(self._comm_handle, base + 4 * g, 0)
+                chunk = stage[start * tile:(start + size) * tile]
+                if plan.kind == "all_reduce":
+                    dist.all_reduce(chunk, group=group)
+                elif plan.kind == "reduce_scatter":
+                    part = recv[start // self.size * tile:(start + size) // self.size * tile]
+                    dist.reduce_scatter_tensor(part, chunk, group=group)
+                else:
+                    dist.all_to_all_single(recv[start * tile:(start + size) * tile], chunk,
+                                           group=group)
+
+    def _recover(self, plan, e) -> None:
+        """A collective raised after the GEMM was launched: clear this plan's counters behind the
+        GEMM so that no later call passes a wait early, and refuse further calls (peers may have
+        run collectives this rank did not)."""
+        self._broken = f"{type(e).__name__}: {e}"
+        try:
+            with self._on_comm():
+                self._wait_caller()
+                for g in range(plan.groups.n_groups):
+                    self.backend.stream_write_value(self._comm_handle,
+                                                    self.counters.data_ptr() + 4 * g, 0)
+            self._join()
+        except Exception:
+            pass
+
+    # -- streams (no-ops on the CPU backend, where everything runs synchronously) ---------------
+    def _capturing(self) -> bool:
+        return self._mod is not None and bool(
+            getattr(self._mod, "is_current_stream_capturing", lambda: False)())
+
+    def _on_comm(self):
+        return self._mod.stream(self.comm_stream) if self._mod else contextlib.nullcontext()
+
+    def _fork(self) -> None:
+        if self._mod:
+            self.comm_stream.wait_stream(self._caller)
+
+    def _wait_caller(self) -> None:  # called on the comm stream: wait for the caller's work
+        if self._mod:
+            self.comm_stream.wait_stream(self._caller)
+
+    def _join(self) -> None:
+        if self._mod:
+            self._caller.wait_stream(self.comm_stream)
+
+    # -- planning --------------------------------------------------------------------------------
+    def _programs(self, cfg: SignalConfig) -> int:
+        sms = self.world.facts.sm_count
+        reserve = cfg.reserve_sms
+        if reserve is None:
+            reserve = round(RESERVE_PER_132 * sms / 132)
+        if reserve >= sms:
+            raise ValueError(f"{OP}: reserve_sms={reserve} leaves no SM of {sms} for the GEMM")
+        return sms - reserve
+
+    def _plan(self, kind, op, M, N, K, dtype, cfg: SignalConfig) -> _Plan:
+        key = (kind, M, N, K, dtype, cfg)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        mm = cfg.matmul or default_config(dtype, self.device)
+        dests = 1 if kind == "all_reduce" else self.size
+        m_dest = M // dests
+        pm, pn = -(-m_dest // mm.block_m), -(-N // mm.block_n)
+        per_dest = pm * pn
+        n_tiles = per_dest * dests
+        programs = max(1, min(self._programs(cfg), n_tiles))
+        if cfg.partition is not None:
+            groups = WaveGroups(cfg.partition)
+            groups.validate(n_tiles, dests, what=f"{op}: partition")
+        else:
+            groups = default_partition(n_tiles, programs, dests, cfg.max_groups)
+        if groups.n_groups > MAX_GROUPS:
+            raise ValueError(f"{op}: at most {MAX_GROUPS} wave groups, got {groups.n_groups}")
+        # every rank must run the same collectives on the same chunks: a rank planning another
+        # partition or tiling would make the collectives mismatch (a hang or garbage)
+        self.world.check_same(f"{op} plan (M, N, K, dtype, tiling, partition)",
+                              (kind, M, N, K, str(dtype), mm, groups.sizes))
+        lay = tile_layout(groups, dests)
+        tile = mm.block_m * mm.block_n
+        if kind == "all_reduce":  # reordered from staging: slot s holds tile t = inverse[s]
+            src = [lay.tile_of_slot(s) for s in range(n_tiles)]
+            table = [_dst(lay.local[t], 0, m_dest, pm, pn, mm) for t in src]
+        elif kind == "reduce_scatter":  # received tile u is tile u of this rank's row block
+            table = [_dst(u, 0, m_dest, pm, pn, mm) for u in range(per_dest)]
+        else:  # received slot s holds source q's tile u of this rank's block: rows q*M/W + ...
+            src = [lay.tile_of_slot(s) for s in range(n_tiles)]
+            table = [_dst(lay.local[t], lay.dest[t] * m_dest, m_dest, pm, pn, mm) for t in src]
+        plan = _Plan()
+        plan.kind, plan.groups, plan.dests, plan.m_dest, plan.mm = kind, groups, dests, m_dest, mm
+        plan.programs, plan.tile_elems, plan.warm = programs, tile, False
+        it = torch.int32
+        plan.slot_t = torch.tensor(lay.slot, dtype=it, device=self.device)
+        plan.group_t = torch.tensor(lay.group, dtype=it, device=self.device)
+        plan.table_t = torch.tensor(table, dtype=it, device=self.device).reshape(-1, 3)
+        # for the fused RMSNorm: (row0, nrows) of every row block of out, and which received
+        # tile holds each (row block, column tile)
+        blocks: dict = {}
+        for s, (row0, nrows, col0) in enumerate(table):
+            blocks.setdefault(row0, [nrows, [0] * pn])[1][col0 // mm.block_n] = s
+        order = sorted(blocks)
+        plan.norm_rows_t = torch.tensor([[r0, blocks[r0][0]] for r0 in order], dtype=it,
+                                        device=self.device).reshape(-1, 2)
+        plan.norm_index_t = torch.tensor([blocks[r0][1] for r0 in order], dtype=it,
+                                         device=self.device).reshape(len(order), pn)
+        esz = torch.empty((), dtype=dtype).element_size()
+        plan.stage_bytes = n_tiles * tile * esz
+        plan.recv_bytes = {"all_reduce": 0, "reduce_scatter": per_dest * tile * esz,
+                           "all_to_all": n_tiles * tile * esz}[kind]
+        self._stage_raw = self._grow(self._stage_raw, plan.stage_bytes)
+        self._recv_raw = self._grow(self._recv_raw, plan.recv_bytes)
+        self._plans[key] = plan
+        return plan
+
+    def _grow(self, buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+        if nbytes <= buf.numel():
+            return buf
+        if buf.numel():
+            self._retired.append(buf)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed):
+        """The compiled GEMM and reorder launches for these tensors (the JIT specializes on
+        strides and 16-byte alignment, so those are part of the key)."""
+        extra = [t for t in (bias, residual, rms_weight, normed) if t is not None]
+        key = (id(plan), a.stride(), b.stride(), out.stride(0),
+               residual.stride(0) if residual is not None else None,
+               normed.stride(0) if normed is not None else None,
+               bias is not None, align_key(a, b, out, *extra))
+        got = self._launches.get(key)
+        if got is not None:
+            return got
+        mm, K = plan.mm, a.shape[1]
+        gemm_consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, BLOCK_K=mm.block_k,
+                           GROUP_M=mm.group_m, NUM_STAGES=mm.num_stages,
+                           EVEN_K=K % mm.block_k == 0,
+                           PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                           UPCAST=dot_upcast(a.dtype), num_warps=mm.num_warps,
+                           num_stages=mm.num_stages)
+        stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
+        recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
+
+        def gemm_args(g):
+            return _gemm_args(plan, a, b, stage, self.counters, g)
+
+        rows = min(mm.block_m, 32)  # a 32 x BLOCK_N slab per program keeps registers low
+        reorder_consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, ROWS=rows,
+                              HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                              num_warps=4)
+        reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, 1e-6)
+        gemm = self._compile(gemm_signal_kernel, plan.programs, gemm_consts, gemm_args, True)
+        if rms_weight is None:  # one program per ROWS rows of a received tile
+            reorder = self._compile(signal_reorder_kernel,
+                                    plan.table_t.shape[0] * (mm.block_m // rows),
+                                    reorder_consts, lambda g: reorder_args, False)
+        else:  # one program per ROWS rows of a row block of out (whole rows: the norm)
+            reorder_consts["num_warps"] = 8 if mm.block_n >= 256 else 4
+            reorder = self._compile(signal_reorder_norm_kernel,
+                                    plan.norm_rows_t.shape[0] * (mm.block_m // rows),
+                                    reorder_consts, lambda g: reorder_args, False)
+        self._launches[key] = (gemm, reorder)
+        return gemm, reorder
+
+    def _compile(self, kernel, programs, consts, make_args, cap_resident: bool) -> PlannedLaunch:
+        facts = self.world.facts
+        if facts.vendor == "cpu":  # the interpreter has no compiled kernel to hold on to
+            return PlannedLaunch(kernel, None, programs, consts, None)
+        k = kernel.warmup(*make_args(programs), grid=(programs,), **consts)
+        if cap_resident:  # a persistent grid never exceeds what is resident at once
+            fit = min(programs, resident_programs(k, consts["num_warps"], facts))
+            if fit != programs:  # the grid size is an argument too: compile for the real one
+                programs = fit
+                k = kernel.warmup(*make_args(programs), grid=(programs,), **consts)
+        backend, device = self.backend, self.device
+        return PlannedLaunch(kernel, k, programs, consts, lambda: backend.current_stream(device))
+
+
+def _gemm_args(plan, a, b, stage, counters, programs):
+    return (a, b, stage, plan.slot_t, plan.group_t, counters, plan.m_dest, b.shape[1], a.shape[1],
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), plan.dests, programs)
+
+
+def _reorder_args(plan, recv, out, bias, residual, rms_weight=None, normed=None, eps=1e-6):
+    # absent bias / residual: ``out`` stands in for the pointer (never read: HAS_BIAS / HAS_RES)
+    bias_ = bias if bias is not None else out
+    res_, stride_rm = (residual, residual.stride(0)) if residual is not None else (out, 0)
+    if rms_weight is None:
+        return (recv, plan.table_t, out, bias_, res_, out.shape[1], out.stride(0), stride_rm)
+    return (recv, plan.norm_rows_t, plan.norm_index_t, out, normed, bias_, res_, rms_weight,
+            out.shape[1], plan.norm_index_t.shape[1], out.stride(0), normed.stride(0),
+            stride_rm, float(eps))
+
+
+def _dst(u, row_base, m_dest, pm, pn, mm):
+    """(row0, nrows, col0) in out of tile u (grouped order) of a [m_dest, N] row block."""
+    i, j = grouped_tile(u, pm, pn, mm.group_m)
+    return (row_base + i * mm.block_m, min(mm.block_m, m_dest - i * mm.block_m), j * mm.block_n)
+
+
+def _check_2d(op, name, t, shape, a) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != a.dtype \
+            or t.device != a.device or t.stride(1) != 1:
+        raise ValueError(f"{op}: {name} must be a {a.dtype} {list(shape)} tensor on {a.device} "
+                         f"with contiguous rows")
+
+
+# -- public functions and torch.library ops ---------------------------------------------------
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
+                    out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None,
+                    residual: Optional[torch.Tensor] = None,
+                    config: Optional[SignalConfig] = None,
+                    rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                    normed: Optional[torch.Tensor] = None):
+    """``all_reduce(a @ b) (+ bias + residual)`` on every rank; see the module docstring."""
+    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.gemm_all_reduce(a, b, ctx.handle, bias, residual)
+    return ctx.all_reduce(a, b, out, bias=bias, residual=residual, config=config,
+                           rms_weight=rms_weight, eps=eps, normed=normed)
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
+                        out: Optional[torch.Tensor] = None, *,
+                        bias: Optional[torch.Tensor] = None,
+                        residual: Optional[torch.Tensor] = None,
+                        config: Optional[SignalConfig] = None,
+                        rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                        normed: Optional[torch.Tensor] = None):
+    """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_r a_r @ b_r`` (+ bias + residual) on rank r."""
+    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.gemm_reduce_scatter(a, b, ctx.handle, bias, residual)
+    return ctx.reduce_scatter(a, b, out, bias=bias, residual=residual, config=config,
+                                rms_weight=rms_weight, eps=eps, normed=normed)
+
+
+def gemm_all_to_all_signal(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
+                           out: Optional[torch.Tensor] = None, *,
+                           bias: Optional[torch.Tensor] = None,
+                           residual: Optional[torch.Tensor] = None,
+                           config: Optional[SignalConfig] = None,
+                           rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                           normed: Optional[torch.Tensor] = None):
+    """``all_to_all_single(a @ b)`` (+ bias + residual) with equal splits."""
+    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.gemm_all_to_all_signal(a, b, ctx.handle, bias,
+                                                                 residual)
+    return ctx.all_to_all(a, b, out, bias=bias, residual=residual, config=config,
+                           rms_weight=rms_weight, eps=eps, normed=normed)
+
+
+@torch.library.custom_op("portable_overlap::gemm_all_reduce", mutates_args=())
+def _gemm_all_reduce_op(a: torch.Tensor, b: torch.Tensor, handle: int,
+                        bias: Optional[torch.Tensor] = None,
+                        residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return get_context(handle).all_reduce(a, b, bias=bias, residual=residual)
+
+
+@_gemm_all_reduce_op.register_fake
+def _(a, b, handle, bias=None, residual=None):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@torch.library.custom_op("portable_overlap::gemm_reduce_scatter", mutates_args=())
+def _gemm_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, handle: int,
+                            bias: Optional[torch.Tensor] = None,
+                            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return get_context(handle).reduce_scatter(a, b, bias=bias, residual=residual)
+
+
+@_gemm_reduce_scatter_op.register_fake
+def _(a, b, handle, bias=None, residual=None):
+    return a.new_empty((a.shape[0] // get_context(handle).size, b.shape[1]))
+
+
+@torch.library.custom_op("portable_overlap::gemm_all_to_all_signal", mutates_args=())
+def _gemm_all_to_all_signal_op(a: torch.Tensor, b: torch.Tensor, handle: int,
+                               bias: Optional[torch.Tensor] = None,
+                               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return get_context(handle).all_to_all(a, b, bias=bias, residual=residual)
+
+
+@_gemm_all_to_all_signal_op.register_fake
+def _(a, b, handle, bias=None, residual=None):
+    return a.new_empty((a.shape[0], b.shape[1]))

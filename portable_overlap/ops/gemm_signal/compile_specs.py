@@ -1,0 +1,36 @@
+"""Representative compile signatures of the tile-group-signal kernels for the compile matrix."""
+from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
+
+_GEMM_ARGS = ("M_dest:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
+              "dests:i32 G:i32")
+
+
+def specs():
+    for dt, prec, bm, bn, bk in (("bf16", "tf32", 128, 256, 64), ("fp16", "tf32", 128, 128, 64),
+                                 ("fp32", "ieee", 64, 64, 32)):
+        sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "stage_ptr": f"*{dt}", "slot_ptr": "*i32",
+               "group_ptr": "*i32", "count_ptr": "*i32"}
+        sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
+                      PRECISION=prec, UPCAST=False)
+        sig.update({k: "constexpr" for k in consts})
+        aligned = ["a_ptr", "b_ptr", "stage_ptr", "K", "N", "stride_am", "stride_bk"]
+        yield f"gemm_signal[{dt}]", gemm_signal_kernel, sig, consts, aligned
+    for dt, bm, bn, bias, res in (("bf16", 128, 256, True, True), ("fp32", 64, 64, False, False)):
+        sig = {"src_ptr": f"*{dt}", "table_ptr": "*i32", "out_ptr": f"*{dt}",
+               "bias_ptr": f"*{dt}", "res_ptr": f"*{dt}", "N": "i32", "stride_om": "i32",
+               "stride_rm": "i32"}
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, ROWS=32, HAS_BIAS=bias, HAS_RES=res)
+        sig.update({k: "constexpr" for k in consts})
+        aligned = ["src_ptr", "out_ptr", "bias_ptr", "res_ptr", "N", "stride_om", "stride_rm"]
+        yield f"signal_reorder[{dt}]", signal_reorder_kernel, sig, consts, aligned
+    for dt, bm, bn in (("bf16", 128, 256), ("fp32", 64, 64)):
+        sig = {"src_ptr": f"*{dt}", "rows_ptr": "*i32", "index_ptr": "*i32",
+               "out_ptr": f"*{dt}", "normed_ptr": f"*{dt}", "bias_ptr": f"*{dt}",
+               "res_ptr": f"*{dt}", "w_ptr": f"*{dt}", "N": "i32", "n_col_tiles": "i32",
+               "stride_om": "i32", "stride_nm": "i32", "stride_rm": "i32", "eps": "fp32"}
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, ROWS=32, HAS_BIAS=True, HAS_RES=True)
+        sig.update({k: "constexpr" for k in consts})
+        aligned = ["src_ptr", "out_ptr", "normed_ptr", "bias_ptr", "res_ptr", "w_ptr", "N",
+                   "stride_om", "stride_nm", "stride_rm"]
+        yield f"signal_reorder_norm[{dt}]", signal_reorder_norm_kernel, sig, consts, aligned

@@ -1,0 +1,158 @@
+"""Kernels of the tile-group-signal transport (FlashOverlap's signaling and reordering).
+
+``gemm_signal_kernel`` is the shared persistent tile GEMM (``tiles.gemm``) with a different
+epilogue: instead of storing a tile into ``c``, it stores the whole ``[BLOCK_M, BLOCK_N]`` tile
+(edge rows/columns zeroed) into staging slot ``slot[t]`` and counts it in its group's
+counter ``count[group[t]]`` (int32, +1 per tile, release at system scope after a CTA barrier).
+A host stream wait (``stream_wait_value(count[g] >= size_g)``) then releases group g's collective.
+
+Why the counters can never leave a stream wait hanging: the kernel has no waits, no early exits
+and no error branch; every tile ``t < n_tiles`` is computed by exactly one program and bumps its
+group exactly once, whatever the data. The host checks every input before the launch and enqueues
+a stream wait only after the launch returned.
+
+Tile order. Schedule-order tile ``t`` belongs to destination ``d = t % dests`` and is tile
+``u = t // dests`` (grouped order) of the ``[M_dest, N]`` row block ``d`` of the output
+(rows ``[d·M_dest, (d+1)·M_dest)`` of ``a``); ``dests`` is 1 for AllReduce.
+
+``signal_reorder_kernel`` restores the layout after communication: received tile ``s`` goes to
+``out[row0 : row0 + nrows, col0 : col0 + BLOCK_N]`` (masked at N) from a host-built table, with
+an optional fused bias (per column) and residual add.
+"""
+import triton
+import triton.language as tl
+
+from ...tiles.gemm import gemm_tile, grouped_tile
+
+
+@triton.jit
+def gemm_signal_kernel(
+    a_ptr, b_ptr,  # a [dests * M_dest, K], b [K, N], any strides
+    stage_ptr,  # staging: n_tiles tiles of BLOCK_M x BLOCK_N, row-major inside a tile
+    slot_ptr, group_ptr,  # int32 [n_tiles]: staging slot and wave group of schedule-order tile t
+    count_ptr,  # int32 [n_groups]: tiles finished per group (waited on by the host streams)
+    M_dest, N, K, stride_am, stride_ak, stride_bk, stride_bn, dests, G,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M_dest, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = num_pid_m * num_pid_n * dests
+    tile_offs = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+    for i in range(0, tl.cdiv(n_tiles, G)):
+        t = pid + i * G
+        if t < n_tiles:
+            d = t % dests
+            pid_m, pid_n = grouped_tile(t // dests, num_pid_m, num_pid_n, GROUP_M)
+            a_d = a_ptr + (d * M_dest).to(tl.int64) * stride_am
+            acc = gemm_tile(a_d, b_ptr, M_dest, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
+                            PRECISION, UPCAST)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            # gemm_tile computes edge rows/columns on clamped indices: zero them, so the
+            # collectives carry defined values (summing copies of row 0 would be harmless but
+            # confusing when a staging buffer is inspected)
+            acc = tl.where((rows[:, None] < M_dest) & (cols[None, :] < N), acc, 0.0)
+            slot = tl.load(slot_ptr + t)
+            g = tl.load(group_ptr + t)
+            tl.store(stage_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offs,
+                     acc.to(stage_ptr.dtype.element_ty))
+            # every thread's stores come before the one thread's release (release is cumulative)
+            tl.debug_barrier()
+            tl.atomic_add(count_ptr + g, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_reorder_kernel(
+    src_ptr,  # received tiles, BLOCK_M x BLOCK_N each
+    table_ptr,  # int32 [n_src, 3]: (row0, nrows, col0) of each received tile in out
+    out_ptr, bias_ptr, res_ptr,  # out [rows, N]; bias [N]; residual [rows, N] (both optional)
+    N, stride_om, stride_rm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    # program pid copies rows [part·ROWS, (part+1)·ROWS) of received tile s
+    pid = tl.program_id(0)
+    s = pid // (BLOCK_M // ROWS)
+    part = pid % (BLOCK_M // ROWS)
+    row0 = tl.load(table_ptr + s * 3)
+    nrows = tl.load(table_ptr + s * 3 + 1)
+    col0 = tl.load(table_ptr + s * 3 + 2)
+    r = part * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK_N)
+    x = tl.load(src_ptr + s.to(tl.int64) * (BLOCK_M * BLOCK_N) + r[:, None] * BLOCK_N
+                + c[None, :]).to(tl.float32)
+    col_ok = (col0 + c) < N
+    mask = (r[:, None] < nrows) & col_ok[None, :]
+    out_rows = (row0 + r).to(tl.int64)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        x += tl.load(res_ptr + out_rows[:, None] * stride_rm + (col0 + c)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
+             x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _received_slab(src_ptr, s, r, c, col0, N, out_rows, mask, bias_ptr, res_ptr, stride_rm,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_RES: tl.constexpr):
+    """fp32 rows ``r`` of received tile ``s`` (+ bias + residual), zero outside ``mask``."""
+    x = tl.load(src_ptr + s.to(tl.int64) * (BLOCK_M * BLOCK_N) + r[:, None] * BLOCK_N
+                + c[None, :]).to(tl.float32)
+    col_ok = (col0 + c) < N
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        x += tl.load(res_ptr + out_rows[:, None] * stride_rm + (col0 + c)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+    return tl.where(mask, x, 0.0)
+
+
+@triton.jit
+def signal_reorder_norm_kernel(
+    src_ptr,  # received tiles, BLOCK_M x BLOCK_N each
+    rows_ptr,  # int32 [n_row_blocks, 2]: (row0, nrows) of each row block of out
+    index_ptr,  # int32 [n_row_blocks, n_col_tiles]: received tile holding (row block, col tile)
+    out_ptr, normed_ptr, bias_ptr, res_ptr, w_ptr,  # h and rmsnorm(h) * w, both [rows, N]
+    N, n_col_tiles, stride_om, stride_nm, stride_rm, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    """The reorder fused with bias, residual and RMSNorm over whole rows: program pid takes
+    ROWS rows of one row block, walks its column tiles once for ``h`` and the sum of squares,
+    then again (recomputing ``h`` in fp32 from the received tiles) for ``h * rstd * w``."""
+    pid = tl.program_id(0)
+    rb = pid // (BLOCK_M // ROWS)
+    part = pid % (BLOCK_M // ROWS)
+    row0 = tl.load(rows_ptr + rb * 2)
+    nrows = tl.load(rows_ptr + rb * 2 + 1)
+    r = part * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK_N)
+    out_rows = (row0 + r).to(tl.int64)
+    sumsq = tl.zeros((ROWS,), dtype=tl.float32)
+    for j in range(0, n_col_tiles):
+        s = tl.load(index_ptr + rb * n_col_tiles + j)
+        col0 = j * BLOCK_N
+        mask = (r[:, None] < nrows) & ((col0 + c) < N)[None, :]
+        x = _received_slab(src_ptr, s, r, c, col0, N, out_rows, mask, bias_ptr, res_ptr,
+                           stride_rm, BLOCK_M, BLOCK_N, HAS_BIAS, HAS_RES)
+        sumsq += tl.sum(x * x, axis=1)
+        tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
+                 x.to(out_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(sumsq / N + eps)
+    for j in range(0, n_col_tiles):
+        s = tl.load(index_ptr + rb * n_col_tiles + j)
+        col0 = j * BLOCK_N
+        col_ok = (col0 + c) < N
+        mask = (r[:, None] < nrows) & col_ok[None, :]
+        x = _received_slab(src_ptr, s, r, c, col0, N, out_rows, mask, bias_ptr, res_ptr,
+                           stride_rm, BLOCK_M, BLOCK_N, HAS_BIAS, HAS_RES)
+        w = tl.load(w_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(normed_ptr + out_rows[:, None] * stride_nm + (col0 + c)[None, :],
+                 y.to(normed_ptr.dtype.element_ty), mask=mask)
