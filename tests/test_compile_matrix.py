@@ -7,7 +7,8 @@ import pytest
 import triton
 
 import portable_overlap
-from portable_overlap.kernel_registry import TARGETS, all_specs, compile_spec
+from portable_overlap.kernel_registry import (NEEDS_SHMEM_LIBRARY, TARGETS, all_specs,
+                                              compile_spec)
 
 SPECS = list(all_specs())
 
@@ -31,6 +32,7 @@ def test_every_kernel_is_in_the_registry():
             if attr.endswith("_kernel") and isinstance(obj, triton.runtime.JITFunction):
                 launched.add(obj)
     registered = {s[1] for s in SPECS}
-    missing = [k.__name__ for k in launched - registered]
+    missing = [k.__name__ for k in launched - registered
+               if k.__name__ not in NEEDS_SHMEM_LIBRARY]
     assert not missing, f"kernels without a compile spec: {missing}"
     assert launched, "found no kernels at all"

@@ -140,9 +140,7 @@ class MoeGemmCombine(OverlapContext):
         if self._provider is None:
             gemm(args)
         else:  # through the library's launcher (it sets up each compiled module)
-            self._put_kernel[(gemm.programs,)](*args, **gemm.consts,
-                                               STORE=self._provider.store_rows,
-                                               FLUSH=self._provider.flush)
+            self._put_kernel[(gemm.programs,)](*args, **gemm.consts)
         comb.programs = max(1, -(-S // comb.block_s))  # one program per block of tokens
         comb(self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs))
         self._after_call()

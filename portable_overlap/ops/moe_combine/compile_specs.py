@@ -1,6 +1,5 @@
 """Representative compile signatures of the MoE expert GEMM + combine kernels."""
-from .kernel import moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel, no_flush, \
-    store_rows
+from .kernel import moe_combine_kernel, moe_gemm_scatter_kernel
 
 _GEMM_ARGS = ("status_addr:i64 R:i32 H:i32 I:i32 E:i32 max_slots:i32 stride_xm:i32 stride_xk:i32 "
               "stride_we:i32 stride_wk:i32 stride_wn:i32 G:i32 rank:i32 world:i32 tag:i32 "
@@ -23,11 +22,6 @@ def specs():
         aligned = ["x_ptr", "w_ptr", "combine_ptr", "I", "H", "stride_xm", "stride_wk",
                    "stride_we"]
         yield f"moe_gemm_scatter[{dt}]", moe_gemm_scatter_kernel, sig, consts, aligned
-        # the device-shmem variant's structure, with the zero-copy transport plugged in (the
-        # real NVSHMEM / ROC_SHMEM functions need the vendor's device library to link)
-        put_consts = dict(consts, STORE=store_rows, FLUSH=no_flush)
-        yield (f"moe_gemm_put[{dt}]", moe_gemm_put_kernel,
-               dict(sig, STORE="constexpr", FLUSH="constexpr"), put_consts, aligned)
         sig = {"combine_ptr": f"*{dt}", "topk_ptr": "*fp32", "out_ptr": f"*{dt}",
                "sent_ptr": "*i64", "rows_in_ptr": "*i64", "consumed_ptr": "*i64",
                "ctl_ptr": "*i64", "bases_ptr": "*i64"}

@@ -28,6 +28,7 @@ import triton.language as tl
 from ...shmem.device import (FAILED_TAG, STATUS_BAD_INPUT, STATUS_MISMATCH, STATUS_PEER_FAILED,
                              STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
                              peer_buffer, peer_ptr, report, signal_peer, signal_peers, wait_flag)
+from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
 from ...tiles.gemm import gemm_tile, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
@@ -90,17 +91,18 @@ def moe_gemm_put_kernel(
     G, rank, world, tag, max_spins,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr,
 ):
-    """The same grouped GEMM with the row transport given by the device-shmem provider
-    (``STORE``: device-initiated puts; ``FLUSH``: their completion before the signals). A kernel
-    of its own so that the provider's module set-up applies to it alone."""
+    """The same grouped GEMM with the rows put by the process's SHMEM provider (device-initiated
+    puts, then their completion before the signals; shmem/providers/device.py). A kernel of its
+    own: the provider's launcher sets up its compiled modules, and it is compiled only where a
+    provider exists (GPUs with NVSHMEM / ROC_SHMEM)."""
     _grouped_gemm_scatter(
         x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, sent_ptr,
         rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr, R, H, I, E,
         max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, G, rank, world, tag,
         max_spins, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
-        G_MAX, STORE, FLUSH)
+        G_MAX, shmem_put_rows, shmem_flush)
 
 
 @triton.jit

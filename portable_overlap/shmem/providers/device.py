@@ -1,0 +1,27 @@
+"""The device functions of this process's SHMEM provider, bound once at import.
+
+Triton resolves a kernel's callees when it compiles, and a function cannot travel as a launch
+argument through a library launcher that records its arguments (torch's NVSHMEM launcher
+serializes them), so kernels that put through the provider call these names directly.
+``LIBRARY`` names the provider ("nvshmem", "rocshmem") or is None where there is none (the CPU
+backend, or a torch build without the bindings); then ``put_rows`` and ``flush`` are None and
+such kernels are not compiled.
+"""
+from __future__ import annotations
+
+from ...backends import get_backend
+
+LIBRARY = None
+put_rows = flush = None
+try:
+    _name = get_backend().name
+except Exception:  # no usable backend at import: no provider
+    _name = None
+if _name == "cuda":
+    from . import nvshmem as _p
+    if _p._nv is not None:
+        LIBRARY, put_rows, flush = "nvshmem", _p.put_rows, _p.flush
+elif _name == "rocm":
+    from . import rocshmem as _p
+    if _p._rs is not None:
+        LIBRARY, put_rows, flush = "rocshmem", _p.put_rows, _p.flush
