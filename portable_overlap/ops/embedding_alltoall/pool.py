@@ -1,0 +1,43 @@
+"""The pooled row gather: ``acc[BLOCK_B, BLOCK_D]`` = sum (or mean) of the embedding rows of
+BLOCK_B bags of one table, accumulated in float32.
+
+Bag ``b`` of the tile reads ``indices[offsets[b] : offsets[b + 1]]``; row ``i`` of the table is
+``weight[(row_base + i) * D : ... + D]`` (tables packed one after another in one flat buffer).
+Each loop step loads the k-th index of every bag of the tile and gathers BLOCK_B D-wide rows at
+once: BLOCK_B independent row loads in flight per program (16 KB for 32 bags of D = 128 fp32),
+which is what keeps a gather bound by memory rather than by latency. Address math is int64:
+row · D overflows int32 past 16 M rows at D = 128.
+
+Kept in this op's folder until a second op needs it; then it moves to ``portable_overlap/tiles``.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pooled_rows(weight_ptr, row_base, indices_ptr, psw_ptr, offsets_ptr, bag0, n_bags, D,
+                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                MEAN: tl.constexpr):
+    """Pool bags ``bag0 .. bag0 + n_bags - 1`` (n_bags <= BLOCK_B); masked rows stay zero."""
+    b = tl.arange(0, BLOCK_B)
+    live_bag = b < n_bags
+    start = tl.load(offsets_ptr + bag0 + b, mask=live_bag, other=0)
+    n = tl.load(offsets_ptr + bag0 + b + 1, mask=live_bag, other=0) - start
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
+    longest = tl.max(n, axis=0)
+    k = 0
+    while k < longest:  # data-dependent trip count: the longest bag of this tile
+        live = k < n
+        idx = tl.load(indices_ptr + start + k, mask=live, other=0).to(tl.int64)
+        rows = tl.load(weight_ptr + ((row_base + idx) * D)[:, None] + cols[None, :],
+                       mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            w = tl.load(psw_ptr + start + k, mask=live, other=0.0).to(tl.float32)
+            rows = rows * w[:, None]
+        acc += rows
+        k += 1
+    if MEAN:  # an empty bag pools to zeros, as torch.nn.functional.embedding_bag does
+        acc = acc / tl.maximum(n, 1).to(tl.float32)[:, None]
+    return acc
