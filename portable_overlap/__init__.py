@@ -6,11 +6,16 @@ still being computed. See README.md for how the pieces fit.
 from .backends import get_backend
 from .errors import (BackendUnavailable, ContextBrokenError, PeerTimeoutError,
                      PortableOverlapError, RankMismatchError)
+from .modules.embedding import ShardedEmbeddingBagCollection
 from .modules.linear import RowParallelLinear
+from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
+                                     embedding_all_to_all_reference)
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
 from .world import World
 
 __version__ = "0.1.0"
 __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_reduce",
-           "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
+           "gemv_all_reduce_reference", "RowParallelLinear", "EmbeddingAllToAll", "ShardingPlan",
+           "embedding_all_to_all", "embedding_all_to_all_reference",
+           "ShardedEmbeddingBagCollection", "PortableOverlapError",
            "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError"]

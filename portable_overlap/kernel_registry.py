@@ -24,7 +24,9 @@ def all_specs():
     from .ops.gemv_allreduce.compile_specs import specs as gemv_allreduce_specs
     from .ops.gemm_alltoall.compile_specs import specs as gemm_alltoall_specs
     from .ops.matmul.compile_specs import specs as matmul_specs
+    from .ops.embedding_alltoall.compile_specs import specs as embedding_alltoall_specs
 
     yield from gemv_allreduce_specs()
     yield from matmul_specs()
     yield from gemm_alltoall_specs()
+    yield from embedding_alltoall_specs()

@@ -31,8 +31,10 @@ def pooled_rows(weight_ptr, row_base, indices_ptr, psw_ptr, offsets_ptr, bag0, n
     while k < longest:  # data-dependent trip count: the longest bag of this tile
         live = k < n
         idx = tl.load(indices_ptr + start + k, mask=live, other=0).to(tl.int64)
+        live2 = (k < n[:, None]) & col_ok[None, :]  # built 2-D (a broadcast 1-D mask trips
+        #                                              Triton 3.6's layout pass in this loop)
         rows = tl.load(weight_ptr + ((row_base + idx) * D)[:, None] + cols[None, :],
-                       mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                       mask=live2, other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
             w = tl.load(psw_ptr + start + k, mask=live, other=0.0).to(tl.float32)
             rows = rows * w[:, None]
