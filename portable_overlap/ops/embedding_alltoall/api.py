@@ -82,8 +82,8 @@ class EmbeddingAllToAll(OverlapContext):
         plan = ShardingPlan.make(table_rows, dim, W, table_ranks)
         if max_local_batch < 1:
             raise ValueError(f"{OP}: max_local_batch must be >= 1, got {max_local_batch}")
-        if block_b is not None and block_b < 1:
-            raise ValueError(f"{OP}: block_b must be >= 1, got {block_b}")
+        if block_b is not None and (block_b < 1 or block_b & (block_b - 1)):
+            raise ValueError(f"{OP}: block_b must be a power of two, got {block_b}")
         world.check_same(f"{OP} context arguments (plan, max_local_batch, block_b)",
                          (plan, max_local_batch, block_b))
         T, D = plan.num_tables, plan.dim
@@ -212,7 +212,11 @@ class EmbeddingAllToAll(OverlapContext):
         max_tasks = max(1, most_blocks * most_tables)
         consts = dict(BLOCK_B=bb, BLOCK_D=triton_next_pow2(D), HAS_WEIGHTS=psw is not None,
                       MEAN=pooling == "mean", G_MAX=G_MAX, num_warps=4, num_stages=1)
-        programs = min(max_tasks, G_MAX)
+        # On GPUs the grid is capped at the programs resident at once (``_compile``): every
+        # program waits for its counterparts on the peers. The interpreter runs programs one
+        # after another, each paying for its flag waits: one per emulated SM there.
+        per_sm = 1 if self.world.facts.vendor == "cpu" else 64
+        programs = min(max_tasks, G_MAX, self.world.facts.sm_count * per_sm)
 
         class _Info:  # what _args needs before the launch is compiled
             pass

@@ -64,8 +64,10 @@ def embedding_alltoall_kernel(
         lo = tl.load(boff_ptr + d)
         n_d = tl.load(boff_ptr + d + 1) - lo
         n_tasks = tl.cdiv(n_d, BLOCK_B) * n_loc
-        if (d != rank) & (pid < n_tasks) & ok:
-            # d must have copied out the previous call before recv is overwritten
+        if (d != rank) & ok:
+            # d must have copied out the previous call before recv is overwritten, and must
+            # have read this program's previous sent flag before it is overwritten: wait even
+            # with nothing to store there (else a peer a call behind misses that flag)
             v, arrived = wait_flag(consumed_ptr + d, epoch - 1, max_spins)
             if not arrived:
                 report(status_addr, pid, STATUS_TIMEOUT, d,

@@ -43,7 +43,9 @@ def embedding_all_to_all_reference(weight: torch.Tensor, lengths: torch.Tensor,
     bounds = [0]
     for n in batch_splits:
         bounds.append(bounds[-1] + n)
-    mine = torch.stack(pooled, 1) if pooled else w.new_zeros(B, 0, D)  # [B, n_loc, D]
+    # [B, n_loc, D]; a rank without tables sends an empty view of its weight, so that its
+    # backward still takes part in the reverse exchange (a collective)
+    mine = torch.stack(pooled, 1) if pooled else w.reshape(-1)[:0].view(B, 0, D)
     send = mine.reshape(-1)
     B_r = batch_splits[rank]
     if W > 1:
