@@ -116,7 +116,7 @@ class EmbeddingAllToAll(OverlapContext):
         # stand-ins for absent or empty tensors (the kernel never reads them: masks, constexprs)
         self._dummy = {dt: torch.zeros(16, dtype=dt, device=dev)
                        for dt in (*DTYPES, *INDEX_DTYPES)}
-        self._splits_dev: dict = {}
+        self.validate = True
 
     @property
     def num_tables(self) -> int:
@@ -154,13 +154,16 @@ class EmbeddingAllToAll(OverlapContext):
     def __call__(self, weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
                  per_sample_weights: Optional[torch.Tensor] = None, *,
                  batch_splits: Optional[Sequence[int]] = None, pooling: str = "sum",
-                 out: Optional[torch.Tensor] = None, validate: bool = True) -> torch.Tensor:
-        """Run the op (module docstring). ``validate`` also checks the data (index ranges,
-        lengths against indices): one host sync; it is skipped during CUDA-graph capture."""
+                 out: Optional[torch.Tensor] = None,
+                 validate: Optional[bool] = None) -> torch.Tensor:
+        """Run the op (module docstring). ``validate`` (default: the context's ``validate``
+        attribute, True) also checks the data (index ranges, lengths against indices): one host
+        sync per call; skipped during CUDA-graph capture. Turn it off once the input pipeline
+        is trusted: a bad index then reads a wrong row or faults."""
         self._before_call()
         splits = self.resolve_splits(lengths, batch_splits)
         self._validate(weight, lengths, indices, per_sample_weights, splits, pooling)
-        if validate and not _capturing(weight):
+        if (self.validate if validate is None else validate) and not _capturing(weight):
             self._validate_data(lengths, indices)
         shape = self.output_shape(splits)
         if out is None:
