@@ -117,6 +117,9 @@ class EmbeddingAllToAll(OverlapContext):
         self._dummy = {dt: torch.zeros(16, dtype=dt, device=dev)
                        for dt in (*DTYPES, *INDEX_DTYPES)}
         self.validate = True
+        # the global table ids of each rank's tables, for the backward's column gather
+        self._cols = [torch.tensor(plan.tables_of(q), dtype=torch.int64, device=dev)
+                      for q in range(W)]
 
     @property
     def num_tables(self) -> int:
@@ -176,8 +179,9 @@ class EmbeddingAllToAll(OverlapContext):
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         psw = per_sample_weights
+        # everything the JIT specialized the compiled kernel on (dtypes, 16-byte alignment)
         key = (splits, weight.dtype, indices.dtype, None if psw is None else psw.dtype, pooling,
-               align_key(weight, out))
+               align_key(weight, out, indices, *(() if psw is None else (psw,))))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(weight, indices, psw, offsets, out, splits,
@@ -327,7 +331,7 @@ class EmbeddingAllToAll(OverlapContext):
         g = grad_out.contiguous().view(B_r, self.plan.num_tables, D)
         if W > 1:
             n_of = [len(self.plan.tables_of(q)) for q in range(W)]
-            send = torch.cat([g[:, self.plan.tables_of(q)].reshape(-1) for q in range(W)])
+            send = torch.cat([g.index_select(1, self._cols[q]).reshape(-1) for q in range(W)])
             recv = g.new_empty(B * self.n_loc * D)
             dist.all_to_all_single(recv, send,
                                    output_split_sizes=[splits[q] * self.n_loc * D
@@ -356,7 +360,10 @@ class EmbeddingAllToAll(OverlapContext):
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Whether the current stream of ``t``'s device is being captured into a graph (then no
+    host sync is allowed). Asked through the device type's torch module: no vendor named here."""
+    fn = getattr(getattr(torch, t.device.type, None), "is_current_stream_capturing", None)
+    return bool(fn()) if fn is not None else False
 
 
 def embedding_all_to_all(weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
