@@ -3,7 +3,7 @@
 # default), then the benchmark. Logs and results go to the folder given as $1 (or $OUT).
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
-#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1, PO_COMMIT (recorded with every result).
+#      PO_SKIP_CHECKS=1, PO_SKIP_BENCH=1, PO_SKIP_EMB=1, PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
@@ -27,6 +27,15 @@ if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
   tune=(); [ "${PO_TUNE:-0}" = 1 ] && tune=(--tune)
   run 540 benchmarks/bench_gemv_allreduce.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       "${tune[@]}" ${PO_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -vE "^\[|Warning|warn" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: checks, benchmark
+  run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  run 240 examples/dlrm/train.py --steps 20 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
