@@ -147,6 +147,9 @@ def main() -> int:
                           f"{str(e)[-300:]}", flush=True)
                     seq_err = float("nan")
                 correct = bool(err < (1e-5 if dt == torch.float32 else 2e-3))
+                if r == 0:
+                    print(f"{B}x{T}x{D}x{pf}x{rows} {dname} {dist_name}: rel_err fused "
+                          f"{err:.1e}, sequential {seq_err:.1e}", flush=True)
                 send = torch.empty(B * n_loc * D, dtype=dt, device=dev)
                 recv = torch.empty_like(send)
                 impls = {
