@@ -114,7 +114,7 @@ class EmbeddingAllToAll(OverlapContext):
                                   device=dev)
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         # stand-ins for absent or empty tensors (the kernel never reads them: masks, constexprs)
-        self._dummy = {dt: torch.zeros(16, dtype=dt, device=dev)
+        self._stubs = {dt: torch.zeros(16, dtype=dt, device=dev)
                        for dt in (*DTYPES, *INDEX_DTYPES)}
         self.validate = True
         # the global table ids of each rank's tables, for the backward's column gather
@@ -190,14 +190,24 @@ class EmbeddingAllToAll(OverlapContext):
         self._after_call()
         return out
 
+    def _stub(self, dtype: torch.dtype) -> torch.Tensor:
+        """A small aligned tensor standing in for an absent or empty one (never read: masks and
+        constexprs keep the kernel off it)."""
+        t = self._stubs.get(dtype)
+        if t is None:
+            t = self._stubs[dtype] = torch.zeros(16, dtype=dtype, device=self.world.device)
+        return t
+
     def _args(self, weight, indices, psw, offsets, out, plan, tag=None, programs=None):
         W = self.world.world_size
         if weight.numel() == 0:
-            weight = self._dummy[weight.dtype]
+            weight = self._stub(weight.dtype)
         if indices.numel() == 0:
-            indices = self._dummy[indices.dtype]
+            indices = self._stub(indices.dtype)
         if psw is None or psw.numel() == 0:
-            psw = self._dummy[torch.float32 if psw is None else psw.dtype]
+            psw = self._stub(torch.float32 if psw is None else psw.dtype)
+        if out.numel() == 0:  # a rank that owns no samples (nothing is stored there)
+            out = self._stub(out.dtype)
         B = sum(plan.splits)
         return (weight, indices, psw, offsets, out, self._row_off, self._gtab, self._ntab,
                 plan.boff, self._recv[out.dtype], self.sent, self.consumed, self.ctl,
