@@ -145,6 +145,15 @@ def _bad(world):
             msgs[name] = None
         except (ValueError, TypeError) as e:
             msgs[name] = str(e)
+    # the torch.library op's fake implementation (torch.compile tracing): shape only, no launch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.portable_overlap.embedding_all_to_all(
+            mode.from_tensor(w), mode.from_tensor(lengths), mode.from_tensor(idx), None, splits,
+            "sum", ctx.handle)
+    msgs["fake shape"] = None if tuple(fake.shape) == (splits[world.rank], 48) \
+        else f"embedding_all_to_all fake shape {tuple(fake.shape)}"
     # the context is still in step with its peers after refusing all of that
     out = ctx(w, lengths, idx, psw, batch_splits=splits)
     ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan, world.rank, splits,
@@ -155,6 +164,7 @@ def _bad(world):
 
 def test_bad_input_raises_before_launch(world2):
     for msgs, err in world2.run(_bad):
+        assert msgs.pop("fake shape") is None
         missing = [k for k, m in msgs.items() if not (m and m.startswith("embedding_all_to_all"))]
         assert not missing, (missing, msgs)
         assert "out of range" in msgs["out of range"] and "sum to" in msgs["lengths sum"]
