@@ -90,6 +90,43 @@ class Sequential:
         return self.out
 
 
+def sweep(world, shape, dname, weight, lengths, indices, splits, args, writer) -> None:
+    """Time the fused op per (bags per tile, warps): a context per variant, graph replay."""
+    D = shape["dim"]
+    base = max(1, min(64, 4096 // (1 << (D - 1).bit_length())))
+    found = []
+    for bb in sorted({max(1, base // 2), base, base * 2}):
+        for nw in (4, 8):
+            ctx = EmbeddingAllToAll(world, [shape["rows"]] * shape["tables"], D, max(splits),
+                                    block_b=bb, num_warps=nw)
+            try:
+                out = torch.empty(ctx.output_shape(splits), dtype=weight.dtype,
+                                  device=weight.device)
+                ctx(weight, lengths, indices, batch_splits=splits, out=out)
+                ctx.synchronize()
+                t = time_op(lambda: ctx(weight, lengths, indices, batch_splits=splits, out=out,
+                                        validate=False), world, graph=True, iters=args.iters,
+                            warmup=args.warmup)["median_ms"]
+                programs = next(iter(ctx._plans.values())).programs
+            except Exception as e:  # a tile that does not fit is skipped
+                t, programs = float("inf"), None
+                if world.rank == 0:
+                    print(f"  block_b={bb} num_warps={nw} failed: {type(e).__name__}: "
+                          f"{str(e)[:200]}", flush=True)
+            finally:
+                ctx.close()
+            found.append((t, bb, nw))
+            if world.rank == 0:
+                writer.write(op=OP + "_tuning", shape=shape, dtype=dname, impl="fused",
+                             graph=True, block_b=bb, num_warps=nw, programs=programs,
+                             median_ms=round(t, 5))
+    if world.rank == 0:
+        best = min(found)
+        print(f"  sweep {shape['batch']}x{shape['tables']}x{D}: best block_b={best[1]} "
+              f"num_warps={best[2]} {best[0]:.3f} ms; all: "
+              + ", ".join(f"{bb}/{nw}:{t:.3f}" for t, bb, nw in found), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -99,6 +136,9 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="BxTxDxPFxROWS,... (default: the 3 standard)")
     ap.add_argument("--dtypes", default="fp32,fp16")
     ap.add_argument("--dists", default="uniform,zipf")
+    ap.add_argument("--sweep", action="store_true",
+                    help="first time the fused op per tile (bags per tile x warps) on each "
+                         "shape's first dtype and index distribution (graph replay)")
     args = ap.parse_args()
     world = World.from_env()
     dev = world.device
@@ -147,6 +187,9 @@ def main() -> int:
                           f"{str(e)[-300:]}", flush=True)
                     seq_err = float("nan")
                 correct = bool(err < (1e-5 if dt == torch.float32 else 2e-3))
+                if args.sweep and dname == args.dtypes.split(",")[0] \
+                        and dist_name == args.dists.split(",")[0]:
+                    sweep(world, shape, dname, weight, lengths, indices, splits, args, writer)
                 if r == 0:
                     print(f"{B}x{T}x{D}x{pf}x{rows} {dname} {dist_name}: rel_err fused "
                           f"{err:.1e}, sequential {seq_err:.1e}", flush=True)

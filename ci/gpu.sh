@@ -32,7 +32,7 @@ fi
 if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: checks, benchmark
   run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+  run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" --sweep \
       ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   run 240 examples/dlrm/train.py --steps 20 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32

@@ -69,7 +69,8 @@ class EmbeddingAllToAll(OverlapContext):
         max_local_batch: the most samples any rank will own in one call.
         table_ranks: the rank holding each global table (default: ``ShardingPlan.make``).
         timeout_s: how long a kernel waits for a peer before it reports and gives up.
-        block_b: bags per tile (default ``default_block_b``).
+        block_b: bags per tile, a power of two (default ``default_block_b``).
+        num_warps: warps per program (4; tuning sweeps try others).
     """
 
     OP = OP
@@ -77,15 +78,17 @@ class EmbeddingAllToAll(OverlapContext):
 
     def __init__(self, world, table_rows: Sequence[int], dim: int, max_local_batch: int, *,
                  table_ranks: Optional[Sequence[int]] = None, timeout_s: float = 10.0,
-                 block_b: Optional[int] = None):
+                 block_b: Optional[int] = None, num_warps: int = 4):
         W = world.world_size
         plan = ShardingPlan.make(table_rows, dim, W, table_ranks)
         if max_local_batch < 1:
             raise ValueError(f"{OP}: max_local_batch must be >= 1, got {max_local_batch}")
         if block_b is not None and (block_b < 1 or block_b & (block_b - 1)):
             raise ValueError(f"{OP}: block_b must be a power of two, got {block_b}")
-        world.check_same(f"{OP} context arguments (plan, max_local_batch, block_b)",
-                         (plan, max_local_batch, block_b))
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{OP}: num_warps must be a power of two <= 16, got {num_warps}")
+        world.check_same(f"{OP} context arguments (plan, max_local_batch, block_b, num_warps)",
+                         (plan, max_local_batch, block_b, num_warps))
         T, D = plan.num_tables, plan.dim
         super().__init__(world, [
             ("_recv_raw", (max_local_batch * T * D,), torch.float32),  # viewed per dtype
@@ -95,6 +98,7 @@ class EmbeddingAllToAll(OverlapContext):
         self.plan = plan
         self.max_local_batch = max_local_batch
         self.block_b = block_b or default_block_b(D, world.facts.vendor)
+        self.num_warps = num_warps
         self.local_tables = plan.tables_of(self.rank)
         self.n_loc = len(self.local_tables)
         self.weight_rows = plan.weight_rows(self.rank)
@@ -228,7 +232,8 @@ class EmbeddingAllToAll(OverlapContext):
         most_tables = max(len(self.plan.tables_of(q)) for q in range(W))
         max_tasks = max(1, most_blocks * most_tables)
         consts = dict(BLOCK_B=bb, BLOCK_D=triton_next_pow2(D), HAS_WEIGHTS=psw is not None,
-                      MEAN=pooling == "mean", G_MAX=G_MAX, num_warps=4, num_stages=1)
+                      MEAN=pooling == "mean", G_MAX=G_MAX, num_warps=self.num_warps,
+                      num_stages=1)
         # On GPUs the grid is capped at the programs resident at once (``_compile``): every
         # program waits for its counterparts on the peers. The interpreter runs programs one
         # after another, each paying for its flag waits: one per emulated SM there.
@@ -245,7 +250,7 @@ class EmbeddingAllToAll(OverlapContext):
 
         def tag_of(g):  # batch split, dtype, pooling, tiling and grid: a rank that differs is caught
             return zlib.crc32(repr((splits, str(weight.dtype), pooling, bb, D, g,
-                                    self.plan.table_ranks)).encode()) & TAG_MASK
+                                    self.num_warps, self.plan.table_ranks)).encode()) & TAG_MASK
 
         info.programs, info.tag = programs, tag_of(programs)
         launch = self._compile(embedding_alltoall_kernel, programs, consts,
