@@ -321,7 +321,7 @@ class EmbeddingAllToAll(OverlapContext):
         if n == 0:
             return
         B = lengths.numel() // self.n_loc
-        per_table = lengths.view(self.n_loc, B).sum(1)
+        per_table = lengths.reshape(self.n_loc, B).sum(1)
         rows = torch.repeat_interleave(self._rows, per_table, output_size=n)
         bad = (indices < 0) | (indices.to(torch.int64) >= rows)
         if bool(bad.any()):
