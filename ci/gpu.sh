@@ -6,7 +6,8 @@
 #      PO_SKIP_CHECKS=1 (all GPU checks), PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark),
 #      PO_SKIP_A2A=1 / PO_A2A_ARGS (GEMM + All-to-All benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
 #      (MoE combine benchmark), PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
-#      tile-group signals: checks and benchmark), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
+#      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
+#      (embedding + All-to-All: checks, benchmark, DLRM example), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
 #      PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
@@ -64,6 +65,15 @@ if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
         | tee "$out/bench_gemm_signal.log" | grep -vE "^\[|Warning|warn" | tail -45
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
+fi
+if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: checks, benchmark
+  run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" --sweep \
+      ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  run 240 examples/dlrm/train.py --steps 20 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
   timeout 300 python3 -m portable_overlap demo 2>&1 | tee "$out/demo.log" | grep -vE "^\[|Warning|warn" | tail -12

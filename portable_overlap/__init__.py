@@ -6,7 +6,10 @@ still being computed. See README.md for how the pieces fit.
 from .backends import get_backend
 from .errors import (BackendUnavailable, ContextBrokenError, InvalidInputError,
                      PeerTimeoutError, PortableOverlapError, RankMismatchError)
+from .modules.embedding import ShardedEmbeddingBagCollection
 from .modules.linear import RowParallelLinear
+from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
+                                     embedding_all_to_all_reference)
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
 from .ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all
 from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine
@@ -23,4 +26,6 @@ __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_redu
            "InvalidInputError", "GemmAllToAll", "gemm_all_to_all", "MoeGemmCombine",
            "moe_gemm_combine", "GemmSignal", "SignalConfig", "gemm_all_reduce",
            "gemm_reduce_scatter", "gemm_all_to_all_signal", "gemm_all_reduce_reference",
-           "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference"]
+           "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference",
+           "EmbeddingAllToAll", "ShardingPlan", "embedding_all_to_all",
+           "embedding_all_to_all_reference", "ShardedEmbeddingBagCollection"]

@@ -31,6 +31,7 @@ def all_specs():
     from .ops.matmul.compile_specs import specs as matmul_specs
     from .ops.moe_combine.compile_specs import specs as moe_combine_specs
     from .transports.compile_specs import specs as transport_specs
+    from .ops.embedding_alltoall.compile_specs import specs as embedding_alltoall_specs
 
     yield from gemv_allreduce_specs()
     yield from matmul_specs()
@@ -38,3 +39,4 @@ def all_specs():
     yield from moe_combine_specs()
     yield from transport_specs()
     yield from gemm_signal_specs()
+    yield from embedding_alltoall_specs()

@@ -36,3 +36,9 @@ def test_moe_layer_example():
     out = _run([os.path.join("examples", "moe", "moe_layer.py")])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "outputs agree" in out.stdout
+
+
+def test_dlrm_example():
+    out = _run([os.path.join("examples", "dlrm", "train.py"), "--small", "--steps", "4"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "paths agree" in out.stdout and "samples/s" in out.stdout

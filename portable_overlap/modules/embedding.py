@@ -1,0 +1,81 @@
+"""Table-wise sharded embedding bags whose output All-to-All is fused into the pooling kernel:
+the embedding layer of a DLRM trained with model-parallel tables and a data-parallel top MLP."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
+                                      embedding_all_to_all_reference)
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """T embedding tables of width D, table t (``num_embeddings[t]`` rows) held whole by rank
+    ``plan.table_ranks[t]``; this rank's tables are packed in one parameter ``weight``
+    (``[sum of local rows, D]``, see :class:`ShardingPlan`). Forward::
+
+        # lengths/indices (+ per_sample_weights): this rank's tables for the GLOBAL batch,
+        # table-major jagged (KeyedJaggedTensor) layout; returns [local batch, T * D]
+        out[:, t*D:(t+1)*D] = embedding_bag(table t, bags of this rank's samples, pooling)
+
+    ``fused=True`` runs the fused pooling + All-to-All kernel; ``fused=False`` the reference
+    (``F.embedding_bag`` per table + ``all_to_all_single``), for comparison. Both are
+    differentiable in ``weight`` (dense gradient). Collective to construct (every rank, same
+    arguments); call :meth:`close` (collective) when done.
+
+    Tables are initialized uniform(-1/sqrt(rows), 1/sqrt(rows)) from a generator seeded by
+    ``(seed, t)``, so the model does not depend on the sharding.
+    """
+
+    def __init__(self, world, num_embeddings: Sequence[int], embedding_dim: int, *,
+                 max_local_batch: int, table_ranks: Optional[Sequence[int]] = None,
+                 pooling: str = "sum", dtype: torch.dtype = torch.float32, fused: bool = True,
+                 seed: int = 0, timeout_s: float = 10.0):
+        super().__init__()
+        self.world = world
+        self.plan = ShardingPlan.make(num_embeddings, embedding_dim, world.world_size,
+                                      table_ranks)
+        self.pooling = pooling
+        self.fused = fused
+        rank = world.rank
+        tables = []
+        for t in self.plan.tables_of(rank):
+            n = self.plan.table_rows[t]
+            g = torch.Generator().manual_seed(seed * 100003 + t)
+            tables.append((torch.rand(n, embedding_dim, generator=g) * 2 - 1) * n ** -0.5)
+        w = torch.cat(tables) if tables else torch.empty(0, embedding_dim)
+        self.weight = nn.Parameter(w.to(device=world.device, dtype=dtype))
+        self.ctx = EmbeddingAllToAll(world, self.plan.table_rows, embedding_dim, max_local_batch,
+                                     table_ranks=self.plan.table_ranks,
+                                     timeout_s=timeout_s) if fused else None
+
+    @property
+    def local_tables(self) -> list:
+        return self.plan.tables_of(self.world.rank)
+
+    def forward(self, lengths: torch.Tensor, indices: torch.Tensor,
+                per_sample_weights: Optional[torch.Tensor] = None,
+                batch_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+        if self.fused:
+            return embedding_all_to_all(self.weight, lengths, indices, self.ctx,
+                                        per_sample_weights, batch_splits=batch_splits,
+                                        pooling=self.pooling)
+        W = self.world.world_size
+        if batch_splits is None:
+            B = lengths.numel() // max(1, len(self.local_tables))
+            batch_splits = [B // W] * W
+        return embedding_all_to_all_reference(self.weight, lengths, indices, per_sample_weights,
+                                              self.plan, self.world.rank, list(batch_splits),
+                                              self.pooling, self.world.group,
+                                              accumulate_fp32=False)
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+
+    def extra_repr(self) -> str:
+        return (f"tables={self.plan.num_tables}, dim={self.plan.dim}, "
+                f"local={self.local_tables}, pooling={self.pooling}, fused={self.fused}")

@@ -1,0 +1,27 @@
+"""Representative compile signatures of the fused embedding + All-to-All for the compile matrix."""
+from .kernel import embedding_alltoall_kernel
+
+_SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iters:i32 G:i32 "
+            "rank:i32 world:i32 tag:i32 max_spins:i32")
+
+
+def specs():
+    # fp32 D=128 sum (the benchmark's main shape), fp16 weighted, bf16 mean with a D that is not
+    # a power of two (masked columns, no alignment hints on D)
+    for dt, idx, D, weighted, mean in (("fp32", "i64", 128, False, False),
+                                       ("fp16", "i32", 64, True, False),
+                                       ("bf16", "i64", 92, False, True)):
+        sig = {"weight_ptr": f"*{dt}", "indices_ptr": f"*{idx}", "psw_ptr": "*fp32",
+               "offsets_ptr": "*i64", "out_ptr": f"*{dt}", "row_off_ptr": "*i64",
+               "gtab_ptr": "*i32", "ntab_ptr": "*i32", "boff_ptr": "*i32", "recv_ptr": f"*{dt}",
+               "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64", "bases_ptr": "*i64"}
+        sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
+        block_d = 1 << (D - 1).bit_length()
+        consts = dict(BLOCK_B=max(1, min(64, 4096 // block_d)), BLOCK_D=block_d,
+                      HAS_WEIGHTS=weighted, MEAN=mean, G_MAX=1024)
+        sig.update({k: "constexpr" for k in consts})
+        aligned = ["weight_ptr", "out_ptr", "recv_ptr", "offsets_ptr"]
+        if D % 16 == 0:  # what the JIT specializes at run time (D and the row stride % 16)
+            aligned += ["D", "row_stride"]
+        yield (f"embedding_alltoall[{dt},D{D},w={weighted},mean={mean}]",
+               embedding_alltoall_kernel, sig, consts, aligned)

@@ -1,0 +1,126 @@
+"""Fused embedding pooling + All-to-All: one persistent kernel, pooled vectors stored straight
+into the destination rank's heap (zero-copy scale-up).
+
+Rank r holds ``n_loc`` tables (global ids ``gtab[r][0..n_loc)``) and pools them for the whole
+global batch; samples ``[boff[d], boff[d+1])`` belong to rank d. The work of rank r is a task
+list of *slices* (one local table × up to BLOCK_B consecutive samples of one destination rank),
+ordered destination by destination starting at rank r+1 and ending with r itself, so everything
+that travels is computed first (communication-aware order). Program ``pid`` takes the tasks
+``pid, pid + G, ...`` of each destination's run. On rank r, program pid:
+
+1. for each destination d in that order: before its first store into d's ``recv`` in this call,
+   waits until ``consumed[d]`` holds the previous epoch (d has copied the previous call out);
+   pools its slices for d and stores each tile where it belongs in d's output layout — into r's
+   own ``out`` when d == r, else into ``recv`` in d's heap; then signals ``sent[r][pid]`` on d
+   (release, after a CTA barrier): d may start on what this program sent while it works on the
+   next destination;
+2. waits (acquire, bounded) for ``sent[q][pid]`` of every peer q;
+3. copies from ``recv`` to ``out`` the tiles peer q's program pid sent it — the task list of q
+   is a function of (q, pid, the plan), so r recomputes it and no program waits for another
+   program of its own launch;
+4. takes a ticket; the last program out publishes the epoch locally and ``consumed[r] = epoch``
+   in every peer's heap.
+
+Flags carry ``(shape tag << 32) | epoch`` (shmem/device.py): a peer called with another batch
+split, dtype or table plan is caught as a mismatch; a program that gave up signals FAILED_TAG.
+"""
+import triton
+import triton.language as tl
+
+from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value, peer_ptr,
+                             report, signal_peer, wait_flag, wait_peers)
+from .pool import pooled_rows
+
+FLAG_SENT = tl.constexpr(1)
+FLAG_CONSUMED = tl.constexpr(2)
+FLAG_NAMES = {1: "slices-sent", 2: "recv-consumed"}
+
+
+@triton.jit
+def embedding_alltoall_kernel(
+    weight_ptr,  # this rank's tables packed: [sum of local rows, D]
+    indices_ptr, psw_ptr, offsets_ptr,  # jagged input: indices, per-index weights, [n_loc*B + 1]
+    out_ptr,  # [B_local, T_total * D], global table order
+    row_off_ptr,  # int64 [n_loc]: first row of each local table in weight
+    gtab_ptr,  # int32 [world, t_max]: global table id of every rank's local tables
+    ntab_ptr,  # int32 [world]: local table count of every rank
+    boff_ptr,  # int32 [world + 1]: batch offsets (rank d's samples are [boff[d], boff[d+1]))
+    recv_ptr, sent_ptr, consumed_ptr, ctl_ptr,  # heap: like out, [world, G_MAX], [world], [2]
+    bases_ptr, status_addr,
+    B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, max_spins,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    MEAN: tl.constexpr, G_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = begin_call(ctl_ptr)
+    ok = pid >= 0
+    b_rel = tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+
+    # 1. destinations rank+1, rank+2, ..., rank: what travels first, what stays last
+    for k in range(0, world):
+        d = (rank + 1 + k) % world
+        lo = tl.load(boff_ptr + d)
+        n_d = tl.load(boff_ptr + d + 1) - lo
+        n_tasks = tl.cdiv(n_d, BLOCK_B) * n_loc
+        if (d != rank) & ok:
+            # d must have copied out the previous call before recv is overwritten, and must
+            # have read this program's previous sent flag before it is overwritten: wait even
+            # with nothing to store there (else a peer a call behind misses that flag)
+            v, arrived = wait_flag(consumed_ptr + d, epoch - 1, max_spins)
+            if not arrived:
+                report(status_addr, pid, STATUS_TIMEOUT, d,
+                       tl.cast(d, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
+                ok = False
+        if d == rank:
+            dst_base = out_ptr
+        else:
+            dst_base = peer_ptr(recv_ptr, bases_ptr, rank, d)
+        for i in range(0, iters):  # bounds from arguments only (the interpreter needs that)
+            t = pid + i * G
+            if (t < n_tasks) & ok:
+                blk = t // n_loc
+                j = t % n_loc
+                s0 = blk * BLOCK_B
+                n_bags = tl.minimum(n_d - s0, BLOCK_B)
+                acc = pooled_rows(weight_ptr, tl.load(row_off_ptr + j), indices_ptr, psw_ptr,
+                                  offsets_ptr, j * B + lo + s0, n_bags, D, BLOCK_B, BLOCK_D,
+                                  HAS_WEIGHTS, MEAN)
+                g = tl.load(gtab_ptr + rank * t_max + j).to(tl.int64)
+                offs = (s0 + b_rel).to(tl.int64)[:, None] * row_stride + g * D + cols[None, :]
+                tl.store(dst_base + offs, acc.to(out_ptr.dtype.element_ty),
+                         mask=(b_rel < n_bags)[:, None] & col_ok[None, :])
+        if d != rank:
+            tl.debug_barrier()  # every thread's stores before the (cumulative) release
+            signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
+                        rank, d)
+
+    # 2. what every peer's program pid sent here has landed
+    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, max_spins, status_addr, ok,
+                    G_MAX)
+
+    # 3. copy it from recv to out: peer q's program pid sent the tasks pid, pid + G, ... of q's
+    #    run for this rank
+    if ok:
+        my_n = tl.load(boff_ptr + rank + 1) - tl.load(boff_ptr + rank)
+        for q in range(0, world):
+            if q != rank:
+                nq = tl.load(ntab_ptr + q)
+                n_tasks = tl.cdiv(my_n, BLOCK_B) * nq
+                for i in range(0, iters):
+                    t = pid + i * G
+                    if t < n_tasks:
+                        s0 = (t // nq) * BLOCK_B
+                        g = tl.load(gtab_ptr + q * t_max + t % nq).to(tl.int64)
+                        offs = (s0 + b_rel).to(tl.int64)[:, None] * row_stride + g * D \
+                            + cols[None, :]
+                        mask = (b_rel < my_n - s0)[:, None] & col_ok[None, :]
+                        tl.store(out_ptr + offs, tl.load(recv_ptr + offs, mask=mask), mask=mask)
+
+    # 4. the last program out publishes the epoch here and "recv consumed" on every peer
+    tl.debug_barrier()  # this program's reads of recv are done before its ticket
+    if end_call(ctl_ptr, epoch):
+        for q in range(0, world):
+            if q != rank:
+                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)

@@ -1,0 +1,201 @@
+"""Fused embedding pooling + All-to-All on CPU-emulated ranks against F.embedding_bag per table +
+all_to_all_single. Tiny shapes, many cases per emulated-world call (the CI machine has 2 cores)."""
+import pytest
+import torch
+
+from portable_overlap import PortableOverlapError
+from portable_overlap.ops.embedding_alltoall import (EmbeddingAllToAll, embedding_all_to_all,
+                                                     embedding_all_to_all_reference)
+
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+ROWS = [7, 5, 9, 4, 6, 3]
+
+
+def _input(ctx, splits, gen, dtype, weighted, idx_dtype=torch.int64, max_len=3, hole=None,
+           oob=False):
+    """This rank's packed tables and jagged features of its tables for the global batch:
+    random lengths in 0..max_len (empty bags included); sample ``hole`` has no index in any
+    table on any rank."""
+    B = sum(splits)
+    weight = torch.randn(ctx.weight_rows, ctx.dim, generator=gen).to(dtype)
+    lengths = torch.randint(0, max_len + 1, (ctx.n_loc * B,), generator=gen)
+    if hole is not None:
+        lengths.view(ctx.n_loc, B)[:, hole] = 0
+    idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
+                         generator=gen) for j, t in enumerate(ctx.local_tables)]
+    indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+    if oob and indices.numel():
+        indices[-1] = ctx.plan.table_rows[ctx.local_tables[-1]]  # one past the last row
+    psw = torch.rand(indices.numel(), generator=gen) + 0.5 if weighted else None
+    return weight, lengths.to(idx_dtype), indices.to(idx_dtype), psw
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _one(world, ctx, splits, dtype, pooling, weighted, grad, gen, idx_dtype=torch.int64,
+         hole=None):
+    weight, lengths, indices, psw = _input(ctx, splits, gen, dtype, weighted, idx_dtype,
+                                           hole=hole)
+    out = torch.full(ctx.output_shape(splits), float("nan"), dtype=dtype)
+    ctx(weight, lengths, indices, psw, batch_splits=splits, pooling=pooling, out=out)
+    ref = embedding_all_to_all_reference(weight, lengths, indices, psw, ctx.plan, world.rank,
+                                         splits, pooling, world.group)
+    name = f"{str(dtype)[6:]} {pooling} w={weighted} splits={splits}"
+    res = [(name, _rel(out, ref), TOL[dtype], bool(torch.isnan(out).any()))]
+    if hole is not None and out.shape[0] and splits[0] > hole and world.rank == 0:
+        res.append((name + " empty sample", out[hole].abs().max().item(), 0.0, False))
+    if grad:
+        g = torch.randn(out.shape, generator=gen).to(dtype)
+        w1 = weight.clone().requires_grad_()
+        p1 = psw.clone().requires_grad_() if weighted else None
+        y = embedding_all_to_all(w1, lengths, indices, ctx, p1, batch_splits=splits,
+                                 pooling=pooling)
+        (y.float() * g.float()).sum().backward()
+        w2 = weight.clone().requires_grad_()
+        p2 = psw.clone().requires_grad_() if weighted else None
+        r = embedding_all_to_all_reference(w2, lengths, indices, p2, ctx.plan, world.rank,
+                                           splits, pooling, world.group)
+        (r.float() * g.float()).sum().backward()
+        res.append((name + " fwd(op)", _rel(y.detach(), r.detach()), TOL[dtype], False))
+        res.append((name + " grad weight", _rel(w1.grad, w2.grad), TOL[dtype], False))
+        if weighted:
+            res.append((name + " grad psw", _rel(p1.grad, p2.grad), 5 * TOL[dtype], False))
+    return res
+
+
+def _cases(world, full):
+    """``full``: every dtype × pooling × weights on 2 ranks; at 4 ranks a subset (time)."""
+    W = world.world_size
+    gen = torch.Generator().manual_seed(10 + world.rank)
+    uneven = [[3, 5], [1, 4, 0, 3]][W // 4]  # a rank with no samples at 4
+    even = [4] * W
+    res = []
+    # one context, many calls: dtypes, pooling and splits change call to call (recv reused);
+    # 4 bags per tile: a rank's samples span full and partial tiles
+    ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, block_b=4)
+    try:
+        combos = [(torch.float32, "sum", False, True), (torch.float32, "mean", False, True),
+                  (torch.float32, "sum", True, True), (torch.float16, "sum", True, False),
+                  (torch.bfloat16, "mean", False, True)]
+        if full:
+            combos += [(torch.float16, "mean", False, True), (torch.float16, "sum", False, False),
+                       (torch.bfloat16, "sum", True, True)]
+        for dtype, pooling, weighted, grad in combos:
+            res += _one(world, ctx, uneven, dtype, pooling, weighted, grad=grad, gen=gen,
+                        idx_dtype=torch.int32 if weighted else torch.int64, hole=1)
+        # the default split (lengths.numel() / n_loc, evenly over the ranks)
+        weight, lengths, indices, _ = _input(ctx, even, gen, torch.float32, False)
+        out = ctx(weight, lengths, indices)
+        ref = embedding_all_to_all_reference(weight, lengths, indices, None, ctx.plan, world.rank,
+                                             even, "sum", world.group)
+        res.append(("default split", _rel(out, ref), 1e-5, False))
+    finally:
+        ctx.close()
+    if full:  # D not a power of two, default tile, every table on rank 0 (the others hold none)
+        ctx = EmbeddingAllToAll(world, ROWS[:3], 12, max_local_batch=6, table_ranks=[0, 0, 0])
+        try:
+            res += _one(world, ctx, uneven, torch.float32, "mean", False, grad=True, gen=gen)
+        finally:
+            ctx.close()
+    return res
+
+
+def test_matches_embedding_bag_plus_all_to_all(world):
+    for res in world.run(_cases, world.size == 2):
+        bad = [r for r in res if r[3] or not r[1] <= r[2]]
+        assert not bad, bad
+        assert len(res) > 10
+
+
+def _bad(world):
+    ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, block_b=2)
+    gen = torch.Generator().manual_seed(3)
+    splits = [3, 5]
+    w, lengths, idx, psw = _input(ctx, splits, gen, torch.float32, True)
+    B = 8
+    _, _, idx_oob, _ = _input(ctx, splits, torch.Generator().manual_seed(3), torch.float32,
+                              True, oob=True)
+    calls = {
+        "out of range": lambda: ctx(w, lengths, idx_oob, batch_splits=splits),
+        "negative index": lambda: ctx(w, lengths, idx - idx.max() - 1, batch_splits=splits),
+        "lengths sum": lambda: ctx(w, lengths, idx[:-1], batch_splits=splits),
+        "lengths numel": lambda: ctx(w, lengths[:-1], idx, batch_splits=splits),
+        "weight shape": lambda: ctx(w[:-1], lengths, idx, batch_splits=splits),
+        "weight dtype": lambda: ctx(w.double(), lengths, idx, batch_splits=splits),
+        "index dtype": lambda: ctx(w, lengths, idx.float(), batch_splits=splits),
+        "2-D lengths": lambda: ctx(w, lengths.view(-1, B), idx, batch_splits=splits),
+        "mean + weights": lambda: ctx(w, lengths, idx, psw, batch_splits=splits,
+                                      pooling="mean"),
+        "psw numel": lambda: ctx(w, lengths, idx, psw[:-1], batch_splits=splits),
+        "pooling": lambda: ctx(w, lengths, idx, batch_splits=splits, pooling="max"),
+        "splits too big": lambda: ctx(w, lengths.repeat(2), idx.repeat(2),
+                                      batch_splits=[10, 6]),
+        "splits count": lambda: ctx(w, lengths, idx, batch_splits=[8]),
+        "uneven default": lambda: ctx(w, lengths[:ctx.n_loc * 7], idx),
+        "out shape": lambda: ctx(w, lengths, idx, batch_splits=splits,
+                                 out=torch.empty(2, 48)),
+    }
+    msgs = {}
+    for name, call in calls.items():
+        try:
+            call()
+            msgs[name] = None
+        except (ValueError, TypeError) as e:
+            msgs[name] = str(e)
+    # the torch.library op's fake implementation (torch.compile tracing): shape only, no launch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.portable_overlap.embedding_all_to_all(
+            mode.from_tensor(w), mode.from_tensor(lengths), mode.from_tensor(idx), None, splits,
+            "sum", ctx.handle)
+    msgs["fake shape"] = None if tuple(fake.shape) == (splits[world.rank], 48) \
+        else f"embedding_all_to_all fake shape {tuple(fake.shape)}"
+    # the context is still in step with its peers after refusing all of that
+    out = ctx(w, lengths, idx, psw, batch_splits=splits)
+    ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan, world.rank, splits,
+                                         "sum", world.group)
+    ctx.close()
+    return msgs, _rel(out, ref)
+
+
+def test_bad_input_raises_before_launch(world2):
+    for msgs, err in world2.run(_bad):
+        assert msgs.pop("fake shape") is None
+        missing = [k for k, m in msgs.items() if not (m and m.startswith("embedding_all_to_all"))]
+        assert not missing, (missing, msgs)
+        assert "out of range" in msgs["out of range"] and "sum to" in msgs["lengths sum"]
+        assert err < 1e-5
+
+
+def _mismatch(world):
+    ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=6, block_b=2, timeout_s=2.0)
+    splits = [3, 5] if world.rank == 0 else [4, 4]  # ranks disagree on the batch split
+    w, lengths, idx, _ = _input(ctx, splits, torch.Generator().manual_seed(world.rank),
+                                torch.float32, False)
+    try:
+        ctx(w, lengths, idx, batch_splits=splits)
+        r = "no error"
+    except PortableOverlapError as e:
+        r = type(e).__name__
+    ctx.close()
+    return r
+
+
+def test_ranks_disagreeing_on_batch_splits_raise(world2):
+    for r in world2.run(_mismatch, timeout=120):
+        assert r in ("RankMismatchError", "PeerTimeoutError"), r
+
+
+def test_plan_and_module_shapes():
+    from portable_overlap.ops.embedding_alltoall import ShardingPlan
+
+    p = ShardingPlan.make([100, 10, 50, 40, 5], 4, 2)
+    assert sorted(p.tables_of(0) + p.tables_of(1)) == list(range(5))
+    assert abs(p.weight_rows(0) - p.weight_rows(1)) <= 100
+    assert p.row_offsets(p.table_ranks[0])[0] == 0
+    with pytest.raises(ValueError):
+        ShardingPlan.make([3, 4], 4, 2, table_ranks=[0, 2])
