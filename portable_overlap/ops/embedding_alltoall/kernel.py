@@ -36,7 +36,10 @@ FLAG_CONSUMED = tl.constexpr(2)
 FLAG_NAMES = {1: "slices-sent", 2: "recv-consumed"}
 
 
-@triton.jit
+# Every rank must run the same compiled code (same registers, so the same resident grid, which
+# the shape tag includes): the rank number and per-rank counts are never specialized on (the
+# JIT would bake rank == 1 into rank 1's kernel only).
+@triton.jit(do_not_specialize=["rank", "n_loc", "B"])
 def embedding_alltoall_kernel(
     weight_ptr,  # this rank's tables packed: [sum of local rows, D]
     indices_ptr, psw_ptr, offsets_ptr,  # jagged input: indices, per-index weights, [n_loc*B + 1]

@@ -44,7 +44,10 @@ def _tile_of(t, rank, world, chunk, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr,
     return (vm + shift) % num_pid_m, pid_n
 
 
-@triton.jit
+# Every rank must run the same compiled code (same registers, so the same resident grid, which
+# the shape tag includes): the rank number and per-rank counts are never specialized on (the
+# JIT would bake rank == 1 into rank 1's kernel only).
+@triton.jit(do_not_specialize=["rank"])
 def gemm_alltoall_kernel(
     a_ptr, b_ptr, out_ptr,  # a [M, K], b [K, N], out [M, N] (contiguous)
     recv_ptr, sent_ptr, consumed_ptr, ctl_ptr,  # heap: recv [M, N], int64 [world, G_MAX], [world], [2]

@@ -35,7 +35,10 @@ FLAG_BCAST = tl.constexpr(2)
 FLAG_NAMES = {1: "partials-ready", 2: "result-broadcast"}
 
 
-@triton.jit
+# Every rank must run the same compiled code (same registers, so the same resident grid, which
+# the shape tag includes): the rank number and per-rank counts are never specialized on (the
+# JIT would bake rank == 1 into rank 1's kernel only).
+@triton.jit(do_not_specialize=["rank"])
 def gemv_allreduce_kernel(
     x_ptr, w_ptr, out_ptr,  # user tensors: x [M, K], w [N, K], out [M, N]
     partial_ptr, result_ptr,  # heap: fp32 [world, M, N] partials, [M, N] results (out dtype)

@@ -63,8 +63,9 @@ def no_flush():
 
 
 # R (rows received) and S (tokens) change from call to call with the routing: compiled once, the
-# kernels must not be specialized on their values (== 1, divisible by 16).
-@triton.jit(do_not_specialize=["R"])
+# kernels must not be specialized on their values (== 1, divisible by 16). Nor on the rank: every
+# rank must run the same code (same registers, so the same resident grid, which the tag includes).
+@triton.jit(do_not_specialize=["R", "rank"])
 def moe_gemm_scatter_kernel(
     x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
@@ -83,7 +84,7 @@ def moe_gemm_scatter_kernel(
         G_MAX, store_rows, no_flush)
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "rank"])
 def moe_gemm_put_kernel(
     x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
@@ -188,7 +189,7 @@ def _grouped_gemm_scatter(
     end_call(ctl_ptr, epoch)
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit(do_not_specialize=["S", "rank"])
 def moe_combine_kernel(
     combine_ptr, topk_ptr, out_ptr,  # heap [max_slots, H]; [S, k] (any float); [S, H]
     sent_ptr, rows_in_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
