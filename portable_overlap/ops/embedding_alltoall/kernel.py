@@ -27,8 +27,8 @@ split, dtype or table plan is caught as a mismatch; a program that gave up signa
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value, peer_ptr,
-                             report, signal_peer, wait_flag, wait_peers)
+from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
+                             peer_buffer, report, signal_peer, wait_flag, wait_peers)
 from .pool import pooled_rows
 
 FLAG_SENT = tl.constexpr(1)
@@ -78,8 +78,8 @@ def embedding_alltoall_kernel(
                 ok = False
         if d == rank:
             dst_base = out_ptr
-        else:
-            dst_base = peer_ptr(recv_ptr, bases_ptr, rank, d)
+        else:  # (peer_buffer keeps recv's 16-byte alignment: vector stores)
+            dst_base = peer_buffer(recv_ptr, bases_ptr, rank, d)
         for i in range(0, iters):  # bounds from arguments only (the interpreter needs that)
             t = pid + i * G
             if (t < n_tasks) & ok:
