@@ -136,6 +136,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="BxTxDxPFxROWS,... (default: the 3 standard)")
     ap.add_argument("--dtypes", default="fp32,fp16")
     ap.add_argument("--dists", default="uniform,zipf")
+    ap.add_argument("--shmem", action="store_true",
+                    help="also time the device-initiated (NVSHMEM) transport as fused_shmem")
     ap.add_argument("--sweep", action="store_true",
                     help="first time the fused op per tile (bags per tile x warps) on each "
                          "shape's first dtype and index distribution (graph replay)")
@@ -156,6 +158,13 @@ def main() -> int:
             continue
         splits = [B // W] * W
         ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W)
+        shmem_ctx = None
+        if args.shmem:  # device-initiated puts (NVSHMEM / ROC_SHMEM)
+            try:
+                shmem_ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W, transport="shmem")
+            except Exception as e:
+                if r == 0:
+                    print(f"shmem transport unavailable: {type(e).__name__}: {e}", flush=True)
         n_loc = ctx.n_loc
         # the compute-alone baseline: the same kernel, this rank's tables, the whole batch, alone
         solo_ctx = EmbeddingAllToAll(solo, [rows] * n_loc, D, B)
@@ -204,6 +213,16 @@ def main() -> int:
                     "comm": lambda: dist.all_to_all_single(recv, send, group=world.group),
                     "sequential_compute": seq.compute,
                 }
+                if shmem_ctx is not None:
+                    out2 = torch.full_like(out, float("nan"))
+                    shmem_ctx(weight, lengths, indices, batch_splits=splits, out=out2)
+                    shmem_ctx.synchronize()
+                    if torch.equal(out2, out):  # same kernel body, same sums: same bits
+                        impls["fused_shmem"] = lambda: shmem_ctx(
+                            weight, lengths, indices, batch_splits=splits, out=out2,
+                            validate=False)
+                    elif r == 0:
+                        print(f"fused_shmem differs from fused at {shape}: not timed", flush=True)
                 row = {"shape": f"{B}x{T}x{D}x{pf}x{rows}", "dtype": dname, "dist": dist_name,
                        "err": err}
                 for graph in (False, True):
@@ -247,6 +266,8 @@ def main() -> int:
             torch.cuda.empty_cache()
         ctx.close()
         solo_ctx.close()
+        if shmem_ctx is not None:
+            shmem_ctx.close()
     if r == 0:
         print("\nEmbedding pooling + All-to-All, ms (slowest rank's median), graph replay | plain")
         print(f"{'B x T x D x pf x rows':>26} {'dt':>4} {'idx':>7} {'fused':>7} {'seq':>7} "
@@ -263,7 +284,9 @@ def main() -> int:
                   f"{g('sequential', True) / g('fused', True):5.2f} {frac:7.2f} | "
                   f"{g('fused', False):7.3f} {g('sequential', False):7.3f} "
                   f"{g('sequential', False) / g('fused', False):5.2f} "
-                  f"{'yes' if row['err'] < 2e-3 else 'NO':>3}", flush=True)
+                  f"{'yes' if row['err'] < 2e-3 else 'NO':>3}"
+                  + (f" | shmem {g('fused_shmem', True):.3f}" if ("fused_shmem", True) in row
+                     else ""), flush=True)
     dist.destroy_process_group()
     return 0
 

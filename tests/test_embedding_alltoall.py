@@ -138,6 +138,7 @@ def _bad(world):
         "out shape": lambda: ctx(w, lengths, idx, batch_splits=splits,
                                  out=torch.empty(2, 48)),
     }
+    calls["transport"] = lambda: EmbeddingAllToAll(world, ROWS, 8, 5, transport="dma")
     msgs = {}
     for name, call in calls.items():
         try:
@@ -169,6 +170,21 @@ def test_bad_input_raises_before_launch(world2):
         assert not missing, (missing, msgs)
         assert "out of range" in msgs["out of range"] and "sum to" in msgs["lengths sum"]
         assert err < 1e-5
+
+
+def _no_shmem(world):
+    from portable_overlap.shmem.providers import ShmemUnavailable
+    try:
+        EmbeddingAllToAll(world, ROWS, 8, 5, transport="shmem")
+    except ShmemUnavailable as e:
+        return str(e)
+    return None
+
+
+def test_device_initiated_transport_needs_a_shmem_library(world2):
+    # NVSHMEM / ROC_SHMEM exist on GPUs only: a clear error on emulated ranks, on every rank
+    for msg in world2.run(_no_shmem):
+        assert msg and "cpu" in msg, msg
 
 
 def _mismatch(world):

@@ -102,6 +102,36 @@ def check_large(world, gen) -> None:
         ctx.close()
 
 
+def check_shmem(world, gen) -> None:
+    """The device-initiated (NVSHMEM) transport: uneven splits, D 128 / 64 / 92, every dtype,
+    weighted sums, repeated calls on one context, and the large shape."""
+    W = world.world_size
+    uneven = [max(1, 37 * (q + 1) - 5 * q * q) for q in range(W)]
+    for rows, D, splits in (([1000, 5000, 300, 20000, 7, 4096, 999, 12000], 128, [256] * W),
+                            ([1000, 5000, 300, 20000, 7, 4096, 999, 12000], 64, uneven),
+                            ([3000] * 5, 92, uneven), ([200000] * 32, 128, [16384 // W] * W)):
+        ctx = EmbeddingAllToAll(world, rows, D, max(splits), transport="shmem")
+        try:
+            for dt in (torch.float32, torch.float16, torch.bfloat16):
+                for pooling, weighted in (("sum", False), ("sum", True), ("mean", False)):
+                    w, ln, ix, psw = make_input(ctx, splits, dt, gen, weighted=weighted)
+                    out = torch.full(ctx.output_shape(splits), float("nan"), dtype=dt,
+                                     device=world.device)
+                    for _ in range(2):
+                        ctx(w, ln, ix, psw, batch_splits=splits, pooling=pooling, out=out)
+                    ctx.synchronize()
+                    ref = embedding_all_to_all_reference(w, ln, ix, psw, ctx.plan, world.rank,
+                                                         splits, pooling, world.group)
+                    err = rel_err(out, ref)
+                    record(f"shmem T={len(rows)} D={D} {str(dt)[6:]} {pooling}"
+                           f"{' weighted' if weighted else ''}",
+                           err < TOL[dt] and not torch.isnan(out).any(), f"rel_err={err:.2e}")
+                if len(rows) == 32:
+                    break  # the large shape: fp32 only
+        finally:
+            ctx.close()
+
+
 def check_back_to_back(world, gen, calls: int = 200) -> None:
     """Many calls, splits changing every call, no sync in between: the receive buffer is reused
     only once the peer has copied the previous call out."""
@@ -249,8 +279,8 @@ def main() -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = World.from_env()
     gen = torch.Generator(device=world.device).manual_seed(2000 + world.rank)
-    checks = [check_forward, check_large, check_back_to_back, check_graph, check_backward,
-              check_bad_input, check_mismatch]
+    checks = [check_forward, check_large, check_shmem, check_back_to_back, check_graph,
+              check_backward, check_bad_input, check_mismatch]
     only = os.environ.get("PO_EMB_CHECKS")  # e.g. "check_forward,check_backward" (a dry run)
     if only:
         checks = [c for c in checks if c.__name__ in only.split(",")]

@@ -20,6 +20,11 @@ i.e. ``F.embedding_bag`` per table, ``all_to_all_single``, columns put in global
 (reference.py). ``out_d`` is ``[batch_splits[d], T * D]`` in the tables' dtype, ready for the
 feature interaction. Pooling is accumulated in float32.
 
+Transports (``EmbeddingAllToAll(..., transport=...)``): ``"stores"`` (scale-up, default) stores
+each pooled tile straight into the destination's heap; ``"shmem"`` (the scale-out design) puts
+each tile's rows with the SHMEM library of the process (NVSHMEM / ROC_SHMEM, shmem/providers),
+completed (quiet) before the destination's ready flag.
+
 Backward sends ``grad_out`` back through the reverse All-to-All (``all_to_all_single``) and
 accumulates row gradients with ``index_add_`` into a dense gradient of the packed weight (and the
 per-index weights' gradient when they require it).
@@ -33,13 +38,16 @@ import torch
 import torch.distributed as dist
 
 from ...shmem.device import TAG_MASK
+from ...shmem.providers import get_provider
 from ..context import G_MAX, OverlapContext, align_key, get_context
-from .kernel import FLAG_NAMES, embedding_alltoall_kernel
+from ..launch import PlannedLaunch
+from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
 from .plan import ShardingPlan
 
 OP = "embedding_all_to_all"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+TRANSPORTS = ("stores", "shmem")
 POOLINGS = ("sum", "mean")
 
 
@@ -85,8 +93,10 @@ class EmbeddingAllToAll(OverlapContext):
 
     def __init__(self, world, table_rows: Sequence[int], dim: int, max_local_batch: int, *,
                  table_ranks: Optional[Sequence[int]] = None, timeout_s: float = 10.0,
-                 block_b: Optional[int] = None, num_warps: int = 4):
+                 block_b: Optional[int] = None, num_warps: int = 4, transport: str = "stores"):
         W = world.world_size
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
         plan = ShardingPlan.make(table_rows, dim, W, table_ranks)
         if max_local_batch < 1:
             raise ValueError(f"{OP}: max_local_batch must be >= 1, got {max_local_batch}")
@@ -94,8 +104,10 @@ class EmbeddingAllToAll(OverlapContext):
             raise ValueError(f"{OP}: block_b must be a power of two, got {block_b}")
         if num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{OP}: num_warps must be a power of two <= 16, got {num_warps}")
-        world.check_same(f"{OP} context arguments (plan, max_local_batch, block_b, num_warps)",
-                         (plan, max_local_batch, block_b, num_warps))
+        world.check_same(f"{OP} context arguments (plan, max_local_batch, block_b, num_warps, "
+                         f"transport)", (plan, max_local_batch, block_b, num_warps, transport))
+        self.transport = transport
+        self._provider = get_provider(world) if transport == "shmem" else None
         T, D = plan.num_tables, plan.dim
         super().__init__(world, [
             ("_recv_raw", (max_local_batch * T * D,), torch.float32),  # viewed per dtype
@@ -124,6 +136,19 @@ class EmbeddingAllToAll(OverlapContext):
         self._rows = torch.tensor(plan.local_rows(self.rank) or [1], dtype=torch.int64,
                                   device=dev)
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        self._stage = self._recv  # the zero-copy transport stages nothing
+        self._sym = self._put_kernel = None
+        if self._provider is not None:
+            # the library's symmetric memory: the receive buffer, then one staging tile per
+            # program (one program per SM: the put kernel is not compiled here, so its resident
+            # count is unknown, and one per SM is always resident)
+            n = max_local_batch * T * D
+            tile = self.block_b * triton_next_pow2(D)
+            sym = self._provider.symmetric_empty(4 * n + 256 + 4 * world.facts.sm_count * tile)
+            self._sym = sym
+            self._recv = {dt: sym[:4 * n].view(dt) for dt in DTYPES}
+            self._stage = {dt: sym[4 * n + 256:].view(dt) for dt in DTYPES}
+            self._put_kernel = self._provider.wrap(embedding_alltoall_put_kernel)
         # stand-ins for absent or empty tensors (the kernel never reads them: masks, constexprs)
         self._stubs = {dt: torch.zeros(16, dtype=dt, device=dev)
                        for dt in (*DTYPES, *INDEX_DTYPES)}
@@ -131,6 +156,11 @@ class EmbeddingAllToAll(OverlapContext):
         # the global table ids of each rank's tables, for the backward's column gather
         self._cols = [torch.tensor(plan.tables_of(q), dtype=torch.int64, device=dev)
                       for q in range(W)]
+
+    def close(self) -> None:
+        """Collective: also lets the library's symmetric memory go."""
+        super().close()
+        self._recv = self._stage = self._sym = self._put_kernel = None
 
     @property
     def num_tables(self) -> int:
@@ -197,7 +227,11 @@ class EmbeddingAllToAll(OverlapContext):
         if plan is None:
             plan = self._plans[key] = self._plan(weight, indices, psw, offsets, out, splits,
                                                  pooling)
-        plan(self._args(weight, indices, psw, offsets, out, plan))
+        args = self._args(weight, indices, psw, offsets, out, plan)
+        if self._provider is None:
+            plan(args)
+        else:  # through the library's launcher (it sets up each compiled module)
+            self._put_kernel[(plan.programs,)](*args, **plan.consts)
         self._after_call()
         return out
 
@@ -221,7 +255,8 @@ class EmbeddingAllToAll(OverlapContext):
             out = self._stub(out.dtype)
         B = sum(plan.splits)
         return (weight, indices, psw, offsets, out, self._row_off, self._gtab, self._ntab,
-                plan.boff, self._recv[out.dtype], self.sent, self.consumed, self.ctl,
+                plan.boff, self._recv[out.dtype], self._stage[out.dtype], self.sent,
+                self.consumed, self.ctl,
                 self.heap.bases, self.status.address, B, self.plan.dim, self.n_loc,
                 self.plan.num_tables * self.plan.dim, self._t_max, plan.iters_of(programs or
                                                                                   plan.programs),
@@ -244,7 +279,7 @@ class EmbeddingAllToAll(OverlapContext):
         # On GPUs the grid is capped at the programs resident at once (``_compile``): every
         # program waits for its counterparts on the peers. The interpreter runs programs one
         # after another, each paying for its flag waits: one per emulated SM there.
-        per_sm = 1 if self.world.facts.vendor == "cpu" else 64
+        per_sm = 1 if self.world.facts.vendor == "cpu" or self._provider is not None else 64
         programs = min(max_tasks, G_MAX, self.world.facts.sm_count * per_sm)
 
         class _Info:  # what _args needs before the launch is compiled
@@ -260,9 +295,12 @@ class EmbeddingAllToAll(OverlapContext):
                                     self.num_warps, self.plan.table_ranks)).encode()) & TAG_MASK
 
         info.programs, info.tag = programs, tag_of(programs)
-        launch = self._compile(embedding_alltoall_kernel, programs, consts,
-                               lambda g: self._args(weight, indices, psw, offsets, out, info,
-                                                    tag_of(g), g))
+        if self._provider is None:
+            launch = self._compile(embedding_alltoall_kernel, programs, consts,
+                                   lambda g: self._args(weight, indices, psw, offsets, out, info,
+                                                        tag_of(g), g))
+        else:  # compiled by the library's launcher on first use (one program per SM)
+            launch = PlannedLaunch(embedding_alltoall_put_kernel, None, programs, consts, None)
         launch.splits, launch.boff, launch.iters_of = info.splits, info.boff, info.iters_of
         launch.tag = tag_of(launch.programs)
         return launch

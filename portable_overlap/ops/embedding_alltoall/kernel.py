@@ -29,11 +29,26 @@ import triton.language as tl
 
 from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
                              peer_buffer, report, signal_peer, wait_flag, wait_peers)
+from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
 from .pool import pooled_rows
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
 FLAG_NAMES = {1: "slices-sent", 2: "recv-consumed"}
+
+
+@triton.jit
+def store_slice(recv_ptr, bases_ptr, rank, d, offs, y, mask, stage_ptr, pid, row0, row_stride,
+                col0, n_rows, ncols, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Zero-copy transport: the pooled tile straight into rank d's ``recv`` (plain stores;
+    peer_buffer keeps recv's 16-byte alignment, so they are vector stores)."""
+    tl.store(peer_buffer(recv_ptr, bases_ptr, rank, d) + offs, y, mask=mask)
+
+
+@triton.jit
+def no_flush():
+    """Zero-copy stores need no completion step before the release signal."""
+    pass
 
 
 # Every rank must run the same compiled code (same registers, so the same resident grid, which
@@ -48,11 +63,46 @@ def embedding_alltoall_kernel(
     gtab_ptr,  # int32 [world, t_max]: global table id of every rank's local tables
     ntab_ptr,  # int32 [world]: local table count of every rank
     boff_ptr,  # int32 [world + 1]: batch offsets (rank d's samples are [boff[d], boff[d+1]))
-    recv_ptr, sent_ptr, consumed_ptr, ctl_ptr,  # heap: like out, [world, G_MAX], [world], [2]
+    recv_ptr, stage_ptr,  # like out (heap, or a SHMEM library's symmetric memory); staging tiles
+    sent_ptr, consumed_ptr, ctl_ptr,  # heap: [world, G_MAX], [world], [2]
     bases_ptr, status_addr,
     B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, max_spins,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     MEAN: tl.constexpr, G_MAX: tl.constexpr,
+):
+    """The zero-copy kernel (tiles stored into the destinations' heaps)."""
+    _embedding_alltoall(weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr,
+                        gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
+                        consumed_ptr, ctl_ptr, bases_ptr, status_addr, B, D, n_loc, row_stride,
+                        t_max, iters, G, rank, world, tag, max_spins, BLOCK_B, BLOCK_D,
+                        HAS_WEIGHTS, MEAN, G_MAX, store_slice, no_flush)
+
+
+@triton.jit(do_not_specialize=["rank", "n_loc", "B"])
+def embedding_alltoall_put_kernel(
+    weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, gtab_ptr, ntab_ptr,
+    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, max_spins,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    MEAN: tl.constexpr, G_MAX: tl.constexpr,
+):
+    """The scale-out kernel: slices for other ranks go by device-initiated puts of the process's
+    SHMEM provider (shmem/providers/device.py), completed (quiet) before each destination's
+    release signal. Compiled only where a provider exists."""
+    _embedding_alltoall(weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr,
+                        gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
+                        consumed_ptr, ctl_ptr, bases_ptr, status_addr, B, D, n_loc, row_stride,
+                        t_max, iters, G, rank, world, tag, max_spins, BLOCK_B, BLOCK_D,
+                        HAS_WEIGHTS, MEAN, G_MAX, shmem_put_strided, shmem_flush)
+
+
+@triton.jit
+def _embedding_alltoall(
+    weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, gtab_ptr, ntab_ptr,
+    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, max_spins,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    MEAN: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
@@ -76,10 +126,6 @@ def embedding_alltoall_kernel(
                 report(status_addr, pid, STATUS_TIMEOUT, d,
                        tl.cast(d, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
                 ok = False
-        if d == rank:
-            dst_base = out_ptr
-        else:  # (peer_buffer keeps recv's 16-byte alignment: vector stores)
-            dst_base = peer_buffer(recv_ptr, bases_ptr, rank, d)
         for i in range(0, iters):  # bounds from arguments only (the interpreter needs that)
             t = pid + i * G
             if (t < n_tasks) & ok:
@@ -92,9 +138,15 @@ def embedding_alltoall_kernel(
                                   HAS_WEIGHTS, MEAN)
                 g = tl.load(gtab_ptr + rank * t_max + j).to(tl.int64)
                 offs = (s0 + b_rel).to(tl.int64)[:, None] * row_stride + g * D + cols[None, :]
-                tl.store(dst_base + offs, acc.to(out_ptr.dtype.element_ty),
-                         mask=(b_rel < n_bags)[:, None] & col_ok[None, :])
+                y = acc.to(out_ptr.dtype.element_ty)
+                mask = (b_rel < n_bags)[:, None] & col_ok[None, :]
+                if d == rank:
+                    tl.store(out_ptr + offs, y, mask=mask)
+                else:
+                    STORE(recv_ptr, bases_ptr, rank, d, offs, y, mask, stage_ptr, pid, s0,
+                          row_stride, g * D, n_bags, D, BLOCK_B, BLOCK_D)
         if d != rank:
+            FLUSH()  # the transport's slices have landed before the release
             tl.debug_barrier()  # every thread's stores before the (cumulative) release
             signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
                         rank, d)

@@ -4,15 +4,16 @@ Triton resolves a kernel's callees when it compiles, and a function cannot trave
 argument through a library launcher that records its arguments (torch's NVSHMEM launcher
 serializes them), so kernels that put through the provider call these names directly.
 ``LIBRARY`` names the provider ("nvshmem", "rocshmem") or is None where there is none (the CPU
-backend, or a torch build without the bindings); then ``put_rows`` and ``flush`` are None and
-such kernels are not compiled.
+backend, or a torch build without the bindings); then the functions are None and such kernels
+are not compiled. ``put_rows``: a tile's rows to slots (MoE combine); ``put_strided``: a tile's
+rows to a strided destination (embedding slices); ``flush``: completion before a signal.
 """
 from __future__ import annotations
 
 from ...backends import get_backend
 
 LIBRARY = None
-put_rows = flush = None
+put_rows = put_strided = flush = None
 try:
     _name = get_backend().name
 except Exception:  # no usable backend at import: no provider
@@ -20,8 +21,9 @@ except Exception:  # no usable backend at import: no provider
 if _name == "cuda":
     from . import nvshmem as _p
     if _p._nv is not None:
-        LIBRARY, put_rows, flush = "nvshmem", _p.put_rows, _p.flush
+        LIBRARY, put_rows, put_strided, flush = "nvshmem", _p.put_rows, _p.put_strided, _p.flush
 elif _name == "rocm":
     from . import rocshmem as _p
     if _p._rs is not None:
-        LIBRARY, put_rows, flush = "rocshmem", _p.put_rows, _p.flush
+        LIBRARY, put_rows, put_strided, flush = ("rocshmem", _p.put_rows, _p.put_strided,
+                                                 _p.flush)

@@ -38,6 +38,23 @@ if _nv is not None:
             tl.debug_barrier()  # puts have read the staging tile before the next tile's stores
 
     @triton.jit
+    def put_strided(recv_ptr, bases_ptr, rank, peer, offs, y, mask, stage_ptr, pid, row0,
+                    row_stride, col0, n_rows, ncols, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+        """Rows ``row0 .. row0 + n_rows`` of a strided destination (``row_stride`` elements
+        apart, ``ncols`` from column ``col0``) in ``peer``'s symmetric ``recv``: the tile is
+        staged, then one block-wide put per row."""
+        stage = stage_ptr + tl.cast(pid, tl.int64) * (BLOCK_R * BLOCK_C)
+        r = tl.arange(0, BLOCK_R)
+        c = tl.arange(0, BLOCK_C)
+        tl.store(stage + r[:, None] * BLOCK_C + c[None, :], y)
+        tl.debug_barrier()
+        for i in range(0, n_rows):
+            _nv.put(recv_ptr + (tl.cast(row0, tl.int64) + i) * row_stride + col0,
+                    stage + i * BLOCK_C, ncols, peer)
+        tl.debug_barrier()
+
+    @triton.jit
     def flush():
         """Every put of this program has completed at its destination."""
         _nv.quiet()
