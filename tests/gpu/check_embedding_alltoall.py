@@ -103,31 +103,32 @@ def check_large(world, gen) -> None:
 
 
 def check_shmem(world, gen) -> None:
-    """The device-initiated (NVSHMEM) transport: uneven splits, D 128 / 64 / 92, every dtype,
-    weighted sums, repeated calls on one context, and the large shape."""
+    """The device-initiated (NVSHMEM) transport: uneven splits, D 128 / 64 / 92, the three
+    dtypes and poolings spread over the cases (each combination compiles a kernel with the
+    library linked: ~5 s), repeated calls on one context, and the large shape."""
     W = world.world_size
     uneven = [max(1, 37 * (q + 1) - 5 * q * q) for q in range(W)]
-    for rows, D, splits in (([1000, 5000, 300, 20000, 7, 4096, 999, 12000], 128, [256] * W),
-                            ([1000, 5000, 300, 20000, 7, 4096, 999, 12000], 64, uneven),
-                            ([3000] * 5, 92, uneven), ([200000] * 32, 128, [16384 // W] * W)):
+    tables = [1000, 5000, 300, 20000, 7, 4096, 999, 12000]
+    cases = [(tables, 128, [256] * W, torch.float32, "sum", False),
+             (tables, 128, [256] * W, torch.bfloat16, "sum", True),
+             (tables, 64, uneven, torch.float16, "mean", False),
+             ([3000] * 5, 92, uneven, torch.float32, "sum", False),
+             ([200000] * 32, 128, [16384 // W] * W, torch.float32, "sum", False)]
+    for rows, D, splits, dt, pooling, weighted in cases:
         ctx = EmbeddingAllToAll(world, rows, D, max(splits), transport="shmem")
         try:
-            for dt in (torch.float32, torch.float16, torch.bfloat16):
-                for pooling, weighted in (("sum", False), ("sum", True), ("mean", False)):
-                    w, ln, ix, psw = make_input(ctx, splits, dt, gen, weighted=weighted)
-                    out = torch.full(ctx.output_shape(splits), float("nan"), dtype=dt,
-                                     device=world.device)
-                    for _ in range(2):
-                        ctx(w, ln, ix, psw, batch_splits=splits, pooling=pooling, out=out)
-                    ctx.synchronize()
-                    ref = embedding_all_to_all_reference(w, ln, ix, psw, ctx.plan, world.rank,
-                                                         splits, pooling, world.group)
-                    err = rel_err(out, ref)
-                    record(f"shmem T={len(rows)} D={D} {str(dt)[6:]} {pooling}"
-                           f"{' weighted' if weighted else ''}",
-                           err < TOL[dt] and not torch.isnan(out).any(), f"rel_err={err:.2e}")
-                if len(rows) == 32:
-                    break  # the large shape: fp32 only
+            w, ln, ix, psw = make_input(ctx, splits, dt, gen, weighted=weighted)
+            out = torch.full(ctx.output_shape(splits), float("nan"), dtype=dt,
+                             device=world.device)
+            for _ in range(2):
+                ctx(w, ln, ix, psw, batch_splits=splits, pooling=pooling, out=out)
+            ctx.synchronize()
+            ref = embedding_all_to_all_reference(w, ln, ix, psw, ctx.plan, world.rank, splits,
+                                                 pooling, world.group)
+            err = rel_err(out, ref)
+            record(f"shmem T={len(rows)} D={D} {str(dt)[6:]} {pooling}"
+                   f"{' weighted' if weighted else ''}",
+                   err < TOL[dt] and not torch.isnan(out).any(), f"rel_err={err:.2e}")
         finally:
             ctx.close()
 
