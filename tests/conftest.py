@@ -1,4 +1,4 @@
-"""Shared fixtures: CPU-emulated worlds of 2 and 4 ranks, started once per test session.
+"""Shared fixtures: CPU-emulated worlds of 2, 4 and 8 ranks, started once per test session.
 
 A test hands a module-level function to ``world.run(fn, *args)``; it runs as ``fn(world, *args)``
 on every rank (spawned processes, gloo, the CPU backend, the Triton interpreter)."""
@@ -26,6 +26,11 @@ def world2():
 @pytest.fixture
 def world4():
     return _world(4)
+
+
+@pytest.fixture
+def world8():
+    return _world(8)
 
 
 @pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
