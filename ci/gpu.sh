@@ -4,7 +4,8 @@
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
 #      PO_SKIP_CHECKS=1 (all GPU checks), PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark),
-#      PO_SKIP_A2A=1 / PO_A2A_ARGS (GEMM + All-to-All benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
+#      PO_SKIP_A2A=1 / PO_A2A_ARGS (GEMM + All-to-All benchmark), PO_SKIP_AG=1 / PO_AG_ARGS
+#      (AllGather + GEMM benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
 #      (MoE combine benchmark), PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
 #      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
 #      (embedding + All-to-All: checks, benchmark, DLRM example), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
@@ -39,6 +40,11 @@ fi
 if [ "${PO_SKIP_A2A:-0}" != 1 ]; then
   run 420 benchmarks/bench_gemm_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       ${PO_A2A_ARGS:-} 2>&1 | tee "$out/bench_a2a.log" | grep -vE "^\[|Warning|warn" | tail -14
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_AG:-0}" != 1 ]; then
+  run 300 benchmarks/bench_allgather_gemm.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      ${PO_AG_ARGS:-} 2>&1 | tee "$out/bench_ag.log" | grep -vE "^\[|Warning|warn" | tail -10
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_MOE:-0}" != 1 ]; then

@@ -11,6 +11,7 @@ from .modules.linear import RowParallelLinear
 from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                      embedding_all_to_all_reference)
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
+from .ops.allgather_gemm import AllGatherMatmul, all_gather_matmul
 from .ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all
 from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from .ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce,
@@ -28,4 +29,5 @@ __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_redu
            "gemm_reduce_scatter", "gemm_all_to_all_signal", "gemm_all_reduce_reference",
            "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference",
            "EmbeddingAllToAll", "ShardingPlan", "embedding_all_to_all",
-           "embedding_all_to_all_reference", "ShardedEmbeddingBagCollection"]
+           "embedding_all_to_all_reference", "ShardedEmbeddingBagCollection",
+           "AllGatherMatmul", "all_gather_matmul"]

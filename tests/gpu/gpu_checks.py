@@ -260,6 +260,48 @@ def _check_moe_combine(world, gen, transport):
         ctx.close()
 
 
+def check_allgather_gemm(world: World, gen) -> None:
+    """AllGather + GEMM over copy engines: every FiCCO schedule, odd shapes, graph replay."""
+    from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul,
+                                                     all_gather_matmul_reference)
+
+    dev = world.device
+    ctx = AllGatherMatmul(world, max_shard_elems=4096 * 8192)
+    try:
+        for m, N, K in ((4096, 8192, 8192), (1000, 777, 333), (3, 5, 7)):
+            for dt in (torch.bfloat16, torch.float32):
+                a, b = rand((m, K), dt, dev, gen), rand((K, N), dt, dev, gen)
+                ref = all_gather_matmul_reference(a, b, world.group)
+                for sched in SCHEDULES:
+                    out = torch.full((world.world_size * m, N), float("nan"), dtype=dt,
+                                     device=dev)
+                    for _ in range(2):
+                        ctx(a, b, out, schedule=sched)
+                    ctx.synchronize()
+                    err = rel_err(out, ref)
+                    record(f"allgather+gemm {sched} {m}x{N}x{K} {str(dt)[6:]}",
+                           err < TOL[dt] * 2, f"rel_err={err:.2e}")
+        a, b = rand((2048, 1024), torch.bfloat16, dev, gen), rand((1024, 512), torch.bfloat16,
+                                                                   dev, gen)
+        out = torch.empty(world.world_size * 2048, 512, dtype=torch.bfloat16, device=dev)
+        ctx(a, b, out)
+        ctx.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ctx(a, b, out)
+        worst = 0.0
+        for _ in range(10):
+            a.copy_(rand((2048, 1024), torch.bfloat16, dev, gen))
+            out.fill_(float("nan"))
+            graph.replay()
+            ctx.synchronize()
+            worst = max(worst, rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+        record("allgather+gemm 10 graph replays", worst < TOL[torch.bfloat16] * 2,
+               f"worst rel_err={worst:.2e}")
+    finally:
+        ctx.close()
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -347,6 +389,11 @@ def main() -> int:
         check_gemm_alltoall(world, gen)
     except Exception as e:
         record("gemm+all-to-all", False, f"raised {type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
+    try:
+        check_allgather_gemm(world, gen)
+    except Exception as e:
+        record("allgather+gemm", False, f"raised {type(e).__name__}: {e}"[:300])
         traceback.print_exc()
     try:
         check_moe_combine(world, gen)

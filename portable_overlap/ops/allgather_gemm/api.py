@@ -1,0 +1,198 @@
+"""AllGather + GEMM over the copy-engine transport, with the FiCCO schedules (1-D).
+
+What it computes, with ``a_r`` [m, K] the row shard rank r passes and ``b`` [K, N] (the same on
+every rank, e.g. a column-parallel weight's local columns)::
+
+    out = cat([a_0, a_1, ..., a_{W-1}]) @ b          # [W * m, N] on every rank
+
+i.e. ``all_gather(a) @ b`` (sequence-parallel input of a column-parallel linear), with the gather
+done by DMA (copy engines: no SM) one level finer than the shards (FiCCO): each shard is cut into
+``pieces`` row blocks (default: W), rank r pushes piece p of its shard to every peer's heap, piece
+after piece, as soon as the call starts, and computes on what has arrived. Schedules
+(``schedule=``; default: ``pick_schedule``):
+
+- ``"hetero-unfused-1d"``: this rank's own shard first (no waiting), then one GEMM per arrived
+  (peer, piece) buffer, each written straight into its rows of ``out``;
+- ``"hetero-fused-1d"``: own shard first, then one GEMM per step p over every peer's piece p
+  (the buffers sit together in the heap, piece-major), scattered into ``out`` by row copies;
+- ``"uniform-fused-1d"``: every step p is one GEMM over all W ranks' piece p (this rank's own
+  piece copied beside the peers'), so every step runs the same GEMM.
+
+Every wait is a bounded one-program kernel on the compute stream (transports/copy_engine.py): a
+rank that never sends makes the call raise ``PeerTimeoutError`` at the next check, not hang. The
+2-D schedule of the paper (pieces along K, partial sums) needs 2-D DMA copies, which the backends
+do not offer yet.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Optional, Sequence
+
+import torch
+
+from ...shmem.device import TAG_MASK
+from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
+from ..context import OverlapContext, get_context
+from ..matmul.api import DTYPES, check_operands
+
+OP = "all_gather_matmul"
+SCHEDULES = ("hetero-unfused-1d", "hetero-fused-1d", "uniform-fused-1d")
+
+#: machine op-to-byte ratios (dense bf16 FLOP/s over HBM bytes/s) from the figures measured on the
+#: 2-GPU machine (../shared/DESIGN.md: cuBLAS 671 TFLOP/s, HBM 4.37 TB/s); other devices use the
+#: H200 value until they are measured
+MACHINE_OTB = {"sm_90": 671e12 / 4.37e12}
+
+
+def pick_schedule(M: int, N: int, K: int, elem_bytes: int, arch: str) -> str:
+    """The FiCCO heuristic for the 1-D schedules: GEMMs whose arithmetic intensity (op-to-byte,
+    FLOPs over the bytes of A, B and C) is low lose least to one large GEMM per step
+    (``uniform-fused``), intense ones lose least to small independent GEMMs starting on the local
+    shard at once (``hetero-unfused``, above 5× the machine's ratio), ``hetero-fused`` between.
+    (The paper weighs intensity with memory traffic and picks the 2-D schedule when M <= K; this
+    library has no 2-D schedule yet, see the module docstring.)"""
+    otb = 2.0 * M * N * K / (elem_bytes * (M * K + K * N + M * N))
+    machine = MACHINE_OTB.get(arch, MACHINE_OTB["sm_90"])
+    if otb < machine:
+        return "uniform-fused-1d"
+    if otb > 5 * machine:
+        return "hetero-unfused-1d"
+    return "hetero-fused-1d"
+
+
+class AllGatherMatmul(OverlapContext):
+    """Workspace of AllGather + GEMM on one rank: a gather buffer for ``max_shard_elems``
+    (m × K of the largest call) from every rank, piece flags. Collective to create and close;
+    the same calls in the same order on every rank, on one stream."""
+
+    OP = OP
+    FLAG_NAMES = CE_FLAG_NAMES
+
+    def __init__(self, world, max_shard_elems: int, *, pieces: Optional[int] = None,
+                 schedule: Optional[str] = None, timeout_s: float = 10.0):
+        W = world.world_size
+        pieces = W if pieces is None else pieces
+        if max_shard_elems < 1:
+            raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
+        if not 1 <= pieces <= 256:
+            raise ValueError(f"{OP}: pieces must be in [1, 256], got {pieces}")
+        if schedule is not None and schedule not in SCHEDULES:
+            raise ValueError(f"{OP}: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        world.check_same(f"{OP} context arguments (max_shard_elems, pieces, schedule)",
+                         (max_shard_elems, pieces, schedule))
+        super().__init__(world, [
+            ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
+            ("ce_ready", (W, pieces), torch.int64), ("ce_consumed", (W,), torch.int64),
+            ("ce_ctl", (1,), torch.int64),
+        ], timeout_s)
+        self.max_shard_elems, self.pieces, self.schedule = max_shard_elems, pieces, schedule
+        self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
+        self._staging = {}  # (schedule-fused) per-step outputs, by (rows, N, dtype)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 schedule: Optional[str] = None) -> torch.Tensor:
+        self._before_call()
+        check_operands(OP, a, b, self.world.device)
+        W, r = self.world.world_size, self.rank
+        m, K = a.shape
+        N = b.shape[1]
+        if m * K > self.max_shard_elems:
+            raise ValueError(f"{OP}: the shard's m*K={m * K} exceeds this context's "
+                             f"max_shard_elems={self.max_shard_elems}")
+        if not a.is_contiguous():
+            raise ValueError(f"{OP}: a must be contiguous (its rows are copied by DMA)")
+        if out is None:
+            out = torch.empty((W * m, N), dtype=a.dtype, device=a.device)
+        elif out.shape != (W * m, N) or out.dtype != a.dtype or out.device != a.device \
+                or not out.is_contiguous():
+            raise ValueError(f"{OP}: out must be a contiguous {a.dtype} [{W * m}, {N}] tensor "
+                             f"on {a.device}")
+        sched = schedule or self.schedule or pick_schedule(
+            W * m, N, K, a.element_size(), self.world.facts.arch)
+        if sched not in SCHEDULES:
+            raise ValueError(f"{OP}: schedule must be one of {SCHEDULES}, got {sched!r}")
+        P = self.pieces
+        bounds = [m * p // P for p in range(P + 1)]
+        # the shapes and the piece cut must agree across ranks: a rank called differently is
+        # caught by the tag its pieces carry
+        tag = zlib.crc32(repr((OP, m, K, str(a.dtype), P)).encode()) & TAG_MASK
+        gather = self._gather[a.dtype][: W * m * K]
+
+        def slot(p, q):  # rank q's piece p in the piece-major gather buffer: [p][q][rows, K]
+            lo = W * bounds[p] * K + q * (bounds[p + 1] - bounds[p]) * K
+            return gather[lo:lo + (bounds[p + 1] - bounds[p]) * K]
+
+        links = self._links
+        links.begin()
+        links.follow()
+        with links.on_side():  # push this rank's shard, piece by piece, to every peer
+            for i in range(1, W):
+                links.wait_consumed((r + i) % W)
+            for p in range(P):
+                src = a[bounds[p]:bounds[p + 1]]
+                for i in range(1, W):
+                    d = (r + i) % W
+                    links.put(d, slot(p, r), src, p, tag)
+        peers = [(r - i) % W for i in range(1, W)]  # the order their first pieces arrive in
+        if sched.startswith("hetero"):
+            torch.matmul(a, b, out=out[r * m:(r + 1) * m])  # no waiting for the local shard
+        for p in range(P):
+            rows = bounds[p + 1] - bounds[p]
+            if rows == 0:
+                for q in peers:  # nothing to compute, but the flag must still be consumed
+                    links.wait_ready(q, p, tag)
+                continue
+            if sched == "hetero-unfused-1d":
+                for q in peers:
+                    links.wait_ready(q, p, tag)
+                    lo = q * m + bounds[p]
+                    torch.matmul(slot(p, q).view(rows, K), b, out=out[lo:lo + rows])
+                continue
+            if sched == "uniform-fused-1d":  # this rank's piece beside the peers'
+                slot(p, r).view(rows, K).copy_(a[bounds[p]:bounds[p + 1]])
+                runs = [(0, W)]
+            else:  # the peers' pieces only: the runs of ranks before and after this one
+                runs = [(q0, q1) for q0, q1 in ((0, r), (r + 1, W)) if q1 > q0]
+            for q in peers:
+                links.wait_ready(q, p, tag)
+            step = gather[W * bounds[p] * K:W * bounds[p + 1] * K].view(W * rows, K)
+            for q0, q1 in runs:  # one GEMM per run of ranks, then its rows into place
+                res = self._stage_out((q1 - q0) * rows, N, a.dtype)
+                torch.matmul(step[q0 * rows:q1 * rows], b, out=res)
+                for q in range(q0, q1):
+                    out[q * m + bounds[p]:q * m + bounds[p + 1]].copy_(
+                        res[(q - q0) * rows:(q - q0 + 1) * rows])
+        for q in peers:
+            links.release(q)
+        links.rejoin()
+        self._after_call()
+        return out
+
+    def _stage_out(self, rows: int, N: int, dtype) -> torch.Tensor:
+        """The fused schedules' per-step output (kept: no allocation on later calls)."""
+        key = (rows, N, dtype)
+        t = self._staging.get(key)
+        if t is None:
+            t = self._staging[key] = torch.empty((rows, N), dtype=dtype,
+                                                 device=self.world.device)
+        return t
+
+
+def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, ctx: AllGatherMatmul,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """See the module docstring; under ``torch.compile`` it is one opaque op."""
+    if out is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.all_gather_matmul(a, b, ctx.handle)
+    return ctx(a, b, out)
+
+
+@torch.library.custom_op("portable_overlap::all_gather_matmul", mutates_args=())
+def _all_gather_matmul_op(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
+    return get_context(handle)(a, b)
+
+
+@_all_gather_matmul_op.register_fake
+def _(a, b, handle):
+    W = get_context(handle).world.world_size
+    return a.new_empty((W * a.shape[0], b.shape[1]))

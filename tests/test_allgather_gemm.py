@@ -1,0 +1,109 @@
+"""AllGather + GEMM over copy engines (FiCCO schedules) on CPU-emulated ranks, against
+all_gather + matmul."""
+import pytest
+import torch
+
+from portable_overlap import PeerTimeoutError
+from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul, all_gather_matmul,
+                                                 all_gather_matmul_reference, pick_schedule)
+
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _cases(world, dtype, shapes, pieces):
+    """Every schedule on every shape, on one context (shapes change between calls)."""
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in shapes), pieces=pieces)
+    errs = []
+    try:
+        for i, (m, N, K) in enumerate(shapes):
+            g = torch.Generator().manual_seed(100 * i + world.rank)
+            a = torch.randn(m, K, generator=g).to(dtype)
+            b = torch.randn(K, N, generator=torch.Generator().manual_seed(i)).to(dtype)
+            ref = all_gather_matmul_reference(a, b, world.group)
+            for sched in SCHEDULES:
+                out = torch.full((world.world_size * m, N), float("nan"), dtype=dtype)
+                ctx(a, b, out, schedule=sched)
+                ctx.synchronize()
+                assert not torch.isnan(out).any(), (sched, m, N, K)
+                errs.append((sched, (m, N, K), ((out.double() - ref.double()).norm()
+                                                / ref.double().norm()).item()))
+    finally:
+        ctx.close()
+    return errs
+
+
+# shards whose rows do not split evenly into the pieces (empty pieces too), odd N and K
+SHAPES = [(5, 7, 3), (8, 16, 12), (1, 9, 4), (3, 1, 17)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_every_schedule_matches_all_gather_plus_matmul(world, dtype):
+    for errs in world.run(_cases, dtype, SHAPES, None):  # default: one piece per rank
+        bad = [e for e in errs if not e[2] < TOL[dtype]]
+        assert not bad, bad
+
+
+def test_finer_and_coarser_pieces(world2):
+    for pieces in (1, 3, 6):
+        for errs in world2.run(_cases, torch.float32, SHAPES[:2], pieces):
+            assert all(e[2] < 1e-5 for e in errs), (pieces, errs)
+
+
+def _op_and_bad(world):
+    ctx = AllGatherMatmul(world, max_shard_elems=64)
+    a, b = torch.randn(4, 8), torch.randn(8, 5)
+    out = all_gather_matmul(a, b, ctx)  # through the function, default schedule
+    err = ((out - all_gather_matmul_reference(a, b, world.group)).norm() / out.norm()).item()
+    msgs = []
+    for args, kw in (((torch.randn(9, 8), b), {}),  # more than max_shard_elems
+                     ((a, torch.randn(7, 5)), {}),  # K mismatch
+                     ((a, b.double()), {}),
+                     ((a.t(), torch.randn(4, 5)), {}),  # not contiguous
+                     ((a, b), {"schedule": "uniform-fused-2d"})):
+        try:
+            ctx(*args, **kw)
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    for kw in ({"pieces": 0}, {"schedule": "fast"}):
+        try:
+            AllGatherMatmul(world, 64, **kw)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    ctx.close()
+    return err, msgs
+
+
+def test_function_and_bad_input(world2):
+    for err, msgs in world2.run(_op_and_bad):
+        assert err < 1e-5
+        assert all(m and m.startswith("all_gather_matmul") for m in msgs), msgs
+
+
+def _skip(world):
+    ctx = AllGatherMatmul(world, max_shard_elems=64, timeout_s=1.0)
+    r = "ok"
+    if world.rank == 0:
+        try:
+            ctx(torch.randn(4, 8), torch.randn(8, 5))
+            ctx.synchronize()
+            r = "no error"
+        except PeerTimeoutError as e:
+            r = str(e)
+    ctx.close()
+    return r
+
+
+def test_a_rank_that_skips_a_call_is_named(world2):
+    msg = world2.run(_skip, timeout=120)[0]
+    assert "rank 1" in msg and "piece-ready" in msg, msg
+
+
+def test_heuristic_follows_intensity():
+    # a skinny GEMM (low op-to-byte) gets one GEMM per step; a big square one starts at once on
+    # the local shard with small independent GEMMs
+    assert pick_schedule(256, 64, 64, 2, "sm_90") == "uniform-fused-1d"
+    assert pick_schedule(16384, 8192, 8192, 2, "sm_90") == "hetero-unfused-1d"
+    assert pick_schedule(2048, 1024, 1024, 2, "sm_90") == "hetero-fused-1d"
