@@ -2,10 +2,11 @@
 a 2-core CI machine), against its torch reference. The 2- and 4-rank suites cover the cases."""
 import torch
 
-from portable_overlap import (EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, GemmSignal,
-                              MoeGemmCombine, SignalConfig, embedding_all_to_all_reference,
-                              gemm_all_reduce, gemm_all_reduce_reference,
-                              gemv_all_reduce_reference)
+from portable_overlap import (AllGatherMatmul, EmbeddingAllToAll, GemmAllToAll, GemmSignal,
+                              GemvAllReduce, MoeGemmCombine, SignalConfig,
+                              embedding_all_to_all_reference, gemm_all_reduce,
+                              gemm_all_reduce_reference, gemv_all_reduce_reference)
+from portable_overlap.ops.allgather_gemm import all_gather_matmul_reference
 from portable_overlap.ops.gemm_alltoall import gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.moe_combine import dispatch, moe_gemm_combine_reference
@@ -53,6 +54,10 @@ def _every_op(world):
     errs["embedding+a2a"] = _rel(out, embedding_all_to_all_reference(
         wt, lengths, idx, None, ctx.plan, r, splits, "sum", world.group))
     ctx.close()
+    ctx = AllGatherMatmul(world, max_shard_elems=3 * 8)
+    a, b = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=torch.Generator())
+    errs["allgather+gemm"] = _rel(ctx(a, b), all_gather_matmul_reference(a, b, world.group))
+    ctx.close()
     ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
     a, b = torch.randn(9, 8, generator=g), torch.randn(8, 12, generator=g)
     for i in range(2):  # the second call of a plan waits on the group counters
@@ -64,4 +69,4 @@ def _every_op(world):
 
 def test_every_op_on_eight_ranks(world8):
     for errs in world8.run(_every_op, timeout=900):
-        assert len(errs) == 7 and all(e < 1e-5 for e in errs.values()), errs
+        assert len(errs) == 8 and all(e < 1e-5 for e in errs.values()), errs
