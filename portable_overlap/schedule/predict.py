@@ -1,0 +1,141 @@
+"""Predictive wave-group search (the FlashOverlap paper's tuning): a timeline model of a GEMM whose
+wave groups each trigger a collective, fed by a calibration measured once per device and world,
+and a search over group partitions that uses the model instead of running every candidate.
+
+Model, for groups of ``n_g`` tiles in schedule order (``waves_g = n_g / tiles_per_wave``)::
+
+    gemm_end_g = sum_{i <= g} waves_i * wave_ms * (1 if i == 0 else slowdown)
+    comm_end_g = max(gemm_end_g, comm_end_{g-1}) + comm_ms(n_g * bytes_per_tile)
+    predicted  = comm_end_last + reorder_ms
+
+``comm_ms`` interpolates the measured collective time over message sizes (linear between points,
+the last bandwidth beyond them); ``slowdown`` is how much slower the GEMM runs while a collective
+shares the GPU (measured or 1). The search keeps the first group within ``first_max_waves`` waves
+(communication must start early) and the last within ``last_max_frac`` of the tiles (nothing hides
+the last collective).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from typing import Optional, Sequence
+
+from .wave_groups import WaveGroups
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What the model needs, measured once per (device, world, collective, dtype)."""
+    wave_ms: float  # GEMM time of one wave (every resident program computing one tile)
+    tiles_per_wave: int  # resident programs of the GEMM
+    comm_curve: tuple  # ((bytes, ms), ...) of the collective, sorted by bytes
+    slowdown: float = 1.0  # GEMM time factor while a collective runs beside it
+    reorder_ms: float = 0.0  # the post-communication reorder (same for every partition)
+
+    def __post_init__(self):
+        curve = tuple(sorted((int(b), float(t)) for b, t in self.comm_curve))
+        if not curve or self.wave_ms <= 0 or self.tiles_per_wave < 1 or self.slowdown <= 0:
+            raise ValueError(f"bad calibration {self}")
+        object.__setattr__(self, "comm_curve", curve)
+
+    def comm_ms(self, nbytes: int) -> float:
+        """Collective time for ``nbytes``, interpolated from the curve."""
+        xs = [b for b, _ in self.comm_curve]
+        i = bisect.bisect_left(xs, nbytes)
+        if i < len(xs) and xs[i] == nbytes:
+            return self.comm_curve[i][1]
+        if i == 0:  # below the smallest measured size: its time (latency dominates)
+            return self.comm_curve[0][1]
+        if i == len(xs):  # beyond: the last segment's bandwidth
+            (b0, t0), (b1, t1) = (self.comm_curve[-2] if len(xs) > 1 else (0, 0.0)), \
+                self.comm_curve[-1]
+            slope = (t1 - t0) / (b1 - b0) if b1 > b0 else 0.0
+            return t1 + slope * (nbytes - b1)
+        (b0, t0), (b1, t1) = self.comm_curve[i - 1], self.comm_curve[i]
+        return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+
+
+def predict_ms(sizes: Sequence[int], cal: Calibration, bytes_per_tile: int) -> float:
+    """Predicted time of the fused op with groups of ``sizes`` tiles (module docstring)."""
+    gemm_end = comm_end = 0.0
+    for g, n in enumerate(sizes):
+        gemm_end += n / cal.tiles_per_wave * cal.wave_ms * (1.0 if g == 0 else cal.slowdown)
+        comm_end = max(gemm_end, comm_end) + cal.comm_ms(n * bytes_per_tile)
+    return comm_end + cal.reorder_ms
+
+
+def _compositions(units: int, max_parts: int):
+    """Every way to write ``units`` as an ordered sum of at most ``max_parts`` positive parts."""
+    for parts in range(1, min(units, max_parts) + 1):
+        for cuts in itertools.combinations(range(1, units), parts - 1):
+            yield [b - a for a, b in zip((0, *cuts), (*cuts, units))]
+
+
+def _n_compositions(units: int, max_parts: int) -> int:
+    from math import comb
+
+    return sum(comb(units - 1, k - 1) for k in range(1, min(units, max_parts) + 1))
+
+
+def search(n_tiles: int, cal: Calibration, bytes_per_tile: int, *, multiple_of: int = 1,
+           max_groups: int = 8, first_max_waves: int = 2, last_max_frac: float = 0.5,
+           budget: int = 200_000) -> tuple:
+    """The partition of ``n_tiles`` with the smallest predicted time: ``(WaveGroups, ms)``.
+
+    Groups are whole waves (the last takes the remainder), multiples of ``multiple_of`` tiles
+    (destinations). Every admissible composition is tried when there are at most ``budget`` of
+    them; otherwise a local search (move one wave between neighbouring groups while the
+    prediction improves) from geometric starting points."""
+    wave = max(multiple_of, cal.tiles_per_wave - cal.tiles_per_wave % multiple_of)
+    units = -(-n_tiles // wave)
+
+    def to_sizes(parts):
+        sizes = [p * wave for p in parts]
+        sizes[-1] -= units * wave - n_tiles  # the last group takes the remainder
+        return sizes
+
+    def admissible(parts):
+        sizes = to_sizes(parts)
+        return (sizes[-1] >= 1 and parts[0] <= first_max_waves
+                and (len(parts) == 1 or sizes[-1] <= last_max_frac * n_tiles))
+
+    def score(parts):
+        return predict_ms(to_sizes(parts), cal, bytes_per_tile)
+
+    best: Optional[tuple] = None
+    if _n_compositions(units, max_groups) <= budget:
+        for parts in _compositions(units, max_groups):
+            if admissible(parts):
+                s = score(parts)
+                if best is None or s < best[0]:
+                    best = (s, parts)
+    else:
+        for first in range(1, min(first_max_waves, units) + 1):
+            for ratio in (1.0, 1.5, 2.0, 3.0):
+                parts, size, left = [], float(first), units
+                while left:
+                    take = min(left, max(1, round(size)))
+                    if len(parts) == max_groups - 1:
+                        take = left
+                    parts.append(take)
+                    left -= take
+                    size *= ratio
+                cur = (score(parts), parts) if admissible(parts) else None
+                improved = cur is not None
+                while improved:
+                    improved = False
+                    for i in range(len(cur[1]) - 1):
+                        for d in (-1, 1):
+                            cand = list(cur[1])
+                            cand[i] += d
+                            cand[i + 1] -= d
+                            if min(cand) >= 1 and admissible(cand):
+                                s = score(cand)
+                                if s < cur[0]:
+                                    cur, improved = (s, cand), True
+                if cur is not None and (best is None or cur[0] < best[0]):
+                    best = cur
+    if best is None:  # nothing admissible (tiny GEMMs): one group
+        best = (score([units]), [units])
+    return WaveGroups(tuple(to_sizes(best[1]))), best[0]
