@@ -7,7 +7,7 @@ from .backends import get_backend
 from .errors import (BackendUnavailable, ContextBrokenError, InvalidInputError,
                      PeerTimeoutError, PortableOverlapError, RankMismatchError)
 from .modules.embedding import ShardedEmbeddingBagCollection
-from .modules.linear import RowParallelLinear
+from .modules.linear import ColumnParallelLinear, RowParallelLinear
 from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                      embedding_all_to_all_reference)
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
@@ -30,4 +30,4 @@ __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_redu
            "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference",
            "EmbeddingAllToAll", "ShardingPlan", "embedding_all_to_all",
            "embedding_all_to_all_reference", "ShardedEmbeddingBagCollection",
-           "AllGatherMatmul", "all_gather_matmul"]
+           "AllGatherMatmul", "all_gather_matmul", "ColumnParallelLinear"]

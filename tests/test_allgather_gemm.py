@@ -107,3 +107,26 @@ def test_heuristic_follows_intensity():
     assert pick_schedule(256, 64, 64, 2, "sm_90") == "uniform-fused-1d"
     assert pick_schedule(16384, 8192, 8192, 2, "sm_90") == "hetero-unfused-1d"
     assert pick_schedule(2048, 1024, 1024, 2, "sm_90") == "hetero-fused-1d"
+
+
+def _column_parallel(world):
+    from portable_overlap.modules import ColumnParallelLinear
+    torch.manual_seed(0)  # the same weights on every rank, each keeps its rows of them
+    fused = ColumnParallelLinear(12, 8 * world.world_size, world, max_rows=5, bias=True,
+                                 dtype=torch.float32)
+    ref = ColumnParallelLinear(12, 8 * world.world_size, world, max_rows=5, bias=True,
+                               dtype=torch.float32, fused=False)
+    with torch.no_grad():
+        ref.weight.copy_(fused.weight)
+        fused.bias.normal_()
+        ref.bias.copy_(fused.bias)
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(world.rank))
+    with torch.no_grad():  # the fused path (inference); with gradients it is the reference one
+        y, y_ref = fused(x), ref(x)
+    fused.close()
+    return tuple(y.shape), ((y - y_ref).norm() / y_ref.norm()).item()
+
+
+def test_column_parallel_linear(world2):
+    for shape, err in world2.run(_column_parallel):
+        assert shape == (10, 8) and err < 1e-5, (shape, err)

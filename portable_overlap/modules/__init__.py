@@ -1,5 +1,5 @@
 """Drop-in torch.nn modules built on the fused ops."""
 from .embedding import ShardedEmbeddingBagCollection
-from .linear import RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["RowParallelLinear", "ShardedEmbeddingBagCollection"]
+__all__ = ["RowParallelLinear", "ColumnParallelLinear", "ShardedEmbeddingBagCollection"]

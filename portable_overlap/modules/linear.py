@@ -59,3 +59,65 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"world={self.world.world_size}, fused={self.fused}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Sequence-parallel column-parallel linear: rank r holds its ``[r * S/W, (r+1) * S/W)``
+    rows of the input and rows ``[r * out/W, (r+1) * out/W)`` of the weight, and gets
+    ``all_gather(x)[...] @ W_rᵀ + bias_r``, i.e. all ``S`` rows of its ``out_features / world``
+    output columns (Megatron's sequence parallelism before a column-parallel layer).
+
+    The gather runs on copy engines overlapped with the GEMM (``all_gather_matmul``, FiCCO
+    schedules) when no gradient is being recorded (the fused op has no backward yet); otherwise,
+    or with ``fused=False``, the reference path (``all_gather_into_tensor`` then the GEMM).
+    Collective to construct; inputs are ``[rows, in_features]`` with the same row count on every
+    rank. Not measured on GPUs yet (see docs/allgather_gemm.md).
+    """
+
+    def __init__(self, in_features: int, out_features: int, world, *, max_rows: int,
+                 bias: bool = False, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
+                 ctx=None):
+        super().__init__()
+        from ..ops.allgather_gemm import AllGatherMatmul
+
+        W = world.world_size
+        if out_features % W:
+            raise ValueError(f"out_features={out_features} must divide by the world size {W}")
+        self.world = world
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features // W, in_features, dtype=dtype,
+                                               device=world.device))
+        self.bias = nn.Parameter(torch.zeros(out_features // W, dtype=dtype,
+                                             device=world.device)) if bias else None
+        self.fused = fused
+        self.ctx = ctx if ctx is not None or not fused else \
+            AllGatherMatmul(world, max_shard_elems=max_rows * in_features)
+        with torch.no_grad():
+            self.weight.normal_(0.0, in_features ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..ops.allgather_gemm import all_gather_matmul
+
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"ColumnParallelLinear: x must be [rows, {self.in_features}], got "
+                             f"{tuple(x.shape)}")
+        W = self.world.world_size
+        if self.fused and not (torch.is_grad_enabled() and
+                               (self.weight.requires_grad or x.requires_grad)):
+            y = all_gather_matmul(x.contiguous(), self.weight.T, self.ctx)
+        else:
+            full = x.new_empty((W * x.shape[0], x.shape[1]))
+            if W > 1:
+                dist.all_gather_into_tensor(full, x.contiguous(), group=self.world.group)
+            else:
+                full.copy_(x)
+            y = full @ self.weight.T
+        return y + self.bias if self.bias is not None else y
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.ctx.close()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"world={self.world.world_size}, fused={self.fused}")
