@@ -21,7 +21,7 @@ import torch.distributed as dist
 from benchmarks.harness import ResultWriter, time_op
 from portable_overlap import World
 from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
-from portable_overlap.ops.matmul import MatmulConfig, persistent_matmul
+from portable_overlap.ops.matmul import persistent_matmul
 
 SHAPES = [(8192, 4096, 4096), (16384, 7168, 2048), (4096, 4096, 14336)]
 OP = "gemm_alltoall"

@@ -11,8 +11,6 @@ uses the fastest; every rank uses rank 0's pick.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch

@@ -14,7 +14,6 @@ import statistics
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 
 def _quantile(xs, q):

@@ -20,8 +20,6 @@ def _shapes(on_gpu: bool, world_size: int):
 
 
 def _demo_rank(world) -> list:
-    import torch.distributed as dist
-
     from .ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce_reference
 
     on_gpu = world.device.type == "cuda"

@@ -1,7 +1,6 @@
 """Small helpers shared by the GPU backends (vendor-neutral)."""
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 

@@ -2,12 +2,15 @@
 error checks, the handle registry (for torch.library ops) and planning of compiled launches."""
 from __future__ import annotations
 
+import functools
 import threading
+import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..errors import ContextBrokenError
+from ..shmem.device import TAG_MASK
 from ..shmem.heap import SymmetricHeap, heap_bytes
 from ..shmem.status import StatusBoard
 from .launch import PlannedLaunch, resident_programs
@@ -39,9 +42,7 @@ class OverlapContext:
         self._plans: dict = {}
         self._broken: Optional[str] = None
         self._sync_errors = world.backend.name == "cpu"  # the interpreter runs synchronously
-        with _lock:
-            self.handle = max(_contexts, default=0) + 1
-            _contexts[self.handle] = self
+        self.handle = register_context(self)
 
     # -- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -64,8 +65,7 @@ class OverlapContext:
 
     def close(self) -> None:
         """Collective (every rank): free the workspace once all ranks' calls have finished."""
-        with _lock:
-            _contexts.pop(self.handle, None)
+        unregister_context(self.handle)
         self.heap.close()
 
     def _before_call(self) -> None:
@@ -91,6 +91,27 @@ class OverlapContext:
             k = kernel.warmup(*make_args(programs), grid=(programs,), **consts)
         backend, device = self.world.backend, self.world.device
         return PlannedLaunch(kernel, k, programs, consts, lambda: backend.current_stream(device))
+
+
+def register_context(ctx) -> int:
+    """A handle under which torch.library ops find ``ctx`` (``get_context``)."""
+    with _lock:
+        handle = max(_contexts, default=0) + 1
+        _contexts[handle] = ctx
+    return handle
+
+
+def unregister_context(handle: int) -> None:
+    with _lock:
+        _contexts.pop(handle, None)
+
+
+@functools.lru_cache(maxsize=1024)
+def shape_tag(*fields) -> int:
+    """The tag a call's flags carry (shmem.device): a hash of what must agree across ranks
+    (shapes, dtype, tiling, grid), so a peer called or planned differently is caught. Cached:
+    the per-call paths ask for it on every call."""
+    return zlib.crc32(repr(fields).encode()) & TAG_MASK
 
 
 def get_context(handle: int) -> OverlapContext:

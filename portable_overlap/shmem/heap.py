@@ -3,7 +3,7 @@ buffers at the same offsets on every rank."""
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

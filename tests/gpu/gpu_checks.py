@@ -208,11 +208,7 @@ def check_moe_combine(world: World, gen) -> None:
     """Fused MoE expert GEMM + combine, both transports: ranks with different token counts,
     uniform and skewed routing, every dtype, repeated calls, graph replays with fixed routing."""
     for transport in ("stores", "shmem"):
-        try:
-            _check_moe_combine(world, gen, transport)
-        except Exception as e:
-            record(f"moe combine [{transport}]", False, f"raised {type(e).__name__}: {e}"[:300])
-            traceback.print_exc()
+        _guarded(_check_moe_combine, world, gen, transport)
 
 
 def _check_moe_combine(world, gen, transport):
@@ -361,6 +357,15 @@ def check_peer_failures(world: World, gen) -> None:
         ctx.close()
 
 
+def _guarded(check, *args) -> None:
+    """Run one check; an exception is recorded as its failure and the next check runs."""
+    try:
+        check(*args)
+    except Exception as e:
+        record(check.__name__, False, f"raised {type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
+
+
 def main() -> int:
     import faulthandler
 
@@ -368,42 +373,18 @@ def main() -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = World.from_env()
     gen = torch.Generator(device=world.device).manual_seed(1000 + world.rank)
-    try:
-        check_backend(world, gen)
-    except Exception as e:
-        record("backend", False, f"raised {type(e).__name__}: {e}"[:300])
-        traceback.print_exc()
+    _guarded(check_backend, world, gen)
     if os.environ.get("PO_ONLY_BACKEND") == "1":
         dist.destroy_process_group()
         return 0 if all(ok for _, ok, _ in results) else 1
     ctx = GemvAllReduce(world, max_n=8192)
     for check in (check_shapes, check_back_to_back, check_graph, check_compile):
-        try:
-            check(world, ctx, gen)
-        except Exception as e:
-            record(check.__name__, False, f"raised {type(e).__name__}: {e}"[:300])
-            traceback.print_exc()
+        _guarded(check, world, ctx, gen)
     check_bad_input(world, ctx)
     ctx.close()
-    try:
-        check_gemm_alltoall(world, gen)
-    except Exception as e:
-        record("gemm+all-to-all", False, f"raised {type(e).__name__}: {e}"[:300])
-        traceback.print_exc()
-    try:
-        check_allgather_gemm(world, gen)
-    except Exception as e:
-        record("allgather+gemm", False, f"raised {type(e).__name__}: {e}"[:300])
-        traceback.print_exc()
-    try:
-        check_moe_combine(world, gen)
-    except Exception as e:
-        record("moe combine", False, f"raised {type(e).__name__}: {e}"[:300])
-        traceback.print_exc()
-    try:
-        check_peer_failures(world, gen)
-    except Exception as e:
-        record("peer failures", False, f"raised {type(e).__name__}: {e}"[:300])
+    for check in (check_gemm_alltoall, check_allgather_gemm, check_moe_combine,
+                  check_peer_failures):
+        _guarded(check, world, gen)
     failed = sum(not ok for _, ok, _ in results)
     all_failed = world.all_gather_object(failed)
     if world.rank == 0:

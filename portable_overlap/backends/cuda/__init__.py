@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-from ...errors import BackendUnavailable
 from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
 from .._native import DeviceArray, lazy_module
 

@@ -25,14 +25,12 @@ do not offer yet.
 """
 from __future__ import annotations
 
-import zlib
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from ...shmem.device import TAG_MASK
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import OverlapContext, get_context
+from ..context import OverlapContext, get_context, shape_tag
 from ..matmul.api import DTYPES, check_operands
 
 OP = "all_gather_matmul"
@@ -116,7 +114,7 @@ class AllGatherMatmul(OverlapContext):
         bounds = [m * p // P for p in range(P + 1)]
         # the shapes and the piece cut must agree across ranks: a rank called differently is
         # caught by the tag its pieces carry
-        tag = zlib.crc32(repr((OP, m, K, str(a.dtype), P)).encode()) & TAG_MASK
+        tag = shape_tag(OP, m, K, str(a.dtype), P)
         gather = self._gather[a.dtype][: W * m * K]
 
         def slot(p, q):  # rank q's piece p in the piece-major gather buffer: [p][q][rows, K]

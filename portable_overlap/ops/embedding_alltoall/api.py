@@ -31,15 +31,13 @@ per-index weights' gradient when they require it).
 """
 from __future__ import annotations
 
-import zlib
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ...shmem.device import TAG_MASK
 from ...shmem.providers import get_provider
-from ..context import G_MAX, OverlapContext, align_key, get_context
+from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
 from ..launch import PlannedLaunch
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
 from .plan import ShardingPlan
@@ -51,19 +49,19 @@ TRANSPORTS = ("stores", "shmem")
 POOLINGS = ("sum", "mean")
 
 
-#: bags per tile measured best on 2x H200 (benchmarks/bench_embedding_alltoall.py --sweep, fp32,
+#: bags per tile measured best on 2x H200 (sm_90) (benchmarks/bench_embedding_alltoall.py --sweep, fp32,
 #: graph replay, 4 warps): D=64 128 bags 0.729 ms vs 64 bags 0.876 ms at (65536, 16, 64, 20);
 #: D=128 32 bags (1.155 ms, the rule below); D=256 16 bags within 6% of the best
-TUNED_BLOCK_B = {("nvidia", 64): 128}
+TUNED_BLOCK_B = {("sm_90", 64): 128}
 
 
-def default_block_b(dim: int, vendor: str) -> int:
+def default_block_b(dim: int, arch: str) -> int:
     """Bags per tile: a measured value where there is one, else about 4096 accumulator elements
     per program (32 fp32 registers per thread with 4 warps), i.e. 32 bags of D = 128 — 32
     independent row loads in flight. The interpreter runs a tile as numpy arrays, where larger
     tiles only cost memory: same rule."""
     block_d = triton_next_pow2(dim)
-    return TUNED_BLOCK_B.get((vendor, block_d), max(1, min(64, 4096 // block_d)))
+    return TUNED_BLOCK_B.get((arch, block_d), max(1, min(64, 4096 // block_d)))
 
 
 def triton_next_pow2(n: int) -> int:
@@ -116,7 +114,7 @@ class EmbeddingAllToAll(OverlapContext):
         ], timeout_s)
         self.plan = plan
         self.max_local_batch = max_local_batch
-        self.block_b = block_b or default_block_b(D, world.facts.vendor)
+        self.block_b = block_b or default_block_b(D, world.facts.arch)
         self.num_warps = num_warps
         self.local_tables = plan.tables_of(self.rank)
         self.n_loc = len(self.local_tables)
@@ -153,6 +151,7 @@ class EmbeddingAllToAll(OverlapContext):
         self._stubs = {dt: torch.zeros(16, dtype=dt, device=dev)
                        for dt in (*DTYPES, *INDEX_DTYPES)}
         self.validate = True
+        self._offsets = torch.zeros(1, dtype=torch.int64, device=dev)
         # the global table ids of each rank's tables, for the backward's column gather
         self._cols = [torch.tensor(plan.tables_of(q), dtype=torch.int64, device=dev)
                       for q in range(W)]
@@ -216,8 +215,12 @@ class EmbeddingAllToAll(OverlapContext):
                 or out.device != weight.device or not out.is_contiguous():
             raise ValueError(f"{OP}: out must be a contiguous {weight.dtype} {list(shape)} tensor "
                              f"on {weight.device}; got {out.dtype} {list(out.shape)}")
-        # bag offsets: exclusive prefix sum of lengths (no host sync: graph-capturable)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        # bag offsets: exclusive prefix sum of lengths (no host sync: graph-capturable), in a
+        # buffer that grows only when a larger batch first arrives (offsets[0] stays 0)
+        if self._offsets.numel() < lengths.numel() + 1:
+            self._offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64,
+                                        device=lengths.device)
+        offsets = self._offsets[:lengths.numel() + 1]
         torch.cumsum(lengths, 0, out=offsets[1:])
         psw = per_sample_weights
         # everything the JIT specialized the compiled kernel on (dtypes, 16-byte alignment)
@@ -291,8 +294,8 @@ class EmbeddingAllToAll(OverlapContext):
         info.iters_of = lambda g: -(-max_tasks // g)  # noqa: E731
 
         def tag_of(g):  # batch split, dtype, pooling, tiling and grid: a rank that differs is caught
-            return zlib.crc32(repr((splits, str(weight.dtype), pooling, bb, D, g,
-                                    self.num_warps, self.plan.table_ranks)).encode()) & TAG_MASK
+            return shape_tag(splits, str(weight.dtype), pooling, bb, D, g, self.num_warps,
+                             tuple(self.plan.table_ranks))
 
         info.programs, info.tag = programs, tag_of(programs)
         if self._provider is None:

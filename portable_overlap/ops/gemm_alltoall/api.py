@@ -19,14 +19,12 @@ of two transports (``GemmAllToAll(..., transport=...)``):
 """
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ...shmem.device import TAG_MASK
-from ..context import G_MAX, OverlapContext, align_key, get_context
+from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
@@ -111,7 +109,7 @@ class GemmAllToAll(OverlapContext):
         N = b.shape[1]
         chunk = M // W
         bounds = [chunk * i // self.pieces for i in range(self.pieces + 1)]
-        tag = zlib.crc32(repr((OP, M, N, K, str(a.dtype), self.pieces)).encode()) & TAG_MASK
+        tag = shape_tag(OP, M, N, K, str(a.dtype), self.pieces)
         recv = self._recv[a.dtype][: M * N].view(M, N)
         links.begin()
         for i in range(1, W):  # communication first: rows of rank r+1, r+2, ...
@@ -159,7 +157,7 @@ class GemmAllToAll(OverlapContext):
         programs = min(n_tiles, self.world.facts.sm_count, G_MAX)
 
         def tag_of(g):  # shapes, tiling and grid: a rank planned differently is caught
-            return zlib.crc32(repr((M, N, K, str(a.dtype), cfg, g)).encode()) & TAG_MASK
+            return shape_tag(M, N, K, str(a.dtype), cfg, g)
 
         plan = self._compile(gemm_alltoall_kernel, programs, consts,
                              lambda g: self._args(a, b, out, tag_of(g), g))

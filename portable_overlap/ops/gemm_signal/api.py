@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ import torch.distributed as dist
 from ...errors import ContextBrokenError
 from ...schedule import WaveGroups, as_wave_groups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_upcast
-from ..context import _contexts, _lock, align_key, get_context
+from ..context import align_key, get_context, register_context, unregister_context
 from ..launch import PlannedLaunch, resident_programs
 from ..matmul.api import MatmulConfig, check_operands, default_config
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
@@ -132,13 +132,10 @@ class GemmSignal:
             self.comm_stream = self._mod.Stream(device=self.device)
             with self._mod.stream(self.comm_stream):
                 self._comm_handle = self.backend.current_stream(self.device)
-        with _lock:
-            self.handle = max(_contexts, default=0) + 1
-            _contexts[self.handle] = self
+        self.handle = register_context(self)
 
     def close(self) -> None:
-        with _lock:
-            _contexts.pop(self.handle, None)
+        unregister_context(self.handle)
 
     # -- the ops -----------------------------------------------------------------------------
     def all_reduce(self, a, b, out=None, *, bias=None, residual=None, config=None,

@@ -10,14 +10,12 @@ same bits (each column block is summed once, by its owner, in rank order).
 """
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ...shmem.device import TAG_MASK
-from ..context import G_MAX, OverlapContext, align_key, get_context
+from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
 from .config import GemvConfig, pick_config
 from .kernel import FLAG_NAMES, gemv_allreduce_kernel
 
@@ -122,7 +120,7 @@ def _tag(M, N, K, dtype, cfg: GemvConfig, programs: int) -> int:
     """What the flags carry besides the epoch: ranks run the same code, so a rank called with
     other shapes, or planned with another tiling or grid (a per-call config on one rank only), is
     caught by the first flag it sends instead of mixing up column blocks."""
-    return zlib.crc32(repr((M, N, K, str(dtype), cfg.block_n, programs)).encode()) & TAG_MASK
+    return shape_tag(M, N, K, str(dtype), cfg.block_n, programs)
 
 
 def _validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:

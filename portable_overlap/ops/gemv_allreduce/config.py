@@ -3,7 +3,6 @@ default, and the table of configurations measured best on a device (see benchmar
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 

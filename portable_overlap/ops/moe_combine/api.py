@@ -28,14 +28,12 @@ and raise ``InvalidInputError`` at the context's next check (``ctx.synchronize()
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Optional
 
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ...shmem.device import TAG_MASK
-from ..context import G_MAX, OverlapContext, align_key, get_context
+from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
 from ..launch import PlannedLaunch
 from ...shmem.providers import get_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config
@@ -95,6 +93,7 @@ class MoeGemmCombine(OverlapContext):
                          .view(self.max_slots, hidden) for dt in DTYPES}
         self._stage = self._combine  # the zero-copy transport stages nothing
         self._sym = self._put_kernel = None
+        self._starts = torch.empty(W * experts_per_rank, dtype=torch.int32, device=world.device)
         if self._provider is not None:
             # the library's symmetric memory: combine rows, then one staging tile per program
             G = min(world.facts.sm_count, G_MAX)
@@ -125,9 +124,10 @@ class MoeGemmCombine(OverlapContext):
                 or not out.is_contiguous():
             raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{S}, {self.hidden}] "
                              f"tensor on {x.device}")
-        # row starts of the segments: one small device op, no host sync
+        # row starts of the segments, in the context's buffer: device ops, no host sync, no
+        # allocation (the previous call's kernels read it earlier in stream order)
         flat = counts.reshape(-1)
-        starts = (torch.cumsum(flat, 0, dtype=torch.int32) - flat).to(torch.int32)
+        starts = torch.cumsum(flat, 0, dtype=torch.int32, out=self._starts).sub_(flat)
         # R and S are data-dependent and never specialized on (kernel.py), so plans depend only
         # on what is fixed for a model: dtype, I, strides, pointer alignment
         key = (x.dtype, x.shape[1], x.stride(), w.stride(), topk_weights.stride(),
@@ -177,8 +177,8 @@ class MoeGemmCombine(OverlapContext):
         programs = min(self.world.facts.sm_count, G_MAX)
 
         def tag_of(g):  # what must agree across ranks (not R or S, which may differ)
-            return zlib.crc32(repr((OP, self.hidden, I, self.experts_per_rank, self.top_k,
-                                    str(x.dtype), cfg, g)).encode()) & TAG_MASK
+            return shape_tag(OP, self.hidden, I, self.experts_per_rank, self.top_k,
+                             str(x.dtype), cfg, g)
 
         if self._provider is None:
             gemm = self._compile(moe_gemm_scatter_kernel, programs, gemm_consts,
