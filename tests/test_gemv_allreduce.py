@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from portable_overlap import (ContextBrokenError, GemvAllReduce, GemvConfig, PeerTimeoutError,
-                              PortableOverlapError, RankMismatchError, RowParallelLinear,
+                              PortableOverlapError, RowParallelLinear,
                               gemv_all_reduce, gemv_all_reduce_reference)
 
 # bf16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
@@ -142,7 +142,7 @@ def _disagree_on_shape(world):
     try:
         ctx(x, w)  # a failed context refuses further calls
         second = "no error"
-    except ContextBrokenError as e:
+    except ContextBrokenError:
         second = "broken"
     ctx.close()
     return err, second

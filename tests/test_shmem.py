@@ -1,6 +1,5 @@
 """The symmetric heap and the device helpers (peer pointers, remote stores, release/acquire
 signals, bounded waits) exercised directly by a small ring kernel on emulated ranks."""
-import pytest
 import torch
 import triton
 import triton.language as tl
