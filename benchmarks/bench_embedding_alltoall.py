@@ -91,40 +91,43 @@ class Sequential:
 
 
 def sweep(world, shape, dname, weight, lengths, indices, splits, args, writer) -> None:
-    """Time the fused op per (bags per tile, warps): a context per variant, graph replay."""
+    """Time the fused op per (bags per tile, warps, grid cap): a context per variant, graph
+    replay. ``programs`` 0 is the op's default cap."""
     D = shape["dim"]
     base = max(1, min(64, 4096 // (1 << (D - 1).bit_length())))
     found = []
-    for bb in sorted({max(1, base // 2), base, base * 2}):
-        for nw in (4, 8):
-            ctx = EmbeddingAllToAll(world, [shape["rows"]] * shape["tables"], D, max(splits),
-                                    block_b=bb, num_warps=nw)
-            try:
-                out = torch.empty(ctx.output_shape(splits), dtype=weight.dtype,
-                                  device=weight.device)
-                ctx(weight, lengths, indices, batch_splits=splits, out=out)
-                ctx.synchronize()
-                t = time_op(lambda: ctx(weight, lengths, indices, batch_splits=splits, out=out,
-                                        validate=False), world, graph=True, iters=args.iters,
-                            warmup=args.warmup)["median_ms"]
-                programs = next(iter(ctx._plans.values())).programs
-            except Exception as e:  # a tile that does not fit is skipped
-                t, programs = float("inf"), None
-                if world.rank == 0:
-                    print(f"  block_b={bb} num_warps={nw} failed: {type(e).__name__}: "
-                          f"{str(e)[:200]}", flush=True)
-            finally:
-                ctx.close()
-            found.append((t, bb, nw))
+    variants = [(bb, nw, 0) for bb in sorted({max(1, base // 2), base, base * 2}) for nw in (4, 8)]
+    variants += [(0, 4, cap) for cap in (132, 264, 528, 1024)]  # grid caps at the default tile
+    for bb, nw, cap in variants:
+        ctx = EmbeddingAllToAll(world, [shape["rows"]] * shape["tables"], D, max(splits),
+                                block_b=bb or None, num_warps=nw, max_programs=cap or None)
+        try:
+            out = torch.empty(ctx.output_shape(splits), dtype=weight.dtype,
+                              device=weight.device)
+            ctx(weight, lengths, indices, batch_splits=splits, out=out)
+            ctx.synchronize()
+            t = time_op(lambda: ctx(weight, lengths, indices, batch_splits=splits, out=out,
+                                    validate=False), world, graph=True, iters=args.iters,
+                        warmup=args.warmup)["median_ms"]
+            programs = next(iter(ctx._plans.values())).programs
+        except Exception as e:  # a tile that does not fit is skipped
+            t, programs = float("inf"), None
             if world.rank == 0:
-                writer.write(op=OP + "_tuning", shape=shape, dtype=dname, impl="fused",
-                             graph=True, block_b=bb, num_warps=nw, programs=programs,
-                             median_ms=round(t, 5))
+                print(f"  block_b={bb} num_warps={nw} cap={cap} failed: {type(e).__name__}: "
+                      f"{str(e)[:200]}", flush=True)
+        finally:
+            bb = ctx.block_b
+            ctx.close()
+        found.append((t, bb, nw, programs))
+        if world.rank == 0:
+            writer.write(op=OP + "_tuning", shape=shape, dtype=dname, impl="fused",
+                         graph=True, block_b=bb, num_warps=nw, programs=programs,
+                         median_ms=round(t, 5))
     if world.rank == 0:
-        best = min(found)
+        best = min(found, key=lambda f: f[0])
         print(f"  sweep {shape['batch']}x{shape['tables']}x{D}: best block_b={best[1]} "
-              f"num_warps={best[2]} {best[0]:.3f} ms; all: "
-              + ", ".join(f"{bb}/{nw}:{t:.3f}" for t, bb, nw in found), flush=True)
+              f"num_warps={best[2]} programs={best[3]} {best[0]:.3f} ms; all: "
+              + ", ".join(f"{bb}/{nw}/{g}:{t:.3f}" for t, bb, nw, g in found), flush=True)
 
 
 def main() -> int:

@@ -10,8 +10,9 @@ every flag carries the call's epoch from the heap, so CUDA-graph replays stay co
 
 Flags (heap, int64, ``(tag << 32) | epoch`` as in shmem.device):
 ``ready[q][k]``  set by rank q once its k-th transfer into this rank landed (this call's epoch);
-``consumed[d]``  set by rank d once it copied out everything this rank sent it (that call's epoch):
-                 a sender waits for ``consumed[d] == epoch - 1`` before its first copy into d.
+``consumed[d]``  set by rank d once it copied out everything this rank sent it, or pulled what
+                 this rank offered (that call's epoch): a sender waits for
+                 ``consumed[d] == epoch - 1`` before its first copy into d.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class CopyEngineLinks:
     """The copy-engine links of one context's rank to its peers. ``ready`` is a heap int64
     ``[world, slots]`` tensor, ``consumed`` ``[world]`` and ``ctl`` ``[1]`` (the epoch)."""
 
-    def __init__(self, ctx, ready: torch.Tensor, consumed: torch.Tensor, ctl: torch.Tensor):
+    def __init__(self, ctx, ready: torch.Tensor, consumed: torch.Tensor, ctl: torch.Tensor,
+                 lanes: int = 1):
         self.ctx = ctx
         self.world = ctx.world
         self.backend = ctx.world.backend
@@ -39,8 +41,11 @@ class CopyEngineLinks:
         self.slots = ready.shape[1]
         dev = self.world.device
         self._mod = torch.get_device_module(dev)
-        # the interpreter runs everything in program order: no side stream there
-        self.side = self._mod.Stream() if dev.type != "cpu" else None
+        # the interpreter runs everything in program order: no side stream there. Lanes are
+        # independent side streams: a transfer waiting for a peer on one does not hold the
+        # transfers queued on another.
+        self._lanes = [self._mod.Stream() if dev.type != "cpu" else None for _ in range(lanes)]
+        self.side = self._lanes[0]
         self._launch = {}
         one = dict(num_warps=1, num_stages=1)
         tag0 = 1
@@ -60,22 +65,23 @@ class CopyEngineLinks:
         """Start a call on the caller's stream (advances the epoch)."""
         self._launch["epoch"]((self.ctl,))
 
-    def follow(self) -> None:
-        """The side stream waits for what the caller's stream has queued so far."""
-        if self.side is not None:
-            self.side.wait_stream(self._mod.current_stream())
+    def follow(self, lane: int = 0) -> None:
+        """Side stream ``lane`` waits for what the caller's stream has queued so far."""
+        if self._lanes[lane] is not None:
+            self._lanes[lane].wait_stream(self._mod.current_stream())
 
     def rejoin(self) -> None:
-        """The caller's stream waits for everything queued on the side stream."""
-        if self.side is not None:
-            self._mod.current_stream().wait_stream(self.side)
+        """The caller's stream waits for everything queued on the side streams."""
+        for side in self._lanes:
+            if side is not None:
+                self._mod.current_stream().wait_stream(side)
 
     @contextlib.contextmanager
-    def on_side(self):
-        if self.side is None:
+    def on_side(self, lane: int = 0):
+        if self._lanes[lane] is None:
             yield
         else:
-            with self._mod.stream(self.side):
+            with self._mod.stream(self._lanes[lane]):
                 yield
 
     # -- transfers (call inside on_side) ---------------------------------------------------------
@@ -101,6 +107,19 @@ class CopyEngineLinks:
         self._launch[("wait", True)]((self.ready[q, slot:], q, self.ctl, 0, tag,
                                       self.ctx.max_spins, self.ctx.status.address,
                                       q * self.slots + slot, what))
+
+    def pull(self, q: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src``'s place (a local heap view) in rank q's heap into ``dst`` (local,
+        contiguous): the receiver's copy engine reads over the link, so a peer's result lands
+        where the caller wants it with no staging copy on this side."""
+        nbytes = src.numel() * src.element_size()
+        if nbytes:
+            self.backend.copy_async(dst.data_ptr(), self.ctx.heap.peer_address(src, q), nbytes,
+                                    self.backend.current_stream(self.world.device))
+
+    def notify(self, d: int, slot: int, tag: int) -> None:
+        """Set ``ready[rank][slot]`` on rank d with no copy (what d pulls is ready here)."""
+        self._signal(self.ready[self.rank, slot:], d, 0, tag)
 
     def copy_local(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = src.numel() * src.element_size()

@@ -84,6 +84,8 @@ class EmbeddingAllToAll(OverlapContext):
         timeout_s: how long a kernel waits for a peer before it reports and gives up.
         block_b: bags per tile, a power of two (default ``default_block_b``).
         num_warps: warps per program (4; tuning sweeps try others).
+        max_programs: cap on the persistent grid (default: one table's slices for one
+            destination, at least one program per SM; see ``_plan``).
     """
 
     OP = OP
@@ -91,7 +93,8 @@ class EmbeddingAllToAll(OverlapContext):
 
     def __init__(self, world, table_rows: Sequence[int], dim: int, max_local_batch: int, *,
                  table_ranks: Optional[Sequence[int]] = None, timeout_s: float = 10.0,
-                 block_b: Optional[int] = None, num_warps: int = 4, transport: str = "stores"):
+                 block_b: Optional[int] = None, num_warps: int = 4, transport: str = "stores",
+                 max_programs: Optional[int] = None):
         W = world.world_size
         if transport not in TRANSPORTS:
             raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -102,8 +105,11 @@ class EmbeddingAllToAll(OverlapContext):
             raise ValueError(f"{OP}: block_b must be a power of two, got {block_b}")
         if num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{OP}: num_warps must be a power of two <= 16, got {num_warps}")
+        if max_programs is not None and not 1 <= max_programs <= G_MAX:
+            raise ValueError(f"{OP}: max_programs must be in [1, {G_MAX}], got {max_programs}")
         world.check_same(f"{OP} context arguments (plan, max_local_batch, block_b, num_warps, "
-                         f"transport)", (plan, max_local_batch, block_b, num_warps, transport))
+                         f"transport, max_programs)",
+                         (plan, max_local_batch, block_b, num_warps, transport, max_programs))
         self.transport = transport
         self._provider = get_provider(world) if transport == "shmem" else None
         T, D = plan.num_tables, plan.dim
@@ -116,6 +122,7 @@ class EmbeddingAllToAll(OverlapContext):
         self.max_local_batch = max_local_batch
         self.block_b = block_b or default_block_b(D, world.facts.arch)
         self.num_warps = num_warps
+        self.max_programs = max_programs
         self.local_tables = plan.tables_of(self.rank)
         self.n_loc = len(self.local_tables)
         self.weight_rows = plan.weight_rows(self.rank)
@@ -282,8 +289,17 @@ class EmbeddingAllToAll(OverlapContext):
         # On GPUs the grid is capped at the programs resident at once (``_compile``): every
         # program waits for its counterparts on the peers. The interpreter runs programs one
         # after another, each paying for its flag waits: one per emulated SM there.
+        sms = self.world.facts.sm_count
         per_sm = 1 if self.world.facts.vendor == "cpu" or self._provider is not None else 64
-        programs = min(max_tasks, G_MAX, self.world.facts.sm_count * per_sm)
+        # Slices are table-major, so the G programs running together cover G slices: cap G at
+        # one table's slices for one destination (most_blocks), so that the rows being gathered
+        # at any time come from about one table. Uniform indices then hit L2 on a table's
+        # repeated rows (a 100 MB table against a 50 MB L2: ~20% of the reads), where a full
+        # grid of 1024 programs spreads over 4 tables and finds almost nothing there. One
+        # table's worth (256 programs at the benchmark shapes) still keeps ~8 MB of row loads in
+        # flight, more than HBM's bandwidth-latency product.
+        cap = self.max_programs or max(sms, most_blocks)
+        programs = min(max_tasks, G_MAX, sms * per_sm, cap)
 
         class _Info:  # what _args needs before the launch is compiled
             pass

@@ -17,9 +17,10 @@ moves, no SM is spent on communication):
    peer, then one ``addmm`` adds the peers' partial to this rank's own product (W = 2; with more
    ranks the own product goes beside the peers' and one sum reduces them). By then the peers'
    piece k has long landed: they sent it during their step 1;
-3. *all_reduce only*: each reduced piece goes by DMA to every peer as soon as it is done, and the
-   peers' reduced pieces are copied into ``out`` as they land, one piece behind, so only the last
-   piece's transfer is not hidden.
+3. *all_reduce only*: each reduced piece is written to this rank's heap and offered (a flag);
+   every peer's copy engine pulls it straight into the peer's ``out`` on a stream of its own, so
+   a pull waiting for one piece never holds back the sends, and no staging copy is made on the
+   receiving side. Only the last piece's transfer is not hidden.
 
 Reductions are done in float32 inside the BLAS epilogue (or torch.sum) and rounded once, so with
 two ranks the result is closer to the float32 sum than NCCL's reduction of two rounded partials.
@@ -59,7 +60,8 @@ class MatmulReduce(OverlapContext):
         world.check_same(f"{OP} context arguments (max_elems, pieces)", (max_elems, pieces))
         super().__init__(world, [
             ("_partials_raw", (max_elems,), torch.float32),  # peers' partials of my rows
-            ("_reduced_raw", (max_elems,), torch.float32),  # peers' reduced rows (all_reduce)
+            # all_reduce: this rank's reduced rows, pulled by the peers (reduce_scatter: staging)
+            ("_reduced_raw", (max_elems,), torch.float32),
             # slots 0..P-1: partial pieces, P..2P-1: reduced pieces
             ("ce_ready", (W, 2 * pieces), torch.int64), ("ce_consumed", (W,), torch.int64),
             ("ce_ctl", (1,), torch.int64),
@@ -67,7 +69,9 @@ class MatmulReduce(OverlapContext):
         self.max_elems, self.pieces = max_elems, pieces
         self._partials = {dt: self._partials_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._reduced = {dt: self._reduced_raw.view(torch.uint8).view(dt) for dt in DTYPES}
-        self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
+        # lane 0: partials out, reduced pieces offered; lane 1: the peers' reduced pieces in
+        self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
+                                      lanes=2)
 
     def reduce_scatter(self, a: torch.Tensor, b: torch.Tensor,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -112,9 +116,11 @@ class MatmulReduce(OverlapContext):
             return partials[start:start + (hi - lo) * N].view(hi - lo, N)
 
         links.begin()
+        links.follow(1)  # lane 1 forks here: its pulls (queued below) wait for flags only
         # 1. the peers' rows, peer r+1 first; a piece leaves while the next one is computed.
-        #    Staging: all_reduce's own out rows (they are overwritten later, on the same side
-        #    stream, after the copy read them); reduce_scatter's unused reduced buffer.
+        #    Staging: all_reduce's own out rows (the pulls of step 3b overwrite them only after
+        #    the peer has reduced this data, so after the copy read it); reduce_scatter's unused
+        #    reduced buffer.
         for i in range(1, W):
             d = (r + i) % W
             for k in range(P):
@@ -127,42 +133,52 @@ class MatmulReduce(OverlapContext):
                     if k == 0:
                         links.wait_consumed(d)
                     links.put(d, partial_slot(d, k, r), stage, k, tag)
-        # 2. this rank's rows: own product plus what the peers sent (bounded waits on this stream)
+        # 2. this rank's rows: own product plus what the peers sent (bounded waits on this
+        #    stream); all_reduce reduces into the heap, where the peers pull from
         peers = [(r - i) % W for i in range(1, W)]
         for k in range(P):
             lo, hi = piece(r, k)
             for q in peers:
                 links.wait_ready(q, k, tag)
+            if mode == "reduce_scatter":
+                o = out[lo - block[r]:hi - block[r]]
+            else:
+                o = reduced[lo:hi]
             if hi > lo:
-                o = out[lo - block[r]:hi - block[r]] if mode == "reduce_scatter" else out[lo:hi]
                 if W == 2:  # one BLAS call: its epilogue adds the peer's partial in fp32
                     torch.addmm(partial_slot(r, k, peers[0]), a[lo:hi], b, out=o)
                 else:
                     torch.matmul(a[lo:hi], b, out=partial_slot(r, k, r))
                     torch.sum(partials[W * (lo - block[r]) * N:W * (hi - block[r]) * N]
                               .view(W, hi - lo, N), 0, out=o)
-            if mode == "all_reduce":  # 3. the reduced piece to every peer; theirs into out
+            if mode == "all_reduce":  # 3a. offer the reduced piece; keep a copy in out
                 links.follow()
                 with links.on_side():
-                    for i in range(1, W):
-                        links.put((r + i) % W, reduced[lo:hi], out[lo:hi], P + k, tag)
-                    if k:  # one piece behind: the peers finished it about when this one did
-                        self._receive_reduced(peers, k - 1, piece, out, reduced, tag)
-        links.follow()  # the side stream's release must follow every read of the buffers
-        with links.on_side():
-            if mode == "all_reduce":
-                self._receive_reduced(peers, P - 1, piece, out, reduced, tag)
+                    for q in peers:
+                        links.notify(q, P + k, tag)
+                    links.copy_local(out[lo:hi], o)
+        if mode == "all_reduce":
+            # 3b. the peers' reduced pieces, pulled as they are offered. Queued last on the host
+            # (where there are no side streams, as in the interpreter, program order must not
+            # wait for a peer's step 2 before this rank's step 1), but lane 1 only waited for
+            # the call's start, so on a GPU they run during step 2.
+            with links.on_side(1):
+                for i in range(1, W):
+                    q = (r + i) % W
+                    for k in range(P):
+                        lo, hi = piece(q, k)
+                        links.wait_ready(q, P + k, tag)
+                        links.pull(q, out[lo:hi], reduced[lo:hi])
+        # the release (the peers may overwrite what they sent and what this rank pulled) after
+        # every read of those buffers: this stream's addmm, lane 1's pulls
+        lane = 1 if mode == "all_reduce" else 0
+        links.follow(lane)
+        with links.on_side(lane):
             for q in peers:
                 links.release(q)
         links.rejoin()
         self._after_call()
         return out
-
-    def _receive_reduced(self, peers, k, piece, out, reduced, tag) -> None:
-        for q in peers:
-            lo, hi = piece(q, k)
-            self._links.wait_ready(q, self.pieces + k, tag)
-            self._links.copy_local(out[lo:hi], reduced[lo:hi])
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, ctx: MatmulReduce,
