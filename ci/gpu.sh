@@ -8,9 +8,11 @@
 #      (AllGather + GEMM benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
 #      (MoE combine benchmark), PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
 #      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
-#      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, PO_EMB_SWEEP=0), PO_SKIP_MR=1 /
-#      PO_MR_ARGS (GEMM + ReduceScatter / AllReduce benchmark), PO_CHECKS=name,... (only those
-#      checks of gpu_checks.py), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
+#      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, PO_EMB_SWEEP=0),
+#      PO_SKIP_MR=1 / PO_MR_ARGS (GEMM + ReduceScatter / AllReduce benchmark), PO_CHECKS=name,...
+#      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
+#      its error against the measured op, the search's pick against a bounded exhaustive search;
+#      independent of PO_SKIP_SIG), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
 #      PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
@@ -78,6 +80,13 @@ if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
         | tee "$out/bench_gemm_signal.log" | grep -vE "^\[|Warning|warn" | tail -45
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
+fi
+# The wave-group predictor against the op (GEMM + AllReduce / ReduceScatter, 2 shapes, at most
+# 32 partitions each; stops taking new candidates after --budget-s 170 s).
+if [ "${PO_SKIP_PRED:-0}" != 1 ]; then
+  run 240 benchmarks/bench_wave_predictor.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      ${PO_PRED_ARGS:-} 2>&1 | tee "$out/bench_wave_predictor.log" | grep -vE "^\[|Warning|warn" | tail -14
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: checks, benchmark
   if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then

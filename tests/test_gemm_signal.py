@@ -414,3 +414,34 @@ def test_host_sequence_on_streams(world2):
                      "comm:wait[0]>=2", "comm:write[0]=0", "comm:reduce_scatter_tensor",
                      "comm:wait[1]>=4", "comm:write[1]=0", "comm:reduce_scatter_tensor",
                      "caller.wait(comm)", "caller:reorder"], later
+
+
+def _phases(world):
+    # the GEMM and the reorder without the collectives: an AllReduce plan reorders straight from
+    # staging, so gemm() then reorder() gives this rank's own a @ b; then the same tensors
+    # through the op (after reset(), its waits must see only its own tiles)
+    ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL, partition=(2, 4)))
+    try:
+        g = torch.Generator().manual_seed(5 + world.rank)
+        a, b = torch.randn(24, 9, generator=g), torch.randn(9, 35, generator=g)  # 2 x 3 tiles
+        out = torch.full((24, 35), float("nan"))
+        p = ctx.phases("all_reduce", a, b, out)
+        p["gemm"]()
+        counts = ctx.counters[:2].tolist()
+        p["reorder"]()
+        local = ((out - a @ b).norm() / (a @ b).norm()).item()
+        p["reset"]()
+        info = (p["n_tiles"], p["dests"], p["tile_bytes"], p["groups"].sizes, p["programs"] >= 1)
+        for _ in range(2):  # the first call runs unguarded, the second waits on the counters
+            out.fill_(float("nan"))
+            gemm_all_reduce(a, b, ctx, out)
+        ref = gemm_all_reduce_reference(a, b, world.group)
+        return counts, local, info, ((out - ref).norm() / ref.norm()).item()
+    finally:
+        ctx.close()
+
+
+def test_phases_run_the_gemm_and_reorder_apart(world2):
+    for counts, local, info, err in world2.run(_phases):
+        assert counts == [2, 4] and local < 1e-5 and err < 1e-5, (counts, local, err)
+        assert info == (6, 1, 16 * 16 * 4, (2, 4), True), info

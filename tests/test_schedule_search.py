@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from portable_overlap import RankMismatchError
-from portable_overlap.schedule import (Calibration, TuningCache, WaveGroups, cache_key, decide,
-                                       measure_comm_curve, predict_ms, search)
+from portable_overlap.schedule import (Calibration, TuningCache, WaveGroups, cache_key,
+                                       candidate_partitions, decide, measure_comm_curve,
+                                       predict_ms, search)
 from portable_overlap.schedule.predict import _compositions
 
 # about what 2x H200 measured: a 132-tile wave of 128x256 bf16 tiles at 8192^3 / 2 ranks, and
@@ -62,6 +63,26 @@ def test_bounds_and_destinations():
     got.validate(132 * 12, multiple_of=2)
     tiny, _ = search(5, CAL, TILE_BYTES)  # less than a wave: one group
     assert tiny == WaveGroups((5,))
+
+
+@pytest.mark.parametrize("n,wave,dests,cap,unit", [(1024, 116, 1, 32, 2), (2048, 116, 2, 32, 3),
+                                                    (2048, 116, 2, 40, 3), (132 * 4, 132, 1, 8, 1),
+                                                    (5, 132, 1, 32, None)])
+def test_candidate_partitions(n, wave, dests, cap, unit):
+    got = candidate_partitions(n, wave, multiple_of=dests, max_groups=4, cap=cap)
+    assert 1 <= len(got) <= cap and len(set(got)) == len(got)
+    assert got[0] == (n,)  # one group (no overlap) is always a candidate
+    for sizes in got:
+        assert sum(sizes) == n and len(sizes) <= 4
+        assert all(s >= 1 and s % dests == 0 for s in sizes)
+        # whole units of k waves, the last group takes the remainder
+        assert all(s % (unit * wave) == 0 for s in sizes[:-1]) if unit else sizes == (n,)
+    # every composition of that many units is there (exhaustive within the bound)
+    if unit:
+        units = -(-(-(-n // wave)) // unit)
+        assert len(got) == sum(1 for p in _compositions(units, 4))
+    with pytest.raises(ValueError):
+        candidate_partitions(1023, 116, multiple_of=2)
 
 
 def test_cache_key_covers_versions():

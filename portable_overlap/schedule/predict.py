@@ -12,7 +12,8 @@ Model, for groups of ``n_g`` tiles in schedule order (``waves_g = n_g / tiles_pe
 the last bandwidth beyond them); ``slowdown`` is how much slower the GEMM runs while a collective
 shares the GPU (measured or 1). The search keeps the first group within ``first_max_waves`` waves
 (communication must start early) and the last within ``last_max_frac`` of the tiles (nothing hides
-the last collective).
+the last collective). ``candidate_partitions`` gives a bounded exhaustive set of partitions to
+measure the model and the search against.
 """
 from __future__ import annotations
 
@@ -78,6 +79,40 @@ def _n_compositions(units: int, max_parts: int) -> int:
     return sum(comb(units - 1, k - 1) for k in range(1, min(units, max_parts) + 1))
 
 
+def _wave_tiles(tiles_per_wave: int, multiple_of: int) -> int:
+    """Tiles of one wave, rounded down to whole rounds of ``multiple_of`` destinations."""
+    return max(multiple_of, tiles_per_wave - tiles_per_wave % multiple_of)
+
+
+def _unit_sizes(parts, unit: int, n_tiles: int) -> list:
+    """Group sizes in tiles of ``parts`` units of ``unit`` tiles; the last takes the remainder
+    (the units overshoot ``n_tiles`` by less than one unit)."""
+    sizes = [p * unit for p in parts]
+    sizes[-1] -= sum(sizes) - n_tiles
+    return sizes
+
+
+def candidate_partitions(n_tiles: int, tiles_per_wave: int, *, multiple_of: int = 1,
+                         max_groups: int = 4, cap: int = 32) -> list:
+    """A bounded exhaustive set to check the search against: every composition of the waves
+    into at most ``max_groups`` groups of whole units of ``k`` waves (the last group takes the
+    remainder), for the smallest ``k`` that gives at most ``cap`` partitions. Returns tuples of
+    group sizes in tiles (multiples of ``multiple_of``), one group first."""
+    if (n_tiles < 1 or tiles_per_wave < 1 or multiple_of < 1 or max_groups < 1 or cap < 1
+            or n_tiles % multiple_of):
+        raise ValueError("candidate_partitions: bad arguments (n_tiles, tiles_per_wave, "
+                         f"multiple_of, max_groups, cap) = "
+                         f"{(n_tiles, tiles_per_wave, multiple_of, max_groups, cap)}")
+    wave = _wave_tiles(tiles_per_wave, multiple_of)
+    waves = -(-n_tiles // wave)
+    for k in range(1, waves + 1):
+        units = -(-waves // k)
+        if _n_compositions(units, max_groups) <= cap or units == 1:
+            return [tuple(_unit_sizes(parts, k * wave, n_tiles))
+                    for parts in _compositions(units, max_groups)]
+    raise AssertionError("unreachable: k = waves gives one partition")
+
+
 def search(n_tiles: int, cal: Calibration, bytes_per_tile: int, *, multiple_of: int = 1,
            max_groups: int = 8, first_max_waves: int = 2, last_max_frac: float = 0.5,
            budget: int = 200_000) -> tuple:
@@ -87,13 +122,11 @@ def search(n_tiles: int, cal: Calibration, bytes_per_tile: int, *, multiple_of: 
     (destinations). Every admissible composition is tried when there are at most ``budget`` of
     them; otherwise a local search (move one wave between neighbouring groups while the
     prediction improves) from geometric starting points."""
-    wave = max(multiple_of, cal.tiles_per_wave - cal.tiles_per_wave % multiple_of)
+    wave = _wave_tiles(cal.tiles_per_wave, multiple_of)
     units = -(-n_tiles // wave)
 
     def to_sizes(parts):
-        sizes = [p * wave for p in parts]
-        sizes[-1] -= units * wave - n_tiles  # the last group takes the remainder
-        return sizes
+        return _unit_sizes(parts, wave, n_tiles)
 
     def admissible(parts):
         sizes = to_sizes(parts)

@@ -153,6 +153,40 @@ class GemmSignal:
         return self._call("all_to_all", a, b, out, bias, residual, config, rms_weight, eps,
                           normed)
 
+    def phases(self, kind: str, a, b, out, *, config: Optional[SignalConfig] = None) -> dict:
+        """Collective (plans the call, as the op's first call does): the two kernels of one
+        ``kind`` call on these tensors without the collectives between them, to time them apart
+        (the wave-group predictor's calibration). Returns::
+
+            gemm()     # the signal GEMM on the current stream: a, b -> staging, counters += 1 per tile
+            reorder()  # the reorder: whatever the receive buffer holds -> out (no bias/residual)
+            reset()    # counters = 0: call it after the last gemm() and before the next op call
+            programs   # the GEMM's grid: resident programs, the tiles of one wave
+            n_tiles, dests, tile_bytes  # staged tiles, destinations, bytes of one staged tile
+            groups     # the partition the op plans for this config (WaveGroups)
+
+        gemm() bumps the same counters the op's stream waits read, so an op call after gemm()
+        without reset() would pass its waits early."""
+        self.check()
+        op = KINDS[kind]
+        cfg = config or self.config
+        check_operands(op, a, b, self.device)
+        M, K = a.shape
+        N = b.shape[1]
+        if kind != "all_reduce" and M % self.size:
+            raise ValueError(f"{op}: M={M} rows must split evenly over {self.size} ranks")
+        _check_2d(op, "out", out, (M // self.size if kind == "reduce_scatter" else M, N), a)
+        plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
+        gemm, reorder = self._launch_plan(plan, a, b, out, None, None, None, None)
+        stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
+        recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
+        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs)
+        reorder_args = _reorder_args(plan, recv, out, None, None)
+        return {"gemm": lambda: gemm(gemm_args), "reorder": lambda: reorder(reorder_args),
+                "reset": self.counters.zero_, "programs": gemm.programs,
+                "n_tiles": plan.groups.n_tiles, "dests": plan.dests,
+                "tile_bytes": plan.tile_elems * a.element_size(), "groups": plan.groups}
+
     def check(self) -> None:
         if self._broken is not None:
             raise ContextBrokenError(f"{OP} context on rank {self.rank} failed before and may be "

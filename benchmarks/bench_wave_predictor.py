@@ -1,0 +1,435 @@
+"""The wave-group predictor against the real op: its error against measured times, and the
+search's pick against a bounded exhaustive search (issue 4, item 4: mean error < 10 %, the pick
+>= 97 % of the best's speed). Run under torchrun:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_wave_predictor.py --out results.jsonl \
+        --device-kind nvidia-h200-x2 [--shapes 4096x8192x8192,...] [--max-candidates 32] \
+        [--max-groups 4] [--iters 50] [--ops all_reduce,reduce_scatter] [--budget-s 170] \
+        [--no-slowdown] [--no-graph]
+
+Shapes are (M, N, K) with K split over the ranks, as in bench_gemm_signal (each rank holds
+a [M, K/W], b [K/W, N]); GEMM + AllReduce and GEMM + ReduceScatter of bf16.
+
+Calibration (``schedule.predict.Calibration``), never fitted to the op's own times:
+- per (collective, dtype): the collective's time against message size, 1 MiB .. 256 MiB, twice:
+  CUDA-graph replay timed by events (``comm_curve``, what the prediction uses: the op's
+  collectives are captured too) and ``schedule.measure_comm_curve`` (host-timed plain launches,
+  reported as a variant); the GEMM slowdown while a collective runs beside it (the signal GEMM
+  launched first, then a collective lasting about as long on another stream, against the GEMM
+  alone; plain launches), measured at the first shape;
+- per shape: the signal GEMM alone (``GemmSignal.phases``, graph replay): ``tiles_per_wave`` is
+  its grid, ``wave_ms = gemm_ms * tiles_per_wave / n_tiles``; the reorder alone (``reorder_ms``).
+
+Partitions per shape: ``schedule.candidate_partitions`` (every composition into at most
+``--max-groups`` groups of whole units of k waves, the smallest k giving at most
+``--max-candidates``), the search's pick (``schedule.search`` with its defaults) and the op's
+default partition. With the defaults on an H200 (a 116-program GEMM: 16 of 132 SMs reserved)
+that is 15 candidates at 4096x8192x8192 (units of 2 waves) and 26 at 8192x8192x8192 (3 waves)
+per collective, about 90 measured partitions in all. Rank 0 decides the list and broadcasts it. Each is checked against the
+reference, then timed (graph replay, median of ``--iters``, slowest rank); a failing partition is
+recorded and skipped. The pick and the default are measured first, then the candidates until
+``--budget-s`` seconds have passed since the start.
+
+Results: JSON lines ``op=wave_predictor`` (one per measured partition: ``kind`` the collective,
+``partition``, ``role`` (candidate / search / default), ``predicted_ms``, the protocol's timing
+keys), ``wave_predictor_calibration`` and ``wave_predictor_summary`` (mean / max relative error,
+best measured vs the pick); a table at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.bench_gemm_signal import OPS
+from benchmarks.harness import ResultWriter, time_op
+from portable_overlap import ContextBrokenError, World
+from portable_overlap.ops.gemm_signal import GemmSignal, SignalConfig
+from portable_overlap.schedule import (Calibration, candidate_partitions, measure_comm_curve,
+                                       predict_ms, search)
+
+SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192)]
+MIB = 1 << 20
+# message sizes of the curves: a group is 1 .. 2048 tiles of 64 KiB (128 x 256 bf16) at these
+# shapes, 7.6 MiB (one 116-tile wave) .. 128 MiB; 1 MiB and 256 MiB bracket them
+CURVE_BYTES = [MIB << i for i in range(9)]
+TOL = 1e-2  # bf16 relative error of a correct result (bench_gemm_signal's threshold)
+
+
+def say(world, msg: str) -> None:
+    if world.rank == 0:
+        print(msg, flush=True)
+
+
+def collective_fn(kind: str, nbytes: int, world, dtype=torch.bfloat16):
+    """A closure running ``kind``'s collective on about ``nbytes`` per rank (fresh random data)."""
+    W, dev = world.world_size, world.device
+    n = max(W, nbytes // torch.empty((), dtype=dtype).element_size() // W * W)
+    x = torch.randn(n, device=dev, dtype=torch.float32).to(dtype)
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(x, group=world.group)), n * x.element_size()
+    y = torch.empty(n // W, device=dev, dtype=dtype)
+    return (lambda: dist.reduce_scatter_tensor(y, x, group=world.group)), n * x.element_size()
+
+
+def comm_curve_graph(world, kind: str, sizes, iters: int) -> tuple:
+    """((bytes, ms), ...) of the collective per rank's message size: CUDA-graph replay, slowest
+    rank's median (the harness's timer)."""
+    curve = []
+    for nbytes in sizes:
+        fn, real = collective_fn(kind, nbytes, world)
+        curve.append((real, time_op(fn, world, graph=True, iters=iters, warmup=5)["median_ms"]))
+        del fn
+    return tuple(curve)
+
+
+def bytes_lasting(curve, ms: float, most: int = 1 << 30) -> int:
+    """The smallest power-of-two message (>= 1 MiB, <= ``most``) whose interpolated collective
+    time reaches ``ms``."""
+    cal = Calibration(wave_ms=1.0, tiles_per_wave=1, comm_curve=curve)
+    n = MIB
+    while n < most and cal.comm_ms(n) < ms:
+        n *= 2
+    return n
+
+
+def gemm_slowdown(world, phases, coll, iters: int) -> tuple:
+    """(slowdown, alone_ms, beside_ms): the signal GEMM's median time with ``coll`` running on
+    another stream over its slowest rank's median alone, plain launches both. The GEMM is
+    launched first, as in the op (the collective's kernels get the SMs the GEMM leaves)."""
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    gemm = phases["gemm"]
+
+    def run(beside: bool) -> float:
+        times = []
+        for i in range(iters + 3):  # 3 warm-up iterations
+            world.barrier()
+            side.wait_stream(main)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(main)
+            gemm()
+            if beside:
+                with torch.cuda.stream(side):
+                    coll()
+            end.record(main)
+            main.wait_stream(side)
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(start.elapsed_time(end))
+        return max(world.all_gather_object(statistics.median(times)))
+
+    try:
+        alone, beside = run(False), run(True)
+    finally:
+        torch.cuda.synchronize()
+        phases["reset"]()  # the GEMM bumped the op's counters
+        torch.cuda.synchronize()
+    return beside / alone, alone, beside
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def summarize(rows: list, variants=("main",)) -> dict:
+    """Per-shape figures from the measured partitions. ``rows``: dicts with ``partition``,
+    ``roles`` (a collection of "candidate" / "search" / "default"), ``measured_ms`` (None: not
+    measured) and ``predicted`` ({variant: ms}). Returns the mean and max of
+    ``|predicted - measured| / measured`` per variant over the measured rows, the best measured
+    partition (over every measured row) against the search's pick (``best_over_pick`` =
+    best / pick, 1 when the pick is the best), and the partition the model ranks first among the
+    measured candidates against the best (``best_over_model_best``)."""
+    done = [r for r in rows if r.get("measured_ms") is not None]
+    out = {"n_measured": len(done),
+           "n_candidates": sum("candidate" in r["roles"] for r in rows)}
+    for v in variants:
+        errs = [abs(r["predicted"][v] - r["measured_ms"]) / r["measured_ms"] for r in done]
+        out[f"mean_err[{v}]"] = statistics.fmean(errs) if errs else None
+        out[f"max_err[{v}]"] = max(errs) if errs else None
+    out["mean_err"], out["max_err"] = out[f"mean_err[{variants[0]}]"], \
+        out[f"max_err[{variants[0]}]"]
+    best = min(done, key=lambda r: r["measured_ms"], default=None)
+    out["best_ms"] = best["measured_ms"] if best else None
+    out["best_partition"] = list(best["partition"]) if best else None
+    for role in ("search", "default"):
+        r = next((r for r in rows if role in r["roles"]), None)
+        got = r is not None and r.get("measured_ms") is not None
+        key = "pick" if role == "search" else role
+        out[f"{key}_ms"] = r["measured_ms"] if got else None
+        out[f"{key}_partition"] = list(r["partition"]) if r else None
+        out[f"{key}_predicted_ms"] = r["predicted"][variants[0]] if r else None
+    out["pick_in_candidates"] = any("search" in r["roles"] and "candidate" in r["roles"]
+                                    for r in rows)
+    out["best_over_pick"] = best["measured_ms"] / out["pick_ms"] if best and out["pick_ms"] \
+        else None
+    cands = [r for r in done if "candidate" in r["roles"]]
+    top = min(cands, key=lambda r: r["predicted"][variants[0]], default=None)
+    out["model_best_partition"] = list(top["partition"]) if top else None
+    out["best_over_model_best"] = best["measured_ms"] / top["measured_ms"] if top else None
+    return out
+
+
+class Run:
+    """The benchmark's state on one rank: the world, the op context (rebuilt when a failure
+    broke it), the writer, the clock."""
+
+    def __init__(self, args):
+        self.args = args
+        self.world = World.from_env()
+        self.W = self.world.world_size
+        self.ctx = GemmSignal(self.world)
+        self.writer = ResultWriter(args.out, args.device_kind, self.W)
+        self.t0 = time.perf_counter()
+        self.graph = not args.no_graph
+        self.table = []
+
+    def elapsed(self) -> float:
+        # rank 0's clock decides, so every rank stops at the same partition
+        return self.world.broadcast_object(time.perf_counter() - self.t0)
+
+    def heal(self) -> None:
+        """A new context on every rank if a failure broke this one on any rank."""
+        try:
+            self.ctx.check()
+            broken = False
+        except ContextBrokenError:
+            broken = True
+        if any(self.world.all_gather_object(broken)):
+            say(self.world, "  (context broken by a failure: a new one)")
+            torch.cuda.synchronize()
+            self.ctx.close()
+            self.ctx = GemmSignal(self.world)
+
+    def measure(self, fused_fn, a, b, out, ref, part) -> tuple:
+        """(timing dict or None, rel_err, failure text or None) of the op with partition
+        ``part`` (None: the default); checked before it is timed."""
+        world, cfg = self.world, (SignalConfig(partition=part) if part else None)
+        why = None
+        try:
+            out.fill_(float("nan"))
+            fused_fn(a, b, self.ctx, out, config=cfg)
+            self.ctx.synchronize()
+            err = rel_err(out, ref)
+        except Exception as e:
+            err, why = float("inf"), f"{type(e).__name__}: {str(e)[:200]}"
+        err = max(world.all_gather_object(err))  # every rank decides alike whether to time
+        if not err < TOL:
+            self.heal()
+            return None, err, why or f"wrong result (rel_err {err:.2e})"
+        try:
+            r = time_op(lambda: fused_fn(a, b, self.ctx, out, config=cfg), world,
+                        graph=self.graph, iters=self.args.iters, warmup=10)
+        except Exception as e:
+            torch.cuda.synchronize()
+            r, why = None, f"timing failed: {type(e).__name__}: {str(e)[:200]}"
+        if not all(world.all_gather_object(r is not None)):
+            self.heal()  # every rank, whichever failed
+            return None, err, why or "timing failed on another rank"
+        return r, err, None
+
+    def calibrate_collective(self, kind: str) -> dict:
+        world, it = self.world, self.args.curve_iters
+        t = time.perf_counter()
+        graph = comm_curve_graph(world, kind, CURVE_BYTES, it)
+        host = measure_comm_curve(world, kind, CURVE_BYTES, torch.bfloat16, iters=it)
+        graph, host = world.broadcast_object((graph, host))
+        say(world, f"[{kind}] comm curve (MiB: graph ms / host ms): " + ", ".join(
+            f"{b // MIB}: {tg:.3f}/{th:.3f}" for (b, tg), (_, th) in zip(graph, host))
+            + f"  ({time.perf_counter() - t:.1f} s)")
+        return {"graph": graph, "host": host, "slowdown": None}
+
+    def calibrate_shape(self, kind, coll, a, b, out, shape) -> tuple:
+        """(Calibration, the phases dict, calibration record) for this shape; the slowdown is
+        measured at the first shape of ``kind`` and reused."""
+        world, it = self.world, self.args.iters
+        p = self.ctx.phases(kind, a, b, out)
+        try:
+            gemm_ms = time_op(p["gemm"], world, graph=True, iters=it, warmup=5)["median_ms"]
+        finally:
+            torch.cuda.synchronize()
+            p["reset"]()  # the GEMM alone bumped the counters the op's waits read
+            torch.cuda.synchronize()
+        reorder_ms = time_op(p["reorder"], world, graph=True, iters=it, warmup=5)["median_ms"]
+        if coll["slowdown"] is None:
+            nbytes = bytes_lasting(coll["graph"], 1.1 * gemm_ms)
+            fn, real = collective_fn(kind, nbytes, world)
+            try:
+                s, alone, beside = gemm_slowdown(world, p, fn, self.args.curve_iters)
+            except Exception as e:  # the model runs without it
+                say(world, f"[{kind}] slowdown not measured ({type(e).__name__}: "
+                           f"{str(e)[:160]}): 1.0")
+                s, alone, beside = 1.0, None, None
+            del fn
+            coll["slowdown"] = world.broadcast_object(
+                {"raw": s, "alone_ms": alone, "beside_ms": beside, "bytes": real})
+        raw = coll["slowdown"]["raw"]
+        cal = Calibration(wave_ms=gemm_ms * p["programs"] / p["n_tiles"],
+                          tiles_per_wave=p["programs"], comm_curve=coll["graph"],
+                          slowdown=1.0 if self.args.no_slowdown else max(1.0, raw),
+                          reorder_ms=reorder_ms)
+        cal = world.broadcast_object(cal)  # rank 0's numbers: every rank searches alike
+        rec = {"gemm_ms": gemm_ms, "wave_ms": cal.wave_ms, "tiles_per_wave": cal.tiles_per_wave,
+               "n_tiles": p["n_tiles"], "dests": p["dests"], "tile_bytes": p["tile_bytes"],
+               "reorder_ms": reorder_ms, "slowdown": cal.slowdown,
+               "slowdown_measured": coll["slowdown"],
+               "comm_curve": [list(x) for x in coll["graph"]],
+               "comm_curve_host": [list(x) for x in coll["host"]]}
+        say(world, f"[{kind} {shape}] gemm {gemm_ms:.3f} ms = {p['n_tiles']} tiles / "
+                   f"{p['programs']} per wave, wave {cal.wave_ms:.4f} ms, reorder "
+                   f"{reorder_ms:.3f} ms, slowdown {cal.slowdown:.3f} (measured {raw:.3f})")
+        return cal, p, rec
+
+    def one_shape(self, kind, coll, M, N, K) -> None:
+        args, world, W, dev = self.args, self.world, self.W, self.world.device
+        _, fused_fn, ref_fn = OPS[kind]
+        name = f"{M}x{N}x{K}"
+        Kl = K // W
+        shape = {"M": M, "N": N, "K": K, "K_local": Kl}
+        gen = torch.Generator(device=dev).manual_seed(1000 * M + world.rank)
+        a = torch.randn(M, Kl, generator=gen, device=dev, dtype=torch.float32).bfloat16()
+        b = torch.randn(Kl, N, generator=gen, device=dev, dtype=torch.float32).bfloat16()
+        out = torch.empty(M // W if kind == "reduce_scatter" else M, N, device=dev,
+                          dtype=torch.bfloat16)
+        ref = ref_fn(a, b, world.group).float()
+        # the default partition first: plans, loads the kernels, checks the result, and fills
+        # the receive buffer the reorder is then timed on
+        first, first_err, why = self.measure(fused_fn, a, b, out, ref, None)
+        if first is None:
+            say(world, f"[{kind} {name}] the op fails with its default partition ({why}): "
+                       f"shape skipped")
+            return
+        try:
+            cal, p, rec = self.calibrate_shape(kind, coll, a, b, out, name)
+        except Exception as e:
+            say(world, f"[{kind} {name}] calibration failed ({type(e).__name__}: "
+                       f"{str(e)[:200]}): shape skipped")
+            torch.cuda.synchronize()
+            self.heal()
+            return
+        n_tiles, dests, tile_bytes = p["n_tiles"], p["dests"], p["tile_bytes"]
+        if world.rank == 0:
+            self.writer.write(op="wave_predictor_calibration", shape=shape, dtype="bf16",
+                              kind=kind, **rec)
+        variants = {"main": cal,
+                    "host_curve": dataclasses.replace(cal, comm_curve=coll["host"]),
+                    "no_slowdown": dataclasses.replace(cal, slowdown=1.0)}
+        plan = None
+        if world.rank == 0:  # rank 0 decides the partitions; the others take its list
+            roles: dict = {}
+            pick, _ = search(n_tiles, cal, tile_bytes, multiple_of=dests)
+            roles.setdefault(tuple(pick.sizes), []).append("search")
+            roles.setdefault(tuple(p["groups"].sizes), []).append("default")
+            for c in candidate_partitions(n_tiles, cal.tiles_per_wave, multiple_of=dests,
+                                          max_groups=args.max_groups, cap=args.max_candidates):
+                roles.setdefault(tuple(c), []).append("candidate")
+            # the pick and the default first: they are never cut by the time budget
+            plan = sorted(roles.items(), key=lambda kv: "candidate" in kv[1] and
+                          "search" not in kv[1] and "default" not in kv[1])
+        plan = world.broadcast_object(plan)
+        n_cand = sum("candidate" in r for _, r in plan)
+        say(world, f"[{kind} {name}] {len(plan)} partitions ({n_cand} candidates, cap "
+                   f"{args.max_candidates}, <= {args.max_groups} groups); search picked "
+                   f"{next(pt for pt, r in plan if 'search' in r)}")
+        rows = []
+        for i, (part, roles) in enumerate(plan):
+            pred = {v: predict_ms(part, c, tile_bytes) for v, c in variants.items()}
+            row = {"partition": part, "roles": roles, "predicted": pred, "measured_ms": None}
+            rows.append(row)
+            if roles == ["candidate"] and self.elapsed() > args.budget_s:
+                say(world, f"  {i + 1}/{len(plan)} {list(part)}: skipped (budget "
+                           f"{args.budget_s:.0f} s spent)")
+                continue
+            if tuple(p["groups"].sizes) == part:
+                r, err = first, first_err  # the default partition: measured above
+            else:
+                r, err, why = self.measure(fused_fn, a, b, out, ref, part)
+            if r is None:
+                say(world, f"  {i + 1}/{len(plan)} {list(part)} {'/'.join(roles)}: {why}")
+                row["failure"] = why
+                continue
+            row["measured_ms"] = r["median_ms"]
+            e = (pred["main"] - r["median_ms"]) / r["median_ms"]
+            say(world, f"  {i + 1}/{len(plan)} {'/'.join(roles):>16} {len(part)} groups "
+                       f"{list(part)}: measured {r['median_ms']:.3f} predicted "
+                       f"{pred['main']:.3f} ms ({e:+.1%})")
+            if world.rank == 0:
+                self.writer.write(op="wave_predictor", shape=shape, dtype="bf16", impl="fused",
+                                  graph=self.graph, **{k: round(v, 5) for k, v in r.items()},
+                                  kind=kind, partition=list(part), role=roles,
+                                  predicted_ms=round(pred["main"], 5),
+                                  predicted_variants={k: round(v, 5) for k, v in pred.items()},
+                                  rel_err=err)
+        s = summarize(rows, tuple(variants))
+        if world.rank == 0:
+            self.writer.write(op="wave_predictor_summary", shape=shape, dtype="bf16",
+                              graph=self.graph, kind=kind, max_candidates=args.max_candidates,
+                              max_groups=args.max_groups, iters=args.iters, **s)
+        self.table.append((kind, name, s))
+
+    def print_table(self) -> None:
+        if self.world.rank != 0:
+            return
+        print(f"\nwave-group predictor, {self.W} ranks, "
+              f"{'CUDA-graph replay' if self.graph else 'plain launches'}, slowest rank's "
+              f"median; err = |predicted - measured| / measured over the measured partitions; "
+              f"best/pick: best measured over the search's pick (target >= 0.97)")
+        print(f"{'kind':>14} {'M x N x K':>15} {'n':>3} {'mean':>6} {'max':>6} {'best':>7} "
+              f"{'pick':>7} {'default':>7} {'best/pick':>9}  pick partition")
+        f = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
+        for kind, name, s in self.table:
+            print(f"{kind:>14} {name:>15} {s['n_measured']:>3} {f(s['mean_err'], '6.1%')} "
+                  f"{f(s['max_err'], '6.1%')} {f(s['best_ms'], '7.3f')} "
+                  f"{f(s['pick_ms'], '7.3f')} {f(s['default_ms'], '7.3f')} "
+                  f"{f(s['best_over_pick'], '9.3f')}  {s['pick_partition']}")
+        print("mean err by calibration (main: graph-timed curve + slowdown; host_curve: "
+              "measure_comm_curve; no_slowdown: slowdown 1):")
+        for kind, name, s in self.table:
+            print(f"{kind:>14} {name:>15} " + "  ".join(
+                f"{k[9:-1]} {f(v, '.1%')}" for k, v in s.items() if k.startswith("mean_err[")))
+        print(f"total {time.perf_counter() - self.t0:.0f} s", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device-kind", default="unknown")
+    ap.add_argument("--shapes", default="", help="MxNxK,... (default 4096x8192x8192,"
+                                                 "8192x8192x8192)")
+    ap.add_argument("--ops", default="all_reduce,reduce_scatter")
+    ap.add_argument("--max-candidates", type=int, default=32,
+                    help="cap of the exhaustive set per shape (the unit of waves grows to fit)")
+    ap.add_argument("--max-groups", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=50, help="timed iterations per partition")
+    ap.add_argument("--curve-iters", type=int, default=20,
+                    help="timed iterations per message size and for the slowdown")
+    ap.add_argument("--budget-s", type=float, default=170.0,
+                    help="no further candidates after this many seconds (the search's pick and "
+                         "the default are always measured)")
+    ap.add_argument("--no-graph", action="store_true", help="time plain launches instead")
+    ap.add_argument("--no-slowdown", action="store_true",
+                    help="predict and search with slowdown 1 (still measured and recorded)")
+    args = ap.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",") if s] or SHAPES
+    run = Run(args)
+    for kind in [k for k in args.ops.split(",") if k]:
+        try:
+            coll = run.calibrate_collective(kind)
+        except Exception as e:
+            say(run.world, f"[{kind}] comm calibration failed ({type(e).__name__}: "
+                           f"{str(e)[:200]}): skipped")
+            continue
+        for M, N, K in shapes:
+            run.one_shape(kind, coll, M, N, K)
+    run.print_table()
+    run.ctx.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
