@@ -97,10 +97,11 @@ def sweep(world, shape, dname, weight, lengths, indices, splits, args, writer) -
     base = max(1, min(64, 4096 // (1 << (D - 1).bit_length())))
     found = []
     variants = [(bb, nw, 0) for bb in sorted({max(1, base // 2), base, base * 2}) for nw in (4, 8)]
-    variants += [(0, 4, cap) for cap in (132, 264, 528, 1024)]  # grid caps at the default tile
+    variants += [(0, 0, cap) for cap in (264, 396, 792)]  # grid caps at the default tile
     for bb, nw, cap in variants:
         ctx = EmbeddingAllToAll(world, [shape["rows"]] * shape["tables"], D, max(splits),
-                                block_b=bb or None, num_warps=nw, max_programs=cap or None)
+                                block_b=bb or None, num_warps=nw or None,
+                                max_programs=cap or None)
         try:
             out = torch.empty(ctx.output_shape(splits), dtype=weight.dtype,
                               device=weight.device)
@@ -116,7 +117,7 @@ def sweep(world, shape, dname, weight, lengths, indices, splits, args, writer) -
                 print(f"  block_b={bb} num_warps={nw} cap={cap} failed: {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)
         finally:
-            bb = ctx.block_b
+            bb, nw = ctx.block_b, ctx.num_warps
             ctx.close()
         found.append((t, bb, nw, programs))
         if world.rank == 0:

@@ -43,8 +43,11 @@ class CopyEngineLinks:
         self._mod = torch.get_device_module(dev)
         # the interpreter runs everything in program order: no side stream there. Lanes are
         # independent side streams: a transfer waiting for a peer on one does not hold the
-        # transfers queued on another.
-        self._lanes = [self._mod.Stream() if dev.type != "cpu" else None for _ in range(lanes)]
+        # transfers queued on another. High priority: their flag kernels are one program each and
+        # gate whole transfers, so they should take the next free SM slot ahead of the GEMM's
+        # next tiles rather than after them.
+        self._lanes = [self._mod.Stream(priority=-1) if dev.type != "cpu" else None
+                       for _ in range(lanes)]
         self.side = self._lanes[0]
         self._launch = {}
         one = dict(num_warps=1, num_stages=1)

@@ -49,10 +49,13 @@ TRANSPORTS = ("stores", "shmem")
 POOLINGS = ("sum", "mean")
 
 
-#: bags per tile measured best on 2x H200 (sm_90) (benchmarks/bench_embedding_alltoall.py --sweep, fp32,
-#: graph replay, 4 warps): D=64 128 bags 0.729 ms vs 64 bags 0.876 ms at (65536, 16, 64, 20);
-#: D=128 32 bags (1.155 ms, the rule below); D=256 16 bags within 6% of the best
-TUNED_BLOCK_B = {("sm_90", 64): 128}
+#: (bags per tile, warps) measured best on 2x H200 (sm_90) (benchmarks/bench_embedding_alltoall.py
+#: --sweep, fp32, graph replay; benchmarks/results/logs): D=64 128 bags / 4 warps 0.729 ms vs 64 / 4
+#: 0.876 ms at (65536, 16, 64, 20); D=128 16 / 8 1.019 ms vs 32 / 4 1.110 ms at
+#: (16384, 32, 128, 32) (session 3, table-major slices: the gather is latency-bound and register
+#: use caps 32 / 4 at 3 resident programs per SM, 16 / 8 reaches 4 × 8 warps); D=256 8 / 8
+#: 0.402 ms vs 16 / 4 0.425 ms at (4096, 64, 256, 8)
+TUNED_TILE = {("sm_90", 64): (128, 4), ("sm_90", 128): (16, 8), ("sm_90", 256): (8, 8)}
 
 
 def default_block_b(dim: int, arch: str) -> int:
@@ -61,7 +64,14 @@ def default_block_b(dim: int, arch: str) -> int:
     independent row loads in flight. The interpreter runs a tile as numpy arrays, where larger
     tiles only cost memory: same rule."""
     block_d = triton_next_pow2(dim)
-    return TUNED_BLOCK_B.get((arch, block_d), max(1, min(64, 4096 // block_d)))
+    tuned = TUNED_TILE.get((arch, block_d))
+    return tuned[0] if tuned else max(1, min(64, 4096 // block_d))
+
+
+def default_num_warps(dim: int, arch: str) -> int:
+    """Warps per program: the measured value where there is one, else 4."""
+    tuned = TUNED_TILE.get((arch, triton_next_pow2(dim)))
+    return tuned[1] if tuned else 4
 
 
 def triton_next_pow2(n: int) -> int:
@@ -83,9 +93,8 @@ class EmbeddingAllToAll(OverlapContext):
         table_ranks: the rank holding each global table (default: ``ShardingPlan.make``).
         timeout_s: how long a kernel waits for a peer before it reports and gives up.
         block_b: bags per tile, a power of two (default ``default_block_b``).
-        num_warps: warps per program (4; tuning sweeps try others).
-        max_programs: cap on the persistent grid (default: one table's slices for one
-            destination, at least one program per SM; see ``_plan``).
+        num_warps: warps per program (default ``default_num_warps``).
+        max_programs: cap on the persistent grid (default: the programs resident at once).
     """
 
     OP = OP
@@ -93,7 +102,8 @@ class EmbeddingAllToAll(OverlapContext):
 
     def __init__(self, world, table_rows: Sequence[int], dim: int, max_local_batch: int, *,
                  table_ranks: Optional[Sequence[int]] = None, timeout_s: float = 10.0,
-                 block_b: Optional[int] = None, num_warps: int = 4, transport: str = "stores",
+                 block_b: Optional[int] = None, num_warps: Optional[int] = None,
+                 transport: str = "stores",
                  max_programs: Optional[int] = None):
         W = world.world_size
         if transport not in TRANSPORTS:
@@ -103,7 +113,7 @@ class EmbeddingAllToAll(OverlapContext):
             raise ValueError(f"{OP}: max_local_batch must be >= 1, got {max_local_batch}")
         if block_b is not None and (block_b < 1 or block_b & (block_b - 1)):
             raise ValueError(f"{OP}: block_b must be a power of two, got {block_b}")
-        if num_warps not in (1, 2, 4, 8, 16):
+        if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{OP}: num_warps must be a power of two <= 16, got {num_warps}")
         if max_programs is not None and not 1 <= max_programs <= G_MAX:
             raise ValueError(f"{OP}: max_programs must be in [1, {G_MAX}], got {max_programs}")
@@ -121,7 +131,7 @@ class EmbeddingAllToAll(OverlapContext):
         self.plan = plan
         self.max_local_batch = max_local_batch
         self.block_b = block_b or default_block_b(D, world.facts.arch)
-        self.num_warps = num_warps
+        self.num_warps = num_warps or default_num_warps(D, world.facts.arch)
         self.max_programs = max_programs
         self.local_tables = plan.tables_of(self.rank)
         self.n_loc = len(self.local_tables)
@@ -291,15 +301,11 @@ class EmbeddingAllToAll(OverlapContext):
         # after another, each paying for its flag waits: one per emulated SM there.
         sms = self.world.facts.sm_count
         per_sm = 1 if self.world.facts.vendor == "cpu" or self._provider is not None else 64
-        # Slices are table-major, so the G programs running together cover G slices: cap G at
-        # one table's slices for one destination (most_blocks), so that the rows being gathered
-        # at any time come from about one table. Uniform indices then hit L2 on a table's
-        # repeated rows (a 100 MB table against a 50 MB L2: ~20% of the reads), where a full
-        # grid of 1024 programs spreads over 4 tables and finds almost nothing there. One
-        # table's worth (256 programs at the benchmark shapes) still keeps ~8 MB of row loads in
-        # flight, more than HBM's bandwidth-latency product.
-        cap = self.max_programs or max(sms, most_blocks)
-        programs = min(max_tasks, G_MAX, sms * per_sm, cap)
+        # As many programs as are resident: the gather is latency-bound. (Capping the grid at
+        # one table's slices, so that the rows in flight come from one table and meet in L2,
+        # was measured: the lookup did not get faster, 0.970 vs 0.975 ms, and the fused op got
+        # slower with fewer programs, 1.18 vs 1.11 ms, at (16384, 32, 128, 32) fp32 uniform.)
+        programs = min(max_tasks, G_MAX, sms * per_sm, self.max_programs or G_MAX)
 
         class _Info:  # what _args needs before the launch is compiled
             pass
