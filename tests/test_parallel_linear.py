@@ -31,7 +31,10 @@ def _prefill(world, reduce, rows_list, dtype):
     W, r = world.world_size, world.rank
     (fused, ref), full_w, bias = _pair(world, reduce, dtype, max(rows_list))
     k = K // W
-    out = []
+    out, calls = [], []
+    ctx = fused.reduce_ctx  # count the fused calls: the routing is what is under test here
+    orig = getattr(ctx, reduce)
+    setattr(ctx, reduce, lambda *a, **kw: (calls.append(a[0].shape[0]), orig(*a, **kw))[1])
     try:
         for rows in rows_list:  # one context, row counts changing between calls
             x_full = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
@@ -45,7 +48,7 @@ def _prefill(world, reduce, rows_list, dtype):
                         _rel(y_ref, exact)))
     finally:
         fused.close()
-    return out
+    return out, calls
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -57,7 +60,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
     ("reduce_scatter", [6, 70, 2, 98]),   # S must divide by W=2; one row per rank at S=2
 ], ids=["all_reduce", "reduce_scatter"])
 def test_row_parallel_prefill_matches_reference(world2, reduce, rows_list, dtype):
-    for res in world2.run(_prefill, reduce, rows_list, dtype):
+    for res, calls in world2.run(_prefill, reduce, rows_list, dtype):
+        # every row count on the GEMM op, except a decode step's (<= 64 rows) with all_reduce
+        assert calls == [m for m in rows_list if reduce == "reduce_scatter" or m > 64], calls
         for rows, shape, same_dtype, err, err_ref in res:
             want = (rows // 2 if reduce == "reduce_scatter" else rows, N)
             assert shape == want and same_dtype, (rows, shape)
