@@ -163,7 +163,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear(reduce='reduce_scatter'): x must be [S, "
                              f"{self.weight.shape[1]}] with S a multiple of the world size {W} "
                              f"(rank r keeps rows [r*S/W, (r+1)*S/W)), got {tuple(x.shape)}")
-        if self.fused and _fused_ok(self, x):
+        if _fused_ok(self, x):
             from ..ops.matmul_reduce import matmul_reduce_scatter
 
             self._check_rows(x.shape[0])
