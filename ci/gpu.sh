@@ -8,7 +8,9 @@
 #      (AllGather + GEMM benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
 #      (MoE combine benchmark), PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
 #      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
-#      (embedding + All-to-All: checks, benchmark, DLRM example), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
+#      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, PO_EMB_SWEEP=0), PO_SKIP_MR=1 /
+#      PO_MR_ARGS (GEMM + ReduceScatter / AllReduce benchmark), PO_CHECKS=name,... (only those
+#      checks of gpu_checks.py), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
 #      PO_COMMIT (recorded with every result).
 set -uo pipefail
 out=${1:-${OUT:-out}}
@@ -47,6 +49,11 @@ if [ "${PO_SKIP_AG:-0}" != 1 ]; then
       ${PO_AG_ARGS:-} 2>&1 | tee "$out/bench_ag.log" | grep -vE "^\[|Warning|warn" | tail -10
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+if [ "${PO_SKIP_MR:-0}" != 1 ]; then  # GEMM + ReduceScatter / AllReduce over copy engines
+  run 420 benchmarks/bench_matmul_reduce.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      ${PO_MR_ARGS:-} 2>&1 | tee "$out/bench_mr.log" | grep -vE "^\[|Warning|warn" | tail -16
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 if [ "${PO_SKIP_MOE:-0}" != 1 ]; then
   run 480 benchmarks/bench_moe_combine.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       ${PO_MOE_ARGS:-} 2>&1 | tee "$out/bench_moe.log" | grep -vE "^\[|Warning|warn" | tail -16
@@ -75,12 +82,15 @@ if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
   fi
 fi
 if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: checks, benchmark
-  run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" --sweep \
+  if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
+    run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
+  sweep=(); [ "${PO_EMB_SWEEP:-1}" = 1 ] && sweep=(--sweep)
+  run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" "${sweep[@]}" \
       ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  run 240 examples/dlrm/train.py --steps 20 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
+  run 300 examples/dlrm/train.py --steps ${PO_DLRM_STEPS:-300} 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then

@@ -12,6 +12,7 @@ from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_
                                      embedding_all_to_all_reference)
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
 from .ops.allgather_gemm import AllGatherMatmul, all_gather_matmul
+from .ops.matmul_reduce import MatmulReduce, matmul_all_reduce, matmul_reduce_scatter
 from .ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all
 from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from .ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce,
@@ -30,4 +31,5 @@ __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_redu
            "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference",
            "EmbeddingAllToAll", "ShardingPlan", "embedding_all_to_all",
            "embedding_all_to_all_reference", "ShardedEmbeddingBagCollection",
-           "AllGatherMatmul", "all_gather_matmul", "ColumnParallelLinear"]
+           "AllGatherMatmul", "all_gather_matmul", "ColumnParallelLinear", "MatmulReduce",
+           "matmul_reduce_scatter", "matmul_all_reduce"]

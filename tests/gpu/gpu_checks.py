@@ -298,6 +298,50 @@ def check_allgather_gemm(world: World, gen) -> None:
         ctx.close()
 
 
+def check_matmul_reduce(world: World, gen) -> None:
+    """GEMM + ReduceScatter / AllReduce over copy engines: both modes, odd shapes, uneven K
+    shards, back-to-back calls, graph replay."""
+    from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce_reference,
+                                                    matmul_reduce_scatter_reference)
+
+    dev, W = world.device, world.world_size
+    refs = {"reduce_scatter": matmul_reduce_scatter_reference,
+            "all_reduce": matmul_all_reduce_reference}
+    ctx = MatmulReduce(world, max_elems=8192 * 8192)
+    try:
+        for M, N, K in ((8192, 8192, 4096), (1000, 777, 333), (6, 5, 7 + world.rank)):
+            for dt in (torch.bfloat16, torch.float32):
+                a, b = rand((M, K), dt, dev, gen), rand((N, K), dt, dev, gen).t()
+                for mode, ref_fn in refs.items():
+                    ref = ref_fn(a, b, world.group)
+                    out = torch.full(ref.shape, float("nan"), dtype=dt, device=dev)
+                    for _ in range(3):
+                        getattr(ctx, mode)(a, b, out)
+                    ctx.synchronize()
+                    err = rel_err(out, ref)
+                    record(f"matmul+{mode} {M}x{N}x{K} {str(dt)[6:]}", err < TOL[dt] * 2,
+                           f"rel_err={err:.2e}")
+        a = rand((4096, 1024), torch.bfloat16, dev, gen)
+        b = rand((1024, 2048), torch.bfloat16, dev, gen)
+        for mode, ref_fn in refs.items():
+            out = getattr(ctx, mode)(a, b)
+            ctx.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                getattr(ctx, mode)(a, b, out)
+            worst = 0.0
+            for _ in range(10):
+                a.copy_(rand((4096, 1024), torch.bfloat16, dev, gen))
+                out.fill_(float("nan"))
+                graph.replay()
+                ctx.synchronize()
+                worst = max(worst, rel_err(out, ref_fn(a, b, world.group)))
+            record(f"matmul+{mode} 10 graph replays", worst < TOL[torch.bfloat16] * 2,
+                   f"worst rel_err={worst:.2e}")
+    finally:
+        ctx.close()
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -377,14 +421,19 @@ def main() -> int:
     if os.environ.get("PO_ONLY_BACKEND") == "1":
         dist.destroy_process_group()
         return 0 if all(ok for _, ok, _ in results) else 1
-    ctx = GemvAllReduce(world, max_n=8192)
-    for check in (check_shapes, check_back_to_back, check_graph, check_compile):
-        _guarded(check, world, ctx, gen)
-    check_bad_input(world, ctx)
-    ctx.close()
-    for check in (check_gemm_alltoall, check_allgather_gemm, check_moe_combine,
-                  check_peer_failures):
-        _guarded(check, world, gen)
+    # PO_CHECKS=name,name runs only those checks (names without "check_"), to spend the
+    # device time on what changed
+    only = {n for n in os.environ.get("PO_CHECKS", "").split(",") if n}
+    if not only or "gemv" in only:
+        ctx = GemvAllReduce(world, max_n=8192)
+        for check in (check_shapes, check_back_to_back, check_graph, check_compile):
+            _guarded(check, world, ctx, gen)
+        check_bad_input(world, ctx)
+        ctx.close()
+    for check in (check_gemm_alltoall, check_allgather_gemm, check_matmul_reduce,
+                  check_moe_combine, check_peer_failures):
+        if not only or check.__name__[len("check_"):] in only:
+            _guarded(check, world, gen)
     failed = sum(not ok for _, ok, _ in results)
     all_failed = world.all_gather_object(failed)
     if world.rank == 0:

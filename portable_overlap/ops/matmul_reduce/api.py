@@ -1,0 +1,205 @@
+"""GEMM + ReduceScatter and GEMM + AllReduce with the reduction's traffic on copy engines.
+
+What they compute, with ``a_q`` [M, K_q] and ``b_q`` [K_q, N] the tensors rank q passes (the K
+dimension split over the ranks: a row-parallel linear layer, each rank holding a K shard)::
+
+    c = sum_q a_q @ b_q                                  # [M, N], never formed on one rank
+    reduce_scatter:  out_r = c[M*r//W : M*(r+1)//W]      # rank r's row block (M % W == 0)
+    all_reduce:      out_r = c                           # on every rank
+
+Schedule on rank r (``pieces`` = P row blocks per rank's block; the vendor BLAS computes, DMA
+moves, no SM is spent on communication):
+
+1. *partials for the peers first* (communication-aware order): for d = r+1, r+2, ..., each of
+   rank d's P pieces is computed (``a_r[rows] @ b_r``) and sent by DMA into d's heap while the
+   next piece is computed;
+2. *own rows*: piece k of rank r's block waits (bounded, on the device) for piece k from every
+   peer, then one ``addmm`` adds the peers' partial to this rank's own product (W = 2; with more
+   ranks the own product goes beside the peers' and one sum reduces them). By then the peers'
+   piece k has long landed: they sent it during their step 1;
+3. *all_reduce only*: each reduced piece goes by DMA to every peer as soon as it is done, and the
+   peers' reduced pieces are copied into ``out`` as they land, one piece behind, so only the last
+   piece's transfer is not hidden.
+
+Reductions are done in float32 inside the BLAS epilogue (or torch.sum) and rounded once, so with
+two ranks the result is closer to the float32 sum than NCCL's reduction of two rounded partials.
+Every wait is a bounded one-program kernel (transports/copy_engine.py): a rank that never calls
+makes the others raise ``PeerTimeoutError`` at their next check instead of hanging; a rank called
+with another M, N, dtype or piece count is caught by the tag its pieces carry.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
+from ..context import OverlapContext, get_context, shape_tag
+from ..matmul.api import DTYPES, check_operands
+
+OP = "matmul_reduce"
+MODES = ("reduce_scatter", "all_reduce")
+
+
+class MatmulReduce(OverlapContext):
+    """Workspace of GEMM + ReduceScatter / AllReduce on one rank: a receive buffer for the peers'
+    partials and one for their reduced rows, ``max_elems`` elements each (M × N of the largest
+    call, any dtype of ``DTYPES``), in the symmetric heap; piece flags. Collective to create and
+    close; the same calls in the same order on every rank, on one stream."""
+
+    OP = OP
+    FLAG_NAMES = CE_FLAG_NAMES
+
+    def __init__(self, world, max_elems: int, *, pieces: int = 4, timeout_s: float = 10.0):
+        W = world.world_size
+        if max_elems < 1:
+            raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
+        if not 1 <= pieces <= 128:
+            raise ValueError(f"{OP}: pieces must be in [1, 128], got {pieces}")
+        world.check_same(f"{OP} context arguments (max_elems, pieces)", (max_elems, pieces))
+        super().__init__(world, [
+            ("_partials_raw", (max_elems,), torch.float32),  # peers' partials of my rows
+            ("_reduced_raw", (max_elems,), torch.float32),  # peers' reduced rows (all_reduce)
+            # slots 0..P-1: partial pieces, P..2P-1: reduced pieces
+            ("ce_ready", (W, 2 * pieces), torch.int64), ("ce_consumed", (W,), torch.int64),
+            ("ce_ctl", (1,), torch.int64),
+        ], timeout_s)
+        self.max_elems, self.pieces = max_elems, pieces
+        self._partials = {dt: self._partials_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        self._reduced = {dt: self._reduced_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
+
+    def reduce_scatter(self, a: torch.Tensor, b: torch.Tensor,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rank r's row block ``[M*r/W, M*(r+1)/W)`` of ``sum_q a_q @ b_q`` (module docstring)."""
+        return self._call("reduce_scatter", a, b, out)
+
+    def all_reduce(self, a: torch.Tensor, b: torch.Tensor,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sum_q a_q @ b_q`` on every rank (module docstring)."""
+        return self._call("all_reduce", a, b, out)
+
+    def _call(self, mode, a, b, out):
+        self._before_call()
+        check_operands(f"{OP}.{mode}", a, b, self.world.device)
+        W, r, P = self.world.world_size, self.rank, self.pieces
+        M, N = a.shape[0], b.shape[1]
+        if mode == "reduce_scatter" and M % W:
+            raise ValueError(f"{OP}.reduce_scatter: M={M} rows must split evenly over {W} ranks")
+        if M * N > self.max_elems:
+            raise ValueError(f"{OP}: M*N={M * N} exceeds this context's max_elems="
+                             f"{self.max_elems}")
+        block = [M * q // W for q in range(W + 1)]  # rank q's rows: [block[q], block[q+1])
+        rows_out = block[r + 1] - block[r] if mode == "reduce_scatter" else M
+        if out is None:
+            out = torch.empty((rows_out, N), dtype=a.dtype, device=a.device)
+        elif out.shape != (rows_out, N) or out.dtype != a.dtype or out.device != a.device \
+                or not out.is_contiguous():
+            raise ValueError(f"{OP}.{mode}: out must be a contiguous {a.dtype} [{rows_out}, {N}] "
+                             f"tensor on {a.device}")
+        links = self._links
+        partials = self._partials[a.dtype]
+        reduced = self._reduced[a.dtype][: M * N].view(M, N)
+        tag = shape_tag(OP, mode, M, N, str(a.dtype), P)
+
+        def piece(q, k):  # rows of piece k of rank q's block
+            n = block[q + 1] - block[q]
+            return block[q] + n * k // P, block[q] + n * (k + 1) // P
+
+        def partial_slot(q, k, src):  # in rank q's heap: piece k of its block, from rank src
+            lo, hi = piece(q, k)
+            start = W * (lo - block[q]) * N + src * (hi - lo) * N
+            return partials[start:start + (hi - lo) * N].view(hi - lo, N)
+
+        links.begin()
+        # 1. the peers' rows, peer r+1 first; a piece leaves while the next one is computed.
+        #    Staging: all_reduce's own out rows (they are overwritten later, on the same side
+        #    stream, after the copy read them); reduce_scatter's unused reduced buffer.
+        for i in range(1, W):
+            d = (r + i) % W
+            for k in range(P):
+                lo, hi = piece(d, k)
+                stage = out[lo:hi] if mode == "all_reduce" else reduced[lo:hi]
+                if hi > lo:
+                    torch.matmul(a[lo:hi], b, out=stage)
+                links.follow()
+                with links.on_side():
+                    if k == 0:
+                        links.wait_consumed(d)
+                    links.put(d, partial_slot(d, k, r), stage, k, tag)
+        # 2. this rank's rows: own product plus what the peers sent (bounded waits on this stream)
+        peers = [(r - i) % W for i in range(1, W)]
+        for k in range(P):
+            lo, hi = piece(r, k)
+            for q in peers:
+                links.wait_ready(q, k, tag)
+            if hi > lo:
+                o = out[lo - block[r]:hi - block[r]] if mode == "reduce_scatter" else out[lo:hi]
+                if W == 2:  # one BLAS call: its epilogue adds the peer's partial in fp32
+                    torch.addmm(partial_slot(r, k, peers[0]), a[lo:hi], b, out=o)
+                else:
+                    torch.matmul(a[lo:hi], b, out=partial_slot(r, k, r))
+                    torch.sum(partials[W * (lo - block[r]) * N:W * (hi - block[r]) * N]
+                              .view(W, hi - lo, N), 0, out=o)
+            if mode == "all_reduce":  # 3. the reduced piece to every peer; theirs into out
+                links.follow()
+                with links.on_side():
+                    for i in range(1, W):
+                        links.put((r + i) % W, reduced[lo:hi], out[lo:hi], P + k, tag)
+                    if k:  # one piece behind: the peers finished it about when this one did
+                        self._receive_reduced(peers, k - 1, piece, out, reduced, tag)
+        links.follow()  # the side stream's release must follow every read of the buffers
+        with links.on_side():
+            if mode == "all_reduce":
+                self._receive_reduced(peers, P - 1, piece, out, reduced, tag)
+            for q in peers:
+                links.release(q)
+        links.rejoin()
+        self._after_call()
+        return out
+
+    def _receive_reduced(self, peers, k, piece, out, reduced, tag) -> None:
+        for q in peers:
+            lo, hi = piece(q, k)
+            self._links.wait_ready(q, self.pieces + k, tag)
+            self._links.copy_local(out[lo:hi], reduced[lo:hi])
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, ctx: MatmulReduce,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rank r's row block of ``sum_q a_q @ b_q`` (see the module docstring); under
+    ``torch.compile`` one opaque op."""
+    if out is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.matmul_reduce_scatter(a, b, ctx.handle)
+    return ctx.reduce_scatter(a, b, out)
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, ctx: MatmulReduce,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum_q a_q @ b_q`` on every rank (see the module docstring); under ``torch.compile`` one
+    opaque op."""
+    if out is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.matmul_all_reduce(a, b, ctx.handle)
+    return ctx.all_reduce(a, b, out)
+
+
+@torch.library.custom_op("portable_overlap::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
+    return get_context(handle).reduce_scatter(a, b)
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(a, b, handle):
+    W, r = get_context(handle).world.world_size, get_context(handle).rank
+    M = a.shape[0]
+    return a.new_empty((M * (r + 1) // W - M * r // W, b.shape[1]))
+
+
+@torch.library.custom_op("portable_overlap::matmul_all_reduce", mutates_args=())
+def _matmul_all_reduce_op(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
+    return get_context(handle).all_reduce(a, b)
+
+
+@_matmul_all_reduce_op.register_fake
+def _(a, b, handle):
+    return a.new_empty((a.shape[0], b.shape[1]))

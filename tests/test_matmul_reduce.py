@@ -1,0 +1,133 @@
+"""GEMM + ReduceScatter / AllReduce over copy engines on CPU-emulated ranks, against matmul +
+reduce_scatter_tensor / all_reduce."""
+import pytest
+import torch
+
+from portable_overlap import PeerTimeoutError
+from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce,
+                                                matmul_all_reduce_reference,
+                                                matmul_reduce_scatter,
+                                                matmul_reduce_scatter_reference)
+
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+REF = {"reduce_scatter": matmul_reduce_scatter_reference,
+       "all_reduce": matmul_all_reduce_reference}
+
+
+def _cases(world, dtype, shapes, pieces):
+    """Both modes on every shape, on one context (shapes change between calls); each rank's K
+    shard has its own width (a_q @ b_q need only agree on M and N)."""
+    W = world.world_size
+    ctx = MatmulReduce(world, max_elems=max(M * N for M, N, _ in shapes), pieces=pieces)
+    errs = []
+    try:
+        for i, (M, N, K) in enumerate(shapes):
+            k_r = K + world.rank  # uneven K shards
+            g = torch.Generator().manual_seed(100 * i + world.rank)
+            a = torch.randn(M, k_r, generator=g).to(dtype)
+            b = torch.randn(N, k_r, generator=g).to(dtype).t()  # a transposed weight view
+            for mode, ref_fn in REF.items():
+                if mode == "reduce_scatter" and M % W:
+                    continue
+                ref = ref_fn(a, b, world.group)
+                out = torch.full(ref.shape, float("nan"), dtype=dtype)
+                getattr(ctx, mode)(a, b, out)
+                ctx.synchronize()
+                assert not torch.isnan(out).any(), (mode, M, N, K)
+                errs.append((mode, (M, N, K), ((out.double() - ref.double()).norm()
+                                               / ref.double().norm()).item()))
+    finally:
+        ctx.close()
+    return errs
+
+
+# row blocks that do not split into the pieces (empty pieces), odd M (all_reduce only), odd N, K
+SHAPES = [(8, 7, 3), (12, 16, 5), (5, 9, 4), (4, 1, 17), (24, 3, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_both_modes_match_the_collectives(world, dtype):
+    for errs in world.run(_cases, dtype, SHAPES, 3):
+        assert len(errs) >= 2 * len(SHAPES) - 2, errs
+        bad = [e for e in errs if not e[2] < TOL[dtype]]
+        assert not bad, bad
+
+
+def test_one_and_many_pieces(world2):
+    for pieces in (1, 5):
+        for errs in world2.run(_cases, torch.float32, SHAPES[:2], pieces):
+            assert all(e[2] < 1e-5 for e in errs), (pieces, errs)
+
+
+def _functions_and_bad(world):
+    W = world.world_size
+    ctx = MatmulReduce(world, max_elems=64)
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    errs = [((matmul_reduce_scatter(a, b, ctx) - matmul_reduce_scatter_reference(a, b,
+             world.group)).norm()).item(),
+            ((matmul_all_reduce(a, b, ctx) - matmul_all_reduce_reference(a, b,
+             world.group)).norm()).item()]
+    msgs = []
+    for mode, args in (("all_reduce", (torch.randn(13, 6), b)),  # more than max_elems
+                       ("all_reduce", (a, torch.randn(7, 5))),  # K mismatch
+                       ("all_reduce", (a, b.double())),
+                       ("reduce_scatter", (torch.randn(2 * W + 1, 6), b)),  # M % W
+                       ("all_reduce", (a, b, torch.empty(5, 4))),  # bad out shape
+                       ("reduce_scatter", (a, b, torch.empty(5, 4 // W).t()))):
+        try:
+            getattr(ctx, mode)(*args)
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    for kw in ({"pieces": 0}, {"pieces": 129}):
+        try:
+            MatmulReduce(world, 64, **kw)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    ctx.close()
+    return errs, msgs
+
+
+def test_functions_and_bad_input(world2):
+    for errs, msgs in world2.run(_functions_and_bad):
+        assert max(errs) < 1e-4, errs
+        assert all(m and m.startswith("matmul_reduce") for m in msgs), msgs
+
+
+def _skip(world):
+    ctx = MatmulReduce(world, max_elems=64, timeout_s=1.0)
+    r = "ok"
+    if world.rank == 0:
+        try:
+            ctx.reduce_scatter(torch.randn(4, 8), torch.randn(8, 5))
+            ctx.synchronize()
+            r = "no error"
+        except PeerTimeoutError as e:
+            r = str(e)
+    ctx.close()
+    return r
+
+
+def test_a_rank_that_skips_a_call_is_named(world2):
+    msg = world2.run(_skip, timeout=120)[0]
+    assert "rank 1" in msg and "piece-ready" in msg, msg
+
+
+def _mismatch(world):
+    ctx = MatmulReduce(world, max_elems=64, timeout_s=2.0)
+    M = 4 if world.rank == 0 else 6  # the ranks disagree on M
+    try:
+        ctx.all_reduce(torch.randn(M, 3), torch.randn(3, 5))
+        ctx.synchronize()
+        r = "no error"
+    except Exception as e:
+        r = f"{type(e).__name__}: {e}"
+    ctx.close()
+    return r
+
+
+def test_ranks_called_with_other_shapes_raise(world2):
+    for msg in world2.run(_mismatch, timeout=120):
+        assert "Error" in msg and "no error" not in msg, msg
