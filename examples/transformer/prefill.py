@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portable_overlap import AllGatherMatmul, ColumnParallelLinear, RowParallelLinear
-from portable_overlap.ops.matmul_reduce import MatmulReduce
+from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduce,
+                              RowParallelLinear)
 from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce
 from ..ops.gemv_allreduce.api import MAX_M
+from ..ops.matmul_reduce import MatmulReduce, matmul_all_reduce, matmul_reduce_scatter
 
 REDUCES = ("all_reduce", "reduce_scatter")
 
@@ -125,8 +126,6 @@ class RowParallelLinear(nn.Module):
             self._owned.append(self.ctx)
         self.reduce_ctx = reduce_ctx
         if reduce_ctx is None and fused and max_rows is not None:
-            from ..ops.matmul_reduce import MatmulReduce
-
             self.reduce_ctx = MatmulReduce(world, max_elems=max_rows * out_features)
             self._owned.append(self.reduce_ctx)
         with torch.no_grad():
@@ -145,8 +144,6 @@ class RowParallelLinear(nn.Module):
         if self.fused and rows <= MAX_M:
             y = gemv_all_reduce(x2.contiguous(), self.weight, self.ctx)
         elif self.reduce_ctx is not None and _fused_ok(self, x):
-            from ..ops.matmul_reduce import matmul_all_reduce
-
             self._check_rows(rows)
             y = matmul_all_reduce(x2.contiguous(), self.weight.T, self.reduce_ctx)
         else:
@@ -164,8 +161,6 @@ class RowParallelLinear(nn.Module):
                              f"{self.weight.shape[1]}] with S a multiple of the world size {W} "
                              f"(rank r keeps rows [r*S/W, (r+1)*S/W)), got {tuple(x.shape)}")
         if _fused_ok(self, x):
-            from ..ops.matmul_reduce import matmul_reduce_scatter
-
             self._check_rows(x.shape[0])
             y = matmul_reduce_scatter(x.contiguous(), self.weight.T, self.reduce_ctx)
         else:
