@@ -64,6 +64,8 @@ fi
 if [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then
   run 240 examples/moe/moe_layer.py 2>&1 | tee "$out/example_moe.log" | grep -vE "^\[|Warning|warn" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  run 300 examples/transformer/prefill.py 2>&1 | tee "$out/example_prefill.log" | grep -vE "^\[|Warning|warn" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 # GEMM with tile-group signals (host-collective transport): checks, then its benchmark with the
 # wave-group partition and SM-reserve sweeps at 8192^3. PO_SKIP_SIG=1 skips both;

@@ -42,3 +42,10 @@ def test_dlrm_example():
     out = _run([os.path.join("examples", "dlrm", "train.py"), "--small", "--steps", "4"])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "paths agree" in out.stdout and "samples/s" in out.stdout
+
+
+def test_transformer_prefill_example():
+    out = _run([os.path.join("examples", "transformer", "prefill.py"), "--layers", "1",
+                "--seq", "8"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "outputs agree" in out.stdout and "max abs diff" in out.stdout

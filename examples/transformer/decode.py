@@ -13,7 +13,6 @@ Prints per-token latency for both paths and checks that they agree.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -22,10 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portable_overlap import RowParallelLinear, World
-
-LLAMA3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336)
-TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128)
+from portable_overlap import RowParallelLinear
+from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
 
 
 class Block(nn.Module):
@@ -120,7 +117,8 @@ def run(world, args):
     return dims, err, rows
 
 
-def report(world_size, args, dims, err, rows, device):
+def report(world_size, args, result, device):
+    dims, err, rows = result
     print(f"Llama-style decode, {args.layers} layers, hidden {dims['hidden']}, "
           f"intermediate {dims['inter']}, batch {args.batch}, KV window {args.cache}, "
           f"{world_size} ranks on {device}")
@@ -136,10 +134,6 @@ def report(world_size, args, dims, err, rows, device):
     return 0 if ok else 1
 
 
-def _emulated(world, args):
-    return run(world, args)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -148,20 +142,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=50)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     args = ap.parse_args()
-    if "RANK" in os.environ:  # torchrun
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        world = World.from_env()
-        dims, err, rows = run(world, args)
-        code = report(world.world_size, args, dims, err, rows, world.device.type) \
-            if world.rank == 0 else 0
-        torch.distributed.destroy_process_group()
-        return code
-    from portable_overlap.testing import EmulatedWorld
-
-    args.layers, args.cache = min(args.layers, 2), min(args.cache, 16)
-    with EmulatedWorld(2) as ew:
-        dims, err, rows = ew.run(_emulated, args, timeout=900)[0]
-    return report(2, args, dims, err, rows, "cpu")
+    if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
+        args.layers, args.cache = min(args.layers, 2), min(args.cache, 16)
+    return launch(run, report, args)
 
 
 if __name__ == "__main__":
