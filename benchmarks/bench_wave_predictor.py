@@ -4,8 +4,8 @@ search's pick against a bounded exhaustive search (issue 4, item 4: mean error <
 
     torchrun --nproc-per-node 2 benchmarks/bench_wave_predictor.py --out results.jsonl \
         --device-kind nvidia-h200-x2 [--shapes 4096x8192x8192,...] [--max-candidates 32] \
-        [--max-groups 4] [--iters 50] [--ops all_reduce,reduce_scatter] [--budget-s 170] \
-        [--no-slowdown] [--no-graph]
+        [--max-groups 4] [--iters 50] [--ops all_reduce,reduce_scatter] [--budget-s 120] \
+        [--no-slowdown] [--no-comm-terms] [--no-graph]
 
 Shapes are (M, N, K) with K split over the ranks, as in bench_gemm_signal (each rank holds
 a [M, K/W], b [K/W, N]); GEMM + AllReduce and GEMM + ReduceScatter of bf16.
@@ -14,26 +14,40 @@ Calibration (``schedule.predict.Calibration``), never fitted to the op's own tim
 - per (collective, dtype): the collective's time against message size, 1 MiB .. 256 MiB, twice:
   CUDA-graph replay timed by events (``comm_curve``, what the prediction uses: the op's
   collectives are captured too) and ``schedule.measure_comm_curve`` (host-timed plain launches,
-  reported as a variant); the GEMM slowdown while a collective runs beside it (the signal GEMM
-  launched first, then a collective lasting about as long on another stream, against the GEMM
-  alone; plain launches), measured at the first shape;
-- per shape: the signal GEMM alone (``GemmSignal.phases``, graph replay): ``tiles_per_wave`` is
-  its grid, ``wave_ms = gemm_ms * tiles_per_wave / n_tiles``; the reorder alone (``reorder_ms``).
+  reported as a variant); ``group_overhead_ms``: ``GROUP_RUN`` collectives of one size back to
+  back in one CUDA graph, each behind a stream wait and write as in the op, against one of them
+  alone the same way (``(t_k - k * t_1) / (k - 1)``), averaged over ``GROUP_BYTES``, not below
+  minus the curve's smallest time;
+- per (collective, dtype), at the first shape: the signal GEMM (``GemmSignal.phases``) and a
+  collective lasting about as long launched together (the GEMM first, the collective on another
+  stream, plain launches), each also alone: ``slowdown`` = the GEMM's time beside the collective
+  over its time alone, ``comm_slowdown`` = ``schedule.predict.invert_comm_slowdown`` of the
+  GEMM's time, the collective's time alone and its end beside the GEMM (from their common
+  start);
+- per shape: the signal GEMM alone (graph replay): ``tiles_per_wave`` is its grid,
+  ``wave_ms = gemm_ms * tiles_per_wave / n_tiles``; the reorder alone (``reorder_ms``).
 
 Partitions per shape: ``schedule.candidate_partitions`` (every composition into at most
 ``--max-groups`` groups of whole units of k waves, the smallest k giving at most
 ``--max-candidates``), the search's pick (``schedule.search`` with its defaults) and the op's
 default partition. With the defaults on an H200 (a 116-program GEMM: 16 of 132 SMs reserved)
 that is 15 candidates at 4096x8192x8192 (units of 2 waves) and 26 at 8192x8192x8192 (3 waves)
-per collective, about 90 measured partitions in all. Rank 0 decides the list and broadcasts it. Each is checked against the
-reference, then timed (graph replay, median of ``--iters``, slowest rank); a failing partition is
-recorded and skipped. The pick and the default are measured first, then the candidates until
-``--budget-s`` seconds have passed since the start.
+per collective, about 90 measured partitions in all (18 s on 2x H200 at commit 59875ab, before
+the group overhead and the collective's slowdown were measured; those add a few seconds). Rank 0
+decides the list and broadcasts it. Each is checked against the reference, then timed (graph
+replay, median of ``--iters``, slowest rank); a failing partition is recorded and skipped. The
+pick and the default are measured first, then the candidates until ``--budget-s`` seconds have
+passed since the start.
+
+Predictions per partition: ``main`` (the full calibration; what the search uses) and the
+variants ``no_comm_terms`` (``comm_slowdown`` 1, ``group_overhead_ms`` 0: the model before those
+terms), ``host_curve`` (the host-timed curve) and ``no_slowdown`` (GEMM ``slowdown`` 1).
 
 Results: JSON lines ``op=wave_predictor`` (one per measured partition: ``kind`` the collective,
 ``partition``, ``role`` (candidate / search / default), ``predicted_ms``, the protocol's timing
 keys), ``wave_predictor_calibration`` and ``wave_predictor_summary`` (mean / max relative error,
-best measured vs the pick); a table at the end.
+best measured vs the pick); a table at the end. benchmarks/refit_wave_predictor.py reads them
+back offline.
 """
 from __future__ import annotations
 
@@ -52,6 +66,7 @@ from portable_overlap import ContextBrokenError, World
 from portable_overlap.ops.gemm_signal import GemmSignal, SignalConfig
 from portable_overlap.schedule import (Calibration, candidate_partitions, measure_comm_curve,
                                        predict_ms, search)
+from portable_overlap.schedule.predict import invert_comm_slowdown
 
 SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192)]
 MIB = 1 << 20
@@ -59,6 +74,10 @@ MIB = 1 << 20
 # shapes, 7.6 MiB (one 116-tile wave) .. 128 MiB; 1 MiB and 256 MiB bracket them
 CURVE_BYTES = [MIB << i for i in range(9)]
 TOL = 1e-2  # bf16 relative error of a correct result (bench_gemm_signal's threshold)
+# the group overhead's runs: sizes of typical groups at these shapes (1 .. 4 waves of 7.25 MiB),
+# points of the curve, and how many collectives back to back
+GROUP_BYTES = [8 * MIB, 16 * MIB, 32 * MIB]
+GROUP_RUN = 4
 
 
 def say(world, msg: str) -> None:
@@ -98,38 +117,78 @@ def bytes_lasting(curve, ms: float, most: int = 1 << 30) -> int:
     return n
 
 
-def gemm_slowdown(world, phases, coll, iters: int) -> tuple:
-    """(slowdown, alone_ms, beside_ms): the signal GEMM's median time with ``coll`` running on
-    another stream over its slowest rank's median alone, plain launches both. The GEMM is
-    launched first, as in the op (the collective's kernels get the SMs the GEMM leaves)."""
+def beside_gemm(world, phases, coll, iters: int) -> dict:
+    """The signal GEMM and ``coll`` launched together (the GEMM first, as in the op, so the
+    collective's kernels get the SMs the GEMM leaves; the collective on another stream; plain
+    launches), and each alone: the slowest rank's medians ``gemm_alone_ms``, ``comm_alone_ms``,
+    ``gemm_beside_ms`` and ``comm_beside_ms`` (from their common start to the collective's end),
+    ``slowdown`` = gemm_beside / gemm_alone and ``comm_slowdown`` (``invert_comm_slowdown``)."""
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     gemm = phases["gemm"]
 
-    def run(beside: bool) -> float:
-        times = []
+    def run(with_gemm: bool, with_coll: bool) -> tuple:
+        g_times, c_times = [], []
         for i in range(iters + 3):  # 3 warm-up iterations
             world.barrier()
-            side.wait_stream(main)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(main)
-            gemm()
-            if beside:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record(main)
+            side.wait_stream(main)  # the collective starts with the GEMM, not before
+            if with_gemm:
+                gemm()
+            ev[1].record(main)
+            if with_coll:
                 with torch.cuda.stream(side):
                     coll()
-            end.record(main)
+            ev[2].record(side)
             main.wait_stream(side)
             torch.cuda.synchronize()
             if i >= 3:
-                times.append(start.elapsed_time(end))
-        return max(world.all_gather_object(statistics.median(times)))
+                g_times.append(ev[0].elapsed_time(ev[1]))
+                c_times.append(ev[0].elapsed_time(ev[2]))
+        return statistics.median(g_times), statistics.median(c_times)
 
     try:
-        alone, beside = run(False), run(True)
+        gemm_alone = run(True, False)[0]
+        comm_alone = run(False, True)[1]
+        gemm_beside, comm_beside = run(True, True)
     finally:
         torch.cuda.synchronize()
         phases["reset"]()  # the GEMM bumped the op's counters
         torch.cuda.synchronize()
-    return beside / alone, alone, beside
+    # the slowest rank's medians (the collective ends together on every rank anyway)
+    t = [max(x) for x in zip(*world.all_gather_object(
+        (gemm_alone, comm_alone, gemm_beside, comm_beside)))]
+    return {"gemm_alone_ms": t[0], "comm_alone_ms": t[1], "gemm_beside_ms": t[2],
+            "comm_beside_ms": t[3], "slowdown": t[2] / t[0],
+            "comm_slowdown": invert_comm_slowdown(t[2], t[1], t[3])}
+
+
+def group_overhead(world, kind: str, iters: int) -> dict:
+    """``group_overhead_ms``: per size of ``GROUP_BYTES``, ``GROUP_RUN`` collectives back to back
+    in one CUDA graph (``t_k``) and one (``t_1``), each behind a stream wait (passing at once) and
+    a stream write on a counter as in the op; ``(t_k - k t_1) / (k - 1)`` averaged over the
+    sizes. Returns it with the per-size figures."""
+    be, dev = world.backend, world.device
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)  # waits for >= 0: pass at once
+    per = []
+    for nbytes in GROUP_BYTES:
+        fn, real = collective_fn(kind, nbytes, world)
+
+        def chain(k, fn=fn):
+            h = be.current_stream(dev)
+            for _ in range(k):
+                be.stream_wait_value(h, flag.data_ptr(), 0)
+                be.stream_write_value(h, flag.data_ptr(), 0)
+                fn()
+
+        t1 = time_op(lambda: chain(1), world, graph=True, iters=iters, warmup=5)["median_ms"]
+        tk = time_op(lambda: chain(GROUP_RUN), world, graph=True, iters=iters,
+                     warmup=5)["median_ms"]
+        per.append({"bytes": real, "t1_ms": t1, "tk_ms": tk,
+                    "overhead_ms": (tk - GROUP_RUN * t1) / (GROUP_RUN - 1)})
+        del fn
+    return {"group_overhead_ms": statistics.fmean(p["overhead_ms"] for p in per),
+            "k": GROUP_RUN, "sizes": per}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -241,11 +300,26 @@ class Run:
         say(world, f"[{kind}] comm curve (MiB: graph ms / host ms): " + ", ".join(
             f"{b // MIB}: {tg:.3f}/{th:.3f}" for (b, tg), (_, th) in zip(graph, host))
             + f"  ({time.perf_counter() - t:.1f} s)")
-        return {"graph": graph, "host": host, "slowdown": None}
+        try:
+            oh = group_overhead(world, kind, it)
+        except Exception as e:  # the model runs without it
+            say(world, f"[{kind}] group overhead not measured ({type(e).__name__}: "
+                       f"{str(e)[:160]}): 0")
+            torch.cuda.synchronize()
+            oh = {"group_overhead_ms": 0.0, "failure": f"{type(e).__name__}: {str(e)[:200]}"}
+        # back-to-back collectives cannot share more of their per-call cost than a whole call
+        floor = -min(t for _, t in graph)
+        if oh["group_overhead_ms"] < floor:
+            oh = {**oh, "group_overhead_ms": floor, "clamped_from": oh["group_overhead_ms"]}
+        oh = world.broadcast_object(oh)
+        say(world, f"[{kind}] group overhead {oh['group_overhead_ms'] * 1e3:+.1f} us (" + ", ".join(
+            f"{p['bytes'] // MIB} MiB: 1 {p['t1_ms']:.3f} / {oh['k']} {p['tk_ms']:.3f} ms"
+            for p in oh.get("sizes", ())) + ")")
+        return {"graph": graph, "host": host, "beside": None, "group_overhead": oh}
 
     def calibrate_shape(self, kind, coll, a, b, out, shape) -> tuple:
-        """(Calibration, the phases dict, calibration record) for this shape; the slowdown is
-        measured at the first shape of ``kind`` and reused."""
+        """(Calibration, the phases dict, calibration record) for this shape; the two slowdowns
+        are measured at the first shape of ``kind`` and reused."""
         world, it = self.world, self.args.iters
         p = self.ctx.phases(kind, a, b, out)
         try:
@@ -255,33 +329,42 @@ class Run:
             p["reset"]()  # the GEMM alone bumped the counters the op's waits read
             torch.cuda.synchronize()
         reorder_ms = time_op(p["reorder"], world, graph=True, iters=it, warmup=5)["median_ms"]
-        if coll["slowdown"] is None:
-            nbytes = bytes_lasting(coll["graph"], 1.1 * gemm_ms)
+        if coll["beside"] is None:
+            # a collective lasting at least the GEMM alone: it runs beside the whole GEMM
+            # (the GEMM's slowdown) and its end tells how far it got beside it
+            nbytes = bytes_lasting(coll["graph"], gemm_ms)
             fn, real = collective_fn(kind, nbytes, world)
             try:
-                s, alone, beside = gemm_slowdown(world, p, fn, self.args.curve_iters)
-            except Exception as e:  # the model runs without it
-                say(world, f"[{kind}] slowdown not measured ({type(e).__name__}: "
+                m = beside_gemm(world, p, fn, self.args.curve_iters)
+            except Exception as e:  # the model runs without them
+                say(world, f"[{kind}] slowdowns not measured ({type(e).__name__}: "
                            f"{str(e)[:160]}): 1.0")
-                s, alone, beside = 1.0, None, None
+                m = {"slowdown": 1.0, "comm_slowdown": 1.0,
+                     "failure": f"{type(e).__name__}: {str(e)[:200]}"}
             del fn
-            coll["slowdown"] = world.broadcast_object(
-                {"raw": s, "alone_ms": alone, "beside_ms": beside, "bytes": real})
-        raw = coll["slowdown"]["raw"]
+            coll["beside"] = world.broadcast_object({**m, "bytes": real})
+        raw = coll["beside"]["slowdown"]
+        comm_terms = not self.args.no_comm_terms
         cal = Calibration(wave_ms=gemm_ms * p["programs"] / p["n_tiles"],
                           tiles_per_wave=p["programs"], comm_curve=coll["graph"],
                           slowdown=1.0 if self.args.no_slowdown else max(1.0, raw),
-                          reorder_ms=reorder_ms)
+                          reorder_ms=reorder_ms,
+                          comm_slowdown=coll["beside"]["comm_slowdown"] if comm_terms else 1.0,
+                          group_overhead_ms=coll["group_overhead"]["group_overhead_ms"]
+                          if comm_terms else 0.0)
         cal = world.broadcast_object(cal)  # rank 0's numbers: every rank searches alike
         rec = {"gemm_ms": gemm_ms, "wave_ms": cal.wave_ms, "tiles_per_wave": cal.tiles_per_wave,
                "n_tiles": p["n_tiles"], "dests": p["dests"], "tile_bytes": p["tile_bytes"],
                "reorder_ms": reorder_ms, "slowdown": cal.slowdown,
-               "slowdown_measured": coll["slowdown"],
+               "comm_slowdown": cal.comm_slowdown, "group_overhead_ms": cal.group_overhead_ms,
+               "beside_measured": coll["beside"], "group_overhead_measured": coll["group_overhead"],
                "comm_curve": [list(x) for x in coll["graph"]],
                "comm_curve_host": [list(x) for x in coll["host"]]}
         say(world, f"[{kind} {shape}] gemm {gemm_ms:.3f} ms = {p['n_tiles']} tiles / "
                    f"{p['programs']} per wave, wave {cal.wave_ms:.4f} ms, reorder "
-                   f"{reorder_ms:.3f} ms, slowdown {cal.slowdown:.3f} (measured {raw:.3f})")
+                   f"{reorder_ms:.3f} ms, slowdown {cal.slowdown:.3f} (measured {raw:.3f}), "
+                   f"comm slowdown {cal.comm_slowdown:.3g}, group overhead "
+                   f"{cal.group_overhead_ms * 1e3:+.1f} us")
         return cal, p, rec
 
     def one_shape(self, kind, coll, M, N, K) -> None:
@@ -316,6 +399,8 @@ class Run:
             self.writer.write(op="wave_predictor_calibration", shape=shape, dtype="bf16",
                               kind=kind, **rec)
         variants = {"main": cal,
+                    "no_comm_terms": dataclasses.replace(cal, comm_slowdown=1.0,
+                                                         group_overhead_ms=0.0),
                     "host_curve": dataclasses.replace(cal, comm_curve=coll["host"]),
                     "no_slowdown": dataclasses.replace(cal, slowdown=1.0)}
         plan = None
@@ -386,8 +471,9 @@ class Run:
                   f"{f(s['max_err'], '6.1%')} {f(s['best_ms'], '7.3f')} "
                   f"{f(s['pick_ms'], '7.3f')} {f(s['default_ms'], '7.3f')} "
                   f"{f(s['best_over_pick'], '9.3f')}  {s['pick_partition']}")
-        print("mean err by calibration (main: graph-timed curve + slowdown; host_curve: "
-              "measure_comm_curve; no_slowdown: slowdown 1):")
+        print("mean err by calibration (main: graph-timed curve, both slowdowns, group overhead; "
+              "no_comm_terms: comm_slowdown 1, group overhead 0; host_curve: measure_comm_curve; "
+              "no_slowdown: GEMM slowdown 1):")
         for kind, name, s in self.table:
             print(f"{kind:>14} {name:>15} " + "  ".join(
                 f"{k[9:-1]} {f(v, '.1%')}" for k, v in s.items() if k.startswith("mean_err[")))
@@ -407,12 +493,15 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50, help="timed iterations per partition")
     ap.add_argument("--curve-iters", type=int, default=20,
                     help="timed iterations per message size and for the slowdown")
-    ap.add_argument("--budget-s", type=float, default=170.0,
+    ap.add_argument("--budget-s", type=float, default=120.0,
                     help="no further candidates after this many seconds (the search's pick and "
                          "the default are always measured)")
     ap.add_argument("--no-graph", action="store_true", help="time plain launches instead")
     ap.add_argument("--no-slowdown", action="store_true",
                     help="predict and search with slowdown 1 (still measured and recorded)")
+    ap.add_argument("--no-comm-terms", action="store_true",
+                    help="predict and search with comm_slowdown 1 and group overhead 0 (still "
+                         "measured and recorded)")
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",") if s] or SHAPES
     run = Run(args)

@@ -1,6 +1,8 @@
 """The wave-group predictor and search (host-side), the shared tuning decisions and the
 collective calibration on emulated ranks."""
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from portable_overlap import RankMismatchError
 from portable_overlap.schedule import (Calibration, TuningCache, WaveGroups, cache_key,
                                        candidate_partitions, decide, measure_comm_curve,
                                        predict_ms, search)
-from portable_overlap.schedule.predict import _compositions
+from portable_overlap.schedule.predict import _compositions, _finish, invert_comm_slowdown
 
 # about what 2x H200 measured: a 132-tile wave of 128x256 bf16 tiles at 8192^3 / 2 ranks, and
 # NCCL all_reduce at ~280 GB/s bus bandwidth with ~15 us of latency
@@ -35,6 +37,103 @@ def test_prediction_follows_the_timeline():
     # two groups hide the first collective behind the second half of the GEMM
     two = predict_ms([n // 2, n // 2], CAL, TILE_BYTES)
     assert two < one
+
+
+def _old_model(sizes, cal, tile_bytes):
+    """The model before comm_slowdown and group_overhead_ms, written out again."""
+    gemm_end = comm_end = 0.0
+    for g, n in enumerate(sizes):
+        gemm_end += n / cal.tiles_per_wave * cal.wave_ms * (1.0 if g == 0 else cal.slowdown)
+        comm_end = max(gemm_end, comm_end) + cal.comm_ms(n * tile_bytes)
+    return comm_end + cal.reorder_ms
+
+
+def test_default_collective_terms_keep_the_plain_model():
+    cal = dataclasses.replace(CAL, reorder_ms=0.03)
+    assert cal.comm_slowdown == 1.0 and cal.group_overhead_ms == 0.0
+    for parts in _compositions(10, 5):
+        sizes = [p * 132 for p in parts]
+        assert predict_ms(sizes, cal, TILE_BYTES) == pytest.approx(
+            _old_model(sizes, cal, TILE_BYTES))
+
+
+def test_finish_of_a_collective_beside_the_gemm():
+    # after the GEMM: full rate, whatever the factor
+    assert _finish(2.0, 0.5, 1.0, 4.0) == pytest.approx(2.5)
+    # wholly beside: 4 times longer
+    assert _finish(0.0, 0.1, 1.0, 4.0) == pytest.approx(0.4)
+    # partly: 0.4 ms beside does 0.1 ms of work, the remaining 0.2 after the GEMM
+    assert _finish(0.6, 0.3, 1.0, 4.0) == pytest.approx(1.2)
+    # no progress at all beside the GEMM
+    assert _finish(0.6, 0.3, 1.0, math.inf) == pytest.approx(1.3)
+    assert _finish(0.0, 0.3, 1.0, 1.0) == pytest.approx(0.3)
+
+
+def test_comm_slowdown_and_group_overhead_in_the_timeline():
+    n = 132 * 10
+    one = predict_ms([n], CAL, TILE_BYTES)
+    # one group: its collective starts when the GEMM ends, nothing to slow or add
+    stuck = dataclasses.replace(CAL, comm_slowdown=math.inf, group_overhead_ms=0.01)
+    assert predict_ms([n], stuck, TILE_BYTES) == pytest.approx(one)
+    # collectives that make no progress beside the GEMM all run after it: no overlap, every
+    # collective after the first costs the overhead on top
+    sizes = [132 * 2, 132 * 3, 132 * 5]
+    gemm = 2 * 0.05 + 8 * 0.05 * CAL.slowdown
+    serial = gemm + sum(CAL.comm_ms(s * TILE_BYTES) for s in sizes) + 2 * 0.01
+    assert predict_ms(sizes, stuck, TILE_BYTES) == pytest.approx(serial)
+    assert predict_ms(sizes, stuck, TILE_BYTES) > one > predict_ms(sizes, CAL, TILE_BYTES)
+    # a slower collective and a costlier group never make the op faster
+    for f in (1.0, 2.0, 8.0):
+        slow = dataclasses.replace(CAL, comm_slowdown=f)
+        slower = dataclasses.replace(CAL, comm_slowdown=f * 2, group_overhead_ms=0.005)
+        assert (predict_ms(sizes, CAL, TILE_BYTES) <= predict_ms(sizes, slow, TILE_BYTES)
+                <= predict_ms(sizes, slower, TILE_BYTES))
+    # a negative overhead (the curve counts per-call costs that back-to-back collectives
+    # share) shortens later collectives, never below nothing
+    cheap = dataclasses.replace(stuck, group_overhead_ms=-0.01)
+    assert predict_ms(sizes, cheap, TILE_BYTES) == pytest.approx(serial - 4 * 0.01)
+    free = dataclasses.replace(stuck, group_overhead_ms=-10.0)
+    assert predict_ms(sizes, free, TILE_BYTES) == pytest.approx(
+        gemm + CAL.comm_ms(sizes[0] * TILE_BYTES))
+
+
+def test_bad_collective_terms():
+    for bad in ({"comm_slowdown": 0.5}, {"comm_slowdown": math.nan},
+                {"group_overhead_ms": math.inf}, {"group_overhead_ms": math.nan}):
+        with pytest.raises(ValueError):
+            dataclasses.replace(CAL, **bad)
+
+
+@pytest.mark.parametrize("f", [1.0, 1.5, 4.0, 50.0])
+@pytest.mark.parametrize("alone", [0.1, 0.5, 2.0])
+def test_invert_comm_slowdown(f, alone):
+    gemm = 0.8
+    beside = _finish(0.0, alone, gemm, f)  # what the benchmark would time
+    assert invert_comm_slowdown(gemm, alone, beside) == pytest.approx(f)
+
+
+def test_invert_comm_slowdown_bounds():
+    assert invert_comm_slowdown(0.8, 0.5, 1.3) == 1000.0  # no progress beside the GEMM
+    assert invert_comm_slowdown(0.8, 0.5, 1.4, cap=50.0) == 50.0  # later still: the cap
+    assert invert_comm_slowdown(0.8, 0.5, 0.45) == 1.0  # faster than alone: noise
+    with pytest.raises(ValueError):
+        invert_comm_slowdown(0.8, 0.0, 1.0)
+
+
+def test_search_follows_the_collective_terms():
+    n = 132 * 12
+    # collectives overlapping freely: several groups
+    assert search(n, CAL, TILE_BYTES)[0].n_groups > 1
+    # collectives stuck until the GEMM ends and a cost per group: one group, found by both the
+    # exhaustive and the local search (which starts from one group and merges groups)
+    stuck = dataclasses.replace(CAL, comm_slowdown=1000.0, group_overhead_ms=0.005)
+    for budget in (200_000, 0):
+        got, ms = search(n, stuck, TILE_BYTES, budget=budget)
+        assert got == WaveGroups((n,)) and ms == pytest.approx(predict_ms([n], stuck,
+                                                                          TILE_BYTES))
+    # bounds, when asked for, still exclude one group
+    got, _ = search(n, stuck, TILE_BYTES, first_max_waves=2)
+    assert got.sizes[0] <= 2 * 132 and got.n_groups > 1
 
 
 @pytest.mark.parametrize("waves", [4, 9, 15])
