@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import ResultWriter, time_op
+from benchmarks.harness import ResultWriter, time_op, torch_fused_matmul_reduce_scatter
 from portable_overlap import World
 from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
@@ -29,24 +29,6 @@ SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192),
           (8192, 4096, 11008), (8192, 4096, 14336), (8192, 8192, 28672)]
 OP = {"reduce_scatter": "gemm_reduce_scatter", "all_reduce": "gemm_all_reduce"}
 REF = {"reduce_scatter": matmul_reduce_scatter_reference, "all_reduce": matmul_all_reduce_reference}
-
-
-def _torch_fused(world, a, b, ref_fn):
-    """torch's fused matmul + reduce_scatter, if it runs and agrees with the reference here."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    group_name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(group_name)
-    fn = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(  # noqa: E731
-        a, b, "sum", 0, group_name)
-    got = fn()
-    torch.cuda.synchronize()
-    ref = ref_fn(a, b, world.group).double()
-    err = max(world.all_gather_object(((got.double() - ref).norm() / ref.norm()).item()))
-    if err > 2e-2:
-        raise RuntimeError(f"disagrees with the reference: rel_err={err:.2e}")
-    return fn
 
 
 def main() -> int:
@@ -92,7 +74,8 @@ def main() -> int:
             impls["comm"] = coll
             if mode == "reduce_scatter":
                 try:
-                    impls["torch_fused"] = _torch_fused(world, a, b, REF[mode])
+                    impls["torch_fused"] = torch_fused_matmul_reduce_scatter(world, a, b,
+                                                                               REF[mode])
                 except Exception as e:
                     if world.rank == 0:
                         print(f"torch_fused unavailable: {type(e).__name__}: {str(e)[:200]}",

@@ -93,3 +93,28 @@ class ResultWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         return row
+
+
+def torch_fused_matmul_reduce_scatter(world, a, b, ref_fn, tol: float = 2e-2):
+    """torch's ``symm_mem.fused_matmul_reduce_scatter`` of ``a @ b`` (rows scattered) as a
+    callable for ``time_op``, after checking, the same way on every rank, that it runs here and
+    agrees with ``ref_fn(a, b, group)`` within ``tol`` (relative); raises otherwise (the
+    benchmarks print the reason and leave torch's op out)."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group_name)
+
+    def fn():
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
+
+    got = fn()
+    torch.cuda.synchronize()
+    ref = ref_fn(a, b, world.group).double()
+    err = max(world.all_gather_object(((got.double() - ref).norm() / ref.norm()).item()))
+    if not err < tol:
+        raise RuntimeError(f"disagrees with the reference: rel_err={err:.2e}")
+    return fn
+

@@ -3,7 +3,7 @@ all_gather + matmul."""
 import pytest
 import torch
 
-from portable_overlap import PeerTimeoutError
+from portable_overlap.testing import call_while_peers_skip
 from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul, all_gather_matmul,
                                                  all_gather_matmul_reference, pick_schedule)
 
@@ -83,17 +83,9 @@ def test_function_and_bad_input(world2):
 
 
 def _skip(world):
-    ctx = AllGatherMatmul(world, max_shard_elems=64, timeout_s=1.0)
-    r = "ok"
-    if world.rank == 0:
-        try:
-            ctx(torch.randn(4, 8), torch.randn(8, 5))
-            ctx.synchronize()
-            r = "no error"
-        except PeerTimeoutError as e:
-            r = str(e)
-    ctx.close()
-    return r
+    return call_while_peers_skip(
+        world, lambda: AllGatherMatmul(world, max_shard_elems=64, timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
 
 
 def test_a_rank_that_skips_a_call_is_named(world2):

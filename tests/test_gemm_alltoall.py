@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from portable_overlap.testing import call_while_peers_skip
 from portable_overlap import PeerTimeoutError, PortableOverlapError
 from portable_overlap.ops.gemm_alltoall import (GemmAllToAll, gemm_all_to_all,
                                                 gemm_all_to_all_reference)
@@ -138,16 +139,9 @@ def test_ranks_disagreeing_on_n_raise(world2):
 
 
 def _skip(world):
-    ctx = GemmAllToAll(world, max_elems=256, config=SMALL, timeout_s=1.0)
-    r = "ok"
-    if world.rank == 0:
-        try:
-            ctx(torch.randn(8, 8), torch.randn(8, 16))
-            r = "no error"
-        except PeerTimeoutError as e:
-            r = str(e)
-    ctx.close()
-    return r
+    return call_while_peers_skip(
+        world, lambda: GemmAllToAll(world, max_elems=256, config=SMALL, timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(8, 8), torch.randn(8, 16)))
 
 
 def test_a_rank_that_skips_a_call_is_named(world2):

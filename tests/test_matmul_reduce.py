@@ -3,7 +3,7 @@ reduce_scatter_tensor / all_reduce."""
 import pytest
 import torch
 
-from portable_overlap import PeerTimeoutError
+from portable_overlap.testing import call_while_peers_skip
 from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce,
                                                 matmul_all_reduce_reference,
                                                 matmul_reduce_scatter,
@@ -97,17 +97,9 @@ def test_functions_and_bad_input(world2):
 
 
 def _skip(world):
-    ctx = MatmulReduce(world, max_elems=64, timeout_s=1.0)
-    r = "ok"
-    if world.rank == 0:
-        try:
-            ctx.reduce_scatter(torch.randn(4, 8), torch.randn(8, 5))
-            ctx.synchronize()
-            r = "no error"
-        except PeerTimeoutError as e:
-            r = str(e)
-    ctx.close()
-    return r
+    return call_while_peers_skip(
+        world, lambda: MatmulReduce(world, max_elems=64, timeout_s=1.0),
+        lambda ctx: ctx.reduce_scatter(torch.randn(4, 8), torch.randn(8, 5)))
 
 
 def test_a_rank_that_skips_a_call_is_named(world2):

@@ -3,6 +3,7 @@ all_to_all_single with splits + weighted top-k sum."""
 import pytest
 import torch
 
+from portable_overlap.testing import call_while_peers_skip
 from portable_overlap import InvalidInputError, PeerTimeoutError
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.moe_combine import (MoeGemmCombine, dispatch, moe_gemm_combine,
@@ -165,21 +166,12 @@ def test_bad_routing_found_on_device(world2, fault):
 
 
 def _skip(world):
-    ctx = MoeGemmCombine(world, max_tokens=8, top_k=1, hidden=16, experts_per_rank=1,
-                         config=SMALL, timeout_s=1.0)
-    r = "ok"
-    if world.rank == 0:
-        x = torch.randn(2, 8)
-        counts = torch.tensor([[1], [1]], dtype=torch.int32)
-        try:
-            ctx(x, torch.randn(1, 8, 16), counts, torch.tensor([0, 1], dtype=torch.int32),
-                torch.rand(2, 1))
-            ctx.synchronize()
-            r = "no error"
-        except PeerTimeoutError as e:
-            r = str(e)
-    ctx.close()
-    return r
+    return call_while_peers_skip(
+        world, lambda: MoeGemmCombine(world, max_tokens=8, top_k=1, hidden=16,
+                                      experts_per_rank=1, config=SMALL, timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(2, 8), torch.randn(1, 8, 16),
+                        torch.tensor([[1], [1]], dtype=torch.int32),
+                        torch.tensor([0, 1], dtype=torch.int32), torch.rand(2, 1)))
 
 
 def test_a_rank_that_skips_a_call_is_named(world2):

@@ -1,4 +1,5 @@
 """Helpers for tests, the demo and benchmarks (importable by users writing their own tests)."""
 from .emulated import EmulatedWorld, RemoteError, WorkerHang
+from .faults import call_while_peers_skip
 
-__all__ = ["EmulatedWorld", "RemoteError", "WorkerHang"]
+__all__ = ["EmulatedWorld", "RemoteError", "WorkerHang", "call_while_peers_skip"]

@@ -97,11 +97,8 @@ class CopyEngineLinks:
     def put(self, d: int, dst: torch.Tensor, src: torch.Tensor, slot: int, tag: int) -> None:
         """Copy ``src`` (local, contiguous) into ``dst``'s place (a local heap view) in rank d's
         heap, then set ``ready[rank][slot]`` there."""
-        nbytes = src.numel() * src.element_size()
-        if nbytes:
-            self.backend.copy_async(self.ctx.heap.peer_address(dst, d), src.data_ptr(), nbytes,
-                                    self.backend.current_stream(self.world.device))
-        self._signal(self.ready[self.rank, slot:], d, 0, tag)
+        self._copy(dst, src, dst_peer=d)
+        self.notify(d, slot, tag)
 
     def wait_ready(self, q: int, slot: int, tag: int) -> None:
         """Hold until rank q's transfer ``slot`` of this call has landed here (and q's tag
@@ -115,20 +112,27 @@ class CopyEngineLinks:
         """Copy ``src``'s place (a local heap view) in rank q's heap into ``dst`` (local,
         contiguous): the receiver's copy engine reads over the link, so a peer's result lands
         where the caller wants it with no staging copy on this side."""
-        nbytes = src.numel() * src.element_size()
-        if nbytes:
-            self.backend.copy_async(dst.data_ptr(), self.ctx.heap.peer_address(src, q), nbytes,
-                                    self.backend.current_stream(self.world.device))
+        self._copy(dst, src, src_peer=q)
 
     def notify(self, d: int, slot: int, tag: int) -> None:
         """Set ``ready[rank][slot]`` on rank d with no copy (what d pulls is ready here)."""
         self._signal(self.ready[self.rank, slot:], d, 0, tag)
 
     def copy_local(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._copy(dst, src)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, dst_peer: int | None = None,
+              src_peer: int | None = None) -> None:
+        """``src``'s bytes into ``dst`` on the current stream's copy engine; a tensor with a peer
+        named stands for its place (a heap view) in that peer's heap. Nothing for an empty piece
+        (whose view may sit at the heap's end, where it has no peer address)."""
         nbytes = src.numel() * src.element_size()
         if nbytes:
-            self.backend.copy_async(dst.data_ptr(), src.data_ptr(), nbytes,
-                                    self.backend.current_stream(self.world.device))
+            heap = self.ctx.heap
+            self.backend.copy_async(
+                dst.data_ptr() if dst_peer is None else heap.peer_address(dst, dst_peer),
+                src.data_ptr() if src_peer is None else heap.peer_address(src, src_peer),
+                nbytes, self.backend.current_stream(self.world.device))
 
     def release(self, q: int) -> None:
         """Tell rank q that this rank has copied out everything q sent it in this call."""

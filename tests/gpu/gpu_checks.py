@@ -44,6 +44,25 @@ def rand(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
+def worst_over_graph_replays(ctx, call, a, out, ref, gen, replays: int) -> float:
+    """Capture ``call()`` once in a CUDA graph, then replay it ``replays`` times, with fresh
+    random values in ``a`` and a poisoned ``out`` before each replay; the worst relative error of
+    ``out`` against ``ref()`` (the reference on the current inputs)."""
+    call()
+    ctx.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    worst = 0.0
+    for _ in range(replays):
+        a.copy_(rand(tuple(a.shape), a.dtype, a.device, gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        ctx.synchronize()
+        worst = max(worst, rel_err(out, ref()))
+    return worst
+
+
 def check_backend(world: World, gen) -> None:
     """IPC-opened peer memory, copy-engine copies into it, and stream wait/write on a flag."""
     from portable_overlap.shmem import SymmetricHeap
@@ -186,18 +205,9 @@ def check_gemm_alltoall(world: World, gen) -> None:
             a = rand((M, K), torch.bfloat16, world.device, gen)
             b = rand((K, N), torch.bfloat16, world.device, gen)
             out = torch.empty(M, N, dtype=torch.bfloat16, device=world.device)
-            ctx(a, b, out=out)
-            ctx.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                ctx(a, b, out=out)
-            worst = 0.0
-            for _ in range(20):
-                a.copy_(rand((M, K), torch.bfloat16, world.device, gen))
-                out.fill_(float("nan"))
-                g.replay()
-                ctx.synchronize()
-                worst = max(worst, rel_err(out, gemm_all_to_all_reference(a, b, world.group)))
+            worst = worst_over_graph_replays(
+                ctx, lambda: ctx(a, b, out=out), a, out,
+                lambda: gemm_all_to_all_reference(a, b, world.group), gen, 20)
             record(f"gemm+a2a[{transport}] 20 graph replays", worst < TOL[torch.bfloat16] * 2,
                    f"worst rel_err={worst:.2e}")
         finally:
@@ -280,18 +290,9 @@ def check_allgather_gemm(world: World, gen) -> None:
         a, b = rand((2048, 1024), torch.bfloat16, dev, gen), rand((1024, 512), torch.bfloat16,
                                                                    dev, gen)
         out = torch.empty(world.world_size * 2048, 512, dtype=torch.bfloat16, device=dev)
-        ctx(a, b, out)
-        ctx.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ctx(a, b, out)
-        worst = 0.0
-        for _ in range(10):
-            a.copy_(rand((2048, 1024), torch.bfloat16, dev, gen))
-            out.fill_(float("nan"))
-            graph.replay()
-            ctx.synchronize()
-            worst = max(worst, rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+        worst = worst_over_graph_replays(
+            ctx, lambda: ctx(a, b, out), a, out,
+            lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
         record("allgather+gemm 10 graph replays", worst < TOL[torch.bfloat16] * 2,
                f"worst rel_err={worst:.2e}")
     finally:
@@ -304,7 +305,7 @@ def check_matmul_reduce(world: World, gen) -> None:
     from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce_reference,
                                                     matmul_reduce_scatter_reference)
 
-    dev, W = world.device, world.world_size
+    dev = world.device
     refs = {"reduce_scatter": matmul_reduce_scatter_reference,
             "all_reduce": matmul_all_reduce_reference}
     ctx = MatmulReduce(world, max_elems=8192 * 8192)
@@ -324,18 +325,10 @@ def check_matmul_reduce(world: World, gen) -> None:
         a = rand((4096, 1024), torch.bfloat16, dev, gen)
         b = rand((1024, 2048), torch.bfloat16, dev, gen)
         for mode, ref_fn in refs.items():
-            out = getattr(ctx, mode)(a, b)
-            ctx.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                getattr(ctx, mode)(a, b, out)
-            worst = 0.0
-            for _ in range(10):
-                a.copy_(rand((4096, 1024), torch.bfloat16, dev, gen))
-                out.fill_(float("nan"))
-                graph.replay()
-                ctx.synchronize()
-                worst = max(worst, rel_err(out, ref_fn(a, b, world.group)))
+            fn = getattr(ctx, mode)
+            out = fn(a, b)
+            worst = worst_over_graph_replays(ctx, lambda: fn(a, b, out), a, out,
+                                             lambda: ref_fn(a, b, world.group), gen, 10)
             record(f"matmul+{mode} 10 graph replays", worst < TOL[torch.bfloat16] * 2,
                    f"worst rel_err={worst:.2e}")
     finally:
