@@ -8,7 +8,8 @@
 #      (AllGather + GEMM benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
 #      (MoE combine benchmark), PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
 #      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
-#      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, PO_EMB_SWEEP=0),
+#      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, PO_EMB_SWEEP=0,
+#      PO_SKIP_EMB_BENCH=1 keeps only its checks),
 #      PO_SKIP_MR=1 / PO_MR_ARGS (GEMM + ReduceScatter / AllReduce benchmark), PO_CHECKS=name,...
 #      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
 #      its error against the measured op, the search's pick against a bounded exhaustive search;
@@ -30,7 +31,14 @@ status=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > "$out/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$out/gpus.txt" 2>&1
 timeout 120 python3 -m portable_overlap env 2>&1 | tee "$out/env.txt"
-run() { timeout "$1" torchrun --nproc-per-node "$nproc" --master-port "$((29500 + RANDOM % 1000))" "${@:2}"; }
+# Each torchrun section's wall time goes to timing.txt, so device calls can be planned.
+run() {
+  local t0=$SECONDS rc
+  timeout "$1" torchrun --nproc-per-node "$nproc" --master-port "$((29500 + RANDOM % 1000))" "${@:2}"
+  rc=$?
+  echo "$2 world=$nproc rc=$rc $((SECONDS - t0)) s (limit $1 s)" >> "$out/timing.txt"
+  return $rc
+}
 if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
   run 420 tests/gpu/gpu_checks.py 2>&1 | tee "$out/checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -95,12 +103,14 @@ if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: c
     run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
-  sweep=(); [ "${PO_EMB_SWEEP:-1}" = 1 ] && sweep=(--sweep)
-  run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" "${sweep[@]}" \
-      ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  run 300 examples/dlrm/train.py --steps ${PO_DLRM_STEPS:-300} 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if [ "${PO_SKIP_EMB_BENCH:-0}" != 1 ]; then
+    sweep=(); [ "${PO_EMB_SWEEP:-1}" = 1 ] && sweep=(--sweep)
+    run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" "${sweep[@]}" \
+        ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    run 300 examples/dlrm/train.py --steps ${PO_DLRM_STEPS:-300} 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
   timeout 300 python3 -m portable_overlap demo 2>&1 | tee "$out/demo.log" | grep -vE "^\[|Warning|warn" | tail -12
