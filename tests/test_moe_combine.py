@@ -177,3 +177,36 @@ def _skip(world):
 def test_a_rank_that_skips_a_call_is_named(world2):
     msg = world2.run(_skip, timeout=120)[0]
     assert "rank 1" in msg and "rows-sent" in msg, msg
+
+
+def _late_combine(world):
+    """The last rank routes every token to its own experts, so no other rank stores rows into
+    it, and it starts each combine late. The other ranks' next calls must still wait for that
+    combine before they overwrite its rows-in counts and rows-sent flags (with equality waits, a
+    flag overwritten early was a lost signal: a timeout first seen on 4 GPUs)."""
+    import time
+
+    W, r, El, k = world.world_size, world.rank, 1, 1
+    ctx = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=16, experts_per_rank=El,
+                         config=SMALL, timeout_s=5.0)
+    if r == W - 1:
+        orig = ctx._comb_args  # the host step right before the combine launch
+        ctx._comb_args = lambda *a: (time.sleep(1.0), orig(*a))[1]
+    g = torch.Generator().manual_seed(70 + r)
+    S = 6
+    ids = (torch.full((S, k), r) if r == W - 1 else torch.randint(0, W, (S, k), generator=g))
+    tokens, tw = torch.randn(S, 8, generator=g), torch.rand(S, k, generator=g)
+    w = torch.randn(El, 8, 16, generator=g)
+    x, counts, slots = dispatch(tokens, ids, El, world.group)
+    try:
+        outs = [ctx(x, w, counts, slots, tw) for _ in range(3)]
+        ctx.synchronize()
+        ref = moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
+        return max(((o - ref).norm() / ref.norm()).item() for o in outs)
+    finally:
+        ctx.close()
+
+
+def test_a_late_combine_loses_no_signal(world):
+    for err in world.run(_late_combine, timeout=240):
+        assert err < 1e-5, err

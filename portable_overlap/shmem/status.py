@@ -60,7 +60,9 @@ class StatusBoard:
     def raise_if_failed(self, op: str, rank: int, what_names: dict) -> None:
         if not self.failed():
             return
-        found = self.describe(op, rank, what_names)
+        # the programs that found the cause first; "a peer gave up" lines only echo a cause
+        found = sorted(self.describe(op, rank, what_names),
+                       key=lambda f: f[0] == STATUS_PEER_FAILED)
         lines = "\n  ".join(m for _, m in found[:8])
         more = f"\n  (+{len(found) - 8} more programs)" if len(found) > 8 else ""
         codes = {c for c, _ in found}

@@ -310,7 +310,8 @@ def check_matmul_reduce(world: World, gen) -> None:
             "all_reduce": matmul_all_reduce_reference}
     ctx = MatmulReduce(world, max_elems=8192 * 8192)
     try:
-        for M, N, K in ((8192, 8192, 4096), (1000, 777, 333), (6, 5, 7 + world.rank)):
+        W = world.world_size  # reduce_scatter needs M % W == 0
+        for M, N, K in ((8192, 8192, 4096), (1000, 777, 333), (3 * W, 5, 7 + world.rank)):
             for dt in (torch.bfloat16, torch.float32):
                 a, b = rand((M, K), dt, dev, gen), rand((N, K), dt, dev, gen).t()
                 for mode, ref_fn in refs.items():

@@ -11,8 +11,9 @@ other ranks come first and this rank's own rows last (communication-aware order)
 takes the tiles ``pid, pid + G, ...`` of that walk. A finished tile's rows are stored straight
 into the destination's combine buffer at their slots (zero-copy, only real rows travel).
 Afterwards each program tells every rank how many rows it stored there and signals
-``sent[r][pid]`` (release). Before its first store into rank q in a call, a program waits until
-``consumed[q]`` holds the previous epoch (q's combine has read the previous call's rows).
+``sent[r][pid]`` (release). Before its first store into rank q in a call, and in any case before
+it writes q's count and flag, a program waits until ``consumed[q]`` holds the previous epoch (q's
+combine has read the previous call's rows, counts and flags).
 
 ``moe_combine_kernel`` (on each rank, for its own tokens). Waits for ``sent[q][p]`` of every peer
 q and program p, checks that the rows that arrived add up to S·k, then
@@ -179,6 +180,17 @@ def _grouped_gemm_scatter(
                     tl.atomic_add(rows_mine_ptr + src * G_MAX + pid,
                                   tl.sum(keep.to(tl.int64)), sem="relaxed", scope="gpu")
 
+    # A program that stored nothing into rank q has not waited for q's previous combine yet, but
+    # it is about to overwrite q's rows-in count and rows-sent flag of that call: q's combine may
+    # still be polling them (a slow or busy rank), and the flag wait is for equality, so a word
+    # overwritten early is a lost signal (first seen on 4 ranks with skewed routing).
+    for q in range(0, world):
+        if (q != rank) & (((cleared >> q) & 1) == 0) & ok:
+            v, arrived = wait_flag(consumed_ptr + q, epoch - 1, max_spins)
+            if not arrived:
+                report(status_addr, pid, STATUS_TIMEOUT, q,
+                       tl.cast(q, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
+                ok = False
     # tell every rank how many rows this program stored there, then signal (release)
     FLUSH()  # the transport's rows have landed before the counts and the release
     tl.debug_barrier()
