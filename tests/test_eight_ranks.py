@@ -1,14 +1,19 @@
 """Every fused op once on 8 CPU-emulated ranks (small shapes: the interpreter runs 8 processes on
-a 2-core CI machine), against its torch reference. The 2- and 4-rank suites cover the cases."""
+a 2-core CI machine), against its torch reference. The 2- and 4-rank suites cover the cases; this
+file only checks that nothing assumes W <= 4 (block splits with empty blocks, peer loops, tags)."""
 import torch
 
 from portable_overlap import (AllGatherMatmul, EmbeddingAllToAll, GemmAllToAll, GemmSignal,
-                              GemvAllReduce, MoeGemmCombine, SignalConfig,
+                              GemvAllReduce, MatmulReduce, MoeGemmCombine, SignalConfig,
                               embedding_all_to_all_reference, gemm_all_reduce,
-                              gemm_all_reduce_reference, gemv_all_reduce_reference)
-from portable_overlap.ops.allgather_gemm import all_gather_matmul_reference
+                              gemm_all_reduce_reference, gemm_all_to_all_signal,
+                              gemm_all_to_all_signal_reference, gemm_reduce_scatter,
+                              gemm_reduce_scatter_reference, gemv_all_reduce_reference)
+from portable_overlap.ops.allgather_gemm import SCHEDULES, all_gather_matmul_reference
 from portable_overlap.ops.gemm_alltoall import gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
+from portable_overlap.ops.matmul_reduce import (matmul_all_reduce_reference,
+                                                matmul_reduce_scatter_reference)
 from portable_overlap.ops.moe_combine import dispatch, moe_gemm_combine_reference
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
@@ -54,19 +59,54 @@ def _every_op(world):
     errs["embedding+a2a"] = _rel(out, embedding_all_to_all_reference(
         wt, lengths, idx, None, ctx.plan, r, splits, "sum", world.group))
     ctx.close()
-    ctx = AllGatherMatmul(world, max_shard_elems=3 * 8)
-    a, b = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=torch.Generator())
-    errs["allgather+gemm"] = _rel(ctx(a, b), all_gather_matmul_reference(a, b, world.group))
+    # every schedule, not only the one pick_schedule gives these tiny shapes: they walk the
+    # peers' pieces in different orders and layouts. 3 rows in 4 pieces, the first one empty
+    # (the default, W pieces, costs twice the interpreted flag waits for the same edge case).
+    ctx = AllGatherMatmul(world, max_shard_elems=3 * 7, pieces=4)
+    a, b = torch.randn(3, 7, generator=g), torch.randn(7, 5, generator=torch.Generator())
+    ref = all_gather_matmul_reference(a, b, world.group)
+    for sched in SCHEDULES:
+        out = ctx(a, b, schedule=sched)
+        ctx.synchronize()
+        errs[f"allgather+gemm {sched}"] = _rel(out, ref)
+    ctx.close()
+    # K split over the ranks, each rank's shard of its own width (only M and N must agree).
+    # reduce_scatter: 2 rows per rank in 3 pieces (one empty); all_reduce with M=5 < W: rank
+    # blocks of 0 and 1 rows. max_elems is the reduce_scatter call's M*N, which leaves the
+    # all_reduce call room: on W >= 3 ranks with M % W != 0 the receive buffer needs
+    # W * ceil(M/W) * N elements, more than the M*N the context promises (known, not fixed here).
+    ctx = MatmulReduce(world, max_elems=2 * W * 7, pieces=3)
+    for mode, M, ref_fn in (("reduce_scatter", 2 * W, matmul_reduce_scatter_reference),
+                            ("all_reduce", 5, matmul_all_reduce_reference)):
+        a = torch.randn(M, 3 + r, generator=g)
+        b = torch.randn(7, 3 + r, generator=g).t()  # a transposed weight view
+        out = getattr(ctx, mode)(a, b)
+        ctx.synchronize()
+        errs[f"matmul+{mode} copy engine"] = _rel(out, ref_fn(a, b, world.group))
     ctx.close()
     ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
     a, b = torch.randn(9, 8, generator=g), torch.randn(8, 12, generator=g)
     for i in range(2):  # the second call of a plan waits on the group counters
         errs[f"gemm+allreduce signal #{i}"] = _rel(gemm_all_reduce(a, b, ctx),
                                                    gemm_all_reduce_reference(a, b, world.group))
+    # the kinds with one destination per rank: 2 of the 16 rows each (one tile row per
+    # destination), odd N and K. Twice as well: with 8 destinations the counters wait for
+    # groups of 8-tile multiples, which only the second (guarded) call checks.
+    a, b = torch.randn(2 * W, 5, generator=g), torch.randn(5, 13, generator=g)
+    for kind, fn, ref_fn in (("reduce_scatter", gemm_reduce_scatter,
+                              gemm_reduce_scatter_reference),
+                             ("all_to_all", gemm_all_to_all_signal,
+                              gemm_all_to_all_signal_reference)):
+        for i in range(2):
+            errs[f"gemm+{kind} signal #{i}"] = _rel(fn(a, b, ctx), ref_fn(a, b, world.group))
     ctx.close()
     return errs
 
 
+# one entry per op / variant above: a key reused by mistake would overwrite another's error
+N_CHECKS = 16
+
+
 def test_every_op_on_eight_ranks(world8):
     for errs in world8.run(_every_op, timeout=900):
-        assert len(errs) == 8 and all(e < 1e-5 for e in errs.values()), errs
+        assert len(errs) == N_CHECKS and all(e < 1e-5 for e in errs.values()), errs
