@@ -72,10 +72,9 @@ def _every_op(world):
     ctx.close()
     # K split over the ranks, each rank's shard of its own width (only M and N must agree).
     # reduce_scatter: 2 rows per rank in 3 pieces (one empty); all_reduce with M=5 < W: rank
-    # blocks of 0 and 1 rows. max_elems is the reduce_scatter call's M*N, which leaves the
-    # all_reduce call room: on W >= 3 ranks with M % W != 0 the receive buffer needs
-    # W * ceil(M/W) * N elements, more than the M*N the context promises (known, not fixed here).
-    ctx = MatmulReduce(world, max_elems=2 * W * 7, pieces=3)
+    # blocks of 0 and 1 rows (the receive room of a call is W * ceil(M/W) * N elements).
+    room = max(MatmulReduce.elems_needed(M, 7, W) for M in (2 * W, 5))
+    ctx = MatmulReduce(world, max_elems=room, pieces=3)
     for mode, M, ref_fn in (("reduce_scatter", 2 * W, matmul_reduce_scatter_reference),
                             ("all_reduce", 5, matmul_all_reduce_reference)):
         a = torch.randn(M, 3 + r, generator=g)

@@ -18,7 +18,8 @@ def _cases(world, dtype, shapes, pieces):
     """Both modes on every shape, on one context (shapes change between calls); each rank's K
     shard has its own width (a_q @ b_q need only agree on M and N)."""
     W = world.world_size
-    ctx = MatmulReduce(world, max_elems=max(M * N for M, N, _ in shapes), pieces=pieces)
+    ctx = MatmulReduce(world, max_elems=max(MatmulReduce.elems_needed(M, N, W)
+                                            for M, N, _ in shapes), pieces=pieces)
     errs = []
     try:
         for i, (M, N, K) in enumerate(shapes):
@@ -123,3 +124,32 @@ def _mismatch(world):
 def test_ranks_called_with_other_shapes_raise(world2):
     for msg in world2.run(_mismatch, timeout=120):
         assert "Error" in msg and "no error" not in msg, msg
+
+
+def _room(world):
+    """An all_reduce whose M does not divide by W needs W*ceil(M/W)*N elements, more than M*N:
+    a context sized M*N refuses the call on every rank before any launch, with the size to use;
+    one sized with elems_needed computes it."""
+    W = world.world_size
+    M, N = 2 * W + 1, 9
+    g = torch.Generator().manual_seed(5 + world.rank)
+    a, b = torch.randn(M, 4, generator=g), torch.randn(4, N, generator=g)
+    ctx = MatmulReduce(world, max_elems=M * N, timeout_s=2.0)
+    try:
+        ctx.all_reduce(a, b)
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    ctx.close()
+    ctx = MatmulReduce(world, max_elems=MatmulReduce.elems_needed(M, N, W), timeout_s=5.0)
+    out = ctx.all_reduce(a, b)
+    ctx.synchronize()
+    err = ((out - matmul_all_reduce_reference(a, b, world.group)).norm()).item()
+    ctx.close()
+    return msg, err
+
+
+def test_receive_room_is_checked(world):
+    for msg, err in world.run(_room, timeout=180):
+        assert msg and "elems_needed" in msg, msg
+        assert err < 1e-4, err

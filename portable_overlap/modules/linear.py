@@ -126,7 +126,8 @@ class RowParallelLinear(nn.Module):
             self._owned.append(self.ctx)
         self.reduce_ctx = reduce_ctx
         if reduce_ctx is None and fused and max_rows is not None:
-            self.reduce_ctx = MatmulReduce(world, max_elems=max_rows * out_features)
+            self.reduce_ctx = MatmulReduce(world, max_elems=MatmulReduce.elems_needed(
+                max_rows, out_features, world.world_size))
             self._owned.append(self.reduce_ctx)
         with torch.no_grad():
             self.weight.normal_(0.0, (in_features ** -0.5))

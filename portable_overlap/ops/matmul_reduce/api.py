@@ -44,9 +44,14 @@ MODES = ("reduce_scatter", "all_reduce")
 
 class MatmulReduce(OverlapContext):
     """Workspace of GEMM + ReduceScatter / AllReduce on one rank: a receive buffer for the peers'
-    partials and one for their reduced rows, ``max_elems`` elements each (M × N of the largest
-    call, any dtype of ``DTYPES``), in the symmetric heap; piece flags. Collective to create and
-    close; the same calls in the same order on every rank, on one stream."""
+    partials and one for their reduced rows, ``max_elems`` elements each (any dtype of
+    ``DTYPES``), in the symmetric heap; piece flags. Collective to create and close; the same
+    calls in the same order on every rank, on one stream.
+
+    A call needs ``MatmulReduce.elems_needed(M, N, W)`` = W·⌈M/W⌉·N elements: rank r receives
+    W partials of its own row block, and the largest block has ⌈M/W⌉ rows. That is M·N when W
+    divides M (always for reduce_scatter); size the context with ``elems_needed`` of the largest
+    call otherwise."""
 
     OP = OP
     FLAG_NAMES = CE_FLAG_NAMES
@@ -73,6 +78,12 @@ class MatmulReduce(OverlapContext):
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
                                       lanes=2)
 
+    @staticmethod
+    def elems_needed(M: int, N: int, world_size: int) -> int:
+        """Receive room (elements) a call with an [M, N] result needs on W = ``world_size``
+        ranks: W partials of the largest row block (⌈M/W⌉ rows)."""
+        return world_size * -(-M // world_size) * N
+
     def reduce_scatter(self, a: torch.Tensor, b: torch.Tensor,
                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rank r's row block ``[M*r/W, M*(r+1)/W)`` of ``sum_q a_q @ b_q`` (module docstring)."""
@@ -90,9 +101,12 @@ class MatmulReduce(OverlapContext):
         M, N = a.shape[0], b.shape[1]
         if mode == "reduce_scatter" and M % W:
             raise ValueError(f"{OP}.reduce_scatter: M={M} rows must split evenly over {W} ranks")
-        if M * N > self.max_elems:
-            raise ValueError(f"{OP}: M*N={M * N} exceeds this context's max_elems="
-                             f"{self.max_elems}")
+        need = self.elems_needed(M, N, W)
+        if need > self.max_elems:
+            raise ValueError(f"{OP}.{mode}: an [{M}, {N}] result on {W} ranks needs "
+                             f"{W}*ceil({M}/{W})*{N} = {need} elements of receive room; this "
+                             f"context has max_elems={self.max_elems} (size it with "
+                             f"MatmulReduce.elems_needed(M, N, world_size) of the largest call)")
         block = [M * q // W for q in range(W + 1)]  # rank q's rows: [block[q], block[q+1])
         rows_out = block[r + 1] - block[r] if mode == "reduce_scatter" else M
         if out is None:
