@@ -6,7 +6,8 @@ torch's fused_matmul_reduce_scatter, by the protocol in benchmarks/harness.py:
 
 Shapes (M, N, K) of the whole layer with K split: each rank holds a [M, K/W] and b [K/W, N]
 (b a transposed [N, K/W] weight, as a row-parallel linear holds it). Impls per mode: ``fused``
-(default pieces), ``fused[p=<n>]`` (other piece counts), ``sequential`` (torch.matmul, then
+(default pieces and put lanes), ``fused[p=<n>]`` (other piece counts), ``fused[lanes=<n>]``
+(other put-lane counts), ``sequential`` (torch.matmul, then
 reduce_scatter_tensor / all_reduce), ``compute``, ``comm``, and for reduce_scatter
 ``torch_fused`` (torch.ops.symm_mem.fused_matmul_reduce_scatter; skipped with the reason printed
 where it fails).
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="MxNxK,... (default: the issue's six)")
     ap.add_argument("--modes", default="reduce_scatter,all_reduce")
     ap.add_argument("--pieces", default="4", help="piece counts; the first is 'fused'")
+    ap.add_argument("--put-lanes", default="1", help="put-lane counts; the first is 'fused'")
     ap.add_argument("--no-plain", action="store_true", help="graph replay only")
     args = ap.parse_args()
     world = World.from_env()
@@ -48,7 +50,12 @@ def main() -> int:
     pieces = [int(p) for p in args.pieces.split(",")]
     modes = args.modes.split(",")
     max_elems = max(M * N for M, N, _ in shapes)
-    ctxs = {p: MatmulReduce(world, max_elems, pieces=p) for p in pieces}
+    lanes = [int(n) for n in args.put_lanes.split(",")]
+    variants = {"fused": (pieces[0], lanes[0])}
+    variants.update({f"fused[p={p}]": (p, lanes[0]) for p in pieces[1:]})
+    variants.update({f"fused[lanes={n}]": (pieces[0], n) for n in lanes[1:]})
+    ctxs = {name: MatmulReduce(world, max_elems, pieces=p, put_lanes=n)
+            for name, (p, n) in variants.items()}
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     table = []
     for M, N, K in shapes:
@@ -62,9 +69,8 @@ def main() -> int:
             out = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
             rs_out = torch.empty(M // W, N, device=dev, dtype=torch.bfloat16)
             impls = {}
-            for i, p in enumerate(pieces):
-                impls["fused" if i == 0 else f"fused[p={p}]"] = \
-                    lambda ctx=ctxs[p]: getattr(ctx, mode)(a, b, out)
+            for name, ctx in ctxs.items():
+                impls[name] = lambda ctx=ctx: getattr(ctx, mode)(a, b, out)
             if mode == "reduce_scatter":
                 coll = lambda: dist.reduce_scatter_tensor(rs_out, c)  # noqa: E731
             else:
@@ -114,8 +120,7 @@ def main() -> int:
     for ctx in ctxs.values():
         ctx.close()
     if world.rank == 0:
-        names = ["fused", *[f"fused[p={p}]" for p in pieces[1:]], "sequential", "torch_fused",
-                 "compute", "comm"]
+        names = [*variants, "sequential", "torch_fused", "compute", "comm"]
         print("\nms, graph replay, slowest rank's median; ideal = max(compute, comm); "
               "frac = (seq - fused) / (seq - ideal)")
         print(f"{'mode':>14} {'M x N x K':>18} " + " ".join(f"{n[:11]:>11}" for n in names)

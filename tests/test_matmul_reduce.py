@@ -14,12 +14,13 @@ REF = {"reduce_scatter": matmul_reduce_scatter_reference,
        "all_reduce": matmul_all_reduce_reference}
 
 
-def _cases(world, dtype, shapes, pieces):
+def _cases(world, dtype, shapes, pieces, put_lanes=1):
     """Both modes on every shape, on one context (shapes change between calls); each rank's K
     shard has its own width (a_q @ b_q need only agree on M and N)."""
     W = world.world_size
     ctx = MatmulReduce(world, max_elems=max(MatmulReduce.elems_needed(M, N, W)
-                                            for M, N, _ in shapes), pieces=pieces)
+                                            for M, N, _ in shapes), pieces=pieces,
+                       put_lanes=put_lanes)
     errs = []
     try:
         for i, (M, N, K) in enumerate(shapes):
@@ -153,3 +154,9 @@ def test_receive_room_is_checked(world):
     for msg, err in world.run(_room, timeout=180):
         assert msg and "elems_needed" in msg, msg
         assert err < 1e-4, err
+
+
+def test_one_put_lane_per_peer(world):
+    """W-1 put lanes (one stream per peer; clamped to the peer count, so 1 on 2 ranks)."""
+    for errs in world.run(_cases, torch.float32, SHAPES[:3], 2, 8):
+        assert all(e[2] < 1e-5 for e in errs), errs

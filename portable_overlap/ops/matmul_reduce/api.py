@@ -56,13 +56,19 @@ class MatmulReduce(OverlapContext):
     OP = OP
     FLAG_NAMES = CE_FLAG_NAMES
 
-    def __init__(self, world, max_elems: int, *, pieces: int = 4, timeout_s: float = 10.0):
+    def __init__(self, world, max_elems: int, *, pieces: int = 4, put_lanes: int = 1,
+                 timeout_s: float = 10.0):
         W = world.world_size
         if max_elems < 1:
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
         if not 1 <= pieces <= 128:
             raise ValueError(f"{OP}: pieces must be in [1, 128], got {pieces}")
-        world.check_same(f"{OP} context arguments (max_elems, pieces)", (max_elems, pieces))
+        if put_lanes < 1:
+            raise ValueError(f"{OP}: put_lanes must be >= 1, got {put_lanes}")
+        # more lanes than peers would stay idle
+        put_lanes = min(put_lanes, max(1, W - 1))
+        world.check_same(f"{OP} context arguments (max_elems, pieces, put_lanes)",
+                         (max_elems, pieces, put_lanes))
         super().__init__(world, [
             ("_partials_raw", (max_elems,), torch.float32),  # peers' partials of my rows
             # all_reduce: this rank's reduced rows, pulled by the peers (reduce_scatter: staging)
@@ -71,12 +77,15 @@ class MatmulReduce(OverlapContext):
             ("ce_ready", (W, 2 * pieces), torch.int64), ("ce_consumed", (W,), torch.int64),
             ("ce_ctl", (1,), torch.int64),
         ], timeout_s)
-        self.max_elems, self.pieces = max_elems, pieces
+        self.max_elems, self.pieces, self.put_lanes = max_elems, pieces, put_lanes
         self._partials = {dt: self._partials_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._reduced = {dt: self._reduced_raw.view(torch.uint8).view(dt) for dt in DTYPES}
-        # lane 0: partials out, reduced pieces offered; lane 1: the peers' reduced pieces in
+        # lanes 0..put_lanes-1: partials out (peer r+i on lane (i-1) % put_lanes, so with
+        # W-1 lanes each peer's sends queue on their own stream and copy engine); lane 0 also
+        # offers the reduced pieces; the last lane pulls the peers' reduced pieces in
+        self._pull_lane = put_lanes
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
-                                      lanes=2)
+                                      lanes=put_lanes + 1)
 
     @staticmethod
     def elems_needed(M: int, N: int, world_size: int) -> int:
@@ -133,21 +142,22 @@ class MatmulReduce(OverlapContext):
             start = W * (lo - block[q]) * N + src * (hi - lo) * N
             return partials[start:start + (hi - lo) * N].view(hi - lo, N)
 
+        pull_lane = self._pull_lane
         links.begin()
-        links.follow(1)  # lane 1 forks here: its pulls (queued below) wait for flags only
+        links.follow(pull_lane)  # forks here: its pulls (queued below) wait for flags only
         # 1. the peers' rows, peer r+1 first; a piece leaves while the next one is computed.
         #    Staging: all_reduce's own out rows (the pulls of step 3b overwrite them only after
         #    the peer has reduced this data, so after the copy read it); reduce_scatter's unused
         #    reduced buffer.
         for i in range(1, W):
-            d = (r + i) % W
+            d, lane = (r + i) % W, (i - 1) % self.put_lanes
             for k in range(P):
                 lo, hi = piece(d, k)
                 stage = out[lo:hi] if mode == "all_reduce" else reduced[lo:hi]
                 if hi > lo:
                     torch.matmul(a[lo:hi], b, out=stage)
-                links.follow()
-                with links.on_side():
+                links.follow(lane)
+                with links.on_side(lane):
                     if k == 0:
                         links.wait_consumed(d)
                     links.put(d, partial_slot(d, k, r), stage, k, tag)
@@ -178,9 +188,9 @@ class MatmulReduce(OverlapContext):
         if mode == "all_reduce":
             # 3b. the peers' reduced pieces, pulled as they are offered. Queued last on the host
             # (where there are no side streams, as in the interpreter, program order must not
-            # wait for a peer's step 2 before this rank's step 1), but lane 1 only waited for
-            # the call's start, so on a GPU they run during step 2.
-            with links.on_side(1):
+            # wait for a peer's step 2 before this rank's step 1), but the pull lane only waited
+            # for the call's start, so on a GPU they run during step 2.
+            with links.on_side(pull_lane):
                 for i in range(1, W):
                     q = (r + i) % W
                     for k in range(P):
@@ -188,8 +198,8 @@ class MatmulReduce(OverlapContext):
                         links.wait_ready(q, P + k, tag)
                         links.pull(q, out[lo:hi], reduced[lo:hi])
         # the release (the peers may overwrite what they sent and what this rank pulled) after
-        # every read of those buffers: this stream's addmm, lane 1's pulls
-        lane = 1 if mode == "all_reduce" else 0
+        # every read of those buffers: this stream's addmm, the pull lane's pulls
+        lane = pull_lane if mode == "all_reduce" else 0
         links.follow(lane)
         with links.on_side(lane):
             for q in peers:

@@ -1,0 +1,81 @@
+"""Speedup over the sequential baseline at two world sizes, from the results files.
+
+    python benchmarks/compare_worlds.py benchmarks/results/nvidia-h200-x2.jsonl \\
+        benchmarks/results/nvidia-h200-x4.jsonl [--plain] [--markdown]
+
+For every fused op and problem (the layer's shape: the fields that depend on the world, such as
+``K_local`` or ``tables_per_rank``, are left out of the match) it takes the newest row of each
+impl in each file, CUDA-graph replay unless ``--plain``, and prints fused / sequential /
+compute alone / communication alone and ``speedup = sequential / fused`` for both worlds, with
+``ideal = sequential / max(compute, comm)``, the most that overlap can give.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+OPS = ("gemv_allreduce", "gemm_alltoall", "allgather_gemm", "gemm_reduce_scatter",
+       "gemm_all_reduce", "moe_gemm_combine", "gemm_allreduce_signal",
+       "gemm_reducescatter_signal", "embedding_alltoall")
+PER_WORLD = ("K_local", "tables_per_rank")  # shape fields that change with the world size
+IMPLS = ("fused", "sequential", "compute", "comm")
+
+
+def _key(row):
+    shape = {k: v for k, v in row["shape"].items() if k not in PER_WORLD}
+    return row["op"], json.dumps(shape, sort_keys=True), row.get("dtype")
+
+
+def load(path, graph):
+    """{(op, shape, dtype): {impl: (median_ms, commit)}}, newest row per impl; and the world."""
+    table, world = {}, None
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("op") not in OPS or row.get("impl") not in IMPLS \
+                    or bool(row.get("graph")) != graph or "median_ms" not in row:
+                continue
+            world = row["world"]
+            table.setdefault(_key(row), {})[row["impl"]] = (row["median_ms"], row["commit"])
+    return table, world
+
+
+def _cells(entry):
+    t = {k: v[0] for k, v in entry.items()}
+    if not all(k in t for k in IMPLS):
+        return None
+    return (t["fused"], t["sequential"], t["compute"], t["comm"],
+            t["sequential"] / t["fused"], t["sequential"] / max(t["compute"], t["comm"]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("small")
+    p.add_argument("large")
+    p.add_argument("--plain", action="store_true", help="plain launches instead of graph replay")
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    a, wa = load(args.small, not args.plain)
+    b, wb = load(args.large, not args.plain)
+    cols = ["fused", "seq", "comp", "comm", "speedup", "ideal"]
+    head = ["op", "shape", "dtype"] + [f"{c} W={w}" for w in (wa, wb) for c in cols]
+    rows = []
+    for key in sorted(set(a) & set(b)):
+        ca, cb = _cells(a[key]), _cells(b[key])
+        if ca is None or cb is None:
+            continue
+        shape = ",".join(f"{v}" for v in json.loads(key[1]).values())
+        rows.append([key[0], shape, key[2] or ""] + [f"{x:.3f}" for x in ca + cb])
+    if args.markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        for r in [head] + rows:
+            print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()
