@@ -53,6 +53,7 @@ def main() -> int:
             world.barrier()
             call()
         torch.cuda.synchronize()
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"trace_{args.mode}_rank{world.rank}.json")
     prof.export_chrome_trace(path)
     ctx.close()
