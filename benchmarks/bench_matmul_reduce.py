@@ -40,7 +40,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="MxNxK,... (default: the issue's six)")
     ap.add_argument("--modes", default="reduce_scatter,all_reduce")
     ap.add_argument("--pieces", default="4", help="piece counts; the first is 'fused'")
-    ap.add_argument("--put-lanes", default="1", help="put-lane counts; the first is 'fused'")
+    ap.add_argument("--put-lanes", default="0",
+                    help="put-lane counts (0: the default, one per peer); the first is 'fused'")
     ap.add_argument("--no-plain", action="store_true", help="graph replay only")
     args = ap.parse_args()
     world = World.from_env()
@@ -54,7 +55,7 @@ def main() -> int:
     variants = {"fused": (pieces[0], lanes[0])}
     variants.update({f"fused[p={p}]": (p, lanes[0]) for p in pieces[1:]})
     variants.update({f"fused[lanes={n}]": (pieces[0], n) for n in lanes[1:]})
-    ctxs = {name: MatmulReduce(world, max_elems, pieces=p, put_lanes=n)
+    ctxs = {name: MatmulReduce(world, max_elems, pieces=p, put_lanes=n or None)
             for name, (p, n) in variants.items()}
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     table = []

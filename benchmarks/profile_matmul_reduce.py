@@ -25,7 +25,7 @@ def main() -> int:
     ap.add_argument("--mode", default="all_reduce")
     ap.add_argument("--shape", default="8192x8192x8192")
     ap.add_argument("--pieces", type=int, default=4)
-    ap.add_argument("--put-lanes", type=int, default=1)
+    ap.add_argument("--put-lanes", type=int, default=0, help="0: one per peer (the default)")
     ap.add_argument("--graph", action="store_true", help="profile CUDA-graph replays (what the "
                     "benchmark times) instead of plain launches (host-bound here)")
     args = ap.parse_args()
@@ -33,7 +33,7 @@ def main() -> int:
     M, N, K = map(int, args.shape.split("x"))
     dev, W = world.device, world.world_size
     ctx = MatmulReduce(world, MatmulReduce.elems_needed(M, N, world.world_size),
-                       pieces=args.pieces, put_lanes=args.put_lanes)
+                       pieces=args.pieces, put_lanes=args.put_lanes or None)
     a = torch.randn(M, K // W, device=dev).bfloat16()
     b = torch.randn(N, K // W, device=dev).bfloat16().t()
     fn = getattr(ctx, args.mode)

@@ -82,7 +82,7 @@ def _functions_and_bad(world):
             msgs.append(None)
         except (ValueError, TypeError) as e:
             msgs.append(str(e))
-    for kw in ({"pieces": 0}, {"pieces": 129}):
+    for kw in ({"pieces": 0}, {"pieces": 129}, {"put_lanes": 0}):
         try:
             MatmulReduce(world, 64, **kw)
             msgs.append(None)

@@ -56,15 +56,20 @@ class MatmulReduce(OverlapContext):
     OP = OP
     FLAG_NAMES = CE_FLAG_NAMES
 
-    def __init__(self, world, max_elems: int, *, pieces: int = 4, put_lanes: int = 1,
-                 timeout_s: float = 10.0):
+    def __init__(self, world, max_elems: int, *, pieces: int = 4,
+                 put_lanes: Optional[int] = None, timeout_s: float = 10.0):
         W = world.world_size
         if max_elems < 1:
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
         if not 1 <= pieces <= 128:
             raise ValueError(f"{OP}: pieces must be in [1, 128], got {pieces}")
-        if put_lanes < 1:
-            raise ValueError(f"{OP}: put_lanes must be >= 1, got {put_lanes}")
+        # Default: one lane per peer. On 4 H200s that took reduce_scatter at 8192^3 from 0.695
+        # to 0.608 ms and was faster at 9 of the 12 benchmark cases (the copies of different
+        # lanes overlap in part; one lane queued all 12 copies of a call behind each other).
+        if put_lanes is None:
+            put_lanes = max(1, W - 1)
+        if not isinstance(put_lanes, int) or put_lanes < 1:
+            raise ValueError(f"{OP}: put_lanes must be an int >= 1, got {put_lanes!r}")
         # more lanes than peers would stay idle
         put_lanes = min(put_lanes, max(1, W - 1))
         world.check_same(f"{OP} context arguments (max_elems, pieces, put_lanes)",
