@@ -72,7 +72,7 @@ fi
 if [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then
   run 240 examples/moe/moe_layer.py 2>&1 | tee "$out/example_moe.log" | grep -vE "^\[|Warning|warn" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  run 300 examples/transformer/prefill.py 2>&1 | tee "$out/example_prefill.log" | grep -vE "^\[|Warning|warn" | tail -12
+  run 300 examples/transformer/prefill.py --graph 2>&1 | tee "$out/example_prefill.log" | grep -vE "^\[|Warning|warn" | tail -13
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 # GEMM with tile-group signals (host-collective transport): checks, then its benchmark with the
