@@ -64,7 +64,7 @@ def main() -> None:
         ca, cb = _cells(a[key]), _cells(b[key])
         if ca is None or cb is None:
             continue
-        shape = ",".join(f"{v}" for v in json.loads(key[1]).values())
+        shape = " ".join(f"{k}={v}" for k, v in json.loads(key[1]).items())
         rows.append([key[0], shape, key[2] or ""] + [f"{x:.3f}" for x in ca + cb])
     if args.markdown:
         print("| " + " | ".join(head) + " |")

@@ -154,9 +154,12 @@ class MatmulReduce(OverlapContext):
         #    Staging: all_reduce's own out rows (the pulls of step 3b overwrite them only after
         #    the peer has reduced this data, so after the copy read it); reduce_scatter's unused
         #    reduced buffer.
-        for i in range(1, W):
-            d, lane = (r + i) % W, (i - 1) % self.put_lanes
-            for k in range(P):
+        #    Piece k for every peer before piece k+1 for any: each lane gets work from the start
+        #    and the lanes' copies run side by side (peer by peer, the lanes were fed one after
+        #    another and their copies ran in sequence: ~200-280 GB/s for 8 MiB pieces on 4 H200s).
+        for k in range(P):
+            for i in range(1, W):
+                d, lane = (r + i) % W, (i - 1) % self.put_lanes
                 lo, hi = piece(d, k)
                 stage = out[lo:hi] if mode == "all_reduce" else reduced[lo:hi]
                 if hi > lo:
