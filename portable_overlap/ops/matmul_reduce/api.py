@@ -10,9 +10,9 @@ dimension split over the ranks: a row-parallel linear layer, each rank holding a
 Schedule on rank r (``pieces`` = P row blocks per rank's block; the vendor BLAS computes, DMA
 moves, no SM is spent on communication):
 
-1. *partials for the peers first* (communication-aware order): for d = r+1, r+2, ..., each of
-   rank d's P pieces is computed (``a_r[rows] @ b_r``) and sent by DMA into d's heap while the
-   next piece is computed;
+1. *partials for the peers first* (communication-aware order): for k = 0..P-1 and
+   d = r+1, r+2, ..., piece k of rank d's rows is computed (``a_r[rows] @ b_r``) and sent by DMA
+   into d's heap (on d's lane, ``put_lanes``) while the next piece is computed;
 2. *own rows*: piece k of rank r's block waits (bounded, on the device) for piece k from every
    peer, then one ``addmm`` adds the peers' partial to this rank's own product (W = 2; with more
    ranks the own product goes beside the peers' and one sum reduces them). By then the peers'
@@ -64,8 +64,9 @@ class MatmulReduce(OverlapContext):
         if not 1 <= pieces <= 128:
             raise ValueError(f"{OP}: pieces must be in [1, 128], got {pieces}")
         # Default: one lane per peer. On 4 H200s that took reduce_scatter at 8192^3 from 0.695
-        # to 0.608 ms and was faster at 9 of the 12 benchmark cases (the copies of different
-        # lanes overlap in part; one lane queued all 12 copies of a call behind each other).
+        # to 0.608 ms and was faster at 9 of the 12 benchmark cases. The copies themselves still
+        # run one at a time (profiles of runs 8 and 12), but a lane's flag waits and signals
+        # no longer hold back the copies queued for the other peers.
         if put_lanes is None:
             put_lanes = max(1, W - 1)
         if not isinstance(put_lanes, int) or put_lanes < 1:
@@ -154,9 +155,10 @@ class MatmulReduce(OverlapContext):
         #    Staging: all_reduce's own out rows (the pulls of step 3b overwrite them only after
         #    the peer has reduced this data, so after the copy read it); reduce_scatter's unused
         #    reduced buffer.
-        #    Piece k for every peer before piece k+1 for any: each lane gets work from the start
-        #    and the lanes' copies run side by side (peer by peer, the lanes were fed one after
-        #    another and their copies ran in sequence: ~200-280 GB/s for 8 MiB pieces on 4 H200s).
+        #    Piece k for every peer before piece k+1 for any, so every lane has work from the
+        #    start. (Measured on 4 H200s, run 11: no change beyond noise against peer by peer,
+        #    RS 8192^3 0.631 -> 0.665, AR 1.140 -> 1.088 ms: the copies of different lanes do not
+        #    overlap there, one 8 MiB copy at a time at 170-300 GB/s, profile of run 12.)
         for k in range(P):
             for i in range(1, W):
                 d, lane = (r + i) % W, (i - 1) % self.put_lanes
