@@ -87,8 +87,8 @@ class MatmulReduce(OverlapContext):
         self._partials = {dt: self._partials_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._reduced = {dt: self._reduced_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         # lanes 0..put_lanes-1: partials out (peer r+i on lane (i-1) % put_lanes, so with
-        # W-1 lanes each peer's sends queue on their own stream and copy engine); lane 0 also
-        # offers the reduced pieces; the last lane pulls the peers' reduced pieces in
+        # W-1 lanes each peer's sends queue on a stream of their own); lane 0 also offers the
+        # reduced pieces; the last lane pulls the peers' reduced pieces in
         self._pull_lane = put_lanes
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
                                       lanes=put_lanes + 1)
@@ -151,7 +151,8 @@ class MatmulReduce(OverlapContext):
         pull_lane = self._pull_lane
         links.begin()
         links.follow(pull_lane)  # forks here: its pulls (queued below) wait for flags only
-        # 1. the peers' rows, peer r+1 first; a piece leaves while the next one is computed.
+        # 1. the peers' rows (peer r+1 first within each piece index); a piece leaves while the
+        #    next one is computed.
         #    Staging: all_reduce's own out rows (the pulls of step 3b overwrite them only after
         #    the peer has reduced this data, so after the copy read it); reduce_scatter's unused
         #    reduced buffer.
