@@ -14,7 +14,7 @@
 #      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
 #      its error against the measured op, the search's pick against a bounded exhaustive search;
 #      independent of PO_SKIP_SIG), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
-#      PO_COMMIT (recorded with every result).
+#      PO_COMMIT (recorded with every result), PO_ARCHIVE=1 (logs packed into gpu-logs.tgz).
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
@@ -115,5 +115,11 @@ fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
   timeout 300 python3 -m portable_overlap demo 2>&1 | tee "$out/demo.log" | grep -vE "^\[|Warning|warn" | tail -12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+# The device tool brings back at most 8 files: PO_ARCHIVE=1 packs the logs into one archive and
+# keeps only the results, the timings and the archive beside it.
+if [ "${PO_ARCHIVE:-0}" = 1 ]; then
+  (cd "$out" && tar czf ../gpu-logs.tgz . && find . -type f ! -name '*.jsonl' ! -name timing.txt -delete \
+     && mv ../gpu-logs.tgz .)
 fi
 exit $status
