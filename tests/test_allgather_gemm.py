@@ -3,6 +3,7 @@ all_gather + matmul."""
 import pytest
 import torch
 
+from portable_overlap import PortableOverlapError
 from portable_overlap.testing import call_while_peers_skip
 from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul, all_gather_matmul,
                                                  all_gather_matmul_reference, pick_schedule)
@@ -32,7 +33,8 @@ def _cases(world, dtype, shapes, pieces):
     return errs
 
 
-# shards whose rows do not split evenly into the pieces (empty pieces too), odd N and K
+# shards whose rows (1-D) and columns (2-D) do not split evenly into the pieces (empty pieces
+# too: m = 1 in 1-D, K = 3 < 4 pieces on 4 ranks in 2-D), odd N and K
 SHAPES = [(5, 7, 3), (8, 16, 12), (1, 9, 4), (3, 1, 17)]
 
 
@@ -60,7 +62,7 @@ def _op_and_bad(world):
                      ((a, torch.randn(7, 5)), {}),  # K mismatch
                      ((a, b.double()), {}),
                      ((a.t(), torch.randn(4, 5)), {}),  # not contiguous
-                     ((a, b), {"schedule": "uniform-fused-2d"})):
+                     ((a, b), {"schedule": "hetero-fused-2d"})):  # not offered
         try:
             ctx(*args, **kw)
             msgs.append(None)
@@ -93,12 +95,36 @@ def test_a_rank_that_skips_a_call_is_named(world2):
     assert "rank 1" in msg and "piece-ready" in msg, msg
 
 
+def _layouts_disagree(world):
+    """Rank 0 gathers row pieces, rank 1 column pieces: the buffers are laid out differently, so
+    the tags must tell them apart instead of computing on the wrong bytes."""
+    ctx = AllGatherMatmul(world, max_shard_elems=64, timeout_s=2.0)
+    sched = "hetero-unfused-1d" if world.rank == 0 else "hetero-unfused-2d"
+    try:
+        ctx(torch.randn(4, 8), torch.randn(8, 5), schedule=sched)
+        ctx.synchronize()
+        r = "no error"
+    except PortableOverlapError as e:
+        r = type(e).__name__
+    ctx.close()
+    return r
+
+
+def test_ranks_disagreeing_on_1d_or_2d_raise(world2):
+    for r in world2.run(_layouts_disagree, timeout=120):
+        assert r in ("RankMismatchError", "PeerTimeoutError"), r
+
+
 def test_heuristic_follows_intensity():
     # a skinny GEMM (low op-to-byte) gets one GEMM per step; a big square one starts at once on
     # the local shard with small independent GEMMs
     assert pick_schedule(256, 64, 64, 2, "sm_90") == "uniform-fused-1d"
     assert pick_schedule(16384, 8192, 8192, 2, "sm_90") == "hetero-unfused-1d"
     assert pick_schedule(2048, 1024, 1024, 2, "sm_90") == "hetero-fused-1d"
+    # M <= K would be the paper's 2-D case; 2-D is asked for by name until it is measured
+    for M, N, K in ((256, 64, 8192), (16384, 8192, 65536), (2048, 1024, 4096)):
+        assert pick_schedule(M, N, K, 2, "sm_90").endswith("-1d")
+    assert {"hetero-unfused-2d", "uniform-fused-2d"} <= set(SCHEDULES)
 
 
 def _column_parallel(world):

@@ -78,6 +78,57 @@ def test_cuda_ipc_handle_marshalling():
     assert int(driver.CUstream(0)) == 0
 
 
+class _Recorder:
+    """Stands in for a vendor module: the real module's types and enums, but the named call
+    records its arguments instead of reaching a driver this machine lacks."""
+
+    def __init__(self, real, call, result):
+        self._real, self._call, self._result, self.calls = real, call, result, []
+
+    def __getattr__(self, name):
+        if name == self._call:
+            return lambda *args: (self.calls.append(args), self._result)[1]
+        return getattr(self._real, name)
+
+
+def test_cuda_copy_2d_marshalling(monkeypatch):
+    pytest.importorskip("cuda.bindings")
+    import portable_overlap.backends.cuda as cuda_be
+
+    driver = cuda_be._import_driver()
+    rec = _Recorder(driver, "cuMemcpy2DAsync", (driver.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(cuda_be, "driver", rec)
+    be = object.__new__(cuda_be.CudaBackend)  # skips cuInit: no driver here
+    dst, src = 0x7F0000004000, 0x7F0000001000
+    be.copy_2d_async(dst, 4096, src, 1024, 24, 7, 0x1234)
+    (p, stream), = rec.calls
+    unified = driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED
+    assert isinstance(p, driver.CUDA_MEMCPY2D)
+    assert (int(p.srcDevice), p.srcPitch, p.srcMemoryType) == (src, 1024, unified)
+    assert (int(p.dstDevice), p.dstPitch, p.dstMemoryType) == (dst, 4096, unified)
+    assert (p.WidthInBytes, p.Height, p.srcXInBytes, p.srcY, p.dstXInBytes, p.dstY) == \
+        (24, 7, 0, 0, 0, 0)
+    assert int(stream) == 0x1234
+
+
+def test_hip_copy_2d_arguments(monkeypatch):
+    import portable_overlap.backends.rocm as rocm_be
+
+    try:
+        hip = rocm_be._import_hip()
+    except ImportError:
+        pytest.skip("hip-python not installed")
+    rec = _Recorder(hip, "hipMemcpy2DAsync", (hip.hipError_t.hipSuccess,))
+    monkeypatch.setattr(rocm_be, "hip", rec)
+    rocm_be.RocmBackend().copy_2d_async(0x7F0000004000, 4096, 0x7F0000001000, 1024, 24, 7, None)
+    assert rec.calls == [(0x7F0000004000, 4096, 0x7F0000001000, 1024, 24, 7,
+                          hip.hipMemcpyKind.hipMemcpyDeviceToDevice, 0)]
+    # the call's documented order: dst, dpitch, src, spitch, width, height, kind, stream
+    assert hip.hipMemcpy2DAsync.__doc__.startswith(
+        "hipMemcpy2DAsync(dst, size_t dpitch, src, size_t spitch, size_t width, size_t height, "
+        "kind, stream)")
+
+
 def test_hip_python_symbols_resolve():
     try:
         from portable_overlap.backends.rocm import SYMBOLS, _import_hip
@@ -118,6 +169,28 @@ def test_cpu_backend_memory_copy_and_flags():
         assert hm.device_address == hm.tensor.data_ptr()
         facts = be.device_facts(torch.device("cpu"))
         assert facts.sm_count >= 1 and facts.vendor == "cpu"
+    finally:
+        be.close_handle(peer)
+        be.free(a)
+
+
+def test_cpu_backend_copy_2d():
+    """A column block of one row-major matrix into a column block of another (the 2-D
+    AllGather+GEMM pieces), across two mappings of one segment; bytes beside the block stay."""
+    be = backend_classes()["cpu"]()
+    a = be.alloc_exportable(4096, torch.device("cpu"))
+    peer = be.open_handle(be.export_handle(a), 4096, torch.device("cpu"))
+    try:
+        src = torch.randn(5, 11, dtype=torch.float64)  # pitch 88 bytes
+        dst = a.tensor[:5 * 9 * 8].view(torch.float64).view(5, 9)  # pitch 72 bytes
+        dst.fill_(-1.0)
+        block = src[:, 3:7]
+        be.copy_2d_async(peer.address + 2 * 8, 9 * 8, block.data_ptr(), 11 * 8, 4 * 8, 5,
+                         be.current_stream(None))
+        want = torch.full((5, 9), -1.0, dtype=torch.float64)
+        want[:, 2:6] = block
+        assert torch.equal(dst, want)
+        be.copy_2d_async(0, 8, 0, 8, 8, 0, None)  # no rows: touches nothing
     finally:
         be.close_handle(peer)
         be.free(a)

@@ -62,6 +62,7 @@ def _every_op(world):
     # every schedule, not only the one pick_schedule gives these tiny shapes: they walk the
     # peers' pieces in different orders and layouts. 3 rows in 4 pieces, the first one empty
     # (the default, W pieces, costs twice the interpreted flag waits for the same edge case).
+    # The 2-D ones cut K = 7 into 4 column pieces. One call costs about 2 s here.
     ctx = AllGatherMatmul(world, max_shard_elems=3 * 7, pieces=4)
     a, b = torch.randn(3, 7, generator=g), torch.randn(7, 5, generator=torch.Generator())
     ref = all_gather_matmul_reference(a, b, world.group)
@@ -103,7 +104,8 @@ def _every_op(world):
 
 
 # one entry per op / variant above: a key reused by mistake would overwrite another's error
-N_CHECKS = 16
+# (13 plus one per AllGather+GEMM schedule)
+N_CHECKS = 13 + len(SCHEDULES)
 
 
 def test_every_op_on_eight_ranks(world8):

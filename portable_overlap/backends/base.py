@@ -31,6 +31,7 @@ ENTRIES = (
     "can_access_peer",
     "enable_peer_access",
     "copy_async",
+    "copy_2d_async",
     "stream_wait_value",
     "stream_write_value",
     "alloc_host_mapped",
@@ -141,6 +142,15 @@ class Backend(abc.ABC):
         """Copy ``nbytes`` from address ``src`` to ``dst`` (either may be a peer's) on the DMA
         copy engine, ordered on ``stream``; uses no SMs."""
         raise self._missing("copy_async")
+
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int,
+                      width_bytes: int, height: int, stream: Optional[int]) -> None:
+        """Copy ``height`` rows of ``width_bytes`` each from ``src`` to ``dst`` on the DMA copy
+        engine, ordered on ``stream``: row i starts at ``src + i * src_pitch`` and lands at
+        ``dst + i * dst_pitch`` (all in bytes; both pitches >= ``width_bytes``; either address may
+        be a peer's). One call moves a column block of a row-major matrix, which a 1-D copy could
+        only do row by row."""
+        raise self._missing("copy_2d_async")
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         """Make ``stream`` wait, without a spinning kernel, until the int32 at ``address`` is

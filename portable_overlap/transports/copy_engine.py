@@ -95,8 +95,9 @@ class CopyEngineLinks:
                                        self.ctx.status.address, d, what))
 
     def put(self, d: int, dst: torch.Tensor, src: torch.Tensor, slot: int, tag: int) -> None:
-        """Copy ``src`` (local, contiguous) into ``dst``'s place (a local heap view) in rank d's
-        heap, then set ``ready[rank][slot]`` there."""
+        """Copy ``src`` (local) into ``dst``'s place (a local heap view) in rank d's heap, then set
+        ``ready[rank][slot]`` there. Both contiguous, or both 2-D strided views with contiguous
+        rows (see ``_copy``)."""
         self._copy(dst, src, dst_peer=d)
         self.notify(d, slot, tag)
 
@@ -123,16 +124,33 @@ class CopyEngineLinks:
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, *, dst_peer: int | None = None,
               src_peer: int | None = None) -> None:
-        """``src``'s bytes into ``dst`` on the current stream's copy engine; a tensor with a peer
-        named stands for its place (a heap view) in that peer's heap. Nothing for an empty piece
-        (whose view may sit at the heap's end, where it has no peer address)."""
-        nbytes = src.numel() * src.element_size()
-        if nbytes:
-            heap = self.ctx.heap
-            self.backend.copy_async(
-                dst.data_ptr() if dst_peer is None else heap.peer_address(dst, dst_peer),
-                src.data_ptr() if src_peer is None else heap.peer_address(src, src_peer),
-                nbytes, self.backend.current_stream(self.world.device))
+        """``src``'s elements into ``dst`` on the current stream's copy engine; a tensor with a
+        peer named stands for its place (a heap view) in that peer's heap. Both contiguous: one
+        1-D copy of the bytes. Otherwise both must be 2-D views of one shape whose rows are
+        contiguous (``stride(1) == 1``, any ``stride(0)``), e.g. a column block of a row-major
+        matrix: one 2-D copy (``height`` rows of ``width`` bytes, each side's row pitch
+        ``stride(0)`` elements). Nothing for an empty piece (whose view may sit at the heap's
+        end, where it has no peer address)."""
+        if not src.numel():
+            return
+        heap, es = self.ctx.heap, src.element_size()
+        dst_addr = dst.data_ptr() if dst_peer is None else heap.peer_address(dst, dst_peer)
+        src_addr = src.data_ptr() if src_peer is None else heap.peer_address(src, src_peer)
+        stream = self.backend.current_stream(self.world.device)
+        if src.is_contiguous() and dst.is_contiguous():
+            self.backend.copy_async(dst_addr, src_addr, src.numel() * es, stream)
+            return
+        if src.dim() != 2 or dst.shape != src.shape or dst.element_size() != es or not all(
+                t.stride(1) == 1 or t.shape[1] == 1 for t in (src, dst)):
+            raise ValueError(
+                f"copy engine: a strided copy needs two 2-D views of one shape with contiguous "
+                f"rows; got {tuple(src.shape)} strides {src.stride()} into {tuple(dst.shape)} "
+                f"strides {dst.stride()}")
+        height, width = src.shape[0], src.shape[1] * es
+        # a single row's pitch is never used, but the 2-D copies reject a pitch below the width
+        dst_pitch, src_pitch = ((t.stride(0) * es if height > 1 else width) for t in (dst, src))
+        self.backend.copy_2d_async(dst_addr, dst_pitch, src_addr, src_pitch, width, height,
+                                   stream)
 
     def release(self, q: int) -> None:
         """Tell rank q that this rank has copied out everything q sent it in this call."""

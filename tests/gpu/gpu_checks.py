@@ -87,6 +87,21 @@ def _check_backend(world, gen, be, heap) -> None:
     world.barrier()
     got = world.all_gather_object(src.cpu())[(world.rank - 1) % world.world_size]
     record("backend: copy engine into a peer's heap", torch.equal(buf.cpu(), got))
+    # 2-D copy: columns 3..10 of my [32, 24] matrix into columns 5..12 of the next rank's
+    # [32, 40] one (pitches 96 and 160 bytes); the columns around the block must stay -1
+    mat = heap.alloc((32, 40), torch.float32)
+    mat.fill_(-1.0)
+    src2 = rand((32, 24), torch.float32, world.device, gen)
+    torch.cuda.synchronize()
+    world.barrier()  # every peer's -1 is in place before anyone copies into it
+    be.copy_2d_async(heap.peer_address(mat[:, 5:], peer), 40 * 4, src2[:, 3:].data_ptr(),
+                     24 * 4, 8 * 4, 32, be.current_stream(world.device))
+    torch.cuda.synchronize()
+    world.barrier()
+    got2 = world.all_gather_object(src2.cpu())[(world.rank - 1) % world.world_size]
+    want2 = torch.full((32, 40), -1.0)
+    want2[:, 5:13] = got2[:, 3:11]
+    record("backend: 2-D copy engine into a peer's heap", torch.equal(mat.cpu(), want2))
     # stream wait-value: a side stream holds a copy until another stream writes the flag. Both
     # are created streams: the legacy default stream would wait for the held one (deadlock).
     dst = torch.zeros_like(src)
@@ -295,6 +310,12 @@ def check_allgather_gemm(world: World, gen) -> None:
             lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
         record("allgather+gemm 10 graph replays", worst < TOL[torch.bfloat16] * 2,
                f"worst rel_err={worst:.2e}")
+        # the default schedule is 1-D; the 2-D copies (cuMemcpy2DAsync) under capture too
+        worst = worst_over_graph_replays(
+            ctx, lambda: ctx(a, b, out, schedule="uniform-fused-2d"), a, out,
+            lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
+        record("allgather+gemm uniform-fused-2d 10 graph replays",
+               worst < TOL[torch.bfloat16] * 2, f"worst rel_err={worst:.2e}")
     finally:
         ctx.close()
 

@@ -2,8 +2,9 @@
 
 Memory for the symmetric heap comes from ``cuMemAlloc`` and travels between processes as a legacy
 IPC handle (``cuIpcGetMemHandle`` / ``cuIpcOpenMemHandle`` with lazy peer access), which works for
-the one-process-per-GPU layout torchrun gives. Copies go through ``cuMemcpyAsync`` (copy engine,
-unified addressing), stream flags through ``cuStreamWaitValue32`` / ``cuStreamWriteValue32``.
+the one-process-per-GPU layout torchrun gives. Copies go through ``cuMemcpyAsync`` and
+``cuMemcpy2DAsync`` (copy engine, unified addressing), stream flags through
+``cuStreamWaitValue32`` / ``cuStreamWriteValue32``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .._native import DeviceArray, lazy_module
 SYMBOLS = (
     "cuInit", "cuDeviceGet", "cuDeviceGetAttribute", "cuMemAlloc", "cuMemFree", "cuIpcGetMemHandle",
     "cuIpcOpenMemHandle", "cuIpcCloseMemHandle", "CUipcMemHandle", "cuDeviceCanAccessPeer",
-    "cuDevicePrimaryCtxRetain", "cuCtxEnablePeerAccess", "cuMemcpyAsync", "cuStreamWaitValue32",
+    "cuDevicePrimaryCtxRetain", "cuCtxEnablePeerAccess", "cuMemcpyAsync", "cuMemcpy2DAsync",
+    "CUDA_MEMCPY2D", "CUmemorytype", "cuStreamWaitValue32",
     "cuStreamWriteValue32", "cuMemHostGetDevicePointer", "CUstream", "CUdeviceptr",
     "CUipcMem_flags", "CUstreamWaitValue_flags", "CUstreamWriteValue_flags", "CUdevice_attribute",
     "CUresult",
@@ -65,6 +67,21 @@ def make_ipc_handle(data: bytes):
     h = driver.CUipcMemHandle()
     ctypes.memmove(h.getPtr(), data, _IPC_HANDLE_BYTES)
     return h
+
+
+def make_memcpy2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width_bytes: int,
+                  height: int):
+    """The CUDA_MEMCPY2D of a strided copy between two addresses. Both sides are described as
+    unified addresses (CU_MEMORYTYPE_UNIFIED): the driver then works out for itself whether an
+    address is this device's memory, a peer's heap opened through IPC or mapped host memory, as
+    cuMemcpyAsync does; CU_MEMORYTYPE_DEVICE would claim the local device for a peer's address.
+    Offsets (X, Y) stay 0: the addresses already point at the first byte to move."""
+    unified = driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED
+    p = driver.CUDA_MEMCPY2D()
+    p.srcMemoryType, p.srcDevice, p.srcPitch = unified, driver.CUdeviceptr(src), src_pitch
+    p.dstMemoryType, p.dstDevice, p.dstPitch = unified, driver.CUdeviceptr(dst), dst_pitch
+    p.WidthInBytes, p.Height = width_bytes, height
+    return p
 
 
 class CudaBackend(Backend):
@@ -160,6 +177,12 @@ class CudaBackend(Backend):
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
         check(driver.cuMemcpyAsync(driver.CUdeviceptr(dst), driver.CUdeviceptr(src), nbytes,
                                    driver.CUstream(stream or 0)))
+
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int,
+                      width_bytes: int, height: int, stream: Optional[int]) -> None:
+        check(driver.cuMemcpy2DAsync(
+            make_memcpy2d(dst, dst_pitch, src, src_pitch, width_bytes, height),
+            driver.CUstream(stream or 0)))
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         check(driver.cuStreamWaitValue32(

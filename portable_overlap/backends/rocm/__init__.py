@@ -1,9 +1,9 @@
 """AMD backend over hip-python (``from hip import hip``).
 
 The same design as the CUDA backend: ``hipMalloc`` memory exported through HIP IPC handles, opened
-with lazy peer access; ``hipMemcpyAsync`` on the SDMA engines; ``hipStreamWaitValue32`` /
-``hipStreamWriteValue32`` for stream-ordered flags; pinned host memory from torch, whose device
-address ``hipHostGetDevicePointer`` returns.
+with lazy peer access; ``hipMemcpyAsync`` / ``hipMemcpy2DAsync`` on the SDMA engines;
+``hipStreamWaitValue32`` / ``hipStreamWriteValue32`` for stream-ordered flags; pinned host memory
+from torch, whose device address ``hipHostGetDevicePointer`` returns.
 
 Not run on AMD hardware in this project so far: CI imports this module and checks that every HIP
 symbol below resolves in hip-python and that argument objects are built the way the calls take
@@ -25,8 +25,9 @@ SYMBOLS = (
     "hipSetDevice", "hipDeviceGetAttribute", "hipDeviceAttribute_t", "hipMalloc", "hipFree",
     "hipIpcGetMemHandle", "hipIpcOpenMemHandle", "hipIpcCloseMemHandle", "hipIpcMemHandle_t",
     "hipIpcMemLazyEnablePeerAccess", "hipDeviceCanAccessPeer", "hipDeviceEnablePeerAccess",
-    "hipMemcpyAsync", "hipMemcpyKind", "hipStreamWaitValue32", "hipStreamWaitValueGte",
-    "hipStreamWriteValue32", "hipHostGetDevicePointer", "hipGetErrorName", "hipError_t",
+    "hipMemcpyAsync", "hipMemcpy2DAsync", "hipMemcpyKind", "hipStreamWaitValue32",
+    "hipStreamWaitValueGte", "hipStreamWriteValue32", "hipHostGetDevicePointer", "hipGetErrorName",
+    "hipError_t",
 )
 
 
@@ -137,6 +138,12 @@ class RocmBackend(Backend):
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
         check(hip.hipMemcpyAsync(dst, src, nbytes, hip.hipMemcpyKind.hipMemcpyDeviceToDevice,
                                  stream or 0))
+
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int,
+                      width_bytes: int, height: int, stream: Optional[int]) -> None:
+        # device-to-device like copy_async: a peer's heap is device memory opened through IPC
+        check(hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width_bytes, height,
+                                   hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream or 0))
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         check(hip.hipStreamWaitValue32(stream or 0, address, value, hip.hipStreamWaitValueGte,

@@ -1,4 +1,4 @@
-"""AllGather + GEMM over the copy-engine transport, with the FiCCO schedules (1-D).
+"""AllGather + GEMM over the copy-engine transport, with the FiCCO schedules (1-D and 2-D).
 
 What it computes, with ``a_r`` [m, K] the row shard rank r passes and ``b`` [K, N] (the same on
 every rank, e.g. a column-parallel weight's local columns)::
@@ -7,10 +7,10 @@ every rank, e.g. a column-parallel weight's local columns)::
 
 i.e. ``all_gather(a) @ b`` (sequence-parallel input of a column-parallel linear), with the gather
 done by DMA (copy engines: no SM) one level finer than the shards (FiCCO): each shard is cut into
-``pieces`` row blocks (default: W), rank r pushes piece p of its shard to every peer's heap, piece
+``pieces`` pieces (default: W), rank r pushes piece p of its shard to every peer's heap, piece
 after piece, as soon as the call starts (one copy stream per peer), and computes on what has
-arrived. Schedules
-(``schedule=``; default: ``pick_schedule``):
+arrived. Schedules (``schedule=``; default: ``pick_schedule``), 1-D ones (a piece is a block of
+rows, ``a_r[i0:i1]``, gathered piece-major ``[p][q][rows, K]``):
 
 - ``"hetero-unfused-1d"``: this rank's own shard first (no waiting), then one GEMM per arrived
   (peer, piece) buffer, each written straight into its rows of ``out``;
@@ -19,10 +19,25 @@ arrived. Schedules
 - ``"uniform-fused-1d"``: every step p is one GEMM over all W ranks' piece p (this rank's own
   piece copied beside the peers'), so every step runs the same GEMM.
 
+2-D ones (a piece is a block of columns, ``a_r[:, k0:k1]``, pieces along K, moved by one 2-D DMA
+copy each; gathered rank-major, so the buffer is ``cat(all_gather(a))`` as a row-major
+[W*m, K] matrix once every piece is in), each GEMM a partial sum over its K block::
+
+    out[q*m:(q+1)*m]  = a_q[:, k_0] @ b[k_0]         # first non-empty piece
+    out[q*m:(q+1)*m] += a_q[:, k_p] @ b[k_p]         # every later piece, in place (addmm)
+
+- ``"hetero-unfused-2d"``: own rows first over the whole K (no waiting), then per piece p one
+  GEMM per peer q as its block p arrives;
+- ``"uniform-fused-2d"`` (the paper's 2-D schedule): per piece p one GEMM over all W*m rows
+  (this rank's block copied beside the peers').
+
+The 2-D partial sums round ``out`` once per piece: bf16/fp16 results carry about sqrt(pieces)
+times the 1-D schedules' rounding error (see ``_call_2d``). The 2-D schedules have run on
+CPU-emulated ranks only; nothing about them is measured on a GPU yet, so ``pick_schedule`` never
+returns them: ask for them by name.
+
 Every wait is a bounded one-program kernel on the compute stream (transports/copy_engine.py): a
-rank that never sends makes the call raise ``PeerTimeoutError`` at the next check, not hang. The
-2-D schedule of the paper (pieces along K, partial sums) needs 2-D DMA copies, which the backends
-do not offer yet.
+rank that never sends makes the call raise ``PeerTimeoutError`` at the next check, not hang.
 """
 from __future__ import annotations
 
@@ -35,7 +50,8 @@ from ..context import OverlapContext, get_context, shape_tag
 from ..matmul.api import DTYPES, check_operands
 
 OP = "all_gather_matmul"
-SCHEDULES = ("hetero-unfused-1d", "hetero-fused-1d", "uniform-fused-1d")
+SCHEDULES = ("hetero-unfused-1d", "hetero-fused-1d", "uniform-fused-1d", "hetero-unfused-2d",
+             "uniform-fused-2d")
 
 #: machine op-to-byte ratios (dense bf16 FLOP/s over HBM bytes/s) from the figures measured on the
 #: 2-GPU machine (../shared/DESIGN.md: cuBLAS 671 TFLOP/s, HBM 4.37 TB/s); other devices use the
@@ -48,8 +64,10 @@ def pick_schedule(M: int, N: int, K: int, elem_bytes: int, arch: str) -> str:
     FLOPs over the bytes of A, B and C) is low lose least to one large GEMM per step
     (``uniform-fused``), intense ones lose least to small independent GEMMs starting on the local
     shard at once (``hetero-unfused``, above 5× the machine's ratio), ``hetero-fused`` between.
-    (The paper weighs intensity with memory traffic and picks the 2-D schedule when M <= K; this
-    library has no 2-D schedule yet, see the module docstring.)"""
+    The paper also weighs memory traffic and picks its 2-D schedule when M <= K. This library has
+    2-D schedules (``hetero-unfused-2d``, ``uniform-fused-2d``), but they have run on
+    CPU-emulated ranks only: until their 2-D copies and partial-sum GEMMs are timed on a GPU
+    against the 1-D ones, the heuristic never returns them and a caller asks for them by name."""
     otb = 2.0 * M * N * K / (elem_bytes * (M * K + K * N + M * N))
     machine = MACHINE_OTB.get(arch, MACHINE_OTB["sm_90"])
     if otb < machine:
@@ -116,10 +134,30 @@ class AllGatherMatmul(OverlapContext):
         if sched not in SCHEDULES:
             raise ValueError(f"{OP}: schedule must be one of {SCHEDULES}, got {sched!r}")
         P = self.pieces
+        peers = [(r - i) % W for i in range(1, W)]  # the order their first pieces arrive in
+        # the shapes, the piece cut and the gather buffer's layout (1-D: piece-major, 2-D:
+        # rank-major) must agree across ranks: a rank called differently is caught by the tag its
+        # pieces carry
+        tag = shape_tag(OP, m, K, str(a.dtype), P, sched[-2:])
+        links = self._links
+        links.begin()
+        if sched.endswith("2d"):
+            self._call_2d(a, b, out, sched, peers, tag)
+        else:
+            self._call_1d(a, b, out, sched, peers, tag)
+        for q in peers:
+            links.release(q)
+        links.rejoin()
+        self._after_call()
+        return out
+
+    def _call_1d(self, a, b, out, sched, peers, tag) -> None:
+        """Pieces are row blocks of the shards (see the module docstring)."""
+        W, r = self.world.world_size, self.rank
+        m, K = a.shape
+        N = b.shape[1]
+        P = self.pieces
         bounds = [m * p // P for p in range(P + 1)]
-        # the shapes and the piece cut must agree across ranks: a rank called differently is
-        # caught by the tag its pieces carry
-        tag = shape_tag(OP, m, K, str(a.dtype), P)
         gather = self._gather[a.dtype][: W * m * K]
 
         def slot(p, q):  # rank q's piece p in the piece-major gather buffer: [p][q][rows, K]
@@ -127,7 +165,6 @@ class AllGatherMatmul(OverlapContext):
             return gather[lo:lo + (bounds[p + 1] - bounds[p]) * K]
 
         links = self._links
-        links.begin()
         for i in range(1, W):  # push this rank's shard, piece by piece, to every peer
             d = (r + i) % W
             links.follow(i - 1)
@@ -135,7 +172,6 @@ class AllGatherMatmul(OverlapContext):
                 links.wait_consumed(d)
                 for p in range(P):
                     links.put(d, slot(p, r), a[bounds[p]:bounds[p + 1]], p, tag)
-        peers = [(r - i) % W for i in range(1, W)]  # the order their first pieces arrive in
         if sched.startswith("hetero"):
             torch.matmul(a, b, out=out[r * m:(r + 1) * m])  # no waiting for the local shard
         for p in range(P):
@@ -164,11 +200,62 @@ class AllGatherMatmul(OverlapContext):
                 for q in range(q0, q1):
                     out[q * m + bounds[p]:q * m + bounds[p + 1]].copy_(
                         res[(q - q0) * rows:(q - q0 + 1) * rows])
-        for q in peers:
-            links.release(q)
-        links.rejoin()
-        self._after_call()
-        return out
+
+    def _call_2d(self, a, b, out, sched, peers, tag) -> None:
+        """Pieces are column blocks of the shards (pieces along K), each GEMM a partial sum.
+
+        The gather buffer is rank-major: rank q's shard is a whole row-major [m, K] block there,
+        so piece p of it, ``a_q[:, k0:k1]``, is a strided view (m rows of k1-k0 elements, pitch
+        K) that one 2-D DMA copy fills, and rank q's rows of ``out`` are its GEMM's rows, with no
+        scatter afterwards.
+
+        Precision: the partial sums accumulate in ``out`` itself (``addmm_``, beta 1), so a bf16
+        or fp16 ``out`` is rounded once per non-empty piece instead of once: about sqrt(P) times
+        the 1-D schedules' rounding error (fp32 stays at fp32's). An fp32 staging buffer would
+        round once, but it costs [W*m, N] fp32 of workspace, partial sums read and written at
+        twice ``out``'s bytes per piece (bf16) and a final cast pass, all on the path this
+        schedule exists to shorten; for the default P = W (2 to 8) the extra error stays well
+        inside what a bf16 result carries, so the sums stay in ``out``. Revisit if P grows toward
+        64 (the paper's deepest cut)."""
+        W, r = self.world.world_size, self.rank
+        m, K = a.shape
+        P = self.pieces
+        kb = [K * p // P for p in range(P + 1)]  # K < P leaves some pieces empty
+        gathered = self._gather[a.dtype][: W * m * K].view(W * m, K)  # cat(all_gather(a))
+        shards = gathered.view(W, m, K)
+        links = self._links
+        for i in range(1, W):  # push this rank's shard, column block by block, to every peer
+            d = (r + i) % W
+            links.follow(i - 1)
+            with links.on_side(i - 1):  # peer r+i's lane
+                links.wait_consumed(d)
+                for p in range(P):  # an empty block copies nothing but still sets its flag
+                    links.put(d, shards[r, :, kb[p]:kb[p + 1]], a[:, kb[p]:kb[p + 1]], p, tag)
+        first = next(p for p in range(P) if kb[p + 1] > kb[p])  # K >= 1: there is one
+        hetero = sched.startswith("hetero")
+        if hetero:
+            torch.matmul(a, b, out=out[r * m:(r + 1) * m])  # no waiting for the local shard
+            runs = [(q, q + 1) for q in peers]  # one GEMM per peer, as its piece arrives
+        else:  # uniform: every step is one GEMM over all W shards' block p (this rank's too)
+            runs = [(0, W)]
+        for p in range(P):
+            k0, k1 = kb[p], kb[p + 1]
+            if not hetero:
+                for q in peers:
+                    links.wait_ready(q, p, tag)
+                if k1 > k0:
+                    shards[r, :, k0:k1].copy_(a[:, k0:k1])
+            for q0, q1 in runs:
+                if hetero:
+                    links.wait_ready(q0, p, tag)
+                if k1 == k0:  # nothing to add, but the flag above had to be consumed
+                    continue
+                rows = out[q0 * m:q1 * m]
+                piece = gathered[q0 * m:q1 * m, k0:k1]  # strided: pitch K, no copy
+                if p == first:
+                    torch.matmul(piece, b[k0:k1], out=rows)
+                else:
+                    rows.addmm_(piece, b[k0:k1])
 
     def _stage_out(self, rows: int, N: int, dtype) -> torch.Tensor:
         """The fused schedules' per-step output (kept: no allocation on later calls)."""
