@@ -121,6 +121,21 @@ def get_context(handle: int) -> OverlapContext:
         raise ValueError(f"no open portable_overlap context with handle {handle}") from None
 
 
+def output_tensor(op: str, out: Optional[torch.Tensor], shape: Sequence[int],
+                  like: torch.Tensor) -> torch.Tensor:
+    """The op's result tensor: ``out`` after checking it is a contiguous tensor of ``shape`` with
+    ``like``'s dtype and device, or a new one when ``out`` is None."""
+    shape = tuple(shape)
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device \
+            or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be a contiguous {like.dtype} {list(shape)} tensor on "
+                         f"{like.device}; got {out.dtype} {list(out.shape)} on {out.device}"
+                         + ("" if out.is_contiguous() else " (not contiguous)"))
+    return out
+
+
 def align_key(*tensors: torch.Tensor) -> tuple:
     """What a compiled kernel assumes about its pointers (16-byte alignment): part of plan keys."""
     return tuple(t.data_ptr() % 16 for t in tensors)

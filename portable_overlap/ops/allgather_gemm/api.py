@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import OverlapContext, get_context, shape_tag
+from ..context import OverlapContext, get_context, output_tensor, shape_tag
 from ..matmul.api import DTYPES, check_operands
 
 OP = "all_gather_matmul"
@@ -123,12 +123,7 @@ class AllGatherMatmul(OverlapContext):
                              f"max_shard_elems={self.max_shard_elems}")
         if not a.is_contiguous():
             raise ValueError(f"{OP}: a must be contiguous (its rows are copied by DMA)")
-        if out is None:
-            out = torch.empty((W * m, N), dtype=a.dtype, device=a.device)
-        elif out.shape != (W * m, N) or out.dtype != a.dtype or out.device != a.device \
-                or not out.is_contiguous():
-            raise ValueError(f"{OP}: out must be a contiguous {a.dtype} [{W * m}, {N}] tensor "
-                             f"on {a.device}")
+        out = output_tensor(OP, out, (W * m, N), a)
         sched = schedule or self.schedule or pick_schedule(
             W * m, N, K, a.element_size(), self.world.facts.arch)
         if sched not in SCHEDULES:

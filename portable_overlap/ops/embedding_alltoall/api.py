@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ...shmem.providers import get_provider
-from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
+from ..context import G_MAX, OverlapContext, align_key, get_context, output_tensor, shape_tag
 from ..launch import PlannedLaunch
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
 from .plan import ShardingPlan
@@ -226,12 +226,7 @@ class EmbeddingAllToAll(OverlapContext):
         if (self.validate if validate is None else validate) and not _capturing(weight):
             self._validate_data(lengths, indices)
         shape = self.output_shape(splits)
-        if out is None:
-            out = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-        elif tuple(out.shape) != shape or out.dtype != weight.dtype \
-                or out.device != weight.device or not out.is_contiguous():
-            raise ValueError(f"{OP}: out must be a contiguous {weight.dtype} {list(shape)} tensor "
-                             f"on {weight.device}; got {out.dtype} {list(out.shape)}")
+        out = output_tensor(OP, out, shape, weight)
         # bag offsets: exclusive prefix sum of lengths (no host sync: graph-capturable), in a
         # buffer that grows only when a larger batch first arrives (offsets[0] stays 0)
         if self._offsets.numel() < lengths.numel() + 1:

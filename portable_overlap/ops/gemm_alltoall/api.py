@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
+from ..context import G_MAX, OverlapContext, align_key, get_context, output_tensor, shape_tag
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
@@ -81,12 +81,7 @@ class GemmAllToAll(OverlapContext):
         _validate(a, b, self.world, self.max_elems)
         M, K = a.shape
         N = b.shape[1]
-        if out is None:
-            out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-        elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device \
-                or not out.is_contiguous():
-            raise ValueError(f"{OP}: out must be a contiguous {a.dtype} [{M}, {N}] tensor on "
-                             f"{a.device}")
+        out = output_tensor(OP, out, (M, N), a)
         if self._links is not None:
             self._call_copy_engine(a, b, out)
             self._after_call()

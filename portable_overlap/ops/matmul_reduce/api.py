@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import OverlapContext, get_context, shape_tag
+from ..context import OverlapContext, get_context, output_tensor, shape_tag
 from ..matmul.api import DTYPES, check_operands
 
 OP = "matmul_reduce"
@@ -124,12 +124,7 @@ class MatmulReduce(OverlapContext):
                              f"MatmulReduce.elems_needed(M, N, world_size) of the largest call)")
         block = [M * q // W for q in range(W + 1)]  # rank q's rows: [block[q], block[q+1])
         rows_out = block[r + 1] - block[r] if mode == "reduce_scatter" else M
-        if out is None:
-            out = torch.empty((rows_out, N), dtype=a.dtype, device=a.device)
-        elif out.shape != (rows_out, N) or out.dtype != a.dtype or out.device != a.device \
-                or not out.is_contiguous():
-            raise ValueError(f"{OP}.{mode}: out must be a contiguous {a.dtype} [{rows_out}, {N}] "
-                             f"tensor on {a.device}")
+        out = output_tensor(f"{OP}.{mode}", out, (rows_out, N), a)
         links = self._links
         partials = self._partials[a.dtype]
         reduced = self._reduced[a.dtype][: M * N].view(M, N)

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
+from ..context import G_MAX, OverlapContext, align_key, get_context, output_tensor, shape_tag
 from ..launch import PlannedLaunch
 from ...shmem.providers import get_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config
@@ -118,12 +118,7 @@ class MoeGemmCombine(OverlapContext):
         self._before_call()
         self._validate(x, w, counts, slots, topk_weights)
         S = topk_weights.shape[0]
-        if out is None:
-            out = torch.empty((S, self.hidden), dtype=x.dtype, device=x.device)
-        elif out.shape != (S, self.hidden) or out.dtype != x.dtype or out.device != x.device \
-                or not out.is_contiguous():
-            raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{S}, {self.hidden}] "
-                             f"tensor on {x.device}")
+        out = output_tensor(OP, out, (S, self.hidden), x)
         # row starts of the segments, in the context's buffer: device ops, no host sync, no
         # allocation (the previous call's kernels read it earlier in stream order)
         flat = counts.reshape(-1)
