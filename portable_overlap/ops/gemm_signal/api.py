@@ -167,15 +167,8 @@ class GemmSignal:
 
         gemm() bumps the same counters the op's stream waits read, so an op call after gemm()
         without reset() would pass its waits early."""
-        self.check()
-        op = KINDS[kind]
-        cfg = config or self.config
-        check_operands(op, a, b, self.device)
-        M, K = a.shape
-        N = b.shape[1]
-        if kind != "all_reduce" and M % self.size:
-            raise ValueError(f"{op}: M={M} rows must split evenly over {self.size} ranks")
-        _check_2d(op, "out", out, (M // self.size if kind == "reduce_scatter" else M, N), a)
+        op, cfg, M, N, K, out_rows = self._check_call(kind, a, b, config)
+        _check_2d(op, "out", out, (out_rows, N), a)
         plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
         gemm, reorder = self._launch_plan(plan, a, b, out, None, None, None, None)
         stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
@@ -198,19 +191,22 @@ class GemmSignal:
         self.check()
 
     # -- one call ------------------------------------------------------------------------------
-    def _call(self, kind, a, b, out, bias, residual, config, rms_weight=None, eps=1e-6,
-              normed=None):
+    def _check_call(self, kind, a, b, config):
+        """What every call of ``kind`` checks first: (op name, config, M, N, K, rows of out)."""
         self.check()
         op = KINDS[kind]
-        # the caller's stream: the comm stream forks from it and it joins the comm stream
-        self._caller = self._mod.current_stream(self.device) if self._mod else None
-        cfg = config or self.config
         check_operands(op, a, b, self.device)
         M, K = a.shape
         N = b.shape[1]
         if kind != "all_reduce" and M % self.size:
             raise ValueError(f"{op}: M={M} rows must split evenly over {self.size} ranks")
-        out_rows = M // self.size if kind == "reduce_scatter" else M
+        return op, config or self.config, M, N, K, M // self.size if kind == "reduce_scatter" else M
+
+    def _call(self, kind, a, b, out, bias, residual, config, rms_weight=None, eps=1e-6,
+              normed=None):
+        op, cfg, M, N, K, out_rows = self._check_call(kind, a, b, config)
+        # the caller's stream: the comm stream forks from it and it joins the comm stream
+        self._caller = self._mod.current_stream(self.device) if self._mod else None
         if out is None:
             out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
         _check_2d(op, "out", out, (out_rows, N), a)
