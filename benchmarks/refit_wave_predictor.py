@@ -31,6 +31,7 @@ import dataclasses
 import json
 import statistics
 import sys
+from typing import Optional
 
 from portable_overlap.schedule.predict import Calibration, predict_ms, search
 
@@ -68,14 +69,17 @@ def load(path: str, commit: str) -> dict:
     return {k: v for k, v in runs.items() if "cal" in v and v["parts"]}
 
 
-def logged_calibration(row: dict) -> Calibration:
+def logged_calibration(row: dict, comm_slowdown: Optional[float] = None,
+                       group_overhead_ms: Optional[float] = None) -> Calibration:
     """The calibration the run predicted with (its main variant; runs before the collective
-    terms have none: 1 and 0)."""
-    return Calibration(wave_ms=row["wave_ms"], tiles_per_wave=row["tiles_per_wave"],
-                       comm_curve=row["comm_curve"], slowdown=row["slowdown"],
-                       reorder_ms=row["reorder_ms"],
-                       comm_slowdown=row.get("comm_slowdown", 1.0),
-                       group_overhead_ms=row.get("group_overhead_ms", 0.0))
+    terms have none: 1 and 0), with the two collective terms replaced where given."""
+    return Calibration(
+        wave_ms=row["wave_ms"], tiles_per_wave=row["tiles_per_wave"],
+        comm_curve=row["comm_curve"], slowdown=row["slowdown"], reorder_ms=row["reorder_ms"],
+        comm_slowdown=(row.get("comm_slowdown", 1.0) if comm_slowdown is None
+                       else comm_slowdown),
+        group_overhead_ms=(row.get("group_overhead_ms", 0.0) if group_overhead_ms is None
+                           else group_overhead_ms))
 
 
 def errors(run: dict, cal: Calibration, keep=None) -> list:
@@ -97,8 +101,8 @@ def fit(runs: list, keep=None) -> tuple:
     floor = -min(run["cal"]["comm_curve"][0][1] for run in runs)
     for f in SLOWDOWNS:
         for oh in (oh for oh in OVERHEADS if oh >= floor):
-            errs = [e for run in runs for e in errors(run, dataclasses.replace(
-                logged_calibration(run["cal"]), comm_slowdown=f, group_overhead_ms=oh), keep)]
+            errs = [e for run in runs
+                    for e in errors(run, logged_calibration(run["cal"], f, oh), keep)]
             e = mean_abs(errs)
             if best is None or e < best[2] - 1e-12:
                 best = (f, oh, e)
@@ -200,8 +204,7 @@ def main() -> int:
                         f"{oh:+.3f} (in-sample mean err {e:.1%})")
             for name in shapes[kind]:
                 run = runs[(kind, name)]
-                cal = dataclasses.replace(logged_calibration(run["cal"]), comm_slowdown=f,
-                                          group_overhead_ms=oh)
+                cal = logged_calibration(run["cal"], f, oh)
                 rows.append((kind, name, "fit" if name == fit_name else "held-out",
                              evaluate(run, cal)))
         table(title + "\n   " + "\n   ".join(fits), rows)
@@ -231,8 +234,7 @@ def main() -> int:
                     f"group_overhead_ms {oh:+.3f} (in-sample mean err {e:.1%})")
         for name in shapes[kind]:
             run = runs[(kind, name)]
-            cal = dataclasses.replace(logged_calibration(run["cal"]), comm_slowdown=f,
-                                      group_overhead_ms=oh)
+            cal = logged_calibration(run["cal"], f, oh)
             rows.append((kind, name, "3+ grps", evaluate(run, cal, lambda p: len(p) > 2)))
     table("4. fitted on the partitions of 1 and 2 groups, errors over those of 3 or more "
           "(held out; best / pick / top over every measured partition):\n   "
