@@ -27,6 +27,11 @@ Calibration (``schedule.predict.Calibration``), never fitted to the op's own tim
 - per shape: the signal GEMM alone (graph replay): ``tiles_per_wave`` is its grid,
   ``wave_ms = gemm_ms * tiles_per_wave / n_tiles``; the reorder alone (``reorder_ms``).
 
+The library's tuner (``GemmSignal.tune``, ``ops/gemm_signal/tune.py``) runs per shape on a fresh
+cache (``--top-k`` 0 skips it): its own calibration, the predictor's top ``--top-k`` partitions,
+one group and the default measured through the op; its pick is measured again here as role
+``tuned`` (``best_over_tuned``: the issue's >= 97 % target for a search that measures a few).
+
 Partitions per shape: ``schedule.candidate_partitions`` (every composition into at most
 ``--max-groups`` groups of whole units of k waves, the smallest k giving at most
 ``--max-candidates``), the search's pick (``schedule.search`` with its defaults) and the op's
@@ -64,9 +69,9 @@ from benchmarks.bench_gemm_signal import OPS
 from benchmarks.harness import ResultWriter, time_op
 from portable_overlap import ContextBrokenError, World
 from portable_overlap.ops.gemm_signal import GemmSignal, SignalConfig
-from portable_overlap.schedule import (Calibration, candidate_partitions, measure_comm_curve,
-                                       predict_ms, search)
-from portable_overlap.schedule.predict import invert_comm_slowdown
+from portable_overlap.ops.gemm_signal.tune import bytes_lasting, collective_fn, measure_beside
+from portable_overlap.schedule import (Calibration, TuningCache, candidate_partitions,
+                                       measure_comm_curve, predict_ms, search)
 
 SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192)]
 MIB = 1 << 20
@@ -85,17 +90,6 @@ def say(world, msg: str) -> None:
         print(msg, flush=True)
 
 
-def collective_fn(kind: str, nbytes: int, world, dtype=torch.bfloat16):
-    """A closure running ``kind``'s collective on about ``nbytes`` per rank (fresh random data)."""
-    W, dev = world.world_size, world.device
-    n = max(W, nbytes // torch.empty((), dtype=dtype).element_size() // W * W)
-    x = torch.randn(n, device=dev, dtype=torch.float32).to(dtype)
-    if kind == "all_reduce":
-        return (lambda: dist.all_reduce(x, group=world.group)), n * x.element_size()
-    y = torch.empty(n // W, device=dev, dtype=dtype)
-    return (lambda: dist.reduce_scatter_tensor(y, x, group=world.group)), n * x.element_size()
-
-
 def comm_curve_graph(world, kind: str, sizes, iters: int) -> tuple:
     """((bytes, ms), ...) of the collective per rank's message size: CUDA-graph replay, slowest
     rank's median (the harness's timer)."""
@@ -105,62 +99,6 @@ def comm_curve_graph(world, kind: str, sizes, iters: int) -> tuple:
         curve.append((real, time_op(fn, world, graph=True, iters=iters, warmup=5)["median_ms"]))
         del fn
     return tuple(curve)
-
-
-def bytes_lasting(curve, ms: float, most: int = 1 << 30) -> int:
-    """The smallest power-of-two message (>= 1 MiB, <= ``most``) whose interpolated collective
-    time reaches ``ms``."""
-    cal = Calibration(wave_ms=1.0, tiles_per_wave=1, comm_curve=curve)
-    n = MIB
-    while n < most and cal.comm_ms(n) < ms:
-        n *= 2
-    return n
-
-
-def beside_gemm(world, phases, coll, iters: int) -> dict:
-    """The signal GEMM and ``coll`` launched together (the GEMM first, as in the op, so the
-    collective's kernels get the SMs the GEMM leaves; the collective on another stream; plain
-    launches), and each alone: the slowest rank's medians ``gemm_alone_ms``, ``comm_alone_ms``,
-    ``gemm_beside_ms`` and ``comm_beside_ms`` (from their common start to the collective's end),
-    ``slowdown`` = gemm_beside / gemm_alone and ``comm_slowdown`` (``invert_comm_slowdown``)."""
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-    gemm = phases["gemm"]
-
-    def run(with_gemm: bool, with_coll: bool) -> tuple:
-        g_times, c_times = [], []
-        for i in range(iters + 3):  # 3 warm-up iterations
-            world.barrier()
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            ev[0].record(main)
-            side.wait_stream(main)  # the collective starts with the GEMM, not before
-            if with_gemm:
-                gemm()
-            ev[1].record(main)
-            if with_coll:
-                with torch.cuda.stream(side):
-                    coll()
-            ev[2].record(side)
-            main.wait_stream(side)
-            torch.cuda.synchronize()
-            if i >= 3:
-                g_times.append(ev[0].elapsed_time(ev[1]))
-                c_times.append(ev[0].elapsed_time(ev[2]))
-        return statistics.median(g_times), statistics.median(c_times)
-
-    try:
-        gemm_alone = run(True, False)[0]
-        comm_alone = run(False, True)[1]
-        gemm_beside, comm_beside = run(True, True)
-    finally:
-        torch.cuda.synchronize()
-        phases["reset"]()  # the GEMM bumped the op's counters
-        torch.cuda.synchronize()
-    # the slowest rank's medians (the collective ends together on every rank anyway)
-    t = [max(x) for x in zip(*world.all_gather_object(
-        (gemm_alone, comm_alone, gemm_beside, comm_beside)))]
-    return {"gemm_alone_ms": t[0], "comm_alone_ms": t[1], "gemm_beside_ms": t[2],
-            "comm_beside_ms": t[3], "slowdown": t[2] / t[0],
-            "comm_slowdown": invert_comm_slowdown(t[2], t[1], t[3])}
 
 
 def group_overhead(world, kind: str, iters: int) -> dict:
@@ -215,7 +153,7 @@ def summarize(rows: list, variants=("main",)) -> dict:
     best = min(done, key=lambda r: r["measured_ms"], default=None)
     out["best_ms"] = best["measured_ms"] if best else None
     out["best_partition"] = list(best["partition"]) if best else None
-    for role in ("search", "default"):
+    for role in ("search", "default", "tuned"):
         r = next((r for r in rows if role in r["roles"]), None)
         got = r is not None and r.get("measured_ms") is not None
         key = "pick" if role == "search" else role
@@ -226,6 +164,8 @@ def summarize(rows: list, variants=("main",)) -> dict:
                                     for r in rows)
     out["best_over_pick"] = best["measured_ms"] / out["pick_ms"] if best and out["pick_ms"] \
         else None
+    out["best_over_tuned"] = best["measured_ms"] / out["tuned_ms"] \
+        if best and out["tuned_ms"] else None
     cands = [r for r in done if "candidate" in r["roles"]]
     top = min(cands, key=lambda r: r["predicted"][variants[0]], default=None)
     out["model_best_partition"] = list(top["partition"]) if top else None
@@ -246,6 +186,9 @@ class Run:
         self.t0 = time.perf_counter()
         self.graph = not args.no_graph
         self.table = []
+        import tempfile  # the tuner's caches: fresh per run, so every shape is tuned anew
+
+        self.tmp = tempfile.mkdtemp(prefix="po-tune-")
 
     def elapsed(self) -> float:
         # rank 0's clock decides, so every rank stops at the same partition
@@ -335,7 +278,7 @@ class Run:
             nbytes = bytes_lasting(coll["graph"], gemm_ms)
             fn, real = collective_fn(kind, nbytes, world)
             try:
-                m = beside_gemm(world, p, fn, self.args.curve_iters)
+                m = measure_beside(world, p["gemm"], p["reset"], fn, self.args.curve_iters)
             except Exception as e:  # the model runs without them
                 say(world, f"[{kind}] slowdowns not measured ({type(e).__name__}: "
                            f"{str(e)[:160]}): 1.0")
@@ -403,18 +346,40 @@ class Run:
                                                          group_overhead_ms=0.0),
                     "host_curve": dataclasses.replace(cal, comm_curve=coll["host"]),
                     "no_slowdown": dataclasses.replace(cal, slowdown=1.0)}
+        # the library's tuner (GemmSignal.tune: its own calibration, the predictor's top
+        # partitions, one group and the default measured through the op), on a fresh cache
+        tuned, tune_s = None, None
+        if args.top_k:
+            t = time.perf_counter()
+            try:
+                cache = TuningCache(f"{self.tmp}/{kind}-{name}-rank{world.rank}.json")
+                tuned = self.ctx.tune(kind, a, b, cache=cache, top_k=args.top_k,
+                                      iters=args.tune_iters).partition
+                tune_s = time.perf_counter() - t
+                say(world, f"[{kind} {name}] tuner picked {list(tuned)} in {tune_s:.1f} s "
+                           f"(top {args.top_k} + one group + default measured)")
+                if world.rank == 0:
+                    self.writer.write(op="wave_predictor_tuning", shape=shape, dtype="bf16",
+                                      kind=kind, top_k=args.top_k, tune_s=tune_s,
+                                      **next(iter(cache.entries.values())))
+            except Exception as e:
+                say(world, f"[{kind} {name}] tuner failed ({type(e).__name__}: "
+                           f"{str(e)[:200]})")
+                torch.cuda.synchronize()
+                self.heal()
         plan = None
         if world.rank == 0:  # rank 0 decides the partitions; the others take its list
             roles: dict = {}
             pick, _ = search(n_tiles, cal, tile_bytes, multiple_of=dests)
             roles.setdefault(tuple(pick.sizes), []).append("search")
             roles.setdefault(tuple(p["groups"].sizes), []).append("default")
+            if tuned is not None:
+                roles.setdefault(tuple(tuned), []).append("tuned")
             for c in candidate_partitions(n_tiles, cal.tiles_per_wave, multiple_of=dests,
                                           max_groups=args.max_groups, cap=args.max_candidates):
                 roles.setdefault(tuple(c), []).append("candidate")
             # the pick and the default first: they are never cut by the time budget
-            plan = sorted(roles.items(), key=lambda kv: "candidate" in kv[1] and
-                          "search" not in kv[1] and "default" not in kv[1])
+            plan = sorted(roles.items(), key=lambda kv: kv[1] == ["candidate"])
         plan = world.broadcast_object(plan)
         n_cand = sum("candidate" in r for _, r in plan)
         say(world, f"[{kind} {name}] {len(plan)} partitions ({n_cand} candidates, cap "
@@ -462,15 +427,19 @@ class Run:
         print(f"\nwave-group predictor, {self.W} ranks, "
               f"{'CUDA-graph replay' if self.graph else 'plain launches'}, slowest rank's "
               f"median; err = |predicted - measured| / measured over the measured partitions; "
-              f"best/pick: best measured over the search's pick (target >= 0.97)")
+              f"best/pick: best measured over the search's pick, best/tuned: over the tuner's "
+              f"pick (target >= 0.97)")
         print(f"{'kind':>14} {'M x N x K':>15} {'n':>3} {'mean':>6} {'max':>6} {'best':>7} "
-              f"{'pick':>7} {'default':>7} {'best/pick':>9}  pick partition")
+              f"{'pick':>7} {'default':>7} {'tuned':>7} {'best/pick':>9} {'best/tuned':>10}  "
+              f"pick partition / tuned partition")
         f = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
         for kind, name, s in self.table:
             print(f"{kind:>14} {name:>15} {s['n_measured']:>3} {f(s['mean_err'], '6.1%')} "
                   f"{f(s['max_err'], '6.1%')} {f(s['best_ms'], '7.3f')} "
                   f"{f(s['pick_ms'], '7.3f')} {f(s['default_ms'], '7.3f')} "
-                  f"{f(s['best_over_pick'], '9.3f')}  {s['pick_partition']}")
+                  f"{f(s['tuned_ms'], '7.3f')} {f(s['best_over_pick'], '9.3f')} "
+                  f"{f(s['best_over_tuned'], '10.3f')}  {s['pick_partition']} / "
+                  f"{s['tuned_partition']}")
         print("mean err by calibration (main: graph-timed curve, both slowdowns, group overhead; "
               "no_comm_terms: comm_slowdown 1, group overhead 0; host_curve: measure_comm_curve; "
               "no_slowdown: GEMM slowdown 1):")
@@ -496,6 +465,10 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="no further candidates after this many seconds (the search's pick and "
                          "the default are always measured)")
+    ap.add_argument("--top-k", type=int, default=4,
+                    help="the library tuner's measured top partitions (0: no tuner run)")
+    ap.add_argument("--tune-iters", type=int, default=20,
+                    help="the tuner's timed iterations per partition and curve point")
     ap.add_argument("--no-graph", action="store_true", help="time plain launches instead")
     ap.add_argument("--no-slowdown", action="store_true",
                     help="predict and search with slowdown 1 (still measured and recorded)")

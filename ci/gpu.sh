@@ -92,9 +92,10 @@ if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
   fi
 fi
 # The wave-group predictor against the op (GEMM + AllReduce / ReduceScatter, 2 shapes, at most
-# 32 partitions each; stops taking new candidates after --budget-s 120 s).
+# 32 partitions each; stops taking new candidates after --budget-s 120 s; the library tuner per
+# shape, ~10-20 s each).
 if [ "${PO_SKIP_PRED:-0}" != 1 ]; then
-  run 240 benchmarks/bench_wave_predictor.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+  run 420 benchmarks/bench_wave_predictor.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       ${PO_PRED_ARGS:-} 2>&1 | tee "$out/bench_wave_predictor.log" | grep -vE "^\[|Warning|warn" | tail -14
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

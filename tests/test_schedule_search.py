@@ -10,7 +10,7 @@ import torch
 from portable_overlap import RankMismatchError
 from portable_overlap.schedule import (Calibration, TuningCache, WaveGroups, cache_key,
                                        candidate_partitions, decide, measure_comm_curve,
-                                       predict_ms, search)
+                                       predict_ms, search, search_top)
 from portable_overlap.schedule.predict import _compositions, _finish, invert_comm_slowdown
 
 # about what 2x H200 measured: a 132-tile wave of 128x256 bf16 tiles at 8192^3 / 2 ranks, and
@@ -152,6 +152,29 @@ def test_local_search_on_large_grids_is_close_to_exhaustive():
     exact = search(n, CAL, TILE_BYTES, first_max_waves=14, last_max_frac=1.0)[1]
     local = search(n, CAL, TILE_BYTES, first_max_waves=14, last_max_frac=1.0, budget=0)[1]
     assert local <= exact * 1.03
+
+
+@pytest.mark.parametrize("budget", [200_000, 0])  # exhaustive, then the local search
+def test_search_top_ranks_what_search_scores(budget):
+    n = 132 * 9 - 17
+    kw = dict(first_max_waves=9, last_max_frac=1.0, budget=budget)
+    top = search_top(n, CAL, TILE_BYTES, 5, **kw)
+    assert 1 <= len(top) <= 5
+    assert top[0] == search(n, CAL, TILE_BYTES, **kw)  # the first is search's pick
+    ms = [t for _, t in top]
+    assert ms == sorted(ms)
+    assert len({g.sizes for g, _ in top}) == len(top)  # distinct partitions
+    for g, t in top:
+        g.validate(n)
+        assert predict_ms(g.sizes, CAL, TILE_BYTES) == pytest.approx(t)
+    if budget:  # exhaustive: nothing outside the top 5 predicts faster than the 5th
+        worst = ms[-1]
+        assert sum(predict_ms([p * 132 for p in parts[:-1]] + [parts[-1] * 132 - 17], CAL,
+                              TILE_BYTES) < worst - 1e-12
+                   for parts in _compositions(9, 8)) <= 4
+    assert len(search_top(5, CAL, TILE_BYTES, 3)) == 1  # less than a wave: one partition
+    with pytest.raises(ValueError):
+        search_top(n, CAL, TILE_BYTES, 0)
 
 
 def test_bounds_and_destinations():

@@ -180,8 +180,23 @@ def search(n_tiles: int, cal: Calibration, bytes_per_tile: int, *, multiple_of: 
     are at most ``budget`` of them; otherwise a local search (move one wave between neighbouring
     groups, or merge two, while the prediction improves) from one group and from geometric
     starting points."""
+    return search_top(n_tiles, cal, bytes_per_tile, 1, multiple_of=multiple_of,
+                      max_groups=max_groups, first_max_waves=first_max_waves,
+                      last_max_frac=last_max_frac, budget=budget)[0]
+
+
+def search_top(n_tiles: int, cal: Calibration, bytes_per_tile: int, k: int, *,
+               multiple_of: int = 1, max_groups: int = 8, first_max_waves: Optional[int] = None,
+               last_max_frac: float = 1.0, budget: int = 200_000) -> list:
+    """The ``k`` partitions with the smallest predicted times among those ``search`` scores,
+    best first: ``[(WaveGroups, ms), ...]`` (fewer when fewer were scored). A tuner measures
+    these instead of trusting the first alone: near the optimum the model's ranking is within
+    its error (a few percent), which a handful of measurements settles."""
+    if k < 1:
+        raise ValueError(f"search_top: k must be >= 1, got {k}")
     wave = _wave_tiles(cal.tiles_per_wave, multiple_of)
     units = -(-n_tiles // wave)
+    scored: dict = {}  # parts -> predicted ms, every admissible partition scored
 
     def to_sizes(parts):
         return _unit_sizes(parts, wave, n_tiles)
@@ -193,15 +208,15 @@ def search(n_tiles: int, cal: Calibration, bytes_per_tile: int, *, multiple_of: 
                 and (len(parts) == 1 or sizes[-1] <= last_max_frac * n_tiles))
 
     def score(parts):
-        return predict_ms(to_sizes(parts), cal, bytes_per_tile)
+        key = tuple(parts)
+        if key not in scored:
+            scored[key] = predict_ms(to_sizes(parts), cal, bytes_per_tile)
+        return scored[key]
 
-    best: Optional[tuple] = None
     if _n_compositions(units, max_groups) <= budget:
         for parts in _compositions(units, max_groups):
             if admissible(parts):
-                s = score(parts)
-                if best is None or s < best[0]:
-                    best = (s, parts)
+                score(parts)
     else:
         starts = [[units]]
         for first in range(1, min(first_max_waves or 2, units) + 1):
@@ -233,8 +248,8 @@ def search(n_tiles: int, cal: Calibration, bytes_per_tile: int, *, multiple_of: 
                         s = score(cand)
                         if s < cur[0]:
                             cur, improved = (s, cand), True
-            if cur is not None and (best is None or cur[0] < best[0]):
-                best = cur
-    if best is None:  # nothing admissible (tiny GEMMs, tight bounds): one group
-        best = (score([units]), [units])
-    return WaveGroups(tuple(to_sizes(best[1]))), best[0]
+    if not scored:  # nothing admissible (tiny GEMMs, tight bounds): one group
+        score([units])
+    # ties keep the order they were scored in (fewer groups first): stable across ranks
+    best = sorted(scored.items(), key=lambda kv: kv[1])[:k]
+    return [(WaveGroups(tuple(to_sizes(list(parts)))), ms) for parts, ms in best]

@@ -90,6 +90,54 @@ def _now(device) -> Callable[[], float]:
     return now
 
 
+def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
+              graph: bool = False) -> float:
+    """Collective: the slowest rank's median milliseconds of ``fn`` over ``iters`` runs, a
+    barrier before each (the benchmark protocol, in the library so tuners time alike). Device
+    events around each run; with ``graph``, ``fn`` is captured once into a device graph (after
+    ``warmup`` plain runs on a side stream, which also load its kernels) and each run replays
+    it. On the CPU the host clock times plain runs."""
+    dev = world.device
+    if dev.type == "cpu":
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            world.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return max(world.all_gather_object(statistics.median(times)))
+    mod = torch.get_device_module(dev)
+    run = fn
+    if graph:
+        side = mod.Stream(device=dev)
+        side.wait_stream(mod.current_stream(dev))
+        with mod.stream(side):  # warm-up outside the capture: compiles, plans, comms
+            for _ in range(warmup):
+                fn()
+        mod.current_stream(dev).wait_stream(side)
+        mod.synchronize(dev)
+        world.barrier()
+        g = mod.CUDAGraph()  # torch's name on both vendors (HIP graphs on ROCm builds)
+        with mod.graph(g):
+            fn()
+        run = g.replay
+    else:
+        for _ in range(warmup):
+            fn()
+    mod.synchronize(dev)
+    events = [(mod.Event(enable_timing=True), mod.Event(enable_timing=True))
+              for _ in range(iters)]
+    for start, end in events:
+        world.barrier()
+        start.record()
+        run()
+        end.record()
+    mod.synchronize(dev)
+    return max(world.all_gather_object(statistics.median(s.elapsed_time(e) for s, e in events)))
+
+
 def measure_comm_curve(world, collective: str, sizes: Sequence[int], dtype=torch.bfloat16,
                        iters: int = 20) -> tuple:
     """Collective: ``((bytes, ms), ...)`` of ``collective`` ("all_reduce", "reduce_scatter",

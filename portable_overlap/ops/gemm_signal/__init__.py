@@ -4,7 +4,8 @@ from .api import (GemmSignal, SignalConfig, gemm_all_reduce, gemm_all_to_all_sig
                   gemm_reduce_scatter)
 from .reference import (gemm_all_reduce_reference, gemm_all_to_all_signal_reference,
                         gemm_reduce_scatter_reference)
+from .tune import tune_partition
 
 __all__ = ["GemmSignal", "SignalConfig", "gemm_all_reduce", "gemm_reduce_scatter",
            "gemm_all_to_all_signal", "gemm_all_reduce_reference", "gemm_reduce_scatter_reference",
-           "gemm_all_to_all_signal_reference"]
+           "gemm_all_to_all_signal_reference", "tune_partition"]

@@ -43,8 +43,10 @@ kernels) before any stream is ever held by a value wait — with lazy module loa
 launch while a stream is held deadlocks (docs/lessons.md) — and it checks that every rank planned
 the same partition and tiling (a host collective, so never inside a CUDA-graph capture).
 
-Status: correct on CPU-emulated ranks (2 and 4) and compiled for sm_90 and gfx942; not yet run
-or measured on GPUs.
+Status: correct on CPU-emulated ranks (2, 4 and 8) and on 2 and 4 H200s
+(``tests/gpu/check_gemm_signal.py``), compiled for sm_90 and gfx942; slower than cuBLAS + NCCL
+in sequence there, because NCCL's kernels barely progress beside the persistent GEMM
+(docs/gemm_signal.md gives the numbers).
 """
 from __future__ import annotations
 
@@ -179,6 +181,17 @@ class GemmSignal:
                 "reset": self.counters.zero_, "programs": gemm.programs,
                 "n_tiles": plan.groups.n_tiles, "dests": plan.dests,
                 "tile_bytes": plan.tile_elems * a.element_size(), "groups": plan.groups}
+
+    def tune(self, kind: str, a, b, *, config: Optional[SignalConfig] = None, top_k: int = 4,
+             iters: int = 20, graph: Optional[bool] = None, cache=None) -> SignalConfig:
+        """Collective: a config whose wave-group partition measured fastest for ``kind`` on
+        tensors shaped like ``a`` and ``b`` among the predictor's ``top_k``, one group and the
+        default; cached per shape and device, the same on every rank (``tune.py``). Pass it to
+        the op: ``gemm_all_reduce(a, b, ctx, config=ctx.tune("all_reduce", a, b))``."""
+        from .tune import tune_partition
+
+        return tune_partition(self, kind, a, b, config=config, top_k=top_k, iters=iters,
+                              graph=graph, cache=cache)
 
     def check(self) -> None:
         if self._broken is not None:

@@ -1,0 +1,131 @@
+"""Wave-group tuning of the tile-group-signal ops (ops/gemm_signal/tune.py) on CPU-emulated
+ranks: calibration, the predictor's top partitions measured through the op, the decision shared
+by every rank and cached, cached decisions reused without measuring, and caches that disagree."""
+import json
+
+import pytest
+import torch
+
+from portable_overlap import RankMismatchError
+from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
+                                              gemm_reduce_scatter_reference)
+from portable_overlap.ops.gemm_signal import tune as tune_mod
+from portable_overlap.schedule import TuningCache
+
+SMALL = dict(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+REF = {"all_reduce": gemm_all_reduce_reference, "reduce_scatter": gemm_reduce_scatter_reference}
+
+
+def _inputs(world, M, N, K, seed):
+    g = torch.Generator().manual_seed(seed + world.rank)
+    return (torch.randn(M, K, generator=g).to(torch.bfloat16),
+            torch.randn(K, N, generator=g).to(torch.bfloat16))
+
+
+def _tune(world, tmp, kind, M, N, K):
+    from portable_overlap.ops.matmul import MatmulConfig
+
+    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
+    cache = TuningCache(f"{tmp}/rank{world.rank}.json")
+    try:
+        a, b = _inputs(world, M, N, K, 7)
+        cfg = ctx.tune(kind, a, b, cache=cache, top_k=3, iters=2)
+        # the tuned config computes the op (fresh inputs, poisoned output)
+        a, b = _inputs(world, M, N, K, 99)
+        out = torch.full((M // world.world_size if kind == "reduce_scatter" else M, N),
+                         float("nan"), dtype=torch.bfloat16)
+        getattr(ctx, kind)(a, b, out, config=cfg)
+        ref = REF[kind](a, b, world.group).float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        entry = next(iter(cache.entries.values()))
+        # a decision every rank holds is reused: nothing is calibrated or measured again
+        real = tune_mod.calibrate
+        tune_mod.calibrate = lambda *a_, **k_: (_ for _ in ()).throw(AssertionError("measured"))
+        try:
+            again = ctx.tune(kind, a, b, cache=TuningCache(cache.path), top_k=3, iters=2)
+        finally:
+            tune_mod.calibrate = real
+        return cfg.partition, again.partition, err, entry
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("kind,M,N,K,ranks", [("all_reduce", 45, 40, 24, 2),
+                                              ("reduce_scatter", 32, 33, 20, 4)])
+def test_tune_measures_the_top_partitions_and_caches(world2, world4, tmp_path, kind, M, N, K,
+                                                     ranks):
+    got = (world2 if ranks == 2 else world4).run(_tune, str(tmp_path), kind, M, N, K)
+    parts = {g[0] for g in got}
+    assert len(parts) == 1, got  # every rank uses rank 0's decision
+    part, again, err, entry = got[0]
+    assert again == part and err < 1.5e-2, (again, part, err)
+    assert all(g[3] == entry for g in got)  # the same record in every rank's cache
+    cands = entry["candidates"]
+    whys = [c["why"] for c in cands]
+    assert "one group" in whys or any(len(c["partition"]) == 1 for c in cands)
+    assert len({tuple(c["partition"]) for c in cands}) == len(cands) >= 2
+    assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in cands)
+    best = min(cands, key=lambda c: c["measured_ms"])
+    assert tuple(best["partition"]) == part == tuple(entry["partition"])
+    n_tiles = entry["calibration"]["n_tiles"]
+    assert all(sum(c["partition"]) == n_tiles for c in cands)
+
+
+def _stale(world, tmp):
+    from portable_overlap.ops.matmul import MatmulConfig
+
+    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
+    path = f"{tmp}/rank{world.rank}.json"
+    try:
+        a, b = _inputs(world, 40, 32, 16, 3)
+        ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=2, iters=1)
+        if world.rank == 1:  # another build or device wrote this rank's cache
+            entries = json.load(open(path))
+            for v in entries.values():
+                v["partition"] = [1] * sum(v["partition"])
+            json.dump(entries, open(path, "w"))
+        try:
+            ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=2, iters=1)
+        except RankMismatchError as e:
+            return "disagree" in str(e)
+        return False
+    finally:
+        ctx.close()
+
+
+def test_ranks_whose_tuning_caches_disagree_raise(world2, tmp_path):
+    assert world2.run(_stale, str(tmp_path)) == [True, True]
+
+
+def _bad(world):
+    ctx = GemmSignal(world)
+    try:
+        a, b = _inputs(world, 8, 8, 8, 1)
+        out = []
+        for kw in (dict(kind="gather"), dict(kind="all_reduce", top_k=0),
+                   dict(kind="all_reduce", iters=0)):
+            kind = kw.pop("kind")
+            try:
+                ctx.tune(kind, a, b, **kw)
+                out.append(None)
+            except ValueError as e:
+                out.append(str(e))
+        try:  # shapes are checked as the op checks them
+            ctx.tune("reduce_scatter", a[:7], b)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+        return out
+    finally:
+        ctx.close()
+
+
+def test_bad_tune_arguments(world2):
+    for msgs in world2.run(_bad):
+        assert all(m and "gemm" in m for m in msgs), msgs
+
+
+def test_curve_sizes():
+    assert tune_mod.curve_sizes(1) == [1 << 20, 2 << 20]
+    assert tune_mod.curve_sizes(128 << 20) == [1 << (20 + i) for i in range(8)]
+    assert tune_mod.curve_sizes((128 << 20) + 1)[-1] == 256 << 20
