@@ -78,16 +78,23 @@ RESERVE_PER_132 = 16
 class SignalConfig:
     """``matmul``: GEMM tiling (None: ``matmul.default_config``). ``reserve_sms``: SMs / CUs the
     GEMM grid leaves free for the collectives (None: 16 per 132, scaled by the device's count).
-    ``partition``: wave-group sizes in tiles, schedule order (None: ``default_partition``).
-    ``max_groups``: bound for the default partition. ``gate``: ``"value"`` (each group's
+    ``partition``: wave-group sizes in tiles, schedule order; None: ``default_partition``;
+    ``"tune"``: the first call of each shape runs ``GemmSignal.tune`` (collective, ~0.2–1.6 s on
+    2x H200, cached on disk per shape and device) and every later call uses its pick.
+    ``max_groups``: bound for the default partition: 2 (one wave, then the rest). On 2x H200
+    NCCL's collectives made almost no progress beside the persistent GEMM (``comm_slowdown``
+    5–717, session 5 run 2), so each extra group only adds its collective's fixed cost: the
+    earlier default of up to 8 doubling groups measured 8–13 % slower than the best measured
+    partition at each of the 4 shapes, one group 1–3 %, [one wave, rest] 1–2 % (at the 2 shapes
+    where the tuner measured it). ``gate``: ``"value"`` (each group's
     collective waits on its counter: the overlap) or ``"event"`` (the collectives wait for the
     whole GEMM by an event: the same kernels without overlap, a baseline and a fallback where a
     stream value wait cannot be captured in a graph)."""
 
     matmul: Optional[MatmulConfig] = None
     reserve_sms: Optional[int] = None
-    partition: Optional[tuple] = None
-    max_groups: int = 8
+    partition: "Optional[tuple | str]" = None
+    max_groups: int = 2
     gate: str = "value"
 
     def __post_init__(self):
@@ -97,7 +104,10 @@ class SignalConfig:
             raise ValueError(f"{OP}: reserve_sms must be >= 0: {self}")
         if not 1 <= self.max_groups <= MAX_GROUPS:
             raise ValueError(f"{OP}: max_groups must be in 1..{MAX_GROUPS}: {self}")
-        if self.partition is not None:
+        if isinstance(self.partition, str):
+            if self.partition != "tune":
+                raise ValueError(f"{OP}: partition must be group sizes, None or 'tune': {self}")
+        elif self.partition is not None:
             object.__setattr__(self, "partition", as_wave_groups(self.partition).sizes)
 
 
@@ -126,6 +136,7 @@ class GemmSignal:
         self._retired: list = []  # outgrown buffers, kept: a captured graph may still use them
         self._plans: dict = {}
         self._launches: dict = {}
+        self._tuned: dict = {}  # (kind, shape, dtype, config) -> the tuned config
         self._broken: Optional[str] = None
         if self.device.type == "cpu":  # the interpreter and gloo run synchronously: no streams
             self._mod, self.comm_stream, self._comm_handle = None, None, None
@@ -213,7 +224,22 @@ class GemmSignal:
         N = b.shape[1]
         if kind != "all_reduce" and M % self.size:
             raise ValueError(f"{op}: M={M} rows must split evenly over {self.size} ranks")
-        return op, config or self.config, M, N, K, M // self.size if kind == "reduce_scatter" else M
+        cfg = self._resolve(kind, a, b, config or self.config)
+        return op, cfg, M, N, K, M // self.size if kind == "reduce_scatter" else M
+
+    def _resolve(self, kind, a, b, cfg: SignalConfig) -> SignalConfig:
+        """``cfg`` with a ``"tune"`` partition replaced by the tuner's pick for this shape (tuned
+        at the shape's first call, then remembered: no collective in later calls)."""
+        if cfg.partition != "tune":
+            return cfg
+        key = (kind, tuple(a.shape), b.shape[1], a.dtype, cfg)
+        got = self._tuned.get(key)
+        if got is None:
+            if self._capturing():
+                raise RuntimeError(f"{KINDS[kind]}: call it once with these shapes outside graph "
+                                   f"capture first (partition='tune' tunes at the first call)")
+            got = self._tuned[key] = self.tune(kind, a, b, config=cfg)
+        return got
 
     def _call(self, kind, a, b, out, bias, residual, config, rms_weight=None, eps=1e-6,
               normed=None):
