@@ -40,3 +40,29 @@ def test_bad_input():
         persistent_matmul(a, b.double())
     with pytest.raises(ValueError, match="power of two"):
         MatmulConfig(block_m=48)
+
+
+def test_tile_descriptors_only_where_the_device_and_operands_allow():
+    """The TMA main loop is chosen only on a device with bulk tensor copies, for bf16 / fp16
+    operands whose rows are contiguous with 16-byte row strides and bases (the GPU checks run
+    both paths; the CPU has no descriptors)."""
+    import dataclasses
+
+    from portable_overlap.backends import get_backend
+    from portable_overlap.ops.matmul import MatmulConfig
+    from portable_overlap.ops.matmul.api import tile_descriptors
+
+    cpu = get_backend().device_facts(torch.device("cpu"))
+    tma = dataclasses.replace(cpu, tensor_descriptors=True)
+    cfg = MatmulConfig(block_m=128, block_n=256, block_k=64)
+    a = torch.randn(256, 64).bfloat16()
+    b = torch.randn(64, 512).bfloat16()
+    assert tile_descriptors(a, b, cfg, cpu) == (None, None)
+    ad, bd = tile_descriptors(a, b, cfg, tma)
+    assert list(ad.block_shape) == [128, 64] and list(bd.block_shape) == [64, 256]
+    assert tile_descriptors(a, b.t().contiguous().t(), cfg, tma) == (None, None)  # column-major
+    assert tile_descriptors(a.float(), b.float(), cfg, tma) == (None, None)
+    odd = torch.randn(256, 7).bfloat16()  # 14-byte rows
+    assert tile_descriptors(odd, torch.randn(7, 512).bfloat16(), cfg, tma) == (None, None)
+    wide = MatmulConfig(block_m=128, block_n=512, block_k=64)  # a box over 256 elements
+    assert tile_descriptors(a, b, wide, tma) == (None, None)

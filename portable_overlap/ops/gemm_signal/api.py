@@ -62,7 +62,7 @@ from ...schedule import WaveGroups, as_wave_groups, default_partition, grouped_t
 from ...tiles.gemv import dot_upcast
 from ..context import align_key, get_context, register_context, unregister_context
 from ..launch import PlannedLaunch, resident_programs
-from ..matmul.api import MatmulConfig, check_operands, default_config
+from ..matmul.api import MatmulConfig, check_operands, default_config, tile_descriptors
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
 
 OP = "gemm_signal"
@@ -186,7 +186,8 @@ class GemmSignal:
         gemm, reorder = self._launch_plan(plan, a, b, out, None, None, None, None)
         stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
-        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs)
+        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs,
+                               self.world.facts)
         reorder_args = _reorder_args(plan, recv, out, None, None)
         return {"gemm": lambda: gemm(gemm_args), "reorder": lambda: reorder(reorder_args),
                 "reset": self.counters.zero_, "programs": gemm.programs,
@@ -269,7 +270,8 @@ class GemmSignal:
         gemm, reorder = self._launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
         stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
-        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs)
+        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs,
+                               self.world.facts)
         reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, eps)
         first = not plan.warm
         capturing = self._capturing()
@@ -442,7 +444,8 @@ class GemmSignal:
         if got is not None:
             return got
         mm, K = plan.mm, a.shape[1]
-        gemm_consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, BLOCK_K=mm.block_k,
+        use_desc = tile_descriptors(a, b, mm, self.world.facts)[0] is not None
+        gemm_consts = dict(USE_DESC=use_desc, BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, BLOCK_K=mm.block_k,
                            GROUP_M=mm.group_m, NUM_STAGES=mm.num_stages,
                            EVEN_K=K % mm.block_k == 0,
                            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -452,7 +455,7 @@ class GemmSignal:
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
 
         def gemm_args(g):
-            return _gemm_args(plan, a, b, stage, self.counters, g)
+            return _gemm_args(plan, a, b, stage, self.counters, g, self.world.facts)
 
         rows = min(mm.block_m, 32)  # a 32 x BLOCK_N slab per program keeps registers low
         reorder_consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, ROWS=rows,
@@ -486,9 +489,14 @@ class GemmSignal:
         return PlannedLaunch(kernel, k, programs, consts, lambda: backend.current_stream(device))
 
 
-def _gemm_args(plan, a, b, stage, counters, programs):
+def _gemm_args(plan, a, b, stage, counters, programs, facts=None):
+    """The signal GEMM's runtime arguments; with ``facts``, tensor descriptors of a and b where
+    the device and operands allow (``tile_descriptors``; the launch was compiled for the same
+    choice: its key holds the strides and alignments that decide it)."""
+    a_desc, b_desc = tile_descriptors(a, b, plan.mm, facts) if facts else (None, None)
     return (a, b, stage, plan.slot_t, plan.group_t, counters, plan.m_dest, b.shape[1], a.shape[1],
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), plan.dests, programs)
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), plan.dests, programs, a_desc,
+            b_desc)
 
 
 def _reorder_args(plan, recv, out, bias, residual, rms_weight=None, normed=None, eps=1e-6):

@@ -1,4 +1,5 @@
 """Representative compile signatures of the tile-group-signal kernels for the compile matrix."""
+from ..matmul.compile_specs import descriptor_signature
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
 
 _GEMM_ARGS = ("M_dest:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
@@ -8,14 +9,19 @@ _GEMM_ARGS = ("M_dest:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 
 def specs():
     for dt, prec, bm, bn, bk in (("bf16", "tf32", 128, 256, 64), ("fp16", "tf32", 128, 128, 64),
                                  ("fp32", "ieee", 64, 64, 32)):
-        sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "stage_ptr": f"*{dt}", "slot_ptr": "*i32",
-               "group_ptr": "*i32", "count_ptr": "*i32"}
-        sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
-                      PRECISION=prec, UPCAST=False)
-        sig.update({k: "constexpr" for k in consts})
-        aligned = ["a_ptr", "b_ptr", "stage_ptr", "K", "N", "stride_am", "stride_bk"]
-        yield f"gemm_signal[{dt}]", gemm_signal_kernel, sig, consts, aligned
+        for desc in (False, True) if dt != "fp32" else (False,):
+            sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
+                   "slot_ptr": "*i32", "group_ptr": "*i32", "count_ptr": "*i32"}
+            sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
+            sig.update(descriptor_signature(dt, bm, bn, bk, desc))
+            consts = dict(USE_DESC=desc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                          NUM_STAGES=3, EVEN_K=True, PRECISION=prec, UPCAST=False)
+            if not desc:
+                consts.update(a_desc=None, b_desc=None)
+            sig.update({k: "constexpr" for k in consts})
+            aligned = ["a_ptr", "b_ptr", "stage_ptr", "K", "N", "stride_am", "stride_bk"]
+            name = f"gemm_signal[{dt}{', descriptors' if desc else ''}]"
+            yield name, gemm_signal_kernel, sig, consts, aligned
     for dt, bm, bn, bias, res in (("bf16", 128, 256, True, True), ("fp32", 64, 64, False, False)):
         sig = {"src_ptr": f"*{dt}", "table_ptr": "*i32", "out_ptr": f"*{dt}",
                "bias_ptr": f"*{dt}", "res_ptr": f"*{dt}", "N": "i32", "stride_om": "i32",

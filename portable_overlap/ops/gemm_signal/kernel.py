@@ -22,7 +22,7 @@ an optional fused bias (per column) and residual add.
 import triton
 import triton.language as tl
 
-from ...tiles.gemm import gemm_tile, grouped_tile
+from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 
 @triton.jit
@@ -32,6 +32,8 @@ def gemm_signal_kernel(
     slot_ptr, group_ptr,  # int32 [n_tiles]: staging slot and wave group of schedule-order tile t
     count_ptr,  # int32 [n_groups]: tiles finished per group (waited on by the host streams)
     M_dest, N, K, stride_am, stride_ak, stride_bk, stride_bn, dests, G,
+    a_desc, b_desc,  # tensor descriptors of a and b when USE_DESC (else None): gemm_tile_desc
+    USE_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -46,10 +48,15 @@ def gemm_signal_kernel(
         if t < n_tiles:
             d = t % dests
             pid_m, pid_n = grouped_tile(t // dests, num_pid_m, num_pid_n, GROUP_M)
-            a_d = a_ptr + (d * M_dest).to(tl.int64) * stride_am
-            acc = gemm_tile(a_d, b_ptr, M_dest, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
-                            PRECISION, UPCAST)
+            if USE_DESC:  # rows past M_dest in row block d are block d+1's: masked below
+                acc = gemm_tile_desc(a_desc, b_desc, d * M_dest + pid_m * BLOCK_M,
+                                     pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                     PRECISION)
+            else:
+                a_d = a_ptr + (d * M_dest).to(tl.int64) * stride_am
+                acc = gemm_tile(a_d, b_ptr, M_dest, N, K, stride_am, stride_ak, stride_bk,
+                                stride_bn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                EVEN_K, PRECISION, UPCAST)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             # gemm_tile computes edge rows/columns on clamped indices: zero them, so the

@@ -48,6 +48,30 @@ def default_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
     return MatmulConfig()
 
 
+def tile_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts) -> tuple:
+    """``(a_desc, b_desc)`` for ``tiles.gemm.gemm_tile_desc`` (blocks [BLOCK_M, BLOCK_K] of
+    ``a`` and [BLOCK_K, BLOCK_N] of ``b``), or ``(None, None)`` where the pointer loads of
+    ``gemm_tile`` must do: a device without bulk tensor copies (``facts.tensor_descriptors``),
+    a dtype other than bf16 / fp16, or operands a descriptor cannot describe (rows not
+    contiguous, row strides or base addresses not multiples of 16 bytes, e.g. a transposed
+    weight view). Build them per call: they hold the tensors' addresses."""
+    if not getattr(facts, "tensor_descriptors", False) or a.dtype not in (torch.bfloat16,
+                                                                          torch.float16):
+        return None, None
+    es = a.element_size()
+    # a box is at most 256 elements per dimension and its rows whole 16-byte units
+    if max(cfg.block_m, cfg.block_n, cfg.block_k) > 256 or (cfg.block_k * es) % 16 \
+            or (cfg.block_n * es) % 16:
+        return None, None
+    for t in (a, b):
+        if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16 or not t.numel():
+            return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n]))
+
+
 def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None:
     """The checks every GEMM-based op makes of ``a [M, K] @ b [K, N]`` (any strides)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
@@ -82,9 +106,12 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
         programs = get_backend().device_facts(a.device).sm_count
     n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     G = max(1, min(programs, n_tiles))
+    from ...backends import get_backend
+
+    a_desc, b_desc = tile_descriptors(a, b, cfg, get_backend().device_facts(a.device))
     persistent_matmul_kernel[(G,)](
         a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-        out.stride(1), G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        out.stride(1), G, a_desc, b_desc, USE_DESC=a_desc is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

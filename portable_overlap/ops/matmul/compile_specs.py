@@ -8,10 +8,23 @@ _ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:
 def specs():
     for dt, prec, bm, bn, bk in (("bf16", "tf32", 128, 256, 64), ("fp16", "tf32", 128, 128, 64),
                                  ("fp32", "ieee", 64, 64, 32)):
-        sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "c_ptr": f"*{dt}"}
-        sig.update(dict(kv.split(":") for kv in _ARGS.split()))
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
-                      PRECISION=prec, UPCAST=False)
-        sig.update({k: "constexpr" for k in consts})
-        aligned = ["a_ptr", "b_ptr", "c_ptr", "K", "N", "stride_am", "stride_bk", "stride_cm"]
-        yield f"persistent_matmul[{dt}]", persistent_matmul_kernel, sig, consts, aligned
+        for desc in (False, True) if dt != "fp32" else (False,):
+            sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "c_ptr": f"*{dt}"}
+            sig.update(dict(kv.split(":") for kv in _ARGS.split()))
+            sig.update(descriptor_signature(dt, bm, bn, bk, desc))
+            consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3,
+                          EVEN_K=True, PRECISION=prec, UPCAST=False, USE_DESC=desc)
+            if not desc:
+                consts.update(a_desc=None, b_desc=None)
+            sig.update({k: "constexpr" for k in consts})
+            aligned = ["a_ptr", "b_ptr", "c_ptr", "K", "N", "stride_am", "stride_bk", "stride_cm"]
+            name = f"persistent_matmul[{dt}{', descriptors' if desc else ''}]"
+            yield name, persistent_matmul_kernel, sig, consts, aligned
+
+
+def descriptor_signature(dt: str, bm: int, bn: int, bk: int, desc: bool) -> dict:
+    """The ``a_desc`` / ``b_desc`` entries of a tile-GEMM kernel's signature: tensor descriptors
+    of [bm, bk] and [bk, bn] blocks, or constexpr None (the pointer loads)."""
+    if not desc:
+        return {"a_desc": "constexpr", "b_desc": "constexpr"}
+    return {"a_desc": f"tensordesc<{dt}[{bm}, {bk}]>", "b_desc": f"tensordesc<{dt}[{bk}, {bn}]>"}
