@@ -22,10 +22,11 @@ def _inputs(world, M, N, K, seed):
             torch.randn(K, N, generator=g).to(torch.bfloat16))
 
 
-def _tune(world, tmp, kind, M, N, K):
+def _tune(world, tmp, kind, M, N, K, reserve):
     from portable_overlap.ops.matmul import MatmulConfig
 
-    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
+    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL),
+                                                reserve_sms=reserve))
     cache = TuningCache(f"{tmp}/rank{world.rank}.json")
     try:
         a, b = _inputs(world, M, N, K, 7)
@@ -45,28 +46,33 @@ def _tune(world, tmp, kind, M, N, K):
             again = ctx.tune(kind, a, b, cache=TuningCache(cache.path), top_k=3, iters=2)
         finally:
             tune_mod.calibrate = real
-        return cfg.partition, again.partition, err, entry
+        return ((cfg.partition, cfg.reserve_sms), (again.partition, again.reserve_sms), err,
+                entry)
     finally:
         ctx.close()
 
 
-@pytest.mark.parametrize("kind,M,N,K,ranks", [("all_reduce", 45, 40, 24, 2),
-                                              ("reduce_scatter", 32, 33, 20, 4)])
+@pytest.mark.parametrize("kind,M,N,K,ranks,reserve", [("all_reduce", 45, 40, 24, 2, None),
+                                                      ("reduce_scatter", 32, 33, 20, 4, 1)])
 def test_tune_measures_the_top_partitions_and_caches(world2, world4, tmp_path, kind, M, N, K,
-                                                     ranks):
-    got = (world2 if ranks == 2 else world4).run(_tune, str(tmp_path), kind, M, N, K)
-    parts = {g[0] for g in got}
-    assert len(parts) == 1, got  # every rank uses rank 0's decision
-    part, again, err, entry = got[0]
-    assert again == part and err < 1.5e-2, (again, part, err)
+                                                     ranks, reserve):
+    got = (world2 if ranks == 2 else world4).run(_tune, str(tmp_path), kind, M, N, K, reserve)
+    picks = {g[0] for g in got}
+    assert len(picks) == 1, got  # every rank uses rank 0's decision
+    (part, res), again, err, entry = got[0]
+    assert again == (part, res) and err < 1.5e-2, (again, part, err)
     assert all(g[3] == entry for g in got)  # the same record in every rank's cache
     cands = entry["candidates"]
     whys = [c["why"] for c in cands]
     assert "one group" in whys or any(len(c["partition"]) == 1 for c in cands)
-    assert len({tuple(c["partition"]) for c in cands}) == len(cands) >= 2
+    assert len({(tuple(c["partition"]), c["reserve_sms"]) for c in cands}) == len(cands) >= 2
     assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in cands)
+    # a configured reserve is also tried away (one group and the fastest partition on the
+    # whole grid); with none configured there is nothing to try
+    assert ("no reserve" in whys) == (reserve is not None), whys
     best = min(cands, key=lambda c: c["measured_ms"])
     assert tuple(best["partition"]) == part == tuple(entry["partition"])
+    assert best["reserve_sms"] == res == entry["reserve_sms"]
     n_tiles = entry["calibration"]["n_tiles"]
     assert all(sum(c["partition"]) == n_tiles for c in cands)
 

@@ -26,7 +26,7 @@ import torch
 from ...tiles.gemv import dot_upcast
 from ..context import G_MAX, OverlapContext, align_key, get_context, output_tensor, shape_tag
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config
+from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config, tile_descriptors
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
 
 TRANSPORTS = ("stores", "copy_engine")
@@ -90,7 +90,7 @@ class GemmAllToAll(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out, config or self.config)
-        plan(self._args(a, b, out, plan.tag, plan.programs))
+        plan(self._args(a, b, out, plan.tag, plan.programs, plan.cfg))
         self._after_call()
         return out
 
@@ -131,20 +131,25 @@ class GemmAllToAll(OverlapContext):
         torch.matmul(a[lo:hi], b, out=out[lo:hi])  # this rank's own rows last
         links.rejoin()
 
-    def _args(self, a, b, out, tag, programs):
+    def _args(self, a, b, out, tag, programs, cfg):
         M, K = a.shape
         W = self.world.world_size
+        # descriptors where the device and operands allow; the plan's key (strides, alignment)
+        # fixes the same choice its kernel was compiled for
+        a_desc, b_desc = tile_descriptors(a, b, cfg, self.world.facts)
         return (a, b, out, self._recv[a.dtype], self.sent, self.consumed, self.ctl,
                 self.heap.bases, self.status.address, M, b.shape[1], K, a.stride(0), a.stride(1),
-                b.stride(0), b.stride(1), M // W, programs, self.rank, W, tag, self.max_spins)
+                b.stride(0), b.stride(1), M // W, programs, self.rank, W, tag, self.max_spins,
+                a_desc, b_desc)
 
     def _plan(self, a, b, out, config: Optional[MatmulConfig]):
         M, K = a.shape
         N = b.shape[1]
         cfg = config or default_config(a.dtype, a.device)
         n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
-        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
+        use_desc = tile_descriptors(a, b, cfg, self.world.facts)[0] is not None
+        consts = dict(USE_DESC=use_desc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
                       EVEN_K=K % cfg.block_k == 0,
                       PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                       UPCAST=dot_upcast(a.dtype), G_MAX=G_MAX, num_warps=cfg.num_warps,
@@ -155,8 +160,8 @@ class GemmAllToAll(OverlapContext):
             return shape_tag(M, N, K, str(a.dtype), cfg, g)
 
         plan = self._compile(gemm_alltoall_kernel, programs, consts,
-                             lambda g: self._args(a, b, out, tag_of(g), g))
-        plan.tag = tag_of(plan.programs)
+                             lambda g: self._args(a, b, out, tag_of(g), g, cfg))
+        plan.tag, plan.cfg = tag_of(plan.programs), cfg
         return plan
 
 

@@ -1,4 +1,5 @@
 """Representative compile signatures of the fused GEMM + All-to-All for the compile matrix."""
+from ..matmul.compile_specs import descriptor_signature
 from .kernel import gemm_alltoall_kernel
 
 _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
@@ -6,13 +7,19 @@ _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_b
 
 
 def specs():
-    for dt, prec, bm, bn, bk in (("bf16", "tf32", 128, 256, 64), ("fp32", "ieee", 64, 64, 32)):
+    for dt, prec, bm, bn, bk, desc in (("bf16", "tf32", 128, 256, 64, False),
+                                       ("bf16", "tf32", 128, 256, 64, True),
+                                       ("fp32", "ieee", 64, 64, 32, False)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "recv_ptr": f"*{dt}",
                "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64",
                "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
-                      PRECISION=prec, UPCAST=False, G_MAX=1024)
+        sig.update(descriptor_signature(dt, bm, bn, bk, desc))
+        consts = dict(USE_DESC=desc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                      NUM_STAGES=3, EVEN_K=True, PRECISION=prec, UPCAST=False, G_MAX=1024)
+        if not desc:
+            consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "K", "N", "stride_am", "stride_bk"]
-        yield f"gemm_alltoall[{dt}]", gemm_alltoall_kernel, sig, consts, aligned
+        yield (f"gemm_alltoall[{dt}{', descriptors' if desc else ''}]", gemm_alltoall_kernel,
+               sig, consts, aligned)

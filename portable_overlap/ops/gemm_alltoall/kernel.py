@@ -27,7 +27,7 @@ import triton.language as tl
 from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
                              peer_buffer, report, signal_peer, signal_peers, wait_flag,
                              wait_peers)
-from ...tiles.gemm import gemm_tile, grouped_tile
+from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -53,6 +53,8 @@ def gemm_alltoall_kernel(
     recv_ptr, sent_ptr, consumed_ptr, ctl_ptr,  # heap: recv [M, N], int64 [world, G_MAX], [world], [2]
     bases_ptr, status_addr,
     M, N, K, stride_am, stride_ak, stride_bk, stride_bn, chunk, G, rank, world, tag, max_spins,
+    a_desc, b_desc,  # tensor descriptors of a and b when USE_DESC (else None): gemm_tile_desc
+    USE_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, G_MAX: tl.constexpr,
@@ -69,9 +71,13 @@ def gemm_alltoall_kernel(
         t = pid + i * G
         if t < n_tiles:
             pid_m, pid_n = _tile_of(t, rank, world, chunk, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
-            acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
-                            PRECISION, UPCAST)
+            if USE_DESC:
+                acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+            else:
+                acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+                                stride_bn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                EVEN_K, PRECISION, UPCAST)
             y = acc.to(out_ptr.dtype.element_ty)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

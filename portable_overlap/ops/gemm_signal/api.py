@@ -445,7 +445,8 @@ class GemmSignal:
             return got
         mm, K = plan.mm, a.shape[1]
         use_desc = tile_descriptors(a, b, mm, self.world.facts)[0] is not None
-        gemm_consts = dict(USE_DESC=use_desc, BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, BLOCK_K=mm.block_k,
+        gemm_consts = dict(USE_DESC=use_desc, BLOCK_M=mm.block_m, BLOCK_N=mm.block_n,
+                           BLOCK_K=mm.block_k,
                            GROUP_M=mm.group_m, NUM_STAGES=mm.num_stages,
                            EVEN_K=K % mm.block_k == 0,
                            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",

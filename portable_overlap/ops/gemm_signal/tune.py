@@ -17,8 +17,12 @@ predictor rank the partitions, measure the few it ranks best, keep the fastest, 
    collectives barely progress beside the GEMM (NCCL on 2x H200 ran at 1/3 of its rate beside
    it), extra groups only add per-collective costs and no overlap; measured, one group was then
    within 1.4–2.9 % of the best partition.
-4. **Decision**: rank 0's result, recorded in every rank's ``TuningCache`` under a key of the op,
-   shape, dtype, world, device name, tiling, SM reserve and versions. A rank whose cache holds
+   The fastest of these and one group are then measured again with no SM reserve (the
+   reserve only helps collectives that progress beside the GEMM), so the pick also says
+   whether to keep the reserve.
+4. **Decision**: rank 0's result (partition and reserve), recorded in every rank's
+   ``TuningCache`` under a key of the op, shape, dtype, world, device name, tiling, the
+   configured SM reserve and versions. A rank whose cache holds
    another decision raises ``RankMismatchError``; when every rank holds it, nothing is measured.
 
 The cached value keeps what decided it (the candidates with their predicted and measured times,
@@ -169,7 +173,8 @@ def calibrate(ctx, kind: str, a, b, out, *, config=None, iters: int = 20,
 def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
                    config=None, top_k: int = 4, iters: int = 20, graph: Optional[bool] = None,
                    cache: Optional[TuningCache] = None):
-    """Collective: the ``SignalConfig`` (``config`` or the context's, with ``partition`` set)
+    """Collective: the ``SignalConfig`` (``config`` or the context's, with ``partition`` and
+    ``reserve_sms`` set)
     whose wave-group partition measured fastest for ``kind`` ("all_reduce", "reduce_scatter",
     "all_to_all") on tensors shaped like ``a`` and ``b`` among the predictor's ``top_k`` (module
     docstring). Cached per (op, shape, dtype, world, device, tiling, reserve, versions): a cached
@@ -203,18 +208,33 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
                 cands.append((tuple(sizes), why))
         cands = ctx.world.broadcast_object(cands)  # every rank measures the same list
         rows = []
-        for sizes, why in cands:
-            c = dataclasses.replace(cfg, partition=sizes)
-            run = lambda c=c: ctx._call(kind, a, b, out, None, None, c)  # noqa: E731
+
+        def measure(sizes, why, reserve):
+            c = dataclasses.replace(cfg, partition=sizes, reserve_sms=reserve)
+            run = lambda: ctx._call(kind, a, b, out, None, None, c)  # noqa: E731
             run()  # the plan's first call: unguarded, loads, checks (never in a capture)
             ctx.synchronize()
             ms = time_call(run, ctx.world, iters=iters, warmup=_warmup(ctx.device),
                            graph=graph)
             ctx.check()
-            rows.append({"partition": list(sizes), "why": why, "measured_ms": ms,
+            rows.append({"partition": list(sizes), "why": why, "reserve_sms": reserve,
+                         "measured_ms": ms,
                          "predicted_ms": predict_ms(sizes, cal, p["tile_bytes"])})
+
+        for sizes, why in cands:
+            measure(sizes, why, cfg.reserve_sms)
+        # The SM reserve is for collectives that run beside the GEMM; where they do not (NCCL
+        # on 2x H200: comm_slowdown 5-717), it only slows the GEMM (reserve 0 measured 4-7 %
+        # faster at 8192^3, session 5 run 4). So the fastest partition and one group are also
+        # measured on the whole grid, and the reserve is part of the decision.
+        if ctx._programs(cfg) != ctx.world.facts.sm_count:
+            lead = min(rows, key=lambda r: r["measured_ms"])["partition"]
+            for sizes in {tuple(lead): None, (p["n_tiles"],): None}:
+                measure(sizes, "no reserve", 0)
         best = min(rows, key=lambda r: r["measured_ms"])
-        return {"partition": best["partition"], "candidates": rows, "calibration": record}
+        return {"partition": best["partition"], "reserve_sms": best["reserve_sms"],
+                "candidates": rows, "calibration": record}
 
     value = decide(ctx.world, key, compute, cache)
-    return dataclasses.replace(base, partition=tuple(value["partition"]))
+    return dataclasses.replace(base, partition=tuple(value["partition"]),
+                               reserve_sms=value.get("reserve_sms", base.reserve_sms))

@@ -111,7 +111,8 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
     a_desc, b_desc = tile_descriptors(a, b, cfg, get_backend().device_facts(a.device))
     persistent_matmul_kernel[(G,)](
         a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-        out.stride(1), G, a_desc, b_desc, USE_DESC=a_desc is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        out.stride(1), G, a_desc, b_desc, USE_DESC=a_desc is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
