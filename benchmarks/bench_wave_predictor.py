@@ -35,10 +35,10 @@ one group and the default measured through the op; its pick is measured again he
 Partitions per shape: ``schedule.candidate_partitions`` (every composition into at most
 ``--max-groups`` groups of whole units of k waves, the smallest k giving at most
 ``--max-candidates``), the search's pick (``schedule.search`` with its defaults) and the op's
-default partition. With the defaults on an H200 (a 116-program GEMM: 16 of 132 SMs reserved)
-that is 15 candidates at 4096x8192x8192 (units of 2 waves) and 26 at 8192x8192x8192 (3 waves)
-per collective, about 90 measured partitions in all (18 s on 2x H200 at commit 59875ab, before
-the group overhead and the collective's slowdown were measured; those add a few seconds). Rank 0
+default partition. With a 116-program GEMM (16 of 132 SMs reserved: the op's default until
+session 5) that is 15 candidates at 4096x8192x8192 (units of 2 waves) and 26 at 8192x8192x8192
+(3 waves) per collective, about 90 measured partitions in all (18 s on 2x H200 at commit
+59875ab); the whole run, tuner included, took 18-24 s in session 5. Rank 0
 decides the list and broadcasts it. Each is checked against the reference, then timed (graph
 replay, median of ``--iters``, slowest rank); a failing partition is recorded and skipped. The
 pick and the default are measured first, then the candidates until ``--budget-s`` seconds have
@@ -145,7 +145,8 @@ def summarize(rows: list, variants=("main",)) -> dict:
     out = {"n_measured": len(done),
            "n_candidates": sum("candidate" in r["roles"] for r in rows)}
     for v in variants:
-        errs = [abs(r["predicted"][v] - r["measured_ms"]) / r["measured_ms"] for r in done]
+        errs = [abs(r["predicted"][v] - r["measured_ms"]) / r["measured_ms"] for r in done
+                if r["predicted"].get(v) is not None]  # None: another SM reserve (the tuner's)
         out[f"mean_err[{v}]"] = statistics.fmean(errs) if errs else None
         out[f"max_err[{v}]"] = max(errs) if errs else None
     out["mean_err"], out["max_err"] = out[f"mean_err[{variants[0]}]"], \
@@ -207,10 +208,12 @@ class Run:
             self.ctx.close()
             self.ctx = GemmSignal(self.world)
 
-    def measure(self, fused_fn, a, b, out, ref, part) -> tuple:
+    def measure(self, fused_fn, a, b, out, ref, part, cfg=None) -> tuple:
         """(timing dict or None, rel_err, failure text or None) of the op with partition
-        ``part`` (None: the default); checked before it is timed."""
-        world, cfg = self.world, (SignalConfig(partition=part) if part else None)
+        ``part`` (None: the default) or the whole config ``cfg``; checked before it is
+        timed."""
+        world = self.world
+        cfg = cfg or (SignalConfig(partition=part) if part else None)
         why = None
         try:
             out.fill_(float("nan"))
@@ -348,16 +351,16 @@ class Run:
                     "no_slowdown": dataclasses.replace(cal, slowdown=1.0)}
         # the library's tuner (GemmSignal.tune: its own calibration, the predictor's top
         # partitions, one group and the default measured through the op), on a fresh cache
-        tuned, tune_s = None, None
+        tuned, tune_s = None, None  # the tuner's config: partition and SM reserve
         if args.top_k:
             t = time.perf_counter()
             try:
                 cache = TuningCache(f"{self.tmp}/{kind}-{name}-rank{world.rank}.json")
                 tuned = self.ctx.tune(kind, a, b, cache=cache, top_k=args.top_k,
-                                      iters=args.tune_iters).partition
+                                      iters=args.tune_iters)
                 tune_s = time.perf_counter() - t
-                say(world, f"[{kind} {name}] tuner picked {list(tuned)} in {tune_s:.1f} s "
-                           f"(top {args.top_k} + one group + default measured)")
+                say(world, f"[{kind} {name}] tuner picked {list(tuned.partition)}, reserve "
+                           f"{tuned.reserve_sms} in {tune_s:.1f} s")
                 if world.rank == 0:
                     self.writer.write(op="wave_predictor_tuning", shape=shape, dtype="bf16",
                                       kind=kind, top_k=args.top_k, tune_s=tune_s,
@@ -373,8 +376,8 @@ class Run:
             pick, _ = search(n_tiles, cal, tile_bytes, multiple_of=dests)
             roles.setdefault(tuple(pick.sizes), []).append("search")
             roles.setdefault(tuple(p["groups"].sizes), []).append("default")
-            if tuned is not None:
-                roles.setdefault(tuple(tuned), []).append("tuned")
+            if tuned is not None and tuned.reserve_sms == self.ctx.config.reserve_sms:
+                roles.setdefault(tuple(tuned.partition), []).append("tuned")
             for c in candidate_partitions(n_tiles, cal.tiles_per_wave, multiple_of=dests,
                                           max_groups=args.max_groups, cap=args.max_candidates):
                 roles.setdefault(tuple(c), []).append("candidate")
@@ -414,6 +417,21 @@ class Run:
                                   predicted_ms=round(pred["main"], 5),
                                   predicted_variants={k: round(v, 5) for k, v in pred.items()},
                                   rel_err=err)
+        if tuned is not None and tuned.reserve_sms != self.ctx.config.reserve_sms:
+            # the tuner kept another SM reserve: its config measured as it is (the model's
+            # calibration holds for the default grid only, so no prediction)
+            r, err, why = self.measure(fused_fn, a, b, out, ref, None, cfg=tuned)
+            row = {"partition": tuple(tuned.partition), "roles": ["tuned"],
+                   "predicted": {v: None for v in variants},
+                   "measured_ms": r["median_ms"] if r else None}
+            rows.append(row)
+            say(world, f"  tuned (reserve {tuned.reserve_sms}) {list(tuned.partition)}: "
+                       + (f"measured {r['median_ms']:.3f} ms" if r else str(why)))
+            if r and world.rank == 0:
+                self.writer.write(op="wave_predictor", shape=shape, dtype="bf16", impl="fused",
+                                  graph=self.graph, **{k: round(v, 5) for k, v in r.items()},
+                                  kind=kind, partition=list(tuned.partition), role=["tuned"],
+                                  reserve_sms=tuned.reserve_sms, rel_err=err)
         s = summarize(rows, tuple(variants))
         if world.rank == 0:
             self.writer.write(op="wave_predictor_summary", shape=shape, dtype="bf16",

@@ -99,3 +99,16 @@ def test_refit_recovers_the_collective_terms(tmp_path, monkeypatch, capsys):
     held = [ln for ln in out.splitlines() if "held-out" in ln]
     assert held and all(" 0.0% " in ln for ln in held)
     assert "equal2" in out
+
+
+def test_summary_with_the_tuners_own_reserve():
+    """A tuned config on another SM reserve has no prediction: it counts for the best and for
+    best/tuned, not for the prediction error."""
+    rows = [_row((8,), ["default", "candidate"], 1.0, 1.1),
+            _row((4, 4), ["search", "candidate"], 0.9, 0.9),
+            {"partition": (8,), "roles": ["tuned"], "measured_ms": 0.8,
+             "predicted": {"main": None, "alt": None}}]
+    s = summarize(rows, ("main", "alt"))
+    assert s["mean_err"] == pytest.approx(0.05) and s["max_err"] == pytest.approx(0.1)
+    assert s["best_ms"] == 0.8 and s["tuned_ms"] == 0.8 and s["best_over_tuned"] == 1.0
+    assert s["best_over_pick"] == pytest.approx(0.8 / 0.9)

@@ -24,7 +24,7 @@ One call, on rank r (see docs/gemm_signal.md):
 
 1. the comm stream forks from the caller's stream (so it sees every earlier write);
 2. the GEMM is launched on the caller's stream with a grid that leaves ``reserve_sms`` SMs free
-   for the collectives' kernels; each finished tile goes to its staging slot and bumps its
+   for the collectives' kernels (none by default); each finished tile goes to its staging slot and bumps its
    group's counter;
 3. per group g, on the comm stream: ``stream_wait_value(count[g] >= size_g)`` (no CPU polling),
    ``stream_write_value(count[g], 0)`` (the waiter resets its own counter: see below), then the
@@ -69,15 +69,21 @@ OP = "gemm_signal"
 KINDS = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter",
          "all_to_all": "gemm_all_to_all_signal"}
 MAX_GROUPS = 256  # counters per context; a partition has at most this many groups
-#: SMs left to the collectives' kernels on a 132-SM H200 (FlashOverlap reserves SMs for NCCL);
-#: scaled by the device's SM count
-RESERVE_PER_132 = 16
+#: SMs the GEMM leaves to the collectives' kernels by default, per 132 (scaled by the device's
+#: count): none. FlashOverlap leaves SMs to NCCL so that a group's collective runs beside the
+#: GEMM; on 2x H200 NCCL made no measurable progress there (comm_slowdown 5-717, session 5 runs
+#: 2 and 5) and a reserve of 16 only slowed the GEMM: reserve 0 measured 4-7 % faster at 8192^3
+#: (session 5 run 4) and the tuner kept 0 at all 4 shapes (run 5).
+RESERVE_PER_132 = 0
+#: the other reserve the tuner tries when the configured one is 0 (16 of 132 SMs, scaled)
+ALT_RESERVE_PER_132 = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class SignalConfig:
     """``matmul``: GEMM tiling (None: ``matmul.default_config``). ``reserve_sms``: SMs / CUs the
-    GEMM grid leaves free for the collectives (None: 16 per 132, scaled by the device's count).
+    GEMM grid leaves free for the collectives (None: ``RESERVE_PER_132``, i.e. none; a
+    reserve helps only where a collective progresses beside the GEMM, which ``tune`` measures).
     ``partition``: wave-group sizes in tiles, schedule order; None: ``default_partition``;
     ``"tune"``: the first call of each shape runs ``GemmSignal.tune`` (collective, ~0.2–1.6 s on
     2x H200, cached on disk per shape and device) and every later call uses its pick.

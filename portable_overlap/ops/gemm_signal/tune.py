@@ -17,9 +17,9 @@ predictor rank the partitions, measure the few it ranks best, keep the fastest, 
    collectives barely progress beside the GEMM (NCCL on 2x H200 ran at 1/3 of its rate beside
    it), extra groups only add per-collective costs and no overlap; measured, one group was then
    within 1.4–2.9 % of the best partition.
-   The fastest of these and one group are then measured again with no SM reserve (the
-   reserve only helps collectives that progress beside the GEMM), so the pick also says
-   whether to keep the reserve.
+   The fastest of these and one group are then measured again with the other SM reserve (none,
+   or 16 of 132 SMs when none is configured: a reserve only helps collectives that progress
+   beside the GEMM), so the pick also says which reserve to use.
 4. **Decision**: rank 0's result (partition and reserve), recorded in every rank's
    ``TuningCache`` under a key of the op, shape, dtype, world, device name, tiling, the
    configured SM reserve and versions. A rank whose cache holds
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ...schedule import (Calibration, TuningCache, cache_key, decide, measure_comm_curve,
                          predict_ms, search_top, time_call)
 from ...schedule.predict import invert_comm_slowdown
-from .api import KINDS
+from .api import ALT_RESERVE_PER_132, KINDS
 
 MIB = 1 << 20
 
@@ -223,14 +223,18 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
 
         for sizes, why in cands:
             measure(sizes, why, cfg.reserve_sms)
-        # The SM reserve is for collectives that run beside the GEMM; where they do not (NCCL
-        # on 2x H200: comm_slowdown 5-717), it only slows the GEMM (reserve 0 measured 4-7 %
-        # faster at 8192^3, session 5 run 4). So the fastest partition and one group are also
-        # measured on the whole grid, and the reserve is part of the decision.
-        if ctx._programs(cfg) != ctx.world.facts.sm_count:
+        # The SM reserve helps only collectives that run beside the GEMM; where they do not
+        # (NCCL on 2x H200: comm_slowdown 5-717) it only slows the GEMM (reserve 0 measured
+        # 4-7 % faster at 8192^3, session 5 run 4). So the fastest partition and one group are
+        # also measured with the other reserve (none, or 16 of 132 SMs when none is
+        # configured), and the reserve is part of the decision.
+        sms = ctx.world.facts.sm_count
+        configured = sms - ctx._programs(cfg)
+        other = 0 if configured else round(ALT_RESERVE_PER_132 * sms / 132)
+        if other != configured:
             lead = min(rows, key=lambda r: r["measured_ms"])["partition"]
             for sizes in {tuple(lead): None, (p["n_tiles"],): None}:
-                measure(sizes, "no reserve", 0)
+                measure(sizes, "other reserve", other)
         best = min(rows, key=lambda r: r["measured_ms"])
         return {"partition": best["partition"], "reserve_sms": best["reserve_sms"],
                 "candidates": rows, "calibration": record}
