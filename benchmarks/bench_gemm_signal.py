@@ -21,7 +21,9 @@ free, so a collective with more CTAs than that waits for the GEMM's end in its e
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,7 @@ from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all
                                               gemm_all_reduce_reference, gemm_reduce_scatter,
                                               gemm_reduce_scatter_reference)
 from portable_overlap.ops.matmul.api import default_config
-from portable_overlap.schedule import default_partition
+from portable_overlap.schedule import TuningCache, default_partition
 
 SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192)]
 OPS = {"all_reduce": ("gemm_allreduce_signal", gemm_all_reduce, gemm_all_reduce_reference),
@@ -70,6 +72,9 @@ def main() -> int:
     ap.add_argument("--comm-ctas", default="",
                     help="comma list: NCCL max CTAs of the collectives' group (named variants)")
     ap.add_argument("--sweep-shape", default="8192x8192x8192")
+    ap.add_argument("--tune", action="store_true",
+                    help="a fused[tuned] variant at every shape: GemmSignal.tune's config "
+                         "(partition and SM reserve) on a fresh cache")
     ap.add_argument("--no-graph", action="store_true")
     args = ap.parse_args()
     world = World.from_env()
@@ -96,6 +101,7 @@ def main() -> int:
                     print(f"ctas={n} hp={hp} skipped: {type(e).__name__}: {str(e)[:200]}",
                           flush=True)
     gen = torch.Generator(device=dev).manual_seed(world.rank)
+    tune_dir = tempfile.mkdtemp(prefix="po-sig-tune-") if args.tune else None
     table = []
     for kind in kinds:
         op_name, fused_fn, ref_fn = OPS[kind]
@@ -157,6 +163,21 @@ def main() -> int:
                     variants[f"fused[reserve={r}]"] = (SignalConfig(reserve_sms=r), None)
                 for vname in cta_ctxs:
                     variants[vname] = (None, None)
+            if args.tune:
+                try:
+                    tcfg = ctx.tune(kind, a, b, cache=TuningCache(
+                        os.path.join(tune_dir, f"{kind}-{M}x{N}x{K}-rank{world.rank}.json")))
+                    variants["fused[tuned]"] = (tcfg, tcfg.partition)
+                    if world.rank == 0:
+                        print(f"{kind} {M}x{N}x{K} tuned: partition {list(tcfg.partition)}, "
+                              f"reserve {tcfg.reserve_sms}", flush=True)
+                except Exception as e:
+                    print(f"rank {world.rank}: tuning {kind} {M}x{N}x{K} failed: "
+                          f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+                    torch.cuda.synchronize()
+                # every rank times the same variants, or none
+                if not all(world.all_gather_object("fused[tuned]" in variants)):
+                    variants.pop("fused[tuned]", None)
             for vname, (cfg, part) in variants.items():
                 vctx = cta_ctxs.get(vname, ctx)
                 try:  # plan (a host collective, kernel loads) and check outside the timing
