@@ -34,6 +34,7 @@ from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all
                                               gemm_all_reduce_reference, gemm_reduce_scatter,
                                               gemm_reduce_scatter_reference)
 from portable_overlap.ops.matmul.api import default_config
+from portable_overlap.ops.gemm_signal.copy_engine import GemmReduceScatterCE
 from portable_overlap.schedule import TuningCache, default_partition
 
 SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192)]
@@ -72,6 +73,9 @@ def main() -> int:
     ap.add_argument("--comm-ctas", default="",
                     help="comma list: NCCL max CTAs of the collectives' group (named variants)")
     ap.add_argument("--sweep-shape", default="8192x8192x8192")
+    ap.add_argument("--no-ce", action="store_true",
+                    help="skip fused[ce] (ReduceScatter with the counters gating copy-engine "
+                         "transfers, ops/gemm_signal/copy_engine.py)")
     ap.add_argument("--tune", action="store_true",
                     help="a fused[tuned] variant at every shape: GemmSignal.tune's config "
                          "(partition and SM reserve) on a fresh cache")
@@ -102,6 +106,11 @@ def main() -> int:
                           flush=True)
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     tune_dir = tempfile.mkdtemp(prefix="po-sig-tune-") if args.tune else None
+    ce_ctx = None
+    if "reduce_scatter" in kinds and not args.no_ce:
+        big = max(shapes + [sweep_shape], key=lambda s: s[0] * s[1])
+        ce_ctx = GemmReduceScatterCE(world, GemmReduceScatterCE.elems_needed(
+            big[0], big[1], W, 128, 256))
     table = []
     for kind in kinds:
         op_name, fused_fn, ref_fn = OPS[kind]
@@ -197,6 +206,22 @@ def main() -> int:
                     continue
                 impls[vname] = (lambda c, x: (lambda: fused_fn(a, b, x, out, config=c)))(cfg,
                                                                                        vctx)
+            if kind == "reduce_scatter" and ce_ctx is not None:
+                try:  # checked like the other variants before it is timed
+                    out.fill_(float("nan"))
+                    ce_ctx.reduce_scatter(a, b, out)
+                    ce_ctx.synchronize()
+                    ref = ref_fn(a, b, world.group).double()
+                    cerr = ((out.double() - ref).norm() / ref.norm()).item()
+                except Exception as e:
+                    print(f"rank {world.rank}: fused[ce] failed: {type(e).__name__}: "
+                          f"{str(e)[:200]}", flush=True)
+                    cerr = float("inf")
+                cerr = max(world.all_gather_object(cerr))
+                if cerr < 1e-2:
+                    impls["fused[ce]"] = lambda: ce_ctx.reduce_scatter(a, b, out)
+                elif world.rank == 0:
+                    print(f"fused[ce] wrong (rel_err {cerr:.2e}): not timed", flush=True)
             row = {"op": kind, "shape": f"{M}x{N}x{K}", "err": err}
             for graph in graphs:
                 for name, fn in impls.items():
@@ -214,7 +239,7 @@ def main() -> int:
                     if world.rank == 0:
                         extra = {}
                         if name.startswith("fused["):
-                            v = variants[name]
+                            v = variants.get(name, (None, None))
                             extra = {"partition": list(v[1]) if v[1] else None,
                                      "reserve_sms": v[0].reserve_sms if v[0] else None}
                         writer.write(op=op_name, shape=shape, dtype="bf16", impl=name,

@@ -276,6 +276,65 @@ def check_bad_input(world, ctx) -> None:
            f"{sum(m is not None for m in msgs)}/4 refused; then rel_err={err:.2e}")
 
 
+def check_copy_engine(world, gen, replays: int = 20) -> None:
+    """GEMM + ReduceScatter with the counters gating copy-engine transfers
+    (ops/gemm_signal/copy_engine.py): odd and bench shapes, bias + residual, back-to-back calls
+    and CUDA-graph replays (the flags' epochs and the counters' resets across replays)."""
+    from portable_overlap.ops.gemm_signal.copy_engine import GemmReduceScatterCE
+
+    W, dev = world.world_size, world.device
+    ctx = GemmReduceScatterCE(world, GemmReduceScatterCE.elems_needed(8192, 8192, W, 128, 256))
+    try:
+        for dtype, M, N, K, epi in ((torch.bfloat16, 8192, 8192, 8192, False),
+                                    (torch.bfloat16, 2064, 1000, 776, True),
+                                    (torch.float16, 1024, 2048, 512, True),
+                                    (torch.float32, 512, 256, 96, False)):
+            Kl = K // W
+            a, b = rand((M, Kl), dtype, dev, gen), rand((Kl, N), dtype, dev, gen)
+            rows = M // W
+            bias = rand((N,), dtype, dev, gen) if epi else None
+            res = rand((rows, N), dtype, dev, gen) if epi else None
+            worst = 0.0
+            for _ in range(3):  # back to back on one context
+                out = torch.full((rows, N), float("nan"), dtype=dtype, device=dev)
+                ctx.reduce_scatter(a, b, out, bias=bias, residual=res)
+                ctx.synchronize()
+                ref = gemm_reduce_scatter_reference(a, b, world.group).double()
+                if epi:
+                    ref = ref + bias.double() + res.double()
+                worst = max(worst, rel_err(out, ref))
+            record(f"copy engine RS {str(dtype)[6:]} {M}x{N}x{K}{' +bias+res' if epi else ''}",
+                   worst < 1e-2, f"worst rel_err={worst:.2e} (3 calls)")
+        M, N, K = 4096, 4096, 2048
+        a = rand((M, K // W), torch.bfloat16, dev, gen)
+        b = rand((K // W, N), torch.bfloat16, dev, gen)
+        out = torch.empty(M // W, N, dtype=torch.bfloat16, device=dev)
+        ctx.reduce_scatter(a, b, out)
+        ctx.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ctx.reduce_scatter(a, b, out)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ctx.reduce_scatter(a, b, out)
+        worst = 0.0
+        for _ in range(replays):
+            a.copy_(rand(a.shape, a.dtype, dev, gen))
+            out.fill_(float("nan"))
+            g.replay()
+            ctx.synchronize()
+            worst = max(worst, rel_err(out, gemm_reduce_scatter_reference(a, b, world.group)
+                                       .double()))
+        record(f"copy engine RS: CUDA graph, {replays} replays", worst < 1e-2,
+               f"worst rel_err={worst:.2e}")
+    finally:
+        torch.cuda.synchronize()
+        ctx.close()
+
+
 def main() -> int:
     import faulthandler
 
@@ -289,9 +348,9 @@ def main() -> int:
               f" sm_count={world.facts.sm_count}", flush=True)
     ctx = GemmSignal(world)
     for check in (check_shapes, check_rmsnorm, check_partitions, check_back_to_back, check_graph,
-                  check_large):
+                  check_large, check_copy_engine):
         try:
-            check(world, ctx, gen)
+            check(world, gen) if check is check_copy_engine else check(world, ctx, gen)
         except Exception as e:
             record(check.__name__, False, f"raised {type(e).__name__}: {e}"[:300])
             traceback.print_exc()

@@ -256,14 +256,7 @@ class GemmSignal:
         if out is None:
             out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
         _check_2d(op, "out", out, (out_rows, N), a)
-        if residual is not None:
-            _check_2d(op, "residual", residual, (out_rows, N), a)
-        for name, vec in (("bias", bias), ("rms_weight", rms_weight)):
-            if vec is not None and (not isinstance(vec, torch.Tensor) or vec.shape != (N,)
-                                    or vec.dtype != a.dtype or vec.device != a.device
-                                    or vec.stride(0) != 1):
-                raise ValueError(f"{op}: {name} must be a contiguous {a.dtype} [{N}] tensor on "
-                                 f"{a.device}")
+        _vector_checks(op, a, N, out_rows, bias=bias, residual=residual, rms_weight=rms_weight)
         if rms_weight is not None:
             if not eps > 0:
                 raise ValueError(f"{op}: eps must be > 0, got {eps}")
@@ -521,6 +514,19 @@ def _dst(u, row_base, m_dest, pm, pn, mm):
     """(row0, nrows, col0) in out of tile u (grouped order) of a [m_dest, N] row block."""
     i, j = grouped_tile(u, pm, pn, mm.group_m)
     return (row_base + i * mm.block_m, min(mm.block_m, m_dest - i * mm.block_m), j * mm.block_n)
+
+
+def _vector_checks(op, a, N, rows, *, bias=None, residual=None, rms_weight=None) -> None:
+    """The epilogue operands' checks: ``residual`` [rows, N] with contiguous rows, ``bias`` and
+    ``rms_weight`` contiguous [N]; all of ``a``'s dtype and device."""
+    if residual is not None:
+        _check_2d(op, "residual", residual, (rows, N), a)
+    for name, vec in (("bias", bias), ("rms_weight", rms_weight)):
+        if vec is not None and (not isinstance(vec, torch.Tensor) or vec.shape != (N,)
+                                or vec.dtype != a.dtype or vec.device != a.device
+                                or vec.stride(0) != 1):
+            raise ValueError(f"{op}: {name} must be a contiguous {a.dtype} [{N}] tensor on "
+                             f"{a.device}")
 
 
 def _check_2d(op, name, t, shape, a) -> None:

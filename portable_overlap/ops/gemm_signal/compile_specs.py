@@ -1,6 +1,7 @@
 """Representative compile signatures of the tile-group-signal kernels for the compile matrix."""
 from ..matmul.compile_specs import descriptor_signature
-from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
+from .kernel import (gemm_signal_kernel, signal_reduce_kernel, signal_reorder_kernel,
+                     signal_reorder_norm_kernel)
 
 _GEMM_ARGS = ("M_dest:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
               "dests:i32 G:i32")
@@ -40,3 +41,13 @@ def specs():
         aligned = ["src_ptr", "out_ptr", "normed_ptr", "bias_ptr", "res_ptr", "w_ptr", "N",
                    "stride_om", "stride_nm", "stride_rm"]
         yield f"signal_reorder_norm[{dt}]", signal_reorder_norm_kernel, sig, consts, aligned
+    for dt, bm, bn, bias, res in (("bf16", 128, 256, True, True), ("fp32", 16, 16, False, False)):
+        sig = {"stage_ptr": f"*{dt}", "own_slot_ptr": "*i32", "recv_ptr": f"*{dt}",
+               "table_ptr": "*i32", "out_ptr": f"*{dt}", "bias_ptr": f"*{dt}",
+               "res_ptr": f"*{dt}", "N": "i32", "stride_om": "i32", "stride_rm": "i32",
+               "rank": "i32", "W": "i32", "region": "i32"}
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, ROWS=min(bm, 32), HAS_BIAS=bias, HAS_RES=res)
+        sig.update({k: "constexpr" for k in consts})
+        aligned = ["stage_ptr", "recv_ptr", "out_ptr", "bias_ptr", "res_ptr", "N", "stride_om",
+                   "stride_rm", "region"]
+        yield f"signal_reduce[{dt}]", signal_reduce_kernel, sig, consts, aligned

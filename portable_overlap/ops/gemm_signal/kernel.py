@@ -163,3 +163,46 @@ def signal_reorder_norm_kernel(
         y = x * rstd[:, None] * w[None, :]
         tl.store(normed_ptr + out_rows[:, None] * stride_nm + (col0 + c)[None, :],
                  y.to(normed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def signal_reduce_kernel(
+    stage_ptr,  # this rank's staging: tiles of BLOCK_M x BLOCK_N (its own partial among them)
+    own_slot_ptr,  # int32 [n_own]: staging slot of this rank's own tile u
+    recv_ptr,  # heap: [W, n_own] tiles, region q = rank q's partial of this rank's block
+    table_ptr,  # int32 [n_own, 3]: (row0, nrows, col0) of tile u in out
+    out_ptr, bias_ptr, res_ptr,  # out [rows, N]; bias [N]; residual [rows, N] (both optional)
+    N, stride_om, stride_rm, rank, W, region,  # region: elements of one source's region
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    """ReduceScatter's reduction after copy-engine transfers: program pid sums rows
+    [part·ROWS, (part+1)·ROWS) of own tile u = pid // (BLOCK_M // ROWS) over this rank's partial
+    (in staging) and every peer's (in the heap), in fp32, adds bias / residual, rounds once and
+    stores into out (the same table as the reorder's)."""
+    pid = tl.program_id(0)
+    s = pid // (BLOCK_M // ROWS)
+    part = pid % (BLOCK_M // ROWS)
+    row0 = tl.load(table_ptr + s * 3)
+    nrows = tl.load(table_ptr + s * 3 + 1)
+    col0 = tl.load(table_ptr + s * 3 + 2)
+    r = part * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK_N)
+    in_tile = r[:, None] * BLOCK_N + c[None, :]
+    own = tl.load(own_slot_ptr + s).to(tl.int64)
+    x = tl.load(stage_ptr + own * (BLOCK_M * BLOCK_N) + in_tile).to(tl.float32)
+    src = recv_ptr + s.to(tl.int64) * (BLOCK_M * BLOCK_N) + in_tile
+    for q in range(0, W):  # the pointer steps one region per source (no 32-bit product)
+        if q != rank:
+            x += tl.load(src).to(tl.float32)
+        src += region
+    col_ok = (col0 + c) < N
+    mask = (r[:, None] < nrows) & col_ok[None, :]
+    out_rows = (row0 + r).to(tl.int64)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        x += tl.load(res_ptr + out_rows[:, None] * stride_rm + (col0 + c)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
+             x.to(out_ptr.dtype.element_ty), mask=mask)
