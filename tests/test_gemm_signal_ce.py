@@ -104,3 +104,28 @@ def test_bad_input(world2):
         assert all(msgs) and ok, msgs
         assert "max_elems" in msgs[0] and "tune" in msgs[1] and "split evenly" in msgs[2]
         assert "receive room" in msgs[3] and "bias" in msgs[4] and "tune" in msgs[5]
+
+
+def _library_op(world):
+    W = world.world_size
+    ctx = GemmReduceScatterCE(world, GemmReduceScatterCE.elems_needed(32, 32, W, 16, 16),
+                              config=SignalConfig(matmul=SMALL))
+    try:
+        g = torch.Generator().manual_seed(7 + world.rank)
+        a, b = torch.randn(32, 24, generator=g), torch.randn(24, 32, generator=g)
+        bias = torch.randn(32, generator=g)
+        got = torch.ops.portable_overlap.gemm_reduce_scatter_ce(a, b, ctx.handle, bias, None)
+        ref = gemm_reduce_scatter_reference(a, b, world.group) + bias
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+            fake = torch.ops.portable_overlap.gemm_reduce_scatter_ce(fa, fb, ctx.handle)
+        return torch.allclose(got, ref, rtol=1e-5, atol=1e-4), tuple(fake.shape)
+    finally:
+        ctx.close()
+
+
+def test_library_op_and_fake(world2):
+    for ok, shape in world2.run(_library_op):
+        assert ok and shape == (16, 32)

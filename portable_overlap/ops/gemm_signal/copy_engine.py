@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import OverlapContext, output_tensor, shape_tag
+from ..context import OverlapContext, get_context, output_tensor, shape_tag
 from ..matmul.api import DTYPES
 from .api import MAX_GROUPS, GemmSignal, SignalConfig, _gemm_args, _vector_checks
 from .kernel import signal_reduce_kernel
@@ -184,5 +184,21 @@ def gemm_reduce_scatter_ce(a: torch.Tensor, b: torch.Tensor, ctx: GemmReduceScat
                            residual: Optional[torch.Tensor] = None,
                            config: Optional[SignalConfig] = None) -> torch.Tensor:
     """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_q a_q @ b_q`` (+ bias + residual) on rank r, the
-    wave groups' transfers on copy engines (module docstring)."""
+    wave groups' transfers on copy engines (module docstring); under ``torch.compile`` one
+    opaque op."""
+    if out is None and config is None and torch.compiler.is_compiling():
+        return torch.ops.portable_overlap.gemm_reduce_scatter_ce(a, b, ctx.handle, bias,
+                                                                 residual)
     return ctx.reduce_scatter(a, b, out, bias=bias, residual=residual, config=config)
+
+
+@torch.library.custom_op("portable_overlap::gemm_reduce_scatter_ce", mutates_args=())
+def _gemm_reduce_scatter_ce_op(a: torch.Tensor, b: torch.Tensor, handle: int,
+                               bias: Optional[torch.Tensor] = None,
+                               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return get_context(handle).reduce_scatter(a, b, bias=bias, residual=residual)
+
+
+@_gemm_reduce_scatter_ce_op.register_fake
+def _(a, b, handle, bias=None, residual=None):
+    return a.new_empty((a.shape[0] // get_context(handle).world.world_size, b.shape[1]))
