@@ -32,6 +32,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > 
 nvidia-smi topo -m >> "$out/gpus.txt" 2>&1
 timeout 120 python3 -m portable_overlap env 2>&1 | tee "$out/env.txt"
 # Each torchrun section's wall time goes to timing.txt, so device calls can be planned.
+# Filters end in tail, never head: a head that exits early kills tee and truncates the log (the
+# full gpu_checks log of session 5 runs 5 and 8 lost its summary line that way).
 run() {
   local t0=$SECONDS rc
   timeout "$1" torchrun --nproc-per-node "$nproc" --master-port "$((29500 + RANDOM % 1000))" "${@:2}"
@@ -40,7 +42,7 @@ run() {
   return $rc
 }
 if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
-  run 420 tests/gpu/gpu_checks.py 2>&1 | tee "$out/checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
+  run 420 tests/gpu/gpu_checks.py 2>&1 | tee "$out/checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | tail -n 80
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then
@@ -81,7 +83,7 @@ fi
 if [ "${PO_SKIP_SIG:-0}" != 1 ]; then
   if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
     run 360 tests/gpu/check_gemm_signal.py 2>&1 | tee "$out/check_gemm_signal.log" \
-        | grep -E "PASS|FAIL|gpu checks|Error|error" | head -60
+        | grep -E "PASS|FAIL|gpu checks|Error|error" | tail -n 60
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
   if [ "${PO_SKIP_SIG_BENCH:-0}" != 1 ]; then
@@ -101,7 +103,7 @@ if [ "${PO_SKIP_PRED:-0}" != 1 ]; then
 fi
 if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: checks, benchmark
   if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
-    run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | head -80
+    run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | tail -n 80
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
   if [ "${PO_SKIP_EMB_BENCH:-0}" != 1 ]; then
