@@ -77,3 +77,19 @@ def gemm_tile_desc(a_desc, b_desc, row0, col0, K, BLOCK_M: tl.constexpr, BLOCK_N
         b = b_desc.load([k0, col0])
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, stride_bk,
+                   stride_bn, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
+    """Tile ``(pid_m, pid_n)`` of ``a @ b`` through the descriptors when USE_DESC (the host's
+    ``tile_descriptors`` allowed them), else through ``gemm_tile``'s pointer loads."""
+    if USE_DESC:
+        acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M,
+                             BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+    else:
+        acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m,
+                        pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+    return acc

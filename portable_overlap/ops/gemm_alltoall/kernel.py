@@ -27,7 +27,7 @@ import triton.language as tl
 from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
                              peer_buffer, report, signal_peer, signal_peers, wait_flag,
                              wait_peers)
-from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
+from ...tiles.gemm import gemm_tile_auto, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -71,13 +71,9 @@ def gemm_alltoall_kernel(
         t = pid + i * G
         if t < n_tiles:
             pid_m, pid_n = _tile_of(t, rank, world, chunk, num_pid_m, num_pid_n, BLOCK_M, GROUP_M)
-            if USE_DESC:
-                acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
-            else:
-                acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-                                stride_bn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                EVEN_K, PRECISION, UPCAST)
+            acc = gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak,
+                                 stride_bk, stride_bn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
             y = acc.to(out_ptr.dtype.element_ty)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

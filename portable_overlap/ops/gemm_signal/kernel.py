@@ -92,6 +92,15 @@ def signal_reorder_kernel(
     c = tl.arange(0, BLOCK_N)
     x = tl.load(src_ptr + s.to(tl.int64) * (BLOCK_M * BLOCK_N) + r[:, None] * BLOCK_N
                 + c[None, :]).to(tl.float32)
+    _finish_slab(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om, stride_rm,
+                 HAS_BIAS, HAS_RES)
+
+
+@triton.jit
+def _finish_slab(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om, stride_rm,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """Rows ``r`` of a tile placed at ``(row0, col0)`` of ``out``, in fp32 (``x``): add bias and
+    residual, round once, store (masked at the tile's ``nrows`` and at N)."""
     col_ok = (col0 + c) < N
     mask = (r[:, None] < nrows) & col_ok[None, :]
     out_rows = (row0 + r).to(tl.int64)
@@ -196,13 +205,5 @@ def signal_reduce_kernel(
         if q != rank:
             x += tl.load(src).to(tl.float32)
         src += region
-    col_ok = (col0 + c) < N
-    mask = (r[:, None] < nrows) & col_ok[None, :]
-    out_rows = (row0 + r).to(tl.int64)
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        x += tl.load(res_ptr + out_rows[:, None] * stride_rm + (col0 + c)[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
-             x.to(out_ptr.dtype.element_ty), mask=mask)
+    _finish_slab(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om, stride_rm,
+                 HAS_BIAS, HAS_RES)

@@ -6,7 +6,7 @@ the device at once, so a later epilogue may wait on other programs or peers."""
 import triton
 import triton.language as tl
 
-from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
+from ...tiles.gemm import gemm_tile_auto, grouped_tile
 
 
 @triton.jit
@@ -27,13 +27,9 @@ def persistent_matmul_kernel(
         t = pid + i * G
         if t < n_tiles:
             pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
-            if USE_DESC:
-                acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
-            else:
-                acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-                                stride_bn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                EVEN_K, PRECISION, UPCAST)
+            acc = gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak,
+                                 stride_bk, stride_bn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                                 NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
