@@ -173,11 +173,10 @@ def calibrate(ctx, kind: str, a, b, out, *, config=None, iters: int = 20,
 def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
                    config=None, top_k: int = 4, iters: int = 20, graph: Optional[bool] = None,
                    cache: Optional[TuningCache] = None):
-    """Collective: the ``SignalConfig`` (``config`` or the context's, with ``partition`` and
-    ``reserve_sms`` set)
-    whose wave-group partition measured fastest for ``kind`` ("all_reduce", "reduce_scatter",
-    "all_to_all") on tensors shaped like ``a`` and ``b`` among the predictor's ``top_k`` (module
-    docstring). Cached per (op, shape, dtype, world, device, tiling, reserve, versions): a cached
+    """Collective: ``config`` (or the context's) with the ``partition`` and ``reserve_sms``
+    that measured fastest for ``kind`` ("all_reduce", "reduce_scatter", "all_to_all") on tensors
+    shaped like ``a`` and ``b``, among the predictor's ``top_k``, one group and the default
+    (module docstring). Cached per (op, shape, dtype, world, device, tiling, reserve, versions): a cached
     decision costs one exchange of the cache entries. ``graph`` (default: on a GPU) times CUDA-
     graph replays, as the benchmarks do; call it outside graph capture."""
     if kind not in KINDS:
