@@ -44,5 +44,18 @@ def get_backend(name: Optional[str] = None) -> Backend:
     return _cache[name]
 
 
+_facts: dict = {}
+
+
+def device_facts(device) -> DeviceFacts:
+    """The selected backend's facts about ``device``, read once per process and backend choice:
+    they never change, and reading them costs several driver calls (too many for an op call)."""
+    key = (os.environ.get(ENV_VAR), str(device))
+    facts = _facts.get(key)
+    if facts is None:
+        facts = _facts[key] = get_backend().device_facts(device)
+    return facts
+
+
 __all__ = ["ENTRIES", "Allocation", "Backend", "DeviceFacts", "HostMapped", "PeerMapping",
-           "backend_classes", "get_backend", "ENV_VAR"]
+           "backend_classes", "get_backend", "device_facts", "ENV_VAR"]

@@ -103,15 +103,14 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:
         raise ValueError(f"{OP}: out must be {a.dtype} [{M}, {N}] on {a.device}")
-    if programs is None:  # one per SM / CU (the CPU backend reports a few emulated slots)
-        from ...backends import get_backend
+    from ...backends import device_facts
 
-        programs = get_backend().device_facts(a.device).sm_count
+    facts = device_facts(a.device)  # read once per process, not per call
+    if programs is None:  # one per SM / CU (the CPU backend reports a few emulated slots)
+        programs = facts.sm_count
     n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
     G = max(1, min(programs, n_tiles))
-    from ...backends import get_backend
-
-    a_desc, b_desc = tile_descriptors(a, b, cfg, get_backend().device_facts(a.device))
+    a_desc, b_desc = tile_descriptors(a, b, cfg, facts)
     persistent_matmul_kernel[(G,)](
         a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
         out.stride(1), G, a_desc, b_desc, USE_DESC=a_desc is not None, BLOCK_M=cfg.block_m,
