@@ -73,6 +73,23 @@ def gemm_signal_kernel(
 
 
 @triton.jit
+def _slab_of_program(table_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROWS: tl.constexpr):
+    """This program's slab of the tile-by-tile epilogues (the reorder, the reduction): tile
+    ``s = pid // (BLOCK_M // ROWS)``, its rows ``r`` in the tile, columns ``c``, and from the host
+    table its place in ``out`` (row0, nrows, col0)."""
+    pid = tl.program_id(0)
+    s = pid // (BLOCK_M // ROWS)
+    part = pid % (BLOCK_M // ROWS)
+    row0 = tl.load(table_ptr + s * 3)
+    nrows = tl.load(table_ptr + s * 3 + 1)
+    col0 = tl.load(table_ptr + s * 3 + 2)
+    r = part * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK_N)
+    return s, r, c, row0, nrows, col0
+
+
+@triton.jit
 def signal_reorder_kernel(
     src_ptr,  # received tiles, BLOCK_M x BLOCK_N each
     table_ptr,  # int32 [n_src, 3]: (row0, nrows, col0) of each received tile in out
@@ -82,14 +99,7 @@ def signal_reorder_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     # program pid copies rows [part·ROWS, (part+1)·ROWS) of received tile s
-    pid = tl.program_id(0)
-    s = pid // (BLOCK_M // ROWS)
-    part = pid % (BLOCK_M // ROWS)
-    row0 = tl.load(table_ptr + s * 3)
-    nrows = tl.load(table_ptr + s * 3 + 1)
-    col0 = tl.load(table_ptr + s * 3 + 2)
-    r = part * ROWS + tl.arange(0, ROWS)
-    c = tl.arange(0, BLOCK_N)
+    s, r, c, row0, nrows, col0 = _slab_of_program(table_ptr, BLOCK_M, BLOCK_N, ROWS)
     x = tl.load(src_ptr + s.to(tl.int64) * (BLOCK_M * BLOCK_N) + r[:, None] * BLOCK_N
                 + c[None, :]).to(tl.float32)
     _finish_slab(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om, stride_rm,
@@ -189,14 +199,7 @@ def signal_reduce_kernel(
     [part·ROWS, (part+1)·ROWS) of own tile u = pid // (BLOCK_M // ROWS) over this rank's partial
     (in staging) and every peer's (in the heap), in fp32, adds bias / residual, rounds once and
     stores into out (the same table as the reorder's)."""
-    pid = tl.program_id(0)
-    s = pid // (BLOCK_M // ROWS)
-    part = pid % (BLOCK_M // ROWS)
-    row0 = tl.load(table_ptr + s * 3)
-    nrows = tl.load(table_ptr + s * 3 + 1)
-    col0 = tl.load(table_ptr + s * 3 + 2)
-    r = part * ROWS + tl.arange(0, ROWS)
-    c = tl.arange(0, BLOCK_N)
+    s, r, c, row0, nrows, col0 = _slab_of_program(table_ptr, BLOCK_M, BLOCK_N, ROWS)
     in_tile = r[:, None] * BLOCK_N + c[None, :]
     own = tl.load(own_slot_ptr + s).to(tl.int64)
     x = tl.load(stage_ptr + own * (BLOCK_M * BLOCK_N) + in_tile).to(tl.float32)
