@@ -431,11 +431,14 @@ class GemmSignal:
             self._retired.append(buf)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed):
+    def _launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed, *,
+                     with_reorder: bool = True):
         """The compiled GEMM and reorder launches for these tensors (the JIT specializes on
-        strides and 16-byte alignment, so those are part of the key)."""
+        strides and 16-byte alignment, so those are part of the key). ``with_reorder=False``:
+        the GEMM alone (``None`` for the reorder), for transports that consume staging in their
+        own kernel (copy_engine.py)."""
         extra = [t for t in (bias, residual, rms_weight, normed) if t is not None]
-        key = (id(plan), a.stride(), b.stride(), out.stride(0),
+        key = (id(plan), with_reorder, a.stride(), b.stride(), out.stride(0),
                residual.stride(0) if residual is not None else None,
                normed.stride(0) if normed is not None else None,
                bias is not None, align_key(a, b, out, *extra))
@@ -463,7 +466,9 @@ class GemmSignal:
                               num_warps=4)
         reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, 1e-6)
         gemm = self._compile(gemm_signal_kernel, plan.programs, gemm_consts, gemm_args, True)
-        if rms_weight is None:  # one program per ROWS rows of a received tile
+        if not with_reorder:
+            reorder = None
+        elif rms_weight is None:  # one program per ROWS rows of a received tile
             reorder = self._compile(signal_reorder_kernel,
                                     plan.table_t.shape[0] * (mm.block_m // rows),
                                     reorder_consts, lambda g: reorder_args, False)

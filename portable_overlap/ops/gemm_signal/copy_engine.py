@@ -121,7 +121,7 @@ class GemmReduceScatterCE(OverlapContext):
                                f"first (the first call plans and checks the ranks agree)")
         if first:
             self._own[id(plan)] = plan.slot_t[r::W].contiguous()  # tile u = t // W, t % W == r
-        gemm, _ = sig._launch_plan(plan, a, b, out, None, None, None, None)
+        gemm, _ = sig._launch_plan(plan, a, b, out, None, None, None, None, with_reorder=False)
         stage = sig._stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv[a.dtype]
         reduce, reduce_args = self._reduce_launch(plan, stage, recv, out, bias, residual, a)
