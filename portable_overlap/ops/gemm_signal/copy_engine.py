@@ -48,6 +48,12 @@ OP = "gemm_reduce_scatter_ce"
 DEFAULT = SignalConfig(max_groups=8)
 
 
+def _check_partition(cfg: SignalConfig) -> None:
+    if cfg.partition == "tune":  # the tuner times NCCL collectives, not these copies
+        raise ValueError(f"{OP}: partition='tune' tunes NCCL collectives; pass group sizes "
+                         f"or None")
+
+
 class GemmReduceScatterCE(OverlapContext):
     """Workspace of GEMM + ReduceScatter over copy engines on one rank: the receive buffer
     (``max_elems`` elements of any dtype of ``DTYPES``, in the heap), ready / consumed flags, a
@@ -65,9 +71,7 @@ class GemmReduceScatterCE(OverlapContext):
         if max_elems < 1:
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
         config = config or DEFAULT
-        if config.partition == "tune":
-            raise ValueError(f"{OP}: partition='tune' tunes NCCL collectives; pass group sizes "
-                             f"or None")
+        _check_partition(config)
         world.check_same(f"{OP} context arguments", (max_elems, config))
         W = world.world_size
         super().__init__(world, [
@@ -101,9 +105,7 @@ class GemmReduceScatterCE(OverlapContext):
         self._before_call()
         sig, links, W, r = self.sig, self._links, self.world.world_size, self.rank
         cfg = config or self.config
-        if cfg.partition == "tune":
-            raise ValueError(f"{OP}: partition='tune' tunes NCCL collectives; pass group sizes "
-                             f"or None")
+        _check_partition(cfg)
         op, cfg, M, N, K, rows = sig._check_call("reduce_scatter", a, b, cfg)
         out = output_tensor(OP, out, (rows, N), a)
         _vector_checks(OP, a, N, rows, bias=bias, residual=residual)
