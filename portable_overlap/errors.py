@@ -35,6 +35,14 @@ class ContextBrokenError(PortableOverlapError):
     """The context already raised a peer error; its peers are out of step, create a new one."""
 
 
+class ContextClosedError(PortableOverlapError, ValueError):
+    """The context was closed (or its handle belongs to no open context)."""
+
+
+class ConcurrentUseError(PortableOverlapError):
+    """A second thread called a context while another thread's call was running."""
+
+
 class InvalidInputError(PortableOverlapError, ValueError):
     """A kernel found data-dependent input invalid (a routing slot out of range, row counts that
     do not add up). Checks that need no device data raise ValueError before any launch; these

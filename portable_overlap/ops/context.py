@@ -3,78 +3,213 @@ error checks, the handle registry (for torch.library ops) and planning of compil
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 import threading
 import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..errors import ContextBrokenError
+from ..errors import ContextBrokenError, ContextClosedError, ConcurrentUseError
 from ..shmem.device import TAG_MASK
 from ..shmem.heap import SymmetricHeap, heap_bytes
-from ..shmem.status import StatusBoard
+from ..shmem.status import STATUS_TIMEOUT, StatusBoard
 from .launch import PlannedLaunch, resident_programs
 
 G_MAX = 1024  # most programs one launch may have (flag slots per peer)
+#: the longest timeout a context takes (the kernels get it in µs as an int32)
+MAX_TIMEOUT_S = 1800.0
 
 _contexts: dict = {}
+# handles are never reused: a stale one (captured in a compiled graph) must not reach a newer
+# context
+_handles = itertools.count(1)
 _lock = threading.Lock()
+
+
+def check_timeout(op: str, timeout_s) -> float:
+    """``timeout_s`` as a float in (0, MAX_TIMEOUT_S], or a ValueError naming the op."""
+    try:
+        t = float(timeout_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: timeout_s must be a number of seconds, got "
+                         f"{timeout_s!r}") from None
+    if not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S):
+        raise ValueError(f"{op}: timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got "
+                         f"{timeout_s!r}")
+    return t
+
+
+def collective_call(method):
+    """Wrap an op's call method (see :class:`OverlapContext`): refuse a closed or broken context
+    and a second thread, and turn an exception raised before the call's first launch into a
+    refusal its peers hear of (``OverlapContext._refuse``), so every rank fails the same call."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        self._enter_call()
+        try:
+            out = method(self, *args, **kwargs)
+        except BaseException as e:
+            self._abandon_call(e)
+            raise
+        finally:
+            self._guard.release()
+        if self._sync_errors:  # the interpreter ran the call already: raise with this call
+            self.check()
+        return out
+
+    return call
 
 
 class OverlapContext:
     """Base of the ops' contexts. ``layout`` lists the heap buffers ``(attribute, shape, dtype)``;
     they are allocated in that order, so every rank gets the same offsets. Collective to create
-    and to :meth:`close`; calls must come in the same order on every rank, on one stream."""
+    and to :meth:`close`; calls must come in the same order on every rank, on one stream.
+
+    How calls stay matched across ranks:
+
+    - every call is numbered (the epoch, kept in the heap) and its flags carry that number and
+      a tag of its shapes, so a peer that called with other shapes is caught at the first flag;
+    - a call that this rank refuses before launching anything (bad input) still counts: its
+      number is used up and every peer's waits for it end with the failure tag, so the peers
+      raise for that same call instead of pairing their next call with it;
+    - every wait ends at the call's deadline (``timeout_s`` after the call began on this rank),
+      reported as :class:`PeerTimeoutError`. A timeout leaves the ranks out of step (a rank
+      skipped or lost a call): the context is then broken for good, on the device at once and on
+      the host at its next check, and must be closed. Other failures (a peer gave up, shapes
+      differ, bad routing, a refused call) raise for that call and leave the context usable;
+    - a context is used by one thread at a time: a call while another thread's call is running
+      raises :class:`ConcurrentUseError` (calls from two threads would reach the ranks in
+      different orders);
+    - on GPUs, errors found by a kernel are raised at the next check (the next call, or
+      :meth:`synchronize`), naming the call; under the CPU interpreter, by the call itself.
+    """
 
     OP = "op"
     FLAG_NAMES: dict = {}
 
     def __init__(self, world, layout: Sequence[tuple], timeout_s: float):
-        if timeout_s <= 0:
-            raise ValueError(f"{self.OP}: timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = check_timeout(self.OP, timeout_s)
+        self.timeout_us = int(self.timeout_s * 1e6)
         self.world = world
         self.rank = world.rank
-        self.max_spins = max(1, int(timeout_s * getattr(world.backend, "poll_rate_hz", 1e6)))
+        # [0] the current call's start (shared deadline), [1] the epoch of a timed-out call
+        layout = [("call_clock", (2,), torch.int64), *layout]
         self.heap = SymmetricHeap(world, heap_bytes([(s, d) for _, s, d in layout]))
         for name, shape, dtype in layout:
             setattr(self, name, self.heap.alloc(shape, dtype))
         self.status = StatusBoard(world.backend, G_MAX)
         self._plans: dict = {}
         self._broken: Optional[str] = None
+        self._closed = False
+        self._guard = threading.Lock()
+        self._launched = False
+        self._protocol = None
+        self._refuse_plans: dict = {}
         self._sync_errors = world.backend.name == "cpu"  # the interpreter runs synchronously
         self.handle = register_context(self)
 
+    def call_protocol(self, epoch: torch.Tensor, call_flags: Sequence[torch.Tensor] = (),
+                      free_flags: Sequence[torch.Tensor] = ()) -> None:
+        """Declare what a refused call must stand in for (``_refuse``): ``epoch`` is the heap
+        word whose first element counts finished calls, ``call_flags`` the ``[world, slots]``
+        flag arrays peers wait on for a call's results, ``free_flags`` the ``[world]`` arrays
+        that tell peers this rank's buffers may be written again."""
+        self._protocol = (epoch, tuple(call_flags), tuple(free_flags))
+
     # -- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise if a kernel of this context reported a timeout or a mismatch. Reads host-visible
-        memory only (no device sync): after ``synchronize()`` it covers every call made."""
+        """Raise if a kernel of this context reported a failure (see the class docstring).
+        Reads host-visible memory only while nothing failed; on a failure it waits for the
+        device, so every program of the failed call has reported before the board is read."""
         if self._broken is not None:
             raise ContextBrokenError(f"{self.OP} context on rank {self.rank} failed before and is "
-                                     f"out of step with its peers; create a new one. First "
-                                     f"error:\n{self._broken}")
+                                     f"out of step with its peers; close it and create a new "
+                                     f"one. First error:\n{self._broken}")
+        if not self.status.failed():
+            return
+        self.world.backend.synchronize(self.world.device)
+        timed_out = self.status.has(STATUS_TIMEOUT)
         try:
             self.status.raise_if_failed(self.OP, self.rank, self.FLAG_NAMES)
         except Exception as e:
-            self._broken = str(e)
+            if timed_out:
+                self._broken = str(e)
+            else:  # the ranks are still in step: the next call may go on
+                self.status.clear()
             raise
 
     def synchronize(self) -> None:
         """Wait for this rank's queued calls, then :meth:`check`."""
+        self._check_open()
         self.world.backend.synchronize(self.world.device)
         self.check()
 
     def close(self) -> None:
-        """Collective (every rank): free the workspace once all ranks' calls have finished."""
+        """Collective (every rank): free the workspace once all ranks' calls have finished.
+        Closing twice does nothing; any call after it raises :class:`ContextClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
         unregister_context(self.handle)
         self.heap.close()
 
-    def _before_call(self) -> None:
-        if self._broken is not None or self.status.failed():
-            self.check()
+    # -- the call's guards -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ContextClosedError(f"{self.OP}: this context was closed on rank {self.rank}; "
+                                     f"create a new one")
 
-    def _after_call(self) -> None:
-        if self._sync_errors:
-            self.check()
+    def _enter_call(self) -> None:
+        self._check_open()
+        if not self._guard.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{self.OP}: this context is already running a call in another thread on rank "
+                f"{self.rank}; a context serves one thread at a time (calls from two threads "
+                f"would reach the ranks in different orders): give each thread its own context")
+        try:
+            if self._broken is not None or self.status.failed():
+                self.check()
+        except BaseException:
+            self._guard.release()
+            raise
+        self._launched = False
+
+    def _abandon_call(self, error: BaseException) -> None:
+        """The call raised. Before its first launch: refuse it on the device too (``_refuse``),
+        so the peers fail this call and stay in step. After a launch the call is half done and
+        peers may wait for what never comes: the context is broken."""
+        if self._launched or self._protocol is None:
+            if self._launched:
+                self._broken = (f"{self.OP}: rank {self.rank} raised in the middle of a call "
+                                f"({type(error).__name__}: {error})")
+            return
+        try:
+            self._refuse()
+        except Exception as e:  # the device itself failed: nothing can be told to the peers
+            self._broken = (f"{self.OP}: rank {self.rank} could not tell its peers it refused a "
+                            f"call ({type(e).__name__}: {e})")
+
+    def _refuse(self) -> None:
+        """Count a call that never launched and end every peer's wait for it (see
+        ``refuse_kernel``): one small launch per flag array."""
+        from ..transports.flag_kernels import refuse_kernel
+
+        epoch, call_flags, free_flags = self._protocol
+        W = self.world.world_size
+        steps = [(t, i == 0, False) for i, t in enumerate(call_flags)]
+        steps += [(t, not call_flags and i == 0, True) for i, t in enumerate(free_flags)]
+        for flags, advance, free in steps:
+            key = (advance, free)
+            plan = self._refuse_plans.get(key)
+            args = (epoch, flags, flags.numel() // W, self.heap.bases, self.rank, W)
+            if plan is None:
+                plan = self._refuse_plans[key] = self._compile(
+                    refuse_kernel, 1, dict(ADVANCE=advance, FREE=free, BLOCK=G_MAX, num_warps=4,
+                                           num_stages=1), lambda g, a=args: a)
+            plan.run_untracked(args)
 
     # -- planning --------------------------------------------------------------------------------
     def _compile(self, kernel, programs: int, consts: dict,
@@ -83,20 +218,21 @@ class OverlapContext:
         specializes on values) and cap the grid at what is resident on the device."""
         facts = self.world.facts
         if facts.vendor == "cpu":  # the interpreter has no compiled kernel to hold on to
-            return PlannedLaunch(kernel, None, programs, consts, None)
+            return PlannedLaunch(kernel, None, programs, consts, None, owner=self)
         k = kernel.warmup(*make_args(programs), grid=(programs,), **consts)
         fit = min(programs, resident_programs(k, consts["num_warps"], facts))
         if fit != programs:  # the grid size is an argument too: compile for the real one
             programs = fit
             k = kernel.warmup(*make_args(programs), grid=(programs,), **consts)
         backend, device = self.world.backend, self.world.device
-        return PlannedLaunch(kernel, k, programs, consts, lambda: backend.current_stream(device))
+        return PlannedLaunch(kernel, k, programs, consts, lambda: backend.current_stream(device),
+                             owner=self)
 
 
 def register_context(ctx) -> int:
-    """A handle under which torch.library ops find ``ctx`` (``get_context``)."""
+    """A handle under which torch.library ops find ``ctx`` (``get_context``); never reused."""
     with _lock:
-        handle = max(_contexts, default=0) + 1
+        handle = next(_handles)
         _contexts[handle] = ctx
     return handle
 
@@ -118,7 +254,8 @@ def get_context(handle: int) -> OverlapContext:
     try:
         return _contexts[handle]
     except KeyError:
-        raise ValueError(f"no open portable_overlap context with handle {handle}") from None
+        raise ContextClosedError(f"no open portable_overlap context with handle {handle} (closed, "
+                                 f"or made in another process)") from None
 
 
 def output_tensor(op: str, out: Optional[torch.Tensor], shape: Sequence[int],

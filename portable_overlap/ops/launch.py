@@ -25,15 +25,22 @@ class PlannedLaunch:
     stream, skipping the JIT's per-call argument binding (tens of microseconds in Python)."""
 
     def __init__(self, kernel, compiled, programs: int, consts: dict,
-                 stream_fn: Optional[Callable[[], int]], **info):
+                 stream_fn: Optional[Callable[[], int]], owner=None, **info):
         self.kernel, self.compiled, self.programs, self.consts = kernel, compiled, programs, consts
         self.stream_fn = stream_fn
+        self.owner = owner  # the context whose call this launch belongs to (ops.context)
         self.__dict__.update(info)
         self.const_args = tuple(consts[n] for n in kernel.arg_names if n in consts)
         if compiled is not None:
             compiled._init_handles()
 
     def __call__(self, args) -> None:
+        if self.owner is not None:  # from here on the call is under way on the device
+            self.owner._launched = True
+        self.run_untracked(args)
+
+    def run_untracked(self, args) -> None:
+        """Launch without marking the owner's call as launched."""
         k = self.compiled
         if k is None:
             self.kernel[(self.programs,)](*args, **self.consts)

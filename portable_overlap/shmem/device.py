@@ -14,6 +14,8 @@ the tag lets the waiter check that the peer called the op with the same shapes.
 import triton
 import triton.language as tl
 
+from ..backends.device_clock import now_ns
+
 #: status codes written to a program's status slot
 STATUS_OK = tl.constexpr(0)
 STATUS_TIMEOUT = tl.constexpr(1)
@@ -65,16 +67,77 @@ def signal_peer(flag_ptr, value, bases_ptr, rank, peer):
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, max_spins):
-    """Spin (acquire, system scope) until the local flag holds ``epoch`` in its low half, at most
-    ``max_spins`` polls. Returns (the word last read, arrived)."""
-    want = epoch.to(tl.int64) & 0xFFFFFFFF
+def call_deadline(clock_ptr, epoch, timeout_us):
+    """The time (ns, ``now_ns``) after which every wait of this call gives up: ``timeout_us``
+    after the first program of the call arrived here. One deadline per call, shared by every
+    program and every launch of the call: a program that starts late (a grid larger than the
+    device, the interpreter running programs one after another, the call's second kernel) does
+    not get a fresh timeout, so a missing peer costs one timeout per call, not one per program.
+
+    ``clock_ptr[0]`` (the context's heap) holds ``(start_us << 16) | (epoch & 0xFFFF)``: the
+    first program whose epoch differs from the stamp replaces it (compare-and-swap); the others
+    read the winner's start."""
+    stamp = epoch.to(tl.int64) & 0xFFFF
+    v = tl.atomic_add(clock_ptr, 0, sem="relaxed", scope="gpu")
+    if (v & 0xFFFF) != stamp:
+        mine = ((now_ns() // 1000) << 16) | stamp
+        old = tl.atomic_cas(clock_ptr, v, mine, sem="relaxed", scope="gpu")
+        v = tl.where(old == v, mine, old)
+    return (v >> 16) * 1000 + tl.cast(timeout_us, tl.int64) * 1000
+
+
+@triton.jit
+def live(clock_ptr):
+    """Whether no wait of this context has timed out on this rank (``clock_ptr[1]`` is 0, else
+    the epoch of the call that timed out). A rank whose wait timed out is out of step with its
+    peers (one of them skipped or lost a call): every later call gives up at once and says so in
+    its flags, on the device too, before the host has seen the error. Other failures (a peer
+    gave up, shapes differ, bad routing, a call refused on the host) leave the ranks in step."""
+    return tl.atomic_add(clock_ptr + 1, 0, sem="relaxed", scope="gpu") == 0
+
+
+@triton.jit
+def reached(v, epoch):
+    """Whether the flag word ``v`` holds ``epoch`` or a later one (32-bit wrap-around order).
+    A later epoch counts: a rank writes each flag word in call order and moves on only after
+    delivering the call, so a word that went past ``epoch`` was written for ``epoch`` first
+    (a call given up on the host writes every flag at once, possibly over the previous call's
+    word before a peer read it)."""
+    return ((v - epoch.to(tl.int64)) & 0xFFFFFFFF) < 0x80000000
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, deadline):
+    """Poll (acquire, system scope) until the local flag holds ``epoch`` or later in its low
+    half, or the clock passes ``deadline`` (ns, ``call_deadline``). Returns (the word last read,
+    arrived)."""
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    spins = 0
-    while ((v & 0xFFFFFFFF) != want) & (spins < max_spins):
+    while (not reached(v, epoch)) & (now_ns() < deadline):
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        spins += 1
-    return v, (v & 0xFFFFFFFF) == want
+    return v, reached(v, epoch)
+
+
+@triton.jit
+def await_flag(flag_ptr, epoch, tag, clock_ptr, deadline, status_addr, pid, peer, what, ok,
+               CHECK_TAG: tl.constexpr):
+    """``wait_flag``, then judge the word: a timeout, the peer's failure tag, or (CHECK_TAG, the
+    word of this very call) another shape tag is reported on the status board as program
+    ``pid``'s reason (``what`` names the flag). A timeout also marks the context out of step
+    (``live``). Returns ``ok`` and-ed with the outcome; does not wait once ``ok`` is false."""
+    if ok:
+        v, arrived = wait_flag(flag_ptr, epoch, deadline)
+        if not arrived:
+            report(status_addr, pid, STATUS_TIMEOUT, peer, what, epoch)
+            tl.atomic_xchg(clock_ptr + 1, epoch.to(tl.int64), sem="relaxed", scope="gpu")
+            ok = False
+        elif CHECK_TAG:
+            if (v >> 32) == FAILED_TAG:
+                report(status_addr, pid, STATUS_PEER_FAILED, peer, what, epoch)
+                ok = False
+            elif ((v & 0xFFFFFFFF) == (epoch.to(tl.int64) & 0xFFFFFFFF)) & ((v >> 32) != tag):
+                report(status_addr, pid, STATUS_MISMATCH, peer, what, v >> 32)
+                ok = False
+    return ok
 
 
 @triton.jit
@@ -111,26 +174,17 @@ def end_call(ctl_ptr, epoch):
 
 
 @triton.jit
-def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, max_spins, status_addr,
-               ok, G_MAX: tl.constexpr):
+def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, clock_ptr, deadline,
+               status_addr, ok, G_MAX: tl.constexpr):
     """Wait for ``flags[q][pid]`` (a ``[world, G_MAX]`` flag array in the local heap) of every
     peer q to hold this epoch and ``tag``; report a timeout or a tag mismatch (flag ``kind``) and
     return ``ok`` and-ed with the outcome. After a failure it stops waiting, so a missing peer
     costs one timeout, not one per flag."""
     for q in range(0, world):
-        if (q != rank) & ok:
-            v, arrived = wait_flag(flags_ptr + q * G_MAX + pid, epoch, max_spins)
+        if q != rank:
             what = (q * G_MAX + pid).to(tl.int64) + (kind << 32)
-            if arrived:
-                if (v >> 32) == FAILED_TAG:
-                    report(status_addr, pid, STATUS_PEER_FAILED, q, what, epoch)
-                    ok = False
-                elif (v >> 32) != tag:
-                    report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
-                    ok = False
-            else:
-                report(status_addr, pid, STATUS_TIMEOUT, q, what, epoch)
-                ok = False
+            ok = await_flag(flags_ptr + q * G_MAX + pid, epoch, tag, clock_ptr, deadline,
+                            status_addr, pid, q, what, ok, True)
     tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
     return ok
 
@@ -149,3 +203,12 @@ def signal_peers(flags_ptr, bases_ptr, pid, rank, world, value, G_MAX: tl.conste
     for q in range(0, world):
         if q != rank:
             signal_peer(flags_ptr + rank * G_MAX + pid, value, bases_ptr, rank, q)
+
+
+@triton.jit
+def await_free(consumed_ptr, d, epoch, clock_ptr, deadline, status_addr, pid, kind, ok):
+    """Wait until rank d has read what this rank sent it in the previous call
+    (``consumed[d]`` holds ``epoch - 1`` or later, set by d), before overwriting it; flag
+    ``kind`` names it in a timeout report. Returns ``ok`` and-ed with the outcome."""
+    return await_flag(consumed_ptr + d, epoch - 1, 0, clock_ptr, deadline, status_addr, pid, d,
+                      tl.cast(d, tl.int64) + (kind << 32), ok, False)

@@ -31,6 +31,15 @@ class StatusBoard:
     def failed(self) -> bool:
         return bool(self._header[0])
 
+    def has(self, code: int) -> bool:
+        """Whether any program reported ``code``."""
+        return bool((self.words[:, 0] == code).any())
+
+    def clear(self) -> None:
+        """Forget every report (once they were raised and the ranks are still in step)."""
+        self.words.zero_()
+        self._header[0] = 0
+
     def describe(self, op: str, rank: int, what_names: dict) -> list[tuple[int, str]]:
         out = []
         for pid in self.words[:, 0].nonzero().flatten().tolist():

@@ -1,14 +1,20 @@
 """Compile signatures of the copy-engine transport's one-program flag kernels."""
-from .flag_kernels import epoch_kernel, signal_kernel, wait_kernel
+from .flag_kernels import epoch_kernel, refuse_kernel, signal_kernel, wait_kernel
 
 
 def specs():
     yield "ce_epoch", epoch_kernel, {"ctl_ptr": "*i64"}, {}, []
     yield ("ce_signal", signal_kernel,
            {"flag_ptr": "*i64", "bases_ptr": "*i64", "rank": "i32", "peer": "i32",
-            "ctl_ptr": "*i64", "back": "i32", "tag": "i32", "status_addr": "i64"}, {}, [])
+            "ctl_ptr": "*i64", "back": "i32", "tag": "i32", "clock_ptr": "*i64",
+            "status_addr": "i64"}, {}, [])
     for check in (True, False):
         yield (f"ce_wait[{check}]", wait_kernel,
                {"flag_ptr": "*i64", "peer": "i32", "ctl_ptr": "*i64", "back": "i32", "tag": "i32",
-                "max_spins": "i32", "status_addr": "i64", "slot": "i32", "what": "i64",
-                "CHECK_TAG": "constexpr"}, {"CHECK_TAG": check}, [])
+                "clock_ptr": "*i64", "timeout_us": "i32", "status_addr": "i64", "slot": "i32",
+                "what": "i64", "CHECK_TAG": "constexpr"}, {"CHECK_TAG": check}, [])
+    for advance, free in ((True, False), (False, False), (False, True)):
+        yield (f"refuse[advance={advance},free={free}]", refuse_kernel,
+               {"ctl_ptr": "*i64", "flags_ptr": "*i64", "n_slots": "i32", "bases_ptr": "*i64",
+                "rank": "i32", "world": "i32", "ADVANCE": "constexpr", "FREE": "constexpr",
+                "BLOCK": "constexpr"}, {"ADVANCE": advance, "FREE": free, "BLOCK": 1024}, [])

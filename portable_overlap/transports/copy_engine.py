@@ -39,6 +39,7 @@ class CopyEngineLinks:
         self.rank = ctx.rank
         self.ready, self.consumed, self.ctl = ready, consumed, ctl
         self.slots = ready.shape[1]
+        ctx.call_protocol(ctl, call_flags=(ready,), free_flags=(consumed,))
         dev = self.world.device
         self._mod = torch.get_device_module(dev)
         # the interpreter runs everything in program order: no side stream there. Lanes are
@@ -54,14 +55,15 @@ class CopyEngineLinks:
         tag0 = 1
         st = ctx.status.address
         self._launch["epoch"] = ctx._compile(epoch_kernel, 1, one, lambda g: (ctl,))
+        clock = ctx.call_clock
         self._launch["signal"] = ctx._compile(
             signal_kernel, 1, one,
             lambda g: (consumed, ctx.heap.bases, self.rank, (self.rank + 1) % self.world.world_size,
-                       ctl, 0, tag0, st))
+                       ctl, 0, tag0, clock, st))
         for check in (True, False):
             self._launch[("wait", check)] = ctx._compile(
                 wait_kernel, 1, dict(one, CHECK_TAG=check),
-                lambda g: (consumed, 0, ctl, 0, tag0, 1, st, 0, 1 << 33))
+                lambda g: (consumed, 0, ctl, 0, tag0, clock, ctx.timeout_us, st, 0, 1 << 33))
 
     # -- streams ---------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -91,8 +93,8 @@ class CopyEngineLinks:
     def wait_consumed(self, d: int) -> None:
         """Hold until rank d has copied out what this rank sent it in the previous call."""
         what = (KIND_CONSUMED << 32) | d
-        self._launch[("wait", False)]((self.consumed[d:], d, self.ctl, 1, 0, self.ctx.max_spins,
-                                       self.ctx.status.address, d, what))
+        self._launch[("wait", False)]((self.consumed[d:], d, self.ctl, 1, 0, self.ctx.call_clock,
+                                       self.ctx.timeout_us, self.ctx.status.address, d, what))
 
     def put(self, d: int, dst: torch.Tensor, src: torch.Tensor, slot: int, tag: int) -> None:
         """Copy ``src`` (local) into ``dst``'s place (a local heap view) in rank d's heap, then set
@@ -106,8 +108,8 @@ class CopyEngineLinks:
         matches this rank's)."""
         what = (KIND_READY << 32) | (q * self.slots + slot)
         self._launch[("wait", True)]((self.ready[q, slot:], q, self.ctl, 0, tag,
-                                      self.ctx.max_spins, self.ctx.status.address,
-                                      q * self.slots + slot, what))
+                                      self.ctx.call_clock, self.ctx.timeout_us,
+                                      self.ctx.status.address, q * self.slots + slot, what))
 
     def pull(self, q: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src``'s place (a local heap view) in rank q's heap into ``dst`` (local,
@@ -158,4 +160,4 @@ class CopyEngineLinks:
 
     def _signal(self, flag: torch.Tensor, peer: int, back: int, tag: int) -> None:
         self._launch["signal"]((flag, self.ctx.heap.bases, self.rank, peer, self.ctl, back, tag,
-                                self.ctx.status.address))
+                                self.ctx.call_clock, self.ctx.status.address))

@@ -9,8 +9,8 @@ replays see a new epoch each time (a host counter would be frozen into the graph
 import triton
 import triton.language as tl
 
-from ..shmem.device import STATUS_MISMATCH, STATUS_PEER_FAILED, STATUS_TIMEOUT, flag_value, \
-    report, signal_peer, wait_flag, FAILED_TAG
+from ..shmem.device import (FAILED_TAG, await_flag, call_deadline, flag_value, live, peer_ptr,
+                             signal_peer)
 
 
 @triton.jit
@@ -21,37 +21,63 @@ def epoch_kernel(ctl_ptr):
 
 # Launched with varying flag addresses, peers, slots and tags through one compiled kernel each
 # (ops.launch.PlannedLaunch): no argument may be specialized on its value or alignment.
-_SIGNAL_ARGS = ["flag_ptr", "bases_ptr", "rank", "peer", "ctl_ptr", "back", "tag", "status_addr"]
-_WAIT_ARGS = ["flag_ptr", "peer", "ctl_ptr", "back", "tag", "max_spins", "status_addr", "slot",
-              "what"]
+_SIGNAL_ARGS = ["flag_ptr", "bases_ptr", "rank", "peer", "ctl_ptr", "back", "tag", "clock_ptr",
+                "status_addr"]
+_WAIT_ARGS = ["flag_ptr", "peer", "ctl_ptr", "back", "tag", "clock_ptr", "timeout_us",
+              "status_addr", "slot", "what"]
 
 
 @triton.jit(do_not_specialize=_SIGNAL_ARGS, do_not_specialize_on_alignment=_SIGNAL_ARGS)
-def signal_kernel(flag_ptr, bases_ptr, rank, peer, ctl_ptr, back, tag, status_addr):
+def signal_kernel(flag_ptr, bases_ptr, rank, peer, ctl_ptr, back, tag, clock_ptr, status_addr):
     """Set the flag at local heap address ``flag_ptr`` in ``peer``'s heap to (the epoch
     ``ctl[0] - back``, ``tag``), or to the failure tag once any wait of this rank has given up
-    (the status board's header word), so the peer does not take unwritten data for results.
-    Launched after the DMA it announces, on the same stream: a stream starts a kernel only once
-    the copy before it has completed, and the release store publishes it system-wide."""
+    (the status board's header word, or the context's out-of-step mark), so the peer does not
+    take unwritten data for results. Launched after the DMA it announces, on the same stream: a
+    stream starts a kernel only once the copy before it has completed, and the release store
+    publishes it system-wide."""
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu") - back
-    failed = tl.load(status_addr.to(tl.pointer_type(tl.int64)), volatile=True) != 0
+    failed = (tl.load(status_addr.to(tl.pointer_type(tl.int64)), volatile=True) != 0) \
+        | (live(clock_ptr) == 0)
     signal_peer(flag_ptr, flag_value(epoch, tl.where(failed, FAILED_TAG, tag)), bases_ptr, rank,
                 peer)
 
 
 @triton.jit(do_not_specialize=_WAIT_ARGS, do_not_specialize_on_alignment=_WAIT_ARGS)
-def wait_kernel(flag_ptr, peer, ctl_ptr, back, tag, max_spins, status_addr, slot, what,
-                CHECK_TAG: tl.constexpr):
+def wait_kernel(flag_ptr, peer, ctl_ptr, back, tag, clock_ptr, timeout_us, status_addr, slot,
+                what, CHECK_TAG: tl.constexpr):
     """Hold the stream until the local flag holds the epoch ``ctl[0] - back`` (and ``tag`` when
-    CHECK_TAG), at most ``max_spins`` polls; on a timeout, a peer's failure tag or another tag,
-    record it in status slot ``slot`` (the host raises at its next check) and return, so a
-    stream is never held forever."""
-    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu") - back
-    v, arrived = wait_flag(flag_ptr, epoch, max_spins)
-    if not arrived:
-        report(status_addr, slot, STATUS_TIMEOUT, peer, what, epoch)
-    elif CHECK_TAG:
-        if (v >> 32) == FAILED_TAG:
-            report(status_addr, slot, STATUS_PEER_FAILED, peer, what, epoch)
-        elif (v >> 32) != tag:
-            report(status_addr, slot, STATUS_MISMATCH, peer, what, v >> 32)
+    CHECK_TAG), until the call's deadline at most (``timeout_us`` after the call's first wait
+    began); on a timeout, a peer's failure tag or another tag, record it in status slot
+    ``slot`` (the host raises at its next check) and return, so a stream is never held
+    forever."""
+    call = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
+    deadline = call_deadline(clock_ptr, call, timeout_us)
+    await_flag(flag_ptr, call - back, tag, clock_ptr, deadline, status_addr, slot, peer, what,
+               live(clock_ptr), CHECK_TAG)
+
+
+@triton.jit(do_not_specialize=["n_slots", "rank"])
+def refuse_kernel(ctl_ptr, flags_ptr, n_slots, bases_ptr, rank, world, ADVANCE: tl.constexpr,
+                  FREE: tl.constexpr, BLOCK: tl.constexpr):
+    """Stand in for a call this rank gave up on the host (bad input found before any launch),
+    so its peers' waits for that call end at once and no later call is paired with the wrong
+    one. ADVANCE: count the call (``ctl[0] += 1``, the epoch a finished call leaves there).
+    Then, with that epoch, either set this rank's words of a ``[world, n_slots]`` flag array in
+    every peer's heap to the failure tag (the call's results will not come), or (FREE) this
+    rank's word of a ``[world]`` "consumed" array (nothing of the call is left to read here,
+    so peers may write into this rank's buffers for the next call)."""
+    if ADVANCE:
+        epoch = tl.atomic_add(ctl_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    else:
+        epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
+    value = flag_value(epoch, 0 if FREE else FAILED_TAG)
+    offs = tl.arange(0, BLOCK)
+    for q in range(0, world):
+        if q != rank:
+            if FREE:
+                signal_peer(flags_ptr + rank, value, bases_ptr, rank, q)
+            else:
+                for s0 in range(0, n_slots, BLOCK):
+                    dst = peer_ptr(flags_ptr + rank * n_slots + s0, bases_ptr, rank, q)
+                    tl.atomic_xchg(dst + offs, tl.full((BLOCK,), value, tl.int64),
+                                   mask=s0 + offs < n_slots, sem="release", scope="sys")

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import OverlapContext, get_context, output_tensor, shape_tag
+from ..context import collective_call, OverlapContext, get_context, output_tensor, shape_tag
 from ..matmul.api import DTYPES, check_operands
 
 OP = "all_gather_matmul"
@@ -113,9 +113,9 @@ class AllGatherMatmul(OverlapContext):
                                       lanes=max(1, W - 1))
         self._staging = {}  # (schedule-fused) per-step outputs, by (rows, N, dtype)
 
+    @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  schedule: Optional[str] = None) -> torch.Tensor:
-        self._before_call()
         check_operands(OP, a, b, self.world.device)
         W, r = self.world.world_size, self.rank
         m, K = a.shape
@@ -145,7 +145,6 @@ class AllGatherMatmul(OverlapContext):
         for q in peers:
             links.release(q)
         links.rejoin()
-        self._after_call()
         return out
 
     def _call_1d(self, a, b, out, sched, peers, tag) -> None:

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ...shmem.providers import get_provider
-from ..context import G_MAX, OverlapContext, align_key, get_context, output_tensor, shape_tag
+from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
+                       shape_tag)
 from ..launch import PlannedLaunch
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
 from .plan import ShardingPlan
@@ -128,6 +129,7 @@ class EmbeddingAllToAll(OverlapContext):
             ("sent", (W, G_MAX), torch.int64), ("consumed", (W,), torch.int64),
             ("ctl", (2,), torch.int64),
         ], timeout_s)
+        self.call_protocol(self.ctl, call_flags=(self.sent,), free_flags=(self.consumed,))
         self.plan = plan
         self.max_local_batch = max_local_batch
         self.block_b = block_b or default_block_b(D, world.facts.arch)
@@ -211,6 +213,7 @@ class EmbeddingAllToAll(OverlapContext):
         return splits
 
     # -- the call ------------------------------------------------------------------------------
+    @collective_call
     def __call__(self, weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
                  per_sample_weights: Optional[torch.Tensor] = None, *,
                  batch_splits: Optional[Sequence[int]] = None, pooling: str = "sum",
@@ -220,7 +223,6 @@ class EmbeddingAllToAll(OverlapContext):
         attribute, True) also checks the data (index ranges, lengths against indices): one host
         sync per call; skipped during CUDA-graph capture. Turn it off once the input pipeline
         is trusted: a bad index then reads a wrong row or faults."""
-        self._before_call()
         splits = self.resolve_splits(lengths, batch_splits)
         self._validate(weight, lengths, indices, per_sample_weights, splits, pooling)
         if (self.validate if validate is None else validate) and not _capturing(weight):
@@ -247,7 +249,6 @@ class EmbeddingAllToAll(OverlapContext):
             plan(args)
         else:  # through the library's launcher (it sets up each compiled module)
             self._put_kernel[(plan.programs,)](*args, **plan.consts)
-        self._after_call()
         return out
 
     def _stub(self, dtype: torch.dtype) -> torch.Tensor:
@@ -271,12 +272,12 @@ class EmbeddingAllToAll(OverlapContext):
         B = sum(plan.splits)
         return (weight, indices, psw, offsets, out, self._row_off, self._gtab, self._ntab,
                 plan.boff, self._recv[out.dtype], self._stage[out.dtype], self.sent,
-                self.consumed, self.ctl,
+                self.consumed, self.ctl, self.call_clock,
                 self.heap.bases, self.status.address, B, self.plan.dim, self.n_loc,
                 self.plan.num_tables * self.plan.dim, self._t_max, plan.iters_of(programs or
                                                                                   plan.programs),
                 programs or plan.programs, self.rank, W, plan.tag if tag is None else tag,
-                self.max_spins)
+                self.timeout_us)
 
     def _plan(self, weight, indices, psw, offsets, out, splits, pooling):
         W = self.world.world_size

@@ -2,7 +2,7 @@
 from .kernel import embedding_alltoall_kernel
 
 _SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iters:i32 G:i32 "
-            "rank:i32 world:i32 tag:i32 max_spins:i32")
+            "rank:i32 world:i32 tag:i32 timeout_us:i32")
 
 
 def specs():
@@ -14,7 +14,8 @@ def specs():
         sig = {"weight_ptr": f"*{dt}", "indices_ptr": f"*{idx}", "psw_ptr": "*fp32",
                "offsets_ptr": "*i64", "out_ptr": f"*{dt}", "row_off_ptr": "*i64",
                "gtab_ptr": "*i32", "ntab_ptr": "*i32", "boff_ptr": "*i32", "recv_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
-               "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64", "bases_ptr": "*i64"}
+               "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64", "clock_ptr": "*i64",
+               "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
         block_d = 1 << (D - 1).bit_length()
         consts = dict(BLOCK_B=max(1, min(64, 4096 // block_d)), BLOCK_D=block_d,

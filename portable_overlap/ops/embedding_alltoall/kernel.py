@@ -27,8 +27,8 @@ split, dtype or table plan is caught as a mismatch; a program that gave up signa
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
-                             peer_buffer, report, signal_peer, wait_flag, wait_peers)
+from ...shmem.device import (await_free, begin_call, call_deadline, call_flag, end_call,
+                             flag_value, live, peer_buffer, signal_peer, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
 from .pool import pooled_rows
 
@@ -64,25 +64,25 @@ def embedding_alltoall_kernel(
     ntab_ptr,  # int32 [world]: local table count of every rank
     boff_ptr,  # int32 [world + 1]: batch offsets (rank d's samples are [boff[d], boff[d+1]))
     recv_ptr, stage_ptr,  # like out (heap, or a SHMEM library's symmetric memory); staging tiles
-    sent_ptr, consumed_ptr, ctl_ptr,  # heap: [world, G_MAX], [world], [2]
+    sent_ptr, consumed_ptr, ctl_ptr, clock_ptr,  # heap: [world, G_MAX], [world], [2], [2]
     bases_ptr, status_addr,
-    B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, max_spins,
+    B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     MEAN: tl.constexpr, G_MAX: tl.constexpr,
 ):
     """The zero-copy kernel (tiles stored into the destinations' heaps)."""
     _embedding_alltoall(weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr,
                         gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
-                        consumed_ptr, ctl_ptr, bases_ptr, status_addr, B, D, n_loc, row_stride,
-                        t_max, iters, G, rank, world, tag, max_spins, BLOCK_B, BLOCK_D,
+                        consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, B, D, n_loc,
+                        row_stride, t_max, iters, G, rank, world, tag, timeout_us, BLOCK_B, BLOCK_D,
                         HAS_WEIGHTS, MEAN, G_MAX, store_slice, no_flush)
 
 
 @triton.jit(do_not_specialize=["rank", "n_loc", "B"])
 def embedding_alltoall_put_kernel(
     weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, gtab_ptr, ntab_ptr,
-    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
-    B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, max_spins,
+    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+    status_addr, B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     MEAN: tl.constexpr, G_MAX: tl.constexpr,
 ):
@@ -91,22 +91,23 @@ def embedding_alltoall_put_kernel(
     release signal. Compiled only where a provider exists."""
     _embedding_alltoall(weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr,
                         gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
-                        consumed_ptr, ctl_ptr, bases_ptr, status_addr, B, D, n_loc, row_stride,
-                        t_max, iters, G, rank, world, tag, max_spins, BLOCK_B, BLOCK_D,
+                        consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, B, D, n_loc,
+                        row_stride, t_max, iters, G, rank, world, tag, timeout_us, BLOCK_B, BLOCK_D,
                         HAS_WEIGHTS, MEAN, G_MAX, shmem_put_strided, shmem_flush)
 
 
 @triton.jit
 def _embedding_alltoall(
     weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, gtab_ptr, ntab_ptr,
-    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
-    B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, max_spins,
+    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+    status_addr, B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     MEAN: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
-    ok = pid >= 0
+    deadline = call_deadline(clock_ptr, epoch, timeout_us)
+    ok = live(clock_ptr)
     b_rel = tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -118,15 +119,12 @@ def _embedding_alltoall(
         n_d = tl.load(boff_ptr + d + 1) - lo
         n_blk = tl.cdiv(n_d, BLOCK_B)
         n_tasks = n_blk * n_loc
-        if (d != rank) & ok:
+        if d != rank:
             # d must have copied out the previous call before recv is overwritten, and must
             # have read this program's previous sent flag before it is overwritten: wait even
             # with nothing to store there (else a peer a call behind misses that flag)
-            v, arrived = wait_flag(consumed_ptr + d, epoch - 1, max_spins)
-            if not arrived:
-                report(status_addr, pid, STATUS_TIMEOUT, d,
-                       tl.cast(d, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
-                ok = False
+            ok = await_free(consumed_ptr, d, epoch, clock_ptr, deadline, status_addr, pid,
+                            FLAG_CONSUMED, ok)
         for i in range(0, iters):  # bounds from arguments only (the interpreter needs that)
             t = pid + i * G
             if (t < n_tasks) & ok:
@@ -155,8 +153,8 @@ def _embedding_alltoall(
                         rank, d)
 
     # 2. what every peer's program pid sent here has landed
-    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, max_spins, status_addr, ok,
-                    G_MAX)
+    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, deadline,
+                    status_addr, ok, G_MAX)
 
     # 3. copy it from recv to out: peer q's program pid sent the tasks pid, pid + G, ... of q's
     #    run for this rank

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ..context import G_MAX, OverlapContext, align_key, get_context, output_tensor, shape_tag
+from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
+                       shape_tag)
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config, tile_descriptors
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
@@ -65,6 +66,7 @@ class GemmAllToAll(OverlapContext):
             ("ce_ready", (W, pieces), torch.int64), ("ce_consumed", (W,), torch.int64),
             ("ce_ctl", (1,), torch.int64),
         ], timeout_s)
+        self.call_protocol(self.ctl, call_flags=(self.sent,), free_flags=(self.consumed,))
         self.max_elems = max_elems
         self.config = config
         self.transport = transport
@@ -75,23 +77,21 @@ class GemmAllToAll(OverlapContext):
             self.FLAG_NAMES = CE_FLAG_NAMES
             self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
 
+    @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
                  *, config: Optional[MatmulConfig] = None) -> torch.Tensor:
-        self._before_call()
         _validate(a, b, self.world, self.max_elems)
         M, K = a.shape
         N = b.shape[1]
         out = output_tensor(OP, out, (M, N), a)
         if self._links is not None:
             self._call_copy_engine(a, b, out)
-            self._after_call()
             return out
         key = (M, K, N, a.dtype, a.stride(), b.stride(), align_key(a, b, out), config)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out, config or self.config)
         plan(self._args(a, b, out, plan.tag, plan.programs, plan.cfg))
-        self._after_call()
         return out
 
     def _call_copy_engine(self, a, b, out) -> None:
@@ -138,8 +138,9 @@ class GemmAllToAll(OverlapContext):
         # fixes the same choice its kernel was compiled for
         a_desc, b_desc = tile_descriptors(a, b, cfg, self.world.facts)
         return (a, b, out, self._recv[a.dtype], self.sent, self.consumed, self.ctl,
-                self.heap.bases, self.status.address, M, b.shape[1], K, a.stride(0), a.stride(1),
-                b.stride(0), b.stride(1), M // W, programs, self.rank, W, tag, self.max_spins,
+                self.call_clock, self.heap.bases, self.status.address, M, b.shape[1], K,
+                a.stride(0), a.stride(1),
+                b.stride(0), b.stride(1), M // W, programs, self.rank, W, tag, self.timeout_us,
                 a_desc, b_desc)
 
     def _plan(self, a, b, out, config: Optional[MatmulConfig]):

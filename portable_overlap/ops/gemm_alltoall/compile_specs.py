@@ -3,7 +3,7 @@ from ..matmul.compile_specs import descriptor_signature
 from .kernel import gemm_alltoall_kernel
 
 _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
-         "stride_bn:i32 chunk:i32 G:i32 rank:i32 world:i32 tag:i32 max_spins:i32")
+         "stride_bn:i32 chunk:i32 G:i32 rank:i32 world:i32 tag:i32 timeout_us:i32")
 
 
 def specs():
@@ -12,7 +12,7 @@ def specs():
                                        ("fp32", "ieee", 64, 64, 32, False)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "recv_ptr": f"*{dt}",
                "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64",
-               "bases_ptr": "*i64"}
+               "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         sig.update(descriptor_signature(dt, bm, bn, bk, desc))
         consts = dict(USE_DESC=desc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,

@@ -24,9 +24,8 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
-                             peer_buffer, report, signal_peer, signal_peers, wait_flag,
-                             wait_peers)
+from ...shmem.device import (await_free, begin_call, call_deadline, call_flag, end_call,
+                             flag_value, live, peer_buffer, signal_peer, signal_peers, wait_peers)
 from ...tiles.gemm import gemm_tile_auto, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
@@ -51,8 +50,8 @@ def _tile_of(t, rank, world, chunk, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr,
 def gemm_alltoall_kernel(
     a_ptr, b_ptr, out_ptr,  # a [M, K], b [K, N], out [M, N] (contiguous)
     recv_ptr, sent_ptr, consumed_ptr, ctl_ptr,  # heap: recv [M, N], int64 [world, G_MAX], [world], [2]
-    bases_ptr, status_addr,
-    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, chunk, G, rank, world, tag, max_spins,
+    clock_ptr, bases_ptr, status_addr,  # heap [2] (call clock); heap bases; status board
+    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, chunk, G, rank, world, tag, timeout_us,
     a_desc, b_desc,  # tensor descriptors of a and b when USE_DESC (else None): gemm_tile_desc
     USE_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -61,10 +60,11 @@ def gemm_alltoall_kernel(
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
+    deadline = call_deadline(clock_ptr, epoch, timeout_us)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     n_tiles = num_pid_m * num_pid_n
-    ok = pid >= 0
+    ok = live(clock_ptr)
     cleared = tl.zeros((), tl.int64)  # bit d: rank d's recv is free for this call
 
     for i in range(0, tl.cdiv(n_tiles, G)):
@@ -91,12 +91,8 @@ def gemm_alltoall_kernel(
                     else:
                         if ((cleared >> d) & 1) == 0:
                             # d must have copied out the previous call before we overwrite recv
-                            v, arrived = wait_flag(consumed_ptr + d, epoch - 1, max_spins)
-                            if not arrived:
-                                report(status_addr, pid, STATUS_TIMEOUT, d,
-                                       tl.cast(d, tl.int64) + (FLAG_CONSUMED << 32),
-                                       epoch - 1)
-                                ok = False
+                            ok = await_free(consumed_ptr, d, epoch, clock_ptr, deadline,
+                                            status_addr, pid, FLAG_CONSUMED, ok)
                             cleared = cleared | (tl.full((), 1, tl.int64) << d)
                         if ok:
                             dst = peer_buffer(recv_ptr, bases_ptr, rank, d)
@@ -104,8 +100,8 @@ def gemm_alltoall_kernel(
 
     # 1-2. this program's tiles have landed everywhere: tell the peers, wait for theirs
     signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
-    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, max_spins, status_addr, ok,
-                    G_MAX)
+    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, deadline,
+                    status_addr, ok, G_MAX)
 
     # 3. copy out the rows each peer's program pid stored into recv
     if ok:

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import OverlapContext, get_context, output_tensor, shape_tag
+from ..context import collective_call, OverlapContext, get_context, output_tensor, shape_tag
 from ..matmul.api import DTYPES
 from .api import MAX_GROUPS, GemmSignal, SignalConfig, _gemm_args, _vector_checks
 from .kernel import signal_reduce_kernel
@@ -97,12 +97,12 @@ class GemmReduceScatterCE(OverlapContext):
         self.sig.close()
         super().close()
 
+    @collective_call
     def reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
                        *, bias: Optional[torch.Tensor] = None,
                        residual: Optional[torch.Tensor] = None,
                        config: Optional[SignalConfig] = None) -> torch.Tensor:
         """Rank r's row block of ``sum_q a_q @ b_q`` (+ bias + residual): module docstring."""
-        self._before_call()
         sig, links, W, r = self.sig, self._links, self.world.world_size, self.rank
         cfg = config or self.config
         _check_partition(cfg)
@@ -157,7 +157,6 @@ class GemmReduceScatterCE(OverlapContext):
         links.rejoin()
         if first:
             self.synchronize()  # the first call of a plan: kernels loaded, errors surface here
-        self._after_call()
         return out
 
     def _reduce_launch(self, plan, stage, recv, out, bias, residual, a):

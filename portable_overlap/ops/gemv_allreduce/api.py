@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ..context import G_MAX, OverlapContext, align_key, get_context, shape_tag
+from ..context import collective_call, G_MAX, OverlapContext, align_key, get_context, shape_tag
 from .config import GemvConfig, pick_config
 from .kernel import FLAG_NAMES, gemv_allreduce_kernel
 
@@ -54,11 +54,13 @@ class GemvAllReduce(OverlapContext):
             ("ready", (W, G_MAX), torch.int64), ("bcast", (W, G_MAX), torch.int64),
             ("ctl", (2,), torch.int64),  # epoch, launch ticket
         ], timeout_s)
+        self.call_protocol(self.ctl, call_flags=(self.ready, self.bcast))
         self.max_n = max_n
         self.config = config
         self._result = {dt: self._result_raw.view(torch.uint8).view(dt) for dt in DTYPES}
 
     # -- the call ------------------------------------------------------------------------------
+    @collective_call
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
                  *, config: Optional[GemvConfig] = None) -> torch.Tensor:
         """Run the op (see the module docstring); ``out`` is filled if given. ``config``
@@ -66,7 +68,6 @@ class GemvAllReduce(OverlapContext):
         # This path runs on every decode step: no torch op beyond the output allocation, the
         # status board read from host memory, the compiled kernel launched without the JIT's
         # argument binding.
-        self._before_call()
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) \
                 or x.dim() != 2 or w.dim() != 2:
             _validate(x, w, self.world.device, self.max_n)  # raises with the reason
@@ -83,14 +84,14 @@ class GemvAllReduce(OverlapContext):
         if plan is None:
             plan = self._plans[key] = self._plan(x, w, out, config or self.config)
         plan(self._args(x, w, out, plan.tag, plan.n_blocks, plan.programs))
-        self._after_call()
         return out
 
     def _args(self, x, w, out, tag, n_blocks, programs):
         M, K = x.shape
         return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctl,
-                self.heap.bases, self.status.address, M, w.shape[0], K, x.stride(0), w.stride(0),
-                n_blocks, programs, self.rank, self.world.world_size, tag, self.max_spins)
+                self.call_clock, self.heap.bases, self.status.address, M, w.shape[0], K,
+                x.stride(0), w.stride(0), n_blocks, programs, self.rank, self.world.world_size,
+                tag, self.timeout_us)
 
     # -- planning (once per shape) -------------------------------------------------------------
     def _plan(self, x, w, out, config: Optional[GemvConfig]):

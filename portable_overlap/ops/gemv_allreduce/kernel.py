@@ -25,8 +25,8 @@ the last program of each launch, so the kernel can be replayed from a CUDA graph
 import triton
 import triton.language as tl
 
-from ...shmem.device import (begin_call, call_flag, end_call, flag_value, peer_ptr, signal_peers,
-                             wait_peers)
+from ...shmem.device import (begin_call, call_deadline, call_flag, end_call, live, peer_ptr,
+                             signal_peers, wait_peers)
 from ...tiles.gemv import gemv_tile
 
 #: flag kinds named in timeout reports
@@ -43,8 +43,8 @@ def gemv_allreduce_kernel(
     x_ptr, w_ptr, out_ptr,  # user tensors: x [M, K], w [N, K], out [M, N]
     partial_ptr, result_ptr,  # heap: fp32 [world, M, N] partials, [M, N] results (out dtype)
     ready_ptr, bcast_ptr, ctl_ptr,  # heap: int64 flags [world, G_MAX] x2, int64 [epoch, count]
-    bases_ptr, status_addr,  # int64 [world] heap bases; address of the status board
-    M, N, K, stride_xm, stride_wn, n_blocks, G, rank, world, tag, max_spins,
+    clock_ptr, bases_ptr, status_addr,  # heap call clock; int64 [world] heap bases; status board
+    M, N, K, stride_xm, stride_wn, n_blocks, G, rank, world, tag, timeout_us,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
@@ -52,7 +52,9 @@ def gemv_allreduce_kernel(
     pid = tl.program_id(0)  # G == the grid size (an argument: loop bounds must not depend on
     #                         program_id, which the interpreter keeps as a 1-element array)
     epoch = begin_call(ctl_ptr)
-    flag = flag_value(epoch, tag)
+    deadline = call_deadline(clock_ptr, epoch, timeout_us)
+    ok = live(clock_ptr)
+    flag = call_flag(epoch, tag, ok)
     n_rounds = tl.cdiv(n_blocks, G)  # program pid takes blocks pid, pid + G, ... < n_blocks
     offs_m = tl.arange(0, BLOCK_M)
     offs_nb = tl.arange(0, BLOCK_N)
@@ -60,10 +62,11 @@ def gemv_allreduce_kernel(
     MN = M * N
     tile_off = offs_m[:, None] * N + offs_nb[None, :]
 
-    # 1. blocks that peers own: compute first, store into the owner's partial[rank]
+    # 1. blocks that peers own: compute first, store into the owner's partial[rank] (not once
+    #    the context failed: its peers may be in another call, reading that slot)
     for i in range(0, n_rounds):
         owner = (i + pid) % world
-        if (owner != rank) & (pid + i * G < n_blocks):
+        if (owner != rank) & (pid + i * G < n_blocks) & ok:
             n0 = (pid + i * G) * BLOCK_N
             acc = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0, BLOCK_M, BLOCK_N,
                             BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
@@ -83,8 +86,8 @@ def gemv_allreduce_kernel(
             tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N))
 
     # 4. reduce owned blocks in rank order, store locally and into every peer's result buffer
-    ok = wait_peers(ready_ptr, FLAG_READY, pid, rank, world, epoch, tag, max_spins,
-                     status_addr, pid >= 0, G_MAX)
+    ok = wait_peers(ready_ptr, FLAG_READY, pid, rank, world, epoch, tag, clock_ptr,
+                    deadline, status_addr, ok, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world
@@ -103,8 +106,8 @@ def gemv_allreduce_kernel(
     signal_peers(bcast_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
 
     # 5. blocks peers own: their reduced tiles arrived in result; copy them to the output
-    ok = wait_peers(bcast_ptr, FLAG_BCAST, pid, rank, world, epoch, tag, max_spins,
-                     status_addr, ok, G_MAX)
+    ok = wait_peers(bcast_ptr, FLAG_BCAST, pid, rank, world, epoch, tag, clock_ptr,
+                    deadline, status_addr, ok, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world

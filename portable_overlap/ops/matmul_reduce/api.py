@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import OverlapContext, get_context, output_tensor, shape_tag
+from ..context import collective_call, OverlapContext, get_context, output_tensor, shape_tag
 from ..matmul.api import DTYPES, check_operands
 
 OP = "matmul_reduce"
@@ -109,8 +109,8 @@ class MatmulReduce(OverlapContext):
         """``sum_q a_q @ b_q`` on every rank (module docstring)."""
         return self._call("all_reduce", a, b, out)
 
+    @collective_call
     def _call(self, mode, a, b, out):
-        self._before_call()
         check_operands(f"{OP}.{mode}", a, b, self.world.device)
         W, r, P = self.world.world_size, self.rank, self.pieces
         M, N = a.shape[0], b.shape[1]
@@ -211,7 +211,6 @@ class MatmulReduce(OverlapContext):
             for q in peers:
                 links.release(q)
         links.rejoin()
-        self._after_call()
         return out
 
 

@@ -33,7 +33,8 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ..context import G_MAX, OverlapContext, align_key, get_context, output_tensor, shape_tag
+from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
+                       shape_tag)
 from ..launch import PlannedLaunch
 from ...shmem.providers import get_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config
@@ -85,6 +86,7 @@ class MoeGemmCombine(OverlapContext):
             ("rows_mine", (W, G_MAX), torch.int64), ("consumed", (W,), torch.int64),
             ("ctl", (4,), torch.int64),
         ], timeout_s)
+        self.call_protocol(self.ctl, call_flags=(self.sent,), free_flags=(self.consumed,))
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank = experts_per_rank
         self.config, self.combine_config = config, combine_config
@@ -112,10 +114,10 @@ class MoeGemmCombine(OverlapContext):
         super().close()
         self._combine = self._stage = self._sym = self._put_kernel = None
 
+    @collective_call
     def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
                  slots: torch.Tensor, topk_weights: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        self._before_call()
         self._validate(x, w, counts, slots, topk_weights)
         S = topk_weights.shape[0]
         out = output_tensor(OP, out, (S, self.hidden), x)
@@ -138,7 +140,6 @@ class MoeGemmCombine(OverlapContext):
             self._put_kernel[(gemm.programs,)](*args, **gemm.consts)
         comb.programs = max(1, -(-S // comb.block_s))  # one program per block of tokens
         comb(self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs))
-        self._after_call()
         return out
 
     # -- launches ------------------------------------------------------------------------------
@@ -146,17 +147,17 @@ class MoeGemmCombine(OverlapContext):
         W = self.world.world_size
         return (x, w, counts, starts, slots, self._combine[x.dtype], self._stage[x.dtype],
                 self.sent, self.rows_in,
-                self.rows_mine, self.consumed, self.ctl, self.heap.bases, self.status.address,
-                x.shape[0], self.hidden, x.shape[1], self.experts_per_rank, self.max_slots,
-                x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), programs,
-                self.rank, W, tag, self.max_spins)
+                self.rows_mine, self.consumed, self.ctl, self.call_clock, self.heap.bases,
+                self.status.address, x.shape[0], self.hidden, x.shape[1], self.experts_per_rank,
+                self.max_slots, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+                programs, self.rank, W, tag, self.timeout_us)
 
     def _comb_args(self, topk_weights, out, dtype, tag, gemm_programs):
         S, k = topk_weights.shape
         return (self._combine[dtype], topk_weights, out, self.sent, self.rows_in, self.consumed,
-                self.ctl, self.heap.bases, self.status.address, S, self.hidden, k,
-                topk_weights.stride(0), topk_weights.stride(1), gemm_programs, self.rank,
-                self.world.world_size, tag, self.max_spins)
+                self.ctl, self.call_clock, self.heap.bases, self.status.address, S, self.hidden,
+                k, topk_weights.stride(0), topk_weights.stride(1), gemm_programs, self.rank,
+                self.world.world_size, tag, self.timeout_us)
 
     def _plan(self, x, w, counts, starts, slots, topk_weights, out):
         I = x.shape[1]

@@ -3,9 +3,9 @@ from .kernel import moe_combine_kernel, moe_gemm_scatter_kernel
 
 _GEMM_ARGS = ("status_addr:i64 R:i32 H:i32 I:i32 E:i32 max_slots:i32 stride_xm:i32 stride_xk:i32 "
               "stride_we:i32 stride_wk:i32 stride_wn:i32 G:i32 rank:i32 world:i32 tag:i32 "
-              "max_spins:i32")
+              "timeout_us:i32")
 _COMB_ARGS = ("status_addr:i64 S:i32 H:i32 k:i32 stride_ts:i32 stride_tk:i32 G_src:i32 rank:i32 "
-              "world:i32 tag:i32 max_spins:i32")
+              "world:i32 tag:i32 timeout_us:i32")
 
 
 def specs():
@@ -14,7 +14,7 @@ def specs():
                "slots_ptr": "*i32", "combine_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
                "sent_ptr": "*i64",
                "rows_in_ptr": "*i64", "rows_mine_ptr": "*i64", "consumed_ptr": "*i64",
-               "ctl_ptr": "*i64", "bases_ptr": "*i64"}
+               "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
                       PRECISION=prec, UPCAST=False, G_MAX=1024)
@@ -24,7 +24,7 @@ def specs():
         yield f"moe_gemm_scatter[{dt}]", moe_gemm_scatter_kernel, sig, consts, aligned
         sig = {"combine_ptr": f"*{dt}", "topk_ptr": "*fp32", "out_ptr": f"*{dt}",
                "sent_ptr": "*i64", "rows_in_ptr": "*i64", "consumed_ptr": "*i64",
-               "ctl_ptr": "*i64", "bases_ptr": "*i64"}
+               "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _COMB_ARGS.split()))
         consts = dict(BLOCK_S=8, BLOCK_H=256, G_MAX=1024)
         sig.update({k: "constexpr" for k in consts})

@@ -26,9 +26,9 @@ another), and every wait is bounded (status board).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (FAILED_TAG, STATUS_BAD_INPUT, STATUS_MISMATCH, STATUS_PEER_FAILED,
-                             STATUS_TIMEOUT, begin_call, call_flag, end_call, flag_value,
-                             peer_buffer, peer_ptr, report, signal_peer, signal_peers, wait_flag)
+from ...shmem.device import (STATUS_BAD_INPUT, await_flag, await_free, begin_call,
+                             call_deadline, call_flag, end_call, flag_value, live, peer_buffer,
+                             peer_ptr, report, signal_peer, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
 from ...tiles.gemm import gemm_tile, grouped_tile
 
@@ -69,9 +69,10 @@ def no_flush():
 @triton.jit(do_not_specialize=["R", "rank"])
 def moe_gemm_scatter_kernel(
     x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
-    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+    status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    G, rank, world, tag, max_spins,
+    G, rank, world, tag, timeout_us,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, G_MAX: tl.constexpr,
@@ -79,18 +80,20 @@ def moe_gemm_scatter_kernel(
     """The zero-copy grouped GEMM (rows stored into the sources' heaps)."""
     _grouped_gemm_scatter(
         x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, sent_ptr,
-        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr, R, H, I, E,
+        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, R,
+        H, I, E,
         max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, G, rank, world, tag,
-        max_spins, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+        timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
         G_MAX, store_rows, no_flush)
 
 
 @triton.jit(do_not_specialize=["R", "rank"])
 def moe_gemm_put_kernel(
     x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
-    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+    status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    G, rank, world, tag, max_spins,
+    G, rank, world, tag, timeout_us,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, G_MAX: tl.constexpr,
@@ -101,29 +104,32 @@ def moe_gemm_put_kernel(
     provider exists (GPUs with NVSHMEM / ROC_SHMEM)."""
     _grouped_gemm_scatter(
         x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, sent_ptr,
-        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr, R, H, I, E,
+        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, R,
+        H, I, E,
         max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, G, rank, world, tag,
-        max_spins, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+        timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
         G_MAX, shmem_put_rows, shmem_flush)
 
 
 @triton.jit
 def _grouped_gemm_scatter(
     x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
-    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
+    sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+    status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    G, rank, world, tag, max_spins,
+    G, rank, world, tag, timeout_us,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
+    deadline = call_deadline(clock_ptr, epoch, timeout_us)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     n_seg = world * E
     # every segment adds at most one partial row block
     t_max = (tl.cdiv(R, BLOCK_M) + n_seg) * num_pid_n
-    ok = pid >= 0
+    ok = live(clock_ptr)
     cleared = tl.zeros((), tl.int64)  # bit q: rank q's combine buffer is free for this call
     for q in range(0, world):
         tl.store(rows_mine_ptr + q * G_MAX + pid, 0)
@@ -166,11 +172,8 @@ def _grouped_gemm_scatter(
             if src != rank:
                 if ((cleared >> src) & 1) == 0:
                     # src must have read the previous call's rows before we overwrite them
-                    v, arrived = wait_flag(consumed_ptr + src, epoch - 1, max_spins)
-                    if not arrived:
-                        report(status_addr, pid, STATUS_TIMEOUT, src,
-                               tl.cast(src, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
-                        ok = False
+                    ok = await_free(consumed_ptr, src, epoch, clock_ptr, deadline, status_addr,
+                                    pid, FLAG_CONSUMED, ok)
                     cleared = cleared | (tl.full((), 1, tl.int64) << src)
             if ok:
                 STORE(combine_ptr, bases_ptr, stage_ptr, slots_ptr, start + pid_m * BLOCK_M,
@@ -185,12 +188,9 @@ def _grouped_gemm_scatter(
     # still be polling them (a slow or busy rank), and the flag wait is for equality, so a word
     # overwritten early is a lost signal (first seen on 4 ranks with skewed routing).
     for q in range(0, world):
-        if (q != rank) & (((cleared >> q) & 1) == 0) & ok:
-            v, arrived = wait_flag(consumed_ptr + q, epoch - 1, max_spins)
-            if not arrived:
-                report(status_addr, pid, STATUS_TIMEOUT, q,
-                       tl.cast(q, tl.int64) + (FLAG_CONSUMED << 32), epoch - 1)
-                ok = False
+        if (q != rank) & (((cleared >> q) & 1) == 0):
+            ok = await_free(consumed_ptr, q, epoch, clock_ptr, deadline, status_addr, pid,
+                            FLAG_CONSUMED, ok)
     # tell every rank how many rows this program stored there, then signal (release)
     FLUSH()  # the transport's rows have landed before the counts and the release
     tl.debug_barrier()
@@ -204,29 +204,21 @@ def _grouped_gemm_scatter(
 @triton.jit(do_not_specialize=["S", "rank"])
 def moe_combine_kernel(
     combine_ptr, topk_ptr, out_ptr,  # heap [max_slots, H]; [S, k] (any float); [S, H]
-    sent_ptr, rows_in_ptr, consumed_ptr, ctl_ptr, bases_ptr, status_addr,
-    S, H, k, stride_ts, stride_tk, G_src, rank, world, tag, max_spins,
+    sent_ptr, rows_in_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
+    S, H, k, stride_ts, stride_tk, G_src, rank, world, tag, timeout_us,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the GEMM
-    ok = pid >= 0
+    deadline = call_deadline(clock_ptr, epoch, timeout_us)  # the GEMM's: same call
+    ok = live(clock_ptr)
     # 1. every peer program's rows have landed (this rank's own came before, in stream order)
     for q in range(0, world):
-        if (q != rank) & ok:
+        if q != rank:
             for p in range(0, G_src):
-                if ok:
-                    v, arrived = wait_flag(sent_ptr + q * G_MAX + p, epoch, max_spins)
-                    what = tl.cast(q * G_MAX + p, tl.int64) + (FLAG_SENT << 32)
-                    if not arrived:
-                        report(status_addr, pid, STATUS_TIMEOUT, q, what, epoch)
-                        ok = False
-                    elif (v >> 32) == FAILED_TAG:
-                        report(status_addr, pid, STATUS_PEER_FAILED, q, what, epoch)
-                        ok = False
-                    elif (v >> 32) != tag:
-                        report(status_addr, pid, STATUS_MISMATCH, q, what, v >> 32)
-                        ok = False
+                what = tl.cast(q * G_MAX + p, tl.int64) + (FLAG_SENT << 32)
+                ok = await_flag(sent_ptr + q * G_MAX + p, epoch, tag, clock_ptr, deadline,
+                                status_addr, pid, q, what, ok, True)
     tl.debug_barrier()
     # 2. the rows that arrived must be exactly this rank's S*k slots
     if ok & (pid == 0):
