@@ -4,8 +4,9 @@ Ops start sending the first finished tiles of their output to the other GPUs whi
 still being computed. See README.md for how the pieces fit.
 """
 from .backends import get_backend
-from .errors import (BackendUnavailable, ContextBrokenError, InvalidInputError,
-                     PeerTimeoutError, PortableOverlapError, RankMismatchError)
+from .errors import (BackendUnavailable, ConcurrentUseError, ContextBrokenError,
+                     ContextClosedError, InvalidInputError, PeerTimeoutError,
+                     PortableOverlapError, RankMismatchError)
 from .modules.embedding import ShardedEmbeddingBagCollection
 from .modules.linear import ColumnParallelLinear, RowParallelLinear
 from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_reduce",
            "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
            "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError",
+           "ContextClosedError", "ConcurrentUseError",
            "InvalidInputError", "GemmAllToAll", "gemm_all_to_all", "MoeGemmCombine",
            "moe_gemm_combine", "GemmSignal", "SignalConfig", "gemm_all_reduce",
            "gemm_reduce_scatter", "gemm_all_to_all_signal", "gemm_all_reduce_reference",

@@ -139,20 +139,33 @@ def _disagree_on_shape(world):
         return "no error"
     except PortableOverlapError as e:
         err = type(e).__name__, str(e)
+    # A mismatch found by the flags leaves the ranks in step: the same disagreement raises
+    # again, and agreeing calls work. A timeout (grids of other sizes) breaks the context.
     try:
-        ctx(x, w)  # a failed context refuses further calls
+        ctx(x, w)
         second = "no error"
     except ContextBrokenError:
         second = "broken"
+    except PortableOverlapError as e:
+        second = type(e).__name__
+    third = "broken"
+    if second != "broken":
+        x, w = _inputs(world, 2, 40, 24, torch.float32, seed=8)
+        try:
+            third = _rel(ctx(x, w), gemv_all_reduce_reference(x, w, world.group)) < 1e-5
+        except ContextBrokenError:
+            pass
     ctx.close()
-    return err, second
+    return err, second, third
 
 
 def test_ranks_disagreeing_on_a_shape_raise_on_every_rank(world2):
-    for (kind, msg), second in world2.run(_disagree_on_shape, timeout=120):
+    for (kind, msg), second, third in world2.run(_disagree_on_shape, timeout=120):
         assert kind in ("RankMismatchError", "PeerTimeoutError"), msg
         assert "gemv_all_reduce" in msg and "rank" in msg
-        assert second == "broken"
+        assert second != "no error"
+        if kind == "RankMismatchError" and second == "RankMismatchError":
+            assert third is True
     # with equal block counts the shape tag catches it explicitly
     kinds = [r[0][0] for r in world2.run(_disagree_on_shape, timeout=120)]
     assert "RankMismatchError" in kinds

@@ -68,15 +68,17 @@ def signal_peer(flag_ptr, value, bases_ptr, rank, peer):
 
 @triton.jit
 def call_deadline(clock_ptr, epoch, timeout_us):
-    """The time (ns, ``now_ns``) after which every wait of this call gives up: ``timeout_us``
-    after the first program of the call arrived here. One deadline per call, shared by every
-    program and every launch of the call: a program that starts late (a grid larger than the
-    device, the interpreter running programs one after another, the call's second kernel) does
-    not get a fresh timeout, so a missing peer costs one timeout per call, not one per program.
+    """The time (ns, ``now_ns``) after which every wait of call ``epoch`` gives up:
+    ``timeout_us`` after the first wait of the call that had to spin began. One deadline per
+    call, shared by every program and every launch of the call: a program that starts late (a
+    grid larger than the device, the interpreter running programs one after another, the call's
+    second kernel) does not get a fresh timeout, so a missing peer costs one timeout per call,
+    not one per program.
 
     ``clock_ptr[0]`` (the context's heap) holds ``(start_us << 16) | (epoch & 0xFFFF)``: the
     first program whose epoch differs from the stamp replaces it (compare-and-swap); the others
-    read the winner's start."""
+    read the winner's start. Only waits that find their flag missing ask for it, so a call whose
+    flags are already there pays no atomic and no clock read for it."""
     stamp = epoch.to(tl.int64) & 0xFFFF
     v = tl.atomic_add(clock_ptr, 0, sem="relaxed", scope="gpu")
     if (v & 0xFFFF) != stamp:
@@ -107,37 +109,47 @@ def reached(v, epoch):
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, deadline):
-    """Poll (acquire, system scope) until the local flag holds ``epoch`` or later in its low
-    half, or the clock passes ``deadline`` (ns, ``call_deadline``). Returns (the word last read,
-    arrived)."""
+def wait_flag(flag_ptr, want, call, clock_ptr, timeout_us):
+    """Poll (acquire, system scope) until the local flag holds epoch ``want`` or a later one in
+    its low half, or call ``call``'s deadline passes (``call_deadline``). Returns (the word last
+    read, arrived)."""
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    while (not reached(v, epoch)) & (now_ns() < deadline):
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    return v, reached(v, epoch)
+    if not reached(v, want):
+        deadline = call_deadline(clock_ptr, call, timeout_us)
+        while (not reached(v, want)) & (now_ns() < deadline):
+            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    return v, reached(v, want)
 
 
 @triton.jit
-def await_flag(flag_ptr, epoch, tag, clock_ptr, deadline, status_addr, pid, peer, what, ok,
-               CHECK_TAG: tl.constexpr):
+def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pid, peer, what,
+               ok, CHECK_TAG: tl.constexpr):
     """``wait_flag``, then judge the word: a timeout, the peer's failure tag, or (CHECK_TAG, the
-    word of this very call) another shape tag is reported on the status board as program
+    word of epoch ``want`` itself) another shape tag is reported on the status board as program
     ``pid``'s reason (``what`` names the flag). A timeout also marks the context out of step
     (``live``). Returns ``ok`` and-ed with the outcome; does not wait once ``ok`` is false."""
     if ok:
-        v, arrived = wait_flag(flag_ptr, epoch, deadline)
+        v, arrived = wait_flag(flag_ptr, want, call, clock_ptr, timeout_us)
         if not arrived:
-            report(status_addr, pid, STATUS_TIMEOUT, peer, what, epoch)
-            tl.atomic_xchg(clock_ptr + 1, epoch.to(tl.int64), sem="relaxed", scope="gpu")
+            report(status_addr, pid, STATUS_TIMEOUT, peer, what, want)
+            tl.atomic_xchg(clock_ptr + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
             ok = False
         elif CHECK_TAG:
             if (v >> 32) == FAILED_TAG:
-                report(status_addr, pid, STATUS_PEER_FAILED, peer, what, epoch)
+                report(status_addr, pid, STATUS_PEER_FAILED, peer, what, want)
                 ok = False
-            elif ((v & 0xFFFFFFFF) == (epoch.to(tl.int64) & 0xFFFFFFFF)) & ((v >> 32) != tag):
+            elif ((v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)) & ((v >> 32) != tag):
                 report(status_addr, pid, STATUS_MISMATCH, peer, what, v >> 32)
                 ok = False
     return ok
+
+
+@triton.jit
+def await_flag(flag_ptr, epoch, tag, clock_ptr, timeout_us, status_addr, pid, peer, what, ok,
+               CHECK_TAG: tl.constexpr):
+    """``await_word`` for this call's own flag (epoch ``epoch``, which is also the call)."""
+    return await_word(flag_ptr, epoch, epoch, tag, clock_ptr, timeout_us, status_addr, pid, peer,
+                      what, ok, CHECK_TAG)
 
 
 @triton.jit
@@ -174,8 +186,8 @@ def end_call(ctl_ptr, epoch):
 
 
 @triton.jit
-def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, clock_ptr, deadline,
-               status_addr, ok, G_MAX: tl.constexpr):
+def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, clock_ptr,
+               timeout_us, status_addr, ok, G_MAX: tl.constexpr):
     """Wait for ``flags[q][pid]`` (a ``[world, G_MAX]`` flag array in the local heap) of every
     peer q to hold this epoch and ``tag``; report a timeout or a tag mismatch (flag ``kind``) and
     return ``ok`` and-ed with the outcome. After a failure it stops waiting, so a missing peer
@@ -183,7 +195,7 @@ def wait_peers(flags_ptr, kind: tl.constexpr, pid, rank, world, epoch, tag, cloc
     for q in range(0, world):
         if q != rank:
             what = (q * G_MAX + pid).to(tl.int64) + (kind << 32)
-            ok = await_flag(flags_ptr + q * G_MAX + pid, epoch, tag, clock_ptr, deadline,
+            ok = await_flag(flags_ptr + q * G_MAX + pid, epoch, tag, clock_ptr, timeout_us,
                             status_addr, pid, q, what, ok, True)
     tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
     return ok
@@ -206,9 +218,9 @@ def signal_peers(flags_ptr, bases_ptr, pid, rank, world, value, G_MAX: tl.conste
 
 
 @triton.jit
-def await_free(consumed_ptr, d, epoch, clock_ptr, deadline, status_addr, pid, kind, ok):
+def await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr, pid, kind, ok):
     """Wait until rank d has read what this rank sent it in the previous call
     (``consumed[d]`` holds ``epoch - 1`` or later, set by d), before overwriting it; flag
     ``kind`` names it in a timeout report. Returns ``ok`` and-ed with the outcome."""
-    return await_flag(consumed_ptr + d, epoch - 1, 0, clock_ptr, deadline, status_addr, pid, d,
-                      tl.cast(d, tl.int64) + (kind << 32), ok, False)
+    return await_word(consumed_ptr + d, epoch - 1, epoch, 0, clock_ptr, timeout_us, status_addr,
+                      pid, d, tl.cast(d, tl.int64) + (kind << 32), ok, False)

@@ -1,6 +1,7 @@
 """Fault injection for tests of the fused ops: calls that some ranks skip."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from ..errors import PeerTimeoutError
@@ -11,16 +12,19 @@ def call_while_peers_skip(world, make_ctx: Callable[[], object], call: Callable[
     """Collective: every rank makes a context (``make_ctx()``, with a short timeout), rank
     ``caller`` makes one ``call(ctx)`` that the other ranks skip, every rank closes the context.
     Returns, on ``caller``, the text of the ``PeerTimeoutError`` the call raised (``"no error"``
-    if none did); ``"ok"`` on the others. The error must name the rank that never came and the
-    flag it was waited on for."""
+    if none did, ``"late: ..."`` if it came after twice the context's timeout); ``"ok"`` on the
+    others. The error must name the rank that never came and the flag it was waited on for."""
     ctx = make_ctx()
     result = "ok"
     if world.rank == caller:
+        t0 = time.monotonic()
         try:
             call(ctx)
             ctx.synchronize()
             result = "no error"
         except PeerTimeoutError as e:
-            result = str(e)
+            took = time.monotonic() - t0
+            result = (str(e) if took <= 2 * ctx.timeout_s else
+                      f"late: raised after {took:.2f} s, timeout_s={ctx.timeout_s}: {e}")
     ctx.close()
     return result

@@ -9,7 +9,7 @@ replays see a new epoch each time (a host counter would be frozen into the graph
 import triton
 import triton.language as tl
 
-from ..shmem.device import (FAILED_TAG, await_flag, call_deadline, flag_value, live, peer_ptr,
+from ..shmem.device import (FAILED_TAG, await_word, flag_value, live, peer_ptr,
                              signal_peer)
 
 
@@ -51,9 +51,8 @@ def wait_kernel(flag_ptr, peer, ctl_ptr, back, tag, clock_ptr, timeout_us, statu
     ``slot`` (the host raises at its next check) and return, so a stream is never held
     forever."""
     call = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
-    deadline = call_deadline(clock_ptr, call, timeout_us)
-    await_flag(flag_ptr, call - back, tag, clock_ptr, deadline, status_addr, slot, peer, what,
-               live(clock_ptr), CHECK_TAG)
+    await_word(flag_ptr, call - back, call, tag, clock_ptr, timeout_us, status_addr, slot, peer,
+               what, live(clock_ptr), CHECK_TAG)
 
 
 @triton.jit(do_not_specialize=["n_slots", "rank"])

@@ -27,7 +27,7 @@ split, dtype or table plan is caught as a mismatch; a program that gave up signa
 import triton
 import triton.language as tl
 
-from ...shmem.device import (await_free, begin_call, call_deadline, call_flag, end_call,
+from ...shmem.device import (await_free, begin_call, call_flag, end_call,
                              flag_value, live, peer_buffer, signal_peer, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
 from .pool import pooled_rows
@@ -106,7 +106,6 @@ def _embedding_alltoall(
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
-    deadline = call_deadline(clock_ptr, epoch, timeout_us)
     ok = live(clock_ptr)
     b_rel = tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
@@ -123,7 +122,7 @@ def _embedding_alltoall(
             # d must have copied out the previous call before recv is overwritten, and must
             # have read this program's previous sent flag before it is overwritten: wait even
             # with nothing to store there (else a peer a call behind misses that flag)
-            ok = await_free(consumed_ptr, d, epoch, clock_ptr, deadline, status_addr, pid,
+            ok = await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr, pid,
                             FLAG_CONSUMED, ok)
         for i in range(0, iters):  # bounds from arguments only (the interpreter needs that)
             t = pid + i * G
@@ -153,7 +152,7 @@ def _embedding_alltoall(
                         rank, d)
 
     # 2. what every peer's program pid sent here has landed
-    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, deadline,
+    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,
                     status_addr, ok, G_MAX)
 
     # 3. copy it from recv to out: peer q's program pid sent the tasks pid, pid + G, ... of q's

@@ -24,7 +24,7 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (await_free, begin_call, call_deadline, call_flag, end_call,
+from ...shmem.device import (await_free, begin_call, call_flag, end_call,
                              flag_value, live, peer_buffer, signal_peer, signal_peers, wait_peers)
 from ...tiles.gemm import gemm_tile_auto, grouped_tile
 
@@ -60,7 +60,6 @@ def gemm_alltoall_kernel(
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
-    deadline = call_deadline(clock_ptr, epoch, timeout_us)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     n_tiles = num_pid_m * num_pid_n
@@ -91,7 +90,7 @@ def gemm_alltoall_kernel(
                     else:
                         if ((cleared >> d) & 1) == 0:
                             # d must have copied out the previous call before we overwrite recv
-                            ok = await_free(consumed_ptr, d, epoch, clock_ptr, deadline,
+                            ok = await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us,
                                             status_addr, pid, FLAG_CONSUMED, ok)
                             cleared = cleared | (tl.full((), 1, tl.int64) << d)
                         if ok:
@@ -100,7 +99,7 @@ def gemm_alltoall_kernel(
 
     # 1-2. this program's tiles have landed everywhere: tell the peers, wait for theirs
     signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
-    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, deadline,
+    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,
                     status_addr, ok, G_MAX)
 
     # 3. copy out the rows each peer's program pid stored into recv

@@ -25,7 +25,7 @@ the last program of each launch, so the kernel can be replayed from a CUDA graph
 import triton
 import triton.language as tl
 
-from ...shmem.device import (begin_call, call_deadline, call_flag, end_call, live, peer_ptr,
+from ...shmem.device import (begin_call, call_flag, end_call, live, peer_ptr,
                              signal_peers, wait_peers)
 from ...tiles.gemv import gemv_tile
 
@@ -52,7 +52,6 @@ def gemv_allreduce_kernel(
     pid = tl.program_id(0)  # G == the grid size (an argument: loop bounds must not depend on
     #                         program_id, which the interpreter keeps as a 1-element array)
     epoch = begin_call(ctl_ptr)
-    deadline = call_deadline(clock_ptr, epoch, timeout_us)
     ok = live(clock_ptr)
     flag = call_flag(epoch, tag, ok)
     n_rounds = tl.cdiv(n_blocks, G)  # program pid takes blocks pid, pid + G, ... < n_blocks
@@ -63,15 +62,16 @@ def gemv_allreduce_kernel(
     tile_off = offs_m[:, None] * N + offs_nb[None, :]
 
     # 1. blocks that peers own: compute first, store into the owner's partial[rank] (not once
-    #    the context failed: its peers may be in another call, reading that slot)
+    #    the context is out of step: ``ok`` only masks the stores, so the tile's loads do not
+    #    wait for the atomic that reads it)
     for i in range(0, n_rounds):
         owner = (i + pid) % world
-        if (owner != rank) & (pid + i * G < n_blocks) & ok:
+        if (owner != rank) & (pid + i * G < n_blocks):
             n0 = (pid + i * G) * BLOCK_N
             acc = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0, BLOCK_M, BLOCK_N,
                             BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
             dst = peer_ptr(partial_ptr + rank * MN + n0, bases_ptr, rank, owner)
-            tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N))
+            tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N) & ok)
     # 2. tell every peer this program's partials for it have landed
     signal_peers(ready_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
 
@@ -87,7 +87,7 @@ def gemv_allreduce_kernel(
 
     # 4. reduce owned blocks in rank order, store locally and into every peer's result buffer
     ok = wait_peers(ready_ptr, FLAG_READY, pid, rank, world, epoch, tag, clock_ptr,
-                    deadline, status_addr, ok, G_MAX)
+                    timeout_us, status_addr, ok, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world
@@ -107,7 +107,7 @@ def gemv_allreduce_kernel(
 
     # 5. blocks peers own: their reduced tiles arrived in result; copy them to the output
     ok = wait_peers(bcast_ptr, FLAG_BCAST, pid, rank, world, epoch, tag, clock_ptr,
-                    deadline, status_addr, ok, G_MAX)
+                    timeout_us, status_addr, ok, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...shmem.device import (STATUS_BAD_INPUT, await_flag, await_free, begin_call,
-                             call_deadline, call_flag, end_call, flag_value, live, peer_buffer,
+                             call_flag, end_call, flag_value, live, peer_buffer,
                              peer_ptr, report, signal_peer, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
 from ...tiles.gemm import gemm_tile, grouped_tile
@@ -124,7 +124,6 @@ def _grouped_gemm_scatter(
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
-    deadline = call_deadline(clock_ptr, epoch, timeout_us)
     num_pid_n = tl.cdiv(H, BLOCK_N)
     n_seg = world * E
     # every segment adds at most one partial row block
@@ -172,7 +171,7 @@ def _grouped_gemm_scatter(
             if src != rank:
                 if ((cleared >> src) & 1) == 0:
                     # src must have read the previous call's rows before we overwrite them
-                    ok = await_free(consumed_ptr, src, epoch, clock_ptr, deadline, status_addr,
+                    ok = await_free(consumed_ptr, src, epoch, clock_ptr, timeout_us, status_addr,
                                     pid, FLAG_CONSUMED, ok)
                     cleared = cleared | (tl.full((), 1, tl.int64) << src)
             if ok:
@@ -189,7 +188,7 @@ def _grouped_gemm_scatter(
     # overwritten early is a lost signal (first seen on 4 ranks with skewed routing).
     for q in range(0, world):
         if (q != rank) & (((cleared >> q) & 1) == 0):
-            ok = await_free(consumed_ptr, q, epoch, clock_ptr, deadline, status_addr, pid,
+            ok = await_free(consumed_ptr, q, epoch, clock_ptr, timeout_us, status_addr, pid,
                             FLAG_CONSUMED, ok)
     # tell every rank how many rows this program stored there, then signal (release)
     FLUSH()  # the transport's rows have landed before the counts and the release
@@ -210,14 +209,13 @@ def moe_combine_kernel(
 ):
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the GEMM
-    deadline = call_deadline(clock_ptr, epoch, timeout_us)  # the GEMM's: same call
     ok = live(clock_ptr)
     # 1. every peer program's rows have landed (this rank's own came before, in stream order)
     for q in range(0, world):
         if q != rank:
             for p in range(0, G_src):
                 what = tl.cast(q * G_MAX + p, tl.int64) + (FLAG_SENT << 32)
-                ok = await_flag(sent_ptr + q * G_MAX + p, epoch, tag, clock_ptr, deadline,
+                ok = await_flag(sent_ptr + q * G_MAX + p, epoch, tag, clock_ptr, timeout_us,
                                 status_addr, pid, q, what, ok, True)
     tl.debug_barrier()
     # 2. the rows that arrived must be exactly this rank's S*k slots

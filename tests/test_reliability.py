@@ -1,0 +1,189 @@
+"""Faults a failing rank or a hostile caller causes, on CPU-emulated ranks: every wait bounded in
+wall-clock time, a call refused on one rank failing on every rank without shifting later calls,
+and the lifecycle guards of a context (closed, used from two threads, bad timeouts)."""
+import time
+
+import pytest
+import torch
+
+from portable_overlap import (ConcurrentUseError, ContextBrokenError, ContextClosedError,
+                              GemvAllReduce, PeerTimeoutError, PortableOverlapError,
+                              gemv_all_reduce_reference)
+from portable_overlap.ops.context import get_context
+
+
+def _inputs(world, M, N, K, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed * 1000 + world.rank)
+    return torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+
+
+def _close(y, ref):
+    return bool(torch.allclose(y, ref, rtol=1e-4, atol=1e-4))
+
+
+# -- wall-clock bounded waits -------------------------------------------------------------------
+def _alone(world, timeout_s, n):
+    """Rank 0 calls with N=n (a grid of several programs), the others never do."""
+    ctx = GemvAllReduce(world, max_n=n, timeout_s=timeout_s)
+    out = None
+    if world.rank == 0:
+        x, w = _inputs(world, 2, n, 16, seed=1)
+        t0 = time.monotonic()
+        try:
+            ctx(x, w)
+            out = ("no error", 0.0)
+        except PeerTimeoutError as e:
+            out = (str(e), time.monotonic() - t0)
+    ctx.close()
+    return out
+
+
+@pytest.mark.parametrize("timeout_s", [0.5, 1.5])
+def test_missing_peer_times_out_within_twice_the_timeout(world, timeout_s):
+    """One deadline per call shared by every program: the interpreter runs the programs one
+    after another, and a per-program budget made a 0.5 s timeout take 30-40 s."""
+    msg, took = world.run(_alone, timeout_s, 512, timeout=120)[0]
+    assert "timed out waiting for rank" in msg, msg
+    assert timeout_s * 0.9 <= took <= 2 * timeout_s, (took, msg)
+
+
+def _bad(x, kind):
+    if kind == "dtype":
+        return x.to(torch.float16)
+    if kind == "shape":
+        return x[:, :-1].contiguous()
+    if kind == "noncontig":
+        return x.t().contiguous().t()
+    return x.tolist()
+
+
+def _refuse_on_rank(world, bad_rank, bad):
+    """Three calls; in the second, ``bad_rank`` passes bad input (refused on the host before any
+    launch). Returns per call: 'ok' (result right), 'wrong', or the error class name."""
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=5.0)
+    outcomes = []
+    for call in range(3):
+        x, w = _inputs(world, 3, 40, 24, seed=call)
+        ref = gemv_all_reduce_reference(x, w, world.group)
+        if call == 1 and world.rank == bad_rank:
+            x = _bad(x, bad)
+        try:
+            y = ctx(x, w, out=torch.full((3, 40), float("nan")))
+            outcomes.append("ok" if _close(y, ref) else "wrong")
+        except PortableOverlapError as e:
+            outcomes.append(type(e).__name__)
+        except (ValueError, TypeError) as e:
+            outcomes.append("refused:" + type(e).__name__)
+    ctx.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "noncontig", "type"])
+def test_call_refused_on_one_rank_fails_that_call_everywhere_and_no_later_one(world, bad):
+    results = world.run(_refuse_on_rank, 1, bad, timeout=120)
+    for rank, outcomes in enumerate(results):
+        assert outcomes[0] == "ok" and outcomes[2] == "ok", (rank, outcomes)
+        if rank == 1:
+            assert outcomes[1].startswith("refused:"), outcomes
+        else:  # the peer gave up on that call: raised, never a result
+            assert outcomes[1] == "PeerTimeoutError", (rank, outcomes)
+
+
+def _skip_then_differ(world):
+    """Rank 1 skips a call and makes the next one with other shapes: the peers' waiting call is
+    caught by the shape tag (or the timeout), never returned as a result."""
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=2.0)
+    outcomes = []
+    for call, n in enumerate((32, 32, 48)):
+        if world.rank == 1 and call == 1:
+            outcomes.append("skipped")
+            continue
+        x, w = _inputs(world, 2, n, 16, seed=call)
+        try:
+            ctx(x, w)
+            outcomes.append("returned")
+        except PortableOverlapError as e:
+            outcomes.append(type(e).__name__)
+    ctx.close()
+    return outcomes
+
+
+def test_skipped_call_with_other_shapes_next_is_caught(world):
+    for rank, outcomes in enumerate(world.run(_skip_then_differ, timeout=120)):
+        assert outcomes[0] == "returned"
+        assert "returned" not in outcomes[1:], (rank, outcomes)
+
+
+# -- lifecycle guards ---------------------------------------------------------------------------
+def _lifecycle(world):
+    ctx = GemvAllReduce(world, max_n=32, timeout_s=2.0)
+    x, w = _inputs(world, 1, 32, 8, seed=3)
+    ref = gemv_all_reduce_reference(x, w, world.group)
+    found = {}
+    ctx._guard.acquire()  # another thread's call is under way
+    try:
+        ctx(x, w)
+        found["thread"] = "no error"
+    except ConcurrentUseError as e:
+        found["thread"] = str(e)
+    finally:
+        ctx._guard.release()
+    found["after_thread"] = _close(ctx(x, w), ref)  # the refused thread's call never counted
+    handle = ctx.handle
+    ctx.close()
+    ctx.close()  # twice is fine
+    for name, fn in (("call", lambda: ctx(x, w)), ("sync", ctx.synchronize),
+                     ("handle", lambda: get_context(handle))):
+        try:
+            fn()
+            found[name] = "no error"
+        except ContextClosedError as e:
+            found[name] = str(e)
+    ctx2 = GemvAllReduce(world, max_n=32, timeout_s=2.0)
+    found["new_handle"] = ctx2.handle != handle
+    ctx2.close()
+    bad = {}
+    for t in (0, -1, float("nan"), float("inf"), 1e9, "soon", None):
+        try:
+            GemvAllReduce(world, max_n=8, timeout_s=t).close()
+            bad[repr(t)] = "no error"
+        except ValueError as e:
+            bad[repr(t)] = str(e)
+    found["bad_timeouts"] = bad
+    return found
+
+
+def test_lifecycle_guards(world2):
+    for found in world2.run(_lifecycle, timeout=120):
+        assert "another thread" in found["thread"], found
+        assert found["after_thread"] is True
+        for k in ("call", "sync", "handle"):
+            assert "closed" in found[k], (k, found[k])
+        assert found["new_handle"]
+        for t, msg in found["bad_timeouts"].items():
+            assert "timeout_s" in msg, (t, msg)
+
+
+def _broken_after_timeout(world):
+    """After a timeout the context is out of step: every later call raises at once."""
+    ctx = GemvAllReduce(world, max_n=32, timeout_s=0.5)
+    x, w = _inputs(world, 1, 32, 8, seed=4)
+    first = second = "no error"
+    if world.rank == 0:
+        try:
+            ctx(x, w)
+        except PeerTimeoutError:
+            first = "timeout"
+        t0 = time.monotonic()
+        try:
+            ctx(x, w)
+        except ContextBrokenError:
+            second = f"broken after {time.monotonic() - t0:.3f} s"
+    ctx.close()
+    return first, second
+
+
+def test_context_broken_after_a_timeout(world2):
+    first, second = world2.run(_broken_after_timeout, timeout=120)[0]
+    assert first == "timeout"
+    assert second.startswith("broken") and float(second.split()[2]) < 0.1, second
