@@ -23,17 +23,21 @@ def _close(y, ref):
 
 # -- wall-clock bounded waits -------------------------------------------------------------------
 def _alone(world, timeout_s, n):
-    """Rank 0 calls with N=n (a grid of several programs), the others never do."""
+    """A call every rank makes (its time is what the interpreter needs for the work itself on
+    this loaded machine), then one that rank 0 makes alone (N=n: a grid of several programs)."""
     ctx = GemvAllReduce(world, max_n=n, timeout_s=timeout_s)
+    x, w = _inputs(world, 1, n, 4, seed=1)
+    t0 = time.monotonic()
+    ctx(x, w)
+    work = time.monotonic() - t0
     out = None
     if world.rank == 0:
-        x, w = _inputs(world, 2, n, 16, seed=1)
         t0 = time.monotonic()
         try:
             ctx(x, w)
-            out = ("no error", 0.0)
+            out = ("no error", 0.0, work)
         except PeerTimeoutError as e:
-            out = (str(e), time.monotonic() - t0)
+            out = (str(e), time.monotonic() - t0, work)
     ctx.close()
     return out
 
@@ -42,9 +46,9 @@ def _alone(world, timeout_s, n):
 def test_missing_peer_times_out_within_twice_the_timeout(world, timeout_s):
     """One deadline per call shared by every program: the interpreter runs the programs one
     after another, and a per-program budget made a 0.5 s timeout take 30-40 s."""
-    msg, took = world.run(_alone, timeout_s, 512, timeout=120)[0]
+    msg, took, work = world.run(_alone, timeout_s, 512, timeout=120)[0]
     assert "timed out waiting for rank" in msg, msg
-    assert timeout_s * 0.9 <= took <= 2 * timeout_s, (took, msg)
+    assert timeout_s * 0.9 <= took <= 2 * timeout_s + work, (took, work, msg)
 
 
 def _bad(x, kind):
@@ -187,3 +191,48 @@ def test_context_broken_after_a_timeout(world2):
     first, second = world2.run(_broken_after_timeout, timeout=120)[0]
     assert first == "timeout"
     assert second.startswith("broken") and float(second.split()[2]) < 0.1, second
+
+
+# -- the host-collective transport (GEMM with tile-group signals) ------------------------------
+def _signal_fault(world, fault, timeout_s):
+    """A warm GEMM + AllReduce (plans agreed at the first call); then rank 1 skips a call, or
+    calls with another N. The others' collectives must give up within 2x the timeout."""
+    from portable_overlap.ops.gemm_signal import GemmSignal, SignalConfig, gemm_all_reduce
+    from portable_overlap.ops.matmul import MatmulConfig
+
+    cfg = SignalConfig(matmul=MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2,
+                                           num_warps=1, num_stages=1))
+    ctx = GemmSignal(world, config=cfg, timeout_s=timeout_s)
+    a, b = torch.randn(8, 8), torch.randn(8, 32)
+    gemm_all_reduce(a, b, ctx)
+    gemm_all_reduce(a, b[:, :16], ctx)
+    out = "skipped"
+    if not (fault == "skip" and world.rank == 1):
+        bb = b[:, :16] if (fault == "other_n" and world.rank == 1) else b
+        t0 = time.monotonic()
+        try:
+            gemm_all_reduce(a, bb, ctx)
+            out = "no error"
+        except PortableOverlapError as e:
+            out = (type(e).__name__, str(e), time.monotonic() - t0)
+    else:
+        time.sleep(3 * timeout_s)  # still there (not closed) while the peer waits
+    ctx.close()
+    return out
+
+
+@pytest.mark.parametrize("fault", ["skip", "other_n"])
+def test_signal_collectives_are_bounded(world2, fault):
+    """A skipped call times out within 2x the context's timeout; a call with other shapes is
+    caught on every rank before any data moves (under gloo, whose ranks abort on a collective of
+    another size)."""
+    for rank, out in enumerate(world2.run(_signal_fault, fault, 1.0, timeout=120)):
+        if out == "skipped":
+            continue
+        assert out != "no error", (rank, out)
+        kind, msg, took = out
+        if fault == "skip":
+            assert kind == "PeerTimeoutError" and "timeout_s=1.0" in msg, (rank, msg)
+            assert took <= 2.0 + 0.5, (rank, took, msg)
+        else:
+            assert kind == "RankMismatchError" and "different shapes" in msg, (rank, msg)

@@ -4,7 +4,8 @@ nanoseconds from a clock that runs at a constant rate whatever the SM clocks do.
 - NVIDIA: the ``%globaltimer`` register (ns since the epoch; it ticks about every microsecond);
 - AMD CDNA (gfx9): ``s_memrealtime``, the constant 100 MHz real-time counter, scaled to ns
   (the rate ``hipDeviceAttributeWallClockRate`` reports on MI200/MI300);
-- the Triton interpreter (the CPU-emulated backend): the host's ``time.monotonic_ns()``.
+- the Triton interpreter (the CPU-emulated backend): the host's ``time.time_ns()``, ns since
+  1970 like NVIDIA's clock, so the CPU tests see numbers of the size the GPU code handles.
 
 The choice is made when the kernel is compiled, from the compile target, so one kernel source
 serves every target (the compile matrix builds sm_90 and gfx942 on a CPU-only machine)."""
@@ -25,7 +26,7 @@ def now_ns(_semantic=None):
         # semantic object: read the host's clock and hand it back as an interpreter tensor.
         from triton.runtime.interpreter import interpreter_semantic
 
-        return core.tensor(interpreter_semantic.builder.get_int64(time.monotonic_ns()),
+        return core.tensor(interpreter_semantic.builder.get_int64(time.time_ns()),
                            core.int64)
     arch = str(getattr(_semantic.builder.options, "arch", "") or "")
     if arch.startswith("gfx"):

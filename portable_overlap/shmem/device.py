@@ -75,17 +75,18 @@ def call_deadline(clock_ptr, epoch, timeout_us):
     second kernel) does not get a fresh timeout, so a missing peer costs one timeout per call,
     not one per program.
 
-    ``clock_ptr[0]`` (the context's heap) holds ``(start_us << 16) | (epoch & 0xFFFF)``: the
+    ``clock_ptr[0]`` (the context's heap) holds ``(start_ms << 16) | (epoch & 0xFFFF)``: the
     first program whose epoch differs from the stamp replaces it (compare-and-swap); the others
-    read the winner's start. Only waits that find their flag missing ask for it, so a call whose
+    read the winner's start. Milliseconds: NVIDIA's clock counts ns since 1970 (2^60 now), so
+    the start must fit 47 bits (2^47 ms is 4000 years); the deadline may come up to 1 ms early. Only waits that find their flag missing ask for it, so a call whose
     flags are already there pays no atomic and no clock read for it."""
     stamp = epoch.to(tl.int64) & 0xFFFF
     v = tl.atomic_add(clock_ptr, 0, sem="relaxed", scope="gpu")
     if (v & 0xFFFF) != stamp:
-        mine = ((now_ns() // 1000) << 16) | stamp
+        mine = ((now_ns() // 1000000) << 16) | stamp
         old = tl.atomic_cas(clock_ptr, v, mine, sem="relaxed", scope="gpu")
         v = tl.where(old == v, mine, old)
-    return (v >> 16) * 1000 + tl.cast(timeout_us, tl.int64) * 1000
+    return (v >> 16) * 1000000 + tl.cast(timeout_us, tl.int64) * 1000
 
 
 @triton.jit

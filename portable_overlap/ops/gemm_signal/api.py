@@ -52,15 +52,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ...errors import ContextBrokenError
+from ...errors import (ContextBrokenError, ContextClosedError, PeerTimeoutError,
+                       RankMismatchError)
 from ...schedule import WaveGroups, as_wave_groups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_upcast
-from ..context import align_key, get_context, register_context, unregister_context
+from ..context import (align_key, check_timeout, get_context, register_context, shape_tag,
+                       unregister_context)
 from ..launch import PlannedLaunch, resident_programs
 from ..matmul.api import MatmulConfig, check_operands, default_config, tile_descriptors
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
@@ -125,12 +128,25 @@ class GemmSignal:
     """Workspace of the tile-group-signal ops on one rank: the group counters (device int32), the
     staging and receive buffers (grown when a new shape is planned, never inside a call), the
     comm stream and the plans. Collective to create; the same calls in the same order on every
-    rank. ``config`` is the default of every call (a call may pass its own)."""
+    rank. ``config`` is the default of every call (a call may pass its own).
+
+    The collectives run in a process group of the context's own, whose timeout is
+    ``timeout_s``: a rank that skips a call, or calls with other shapes, makes the others'
+    collectives give up after ``timeout_s`` instead of the default group's (10 to 30 minutes).
+    A group's collective waits for the slowest rank's GEMM, hence a longer default than the
+    other contexts' (the CPU interpreter's GEMMs take seconds). Under gloo
+    (the CPU-emulated backend) the call then raises :class:`PeerTimeoutError` and the context is
+    broken; under NCCL the communicator's watchdog enforces the timeout (torch's
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` decides what it does then: by default it ends the
+    process with the collective named). ``collectives=False`` makes no group (a context that
+    only borrows the GEMM, as the copy-engine transport does)."""
 
     OP = OP
 
-    def __init__(self, world, *, config: Optional[SignalConfig] = None):
-        world.check_same(f"{OP} context config", config)
+    def __init__(self, world, *, config: Optional[SignalConfig] = None, timeout_s: float = 60.0,
+                 collectives: bool = True):
+        self.timeout_s = check_timeout(OP, timeout_s)
+        world.check_same(f"{OP} context config", (config, self.timeout_s))
         self.world = world
         self.rank, self.size = world.rank, world.world_size
         self.config = config or SignalConfig()
@@ -151,10 +167,15 @@ class GemmSignal:
             self.comm_stream = self._mod.Stream(device=self.device)
             with self._mod.stream(self.comm_stream):
                 self._comm_handle = self.backend.current_stream(self.device)
+        self.group = _bounded_group(world, self.timeout_s) if collectives else None
         self.handle = register_context(self)
 
     def close(self) -> None:
+        self._closed = True
         unregister_context(self.handle)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
     # -- the ops -----------------------------------------------------------------------------
     def all_reduce(self, a, b, out=None, *, bias=None, residual=None, config=None,
@@ -212,6 +233,9 @@ class GemmSignal:
                               graph=graph, cache=cache)
 
     def check(self) -> None:
+        if getattr(self, "_closed", False):
+            raise ContextClosedError(f"{OP}: this context was closed on rank {self.rank}; create "
+                                     f"a new one")
         if self._broken is not None:
             raise ContextBrokenError(f"{OP} context on rank {self.rank} failed before and may be "
                                      f"out of step with its peers; create a new one. First "
@@ -277,6 +301,8 @@ class GemmSignal:
         if first and capturing:
             raise RuntimeError(f"{op}: call it once with these shapes outside graph capture "
                                f"first (the first call loads kernels and checks the ranks agree)")
+        if self._mod is None and self.group is not None:
+            self._check_stamp(op, plan)
         self._fork()
         gemm(gemm_args)  # nothing is waited on before this launch returned (see kernel.py)
         try:
@@ -289,6 +315,13 @@ class GemmSignal:
                     self._join()
                 except Exception:
                     pass
+            if isinstance(e, RuntimeError) and not isinstance(e, PeerTimeoutError):
+                # the collective library's own errors: a timeout, or a peer that went away
+                raise PeerTimeoutError(
+                    f"{op}: rank {self.rank}'s collective failed (timeout_s={self.timeout_s}): a "
+                    f"peer skipped this call, left, or called with other shapes; the context is "
+                    f"broken: close it and create a new one. "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
             raise
         self._join()
         reorder(reorder_args)
@@ -297,8 +330,32 @@ class GemmSignal:
             plan.warm = True
         return out if rms_weight is None else (out, normed)
 
+    def _check_stamp(self, op, plan) -> None:
+        """Under gloo (synchronous) every call first compares its plan's tag across the ranks: a
+        collective of another size is fatal to a gloo rank (it aborts), so a rank that skipped a
+        call, or calls with other shapes, is caught here and every rank raises
+        RankMismatchError before any data moves. (On GPUs the collectives are queued, not run,
+        by the call: a mismatch there is bounded by the group's timeout only.)"""
+        tag = torch.tensor([plan.tag], dtype=torch.int64)
+        tags = [torch.empty_like(tag) for _ in range(self.size)]
+        try:
+            dist.all_gather(tags, tag, group=self.group)
+        except RuntimeError as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            raise PeerTimeoutError(
+                f"{op}: rank {self.rank}'s call check failed (timeout_s={self.timeout_s}): a peer "
+                f"skipped this call or left; the context is broken: close it and create a new "
+                f"one. ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+        seen = [int(t) for t in tags]
+        if len(set(seen)) != 1:
+            raise RankMismatchError(f"{op}: ranks called with different shapes or configs "
+                                    f"(plan tags by rank: {[hex(t) for t in seen]}); this call "
+                                    f"was skipped on every rank")
+
     def _communicate(self, plan, stage, recv, guarded: bool) -> None:
-        be, group = self.backend, self.world.group
+        be, group = self.backend, self.group
+        if group is None:
+            raise RuntimeError(f"{OP}: this context was made with collectives=False")
         with self._on_comm():
             if not guarded:  # the comm stream waits for the whole GEMM, no stream is held; a
                 # kernel resets the counters (capturable where stream value ops may not be)
@@ -323,7 +380,8 @@ class GemmSignal:
     def _recover(self, plan, e) -> None:
         """A collective raised after the GEMM was launched: clear this plan's counters behind the
         GEMM so that no later call passes a wait early, and refuse further calls (peers may have
-        run collectives this rank did not)."""
+        run collectives this rank did not). A collective that timed out raises
+        PeerTimeoutError (``_call``)."""
         self._broken = f"{type(e).__name__}: {e}"
         try:
             with self._on_comm():
@@ -421,6 +479,8 @@ class GemmSignal:
                            "all_to_all": n_tiles * tile * esz}[kind]
         self._stage_raw = self._grow(self._stage_raw, plan.stage_bytes)
         self._recv_raw = self._grow(self._recv_raw, plan.recv_bytes)
+        # what the ranks must agree on, compared by every call under gloo (``_check_stamp``)
+        plan.tag = shape_tag(OP, kind, M, N, K, str(dtype), repr(cfg), tuple(plan.groups.sizes))
         self._plans[key] = plan
         return plan
 
@@ -618,3 +678,18 @@ def _gemm_all_to_all_signal_op(a: torch.Tensor, b: torch.Tensor, handle: int,
 @_gemm_all_to_all_signal_op.register_fake
 def _(a, b, handle, bias=None, residual=None):
     return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _bounded_group(world, timeout_s: float):
+    """A process group over ``world``'s ranks whose collectives time out after ``timeout_s``
+    (created by those ranks alone: ``world`` may be a subgroup of the job). Made with the
+    default timeout, which also bounds connecting the ranks (a short one fails to connect on a
+    loaded machine), then given the short one for its operations."""
+    ranks = dist.get_process_group_ranks(world.group) if world.group is not None else \
+        list(range(dist.get_world_size()))
+    group = dist.new_group(ranks, backend=dist.get_backend(world.group),
+                           use_local_synchronization=True)
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:  # torch >= 2.3; older ones keep the default timeout
+        set_timeout(datetime.timedelta(seconds=timeout_s), group)
+    return group

@@ -80,7 +80,7 @@ class GemmReduceScatterCE(OverlapContext):
             ("ce_ctl", (1,), torch.int64),
         ], timeout_s)
         self.max_elems, self.config = max_elems, config
-        self.sig = GemmSignal(world, config=config)
+        self.sig = GemmSignal(world, config=config, collectives=False)
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
         self._own: dict = {}  # id(plan) -> int32 [per_dest]: staging slot of own tile u
