@@ -17,8 +17,14 @@ from typing import Optional
 
 import torch
 
+from ...envvars import env_float, env_int
 from ...errors import PeerTimeoutError
 from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
+
+SLOTS_VAR = "PORTABLE_OVERLAP_CPU_SLOTS"
+WAIT_TIMEOUT_VAR = "PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT"
+#: most emulated SMs: one launch has at most this many programs (``ops.context.G_MAX`` flag slots)
+MAX_SLOTS = 1024
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -58,8 +64,19 @@ class CpuBackend(Backend):
     #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)
     poll_rate_hz = 2e4
 
-    #: how long a stream wait may block before it raises (seconds)
-    wait_timeout_s = float(os.environ.get("PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT", "60"))
+    _wait_timeout_s: Optional[float] = None  # set through ``wait_timeout_s``
+
+    @property
+    def wait_timeout_s(self) -> float:
+        """How long a stream wait may block before it raises (seconds): the value set on this
+        backend, else ``$PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT`` (read at each wait), else 60."""
+        if self._wait_timeout_s is not None:
+            return self._wait_timeout_s
+        return env_float(WAIT_TIMEOUT_VAR, 60.0, above=0.0)
+
+    @wait_timeout_s.setter
+    def wait_timeout_s(self, seconds: float) -> None:
+        self._wait_timeout_s = seconds
 
     @classmethod
     def is_usable(cls) -> tuple[bool, str]:
@@ -67,7 +84,7 @@ class CpuBackend(Backend):
 
     def device_facts(self, device: torch.device) -> DeviceFacts:
         # The interpreter runs programs one after another, so a few "SMs" keep launches short.
-        slots = int(os.environ.get("PORTABLE_OVERLAP_CPU_SLOTS", "4"))
+        slots = env_int(SLOTS_VAR, 4, 1, MAX_SLOTS)
         return DeviceFacts(
             vendor="cpu", name="cpu-emulated", arch="cpu", sm_count=slots, warp_size=32,
             max_shared_bytes_per_sm=1 << 30, max_regs_per_sm=1 << 30, max_warps_per_sm=1 << 10,
@@ -118,13 +135,14 @@ class CpuBackend(Backend):
             ctypes.memmove(dst + i * dst_pitch, src + i * src_pitch, width_bytes)
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
+        timeout_s = self.wait_timeout_s
         word = ctypes.c_int32.from_address(address)
-        deadline = time.monotonic() + self.wait_timeout_s
+        deadline = time.monotonic() + timeout_s
         while word.value < value:
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(
                     f"cpu backend: stream wait on address {address:#x} for value >= {value} "
-                    f"timed out after {self.wait_timeout_s} s (last value {word.value})")
+                    f"timed out after {timeout_s} s (last value {word.value})")
             time.sleep(1e-4)
 
     def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:
