@@ -1,14 +1,20 @@
-"""Lifecycle faults of the CPU-emulated backend: segments are anonymous (nothing is ever left in
-/dev/shm or /tmp) and the backend opens only segments it made."""
+"""Lifecycle faults of the CPU-emulated backend and the symmetric heap: segments are anonymous
+(nothing is ever left in /dev/shm or /tmp, even when a rank is killed), the backend opens only
+segments it made, a heap whose set-up fails on one rank frees everything and raises on every
+rank."""
 import gc
 import os
+import signal
 import subprocess
 import tempfile
+import time
 
 import pytest
 import torch
 
 from portable_overlap.backends import backend_classes
+from portable_overlap.shmem import SymmetricHeap
+from portable_overlap.testing import EmulatedWorld, WorkerHang
 
 CPU = torch.device("cpu")
 PREFIX = "portable_overlap_"
@@ -22,11 +28,18 @@ def _files_left() -> set:
 
 
 def _resources() -> dict:
-    """This process's open fds and mappings of our segments (to compare before and after)."""
-    fds = set(os.listdir("/proc/self/fd"))
+    """This process's open fds, those of our segments, and its mappings of our segments (to
+    compare before and after)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the fd listdir itself used
+            pass
     with open("/proc/self/maps") as f:
         maps = sum(PREFIX in line for line in f)
-    return {"fds": len(fds), "segment_maps": maps}
+    return {"fds": len(links), "segment_fds": sum(PREFIX in link for link in links),
+            "segment_maps": maps}
 
 
 @pytest.fixture
@@ -127,3 +140,88 @@ def test_open_handle_refuses_a_size_beyond_the_segment(cpu_backend):
             cpu_backend.open_handle(cpu_backend.export_handle(a), 8192, CPU)
     finally:
         cpu_backend.free(a)
+
+
+# -- heap set-up that fails half-way -----------------------------------------------------------
+
+def _heap_with_a_failing_step(world, failing_rank, step):
+    """Make a heap while ``step`` (a backend entry) raises on ``failing_rank``; then make a good
+    one, which needs the ranks still in step. Returns how the first ended and this process's
+    resources before and after it."""
+    be = world.backend
+    before = _resources()
+
+    def refuse(*args, **kwargs):
+        raise OSError(f"injected: {step} failed")
+
+    if world.rank == failing_rank:
+        setattr(be, step, refuse)
+    try:
+        SymmetricHeap(world, 4096)
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        be.__dict__.pop(step, None)
+    gc.collect()
+    after = _resources()
+    SymmetricHeap(world, 4096).close()
+    return outcome, before, after
+
+
+@pytest.mark.parametrize("step", ["alloc_exportable", "open_handle"])
+def test_heap_setup_failing_on_one_rank_frees_everything_everywhere(world2, step):
+    before = _files_left()
+    for rank, (outcome, res_before, res_after) in enumerate(
+            world2.run(_heap_with_a_failing_step, 1, step, timeout=60)):
+        assert outcome.startswith("PeerSetupError: "), (rank, outcome)
+        assert "rank 1 could not" in outcome and f"injected: {step} failed" in outcome, outcome
+        assert res_after == res_before, (rank, res_before, res_after)
+    assert _files_left() == before
+
+
+def _die_while_making_heap(world, victim, moment):
+    """``victim`` kills itself (SIGKILL) right after the backend entry ``moment`` in the heap's
+    set-up; the others report how the set-up ended, how long it took, and their resources
+    before and after."""
+    be = world.backend
+    if world.rank == victim:
+        real = getattr(be, moment)
+
+        def then_die(*args, **kwargs):
+            real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(be, moment, then_die)
+    before = _resources()
+    t0 = time.monotonic()
+    try:
+        SymmetricHeap(world, 4096)
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - t0
+    gc.collect()
+    return outcome, seconds, before, _resources()
+
+
+@pytest.mark.parametrize("moment", ["alloc_exportable", "open_handle"])
+def test_rank_killed_while_making_a_heap(moment):
+    before = _files_left()
+    ew = EmulatedWorld(2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerHang, match=r"ranks \[1\] died") as info:
+            ew.run(_die_while_making_heap, 1, moment, timeout=60)
+        assert time.monotonic() - t0 < 30
+        status, answer = info.value.answers[0]  # the survivor answered: it did not hang
+        assert status == "ok", answer
+        outcome, seconds, res_before, res_after = answer
+        assert outcome != "no error" and seconds < 20, answer
+        # the survivor freed its heap and closed its segment (its socket to the dead rank closed
+        # too, so the count of all fds is no measure here)
+        assert res_after["segment_fds"] == res_before["segment_fds"] == 0, answer
+        assert res_after["segment_maps"] == res_before["segment_maps"] == 0, answer
+    finally:
+        ew.close(force=True)
+    assert _files_left() == before
