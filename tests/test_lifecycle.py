@@ -20,11 +20,14 @@ CPU = torch.device("cpu")
 PREFIX = "portable_overlap_"
 
 
-def _files_left() -> set:
-    """Our segment names in the places a shared-memory file could be left behind."""
+def _files_left(pids) -> list:
+    """Files named like the segments of processes ``pids`` in the places a shared-memory file
+    could be left behind (segment names carry the creator's pid; other processes on this
+    machine may be using the library meanwhile)."""
+    names = tuple(f"{PREFIX}{pid}_" for pid in pids)
     dirs = {"/dev/shm", tempfile.gettempdir()}
-    return {os.path.join(d, n) for d in dirs if os.path.isdir(d)
-            for n in os.listdir(d) if n.startswith(PREFIX)}
+    return [os.path.join(d, n) for d in dirs if os.path.isdir(d)
+            for n in os.listdir(d) if n.startswith(names)]
 
 
 def _resources() -> dict:
@@ -57,16 +60,16 @@ def cpu_backend():
 # -- segments are anonymous --------------------------------------------------------------------
 
 def test_segments_are_anonymous_from_birth(cpu_backend):
-    before = _files_left()
+    me = [os.getpid()]
     a = cpu_backend.alloc_exportable(4096, CPU)
     try:
-        assert _files_left() == before, "an exportable allocation made a file"
+        assert not _files_left(me), "an exportable allocation made a file"
         peer = cpu_backend.open_handle(cpu_backend.export_handle(a), 4096, CPU)
-        assert _files_left() == before
+        assert not _files_left(me)
         cpu_backend.close_handle(peer)
     finally:
         cpu_backend.free(a)
-    assert _files_left() == before
+    assert not _files_left(me)
 
 
 def test_free_closes_the_segment(cpu_backend):
@@ -178,13 +181,12 @@ def _heap_with_a_failing_step(world, failing_rank, step):
 
 @pytest.mark.parametrize("step", ["alloc_exportable", "open_handle"])
 def test_heap_setup_failing_on_one_rank_frees_everything_everywhere(world2, step):
-    before = _files_left()
     for rank, (outcome, res_before, res_after) in enumerate(
             world2.run(_heap_with_a_failing_step, 1, step, timeout=60)):
         assert outcome.startswith("PeerSetupError: "), (rank, outcome)
         assert "rank 1 could not" in outcome and f"injected: {step} failed" in outcome, outcome
         assert not _leaked(res_before, res_after), (rank, _leaked(res_before, res_after))
-    assert _files_left() == before
+    assert not _files_left(world2.pids)
 
 
 def _die_while_making_heap(world, victim, moment):
@@ -214,7 +216,6 @@ def _die_while_making_heap(world, victim, moment):
 
 @pytest.mark.parametrize("moment", ["alloc_exportable", "open_handle"])
 def test_rank_killed_while_making_a_heap(moment):
-    before = _files_left()
     ew = EmulatedWorld(2)
     try:
         t0 = time.monotonic()
@@ -229,4 +230,4 @@ def test_rank_killed_while_making_a_heap(moment):
         assert not _leaked(res_before, res_after), _leaked(res_before, res_after)
     finally:
         ew.close(force=True)
-    assert _files_left() == before
+    assert not _files_left(ew.pids)

@@ -153,6 +153,11 @@ class EmulatedWorld:
                 p.kill()
                 p.join(timeout=5)
 
+    @property
+    def pids(self) -> list:
+        """The ranks' process ids, in rank order."""
+        return [p.pid for p in self._procs]
+
     def __enter__(self):
         return self
 
