@@ -31,6 +31,13 @@ class RankMismatchError(PortableOverlapError):
     """The ranks called a collective op with different shapes or arguments."""
 
 
+class PeerSetupError(PortableOverlapError):
+    """A collective set-up (the symmetric heap's allocation or mapping) failed on some rank.
+
+    Every rank raises it in the same call, naming the ranks that failed and why, after freeing
+    what it had set up; nothing is left to close."""
+
+
 class ContextBrokenError(PortableOverlapError):
     """The context already raised a peer error; its peers are out of step, create a new one."""
 

@@ -1,5 +1,5 @@
 """The CPU-emulated world harness: remote errors carry the rank's traceback, a crashed rank is
-reported at once instead of after the timeout."""
+reported at once instead of after the timeout, with what the surviving ranks answered."""
 import os
 import time
 
@@ -29,9 +29,11 @@ def test_errors_and_crashes_are_reported():
             ew.run(_fail_on_rank_1)
         assert ew.run(lambda_free_rank) == [0, 1]  # still serving after an error
         t = time.monotonic()
-        with pytest.raises(WorkerHang, match=r"ranks \[1\] died \(exit codes \[3\]\)"):
+        with pytest.raises(WorkerHang, match=r"ranks \[1\] died \(exit codes \[3\]\)") as info:
             ew.run(_die_on_rank_1, timeout=120)
         assert time.monotonic() - t < 30
+        assert info.value.answers == {0: ("ok", 0)}  # the survivor's answer is kept
+        assert "rank 0 returned" in str(info.value)
     finally:
         ew.close(force=True)
 

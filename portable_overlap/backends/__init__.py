@@ -5,9 +5,9 @@ it never falls back silently.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
+from ..envvars import env_str
 from ..errors import BackendUnavailable
 from .base import ENTRIES, Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
 
@@ -29,19 +29,32 @@ def get_backend(name: Optional[str] = None) -> Backend:
     """The backend named by ``name``, else by ``$PORTABLE_OVERLAP_BACKEND``, else detected from
     the devices torch sees (an NVIDIA GPU: cuda; an AMD GPU: rocm; none: cpu)."""
     classes = backend_classes()
-    name = name or os.environ.get(ENV_VAR) or None
+    asked = f"backend {name!r}" if name is not None else None
+    if name is None:
+        name = env_str(ENV_VAR)
+        asked = f"{ENV_VAR}={name!r}"
     if name is not None:
         if name not in classes:
-            raise BackendUnavailable(
-                f"{ENV_VAR}={name!r} names no backend; choose one of {sorted(classes)}")
+            raise BackendUnavailable(f"{asked} names no backend; choose one of {sorted(classes)}")
         usable, why = classes[name].is_usable()
         if not usable:
             raise BackendUnavailable(f"backend {name!r} was asked for but cannot be used: {why}")
     else:
-        name = next(n for n in ("cuda", "rocm", "cpu") if classes[n].is_usable()[0])
+        name = _detect(classes)
     if name not in _cache:
         _cache[name] = classes[name]()
     return _cache[name]
+
+
+def _detect(classes: dict) -> str:
+    """The first usable of cuda, rocm, cpu."""
+    why = {}
+    for name in ("cuda", "rocm", "cpu"):
+        usable, why[name] = classes[name].is_usable()
+        if usable:
+            return name
+    raise BackendUnavailable("no backend can be used here: " + "; ".join(
+        f"{n}: {w}" for n, w in why.items()))
 
 
 _facts: dict = {}
@@ -50,7 +63,7 @@ _facts: dict = {}
 def device_facts(device) -> DeviceFacts:
     """The selected backend's facts about ``device``, read once per process and backend choice:
     they never change, and reading them costs several driver calls (too many for an op call)."""
-    key = (os.environ.get(ENV_VAR), str(device))
+    key = (env_str(ENV_VAR), str(device))
     facts = _facts.get(key)
     if facts is None:
         facts = _facts[key] = get_backend().device_facts(device)

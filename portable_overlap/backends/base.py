@@ -110,11 +110,12 @@ class Backend(abc.ABC):
         """Allocate ``nbytes`` that can be exported to other processes (IPC)."""
         raise self._missing("alloc_exportable")
 
-    def export_handle(self, alloc: Allocation) -> bytes:
-        """A picklable handle another process of the same node opens with :meth:`open_handle`."""
+    def export_handle(self, alloc: Allocation) -> Any:
+        """A picklable handle (bytes or a tuple) another process of the same node opens with
+        :meth:`open_handle`."""
         raise self._missing("export_handle")
 
-    def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:
+    def open_handle(self, handle: Any, nbytes: int, device: torch.device) -> PeerMapping:
         """Map a peer's exported allocation; the result's address is usable by this process's
         kernels (peer access enabled as needed)."""
         raise self._missing("open_handle")
@@ -128,8 +129,9 @@ class Backend(abc.ABC):
         raise self._missing("free")
 
     def exported_everywhere(self, alloc: Allocation) -> None:
-        """Called once every peer has opened ``alloc``: a backend may drop what exporting needed
-        (the CPU backend unlinks its shared-memory file, so nothing is left behind on a crash)."""
+        """Called once every peer has opened ``alloc``: a backend may drop what only exporting
+        needed. A backend must not rely on it for clean-up: a set-up that fails before every peer
+        opened ``alloc`` calls :meth:`free` without it."""
         return None
 
     # -- peer access -----------------------------------------------------------------------

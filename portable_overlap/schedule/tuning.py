@@ -6,15 +6,21 @@ Also the calibration the wave-group predictor needs: a collective's time against
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import stat
 import statistics
+import tempfile
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..envvars import env_file_path
 from ..errors import RankMismatchError
 
 
@@ -31,29 +37,87 @@ def cache_key(op: str, shape: dict, dtype, world_size: int, device: str) -> str:
                       sort_keys=True)
 
 
+CACHE_VAR = "PORTABLE_OVERLAP_TUNING_CACHE"
+
+
 class TuningCache:
-    """A JSON file of decisions (default: ``$PORTABLE_OVERLAP_TUNING_CACHE`` or
-    ``~/.cache/portable_overlap/tuning.json``), one per rank process."""
+    """A JSON file of decisions (default: ``$PORTABLE_OVERLAP_TUNING_CACHE``, read when the cache
+    is made, or ``~/.cache/portable_overlap/tuning.json``), one per rank process.
+
+    :meth:`put` replaces the file atomically: a new temporary file (O_EXCL, mode 0600) next to
+    it, fsynced, renamed over it, so a reader sees the old file or the new one, never half of
+    one, and no link planted at a temporary name is followed. A cache path that is itself a
+    symbolic link is neither read nor written, with a warning (the decisions are still made and
+    used in this process): writing there would put the file wherever the link points. A file
+    that cannot be read or parsed is ignored with a warning and replaced at the next put."""
 
     def __init__(self, path: Optional[str] = None):
-        self.path = path or os.environ.get("PORTABLE_OVERLAP_TUNING_CACHE") or os.path.join(
+        self.path = path or env_file_path(CACHE_VAR) or os.path.join(
             os.path.expanduser("~"), ".cache", "portable_overlap", "tuning.json")
-        try:
-            with open(self.path) as f:
-                self.entries = json.load(f)
-        except (OSError, ValueError):
-            self.entries = {}
+        self.entries = _load(self.path)
 
     def get(self, key: str) -> Any:
         return self.entries.get(key)
 
     def put(self, key: str, value: Any) -> None:
-        self.entries[key] = value
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.entries, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        entries = {**self.entries, key: value}
+        # serialised first: a value JSON cannot hold raises here and changes nothing
+        text = json.dumps(entries, indent=1, sort_keys=True)
+        self.entries = entries
+        if os.path.islink(self.path):
+            _warn(f"tuning cache {self.path} is a symbolic link: the decision for {key} is not "
+                  f"written (remove the link, or set {CACHE_VAR} to the path of a regular file)")
+            return
+        _replace_file(self.path, text)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _load(path: str) -> dict:
+    """The decisions in the file at ``path``; none (with a warning) if it is a symbolic link,
+    not a regular file, unreadable or not a JSON object; none (silently) if it does not exist."""
+    try:
+        # O_NONBLOCK: a FIFO planted at the path must not block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        return _ignored(path, "is a symbolic link" if e.errno == errno.ELOOP
+                        else f"cannot be read ({e.strerror})")
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return _ignored(path, "is not a regular file")
+        try:
+            entries = json.loads(f.read().decode())
+        except ValueError as e:  # bad UTF-8 included
+            return _ignored(path, f"is not valid JSON ({e})")
+    if not isinstance(entries, dict):
+        return _ignored(path, "does not hold a JSON object")
+    return entries
+
+
+def _ignored(path: str, why: str) -> dict:
+    _warn(f"tuning cache {path} {why}; ignored: its decisions are made again")
+    return {}
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, through a fresh private file in the same folder."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # renames over a link planted meanwhile, never through it
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def decide(world, key: str, compute: Callable[[], Any],

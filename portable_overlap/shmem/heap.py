@@ -3,11 +3,11 @@ buffers at the same offsets on every rank."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from ..errors import RankMismatchError
+from ..errors import PeerSetupError, RankMismatchError
 
 _ALIGN = 256  # bytes; keeps every buffer aligned for 16-byte vector stores and TMA
 
@@ -17,7 +17,11 @@ class SymmetricHeap:
     heap through ``bases`` (an int64 device tensor of every rank's base address as mapped here).
 
     Buffers are handed out by :meth:`alloc` in call order, so ranks that make the same calls get the
-    same offsets; the sizes are checked across ranks when the heap is made (host-side, once)."""
+    same offsets; the sizes are checked across ranks when the heap is made (host-side, once).
+
+    Making a heap is collective. If it fails on any rank (an allocation, a peer's handle that does
+    not open, a peer that died), every rank frees what it had allocated and mapped and raises;
+    :class:`~portable_overlap.errors.PeerSetupError` when the ranks could still tell each other."""
 
     def __init__(self, world, nbytes: int):
         self.world = world
@@ -28,28 +32,60 @@ class SymmetricHeap:
         if len(set(sizes)) != 1:
             raise RankMismatchError(f"symmetric heap: ranks asked for different sizes {sizes}")
         self.nbytes = nbytes
-        self._alloc = self.backend.alloc_exportable(nbytes, self.device)
-        self._alloc.tensor.zero_()
-        handles = world.all_gather_object(self.backend.export_handle(self._alloc))
-        self._peers = {}
-        addresses = []
-        for r, h in enumerate(handles):
-            if r == world.rank:
-                addresses.append(self._alloc.address)
-            else:
-                m = self.backend.open_handle(h, nbytes, self.device)
-                self._peers[r] = m
-                addresses.append(m.address)
-        self.addresses: Sequence[int] = tuple(addresses)
-        self.bases = torch.tensor(addresses, dtype=torch.int64, device=self._alloc.tensor.device)
+        self._alloc = None
+        self._peers: dict = {}
         self._top = 0
         self._closed = False
-        self.backend.synchronize(self.device)
-        world.barrier()  # every rank has zeroed and mapped before anyone stores to a peer
+        try:
+            self.addresses: Sequence[int] = self._map_every_rank()
+            self.bases = torch.tensor(self.addresses, dtype=torch.int64,
+                                      device=self._alloc.tensor.device)
+        except BaseException:
+            self._release()
+            raise
+
+    def _map_every_rank(self) -> tuple:
+        """Collective: allocate, zero and export this rank's heap, open every peer's; every
+        rank's base address as mapped here. Each step ends with every rank telling the others
+        how it went (:func:`_agree`), so a step that fails on one rank raises on all of them
+        instead of leaving them waiting in the next collective."""
+        handle, error = _attempt(self._alloc_and_export)
+        handles = _agree(self.world, "allocate its heap", handle, error)
+        _, error = _attempt(lambda: self._open_peers(handles))
+        # the last agreement is also the barrier: every rank has zeroed and mapped its heap
+        # before any rank stores to a peer
+        _agree(self.world, "map its peers' heaps", None, error)
         self.backend.exported_everywhere(self._alloc)
+        return tuple(self._alloc.address if r == self.world.rank else self._peers[r].address
+                     for r in range(self.world.world_size))
+
+    def _alloc_and_export(self):
+        self._alloc = self.backend.alloc_exportable(self.nbytes, self.device)
+        self._alloc.tensor.zero_()
+        return self.backend.export_handle(self._alloc)
+
+    def _open_peers(self, handles: Sequence) -> None:
+        for r, h in enumerate(handles):
+            if r != self.world.rank:
+                self._peers[r] = self.backend.open_handle(h, self.nbytes, self.device)
+        self.backend.synchronize(self.device)  # the zeroing is done before peers may store
+
+    def _release(self) -> None:
+        """Unmap the peers' heaps and free this rank's (local: :meth:`close` makes it safe for
+        the peers). Every step is tried even if one fails; the first failure is raised."""
+        peers, alloc = list(self._peers.values()), self._alloc
+        self._peers, self._alloc = {}, None
+        errors = [_attempt(lambda m=m: self.backend.close_handle(m))[1] for m in peers]
+        if alloc is not None:
+            errors.append(_attempt(lambda: self.backend.free(alloc))[1])
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor in the heap at the same offset on every rank."""
+        if self._alloc is None:
+            raise RuntimeError("symmetric heap: alloc after close; make a new heap")
         numel = math.prod(shape)
         size = numel * torch.empty((), dtype=dtype).element_size()
         start = int(math.ceil(self._top / _ALIGN) * _ALIGN)
@@ -77,11 +113,28 @@ class SymmetricHeap:
         self._closed = True
         self.backend.synchronize(self.device)
         self.world.barrier()
-        for m in self._peers.values():
-            self.backend.close_handle(m)
-        self._peers.clear()
-        self.backend.free(self._alloc)
+        self._release()
 
+
+def _attempt(fn):
+    """``(fn(), None)``, or ``(None, the exception)`` if it raised one."""
+    try:
+        return fn(), None
+    except Exception as e:
+        return None, e
+
+
+def _agree(world, what: str, value, error: Optional[Exception]) -> list:
+    """Collective: every rank's ``value``; raises PeerSetupError on every rank if any rank could
+    not ``what`` (its ``error`` not None), chained to this rank's own error."""
+    gathered = world.all_gather_object(
+        (value, None if error is None else f"{type(error).__name__}: {error}"))
+    failed = [f"rank {r} could not {what}: {e}" for r, (_, e) in enumerate(gathered) if e]
+    if failed:
+        raise PeerSetupError(f"symmetric heap of {world.world_size} ranks not made: "
+                             + "; ".join(failed) + ". Every rank freed what it had set up; fix "
+                             "the cause on the ranks named and make the heap again") from error
+    return [v for v, _ in gathered]
 
 
 def heap_bytes(buffers: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:

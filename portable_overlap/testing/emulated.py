@@ -6,7 +6,9 @@ shared-memory heap) and the Triton interpreter, kept alive so many test cases sh
 
 A rank that raises makes ``run`` raise :class:`RemoteError` with the rank's traceback; ranks that
 do not answer within ``timeout`` are killed and ``run`` raises :class:`WorkerHang` (the pool is
-then dead; make a new one).
+then dead; make a new one). When a rank dies the others get ``DEAD_RANK_GRACE_S`` to answer
+first; the :class:`WorkerHang` carries their answers, so a test can check that a crash made them
+raise instead of hang.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 
 class RemoteError(RuntimeError):
@@ -26,7 +28,15 @@ class RemoteError(RuntimeError):
 
 
 class WorkerHang(RuntimeError):
-    pass
+    """Ranks died or did not answer. ``answers`` holds what the other ranks answered, rank ->
+    ``("ok", return value)`` or ``("err", (type name, message, traceback))``: whether the
+    survivors of a crash raised (and what) or hung."""
+
+    def __init__(self, why: str, answers: Optional[dict] = None):
+        self.answers = dict(answers or {})
+        told = "; ".join(f"rank {r} " + (f"raised {p[0]}: {p[1]}" if st == "err" else "returned")
+                         for r, (st, p) in sorted(self.answers.items()))
+        super().__init__(why + (f" (the others: {told})" if told else ""))
 
 
 def _free_port() -> int:
@@ -63,6 +73,9 @@ def _worker(rank: int, size: int, port: int, inbox, outbox, env: dict) -> None:
 
 
 class EmulatedWorld:
+    #: after a rank died, how long the others may take to answer (they should raise, not hang)
+    DEAD_RANK_GRACE_S = 10.0
+
     def __init__(self, size: int, start_timeout: float = 180.0):
         self.size = size
         ctx = mp.get_context("spawn")
@@ -98,29 +111,33 @@ class EmulatedWorld:
         return self._collect(timeout)
 
     def _collect(self, timeout: float, expect: Optional[str] = None) -> list:
-        results: list[Any] = [None] * self.size
-        errors = []
+        answers: dict = {}  # rank -> (status, payload)
         deadline = time.monotonic() + timeout
-        pending = set(range(self.size))
-        while pending:
+        grace_from = None
+        while len(answers) < self.size:
+            pending = [r for r in range(self.size) if r not in answers]
+            dead = {r: self._procs[r].exitcode for r in pending if not self._procs[r].is_alive()}
+            if dead and grace_from is None:  # the live ranks get a moment to report how they fared
+                grace_from = time.monotonic()
+                deadline = min(deadline, grace_from + self.DEAD_RANK_GRACE_S)
+            if len(dead) == len(pending) or time.monotonic() > deadline:
+                self.close(force=True)
+                hung = [r for r in pending if r not in dead]
+                waited = timeout if grace_from is None else self.DEAD_RANK_GRACE_S
+                why = "; ".join(filter(None, [
+                    dead and f"ranks {sorted(dead)} died (exit codes {list(dead.values())})",
+                    hung and f"ranks {hung} did not answer within {waited:g} s"]))
+                raise WorkerHang(why, answers)
             try:  # short polls: a rank that died (a crash in a kernel) is reported at once
                 rank, status, payload = self._out.get(timeout=0.5)
             except queue.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
-                if not dead and time.monotonic() < deadline:
-                    continue
-                self.close(force=True)
-                why = (f"ranks {sorted(dead)} died (exit codes {list(dead.values())})" if dead
-                       else f"ranks {sorted(pending)} did not answer within {timeout} s")
-                raise WorkerHang(why) from None
-            pending.discard(rank)
-            if status == "err":
-                errors.append(RemoteError(rank, *payload))
-            else:
-                results[rank] = payload
+                continue
+            answers[rank] = (status, payload)
+        errors = [RemoteError(r, *payload) for r, (status, payload) in sorted(answers.items())
+                  if status == "err"]
         if errors:
             raise errors[0]
-        return results
+        return [answers[r][1] for r in range(self.size)]
 
     def close(self, force: bool = False) -> None:
         if not self.alive:
@@ -135,6 +152,11 @@ class EmulatedWorld:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+    @property
+    def pids(self) -> list:
+        """The ranks' process ids, in rank order."""
+        return [p.pid for p in self._procs]
 
     def __enter__(self):
         return self

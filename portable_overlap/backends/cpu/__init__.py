@@ -1,56 +1,133 @@
-"""CPU-emulated backend: ranks are processes on one machine, "device memory" is a POSIX
-shared-memory segment mapped into every rank.
+"""CPU-emulated backend: ranks are processes on one machine, "device memory" is an anonymous
+shared-memory segment (a memfd) mapped into every rank.
 
 It exists so that the real Triton kernels can run under ``TRITON_INTERPRET=1`` with several ranks
 on a machine without a GPU (CI, the demo): the peer pointer table holds each peer's segment as
 mapped in *this* process, so the kernels' pointer translation and remote stores run unchanged.
 Copies and stream operations are synchronous (the interpreter has no streams).
+
+Segments have no name in any file system: the owner keeps the memfd open while the allocation
+lives and peers open it through ``/proc/<owner pid>/fd/<fd>``. The memory goes away with the last
+fd or mapping, so a rank killed at any moment (SIGKILL included) leaves nothing in /dev/shm or
+/tmp. Peers must run as the same user as the owner (the kernel checks that on the /proc open).
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
+import re
 import secrets
+import stat
 import time
 from typing import Optional
 
 import torch
 
+from ...envvars import env_float, env_int
 from ...errors import PeerTimeoutError
 from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
 
-_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+SLOTS_VAR = "PORTABLE_OVERLAP_CPU_SLOTS"
+WAIT_TIMEOUT_VAR = "PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT"
+#: most emulated SMs: one launch has at most this many programs (``ops.context.G_MAX`` flag slots)
+MAX_SLOTS = 1024
 
-
-def _segment_path(name: str) -> str:
-    import tempfile
-
-    return os.path.join(_SHM_DIR or tempfile.gettempdir(), name)
+_PREFIX = "portable_overlap_"
+#: the names :func:`_Segment.create` gives: prefix, owner pid, 12 random hex digits
+_NAME = re.compile(re.escape(_PREFIX) + r"[0-9]+_[0-9a-f]{12}")
 
 
 class _Segment:
-    """One mmapped file; ``tensor`` is a uint8 view whose data_ptr is the mapping's address."""
+    """One memfd mapped into this process; ``tensor`` is a uint8 view whose data_ptr is the
+    mapping's address. ``fd`` is the memfd the owner keeps open so that peers can open it (None in
+    a peer's mapping: the mapping alone keeps the memory alive)."""
 
-    def __init__(self, path: str, nbytes: int, create: bool):
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            self.mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.path = path
+    def __init__(self, fd: int, name: str, nbytes: int, own: bool):
+        self.mm = mmap.mmap(fd, nbytes)
+        self.fd = fd if own else None
+        self.name = name
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
+
+    @classmethod
+    def create(cls, nbytes: int) -> "_Segment":
+        name = f"{_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)  # CLOEXEC: a child must not pin the memory
+        try:
+            os.ftruncate(fd, nbytes)
+            return cls(fd, name, nbytes, own=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open(cls, handle, nbytes: int) -> "_Segment":
+        """Map the peer segment ``handle`` names, after checking that it is one: a handle comes
+        from another process and must never make this one open an arbitrary file."""
+        pid, fd, name = _parse_handle(handle)
+        path = f"/proc/{pid}/fd/{fd}"
+        # checked before the open, so that a forged handle never opens a FIFO or a device
+        _check_target(handle, path, name)
+        try:
+            mine = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError as e:
+            raise _not_ours(handle, f"{path} cannot be opened ({e.strerror})") from None
+        try:
+            # checked again on what was opened: the peer may have closed and reused the fd since
+            _check_target(handle, f"/proc/self/fd/{mine}", name)
+            st = os.fstat(mine)
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_ours(handle, f"{path} is not a memory segment")
+            if st.st_size < nbytes:
+                raise ValueError(f"cpu backend: peer segment {name} holds {st.st_size} bytes, "
+                                 f"fewer than the {nbytes} bytes asked for; the ranks disagree "
+                                 f"on the allocation's size")
+            return cls(mine, name, nbytes, own=False)
+        finally:
+            os.close(mine)  # the mapping keeps the memory
+
+    def handle(self) -> tuple:
+        return (os.getpid(), self.fd, self.name)
 
     def close(self) -> None:
         self.tensor = None
         try:
             self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the OS unmaps at exit
+        except BufferError:  # a view is still alive: the mapping goes when the last view does
             pass
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _not_ours(handle, why: str) -> ValueError:
+    return ValueError(f"cpu backend: handle {handle!r} is not a segment of the cpu backend: {why}. "
+                      f"Handles come from CpuBackend.export_handle in a live process of the "
+                      f"same user on this machine")
+
+
+def _parse_handle(handle) -> tuple:
+    """``(pid, fd, name)`` of a handle made by :meth:`_Segment.handle`, checked field by field."""
+    if not (isinstance(handle, tuple) and len(handle) == 3):
+        raise _not_ours(handle, "expected a tuple (pid, fd, name)")
+    pid, fd, name = handle
+    if type(pid) is not int or pid <= 0 or type(fd) is not int or fd < 0:
+        raise _not_ours(handle, "pid must be an int > 0 and fd an int >= 0")
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise _not_ours(handle, f"the name must look like {_PREFIX}<pid>_<12 hex digits>")
+    return pid, fd, name
+
+
+def _check_target(handle, path: str, name: str) -> None:
+    """Refuse unless ``path`` (a /proc fd link) is the memfd called ``name``."""
+    try:
+        target = os.readlink(path)
+    except OSError as e:
+        raise _not_ours(handle, f"{path} cannot be read ({e.strerror}: the process exited, "
+                                f"freed the segment, or belongs to another user)") from None
+    if target != f"/memfd:{name} (deleted)":
+        raise _not_ours(handle, f"{path} is {target!r}, not the memfd {name!r}")
 
 
 class CpuBackend(Backend):
@@ -58,49 +135,56 @@ class CpuBackend(Backend):
     #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)
     poll_rate_hz = 2e4
 
-    #: how long a stream wait may block before it raises (seconds)
-    wait_timeout_s = float(os.environ.get("PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT", "60"))
+    _wait_timeout_s: Optional[float] = None  # set through ``wait_timeout_s``
+
+    @property
+    def wait_timeout_s(self) -> float:
+        """How long a stream wait may block before it raises (seconds): the value set on this
+        backend, else ``$PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT`` (read at each wait), else 60."""
+        if self._wait_timeout_s is not None:
+            return self._wait_timeout_s
+        return env_float(WAIT_TIMEOUT_VAR, 60.0, above=0.0)
+
+    @wait_timeout_s.setter
+    def wait_timeout_s(self, seconds: float) -> None:
+        self._wait_timeout_s = seconds
 
     @classmethod
     def is_usable(cls) -> tuple[bool, str]:
+        if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+            return False, "needs Linux (os.memfd_create and /proc/<pid>/fd for shared segments)"
         return True, ""
 
     def device_facts(self, device: torch.device) -> DeviceFacts:
         # The interpreter runs programs one after another, so a few "SMs" keep launches short.
-        slots = int(os.environ.get("PORTABLE_OVERLAP_CPU_SLOTS", "4"))
+        slots = env_int(SLOTS_VAR, 4, 1, MAX_SLOTS)
         return DeviceFacts(
             vendor="cpu", name="cpu-emulated", arch="cpu", sm_count=slots, warp_size=32,
             max_shared_bytes_per_sm=1 << 30, max_regs_per_sm=1 << 30, max_warps_per_sm=1 << 10,
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
-        path = _segment_path(f"portable_overlap_{os.getpid()}_{secrets.token_hex(6)}")
-        seg = _Segment(path, nbytes, create=True)
+        seg = _Segment.create(nbytes)
         return Allocation(seg.address, nbytes, seg.tensor, torch.device("cpu"), native=seg)
 
-    def export_handle(self, alloc: Allocation) -> bytes:
-        return alloc.native.path.encode()
+    def export_handle(self, alloc: Allocation) -> tuple:
+        """``(pid, fd, name)``: where peers open the segment (``/proc/<pid>/fd/<fd>``) and the
+        name they check it has."""
+        return alloc.native.handle()
 
-    def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:
-        seg = _Segment(handle.decode(), nbytes, create=False)
+    def open_handle(self, handle: tuple, nbytes: int, device: torch.device) -> PeerMapping:
+        """Map a peer's segment. Raises ValueError for a handle that is not a live segment of
+        this backend (malformed, another file, another memfd, a process that exited) and for a
+        segment smaller than ``nbytes``."""
+        seg = _Segment.open(handle, nbytes)
         return PeerMapping(seg.address, nbytes, native=seg)
 
     def close_handle(self, mapping: PeerMapping) -> None:
         mapping.native.close()
 
     def free(self, alloc: Allocation) -> None:
-        seg = alloc.native
-        seg.close()
-        try:
-            os.unlink(seg.path)
-        except FileNotFoundError:
-            pass
-
-    def exported_everywhere(self, alloc: Allocation) -> None:
-        try:
-            os.unlink(alloc.native.path)
-        except FileNotFoundError:
-            pass
+        alloc.tensor = None  # the segment unmaps now unless views of it are still alive
+        alloc.native.close()
 
     def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
         return True
@@ -118,13 +202,14 @@ class CpuBackend(Backend):
             ctypes.memmove(dst + i * dst_pitch, src + i * src_pitch, width_bytes)
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
+        timeout_s = self.wait_timeout_s
         word = ctypes.c_int32.from_address(address)
-        deadline = time.monotonic() + self.wait_timeout_s
+        deadline = time.monotonic() + timeout_s
         while word.value < value:
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(
                     f"cpu backend: stream wait on address {address:#x} for value >= {value} "
-                    f"timed out after {self.wait_timeout_s} s (last value {word.value})")
+                    f"timed out after {timeout_s} s (last value {word.value})")
             time.sleep(1e-4)
 
     def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:

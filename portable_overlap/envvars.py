@@ -1,0 +1,63 @@
+"""The library's environment overrides, parsed and checked in one place.
+
+Each helper reads the variable when it is called (not at import), so a value set after import,
+by a launcher script or a test, takes effect. An unset or empty variable gives the default; a
+value that does not parse or lies out of range raises ``ValueError`` naming the variable, the
+value and what is allowed, instead of running with a value that hangs or computes garbage.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+
+def env_str(name: str) -> Optional[str]:
+    """``$name``, or None when unset or empty."""
+    return os.environ.get(name) or None
+
+
+def env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """``$name`` as an integer in ``lo .. hi`` (both included); ``default`` when unset."""
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise ValueError(f"{name}={raw!r} is not allowed: it must be an integer in {lo} .. {hi} "
+                         f"(unset it for the default {default})")
+    return value
+
+
+def env_float(name: str, default: float, above: float, at_most: float = math.inf) -> float:
+    """``$name`` as a finite number with ``above < value <= at_most``; ``default`` when unset.
+    NaN and infinity are refused: a NaN deadline never passes, so a wait would never time out."""
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and above < value <= at_most):
+        bound = "" if math.isinf(at_most) else f" and <= {at_most}"
+        raise ValueError(f"{name}={raw!r} is not allowed: it must be a finite number > {above}"
+                         f"{bound} (unset it for the default {default})")
+    return value
+
+
+def env_file_path(name: str) -> Optional[str]:
+    """``$name`` as the path of a file (``~`` expanded); None when unset. A path that names an
+    existing directory is refused: the file would have to be made inside it under a guessed
+    name."""
+    raw = env_str(name)
+    if raw is None:
+        return None
+    path = os.path.expanduser(raw)
+    if os.path.isdir(path):
+        raise ValueError(f"{name}={raw!r} names a directory; give the path of a file "
+                         f"(for instance one inside that directory)")
+    return path

@@ -1,0 +1,233 @@
+"""Lifecycle faults of the CPU-emulated backend and the symmetric heap: segments are anonymous
+(nothing is ever left in /dev/shm or /tmp, even when a rank is killed), the backend opens only
+segments it made, a heap whose set-up fails on one rank frees everything and raises on every
+rank."""
+import gc
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+from portable_overlap.backends import backend_classes
+from portable_overlap.shmem import SymmetricHeap
+from portable_overlap.testing import EmulatedWorld, WorkerHang
+
+CPU = torch.device("cpu")
+PREFIX = "portable_overlap_"
+
+
+def _files_left(pids) -> list:
+    """Files named like the segments of processes ``pids`` in the places a shared-memory file
+    could be left behind (segment names carry the creator's pid; other processes on this
+    machine may be using the library meanwhile)."""
+    names = tuple(f"{PREFIX}{pid}_" for pid in pids)
+    dirs = {"/dev/shm", tempfile.gettempdir()}
+    return [os.path.join(d, n) for d in dirs if os.path.isdir(d)
+            for n in os.listdir(d) if n.startswith(names)]
+
+
+def _resources() -> dict:
+    """This process's open fds (fd -> what it links to) and its count of mappings of our
+    segments, to compare with :func:`_leaked`."""
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the fd listdir itself used
+            pass
+    with open("/proc/self/maps") as f:
+        maps = sum(PREFIX in line for line in f)
+    return {"fds": fds, "segment_maps": maps}
+
+
+def _leaked(before: dict, after: dict) -> dict:
+    """The fds opened and the segment mappings made between two :func:`_resources` (fds that
+    closed meanwhile, a garbage-collected file or a dead peer's socket, do not count)."""
+    new = {fd: link for fd, link in after["fds"].items() if before["fds"].get(fd) != link}
+    maps = after["segment_maps"] - before["segment_maps"]
+    return {k: v for k, v in (("fds", new), ("segment_maps", maps)) if v}
+
+
+@pytest.fixture
+def cpu_backend():
+    return backend_classes()["cpu"]()
+
+
+# -- segments are anonymous --------------------------------------------------------------------
+
+def test_segments_are_anonymous_from_birth(cpu_backend):
+    me = [os.getpid()]
+    a = cpu_backend.alloc_exportable(4096, CPU)
+    try:
+        assert not _files_left(me), "an exportable allocation made a file"
+        peer = cpu_backend.open_handle(cpu_backend.export_handle(a), 4096, CPU)
+        assert not _files_left(me)
+        cpu_backend.close_handle(peer)
+    finally:
+        cpu_backend.free(a)
+    assert not _files_left(me)
+
+
+def test_free_closes_the_segment(cpu_backend):
+    before = _resources()
+    a = cpu_backend.alloc_exportable(4096, CPU)
+    peer = cpu_backend.open_handle(cpu_backend.export_handle(a), 4096, CPU)
+    cpu_backend.close_handle(peer)
+    cpu_backend.free(a)
+    del a, peer
+    gc.collect()
+    assert not _leaked(before, _resources())
+
+
+# -- the backend opens only segments it made ---------------------------------------------------
+
+def _other_memfd_handle():
+    fd = os.memfd_create("someone_else")
+    os.ftruncate(fd, 4096)
+    return (os.getpid(), fd, "someone_else"), [fd]
+
+
+def _passwd_under_our_name():
+    fd = os.open("/etc/passwd", os.O_RDONLY)
+    return (os.getpid(), fd, PREFIX + "1_000000000000"), [fd]
+
+
+def _another_process_fd():
+    p = subprocess.Popen(["sleep", "30"], stdin=subprocess.PIPE)
+    return (p.pid, 0, PREFIX + f"{p.pid}_000000000000"), [p]
+
+
+def _our_segment_under_another_name(be):
+    a = be.alloc_exportable(4096, CPU)
+    pid, fd, _ = be.export_handle(a)
+    return (pid, fd, PREFIX + f"{pid}_0123456789ab"), [a]
+
+
+FORGED = {
+    "old-style path": lambda be: (b"/etc/passwd", []),
+    "a path string": lambda be: ("/etc/passwd", []),
+    "not a tuple": lambda be: (None, []),
+    "two fields": lambda be: ((os.getpid(), 3), []),
+    "strings for ints": lambda be: (("1", "2", PREFIX + "1_000000000000"), []),
+    "bool pid": lambda be: ((True, 3, PREFIX + "1_000000000000"), []),
+    "negative fd": lambda be: ((os.getpid(), -1, PREFIX + "1_000000000000"), []),
+    "no such process": lambda be: ((2 ** 22 + 17, 3, PREFIX + "1_000000000000"), []),
+    "a name with a slash": lambda be: ((os.getpid(), 0, PREFIX + "../../etc/passwd"), []),
+    "a memfd not ours": lambda be: _other_memfd_handle(),
+    "a file under our name": lambda be: _passwd_under_our_name(),
+    "another process's fd": lambda be: _another_process_fd(),
+    "our segment, other name": _our_segment_under_another_name,
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_open_handle_refuses_handles_not_ours(cpu_backend, case):
+    handle, keep = FORGED[case](cpu_backend)
+    before = _resources()
+    try:
+        with pytest.raises(ValueError, match="not a segment of the cpu backend"):
+            cpu_backend.open_handle(handle, 16, CPU)
+        assert not _leaked(before, _resources()), "a refused handle left an fd or a mapping"
+    finally:
+        for k in keep:
+            if isinstance(k, int):
+                os.close(k)
+            elif isinstance(k, subprocess.Popen):
+                k.kill()
+                k.wait()
+            else:
+                cpu_backend.free(k)
+
+
+def test_open_handle_refuses_a_size_beyond_the_segment(cpu_backend):
+    a = cpu_backend.alloc_exportable(4096, CPU)
+    try:
+        with pytest.raises(ValueError, match="4096 bytes.*8192"):
+            cpu_backend.open_handle(cpu_backend.export_handle(a), 8192, CPU)
+    finally:
+        cpu_backend.free(a)
+
+
+# -- heap set-up that fails half-way -----------------------------------------------------------
+
+def _heap_with_a_failing_step(world, failing_rank, step):
+    """Make a heap while ``step`` (a backend entry) raises on ``failing_rank``; then make a good
+    one, which needs the ranks still in step. Returns how the first ended and this process's
+    resources before and after it."""
+    be = world.backend
+    before = _resources()
+
+    def refuse(*args, **kwargs):
+        raise OSError(f"injected: {step} failed")
+
+    if world.rank == failing_rank:
+        setattr(be, step, refuse)
+    try:
+        SymmetricHeap(world, 4096)
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        be.__dict__.pop(step, None)
+    gc.collect()
+    after = _resources()
+    SymmetricHeap(world, 4096).close()
+    return outcome, before, after
+
+
+@pytest.mark.parametrize("step", ["alloc_exportable", "open_handle"])
+def test_heap_setup_failing_on_one_rank_frees_everything_everywhere(world2, step):
+    for rank, (outcome, res_before, res_after) in enumerate(
+            world2.run(_heap_with_a_failing_step, 1, step, timeout=60)):
+        assert outcome.startswith("PeerSetupError: "), (rank, outcome)
+        assert "rank 1 could not" in outcome and f"injected: {step} failed" in outcome, outcome
+        assert not _leaked(res_before, res_after), (rank, _leaked(res_before, res_after))
+    assert not _files_left(world2.pids)
+
+
+def _die_while_making_heap(world, victim, moment):
+    """``victim`` kills itself (SIGKILL) right after the backend entry ``moment`` in the heap's
+    set-up; the others report how the set-up ended, how long it took, and their resources
+    before and after."""
+    be = world.backend
+    if world.rank == victim:
+        real = getattr(be, moment)
+
+        def then_die(*args, **kwargs):
+            real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(be, moment, then_die)
+    before = _resources()
+    t0 = time.monotonic()
+    try:
+        SymmetricHeap(world, 4096)
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - t0
+    gc.collect()
+    return outcome, seconds, before, _resources()
+
+
+@pytest.mark.parametrize("moment", ["alloc_exportable", "open_handle"])
+def test_rank_killed_while_making_a_heap(moment):
+    ew = EmulatedWorld(2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerHang, match=r"ranks \[1\] died") as info:
+            ew.run(_die_while_making_heap, 1, moment, timeout=60)
+        assert time.monotonic() - t0 < 30
+        status, answer = info.value.answers[0]  # the survivor answered: it did not hang
+        assert status == "ok", answer
+        outcome, seconds, res_before, res_after = answer
+        assert outcome != "no error" and seconds < 20, answer
+        # the survivor freed its heap: no fd or mapping of a segment is left
+        assert not _leaked(res_before, res_after), _leaked(res_before, res_after)
+    finally:
+        ew.close(force=True)
+    assert not _files_left(ew.pids)

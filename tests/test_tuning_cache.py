@@ -1,0 +1,81 @@
+"""The tuning cache file: written atomically with a private mode, never through a symbolic link
+(at the cache path or at a temporary name), and a file that cannot be used is ignored with a
+warning, never a crash."""
+import json
+import os
+import stat
+
+import pytest
+
+from portable_overlap.schedule import TuningCache
+
+VAR = "PORTABLE_OVERLAP_TUNING_CACHE"
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file a planted link points at; nothing may write to it."""
+    p = tmp_path / "victim.txt"
+    p.write_text("precious")
+    return p
+
+
+def test_put_writes_json_with_a_private_mode_and_no_leftovers(tmp_path):
+    path = tmp_path / "cache" / "tuning.json"
+    TuningCache(str(path)).put("k", [1, 2])
+    assert json.loads(path.read_text()) == {"k": [1, 2]}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert os.listdir(path.parent) == ["tuning.json"]
+    assert TuningCache(str(path)).get("k") == [1, 2]
+
+
+def test_put_does_not_follow_a_link_at_a_temporary_name(tmp_path, victim):
+    path = tmp_path / "tuning.json"
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")  # the name a pid-derived temp file would take
+    TuningCache(str(path)).put("k", 1)
+    assert victim.read_text() == "precious"
+    assert not path.is_symlink() and json.loads(path.read_text()) == {"k": 1}
+
+
+def test_a_link_at_the_cache_path_is_neither_read_nor_written(tmp_path, victim):
+    victim.write_text(json.dumps({"k": "planted"}))
+    path = tmp_path / "tuning.json"
+    os.symlink(victim, path)
+    with pytest.warns(RuntimeWarning, match="symbolic link"):
+        cache = TuningCache(str(path))
+    assert cache.get("k") is None
+    with pytest.warns(RuntimeWarning, match="symbolic link.*not written"):
+        cache.put("k", 1)
+    assert cache.get("k") == 1  # the decision is still used in this process
+    assert path.is_symlink() and json.loads(victim.read_text()) == {"k": "planted"}
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff\xfe"])
+def test_a_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, text):
+    path = tmp_path / "tuning.json"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.warns(RuntimeWarning, match="ignored"):
+        cache = TuningCache(str(path))
+    assert cache.get("k") is None
+    cache.put("k", 1)
+    assert json.loads(path.read_text()) == {"k": 1}
+
+
+def test_a_value_that_cannot_be_stored_changes_nothing(tmp_path):
+    path = tmp_path / "tuning.json"
+    cache = TuningCache(str(path))
+    cache.put("k", 1)
+    with pytest.raises(TypeError):
+        cache.put("bad", object())
+    assert cache.get("bad") is None
+    assert os.listdir(tmp_path) == ["tuning.json"]  # no temporary file left
+    cache.put("k2", 2)  # later puts still work
+    assert json.loads(path.read_text()) == {"k": 1, "k2": 2}
+
+
+def test_cache_path_variable_is_read_when_used(tmp_path, monkeypatch):
+    monkeypatch.setenv(VAR, str(tmp_path / "t.json"))
+    assert TuningCache().path == str(tmp_path / "t.json")
+    monkeypatch.setenv(VAR, str(tmp_path))
+    with pytest.raises(ValueError, match=rf"{VAR}=.*names a directory"):
+        TuningCache()
