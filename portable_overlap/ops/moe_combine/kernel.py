@@ -236,7 +236,7 @@ def moe_combine_kernel(
                                 status_addr, pid, q, what, ok, True)
     tl.debug_barrier()
     # 2. the rows that arrived must be exactly this rank's S*k slots
-    rows_ok = ok | True  # (a tensor: the branch below may clear it)
+    rows_ok = tl.full((), 1, tl.int1)
     if ok & (pid == 0):
         total = tl.zeros((), tl.int64)
         for q in range(0, world):
