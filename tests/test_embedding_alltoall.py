@@ -3,7 +3,7 @@ all_to_all_single. Tiny shapes, many cases per emulated-world call (the CI machi
 import pytest
 import torch
 
-from portable_overlap import PortableOverlapError
+from portable_overlap import InvalidInputError, PortableOverlapError
 from portable_overlap.ops.embedding_alltoall import (EmbeddingAllToAll, embedding_all_to_all,
                                                      embedding_all_to_all_reference)
 
@@ -215,3 +215,56 @@ def test_plan_and_module_shapes():
     assert p.row_offsets(p.table_ranks[0])[0] == 0
     with pytest.raises(ValueError):
         ShardingPlan.make([3, 4], 4, 2, table_ranks=[0, 2])
+
+
+def _bad_index_unvalidated(world, value):
+    """With validate=False rank 1 passes one index outside its table (``value``: "num_rows", one
+    past the last row, or -1): first in a bag of a peer's samples (local table 0, sample 0),
+    then in one of its own samples (its last local table, last sample). Per case: (this rank's
+    outcome, the relative error of a valid call that follows on the same context)."""
+    ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, block_b=2, timeout_s=20.0)
+    splits, B = [3, 5], 8
+    gen = torch.Generator().manual_seed(30 + world.rank)
+    res = []
+    try:
+        for where in ("peer's sample", "own sample"):
+            w, lengths, idx, _ = _input(ctx, splits, gen, torch.float32, False)
+            # the bag of the bad index and the table it reads
+            j, s = (0, 0) if where == "peer's sample" else (ctx.n_loc - 1, B - 1)
+            lengths.view(ctx.n_loc, B)[j, s] += 1  # one more index in that bag: the bad one
+            pos = int(lengths[:j * B + s + 1].sum()) - 1
+            v = ctx.plan.table_rows[ctx.local_tables[j]] if value == "num_rows" else -1
+            if world.rank != 1:  # only rank 1's data is bad
+                v = 0
+            bad = torch.cat([idx[:pos], torch.tensor([v]), idx[pos:]])
+            try:
+                ctx(w, lengths, bad, batch_splits=splits, validate=False)
+                r = "ok"
+            except InvalidInputError as e:
+                r = "invalid: " + str(e)
+            except PortableOverlapError as e:
+                r = f"{type(e).__name__}: {e}"
+            w, lengths, idx, psw = _input(ctx, splits, gen, torch.float32, True)
+            out = torch.full(ctx.output_shape(splits), float("nan"))
+            ctx(w, lengths, idx, psw, batch_splits=splits, out=out, validate=False)
+            ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan, world.rank,
+                                                 splits, "sum", world.group)
+            res.append((where, r, _rel(out, ref), v))
+    finally:
+        ctx.close()
+    return res
+
+
+@pytest.mark.parametrize("value", ["num_rows", "-1"])
+def test_index_out_of_range_found_on_device_without_validation(world2, value):
+    # the rank reads nothing outside its table, raises, its peers do not hang, and the context
+    # serves the next call
+    results = world2.run(_bad_index_unvalidated, value, timeout=180)
+    for (where, r1, err1, v), (_, r0, err0, _) in zip(results[1], results[0]):
+        assert r1.startswith("invalid") and "embedding index" in r1, (where, results)
+        assert f"got {v}" in r1, (where, results)
+        if where == "peer's sample":  # the pooled vector it would have sent is not valid
+            assert "gave up" in r0, (where, results)
+        else:  # what rank 0 receives is not affected
+            assert r0 == "ok", (where, results)
+        assert err0 < 1e-5 and err1 < 1e-5, (where, results)

@@ -210,3 +210,82 @@ def _late_combine(world):
 def test_a_late_combine_loses_no_signal(world):
     for err in world.run(_late_combine, timeout=240):
         assert err < 1e-5, err
+
+
+def _corrupt_slots(world, fault, owner):
+    """Rank 1 sends rank ``owner`` a row with a corrupted slot: a duplicate of another row's
+    slot, a slot in [S*k, max_slots) (inside the combine buffer, outside the owner's S*k slots),
+    one past the buffer, or a negative one. Returns (this rank's outcome of that call, the
+    relative error of a valid call on fresh inputs that follows on the same context)."""
+    from portable_overlap import PortableOverlapError
+
+    W, r, El, k, S, H = world.world_size, world.rank, 2, 2, 6, 16
+    ctx = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                         config=SMALL, timeout_s=60.0)
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.rand(S, El * W, generator=g).topk(k, dim=1).indices
+        ids[:, 0] = El  # every token's first choice is rank 1's first expert
+        tokens, tw = torch.randn(S, 8, generator=g), torch.rand(S, k, generator=g)
+        w = torch.randn(El, 8, H, generator=g)
+        x, counts, slots = dispatch(tokens, ids, El, world.group)
+        return x, w, counts, slots, tw
+
+    try:
+        x, w, counts, slots, tw = inputs(50 + r)
+        ref = moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
+        bad = slots.clone()
+        if r == 1:
+            b = int(counts[:owner].sum())  # the first row from source rank `owner`
+            assert int(counts[owner].sum()) >= S
+            bad[b] = {"duplicate": int(slots[b + 1]), "spare": S * k + 1,
+                      "past_buffer": ctx.max_slots, "negative": -1}[fault]
+        try:  # the host check (a sync) finds it on every rank
+            validate_routing(x, counts, bad, S, k, world)
+            host = None
+        except ValueError as e:
+            host = str(e)
+        out = torch.full((S, H), float("nan"))
+        try:
+            ctx(x, w, counts, bad, tw, out=out)
+            ctx.synchronize()
+            err = ((out - ref).norm() / ref.norm()).item()
+            res = "ok" if err < 1e-5 else f"WRONG output (error {err:.3g}), no error raised"
+        except InvalidInputError as e:
+            res = "invalid: " + str(e)
+        except PortableOverlapError as e:
+            res = f"{type(e).__name__}: {e}"
+        x, w, counts, slots, tw = inputs(60 + r)  # fresh inputs, poisoned output
+        out = torch.full((S, H), float("nan"))
+        ctx(x, w, counts, slots, tw, out=out)
+        ctx.synchronize()
+        ref = moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
+        return host, res, ((out - ref).norm() / ref.norm()).item()
+    finally:
+        ctx.close()
+
+
+def _check_corrupt(results, fault, owner):
+    for host, res, err in results:
+        assert host and "moe_gemm_combine" in host, results  # on every rank
+        assert not res.startswith("WRONG"), results  # never a silently wrong output
+        assert err < 1e-5, results  # the context serves the next call
+    res = [r for _, r, _ in results]
+    assert res[owner].startswith("invalid"), res  # the rank that owns the slots
+    if fault in ("past_buffer", "negative"):
+        # the sender skips the row and says so; the owner misses a row (the count, or the slot)
+        assert "routing slot of dispatched row" in res[1], res
+        assert "row count" in res[owner] or "no row" in res[owner], res
+    else:  # the owner gets S*k rows, but one of its slots got none in this call
+        assert "no row" in res[owner], res
+
+
+@pytest.mark.parametrize("fault", ["duplicate", "spare", "past_buffer", "negative"])
+def test_corrupt_slot_raises_on_the_owner(world, fault):
+    _check_corrupt(world.run(_corrupt_slots, fault, 0, timeout=300), fault, 0)
+
+
+@pytest.mark.parametrize("fault", ["duplicate", "spare"])
+def test_corrupt_slot_of_own_rows_raises(world2, fault):
+    _check_corrupt(world2.run(_corrupt_slots, fault, 1, timeout=300), fault, 1)

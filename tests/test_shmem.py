@@ -11,8 +11,8 @@ from portable_overlap.shmem.device import (STATUS_TIMEOUT, flag_value, peer_ptr,
 
 
 @triton.jit
-def _ring_kernel(data_ptr, inbox_ptr, flags_ptr, bases_ptr, status_addr, rank, world, epoch,
-                 max_spins, BLOCK: tl.constexpr):
+def _ring_kernel(data_ptr, inbox_ptr, flags_ptr, clock_ptr, bases_ptr, status_addr, rank, world,
+                 epoch, timeout_us, BLOCK: tl.constexpr):
     """Store my data into the next rank's inbox, signal it, wait for the previous rank's."""
     nxt = (rank + 1) % world
     offs = tl.arange(0, BLOCK)
@@ -21,7 +21,7 @@ def _ring_kernel(data_ptr, inbox_ptr, flags_ptr, bases_ptr, status_addr, rank, w
     tl.debug_barrier()
     signal_peer(flags_ptr, flag_value(epoch, rank), bases_ptr, rank, nxt)
     prev = (rank + world - 1) % world
-    word, ok = wait_flag(flags_ptr, epoch, max_spins)
+    word, ok = wait_flag(flags_ptr, epoch, epoch, clock_ptr, timeout_us)
     if not ok:
         report(status_addr, 0, STATUS_TIMEOUT, prev, 0, epoch)
 
@@ -31,14 +31,15 @@ def _ring(world, skip_rank=-1, rounds=3):
     data = heap.alloc((64,), torch.float32)
     inbox = heap.alloc((64,), torch.float32)
     flags = heap.alloc((1,), torch.int64)
+    clock = heap.alloc((2,), torch.int64)  # the call clock of shmem.device.call_deadline
     board = StatusBoard(world.backend, 1)
     same_offsets = world.all_gather_object((heap.offset_of(data), heap.offset_of(inbox)))
     got, tags = [], []
     for epoch in range(1, rounds + 1):
         data.copy_(torch.full((64,), float(world.rank * 100 + epoch)))
         if world.rank != skip_rank:
-            _ring_kernel[(1,)](data, inbox, flags, heap.bases, board.address, world.rank,
-                               world.world_size, epoch, 20000, BLOCK=64)
+            _ring_kernel[(1,)](data, inbox, flags, clock, heap.bases, board.address, world.rank,
+                               world.world_size, epoch, 1_000_000, BLOCK=64)
             got.append(inbox.clone())
             tags.append(int(flags[0]) >> 32)
         world.barrier()  # one inbox: the next round's store must wait until it was read

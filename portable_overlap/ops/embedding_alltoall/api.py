@@ -221,8 +221,10 @@ class EmbeddingAllToAll(OverlapContext):
                  validate: Optional[bool] = None) -> torch.Tensor:
         """Run the op (module docstring). ``validate`` (default: the context's ``validate``
         attribute, True) also checks the data (index ranges, lengths against indices): one host
-        sync per call; skipped during CUDA-graph capture. Turn it off once the input pipeline
-        is trusted: a bad index then reads a wrong row or faults."""
+        sync per call; skipped during CUDA-graph capture. Without it an index outside its
+        table is still found by the kernel (it reads nothing outside the table) and raised as
+        ``InvalidInputError`` at the context's next check; lengths that do not sum to the
+        number of indices are not checked then."""
         splits = self.resolve_splits(lengths, batch_splits)
         self._validate(weight, lengths, indices, per_sample_weights, splits, pooling)
         if (self.validate if validate is None else validate) and not _capturing(weight):
@@ -270,7 +272,8 @@ class EmbeddingAllToAll(OverlapContext):
         if out.numel() == 0:  # a rank that owns no samples (nothing is stored there)
             out = self._stub(out.dtype)
         B = sum(plan.splits)
-        return (weight, indices, psw, offsets, out, self._row_off, self._gtab, self._ntab,
+        return (weight, indices, psw, offsets, out, self._row_off, self._rows, self._gtab,
+                self._ntab,
                 plan.boff, self._recv[out.dtype], self._stage[out.dtype], self.sent,
                 self.consumed, self.ctl, self.call_clock,
                 self.heap.bases, self.status.address, B, self.plan.dim, self.n_loc,

@@ -13,9 +13,9 @@ def specs():
                                        ("bf16", "i64", 92, False, True)):
         sig = {"weight_ptr": f"*{dt}", "indices_ptr": f"*{idx}", "psw_ptr": "*fp32",
                "offsets_ptr": "*i64", "out_ptr": f"*{dt}", "row_off_ptr": "*i64",
-               "gtab_ptr": "*i32", "ntab_ptr": "*i32", "boff_ptr": "*i32", "recv_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
-               "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64", "clock_ptr": "*i64",
-               "bases_ptr": "*i64"}
+               "rows_ptr": "*i64", "gtab_ptr": "*i32", "ntab_ptr": "*i32", "boff_ptr": "*i32",
+               "recv_ptr": f"*{dt}", "stage_ptr": f"*{dt}", "sent_ptr": "*i64",
+               "consumed_ptr": "*i64", "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
         block_d = 1 << (D - 1).bit_length()
         consts = dict(BLOCK_B=max(1, min(64, 4096 // block_d)), BLOCK_D=block_d,

@@ -23,18 +23,23 @@ Program ``pid`` takes the tasks ``pid, pid + G, ...`` of each destination's run.
 
 Flags carry ``(shape tag << 32) | epoch`` (shmem/device.py): a peer called with another batch
 split, dtype or table plan is caught as a mismatch; a program that gave up signals FAILED_TAG.
+An index outside its table is never read (pool.py): the program that finds one reports it
+(``CHECK_INDEX``: the global table, the index), pools no more and signals FAILED_TAG to the
+destinations it has not signalled yet, but keeps every wait, so the ranks stay in step.
 """
 import triton
 import triton.language as tl
 
-from ...shmem.device import (await_free, begin_call, call_flag, end_call,
-                             flag_value, live, peer_buffer, signal_peer, wait_peers)
+from ...shmem.device import (STATUS_BAD_INPUT, await_free, begin_call, call_flag, end_call,
+                             flag_value, live, peer_buffer, report, signal_peer, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
 from .pool import pooled_rows
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
-FLAG_NAMES = {1: "slices-sent", 2: "recv-consumed"}
+CHECK_INDEX = tl.constexpr(3)
+FLAG_NAMES = {1: "slices-sent", 2: "recv-consumed",
+              3: "embedding index (outside its table's rows, not read) of global table"}
 
 
 @triton.jit
@@ -60,6 +65,7 @@ def embedding_alltoall_kernel(
     indices_ptr, psw_ptr, offsets_ptr,  # jagged input: indices, per-index weights, [n_loc*B + 1]
     out_ptr,  # [B_local, T_total * D], global table order
     row_off_ptr,  # int64 [n_loc]: first row of each local table in weight
+    rows_ptr,  # int64 [n_loc]: rows of each local table (indices are checked against it)
     gtab_ptr,  # int32 [world, t_max]: global table id of every rank's local tables
     ntab_ptr,  # int32 [world]: local table count of every rank
     boff_ptr,  # int32 [world + 1]: batch offsets (rank d's samples are [boff[d], boff[d+1]))
@@ -72,7 +78,7 @@ def embedding_alltoall_kernel(
 ):
     """The zero-copy kernel (tiles stored into the destinations' heaps)."""
     _embedding_alltoall(weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr,
-                        gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
+                        rows_ptr, gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
                         consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, B, D, n_loc,
                         row_stride, t_max, iters, G, rank, world, tag, timeout_us, BLOCK_B, BLOCK_D,
                         HAS_WEIGHTS, MEAN, G_MAX, store_slice, no_flush)
@@ -80,8 +86,8 @@ def embedding_alltoall_kernel(
 
 @triton.jit(do_not_specialize=["rank", "n_loc", "B"])
 def embedding_alltoall_put_kernel(
-    weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, gtab_ptr, ntab_ptr,
-    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+    weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, rows_ptr, gtab_ptr,
+    ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr, B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     MEAN: tl.constexpr, G_MAX: tl.constexpr,
@@ -90,7 +96,7 @@ def embedding_alltoall_put_kernel(
     SHMEM provider (shmem/providers/device.py), completed (quiet) before each destination's
     release signal. Compiled only where a provider exists."""
     _embedding_alltoall(weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr,
-                        gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
+                        rows_ptr, gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
                         consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, B, D, n_loc,
                         row_stride, t_max, iters, G, rank, world, tag, timeout_us, BLOCK_B, BLOCK_D,
                         HAS_WEIGHTS, MEAN, G_MAX, shmem_put_strided, shmem_flush)
@@ -98,8 +104,8 @@ def embedding_alltoall_put_kernel(
 
 @triton.jit
 def _embedding_alltoall(
-    weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, gtab_ptr, ntab_ptr,
-    boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+    weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr, rows_ptr, gtab_ptr,
+    ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr, B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     MEAN: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
@@ -107,6 +113,10 @@ def _embedding_alltoall(
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
     ok = live(clock_ptr)
+    # False once this program found an index outside its table: it reports it, pools no more
+    # and signals the failure tag to the destinations it has not signalled yet (their slices
+    # from it are incomplete), but keeps every wait of the call, so the ranks stay in step
+    valid = tl.full((), 1, tl.int1)
     b_rel = tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -126,17 +136,21 @@ def _embedding_alltoall(
                             FLAG_CONSUMED, ok)
         for i in range(0, iters):  # bounds from arguments only (the interpreter needs that)
             t = pid + i * G
-            if (t < n_tasks) & ok:
+            if (t < n_tasks) & ok & valid:
                 # table-major: the programs running at one time share one or two tables, so
                 # their uniform random rows find each other in L2 (blocks-major spread them over
                 # all tables: a 16 × 100 MB working set against a 50 MB L2)
                 j = t // n_blk
                 s0 = (t % n_blk) * BLOCK_B
                 n_bags = tl.minimum(n_d - s0, BLOCK_B)
-                acc = pooled_rows(weight_ptr, tl.load(row_off_ptr + j), indices_ptr, psw_ptr,
-                                  offsets_ptr, j * B + lo + s0, n_bags, D, BLOCK_B, BLOCK_D,
-                                  HAS_WEIGHTS, MEAN)
+                acc, n_bad, bad = pooled_rows(weight_ptr, tl.load(row_off_ptr + j),
+                                              tl.load(rows_ptr + j), indices_ptr, psw_ptr,
+                                              offsets_ptr, j * B + lo + s0, n_bags, D, BLOCK_B,
+                                              BLOCK_D, HAS_WEIGHTS, MEAN)
                 g = tl.load(gtab_ptr + rank * t_max + j).to(tl.int64)
+                if n_bad > 0:
+                    report(status_addr, pid, STATUS_BAD_INPUT, -1, (CHECK_INDEX << 32) + g, bad)
+                    valid = False
                 offs = (s0 + b_rel).to(tl.int64)[:, None] * row_stride + g * D + cols[None, :]
                 y = acc.to(out_ptr.dtype.element_ty)
                 mask = (b_rel < n_bags)[:, None] & col_ok[None, :]
@@ -148,8 +162,8 @@ def _embedding_alltoall(
         if d != rank:
             FLUSH()  # the transport's slices have landed before the release
             tl.debug_barrier()  # every thread's stores before the (cumulative) release
-            signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
-                        rank, d)
+            signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok & valid),
+                        bases_ptr, rank, d)
 
     # 2. what every peer's program pid sent here has landed
     ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,

@@ -20,10 +20,14 @@ receive different row counts and hold different token counts S. Two transports
   (NVSHMEM / ROC_SHMEM, shmem/providers), rows staged per program, then put row by row into the
   peer's symmetric combine buffer; completion (quiet) before the same release signals.
 
-Routing data lives on the device and is never read by the host on a call: slots out of range
-and row counts that do not add up to S * k are found by the kernels, which skip the bad rows,
-and raise ``InvalidInputError`` at the context's next check (``ctx.synchronize()``).
-``validate_routing`` checks everything on the host (a device sync), for debugging.
+Routing data lives on the device and is never read by the host on a call; the kernels check it
+completely and raise ``InvalidInputError`` at the context's next check (``ctx.synchronize()``):
+a slot outside the combine buffer is skipped and reported by the sender; on the source rank,
+a row count that does not add up to S * k, or a slot of [0, S * k) that got no row in this
+call (the trace of a duplicate slot, or of one in [S * k, max_slots), on any sender: every
+stored row stamps its slot with the call's epoch) is reported, and the tokens of such a slot
+get NaN. The ranks stay in step: the next call may go on. ``validate_routing`` makes the same
+checks on the host (a device sync), for debugging.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ...tiles.gemv import dot_upcast
 from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
@@ -55,9 +60,9 @@ class CombineConfig:
 
 class MoeGemmCombine(OverlapContext):
     """Workspace of the fused expert GEMM + combine on one rank: a combine buffer of
-    ``max_tokens * top_k`` rows of ``hidden`` (the most tokens any rank holds in a call), flags
-    and row counters in the symmetric heap. Collective to create and close; calls in the same
-    order on every rank, on one stream."""
+    ``max_tokens * top_k`` rows of ``hidden`` (the most tokens any rank holds in a call), one
+    epoch stamp per row, flags and row counters in the symmetric heap. Collective to create and
+    close; calls in the same order on every rank, on one stream."""
 
     OP = OP
     FLAG_NAMES = FLAG_NAMES
@@ -82,6 +87,9 @@ class MoeGemmCombine(OverlapContext):
         self.max_slots = max_tokens * top_k
         super().__init__(world, [
             ("_combine_raw", (self.max_slots * hidden,), torch.float32),  # viewed per dtype
+            # the call whose row last landed in each slot (kernel.py: the combine's check that
+            # the rows are exactly one per slot)
+            ("slot_epoch", (self.max_slots,), torch.int64),
             ("sent", (W, G_MAX), torch.int64), ("rows_in", (W, G_MAX), torch.int64),
             ("rows_mine", (W, G_MAX), torch.int64), ("consumed", (W,), torch.int64),
             ("ctl", (4,), torch.int64),
@@ -146,7 +154,7 @@ class MoeGemmCombine(OverlapContext):
     def _gemm_args(self, x, w, counts, starts, slots, tag, programs):
         W = self.world.world_size
         return (x, w, counts, starts, slots, self._combine[x.dtype], self._stage[x.dtype],
-                self.sent, self.rows_in,
+                self.slot_epoch, self.sent, self.rows_in,
                 self.rows_mine, self.consumed, self.ctl, self.call_clock, self.heap.bases,
                 self.status.address, x.shape[0], self.hidden, x.shape[1], self.experts_per_rank,
                 self.max_slots, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
@@ -154,10 +162,11 @@ class MoeGemmCombine(OverlapContext):
 
     def _comb_args(self, topk_weights, out, dtype, tag, gemm_programs):
         S, k = topk_weights.shape
-        return (self._combine[dtype], topk_weights, out, self.sent, self.rows_in, self.consumed,
-                self.ctl, self.call_clock, self.heap.bases, self.status.address, S, self.hidden,
-                k, topk_weights.stride(0), topk_weights.stride(1), gemm_programs, self.rank,
-                self.world.world_size, tag, self.timeout_us)
+        return (self._combine[dtype], topk_weights, out, self.slot_epoch, self.sent,
+                self.rows_in, self.consumed, self.ctl, self.call_clock, self.heap.bases,
+                self.status.address, S, self.hidden, k, topk_weights.stride(0),
+                topk_weights.stride(1), gemm_programs, self.rank, self.world.world_size, tag,
+                self.timeout_us)
 
     def _plan(self, x, w, counts, starts, slots, topk_weights, out):
         I = x.shape[1]
@@ -234,20 +243,49 @@ class MoeGemmCombine(OverlapContext):
 
 
 def validate_routing(x, counts, slots, S: int, top_k: int, world) -> None:
-    """Collective host-side check of the routing data (syncs the device; for debugging): this
-    rank's counts add up to the rows of x, and each row's slot is inside its source rank's
-    ``S * top_k`` slots. The kernels find the same faults without a sync, at the context's next
-    check."""
+    """Collective host-side check of the routing data (syncs the device; for debugging), raised
+    as a ValueError on every rank when any rank's data is wrong: each rank's counts add up to
+    its rows of x, each row's slot is inside its source rank's ``S * top_k`` slots, and the
+    slots of the rows that go back to a source rank are exactly one per slot (no duplicate,
+    none missing). The kernels find the same faults without a sync (out-of-range slots on the
+    sender, a missing slot or a wrong row count on the source), at the context's next check."""
+    W, r = world.world_size, world.rank
+    problem = None
     total = int(counts.sum())
-    if total != x.shape[0]:
-        raise ValueError(f"{OP}: counts add up to {total} rows, x has {x.shape[0]}")
+    if total != x.shape[0] or slots.numel() != x.shape[0]:
+        problem = f"counts add up to {total} rows, x has {x.shape[0]}, slots {slots.numel()}"
     sizes = world.all_gather_object(S * top_k)
-    bounds = [0] + torch.cumsum(counts.sum(1).long(), 0).tolist()
+    send = counts.sum(1).long() if problem is None else torch.zeros(W, dtype=torch.long)
+    bounds = [0] + torch.cumsum(send, 0).tolist()
     for q, n_slots in enumerate(sizes):
         s = slots[bounds[q]:bounds[q + 1]]
-        if s.numel() and (int(s.min()) < 0 or int(s.max()) >= n_slots):
-            raise ValueError(f"{OP}: rows from rank {q} must have slots in [0, {n_slots}); got "
-                             f"[{int(s.min())}, {int(s.max())}]")
+        if problem is None and s.numel() and (int(s.min()) < 0 or int(s.max()) >= n_slots):
+            problem = (f"rows from rank {q} must have slots in [0, {n_slots}); got "
+                       f"[{int(s.min())}, {int(s.max())}]")
+    # the slots back to their source ranks (as the combine sends the rows)
+    mine = slots[:bounds[-1]].long()
+    if W > 1:
+        send = send.to(slots.device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=world.group)
+        got = mine.new_empty(int(recv.sum()))
+        dist.all_to_all_single(got, mine, recv.tolist(), send.tolist(), group=world.group)
+    else:
+        got = mine
+    n = S * top_k
+    if problem is None:
+        inside = got[(got >= 0) & (got < n)]
+        hits = torch.bincount(inside, minlength=n)
+        if got.numel() != n:
+            problem = f"{got.numel()} rows come back to this rank, it has S*top_k = {n} slots"
+        elif bool((hits != 1).any()):
+            p = int((hits != 1).nonzero()[0, 0])
+            problem = (f"its slot {p} gets {int(hits[p])} rows (each of its S*top_k slots "
+                       f"must get one: a duplicate or out-of-range slot on a sender)")
+    found = [(q, m) for q, m in enumerate(world.all_gather_object(problem)) if m]
+    if found:
+        raise ValueError(f"{OP}: invalid routing data: "
+                         + "; ".join(f"rank {q}: {m}" for q, m in found))
 
 
 def moe_gemm_combine(x, w, counts, slots, topk_weights, ctx: MoeGemmCombine,

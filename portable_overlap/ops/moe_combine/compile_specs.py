@@ -12,7 +12,7 @@ def specs():
     for dt, prec, bm, bn, bk in (("bf16", "tf32", 128, 256, 64), ("fp32", "ieee", 64, 64, 32)):
         sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "counts_ptr": "*i32", "starts_ptr": "*i32",
                "slots_ptr": "*i32", "combine_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
-               "sent_ptr": "*i64",
+               "slot_epoch_ptr": "*i64", "sent_ptr": "*i64",
                "rows_in_ptr": "*i64", "rows_mine_ptr": "*i64", "consumed_ptr": "*i64",
                "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
@@ -23,8 +23,8 @@ def specs():
                    "stride_we"]
         yield f"moe_gemm_scatter[{dt}]", moe_gemm_scatter_kernel, sig, consts, aligned
         sig = {"combine_ptr": f"*{dt}", "topk_ptr": "*fp32", "out_ptr": f"*{dt}",
-               "sent_ptr": "*i64", "rows_in_ptr": "*i64", "consumed_ptr": "*i64",
-               "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
+               "slot_epoch_ptr": "*i64", "sent_ptr": "*i64", "rows_in_ptr": "*i64",
+               "consumed_ptr": "*i64", "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _COMB_ARGS.split()))
         consts = dict(BLOCK_S=8, BLOCK_H=256, G_MAX=1024)
         sig.update({k: "constexpr" for k in consts})

@@ -9,16 +9,21 @@ The tiles of a segment never straddle two segments, so each tile has one destina
 expert. Segments are walked source by source starting at q = r+1, so the tiles whose rows go to
 other ranks come first and this rank's own rows last (communication-aware order); program ``pid``
 takes the tiles ``pid, pid + G, ...`` of that walk. A finished tile's rows are stored straight
-into the destination's combine buffer at their slots (zero-copy, only real rows travel).
-Afterwards each program tells every rank how many rows it stored there and signals
-``sent[r][pid]`` (release). Before its first store into rank q in a call, and in any case before
-it writes q's count and flag, a program waits until ``consumed[q]`` holds the previous epoch (q's
-combine has read the previous call's rows, counts and flags).
+into the destination's combine buffer at their slots (zero-copy, only real rows travel), and
+each row's slot is stamped with the call's epoch in the destination's ``slot_epoch``. A row
+whose slot is outside the buffer is skipped and reported (``CHECK_SLOT``). Afterwards each
+program tells every rank how many rows it stored there and signals ``sent[r][pid]`` (release).
+Before its first store into rank q in a call, and in any case before it writes q's count and
+flag, a program waits until ``consumed[q]`` holds the previous epoch (q's combine has read the
+previous call's rows, stamps, counts and flags).
 
 ``moe_combine_kernel`` (on each rank, for its own tokens). Waits for ``sent[q][p]`` of every peer
-q and program p, checks that the rows that arrived add up to S·k, then
-``out[s] = sum_j topk_weights[s, j] * combine[s·k + j]`` in float32. Its last program tells every
-peer that this rank's combine buffer is free again (``consumed[r] = epoch`` in their heaps).
+q and program p, checks that the rows that arrived add up to S·k (``CHECK_ROWS``) and that each
+slot of [0, S·k) carries this call's stamp (``CHECK_SLOT_MISSING``): together, the rows are
+exactly one per slot, so a duplicate slot or one in [S·k, max_slots) on any sender is found
+here. Then ``out[s] = sum_j topk_weights[s, j] * combine[s·k + j]`` in float32 (NaN for a
+token with a slot that got no row). Its last program tells every peer that this rank's combine
+buffer is free again (``consumed[r] = epoch`` in their heaps).
 
 No program ever waits for another program of its own launch (the interpreter runs them one after
 another), and every wait is bounded (status board).
@@ -36,8 +41,11 @@ FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
 CHECK_SLOT = tl.constexpr(3)
 CHECK_ROWS = tl.constexpr(4)
+CHECK_SLOT_MISSING = tl.constexpr(5)
 FLAG_NAMES = {1: "rows-sent", 2: "combine-consumed", 3: "routing slot of dispatched row",
-              4: "row count arriving (expected S*top_k)"}
+              4: "row count arriving (expected S*top_k)",
+              5: "routing slot with no row in this call (duplicate or out-of-range slot on a "
+                 "sender; the value: the call that last filled it, 0 for none)"}
 
 
 @triton.jit
@@ -68,7 +76,7 @@ def no_flush():
 # rank must run the same code (same registers, so the same resident grid, which the tag includes).
 @triton.jit(do_not_specialize=["R", "rank"])
 def moe_gemm_scatter_kernel(
-    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
+    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
@@ -79,17 +87,16 @@ def moe_gemm_scatter_kernel(
 ):
     """The zero-copy grouped GEMM (rows stored into the sources' heaps)."""
     _grouped_gemm_scatter(
-        x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, sent_ptr,
-        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, R,
-        H, I, E,
-        max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, G, rank, world, tag,
-        timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
-        G_MAX, store_rows, no_flush)
+        x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
+        sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+        status_addr, R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
+        stride_wn, G, rank, world, tag, timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, store_rows, no_flush)
 
 
 @triton.jit(do_not_specialize=["R", "rank"])
 def moe_gemm_put_kernel(
-    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
+    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
@@ -103,17 +110,16 @@ def moe_gemm_put_kernel(
     own: the provider's launcher sets up its compiled modules, and it is compiled only where a
     provider exists (GPUs with NVSHMEM / ROC_SHMEM)."""
     _grouped_gemm_scatter(
-        x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, sent_ptr,
-        rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, R,
-        H, I, E,
-        max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, G, rank, world, tag,
-        timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
-        G_MAX, shmem_put_rows, shmem_flush)
+        x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
+        sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
+        status_addr, R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
+        stride_wn, G, rank, world, tag, timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, shmem_put_rows, shmem_flush)
 
 
 @triton.jit
 def _grouped_gemm_scatter(
-    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr,
+    x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
@@ -162,11 +168,12 @@ def _grouped_gemm_scatter(
             slot = tl.load(slots_ptr + start + rows, mask=valid, other=0)
             slot_ok = (slot >= 0) & (slot < max_slots)
             if tl.sum((valid & ~slot_ok).to(tl.int32)) > 0:
+                # skip the row and go on: src's combine then misses that slot's stamp and
+                # raises too, and this program's flags stay in step (no failure tag)
                 bad = tl.max(tl.where(valid & ~slot_ok, start + rows, -1))
                 report(status_addr, pid, STATUS_BAD_INPUT, src,
                        (CHECK_SLOT << 32) + bad.to(tl.int64),
                        tl.load(slots_ptr + bad).to(tl.int64))
-                ok = False
             keep = valid & slot_ok
             if src != rank:
                 if ((cleared >> src) & 1) == 0:
@@ -178,9 +185,16 @@ def _grouped_gemm_scatter(
                 STORE(combine_ptr, bases_ptr, stage_ptr, slots_ptr, start + pid_m * BLOCK_M,
                       tl.minimum(n - pid_m * BLOCK_M, BLOCK_M), pid_n * BLOCK_N, max_slots,
                       rank, src, slot, cols, y, keep, H, pid, BLOCK_M, BLOCK_N)
-                if pid_n == 0:  # count each row once, not once per column block
+                if pid_n == 0:  # count and stamp each row once, not once per column block
                     tl.atomic_add(rows_mine_ptr + src * G_MAX + pid,
                                   tl.sum(keep.to(tl.int64)), sem="relaxed", scope="gpu")
+                    # src's slot_epoch[slot] = this call: src's combine proves with it that
+                    # every one of its S*k slots got a row. Plain stores through this library's
+                    # heap on both transports, like the row counts below (the "shmem"
+                    # transport's puts carry only the rows); ordered before the release signal
+                    # by the same barrier. Cost: 8 bytes per row next to the row's H elements.
+                    tl.store(peer_buffer(slot_epoch_ptr, bases_ptr, rank, src) + slot, epoch,
+                             mask=keep)
 
     # A program that stored nothing into rank q has not waited for q's previous combine yet, but
     # it is about to overwrite q's rows-in count and rows-sent flag of that call: q's combine may
@@ -203,6 +217,7 @@ def _grouped_gemm_scatter(
 @triton.jit(do_not_specialize=["S", "rank"])
 def moe_combine_kernel(
     combine_ptr, topk_ptr, out_ptr,  # heap [max_slots, H]; [S, k] (any float); [S, H]
+    slot_epoch_ptr,  # heap int64 [max_slots]: the call whose row last landed in each slot
     sent_ptr, rows_in_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
     S, H, k, stride_ts, stride_tk, G_src, rank, world, tag, timeout_us,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
@@ -219,6 +234,7 @@ def moe_combine_kernel(
                                 status_addr, pid, q, what, ok, True)
     tl.debug_barrier()
     # 2. the rows that arrived must be exactly this rank's S*k slots
+    rows_ok = tl.full((), 1, tl.int1)
     if ok & (pid == 0):
         total = tl.zeros((), tl.int64)
         for q in range(0, world):
@@ -227,10 +243,32 @@ def moe_combine_kernel(
         if total != tl.cast(S, tl.int64) * k:
             report(status_addr, pid, STATUS_BAD_INPUT, -1,
                    tl.cast(rank, tl.int64) + (CHECK_ROWS << 32), total)
-    # 3. weighted sum over each token's k slots
+            rows_ok = False  # program 0's report names the count, not a slot it implies
+    # 3. every slot of this program's tokens got a row in this call. With the total of
+    #    step 2 equal to S*k this proves the rows are exactly one per slot of [0, S*k): a
+    #    duplicate slot, or one in [S*k, max_slots), on any sender leaves a slot here unstamped.
+    #    Cost: k int64 loads per token (8 bytes per slot next to the slot's H-element row).
     if ok:
         toks = pid * BLOCK_S + tl.arange(0, BLOCK_S)
         tok_ok = toks < S
+        missing = tl.zeros((BLOCK_S,), tl.int32)  # per token: slots with no row of this call
+        first = tl.full((BLOCK_S,), -1, tl.int64)  # per token: its first such slot
+        stamp = tl.zeros((BLOCK_S,), tl.int64)  # and the call that last filled it
+        for j in range(0, k):
+            s_j = toks.to(tl.int64) * k + j
+            st = tl.load(slot_epoch_ptr + s_j, mask=tok_ok, other=0)
+            miss = tok_ok & (st != epoch)
+            new_miss = miss & (missing == 0)
+            first = tl.where(new_miss, s_j, first)
+            stamp = tl.where(new_miss, st, stamp)
+            missing += miss.to(tl.int32)
+        if (tl.sum(missing) > 0) & rows_ok:
+            lowest = tl.min(tl.where(first >= 0, first, 0x7FFFFFFFFFFFFFFF))
+            report(status_addr, pid, STATUS_BAD_INPUT, -1, (CHECK_SLOT_MISSING << 32) + lowest,
+                   tl.sum(tl.where(first == lowest, stamp, 0)))
+        filled = missing == 0
+        # 4. weighted sum over each token's k slots; a token with a slot that got no row gets
+        #    NaN (the call raises; the sum would mix in another call's row)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             m = tok_ok[:, None] & (cols[None, :] < H)
@@ -241,9 +279,10 @@ def moe_combine_kernel(
                 rows = toks.to(tl.int64) * k + j
                 v = tl.load(combine_ptr + rows[:, None] * H + cols[None, :], mask=m, other=0.0)
                 acc += wt[:, None] * v.to(tl.float32)
+            acc = tl.where(filled[:, None], acc, float("nan"))
             tl.store(out_ptr + toks[:, None].to(tl.int64) * H + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m)
-    # 4. the last program out frees this rank's combine buffer on every peer
+    # 5. the last program out frees this rank's combine buffer on every peer
     tl.debug_barrier()
     if end_call(ctl_ptr + 2, epoch):
         for q in range(0, world):
