@@ -5,7 +5,7 @@ still being computed. See README.md for how the pieces fit.
 """
 from .backends import get_backend
 from .errors import (BackendUnavailable, ConcurrentUseError, ContextBrokenError,
-                     ContextClosedError, InvalidInputError, PeerTimeoutError,
+                     ContextClosedError, InvalidInputError, PeerSetupError, PeerTimeoutError,
                      PortableOverlapError, RankMismatchError)
 from .modules.embedding import ShardedEmbeddingBagCollection
 from .modules.linear import ColumnParallelLinear, RowParallelLinear
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_reduce",
            "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
            "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError",
-           "ContextClosedError", "ConcurrentUseError",
+           "ContextClosedError", "ConcurrentUseError", "PeerSetupError",
            "InvalidInputError", "GemmAllToAll", "gemm_all_to_all", "MoeGemmCombine",
            "moe_gemm_combine", "GemmSignal", "SignalConfig", "gemm_all_reduce",
            "gemm_reduce_scatter", "gemm_all_to_all_signal", "gemm_all_reduce_reference",
