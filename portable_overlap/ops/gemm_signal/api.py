@@ -146,6 +146,7 @@ class GemmSignal:
     def __init__(self, world, *, config: Optional[SignalConfig] = None, timeout_s: float = 60.0,
                  collectives: bool = True):
         self.timeout_s = check_timeout(OP, timeout_s)
+        self._timeout = datetime.timedelta(seconds=self.timeout_s)
         world.check_same(f"{OP} context config", (config, self.timeout_s))
         self.world = world
         self.rank, self.size = world.rank, world.world_size
@@ -167,15 +168,14 @@ class GemmSignal:
             self.comm_stream = self._mod.Stream(device=self.device)
             with self._mod.stream(self.comm_stream):
                 self._comm_handle = self.backend.current_stream(self.device)
-        self.group = _bounded_group(world, self.timeout_s) if collectives else None
+        self._collectives = collectives
+        # made or agreed now, by every rank (collective), never inside a call
+        self._sig_group = _bounded_group(world) if collectives else None
         self.handle = register_context(self)
 
     def close(self) -> None:
         self._closed = True
         unregister_context(self.handle)
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
 
     # -- the ops -----------------------------------------------------------------------------
     def all_reduce(self, a, b, out=None, *, bias=None, residual=None, config=None,
@@ -301,7 +301,7 @@ class GemmSignal:
         if first and capturing:
             raise RuntimeError(f"{op}: call it once with these shapes outside graph capture "
                                f"first (the first call loads kernels and checks the ranks agree)")
-        if self._mod is None and self.group is not None:
+        if self._mod is None and self._collectives:
             self._check_stamp(op, plan)
         self._fork()
         gemm(gemm_args)  # nothing is waited on before this launch returned (see kernel.py)
@@ -330,6 +330,15 @@ class GemmSignal:
             plan.warm = True
         return out if rms_weight is None else (out, normed)
 
+    def _group(self):
+        """The world's signal group as it was when this context was made (``_bounded_group``),
+    with this context's timeout."""
+        group = self._sig_group
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is not None:  # torch >= 2.3; older ones keep the default timeout
+            set_timeout(self._timeout, group)
+        return group
+
     def _check_stamp(self, op, plan) -> None:
         """Under gloo (synchronous) every call first compares its plan's tag across the ranks: a
         collective of another size is fatal to a gloo rank (it aborts), so a rank that skipped a
@@ -339,9 +348,10 @@ class GemmSignal:
         tag = torch.tensor([plan.tag], dtype=torch.int64)
         tags = [torch.empty_like(tag) for _ in range(self.size)]
         try:
-            dist.all_gather(tags, tag, group=self.group)
+            dist.all_gather(tags, tag, group=self._group())
         except RuntimeError as e:
             self._broken = f"{type(e).__name__}: {e}"
+            _drop_bounded_group(self.world)
             raise PeerTimeoutError(
                 f"{op}: rank {self.rank}'s call check failed (timeout_s={self.timeout_s}): a peer "
                 f"skipped this call or left; the context is broken: close it and create a new "
@@ -353,9 +363,9 @@ class GemmSignal:
                                     f"was skipped on every rank")
 
     def _communicate(self, plan, stage, recv, guarded: bool) -> None:
-        be, group = self.backend, self.group
-        if group is None:
+        if not self._collectives:
             raise RuntimeError(f"{OP}: this context was made with collectives=False")
+        be, group = self.backend, self._group()
         with self._on_comm():
             if not guarded:  # the comm stream waits for the whole GEMM, no stream is held; a
                 # kernel resets the counters (capturable where stream value ops may not be)
@@ -383,6 +393,7 @@ class GemmSignal:
         run collectives this rank did not). A collective that timed out raises
         PeerTimeoutError (``_call``)."""
         self._broken = f"{type(e).__name__}: {e}"
+        _drop_bounded_group(self.world)  # it may hold a collective a peer never joined
         try:
             with self._on_comm():
                 self._wait_caller()
@@ -680,16 +691,24 @@ def _(a, b, handle, bias=None, residual=None):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _bounded_group(world, timeout_s: float):
-    """A process group over ``world``'s ranks whose collectives time out after ``timeout_s``
-    (created by those ranks alone: ``world`` may be a subgroup of the job). Made with the
-    default timeout, which also bounds connecting the ranks (a short one fails to connect on a
-    loaded machine), then given the short one for its operations."""
-    ranks = dist.get_process_group_ranks(world.group) if world.group is not None else \
-        list(range(dist.get_world_size()))
-    group = dist.new_group(ranks, backend=dist.get_backend(world.group),
-                           use_local_synchronization=True)
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is not None:  # torch >= 2.3; older ones keep the default timeout
-        set_timeout(datetime.timedelta(seconds=timeout_s), group)
+def _bounded_group(world):
+    """The process group over ``world``'s ranks that the tile-group-signal collectives use: one
+    per world, made by the first context (collective) and shared, so that a collective that
+    timed out never leaves the world's own group holding a half-done operation (the group is
+    then dropped, ``_drop_bounded_group``, and the next context makes another). Its timeout is
+    set to the calling context's before each call (``GemmSignal._group``)."""
+    group = getattr(world, "_signal_group", None)
+    if not all(world.all_gather_object(group is not None)):  # every rank makes a new one
+        whole = world.group is None or dist.get_world_size(world.group) == dist.get_world_size()
+        ranks = (list(range(dist.get_world_size())) if world.group is None else
+                 dist.get_process_group_ranks(world.group))
+        # a subgroup world (one rank of a job, say) makes its group with its own ranks alone
+        group = dist.new_group(ranks, backend=dist.get_backend(world.group),
+                               use_local_synchronization=not whole)
+        world._signal_group = group
     return group
+
+
+def _drop_bounded_group(world) -> None:
+    """Forget the world's signal group after a failed collective (see ``_bounded_group``)."""
+    world._signal_group = None
