@@ -14,6 +14,8 @@
 #      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
 #      its error against the measured op, the search's pick against a bounded exhaustive search;
 #      independent of PO_SKIP_SIG), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
+#      PO_SKIP_WAITS=1 (bounded waits on the device clock), PO_SKIP_CAMPAIGN=1 / PO_CAMPAIGN_ARGS
+#      (the fault campaign, tests/gpu/check_campaign.py),
 #      PO_COMMIT (recorded with every result), PO_ARCHIVE=1 (logs packed into gpu-logs.tgz).
 set -uo pipefail
 out=${1:-${OUT:-out}}
@@ -69,6 +71,14 @@ fi
 if [ "${PO_SKIP_MOE:-0}" != 1 ]; then
   run 480 benchmarks/bench_moe_combine.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       ${PO_MOE_ARGS:-} 2>&1 | tee "$out/bench_moe.log" | grep -vE "^\[|Warning|warn" | tail -16
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_WAITS:-0}" != 1 ]; then
+  timeout 150 python3 tests/gpu/check_waits.py 2>&1 | tee "$out/check_waits.log" | grep -E "PASS|FAIL|wait checks" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_CAMPAIGN:-0}" != 1 ]; then
+  run 300 tests/gpu/check_campaign.py ${PO_CAMPAIGN_ARGS:-} 2>&1 | tee "$out/campaign.log" | grep -E "fault campaign|FAIL" | tail -44
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then

@@ -41,3 +41,9 @@ def world(request):
 def pytest_sessionfinish(session, exitstatus):
     for ew in _pools.values():
         ew.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The fault campaign's seeds and counts (tests/test_fault_campaign.py), at the end."""
+    for line in getattr(config, "po_campaign", []):
+        terminalreporter.write_line(f"fault campaign: {line}")

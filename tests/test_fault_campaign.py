@@ -18,7 +18,7 @@ def _campaign(world, seed, steps):
     return tally
 
 
-def test_fault_campaign(world):
+def test_fault_campaign(world, request):
     seed = int(os.environ.get("PO_CAMPAIGN_SEED", 0)) or int.from_bytes(os.urandom(3), "little")
     steps = STEPS[world.size]
     print(f"fault campaign: {world.size} ranks, seed {seed}, {steps} steps")
@@ -26,9 +26,66 @@ def test_fault_campaign(world):
     faulted = tallies[0]["faulted"]
     print(f"fault campaign: seed {seed}: {faulted} faulted of {tallies[0]['calls']} calls per "
           f"rank, by fault {tallies[0]['by_fault']}")
+    summary = getattr(request.config, "po_campaign", [])
+    summary.append(f"{world.size} ranks, seed {seed}: {faulted} faulted calls of "
+                   f"{tallies[0]['calls']} per rank; {tallies[0]['by_fault']}")
+    request.config.po_campaign = summary
     problems = []
     for rank, t in enumerate(tallies):
         problems += t["wrong"] + t["late"] + t["unexpected"]
         problems += [f"rank {rank}: left behind {x}" for x in t["leftovers"]]
     assert not problems, f"seed {seed}:\n" + "\n".join(problems[:40])
     assert faulted >= 0.4 * steps
+
+
+def _die_mid_call(world, victim, timeout_s):
+    """Every rank makes a context and a valid call; then ``victim`` kills itself (SIGKILL) from
+    inside its next call, after its kernel's first program started (the interpreter runs the
+    kernel in this thread: a timer ends the process part-way through). The others report how
+    that call ended and how long it took."""
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    from portable_overlap import GemvAllReduce, PortableOverlapError
+
+    ctx = GemvAllReduce(world, max_n=256, timeout_s=timeout_s)
+    g = torch.Generator().manual_seed(world.rank)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(256, 64, generator=g)
+    t0 = time.monotonic()
+    ctx(x, w)
+    work = time.monotonic() - t0
+    if world.rank == victim:
+        threading.Timer(work / 3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        ctx(x, w)
+        outcome = "returned"
+    except PortableOverlapError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    if world.rank == victim:
+        time.sleep(60)  # the timer ends this process
+    return outcome, time.monotonic() - t0, work
+
+
+def test_rank_killed_mid_call_gives_a_bounded_error_and_leaks_nothing():
+    from portable_overlap.testing import EmulatedWorld, WorkerHang
+
+    timeout_s = 1.0
+    ew = EmulatedWorld(2)
+    try:
+        with pytest.raises(WorkerHang, match=r"ranks \[1\] died") as info:
+            ew.run(_die_mid_call, 1, timeout_s, timeout=120)
+        status, answer = info.value.answers[0]  # the survivor answered: it did not hang
+        assert status == "ok", answer
+        outcome, took, work = answer
+        # killed before its partials left, the survivor times out; killed after, it may finish
+        assert outcome == "returned" or outcome.startswith("PeerTimeoutError"), outcome
+        assert took <= 2 * timeout_s + 2 * work + 0.5, (took, work, outcome)
+    finally:
+        ew.close(force=True)
+    # the segments are anonymous: nothing of either process outlives it
+    shm = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    assert not [f for f in shm for pid in ew.pids if f.startswith(f"portable_overlap_{pid}_")]

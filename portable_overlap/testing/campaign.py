@@ -63,6 +63,11 @@ class Op:
     tol: float = 1e-4
 
 
+def _on(world, **tensors) -> dict:
+    """The operands on the rank's device (drawn on the CPU, so every backend sees the same)."""
+    return {k: v.to(world.device) for k, v in tensors.items()}
+
+
 def _gen(seed: int, step: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 100003 + step) * 64 + rank)
 
@@ -73,7 +78,7 @@ def _gemv() -> Op:
 
     def inputs(world, ctx, g, variant):
         n = 24 if variant == "other_shape" else 40
-        return {"x": torch.randn(2, 12, generator=g), "w": torch.randn(n, 12, generator=g)}
+        return _on(world, x=torch.randn(2, 12, generator=g), w=torch.randn(n, 12, generator=g))
 
     return Op("gemv_all_reduce",
               make=lambda world, t: GemvAllReduce(world, max_n=40, timeout_s=t),
@@ -95,12 +100,12 @@ def _moe() -> Op:
     S, H, I, E, k = 6, 16, 8, 2, 2
 
     def inputs(world, ctx, g, variant):
-        tokens = torch.randn(S, I, generator=g)
-        ids = torch.rand(S, E * world.world_size, generator=g).topk(k, dim=1).indices
-        topk_w = torch.softmax(torch.randn(S, k, generator=g), dim=1)
-        w = torch.randn(E, I, H, generator=g) / I ** 0.5
-        x, counts, slots = dispatch(tokens, ids, E, world.group)
-        return {"x": x, "w": w, "counts": counts, "slots": slots, "topk": topk_w}
+        t = _on(world, tokens=torch.randn(S, I, generator=g),
+                ids=torch.rand(S, E * world.world_size, generator=g).topk(k, dim=1).indices,
+                topk=torch.softmax(torch.randn(S, k, generator=g), dim=1),
+                w=torch.randn(E, I, H, generator=g) / I ** 0.5)
+        x, counts, slots = dispatch(t["tokens"], t["ids"], E, world.group)
+        return {"x": x, "w": t["w"], "counts": counts, "slots": slots, "topk": t["topk"]}
 
     def corrupt(fault, i):
         slots = i["slots"].clone()
@@ -140,7 +145,7 @@ def _embedding() -> Op:
         idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
                              generator=g) for j, t in enumerate(ctx.local_tables)]
         indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
-        return {"weight": weight, "lengths": lengths, "indices": indices}
+        return _on(world, weight=weight, lengths=lengths, indices=indices)
 
     def corrupt(fault, i):
         indices = i["indices"].clone()
@@ -171,7 +176,7 @@ def _gemm_all_to_all(transport: str) -> Op:
     def inputs(world, ctx, g, variant):
         M = 4 * world.world_size
         n = 8 if variant == "other_shape" else 12
-        return {"a": torch.randn(M, 8, generator=g), "b": torch.randn(8, n, generator=g)}
+        return _on(world, a=torch.randn(M, 8, generator=g), b=torch.randn(8, n, generator=g))
 
     return Op(f"gemm_all_to_all[{transport}]",
               make=lambda world, t: GemmAllToAll(world, max_elems=16 * world.world_size * 12,
@@ -192,7 +197,7 @@ def _matmul_reduce() -> Op:
     def inputs(world, ctx, g, variant):
         M = 2 * world.world_size
         n = 6 if variant == "other_shape" else 10
-        return {"a": torch.randn(M, 8, generator=g), "b": torch.randn(8, n, generator=g)}
+        return _on(world, a=torch.randn(M, 8, generator=g), b=torch.randn(8, n, generator=g))
 
     return Op("matmul_reduce_scatter",
               make=lambda world, t: MatmulReduce(
@@ -213,7 +218,7 @@ def _all_gather_matmul() -> Op:
 
     def inputs(world, ctx, g, variant):  # (ranks may differ in N: other shards' rows differ)
         m = 2 if variant == "other_shape" else 3
-        return {"a": torch.randn(m, 8, generator=g), "b": torch.randn(8, 10, generator=g)}
+        return _on(world, a=torch.randn(m, 8, generator=g), b=torch.randn(8, 10, generator=g))
 
     return Op("all_gather_matmul",
               make=lambda world, t: AllGatherMatmul(world, max_shard_elems=24, timeout_s=t),
@@ -270,6 +275,11 @@ def _bad_operand(inp: dict) -> dict:
     raise AssertionError("no floating operand")
 
 
+def _checked(ctx, result):
+    ctx.synchronize()
+    return result
+
+
 def _outcome(fn) -> tuple:
     t0 = time.monotonic()
     try:
@@ -309,7 +319,7 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.6,
         shape = op.out_shape(ctx, call_inp)
         if mine and fault == "bad_out":
             shape = (shape[0] + 1,) + tuple(shape[1:])
-        out = torch.full(shape, float("nan"), dtype=ref.dtype)
+        out = torch.full(shape, float("nan"), dtype=ref.dtype, device=ref.device)
         if mine and fault == "closed":
             ctx.close()
         tally.calls += 1
@@ -330,7 +340,8 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.6,
             time.sleep(timeout_s)  # the peers wait for a call that never comes
             kind, value, took = "skipped", None, 0.0
         else:
-            kind, value, took = _outcome(lambda: op.call(ctx, call_inp, out))
+            # synchronized: on GPUs a kernel's findings reach the host at the next check
+            kind, value, took = _outcome(lambda: _checked(ctx, op.call(ctx, call_inp, out)))
             if mine and fault == "raise_after" and kind == "returned":
                 try:
                     raise RuntimeError("the caller's own code failed after the call")

@@ -1,0 +1,49 @@
+"""The fault campaign (portable_overlap.testing.campaign) on GPUs, shorter than CI's, one
+process per GPU:
+
+    torchrun --nproc-per-node 2 tests/gpu/check_campaign.py [--steps 60] [--seed N]
+        [--ops name,...] [--host-group gloo]
+
+``--host-group gloo`` runs the host collectives (references, routing) over gloo instead of
+NCCL: with it two ranks can share one GPU (NCCL refuses that), which is how the campaign runs
+on a single-GPU machine.
+
+Prints the seed, the counts and every problem; exits non-zero on one."""
+import argparse
+import os
+import sys
+
+from portable_overlap import World
+from portable_overlap.testing.campaign import all_ops, run_campaign
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    ap.add_argument("--host-group", default="", help="a torch.distributed backend to use")
+    args = ap.parse_args()
+    if args.host_group:
+        import torch.distributed as dist
+
+        dist.init_process_group(args.host_group)
+    world = World.from_env()
+    seed = world.broadcast_object(args.seed or int.from_bytes(os.urandom(3), "little"))
+    ops = [op for op in all_ops() if not args.ops or op.name in args.ops.split(",")]
+    tally = run_campaign(world, seed, args.steps, timeout_s=args.timeout, ops=ops)
+    tallies = world.all_gather_object(tally)
+    problems = [p for t in tallies for p in t["wrong"] + t["late"] + t["unexpected"]]
+    if world.rank == 0:
+        t = tallies[0]
+        print(f"fault campaign on {world.world_size} GPUs, seed {seed}: {t['faulted']} faulted "
+              f"of {t['calls']} calls per rank, by fault {t['by_fault']}", flush=True)
+        for p in problems[:40]:
+            print("FAIL", p, flush=True)
+        print(f"fault campaign: {len(problems)} problems", flush=True)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
