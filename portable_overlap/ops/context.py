@@ -75,8 +75,8 @@ class OverlapContext:
     - a call that this rank refuses before launching anything (bad input) still counts: its
       number is used up and every peer's waits for it end with the failure tag, so the peers
       raise for that same call instead of pairing their next call with it;
-    - every wait ends at the call's deadline (``timeout_s`` after the call began on this rank),
-      reported as :class:`PeerTimeoutError`. A timeout leaves the ranks out of step (a rank
+    - every wait ends at the call's deadline (``timeout_s`` after the call's first wait that
+      found its flag missing began, on this rank), reported as :class:`PeerTimeoutError`. A timeout leaves the ranks out of step (a rank
       skipped or lost a call): the context is then broken for good, on the device at once and on
       the host at its next check, and must be closed. Other failures (a peer gave up, shapes
       differ, bad routing, a refused call) raise for that call and leave the context usable;
@@ -106,7 +106,7 @@ class OverlapContext:
         self._closed = False
         self._guard = threading.Lock()
         self._launched = False
-        self._protocol = None
+        self._refusal: list = []  # (planned launch, arguments) per flag array: call_protocol
         self._refuse_plans: dict = {}
         self._sync_errors = world.backend.name == "cpu"  # the interpreter runs synchronously
         self.handle = register_context(self)
@@ -116,8 +116,23 @@ class OverlapContext:
         """Declare what a refused call must stand in for (``_refuse``): ``epoch`` is the heap
         word whose first element counts finished calls, ``call_flags`` the ``[world, slots]``
         flag arrays peers wait on for a call's results, ``free_flags`` the ``[world]`` arrays
-        that tell peers this rank's buffers may be written again."""
-        self._protocol = (epoch, tuple(call_flags), tuple(free_flags))
+        that tell peers this rank's buffers may be written again. The refusal's kernels are
+        compiled and loaded here, not when a call is refused: a first launch may wait for the
+        device, which a stream held by a value wait never releases (backends.base)."""
+        from ..transports.flag_kernels import refuse_kernel
+
+        W = self.world.world_size
+        steps = [(t, i == 0, False) for i, t in enumerate(call_flags)]
+        steps += [(t, not call_flags and i == 0, True) for i, t in enumerate(free_flags)]
+        self._refusal = []
+        for flags, advance, free in steps:
+            args = (epoch, flags, flags.numel() // W, self.heap.bases, self.rank, W)
+            plan = self._refuse_plans.get((advance, free))
+            if plan is None:  # one compiled kernel per variant: no argument is specialized
+                plan = self._refuse_plans[(advance, free)] = self._compile(
+                    refuse_kernel, 1, dict(ADVANCE=advance, FREE=free, BLOCK=G_MAX, num_warps=4,
+                                           num_stages=1), lambda g, a=args: a)
+            self._refusal.append((plan, args))
 
     # -- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -181,7 +196,8 @@ class OverlapContext:
         """The call raised. Before its first launch: refuse it on the device too (``_refuse``),
         so the peers fail this call and stay in step. After a launch the call is half done and
         peers may wait for what never comes: the context is broken."""
-        if self._launched or self._protocol is None:
+        if self._launched or not self._refusal or self._capturing():
+            # (a refusal captured into a CUDA graph would refuse at every replay)
             if self._launched:
                 self._broken = (f"{self.OP}: rank {self.rank} raised in the middle of a call "
                                 f"({type(error).__name__}: {error})")
@@ -192,23 +208,16 @@ class OverlapContext:
             self._broken = (f"{self.OP}: rank {self.rank} could not tell its peers it refused a "
                             f"call ({type(e).__name__}: {e})")
 
+    def _capturing(self) -> bool:
+        dev = self.world.device
+        if dev.type == "cpu":
+            return False
+        return bool(torch.get_device_module(dev).is_current_stream_capturing())
+
     def _refuse(self) -> None:
         """Count a call that never launched and end every peer's wait for it (see
-        ``refuse_kernel``): one small launch per flag array."""
-        from ..transports.flag_kernels import refuse_kernel
-
-        epoch, call_flags, free_flags = self._protocol
-        W = self.world.world_size
-        steps = [(t, i == 0, False) for i, t in enumerate(call_flags)]
-        steps += [(t, not call_flags and i == 0, True) for i, t in enumerate(free_flags)]
-        for flags, advance, free in steps:
-            key = (advance, free)
-            plan = self._refuse_plans.get(key)
-            args = (epoch, flags, flags.numel() // W, self.heap.bases, self.rank, W)
-            if plan is None:
-                plan = self._refuse_plans[key] = self._compile(
-                    refuse_kernel, 1, dict(ADVANCE=advance, FREE=free, BLOCK=G_MAX, num_warps=4,
-                                           num_stages=1), lambda g, a=args: a)
+        ``refuse_kernel``): one small launch per flag array, planned by ``call_protocol``."""
+        for plan, args in self._refusal:
             plan.run_untracked(args)
 
     # -- planning --------------------------------------------------------------------------------
