@@ -43,12 +43,15 @@ from ..errors import PortableOverlapError
 
 #: faults that leave the ranks out of step (a timeout somewhere): the op's contexts are remade
 _REMAKE = ("skip", "other_shape", "closed")
+#: the faults every op is put through; each adds its own (another shape, routing, indices)
+_COMMON = ("bad_input", "bad_out", "skip", "threads", "raise_after", "closed")
 
 
 @dataclasses.dataclass
 class Op:
     """One fused op under test: ``make(world, timeout_s)`` a context; ``inputs(world, ctx,
-    gen, variant)`` this rank's operands (a dict; variant "other_shape" changes N);
+    gen, variant)`` this rank's operands (a dict; variant "other_shape" changes a size the
+    ranks must agree on);
     ``call(ctx, inp, out)``; ``reference(world, ctx, inp)`` the expected output (a collective:
     every rank calls it); ``out_shape(ctx, inp)``; ``faults`` those that apply; ``corrupt``
     (fault, inp) -> inp for the op-specific faults."""
@@ -72,6 +75,14 @@ def _gen(seed: int, step: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 100003 + step) * 64 + rank)
 
 
+def _small_tiles():
+    """16x16x16 tiles, one warp: the interpreter's programs stay short."""
+    from ..ops.matmul import MatmulConfig
+
+    return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
+                        num_stages=1)
+
+
 # -- the ops --------------------------------------------------------------------------------
 def _gemv() -> Op:
     from ..ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce_reference
@@ -87,16 +98,12 @@ def _gemv() -> Op:
               reference=lambda world, ctx, i: gemv_all_reduce_reference(i["x"], i["w"],
                                                                          world.group),
               out_shape=lambda ctx, i: (i["x"].shape[0], i["w"].shape[0]),
-              faults=("bad_input", "bad_out", "skip", "other_shape", "threads", "raise_after",
-                      "closed"))
+              faults=_COMMON + ("other_shape",))
 
 
 def _moe() -> Op:
-    from ..ops.matmul import MatmulConfig
     from ..ops.moe_combine import MoeGemmCombine, dispatch, moe_gemm_combine_reference
 
-    small = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
-                         num_stages=1)
     S, H, I, E, k = 6, 16, 8, 2, 2
 
     def inputs(world, ctx, g, variant):
@@ -116,15 +123,14 @@ def _moe() -> Op:
     return Op("moe_gemm_combine",
               make=lambda world, t: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
                                                    experts_per_rank=E, timeout_s=t,
-                                                   config=small),
+                                                   config=_small_tiles()),
               inputs=inputs,
               call=lambda ctx, i, out: ctx(i["x"], i["w"], i["counts"], i["slots"], i["topk"],
                                            out=out),
               reference=lambda world, ctx, i: moe_gemm_combine_reference(
                   i["x"], i["w"], i["counts"], i["slots"], i["topk"], world.group),
               out_shape=lambda ctx, i: (i["topk"].shape[0], H),
-              faults=("bad_input", "bad_out", "skip", "bad_routing", "threads", "raise_after",
-                      "closed"),
+              faults=_COMMON + ("bad_routing",),
               corrupt=corrupt)
 
 
@@ -161,17 +167,13 @@ def _embedding() -> Op:
                   i["weight"], i["lengths"], i["indices"], None, ctx.plan, world.rank,
                   ctx.resolve_splits(i["lengths"], None), "sum", world.group),
               out_shape=lambda ctx, i: ctx.output_shape(ctx.resolve_splits(i["lengths"], None)),
-              faults=("bad_input", "bad_out", "skip", "bad_index", "threads", "raise_after",
-                      "closed"),
+              faults=_COMMON + ("bad_index",),
               corrupt=corrupt)
 
 
 def _gemm_all_to_all(transport: str) -> Op:
     from ..ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
-    from ..ops.matmul import MatmulConfig
 
-    small = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
-                         num_stages=1)
 
     def inputs(world, ctx, g, variant):
         M = 4 * world.world_size
@@ -180,15 +182,14 @@ def _gemm_all_to_all(transport: str) -> Op:
 
     return Op(f"gemm_all_to_all[{transport}]",
               make=lambda world, t: GemmAllToAll(world, max_elems=16 * world.world_size * 12,
-                                                 config=small, transport=transport,
+                                                 config=_small_tiles(), transport=transport,
                                                  timeout_s=t),
               inputs=inputs,
               call=lambda ctx, i, out: ctx(i["a"], i["b"], out=out),
               reference=lambda world, ctx, i: gemm_all_to_all_reference(i["a"], i["b"],
                                                                          world.group),
               out_shape=lambda ctx, i: (i["a"].shape[0], i["b"].shape[1]),
-              faults=("bad_input", "bad_out", "skip", "other_shape", "threads", "raise_after",
-                      "closed"))
+              faults=_COMMON + ("other_shape",))
 
 
 def _matmul_reduce() -> Op:
@@ -209,8 +210,7 @@ def _matmul_reduce() -> Op:
                                                                               world.group),
               out_shape=lambda ctx, i: (i["a"].shape[0] // ctx.world.world_size,
                                         i["b"].shape[1]),
-              faults=("bad_input", "bad_out", "skip", "other_shape", "threads", "raise_after",
-                      "closed"))
+              faults=_COMMON + ("other_shape",))
 
 
 def _all_gather_matmul() -> Op:
@@ -228,8 +228,7 @@ def _all_gather_matmul() -> Op:
                                                                           world.group),
               out_shape=lambda ctx, i: (i["a"].shape[0] * ctx.world.world_size,
                                         i["b"].shape[1]),
-              faults=("bad_input", "bad_out", "skip", "other_shape", "threads", "raise_after",
-                      "closed"))
+              faults=_COMMON + ("other_shape",))
 
 
 def all_ops() -> list:
