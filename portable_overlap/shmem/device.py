@@ -78,8 +78,9 @@ def call_deadline(clock_ptr, epoch, timeout_us):
     ``clock_ptr[0]`` (the context's heap) holds ``(start_ms << 16) | (epoch & 0xFFFF)``: the
     first program whose epoch differs from the stamp replaces it (compare-and-swap); the others
     read the winner's start. Milliseconds: NVIDIA's clock counts ns since 1970 (2^60 now), so
-    the start must fit 47 bits (2^47 ms is 4000 years); the deadline may come up to 1 ms early. Only waits that find their flag missing ask for it, so a call whose
-    flags are already there pays no atomic and no clock read for it."""
+    the start must fit 47 bits (2^47 ms is 4000 years); the deadline may come up to 1 ms early.
+    Only waits that find their flag missing ask for it, so a call whose flags are already there
+    pays no atomic and no clock read for it."""
     stamp = epoch.to(tl.int64) & 0xFFFF
     v = tl.atomic_add(clock_ptr, 0, sem="relaxed", scope="gpu")
     if (v & 0xFFFF) != stamp:
