@@ -54,7 +54,8 @@ class DeviceFacts:
     max_warps_per_sm: int
     # bulk tensor copies (Hopper's TMA) behind Triton's tensor descriptors: the tile GEMM loads
     # through them where this is true (measured on H200: 0.705 vs 0.764 ms with pointer loads
-    # at 8192x8192x4096, cuBLAS 0.696; session 5 run 3)
+    # at 8192x8192x4096, cuBLAS 0.696; benchmarks/probe_gemm_tma.py, rows in
+    # benchmarks/results/nvidia-h200.jsonl)
     tensor_descriptors: bool = False
 
 

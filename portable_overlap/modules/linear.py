@@ -200,7 +200,7 @@ class ColumnParallelLinear(nn.Module):
     same row count on every rank. A ``ctx`` given (an ``AllGatherMatmul`` shared by layers with
     the same ``in_features``) stays the caller's to close. Measured on GPUs inside
     ``examples/transformer/prefill.py`` (4 layers in one CUDA graph, fused vs reference: 14.90
-    vs 17.25 ms on 2 H200s, 9.82 vs 9.92 ms on 4; session 4 run 10, docs/scaling.md); the op
+    vs 17.25 ms on 2 H200s, 9.82 vs 9.92 ms on 4; docs/scaling.md); the op
     alone in docs/allgather_gemm.md.
     """
 

@@ -69,7 +69,7 @@ def gemm_tile_desc(a_desc, b_desc, row0, col0, K, BLOCK_M: tl.constexpr, BLOCK_N
     Reads past the tensors' ends are zeros; rows past a caller's own edge inside the tensor are
     real data and must be masked by the caller's store. On H200 this main loop ran within
     1-5 % of cuBLAS at 132 programs where the pointer loads of ``gemm_tile`` ran 9-21 % behind
-    (benchmarks/probe_gemm_tma.py, session 5 run 3): the copies bypass the register file and
+    (benchmarks/probe_gemm_tma.py): the copies bypass the register file and
     the address arithmetic."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):

@@ -32,8 +32,8 @@ copy each; gathered rank-major, so the buffer is ``cat(all_gather(a))`` as a row
   (this rank's block copied beside the peers').
 
 The 2-D partial sums round ``out`` once per piece: bf16/fp16 results carry about sqrt(pieces)
-times the 1-D schedules' rounding error (see ``_call_2d``). On 2x H200 (session 5 run 1) neither
-2-D schedule beat the 1-D pick at any benchmark shape, the M < K one included, so
+times the 1-D schedules' rounding error (see ``_call_2d``). On 2x H200 (docs/allgather_gemm.md)
+neither 2-D schedule beat the 1-D pick at any benchmark shape, the M < K one included, so
 ``pick_schedule`` never returns them: ask for them by name.
 
 Every wait is a bounded one-program kernel on the compute stream (transports/copy_engine.py): a
@@ -65,11 +65,11 @@ def pick_schedule(M: int, N: int, K: int, elem_bytes: int, arch: str) -> str:
     (``uniform-fused``), intense ones lose least to small independent GEMMs starting on the local
     shard at once (``hetero-unfused``, above 5× the machine's ratio), ``hetero-fused`` between.
     The paper also weighs memory traffic and picks its 2-D schedule when M <= K. This library has
-    2-D schedules (``hetero-unfused-2d``, ``uniform-fused-2d``), measured on 2x H200 in session 5
-    run 1: ``hetero-unfused-2d`` within 4.3 % of ``hetero-unfused-1d`` (ahead only at M < K,
-    0.722 vs 0.744 ms at 4096x8192x16384, where the pick measured 0.699), ``uniform-fused-2d``
-    3-9 % behind ``uniform-fused-1d``. Neither beat the pick at any shape, so the heuristic never
-    returns them: ask for them by name."""
+    2-D schedules (``hetero-unfused-2d``, ``uniform-fused-2d``), measured on 2x H200
+    (docs/allgather_gemm.md): ``hetero-unfused-2d`` within 4.3 % of ``hetero-unfused-1d`` (ahead
+    only at M < K, 0.722 vs 0.744 ms at 4096x8192x16384, where the pick measured 0.699),
+    ``uniform-fused-2d`` 3-9 % behind ``uniform-fused-1d``. Neither beat the pick at any shape,
+    so the heuristic never returns them: ask for them by name."""
     otb = 2.0 * M * N * K / (elem_bytes * (M * K + K * N + M * N))
     machine = MACHINE_OTB.get(arch, MACHINE_OTB["sm_90"])
     if otb < machine:
@@ -107,8 +107,9 @@ class AllGatherMatmul(OverlapContext):
         self.max_shard_elems, self.pieces, self.schedule = max_shard_elems, pieces, schedule
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         # one push lane per peer: each peer's pieces queue on their own stream, and a wait for
-        # one peer's consumed flag holds back no other peer's copies. On 4 H200s (run 11) that
-        # took 8192^3 from 0.723 to 0.556 ms (16384: 1.233 -> 1.018); 2 ranks have one lane.
+        # one peer's consumed flag holds back no other peer's copies. On 4 H200s 8192^3 takes
+        # 0.556 ms with it against 0.723 with a single lane (16384: 1.018 against 1.233 ms;
+        # docs/scaling.md); 2 ranks have one lane.
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
                                       lanes=max(1, W - 1))
         self._staging = {}  # (schedule-fused) per-step outputs, by (rows, N, dtype)

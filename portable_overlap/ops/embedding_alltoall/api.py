@@ -53,7 +53,7 @@ POOLINGS = ("sum", "mean")
 #: (bags per tile, warps) measured best on 2x H200 (sm_90) (benchmarks/bench_embedding_alltoall.py
 #: --sweep, fp32, graph replay; benchmarks/results/logs): D=64 128 bags / 4 warps 0.729 ms vs 64 / 4
 #: 0.876 ms at (65536, 16, 64, 20); D=128 16 / 8 1.019 ms vs 32 / 4 1.110 ms at
-#: (16384, 32, 128, 32) (session 3, table-major slices: the gather is latency-bound and register
+#: (16384, 32, 128, 32) (table-major slices: the gather is latency-bound and register
 #: use caps 32 / 4 at 3 resident programs per SM, 16 / 8 reaches 4 × 8 warps); D=256 8 / 8
 #: 0.402 ms vs 16 / 4 0.425 ms at (4096, 64, 256, 8)
 TUNED_TILE = {("sm_90", 64): (128, 4), ("sm_90", 128): (16, 8), ("sm_90", 256): (8, 8)}

@@ -74,9 +74,9 @@ KINDS = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter
 MAX_GROUPS = 256  # counters per context; a partition has at most this many groups
 #: SMs the GEMM leaves to the collectives' kernels by default, per 132 (scaled by the device's
 #: count): none. FlashOverlap leaves SMs to NCCL so that a group's collective runs beside the
-#: GEMM; on 2x H200 NCCL made no measurable progress there (comm_slowdown 5-717, session 5 runs
-#: 2 and 5) and a reserve of 16 only slowed the GEMM: reserve 0 measured 4-7 % faster at 8192^3
-#: (session 5 run 4) and the tuner kept 0 at all 4 shapes (run 5).
+#: GEMM; on 2x H200 NCCL made no measurable progress there (comm_slowdown 5-717) and a reserve
+#: of 16 only slowed the GEMM: reserve 0 measured 4-7 % faster at 8192^3 and the tuner kept 0 at
+#: all 4 shapes (docs/gemm_signal.md).
 RESERVE_PER_132 = 0
 #: the other reserve the tuner tries when the configured one is 0 (16 of 132 SMs, scaled)
 ALT_RESERVE_PER_132 = 16
@@ -92,13 +92,12 @@ class SignalConfig:
     2x H200, cached on disk per shape and device) and every later call uses its pick.
     ``max_groups``: bound for the default partition: 2 (one wave, then the rest). On 2x H200
     NCCL's collectives made almost no progress beside the persistent GEMM (``comm_slowdown``
-    5–717, session 5 run 2), so each extra group only adds its collective's fixed cost: the
-    earlier default of up to 8 doubling groups measured 8–13 % slower than the best measured
-    partition at each of the 4 shapes, one group 1–3 %, [one wave, rest] 1–2 % (at the 2 shapes
-    where the tuner measured it). ``gate``: ``"value"`` (each group's
-    collective waits on its counter: the overlap) or ``"event"`` (the collectives wait for the
-    whole GEMM by an event: the same kernels without overlap, a baseline and a fallback where a
-    stream value wait cannot be captured in a graph)."""
+    5–717), so each extra group only adds its collective's fixed cost: up to 8 doubling groups
+    measured 8–13 % slower than the best measured partition at each of the 4 shapes, one group
+    1–3 %, [one wave, rest] 1–2 % (at the 2 shapes where the tuner measured it). ``gate``:
+    ``"value"`` (each group's collective waits on its counter: the overlap) or ``"event"`` (the
+    collectives wait for the whole GEMM by an event: the same kernels without overlap, a
+    baseline and a fallback where a stream value wait cannot be captured in a graph)."""
 
     matmul: Optional[MatmulConfig] = None
     reserve_sms: Optional[int] = None

@@ -20,7 +20,7 @@ One call on rank r:
    their buffers here are free again.
 
 Why not NCCL here: the tile-group-signal op's collectives need SMs, and on 2x H200 they made no
-measurable progress beside the persistent GEMM (``comm_slowdown`` 5-717, session 5), so its
+measurable progress beside the persistent GEMM (``comm_slowdown`` 5-717), so its
 groups bought no overlap. Copy engines need no SM: the transfers run while the GEMM holds every
 SM, and only the last group's copy and the reduction follow the GEMM.
 

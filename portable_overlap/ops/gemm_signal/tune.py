@@ -7,9 +7,9 @@ predictor rank the partitions, measure the few it ranks best, keep the fastest, 
 1. **Calibration** on these tensors (``calibrate``): the signal GEMM alone and the reorder alone
    (``GemmSignal.phases``), the collective's time against message size
    (``schedule.measure_comm_curve``, host-timed: it predicted the op's times with 3.6–4.4 % mean
-   error on 2x H200 where the graph-timed curve gave 8–11 %, session 3 run 5), and on a GPU the
-   two slowdowns (``measure_beside``: the GEMM and a collective lasting about as long, launched
-   together and each alone).
+   error on 2x H200 where the graph-timed curve gave 8–11 %, docs/gemm_signal.md), and on a GPU
+   the two slowdowns (``measure_beside``: the GEMM and a collective lasting about as long,
+   launched together and each alone).
 2. **Prediction**: ``schedule.search_top`` ranks every admissible partition and keeps ``top_k``.
 3. **Measurement**: those, one group and the default partition, each timed through the op itself
    (``schedule.time_call``; CUDA-graph replay on a GPU), fastest first. One group and the default
@@ -224,7 +224,7 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
             measure(sizes, why, cfg.reserve_sms)
         # The SM reserve helps only collectives that run beside the GEMM; where they do not
         # (NCCL on 2x H200: comm_slowdown 5-717) it only slows the GEMM (reserve 0 measured
-        # 4-7 % faster at 8192^3, session 5 run 4). So the fastest partition and one group are
+        # 4-7 % faster at 8192^3). So the fastest partition and one group are
         # also measured with the other reserve (none, or 16 of 132 SMs when none is
         # configured), and the reserve is part of the decision.
         sms = ctx.world.facts.sm_count

@@ -1,13 +1,13 @@
 """Persistent tile GEMM: ``c = a @ b`` for a [M, K], b [K, N] (any strides), bf16 / fp16 / fp32.
 
 The compute baseline of the Triton GEMM ops: GEMM + All-to-All (stores), the MoE grouped GEMM and
-the tile-group-signal ops extend its tile (``tiles.gemm``) with their own epilogues. Measured
-alone on H200 in the GEMM + All-to-All benchmark (``compute_triton``, graph replay, session 2 run
-11, commit 0d1412e): 0.441 / 0.839 / 0.770 ms against cuBLAS's 0.367 / 0.685 / 0.659 ms at
-8192×4096×4096, 16384×7168×2048 and 4096×4096×14336 bf16, 82–86% of cuBLAS
-(docs/moe_combine.md). Since session 5 the tile loads go through TMA tensor descriptors where
-the operands allow (``tile_descriptors``): 0.730 vs cuBLAS 0.721 ms at 8192×8192×4096, 0.88–0.99
-of cuBLAS at the four shapes of ``benchmarks/probe_gemm_tma.py`` (session 5 run 4);
+the tile-group-signal ops extend its tile (``tiles.gemm``) with their own epilogues. The tile
+loads go through TMA tensor descriptors where the operands allow (``tile_descriptors``): on one
+H200 0.730 vs cuBLAS 0.721 ms at 8192×8192×4096, 0.88–0.99 of cuBLAS at the four shapes of
+``benchmarks/probe_gemm_tma.py``. Alone in the GEMM + All-to-All benchmark (``compute_triton``,
+graph replay, 2x H200, docs/moe_combine.md): 0.403 / 0.779 / 0.679 ms against cuBLAS's 0.361 /
+0.690 / 0.693 ms at 8192×4096×4096, 16384×7168×2048 and 4096×4096×14336 bf16; with pointer loads
+(``gemm_tile``) 0.441 / 0.839 / 0.770 ms against 0.367 / 0.685 / 0.659, 82–86% of cuBLAS.
 ``benchmarks/tune_gemm_core.py`` sweeps its configuration."""
 from __future__ import annotations
 

@@ -63,10 +63,10 @@ class MatmulReduce(OverlapContext):
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
         if not 1 <= pieces <= 128:
             raise ValueError(f"{OP}: pieces must be in [1, 128], got {pieces}")
-        # Default: one lane per peer. On 4 H200s that took reduce_scatter at 8192^3 from 0.695
-        # to 0.608 ms and was faster at 9 of the 12 benchmark cases. The copies themselves still
-        # run one at a time (profiles of runs 8 and 12), but a lane's flag waits and signals
-        # no longer hold back the copies queued for the other peers.
+        # Default: one lane per peer. On 4 H200s reduce_scatter at 8192^3 takes 0.608 ms with
+        # it against 0.695 with a single lane, and it is faster at 9 of the 12 benchmark cases. The
+        # copies themselves still run one at a time (profiles in docs/scaling.md), but a lane's
+        # flag waits and signals do not hold back the copies queued for the other peers.
         if put_lanes is None:
             put_lanes = max(1, W - 1)
         if not isinstance(put_lanes, int) or put_lanes < 1:
@@ -152,9 +152,9 @@ class MatmulReduce(OverlapContext):
         #    the peer has reduced this data, so after the copy read it); reduce_scatter's unused
         #    reduced buffer.
         #    Piece k for every peer before piece k+1 for any, so every lane has work from the
-        #    start. (Measured on 4 H200s, run 11: no change beyond noise against peer by peer,
-        #    RS 8192^3 0.631 -> 0.665, AR 1.140 -> 1.088 ms: the copies of different lanes do not
-        #    overlap there, one 8 MiB copy at a time at 170-300 GB/s, profile of run 12.)
+        #    start. (Measured on 4 H200s: no change beyond noise against peer by peer, RS
+        #    8192^3 0.665 against 0.631 ms, AR 1.088 against 1.140: the copies of different lanes
+        #    do not overlap there, one 8 MiB copy at a time at 170-300 GB/s; docs/scaling.md.)
         for k in range(P):
             for i in range(1, W):
                 d, lane = (r + i) % W, (i - 1) % self.put_lanes

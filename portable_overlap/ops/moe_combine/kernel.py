@@ -199,7 +199,8 @@ def _grouped_gemm_scatter(
     # A program that stored nothing into rank q has not waited for q's previous combine yet, but
     # it is about to overwrite q's rows-in count and rows-sent flag of that call: q's combine may
     # still be polling them (a slow or busy rank), and the flag wait is for equality, so a word
-    # overwritten early is a lost signal (first seen on 4 ranks with skewed routing).
+    # overwritten early is a lost signal (it shows on 4 ranks with skewed routing:
+    # tests/test_moe_combine.py::test_a_late_combine_loses_no_signal).
     for q in range(0, world):
         if (q != rank) & (((cleared >> q) & 1) == 0):
             ok = await_free(consumed_ptr, q, epoch, clock_ptr, timeout_us, status_addr, pid,
