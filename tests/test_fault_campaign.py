@@ -39,8 +39,8 @@ def test_fault_campaign(world, request):
 
 
 def _die_mid_call(world, victim, timeout_s):
-    """Every rank makes a context and a valid call; then ``victim`` kills itself (SIGKILL) from
-    inside its next call, after its kernel's first program started (the interpreter runs the
+    """Every rank makes a valid call (on a context of its own, to time the work); then
+    ``victim`` kills itself (SIGKILL) from inside its next call, after its kernel's first program started (the interpreter runs the
     kernel in this thread: a timer ends the process part-way through). The others report how
     that call ended and how long it took."""
     import signal
@@ -51,12 +51,14 @@ def _die_mid_call(world, victim, timeout_s):
 
     from portable_overlap import GemvAllReduce, PortableOverlapError
 
-    ctx = GemvAllReduce(world, max_n=256, timeout_s=timeout_s)
     g = torch.Generator().manual_seed(world.rank)
     x, w = torch.randn(4, 64, generator=g), torch.randn(256, 64, generator=g)
+    warm = GemvAllReduce(world, max_n=256, timeout_s=120.0)  # the ranks may come seconds apart
     t0 = time.monotonic()
-    ctx(x, w)
+    warm(x, w)
     work = time.monotonic() - t0
+    warm.close()
+    ctx = GemvAllReduce(world, max_n=256, timeout_s=timeout_s)
     if world.rank == victim:
         threading.Timer(work / 3, os.kill, (os.getpid(), signal.SIGKILL)).start()
     t0 = time.monotonic()
