@@ -51,3 +51,21 @@ def test_world_from_mpirun():
     for r, line in enumerate(lines):
         assert f"rank={r} size=2 local={r} launcher=mpirun" in line, line
         assert float(line.split("err=")[1]) < 1e-5, line
+
+
+def test_cpu_backend_without_the_interpreter_says_how_to_turn_it_on():
+    """torchrun on a CPU machine without TRITON_INTERPRET: a clear error at the context, not
+    Triton's "0 active drivers" at the first launch."""
+    code = ("from portable_overlap import World, GemvAllReduce, BackendUnavailable\n"
+            "w = World.from_env()\n"
+            "try:\n"
+            "    GemvAllReduce(w, max_n=8)\n"
+            "    print('no error')\n"
+            "except BackendUnavailable as e:\n"
+            "    print(e)\n")
+    env = _env()
+    env.pop("TRITON_INTERPRET")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "TRITON_INTERPRET=1" in out.stdout and "gemv_all_reduce" in out.stdout, out.stdout

@@ -93,6 +93,10 @@ class OverlapContext:
     def __init__(self, world, layout: Sequence[tuple], timeout_s: float):
         self.timeout_s = check_timeout(self.OP, timeout_s)
         self.timeout_us = int(self.timeout_s * 1e6)
+        if world.backend.name == "cpu":
+            from ..backends.cpu import require_interpreter
+
+            require_interpreter(self.OP)
         self.world = world
         self.rank = world.rank
         # [0] the current call's start (shared deadline), [1] the epoch of a timed-out call

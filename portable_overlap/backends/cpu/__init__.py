@@ -130,6 +130,26 @@ def _check_target(handle, path: str, name: str) -> None:
         raise _not_ours(handle, f"{path} is {target!r}, not the memfd {name!r}")
 
 
+def require_interpreter(what: str) -> None:
+    """Raise BackendUnavailable unless Triton runs kernels in its interpreter in this process:
+    the CPU backend has no compiled target (without it the first launch fails with Triton's
+    "0 active drivers"). The switch is read when Triton is imported, so it must be in the
+    environment before Python starts."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    on = (knobs.runtime.interpret if knobs is not None else
+          os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    if not on:
+        from ...errors import BackendUnavailable
+
+        raise BackendUnavailable(
+            f"{what}: the CPU backend runs the kernels in Triton's interpreter, which is off in "
+            f"this process; start Python with TRITON_INTERPRET=1 in the environment (for "
+            f"example `TRITON_INTERPRET=1 torchrun --nproc-per-node 2 script.py`), or use "
+            f"`python -m portable_overlap demo`, which sets it for its ranks")
+
+
 class CpuBackend(Backend):
     name = "cpu"
     #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)

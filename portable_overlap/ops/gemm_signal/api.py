@@ -146,6 +146,10 @@ class GemmSignal:
                  collectives: bool = True):
         self.timeout_s = check_timeout(OP, timeout_s)
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
+        if world.backend.name == "cpu":
+            from ...backends.cpu import require_interpreter
+
+            require_interpreter(OP)
         world.check_same(f"{OP} context config", (config, self.timeout_s))
         self.world = world
         self.rank, self.size = world.rank, world.world_size
