@@ -8,8 +8,9 @@ import pytest
 
 from portable_overlap.testing.campaign import leftovers, run_campaign
 
-#: steps per world size: together at least 200 faulted calls per run (fault rate 0.6)
-STEPS = {2: 200, 4: 140}
+#: steps per world size: about 250 faulted calls per run together (fault rate 0.65), so that no
+#: run falls short of 200 (the draw varies by about 10)
+STEPS = {2: 220, 4: 160}
 
 
 def _campaign(world, seed, steps):

@@ -289,7 +289,7 @@ def _outcome(fn) -> tuple:
         return "refused", e, time.monotonic() - t0
 
 
-def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.6,
+def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
                  timeout_s: float = 1.0, ops: Optional[list] = None,
                  verbose: bool = False) -> dict:
     """Collective: ``steps`` steps on every rank of ``world`` (see the module docstring).
