@@ -92,7 +92,6 @@ class Backend(abc.ABC):
     backends implement all of them (see ``ENTRIES``)."""
 
     name: str = "abstract"
-    poll_rate_hz: float = 1e6
     #: the torch.distributed backend for host collectives on this backend's devices
     process_group_backend: str = "gloo"
 

@@ -152,8 +152,6 @@ def require_interpreter(what: str) -> None:
 
 class CpuBackend(Backend):
     name = "cpu"
-    #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)
-    poll_rate_hz = 2e4
 
     _wait_timeout_s: Optional[float] = None  # set through ``wait_timeout_s``
 

@@ -86,9 +86,6 @@ def make_memcpy2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width_byte
 
 class CudaBackend(Backend):
     name = "cuda"
-    #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts);
-    #: measured on H200: 2e6 polls gave up after 0.45 s
-    poll_rate_hz = 4.4e6
     process_group_backend = "nccl"
 
     def __init__(self):

@@ -56,8 +56,6 @@ def _index(device: torch.device) -> int:
 
 class RocmBackend(Backend):
     name = "rocm"
-    #: roughly how many flag polls a kernel makes per second (turns timeouts into poll counts)
-    poll_rate_hz = 2e6
     process_group_backend = "nccl"  # torch's name for RCCL on ROCm builds
 
     @classmethod
