@@ -320,11 +320,7 @@ class GemmSignal:
                     pass
             if isinstance(e, RuntimeError) and not isinstance(e, PeerTimeoutError):
                 # the collective library's own errors: a timeout, or a peer that went away
-                raise PeerTimeoutError(
-                    f"{op}: rank {self.rank}'s collective failed (timeout_s={self.timeout_s}): a "
-                    f"peer skipped this call, left, or called with other shapes; the context is "
-                    f"broken: close it and create a new one. "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+                raise self._peer_lost(op, "collective", e) from e
             raise
         self._join()
         reorder(reorder_args)
@@ -342,6 +338,19 @@ class GemmSignal:
             set_timeout(self._timeout, group)
         return group
 
+    def _mark_broken(self, e: BaseException) -> None:
+        """Refuse further calls, and drop the world's signal group: it may hold a collective a
+        peer never joined (``_bounded_group``)."""
+        self._broken = f"{type(e).__name__}: {e}"
+        _drop_bounded_group(self.world)
+
+    def _peer_lost(self, op: str, what: str, e: BaseException) -> PeerTimeoutError:
+        """The error a failed collective of a call becomes: a timeout or a peer that went away."""
+        return PeerTimeoutError(
+            f"{op}: rank {self.rank}'s {what} failed (timeout_s={self.timeout_s}): a peer "
+            f"skipped this call, left, or called with other shapes; the context is broken: close "
+            f"it and create a new one. ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
     def _check_stamp(self, op, plan) -> None:
         """Under gloo (synchronous) every call first compares its plan's tag across the ranks: a
         collective of another size is fatal to a gloo rank (it aborts), so a rank that skipped a
@@ -353,12 +362,8 @@ class GemmSignal:
         try:
             dist.all_gather(tags, tag, group=self._group())
         except RuntimeError as e:
-            self._broken = f"{type(e).__name__}: {e}"
-            _drop_bounded_group(self.world)
-            raise PeerTimeoutError(
-                f"{op}: rank {self.rank}'s call check failed (timeout_s={self.timeout_s}): a peer "
-                f"skipped this call or left; the context is broken: close it and create a new "
-                f"one. ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+            self._mark_broken(e)
+            raise self._peer_lost(op, "call check", e) from e
         seen = [int(t) for t in tags]
         if len(set(seen)) != 1:
             raise RankMismatchError(f"{op}: ranks called with different shapes or configs "
@@ -395,8 +400,7 @@ class GemmSignal:
         GEMM so that no later call passes a wait early, and refuse further calls (peers may have
         run collectives this rank did not). A collective that timed out raises
         PeerTimeoutError (``_call``)."""
-        self._broken = f"{type(e).__name__}: {e}"
-        _drop_bounded_group(self.world)  # it may hold a collective a peer never joined
+        self._mark_broken(e)
         try:
             with self._on_comm():
                 self._wait_caller()
