@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one go: environment report, GPU checks (torchrun, 2 ranks by
-# default), then the benchmark. Logs and results go to the folder given as $1 (or $OUT).
+# default; NPROC=1 runs them on one GPU, where every op is its local computation), then the
+# benchmarks. Logs and results go to the folder given as $1 (or $OUT).
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
 #      PO_SKIP_CHECKS=1 (all GPU checks), PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark),
@@ -34,8 +35,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv > 
 nvidia-smi topo -m >> "$out/gpus.txt" 2>&1
 timeout 120 python3 -m portable_overlap env 2>&1 | tee "$out/env.txt"
 # Each torchrun section's wall time goes to timing.txt, so device calls can be planned.
-# Filters end in tail, never head: a head that exits early kills tee and truncates the log (the
-# full gpu_checks log of session 5 runs 5 and 8 lost its summary line that way).
+# Filters end in tail, never head: a head that exits early kills tee and truncates the log
+# (the summary line is the log's last).
 run() {
   local t0=$SECONDS rc
   timeout "$1" torchrun --nproc-per-node "$nproc" --master-port "$((29500 + RANDOM % 1000))" "${@:2}"

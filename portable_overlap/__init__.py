@@ -1,37 +1,58 @@
 """portable_overlap: fused computation + communication kernels for multi-GPU PyTorch.
 
 Ops start sending the first finished tiles of their output to the other GPUs while the rest is
-still being computed. See README.md for how the pieces fit.
+still being computed. One op per communication pattern, each with a context (the collective
+workspace, made once per shape budget) and a ``transport=`` choice:
+
+======================  ============================  ===========================================
+op                      context                       transports (first: default)
+======================  ============================  ===========================================
+all_gather_matmul       AllGatherMatmul               copy_engine
+matmul_reduce_scatter   MatmulReduceScatter           copy_engine, signal_collective,
+                                                      signal_copy_engine
+matmul_all_reduce       MatmulAllReduce               copy_engine, signal_collective
+matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signal_collective
+gemv_all_reduce         GemvAllReduce                 stores
+embedding_all_to_all    EmbeddingAllToAll             stores, shmem
+moe_gemm_combine        MoeGemmCombine                stores, shmem
+======================  ============================  ===========================================
+
+Each op is also ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS`` lists them). The
+modules (``RowParallelLinear``, ``ColumnParallelLinear``, ``ShardedEmbeddingBagCollection``,
+``ExpertParallelMoE``) use them as drop-in layers. See README.md.
 """
 from .backends import get_backend
 from .errors import (BackendUnavailable, ConcurrentUseError, ContextBrokenError,
                      ContextClosedError, InvalidInputError, PeerSetupError, PeerTimeoutError,
                      PortableOverlapError, RankMismatchError)
-from .modules.embedding import ShardedEmbeddingBagCollection
-from .modules.linear import ColumnParallelLinear, RowParallelLinear
+from .modules import (ColumnParallelLinear, ExpertParallelMoE, RowParallelLinear,
+                      ShardedEmbeddingBagCollection)
+from .ops.allgather_gemm import AllGatherMatmul, all_gather_matmul, all_gather_matmul_reference
 from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                      embedding_all_to_all_reference)
-from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
-from .ops.allgather_gemm import AllGatherMatmul, all_gather_matmul
-from .ops.matmul_reduce import MatmulReduce, matmul_all_reduce, matmul_reduce_scatter
-from .ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all
-from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine
-from .ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce,
-                              gemm_all_reduce_reference, gemm_all_to_all_signal,
-                              gemm_all_to_all_signal_reference, gemm_reduce_scatter,
-                              gemm_reduce_scatter_reference)
+from .ops.gemm_alltoall import MatmulAllToAll, matmul_all_to_all, matmul_all_to_all_reference
+from .ops.gemm_signal import SignalConfig
+from .ops.gemv_allreduce import (GemvAllReduce, GemvConfig, gemv_all_reduce,
+                                 gemv_all_reduce_reference)
+from .ops.matmul_reduce import (MatmulAllReduce, MatmulReduceScatter, matmul_all_reduce,
+                                matmul_all_reduce_reference, matmul_reduce_scatter,
+                                matmul_reduce_scatter_reference)
+from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine, moe_gemm_combine_reference
+from .ops.registry import SPECS
 from .world import World
 
 __version__ = "0.1.0"
-__all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_reduce",
-           "gemv_all_reduce_reference", "RowParallelLinear", "PortableOverlapError",
-           "BackendUnavailable", "PeerTimeoutError", "RankMismatchError", "ContextBrokenError",
-           "ContextClosedError", "ConcurrentUseError", "PeerSetupError",
-           "InvalidInputError", "GemmAllToAll", "gemm_all_to_all", "MoeGemmCombine",
-           "moe_gemm_combine", "GemmSignal", "SignalConfig", "gemm_all_reduce",
-           "gemm_reduce_scatter", "gemm_all_to_all_signal", "gemm_all_reduce_reference",
-           "gemm_reduce_scatter_reference", "gemm_all_to_all_signal_reference",
-           "EmbeddingAllToAll", "ShardingPlan", "embedding_all_to_all",
-           "embedding_all_to_all_reference", "ShardedEmbeddingBagCollection",
-           "AllGatherMatmul", "all_gather_matmul", "ColumnParallelLinear", "MatmulReduce",
-           "matmul_reduce_scatter", "matmul_all_reduce"]
+
+#: the ops and their contexts, from the op table (one entry per communication pattern)
+OPS = tuple(SPECS)
+__all__ = [
+    "World", "get_backend", "OPS",
+    *OPS, *(spec.context.__name__ for spec in SPECS.values()),
+    *(f"{name}_reference" for name in OPS),
+    "GemvConfig", "SignalConfig", "ShardingPlan",
+    "RowParallelLinear", "ColumnParallelLinear", "ShardedEmbeddingBagCollection",
+    "ExpertParallelMoE",
+    "PortableOverlapError", "BackendUnavailable", "PeerTimeoutError", "RankMismatchError",
+    "ContextBrokenError", "ContextClosedError", "ConcurrentUseError", "PeerSetupError",
+    "InvalidInputError",
+]

@@ -24,20 +24,25 @@ def compile_spec(fn, signature: dict, constexprs: dict, aligned, target):
     return triton.compile(src, target=GPUTarget(*target), options={"num_warps": 4, "num_stages": 4})
 
 
+#: kernel lists of building blocks that several ops share (the persistent GEMM core)
+SHARED_SPECS = ("portable_overlap.ops.matmul.compile_specs",)
+
+
+def spec_modules() -> list:
+    """The modules whose ``specs()`` list the package's kernels: each op's (from the op table,
+    ``ops.registry.SPECS``) and the shared building blocks', each once."""
+    import portable_overlap  # noqa: F401  (defines every op)
+    from .ops.registry import SPECS
+
+    names = list(SHARED_SPECS)
+    for spec in SPECS.values():
+        names += [m for m in spec.compile_specs if m not in names]
+    return names
+
+
 def all_specs():
     """(name, jit function, signature, constexprs, aligned argument names) of every kernel."""
-    from .ops.gemv_allreduce.compile_specs import specs as gemv_allreduce_specs
-    from .ops.gemm_alltoall.compile_specs import specs as gemm_alltoall_specs
-    from .ops.gemm_signal.compile_specs import specs as gemm_signal_specs
-    from .ops.matmul.compile_specs import specs as matmul_specs
-    from .ops.moe_combine.compile_specs import specs as moe_combine_specs
-    from .transports.compile_specs import specs as transport_specs
-    from .ops.embedding_alltoall.compile_specs import specs as embedding_alltoall_specs
+    import importlib
 
-    yield from gemv_allreduce_specs()
-    yield from matmul_specs()
-    yield from gemm_alltoall_specs()
-    yield from moe_combine_specs()
-    yield from transport_specs()
-    yield from gemm_signal_specs()
-    yield from embedding_alltoall_specs()
+    for name in spec_modules():
+        yield from importlib.import_module(name).specs()

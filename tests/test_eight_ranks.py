@@ -3,12 +3,14 @@ a 2-core CI machine), against its torch reference. The 2- and 4-rank suites cove
 file only checks that nothing assumes W <= 4 (block splits with empty blocks, peer loops, tags)."""
 import torch
 
-from portable_overlap import (AllGatherMatmul, EmbeddingAllToAll, GemmAllToAll, GemmSignal,
-                              GemvAllReduce, MatmulReduce, MoeGemmCombine, SignalConfig,
-                              embedding_all_to_all_reference, gemm_all_reduce,
-                              gemm_all_reduce_reference, gemm_all_to_all_signal,
-                              gemm_all_to_all_signal_reference, gemm_reduce_scatter,
-                              gemm_reduce_scatter_reference, gemv_all_reduce_reference)
+from portable_overlap import (AllGatherMatmul, EmbeddingAllToAll, GemvAllReduce,
+                              MoeGemmCombine, SignalConfig, embedding_all_to_all_reference,
+                              gemv_all_reduce_reference)
+from portable_overlap.ops.gemm_alltoall import GemmAllToAll
+from portable_overlap.ops.gemm_signal import (GemmSignal, gemm_all_reduce_reference,
+                                              gemm_all_to_all_signal_reference,
+                                              gemm_reduce_scatter_reference)
+from portable_overlap.ops.matmul_reduce import MatmulReduce
 from portable_overlap.ops.allgather_gemm import SCHEDULES, all_gather_matmul_reference
 from portable_overlap.ops.gemm_alltoall import gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
@@ -87,18 +89,17 @@ def _every_op(world):
     ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
     a, b = torch.randn(9, 8, generator=g), torch.randn(8, 12, generator=g)
     for i in range(2):  # the second call of a plan waits on the group counters
-        errs[f"gemm+allreduce signal #{i}"] = _rel(gemm_all_reduce(a, b, ctx),
+        errs[f"gemm+allreduce signal #{i}"] = _rel(ctx.all_reduce(a, b),
                                                    gemm_all_reduce_reference(a, b, world.group))
     # the kinds with one destination per rank: 2 of the 16 rows each (one tile row per
     # destination), odd N and K. Twice as well: with 8 destinations the counters wait for
     # groups of 8-tile multiples, which only the second (guarded) call checks.
     a, b = torch.randn(2 * W, 5, generator=g), torch.randn(5, 13, generator=g)
-    for kind, fn, ref_fn in (("reduce_scatter", gemm_reduce_scatter,
-                              gemm_reduce_scatter_reference),
-                             ("all_to_all", gemm_all_to_all_signal,
-                              gemm_all_to_all_signal_reference)):
+    for kind, ref_fn in (("reduce_scatter", gemm_reduce_scatter_reference),
+                         ("all_to_all", gemm_all_to_all_signal_reference)):
         for i in range(2):
-            errs[f"gemm+{kind} signal #{i}"] = _rel(fn(a, b, ctx), ref_fn(a, b, world.group))
+            errs[f"gemm+{kind} signal #{i}"] = _rel(getattr(ctx, kind)(a, b),
+                                                   ref_fn(a, b, world.group))
     ctx.close()
     return errs
 

@@ -4,8 +4,7 @@ import torch
 
 from portable_overlap.testing import call_while_peers_skip
 from portable_overlap import PeerTimeoutError, PortableOverlapError
-from portable_overlap.ops.gemm_alltoall import (GemmAllToAll, gemm_all_to_all,
-                                                gemm_all_to_all_reference)
+from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -23,7 +22,7 @@ def _cases(world, dtype, shapes, config=None, transport="stores", pieces=4):
             b = torch.randn(N, K, generator=g).to(dtype).t() if bt else \
                 torch.randn(K, N, generator=g).to(dtype)
             out = torch.full((M, N), float("nan"), dtype=dtype)
-            gemm_all_to_all(a, b, ctx, out=out)
+            ctx(a, b, out=out)
             assert not torch.isnan(out).any(), f"output not fully written at {(M, N, K)}"
             ref = gemm_all_to_all_reference(a, b, world.group)
             errs.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
@@ -117,7 +116,7 @@ def test_bad_context_arguments(world2):
 
 def test_bad_input(world2):
     for msgs in world2.run(_bad):
-        assert all(m and m.startswith("gemm_all_to_all") for m in msgs), msgs
+        assert all(m and m.startswith("matmul_all_to_all") for m in msgs), msgs
         assert "split evenly" in msgs[0] and "max_elems" in msgs[3]
 
 

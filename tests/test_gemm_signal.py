@@ -7,16 +7,29 @@ import pytest
 import torch
 
 from portable_overlap import RankMismatchError
-from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce,
-                                              gemm_all_reduce_reference, gemm_all_to_all_signal,
+from portable_overlap import MatmulAllReduce, MatmulAllToAll, MatmulReduceScatter
+from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_all_to_all_signal_reference,
-                                              gemm_reduce_scatter, gemm_reduce_scatter_reference)
+                                              gemm_reduce_scatter_reference)
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.schedule import (WaveGroups, default_partition, default_partitions,
                                        tile_layout)
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+
+
+def gemm_all_reduce(a, b, ctx, out=None, **kw):
+    return ctx.all_reduce(a, b, out, **kw)
+
+
+def gemm_reduce_scatter(a, b, ctx, out=None, **kw):
+    return ctx.reduce_scatter(a, b, out, **kw)
+
+
+def gemm_all_to_all_signal(a, b, ctx, out=None, **kw):
+    return ctx.all_to_all(a, b, out, **kw)
+
 OPS = {"all_reduce": (gemm_all_reduce, gemm_all_reduce_reference),
        "reduce_scatter": (gemm_reduce_scatter, gemm_reduce_scatter_reference),
        "all_to_all": (gemm_all_to_all_signal, gemm_all_to_all_signal_reference)}
@@ -124,13 +137,16 @@ def test_library_ops_and_defaults(world2):
 
 
 def _library_ops(world):
-    # the torch.library ops through their handle, with the CPU default tiling and partition
-    ctx = GemmSignal(world)
+    # the torch.library ops of the three patterns through their handles, on this transport,
+    # with the CPU default tiling and partition
+    ctxs = [make(world, 10, 7, transport="signal_collective")
+            for make in (MatmulAllReduce, MatmulReduceScatter, MatmulAllToAll)]
+    ops = [torch.ops.portable_overlap.matmul_all_reduce,
+           torch.ops.portable_overlap.matmul_reduce_scatter,
+           torch.ops.portable_overlap.matmul_all_to_all]
     try:
         a, b = torch.randn(10, 12), torch.randn(12, 7)
-        out = [torch.ops.portable_overlap.gemm_all_reduce(a, b, ctx.handle),
-               torch.ops.portable_overlap.gemm_reduce_scatter(a, b, ctx.handle),
-               torch.ops.portable_overlap.gemm_all_to_all_signal(a, b, ctx.handle)]
+        out = [op(a, b, ctx.handle) for op, ctx in zip(ops, ctxs)]
         refs = [gemm_all_reduce_reference(a, b), gemm_reduce_scatter_reference(a, b),
                 gemm_all_to_all_signal_reference(a, b)]
         errs = [((o - r).norm() / r.norm()).item() for o, r in zip(out, refs)]
@@ -139,15 +155,12 @@ def _library_ops(world):
 
         with FakeTensorMode() as mode:
             fa, fb = mode.from_tensor(a), mode.from_tensor(b)
-            shapes = [tuple(torch.ops.portable_overlap.gemm_all_reduce(fa, fb, ctx.handle).shape),
-                      tuple(torch.ops.portable_overlap.gemm_reduce_scatter(fa, fb,
-                                                                           ctx.handle).shape),
-                      tuple(torch.ops.portable_overlap.gemm_all_to_all_signal(
-                          fa, fb, ctx.handle).shape)]
+            shapes = [tuple(op(fa, fb, ctx.handle).shape) for op, ctx in zip(ops, ctxs)]
         assert shapes == [tuple(o.shape) for o in out], shapes
         return errs
     finally:
-        ctx.close()
+        for ctx in ctxs:
+            ctx.close()
 
 
 def _rmsnorm(world, cases):
@@ -221,7 +234,7 @@ def _bad(world):
 def test_bad_input(world2):
     for msgs, ok in world2.run(_bad):
         assert ok
-        assert all(m and m.startswith("gemm_") for m in msgs), msgs
+        assert all(m and m.startswith(("matmul_", "SignalConfig: ")) for m in msgs), msgs
         assert "split evenly" in msgs[0] and "partition" in msgs[6] and "multiples" in msgs[7]
         assert "reserve_sms" in msgs[8] and "rms_weight" in msgs[9] and "rms_weight" in msgs[10]
         assert "eps" in msgs[11] and "gate" in msgs[12]

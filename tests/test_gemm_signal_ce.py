@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from portable_overlap.ops.gemm_signal import SignalConfig, gemm_reduce_scatter_reference
-from portable_overlap.ops.gemm_signal.copy_engine import (GemmReduceScatterCE,
-                                                          gemm_reduce_scatter_ce)
+from portable_overlap import MatmulReduceScatter
+from portable_overlap.ops.gemm_signal.copy_engine import GemmReduceScatterCE
 from portable_overlap.ops.matmul import MatmulConfig
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
@@ -30,7 +30,7 @@ def _cases(world, cases):
             res = torch.randn(rows, N, generator=g).to(dtype) if epi else None
             out = torch.full((rows, N), float("nan"), dtype=dtype)
             cfg = SignalConfig(matmul=SMALL, partition=part) if part else None
-            gemm_reduce_scatter_ce(a, b, ctx, out, bias=bias, residual=res, config=cfg)
+            ctx.reduce_scatter(a, b, out, bias=bias, residual=res, config=cfg)
             ref = gemm_reduce_scatter_reference(a, b, world.group).double()
             if epi:
                 ref = ref + bias.double() + res.double()
@@ -108,19 +108,19 @@ def test_bad_input(world2):
 
 def _library_op(world):
     W = world.world_size
-    ctx = GemmReduceScatterCE(world, GemmReduceScatterCE.elems_needed(32, 32, W, 16, 16),
+    ctx = MatmulReduceScatter(world, 32, 32, transport="signal_copy_engine",
                               config=SignalConfig(matmul=SMALL))
     try:
         g = torch.Generator().manual_seed(7 + world.rank)
         a, b = torch.randn(32, 24, generator=g), torch.randn(24, 32, generator=g)
         bias = torch.randn(32, generator=g)
-        got = torch.ops.portable_overlap.gemm_reduce_scatter_ce(a, b, ctx.handle, bias, None)
+        got = torch.ops.portable_overlap.matmul_reduce_scatter(a, b, ctx.handle, bias, None)
         ref = gemm_reduce_scatter_reference(a, b, world.group) + bias
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode() as mode:
             fa, fb = mode.from_tensor(a), mode.from_tensor(b)
-            fake = torch.ops.portable_overlap.gemm_reduce_scatter_ce(fa, fb, ctx.handle)
+            fake = torch.ops.portable_overlap.matmul_reduce_scatter(fa, fb, ctx.handle)
         return torch.allclose(got, ref, rtol=1e-5, atol=1e-4), tuple(fake.shape)
     finally:
         ctx.close()

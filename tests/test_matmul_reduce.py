@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from portable_overlap.testing import call_while_peers_skip
-from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce,
+from portable_overlap.ops.matmul_reduce import (MatmulAllReduce, MatmulReduce,
+                                                MatmulReduceScatter, matmul_all_reduce,
                                                 matmul_all_reduce_reference,
                                                 matmul_reduce_scatter,
                                                 matmul_reduce_scatter_reference)
@@ -66,10 +67,13 @@ def _functions_and_bad(world):
     W = world.world_size
     ctx = MatmulReduce(world, max_elems=64)
     a, b = torch.randn(4, 6), torch.randn(6, 5)
-    errs = [((matmul_reduce_scatter(a, b, ctx) - matmul_reduce_scatter_reference(a, b,
+    rs, ar = MatmulReduceScatter(world, 4, 5), MatmulAllReduce(world, 4, 5)
+    errs = [((matmul_reduce_scatter(a, b, rs) - matmul_reduce_scatter_reference(a, b,
              world.group)).norm()).item(),
-            ((matmul_all_reduce(a, b, ctx) - matmul_all_reduce_reference(a, b,
+            ((matmul_all_reduce(a, b, ar) - matmul_all_reduce_reference(a, b,
              world.group)).norm()).item()]
+    rs.close()
+    ar.close()
     msgs = []
     for mode, args in (("all_reduce", (torch.randn(13, 6), b)),  # more than max_elems
                        ("all_reduce", (a, torch.randn(7, 5))),  # K mismatch
@@ -95,7 +99,7 @@ def _functions_and_bad(world):
 def test_functions_and_bad_input(world2):
     for errs, msgs in world2.run(_functions_and_bad):
         assert max(errs) < 1e-4, errs
-        assert all(m and m.startswith("matmul_reduce") for m in msgs), msgs
+        assert all(m and m.startswith("matmul_") for m in msgs), msgs
 
 
 def _skip(world):

@@ -201,21 +201,21 @@ def test_context_broken_after_a_timeout(world2):
 def _signal_fault(world, fault, timeout_s):
     """A warm GEMM + AllReduce (plans agreed at the first call); then rank 1 skips a call, or
     calls with another N. The others' collectives must give up within 2x the timeout."""
-    from portable_overlap.ops.gemm_signal import GemmSignal, SignalConfig, gemm_all_reduce
+    from portable_overlap.ops.gemm_signal import GemmSignal, SignalConfig
     from portable_overlap.ops.matmul import MatmulConfig
 
     cfg = SignalConfig(matmul=MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2,
                                            num_warps=1, num_stages=1))
     ctx = GemmSignal(world, config=cfg, timeout_s=timeout_s)
     a, b = torch.randn(8, 8), torch.randn(8, 32)
-    gemm_all_reduce(a, b, ctx)
-    gemm_all_reduce(a, b[:, :16], ctx)
+    ctx.all_reduce(a, b)
+    ctx.all_reduce(a, b[:, :16])
     out = "skipped"
     if not (fault == "skip" and world.rank == 1):
         bb = b[:, :16] if (fault == "other_n" and world.rank == 1) else b
         t0 = time.monotonic()
         try:
-            gemm_all_reduce(a, bb, ctx)
+            ctx.all_reduce(a, bb)
             out = "no error"
         except PortableOverlapError as e:
             out = (type(e).__name__, str(e), time.monotonic() - t0)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduce,
+from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduceScatter,
                               RowParallelLinear)
 from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
 
@@ -145,7 +145,7 @@ def run(world, args):
     # one gather buffer for QKV and gate/up (both read [S/W, hidden]), one reduce workspace for O
     # and down (both write [S, hidden] before the scatter)
     ag_ctx = AllGatherMatmul(world, max_shard_elems=S // W * hid)
-    rs_ctx = MatmulReduce(world, max_elems=MatmulReduce.elems_needed(S, hid, W))
+    rs_ctx = MatmulReduceScatter(world, S, hid)
     torch.manual_seed(1 + r)  # each rank its own shards of the weights
     fused = [Block(world, dims, S, dtype, True, ag_ctx, rs_ctx) for _ in range(args.layers)]
     plain = [Block(world, dims, S, dtype, False) for _ in range(args.layers)]

@@ -10,7 +10,8 @@ from torch import nn
 
 from ..ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce
 from ..ops.gemv_allreduce.api import MAX_M
-from ..ops.matmul_reduce import MatmulReduce, matmul_all_reduce, matmul_reduce_scatter
+from ..ops.matmul_reduce import (MatmulAllReduce, MatmulReduceScatter, matmul_all_reduce,
+                                 matmul_reduce_scatter)
 
 REDUCES = ("all_reduce", "reduce_scatter")
 
@@ -78,8 +79,8 @@ class RowParallelLinear(nn.Module):
 
     - ``all_reduce``, up to 64 rows (a decode step): the fused GEMV + AllReduce kernel, as before;
     - ``all_reduce``, more rows (prefill): ``matmul_all_reduce`` (GEMM split over K with the
-      reduction on copy engines) when the module has a ``MatmulReduce`` context (``max_rows``
-      given, or ``reduce_ctx``), else the reference;
+      reduction on copy engines) when the module has a ``MatmulAllReduce`` context
+      (``max_rows`` given, or ``reduce_ctx``), else the reference;
     - ``reduce_scatter``, any row count: ``matmul_reduce_scatter``.
 
     The reference path is ``x_r @ W_rᵀ`` then ``torch.distributed.all_reduce`` /
@@ -88,11 +89,11 @@ class RowParallelLinear(nn.Module):
     no backward; the decode GEMV path is taken as before).
 
     Collective to construct and to :meth:`close` (every rank, same arguments). ``ctx``
-    (a ``GemvAllReduce``) and ``reduce_ctx`` (a ``MatmulReduce``) let layers share workspaces:
-    they are used as given and stay the caller's to close. ``max_rows`` sizes the context the
-    module makes itself (``MatmulReduce.elems_needed(max_rows, out_features, W)`` elements:
-    ``max_rows * out_features`` when W divides ``max_rows``, more otherwise); more rows on a
-    fused GEMM path raise ``ValueError``.
+    (a ``GemvAllReduce``) and ``reduce_ctx`` (a ``MatmulAllReduce`` or, with
+    ``reduce="reduce_scatter"``, a ``MatmulReduceScatter``) let layers share workspaces: they
+    are used as given and stay the caller's to close. ``max_rows`` sizes the context the module
+    makes itself (results of up to ``max_rows`` x ``out_features``); more rows on a fused GEMM
+    path raise ``ValueError``.
     """
 
     def __init__(self, in_features: int, out_features: int, world, *, bias: bool = False,
@@ -110,7 +111,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear: max_rows must be an int >= 1, got {max_rows!r}")
         if fused and reduce == "reduce_scatter" and max_rows is None and reduce_ctx is None:
             raise ValueError("RowParallelLinear: reduce='reduce_scatter' with fused=True needs "
-                             "max_rows (to size its MatmulReduce context) or reduce_ctx")
+                             "max_rows (to size its MatmulReduceScatter context) or reduce_ctx")
         self.world = world
         self.in_features, self.out_features = in_features, out_features
         self.reduce, self.max_rows = reduce, max_rows
@@ -127,8 +128,8 @@ class RowParallelLinear(nn.Module):
             self._owned.append(self.ctx)
         self.reduce_ctx = reduce_ctx
         if reduce_ctx is None and fused and max_rows is not None:
-            self.reduce_ctx = MatmulReduce(world, max_elems=MatmulReduce.elems_needed(
-                max_rows, out_features, world.world_size))
+            make = MatmulReduceScatter if reduce == "reduce_scatter" else MatmulAllReduce
+            self.reduce_ctx = make(world, max_rows, out_features)
             self._owned.append(self.reduce_ctx)
         with torch.no_grad():
             self.weight.normal_(0.0, (in_features ** -0.5))
@@ -174,7 +175,7 @@ class RowParallelLinear(nn.Module):
     def _check_rows(self, rows: int) -> None:
         if self.max_rows is not None and rows > self.max_rows:
             raise ValueError(f"RowParallelLinear: {rows} rows exceed max_rows={self.max_rows} "
-                             f"(the size of its MatmulReduce context)")
+                             f"(the size of its {type(self.reduce_ctx).__name__} context)")
 
     def close(self) -> None:
         """Collective: free the contexts this module made (not the ones it was given)."""

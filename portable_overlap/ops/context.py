@@ -41,6 +41,14 @@ def check_timeout(op: str, timeout_s) -> float:
     return t
 
 
+def check_transport(op: str, transport, transports: Sequence[str]) -> str:
+    """``transport`` if it is one of ``transports``, else a clear error."""
+    if transport not in transports:
+        raise ValueError(f"{op}: transport must be one of {tuple(transports)}, got "
+                         f"{transport!r}")
+    return transport
+
+
 def collective_call(method):
     """Wrap an op's call method (see :class:`OverlapContext`): refuse a closed or broken context
     and a second thread, and turn an exception raised before the call's first launch into a

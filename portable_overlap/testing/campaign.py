@@ -172,7 +172,7 @@ def _embedding() -> Op:
 
 
 def _gemm_all_to_all(transport: str) -> Op:
-    from ..ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
+    from ..ops.gemm_alltoall import MatmulAllToAll, matmul_all_to_all, matmul_all_to_all_reference
 
 
     def inputs(world, ctx, g, variant):
@@ -180,20 +180,21 @@ def _gemm_all_to_all(transport: str) -> Op:
         n = 8 if variant == "other_shape" else 12
         return _on(world, a=torch.randn(M, 8, generator=g), b=torch.randn(8, n, generator=g))
 
-    return Op(f"gemm_all_to_all[{transport}]",
-              make=lambda world, t: GemmAllToAll(world, max_elems=16 * world.world_size * 12,
-                                                 config=_small_tiles(), transport=transport,
-                                                 timeout_s=t),
+    options = {"config": _small_tiles()} if transport == "stores" else {}
+    return Op(f"matmul_all_to_all[{transport}]",
+              make=lambda world, t: MatmulAllToAll(world, 4 * world.world_size, 12,
+                                                   transport=transport, timeout_s=t, **options),
               inputs=inputs,
-              call=lambda ctx, i, out: ctx(i["a"], i["b"], out=out),
-              reference=lambda world, ctx, i: gemm_all_to_all_reference(i["a"], i["b"],
-                                                                         world.group),
+              call=lambda ctx, i, out: matmul_all_to_all(i["a"], i["b"], ctx, out),
+              reference=lambda world, ctx, i: matmul_all_to_all_reference(i["a"], i["b"],
+                                                                           world.group),
               out_shape=lambda ctx, i: (i["a"].shape[0], i["b"].shape[1]),
               faults=_COMMON + ("other_shape",))
 
 
 def _matmul_reduce() -> Op:
-    from ..ops.matmul_reduce import MatmulReduce, matmul_reduce_scatter_reference
+    from ..ops.matmul_reduce import (MatmulReduceScatter, matmul_reduce_scatter,
+                                     matmul_reduce_scatter_reference)
 
     def inputs(world, ctx, g, variant):
         M = 2 * world.world_size
@@ -201,11 +202,10 @@ def _matmul_reduce() -> Op:
         return _on(world, a=torch.randn(M, 8, generator=g), b=torch.randn(8, n, generator=g))
 
     return Op("matmul_reduce_scatter",
-              make=lambda world, t: MatmulReduce(
-                  world, max_elems=MatmulReduce.elems_needed(2 * world.world_size, 10,
-                                                             world.world_size), timeout_s=t),
+              make=lambda world, t: MatmulReduceScatter(world, 2 * world.world_size, 10,
+                                                        timeout_s=t),
               inputs=inputs,
-              call=lambda ctx, i, out: ctx.reduce_scatter(i["a"], i["b"], out=out),
+              call=lambda ctx, i, out: matmul_reduce_scatter(i["a"], i["b"], ctx, out),
               reference=lambda world, ctx, i: matmul_reduce_scatter_reference(i["a"], i["b"],
                                                                               world.group),
               out_shape=lambda ctx, i: (i["a"].shape[0] // ctx.world.world_size,
@@ -330,11 +330,12 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
 
         extra = None
         if mine and fault == "threads":
-            ctx._guard.acquire()  # as if another thread's call were running
+            guard = getattr(ctx, "impl", ctx)._guard  # a pattern context's transport's
+            guard.acquire()  # as if another thread's call were running
             try:
                 extra = _outcome(lambda: op.call(ctx, call_inp, out))
             finally:
-                ctx._guard.release()
+                guard.release()
         if mine and fault == "skip":
             time.sleep(timeout_s)  # the peers wait for a call that never comes
             kind, value, took = "skipped", None, 0.0

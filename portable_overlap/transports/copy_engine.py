@@ -50,6 +50,7 @@ class CopyEngineLinks:
         self._lanes = [self._mod.Stream(priority=-1) if dev.type != "cpu" else None
                        for _ in range(lanes)]
         self.side = self._lanes[0]
+        self._followed: set = set()  # lanes forked from the caller's stream in this call
         self._launch = {}
         one = dict(num_warps=1, num_stages=1)
         tag0 = 1
@@ -68,18 +69,23 @@ class CopyEngineLinks:
     # -- streams ---------------------------------------------------------------------------------
     def begin(self) -> None:
         """Start a call on the caller's stream (advances the epoch)."""
+        self._followed = set()
         self._launch["epoch"]((self.ctl,))
 
     def follow(self, lane: int = 0) -> None:
         """Side stream ``lane`` waits for what the caller's stream has queued so far."""
         if self._lanes[lane] is not None:
             self._lanes[lane].wait_stream(self._mod.current_stream())
+            self._followed.add(lane)
 
     def rejoin(self) -> None:
-        """The caller's stream waits for everything queued on the side streams."""
-        for side in self._lanes:
-            if side is not None:
-                self._mod.current_stream().wait_stream(side)
+        """The caller's stream waits for everything queued on the side streams this call forked
+        (``follow``). A lane the call never forked holds none of its work, and waiting on it
+        would break a CUDA-graph capture: the capture would depend on a stream outside it (on
+        one rank there are no peers, so no lane is forked at all)."""
+        for lane in sorted(self._followed):
+            self._mod.current_stream().wait_stream(self._lanes[lane])
+        self._followed = set()
 
     @contextlib.contextmanager
     def on_side(self, lane: int = 0):

@@ -46,10 +46,14 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import collective_call, OverlapContext, get_context, output_tensor, shape_tag
+from ..context import (check_transport, collective_call, OverlapContext, output_tensor,
+                       shape_tag)
+from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
 
 OP = "all_gather_matmul"
+#: ``"copy_engine"``: the shards travel by DMA while the BLAS computes (module docstring)
+TRANSPORTS = ("copy_engine",)
 SCHEDULES = ("hetero-unfused-1d", "hetero-fused-1d", "uniform-fused-1d", "hetero-unfused-2d",
              "uniform-fused-2d")
 
@@ -88,7 +92,9 @@ class AllGatherMatmul(OverlapContext):
     FLAG_NAMES = CE_FLAG_NAMES
 
     def __init__(self, world, max_shard_elems: int, *, pieces: Optional[int] = None,
-                 schedule: Optional[str] = None, timeout_s: float = 10.0):
+                 schedule: Optional[str] = None, timeout_s: float = 10.0,
+                 transport: str = "copy_engine"):
+        self.transport = check_transport(OP, transport, TRANSPORTS)
         W = world.world_size
         pieces = W if pieces is None else pieces
         if max_shard_elems < 1:
@@ -264,20 +270,17 @@ class AllGatherMatmul(OverlapContext):
         return t
 
 
+ALL_GATHER_MATMUL = define(OpSpec(
+    OP, "(Tensor a, Tensor b, int handle) -> Tensor", context=AllGatherMatmul,
+    transports=TRANSPORTS, compile_specs=("portable_overlap.transports.compile_specs",),
+    fake=lambda ctx, a, b: a.new_empty((ctx.world.world_size * a.shape[0], b.shape[1]))))
+
+
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, ctx: AllGatherMatmul,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """See the module docstring; under ``torch.compile`` it is one opaque op."""
-    if out is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.all_gather_matmul(a, b, ctx.handle)
-    return ctx(a, b, out)
-
-
-@torch.library.custom_op("portable_overlap::all_gather_matmul", mutates_args=())
-def _all_gather_matmul_op(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
-    return get_context(handle)(a, b)
-
-
-@_all_gather_matmul_op.register_fake
-def _(a, b, handle):
-    W = get_context(handle).world.world_size
-    return a.new_empty((W * a.shape[0], b.shape[1]))
+                      out: Optional[torch.Tensor] = None, *,
+                      schedule: Optional[str] = None) -> torch.Tensor:
+    """``cat([a_0, ..., a_{W-1}]) @ b`` [W*m, N] on every rank, where ``a_r`` [m, K] is rank r's
+    row shard and ``b`` [K, N] this rank's weight; see the module docstring. Under
+    ``torch.compile`` one opaque op, ``torch.ops.portable_overlap.all_gather_matmul(a, b,
+    ctx.handle)``."""
+    return ALL_GATHER_MATMUL(ctx, (a, b), out=out, schedule=schedule)

@@ -40,6 +40,7 @@ from ...shmem.providers import get_provider
 from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
                        shape_tag)
 from ..launch import PlannedLaunch
+from ..registry import OpSpec, check_context, define
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
 from .plan import ShardingPlan
 
@@ -122,7 +123,10 @@ class EmbeddingAllToAll(OverlapContext):
                          f"transport, max_programs)",
                          (plan, max_local_batch, block_b, num_warps, transport, max_programs))
         self.transport = transport
-        self._provider = get_provider(world) if transport == "shmem" else None
+        # one rank has no peer to put to, and the SHMEM library's collective set-up needs two or
+        # more: there "shmem" runs the store kernel, whose every row is then local
+        self._provider = (get_provider(world) if transport == "shmem" and world.world_size > 1
+                          else None)
         T, D = plan.num_tables, plan.dim
         super().__init__(world, [
             ("_recv_raw", (max_local_batch * T * D,), torch.float32),  # viewed per dtype
@@ -450,39 +454,6 @@ def _capturing(t: torch.Tensor) -> bool:
     return bool(fn()) if fn is not None else False
 
 
-def embedding_all_to_all(weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
-                         ctx: EmbeddingAllToAll,
-                         per_sample_weights: Optional[torch.Tensor] = None, *,
-                         batch_splits: Optional[Sequence[int]] = None,
-                         pooling: str = "sum") -> torch.Tensor:
-    """See the module docstring. Differentiable (through the torch.library op) when ``weight``
-    or ``per_sample_weights`` require grad or under ``torch.compile``; else the kernel is
-    launched directly (less overhead)."""
-    splits = list(ctx.resolve_splits(lengths, batch_splits))
-    needs_grad = torch.is_grad_enabled() and (
-        weight.requires_grad or (per_sample_weights is not None
-                                 and per_sample_weights.requires_grad))
-    if needs_grad or torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.embedding_all_to_all(
-            weight, lengths, indices, per_sample_weights, splits, pooling, ctx.handle)
-    return ctx(weight, lengths, indices, per_sample_weights, batch_splits=splits,
-               pooling=pooling)
-
-
-@torch.library.custom_op("portable_overlap::embedding_all_to_all", mutates_args=())
-def _embedding_all_to_all_op(weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
-                             per_sample_weights: Optional[torch.Tensor], batch_splits: List[int],
-                             pooling: str, handle: int) -> torch.Tensor:
-    return get_context(handle)(weight, lengths, indices, per_sample_weights,
-                               batch_splits=batch_splits, pooling=pooling)
-
-
-@_embedding_all_to_all_op.register_fake
-def _(weight, lengths, indices, per_sample_weights, batch_splits, pooling, handle):
-    ctx = get_context(handle)
-    return weight.new_empty(ctx.output_shape(batch_splits))
-
-
 def _setup_context(ctx, inputs, output):
     weight, lengths, indices, psw, splits, pooling, handle = inputs
     ctx.save_for_backward(weight, lengths, indices, psw)
@@ -497,4 +468,32 @@ def _backward(ctx, grad):
     return grad_w, None, None, grad_psw, None, None, None
 
 
-_embedding_all_to_all_op.register_autograd(_backward, setup_context=_setup_context)
+EMBEDDING_ALL_TO_ALL = define(OpSpec(
+    OP, "(Tensor weight, Tensor lengths, Tensor indices, Tensor? per_sample_weights, "
+        "int[] batch_splits, str pooling, int handle) -> Tensor",
+    context=EmbeddingAllToAll, transports=TRANSPORTS,
+    compile_specs=("portable_overlap.ops.embedding_alltoall.compile_specs",),
+    fake=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling: weight.new_empty(
+        ctx.output_shape(batch_splits)),
+    eager=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling: ctx(
+        weight, lengths, indices, psw, batch_splits=batch_splits, pooling=pooling),
+    backward=_backward, setup_context=_setup_context))
+
+
+def embedding_all_to_all(weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
+                         ctx: EmbeddingAllToAll,
+                         per_sample_weights: Optional[torch.Tensor] = None, *,
+                         batch_splits: Optional[Sequence[int]] = None,
+                         pooling: str = "sum") -> torch.Tensor:
+    """Pooled lookups of this rank's tables for every rank's samples, exchanged so that rank r
+    gets every table's pooled rows for its own samples; see the module docstring.
+    Differentiable (through ``torch.ops.portable_overlap.embedding_all_to_all``) when
+    ``weight`` or ``per_sample_weights`` require grad, and one opaque op under
+    ``torch.compile``; else the kernel is launched directly (less overhead)."""
+    check_context(EMBEDDING_ALL_TO_ALL, ctx)
+    splits = list(ctx.resolve_splits(lengths, batch_splits))
+    grad = torch.is_grad_enabled() and (
+        weight.requires_grad or (per_sample_weights is not None
+                                 and per_sample_weights.requires_grad))
+    return EMBEDDING_ALL_TO_ALL(ctx, (weight, lengths, indices, per_sample_weights, splits,
+                                      pooling), grad=grad)

@@ -24,15 +24,16 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
+from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
                        shape_tag)
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..matmul.api import DTYPES, MatmulConfig, check_operands, default_config, tile_descriptors
+from ..matmul.api import (DTYPES, MatmulConfig, add_epilogue, check_operands, default_config,
+                          tile_descriptors, vector_checks)
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
 
 TRANSPORTS = ("stores", "copy_engine")
 
-OP = "gemm_all_to_all"
+OP = "matmul_all_to_all"  # the public op this transport serves (errors name it)
 
 
 class GemmAllToAll(OverlapContext):
@@ -79,19 +80,24 @@ class GemmAllToAll(OverlapContext):
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
-                 *, config: Optional[MatmulConfig] = None) -> torch.Tensor:
+                 *, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+                 config: Optional[MatmulConfig] = None) -> torch.Tensor:
+        """``all_to_all_single(a @ b)`` (+ bias [N] + residual [M, N]): module docstring."""
         _validate(a, b, self.world, self.max_elems)
         M, K = a.shape
         N = b.shape[1]
         out = output_tensor(OP, out, (M, N), a)
+        vector_checks(OP, a, N, M, bias=bias, residual=residual)
         if self._links is not None:
             self._call_copy_engine(a, b, out)
+            add_epilogue(out, bias, residual)
             return out
         key = (M, K, N, a.dtype, a.stride(), b.stride(), align_key(a, b, out), config)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out, config or self.config)
         plan(self._args(a, b, out, plan.tag, plan.programs, plan.cfg))
+        add_epilogue(out, bias, residual)
         return out
 
     def _call_copy_engine(self, a, b, out) -> None:
@@ -176,19 +182,3 @@ def _validate(a, b, world, max_elems: int) -> None:
         raise ValueError(f"{OP}: M*N={M * N} exceeds this context's max_elems={max_elems}")
 
 
-def gemm_all_to_all(a: torch.Tensor, b: torch.Tensor, ctx: GemmAllToAll,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """See the module docstring; under ``torch.compile`` it is one opaque op."""
-    if out is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.gemm_all_to_all(a, b, ctx.handle)
-    return ctx(a, b, out)
-
-
-@torch.library.custom_op("portable_overlap::gemm_all_to_all", mutates_args=())
-def _gemm_all_to_all_op(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
-    return get_context(handle)(a, b)
-
-
-@_gemm_all_to_all_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]))

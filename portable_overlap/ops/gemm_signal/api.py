@@ -62,15 +62,17 @@ from ...errors import (ContextBrokenError, ContextClosedError, PeerTimeoutError,
                        RankMismatchError)
 from ...schedule import WaveGroups, as_wave_groups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_upcast
-from ..context import (align_key, check_timeout, get_context, register_context, shape_tag,
+from ..context import (align_key, check_timeout, register_context, shape_tag,
                        unregister_context)
 from ..launch import PlannedLaunch, resident_programs
-from ..matmul.api import MatmulConfig, check_operands, default_config, tile_descriptors
+from ..matmul.api import (MatmulConfig, check_2d, check_operands, default_config,
+                          tile_descriptors, vector_checks)
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
 
 OP = "gemm_signal"
-KINDS = {"all_reduce": "gemm_all_reduce", "reduce_scatter": "gemm_reduce_scatter",
-         "all_to_all": "gemm_all_to_all_signal"}
+#: the public op of each kind (errors name it)
+KINDS = {"all_reduce": "matmul_all_reduce", "reduce_scatter": "matmul_reduce_scatter",
+         "all_to_all": "matmul_all_to_all"}
 MAX_GROUPS = 256  # counters per context; a partition has at most this many groups
 #: SMs the GEMM leaves to the collectives' kernels by default, per 132 (scaled by the device's
 #: count): none. FlashOverlap leaves SMs to NCCL so that a group's collective runs beside the
@@ -107,14 +109,14 @@ class SignalConfig:
 
     def __post_init__(self):
         if self.gate not in ("value", "event"):
-            raise ValueError(f"{OP}: gate must be 'value' or 'event': {self}")
+            raise ValueError(f"SignalConfig: gate must be 'value' or 'event': {self}")
         if self.reserve_sms is not None and self.reserve_sms < 0:
-            raise ValueError(f"{OP}: reserve_sms must be >= 0: {self}")
+            raise ValueError(f"SignalConfig: reserve_sms must be >= 0: {self}")
         if not 1 <= self.max_groups <= MAX_GROUPS:
-            raise ValueError(f"{OP}: max_groups must be in 1..{MAX_GROUPS}: {self}")
+            raise ValueError(f"SignalConfig: max_groups must be in 1..{MAX_GROUPS}: {self}")
         if isinstance(self.partition, str):
             if self.partition != "tune":
-                raise ValueError(f"{OP}: partition must be group sizes, None or 'tune': {self}")
+                raise ValueError(f"SignalConfig: partition must be group sizes, None or 'tune': {self}")
         elif self.partition is not None:
             object.__setattr__(self, "partition", as_wave_groups(self.partition).sizes)
 
@@ -211,7 +213,7 @@ class GemmSignal:
         gemm() bumps the same counters the op's stream waits read, so an op call after gemm()
         without reset() would pass its waits early."""
         op, cfg, M, N, K, out_rows = self._check_call(kind, a, b, config)
-        _check_2d(op, "out", out, (out_rows, N), a)
+        check_2d(op, "out", out, (out_rows, N), a)
         plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
         gemm, reorder = self._launch_plan(plan, a, b, out, None, None, None, None)
         stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
@@ -282,14 +284,14 @@ class GemmSignal:
         self._caller = self._mod.current_stream(self.device) if self._mod else None
         if out is None:
             out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
-        _check_2d(op, "out", out, (out_rows, N), a)
-        _vector_checks(op, a, N, out_rows, bias=bias, residual=residual, rms_weight=rms_weight)
+        check_2d(op, "out", out, (out_rows, N), a)
+        vector_checks(op, a, N, out_rows, bias=bias, residual=residual, rms_weight=rms_weight)
         if rms_weight is not None:
             if not eps > 0:
                 raise ValueError(f"{op}: eps must be > 0, got {eps}")
             if normed is None:
                 normed = torch.empty_like(out)
-            _check_2d(op, "normed", normed, (out_rows, N), a)
+            check_2d(op, "normed", normed, (out_rows, N), a)
         elif normed is not None:
             raise ValueError(f"{op}: normed is written only with rms_weight")
         plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
@@ -438,7 +440,8 @@ class GemmSignal:
         if reserve is None:
             reserve = round(RESERVE_PER_132 * sms / 132)
         if reserve >= sms:
-            raise ValueError(f"{OP}: reserve_sms={reserve} leaves no SM of {sms} for the GEMM")
+            raise ValueError(f"SignalConfig: reserve_sms={reserve} leaves no SM of {sms} for the "
+                             f"GEMM")
         return sms - reserve
 
     def _plan(self, kind, op, M, N, K, dtype, cfg: SignalConfig) -> _Plan:
@@ -597,105 +600,6 @@ def _dst(u, row_base, m_dest, pm, pn, mm):
     """(row0, nrows, col0) in out of tile u (grouped order) of a [m_dest, N] row block."""
     i, j = grouped_tile(u, pm, pn, mm.group_m)
     return (row_base + i * mm.block_m, min(mm.block_m, m_dest - i * mm.block_m), j * mm.block_n)
-
-
-def _vector_checks(op, a, N, rows, *, bias=None, residual=None, rms_weight=None) -> None:
-    """The epilogue operands' checks: ``residual`` [rows, N] with contiguous rows, ``bias`` and
-    ``rms_weight`` contiguous [N]; all of ``a``'s dtype and device."""
-    if residual is not None:
-        _check_2d(op, "residual", residual, (rows, N), a)
-    for name, vec in (("bias", bias), ("rms_weight", rms_weight)):
-        if vec is not None and (not isinstance(vec, torch.Tensor) or vec.shape != (N,)
-                                or vec.dtype != a.dtype or vec.device != a.device
-                                or vec.stride(0) != 1):
-            raise ValueError(f"{op}: {name} must be a contiguous {a.dtype} [{N}] tensor on "
-                             f"{a.device}")
-
-
-def _check_2d(op, name, t, shape, a) -> None:
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != a.dtype \
-            or t.device != a.device or t.stride(1) != 1:
-        raise ValueError(f"{op}: {name} must be a {a.dtype} {list(shape)} tensor on {a.device} "
-                         f"with contiguous rows")
-
-
-# -- public functions and torch.library ops ---------------------------------------------------
-def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
-                    out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None,
-                    residual: Optional[torch.Tensor] = None,
-                    config: Optional[SignalConfig] = None,
-                    rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                    normed: Optional[torch.Tensor] = None):
-    """``all_reduce(a @ b) (+ bias + residual)`` on every rank; see the module docstring."""
-    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.gemm_all_reduce(a, b, ctx.handle, bias, residual)
-    return ctx.all_reduce(a, b, out, bias=bias, residual=residual, config=config,
-                           rms_weight=rms_weight, eps=eps, normed=normed)
-
-
-def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
-                        out: Optional[torch.Tensor] = None, *,
-                        bias: Optional[torch.Tensor] = None,
-                        residual: Optional[torch.Tensor] = None,
-                        config: Optional[SignalConfig] = None,
-                        rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                        normed: Optional[torch.Tensor] = None):
-    """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_r a_r @ b_r`` (+ bias + residual) on rank r."""
-    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.gemm_reduce_scatter(a, b, ctx.handle, bias, residual)
-    return ctx.reduce_scatter(a, b, out, bias=bias, residual=residual, config=config,
-                                rms_weight=rms_weight, eps=eps, normed=normed)
-
-
-def gemm_all_to_all_signal(a: torch.Tensor, b: torch.Tensor, ctx: GemmSignal,
-                           out: Optional[torch.Tensor] = None, *,
-                           bias: Optional[torch.Tensor] = None,
-                           residual: Optional[torch.Tensor] = None,
-                           config: Optional[SignalConfig] = None,
-                           rms_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                           normed: Optional[torch.Tensor] = None):
-    """``all_to_all_single(a @ b)`` (+ bias + residual) with equal splits."""
-    if out is None and config is None and rms_weight is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.gemm_all_to_all_signal(a, b, ctx.handle, bias,
-                                                                 residual)
-    return ctx.all_to_all(a, b, out, bias=bias, residual=residual, config=config,
-                           rms_weight=rms_weight, eps=eps, normed=normed)
-
-
-@torch.library.custom_op("portable_overlap::gemm_all_reduce", mutates_args=())
-def _gemm_all_reduce_op(a: torch.Tensor, b: torch.Tensor, handle: int,
-                        bias: Optional[torch.Tensor] = None,
-                        residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return get_context(handle).all_reduce(a, b, bias=bias, residual=residual)
-
-
-@_gemm_all_reduce_op.register_fake
-def _(a, b, handle, bias=None, residual=None):
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
-@torch.library.custom_op("portable_overlap::gemm_reduce_scatter", mutates_args=())
-def _gemm_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, handle: int,
-                            bias: Optional[torch.Tensor] = None,
-                            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return get_context(handle).reduce_scatter(a, b, bias=bias, residual=residual)
-
-
-@_gemm_reduce_scatter_op.register_fake
-def _(a, b, handle, bias=None, residual=None):
-    return a.new_empty((a.shape[0] // get_context(handle).size, b.shape[1]))
-
-
-@torch.library.custom_op("portable_overlap::gemm_all_to_all_signal", mutates_args=())
-def _gemm_all_to_all_signal_op(a: torch.Tensor, b: torch.Tensor, handle: int,
-                               bias: Optional[torch.Tensor] = None,
-                               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return get_context(handle).all_to_all(a, b, bias=bias, residual=residual)
-
-
-@_gemm_all_to_all_signal_op.register_fake
-def _(a, b, handle, bias=None, residual=None):
-    return a.new_empty((a.shape[0], b.shape[1]))
 
 
 def _bounded_group(world):

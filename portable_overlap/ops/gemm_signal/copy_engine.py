@@ -36,12 +36,13 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import collective_call, OverlapContext, get_context, output_tensor, shape_tag
+from ..context import collective_call, OverlapContext, output_tensor, shape_tag
 from ..matmul.api import DTYPES
-from .api import MAX_GROUPS, GemmSignal, SignalConfig, _gemm_args, _vector_checks
+from ..matmul.api import vector_checks
+from .api import MAX_GROUPS, GemmSignal, SignalConfig, _gemm_args
 from .kernel import signal_reduce_kernel
 
-OP = "gemm_reduce_scatter_ce"
+OP = "matmul_reduce_scatter"  # the public op this transport serves (errors name it)
 #: the default partition for copy-engine transfers: up to 8 groups (one wave, then doubling up to
 #: a quarter of the tiles) — a group costs one DMA and one flag per peer, a few microseconds,
 #: while the last group's transfer is what nothing hides
@@ -108,7 +109,7 @@ class GemmReduceScatterCE(OverlapContext):
         _check_partition(cfg)
         op, cfg, M, N, K, rows = sig._check_call("reduce_scatter", a, b, cfg)
         out = output_tensor(OP, out, (rows, N), a)
-        _vector_checks(OP, a, N, rows, bias=bias, residual=residual)
+        vector_checks(OP, a, N, rows, bias=bias, residual=residual)
         plan = sig._plan("reduce_scatter", op, M, N, K, a.dtype, cfg)
         mm, T, pd = plan.mm, plan.tile_elems, plan.groups.n_tiles // W
         need = self.elems_needed(M, N, W, mm.block_m, mm.block_n)
@@ -179,27 +180,3 @@ class GemmReduceScatterCE(OverlapContext):
         return launch, args
 
 
-def gemm_reduce_scatter_ce(a: torch.Tensor, b: torch.Tensor, ctx: GemmReduceScatterCE,
-                           out: Optional[torch.Tensor] = None, *,
-                           bias: Optional[torch.Tensor] = None,
-                           residual: Optional[torch.Tensor] = None,
-                           config: Optional[SignalConfig] = None) -> torch.Tensor:
-    """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_q a_q @ b_q`` (+ bias + residual) on rank r, the
-    wave groups' transfers on copy engines (module docstring); under ``torch.compile`` one
-    opaque op."""
-    if out is None and config is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.gemm_reduce_scatter_ce(a, b, ctx.handle, bias,
-                                                                 residual)
-    return ctx.reduce_scatter(a, b, out, bias=bias, residual=residual, config=config)
-
-
-@torch.library.custom_op("portable_overlap::gemm_reduce_scatter_ce", mutates_args=())
-def _gemm_reduce_scatter_ce_op(a: torch.Tensor, b: torch.Tensor, handle: int,
-                               bias: Optional[torch.Tensor] = None,
-                               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return get_context(handle).reduce_scatter(a, b, bias=bias, residual=residual)
-
-
-@_gemm_reduce_scatter_ce_op.register_fake
-def _(a, b, handle, bias=None, residual=None):
-    return a.new_empty((a.shape[0] // get_context(handle).world.world_size, b.shape[1]))

@@ -15,13 +15,16 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_upcast
-from ..context import collective_call, G_MAX, OverlapContext, align_key, get_context, shape_tag
+from ..context import check_transport, collective_call, G_MAX, OverlapContext, align_key, shape_tag
+from ..registry import OpSpec, define
 from .config import GemvConfig, pick_config
 from .kernel import FLAG_NAMES, gemv_allreduce_kernel
 
 OP = "gemv_all_reduce"
 MAX_M = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: ``"stores"``: one persistent kernel, partial sums stored into the owners' heaps
+TRANSPORTS = ("stores",)
 
 
 class GemvAllReduce(OverlapContext):
@@ -37,13 +40,15 @@ class GemvAllReduce(OverlapContext):
         timeout_s: how long a kernel waits for a peer before it gives up and reports
             (approximate: converted to polls with the backend's poll rate).
         config: force one launch configuration (else tuned table, else heuristic).
+        transport: ``"stores"`` (the only one: ``TRANSPORTS``).
     """
 
     OP = OP
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, max_n: int, *, timeout_s: float = 10.0,
-                 config: Optional[GemvConfig] = None):
+                 config: Optional[GemvConfig] = None, transport: str = "stores"):
+        self.transport = check_transport(OP, transport, TRANSPORTS)
         if max_n < 1:
             raise ValueError(f"{OP}: max_n must be >= 1, got {max_n}")
         world.check_same(f"{OP} context arguments (max_n, config)", (max_n, config))
@@ -157,22 +162,16 @@ def _check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor) -> None:
                          f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
 
 
+GEMV_ALL_REDUCE = define(OpSpec(
+    OP, "(Tensor x, Tensor w, int handle) -> Tensor", context=GemvAllReduce,
+    transports=TRANSPORTS, compile_specs=("portable_overlap.ops.gemv_allreduce.compile_specs",),
+    fake=lambda ctx, x, w: x.new_empty((x.shape[0], w.shape[0]))))
+
+
 def gemv_all_reduce(x: torch.Tensor, w: torch.Tensor, ctx: GemvAllReduce,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = Σ_r x_r @ w_rᵀ`` over the ranks of ``ctx.world``; see the module docstring.
-
-    Under ``torch.compile`` this goes through ``torch.ops.portable_overlap.gemv_all_reduce`` so
-    the graph holds one opaque op; eagerly it launches the kernel directly (less overhead)."""
-    if out is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.gemv_all_reduce(x, w, ctx.handle)
-    return ctx(x, w, out)
-
-
-@torch.library.custom_op("portable_overlap::gemv_all_reduce", mutates_args=())
-def _gemv_all_reduce_op(x: torch.Tensor, w: torch.Tensor, handle: int) -> torch.Tensor:
-    return get_context(handle)(x, w)
-
-
-@_gemv_all_reduce_op.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
+    """``y = Σ_r x_r @ w_rᵀ`` [M, N] on every rank of ``ctx.world``, where ``x_r`` [M, K_r]
+    (1 <= M <= 64) and ``w_r`` [N, K_r] are what rank r passes; see the module docstring.
+    Under ``torch.compile`` one opaque op,
+    ``torch.ops.portable_overlap.gemv_all_reduce(x, w, ctx.handle)``."""
+    return GEMV_ALL_REDUCE(ctx, (x, w), out=out)

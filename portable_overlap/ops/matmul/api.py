@@ -91,6 +91,36 @@ def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None
         raise ValueError(f"{op}: empty operand {tuple(a.shape)} @ {tuple(b.shape)}")
 
 
+def vector_checks(op, a, N, rows, *, bias=None, residual=None, rms_weight=None) -> None:
+    """The epilogue operands' checks: ``residual`` [rows, N] with contiguous rows, ``bias`` and
+    ``rms_weight`` contiguous [N]; all of ``a``'s dtype and device."""
+    if residual is not None:
+        check_2d(op, "residual", residual, (rows, N), a)
+    for name, vec in (("bias", bias), ("rms_weight", rms_weight)):
+        if vec is not None and (not isinstance(vec, torch.Tensor) or vec.shape != (N,)
+                                or vec.dtype != a.dtype or vec.device != a.device
+                                or vec.stride(0) != 1):
+            raise ValueError(f"{op}: {name} must be a contiguous {a.dtype} [{N}] tensor on "
+                             f"{a.device}")
+
+
+def check_2d(op, name, t, shape, a) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != a.dtype \
+            or t.device != a.device or t.stride(1) != 1:
+        raise ValueError(f"{op}: {name} must be a {a.dtype} {list(shape)} tensor on {a.device} "
+                         f"with contiguous rows")
+
+
+def add_epilogue(out: torch.Tensor, bias: Optional[torch.Tensor],
+                 residual: Optional[torch.Tensor]) -> None:
+    """``out += bias (+ residual)`` in place, for the transports whose GEMM has no fused
+    epilogue (one rounding per addition; the fused epilogues round once)."""
+    if bias is not None:
+        out.add_(bias)
+    if residual is not None:
+        out.add_(residual)
+
+
 def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[int] = None,
                       config: Optional[MatmulConfig] = None,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import collective_call, OverlapContext, get_context, output_tensor, shape_tag
-from ..matmul.api import DTYPES, check_operands
+from ..context import collective_call, OverlapContext, output_tensor, shape_tag
+from ..matmul.api import DTYPES, add_epilogue, check_operands, vector_checks
 
 OP = "matmul_reduce"
 MODES = ("reduce_scatter", "all_reduce")
@@ -100,31 +100,38 @@ class MatmulReduce(OverlapContext):
         return world_size * -(-M // world_size) * N
 
     def reduce_scatter(self, a: torch.Tensor, b: torch.Tensor,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Rank r's row block ``[M*r/W, M*(r+1)/W)`` of ``sum_q a_q @ b_q`` (module docstring)."""
-        return self._call("reduce_scatter", a, b, out)
+                       out: Optional[torch.Tensor] = None, *,
+                       bias: Optional[torch.Tensor] = None,
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rank r's row block ``[M*r/W, M*(r+1)/W)`` of ``sum_q a_q @ b_q`` (+ bias [N]
+        + residual [M/W, N]) (module docstring)."""
+        return self._call("reduce_scatter", a, b, out, bias, residual)
 
     def all_reduce(self, a: torch.Tensor, b: torch.Tensor,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``sum_q a_q @ b_q`` on every rank (module docstring)."""
-        return self._call("all_reduce", a, b, out)
+                   out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None,
+                   residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sum_q a_q @ b_q`` (+ bias [N] + residual [M, N]) on every rank (module
+        docstring)."""
+        return self._call("all_reduce", a, b, out, bias, residual)
 
     @collective_call
-    def _call(self, mode, a, b, out):
-        check_operands(f"{OP}.{mode}", a, b, self.world.device)
+    def _call(self, mode, a, b, out, bias=None, residual=None):
+        # errors name the public op (matmul_reduce_scatter / matmul_all_reduce)
+        check_operands(f"matmul_{mode}", a, b, self.world.device)
         W, r, P = self.world.world_size, self.rank, self.pieces
         M, N = a.shape[0], b.shape[1]
         if mode == "reduce_scatter" and M % W:
-            raise ValueError(f"{OP}.reduce_scatter: M={M} rows must split evenly over {W} ranks")
+            raise ValueError(f"matmul_reduce_scatter: M={M} rows must split evenly over {W} ranks")
         need = self.elems_needed(M, N, W)
         if need > self.max_elems:
-            raise ValueError(f"{OP}.{mode}: an [{M}, {N}] result on {W} ranks needs "
+            raise ValueError(f"matmul_{mode}: an [{M}, {N}] result on {W} ranks needs "
                              f"{W}*ceil({M}/{W})*{N} = {need} elements of receive room; this "
                              f"context has max_elems={self.max_elems} (size it with "
                              f"MatmulReduce.elems_needed(M, N, world_size) of the largest call)")
         block = [M * q // W for q in range(W + 1)]  # rank q's rows: [block[q], block[q+1])
         rows_out = block[r + 1] - block[r] if mode == "reduce_scatter" else M
-        out = output_tensor(f"{OP}.{mode}", out, (rows_out, N), a)
+        out = output_tensor(f"matmul_{mode}", out, (rows_out, N), a)
+        vector_checks(f"matmul_{mode}", a, N, rows_out, bias=bias, residual=residual)
         links = self._links
         partials = self._partials[a.dtype]
         reduced = self._reduced[a.dtype][: M * N].view(M, N)
@@ -211,44 +218,7 @@ class MatmulReduce(OverlapContext):
             for q in peers:
                 links.release(q)
         links.rejoin()
+        add_epilogue(out, bias, residual)
         return out
 
 
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, ctx: MatmulReduce,
-                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rank r's row block of ``sum_q a_q @ b_q`` (see the module docstring); under
-    ``torch.compile`` one opaque op."""
-    if out is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.matmul_reduce_scatter(a, b, ctx.handle)
-    return ctx.reduce_scatter(a, b, out)
-
-
-def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, ctx: MatmulReduce,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``sum_q a_q @ b_q`` on every rank (see the module docstring); under ``torch.compile`` one
-    opaque op."""
-    if out is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.matmul_all_reduce(a, b, ctx.handle)
-    return ctx.all_reduce(a, b, out)
-
-
-@torch.library.custom_op("portable_overlap::matmul_reduce_scatter", mutates_args=())
-def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
-    return get_context(handle).reduce_scatter(a, b)
-
-
-@_matmul_reduce_scatter_op.register_fake
-def _(a, b, handle):
-    ctx = get_context(handle)
-    W, r, M = ctx.world.world_size, ctx.rank, a.shape[0]
-    return a.new_empty((M * (r + 1) // W - M * r // W, b.shape[1]))
-
-
-@torch.library.custom_op("portable_overlap::matmul_all_reduce", mutates_args=())
-def _matmul_all_reduce_op(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
-    return get_context(handle).all_reduce(a, b)
-
-
-@_matmul_all_reduce_op.register_fake
-def _(a, b, handle):
-    return a.new_empty((a.shape[0], b.shape[1]))

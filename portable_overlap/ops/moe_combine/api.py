@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 
 from ...tiles.gemv import dot_upcast
-from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
+from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
                        shape_tag)
 from ..launch import PlannedLaunch
+from ..registry import OpSpec, define
 from ...shmem.providers import get_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config
 from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
@@ -83,7 +84,10 @@ class MoeGemmCombine(OverlapContext):
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
                                                      config, combine_config, transport))
         self.transport = transport
-        self._provider = get_provider(world) if transport == "shmem" else None
+        # one rank has no peer to put to, and the SHMEM library's collective set-up needs two or
+        # more: there "shmem" runs the store kernel, whose every row is then local
+        self._provider = (get_provider(world) if transport == "shmem" and world.world_size > 1
+                          else None)
         self.max_slots = max_tokens * top_k
         super().__init__(world, [
             ("_combine_raw", (self.max_slots * hidden,), torch.float32),  # viewed per dtype
@@ -288,22 +292,20 @@ def validate_routing(x, counts, slots, S: int, top_k: int, world) -> None:
                          + "; ".join(f"rank {q}: {m}" for q, m in found))
 
 
+MOE_GEMM_COMBINE = define(OpSpec(
+    OP, "(Tensor x, Tensor w, Tensor counts, Tensor slots, Tensor topk_weights, int handle) "
+        "-> Tensor",
+    context=MoeGemmCombine, transports=TRANSPORTS,
+    compile_specs=("portable_overlap.ops.moe_combine.compile_specs",),
+    fake=lambda ctx, x, w, counts, slots, topk_weights: x.new_empty((topk_weights.shape[0],
+                                                                    w.shape[2]))))
+
+
 def moe_gemm_combine(x, w, counts, slots, topk_weights, ctx: MoeGemmCombine,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """See the module docstring; under ``torch.compile`` it is one opaque op."""
-    if out is None and torch.compiler.is_compiling():
-        return torch.ops.portable_overlap.moe_gemm_combine(x, w, counts, slots, topk_weights,
-                                                           ctx.handle)
-    return ctx(x, w, counts, slots, topk_weights, out)
-
-
-@torch.library.custom_op("portable_overlap::moe_gemm_combine", mutates_args=())
-def _moe_gemm_combine_op(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
-                         slots: torch.Tensor, topk_weights: torch.Tensor,
-                         handle: int) -> torch.Tensor:
-    return get_context(handle)(x, w, counts, slots, topk_weights)
-
-
-@_moe_gemm_combine_op.register_fake
-def _(x, w, counts, slots, topk_weights, handle):
-    return x.new_empty((topk_weights.shape[0], w.shape[2]))
+    """The expert GEMMs of this rank's received rows and the weighted combine back at their
+    sources: ``out[s] = sum_k topk_weights[s, k] * expert_k(x_s)`` [S, N] for each of this
+    rank's S tokens; see the module docstring for the routing tensors. Under ``torch.compile``
+    one opaque op, ``torch.ops.portable_overlap.moe_gemm_combine(x, w, counts, slots,
+    topk_weights, ctx.handle)``."""
+    return MOE_GEMM_COMBINE(ctx, (x, w, counts, slots, topk_weights), out=out)

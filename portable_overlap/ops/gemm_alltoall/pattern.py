@@ -1,0 +1,81 @@
+"""The context of GEMM + All-to-All (equal splits), with the transport as an argument.
+
+What it computes, with ``a_r`` [M, K] and ``b_r`` [K, N] the tensors rank r passes::
+
+    c_r = a_r @ b_r (+ bias [N])                              # [M, N] on rank r
+    out_d[r*M/W:(r+1)*M/W] = c_r[d*M/W:(d+1)*M/W] (+ residual rows)   # on rank d, every r
+
+i.e. ``torch.distributed.all_to_all_single(out, a @ b)``. Transports (``transport=``):
+
+- ``"stores"`` (default): one persistent Triton kernel computes the rows for the peers first and
+  stores each finished tile straight into the destination's buffer (``gemm_alltoall.api``;
+  options ``config``, and per call ``config``);
+- ``"copy_engine"``: the vendor BLAS computes each destination's rows in pieces, copy engines
+  move each finished piece (option ``pieces``);
+- ``"signal_collective"``: a persistent GEMM's wave-group counters gate the vendor library's
+  All-to-All on a side stream (``gemm_signal.api.GemmSignal``; option ``config``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..pattern import PatternContext, timeout_kw
+from ..registry import OpSpec, define
+
+
+class MatmulAllToAll(PatternContext):
+    """Workspace of :func:`portable_overlap.matmul_all_to_all` on one rank (module docstring):
+    ``MatmulAllToAll(world, max_m, max_n, transport="stores")`` for results of at most
+    ``max_m`` x ``max_n``. Collective to create and to close; the same calls in the same order
+    on every rank."""
+
+    OP = "matmul_all_to_all"
+    TRANSPORTS = ("stores", "copy_engine", "signal_collective")
+
+    def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
+                 timeout_s: Optional[float] = None, **options):
+        for name, v in (("max_m", max_m), ("max_n", max_n)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
+        self.max_m, self.max_n = max_m, max_n
+        super().__init__(world, transport, timeout_s, options)
+
+    def _make(self, world, transport, timeout_s, **options):
+        if transport == "signal_collective":
+            from ..gemm_signal.api import GemmSignal
+
+            return GemmSignal(world, **options, **timeout_kw(timeout_s))
+        from .api import GemmAllToAll
+
+        return GemmAllToAll(world, self.max_m * self.max_n, transport=transport, **options,
+                            **timeout_kw(timeout_s))
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 residual: Optional[torch.Tensor] = None, *,
+                 out: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
+        if self.transport == "signal_collective":
+            return self.impl.all_to_all(a, b, out, bias=bias, residual=residual, **options)
+        return self.impl(a, b, out, bias=bias, residual=residual, **options)
+
+
+ALL_TO_ALL = define(OpSpec(
+    "matmul_all_to_all",
+    "(Tensor a, Tensor b, int handle, Tensor? bias=None, Tensor? residual=None) -> Tensor",
+    context=MatmulAllToAll, transports=MatmulAllToAll.TRANSPORTS,
+    compile_specs=("portable_overlap.ops.gemm_alltoall.compile_specs",
+                   "portable_overlap.ops.gemm_signal.compile_specs",
+                   "portable_overlap.transports.compile_specs"),
+    fake=lambda ctx, a, b, bias=None, residual=None: a.new_empty((a.shape[0], b.shape[1]))))
+
+
+def matmul_all_to_all(a: torch.Tensor, b: torch.Tensor, ctx: MatmulAllToAll,
+                      out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None,
+                      residual: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
+    """``all_to_all_single(a @ b + bias) (+ residual)`` with equal splits: on rank d, rows
+    ``[r*M/W, (r+1)*M/W)`` of the result are rows ``[d*M/W, (d+1)*M/W)`` of rank r's
+    ``a_r @ b_r`` (M divisible by W). ``options``: the transport's per-call options (module
+    docstring). Under ``torch.compile`` one opaque op,
+    ``torch.ops.portable_overlap.matmul_all_to_all(a, b, ctx.handle, bias, residual)``."""
+    return ALL_TO_ALL(ctx, (a, b, bias, residual), out=out, **options)

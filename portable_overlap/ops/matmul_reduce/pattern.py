@@ -1,0 +1,136 @@
+"""The contexts of GEMM + ReduceScatter and GEMM + AllReduce (K split over the ranks: a
+row-parallel linear layer), one per pattern, with the transport as an argument.
+
+What they compute, with ``a_q`` [M, K_q] and ``b_q`` [K_q, N] the tensors rank q passes::
+
+    c = sum_q a_q @ b_q (+ bias [N])                         # [M, N], fp32 accumulation
+    MatmulReduceScatter:  out_r = c[r*M/W:(r+1)*M/W] (+ residual [M/W, N])   # rank r's rows
+    MatmulAllReduce:      out_r = c (+ residual [M, N])                       # every rank
+
+Transports (``transport=``):
+
+- ``"copy_engine"`` (default): the vendor BLAS computes the peers' row blocks first in pieces;
+  copy engines (DMA) move each finished piece, no SM spent on communication
+  (``matmul_reduce.api.MatmulReduce``; options ``pieces``, ``put_lanes``);
+- ``"signal_collective"``: one persistent Triton GEMM counts finished tiles per wave group; each
+  group's counter gates an ordinary collective of the vendor's library on a side stream, a
+  reorder restores the layout (``gemm_signal.api.GemmSignal``; option ``config``, per call also
+  ``config``, ``rms_weight``, ``eps``, ``normed``);
+- ``"signal_copy_engine"`` (ReduceScatter only): the same GEMM, its group counters gating
+  copy-engine transfers, a reduction kernel at the end
+  (``gemm_signal.copy_engine.GemmReduceScatterCE``; option ``config``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..matmul.api import DTYPES, default_config
+from ..pattern import PatternContext, timeout_kw
+from ..registry import OpSpec, define
+
+
+class _MatmulReduction(PatternContext):
+    """Shared by the two patterns: the workspace of ``transport`` for results of at most
+    ``max_m`` x ``max_n`` (the full product's rows and columns) and the call."""
+
+    MODE = ""
+
+    def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
+                 timeout_s: Optional[float] = None, **options):
+        for name, v in (("max_m", max_m), ("max_n", max_n)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
+        self.max_m, self.max_n = max_m, max_n
+        super().__init__(world, transport, timeout_s, options)
+
+    def _make(self, world, transport, timeout_s, **options):
+        W, M, N = world.world_size, self.max_m, self.max_n
+        if transport == "copy_engine":
+            from .api import MatmulReduce
+
+            return MatmulReduce(world, MatmulReduce.elems_needed(M, N, W), **options,
+                                **timeout_kw(timeout_s))
+        if transport == "signal_collective":
+            from ..gemm_signal.api import GemmSignal
+
+            return GemmSignal(world, **options, **timeout_kw(timeout_s))
+        from ..gemm_signal.api import SignalConfig
+        from ..gemm_signal.copy_engine import GemmReduceScatterCE
+
+        cfg = options.get("config") or SignalConfig()
+        tilings = [cfg.matmul] if cfg.matmul else [default_config(d, world.device)
+                                                   for d in DTYPES]
+        need = max(GemmReduceScatterCE.elems_needed(M, N, W, t.block_m, t.block_n)
+                   for t in tilings)
+        return GemmReduceScatterCE(world, need, **options, **timeout_kw(timeout_s))
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 residual: Optional[torch.Tensor] = None, *,
+                 out: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
+        return getattr(self.impl, self.MODE)(a, b, out, bias=bias, residual=residual, **options)
+
+
+class MatmulReduceScatter(_MatmulReduction):
+    """Workspace of :func:`portable_overlap.matmul_reduce_scatter` on one rank (module
+    docstring): ``MatmulReduceScatter(world, max_m, max_n, transport="copy_engine")``.
+    Collective to create and to close; the same calls in the same order on every rank."""
+
+    OP = "matmul_reduce_scatter"
+    MODE = "reduce_scatter"
+    TRANSPORTS = ("copy_engine", "signal_collective", "signal_copy_engine")
+
+
+class MatmulAllReduce(_MatmulReduction):
+    """Workspace of :func:`portable_overlap.matmul_all_reduce` on one rank (module docstring):
+    ``MatmulAllReduce(world, max_m, max_n, transport="copy_engine")``. Collective to create
+    and to close; the same calls in the same order on every rank."""
+
+    OP = "matmul_all_reduce"
+    MODE = "all_reduce"
+    TRANSPORTS = ("copy_engine", "signal_collective")
+
+
+def _rows_of(ctx, M: int) -> int:
+    W, r = ctx.world.world_size, ctx.rank
+    return M * (r + 1) // W - M * r // W
+
+
+_KERNELS = ("portable_overlap.ops.gemm_signal.compile_specs",
+            "portable_overlap.transports.compile_specs")
+_SCHEMA = ("(Tensor a, Tensor b, int handle, Tensor? bias=None, Tensor? residual=None) "
+           "-> Tensor")
+
+REDUCE_SCATTER = define(OpSpec(
+    "matmul_reduce_scatter", _SCHEMA, context=MatmulReduceScatter,
+    transports=MatmulReduceScatter.TRANSPORTS, compile_specs=_KERNELS,
+    fake=lambda ctx, a, b, bias=None, residual=None: a.new_empty((_rows_of(ctx, a.shape[0]),
+                                                                  b.shape[1]))))
+
+ALL_REDUCE = define(OpSpec(
+    "matmul_all_reduce", _SCHEMA, context=MatmulAllReduce, transports=MatmulAllReduce.TRANSPORTS,
+    compile_specs=_KERNELS,
+    fake=lambda ctx, a, b, bias=None, residual=None: a.new_empty((a.shape[0], b.shape[1]))))
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, ctx: MatmulReduceScatter,
+                          out: Optional[torch.Tensor] = None, *,
+                          bias: Optional[torch.Tensor] = None,
+                          residual: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
+    """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_q a_q @ b_q + bias (+ residual)`` on rank r, where
+    ``a_q`` [M, K_q] and ``b_q`` [K_q, N] are what rank q passes (M divisible by W). ``options``
+    are the transport's per-call options (module docstring). Under ``torch.compile`` one opaque
+    op, ``torch.ops.portable_overlap.matmul_reduce_scatter(a, b, ctx.handle, bias,
+    residual)``."""
+    return REDUCE_SCATTER(ctx, (a, b, bias, residual), out=out, **options)
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, ctx: MatmulAllReduce,
+                      out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None,
+                      residual: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
+    """``sum_q a_q @ b_q + bias (+ residual)`` [M, N] on every rank, where ``a_q`` [M, K_q] and
+    ``b_q`` [K_q, N] are what rank q passes. ``options`` are the transport's per-call options
+    (module docstring). Under ``torch.compile`` one opaque op,
+    ``torch.ops.portable_overlap.matmul_all_reduce(a, b, ctx.handle, bias, residual)``."""
+    return ALL_REDUCE(ctx, (a, b, bias, residual), out=out, **options)

@@ -1,0 +1,134 @@
+"""The op table: one :class:`OpSpec` per public op, and the one place that turns a spec into a
+``torch.library`` op (schema, eager kernel, fake implementation, autograd) and into the
+eager/compile split of the op's Python function.
+
+A spec names the op, its schema (the tensors and options the op takes, one ``int handle``
+argument that finds the context, see ``ops.context.get_context``), the pattern's context class
+and transports, how to compute the result's shape without running anything (``fake``) and where
+the op's Triton kernels are listed for the compile matrix. The package's public namespace, the
+kernel compile list (``kernel_registry``) and the registry tests read :data:`SPECS`.
+
+Calling a spec (what every public op function does) runs the context directly in eager mode,
+which skips the dispatcher (a few microseconds per call, and options such as ``out=`` that a
+functional op cannot take); under ``torch.compile``, or when autograd must see the op, it calls
+the ``torch.ops.portable_overlap`` op instead, which the compiler treats as one opaque node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Optional
+
+import torch
+
+from .context import get_context
+
+NAMESPACE = "portable_overlap"
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+#: every defined op by name, in definition order
+SPECS: dict = {}
+
+_ARG = re.compile(r"(?:^|,)\s*[\w?\[\]]+\s+(\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One public op.
+
+    ``schema``: the torch.library argument list and result, e.g.
+    ``"(Tensor a, Tensor b, int handle, Tensor? bias=None) -> Tensor"``; exactly one argument is
+    ``int handle``. ``fake(ctx, *args)`` returns an empty tensor of the result's shape, dtype and
+    device from the op's arguments without the handle (``ctx`` is the context, for its world
+    size and rank). ``eager(ctx, *args, **options)`` runs the op; by default it calls the
+    context (``ctx(*args, **options)``). ``backward`` / ``setup_context`` are torch.library's
+    autograd pair, for ops with a gradient. ``context``: the pattern's context class (the
+    handle must name one). ``transports``: the values of its ``transport=`` argument.
+    ``compile_specs``: the modules (dotted names) whose ``specs()`` list the kernels the op
+    launches, for the compile matrix (``kernel_registry``)."""
+
+    name: str
+    schema: str
+    fake: Callable
+    context: type
+    transports: tuple = ()
+    eager: Optional[Callable] = None
+    backward: Optional[Callable] = None
+    setup_context: Optional[Callable] = None
+    compile_specs: tuple = ()
+
+    @property
+    def arg_names(self) -> tuple:
+        args = self.schema[self.schema.index("(") + 1: self.schema.rindex(")")]
+        return tuple(_ARG.findall(args))
+
+    @property
+    def handle_index(self) -> int:
+        return self.arg_names.index("handle")
+
+    @property
+    def op(self):
+        """The op's ``torch.ops`` overload packet."""
+        return getattr(getattr(torch.ops, NAMESPACE), self.name)
+
+    def run(self, ctx, *args, **options):
+        """The eager call of the op on ``ctx`` (no dispatcher)."""
+        if self.eager is not None:
+            return self.eager(ctx, *args, **options)
+        return ctx(*args, **options)
+
+    def __call__(self, ctx, args: tuple, *, grad: bool = False, **options):
+        """Run the op with ``args`` (the schema's arguments without the handle, in order) and
+        ``options`` (keyword arguments only the eager path takes, such as ``out``).
+
+        The torch op is used under ``torch.compile``, or when ``grad`` says autograd must record
+        the call; then every option must be unset (None), as a functional op has none."""
+        check_context(self, ctx)
+        if not (grad or torch.compiler.is_compiling()):
+            return self.run(ctx, *args, **options)
+        set_ = [k for k, v in options.items() if v is not None]
+        if set_:
+            if grad:
+                raise ValueError(f"{self.name}: {', '.join(set_)} cannot be used when autograd "
+                                 f"records the call (the differentiable op is functional)")
+            return self.run(ctx, *args, **options)  # compiled as a graph break, not an op
+        h = self.handle_index
+        return self.op(*args[:h], ctx.handle, *args[h:])
+
+
+def check_context(spec: OpSpec, ctx) -> None:
+    """A clear error when an op is handed another op's context (or no context at all)."""
+    if not isinstance(ctx, spec.context):
+        raise TypeError(f"{spec.name}: ctx must be a {spec.context.__name__} (made with "
+                        f"{spec.context.__name__}(world, ...)), got {type(ctx).__name__}")
+
+
+def define(spec: OpSpec) -> OpSpec:
+    """Define ``portable_overlap::<spec.name>`` from ``spec`` and add it to :data:`SPECS`."""
+    if spec.name in SPECS:
+        raise ValueError(f"op {spec.name} is defined twice")
+    names = spec.arg_names
+    if names.count("handle") != 1 or "int handle" not in spec.schema:
+        raise ValueError(f"{spec.name}: the schema needs exactly one 'int handle' argument")
+    h = spec.handle_index
+    _LIB.define(spec.name + spec.schema)
+
+    def _split(args, kwargs):
+        args = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+        return get_context(args[h]), args[:h] + args[h + 1:]
+
+    def kernel(*args, **kwargs):
+        ctx, rest = _split(args, kwargs)
+        return spec.run(ctx, *rest)
+
+    def fake(*args, **kwargs):
+        ctx, rest = _split(args, kwargs)
+        return spec.fake(ctx, *rest)
+
+    _LIB.impl(spec.name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
+    if spec.backward is not None:
+        torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", spec.backward,
+                                        setup_context=spec.setup_context, lib=_LIB)
+    SPECS[spec.name] = spec
+    return spec

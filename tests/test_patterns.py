@@ -1,0 +1,131 @@
+"""The public API: one op per communication pattern, each with its context and transports, all
+generated from the op table (ops/registry.py). Every transport of the three multi-transport
+patterns against the torch reference (with bias and residual), through the Python function, the
+torch.library op and its fake implementation, on 2 and 4 emulated ranks; the table itself
+(every op exported, defined once); and the errors a user meets first."""
+import os
+import re
+
+import pytest
+import torch
+
+import portable_overlap as po
+from portable_overlap.ops.gemm_signal import (gemm_all_reduce_reference,
+                                              gemm_all_to_all_signal_reference,
+                                              gemm_reduce_scatter_reference)
+from portable_overlap.ops.registry import SPECS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PATTERNS = {  # op -> (context, reference with bias and residual, rows of the result)
+    "matmul_all_reduce": (po.MatmulAllReduce, gemm_all_reduce_reference, lambda M, W: M),
+    "matmul_reduce_scatter": (po.MatmulReduceScatter, gemm_reduce_scatter_reference,
+                              lambda M, W: M // W),
+    "matmul_all_to_all": (po.MatmulAllToAll, gemm_all_to_all_signal_reference, lambda M, W: M),
+}
+
+
+def test_op_table_is_the_public_api():
+    assert set(po.OPS) == set(SPECS) == {
+        "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_to_all",
+        "gemv_all_reduce", "embedding_all_to_all", "moe_gemm_combine"}
+    for name, spec in SPECS.items():
+        assert callable(getattr(po, name)) and name in po.__all__
+        assert getattr(po, spec.context.__name__) is spec.context
+        assert spec.context.__name__ in po.__all__ and f"{name}_reference" in po.__all__
+        schema = str(spec.op.default._schema)
+        assert schema.startswith(f"portable_overlap::{name}(") and "int handle" in schema
+        assert spec.transports, name
+        for module in spec.compile_specs:  # the compile matrix reaches the op's kernels
+            assert __import__(module, fromlist=["specs"]).specs
+    assert not [n for n in po.__all__ if not hasattr(po, n)]
+
+
+def test_library_registration_in_one_place():
+    found = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "portable_overlap")):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(dirpath, f)).read()
+                for word in ("register_fake", "custom_op(", "register_autograd("):
+                    if word in text:
+                        found.setdefault(word, set()).add(f)
+    assert found == {"register_fake": {"registry.py"}, "register_autograd(": {"registry.py"}}, \
+        found
+
+
+def test_wrong_context_is_a_clear_error():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with pytest.raises(TypeError, match=r"matmul_all_reduce: ctx must be a MatmulAllReduce"):
+        po.matmul_all_reduce(a, b, object())
+    with pytest.raises(TypeError, match=r"gemv_all_reduce: ctx must be a GemvAllReduce"):
+        po.gemv_all_reduce(a, b, "ctx")
+
+
+def _patterns(world, dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    W, r = world.world_size, world.rank
+    M, N, K = 4 * W, 12, 8  # (uneven K shards: the transports' own tests)
+    results = []
+    for name, (make, ref_fn, rows) in PATTERNS.items():
+        fn, op = getattr(po, name), getattr(torch.ops.portable_overlap, name)
+        for transport in make.TRANSPORTS:
+            g = torch.Generator().manual_seed(10 * r + len(results))
+            a = torch.randn(M, K, generator=g).to(dtype)
+            b = torch.randn(K, N, generator=g).to(dtype)
+            bias = torch.randn(N, generator=g).to(dtype)
+            res = torch.randn(rows(M, W), N, generator=g).to(dtype)
+            ctx = make(world, M, N, transport=transport, timeout_s=30.0)
+            try:
+                out = torch.full((rows(M, W), N), float("nan"), dtype=dtype)
+                fn(a, b, ctx, out, bias=bias, residual=res)
+                via_op = op(a, b, ctx.handle, bias, None)
+                ctx.synchronize()
+                ref = ref_fn(a, b, world.group, bias, res).double()
+                ref_op = ref_fn(a, b, world.group, bias, None).double()
+                with FakeTensorMode() as mode:
+                    fake = op(mode.from_tensor(a), mode.from_tensor(b), ctx.handle)
+                results.append((name, transport,
+                                ((out.double() - ref).norm() / ref.norm()).item(),
+                                ((via_op.double() - ref_op).norm() / ref_op.norm()).item(),
+                                tuple(fake.shape) == tuple(out.shape), repr(ctx)))
+            finally:
+                ctx.close()
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_transport_of_every_pattern(world, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for results in world.run(_patterns, dtype):
+        assert len(results) == sum(len(m.TRANSPORTS) for m, _, _ in PATTERNS.values())
+        for name, transport, err, err_op, fake_ok, text in results:
+            assert err < tol and err_op < tol, (name, transport, err, err_op)
+            assert fake_ok and f"transport={transport!r}" in text, (name, transport, text)
+
+
+def _bad_contexts(world):
+    msgs = []
+    for make in (lambda: po.MatmulAllReduce(world, 8, 8, transport="nccl"),
+                 lambda: po.MatmulAllReduce(world, 0, 8),
+                 lambda: po.MatmulAllToAll(world, 8, 8, transport="signal_copy_engine"),
+                 lambda: po.MatmulReduceScatter(world, 8, 8, pieces=0),
+                 lambda: po.GemvAllReduce(world, 8, transport="copy_engine"),
+                 lambda: po.AllGatherMatmul(world, 8, transport="stores")):
+        try:
+            make().close()
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_bad_transport_and_sizes(world2):
+    for msgs in world2.run(_bad_contexts):
+        assert all(msgs), msgs
+        assert re.search(r"transport must be one of \('copy_engine', 'signal_collective'\)",
+                         msgs[0]), msgs[0]
+        assert "max_m" in msgs[1] and "signal_copy_engine" in msgs[2] and "pieces" in msgs[3]
+        assert "gemv_all_reduce: transport" in msgs[4]
+        assert "all_gather_matmul: transport" in msgs[5]
