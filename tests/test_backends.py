@@ -50,11 +50,10 @@ def test_unknown_backend_name(monkeypatch):
         get_backend()
 
 
-def test_cuda_python_symbols_resolve():
-    pytest.importorskip("cuda.bindings")
-    from portable_overlap.backends.cuda import SYMBOLS, _import_driver
+def test_cuda_python_symbols_resolve(cuda_driver):
+    from portable_overlap.backends.cuda import SYMBOLS
 
-    driver = _import_driver()
+    driver = cuda_driver
     missing = [s for s in SYMBOLS if not hasattr(driver, s)]
     assert not missing, f"cuda-python lacks {missing}"
     # enum members the backend names
@@ -63,13 +62,10 @@ def test_cuda_python_symbols_resolve():
     assert driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT is not None
 
 
-def test_cuda_ipc_handle_marshalling():
-    pytest.importorskip("cuda.bindings")
-    from portable_overlap.backends.cuda import _import_driver
-
+def test_cuda_ipc_handle_marshalling(cuda_driver):
     from portable_overlap.backends.cuda import handle_bytes, make_ipc_handle
 
-    driver = _import_driver()
+    driver = cuda_driver
     data = bytes(range(64))
     assert handle_bytes(make_ipc_handle(data)) == data
     with pytest.raises(ValueError, match="64 bytes"):
@@ -91,11 +87,10 @@ class _Recorder:
         return getattr(self._real, name)
 
 
-def test_cuda_copy_2d_marshalling(monkeypatch):
-    pytest.importorskip("cuda.bindings")
+def test_cuda_copy_2d_marshalling(monkeypatch, cuda_driver):
     import portable_overlap.backends.cuda as cuda_be
 
-    driver = cuda_be._import_driver()
+    driver = cuda_driver
     rec = _Recorder(driver, "cuMemcpy2DAsync", (driver.CUresult.CUDA_SUCCESS,))
     monkeypatch.setattr(cuda_be, "driver", rec)
     be = object.__new__(cuda_be.CudaBackend)  # skips cuInit: no driver here
@@ -111,13 +106,10 @@ def test_cuda_copy_2d_marshalling(monkeypatch):
     assert int(stream) == 0x1234
 
 
-def test_hip_copy_2d_arguments(monkeypatch):
+def test_hip_copy_2d_arguments(monkeypatch, hip_runtime):
     import portable_overlap.backends.rocm as rocm_be
 
-    try:
-        hip = rocm_be._import_hip()
-    except ImportError:
-        pytest.skip("hip-python not installed")
+    hip = hip_runtime
     rec = _Recorder(hip, "hipMemcpy2DAsync", (hip.hipError_t.hipSuccess,))
     monkeypatch.setattr(rocm_be, "hip", rec)
     rocm_be.RocmBackend().copy_2d_async(0x7F0000004000, 4096, 0x7F0000001000, 1024, 24, 7, None)
@@ -129,25 +121,21 @@ def test_hip_copy_2d_arguments(monkeypatch):
         "kind, stream)")
 
 
-def test_hip_python_symbols_resolve():
-    try:
-        from portable_overlap.backends.rocm import SYMBOLS, _import_hip
-        hip = _import_hip()
-    except ImportError:
-        pytest.skip("hip-python not installed")
+def test_hip_python_symbols_resolve(hip_runtime):
+    from portable_overlap.backends.rocm import SYMBOLS
+
+    hip = hip_runtime
     missing = [s for s in SYMBOLS if not hasattr(hip, s)]
     assert not missing, f"hip-python lacks {missing}"
     assert hip.hipDeviceAttribute_t.hipDeviceAttributeMultiprocessorCount is not None
     assert hip.hipMemcpyKind.hipMemcpyDeviceToDevice is not None
 
 
-def test_hip_ipc_handle_marshalling():
-    try:
-        from portable_overlap.backends.rocm import RocmBackend
-        data = bytes(reversed(range(64)))
-        h = RocmBackend.make_ipc_handle(data)
-    except ImportError:
-        pytest.skip("hip-python not installed")
+def test_hip_ipc_handle_marshalling(hip_runtime):
+    from portable_overlap.backends.rocm import RocmBackend
+
+    data = bytes(reversed(range(64)))
+    h = RocmBackend.make_ipc_handle(data)
     assert bytes(h.reserved) == data
 
 

@@ -21,6 +21,7 @@ def _die_on_rank_1(world):
     return world.rank
 
 
+@pytest.mark.emulated(ranks=2)  # its own world, not a fixture: conftest cannot see it
 def test_errors_and_crashes_are_reported():
     ew = EmulatedWorld(2)
     try:

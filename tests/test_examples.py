@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -13,6 +15,11 @@ def _run(args, timeout=600):
                           text=True, timeout=timeout)
 
 
+# the demo and the examples start a 2-rank emulated world of their own in the subprocess
+emulated2 = pytest.mark.emulated(ranks=2)
+
+
+@emulated2
 def test_main_demo():
     out = _run(["-m", "portable_overlap", "demo", "--cpu"])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -26,24 +33,28 @@ def test_env_report():
     assert "selected backend" in out.stdout
 
 
+@emulated2
 def test_transformer_decode_example():
     out = _run([os.path.join("examples", "transformer", "decode.py"), "--layers", "1"])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "outputs agree" in out.stdout
 
 
+@emulated2
 def test_moe_layer_example():
     out = _run([os.path.join("examples", "moe", "moe_layer.py")])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "outputs agree" in out.stdout
 
 
+@emulated2
 def test_dlrm_example():
     out = _run([os.path.join("examples", "dlrm", "train.py"), "--small", "--steps", "4"])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "paths agree" in out.stdout and "samples/s" in out.stdout
 
 
+@emulated2
 def test_transformer_prefill_example():
     out = _run([os.path.join("examples", "transformer", "prefill.py"), "--layers", "1",
                 "--seq", "8"])

@@ -214,6 +214,7 @@ def _die_while_making_heap(world, victim, moment):
     return outcome, seconds, before, _resources()
 
 
+@pytest.mark.emulated(ranks=2)  # its own world, not a fixture: conftest cannot see it
 @pytest.mark.parametrize("moment", ["alloc_exportable", "open_handle"])
 def test_rank_killed_while_making_a_heap(moment):
     ew = EmulatedWorld(2)
