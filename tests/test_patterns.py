@@ -62,6 +62,18 @@ def test_wrong_context_is_a_clear_error():
         po.gemv_all_reduce(a, b, "ctx")
 
 
+def test_no_silent_loss_of_gradients():
+    """An op without a backward refuses inputs that require grad (its result would carry none),
+    before it looks at its context."""
+    class _Ctx(po.MatmulAllReduce):
+        def __init__(self):  # no workspace: the refusal comes first
+            pass
+
+    a, b = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="matmul_all_reduce has no backward"):
+        po.matmul_all_reduce(a, b, _Ctx())
+
+
 def _patterns(world, dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -144,7 +144,7 @@ class RowParallelLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         rows = x2.shape[0]
-        if self.fused and rows <= MAX_M:
+        if rows <= MAX_M and _fused_ok(self, x):
             y = gemv_all_reduce(x2.contiguous(), self.weight, self.ctx)
         elif self.reduce_ctx is not None and _fused_ok(self, x):
             self._check_rows(rows)

@@ -69,6 +69,11 @@ class ExpertParallelMoE(nn.Module):
                 e = s % self.experts_per_rank
                 h[lo:hi] = F.silu(x[lo:hi] @ self.w_gate[e]) * (x[lo:hi] @ self.w_up[e])
         if self.fused:
+            if torch.is_grad_enabled() and (h.requires_grad or self.w_down.requires_grad
+                                            or weights.requires_grad):
+                raise RuntimeError("ExpertParallelMoE: the fused combine has no backward; run "
+                                   "the layer under torch.no_grad() (inference) or make it "
+                                   "with fused=False to train")
             return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
         y = expert_outputs(h, self.w_down, counts, accumulate_fp32=False)
         return combine_rows(y, slots, counts, weights, self.world.group)

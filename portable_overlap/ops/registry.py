@@ -84,6 +84,11 @@ class OpSpec:
         The torch op is used under ``torch.compile``, or when ``grad`` says autograd must record
         the call; then every option must be unset (None), as a functional op has none."""
         check_context(self, ctx)
+        if self.backward is None and torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in args):
+            # the result would carry no gradient at all: a silent error in training
+            raise RuntimeError(f"{self.name} has no backward, and an input requires grad: call "
+                               f"it under torch.no_grad() (inference) or pass detached tensors")
         if not (grad or torch.compiler.is_compiling()):
             return self.run(ctx, *args, **options)
         set_ = [k for k, v in options.items() if v is not None]
