@@ -18,18 +18,21 @@ bag holds exactly ``pooling factor`` indices, uniform or Zipf(1.05) over a table
 
 ``ideal = max(compute, comm)``; summary rows give the speedup ``sequential / fused`` and the
 fraction of ideal ``(sequential - fused) / (sequential - ideal)``. Correctness of the fused op is
-checked against the float32 reference in the same run before timing.
+checked against the float32 reference in the same run before timing; ``fused_shmem`` (``--shmem``)
+must give the same bits as ``fused``. The shared options (shapes, dtypes, worlds, graph modes,
+checks) are in benchmarks/cli.py.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.harness import ResultWriter, time_op
+from benchmarks.cli import BenchParser
+from benchmarks.harness import time_op
+from benchmarks.runner import Case, rel_err, run_main
 from portable_overlap import EmbeddingAllToAll, World, embedding_all_to_all_reference
 
 OP = "embedding_alltoall"
@@ -90,9 +93,10 @@ class Sequential:
         return self.out
 
 
-def sweep(world, shape, dname, weight, lengths, indices, splits, args, writer) -> None:
+def sweep(bench, shape, dname, weight, lengths, indices, splits) -> None:
     """Time the fused op per (bags per tile, warps, grid cap): a context per variant, graph
     replay. ``programs`` 0 is the op's default cap."""
+    world, args = bench.world, bench.args
     D = shape["dim"]
     base = max(1, min(64, 4096 // (1 << (D - 1).bit_length())))
     found = []
@@ -121,9 +125,9 @@ def sweep(world, shape, dname, weight, lengths, indices, splits, args, writer) -
             ctx.close()
         found.append((t, bb, nw, programs))
         if world.rank == 0:
-            writer.write(op=OP + "_tuning", shape=shape, dtype=dname, impl="fused",
-                         graph=True, block_b=bb, num_warps=nw, programs=programs,
-                         median_ms=round(t, 5))
+            bench.write(op=OP + "_tuning", shape=shape, dtype=dname, impl="fused",
+                        graph=True, block_b=bb, num_warps=nw, programs=programs,
+                        median_ms=round(t, 5))
     if world.rank == 0:
         best = min(found, key=lambda f: f[0])
         print(f"  sweep {shape['batch']}x{shape['tables']}x{D}: best block_b={best[1]} "
@@ -131,34 +135,30 @@ def sweep(world, shape, dname, weight, lengths, indices, splits, args, writer) -
               + ", ".join(f"{bb}/{nw}/{g}:{t:.3f}" for t, bb, nw, g in found), flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device-kind", default="unknown")
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--shapes", default="", help="BxTxDxPFxROWS,... (default: the 3 standard)")
-    ap.add_argument("--dtypes", default="fp32,fp16")
+def parser() -> BenchParser:
+    ap = BenchParser(__doc__, dims=("batch", "tables", "dim", "pooling_factor", "rows"),
+                     shapes=SHAPES, dtypes=("fp32", "fp16"), iters=50, warmup=10,
+                     shapes_help="(B x T x D x PF x ROWS) ")
     ap.add_argument("--dists", default="uniform,zipf")
     ap.add_argument("--shmem", action="store_true",
                     help="also time the device-initiated (NVSHMEM) transport as fused_shmem")
     ap.add_argument("--sweep", action="store_true",
                     help="first time the fused op per tile (bags per tile x warps) on each "
                          "shape's first dtype and index distribution (graph replay)")
-    args = ap.parse_args()
-    world = World.from_env()
-    dev = world.device
-    W, r = world.world_size, world.rank
-    writer = ResultWriter(args.out, args.device_kind, W)
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",") if s] or SHAPES
+    return ap
+
+
+def body(bench) -> int:
+    world, args = bench.world, bench.args
+    dev, W, r = world.device, world.world_size, world.rank
     solo_groups = [dist.new_group([q]) for q in range(W)]
     solo = World.from_process_group(group=solo_groups[r], device=dev)
     gen = torch.Generator(device=dev).manual_seed(77 + r)
-    table = []
-    for B, T, D, pf, rows in shapes:
+    dists = [d for d in args.dists.split(",") if d]
+    for sh in args.shapes:
+        B, T, D, pf, rows = (sh[k] for k in ("batch", "tables", "dim", "pooling_factor", "rows"))
         if B % W or T % W:
-            if r == 0:
-                print(f"skipping {B}x{T}: batch and tables must split over {W} ranks", flush=True)
+            bench.say(f"skipping {B}x{T}: batch and tables must split over {W} ranks")
             continue
         splits = [B // W] * W
         ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W)
@@ -167,47 +167,26 @@ def main() -> int:
             try:
                 shmem_ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W, transport="shmem")
             except Exception as e:
-                if r == 0:
-                    print(f"shmem transport unavailable: {type(e).__name__}: {e}", flush=True)
+                bench.say(f"shmem transport unavailable: {type(e).__name__}: {e}")
         n_loc = ctx.n_loc
         # the compute-alone baseline: the same kernel, this rank's tables, the whole batch, alone
         solo_ctx = EmbeddingAllToAll(solo, [rows] * n_loc, D, B)
         lengths = torch.full((n_loc * B,), pf, dtype=torch.int64, device=dev)
-        for dname in args.dtypes.split(","):
+        for dname in args.dtypes:
             dt = DTYPES[dname]
             weight = (torch.randn(ctx.weight_rows, D, generator=gen, device=dev) * 0.1).to(dt)
-            for dist_name in args.dists.split(","):
+            for dist_name in dists:
                 shape = {"batch": B, "tables": T, "dim": D, "pooling_factor": pf, "rows": rows,
                          "indices": dist_name, "tables_per_rank": n_loc}
                 indices = make_indices(n_loc, rows, B * pf, dist_name, gen, dev)
                 out = torch.empty(ctx.output_shape(splits), dtype=dt, device=dev)
                 solo_out = torch.empty(solo_ctx.output_shape([B]), dtype=dt, device=dev)
                 seq = Sequential(ctx, weight, indices, B, pf, splits, world.group)
-                # correctness in the same run, before timing (validate=True checks the indices)
-                err = float("inf")
-                try:
-                    out.fill_(float("nan"))
-                    ctx(weight, lengths, indices, batch_splits=splits, out=out)
-                    ctx.synchronize()
-                    ref = embedding_all_to_all_reference(weight, lengths, indices, None, ctx.plan,
-                                                         r, splits, "sum", world.group)
-                    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-                    seq_err = ((seq().reshape(ref.shape).double() - ref.double()).norm()
-                               / ref.double().norm()).item()
-                    del ref
-                except Exception as e:
-                    print(f"rank {r}: fused failed at {shape}: {type(e).__name__}: "
-                          f"{str(e)[-300:]}", flush=True)
-                    seq_err = float("nan")
-                correct = bool(err < (1e-5 if dt == torch.float32 else 2e-3))
-                if args.sweep and dname == args.dtypes.split(",")[0] \
-                        and dist_name == args.dists.split(",")[0]:
-                    sweep(world, shape, dname, weight, lengths, indices, splits, args, writer)
-                if r == 0:
-                    print(f"{B}x{T}x{D}x{pf}x{rows} {dname} {dist_name}: rel_err fused "
-                          f"{err:.1e}, sequential {seq_err:.1e}", flush=True)
+                if args.sweep and dname == args.dtypes[0] and dist_name == dists[0]:
+                    sweep(bench, shape, dname, weight, lengths, indices, splits)
                 send = torch.empty(B * n_loc * D, dtype=dt, device=dev)
                 recv = torch.empty_like(send)
+                out2 = torch.full_like(out, float("nan")) if shmem_ctx is not None else None
                 impls = {
                     "fused": lambda: ctx(weight, lengths, indices, batch_splits=splits, out=out,
                                          validate=False),
@@ -218,82 +197,41 @@ def main() -> int:
                     "sequential_compute": seq.compute,
                 }
                 if shmem_ctx is not None:
-                    out2 = torch.full_like(out, float("nan"))
-                    shmem_ctx(weight, lengths, indices, batch_splits=splits, out=out2)
-                    shmem_ctx.synchronize()
-                    if torch.equal(out2, out):  # same kernel body, same sums: same bits
-                        impls["fused_shmem"] = lambda: shmem_ctx(
-                            weight, lengths, indices, batch_splits=splits, out=out2,
-                            validate=False)
-                    elif r == 0:
-                        print(f"fused_shmem differs from fused at {shape}: not timed", flush=True)
-                row = {"shape": f"{B}x{T}x{D}x{pf}x{rows}", "dtype": dname, "dist": dist_name,
-                       "err": err}
-                for graph in (False, True):
-                    for name, fn in impls.items():
-                        if name == "fused" and not correct:
-                            continue
-                        try:
-                            t = time_op(fn, world, graph=graph, iters=args.iters,
-                                        warmup=args.warmup)
-                        except Exception as e:
-                            if r == 0:
-                                print(f"{name} graph={graph} failed: {type(e).__name__}: "
-                                      f"{str(e)[:300]}", flush=True)
-                            continue
-                        row[(name, graph)] = t["median_ms"]
-                        if r == 0:
-                            writer.write(op=OP, shape=shape, dtype=dname, impl=name, graph=graph,
-                                         correct=correct if name == "fused" else None,
-                                         rel_err=err if name == "fused" else (
-                                             seq_err if name == "sequential" else None),
-                                         **{k: round(v, 5) for k, v in t.items()})
-                table.append(row)
-                if r == 0:
-                    for graph in (False, True):
-                        t = {n: row.get((n, graph)) for n in impls}
-                        if None in (t["fused"], t["sequential"], t["compute"], t["comm"]):
-                            continue
-                        ideal = max(t["compute"], t["comm"])
-                        writer.write(
-                            op=OP + "_summary", shape=shape, dtype=dname, graph=graph,
-                            ideal_ms=round(ideal, 5), fused_ms=round(t["fused"], 5),
-                            sequential_ms=round(t["sequential"], 5),
-                            compute_ms=round(t["compute"], 5), comm_ms=round(t["comm"], 5),
-                            speedup=round(t["sequential"] / t["fused"], 3),
-                            # undefined when the sequential run was not slower than the ideal
-                            fraction_of_ideal=round((t["sequential"] - t["fused"])
-                                                    / (t["sequential"] - ideal), 3)
-                            if t["sequential"] > ideal else None)
-                del seq, indices, out, solo_out, send, recv
+                    impls["fused_shmem"] = lambda: shmem_ctx(
+                        weight, lengths, indices, batch_splits=splits, out=out2, validate=False)
+                found = {"sequential": float("nan")}  # the sequential path's error, for its rows
+
+                def check(name):
+                    if name == "fused_shmem":  # same kernel body, same sums: same bits
+                        shmem_ctx(weight, lengths, indices, batch_splits=splits, out=out2)
+                        shmem_ctx.synchronize()
+                        return 0.0 if torch.equal(out2, out) else float("inf")
+                    # validate=True (the default) checks the indices
+                    out.fill_(float("nan"))
+                    ctx(weight, lengths, indices, batch_splits=splits, out=out)
+                    ctx.synchronize()
+                    ref = embedding_all_to_all_reference(weight, lengths, indices, None,
+                                                         ctx.plan, r, splits, "sum",
+                                                         world.group)
+                    found["sequential"] = rel_err(seq().reshape(ref.shape), ref)
+                    return rel_err(out, ref)
+
+                bench.run(Case(
+                    op=OP, shape=shape, dtype=dname, impls=impls, check=check,
+                    checked=["fused", "fused_shmem"],
+                    tol=1e-5 if dt == torch.float32 else 2e-3,
+                    label=f"{B}x{T}x{D}x{pf}x{rows} {dname} {dist_name}",
+                    fields=lambda name: {"rel_err": found["sequential"]}
+                    if name == "sequential" else {}))
+                del seq, indices, out, solo_out, send, recv, out2
             del weight
             torch.cuda.empty_cache()
         ctx.close()
         solo_ctx.close()
         if shmem_ctx is not None:
             shmem_ctx.close()
-    if r == 0:
-        print("\nEmbedding pooling + All-to-All, ms (slowest rank's median), graph replay | plain")
-        print(f"{'B x T x D x pf x rows':>26} {'dt':>4} {'idx':>7} {'fused':>7} {'seq':>7} "
-              f"{'comp':>7} {'comm':>7} {'seqC':>7} {'spd':>5} {'f.ideal':>7} | {'fusedP':>7} "
-              f"{'seqP':>7} {'spdP':>5} {'ok':>3}")
-        for row in table:
-            g = lambda n, gr: row.get((n, gr), float("nan"))  # noqa: E731
-            ideal = max(g("compute", True), g("comm", True))
-            frac = (g("sequential", True) - g("fused", True)) / (g("sequential", True) - ideal) \
-                if g("sequential", True) > ideal else float("nan")
-            print(f"{row['shape']:>26} {row['dtype']:>4} {row['dist']:>7} {g('fused', True):7.3f} "
-                  f"{g('sequential', True):7.3f} {g('compute', True):7.3f} {g('comm', True):7.3f} "
-                  f"{g('sequential_compute', True):7.3f} "
-                  f"{g('sequential', True) / g('fused', True):5.2f} {frac:7.2f} | "
-                  f"{g('fused', False):7.3f} {g('sequential', False):7.3f} "
-                  f"{g('sequential', False) / g('fused', False):5.2f} "
-                  f"{'yes' if row['err'] < 2e-3 else 'NO':>3}"
-                  + (f" | shmem {g('fused_shmem', True):.3f}" if ("fused_shmem", True) in row
-                     else ""), flush=True)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(parser(), body))

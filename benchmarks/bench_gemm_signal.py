@@ -17,10 +17,11 @@ collectives after the whole GEMM: no overlap), ``fused[reserve=<n>]``, and with
 whose NCCL communicator may use at most n CTAs (``ProcessGroupNCCL.Options().config.max_ctas``;
 ``hp``: a high-priority NCCL stream as well). The persistent GEMM leaves only ``reserve_sms`` SMs
 free, so a collective with more CTAs than that waits for the GEMM's end in its extra CTAs.
+Every ``fused*`` impl is checked against the reference before it is timed; a wrong one is not
+timed. The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -28,7 +29,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import ResultWriter, time_op, torch_fused_matmul_reduce_scatter
+from benchmarks.cli import BenchParser, parse_ints, parse_shapes
+from benchmarks.harness import torch_fused_matmul_reduce_scatter
+from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import World
 from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_reduce_scatter_reference)
@@ -70,12 +73,10 @@ def sweep_partitions(n_tiles: int, programs: int, dests: int) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device-kind", default="unknown")
-    ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--shapes", default="", help="MxNxK,... (default: the three of the issue)")
+def parser() -> BenchParser:
+    ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
+                     allowed_dtypes=("bf16", "fp16"), iters=60, warmup=10,
+                     shapes_help="the three of the issue ")
     ap.add_argument("--ops", default="all_reduce,reduce_scatter")
     ap.add_argument("--partitions", action="store_true",
                     help="sweep wave-group partitions at --sweep-shape (named variants)")
@@ -89,31 +90,35 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true",
                     help="a fused[tuned] variant at every shape: GemmSignal.tune's config "
                          "(partition and SM reserve) on a fresh cache")
-    ap.add_argument("--no-graph", action="store_true")
-    args = ap.parse_args()
-    world = World.from_env()
-    dev, W = world.device, world.world_size
-    writer = ResultWriter(args.out, args.device_kind, W)
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",") if s] or SHAPES
-    sweep_shape = tuple(map(int, args.sweep_shape.split("x")))
-    kinds = [k for k in args.ops.split(",") if k]
-    graphs = (False,) if args.no_graph else (False, True)
-    ctx = GemmSignal(world)
-    # contexts whose collectives run on a group with bounded NCCL CTAs (created collectively,
-    # in the same order on every rank, before any timing)
-    cta_ctxs = {}
-    for n in [int(x) for x in args.comm_ctas.split(",") if x]:
+    return ap
+
+
+def cta_contexts(bench, counts) -> dict:
+    """{variant name: GemmSignal} whose collectives run on a group with bounded NCCL CTAs
+    (created collectively, in the same order on every rank, before any timing)."""
+    world, out = bench.world, {}
+    for n in counts:
         for hp in (False, True):
             try:
                 opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=hp)
                 opts.config.max_ctas = n
-                g = dist.new_group(list(range(W)), backend="nccl", pg_options=opts)
-                sub = World.from_process_group(group=g, device=dev)
-                cta_ctxs[f"fused[ctas={n}{',hp' if hp else ''}]"] = GemmSignal(sub)
+                g = dist.new_group(list(range(world.world_size)), backend="nccl",
+                                   pg_options=opts)
+                sub = World.from_process_group(group=g, device=world.device)
+                out[f"fused[ctas={n}{',hp' if hp else ''}]"] = GemmSignal(sub)
             except Exception as e:
-                if world.rank == 0:
-                    print(f"ctas={n} hp={hp} skipped: {type(e).__name__}: {str(e)[:200]}",
-                          flush=True)
+                bench.say(f"ctas={n} hp={hp} skipped: {type(e).__name__}: {str(e)[:200]}")
+    return out
+
+
+def body(bench) -> int:
+    world, args = bench.world, bench.args
+    dev, W = world.device, world.world_size
+    shapes = [(s["M"], s["N"], s["K"]) for s in args.shapes]
+    sweep_shape = tuple(parse_shapes(args.sweep_shape, ("M", "N", "K"))[0].values())
+    kinds = [k for k in args.ops.split(",") if k]
+    ctx = GemmSignal(world)
+    cta_ctxs = cta_contexts(bench, parse_ints(args.comm_ctas))
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     tune_dir = tempfile.mkdtemp(prefix="po-sig-tune-") if args.tune else None
     ce_ctx = None
@@ -121,171 +126,110 @@ def main() -> int:
         big = max(shapes + [sweep_shape], key=lambda s: s[0] * s[1])
         ce_ctx = GemmReduceScatterCE(world, GemmReduceScatterCE.elems_needed(
             big[0], big[1], W, 128, 256))
-    table = []
-    for kind in kinds:
-        op_name, fused_fn, ref_fn = OPS[kind]
-        for M, N, K in shapes + ([sweep_shape] if (args.partitions or args.reserves or cta_ctxs)
-                                  and sweep_shape not in shapes else []):
-            Kl = K // W
-            shape = {"M": M, "N": N, "K": K, "K_local": Kl}
-            a = torch.randn(M, Kl, generator=gen, device=dev, dtype=torch.float32).bfloat16()
-            b = torch.randn(Kl, N, generator=gen, device=dev, dtype=torch.float32).bfloat16()
-            rows = M // W if kind == "reduce_scatter" else M
-            out = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
-            y = torch.randn(M, N, generator=gen, device=dev, dtype=torch.float32).bfloat16()
-            ys = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
-            # correctness in the same run, before timing (fresh random inputs, poisoned output)
-            out.fill_(float("nan"))
-            try:
-                fused_fn(a, b, ctx, out)
-                ctx.synchronize()
-                ref = ref_fn(a, b, world.group).double()
-                err = ((out.double() - ref).norm() / ref.norm()).item()
-            except Exception as e:
-                print(f"rank {world.rank}: fused {kind} failed at {M}x{N}x{K}: "
-                      f"{type(e).__name__}: {str(e)[-300:]}", flush=True)
-                err = float("inf")
-            err = max(world.all_gather_object(err))  # every rank decides alike what to time
-            correct = bool(err < 1e-2)
-            if kind == "all_reduce":
-                comm = lambda: dist.all_reduce(y)  # noqa: E731
-                seq = lambda: dist.all_reduce(torch.mm(a, b, out=y))  # noqa: E731
-            else:
-                comm = lambda: dist.reduce_scatter_tensor(ys, y)  # noqa: E731
-                seq = lambda: dist.reduce_scatter_tensor(ys, torch.mm(a, b, out=y))  # noqa: E731
-            impls = {"fused": lambda: fused_fn(a, b, ctx, out), "sequential": seq,
-                     "compute": lambda: torch.mm(a, b, out=y), "comm": comm}
-            if kind == "reduce_scatter":  # the reason is printed where torch's op fails
-                try:
-                    impls["torch_fused"] = torch_fused_matmul_reduce_scatter(world, a, b, ref_fn,
-                                                                             tol=1e-2)
-                except Exception as e:
-                    if world.rank == 0:
-                        print(f"torch_fused skipped: {type(e).__name__}: {str(e)[:200]}",
-                              flush=True)
-            elif kind == "all_reduce" and world.rank == 0 and (M, N, K) == shapes[0]:
-                print("torch_fused skipped for all_reduce: torch has no fused matmul + "
-                      "all-reduce op", flush=True)
-            variants = {}
-            if (M, N, K) == sweep_shape:
-                mm = default_config(torch.bfloat16, dev)
-                dests = 1 if kind == "all_reduce" else W
-                n_tiles = dests * -(-(M // dests) // mm.block_m) * -(-N // mm.block_n)
-                if args.partitions:
-                    programs = ctx._programs(ctx.config)
-                    for pname, part in sweep_partitions(n_tiles, programs, dests).items():
-                        variants[f"fused[{pname}]"] = (SignalConfig(partition=part), part)
-                    # the same kernels, the collectives after the whole GEMM: what the overlap
-                    # itself gains, apart from the reserve and the reorder
-                    variants["fused[event_gate]"] = (SignalConfig(gate="event"), None)
-                for r in [int(x) for x in args.reserves.split(",") if x]:
-                    variants[f"fused[reserve={r}]"] = (SignalConfig(reserve_sms=r), None)
-                for vname in cta_ctxs:
-                    variants[vname] = (None, None)
-            if args.tune:
-                try:
-                    tcfg = ctx.tune(kind, a, b, cache=TuningCache(
-                        os.path.join(tune_dir, f"{kind}-{M}x{N}x{K}-rank{world.rank}.json")))
-                    variants["fused[tuned]"] = (tcfg, tcfg.partition)
-                    if world.rank == 0:
-                        print(f"{kind} {M}x{N}x{K} tuned: partition {list(tcfg.partition)}, "
-                              f"reserve {tcfg.reserve_sms}", flush=True)
-                except Exception as e:
-                    print(f"rank {world.rank}: tuning {kind} {M}x{N}x{K} failed: "
-                          f"{type(e).__name__}: {str(e)[:200]}", flush=True)
-                    torch.cuda.synchronize()
-                # every rank times the same variants, or none
-                if not all(world.all_gather_object("fused[tuned]" in variants)):
-                    variants.pop("fused[tuned]", None)
-            def admit(vname, run, vctx):
-                """Time ``run`` as ``vname`` only if one call of it, checked against the
-                reference on every rank, is right (it also plans and loads outside the timing)."""
-                try:
-                    out.fill_(float("nan"))
-                    run()
-                    vctx.synchronize()
-                    ref = ref_fn(a, b, world.group).double()
-                    verr = ((out.double() - ref).norm() / ref.norm()).item()
-                except Exception as e:
-                    print(f"rank {world.rank}: {vname} failed: {type(e).__name__}: "
-                          f"{str(e)[:200]}", flush=True)
-                    verr = float("inf")
-                verr = max(world.all_gather_object(verr))
-                if verr < 1e-2:
-                    impls[vname] = run
-                elif world.rank == 0:
-                    print(f"{vname} wrong (rel_err {verr:.2e}): not timed", flush=True)
-
-            for vname, (cfg, part) in variants.items():
-                vctx = cta_ctxs.get(vname, ctx)
-                admit(vname, (lambda c, x: (lambda: fused_fn(a, b, x, out, config=c)))(cfg, vctx),
-                      vctx)
-            if kind == "reduce_scatter" and ce_ctx is not None:
-                admit("fused[ce]", lambda: ce_ctx.reduce_scatter(a, b, out), ce_ctx)
-            row = {"op": kind, "shape": f"{M}x{N}x{K}", "err": err}
-            for graph in graphs:
-                for name, fn in impls.items():
-                    if name.startswith("fused") and not correct:
-                        continue  # never time a wrong result
-                    try:
-                        r = time_op(fn, world, graph=graph, iters=args.iters, warmup=10)
-                    except Exception as e:
-                        if world.rank == 0:
-                            print(f"{kind} {name} graph={graph} failed: {type(e).__name__}: "
-                                  f"{str(e)[:200]}", flush=True)
-                        torch.cuda.synchronize()
-                        continue
-                    row[(name, graph)] = r["median_ms"]
-                    if world.rank == 0:
-                        extra = {}
-                        if name.startswith("fused["):
-                            v = variants.get(name, (None, None))
-                            extra = {"partition": list(v[1]) if v[1] else None,
-                                     "reserve_sms": v[0].reserve_sms if v[0] else None}
-                        writer.write(op=op_name, shape=shape, dtype="bf16", impl=name,
-                                     graph=graph, correct=correct if name == "fused" else None,
-                                     rel_err=err if name == "fused" else None,
-                                     **{k: round(v, 5) for k, v in r.items()}, **extra)
-            table.append(row)
-            if world.rank == 0:
-                for graph in graphs:
-                    t = {n: row.get((n, graph)) for n in ("fused", "sequential", "compute",
-                                                         "comm")}
-                    if None in t.values():
-                        continue
-                    ideal = max(t["compute"], t["comm"])
-                    writer.write(op=op_name + "_summary", shape=shape, dtype="bf16", graph=graph,
-                                 ideal_ms=round(ideal, 5), fused_ms=round(t["fused"], 5),
-                                 sequential_ms=round(t["sequential"], 5),
-                                 speedup=round(t["sequential"] / t["fused"], 3),
-                                 fraction_of_ideal=round((t["sequential"] - t["fused"])
-                                                         / (t["sequential"] - ideal), 3)
-                                 if t["sequential"] > ideal else None)
+    sweeps = args.partitions or args.reserves or cta_ctxs
+    for dname in args.dtypes:
+        dt = torch_dtype(dname)
+        for kind in kinds:
+            for M, N, K in shapes + ([sweep_shape] if sweeps and sweep_shape not in shapes
+                                     else []):
+                one_case(bench, ctx, cta_ctxs, ce_ctx, gen, tune_dir, kind, dname, dt,
+                         (M, N, K), (M, N, K) == sweep_shape, (M, N, K) == shapes[0])
     ctx.close()
     for c in cta_ctxs.values():
         c.close()
-    if world.rank == 0:
-        print("\nmilliseconds, slowest rank's median; P = plain launches, G = CUDA-graph replay; "
-              "frac = (seq - fused) / (seq - max(compute, comm))")
-        print(f"{'op':>14} {'M x N x K':>17} {'g':>1} {'fused':>7} {'seq':>7} {'compute':>7} "
-              f"{'comm':>7} {'torch':>7} {'speedup':>7} {'frac':>6} {'ok':>3}")
-        for r in table:
-            for graph in graphs:
-                g = lambda n: r.get((n, graph), float("nan"))  # noqa: E731
-                ideal = max(g("compute"), g("comm"))
-                frac = (g("sequential") - g("fused")) / (g("sequential") - ideal) \
-                    if g("sequential") > ideal else float("nan")
-                print(f"{r['op']:>14} {r['shape']:>17} {'G' if graph else 'P'} "
-                      f"{g('fused'):7.3f} {g('sequential'):7.3f} {g('compute'):7.3f} "
-                      f"{g('comm'):7.3f} {g('torch_fused'):7.3f} "
-                      f"{g('sequential') / g('fused'):7.2f} {frac:6.2f} "
-                      f"{'yes' if r['err'] < 1e-2 else 'NO':>3}")
-            for name in sorted(k for k in r if isinstance(k, tuple) and k[0].startswith("fused[")):
-                print(f"{'':>14} {r['shape']:>17} {'G' if name[1] else 'P'} {name[0]:>24} "
-                      f"{r[name]:7.3f}")
-    dist.destroy_process_group()
+    if ce_ctx is not None:
+        ce_ctx.close()
     return 0
 
 
+def one_case(bench, ctx, cta_ctxs, ce_ctx, gen, tune_dir, kind, dname, dt, mnk, at_sweep,
+             first) -> None:
+    """One op and shape: the impls, the named variants (at the sweep shape, or tuned),
+    ``bench.run``."""
+    world, args = bench.world, bench.args
+    dev, W = world.device, world.world_size
+    op_name, fused_fn, ref_fn = OPS[kind]
+    M, N, K = mnk
+    Kl = K // W
+    a = torch.randn(M, Kl, generator=gen, device=dev, dtype=torch.float32).to(dt)
+    b = torch.randn(Kl, N, generator=gen, device=dev, dtype=torch.float32).to(dt)
+    rows = M // W if kind == "reduce_scatter" else M
+    out = torch.empty(rows, N, device=dev, dtype=dt)
+    y = torch.randn(M, N, generator=gen, device=dev, dtype=torch.float32).to(dt)
+    ys = torch.empty(rows, N, device=dev, dtype=dt)
+    if kind == "all_reduce":
+        comm = lambda: dist.all_reduce(y)  # noqa: E731
+        seq = lambda: dist.all_reduce(torch.mm(a, b, out=y))  # noqa: E731
+    else:
+        comm = lambda: dist.reduce_scatter_tensor(ys, y)  # noqa: E731
+        seq = lambda: dist.reduce_scatter_tensor(ys, torch.mm(a, b, out=y))  # noqa: E731
+    impls = {"fused": lambda: fused_fn(a, b, ctx, out), "sequential": seq,
+             "compute": lambda: torch.mm(a, b, out=y), "comm": comm}
+    if kind == "reduce_scatter":  # the reason is printed where torch's op fails
+        try:
+            impls["torch_fused"] = torch_fused_matmul_reduce_scatter(world, a, b, ref_fn,
+                                                                     tol=1e-2)
+        except Exception as e:
+            bench.say(f"torch_fused skipped: {type(e).__name__}: {str(e)[:200]}")
+    elif first:
+        bench.say("torch_fused skipped for all_reduce: torch has no fused matmul + all-reduce op")
+    variants = {}  # name: (SignalConfig or None, partition or None)
+    if at_sweep:
+        mm = default_config(dt, dev)
+        dests = 1 if kind == "all_reduce" else W
+        n_tiles = dests * -(-(M // dests) // mm.block_m) * -(-N // mm.block_n)
+        if args.partitions:
+            programs = ctx._programs(ctx.config)
+            for pname, part in sweep_partitions(n_tiles, programs, dests).items():
+                variants[f"fused[{pname}]"] = (SignalConfig(partition=part), part)
+            # the same kernels, the collectives after the whole GEMM: what the overlap
+            # itself gains, apart from the reserve and the reorder
+            variants["fused[event_gate]"] = (SignalConfig(gate="event"), None)
+        for r in parse_ints(args.reserves):
+            variants[f"fused[reserve={r}]"] = (SignalConfig(reserve_sms=r), None)
+        for vname in cta_ctxs:
+            variants[vname] = (None, None)
+    if args.tune:
+        try:
+            tcfg = ctx.tune(kind, a, b, cache=TuningCache(
+                os.path.join(tune_dir, f"{kind}-{M}x{N}x{K}-rank{world.rank}.json")))
+            variants["fused[tuned]"] = (tcfg, tcfg.partition)
+            bench.say(f"{kind} {M}x{N}x{K} tuned: partition {list(tcfg.partition)}, "
+                      f"reserve {tcfg.reserve_sms}")
+        except Exception as e:
+            print(f"rank {world.rank}: tuning {kind} {M}x{N}x{K} failed: "
+                  f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+            torch.cuda.synchronize()
+        # every rank times the same variants, or none
+        if not all(world.all_gather_object("fused[tuned]" in variants)):
+            variants.pop("fused[tuned]", None)
+    owners = {"fused": ctx}
+    for vname, (cfg, _) in variants.items():
+        vctx = cta_ctxs.get(vname, ctx)
+        impls[vname] = (lambda c, x: (lambda: fused_fn(a, b, x, out, config=c)))(cfg, vctx)
+        owners[vname] = vctx
+    if kind == "reduce_scatter" and ce_ctx is not None:
+        impls["fused[ce]"] = lambda: ce_ctx.reduce_scatter(a, b, out)
+        owners["fused[ce]"] = ce_ctx
+    ref = ref_fn(a, b, world.group).double()
+
+    def check(name):
+        out.fill_(float("nan"))
+        impls[name]()  # also plans and loads the kernels outside the timing
+        owners[name].synchronize()
+        return rel_err(out, ref)
+
+    def fields(name):
+        if not name.startswith("fused["):
+            return {}
+        cfg, part = variants.get(name, (None, None))
+        return {"partition": list(part) if part else None,
+                "reserve_sms": cfg.reserve_sms if cfg else None}
+
+    bench.run(Case(op=op_name, shape={"M": M, "N": N, "K": K, "K_local": Kl}, dtype=dname,
+                   impls=impls, check=check, tol=1e-2, fields=fields,
+                   label=f"{kind} {M}x{N}x{K} {dname}"))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(parser(), body))

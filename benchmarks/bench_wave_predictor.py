@@ -56,18 +56,18 @@ back offline.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.bench_gemm_signal import OPS
-from benchmarks.harness import ResultWriter, time_op
-from portable_overlap import ContextBrokenError, World
+from benchmarks.cli import BenchParser
+from benchmarks.harness import time_op
+from benchmarks.runner import rel_err, run_main
+from portable_overlap import ContextBrokenError
 from portable_overlap.ops.gemm_signal import GemmSignal, SignalConfig
 from portable_overlap.ops.gemm_signal.tune import bytes_lasting, collective_fn, measure_beside
 from portable_overlap.schedule import (Calibration, TuningCache, candidate_partitions,
@@ -129,10 +129,6 @@ def group_overhead(world, kind: str, iters: int) -> dict:
             "k": GROUP_RUN, "sizes": per}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
 def summarize(rows: list, variants=("main",)) -> dict:
     """Per-shape figures from the measured partitions. ``rows``: dicts with ``partition``,
     ``roles`` (a collection of "candidate" / "search" / "default"), ``measured_ms`` (None: not
@@ -175,17 +171,18 @@ def summarize(rows: list, variants=("main",)) -> dict:
 
 
 class Run:
-    """The benchmark's state on one rank: the world, the op context (rebuilt when a failure
-    broke it), the writer, the clock."""
+    """The benchmark's state on one rank: the shared run (world, arguments, writer), the op
+    context (rebuilt when a failure broke it), the clock."""
 
-    def __init__(self, args):
-        self.args = args
-        self.world = World.from_env()
+    def __init__(self, bench):
+        self.bench = bench
+        self.args = bench.args
+        self.world = bench.world
         self.W = self.world.world_size
         self.ctx = GemmSignal(self.world)
-        self.writer = ResultWriter(args.out, args.device_kind, self.W)
+        self.writer = bench.writer
         self.t0 = time.perf_counter()
-        self.graph = not args.no_graph
+        self.graph = bench.args.graphs[0]
         self.table = []
         import tempfile  # the tuner's caches: fresh per run, so every shape is tuned anew
 
@@ -211,30 +208,27 @@ class Run:
     def measure(self, fused_fn, a, b, out, ref, part, cfg=None) -> tuple:
         """(timing dict or None, rel_err, failure text or None) of the op with partition
         ``part`` (None: the default) or the whole config ``cfg``; checked before it is
-        timed."""
+        timed (``Bench.check_impl``: every rank decides alike whether to time)."""
         world = self.world
         cfg = cfg or (SignalConfig(partition=part) if part else None)
-        why = None
-        try:
+        name = f"partition {list(part) if part else 'default'}"
+
+        def check(_):
             out.fill_(float("nan"))
             fused_fn(a, b, self.ctx, out, config=cfg)
             self.ctx.synchronize()
-            err = rel_err(out, ref)
-        except Exception as e:
-            err, why = float("inf"), f"{type(e).__name__}: {str(e)[:200]}"
-        err = max(world.all_gather_object(err))  # every rank decides alike whether to time
+            return rel_err(out, ref)
+
+        err = self.bench.check_impl(name, check)
         if not err < TOL:
             self.heal()
-            return None, err, why or f"wrong result (rel_err {err:.2e})"
-        try:
-            r = time_op(lambda: fused_fn(a, b, self.ctx, out, config=cfg), world,
-                        graph=self.graph, iters=self.args.iters, warmup=10)
-        except Exception as e:
-            torch.cuda.synchronize()
-            r, why = None, f"timing failed: {type(e).__name__}: {str(e)[:200]}"
+            return None, err, ("failed (reason printed above)" if err == float("inf")
+                               else f"wrong result (rel_err {err:.2e})")
+        r = self.bench.time_impl(name, lambda: fused_fn(a, b, self.ctx, out, config=cfg),
+                                 self.graph)
         if not all(world.all_gather_object(r is not None)):
             self.heal()  # every rank, whichever failed
-            return None, err, why or "timing failed on another rank"
+            return None, err, "timing failed (on this rank or another)"
         return r, err, None
 
     def calibrate_collective(self, kind: str) -> dict:
@@ -467,17 +461,13 @@ class Run:
         print(f"total {time.perf_counter() - self.t0:.0f} s", flush=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device-kind", default="unknown")
-    ap.add_argument("--shapes", default="", help="MxNxK,... (default 4096x8192x8192,"
-                                                 "8192x8192x8192)")
+def parser() -> BenchParser:
+    ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",), iters=50,
+                     warmup=10, graphs=(True,))
     ap.add_argument("--ops", default="all_reduce,reduce_scatter")
     ap.add_argument("--max-candidates", type=int, default=32,
                     help="cap of the exhaustive set per shape (the unit of waves grows to fit)")
     ap.add_argument("--max-groups", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=50, help="timed iterations per partition")
     ap.add_argument("--curve-iters", type=int, default=20,
                     help="timed iterations per message size and for the slowdown")
     ap.add_argument("--budget-s", type=float, default=120.0,
@@ -487,29 +477,32 @@ def main() -> int:
                     help="the library tuner's measured top partitions (0: no tuner run)")
     ap.add_argument("--tune-iters", type=int, default=20,
                     help="the tuner's timed iterations per partition and curve point")
-    ap.add_argument("--no-graph", action="store_true", help="time plain launches instead")
     ap.add_argument("--no-slowdown", action="store_true",
                     help="predict and search with slowdown 1 (still measured and recorded)")
     ap.add_argument("--no-comm-terms", action="store_true",
                     help="predict and search with comm_slowdown 1 and group overhead 0 (still "
                          "measured and recorded)")
-    args = ap.parse_args()
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",") if s] or SHAPES
-    run = Run(args)
-    for kind in [k for k in args.ops.split(",") if k]:
+    return ap
+
+
+def body(bench) -> int:
+    if len(bench.args.graphs) != 1:
+        bench.say("one graph mode at a time: --graph graph (the default) or --no-graph")
+        return 2
+    run = Run(bench)
+    for kind in [k for k in bench.args.ops.split(",") if k]:
         try:
             coll = run.calibrate_collective(kind)
         except Exception as e:
             say(run.world, f"[{kind}] comm calibration failed ({type(e).__name__}: "
                            f"{str(e)[:200]}): skipped")
             continue
-        for M, N, K in shapes:
-            run.one_shape(kind, coll, M, N, K)
+        for s in bench.args.shapes:
+            run.one_shape(kind, coll, s["M"], s["N"], s["K"])
     run.print_table()
     run.ctx.close()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(parser(), body))

@@ -3,17 +3,17 @@
 CUDA events around each iteration, a barrier before each one, warm-up, the median of at least 50,
 once with plain launches and once replaying a CUDA graph; the slowest rank's median counts.
 Results are JSON lines with keys op, shape, dtype, world, device, impl, graph, median_ms, p10_ms,
-p90_ms, date, commit.
+p90_ms, date, commit (benchmarks/rows.py); benchmarks/runner.py runs the check-then-time loop and
+benchmarks/cli.py holds the shared command line.
 """
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import statistics
 from typing import Callable
 
 import torch
+
+from benchmarks.rows import ResultWriter  # noqa: F401  (also importable from here)
 
 
 def _quantile(xs, q):
@@ -73,26 +73,6 @@ def hbm_read_bandwidth(device, gib: float = 2.0, iters: int = 20) -> float:
         times.append(a.elapsed_time(b))
     del t
     return gib * 2**30 / (statistics.median(times) * 1e-3) / 1e9
-
-
-class ResultWriter:
-    def __init__(self, path: str, device_kind: str, world_size: int):
-        self.path = path
-        self.device = device_kind
-        self.world = world_size
-        self.commit = os.environ.get("PO_COMMIT", "unknown")
-        self.date = datetime.date.today().isoformat()
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-
-    def write(self, **fields) -> dict:
-        row = {"op": fields.pop("op"), "shape": fields.pop("shape", {}),
-               "dtype": fields.pop("dtype", None), "world": self.world, "device": self.device}
-        row.update(fields)
-        row.setdefault("date", self.date)
-        row.setdefault("commit", self.commit)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        return row
 
 
 def torch_fused_matmul_reduce_scatter(world, a, b, ref_fn, tol: float = 2e-2):

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness import ResultWriter, time_op
+from benchmarks.harness import time_op
+from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.matmul import persistent_matmul
 from portable_overlap.tiles.gemm import grouped_tile

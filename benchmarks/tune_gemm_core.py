@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from benchmarks.harness import ResultWriter, time_op
+from benchmarks.harness import time_op
+from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.matmul import MatmulConfig, persistent_matmul
 from portable_overlap.ops.moe_combine import CombineConfig, MoeGemmCombine

@@ -1,0 +1,183 @@
+"""The command line every benchmark shares (pure Python; nothing here touches a GPU):
+
+    --shapes 8192x8192x4096,16384x7168x2048  problem sizes, parsed into the op's named dims
+    --dtypes bf16,fp16                        element types (each benchmark lists what it takes)
+    --worlds 2,4,8                            world sizes to run (see below)
+    --out PATH                                results JSONL file, or a folder: <folder>/<kind>.jsonl
+    --device-kind KIND                        the device in the rows (default $PO_DEVICE_KIND)
+    --iters N --warmup N                      timed and warm-up iterations per impl
+    --graph plain,graph | --no-graph | --no-plain   plain launches and / or CUDA-graph replay
+    --check / --no-check                      check each fused impl against the reference first
+
+``--worlds``: a benchmark started without a launcher runs itself under torchrun once per listed
+world size (sizes above the visible GPU count are skipped); one started by torchrun or mpirun
+runs only if its world size is listed, and otherwise says it skips and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+from typing import Mapping, Optional, Sequence
+
+from benchmarks.rows import results_path
+
+DTYPE_NAMES = ("fp32", "fp16", "bf16", "fp8")
+_GRAPH_WORDS = {"0": False, "plain": False, "eager": False, "1": True, "graph": True}
+
+
+def parse_shapes(text: str, dims: Sequence[str]) -> list:
+    """``"8192x8192x4096,16384x7168x2048"`` -> ``[{dims[0]: 8192, ...}, ...]``: each shape has
+    one positive integer per name in ``dims``, in that order; ValueError says what is wrong."""
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        parts = item.lower().replace("×", "x").split("x")
+        if len(parts) != len(dims):
+            raise ValueError(f"shape {item!r}: expected {len(dims)} sizes "
+                             f"{'x'.join(dims)}, got {len(parts)}")
+        try:
+            vals = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"shape {item!r}: sizes must be integers ({'x'.join(dims)})") \
+                from None
+        if any(v <= 0 for v in vals):
+            raise ValueError(f"shape {item!r}: sizes must be positive")
+        out.append(dict(zip(dims, vals)))
+    return out
+
+
+def format_shape(shape: Mapping, dims: Optional[Sequence[str]] = None) -> str:
+    """The inverse of ``parse_shapes`` for a label: the integer sizes (of ``dims`` when given)
+    joined by ``x``, then any text values (such as a routing) after a space."""
+    keys = list(dims) if dims is not None else list(shape)
+    nums = [str(shape[k]) for k in keys if isinstance(shape.get(k), int)]
+    words = [str(shape[k]) for k in keys if isinstance(shape.get(k), str)]
+    return " ".join(["x".join(nums)] + words)
+
+
+def parse_ints(text: str) -> list:
+    """``"2,4,8"`` -> ``[2, 4, 8]`` (empty items ignored)."""
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def parse_dtypes(text: str, allowed: Sequence[str]) -> list:
+    """``"bf16,fp16"`` -> ``["bf16", "fp16"]``, each one of ``allowed``."""
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [d for d in out if d not in allowed]
+    if bad or not out:
+        raise ValueError(f"dtypes {bad or text!r}: this benchmark takes {', '.join(allowed)}")
+    return out
+
+
+def parse_graph_modes(text: str) -> tuple:
+    """``"plain,graph"`` (or ``"0,1"``, ``"both"``) -> ``(False, True)``: False is plain
+    launches, True CUDA-graph replay; order kept, duplicates dropped."""
+    words = ["plain", "graph"] if text.strip() == "both" else \
+        [s.strip().lower() for s in text.split(",") if s.strip()]
+    bad = [w for w in words if w not in _GRAPH_WORDS]
+    if bad or not words:
+        raise ValueError(f"graph modes {text!r}: a comma list of plain / graph (or 0 / 1)")
+    return tuple(dict.fromkeys(_GRAPH_WORDS[w] for w in words))
+
+
+def launched_world_size(env: Mapping) -> Optional[int]:
+    """The world size a launcher gave this process (torchrun, Open MPI, MPICH), None when it
+    was started on its own."""
+    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if env.get(key):
+            return int(env[key])
+    return None
+
+
+def launch_plan(worlds: Sequence[int], n_devices: int) -> tuple:
+    """(world sizes to launch, world sizes skipped because this machine has fewer devices)."""
+    return ([w for w in worlds if w <= n_devices], [w for w in worlds if w > n_devices])
+
+
+def torchrun_command(script: str, argv: Sequence[str], world: int, port: int) -> list:
+    """The command that runs ``script argv`` on ``world`` ranks of this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+            "--master-port", str(port), script, *argv]
+
+
+def launch(script: str, argv: Sequence[str], worlds: Sequence[int]) -> int:
+    """Runs ``script`` under torchrun once per world size that fits the visible devices, one
+    after another; returns the first non-zero exit status, else 0."""
+    import torch  # only here: parsing and --help never touch a device
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    todo, skipped = launch_plan(worlds, n)
+    for w in skipped:
+        print(f"world {w}: skipped, {n} device(s) visible", flush=True)
+    rc = 0
+    for w in todo:
+        print(f"world {w}: {os.path.basename(script)} under torchrun", flush=True)
+        got = subprocess.run(torchrun_command(script, argv, w, 29500 + random.randrange(1000)))
+        rc = rc or got.returncode
+    return rc
+
+
+class BenchParser(argparse.ArgumentParser):
+    """An ArgumentParser with the shared options; ``parse_args`` returns them parsed:
+    ``shapes`` a list of {dim: size} (the benchmark's defaults when not given), ``dtypes`` a
+    list of names, ``graphs`` a tuple of bools, ``worlds`` a list of ints or None, ``out`` the
+    JSONL path, ``check`` a bool."""
+
+    def __init__(self, description: str, *, dims: Sequence[str], shapes: Sequence,
+                 dtypes: Sequence[str] = ("bf16",), allowed_dtypes: Optional[Sequence] = None,
+                 iters: int = 50, warmup: int = 10, graphs: Sequence[bool] = (False, True),
+                 shapes_help: str = ""):
+        super().__init__(description=description,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.dims = tuple(dims)
+        self.default_shapes = [dict(zip(self.dims, s)) if not isinstance(s, Mapping) else dict(s)
+                               for s in shapes]
+        self.allowed_dtypes = tuple(allowed_dtypes or dtypes)
+        g = self.add_argument_group("shared benchmark options")
+        g.add_argument("--out", required=True,
+                       help="results JSONL file, or a folder (then <folder>/<device-kind>.jsonl)")
+        g.add_argument("--device-kind", default=os.environ.get("PO_DEVICE_KIND", "unknown"),
+                       help="device kind recorded in every row (default: $PO_DEVICE_KIND or "
+                            "'unknown')")
+        shown = ",".join(format_shape(s, self.dims) for s in self.default_shapes)
+        g.add_argument("--shapes", default="",
+                       help=f"{'x'.join(self.dims)},... {shapes_help}(default: {shown})")
+        g.add_argument("--dtypes", default=",".join(dtypes),
+                       help=f"comma list of {', '.join(self.allowed_dtypes)} "
+                            f"(default: %(default)s)")
+        g.add_argument("--worlds", default="",
+                       help="comma list of world sizes: started alone, run under torchrun once "
+                            "per size; under a launcher, skip unless its size is listed")
+        g.add_argument("--iters", type=int, default=iters,
+                       help="timed iterations per impl (default: %(default)s)")
+        g.add_argument("--warmup", type=int, default=warmup,
+                       help="warm-up iterations per impl (default: %(default)s)")
+        g.add_argument("--graph", default=",".join("graph" if x else "plain" for x in graphs),
+                       help="comma list of plain (plain launches) and graph (CUDA-graph "
+                            "replay), or 0 / 1 (default: %(default)s)")
+        g.add_argument("--no-graph", action="store_true", help="plain launches only")
+        g.add_argument("--no-plain", action="store_true", help="CUDA-graph replay only")
+        g.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                       help="check every fused impl against the reference before timing it; "
+                            "a wrong one is not timed (default: on)")
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        try:
+            ns.shapes = parse_shapes(ns.shapes, self.dims) or [dict(s)
+                                                               for s in self.default_shapes]
+            ns.dtypes = parse_dtypes(ns.dtypes, self.allowed_dtypes)
+            ns.worlds = parse_ints(ns.worlds) or None
+            graphs = parse_graph_modes(ns.graph)
+        except ValueError as e:
+            self.error(str(e))
+        graphs = tuple(g for g in graphs if not (g and ns.no_graph) and not (not g and ns.no_plain))
+        if not graphs:
+            self.error("no graph mode left to time (--no-graph and --no-plain together?)")
+        ns.graphs = graphs
+        ns.out = results_path(ns.out, ns.device_kind)
+        return ns

@@ -1,0 +1,229 @@
+"""The loop every benchmark shares, by the protocol in benchmarks/harness.py.
+
+A benchmark script declares its command line (``cli.BenchParser`` plus its own options) and a
+``body(bench)`` that builds, per case, the inputs and the impl callables; ``run_main`` parses,
+launches or skips per ``--worlds``, starts the world, calls the body and prints the table.
+``Bench.run(case)``, for one case:
+
+1. checks each checked impl (by default every ``fused*`` one) against the reference, on every
+   rank, before anything is timed; the slowest rank's error counts, and a wrong impl is not
+   timed;
+2. times every impl with ``time_op`` in each graph mode (plain launches, CUDA-graph replay);
+3. writes one row per timed impl (the protocol's keys, ``correct``, ``rel_err``, the case's own
+   fields) and one ``<op>_summary`` row per graph mode and summarized impl (speedup, fraction of
+   ideal);
+4. prints the case's lines of the table (``metrics.format_table``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+from benchmarks import cli
+from benchmarks.metrics import format_table, rounded, summarize
+from benchmarks.rows import ResultWriter
+
+
+@dataclasses.dataclass
+class Case:
+    """One problem of one op: what to time and how to check it.
+
+    ``impls``: {name: callable} in timing order; the roles are ``fused``, ``sequential``,
+    ``compute``, ``comm``, ``torch_fused``, anything else a named variant.
+    ``check(name)``: runs impl ``name`` once and returns its relative error against the
+    reference (raising counts as a failure); ``checked``: the names to check (default: every
+    impl whose name starts with ``fused``); ``tol``: the largest correct error.
+    ``fields``: extra row fields, {impl: dict} or a callable ``name -> dict`` (evaluated when the
+    row is written, after the checks). ``summarize``: the impls that get summary rows.
+    ``notes``: fixed facts about the case; ``derive(times)``: figures from one graph mode's
+    {impl: ms}; both go into the summary rows and the printed table."""
+
+    op: str
+    shape: Mapping
+    dtype: str
+    impls: Mapping[str, Callable[[], object]]
+    check: Optional[Callable[[str], float]] = None
+    checked: Optional[Sequence[str]] = None
+    tol: float = 1e-2
+    fields: Union[Mapping[str, Mapping], Callable[[str], Mapping], None] = None
+    summarize: Sequence[str] = ("fused",)
+    notes: Optional[Mapping] = None
+    derive: Optional[Callable[[Mapping[str, float]], Mapping]] = None
+    label: Optional[str] = None
+
+    def checked_names(self) -> list:
+        names = self.checked if self.checked is not None else \
+            [n for n in self.impls if n.startswith("fused")]
+        return [n for n in names if n in self.impls]
+
+    def row_fields(self, name: str) -> dict:
+        if self.fields is None:
+            return {}
+        if callable(self.fields):
+            return dict(self.fields(name) or {})
+        return dict(self.fields.get(name, {}))
+
+    def title(self) -> str:
+        return self.label or f"{cli.format_shape(self.shape)} {self.dtype}"
+
+
+def rel_err(got, ref) -> float:
+    """``||got - ref|| / ||ref||`` in float64 (inf when ``got`` holds a NaN)."""
+    g, r = got.double(), ref.double()
+    err = ((g - r).norm() / r.norm()).item()
+    return err if math.isfinite(err) else float("inf")
+
+
+class Bench:
+    """One benchmark run on this rank: the parsed arguments, the world, the results file and
+    the cases' records for the table."""
+
+    def __init__(self, args, world):
+        self.args = args
+        self.world = world
+        self.rank, self.W = world.rank, world.world_size
+        self.device = world.device
+        self.writer = ResultWriter(args.out, args.device_kind, world.world_size)
+        self.records: list = []
+
+    def say(self, msg: str) -> None:
+        """Prints on rank 0."""
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def write(self, **fields) -> Optional[dict]:
+        """Appends a row on rank 0 (``ResultWriter.write``); None elsewhere."""
+        return self.writer.write(**fields) if self.rank == 0 else None
+
+    def agree(self, value: float) -> float:
+        """The largest of ``value`` over the ranks, so that every rank decides alike."""
+        return max(self.world.all_gather_object(value))
+
+    def check_impl(self, name: str, check: Callable[[str], float]) -> float:
+        """Relative error of impl ``name`` (``check(name)``), the largest over the ranks; inf
+        where it raised (the reason printed by that rank)."""
+        try:
+            err = float(check(name))
+        except Exception as e:
+            print(f"rank {self.rank}: {name} failed its check: {type(e).__name__}: "
+                  f"{str(e)[-300:]}", flush=True)
+            _sync()
+            err = float("inf")
+        return self.agree(err if math.isfinite(err) else float("inf"))
+
+    def time_impl(self, name: str, fn: Callable, graph: bool, iters: Optional[int] = None,
+                  warmup: Optional[int] = None) -> Optional[dict]:
+        """``time_op`` of ``fn`` (the slowest rank's median / p10 / p90); None with the reason
+        printed when it raised."""
+        from benchmarks.harness import time_op
+
+        try:
+            return time_op(fn, self.world, graph=graph, iters=iters or self.args.iters,
+                           warmup=self.args.warmup if warmup is None else warmup)
+        except Exception as e:
+            if self.rank == 0:
+                print(f"{name} graph={graph} failed: {type(e).__name__}: {str(e)[:300]}",
+                      flush=True)
+            _sync()
+            return None
+
+    def run(self, case: Case) -> dict:
+        """Checks, times, writes and prints ``case`` (see the module's docstring); returns
+        {(impl, graph): median ms} of what was timed."""
+        errs = {}
+        if self.args.check and case.check is not None:
+            for name in case.checked_names():
+                errs[name] = self.check_impl(name, case.check)
+        correct = {n: bool(e < case.tol) for n, e in errs.items()}
+        if errs:
+            self.say(f"{case.title()}: rel_err " + ", ".join(
+                f"{n} {e:.1e}{'' if correct[n] else ' WRONG: not timed'}"
+                for n, e in errs.items()))
+        times = {}
+        for graph in self.args.graphs:
+            for name, fn in case.impls.items():
+                if correct.get(name) is False:
+                    continue  # never time a wrong result
+                r = self.time_impl(name, fn, graph)
+                if r is None:
+                    continue
+                times[(name, graph)] = r["median_ms"]
+                if self.rank == 0:
+                    fields = {"correct": correct.get(name), "rel_err": errs.get(name),
+                              **case.row_fields(name)}
+                    self.write(op=case.op, shape=case.shape, dtype=case.dtype, impl=name,
+                               graph=graph, **fields, **rounded(r))
+        new = []
+        for graph in self.args.graphs:
+            t = {n: ms for (n, g), ms in times.items() if g == graph}
+            extra = {**(case.notes or {}), **(dict(case.derive(t)) if case.derive else {})}
+            for impl in case.summarize:
+                if impl in t and "sequential" in t:
+                    self.write(op=case.op + "_summary", shape=case.shape, dtype=case.dtype,
+                               graph=graph, impl=impl, **rounded(summarize(t, impl), 5),
+                               **rounded(extra, 5))
+            if not t:
+                continue
+            ok = correct.get("fused", all(correct.values()) if correct else None)
+            new.append({"label": case.title(), "graph": graph, "times": t, "ok": ok,
+                        "notes": extra})
+        self.records += new
+        if self.rank == 0 and new:
+            print("\n".join(format_table(new)[1:]), flush=True)
+        return times
+
+    def print_table(self) -> None:
+        if self.rank == 0 and self.records:
+            print("\n" + "\n".join(format_table(self.records)), flush=True)
+
+
+def _sync() -> None:
+    # after a failure: let the device finish what it queued before the next impl starts
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
+def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
+             argv: Optional[Sequence[str]] = None) -> int:
+    """Parses ``argv`` (default: the command line); launches the script per ``--worlds`` when
+    started alone with that option, or skips when its launcher's world size is not listed;
+    otherwise starts the world, runs ``body(bench)``, prints the table and ends the process
+    group. Returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    size = cli.launched_world_size(os.environ)
+    if size is None and args.worlds:
+        return cli.launch(os.path.abspath(sys.argv[0]), argv, args.worlds)
+    if size is not None and args.worlds and size not in args.worlds:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"skipping: world size {size} is not in --worlds "
+                  f"{','.join(map(str, args.worlds))}", flush=True)
+        return 0
+    import torch.distributed as dist
+
+    from portable_overlap import World
+
+    bench = Bench(args, World.from_env())
+    try:
+        rc = body(bench) or 0
+        bench.print_table()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return rc
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a ``--dtypes`` name (fp32, fp16, bf16, fp8)."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+            "fp8": torch.float8_e4m3fn}[name]

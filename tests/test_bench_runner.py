@@ -1,0 +1,327 @@
+"""The benchmarks' shared command line, rows, figures and check-then-time loop (benchmarks/cli.py,
+rows.py, metrics.py, runner.py), without a GPU: the timer is replaced by a fake one."""
+import importlib
+import json
+import os
+import re
+
+import pytest
+
+from benchmarks import cli, metrics, rows, runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "benchmarks"))
+                 if f.startswith("bench_") and f.endswith(".py"))
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def test_parse_shapes():
+    assert cli.parse_shapes("8192x8192x4096,16384x7168x2048", ("M", "N", "K")) == [
+        {"M": 8192, "N": 8192, "K": 4096}, {"M": 16384, "N": 7168, "K": 2048}]
+    assert cli.parse_shapes(" 2×3X4 ,", "MNK") == [{"M": 2, "N": 3, "K": 4}]
+    assert cli.parse_shapes("", "MNK") == []
+    for bad, why in [("8x8", "expected 3 sizes MxNxK"), ("8x8xk", "integers"),
+                     ("8x0x8", "positive")]:
+        with pytest.raises(ValueError, match=why):
+            cli.parse_shapes(bad, "MNK")
+
+
+def test_format_shape():
+    shape = {"S": 8192, "H": 2048, "k": 2, "routing": "zipf", "K_local": 7}
+    assert cli.format_shape(shape, ("S", "H", "k", "routing")) == "8192x2048x2 zipf"
+    assert cli.format_shape({"M": 1, "N": 2}) == "1x2"
+
+
+def test_parse_lists():
+    assert cli.parse_ints("2,4,,8") == [2, 4, 8]
+    assert cli.parse_dtypes("bf16,fp16", ("bf16", "fp16")) == ["bf16", "fp16"]
+    with pytest.raises(ValueError, match="takes bf16"):
+        cli.parse_dtypes("fp32", ("bf16",))
+    with pytest.raises(ValueError):
+        cli.parse_dtypes("", ("bf16",))
+    assert cli.parse_graph_modes("0,1") == (False, True)
+    assert cli.parse_graph_modes("graph,plain,graph") == (True, False)
+    assert cli.parse_graph_modes("both") == (False, True)
+    with pytest.raises(ValueError, match="plain / graph"):
+        cli.parse_graph_modes("replay")
+
+
+def _parser(**kw):
+    kw = {"dims": ("M", "N", "K"), "shapes": [(1, 2, 3), (4, 5, 6)], **kw}
+    return cli.BenchParser("a benchmark", **kw)
+
+
+def test_parser_defaults_and_overrides(tmp_path):
+    ns = _parser(iters=30, warmup=5).parse_args(["--out", str(tmp_path / "r.jsonl")])
+    assert ns.shapes == [{"M": 1, "N": 2, "K": 3}, {"M": 4, "N": 5, "K": 6}]
+    assert (ns.dtypes, ns.graphs, ns.worlds, ns.check) == (["bf16"], (False, True), None, True)
+    assert (ns.iters, ns.warmup, ns.out) == (30, 5, str(tmp_path / "r.jsonl"))
+    ns = _parser(allowed_dtypes=("bf16", "fp16")).parse_args(
+        ["--out", str(tmp_path) + "/", "--device-kind", "gpu-x2", "--shapes", "7x8x9",
+         "--dtypes", "fp16", "--worlds", "2,4", "--no-plain", "--no-check", "--iters", "3"])
+    assert ns.shapes == [{"M": 7, "N": 8, "K": 9}] and ns.dtypes == ["fp16"]
+    assert ns.graphs == (True,) and ns.worlds == [2, 4] and not ns.check and ns.iters == 3
+    assert ns.out == os.path.join(str(tmp_path), "gpu-x2.jsonl")
+    # the forms the scripts took before they shared this parser still parse
+    assert _parser().parse_args(["--out", "x", "--graph", "1"]).graphs == (True,)
+    assert _parser().parse_args(["--out", "x", "--no-graph"]).graphs == (False,)
+    assert _parser(graphs=(True,)).parse_args(["--out", "x"]).graphs == (True,)
+
+
+def test_parser_errors(tmp_path, capsys):
+    for argv in (["--shapes", "1x2"], ["--dtypes", "fp32"], ["--no-graph", "--no-plain"],
+                 ["--graph", "x"], []):
+        with pytest.raises(SystemExit) as e:
+            _parser().parse_args(["--out", "x", *argv] if argv else argv)
+        assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "MxNxK,... (default: 1x2x3,4x5x6)" in out and "--worlds" in out
+
+
+def test_device_kind_default(monkeypatch):
+    monkeypatch.setenv("PO_DEVICE_KIND", "nvidia-h200-x4")
+    assert _parser().parse_args(["--out", "r.jsonl"]).device_kind == "nvidia-h200-x4"
+
+
+def test_worlds_and_launch():
+    assert cli.launched_world_size({}) is None
+    assert cli.launched_world_size({"WORLD_SIZE": "4", "RANK": "1"}) == 4
+    assert cli.launched_world_size({"OMPI_COMM_WORLD_SIZE": "8"}) == 8
+    assert cli.launch_plan([2, 4, 8], 4) == ([2, 4], [8])
+    cmd = cli.torchrun_command("benchmarks/b.py", ["--out", "r"], 4, 29517)
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                       "29517", "benchmarks/b.py", "--out", "r"]
+
+
+# --- rows -----------------------------------------------------------------------------------
+
+def test_rows(tmp_path, monkeypatch):
+    row = rows.make_row("op", world=2, device="d", date="2026-01-02", commit="c",
+                        shape={"M": 1}, dtype="bf16", impl="fused", graph=True, median_ms=1.0)
+    assert list(row) == ["op", "shape", "dtype", "world", "device", "impl", "graph",
+                         "median_ms", "date", "commit"]
+    hbm = rows.make_row("hbm", world=1, device="d", date="x", commit="c")
+    assert hbm["shape"] == {} and hbm["dtype"] is None
+    assert rows.git_commit({"PO_COMMIT": "abc1234"}) == "abc1234"
+    assert rows.git_commit({}, cwd=str(tmp_path)) == "unknown"  # not a git work tree
+    assert rows.results_path(str(tmp_path), "k") == os.path.join(str(tmp_path), "k.jsonl")
+    assert rows.results_path("a/b.jsonl", "k") == "a/b.jsonl"
+    monkeypatch.setenv("PO_COMMIT", "feed123")
+    w = rows.ResultWriter(str(tmp_path / "sub") + "/", "kind", 4)
+    w.write(op="x", shape={"M": 2}, dtype="fp16", impl="fused", median_ms=0.5)
+    (got,) = [json.loads(ln) for ln in open(tmp_path / "sub" / "kind.jsonl")]
+    assert got["world"] == 4 and got["device"] == "kind" and got["commit"] == "feed123"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", got["date"])
+    assert w.row(op="y", date="2020-01-01")["date"] == "2020-01-01"
+
+
+# --- figures and the table ------------------------------------------------------------------
+
+def test_metrics():
+    assert metrics.speedup(2.0, 1.0) == 2.0
+    assert metrics.speedup(None, 1.0) is None and metrics.speedup(1.0, 0.0) is None
+    assert metrics.speedup(float("nan"), 1.0) is None
+    assert metrics.ideal(1.0, 3.0) == 3.0 and metrics.ideal(1.0, None) is None
+    # seq 5, ideal max(3, 2) = 3: fused 4 hides half of what can be hidden
+    assert metrics.fraction_of_ideal(5.0, 4.0, 3.0, 2.0) == pytest.approx(0.5)
+    assert metrics.fraction_of_ideal(5.0, 6.0, 3.0, 2.0) == pytest.approx(-0.5)
+    assert metrics.fraction_of_ideal(3.0, 2.0, 3.0, 2.0) is None  # nothing to hide
+    assert metrics.fraction_of_ideal(5.0, 4.0, None, 2.0) is None
+    s = metrics.summarize({"fused": 4.0, "sequential": 5.0, "compute": 3.0, "comm": 2.0,
+                           "torch_fused": 6.0, "fused[x]": 2.5})
+    assert s == {"fused_ms": 4.0, "sequential_ms": 5.0, "compute_ms": 3.0, "comm_ms": 2.0,
+                 "torch_fused_ms": 6.0, "ideal_ms": 3.0, "speedup": 1.25,
+                 "speedup_vs_torch": 1.5, "fraction_of_ideal": 0.5}
+    assert metrics.summarize({"fused[x]": 2.5, "sequential": 5.0}, "fused[x]")["speedup"] == 2.0
+    assert metrics.summarize({"fused": 1.0})["speedup"] is None
+    assert metrics.rounded({"a": 1.234567, "b": "x", "c": None, "d": float("inf")}, 2) == {
+        "a": 1.23, "b": "x", "c": None, "d": float("inf")}
+
+
+def test_format_table():
+    lines = metrics.format_table([
+        {"label": "8192x8192x8192", "graph": True, "ok": True, "notes": {"pick": "1d", "f": 0.5},
+         "times": {"fused": 4.0, "sequential": 5.0, "compute": 3.0, "comm": 2.0,
+                   "fused[p=8]": 2.5}},
+        {"label": "1x2x3", "graph": False, "ok": False, "times": {"fused": 1.0}}])
+    assert lines[1].split() == ["case", "g", "fused", "seq", "compute", "comm", "torch",
+                                "speedup", "frac", "vs", "torch", "ok"]
+    assert lines[2].split() == ["8192x8192x8192", "G", "4.000", "5.000", "3.000", "2.000", "-",
+                                "1.25", "0.50", "-", "yes", "pick", "1d", "f", "0.5"]
+    assert lines[3].split() == ["G", "fused[p=8]:", "2.500", "ms,", "speedup", "2.00"]
+    assert lines[4].split()[:3] == ["1x2x3", "P", "1.000"] and lines[4].split()[-1] == "NO"
+
+
+# --- the loop, with a fake world and timer --------------------------------------------------
+
+class FakeWorld:
+    rank, world_size, device = 0, 1, "cpu"
+
+    def all_gather_object(self, x):
+        return [x]
+
+    def broadcast_object(self, x):
+        return x
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """``time_op`` replaced: impl callables return their 'median' in ms (or raise)."""
+    import benchmarks.harness as harness
+
+    calls = []
+
+    def fake_time_op(fn, world, *, graph, iters, warmup):
+        calls.append((graph, iters, warmup))
+        t = fn() * (0.5 if graph else 1.0)
+        return {"median_ms": t, "p10_ms": t * 0.9, "p90_ms": t * 1.1}
+
+    monkeypatch.setattr(harness, "time_op", fake_time_op)
+    return calls
+
+
+def _bench(tmp_path, *argv):
+    args = _parser().parse_args(["--out", str(tmp_path / "r.jsonl"), "--device-kind", "k",
+                                 *argv])
+    return runner.Bench(args, FakeWorld())
+
+
+def _rows(tmp_path):
+    return [json.loads(ln) for ln in open(tmp_path / "r.jsonl")]
+
+
+def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
+    monkeypatch.setenv("PO_COMMIT", "c0ffee1")
+    bench = _bench(tmp_path, "--iters", "7", "--warmup", "2")
+    checked = []
+
+    def check(name):
+        checked.append(name)
+        if name == "fused[broken]":
+            raise RuntimeError("boom")
+        return {"fused": 1e-3, "fused[wrong]": 0.5, "fused[ok]": 0.0}[name]
+
+    def fail():
+        raise RuntimeError("no graph here")
+
+    impls = {"fused": lambda: 4.0, "fused[wrong]": lambda: 1.0, "fused[broken]": lambda: 1.0,
+             "fused[ok]": lambda: 3.0, "sequential": lambda: 5.0, "compute": lambda: 3.0,
+             "comm": lambda: 2.0, "torch_fused": fail}
+    times = bench.run(runner.Case(
+        op="op", shape={"M": 1, "N": 2, "K": 3}, dtype="bf16", impls=impls, check=check,
+        fields=lambda name: {"extra": name}, notes={"pick": "x"},
+        derive=lambda t: {"fused_over_comm": t["fused"] / t["comm"]}))
+    assert checked == ["fused", "fused[wrong]", "fused[broken]", "fused[ok]"]
+    # wrong and failing impls are not timed; the one that fails to time is left out
+    assert set(times) == {(n, g) for n in ("fused", "fused[ok]", "sequential", "compute", "comm")
+                          for g in (False, True)}
+    assert times[("fused", True)] == 2.0 and times[("fused", False)] == 4.0
+    assert timed[0] == (False, 7, 2)
+    got = _rows(tmp_path)
+    timed_rows = [r for r in got if r["op"] == "op"]
+    assert len(timed_rows) == 10
+    r = timed_rows[0]
+    assert list(r)[:7] == ["op", "shape", "dtype", "world", "device", "impl", "graph"]
+    assert (r["impl"], r["graph"], r["correct"], r["rel_err"], r["extra"]) == \
+        ("fused", False, True, 1e-3, "fused")
+    assert (r["median_ms"], r["commit"], r["device"], r["world"]) == (4.0, "c0ffee1", "k", 1)
+    assert {"p10_ms", "p90_ms", "date"} <= set(r)
+    seq = next(x for x in timed_rows if x["impl"] == "sequential")
+    assert seq["correct"] is None and seq["rel_err"] is None
+    summary = [r for r in got if r["op"] == "op_summary"]
+    assert [s["graph"] for s in summary] == [False, True]
+    assert summary[1]["speedup"] == 1.25 and summary[1]["fraction_of_ideal"] == 0.5
+    assert summary[1]["pick"] == "x" and summary[1]["fused_over_comm"] == 2.0
+    assert summary[1]["impl"] == "fused" and "median_ms" not in summary[1]
+    out = capsys.readouterr().out
+    assert "fused[wrong] 5.0e-01 WRONG: not timed" in out and "fused[broken] inf" in out
+    assert "torch_fused graph=False failed: RuntimeError: no graph here" in out
+    bench.print_table()
+    assert "speedup = seq / fused" in capsys.readouterr().out
+
+
+def test_run_without_checks_and_one_mode(tmp_path, timed):
+    bench = _bench(tmp_path, "--no-check", "--graph", "graph")
+    bench.run(runner.Case(op="op", shape={"M": 1, "N": 1, "K": 1}, dtype="bf16",
+                          impls={"fused": lambda: 1.0, "fused[v]": lambda: 2.0,
+                                 "sequential": lambda: 3.0},
+                          check=lambda name: float("inf"), summarize=("fused", "fused[v]")))
+    got = _rows(tmp_path)
+    assert [(r["impl"], r["graph"]) for r in got if r["op"] == "op"] == [
+        ("fused", True), ("fused[v]", True), ("sequential", True)]
+    assert [(r["impl"], r["speedup"]) for r in got if r["op"] == "op_summary"] == [
+        ("fused", 3.0), ("fused[v]", 1.5)]
+    assert bench.records[0]["ok"] is None
+
+
+def test_rel_err():
+    torch = pytest.importorskip("torch")
+    ref = torch.ones(4)
+    assert runner.rel_err(ref * 1.5, ref) == pytest.approx(0.5)
+    assert runner.rel_err(torch.full((4,), float("nan")), ref) == float("inf")
+    assert runner.torch_dtype("bf16") == torch.bfloat16
+
+
+def test_run_main_skips_or_launches(tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    argv = ["--out", str(tmp_path / "r.jsonl"), "--worlds", "2,8"]
+    assert runner.run_main(_parser(), ran.append, argv) == 0
+    assert "skipping: world size 4 is not in --worlds 2,8" in capsys.readouterr().out
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    launched = []
+    monkeypatch.setattr(cli, "launch", lambda script, a, worlds: launched.append((a, worlds)) or 3)
+    assert runner.run_main(_parser(), ran.append, argv) == 3
+    assert launched == [(argv, [2, 8])] and ran == []
+
+
+# --- every benchmark script -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_uses_the_shared_cli(name, tmp_path, capsys):
+    """Each bench_*.py builds its parser from BenchParser (nothing re-declared), parses its
+    defaults and prints --help without a GPU, and runs through run_main."""
+    src = open(os.path.join(ROOT, "benchmarks", name + ".py")).read()
+    for flag in ("--out", "--device-kind", "--shapes", "--iters", "--warmup", "--dtypes",
+                 "--no-graph", "--no-plain", "--graph", "--worlds"):
+        assert f'add_argument("{flag}"' not in src, (name, flag)
+    assert "import argparse" not in src and "ResultWriter(" not in src
+    assert "run_main(parser(), body)" in src
+    mod = importlib.import_module(f"benchmarks.{name}")
+    ap = mod.parser()
+    assert isinstance(ap, cli.BenchParser)
+    ns = ap.parse_args(["--out", str(tmp_path / "r.jsonl")])
+    assert ns.shapes and all(set(s) == set(ap.dims) for s in ns.shapes)
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--help"])
+    assert e.value.code == 0 and "shared benchmark options" in capsys.readouterr().out
+
+
+def test_ci_invocations_parse(tmp_path):
+    """The flags ci/gpu.sh passes to each benchmark (and those of its bash arrays) are accepted
+    by the benchmark's parser."""
+    text = open(os.path.join(ROOT, "ci", "gpu.sh")).read().replace("\\\n", " ")
+    arrays = {"bench_gemv_allreduce": ["--tune"], "bench_embedding_alltoall": ["--sweep"]}
+    seen = set()
+    for m in re.finditer(r"benchmarks/(bench_\w+)\.py (.*?)2>&1", text):
+        name, tokens = m.group(1), m.group(2).split()
+        argv, skip = [], False
+        for t in tokens:
+            if skip:
+                skip = False
+            elif t in ("--out", "--device-kind"):
+                argv += [t, str(tmp_path / "r.jsonl") if t == "--out" else "kind"]
+                skip = True
+            elif not t.startswith(("$", '"$')):  # shell expansions: not known here
+                argv.append(t)
+        ns = importlib.import_module(f"benchmarks.{name}").parser().parse_args(
+            argv + arrays.get(name, []))
+        assert ns.out == str(tmp_path / "r.jsonl")
+        seen.add(name)
+    assert seen == set(SCRIPTS)
