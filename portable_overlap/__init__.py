@@ -9,6 +9,7 @@ from .errors import (BackendUnavailable, ConcurrentUseError, ContextBrokenError,
                      PortableOverlapError, RankMismatchError)
 from .modules.embedding import ShardedEmbeddingBagCollection
 from .modules.linear import ColumnParallelLinear, RowParallelLinear
+from .modules.moe import ExpertParallelMoE
 from .ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                      embedding_all_to_all_reference)
 from .ops import GemvAllReduce, GemvConfig, gemv_all_reduce, gemv_all_reduce_reference
@@ -35,3 +36,4 @@ __all__ = ["World", "get_backend", "GemvAllReduce", "GemvConfig", "gemv_all_redu
            "embedding_all_to_all_reference", "ShardedEmbeddingBagCollection",
            "AllGatherMatmul", "all_gather_matmul", "ColumnParallelLinear", "MatmulReduce",
            "matmul_reduce_scatter", "matmul_all_reduce"]
+__all__ += ["ExpertParallelMoE"]
