@@ -127,8 +127,9 @@ def wait_flag(flag_ptr, want, call, clock_ptr, timeout_us):
 def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pid, peer, what,
                ok, CHECK_TAG: tl.constexpr):
     """``wait_flag``, then judge the word: a timeout, the peer's failure tag, or (CHECK_TAG, the
-    word of epoch ``want`` itself) another shape tag is reported on the status board as program
-    ``pid``'s reason (``what`` names the flag). A timeout also marks the context out of step
+    word of epoch ``want`` itself) another shape tag (the peer's tag and this program's, high
+    and low half of the slot's last word) is reported on the status board as program ``pid``'s
+    reason (``what`` names the flag). A timeout also marks the context out of step
     (``live``). Returns ``ok`` and-ed with the outcome; does not wait once ``ok`` is false."""
     if ok:
         v, arrived = wait_flag(flag_ptr, want, call, clock_ptr, timeout_us)
@@ -141,7 +142,9 @@ def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pi
                 report(status_addr, pid, STATUS_PEER_FAILED, peer, what, want)
                 ok = False
             elif ((v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)) & ((v >> 32) != tag):
-                report(status_addr, pid, STATUS_MISMATCH, peer, what, v >> 32)
+                # both tags, the peer's in the high half: the host describes both calls
+                report(status_addr, pid, STATUS_MISMATCH, peer, what,
+                       ((v >> 32) << 32) | tl.cast(tag, tl.int64))
                 ok = False
     return ok
 
