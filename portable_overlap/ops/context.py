@@ -14,7 +14,7 @@ from ..errors import ContextBrokenError, ContextClosedError, ConcurrentUseError
 from ..shmem.heap import SymmetricHeap, heap_bytes
 from ..shmem.status import STATUS_TIMEOUT, StatusBoard
 # shape_tag: the ops import it from here
-from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, shape_tag  # noqa: F401
+from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag  # noqa: F401
 from .launch import PlannedLaunch, resident_programs
 
 G_MAX = 1024  # most programs one launch may have (flag slots per peer)
@@ -151,6 +151,8 @@ class OverlapContext:
             return
         self.world.backend.synchronize(self.world.device)
         timed_out = self.status.has(STATUS_TIMEOUT)
+        for tag in self.status.own_tags():  # for a peer that explains a mismatch of this call
+            publish(self.world, tag, self.OP)
         try:
             self.status.raise_if_failed(self.OP, self.rank, self.FLAG_NAMES,
                                         explain=self._explain_mismatch)

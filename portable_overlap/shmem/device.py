@@ -127,9 +127,11 @@ def wait_flag(flag_ptr, want, call, clock_ptr, timeout_us):
 def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pid, peer, what,
                ok, CHECK_TAG: tl.constexpr):
     """``wait_flag``, then judge the word: a timeout, the peer's failure tag, or (CHECK_TAG, the
-    word of epoch ``want`` itself) another shape tag (the peer's tag and this program's, high
-    and low half of the slot's last word) is reported on the status board as program ``pid``'s
-    reason (``what`` names the flag). A timeout also marks the context out of step
+    word of epoch ``want`` itself) another shape tag is reported on the status board as program
+    ``pid``'s reason (``what`` names the flag). The slot's last word holds ``want`` for a
+    timeout; this program's tag in its high half and ``want`` in its low half when the peer
+    gave up; the peer's tag and this program's (high, low half) for another shape tag, so the
+    host can tell what each rank passed. A timeout also marks the context out of step
     (``live``). Returns ``ok`` and-ed with the outcome; does not wait once ``ok`` is false."""
     if ok:
         v, arrived = wait_flag(flag_ptr, want, call, clock_ptr, timeout_us)
@@ -139,10 +141,10 @@ def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pi
             ok = False
         elif CHECK_TAG:
             if (v >> 32) == FAILED_TAG:
-                report(status_addr, pid, STATUS_PEER_FAILED, peer, what, want)
+                report(status_addr, pid, STATUS_PEER_FAILED, peer, what,
+                       (tl.cast(tag, tl.int64) << 32) | (want.to(tl.int64) & 0xFFFFFFFF))
                 ok = False
             elif ((v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)) & ((v >> 32) != tag):
-                # both tags, the peer's in the high half: the host describes both calls
                 report(status_addr, pid, STATUS_MISMATCH, peer, what,
                        ((v >> 32) << 32) | tl.cast(tag, tl.int64))
                 ok = False

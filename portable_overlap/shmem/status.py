@@ -53,7 +53,8 @@ class StatusBoard:
                        f"{flag} flag [{index}] of call #{expected}; rank {peer} never arrived "
                        f"(did it skip this call, or crash?)")
             elif code == STATUS_PEER_FAILED:
-                msg = (f"{op}: rank {rank} program {pid}: rank {peer} gave up on call #{expected} "
+                msg = (f"{op}: rank {rank} program {pid}: rank {peer} gave up on call "
+                       f"#{expected & 0xFFFFFFFF} "
                        f"(its {flag} flag says so; it raises its own error) — this rank's "
                        f"output of that call is not valid")
             elif code == STATUS_MISMATCH:
@@ -76,6 +77,18 @@ class StatusBoard:
         for pid in (self.words[:, 0] == STATUS_MISMATCH).nonzero().flatten().tolist():
             _, peer, _, tags = self.words[pid].tolist()
             out.setdefault(peer, (tags >> 32, tags & 0xFFFFFFFF))
+        return out
+
+    def own_tags(self) -> set:
+        """This rank's call tags of the reports that carry one (a peer called with other
+        shapes, or gave up): the calls a peer may want described."""
+        out = set()
+        for pid in self.words[:, 0].nonzero().flatten().tolist():
+            code, _, _, word = self.words[pid].tolist()
+            if code == STATUS_MISMATCH:
+                out.add(word & 0xFFFFFFFF)
+            elif code == STATUS_PEER_FAILED:
+                out.add(word >> 32)
         return out
 
     def raise_if_failed(self, op: str, rank: int, what_names: dict,
