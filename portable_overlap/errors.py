@@ -28,7 +28,9 @@ class PeerTimeoutError(PortableOverlapError):
 
 
 class RankMismatchError(PortableOverlapError):
-    """The ranks called a collective op with different shapes or arguments."""
+    """The ranks called a collective op with different shapes or arguments. The message names
+    the ranks that disagree and what each passed (shapes, dtype, settings), and the fields that
+    differ."""
 
 
 class PeerSetupError(PortableOverlapError):

@@ -139,7 +139,7 @@ def _column_parallel(world):
         fused.bias.normal_()
         ref.bias.copy_(fused.bias)
     x = torch.randn(5, 12, generator=torch.Generator().manual_seed(world.rank))
-    with torch.no_grad():  # the fused path (inference); with gradients it is the reference one
+    with torch.no_grad():  # inference (gradients: tests/test_parallel_linear.py)
         y, y_ref = fused(x), ref(x)
     fused.close()
     return tuple(y.shape), ((y - y_ref).norm() / y_ref.norm()).item()

@@ -171,6 +171,33 @@ def test_ranks_disagreeing_on_a_shape_raise_on_every_rank(world2):
     assert "RankMismatchError" in kinds
 
 
+def _mismatch_message(world):
+    """Rank 0 calls with N=48, rank 1 with N=40; same grid, so the tags catch it."""
+    cfg = GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, programs_per_sm=1)
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=5.0, config=cfg)
+    x, w = _inputs(world, 2, 48 if world.rank == 0 else 40, 24, torch.float32, seed=7)
+    try:
+        ctx(x, w)
+        return "no error"
+    except PortableOverlapError as e:
+        return type(e).__name__, str(e)
+    finally:
+        ctx.close()
+
+
+def test_rank_mismatch_says_who_passed_what(world2):
+    """The error names the ranks that disagree and what each passed, once (not one line per
+    program, not hash tags)."""
+    for rank, (kind, msg) in enumerate(world2.run(_mismatch_message, timeout=120)):
+        assert kind == "RankMismatchError", msg
+        assert msg.startswith("gemv_all_reduce: ranks 0 and 1 called it with different "), msg
+        assert f"(this rank is {rank})" in msg, msg
+        assert "rank 0: x [2, 24], w [48, 24], dtype=float32" in msg, msg
+        assert "rank 1: x [2, 24], w [40, 24], dtype=float32" in msg, msg
+        assert "they differ in: w" in msg, msg
+        assert msg.count("rank 1:") == 1 and "0x" not in msg and "program 0" not in msg, msg
+
+
 def _disagree_on_tiling(world):
     # same shapes, same grid (4 programs), but another column tiling on rank 0: the blocks would
     # be mixed up; the tag in the flags catches it

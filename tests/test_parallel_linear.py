@@ -103,41 +103,170 @@ def test_row_parallel_bad_input(world2):
         assert all(m and "RowParallelLinear" in m for m in msgs), msgs
 
 
-def _grads(world, reduce):
-    """With gradients recorded the fused modules take the reference path, whose collectives
-    carry gradients: d loss / d (weight slice, input slice) match the full computation's."""
-    W, r = world.world_size, world.rank
-    S = 66  # above 64 rows: the decode GEMV path (no backward, as before) is not taken
-    (lin, _), full_w, bias = _pair(world, reduce, torch.float32, S)
-    col = ColumnParallelLinear(K, N * W, world, max_rows=S // W, dtype=torch.float32)
+def _factory_defaults(world):
+    """dtype / device as nn.Linear's factory arguments: None is torch's default dtype and the
+    world's device."""
+    out = {}
+    old = torch.get_default_dtype()
+    try:
+        for default in (torch.float32, torch.float16):
+            torch.set_default_dtype(default)
+            row = RowParallelLinear(K, N, world, bias=True, fused=False)
+            col = ColumnParallelLinear(K, N * world.world_size, world, max_rows=4, bias=True,
+                                       fused=False)
+            out[str(default)] = [(str(p.dtype), str(p.device)) for m in (row, col)
+                                 for p in m.parameters()]
+        torch.set_default_dtype(torch.float64)  # no fused kernel: refused, unless fused=False
+        out["float64"] = []
+        for make in (lambda **kw: RowParallelLinear(K, N, world, **kw),
+                     lambda **kw: ColumnParallelLinear(K, N * world.world_size, world,
+                                                       max_rows=4, **kw)):
+            try:
+                make().close()
+                out["float64"].append(None)
+            except TypeError as e:
+                out["float64"].append(str(e))
+            out["float64"].append(str(make(fused=False).weight.dtype))
+    finally:
+        torch.set_default_dtype(old)
+    row = RowParallelLinear(K, N, world, device="cpu", fused=False)
+    out["device=cpu"] = str(row.weight.device)
+    try:
+        RowParallelLinear(K, N, world, device="meta")
+        out["device=meta"] = None
+    except ValueError as e:
+        out["device=meta"] = str(e)
+    return out
+
+
+def test_dtype_and_device_follow_torch(world2):
+    for out in world2.run(_factory_defaults):
+        assert set(out["torch.float32"]) == {("torch.float32", "cpu")}, out
+        assert set(out["torch.float16"]) == {("torch.float16", "cpu")}, out
+        row_err, row_ref, col_err, col_ref = out["float64"]
+        assert row_err.startswith("RowParallelLinear:") and "float64" in row_err, row_err
+        assert col_err.startswith("ColumnParallelLinear:") and "float64" in col_err, col_err
+        assert row_ref == col_ref == "torch.float64"
+        assert out["device=cpu"] == "cpu"
+        assert out["device=meta"].startswith("RowParallelLinear:"), out["device=meta"]
+
+
+def _module_errors(world):
+    """Errors of module calls: (what was called, exception type, message)."""
+    from portable_overlap import AllGatherMatmul, GemvAllReduce, MatmulReduce
+
+    W = world.world_size
     k = K // W
-    g = torch.Generator().manual_seed(5)
-    x_full, up = torch.randn(S, K, generator=g), torch.randn(S, N, generator=g)
-    w_col = torch.randn(N * W, K, generator=g)
+    small = [GemvAllReduce(world, max_n=N - 1), MatmulReduce(world, max_elems=N),
+             AllGatherMatmul(world, max_shard_elems=K)]
+    mods = {
+        "row": RowParallelLinear(K, N, world, dtype=torch.float32),
+        "row, small ctx": RowParallelLinear(K, N, world, dtype=torch.float32, ctx=small[0]),
+        "row, small reduce_ctx": RowParallelLinear(K, N, world, dtype=torch.float32,
+                                                   reduce_ctx=small[1]),
+        "col": ColumnParallelLinear(K, N * W, world, max_rows=4, dtype=torch.float32),
+        "col, small ctx": ColumnParallelLinear(K, N * W, world, max_rows=4,
+                                               dtype=torch.float32, ctx=small[2]),
+    }
+    calls = [("row", torch.randn(3, k, dtype=torch.float64)),  # not the layer's dtype
+             ("row, small ctx", torch.randn(2, k)),  # N=24 > the GEMV context's max_n
+             ("row, small reduce_ctx", torch.randn(70, k)),  # more than its receive room
+             ("col", torch.randn(3, K, dtype=torch.bfloat16)),
+             ("col, small ctx", torch.randn(3, K))]  # more rows than the context holds
+    out = []
     with torch.no_grad():
-        col.weight.copy_(w_col[r * N:(r + 1) * N])
-    # row-parallel: loss = sum(y * up) over the rows this rank holds
-    x = x_full[:, r * k:(r + 1) * k].clone().requires_grad_()
-    rows = slice(r * S // W, (r + 1) * S // W) if reduce == "reduce_scatter" else slice(0, S)
-    # (with all_reduce every rank holds the whole loss and differentiates it once, as Megatron)
-    (lin(x) * up[rows]).sum().backward()
-    gw_exact = up.double().T @ x_full.double()  # d sum(up * (x @ wᵀ)) / dw
-    gx_exact = up.double() @ full_w.double()
-    errs = [_rel(lin.weight.grad, gw_exact[:, r * k:(r + 1) * k]),
-            _rel(x.grad, gx_exact[:, r * k:(r + 1) * k])]
-    # column-parallel: this rank's rows in, all rows of its columns out
-    xs = x_full[r * S // W:(r + 1) * S // W].clone().requires_grad_()
-    (col(xs) * up).sum().backward()
-    gx_col_all = torch.zeros(S, K, dtype=torch.float64)
-    for q in range(W):  # every rank's columns contribute to every input row's gradient
-        gx_col_all += up.double() @ w_col[q * N:(q + 1) * N].double()
-    errs += [_rel(col.weight.grad, up.double().T @ x_full.double()),
-             _rel(xs.grad, gx_col_all[r * S // W:(r + 1) * S // W])]
-    col.close()
-    return errs
+        for name, x in calls:
+            try:
+                mods[name](x)
+                out.append((name, list(x.shape), None, None))
+            except Exception as e:
+                out.append((name, list(x.shape), type(e).__name__, str(e)))
+    for m in (*mods.values(), *small):
+        m.close()
+    return out
+
+
+def test_module_errors_name_the_module_and_input(world2):
+    """An error raised by a module call says which module and what input, also when the op
+    under it refused the call."""
+    for out in world2.run(_module_errors):
+        for name, shape, kind, msg in out:
+            cls = "RowParallelLinear" if name.startswith("row") else "ColumnParallelLinear"
+            assert kind in ("TypeError", "ValueError"), (name, kind, msg)
+            assert msg.startswith(f"{cls}: input {shape}"), (name, msg)
+        assert "gemv_all_reduce" in out[1][3] and "max_n" in out[1][3], out[1]
+
+
+def _counting(module, name, calls):
+    """Count the calls of ``module.name`` (a fused op) in ``calls``; returns the undo."""
+    orig = getattr(module, name)
+    setattr(module, name, lambda *a, **kw: (calls.append(name), orig(*a, **kw))[1])
+    return lambda: setattr(module, name, orig)
+
+
+def _grads(world, reduce, S, fused):
+    """With gradients recorded, d loss / d (weight slice, input slice) match the full
+    computation's, on the fused paths (which must be taken) and on the reference paths.
+    Returns the relative errors and the fused ops called."""
+    import portable_overlap.modules.linear as linear
+    import portable_overlap.ops.allgather_gemm as allgather_gemm
+
+    W, r = world.world_size, world.rank
+    calls = []
+    undo = [_counting(linear, n, calls) for n in ("gemv_all_reduce", "matmul_all_reduce",
+                                                   "matmul_reduce_scatter")]
+    undo.append(_counting(allgather_gemm, "all_gather_matmul", calls))
+    try:
+        pair, full_w, bias = _pair(world, reduce, torch.float32, S)
+        lin = pair[0] if fused else pair[1]
+        col = ColumnParallelLinear(K, N * W, world, max_rows=S // W, dtype=torch.float32,
+                                   fused=fused)
+        k = K // W
+        g = torch.Generator().manual_seed(5)
+        x_full, up = torch.randn(S, K, generator=g), torch.randn(S, N, generator=g)
+        w_col = torch.randn(N * W, K, generator=g)
+        with torch.no_grad():
+            col.weight.copy_(w_col[r * N:(r + 1) * N])
+        # row-parallel: loss = sum(y * up) over the rows this rank holds
+        x = x_full[:, r * k:(r + 1) * k].clone().requires_grad_()
+        rows = slice(r * S // W, (r + 1) * S // W) if reduce == "reduce_scatter" else slice(0, S)
+        # (with all_reduce every rank holds the whole loss and differentiates it once, as Megatron)
+        (lin(x) * up[rows]).sum().backward()
+        gw_exact = up.double().T @ x_full.double()  # d sum(up * (x @ wᵀ)) / dw
+        gx_exact = up.double() @ full_w.double()
+        errs = [_rel(lin.weight.grad, gw_exact[:, r * k:(r + 1) * k]),
+                _rel(x.grad, gx_exact[:, r * k:(r + 1) * k]),
+                _rel(lin.bias.grad, up[rows].double().sum(0))]
+        # column-parallel: this rank's rows in, all rows of its columns out
+        xs = x_full[r * S // W:(r + 1) * S // W].clone().requires_grad_()
+        (col(xs) * up).sum().backward()
+        gx_col_all = torch.zeros(S, K, dtype=torch.float64)
+        for q in range(W):  # every rank's columns contribute to every input row's gradient
+            gx_col_all += up.double() @ w_col[q * N:(q + 1) * N].double()
+        errs += [_rel(col.weight.grad, up.double().T @ x_full.double()),
+                 _rel(xs.grad, gx_col_all[r * S // W:(r + 1) * S // W])]
+        for m in (*pair, col):
+            m.close()
+    finally:
+        for u in undo:
+            u()
+    return errs, calls
+
+
+@pytest.mark.parametrize("reduce,S,op", [
+    ("all_reduce", 6, "gemv_all_reduce"),  # a decode step: the fused GEMV
+    ("all_reduce", 66, "matmul_all_reduce"),  # prefill rows: the fused GEMM
+    ("reduce_scatter", 66, "matmul_reduce_scatter"),
+])
+def test_fused_paths_carry_gradients(world2, reduce, S, op):
+    """The fused ops run while autograd records, and their backward is the row- / column-
+    parallel one."""
+    for errs, calls in world2.run(_grads, reduce, S, True):
+        assert calls == [op, "all_gather_matmul"], calls
+        assert all(e < 1e-5 for e in errs), errs
 
 
 @pytest.mark.parametrize("reduce", ["all_reduce", "reduce_scatter"])
 def test_reference_paths_carry_gradients(world2, reduce):
-    for errs in world2.run(_grads, reduce):
-        assert all(e < 1e-6 for e in errs), errs
+    for errs, calls in world2.run(_grads, reduce, 66, False):
+        assert calls == [] and all(e < 1e-6 for e in errs), (calls, errs)

@@ -240,3 +240,6 @@ def test_signal_collectives_are_bounded(world2, fault):
             assert took <= 2.0 + 0.5, (rank, took, msg)
         else:
             assert kind == "RankMismatchError" and "different shapes" in msg, (rank, msg)
+            # which ranks, what each passed, once
+            assert "ranks 0 and 1" in msg and msg.count("rank 1:") == 1, (rank, msg)
+            assert "N=32" in msg and "N=16" in msg and "they differ in: N" in msg, (rank, msg)

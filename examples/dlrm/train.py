@@ -2,7 +2,11 @@
 pooling + All-to-All, on synthetic Criteo-like data.
 
     torchrun --nproc-per-node 2 examples/dlrm/train.py [--impl both|fused|reference] [--steps N]
-    python examples/dlrm/train.py --small          # no GPUs: 2 CPU-emulated ranks, toy sizes
+    python examples/dlrm/train.py                  # no GPUs: 2 CPU-emulated ranks, toy sizes
+
+It prints when the set-up is done and after each step (every tenth of the run for long runs),
+with the step's loss and time. The default run is 30 steps on GPUs and 3 on CPU-emulated ranks,
+where the Triton interpreter takes seconds per fused step.
 
 Model (Naumov et al.'s DLRM): bottom MLP over 13 dense features -> D; 26 sparse features, one
 embedding table each (Criteo Kaggle cardinalities capped at ``--cap`` rows), sum-pooled bags;
@@ -38,6 +42,10 @@ CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 56
                  142572]
 FULL = dict(dim=128, bottom=[512, 256], top=[1024, 1024, 512, 256], batch=4096, cap=200000)
 SMALL = dict(dim=16, bottom=[32], top=[64], batch=16, cap=1000)
+STEPS = dict(gpu=30, cpu=3)  # default --steps
+# How long a fused call waits for a peer (seconds): the interpreter runs a rank's programs one
+# after another, and on a busy CPU a peer's slices can come more than 10 s after this rank's
+WAIT_S = dict(gpu=10.0, cpu=120.0)
 
 
 def mlp(sizes, last_act=True):
@@ -58,8 +66,9 @@ class DLRM(nn.Module):
         n = len(rows) + 1
         self.top = mlp([D + n * (n - 1) // 2, *dims["top"], 1], last_act=False)
         self.to(world.device)
-        self.emb = ShardedEmbeddingBagCollection(world, rows, D, max_local_batch=max_local_batch,
-                                                 fused=fused, seed=seed)
+        self.emb = ShardedEmbeddingBagCollection(
+            world, rows, D, max_local_batch=max_local_batch, fused=fused, seed=seed,
+            timeout_s=WAIT_S["cpu" if world.device.type == "cpu" else "gpu"])
         iu = torch.triu_indices(n, n, offset=1, device=world.device)
         self.register_buffer("iu", iu, persistent=False)
 
@@ -118,7 +127,10 @@ def local_inputs(data_batch, tables, splits, rank):
 
 
 def train(world, args):
+    t_start = time.perf_counter()
+    say = (lambda *a: print(*a, flush=True)) if world.rank == 0 else (lambda *a: None)
     small = args.small or world.device.type == "cpu"
+    steps = args.steps or STEPS["cpu" if world.device.type == "cpu" else "gpu"]
     dims = dict(SMALL if small else FULL)
     if args.batch:
         dims["batch"] = args.batch
@@ -135,7 +147,10 @@ def train(world, args):
     losses = {i: [] for i in impls}
     times = {i: [] for i in impls}
     on_gpu = world.device.type == "cuda"
-    for step in range(args.steps):
+    say(f"set-up done in {time.perf_counter() - t_start:.1f} s ({', '.join(impls)}; {len(rows)} "
+        f"tables, global batch {B}, {W} ranks on {world.device.type}); {steps} steps:")
+    every = max(1, steps // 10)
+    for step in range(steps):
         dense, ln, ix, labels = local_inputs(data.batch(step), tables, splits, r)
         for name, m in models.items():
             if step == 1 and name == "fused":
@@ -165,15 +180,18 @@ def train(world, args):
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - t0)
             losses[name].append(total.item())
+        if (step + 1) % every == 0 or step + 1 == steps:
+            say(f"  step {step + 1}/{steps}: " + ", ".join(
+                f"{n} loss {losses[n][-1]:.4f} ({times[n][-1]:.2f} s)" for n in impls))
     for m in models.values():
         m.emb.close()
-    return dict(losses=losses, times=times, B=B, rows=rows, dims=dims, splits=splits,
+    return dict(losses=losses, times=times, B=B, rows=rows, dims=dims, splits=splits, steps=steps,
                 tables={q: [t for t, rr in enumerate(models[impls[0]].emb.plan.table_ranks)
                             if rr == q] for q in range(W)})
 
 
-def report(res, world_size, device, steps) -> int:
-    losses, times = res["losses"], res["times"]
+def report(res, world_size, device) -> int:
+    losses, times, steps = res["losses"], res["times"], res["steps"]
     dims = res["dims"]
     print(f"DLRM: {len(res['rows'])} tables of D={dims['dim']} (rows capped: "
           f"{max(res['rows'])}), global batch {res['B']} split {res['splits']}, {world_size} "
@@ -213,7 +231,8 @@ def _emulated(world, args):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["fused", "reference", "both"], default="both")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=0,
+                    help=f"training steps (default {STEPS['gpu']} on GPUs, {STEPS['cpu']} on CPU)")
     ap.add_argument("--small", action="store_true", help="toy sizes (CPU)")
     ap.add_argument("--batch", type=int, default=0, help="global batch (default 4096 / small 16)")
     ap.add_argument("--cap", type=int, default=0, help="rows per table cap (200000 / small 1000)")
@@ -225,16 +244,17 @@ def main() -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         world = World.from_env()
         res = train(world, args)
-        code = report(res, world.world_size, world.device.type, args.steps) \
-            if world.rank == 0 else 0
+        code = report(res, world.world_size, world.device.type) if world.rank == 0 else 0
         dist.destroy_process_group()
         return code
     from portable_overlap.testing import EmulatedWorld
 
     args.small = True
+    print("starting 2 CPU-emulated ranks (the kernels run in the Triton interpreter) ...",
+          flush=True)
     with EmulatedWorld(2) as ew:
         res = ew.run(_emulated, args, timeout=900)[0]
-    return report(res, 2, "cpu", args.steps)
+    return report(res, 2, "cpu")
 
 
 if __name__ == "__main__":

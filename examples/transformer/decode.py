@@ -96,6 +96,7 @@ def time_tokens(blocks, x, world, tokens, graph):
     return max(world.all_gather_object(statistics.median(times))), out
 
 
+@torch.no_grad()  # inference: autograd records nothing, on either path
 def run(world, args):
     dims = TINY if args.tiny or world.device.type == "cpu" else LLAMA3_8B
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32

@@ -8,18 +8,63 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import PortableOverlapError
 from ..ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce
 from ..ops.gemv_allreduce.api import MAX_M
+from ..ops.matmul.api import DTYPES as FUSED_DTYPES
 from ..ops.matmul_reduce import (MatmulAllReduce, MatmulReduceScatter, matmul_all_reduce,
                                  matmul_reduce_scatter)
 
 REDUCES = ("all_reduce", "reduce_scatter")
 
 
-def _fused_ok(module: nn.Module, x: torch.Tensor) -> bool:
-    """The fused ops define no backward: take them only when no gradient is being recorded."""
-    return module.fused and not (torch.is_grad_enabled() and
-                                 (module.weight.requires_grad or x.requires_grad))
+def _factory(name: str, world, dtype, device, fused: bool) -> tuple:
+    """``(dtype, device)`` of a layer's parameters, as ``nn.Linear``'s factory arguments:
+    ``dtype=None`` is torch's default dtype, ``device=None`` the world's device (the only one
+    the layer can run on)."""
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}: dtype must be a torch.dtype, got {dtype!r}")
+    if fused and dtype not in FUSED_DTYPES:
+        raise TypeError(f"{name}: the fused kernels take {[str(d) for d in FUSED_DTYPES]}, not "
+                        f"{dtype}; pass one of them as dtype, or fused=False")
+    if device is not None:
+        want, got = world.device, torch.device(device)
+        if got.type != want.type or got.index not in (None, want.index):
+            raise ValueError(f"{name}: device={device!r} is not this rank's device {want} (the "
+                             f"world's, where its collectives run); leave device=None")
+    return dtype, world.device
+
+
+def _describe(x) -> str:
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    return f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
+
+
+def _check_input(name: str, x, weight: torch.Tensor) -> None:
+    """The input's dtype and device are the layer's (what ``nn.Linear`` would refuse too)."""
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{name}: input {_describe(x)} must have the layer's dtype "
+                        f"{weight.dtype} (convert it, or build the layer with dtype={x.dtype})")
+    if x.device != weight.device:
+        raise ValueError(f"{name}: input {_describe(x)} is on {x.device}, the layer on "
+                         f"{weight.device}")
+
+
+def _op_call(name: str, x, fn, *args):
+    """``fn(*args)``, an op called for a module: an error it raises about the call (bad input,
+    a context too small, a peer that disagreed) is raised again with the module's name and the
+    input the user passed in front of the op's own message."""
+    try:
+        return fn(*args)
+    except (PortableOverlapError, ValueError, TypeError) as e:
+        try:
+            renamed = type(e)(f"{name}: input {_describe(x)}: {e}")
+            renamed.__dict__.update(e.__dict__)
+        except Exception:  # an error class that is not built from one message: keep it as is
+            raise e from None
+        raise renamed from e
 
 
 def _scatter_rows(full, group, W):
@@ -62,6 +107,61 @@ class _GatherRows(torch.autograd.Function):
         return _scatter_rows(grad, ctx.group, ctx.W), None, None
 
 
+class _RowFused(torch.autograd.Function):
+    """A fused row-parallel product ``run(x, weight)`` (``x [rows, in/W]``, ``weight
+    [out, in/W]``) with the row-parallel backward. All-reduce (``scattered`` False): every rank
+    holds the same output gradient ``dy`` (the all-reduce's gradient is the identity, as in
+    Megatron): ``dx = dy @ weight``, ``dweight = dyᵀ @ x``. Reduce-scatter (``scattered``):
+    ``dy`` is this rank's row block, and the full ``[S, out]`` gradient is all-gathered first."""
+
+    @staticmethod
+    def forward(ctx, x, weight, run, scattered, group, W):
+        ctx.save_for_backward(x, weight)
+        ctx.scattered, ctx.group, ctx.W = scattered, group, W
+        return run(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        if ctx.scattered and ctx.W > 1:
+            dy = _gather_rows(dy, ctx.group, ctx.W)
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = dy.T @ x if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None
+
+
+class _ColumnFused(torch.autograd.Function):
+    """A fused all-gather + GEMM ``run(x, weight)`` (``x [S/W, in]`` this rank's rows,
+    ``weight [out/W, in]``, output ``[S, out/W]``) with its backward: ``dx`` is the
+    reduce-scatter of ``dy @ weight`` (every rank's columns feed every row), ``dweight =
+    dyᵀ @ all_gather(x)``. The gathered input is gathered again in the backward rather than
+    kept from the forward (it lives in the op's workspace, which the next call overwrites; a
+    copy would hold ``W`` times the input per layer until the backward, as Megatron avoids)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, run, group, W):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.W = group, W
+        return run(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight
+            dx = _scatter_rows(dx, ctx.group, ctx.W) if ctx.W > 1 else dx
+        if ctx.needs_input_grad[1]:
+            full = _gather_rows(x, ctx.group, ctx.W) if ctx.W > 1 else x
+            dw = dy.T @ full
+        return dx, dw, None, None, None
+
+
+def _recording(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether autograd records this call (then the fused op runs inside its Function)."""
+    return torch.is_grad_enabled() and (module.weight.requires_grad or x.requires_grad)
+
+
 class RowParallelLinear(nn.Module):
     """Row-parallel linear (Megatron tensor parallelism): rank r holds columns
     ``[r * in_features / W, (r + 1) * in_features / W)`` of the full ``[out, in]`` weight (its
@@ -77,16 +177,25 @@ class RowParallelLinear(nn.Module):
 
     Paths, with ``fused=True`` (the default):
 
-    - ``all_reduce``, up to 64 rows (a decode step): the fused GEMV + AllReduce kernel, as before;
+    - ``all_reduce``, up to 64 rows (a decode step): the fused GEMV + AllReduce kernel;
     - ``all_reduce``, more rows (prefill): ``matmul_all_reduce`` (GEMM split over K with the
       reduction on copy engines) when the module has a ``MatmulAllReduce`` context
       (``max_rows`` given, or ``reduce_ctx``), else the reference;
     - ``reduce_scatter``, any row count: ``matmul_reduce_scatter``.
 
     The reference path is ``x_r @ W_rᵀ`` then ``torch.distributed.all_reduce`` /
-    ``reduce_scatter_tensor`` (whose gradient is the all-gather); it is taken with
-    ``fused=False``, and on the GEMM paths also while autograd records (the fused GEMM ops have
-    no backward; the decode GEMV path is taken as before).
+    ``reduce_scatter_tensor``; it is taken with ``fused=False``.
+
+    Gradients: every path is differentiable in ``x`` and the parameters, with the row-parallel
+    backward. With ``all_reduce`` the output gradient is taken to be the same on every rank (each
+    rank holds the whole loss, as in Megatron): ``dx_r = dy @ W_r``, ``dW_r = dyᵀ @ x_r``, no
+    collective. With ``reduce_scatter`` the row blocks' gradients are all-gathered first (one
+    collective per backward, on every rank).
+
+    ``dtype`` and ``device`` follow ``nn.Linear``: ``None`` means torch's default dtype
+    (``torch.get_default_dtype()``) and the world's device. The fused kernels take bfloat16,
+    float16 and float32. Inputs must have the layer's dtype and device; errors raised by a call
+    name the module and the input it was given.
 
     Collective to construct and to :meth:`close` (every rank, same arguments). ``ctx``
     (a ``GemvAllReduce``) and ``reduce_ctx`` (a ``MatmulAllReduce`` or, with
@@ -96,14 +205,17 @@ class RowParallelLinear(nn.Module):
     path raise ``ValueError``.
     """
 
+    NAME = "RowParallelLinear"
+
     def __init__(self, in_features: int, out_features: int, world, *, bias: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, fused: bool = True,
+                 dtype: Optional[torch.dtype] = None, device=None, fused: bool = True,
                  ctx: Optional[GemvAllReduce] = None, reduce: str = "all_reduce",
                  max_rows: Optional[int] = None, reduce_ctx=None):
         super().__init__()
         W = world.world_size
         if in_features % W:
-            raise ValueError(f"in_features={in_features} must divide by the world size {W}")
+            raise ValueError(f"RowParallelLinear: in_features={in_features} must divide by the "
+                             f"world size {W}")
         if reduce not in REDUCES:
             raise ValueError(f"RowParallelLinear: reduce must be one of {REDUCES}, got {reduce!r}")
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
@@ -112,12 +224,13 @@ class RowParallelLinear(nn.Module):
         if fused and reduce == "reduce_scatter" and max_rows is None and reduce_ctx is None:
             raise ValueError("RowParallelLinear: reduce='reduce_scatter' with fused=True needs "
                              "max_rows (to size its MatmulReduceScatter context) or reduce_ctx")
+        dtype, device = _factory(self.NAME, world, dtype, device, fused)
         self.world = world
         self.in_features, self.out_features = in_features, out_features
         self.reduce, self.max_rows = reduce, max_rows
         self.weight = nn.Parameter(torch.empty(out_features, in_features // W, dtype=dtype,
-                                               device=world.device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=world.device)) \
+                                               device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) \
             if bias else None
         self.fused = fused
         # the contexts this module made (and frees in close()); given ones stay the caller's
@@ -136,46 +249,62 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.weight.shape[1]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"RowParallelLinear: input must be a tensor, got {_describe(x)}")
         if x.dim() < 1 or x.shape[-1] != k:
-            raise ValueError(f"RowParallelLinear: x must be [..., {k}] (this rank's slice of "
-                             f"in_features={self.in_features}), got {tuple(x.shape)}")
+            raise ValueError(f"RowParallelLinear: input must be [..., {k}] (this rank's slice of "
+                             f"in_features={self.in_features}), got {_describe(x)}")
+        _check_input(self.NAME, x, self.weight)
         if self.reduce == "reduce_scatter":
             return self._reduce_scatter(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         rows = x2.shape[0]
-        if rows <= MAX_M and _fused_ok(self, x):
-            y = gemv_all_reduce(x2.contiguous(), self.weight, self.ctx)
-        elif self.reduce_ctx is not None and _fused_ok(self, x):
-            self._check_rows(rows)
-            y = matmul_all_reduce(x2.contiguous(), self.weight.T, self.reduce_ctx)
+        if self.fused and rows <= MAX_M:
+            y = self._fused(x, x2, lambda a, w: gemv_all_reduce(a.contiguous(), w, self.ctx))
+        elif self.fused and self.reduce_ctx is not None:
+            self._check_rows(x, rows)
+            y = self._fused(x, x2, lambda a, w: matmul_all_reduce(a.contiguous(), w.T,
+                                                                  self.reduce_ctx))
         else:
             y = x2 @ self.weight.T
             if self.world.world_size > 1:
+                # not recorded by autograd: the all-reduce's gradient is the identity (see the
+                # class docstring)
                 dist.all_reduce(y, group=self.world.group)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
+    def _fused(self, x, x2, run, scattered=False):
+        """``run(x2, weight)`` (a fused op), inside :class:`_RowFused` when autograd records."""
+        if _recording(self, x):
+            return _op_call(self.NAME, x, _RowFused.apply, x2, self.weight, run, scattered,
+                            self.world.group, self.world.world_size)
+        return _op_call(self.NAME, x, run, x2, self.weight)
+
     def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         W = self.world.world_size
         if x.dim() != 2 or x.shape[0] % W:
-            raise ValueError(f"RowParallelLinear(reduce='reduce_scatter'): x must be [S, "
+            raise ValueError(f"RowParallelLinear(reduce='reduce_scatter'): input must be [S, "
                              f"{self.weight.shape[1]}] with S a multiple of the world size {W} "
-                             f"(rank r keeps rows [r*S/W, (r+1)*S/W)), got {tuple(x.shape)}")
-        if _fused_ok(self, x):
-            self._check_rows(x.shape[0])
-            y = matmul_reduce_scatter(x.contiguous(), self.weight.T, self.reduce_ctx)
+                             f"(rank r keeps rows [r*S/W, (r+1)*S/W)), got {_describe(x)}")
+        if self.fused:
+            self._check_rows(x, x.shape[0])
+            y = self._fused(x, x, lambda a, w: matmul_reduce_scatter(a.contiguous(), w.T,
+                                                                     self.reduce_ctx),
+                            scattered=True)
         else:
             y = x @ self.weight.T
             if W > 1:
                 y = _ScatterRows.apply(y, self.world.group, W)
         return y + self.bias if self.bias is not None else y
 
-    def _check_rows(self, rows: int) -> None:
+    def _check_rows(self, x: torch.Tensor, rows: int) -> None:
         if self.max_rows is not None and rows > self.max_rows:
-            raise ValueError(f"RowParallelLinear: {rows} rows exceed max_rows={self.max_rows} "
-                             f"(the size of its {type(self.reduce_ctx).__name__} context)")
+            raise ValueError(f"RowParallelLinear: input {_describe(x)} has {rows} rows, more "
+                             f"than max_rows={self.max_rows} (the size of its "
+                             f"{type(self.reduce_ctx).__name__} context)")
 
     def close(self) -> None:
         """Collective: free the contexts this module made (not the ones it was given)."""
@@ -194,9 +323,13 @@ class ColumnParallelLinear(nn.Module):
     output columns (Megatron's sequence parallelism before a column-parallel layer).
 
     The gather runs on copy engines overlapped with the GEMM (``all_gather_matmul``, FiCCO
-    schedules) when no gradient is being recorded (the fused op has no backward yet); otherwise,
-    or with ``fused=False``, the reference path (``all_gather_into_tensor`` then the GEMM; the
-    gather's gradient is the reduce-scatter).
+    schedules); with ``fused=False``, the reference path (``all_gather_into_tensor`` then the
+    GEMM). Both are differentiable: ``dx_r`` is rank r's rows of the reduce-scatter of
+    ``dy @ W_r`` and ``dW_r = dyᵀ @ all_gather(x)`` (the fused path gathers the input again in
+    the backward instead of keeping it; both paths run one reduce-scatter per backward).
+    ``dtype`` and ``device`` follow ``nn.Linear`` (``None``: torch's default dtype, the world's
+    device); inputs must have the layer's dtype and device, and errors raised by a call name the
+    module and the input it was given.
     Collective to construct and to :meth:`close`; inputs are ``[rows, in_features]`` with the
     same row count on every rank. A ``ctx`` given (an ``AllGatherMatmul`` shared by layers with
     the same ``in_features``) stays the caller's to close. Measured on GPUs inside
@@ -205,21 +338,25 @@ class ColumnParallelLinear(nn.Module):
     alone in docs/allgather_gemm.md.
     """
 
+    NAME = "ColumnParallelLinear"
+
     def __init__(self, in_features: int, out_features: int, world, *, max_rows: int,
-                 bias: bool = False, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
-                 ctx=None):
+                 bias: bool = False, dtype: Optional[torch.dtype] = None, device=None,
+                 fused: bool = True, ctx=None):
         super().__init__()
         from ..ops.allgather_gemm import AllGatherMatmul
 
         W = world.world_size
         if out_features % W:
-            raise ValueError(f"out_features={out_features} must divide by the world size {W}")
+            raise ValueError(f"ColumnParallelLinear: out_features={out_features} must divide by "
+                             f"the world size {W}")
+        dtype, device = _factory(self.NAME, world, dtype, device, fused)
         self.world = world
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // W, in_features, dtype=dtype,
-                                               device=world.device))
+                                               device=device))
         self.bias = nn.Parameter(torch.zeros(out_features // W, dtype=dtype,
-                                             device=world.device)) if bias else None
+                                             device=device)) if bias else None
         self.fused = fused
         self.ctx = ctx if ctx is not None or not fused else \
             AllGatherMatmul(world, max_shard_elems=max_rows * in_features)
@@ -230,12 +367,20 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..ops.allgather_gemm import all_gather_matmul
 
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"ColumnParallelLinear: input must be a tensor, got {_describe(x)}")
         if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"ColumnParallelLinear: x must be [rows, {self.in_features}], got "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"ColumnParallelLinear: input must be [rows, {self.in_features}], "
+                             f"got {_describe(x)}")
+        _check_input(self.NAME, x, self.weight)
         W = self.world.world_size
-        if _fused_ok(self, x):
-            y = all_gather_matmul(x.contiguous(), self.weight.T, self.ctx)
+        if self.fused:
+            run = lambda a, w: all_gather_matmul(a.contiguous(), w.T, self.ctx)  # noqa: E731
+            if _recording(self, x):
+                y = _op_call(self.NAME, x, _ColumnFused.apply, x, self.weight, run,
+                             self.world.group, W)
+            else:
+                y = _op_call(self.NAME, x, run, x, self.weight)
         else:
             full = _GatherRows.apply(x, self.world.group, W) if W > 1 else x
             y = full @ self.weight.T

@@ -25,6 +25,12 @@ from ..ops.moe_combine.reference import combine_rows, expert_outputs
 
 
 class ExpertParallelMoE(nn.Module):
+    """The expert-parallel MoE feed-forward layer of the module docstring: ``num_experts``
+    experts split evenly over the ranks, ``top_k`` of them per token; ``forward(tokens)`` takes
+    this rank's ``[S, hidden]`` tokens and returns their ``[S, hidden]`` outputs. Collective to
+    construct and to :meth:`close` (every rank, same arguments); ``max_tokens`` sizes the
+    combine context it makes when ``fused`` and no ``ctx`` is given."""
+
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  max_tokens: int, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
                  ctx: Optional[MoeGemmCombine] = None, seed: int = 0):

@@ -6,15 +6,15 @@ import functools
 import itertools
 import math
 import threading
-import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..errors import ContextBrokenError, ContextClosedError, ConcurrentUseError
-from ..shmem.device import TAG_MASK
 from ..shmem.heap import SymmetricHeap, heap_bytes
 from ..shmem.status import STATUS_TIMEOUT, StatusBoard
+# shape_tag: the ops import it from here
+from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag  # noqa: F401
 from .launch import PlannedLaunch, resident_programs
 
 G_MAX = 1024  # most programs one launch may have (flag slots per peer)
@@ -159,14 +159,22 @@ class OverlapContext:
             return
         self.world.backend.synchronize(self.world.device)
         timed_out = self.status.has(STATUS_TIMEOUT)
+        for tag in self.status.own_tags():  # for a peer that explains a mismatch of this call
+            publish(self.world, tag, self.OP)
         try:
-            self.status.raise_if_failed(self.OP, self.rank, self.FLAG_NAMES)
+            self.status.raise_if_failed(self.OP, self.rank, self.FLAG_NAMES,
+                                        explain=self._explain_mismatch)
         except Exception as e:
             if timed_out:
                 self._broken = str(e)
             else:  # the ranks are still in step: the next call may go on
                 self.status.clear()
             raise
+
+    def _explain_mismatch(self, pairs: dict) -> str:
+        """Which ranks called with other shapes and what each passed (``call_tags``)."""
+        return explain_mismatch(self.world, self.OP, self.rank, pairs,
+                                min(self.timeout_s, DESCRIBE_WAIT_S))
 
     def synchronize(self) -> None:
         """Wait for this rank's queued calls, then :meth:`check`."""
@@ -261,14 +269,6 @@ def register_context(ctx) -> int:
 def unregister_context(handle: int) -> None:
     with _lock:
         _contexts.pop(handle, None)
-
-
-@functools.lru_cache(maxsize=1024)
-def shape_tag(*fields) -> int:
-    """The tag a call's flags carry (shmem.device): a hash of what must agree across ranks
-    (shapes, dtype, tiling, grid), so a peer called or planned differently is caught. Cached:
-    the per-call paths ask for it on every call."""
-    return zlib.crc32(repr(fields).encode()) & TAG_MASK
 
 
 def get_context(handle: int) -> OverlapContext:

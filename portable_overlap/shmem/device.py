@@ -128,7 +128,10 @@ def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pi
                ok, CHECK_TAG: tl.constexpr):
     """``wait_flag``, then judge the word: a timeout, the peer's failure tag, or (CHECK_TAG, the
     word of epoch ``want`` itself) another shape tag is reported on the status board as program
-    ``pid``'s reason (``what`` names the flag). A timeout also marks the context out of step
+    ``pid``'s reason (``what`` names the flag). The slot's last word holds ``want`` for a
+    timeout; this program's tag in its high half and ``want`` in its low half when the peer
+    gave up; the peer's tag and this program's (high, low half) for another shape tag, so the
+    host can tell what each rank passed. A timeout also marks the context out of step
     (``live``). Returns ``ok`` and-ed with the outcome; does not wait once ``ok`` is false."""
     if ok:
         v, arrived = wait_flag(flag_ptr, want, call, clock_ptr, timeout_us)
@@ -138,10 +141,12 @@ def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pi
             ok = False
         elif CHECK_TAG:
             if (v >> 32) == FAILED_TAG:
-                report(status_addr, pid, STATUS_PEER_FAILED, peer, what, want)
+                report(status_addr, pid, STATUS_PEER_FAILED, peer, what,
+                       (tl.cast(tag, tl.int64) << 32) | (want.to(tl.int64) & 0xFFFFFFFF))
                 ok = False
             elif ((v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)) & ((v >> 32) != tag):
-                report(status_addr, pid, STATUS_MISMATCH, peer, what, v >> 32)
+                report(status_addr, pid, STATUS_MISMATCH, peer, what,
+                       ((v >> 32) << 32) | tl.cast(tag, tl.int64))
                 ok = False
     return ok
 

@@ -5,6 +5,8 @@ the host reads it at any time without a device sync (pinned, mapped memory on GP
 it at the start of every eager call and in :meth:`StatusBoard.raise_if_failed`."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from ..errors import InvalidInputError, PeerTimeoutError, RankMismatchError
 from .device import STATUS_MISMATCH as _MISMATCH
 from .device import STATUS_BAD_INPUT as _BAD_INPUT
@@ -51,12 +53,14 @@ class StatusBoard:
                        f"{flag} flag [{index}] of call #{expected}; rank {peer} never arrived "
                        f"(did it skip this call, or crash?)")
             elif code == STATUS_PEER_FAILED:
-                msg = (f"{op}: rank {rank} program {pid}: rank {peer} gave up on call #{expected} "
+                msg = (f"{op}: rank {rank} program {pid}: rank {peer} gave up on call "
+                       f"#{expected & 0xFFFFFFFF} "
                        f"(its {flag} flag says so; it raises its own error) — this rank's "
                        f"output of that call is not valid")
             elif code == STATUS_MISMATCH:
-                msg = (f"{op}: rank {rank} program {pid}: rank {peer} called with different "
-                       f"shapes (its shape tag {expected:#x} differs from ours)")
+                msg = (f"{op}: rank {rank}: rank {peer} called with different shapes or "
+                       f"settings (its call tag {expected >> 32:#x}, this rank's "
+                       f"{expected & 0xFFFFFFFF:#x})")
             elif code == STATUS_BAD_INPUT:
                 # ``what`` names the check (its kind) and an index, ``expected`` the bad value
                 msg = (f"{op}: rank {rank} program {pid}: invalid {flag} [{index}]: got "
@@ -66,17 +70,48 @@ class StatusBoard:
             out.append((code, msg))
         return out
 
-    def raise_if_failed(self, op: str, rank: int, what_names: dict) -> None:
+    def mismatches(self) -> dict:
+        """``{peer: (the peer's call tag, this rank's)}`` of the programs that found a peer
+        called with other shapes (one entry per peer: every program of a call has its tags)."""
+        out = {}
+        for pid in (self.words[:, 0] == STATUS_MISMATCH).nonzero().flatten().tolist():
+            _, peer, _, tags = self.words[pid].tolist()
+            out.setdefault(peer, (tags >> 32, tags & 0xFFFFFFFF))
+        return out
+
+    def own_tags(self) -> set:
+        """This rank's call tags of the reports that carry one (a peer called with other
+        shapes, or gave up): the calls a peer may want described."""
+        out = set()
+        for pid in self.words[:, 0].nonzero().flatten().tolist():
+            code, _, _, word = self.words[pid].tolist()
+            if code == STATUS_MISMATCH:
+                out.add(word & 0xFFFFFFFF)
+            elif code == STATUS_PEER_FAILED:
+                out.add(word >> 32)
+        return out
+
+    def raise_if_failed(self, op: str, rank: int, what_names: dict,
+                        explain: Optional[Callable[[dict], str]] = None) -> None:
+        """Raise the error the programs reported, if any. A mismatch (peers called with other
+        shapes) is told once, by ``explain(self.mismatches())`` when given (which ranks
+        disagree and what each passed), instead of once per program."""
         if not self.failed():
             return
-        # the programs that found the cause first; "a peer gave up" lines only echo a cause
+        # the programs that found the cause first; "a peer gave up" lines only echo a cause;
+        # a line several programs report is told once
         found = sorted(self.describe(op, rank, what_names),
                        key=lambda f: f[0] == STATUS_PEER_FAILED)
-        lines = "\n  ".join(m for _, m in found[:8])
-        more = f"\n  (+{len(found) - 8} more programs)" if len(found) > 8 else ""
         codes = {c for c, _ in found}
+        head = f"{op} failed on rank {rank}:"
+        if STATUS_MISMATCH in codes and explain is not None:
+            head = explain(self.mismatches())
+            found = [f for f in found if f[0] not in (STATUS_MISMATCH, STATUS_PEER_FAILED)]
+        unique = list(dict.fromkeys(m for _, m in found))
+        lines = "".join(f"\n  {m}" for m in unique[:8])
+        more = f"\n  (+{len(unique) - 8} more)" if len(unique) > 8 else ""
         cls = (InvalidInputError if STATUS_BAD_INPUT in codes else
                RankMismatchError if STATUS_MISMATCH in codes else PeerTimeoutError)
         # (a peer that gave up is reported as a timeout-class error: a peer went missing)
-        raise cls(f"{op} failed on rank {rank}:\n  {lines}{more}")
+        raise cls(f"{head}{lines}{more}")
 

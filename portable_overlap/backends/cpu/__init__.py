@@ -148,12 +148,22 @@ def require_interpreter(what: str) -> None:
             f"this process; start Python with TRITON_INTERPRET=1 in the environment (for "
             f"example `TRITON_INTERPRET=1 torchrun --nproc-per-node 2 script.py`), or use "
             f"`python -m portable_overlap demo`, which sets it for its ranks")
+    from .interpreter_compat import install
+
+    install()
 
 
 class CpuBackend(Backend):
     name = "cpu"
 
     _wait_timeout_s: Optional[float] = None  # set through ``wait_timeout_s``
+
+    def __init__(self):
+        # every kernel of a rank on this backend runs in the interpreter: make it work with
+        # the numpy installed before the first launch (see interpreter_compat)
+        from .interpreter_compat import install
+
+        install()
 
     @property
     def wait_timeout_s(self) -> float:

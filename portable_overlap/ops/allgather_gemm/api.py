@@ -142,7 +142,7 @@ class AllGatherMatmul(OverlapContext):
         # the shapes, the piece cut and the gather buffer's layout (1-D: piece-major, 2-D:
         # rank-major) must agree across ranks: a rank called differently is caught by the tag its
         # pieces carry
-        tag = shape_tag(OP, m, K, str(a.dtype), P, sched[-2:])
+        tag = shape_tag(OP, a=(m, K), dtype=str(a.dtype), pieces=P, layout=sched[-2:])
         links = self._links
         links.begin()
         if sched.endswith("2d"):

@@ -319,8 +319,9 @@ class EmbeddingAllToAll(OverlapContext):
         info.iters_of = lambda g: -(-max_tasks // g)  # noqa: E731
 
         def tag_of(g):  # batch split, dtype, pooling, tiling and grid: a rank that differs is caught
-            return shape_tag(splits, str(weight.dtype), pooling, bb, D, g, self.num_warps,
-                             tuple(self.plan.table_ranks))
+            return shape_tag(batch_splits=splits, dtype=str(weight.dtype), pooling=pooling,
+                             bags_per_block=bb, dim=D, programs=g, num_warps=self.num_warps,
+                             table_ranks=tuple(self.plan.table_ranks))
 
         info.programs, info.tag = programs, tag_of(programs)
         if self._provider is None:

@@ -110,7 +110,7 @@ class GemmAllToAll(OverlapContext):
         N = b.shape[1]
         chunk = M // W
         bounds = [chunk * i // self.pieces for i in range(self.pieces + 1)]
-        tag = shape_tag(OP, M, N, K, str(a.dtype), self.pieces)
+        tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), pieces=self.pieces)
         recv = self._recv[a.dtype][: M * N].view(M, N)
         links.begin()
         for i in range(1, W):  # communication first: rows of rank r+1, r+2, ...
@@ -164,7 +164,7 @@ class GemmAllToAll(OverlapContext):
         programs = min(n_tiles, self.world.facts.sm_count, G_MAX)
 
         def tag_of(g):  # shapes, tiling and grid: a rank planned differently is caught
-            return shape_tag(M, N, K, str(a.dtype), cfg, g)
+            return shape_tag(M=M, N=N, K=K, dtype=str(a.dtype), config=cfg, programs=g)
 
         plan = self._compile(gemm_alltoall_kernel, programs, consts,
                              lambda g: self._args(a, b, out, tag_of(g), g, cfg))

@@ -368,9 +368,23 @@ class GemmSignal:
             raise self._peer_lost(op, "call check", e) from e
         seen = [int(t) for t in tags]
         if len(set(seen)) != 1:
-            raise RankMismatchError(f"{op}: ranks called with different shapes or configs "
-                                    f"(plan tags by rank: {[hex(t) for t in seen]}); this call "
-                                    f"was skipped on every rank")
+            raise RankMismatchError(self._mismatch(op, plan.tag, seen))
+
+    def _mismatch(self, op: str, tag: int, seen: list) -> str:
+        """The message of a call whose plan tags differ across the ranks (``seen``, by rank):
+        every rank got the same tags, so every rank is here, and the ranks' descriptions of
+        their calls are gathered (the bounded group) to tell which ranks disagree on what."""
+        from ..call_tags import describe_tag, differing, mismatch_message
+
+        own = describe_tag(tag, OP)
+        texts = [None] * self.size
+        try:
+            dist.all_gather_object(texts, own, group=self._group())
+        except RuntimeError:  # the tags alone still say that the ranks disagree
+            texts = [own if q == self.rank else None for q in range(self.size)]
+        mine = seen[self.rank]
+        peers = {q: texts[q] for q in range(self.size) if seen[q] != mine}
+        return mismatch_message(op, self.rank, own, peers, differing(own, list(peers.values())))
 
     def _communicate(self, plan, stage, recv, guarded: bool) -> None:
         if not self._collectives:
@@ -501,7 +515,8 @@ class GemmSignal:
         self._stage_raw = self._grow(self._stage_raw, plan.stage_bytes)
         self._recv_raw = self._grow(self._recv_raw, plan.recv_bytes)
         # what the ranks must agree on, compared by every call under gloo (``_check_stamp``)
-        plan.tag = shape_tag(OP, kind, M, N, K, str(dtype), repr(cfg), tuple(plan.groups.sizes))
+        plan.tag = shape_tag(OP, kind, M=M, N=N, K=K, dtype=str(dtype), config=repr(cfg),
+                             groups=tuple(plan.groups.sizes))
         self._plans[key] = plan
         return plan
 

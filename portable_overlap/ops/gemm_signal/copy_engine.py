@@ -128,7 +128,7 @@ class GemmReduceScatterCE(OverlapContext):
         stage = sig._stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv[a.dtype]
         reduce, reduce_args = self._reduce_launch(plan, stage, recv, out, bias, residual, a)
-        tag = shape_tag(OP, M, N, K, str(a.dtype), plan.groups.sizes)
+        tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), groups=plan.groups.sizes)
         be, counters = self.world.backend, sig.counters.data_ptr()
 
         links.begin()

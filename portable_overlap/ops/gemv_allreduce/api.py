@@ -126,7 +126,8 @@ def _tag(M, N, K, dtype, cfg: GemvConfig, programs: int) -> int:
     """What the flags carry besides the epoch: ranks run the same code, so a rank called with
     other shapes, or planned with another tiling or grid (a per-call config on one rank only), is
     caught by the first flag it sends instead of mixing up column blocks."""
-    return shape_tag(M, N, K, str(dtype), cfg.block_n, programs)
+    return shape_tag(x=(M, K), w=(N, K), dtype=str(dtype), block_n=cfg.block_n,
+                     programs=programs)
 
 
 def _validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:

@@ -186,8 +186,9 @@ class MoeGemmCombine(OverlapContext):
         programs = min(self.world.facts.sm_count, G_MAX)
 
         def tag_of(g):  # what must agree across ranks (not R or S, which may differ)
-            return shape_tag(OP, self.hidden, I, self.experts_per_rank, self.top_k,
-                             str(x.dtype), cfg, g)
+            return shape_tag(OP, hidden=self.hidden, intermediate=I,
+                             experts_per_rank=self.experts_per_rank, top_k=self.top_k,
+                             dtype=str(x.dtype), config=cfg, programs=g)
 
         if self._provider is None:
             gemm = self._compile(moe_gemm_scatter_kernel, programs, gemm_consts,
