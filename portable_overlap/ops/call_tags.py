@@ -107,12 +107,12 @@ def mismatch_message(op: str, rank: int, own: Optional[str], peers: dict,
     ranks = sorted([rank, *peers])
     names = ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
     lines = [f"{op}: ranks {names} called it with different shapes or settings (this rank is "
-             f"{rank}); the call was refused:"]
+             f"{rank}):"]
     for r in ranks:
         text = own if r == rank else peers[r]
         if text is None:
             text = ("(its arguments could not be read here)" if r == rank else
-                    f"(its arguments did not reach this rank within {DESCRIBE_WAIT_S:g} s)")
+                    "(its arguments did not reach this rank in time)")
         lines.append(f"  rank {r}: {text}")
     if differ:
         lines.append(f"  they differ in: {', '.join(differ)}")
