@@ -153,11 +153,11 @@ def test_dtype_and_device_follow_torch(world2):
 
 def _module_errors(world):
     """Errors of module calls: (what was called, exception type, message)."""
-    from portable_overlap import AllGatherMatmul, GemvAllReduce, MatmulReduce
+    from portable_overlap import AllGatherMatmul, GemvAllReduce, MatmulAllReduce
 
     W = world.world_size
     k = K // W
-    small = [GemvAllReduce(world, max_n=N - 1), MatmulReduce(world, max_elems=N),
+    small = [GemvAllReduce(world, max_n=N - 1), MatmulAllReduce(world, 1, N),
              AllGatherMatmul(world, max_shard_elems=K)]
     mods = {
         "row": RowParallelLinear(K, N, world, dtype=torch.float32),
