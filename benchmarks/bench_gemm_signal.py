@@ -33,6 +33,7 @@ from benchmarks.cli import BenchParser, parse_ints, parse_shapes
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import World
+from portable_overlap.testing.signal_calls import gemm_all_reduce, gemm_reduce_scatter
 from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_reduce_scatter_reference)
 from portable_overlap.ops.matmul.api import default_config
@@ -40,17 +41,6 @@ from portable_overlap.ops.gemm_signal.copy_engine import GemmReduceScatterCE
 from portable_overlap.schedule import TuningCache, default_partition
 
 SHAPES = [(4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192)]
-
-
-def gemm_all_reduce(a, b, ctx, out=None, **kw):
-    """The signal transport's AllReduce on its own workspace (``GemmSignal``)."""
-    return ctx.all_reduce(a, b, out, **kw)
-
-
-def gemm_reduce_scatter(a, b, ctx, out=None, **kw):
-    """The signal transport's ReduceScatter on its own workspace (``GemmSignal``)."""
-    return ctx.reduce_scatter(a, b, out, **kw)
-
 OPS = {"all_reduce": ("gemm_allreduce_signal", gemm_all_reduce, gemm_all_reduce_reference),
        "reduce_scatter": ("gemm_reducescatter_signal", gemm_reduce_scatter,
                           gemm_reduce_scatter_reference)}

@@ -8,6 +8,8 @@ import torch
 
 from portable_overlap import RankMismatchError
 from portable_overlap import MatmulAllReduce, MatmulAllToAll, MatmulReduceScatter
+from portable_overlap.testing.signal_calls import (gemm_all_reduce, gemm_all_to_all_signal,
+                                                   gemm_reduce_scatter)
 from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_all_to_all_signal_reference,
                                               gemm_reduce_scatter_reference)
@@ -17,19 +19,6 @@ from portable_overlap.schedule import (WaveGroups, default_partition, default_pa
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
-
-
-def gemm_all_reduce(a, b, ctx, out=None, **kw):
-    return ctx.all_reduce(a, b, out, **kw)
-
-
-def gemm_reduce_scatter(a, b, ctx, out=None, **kw):
-    return ctx.reduce_scatter(a, b, out, **kw)
-
-
-def gemm_all_to_all_signal(a, b, ctx, out=None, **kw):
-    return ctx.all_to_all(a, b, out, **kw)
-
 OPS = {"all_reduce": (gemm_all_reduce, gemm_all_reduce_reference),
        "reduce_scatter": (gemm_reduce_scatter, gemm_reduce_scatter_reference),
        "all_to_all": (gemm_all_to_all_signal, gemm_all_to_all_signal_reference)}

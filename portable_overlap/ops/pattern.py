@@ -61,6 +61,19 @@ class PatternContext:
                 f"transport={self.transport!r})")
 
 
+class MatmulPattern(PatternContext):
+    """A GEMM pattern's context: sized by the largest result, ``max_m`` x ``max_n`` (the full
+    product's rows and columns), from which each transport sizes its own buffers."""
+
+    def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
+                 timeout_s: Optional[float] = None, **options):
+        for name, v in (("max_m", max_m), ("max_n", max_n)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
+        self.max_m, self.max_n = max_m, max_n
+        super().__init__(world, transport, timeout_s, options)
+
+
 def timeout_kw(timeout_s: Optional[float]) -> dict:
     """``timeout_s`` as a keyword for a transport's workspace, or nothing (its own default)."""
     return {} if timeout_s is None else {"timeout_s": timeout_s}

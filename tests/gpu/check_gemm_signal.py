@@ -18,23 +18,11 @@ import torch
 import torch.distributed as dist
 
 from portable_overlap import World
+from portable_overlap.testing.signal_calls import (gemm_all_reduce, gemm_all_to_all_signal,
+                                                   gemm_reduce_scatter)
 from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_all_to_all_signal_reference,
                                               gemm_reduce_scatter_reference)
-
-
-# the transport's calls on its own workspace (GemmSignal), as the pattern contexts make them
-def gemm_all_reduce(a, b, ctx, out=None, **kw):
-    return ctx.all_reduce(a, b, out, **kw)
-
-
-def gemm_reduce_scatter(a, b, ctx, out=None, **kw):
-    return ctx.reduce_scatter(a, b, out, **kw)
-
-
-def gemm_all_to_all_signal(a, b, ctx, out=None, **kw):
-    return ctx.all_to_all(a, b, out, **kw)
-
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 OPS = {"all_reduce": (gemm_all_reduce, gemm_all_reduce_reference),

@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ...shmem.providers import get_provider
+from ...shmem.providers import put_provider
 from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
                        shape_tag)
 from ..launch import PlannedLaunch
@@ -123,10 +123,7 @@ class EmbeddingAllToAll(OverlapContext):
                          f"transport, max_programs)",
                          (plan, max_local_batch, block_b, num_warps, transport, max_programs))
         self.transport = transport
-        # one rank has no peer to put to, and the SHMEM library's collective set-up needs two or
-        # more: there "shmem" runs the store kernel, whose every row is then local
-        self._provider = (get_provider(world) if transport == "shmem" and world.world_size > 1
-                          else None)
+        self._provider = put_provider(world, transport)
         T, D = plan.num_tables, plan.dim
         super().__init__(world, [
             ("_recv_raw", (max_local_batch * T * D,), torch.float32),  # viewed per dtype

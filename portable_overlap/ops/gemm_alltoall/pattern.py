@@ -21,11 +21,11 @@ from typing import Optional
 
 import torch
 
-from ..pattern import PatternContext, timeout_kw
+from ..pattern import MatmulPattern, timeout_kw
 from ..registry import OpSpec, define
 
 
-class MatmulAllToAll(PatternContext):
+class MatmulAllToAll(MatmulPattern):
     """Workspace of :func:`portable_overlap.matmul_all_to_all` on one rank (module docstring):
     ``MatmulAllToAll(world, max_m, max_n, transport="stores")`` for results of at most
     ``max_m`` x ``max_n``. Collective to create and to close; the same calls in the same order
@@ -33,14 +33,6 @@ class MatmulAllToAll(PatternContext):
 
     OP = "matmul_all_to_all"
     TRANSPORTS = ("stores", "copy_engine", "signal_collective")
-
-    def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
-                 timeout_s: Optional[float] = None, **options):
-        for name, v in (("max_m", max_m), ("max_n", max_n)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
-        self.max_m, self.max_n = max_m, max_n
-        super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
         if transport == "signal_collective":

@@ -27,23 +27,15 @@ from typing import Optional
 import torch
 
 from ..matmul.api import DTYPES, default_config
-from ..pattern import PatternContext, timeout_kw
+from ..pattern import MatmulPattern, timeout_kw
 from ..registry import OpSpec, define
 
 
-class _MatmulReduction(PatternContext):
+class _MatmulReduction(MatmulPattern):
     """Shared by the two patterns: the workspace of ``transport`` for results of at most
     ``max_m`` x ``max_n`` (the full product's rows and columns) and the call."""
 
     MODE = ""
-
-    def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
-                 timeout_s: Optional[float] = None, **options):
-        for name, v in (("max_m", max_m), ("max_n", max_n)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
-        self.max_m, self.max_n = max_m, max_n
-        super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
         W, M, N = world.world_size, self.max_m, self.max_n

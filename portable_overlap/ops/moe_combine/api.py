@@ -42,7 +42,7 @@ from ..context import (align_key, collective_call, G_MAX, output_tensor, Overlap
                        shape_tag)
 from ..launch import PlannedLaunch
 from ..registry import OpSpec, define
-from ...shmem.providers import get_provider
+from ...shmem.providers import put_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config
 from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
 
@@ -84,10 +84,7 @@ class MoeGemmCombine(OverlapContext):
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
                                                      config, combine_config, transport))
         self.transport = transport
-        # one rank has no peer to put to, and the SHMEM library's collective set-up needs two or
-        # more: there "shmem" runs the store kernel, whose every row is then local
-        self._provider = (get_provider(world) if transport == "shmem" and world.world_size > 1
-                          else None)
+        self._provider = put_provider(world, transport)
         self.max_slots = max_tokens * top_k
         super().__init__(world, [
             ("_combine_raw", (self.max_slots * hidden,), torch.float32),  # viewed per dtype

@@ -17,6 +17,15 @@ class ShmemUnavailable(PortableOverlapError):
     """No device-initiated communication library is usable here (says why)."""
 
 
+def put_provider(world, transport: str):
+    """The provider an op's ``transport`` needs: ``get_provider(world)`` for ``"shmem"`` on two
+    or more ranks, else None (the op's store kernel). One rank has no peer to put to, and the
+    SHMEM libraries' collective set-up needs two or more."""
+    if transport != "shmem" or world.world_size < 2:
+        return None
+    return get_provider(world)
+
+
 def get_provider(world):
     """The device-shmem provider for ``world``'s backend, or raise ``ShmemUnavailable``."""
     name = world.backend.name
