@@ -33,7 +33,7 @@ import triton.language as tl
 from ...shmem.device import (STATUS_BAD_INPUT, await_free, begin_call, call_flag, end_call,
                              flag_value, live, peer_buffer, report, signal_peer, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
-from .pool import pooled_rows
+from .pool import indices_outside, pooled_rows
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -143,22 +143,27 @@ def _embedding_alltoall(
                 j = t // n_blk
                 s0 = (t % n_blk) * BLOCK_B
                 n_bags = tl.minimum(n_d - s0, BLOCK_B)
-                acc, n_bad, bad = pooled_rows(weight_ptr, tl.load(row_off_ptr + j),
-                                              tl.load(rows_ptr + j), indices_ptr, psw_ptr,
-                                              offsets_ptr, j * B + lo + s0, n_bags, D, BLOCK_B,
-                                              BLOCK_D, HAS_WEIGHTS, MEAN)
+                bag0 = j * B + lo + s0
+                # a tile with an index outside its table is not pooled (pool.py)
+                n_bad, bad = indices_outside(indices_ptr, tl.load(offsets_ptr + bag0),
+                                             tl.load(offsets_ptr + bag0 + n_bags),
+                                             tl.load(rows_ptr + j))
                 g = tl.load(gtab_ptr + rank * t_max + j).to(tl.int64)
-                if n_bad > 0:
+                if n_bad > 0:  # nothing stored: the failure tag tells the destination
                     report(status_addr, pid, STATUS_BAD_INPUT, -1, (CHECK_INDEX << 32) + g, bad)
                     valid = False
-                offs = (s0 + b_rel).to(tl.int64)[:, None] * row_stride + g * D + cols[None, :]
-                y = acc.to(out_ptr.dtype.element_ty)
-                mask = (b_rel < n_bags)[:, None] & col_ok[None, :]
-                if d == rank:
-                    tl.store(out_ptr + offs, y, mask=mask)
                 else:
-                    STORE(recv_ptr, bases_ptr, rank, d, offs, y, mask, stage_ptr, pid, s0,
-                          row_stride, g * D, n_bags, D, BLOCK_B, BLOCK_D)
+                    acc = pooled_rows(weight_ptr, tl.load(row_off_ptr + j), indices_ptr, psw_ptr,
+                                      offsets_ptr, bag0, n_bags, D, BLOCK_B, BLOCK_D,
+                                      HAS_WEIGHTS, MEAN)
+                    offs = (s0 + b_rel).to(tl.int64)[:, None] * row_stride + g * D + cols[None, :]
+                    y = acc.to(out_ptr.dtype.element_ty)
+                    mask = (b_rel < n_bags)[:, None] & col_ok[None, :]
+                    if d == rank:
+                        tl.store(out_ptr + offs, y, mask=mask)
+                    else:
+                        STORE(recv_ptr, bases_ptr, rank, d, offs, y, mask, stage_ptr, pid, s0,
+                              row_stride, g * D, n_bags, D, BLOCK_B, BLOCK_D)
         if d != rank:
             FLUSH()  # the transport's slices have landed before the release
             tl.debug_barrier()  # every thread's stores before the (cumulative) release

@@ -9,11 +9,17 @@ D = 128 fp32), which is what keeps a gather bound by memory rather than by laten
 summed in bag order (as F.embedding_bag does). Address math is int64:
 row · D overflows int32 past 16 M rows at D = 128.
 
-Every index is checked against the table's row count before its row is loaded (one unsigned
-compare per index, folded into the row load's mask, plus two selects to remember it; no extra
-memory traffic next to the D-wide row): an index outside the table reads nothing and is returned
-to the caller, which reports it. The data checks on the host are optional (a sync), so this is
-what keeps a bad index from reading another table's rows or faulting.
+Indices are checked before a tile is pooled: ``indices_outside`` reads the tile's index range
+(one contiguous range, its bags being consecutive) against the table's row count in a coalesced
+1-D pass, one unsigned compare per index, and a tile with a bad index is not pooled at all. The
+data checks on the host are optional (a sync), so this is what keeps a bad index from reading
+another table's rows or faulting. What the check costs was measured on 2x H200 against the
+kernel without it (benchmarks/results/logs/2026-11-23-h200-x2-verify): -20% to +20% on the fused
+op's graph replay (fp32 D=128 got faster: the scan brings the tile's indices into L2 early;
+fp16 D=128 Zipf got slower: short tiles, and the scan's latency sits in front of each). Two
+other placements measured worse: counting bad indices from the gather's own per-bag index
+vectors (Triton then loaded every index twice: up to 1.9x) and a contiguous view of the range read
+inside the gather loop (1.03-1.25x).
 
 Kept in this op's folder until a second op needs it; then it moves to ``portable_overlap/tiles``.
 """
@@ -21,13 +27,40 @@ import triton
 import triton.language as tl
 
 
+SCAN = tl.constexpr(512)  # indices per step of the check (4 KB of int64: 4 per thread at 4 warps)
+
+
 @triton.jit
-def pooled_rows(weight_ptr, row_base, n_rows, indices_ptr, psw_ptr, offsets_ptr, bag0, n_bags,
-                D, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+def indices_outside(indices_ptr, lo, hi, n_rows):
+    """How many of ``indices[lo:hi]`` lie outside ``[0, n_rows)``, and one of them (0 if none).
+    One unsigned compare per index (a negative one is huge as unsigned)."""
+    r = tl.arange(0, SCAN)
+    n_bad = tl.zeros((SCAN,), dtype=tl.int32)
+    bad = tl.zeros((SCAN,), dtype=tl.int64)
+    limit = n_rows.to(tl.uint64)
+    c = lo
+    while c < hi:  # data-dependent trip count
+        m = c + r < hi
+        i = tl.load(indices_ptr + c + r, mask=m, other=0).to(tl.int64)
+        out = m & (i.to(tl.uint64) >= limit)
+        n_bad += out.to(tl.int32)
+        bad = tl.where(out, i, bad)
+        c += SCAN
+    total = tl.sum(n_bad, axis=0)
+    one = tl.zeros((), dtype=tl.int64)
+    if total > 0:  # the bad index of the lowest lane that saw one (each such lane's last is)
+        lane = tl.min(tl.where(n_bad > 0, r, SCAN), axis=0)
+        one = tl.sum(tl.where(r == lane, bad, 0), axis=0)
+    return total, one
+
+
+@triton.jit
+def pooled_rows(weight_ptr, row_base, indices_ptr, psw_ptr, offsets_ptr, bag0, n_bags, D,
+                BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                 MEAN: tl.constexpr):
-    """Pool bags ``bag0 .. bag0 + n_bags - 1`` (n_bags <= BLOCK_B) of a table of ``n_rows`` rows
-    starting at row ``row_base``; masked rows stay zero. Returns ``(acc, n_bad, bad)``:
-    ``n_bad`` indices were outside ``[0, n_rows)`` (not read), ``bad`` is one of them."""
+    """Pool bags ``bag0 .. bag0 + n_bags - 1`` (n_bags <= BLOCK_B) of the table whose first row
+    is ``row_base``; masked rows stay zero. The indices must be inside the table (checked
+    before, ``indices_outside``)."""
     b = tl.arange(0, BLOCK_B)
     live_bag = b < n_bags
     start = tl.load(offsets_ptr + bag0 + b, mask=live_bag, other=0)
@@ -36,8 +69,6 @@ def pooled_rows(weight_ptr, row_base, n_rows, indices_ptr, psw_ptr, offsets_ptr,
     col_ok = cols < D
     acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
     longest = tl.max(n, axis=0)
-    n_bad = tl.zeros((BLOCK_B,), dtype=tl.int32)  # per bag: indices outside the table
-    bad = tl.zeros((BLOCK_B,), dtype=tl.int64)  # per bag: the last of them
     k = 0
     # Two indices of every bag per step: both gathers are issued before either is summed, so
     # 2·BLOCK_B rows are in flight instead of one index-then-row dependency chain per row.
@@ -46,15 +77,9 @@ def pooled_rows(weight_ptr, row_base, n_rows, indices_ptr, psw_ptr, offsets_ptr,
         live1 = k + 1 < n
         i0 = tl.load(indices_ptr + start + k, mask=live0, other=0).to(tl.int64)
         i1 = tl.load(indices_ptr + start + k + 1, mask=live1, other=0).to(tl.int64)
-        # one unsigned compare per index (a negative one is huge); masked-off lanes hold 0,
-        # inside (every table has a row)
-        in0 = i0.to(tl.uint64) < n_rows.to(tl.uint64)
-        in1 = i1.to(tl.uint64) < n_rows.to(tl.uint64)
-        n_bad += (~in0).to(tl.int32) + (~in1).to(tl.int32)
-        bad = tl.where(in1, tl.where(in0, bad, i0), i1)
         # masks built 2-D (a broadcast 1-D mask trips Triton 3.6's layout pass in this loop)
-        m0 = (k < n[:, None]) & col_ok[None, :] & in0[:, None]
-        m1 = (k + 1 < n[:, None]) & col_ok[None, :] & in1[:, None]
+        m0 = (k < n[:, None]) & col_ok[None, :]
+        m1 = (k + 1 < n[:, None]) & col_ok[None, :]
         r0 = tl.load(weight_ptr + ((row_base + i0) * D)[:, None] + cols[None, :], mask=m0,
                      other=0.0).to(tl.float32)
         r1 = tl.load(weight_ptr + ((row_base + i1) * D)[:, None] + cols[None, :], mask=m1,
@@ -69,5 +94,4 @@ def pooled_rows(weight_ptr, row_base, n_rows, indices_ptr, psw_ptr, offsets_ptr,
         k += 2
     if MEAN:  # an empty bag pools to zeros, as torch.nn.functional.embedding_bag does
         acc = acc / tl.maximum(n, 1).to(tl.float32)[:, None]
-    first = tl.min(tl.where(n_bad > 0, b, BLOCK_B), axis=0)  # the first bag with one
-    return acc, tl.sum(n_bad, axis=0), tl.sum(tl.where(b == first, bad, 0), axis=0)
+    return acc
