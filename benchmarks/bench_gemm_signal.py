@@ -169,7 +169,7 @@ def one_case(bench, ctx, cta_ctxs, ce_ctx, gen, tune_dir, kind, dname, dt, mnk, 
         dests = 1 if kind == "all_reduce" else W
         n_tiles = dests * -(-(M // dests) // mm.block_m) * -(-N // mm.block_n)
         if args.partitions:
-            programs = ctx._programs(ctx.config)
+            programs = ctx.grid_programs(ctx.config)
             for pname, part in sweep_partitions(n_tiles, programs, dests).items():
                 variants[f"fused[{pname}]"] = (SignalConfig(partition=part), part)
             # the same kernels, the collectives after the whole GEMM: what the overlap

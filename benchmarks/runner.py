@@ -25,6 +25,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 from benchmarks import cli
 from benchmarks.metrics import format_table, rounded, summarize
 from benchmarks.rows import ResultWriter
+from portable_overlap.testing.compare import rel_err  # noqa: F401  (the benchmarks import it from here)
 
 
 @dataclasses.dataclass
@@ -68,13 +69,6 @@ class Case:
 
     def title(self) -> str:
         return self.label or f"{cli.format_shape(self.shape)} {self.dtype}"
-
-
-def rel_err(got, ref) -> float:
-    """``||got - ref|| / ||ref||`` in float64 (inf when ``got`` holds a NaN)."""
-    g, r = got.double(), ref.double()
-    err = ((g - r).norm() / r.norm()).item()
-    return err if math.isfinite(err) else float("inf")
 
 
 class Bench:

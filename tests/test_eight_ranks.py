@@ -17,13 +17,9 @@ from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.matmul_reduce import (matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
 from portable_overlap.ops.moe_combine import dispatch, moe_gemm_combine_reference
+from portable_overlap.testing.compare import rel_err
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _every_op(world):
@@ -32,12 +28,12 @@ def _every_op(world):
     errs = {}
     ctx = GemvAllReduce(world, max_n=24)
     x, w = torch.randn(3, 8, generator=g), torch.randn(24, 8, generator=g)
-    errs["gemv+allreduce"] = _rel(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
+    errs["gemv+allreduce"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
     ctx.close()
     a, b = torch.randn(2 * W, 8, generator=g), torch.randn(8, 12, generator=g)
     for transport in ("stores", "copy_engine"):
         ctx = GemmAllToAll(world, max_elems=2 * W * 12, config=SMALL, transport=transport)
-        errs[f"gemm+a2a {transport}"] = _rel(ctx(a, b),
+        errs[f"gemm+a2a {transport}"] = rel_err(ctx(a, b),
                                              gemm_all_to_all_reference(a, b, world.group))
         ctx.close()
     S, k = 5 + r % 3, 2  # ranks hold different token counts
@@ -49,7 +45,7 @@ def _every_op(world):
                          config=SMALL)
     out = ctx(xr, we, counts, slots, tw)
     ctx.synchronize()
-    errs["moe combine"] = _rel(out, moe_gemm_combine_reference(xr, we, counts, slots, tw,
+    errs["moe combine"] = rel_err(out, moe_gemm_combine_reference(xr, we, counts, slots, tw,
                                                                 world.group))
     ctx.close()
     ctx = EmbeddingAllToAll(world, [6] * W, 8, max_local_batch=2, block_b=2)
@@ -58,7 +54,7 @@ def _every_op(world):
     idx = torch.randint(0, 6, (int(lengths.sum()),), generator=g)
     wt = torch.randn(ctx.weight_rows, 8, generator=g)
     out = ctx(wt, lengths, idx, batch_splits=splits)
-    errs["embedding+a2a"] = _rel(out, embedding_all_to_all_reference(
+    errs["embedding+a2a"] = rel_err(out, embedding_all_to_all_reference(
         wt, lengths, idx, None, ctx.plan, r, splits, "sum", world.group))
     ctx.close()
     # every schedule, not only the one pick_schedule gives these tiny shapes: they walk the
@@ -71,7 +67,7 @@ def _every_op(world):
     for sched in SCHEDULES:
         out = ctx(a, b, schedule=sched)
         ctx.synchronize()
-        errs[f"allgather+gemm {sched}"] = _rel(out, ref)
+        errs[f"allgather+gemm {sched}"] = rel_err(out, ref)
     ctx.close()
     # K split over the ranks, each rank's shard of its own width (only M and N must agree).
     # reduce_scatter: 2 rows per rank in 3 pieces (one empty); all_reduce with M=5 < W: rank
@@ -84,12 +80,12 @@ def _every_op(world):
         b = torch.randn(7, 3 + r, generator=g).t()  # a transposed weight view
         out = getattr(ctx, mode)(a, b)
         ctx.synchronize()
-        errs[f"matmul+{mode} copy engine"] = _rel(out, ref_fn(a, b, world.group))
+        errs[f"matmul+{mode} copy engine"] = rel_err(out, ref_fn(a, b, world.group))
     ctx.close()
     ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
     a, b = torch.randn(9, 8, generator=g), torch.randn(8, 12, generator=g)
     for i in range(2):  # the second call of a plan waits on the group counters
-        errs[f"gemm+allreduce signal #{i}"] = _rel(ctx.all_reduce(a, b),
+        errs[f"gemm+allreduce signal #{i}"] = rel_err(ctx.all_reduce(a, b),
                                                    gemm_all_reduce_reference(a, b, world.group))
     # the kinds with one destination per rank: 2 of the 16 rows each (one tile row per
     # destination), odd N and K. Twice as well: with 8 destinations the counters wait for
@@ -98,7 +94,7 @@ def _every_op(world):
     for kind, ref_fn in (("reduce_scatter", gemm_reduce_scatter_reference),
                          ("all_to_all", gemm_all_to_all_signal_reference)):
         for i in range(2):
-            errs[f"gemm+{kind} signal #{i}"] = _rel(getattr(ctx, kind)(a, b),
+            errs[f"gemm+{kind} signal #{i}"] = rel_err(getattr(ctx, kind)(a, b),
                                                    ref_fn(a, b, world.group))
     ctx.close()
     return errs

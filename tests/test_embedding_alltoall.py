@@ -6,6 +6,7 @@ import torch
 from portable_overlap import InvalidInputError, PortableOverlapError
 from portable_overlap.ops.embedding_alltoall import (EmbeddingAllToAll, embedding_all_to_all,
                                                      embedding_all_to_all_reference)
+from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 ROWS = [7, 5, 9, 4, 6, 3]
@@ -30,11 +31,6 @@ def _input(ctx, splits, gen, dtype, weighted, idx_dtype=torch.int64, max_len=3, 
     return weight, lengths.to(idx_dtype), indices.to(idx_dtype), psw
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _one(world, ctx, splits, dtype, pooling, weighted, grad, gen, idx_dtype=torch.int64,
          hole=None):
     weight, lengths, indices, psw = _input(ctx, splits, gen, dtype, weighted, idx_dtype,
@@ -44,7 +40,7 @@ def _one(world, ctx, splits, dtype, pooling, weighted, grad, gen, idx_dtype=torc
     ref = embedding_all_to_all_reference(weight, lengths, indices, psw, ctx.plan, world.rank,
                                          splits, pooling, world.group)
     name = f"{str(dtype)[6:]} {pooling} w={weighted} splits={splits}"
-    res = [(name, _rel(out, ref), TOL[dtype], bool(torch.isnan(out).any()))]
+    res = [(name, rel_err(out, ref), TOL[dtype], bool(torch.isnan(out).any()))]
     if hole is not None and out.shape[0] and splits[0] > hole and world.rank == 0:
         res.append((name + " empty sample", out[hole].abs().max().item(), 0.0, False))
     if grad:
@@ -59,10 +55,10 @@ def _one(world, ctx, splits, dtype, pooling, weighted, grad, gen, idx_dtype=torc
         r = embedding_all_to_all_reference(w2, lengths, indices, p2, ctx.plan, world.rank,
                                            splits, pooling, world.group)
         (r.float() * g.float()).sum().backward()
-        res.append((name + " fwd(op)", _rel(y.detach(), r.detach()), TOL[dtype], False))
-        res.append((name + " grad weight", _rel(w1.grad, w2.grad), TOL[dtype], False))
+        res.append((name + " fwd(op)", rel_err(y.detach(), r.detach()), TOL[dtype], False))
+        res.append((name + " grad weight", rel_err(w1.grad, w2.grad), TOL[dtype], False))
         if weighted:
-            res.append((name + " grad psw", _rel(p1.grad, p2.grad), 5 * TOL[dtype], False))
+            res.append((name + " grad psw", rel_err(p1.grad, p2.grad), 5 * TOL[dtype], False))
     return res
 
 
@@ -91,7 +87,7 @@ def _cases(world, full):
         out = ctx(weight, lengths, indices)
         ref = embedding_all_to_all_reference(weight, lengths, indices, None, ctx.plan, world.rank,
                                              even, "sum", world.group)
-        res.append(("default split", _rel(out, ref), 1e-5, False))
+        res.append(("default split", rel_err(out, ref), 1e-5, False))
     finally:
         ctx.close()
     if full:  # D not a power of two, default tile, every table on rank 0 (the others hold none)
@@ -160,7 +156,7 @@ def _bad(world):
     ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan, world.rank, splits,
                                          "sum", world.group)
     ctx.close()
-    return msgs, _rel(out, ref)
+    return msgs, rel_err(out, ref)
 
 
 def test_bad_input_raises_before_launch(world2):
@@ -249,7 +245,7 @@ def _bad_index_unvalidated(world, value):
             ctx(w, lengths, idx, psw, batch_splits=splits, out=out, validate=False)
             ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan, world.rank,
                                                  splits, "sum", world.group)
-            res.append((where, r, _rel(out, ref), v))
+            res.append((where, r, rel_err(out, ref), v))
     finally:
         ctx.close()
     return res

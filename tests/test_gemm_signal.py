@@ -373,7 +373,7 @@ def _sequence(world):
             return call
 
     ctx.backend = _Backend()
-    real_launch = ctx._launch_plan
+    real_launch = ctx.launch_plan
 
     def launch_plan(*args):
         gemm, reorder = real_launch(*args)
@@ -386,7 +386,7 @@ def _sequence(world):
             return run
         return logged("gemm", gemm), logged("reorder", reorder)
 
-    ctx._launch_plan = launch_plan
+    ctx.launch_plan = launch_plan
     saved, api.dist = api.dist, _Dist()
     try:
         a, b = torch.randn(12, 8), torch.randn(8, 40)  # 1 x 3 tiles per rank block: 6 tiles

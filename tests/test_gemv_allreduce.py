@@ -6,16 +6,12 @@ import torch
 from portable_overlap import (ContextBrokenError, GemvAllReduce, GemvConfig, PeerTimeoutError,
                               PortableOverlapError, RowParallelLinear,
                               gemv_all_reduce, gemv_all_reduce_reference)
+from portable_overlap.testing.compare import rel_err
 
 # bf16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
 # the output differs from the reference by up to an ulp (~0.4%).
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(world, M, N, K, dtype, seed):
@@ -36,7 +32,7 @@ def _run_cases(world, cases, config=None):
             ctx(x, w, out=y)
             assert not torch.isnan(y).any(), "output not fully written"
             ref = gemv_all_reduce_reference(x, w, world.group)
-            out.append((_rel(y, ref), y.view(torch.uint8).clone()))
+            out.append((rel_err(y, ref), y.view(torch.uint8).clone()))
     finally:
         ctx.close()
     return out
@@ -77,7 +73,7 @@ def _repeated_calls(world):
             M, N, K = 1 + (7 * i) % 64, 16 + (29 * i) % 80, 8 + 5 * i
             x, w = _inputs(world, M, N, K, torch.float32, seed=100 + i)
             y = ctx(x, w)
-            worst = max(worst, _rel(y, gemv_all_reduce_reference(x, w, world.group)))
+            worst = max(worst, rel_err(y, gemv_all_reduce_reference(x, w, world.group)))
         epoch = int(ctx.ctl[0])
     finally:
         ctx.close()
@@ -115,7 +111,7 @@ def _bad_inputs(world):
         msgs["out"] = str(e)
     # the context still works after rejected calls (nothing was launched)
     y = ctx(x, w)
-    ok = _rel(y, gemv_all_reduce_reference(x, w, world.group)) < 1e-5
+    ok = rel_err(y, gemv_all_reduce_reference(x, w, world.group)) < 1e-5
     ctx.close()
     return msgs, ok
 
@@ -152,7 +148,7 @@ def _disagree_on_shape(world):
     if second != "broken":
         x, w = _inputs(world, 2, 40, 24, torch.float32, seed=8)
         try:
-            third = _rel(ctx(x, w), gemv_all_reduce_reference(x, w, world.group)) < 1e-5
+            third = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group)) < 1e-5
         except ContextBrokenError:
             pass
     ctx.close()
@@ -278,7 +274,7 @@ def _compiled(world):
                                  (x, w, ctx.handle), test_utils=("test_schema", "test_faketensor"))
     ref = torch.relu(gemv_all_reduce_reference(x * 2, w, world.group)) + 1
     ctx.close()
-    return _rel(y, ref), fake
+    return rel_err(y, ref), fake
 
 
 def test_torch_compile_fullgraph_and_fake_impl(world2):
@@ -299,7 +295,7 @@ def _row_parallel(world, rows):
     y = lin(x_full[:, world.rank * k:(world.rank + 1) * k].reshape(1, rows, k))
     ref = x_full.double() @ full_w.double().T + torch.arange(48.0).double()
     lin.ctx.close()
-    return _rel(y.reshape(rows, 48), ref)
+    return rel_err(y.reshape(rows, 48), ref)
 
 
 @pytest.mark.parametrize("rows", [5, 70], ids=["fused", "fallback"])
@@ -319,7 +315,7 @@ def _solo(world):
     x, w = _inputs(world, 4, 50, 21, torch.float32, seed=13)
     y = ctx(x, w)
     ctx.close()
-    return solo.world_size, _rel(y, x.double() @ w.double().T)
+    return solo.world_size, rel_err(y, x.double() @ w.double().T)
 
 
 def test_world_of_one_rank_is_a_plain_gemv(world2):

@@ -4,12 +4,9 @@ import pytest
 import torch
 
 from portable_overlap.modules import ColumnParallelLinear, RowParallelLinear
+from portable_overlap.testing.compare import rel_err
 
 N, K = 24, 32  # out_features, in_features (K split over the ranks)
-
-
-def _rel(y, ref):
-    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _pair(world, reduce, dtype, max_rows):
@@ -44,8 +41,8 @@ def _prefill(world, reduce, rows_list, dtype):
                 exact = exact[r * rows // W:(r + 1) * rows // W]
             with torch.no_grad():
                 y, y_ref = fused(x), ref(x)
-            out.append((rows, tuple(y.shape), y.dtype == dtype, _rel(y, exact),
-                        _rel(y_ref, exact)))
+            out.append((rows, tuple(y.shape), y.dtype == dtype, rel_err(y, exact),
+                        rel_err(y_ref, exact)))
     finally:
         fused.close()
     return out, calls
@@ -234,17 +231,17 @@ def _grads(world, reduce, S, fused):
         (lin(x) * up[rows]).sum().backward()
         gw_exact = up.double().T @ x_full.double()  # d sum(up * (x @ wᵀ)) / dw
         gx_exact = up.double() @ full_w.double()
-        errs = [_rel(lin.weight.grad, gw_exact[:, r * k:(r + 1) * k]),
-                _rel(x.grad, gx_exact[:, r * k:(r + 1) * k]),
-                _rel(lin.bias.grad, up[rows].double().sum(0))]
+        errs = [rel_err(lin.weight.grad, gw_exact[:, r * k:(r + 1) * k]),
+                rel_err(x.grad, gx_exact[:, r * k:(r + 1) * k]),
+                rel_err(lin.bias.grad, up[rows].double().sum(0))]
         # column-parallel: this rank's rows in, all rows of its columns out
         xs = x_full[r * S // W:(r + 1) * S // W].clone().requires_grad_()
         (col(xs) * up).sum().backward()
         gx_col_all = torch.zeros(S, K, dtype=torch.float64)
         for q in range(W):  # every rank's columns contribute to every input row's gradient
             gx_col_all += up.double() @ w_col[q * N:(q + 1) * N].double()
-        errs += [_rel(col.weight.grad, up.double().T @ x_full.double()),
-                 _rel(xs.grad, gx_col_all[r * S // W:(r + 1) * S // W])]
+        errs += [rel_err(col.weight.grad, up.double().T @ x_full.double()),
+                 rel_err(xs.grad, gx_col_all[r * S // W:(r + 1) * S // W])]
         for m in (*pair, col):
             m.close()
     finally:

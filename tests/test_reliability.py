@@ -172,6 +172,44 @@ def test_lifecycle_guards(world2):
             assert "timeout_s" in msg, (t, msg)
 
 
+
+def _signal_lifecycle(world):
+    """The tile-group-signal transport has the same call guards as every other context."""
+    from portable_overlap import MatmulAllReduce, matmul_all_reduce, matmul_all_reduce_reference
+
+    ctx = MatmulAllReduce(world, 32, 24, transport="signal_collective", timeout_s=20.0)
+    g = torch.Generator().manual_seed(7 + world.rank)
+    a, b = torch.randn(32, 16, generator=g), torch.randn(16, 24, generator=g)
+    ref = matmul_all_reduce_reference(a, b, world.group)
+    found = {}
+    ctx.impl._guard.acquire()  # another thread's call is under way
+    try:
+        matmul_all_reduce(a, b, ctx)
+        found["thread"] = "no error"
+    except ConcurrentUseError as e:
+        found["thread"] = str(e)
+    finally:
+        ctx.impl._guard.release()
+    found["after_thread"] = _close(matmul_all_reduce(a, b, ctx), ref)
+    ctx.close()
+    ctx.close()  # twice is fine
+    for name, fn in (("call", lambda: matmul_all_reduce(a, b, ctx)),
+                     ("sync", ctx.synchronize)):
+        try:
+            fn()
+            found[name] = "no error"
+        except ContextClosedError as e:
+            found[name] = str(e)
+    return found
+
+
+def test_signal_transport_has_the_lifecycle_guards(world2):
+    for found in world2.run(_signal_lifecycle, timeout=180):
+        assert "another thread" in found["thread"], found
+        assert found["after_thread"] is True, found
+        for k in ("call", "sync"):
+            assert "closed" in found[k], (k, found[k])
+
 def _broken_after_timeout(world):
     """After a timeout the context is out of step: every later call raises at once."""
     ctx = GemvAllReduce(world, max_n=32, timeout_s=0.5)

@@ -71,7 +71,84 @@ def collective_call(method):
     return call
 
 
-class OverlapContext:
+class ContextBase:
+    """What every context shares, whatever moves its data: the op name in its errors, a checked
+    ``timeout_s``, the Triton interpreter on the CPU backend, a handle for the torch.library ops
+    (never reused), and the guards of a call: a closed context raises
+    :class:`ContextClosedError`, a broken one (out of step with its peers) raises
+    :class:`ContextBrokenError`, and a call while another thread's call runs raises
+    :class:`ConcurrentUseError` (calls from two threads would reach the ranks in different
+    orders). A subclass calls ``super().__init__`` first and :meth:`register` last."""
+
+    OP = "op"
+
+    def __init__(self, world, timeout_s: float):
+        self.timeout_s = check_timeout(self.OP, timeout_s)
+        self.timeout_us = int(self.timeout_s * 1e6)
+        if world.backend.name == "cpu":
+            from ..backends.cpu import require_interpreter
+
+            require_interpreter(self.OP)
+        self.world = world
+        self.rank = world.rank
+        self._broken: Optional[str] = None
+        self._closed = False
+        self._guard = threading.Lock()
+        self._sync_errors = False  # whether a call's errors are known when it returns
+
+    def register(self) -> None:
+        """Give the context its handle (the torch.library ops' way to name it)."""
+        self.handle = register_context(self)
+
+    def capturing(self) -> bool:
+        """Whether the caller's stream is being captured into a CUDA graph."""
+        dev = self.world.device
+        if dev.type == "cpu":
+            return False
+        return bool(torch.get_device_module(dev).is_current_stream_capturing())
+
+    def check(self) -> None:
+        """Raise if this context is broken (out of step with its peers)."""
+        if self._broken is not None:
+            raise ContextBrokenError(f"{self.OP} context on rank {self.rank} failed before and is "
+                                     f"out of step with its peers; close it and create a new "
+                                     f"one. First error:\n{self._broken}")
+
+    def close(self) -> None:
+        """Collective (every rank). Closing twice does nothing; any call after it raises
+        :class:`ContextClosedError`. Subclasses free their workspace after this."""
+        if self._closed:
+            return
+        self._closed = True
+        unregister_context(self.handle)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ContextClosedError(f"{self.OP}: this context was closed on rank {self.rank}; "
+                                     f"create a new one")
+
+    def _enter_call(self) -> None:
+        """A call's guards (``collective_call``): open, one thread, not broken."""
+        self._check_open()
+        if not self._guard.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{self.OP}: this context is already running a call in another thread on rank "
+                f"{self.rank}; a context serves one thread at a time (calls from two threads "
+                f"would reach the ranks in different orders): give each thread its own context")
+        try:
+            self._before_call()
+        except BaseException:
+            self._guard.release()
+            raise
+
+    def _before_call(self) -> None:
+        self.check()
+
+    def _abandon_call(self, error: BaseException) -> None:
+        """The call raised (``collective_call``); what the peers must hear of it."""
+
+
+class OverlapContext(ContextBase):
     """Base of the ops' contexts. ``layout`` lists the heap buffers ``(attribute, shape, dtype)``;
     they are allocated in that order, so every rank gets the same offsets. Collective to create
     and to :meth:`close`; calls must come in the same order on every rank, on one stream.
@@ -99,14 +176,7 @@ class OverlapContext:
     FLAG_NAMES: dict = {}
 
     def __init__(self, world, layout: Sequence[tuple], timeout_s: float):
-        self.timeout_s = check_timeout(self.OP, timeout_s)
-        self.timeout_us = int(self.timeout_s * 1e6)
-        if world.backend.name == "cpu":
-            from ..backends.cpu import require_interpreter
-
-            require_interpreter(self.OP)
-        self.world = world
-        self.rank = world.rank
+        super().__init__(world, timeout_s)
         # [0] the current call's start (shared deadline), [1] the epoch of a timed-out call
         layout = [("call_clock", (2,), torch.int64), *layout]
         self.heap = SymmetricHeap(world, heap_bytes([(s, d) for _, s, d in layout]))
@@ -114,14 +184,11 @@ class OverlapContext:
             setattr(self, name, self.heap.alloc(shape, dtype))
         self.status = StatusBoard(world.backend, G_MAX)
         self._plans: dict = {}
-        self._broken: Optional[str] = None
-        self._closed = False
-        self._guard = threading.Lock()
         self._launched = False
         self._refusal: list = []  # (planned launch, arguments) per flag array: call_protocol
         self._refuse_plans: dict = {}
         self._sync_errors = world.backend.name == "cpu"  # the interpreter runs synchronously
-        self.handle = register_context(self)
+        self.register()
 
     def call_protocol(self, epoch: torch.Tensor, call_flags: Sequence[torch.Tensor] = (),
                       free_flags: Sequence[torch.Tensor] = ()) -> None:
@@ -151,10 +218,7 @@ class OverlapContext:
         """Raise if a kernel of this context reported a failure (see the class docstring).
         Reads host-visible memory only while nothing failed; on a failure it waits for the
         device, so every program of the failed call has reported before the board is read."""
-        if self._broken is not None:
-            raise ContextBrokenError(f"{self.OP} context on rank {self.rank} failed before and is "
-                                     f"out of step with its peers; close it and create a new "
-                                     f"one. First error:\n{self._broken}")
+        super().check()
         if not self.status.failed():
             return
         self.world.backend.synchronize(self.world.device)
@@ -187,36 +251,20 @@ class OverlapContext:
         Closing twice does nothing; any call after it raises :class:`ContextClosedError`."""
         if self._closed:
             return
-        self._closed = True
-        unregister_context(self.handle)
+        super().close()
         self.heap.close()
 
     # -- the call's guards -----------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ContextClosedError(f"{self.OP}: this context was closed on rank {self.rank}; "
-                                     f"create a new one")
-
-    def _enter_call(self) -> None:
-        self._check_open()
-        if not self._guard.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{self.OP}: this context is already running a call in another thread on rank "
-                f"{self.rank}; a context serves one thread at a time (calls from two threads "
-                f"would reach the ranks in different orders): give each thread its own context")
-        try:
-            if self._broken is not None or self.status.failed():
-                self.check()
-        except BaseException:
-            self._guard.release()
-            raise
+    def _before_call(self) -> None:
+        if self._broken is not None or self.status.failed():
+            self.check()
         self._launched = False
 
     def _abandon_call(self, error: BaseException) -> None:
         """The call raised. Before its first launch: refuse it on the device too (``_refuse``),
         so the peers fail this call and stay in step. After a launch the call is half done and
         peers may wait for what never comes: the context is broken."""
-        if self._launched or not self._refusal or self._capturing():
+        if self._launched or not self._refusal or self.capturing():
             # (a refusal captured into a CUDA graph would refuse at every replay)
             if self._launched:
                 self._broken = (f"{self.OP}: rank {self.rank} raised in the middle of a call "
@@ -227,12 +275,6 @@ class OverlapContext:
         except Exception as e:  # the device itself failed: nothing can be told to the peers
             self._broken = (f"{self.OP}: rank {self.rank} could not tell its peers it refused a "
                             f"call ({type(e).__name__}: {e})")
-
-    def _capturing(self) -> bool:
-        dev = self.world.device
-        if dev.type == "cpu":
-            return False
-        return bool(torch.get_device_module(dev).is_current_stream_capturing())
 
     def _refuse(self) -> None:
         """Count a call that never launched and end every peer's wait for it (see

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from portable_overlap import (EmbeddingAllToAll, PortableOverlapError, World,
                               embedding_all_to_all, embedding_all_to_all_reference)
+from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 results: list[tuple[str, bool, str]] = []
@@ -30,11 +31,6 @@ def record(name: str, ok: bool, detail: str = "") -> None:
     results.append((name, bool(ok), detail))
     if os.environ.get("RANK", "0") == "0":
         print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:55s} {detail}", flush=True)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_input(ctx, splits, dtype, gen, pf=4, weighted=False, idx_dtype=torch.int64):

@@ -23,6 +23,7 @@ from portable_overlap.testing.signal_calls import (gemm_all_reduce, gemm_all_to_
 from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_all_to_all_signal_reference,
                                               gemm_reduce_scatter_reference)
+from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 OPS = {"all_reduce": (gemm_all_reduce, gemm_all_reduce_reference),
@@ -35,11 +36,6 @@ def record(name: str, ok: bool, detail: str = "") -> None:
     results.append((name, bool(ok), detail))
     if os.environ.get("RANK", "0") == "0":
         print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:52s} {detail}", flush=True)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def rand(shape, dtype, device, gen):
@@ -138,7 +134,7 @@ def partitions(n_tiles, programs, dests):
 def check_partitions(world, ctx, gen) -> None:
     W = world.world_size
     M, N, K = 2048, 4096, 1024
-    programs = ctx._programs(ctx.config)
+    programs = ctx.grid_programs(ctx.config)
     for kind in ("all_reduce", "reduce_scatter"):
         dests = 1 if kind == "all_reduce" else W
         n_tiles = dests * -(-(M // dests) // 128) * (N // 256)  # the default bf16 tiling

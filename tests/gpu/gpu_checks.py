@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from portable_overlap import (GemvAllReduce, PeerTimeoutError, PortableOverlapError, World,
                               gemv_all_reduce, gemv_all_reduce_reference)
+from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 results: list[tuple[str, bool, str]] = []
@@ -27,11 +28,6 @@ def record(name: str, ok: bool, detail: str = "") -> None:
     results.append((name, bool(ok), detail))
     if os.environ.get("RANK", "0") == "0":  # progress as it goes; the summary comes at the end
         print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:45s} {detail}", flush=True)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def same_on_all_ranks(world: World, y: torch.Tensor) -> bool:

@@ -51,81 +51,30 @@ GEMM; the copy-engine variant (copy_engine.py) overlaps (docs/gemm_signal.md giv
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ...errors import (ContextBrokenError, ContextClosedError, PeerTimeoutError,
-                       RankMismatchError)
-from ...schedule import WaveGroups, as_wave_groups, default_partition, grouped_tile, tile_layout
+from ...errors import PeerTimeoutError, RankMismatchError
+from ...schedule import WaveGroups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_upcast
-from ..context import (align_key, check_timeout, register_context, shape_tag,
-                       unregister_context)
+from ...transports.gate import wait_counter
+from ..context import ContextBase, align_key, collective_call, shape_tag
 from ..launch import PlannedLaunch, resident_programs
-from ..matmul.api import (MatmulConfig, check_2d, check_operands, default_config,
+from ..matmul.api import (check_2d, check_operands, default_config,
                           tile_descriptors, vector_checks)
+from .config import KINDS, MAX_GROUPS, OP, RESERVE_PER_132, SignalConfig  # noqa: F401
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
-
-OP = "gemm_signal"
-#: the public op of each kind (errors name it)
-KINDS = {"all_reduce": "matmul_all_reduce", "reduce_scatter": "matmul_reduce_scatter",
-         "all_to_all": "matmul_all_to_all"}
-MAX_GROUPS = 256  # counters per context; a partition has at most this many groups
-#: SMs the GEMM leaves to the collectives' kernels by default, per 132 (scaled by the device's
-#: count): none. FlashOverlap leaves SMs to NCCL so that a group's collective runs beside the
-#: GEMM; on 2x H200 NCCL made no measurable progress there (comm_slowdown 5-717) and a reserve
-#: of 16 only slowed the GEMM: reserve 0 measured 4-7 % faster at 8192^3 and the tuner kept 0 at
-#: all 4 shapes (docs/gemm_signal.md).
-RESERVE_PER_132 = 0
-#: the other reserve the tuner tries when the configured one is 0 (16 of 132 SMs, scaled)
-ALT_RESERVE_PER_132 = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class SignalConfig:
-    """``matmul``: GEMM tiling (None: ``matmul.default_config``). ``reserve_sms``: SMs / CUs the
-    GEMM grid leaves free for the collectives (None: ``RESERVE_PER_132``, i.e. none; a
-    reserve helps only where a collective progresses beside the GEMM, which ``tune`` measures).
-    ``partition``: wave-group sizes in tiles, schedule order; None: ``default_partition``;
-    ``"tune"``: the first call of each shape runs ``GemmSignal.tune`` (collective, ~0.2–1.6 s on
-    2x H200, cached on disk per shape and device) and every later call uses its pick.
-    ``max_groups``: bound for the default partition: 2 (one wave, then the rest). On 2x H200
-    NCCL's collectives made almost no progress beside the persistent GEMM (``comm_slowdown``
-    5–717), so each extra group only adds its collective's fixed cost: up to 8 doubling groups
-    measured 8–13 % slower than the best measured partition at each of the 4 shapes, one group
-    1–3 %, [one wave, rest] 1–2 % (at the 2 shapes where the tuner measured it). ``gate``:
-    ``"value"`` (each group's collective waits on its counter: the overlap) or ``"event"`` (the
-    collectives wait for the whole GEMM by an event: the same kernels without overlap, a
-    baseline and a fallback where a stream value wait cannot be captured in a graph)."""
-
-    matmul: Optional[MatmulConfig] = None
-    reserve_sms: Optional[int] = None
-    partition: "Optional[tuple | str]" = None
-    max_groups: int = 2
-    gate: str = "value"
-
-    def __post_init__(self):
-        if self.gate not in ("value", "event"):
-            raise ValueError(f"SignalConfig: gate must be 'value' or 'event': {self}")
-        if self.reserve_sms is not None and self.reserve_sms < 0:
-            raise ValueError(f"SignalConfig: reserve_sms must be >= 0: {self}")
-        if not 1 <= self.max_groups <= MAX_GROUPS:
-            raise ValueError(f"SignalConfig: max_groups must be in 1..{MAX_GROUPS}: {self}")
-        if isinstance(self.partition, str):
-            if self.partition != "tune":
-                raise ValueError(f"SignalConfig: partition must be group sizes, None or 'tune': {self}")
-        elif self.partition is not None:
-            object.__setattr__(self, "partition", as_wave_groups(self.partition).sizes)
+from . import tune as tuning
 
 
 class _Plan:
     """Everything one (kind, shape, dtype, tiling, partition) needs, agreed by every rank."""
 
 
-class GemmSignal:
+class GemmSignal(ContextBase):
     """Workspace of the tile-group-signal ops on one rank: the group counters (device int32), the
     staging and receive buffers (grown when a new shape is planned, never inside a call), the
     comm stream and the plans. Collective to create; the same calls in the same order on every
@@ -140,32 +89,32 @@ class GemmSignal:
     broken; under NCCL the communicator's watchdog enforces the timeout (torch's
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` decides what it does then: by default it ends the
     process with the collective named). ``collectives=False`` makes no group (a context that
-    only borrows the GEMM, as the copy-engine transport does)."""
+    only borrows the GEMM, as the copy-engine transport does).
+
+    Its calls (``all_reduce``, ``reduce_scatter``, ``all_to_all``) have the guards of every
+    context (``ContextBase``): closed, broken, a second thread. Nothing runs on the device
+    before a call's checks pass, so a refused call leaves no collective for the peers to wait
+    on: they time out in that call's collective instead (``timeout_s``) and raise
+    :class:`PeerTimeoutError`."""
 
     OP = OP
 
     def __init__(self, world, *, config: Optional[SignalConfig] = None, timeout_s: float = 60.0,
                  collectives: bool = True):
-        self.timeout_s = check_timeout(OP, timeout_s)
+        super().__init__(world, timeout_s)
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
-        if world.backend.name == "cpu":
-            from ...backends.cpu import require_interpreter
-
-            require_interpreter(OP)
         world.check_same(f"{OP} context config", (config, self.timeout_s))
-        self.world = world
-        self.rank, self.size = world.rank, world.world_size
+        self.size = world.world_size
         self.config = config or SignalConfig()
         self.device = world.device
         self.backend = world.backend
         self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
-        self._stage_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.stage_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._recv_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._retired: list = []  # outgrown buffers, kept: a captured graph may still use them
         self._plans: dict = {}
         self._launches: dict = {}
         self._tuned: dict = {}  # (kind, shape, dtype, config) -> the tuned config
-        self._broken: Optional[str] = None
         if self.device.type == "cpu":  # the interpreter and gloo run synchronously: no streams
             self._mod, self.comm_stream, self._comm_handle = None, None, None
         else:
@@ -176,27 +125,26 @@ class GemmSignal:
         self._collectives = collectives
         # made or agreed now, by every rank (collective), never inside a call
         self._sig_group = _bounded_group(world) if collectives else None
-        self.handle = register_context(self)
-
-    def close(self) -> None:
-        self._closed = True
-        unregister_context(self.handle)
+        self.register()
 
     # -- the ops -----------------------------------------------------------------------------
+    @collective_call
     def all_reduce(self, a, b, out=None, *, bias=None, residual=None, config=None,
                    rms_weight=None, eps=1e-6, normed=None):
-        return self._call("all_reduce", a, b, out, bias, residual, config, rms_weight, eps,
-                          normed)
+        return self.run("all_reduce", a, b, out, bias, residual, config, rms_weight, eps,
+                        normed)
 
+    @collective_call
     def reduce_scatter(self, a, b, out=None, *, bias=None, residual=None, config=None,
                        rms_weight=None, eps=1e-6, normed=None):
-        return self._call("reduce_scatter", a, b, out, bias, residual, config, rms_weight, eps,
-                          normed)
+        return self.run("reduce_scatter", a, b, out, bias, residual, config, rms_weight, eps,
+                        normed)
 
+    @collective_call
     def all_to_all(self, a, b, out=None, *, bias=None, residual=None, config=None,
                    rms_weight=None, eps=1e-6, normed=None):
-        return self._call("all_to_all", a, b, out, bias, residual, config, rms_weight, eps,
-                          normed)
+        return self.run("all_to_all", a, b, out, bias, residual, config, rms_weight, eps,
+                        normed)
 
     def phases(self, kind: str, a, b, out, *, config: Optional[SignalConfig] = None) -> dict:
         """Collective (plans the call, as the op's first call does): the two kernels of one
@@ -212,14 +160,14 @@ class GemmSignal:
 
         gemm() bumps the same counters the op's stream waits read, so an op call after gemm()
         without reset() would pass its waits early."""
-        op, cfg, M, N, K, out_rows = self._check_call(kind, a, b, config)
+        op, cfg, M, N, K, out_rows = self.check_call(kind, a, b, config)
         check_2d(op, "out", out, (out_rows, N), a)
-        plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
-        gemm, reorder = self._launch_plan(plan, a, b, out, None, None, None, None)
-        stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
+        plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)
+        gemm, reorder = self.launch_plan(plan, a, b, out, None, None, None, None)
+        stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
-        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs,
-                               self.world.facts)
+        gemm_args = signal_gemm_args(plan, a, b, stage, self.counters, gemm.programs,
+                                     self.world.facts)
         reorder_args = _reorder_args(plan, recv, out, None, None)
         return {"gemm": lambda: gemm(gemm_args), "reorder": lambda: reorder(reorder_args),
                 "reset": self.counters.zero_, "programs": gemm.programs,
@@ -231,27 +179,24 @@ class GemmSignal:
         """Collective: a config whose wave-group partition measured fastest for ``kind`` on
         tensors shaped like ``a`` and ``b`` among the predictor's ``top_k``, one group and the
         default; cached per shape and device, the same on every rank (``tune.py``). Pass it to
-        the op: ``gemm_all_reduce(a, b, ctx, config=ctx.tune("all_reduce", a, b))``."""
-        from .tune import tune_partition
-
-        return tune_partition(self, kind, a, b, config=config, top_k=top_k, iters=iters,
-                              graph=graph, cache=cache)
+        the op: ``matmul_all_reduce(a, b, ctx, config=ctx.impl.tune("all_reduce", a, b))``
+        with ``ctx = MatmulAllReduce(world, M, N, transport="signal_collective")``."""
+        return tuning.tune_partition(self, kind, a, b, config=config, top_k=top_k,
+                                     iters=iters, graph=graph, cache=cache)
 
     def check(self) -> None:
-        if getattr(self, "_closed", False):
-            raise ContextClosedError(f"{OP}: this context was closed on rank {self.rank}; create "
-                                     f"a new one")
-        if self._broken is not None:
-            raise ContextBrokenError(f"{OP} context on rank {self.rank} failed before and may be "
-                                     f"out of step with its peers; create a new one. First "
-                                     f"error:\n{self._broken}")
+        """Raise if this context is closed or broken (a collective of an earlier call failed)."""
+        self._check_open()
+        super().check()
 
     def synchronize(self) -> None:
+        """Wait for this rank's queued calls, then :meth:`check`."""
+        self._check_open()
         self.backend.synchronize(self.device)
         self.check()
 
     # -- one call ------------------------------------------------------------------------------
-    def _check_call(self, kind, a, b, config):
+    def check_call(self, kind, a, b, config):
         """What every call of ``kind`` checks first: (op name, config, M, N, K, rows of out)."""
         self.check()
         op = KINDS[kind]
@@ -271,15 +216,20 @@ class GemmSignal:
         key = (kind, tuple(a.shape), b.shape[1], a.dtype, cfg)
         got = self._tuned.get(key)
         if got is None:
-            if self._capturing():
+            if self.capturing():
                 raise RuntimeError(f"{KINDS[kind]}: call it once with these shapes outside graph "
                                    f"capture first (partition='tune' tunes at the first call)")
             got = self._tuned[key] = self.tune(kind, a, b, config=cfg)
         return got
 
-    def _call(self, kind, a, b, out, bias, residual, config, rms_weight=None, eps=1e-6,
-              normed=None):
-        op, cfg, M, N, K, out_rows = self._check_call(kind, a, b, config)
+    def run(self, kind, a, b, out, bias, residual, config, rms_weight=None, eps=1e-6,
+            normed=None):
+        """One call of ``kind`` (``all_reduce``, ``reduce_scatter``, ``all_to_all``): checks,
+        plans, launches the GEMM and its groups' collectives and the reorder; returns ``out``.
+        The public methods below it (``check_call``, ``plan_call``, ``grid_programs``,
+        ``capturing``, ``launch_plan``, ``compile_launch``, ``stage_raw``) are this transport's
+        pieces that its tuner (tune.py) and its copy-engine variant (copy_engine.py) reuse."""
+        op, cfg, M, N, K, out_rows = self.check_call(kind, a, b, config)
         # the caller's stream: the comm stream forks from it and it joins the comm stream
         self._caller = self._mod.current_stream(self.device) if self._mod else None
         if out is None:
@@ -294,15 +244,15 @@ class GemmSignal:
             check_2d(op, "normed", normed, (out_rows, N), a)
         elif normed is not None:
             raise ValueError(f"{op}: normed is written only with rms_weight")
-        plan = self._plan(kind, op, M, N, K, a.dtype, cfg)
-        gemm, reorder = self._launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
-        stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
+        plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)
+        gemm, reorder = self.launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
+        stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
-        gemm_args = _gemm_args(plan, a, b, stage, self.counters, gemm.programs,
-                               self.world.facts)
+        gemm_args = signal_gemm_args(plan, a, b, stage, self.counters, gemm.programs,
+                                     self.world.facts)
         reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, eps)
         first = not plan.warm
-        capturing = self._capturing()
+        capturing = self.capturing()
         if first and capturing:
             raise RuntimeError(f"{op}: call it once with these shapes outside graph capture "
                                f"first (the first call loads kernels and checks the ranks agree)")
@@ -399,8 +349,7 @@ class GemmSignal:
             base = self.counters.data_ptr()
             for g, (start, size) in enumerate(zip(plan.groups.starts, plan.groups.sizes)):
                 if guarded:  # wait for the group's tiles, then reset its counter
-                    be.stream_wait_value(self._comm_handle, base + 4 * g, size)
-                    be.stream_write_value(self._comm_handle, base + 4 * g, 0)
+                    wait_counter(be, self._comm_handle, base + 4 * g, size)
                 chunk = stage[start * tile:(start + size) * tile]
                 if plan.kind == "all_reduce":
                     dist.all_reduce(chunk, group=group)
@@ -415,7 +364,7 @@ class GemmSignal:
         """A collective raised after the GEMM was launched: clear this plan's counters behind the
         GEMM so that no later call passes a wait early, and refuse further calls (peers may have
         run collectives this rank did not). A collective that timed out raises
-        PeerTimeoutError (``_call``)."""
+        PeerTimeoutError (``run``)."""
         self._mark_broken(e)
         try:
             with self._on_comm():
@@ -428,10 +377,6 @@ class GemmSignal:
             pass
 
     # -- streams (no-ops on the CPU backend, where everything runs synchronously) ---------------
-    def _capturing(self) -> bool:
-        return self._mod is not None and bool(
-            getattr(self._mod, "is_current_stream_capturing", lambda: False)())
-
     def _on_comm(self):
         return self._mod.stream(self.comm_stream) if self._mod else contextlib.nullcontext()
 
@@ -448,7 +393,8 @@ class GemmSignal:
             self._caller.wait_stream(self.comm_stream)
 
     # -- planning --------------------------------------------------------------------------------
-    def _programs(self, cfg: SignalConfig) -> int:
+    def grid_programs(self, cfg: SignalConfig) -> int:
+        """The GEMM's persistent grid under ``cfg``: the device's SMs less the reserve."""
         sms = self.world.facts.sm_count
         reserve = cfg.reserve_sms
         if reserve is None:
@@ -458,7 +404,9 @@ class GemmSignal:
                              f"GEMM")
         return sms - reserve
 
-    def _plan(self, kind, op, M, N, K, dtype, cfg: SignalConfig) -> _Plan:
+    def plan_call(self, kind, op, M, N, K, dtype, cfg: SignalConfig) -> _Plan:
+        """The plan of one (kind, shape, dtype, config): tiling, wave groups, buffer sizes;
+        made once and cached (the first ``run`` of it checks that every rank made the same)."""
         key = (kind, M, N, K, dtype, cfg)
         plan = self._plans.get(key)
         if plan is not None:
@@ -469,7 +417,7 @@ class GemmSignal:
         pm, pn = -(-m_dest // mm.block_m), -(-N // mm.block_n)
         per_dest = pm * pn
         n_tiles = per_dest * dests
-        programs = max(1, min(self._programs(cfg), n_tiles))
+        programs = max(1, min(self.grid_programs(cfg), n_tiles))
         if cfg.partition is not None:
             groups = WaveGroups(cfg.partition)
             groups.validate(n_tiles, dests, what=f"{op}: partition")
@@ -512,7 +460,7 @@ class GemmSignal:
         plan.stage_bytes = n_tiles * tile * esz
         plan.recv_bytes = {"all_reduce": 0, "reduce_scatter": per_dest * tile * esz,
                            "all_to_all": n_tiles * tile * esz}[kind]
-        self._stage_raw = self._grow(self._stage_raw, plan.stage_bytes)
+        self.stage_raw = self._grow(self.stage_raw, plan.stage_bytes)
         self._recv_raw = self._grow(self._recv_raw, plan.recv_bytes)
         # what the ranks must agree on, compared by every call under gloo (``_check_stamp``)
         plan.tag = shape_tag(OP, kind, M=M, N=N, K=K, dtype=str(dtype), config=repr(cfg),
@@ -527,8 +475,8 @@ class GemmSignal:
             self._retired.append(buf)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed, *,
-                     with_reorder: bool = True):
+    def launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed, *,
+                    with_reorder: bool = True):
         """The compiled GEMM and reorder launches for these tensors (the JIT specializes on
         strides and 16-byte alignment, so those are part of the key). ``with_reorder=False``:
         the GEMM alone (``None`` for the reorder), for transports that consume staging in their
@@ -550,33 +498,37 @@ class GemmSignal:
                            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                            UPCAST=dot_upcast(a.dtype), num_warps=mm.num_warps,
                            num_stages=mm.num_stages)
-        stage = self._stage_raw[:plan.stage_bytes].view(a.dtype)
+        stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
 
         def gemm_args(g):
-            return _gemm_args(plan, a, b, stage, self.counters, g, self.world.facts)
+            return signal_gemm_args(plan, a, b, stage, self.counters, g, self.world.facts)
 
         rows = min(mm.block_m, 32)  # a 32 x BLOCK_N slab per program keeps registers low
         reorder_consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, ROWS=rows,
                               HAS_BIAS=bias is not None, HAS_RES=residual is not None,
                               num_warps=4)
         reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, 1e-6)
-        gemm = self._compile(gemm_signal_kernel, plan.programs, gemm_consts, gemm_args, True)
+        gemm = self.compile_launch(gemm_signal_kernel, plan.programs, gemm_consts, gemm_args, True)
         if not with_reorder:
             reorder = None
         elif rms_weight is None:  # one program per ROWS rows of a received tile
-            reorder = self._compile(signal_reorder_kernel,
+            reorder = self.compile_launch(signal_reorder_kernel,
                                     plan.table_t.shape[0] * (mm.block_m // rows),
                                     reorder_consts, lambda g: reorder_args, False)
         else:  # one program per ROWS rows of a row block of out (whole rows: the norm)
             reorder_consts["num_warps"] = 8 if mm.block_n >= 256 else 4
-            reorder = self._compile(signal_reorder_norm_kernel,
+            reorder = self.compile_launch(signal_reorder_norm_kernel,
                                     plan.norm_rows_t.shape[0] * (mm.block_m // rows),
                                     reorder_consts, lambda g: reorder_args, False)
         self._launches[key] = (gemm, reorder)
         return gemm, reorder
 
-    def _compile(self, kernel, programs, consts, make_args, cap_resident: bool) -> PlannedLaunch:
+    def compile_launch(self, kernel, programs, consts, make_args,
+                       cap_resident: bool) -> PlannedLaunch:
+        """``kernel`` compiled once for ``consts`` and held as a launch of ``programs``
+        programs (capped at what fits on the device at once where ``cap_resident``: a persistent
+        kernel whose programs wait for each other must all be resident)."""
         facts = self.world.facts
         if facts.vendor == "cpu":  # the interpreter has no compiled kernel to hold on to
             return PlannedLaunch(kernel, None, programs, consts, None)
@@ -590,7 +542,7 @@ class GemmSignal:
         return PlannedLaunch(kernel, k, programs, consts, lambda: backend.current_stream(device))
 
 
-def _gemm_args(plan, a, b, stage, counters, programs, facts=None):
+def signal_gemm_args(plan, a, b, stage, counters, programs, facts=None):
     """The signal GEMM's runtime arguments; with ``facts``, tensor descriptors of a and b where
     the device and operands allow (``tile_descriptors``; the launch was compiled for the same
     choice: its key holds the strides and alignments that decide it)."""

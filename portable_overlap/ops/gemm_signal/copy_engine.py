@@ -36,10 +36,12 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
+from ...transports.gate import wait_counter
 from ..context import collective_call, OverlapContext, output_tensor, shape_tag
 from ..matmul.api import DTYPES
 from ..matmul.api import vector_checks
-from .api import MAX_GROUPS, GemmSignal, SignalConfig, _gemm_args
+from .api import GemmSignal, signal_gemm_args
+from .config import MAX_GROUPS, SignalConfig
 from .kernel import signal_reduce_kernel
 
 OP = "matmul_reduce_scatter"  # the public op this transport serves (errors name it)
@@ -107,10 +109,10 @@ class GemmReduceScatterCE(OverlapContext):
         sig, links, W, r = self.sig, self._links, self.world.world_size, self.rank
         cfg = config or self.config
         _check_partition(cfg)
-        op, cfg, M, N, K, rows = sig._check_call("reduce_scatter", a, b, cfg)
+        op, cfg, M, N, K, rows = sig.check_call("reduce_scatter", a, b, cfg)
         out = output_tensor(OP, out, (rows, N), a)
         vector_checks(OP, a, N, rows, bias=bias, residual=residual)
-        plan = sig._plan("reduce_scatter", op, M, N, K, a.dtype, cfg)
+        plan = sig.plan_call("reduce_scatter", op, M, N, K, a.dtype, cfg)
         mm, T, pd = plan.mm, plan.tile_elems, plan.groups.n_tiles // W
         need = self.elems_needed(M, N, W, mm.block_m, mm.block_n)
         if need > self.max_elems:
@@ -119,13 +121,13 @@ class GemmReduceScatterCE(OverlapContext):
                              f"context has max_elems={self.max_elems} (size it with "
                              f"GemmReduceScatterCE.elems_needed)")
         first = id(plan) not in self._own
-        if first and sig._capturing():
+        if first and sig.capturing():
             raise RuntimeError(f"{OP}: call it once with these shapes outside graph capture "
                                f"first (the first call plans and checks the ranks agree)")
         if first:
             self._own[id(plan)] = plan.slot_t[r::W].contiguous()  # tile u = t // W, t % W == r
-        gemm, _ = sig._launch_plan(plan, a, b, out, None, None, None, None, with_reorder=False)
-        stage = sig._stage_raw[:plan.stage_bytes].view(a.dtype)
+        gemm, _ = sig.launch_plan(plan, a, b, out, None, None, None, None, with_reorder=False)
+        stage = sig.stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv[a.dtype]
         reduce, reduce_args = self._reduce_launch(plan, stage, recv, out, bias, residual, a)
         tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), groups=plan.groups.sizes)
@@ -133,13 +135,12 @@ class GemmReduceScatterCE(OverlapContext):
 
         links.begin()
         links.follow()  # the side stream starts after the epoch and the caller's earlier work
-        gemm(_gemm_args(plan, a, b, stage, sig.counters, gemm.programs, self.world.facts))
+        gemm(signal_gemm_args(plan, a, b, stage, sig.counters, gemm.programs, self.world.facts))
         with links.on_side():
             side = be.current_stream(self.world.device)
             for g, (start, size) in enumerate(zip(plan.groups.starts, plan.groups.sizes)):
                 # group g's tiles are done: no SM polls, the copy engine reads them next
-                be.stream_wait_value(side, counters + 4 * g, size)
-                be.stream_write_value(side, counters + 4 * g, 0)
+                wait_counter(be, side, counters + 4 * g, size)
                 per, u0 = size // W, start // W
                 for i in range(1, W):
                     d = (r + i) % W
@@ -175,7 +176,7 @@ class GemmReduceScatterCE(OverlapContext):
             consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, ROWS=rows,
                           HAS_BIAS=bias is not None, HAS_RES=residual is not None, num_warps=4)
             # one program per slab (not a persistent grid: never capped at what is resident)
-            launch = self._reduce[key] = self.sig._compile(
+            launch = self._reduce[key] = self.sig.compile_launch(
                 signal_reduce_kernel, pd * (mm.block_m // rows), consts, lambda g: args, False)
         return launch, args
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ...schedule import (Calibration, TuningCache, cache_key, decide, measure_comm_curve,
                          predict_ms, search_top, time_call)
 from ...schedule.predict import invert_comm_slowdown
-from .api import ALT_RESERVE_PER_132, KINDS
+from .config import ALT_RESERVE_PER_132, KINDS
 
 MIB = 1 << 20
 
@@ -186,16 +186,16 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
     base = config or ctx.config
     # the partition is what is tuned: plan with the default one, whatever base says
     base = dataclasses.replace(base, partition=None)
-    op, cfg, M, N, K, out_rows = ctx._check_call(kind, a, b, base)
+    op, cfg, M, N, K, out_rows = ctx.check_call(kind, a, b, base)
     graph = ctx.device.type != "cpu" if graph is None else graph
-    plan = ctx._plan(kind, op, M, N, K, a.dtype, cfg)
+    plan = ctx.plan_call(kind, op, M, N, K, a.dtype, cfg)
     shape = {"M": M, "N": N, "K_local": K, "tiling": dataclasses.asdict(plan.mm),
              "programs": plan.programs, "gate": cfg.gate}
     key = cache_key(f"{op}.partition", shape, a.dtype, ctx.size, ctx.world.facts.name)
 
     def compute():
         out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
-        ctx._call(kind, a, b, out, None, None, cfg)  # plans, loads and checks the ranks agree
+        ctx.run(kind, a, b, out, None, None, cfg)  # plans, loads and checks the ranks agree
         ctx.synchronize()
         cal, p, record = calibrate(ctx, kind, a, b, out, config=cfg, iters=iters, graph=graph)
         ranked = search_top(p["n_tiles"], cal, p["tile_bytes"], top_k, multiple_of=p["dests"])
@@ -210,7 +210,7 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
 
         def measure(sizes, why, reserve):
             c = dataclasses.replace(cfg, partition=sizes, reserve_sms=reserve)
-            run = lambda: ctx._call(kind, a, b, out, None, None, c)  # noqa: E731
+            run = lambda: ctx.run(kind, a, b, out, None, None, c)  # noqa: E731
             run()  # the plan's first call: unguarded, loads, checks (never in a capture)
             ctx.synchronize()
             ms = time_call(run, ctx.world, iters=iters, warmup=_warmup(ctx.device),
@@ -228,7 +228,7 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
         # also measured with the other reserve (none, or 16 of 132 SMs when none is
         # configured), and the reserve is part of the decision.
         sms = ctx.world.facts.sm_count
-        configured = sms - ctx._programs(cfg)
+        configured = sms - ctx.grid_programs(cfg)
         other = 0 if configured else round(ALT_RESERVE_PER_132 * sms / 132)
         if other != configured:
             lead = min(rows, key=lambda r: r["measured_ms"])["partition"]
