@@ -136,7 +136,7 @@ def _bad_contexts(world):
 def test_bad_transport_and_sizes(world2):
     for msgs in world2.run(_bad_contexts):
         assert all(msgs), msgs
-        assert re.search(r"transport must be one of \('copy_engine', 'signal_collective'\)",
+        assert re.search(r"transport must be one of \('copy_engine', 'signal_collective', 'sequential'\)",
                          msgs[0]), msgs[0]
         assert "max_m" in msgs[1] and "signal_copy_engine" in msgs[2] and "pieces" in msgs[3]
         assert "gemv_all_reduce: transport" in msgs[4]

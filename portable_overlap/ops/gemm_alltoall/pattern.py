@@ -13,7 +13,9 @@ i.e. ``torch.distributed.all_to_all_single(out, a @ b)``. Transports (``transpor
 - ``"copy_engine"``: the vendor BLAS computes each destination's rows in pieces, copy engines
   move each finished piece (option ``pieces``);
 - ``"signal_collective"``: a persistent GEMM's wave-group counters gate the vendor library's
-  All-to-All on a side stream (``gemm_signal.api.GemmSignal``; option ``config``).
+  All-to-All on a side stream (``gemm_signal.api.GemmSignal``; option ``config``);
+- ``"sequential"``: ``torch.matmul``, then the vendor library's ``all_to_all_single`` on the whole
+  product (``ops/sequential.py``; no options): the baseline.
 """
 from __future__ import annotations
 
@@ -32,13 +34,18 @@ class MatmulAllToAll(MatmulPattern):
     on every rank."""
 
     OP = "matmul_all_to_all"
-    TRANSPORTS = ("stores", "copy_engine", "signal_collective")
+    TRANSPORTS = ("stores", "copy_engine", "signal_collective", "sequential")
 
     def _make(self, world, transport, timeout_s, **options):
         if transport == "signal_collective":
             from ..gemm_signal.api import GemmSignal
 
             return GemmSignal(world, **options, **timeout_kw(timeout_s))
+        if transport == "sequential":
+            from ..sequential import SequentialMatmul
+
+            return SequentialMatmul(world, self.OP, self.max_m, self.max_n, **options,
+                                    **timeout_kw(timeout_s))
         from .api import GemmAllToAll
 
         return GemmAllToAll(world, self.max_m * self.max_n, transport=transport, **options,
@@ -47,7 +54,7 @@ class MatmulAllToAll(MatmulPattern):
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  residual: Optional[torch.Tensor] = None, *,
                  out: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
-        if self.transport == "signal_collective":
+        if self.transport in ("signal_collective", "sequential"):
             return self.impl.all_to_all(a, b, out, bias=bias, residual=residual, **options)
         return self.impl(a, b, out, bias=bias, residual=residual, **options)
 

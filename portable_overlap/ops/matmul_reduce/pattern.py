@@ -18,7 +18,10 @@ Transports (``transport=``):
   ``config``, ``rms_weight``, ``eps``, ``normed``);
 - ``"signal_copy_engine"`` (ReduceScatter only): the same GEMM, its group counters gating
   copy-engine transfers, a reduction kernel at the end
-  (``gemm_signal.copy_engine.GemmReduceScatterCE``; option ``config``).
+  (``gemm_signal.copy_engine.GemmReduceScatterCE``; option ``config``);
+- ``"sequential"``: ``torch.matmul``, then the vendor library's collective on the whole product
+  (``ops/sequential.py``; no options): the baseline, and the choice where a fused transport
+  measured slower.
 """
 from __future__ import annotations
 
@@ -48,6 +51,10 @@ class _MatmulReduction(MatmulPattern):
             from ..gemm_signal.api import GemmSignal
 
             return GemmSignal(world, **options, **timeout_kw(timeout_s))
+        if transport == "sequential":
+            from ..sequential import SequentialMatmul
+
+            return SequentialMatmul(world, self.OP, M, N, **options, **timeout_kw(timeout_s))
         from ..gemm_signal.api import SignalConfig
         from ..gemm_signal.copy_engine import GemmReduceScatterCE
 
@@ -71,7 +78,7 @@ class MatmulReduceScatter(_MatmulReduction):
 
     OP = "matmul_reduce_scatter"
     MODE = "reduce_scatter"
-    TRANSPORTS = ("copy_engine", "signal_collective", "signal_copy_engine")
+    TRANSPORTS = ("copy_engine", "signal_collective", "signal_copy_engine", "sequential")
 
 
 class MatmulAllReduce(_MatmulReduction):
@@ -81,7 +88,7 @@ class MatmulAllReduce(_MatmulReduction):
 
     OP = "matmul_all_reduce"
     MODE = "all_reduce"
-    TRANSPORTS = ("copy_engine", "signal_collective")
+    TRANSPORTS = ("copy_engine", "signal_collective", "sequential")
 
 
 def _rows_of(ctx, M: int) -> int:

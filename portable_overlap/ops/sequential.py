@@ -1,0 +1,91 @@
+"""The plain path as a transport of the GEMM patterns (``transport="sequential"``): the vendor
+BLAS (``torch.matmul``) on this rank's operands, then the collective of the world's process
+group (NCCL / RCCL on GPUs, gloo on emulated ranks) on the whole product, then bias and
+residual: each op's reference with the product in the input dtype
+(``gemm_signal/reference.py``). Nothing overlaps. It is the baseline every fused transport is
+measured against, and the choice where a fused transport measured slower (the copy-engine
+transports on 4 and 8 GPUs: ``docs/scaling.md``).
+
+Calls are matched the way the collective library matches them: a rank that skips a call or
+calls with other shapes is not told apart from a late one, and its peers' collective waits until
+the process group's own timeout (``timeout_s`` is checked but the group's timeout applies).
+Input is checked exactly as the fused transports check it, with the same errors."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .context import ContextBase, collective_call, output_tensor
+from .gemm_signal.reference import (gemm_all_reduce_reference, gemm_all_to_all_signal_reference,
+                                    gemm_reduce_scatter_reference)
+from .matmul.api import check_operands, vector_checks
+
+#: the reference of each pattern and the rows of rank r's result for an [M, N] product
+_KINDS = {"all_reduce": (gemm_all_reduce_reference, lambda M, W: M),
+          "reduce_scatter": (gemm_reduce_scatter_reference, lambda M, W: M // W),
+          "all_to_all": (gemm_all_to_all_signal_reference, lambda M, W: M)}
+
+
+def _no_options(op: str, options: dict) -> None:
+    """The sequential transport has no options: name the ones given (a fused transport's, say)."""
+    if options:
+        raise ValueError(f"{op}: the 'sequential' transport takes no options; got "
+                         f"{sorted(options)}")
+
+
+class SequentialMatmul(ContextBase):
+    """The ``"sequential"`` transport's workspace for the public op ``op`` (errors name it):
+    none but the sizes, ``max_m`` x ``max_n``, that the pattern's context was made for."""
+
+    def __init__(self, world, op: str, max_m: int, max_n: int, *, timeout_s: float = 60.0,
+                 **options):
+        self.OP = op
+        _no_options(op, options)
+        super().__init__(world, timeout_s)
+        self.max_m, self.max_n = max_m, max_n
+        self.register()
+
+    def check(self) -> None:
+        """Raise if this context is closed."""
+        self._check_open()
+        super().check()
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued work, then :meth:`check`."""
+        self._check_open()
+        self.world.backend.synchronize(self.world.device)
+        self.check()
+
+    def all_reduce(self, a, b, out=None, *, bias=None, residual=None, **options) -> torch.Tensor:
+        """``sum_q a_q @ b_q (+ bias + residual)`` [M, N] on every rank."""
+        _no_options(self.OP, options)
+        return self._call("all_reduce", a, b, out, bias, residual)
+
+    def reduce_scatter(self, a, b, out=None, *, bias=None, residual=None,
+                       **options) -> torch.Tensor:
+        """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_q a_q @ b_q`` (+ bias + residual) on rank r."""
+        _no_options(self.OP, options)
+        return self._call("reduce_scatter", a, b, out, bias, residual)
+
+    def all_to_all(self, a, b, out=None, *, bias=None, residual=None, **options) -> torch.Tensor:
+        """``all_to_all_single(a @ b)`` with equal splits (+ bias + residual) on every rank."""
+        _no_options(self.OP, options)
+        return self._call("all_to_all", a, b, out, bias, residual)
+
+    @collective_call
+    def _call(self, kind: str, a, b, out: Optional[torch.Tensor], bias, residual):
+        check_operands(self.OP, a, b, self.world.device)
+        W = self.world.world_size
+        M, N = a.shape[0], b.shape[1]
+        if kind != "all_reduce" and M % W:
+            raise ValueError(f"{self.OP}: M={M} rows must split evenly over {W} ranks")
+        if M > self.max_m or N > self.max_n:
+            raise ValueError(f"{self.OP}: an [{M}, {N}] result exceeds this context's "
+                             f"max_m x max_n = {self.max_m} x {self.max_n}")
+        reference, rows_of = _KINDS[kind]
+        rows = rows_of(M, W)
+        out = output_tensor(self.OP, out, (rows, N), a)
+        vector_checks(self.OP, a, N, rows, bias=bias, residual=residual)
+        y = reference(a, b, self.world.group, bias, residual, accumulate_fp32=False)
+        return out.copy_(y)
