@@ -35,14 +35,13 @@ one group and the default measured through the op; its pick is measured again he
 Partitions per shape: ``schedule.candidate_partitions`` (every composition into at most
 ``--max-groups`` groups of whole units of k waves, the smallest k giving at most
 ``--max-candidates``), the search's pick (``schedule.search`` with its defaults) and the op's
-default partition. With a 116-program GEMM (16 of 132 SMs reserved: the op's default until
-session 5) that is 15 candidates at 4096x8192x8192 (units of 2 waves) and 26 at 8192x8192x8192
-(3 waves) per collective, about 90 measured partitions in all (18 s on 2x H200 at commit
-59875ab); the whole run, tuner included, took 18-24 s in session 5. Rank 0
-decides the list and broadcasts it. Each is checked against the reference, then timed (graph
-replay, median of ``--iters``, slowest rank); a failing partition is recorded and skipped. The
-pick and the default are measured first, then the candidates until ``--budget-s`` seconds have
-passed since the start.
+default partition. With a 116-program GEMM (16 of 132 SMs reserved, ``reserve_sms=16``) that is
+15 candidates at 4096x8192x8192 (units of 2 waves) and 26 at 8192x8192x8192 (3 waves) per
+collective, about 90 measured partitions in all (18 s on 2x H200); the whole run, tuner
+included, takes 18-24 s there. Rank 0 decides the list and broadcasts it. Each is checked
+against the reference, then timed (graph replay, median of ``--iters``, slowest rank); a
+failing partition is recorded and skipped. The pick and the default are measured first, then
+the candidates until ``--budget-s`` seconds have passed since the start.
 
 Predictions per partition: ``main`` (the full calibration; what the search uses) and the
 variants ``no_comm_terms`` (``comm_slowdown`` 1, ``group_overhead_ms`` 0: the model before those

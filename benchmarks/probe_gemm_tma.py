@@ -1,9 +1,9 @@
 """Probe (one GPU): does the persistent tile GEMM get closer to cuBLAS with TMA tensor
 descriptors than with the pointer loads of ``tiles.gemm.gemm_tile``? Times, at the signal
-benchmark's per-rank shapes, cuBLAS, the library's persistent matmul (pointer loads until
-session 5 run 3; descriptors where allowed since) and persistent kernels whose main loop loads
-through host-built ``TensorDescriptor``s, on the full grid and on the 116-program grid the
-signal op used until session 5 (16 SMs left to NCCL). Prints a table; results to --out as
+benchmark's per-rank shapes, cuBLAS, the library's persistent matmul (tensor descriptors where
+the operands allow, pointer loads otherwise) and persistent kernels whose main loop loads
+through host-built ``TensorDescriptor``s, on the full grid and on a 116-program grid (16 of 132
+SMs left to NCCL, as with ``SignalConfig(reserve_sms=16)``). Prints a table; results to --out as
 JSON lines.
 
     python benchmarks/probe_gemm_tma.py --out probe.jsonl --device-kind nvidia-h200
