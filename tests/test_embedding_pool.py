@@ -1,12 +1,12 @@
 """The embedding op's device-side index check (ops/embedding_alltoall/pool.py:
-``indices_outside``) on its own, run by the Triton interpreter on an emulated rank: ranges that
+``indices_outside``, and ``first_outside`` for the report) on its own, run by the Triton interpreter on an emulated rank: ranges that
 start and end off the scan's 512-index steps, span several steps, are empty, and hold negative,
 too-large and exactly-``n_rows`` indices."""
 import torch
 import triton
 import triton.language as tl
 
-from portable_overlap.ops.embedding_alltoall.pool import indices_outside
+from portable_overlap.ops.embedding_alltoall.pool import first_outside, indices_outside
 
 
 @triton.jit
@@ -14,7 +14,8 @@ def _outside_kernel(idx_ptr, ranges_ptr, n_rows, out_ptr):
     pid = tl.program_id(0)
     lo = tl.load(ranges_ptr + 2 * pid)
     hi = tl.load(ranges_ptr + 2 * pid + 1)
-    n_bad, bad = indices_outside(idx_ptr, lo, hi, n_rows)
+    n_bad = indices_outside(idx_ptr, lo, hi, n_rows)
+    bad = first_outside(idx_ptr, lo, hi, n_rows)
     tl.store(out_ptr + 2 * pid, n_bad.to(tl.int64))
     tl.store(out_ptr + 2 * pid + 1, bad)
 
@@ -40,7 +41,7 @@ def _run(world, idx_dtype):
     return idx, out.view(-1, 2)
 
 
-def test_indices_outside_counts_every_bad_index_of_the_range(world2):
+def test_indices_outside_counts_every_bad_index_and_first_outside_finds_the_first(world2):
     for idx_dtype in (torch.int64, torch.int32):
         for idx, out in world2.run(_run, idx_dtype):
             for (lo, hi), (n_bad, bad) in zip(RANGES, out.tolist()):
@@ -48,6 +49,6 @@ def test_indices_outside_counts_every_bad_index_of_the_range(world2):
                 wrong = inside[(inside < 0) | (inside >= ROWS)]
                 assert n_bad == wrong.numel(), (idx_dtype, lo, hi, n_bad)
                 if wrong.numel():
-                    assert bad in wrong.tolist(), (idx_dtype, lo, hi, bad)
+                    assert bad == wrong[0].item(), (idx_dtype, lo, hi, bad)
                 else:
                     assert bad == 0, (idx_dtype, lo, hi, bad)

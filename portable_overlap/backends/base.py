@@ -57,6 +57,10 @@ class DeviceFacts:
     # at 8192x8192x4096, cuBLAS 0.696; benchmarks/probe_gemm_tma.py, rows in
     # benchmarks/results/nvidia-h200.jsonl)
     tensor_descriptors: bool = False
+    # the compiler takes a per-thread register cap (Triton's ``maxnreg``), allocated in units
+    # of ``register_unit`` per thread (ops/launch.py: ``fewer_registers``)
+    register_cap: bool = False
+    register_unit: int = 8
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from ..shmem.heap import SymmetricHeap, heap_bytes
 from ..shmem.status import STATUS_TIMEOUT, StatusBoard
 # shape_tag: the ops import it from here
 from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag  # noqa: F401
-from .launch import PlannedLaunch, resident_programs
+from .launch import fewer_registers, PlannedLaunch, resident_programs
 
 G_MAX = 1024  # most programs one launch may have (flag slots per peer)
 #: the longest timeout a context takes (the kernels get it in µs as an int32)
@@ -284,13 +284,21 @@ class OverlapContext(ContextBase):
 
     # -- planning --------------------------------------------------------------------------------
     def _compile(self, kernel, programs: int, consts: dict,
-                 make_args: Callable[[int], tuple]) -> PlannedLaunch:
+                 make_args: Callable[[int], tuple], more_resident: bool = False) -> PlannedLaunch:
         """Compile ``kernel`` for the launch's own arguments (``make_args(programs)``; the JIT
-        specializes on values) and cap the grid at what is resident on the device."""
+        specializes on values) and cap the grid at what is resident on the device. With
+        ``more_resident``, registers are capped where that fits more programs per SM without a
+        spill (``fewer_registers``)."""
         facts = self.world.facts
         if facts.vendor == "cpu":  # the interpreter has no compiled kernel to hold on to
             return PlannedLaunch(kernel, None, programs, consts, None, owner=self)
         k = kernel.warmup(*make_args(programs), grid=(programs,), **consts)
+        if more_resident:
+            k, cap = fewer_registers(
+                lambda n: kernel.warmup(*make_args(programs), grid=(programs,), **consts,
+                                        maxnreg=n), k, consts["num_warps"], facts)
+            if cap is not None:
+                consts = dict(consts, maxnreg=cap)
         fit = min(programs, resident_programs(k, consts["num_warps"], facts))
         if fit != programs:  # the grid size is an argument too: compile for the real one
             programs = fit

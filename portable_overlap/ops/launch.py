@@ -16,6 +16,35 @@ def resident_programs(compiled, num_warps: int, facts) -> int:
     return facts.sm_count * max(1, min(by_warps, by_regs, by_smem))
 
 
+def fewer_registers(compile_capped: Callable[[int], object], compiled, num_warps: int, facts,
+                    steps: int = 2):
+    """``(kernel, cap)``: ``compiled`` recompiled (``compile_capped(cap)``) under the register
+    cap that fits one more program per SM, step by step while the compiler needs no spill for
+    it (at most ``steps`` steps); ``(compiled, None)`` where no cap does, or the backend takes
+    none. For persistent kernels bound by memory latency, where each resident program is more
+    loads in flight: ptxas left the embedding kernel (fp16, D = 128, 8 warps) at 64 registers,
+    4 programs per SM, where 48 compile without a spill, 5 per SM."""
+    if not facts.register_cap:
+        return compiled, None
+    best, cap = compiled, None
+    unit = facts.register_unit
+    for _ in range(steps):
+        best._init_handles()
+        threads = facts.warp_size * num_warps
+        per_sm = facts.max_regs_per_sm // max(1, best.n_regs * threads)
+        if per_sm + 1 > facts.max_warps_per_sm // num_warps:
+            break  # warps, not registers, bound the residency
+        want = facts.max_regs_per_sm // ((per_sm + 1) * threads) // unit * unit
+        if want < 2 * unit:
+            break
+        k = compile_capped(want)
+        k._init_handles()
+        if k.n_spills or k.n_regs > want:
+            break
+        best, cap = k, want
+    return best, cap
+
+
 class PlannedLaunch:
     """One planned launch of ``kernel``: ``compiled`` is the kernel compiled for these arguments
     (None under the interpreter, which goes through the JIT), ``consts`` its constexprs and

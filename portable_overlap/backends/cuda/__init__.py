@@ -131,7 +131,7 @@ class CudaBackend(Backend):
             vendor="nvidia", name=torch.cuda.get_device_name(device), arch=f"sm_{major}{minor}",
             sm_count=int(sms), warp_size=32, max_shared_bytes_per_sm=int(smem),
             max_regs_per_sm=int(regs), max_warps_per_sm=int(threads) // 32,
-            tensor_descriptors=int(major) >= 9,
+            tensor_descriptors=int(major) >= 9, register_cap=True,
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:

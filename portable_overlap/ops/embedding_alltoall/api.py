@@ -322,9 +322,11 @@ class EmbeddingAllToAll(OverlapContext):
 
         info.programs, info.tag = programs, tag_of(programs)
         if self._provider is None:
+            # the gather is bound by memory latency: more resident programs, more rows in
+            # flight (fp16 D = 128: 64 registers by default, 48 under a cap without a spill)
             launch = self._compile(embedding_alltoall_kernel, programs, consts,
                                    lambda g: self._args(weight, indices, psw, offsets, out, info,
-                                                        tag_of(g), g))
+                                                        tag_of(g), g), more_resident=True)
         else:  # compiled by the library's launcher on first use (one program per SM)
             launch = PlannedLaunch(embedding_alltoall_put_kernel, None, programs, consts, None)
         launch.splits, launch.boff, launch.iters_of = info.splits, info.boff, info.iters_of

@@ -33,7 +33,7 @@ import triton.language as tl
 from ...shmem.device import (STATUS_BAD_INPUT, await_free, begin_call, call_flag, end_call,
                              flag_value, live, peer_buffer, report, signal_peer, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
-from .pool import indices_outside, pooled_rows
+from .pool import first_outside, indices_outside, pooled_rows
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -145,11 +145,12 @@ def _embedding_alltoall(
                 n_bags = tl.minimum(n_d - s0, BLOCK_B)
                 bag0 = j * B + lo + s0
                 # a tile with an index outside its table is not pooled (pool.py)
-                n_bad, bad = indices_outside(indices_ptr, tl.load(offsets_ptr + bag0),
-                                             tl.load(offsets_ptr + bag0 + n_bags),
-                                             tl.load(rows_ptr + j))
+                i_lo = tl.load(offsets_ptr + bag0)
+                i_hi = tl.load(offsets_ptr + bag0 + n_bags)
+                n_bad = indices_outside(indices_ptr, i_lo, i_hi, tl.load(rows_ptr + j))
                 g = tl.load(gtab_ptr + rank * t_max + j).to(tl.int64)
                 if n_bad > 0:  # nothing stored: the failure tag tells the destination
+                    bad = first_outside(indices_ptr, i_lo, i_hi, tl.load(rows_ptr + j))
                     report(status_addr, pid, STATUS_BAD_INPUT, -1, (CHECK_INDEX << 32) + g, bad)
                     valid = False
                 else:

@@ -13,13 +13,14 @@ Indices are checked before a tile is pooled: ``indices_outside`` reads the tile'
 (one contiguous range, its bags being consecutive) against the table's row count in a coalesced
 1-D pass, one unsigned compare per index, and a tile with a bad index is not pooled at all. The
 data checks on the host are optional (a sync), so this is what keeps a bad index from reading
-another table's rows or faulting. What the check costs was measured on 2x H200 against the
-kernel without it (benchmarks/results/logs/2026-11-23-h200-x2-verify): -20% to +20% on the fused
-op's graph replay (fp32 D=128 got faster: the scan brings the tile's indices into L2 early;
-fp16 D=128 Zipf got slower: short tiles, and the scan's latency sits in front of each). Two
-other placements measured worse: counting bad indices from the gather's own per-bag index
-vectors (Triton then loaded every index twice: up to 1.9x) and a contiguous view of the range read
-inside the gather loop (1.03-1.25x).
+another table's rows or faulting. Where the check sits was measured on one H200, the lookup
+alone at the embedding benchmark's shapes against no check (``benchmarks/probe_embedding_check.py``,
+benchmarks/results/logs/2026-11-23-h200-embedding-check): this scan costs 0.91-1.19x; checking
+inside the gather instead (per-bag flags, or a flag stored by the lanes that meet a bad index,
+either with the index replaced by row 0) costs 0.99-1.02x at D = 64 but 1.6-2.4x at D = 128
+(Triton then loads the indices in two layouts), and masking bad rows in the gather 1.0-1.8x.
+Loading the next tile's indices during the current gather (software pipelining) held them in
+registers across the gather: 1.1-1.8x.
 
 Kept in this op's folder until a second op needs it; then it moves to ``portable_overlap/tiles``.
 """
@@ -32,26 +33,40 @@ SCAN = tl.constexpr(512)  # indices per step of the check (4 KB of int64: 4 per 
 
 @triton.jit
 def indices_outside(indices_ptr, lo, hi, n_rows):
-    """How many of ``indices[lo:hi]`` lie outside ``[0, n_rows)``, and one of them (0 if none).
-    One unsigned compare per index (a negative one is huge as unsigned)."""
+    """How many of ``indices[lo:hi]`` lie outside ``[0, n_rows)``: one unsigned compare per
+    index (a negative one is huge as unsigned) and one counter per lane, nothing else carried
+    from step to step (``first_outside`` finds one of them when there are any)."""
     r = tl.arange(0, SCAN)
     n_bad = tl.zeros((SCAN,), dtype=tl.int32)
-    bad = tl.zeros((SCAN,), dtype=tl.int64)
     limit = n_rows.to(tl.uint64)
     c = lo
     while c < hi:  # data-dependent trip count
         m = c + r < hi
         i = tl.load(indices_ptr + c + r, mask=m, other=0).to(tl.int64)
-        out = m & (i.to(tl.uint64) >= limit)
-        n_bad += out.to(tl.int32)
-        bad = tl.where(out, i, bad)
+        n_bad += (m & (i.to(tl.uint64) >= limit)).to(tl.int32)
         c += SCAN
-    total = tl.sum(n_bad, axis=0)
-    one = tl.zeros((), dtype=tl.int64)
-    if total > 0:  # the bad index of the lowest lane that saw one (each such lane's last is)
-        lane = tl.min(tl.where(n_bad > 0, r, SCAN), axis=0)
-        one = tl.sum(tl.where(r == lane, bad, 0), axis=0)
-    return total, one
+    return tl.sum(n_bad, axis=0)
+
+
+@triton.jit
+def first_outside(indices_ptr, lo, hi, n_rows):
+    """The first index of ``indices[lo:hi]`` outside ``[0, n_rows)`` (0 if none): the report's
+    example, read again only on the path that fails the call."""
+    r = tl.arange(0, SCAN)
+    limit = n_rows.to(tl.uint64)
+    first = tl.zeros((), dtype=tl.int64)
+    found = tl.zeros((), dtype=tl.int1)
+    c = lo
+    while (c < hi) & (found == 0):
+        m = c + r < hi
+        i = tl.load(indices_ptr + c + r, mask=m, other=0).to(tl.int64)
+        out = m & (i.to(tl.uint64) >= limit)
+        lane = tl.min(tl.where(out, r, SCAN), axis=0)
+        if lane < SCAN:
+            first = tl.sum(tl.where(r == lane, i, 0), axis=0)
+            found = True
+        c += SCAN
+    return first
 
 
 @triton.jit
