@@ -13,14 +13,14 @@ Indices are checked before a tile is pooled: ``indices_outside`` reads the tile'
 (one contiguous range, its bags being consecutive) against the table's row count in a coalesced
 1-D pass, one unsigned compare per index, and a tile with a bad index is not pooled at all. The
 data checks on the host are optional (a sync), so this is what keeps a bad index from reading
-another table's rows or faulting. Where the check sits was measured on one H200, the lookup
-alone at the embedding benchmark's shapes against no check (``benchmarks/probe_embedding_check.py``,
-benchmarks/results/logs/2026-11-23-h200-embedding-check): this scan costs 0.91-1.19x; checking
-inside the gather instead (per-bag flags, or a flag stored by the lanes that meet a bad index,
-either with the index replaced by row 0) costs 0.99-1.02x at D = 64 but 1.6-2.4x at D = 128
-(Triton then loads the indices in two layouts), and masking bad rows in the gather 1.0-1.8x.
-Loading the next tile's indices during the current gather (software pipelining) held them in
-registers across the gather: 1.1-1.8x.
+another table's rows or faulting. Measured on one H200, the lookup alone at the embedding
+benchmark's shapes against no check (``benchmarks/probe_embedding_check.py``, logs in
+benchmarks/results/logs/2026-11-23-h200-embedding-check): this scan costs 0.91-1.19x; folding
+the check into the gather (a bad index reads row 0 and flags its bag or its program) 0.99-1.02x
+at D = 64 but 1.04-2.4x at D = 128; masking bad rows in the gather 0.92-1.8x; loading the next
+tile's indices during the current gather 1.1-1.8x (they stay in registers across it). In the
+fused kernel the scan's cost is mostly registers: fp16 D = 128 goes from 48 to 64 (5 to 4
+resident programs per SM), which the op wins back with a register cap (``more_resident``).
 
 Kept in this op's folder until a second op needs it; then it moves to ``portable_overlap/tiles``.
 """
