@@ -1,7 +1,7 @@
 """The embedding op's device-side index check (ops/embedding_alltoall/pool.py:
-``indices_outside``, and ``first_outside`` for the report) on its own, run by the Triton interpreter on an emulated rank: ranges that
-start and end off the scan's 512-index steps, span several steps, are empty, and hold negative,
-too-large and exactly-``n_rows`` indices."""
+``indices_outside``, and ``first_outside`` for the report) on its own, run by the Triton
+interpreter on an emulated rank: ranges that start and end off the scan's 512-index steps, span
+several steps, are empty, and hold negative, too-large and exactly-``n_rows`` indices."""
 import torch
 import triton
 import triton.language as tl
