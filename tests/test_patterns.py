@@ -10,19 +10,10 @@ import pytest
 import torch
 
 import portable_overlap as po
-from portable_overlap.ops.gemm_signal import (gemm_all_reduce_reference,
-                                              gemm_all_to_all_signal_reference,
-                                              gemm_reduce_scatter_reference)
 from portable_overlap.ops.registry import SPECS
+from portable_overlap.testing.patterns import GEMM_PATTERNS as PATTERNS, pattern_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-PATTERNS = {  # op -> (context, reference with bias and residual, rows of the result)
-    "matmul_all_reduce": (po.MatmulAllReduce, gemm_all_reduce_reference, lambda M, W: M),
-    "matmul_reduce_scatter": (po.MatmulReduceScatter, gemm_reduce_scatter_reference,
-                              lambda M, W: M // W),
-    "matmul_all_to_all": (po.MatmulAllToAll, gemm_all_to_all_signal_reference, lambda M, W: M),
-}
 
 
 def test_op_table_is_the_public_api():
@@ -84,10 +75,7 @@ def _patterns(world, dtype):
         fn, op = getattr(po, name), getattr(torch.ops.portable_overlap, name)
         for transport in make.TRANSPORTS:
             g = torch.Generator().manual_seed(10 * r + len(results))
-            a = torch.randn(M, K, generator=g).to(dtype)
-            b = torch.randn(K, N, generator=g).to(dtype)
-            bias = torch.randn(N, generator=g).to(dtype)
-            res = torch.randn(rows(M, W), N, generator=g).to(dtype)
+            a, b, bias, res = pattern_inputs(g, M, N, K, rows(M, W), dtype)
             ctx = make(world, M, N, transport=transport, timeout_s=30.0)
             try:
                 out = torch.full((rows(M, W), N), float("nan"), dtype=dtype)

@@ -5,17 +5,8 @@ import pytest
 import torch
 
 import portable_overlap as po
-from portable_overlap.ops.gemm_signal import (gemm_all_reduce_reference,
-                                              gemm_all_to_all_signal_reference,
-                                              gemm_reduce_scatter_reference)
 from portable_overlap.testing.compare import rel_err
-
-PATTERNS = {  # op -> (context, reference, rows of rank r's result)
-    "matmul_all_reduce": (po.MatmulAllReduce, gemm_all_reduce_reference, lambda M, W: M),
-    "matmul_reduce_scatter": (po.MatmulReduceScatter, gemm_reduce_scatter_reference,
-                              lambda M, W: M // W),
-    "matmul_all_to_all": (po.MatmulAllToAll, gemm_all_to_all_signal_reference, lambda M, W: M),
-}
+from portable_overlap.testing.patterns import GEMM_PATTERNS as PATTERNS, pattern_inputs
 
 
 def _against_default(world, dtype):
@@ -25,10 +16,7 @@ def _against_default(world, dtype):
         fn = getattr(po, name)
         for M, N, K in ((6 * W, 10, 7), (2 * W, 33, 5)):  # sizes off every tile
             g = torch.Generator().manual_seed(100 * r + M + N)
-            a = torch.randn(M, K, generator=g).to(dtype)
-            b = torch.randn(K, N, generator=g).to(dtype)
-            bias = torch.randn(N, generator=g).to(dtype)
-            res = torch.randn(rows(M, W), N, generator=g).to(dtype)
+            a, b, bias, res = pattern_inputs(g, M, N, K, rows(M, W), dtype)
             seq = make(world, M, N, transport="sequential")
             fused = make(world, M, N)
             try:

@@ -108,7 +108,17 @@ class ContextBase:
         return bool(torch.get_device_module(dev).is_current_stream_capturing())
 
     def check(self) -> None:
-        """Raise if this context is broken (out of step with its peers)."""
+        """Raise if this context is closed or broken (out of step with its peers)."""
+        self._check_open()
+        self._check_broken()
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued calls, then :meth:`check`."""
+        self._check_open()
+        self.world.backend.synchronize(self.world.device)
+        self.check()
+
+    def _check_broken(self) -> None:
         if self._broken is not None:
             raise ContextBrokenError(f"{self.OP} context on rank {self.rank} failed before and is "
                                      f"out of step with its peers; close it and create a new "
@@ -218,7 +228,7 @@ class OverlapContext(ContextBase):
         """Raise if a kernel of this context reported a failure (see the class docstring).
         Reads host-visible memory only while nothing failed; on a failure it waits for the
         device, so every program of the failed call has reported before the board is read."""
-        super().check()
+        self._check_broken()
         if not self.status.failed():
             return
         self.world.backend.synchronize(self.world.device)
@@ -239,12 +249,6 @@ class OverlapContext(ContextBase):
         """Which ranks called with other shapes and what each passed (``call_tags``)."""
         return explain_mismatch(self.world, self.OP, self.rank, pairs,
                                 min(self.timeout_s, DESCRIBE_WAIT_S))
-
-    def synchronize(self) -> None:
-        """Wait for this rank's queued calls, then :meth:`check`."""
-        self._check_open()
-        self.world.backend.synchronize(self.world.device)
-        self.check()
 
     def close(self) -> None:
         """Collective (every rank): free the workspace once all ranks' calls have finished.

@@ -46,17 +46,6 @@ class SequentialMatmul(ContextBase):
         self.max_m, self.max_n = max_m, max_n
         self.register()
 
-    def check(self) -> None:
-        """Raise if this context is closed."""
-        self._check_open()
-        super().check()
-
-    def synchronize(self) -> None:
-        """Wait for this rank's queued work, then :meth:`check`."""
-        self._check_open()
-        self.world.backend.synchronize(self.world.device)
-        self.check()
-
     def all_reduce(self, a, b, out=None, *, bias=None, residual=None, **options) -> torch.Tensor:
         """``sum_q a_q @ b_q (+ bias + residual)`` [M, N] on every rank."""
         _no_options(self.OP, options)

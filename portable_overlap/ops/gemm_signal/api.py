@@ -184,17 +184,6 @@ class GemmSignal(ContextBase):
         return tuning.tune_partition(self, kind, a, b, config=config, top_k=top_k,
                                      iters=iters, graph=graph, cache=cache)
 
-    def check(self) -> None:
-        """Raise if this context is closed or broken (a collective of an earlier call failed)."""
-        self._check_open()
-        super().check()
-
-    def synchronize(self) -> None:
-        """Wait for this rank's queued calls, then :meth:`check`."""
-        self._check_open()
-        self.backend.synchronize(self.device)
-        self.check()
-
     # -- one call ------------------------------------------------------------------------------
     def check_call(self, kind, a, b, config):
         """What every call of ``kind`` checks first: (op name, config, M, N, K, rows of out)."""
