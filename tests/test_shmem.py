@@ -6,8 +6,9 @@ import triton.language as tl
 
 from portable_overlap.errors import RankMismatchError
 from portable_overlap.shmem import StatusBoard, SymmetricHeap
-from portable_overlap.shmem.device import (STATUS_TIMEOUT, flag_value, peer_ptr, report,
-                                           signal_peer, wait_flag)
+from portable_overlap.shmem.device import (FAILED_TAG, STATUS_TIMEOUT, await_flags, flag_value,
+                                           peer_ptr, report, signal_peer, wait_flag)
+from portable_overlap.shmem.status import STATUS_MISMATCH, STATUS_PEER_FAILED
 
 
 @triton.jit
@@ -92,3 +93,45 @@ def _heap_full(world):
 
 def test_heap_full(world2):
     assert all("full" in m for m in world2.run(_heap_full))
+
+
+@triton.jit
+def _await_all_kernel(flags_ptr, n, epoch, tag, clock_ptr, timeout_us, status_addr, ok_ptr,
+                      BLOCK: tl.constexpr):
+    ok = await_flags(flags_ptr, n, epoch, tag, clock_ptr, timeout_us, status_addr, 0, 1,
+                     tl.cast(1000, tl.int64), True, BLOCK)
+    tl.store(ok_ptr, ok.to(tl.int32))
+
+
+def _await_all(world):
+    """await_flags over 200 flags, 64 per poll, in each way a peer's flags can stand; the words
+    past n hold a failure tag that must be ignored. Returns (ok, board slot, out-of-step word)."""
+    epoch, tag, n = 5, 9, 200
+    word = (tag << 32) | epoch
+    cases = {"all there": {}, "later epoch": {7: (tag << 32) | (epoch + 1)},
+             "one late": {150: (tag << 32) | (epoch - 1)},
+             "one gave up": {37: (int(FAILED_TAG.value) << 32) | epoch,
+                             100: (tag << 32) | (epoch - 1)},
+             "other shapes": {130: (8 << 32) | epoch}}
+    out = {}
+    for name, changes in cases.items():
+        flags = torch.full((256,), word, dtype=torch.int64)
+        flags[n:] = (int(FAILED_TAG.value) << 32) | epoch
+        for i, v in changes.items():
+            flags[i] = v
+        clock = torch.zeros(2, dtype=torch.int64)
+        board = StatusBoard(world.backend, 1)
+        ok = torch.full((1,), -1, dtype=torch.int32)
+        _await_all_kernel[(1,)](flags, n, epoch, tag, clock, 20_000, board.address, ok,
+                                BLOCK=64)
+        out[name] = (int(ok), board.words[0].tolist(), int(clock[1]))
+    return out
+
+
+def test_await_flags_judges_every_flag_and_names_the_first_bad_one(world2):
+    for got in world2.run(_await_all):  # each rank alone, in its interpreter process
+        assert got["all there"] == (1, [0, 0, 0, 0], 0)
+        assert got["later epoch"] == (1, [0, 0, 0, 0], 0)
+        assert got["one late"] == (0, [STATUS_TIMEOUT, 1, 1150, 5], 5)
+        assert got["one gave up"] == (0, [STATUS_PEER_FAILED, 1, 1037, (9 << 32) | 5], 0)
+        assert got["other shapes"] == (0, [STATUS_MISMATCH, 1, 1130, (8 << 32) | 9], 0)

@@ -152,6 +152,51 @@ def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pi
 
 
 @triton.jit
+def await_flags(flags_ptr, n, epoch, tag, clock_ptr, timeout_us, status_addr, pid, peer, what0,
+                ok, BLOCK: tl.constexpr):
+    """``await_flag`` for the ``n`` flags ``flags_ptr[0:n]`` of one peer at once, BLOCK per
+    acquire: every lane polls one flag, so the wait costs one round trip per BLOCK flags while
+    they are there, where one flag after another costs one each (the MoE combine waits for
+    every program of the peer's GEMM, 132 on an H200). A missing flag is reported like ``await_flag`` reports it, with ``what0 + i`` naming
+    flag i; the lowest failing flag is the one reported."""
+    lanes = tl.arange(0, BLOCK)
+    for c in range(0, n, BLOCK):
+        if ok:
+            m = c + lanes < n
+            v = tl.atomic_add(flags_ptr + c + lanes, 0, mask=m, sem="acquire", scope="sys")
+            v = tl.where(m, v, epoch.to(tl.int64))
+            if tl.sum((~reached(v, epoch)).to(tl.int32)) > 0:
+                deadline = call_deadline(clock_ptr, epoch, timeout_us)
+                waiting = ~reached(v, epoch)
+                while (tl.sum(waiting.to(tl.int32)) > 0) & (now_ns() < deadline):
+                    again = tl.atomic_add(flags_ptr + c + lanes, 0, mask=waiting, sem="acquire",
+                                          scope="sys")
+                    v = tl.where(waiting, again, v)
+                    waiting = ~reached(v, epoch)
+            late = ~reached(v, epoch)
+            failed = m & ((v >> 32) == FAILED_TAG)
+            this_call = (v & 0xFFFFFFFF) == (epoch.to(tl.int64) & 0xFFFFFFFF)
+            other = m & this_call & ((v >> 32) != tag)
+            if tl.sum(late.to(tl.int32)) > 0:
+                i = tl.min(tl.where(late, lanes, BLOCK))
+                report(status_addr, pid, STATUS_TIMEOUT, peer, what0 + c + i, epoch)
+                tl.atomic_xchg(clock_ptr + 1, epoch.to(tl.int64), sem="relaxed", scope="gpu")
+                ok = False
+            elif tl.sum(failed.to(tl.int32)) > 0:
+                i = tl.min(tl.where(failed, lanes, BLOCK))
+                report(status_addr, pid, STATUS_PEER_FAILED, peer, what0 + c + i,
+                       (tl.cast(tag, tl.int64) << 32) | (epoch.to(tl.int64) & 0xFFFFFFFF))
+                ok = False
+            elif tl.sum(other.to(tl.int32)) > 0:
+                i = tl.min(tl.where(other, lanes, BLOCK))
+                seen = tl.sum(tl.where(lanes == i, v, 0))
+                report(status_addr, pid, STATUS_MISMATCH, peer, what0 + c + i,
+                       ((seen >> 32) << 32) | tl.cast(tag, tl.int64))
+                ok = False
+    return ok
+
+
+@triton.jit
 def await_flag(flag_ptr, epoch, tag, clock_ptr, timeout_us, status_addr, pid, peer, what, ok,
                CHECK_TAG: tl.constexpr):
     """``await_word`` for this call's own flag (epoch ``epoch``, which is also the call)."""

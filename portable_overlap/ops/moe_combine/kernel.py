@@ -31,7 +31,7 @@ another), and every wait is bounded (status board).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_BAD_INPUT, await_flag, await_free, begin_call,
+from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free, begin_call,
                              call_flag, end_call, flag_value, live, peer_buffer,
                              peer_ptr, report, signal_peer, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
@@ -42,6 +42,7 @@ FLAG_CONSUMED = tl.constexpr(2)
 CHECK_SLOT = tl.constexpr(3)
 CHECK_ROWS = tl.constexpr(4)
 CHECK_SLOT_MISSING = tl.constexpr(5)
+FLAG_BLOCK = tl.constexpr(128)  # flags polled (and row counts summed) per vector load
 FLAG_NAMES = {1: "rows-sent", 2: "combine-consumed", 3: "routing slot of dispatched row",
               4: "row count arriving (expected S*top_k)",
               5: "routing slot with no row in this call (duplicate or out-of-range slot on a "
@@ -226,21 +227,23 @@ def moe_combine_kernel(
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the GEMM
     ok = live(clock_ptr)
-    # 1. every peer program's rows have landed (this rank's own came before, in stream order)
+    # 1. every peer program's rows have landed (this rank's own came before, in stream order):
+    #    the G_src flags of a peer polled FLAG_BLOCK at a time, not one after another
     for q in range(0, world):
         if q != rank:
-            for p in range(0, G_src):
-                what = tl.cast(q * G_MAX + p, tl.int64) + (FLAG_SENT << 32)
-                ok = await_flag(sent_ptr + q * G_MAX + p, epoch, tag, clock_ptr, timeout_us,
-                                status_addr, pid, q, what, ok, True)
+            ok = await_flags(sent_ptr + q * G_MAX, G_src, epoch, tag, clock_ptr, timeout_us,
+                             status_addr, pid, q, tl.cast(q * G_MAX, tl.int64) + (FLAG_SENT << 32),
+                             ok, FLAG_BLOCK)
     tl.debug_barrier()
     # 2. the rows that arrived must be exactly this rank's S*k slots
     rows_ok = tl.full((), 1, tl.int1)
     if ok & (pid == 0):
         total = tl.zeros((), tl.int64)
+        lanes = tl.arange(0, FLAG_BLOCK)
         for q in range(0, world):
-            for p in range(0, G_src):
-                total += tl.load(rows_in_ptr + q * G_MAX + p, volatile=True)
+            for c in range(0, G_src, FLAG_BLOCK):
+                total += tl.sum(tl.load(rows_in_ptr + q * G_MAX + c + lanes,
+                                        mask=c + lanes < G_src, other=0, volatile=True))
         if total != tl.cast(S, tl.int64) * k:
             report(status_addr, pid, STATUS_BAD_INPUT, -1,
                    tl.cast(rank, tl.int64) + (CHECK_ROWS << 32), total)
