@@ -33,7 +33,7 @@ from benchmarks.harness import time_op
 from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.embedding_alltoall.api import (default_block_b, default_num_warps,
-                                                         scan_unroll, triton_next_pow2)
+                                                         triton_next_pow2)
 from portable_overlap.ops.embedding_alltoall.pool import SCAN, indices_outside, pooled_rows
 from portable_overlap.ops.launch import resident_programs
 
@@ -111,8 +111,7 @@ def tile_range(offsets_ptr, t, n_tasks, n_blk, B, BLOCK_B: tl.constexpr):
 @triton.jit
 def lookup_kernel(weight_ptr, indices_ptr, offsets_ptr, out_ptr, row_off_ptr, rows_ptr, bad_ptr,
                   B, D, n_loc, row_stride, iters, G,
-                  BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, CHECK: tl.constexpr,
-                  SCAN_UNROLL: tl.constexpr):
+                  BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, CHECK: tl.constexpr):
     pid = tl.program_id(0)
     b_rel = tl.arange(0, BLOCK_B)
     cols = tl.arange(0, BLOCK_D)
@@ -137,8 +136,7 @@ def lookup_kernel(weight_ptr, indices_ptr, offsets_ptr, out_ptr, row_off_ptr, ro
             go = tl.full((), 1, tl.int1)
             if CHECK == 1:
                 n_bad = indices_outside(indices_ptr, tl.load(offsets_ptr + bag0),
-                                        tl.load(offsets_ptr + bag0 + n_bags), n_rows,
-                                        SCAN_UNROLL)
+                                        tl.load(offsets_ptr + bag0 + n_bags), n_rows)
                 total += n_bad
                 go = n_bad == 0
             if CHECK == 4:
@@ -208,8 +206,8 @@ def main() -> int:
                         return (weight, idx, offsets, out, row_off, rows_t, bad, B, D, n_loc,
                                 n_loc * D, -(-n_tasks // G), G)
 
-                    consts = dict(BLOCK_B=bb, BLOCK_D=bd, CHECK=check,
-                                  SCAN_UNROLL=scan_unroll(bb), num_warps=warps, num_stages=1)
+                    consts = dict(BLOCK_B=bb, BLOCK_D=bd, CHECK=check, num_warps=warps,
+                                  num_stages=1)
                     G = min(n_tasks, facts.sm_count * 64)
                     k = lookup_kernel.warmup(*make(G), grid=(G,), **consts)
                     G = min(G, resident_programs(k, warps, facts))

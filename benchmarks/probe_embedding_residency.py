@@ -3,17 +3,15 @@ to the fused op itself, on the benchmark's shapes. Run under torchrun on 2 or mo
 
     torchrun --nproc-per-node 2 -m benchmarks.probe_embedding_residency --out probe.jsonl
 
-Per (shape, dtype, index distribution), graph replay of the fused op, variants in alternating
-rounds, each with its own context:
+Per (shape, dtype, index distribution), graph replay of the fused op, three variants in
+alternating rounds, each with its own context:
 
 - ``cap``: the op as it is (capped where that fits one more program per SM without a spill);
 - ``nocap``: the compiler's register count (the cap policy switched off for this context);
 - ``cap_grid``: capped, but the grid limited to the uncapped variant's program count, which
   separates "more registers per program" from "more programs".
 
-``--unrolls`` crosses them with loads per step of the index check (``api.scan_unroll``; ``lib``
-is the library's choice): ``cap@1`` is ``cap`` with one load per step. Each row carries the
-variant's registers per thread, cap, programs and unroll.
+Each row carries the variant's registers per thread, cap and programs.
 """
 from __future__ import annotations
 
@@ -28,23 +26,17 @@ from benchmarks.harness import time_op
 from benchmarks.runner import run_main
 from portable_overlap import EmbeddingAllToAll
 from portable_overlap.ops import context as context_module
-from portable_overlap.ops.embedding_alltoall import api as embedding_api
 
 
 @contextmanager
-def planned_with(cap: bool, unroll):
-    """Plans compiled inside keep the compiler's register count (``cap`` False) and issue
-    ``unroll`` loads per step of the index check (None: the library's choice)."""
-    saved = context_module.fewer_registers, embedding_api.scan_unroll
-    if not cap:
-        context_module.fewer_registers = lambda compile_capped, compiled, *a, **k: (compiled,
-                                                                                     None)
-    if unroll is not None:
-        embedding_api.scan_unroll = lambda block_b: unroll
+def no_register_cap():
+    """Plans compiled inside keep the compiler's register count."""
+    saved = context_module.fewer_registers
+    context_module.fewer_registers = lambda compile_capped, compiled, *a, **k: (compiled, None)
     try:
         yield
     finally:
-        context_module.fewer_registers, embedding_api.scan_unroll = saved
+        context_module.fewer_registers = saved
 
 
 def parser() -> BenchParser:
@@ -53,8 +45,6 @@ def parser() -> BenchParser:
                      shapes_help="(B x T x D x PF x ROWS) ")
     ap.add_argument("--dists", default="uniform,zipf")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default="cap,nocap,cap_grid")
-    ap.add_argument("--unrolls", default="lib", help="e.g. lib,1,2")
     return ap
 
 
@@ -69,33 +59,28 @@ def body(bench) -> int:
         for dname in args.dtypes:
             dt = DTYPES[dname]
             for dist_name in [d for d in args.dists.split(",") if d]:
-                def call(ctx):
-                    ctx(weight, lengths, indices, batch_splits=splits, out=out, validate=False)
-
                 ctxs = {}
-                probe = EmbeddingAllToAll(world, [rows] * T, D, B // W)
-                n_loc = probe.n_loc
-                weight = (torch.randn(probe.weight_rows, D, generator=gen, device=dev)
+                ctxs["cap"] = EmbeddingAllToAll(world, [rows] * T, D, B // W)
+                n_loc = ctxs["cap"].n_loc
+                weight = (torch.randn(ctxs["cap"].weight_rows, D, generator=gen, device=dev)
                           * 0.1).to(dt)
                 lengths = torch.full((n_loc * B,), pf, dtype=torch.int64, device=dev)
                 indices = make_indices(n_loc, rows, B * pf, dist_name, gen, dev)
-                out = torch.empty(probe.output_shape(splits), dtype=dt, device=dev)
-                probe.close()
-                for u in [x for x in args.unrolls.split(",") if x]:
-                    unroll = None if u == "lib" else int(u)
-                    at = "" if u == "lib" else f"@{u}"
-                    grid = None
-                    for v in ["nocap"] + [x for x in args.variants.split(",") if x != "nocap"]:
-                        ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W,
-                                                max_programs=grid if v == "cap_grid" else None)
-                        with planned_with(v != "nocap", unroll):
-                            call(ctx)  # plans (compiles) the context on its first call
-                        if v == "nocap":
-                            grid = next(iter(ctx._plans.values())).programs
-                        if v in args.variants.split(","):
-                            ctxs[v + at] = ctx
-                        else:
-                            ctx.close()
+                out = torch.empty(ctxs["cap"].output_shape(splits), dtype=dt, device=dev)
+
+                def call(ctx):
+                    ctx(weight, lengths, indices, batch_splits=splits, out=out, validate=False)
+
+                call(ctxs["cap"])  # plans (compiles) each context on its first call
+                ctxs["nocap"] = EmbeddingAllToAll(world, [rows] * T, D, B // W)
+                with no_register_cap():
+                    call(ctxs["nocap"])
+                nocap_programs = next(iter(ctxs["nocap"]._plans.values())).programs
+                ctxs["cap_grid"] = EmbeddingAllToAll(world, [rows] * T, D, B // W,
+                                                     max_programs=nocap_programs)
+                call(ctxs["cap_grid"])
+                for c in ctxs.values():
+                    c.synchronize()
                 times = {name: [] for name in ctxs}
                 for rnd in range(args.rounds):
                     names = list(ctxs) if rnd % 2 == 0 else list(reversed(ctxs))
@@ -113,10 +98,8 @@ def body(bench) -> int:
                     bench.write(op="embedding_alltoall_residency", shape=shape, dtype=dname,
                                 impl=f"fused_{name}", graph=True, median_ms=round(t, 5),
                                 rounds=[round(x, 5) for x in times[name]], programs=plan.programs,
-                                regs=regs, cap=plan.consts.get("maxnreg"),
-                                scan_unroll=plan.consts.get("SCAN_UNROLL"))
-                    line.append(f"{name} {t:.4f} ms ({plan.programs} programs, {regs} regs, "
-                                f"unroll {plan.consts.get('SCAN_UNROLL')})")
+                                regs=regs, cap=plan.consts.get("maxnreg"))
+                    line.append(f"{name} {t:.4f} ms ({plan.programs} programs, {regs} regs)")
                 table.append(" | ".join(line))
                 for c in ctxs.values():
                     c.close()

@@ -76,15 +76,6 @@ def default_num_warps(dim: int, arch: str) -> int:
     return tuned[1] if tuned else 4
 
 
-def scan_unroll(block_b: int) -> int:
-    """Loads of the index check issued at once (``pool.indices_outside``): enough for a tile of
-    ``block_b`` bags of about 16 indices each in one round trip, at most 4 (4 x 512 indices).
-    A function of the tile only, so every rank compiles the same kernel. Measured in the fused
-    op at (65536, 16, 64, 20) on 2 H200 (128 bags per tile, 2560 indices: 5 serial steps
-    unrolled to 2): see benchmarks/results/logs/2026-11-24-h200-embedding-scan."""
-    return max(1, min(4, block_b // 32))
-
-
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -303,8 +294,8 @@ class EmbeddingAllToAll(OverlapContext):
         most_tables = max(len(self.plan.tables_of(q)) for q in range(W))
         max_tasks = max(1, most_blocks * most_tables)
         consts = dict(BLOCK_B=bb, BLOCK_D=triton_next_pow2(D), HAS_WEIGHTS=psw is not None,
-                      MEAN=pooling == "mean", G_MAX=G_MAX, SCAN_UNROLL=scan_unroll(bb),
-                      num_warps=self.num_warps, num_stages=1)
+                      MEAN=pooling == "mean", G_MAX=G_MAX, num_warps=self.num_warps,
+                      num_stages=1)
         # On GPUs the grid is capped at the programs resident at once (``_compile``): every
         # program waits for its counterparts on the peers. The interpreter runs programs one
         # after another, each paying for its flag waits: one per emulated SM there.

@@ -1,5 +1,4 @@
 """Representative compile signatures of the fused embedding + All-to-All for the compile matrix."""
-from .api import scan_unroll
 from .kernel import embedding_alltoall_kernel
 
 _SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iters:i32 G:i32 "
@@ -20,8 +19,7 @@ def specs():
         sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
         block_d = 1 << (D - 1).bit_length()
         consts = dict(BLOCK_B=max(1, min(64, 4096 // block_d)), BLOCK_D=block_d,
-                      HAS_WEIGHTS=weighted, MEAN=mean, G_MAX=1024,
-                      SCAN_UNROLL=scan_unroll(max(1, min(64, 4096 // block_d))))
+                      HAS_WEIGHTS=weighted, MEAN=mean, G_MAX=1024)
         sig.update({k: "constexpr" for k in consts})
         aligned = ["weight_ptr", "out_ptr", "recv_ptr", "offsets_ptr"]
         if D % 16 == 0:  # what the JIT specializes at run time (D and the row stride % 16)

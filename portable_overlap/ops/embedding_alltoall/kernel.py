@@ -74,14 +74,14 @@ def embedding_alltoall_kernel(
     bases_ptr, status_addr,
     B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    MEAN: tl.constexpr, G_MAX: tl.constexpr, SCAN_UNROLL: tl.constexpr,
+    MEAN: tl.constexpr, G_MAX: tl.constexpr,
 ):
     """The zero-copy kernel (tiles stored into the destinations' heaps)."""
     _embedding_alltoall(weight_ptr, indices_ptr, psw_ptr, offsets_ptr, out_ptr, row_off_ptr,
                         rows_ptr, gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
                         consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, B, D, n_loc,
                         row_stride, t_max, iters, G, rank, world, tag, timeout_us, BLOCK_B, BLOCK_D,
-                        HAS_WEIGHTS, MEAN, G_MAX, SCAN_UNROLL, store_slice, no_flush)
+                        HAS_WEIGHTS, MEAN, G_MAX, store_slice, no_flush)
 
 
 @triton.jit(do_not_specialize=["rank", "n_loc", "B"])
@@ -90,7 +90,7 @@ def embedding_alltoall_put_kernel(
     ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr, B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    MEAN: tl.constexpr, G_MAX: tl.constexpr, SCAN_UNROLL: tl.constexpr,
+    MEAN: tl.constexpr, G_MAX: tl.constexpr,
 ):
     """The scale-out kernel: slices for other ranks go by device-initiated puts of the process's
     SHMEM provider (shmem/providers/device.py), completed (quiet) before each destination's
@@ -99,7 +99,7 @@ def embedding_alltoall_put_kernel(
                         rows_ptr, gtab_ptr, ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr,
                         consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, B, D, n_loc,
                         row_stride, t_max, iters, G, rank, world, tag, timeout_us, BLOCK_B, BLOCK_D,
-                        HAS_WEIGHTS, MEAN, G_MAX, SCAN_UNROLL, shmem_put_strided, shmem_flush)
+                        HAS_WEIGHTS, MEAN, G_MAX, shmem_put_strided, shmem_flush)
 
 
 @triton.jit
@@ -108,8 +108,7 @@ def _embedding_alltoall(
     ntab_ptr, boff_ptr, recv_ptr, stage_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr, B, D, n_loc, row_stride, t_max, iters, G, rank, world, tag, timeout_us,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    MEAN: tl.constexpr, G_MAX: tl.constexpr, SCAN_UNROLL: tl.constexpr, STORE: tl.constexpr,
-    FLUSH: tl.constexpr,
+    MEAN: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
@@ -148,8 +147,7 @@ def _embedding_alltoall(
                 # a tile with an index outside its table is not pooled (pool.py)
                 i_lo = tl.load(offsets_ptr + bag0)
                 i_hi = tl.load(offsets_ptr + bag0 + n_bags)
-                n_bad = indices_outside(indices_ptr, i_lo, i_hi, tl.load(rows_ptr + j),
-                                        SCAN_UNROLL)
+                n_bad = indices_outside(indices_ptr, i_lo, i_hi, tl.load(rows_ptr + j))
                 g = tl.load(gtab_ptr + rank * t_max + j).to(tl.int64)
                 if n_bad > 0:  # nothing stored: the failure tag tells the destination
                     bad = first_outside(indices_ptr, i_lo, i_hi, tl.load(rows_ptr + j))

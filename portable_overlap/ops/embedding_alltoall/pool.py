@@ -32,22 +32,19 @@ SCAN = tl.constexpr(512)  # indices per step of the check (4 KB of int64: 4 per 
 
 
 @triton.jit
-def indices_outside(indices_ptr, lo, hi, n_rows, UNROLL: tl.constexpr):
+def indices_outside(indices_ptr, lo, hi, n_rows):
     """How many of ``indices[lo:hi]`` lie outside ``[0, n_rows)``: one unsigned compare per
     index (a negative one is huge as unsigned) and one counter per lane, nothing else carried
-    from step to step (``first_outside`` finds one of them when there are any). Each step
-    issues UNROLL loads of SCAN indices before it compares any: a tile's scan is a chain of
-    ceil(n / (UNROLL * SCAN)) memory round trips in front of its gather."""
+    from step to step (``first_outside`` finds one of them when there are any)."""
     r = tl.arange(0, SCAN)
     n_bad = tl.zeros((SCAN,), dtype=tl.int32)
     limit = n_rows.to(tl.uint64)
     c = lo
     while c < hi:  # data-dependent trip count
-        for u in tl.static_range(UNROLL):
-            m = c + u * SCAN + r < hi
-            i = tl.load(indices_ptr + c + u * SCAN + r, mask=m, other=0).to(tl.int64)
-            n_bad += (m & (i.to(tl.uint64) >= limit)).to(tl.int32)
-        c += UNROLL * SCAN
+        m = c + r < hi
+        i = tl.load(indices_ptr + c + r, mask=m, other=0).to(tl.int64)
+        n_bad += (m & (i.to(tl.uint64) >= limit)).to(tl.int32)
+        c += SCAN
     return tl.sum(n_bad, axis=0)
 
 
