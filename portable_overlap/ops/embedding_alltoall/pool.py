@@ -19,6 +19,9 @@ benchmarks/results/logs/2026-11-23-h200-embedding-check): this scan costs 0.91-1
 the check into the gather (a bad index reads row 0 and flags its bag or its program) 0.99-1.02x
 at D = 64 but 1.04-2.4x at D = 128; masking bad rows in the gather 0.92-1.8x; loading the next
 tile's indices during the current gather 1.1-1.8x (they stay in registers across it). In the
+fused op on 2 H200 (logs in benchmarks/results/logs/2026-11-24-h200-embedding-moe), four loads per
+scan step instead of one (five steps to two for 128 bags of 20) measured the same: 0.658 vs
+0.656 ms fp32, 0.375 vs 0.375 ms fp16 at D = 64, so the scan's round trips are not its cost. In the
 fused kernel the scan's cost is mostly registers: fp16 D = 128 goes from 48 to 64 (5 to 4
 resident programs per SM), which the op wins back with a register cap (``more_resident``).
 
