@@ -121,7 +121,7 @@ def sweep(bench, shape, dname, weight, lengths, indices, splits) -> None:
                 print(f"  block_b={bb} num_warps={nw} cap={cap} failed: {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)
         finally:
-            bb, nw = ctx.block_b, ctx.num_warps
+            bb, nw = ctx.tile_for(weight.dtype)
             ctx.close()
         found.append((t, bb, nw, programs))
         if world.rank == 0:

@@ -192,7 +192,9 @@ def main() -> int:
                 ref = torch.cat([F.embedding_bag(idx[j * B * pf:(j + 1) * B * pf].view(B, pf),
                                                  weight[j * rows:(j + 1) * rows].float(),
                                                  mode="sum") for j in range(n_loc)], dim=1)
-                bb, warps = default_block_b(D, facts.arch), default_num_warps(D, facts.arch)
+                nbytes = weight.element_size()
+                bb = default_block_b(D, facts.arch, nbytes)
+                warps = default_num_warps(D, facts.arch, nbytes)
                 bd = triton_next_pow2(D)
                 n_tasks = n_loc * -(-B // bb)
                 shape = {"B": B, "T": T, "D": D, "pf": pf, "rows": rows, "dist": dist_name,

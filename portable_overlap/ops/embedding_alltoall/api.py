@@ -51,28 +51,33 @@ TRANSPORTS = ("stores", "shmem")
 POOLINGS = ("sum", "mean")
 
 
-#: (bags per tile, warps) measured best on 2x H200 (sm_90) (benchmarks/bench_embedding_alltoall.py
-#: --sweep, fp32, graph replay; benchmarks/results/logs): D=64 128 bags / 4 warps 0.729 ms vs 64 / 4
-#: 0.876 ms at (65536, 16, 64, 20); D=128 16 / 8 1.019 ms vs 32 / 4 1.110 ms at
-#: (16384, 32, 128, 32) (table-major slices: the gather is latency-bound and register
-#: use caps 32 / 4 at 3 resident programs per SM, 16 / 8 reaches 4 × 8 warps); D=256 8 / 8
-#: 0.402 ms vs 16 / 4 0.425 ms at (4096, 64, 256, 8)
-TUNED_TILE = {("sm_90", 64): (128, 4), ("sm_90", 128): (16, 8), ("sm_90", 256): (8, 8)}
+#: (bags per tile, warps) measured best for the fused op on 2x H200 (sm_90) per (arch, D rounded
+#: up to a power of two, bytes per weight element): benchmarks/bench_embedding_alltoall.py --sweep,
+#: graph replay, with the device-side index check and the register cap (logs in
+#: benchmarks/results/logs/2026-11-24-h200-embedding-moe). At (65536, 16, 64, 20): fp16 64 / 8
+#: 0.313 ms uniform, 0.261 Zipf, against 0.393 / 0.304 for 128 / 4; fp32 32 / 4 0.565 / 0.433
+#: against 0.654 / 0.482 for 128 / 4 (half the bytes per row: twice the bags per tile pays
+#: at fp16). D = 128: 16 / 8 1.019 ms against 32 / 4 1.110 at (16384, 32, 128, 32) fp32 (the
+#: gather is latency-bound; 16 / 8 keeps 4 x 8 warps resident); D = 256: 8 / 8 0.402 ms against
+#: 16 / 4 0.425 at (4096, 64, 256, 8) fp32 (both measured before the index check).
+TUNED_TILE = {("sm_90", 64, 2): (64, 8), ("sm_90", 64, 4): (32, 4),
+              ("sm_90", 128, 2): (16, 8), ("sm_90", 128, 4): (16, 8),
+              ("sm_90", 256, 2): (8, 8), ("sm_90", 256, 4): (8, 8)}
 
 
-def default_block_b(dim: int, arch: str) -> int:
+def default_block_b(dim: int, arch: str, elem_bytes: int = 4) -> int:
     """Bags per tile: a measured value where there is one, else about 4096 accumulator elements
     per program (32 fp32 registers per thread with 4 warps), i.e. 32 bags of D = 128 — 32
     independent row loads in flight. The interpreter runs a tile as numpy arrays, where larger
     tiles only cost memory: same rule."""
     block_d = triton_next_pow2(dim)
-    tuned = TUNED_TILE.get((arch, block_d))
+    tuned = TUNED_TILE.get((arch, block_d, elem_bytes))
     return tuned[0] if tuned else max(1, min(64, 4096 // block_d))
 
 
-def default_num_warps(dim: int, arch: str) -> int:
+def default_num_warps(dim: int, arch: str, elem_bytes: int = 4) -> int:
     """Warps per program: the measured value where there is one, else 4."""
-    tuned = TUNED_TILE.get((arch, triton_next_pow2(dim)))
+    tuned = TUNED_TILE.get((arch, triton_next_pow2(dim), elem_bytes))
     return tuned[1] if tuned else 4
 
 
@@ -94,8 +99,9 @@ class EmbeddingAllToAll(OverlapContext):
         max_local_batch: the most samples any rank will own in one call.
         table_ranks: the rank holding each global table (default: ``ShardingPlan.make``).
         timeout_s: how long a kernel waits for a peer before it reports and gives up.
-        block_b: bags per tile, a power of two (default ``default_block_b``).
-        num_warps: warps per program (default ``default_num_warps``).
+        block_b: bags per tile, a power of two (default: ``default_block_b`` for the call's
+            weight dtype).
+        num_warps: warps per program (default: ``default_num_warps`` for the dtype).
         max_programs: cap on the persistent grid (default: the programs resident at once).
     """
 
@@ -133,8 +139,7 @@ class EmbeddingAllToAll(OverlapContext):
         self.call_protocol(self.ctl, call_flags=(self.sent,), free_flags=(self.consumed,))
         self.plan = plan
         self.max_local_batch = max_local_batch
-        self.block_b = block_b or default_block_b(D, world.facts.arch)
-        self.num_warps = num_warps or default_num_warps(D, world.facts.arch)
+        self.block_b, self.num_warps = block_b, num_warps  # None: per dtype (tile_for)
         self.max_programs = max_programs
         self.local_tables = plan.tables_of(self.rank)
         self.n_loc = len(self.local_tables)
@@ -161,8 +166,8 @@ class EmbeddingAllToAll(OverlapContext):
             # program (one program per SM: the put kernel is not compiled here, so its resident
             # count is unknown, and one per SM is always resident)
             n = max_local_batch * T * D
-            tile = self.block_b * triton_next_pow2(D)
-            sym = self._provider.symmetric_empty(4 * n + 256 + 4 * world.facts.sm_count * tile)
+            tile = max(self.tile_for(dt)[0] * triton_next_pow2(D) * dt.itemsize for dt in DTYPES)
+            sym = self._provider.symmetric_empty(4 * n + 256 + world.facts.sm_count * tile)
             self._sym = sym
             self._recv = {dt: sym[:4 * n].view(dt) for dt in DTYPES}
             self._stage = {dt: sym[4 * n + 256:].view(dt) for dt in DTYPES}
@@ -188,6 +193,13 @@ class EmbeddingAllToAll(OverlapContext):
     @property
     def dim(self) -> int:
         return self.plan.dim
+
+    def tile_for(self, dtype: torch.dtype) -> tuple:
+        """(bags per tile, warps) of calls with ``dtype`` weights: the context's arguments, else
+        the measured defaults for this device (``TUNED_TILE``)."""
+        D, arch, nbytes = self.plan.dim, self.world.facts.arch, dtype.itemsize
+        return (self.block_b or default_block_b(D, arch, nbytes),
+                self.num_warps or default_num_warps(D, arch, nbytes))
 
     def output_shape(self, batch_splits: Sequence[int]) -> tuple:
         return (int(batch_splits[self.rank]), self.plan.num_tables * self.plan.dim)
@@ -286,7 +298,7 @@ class EmbeddingAllToAll(OverlapContext):
     def _plan(self, weight, indices, psw, offsets, out, splits, pooling):
         W = self.world.world_size
         D = self.plan.dim
-        bb = self.block_b
+        bb, num_warps = self.tile_for(weight.dtype)
         boff = [0]
         for n in splits:
             boff.append(boff[-1] + n)
@@ -294,7 +306,7 @@ class EmbeddingAllToAll(OverlapContext):
         most_tables = max(len(self.plan.tables_of(q)) for q in range(W))
         max_tasks = max(1, most_blocks * most_tables)
         consts = dict(BLOCK_B=bb, BLOCK_D=triton_next_pow2(D), HAS_WEIGHTS=psw is not None,
-                      MEAN=pooling == "mean", G_MAX=G_MAX, num_warps=self.num_warps,
+                      MEAN=pooling == "mean", G_MAX=G_MAX, num_warps=num_warps,
                       num_stages=1)
         # On GPUs the grid is capped at the programs resident at once (``_compile``): every
         # program waits for its counterparts on the peers. The interpreter runs programs one
@@ -317,7 +329,7 @@ class EmbeddingAllToAll(OverlapContext):
 
         def tag_of(g):  # batch split, dtype, pooling, tiling and grid: a rank that differs is caught
             return shape_tag(batch_splits=splits, dtype=str(weight.dtype), pooling=pooling,
-                             bags_per_block=bb, dim=D, programs=g, num_warps=self.num_warps,
+                             bags_per_block=bb, dim=D, programs=g, num_warps=num_warps,
                              table_ranks=tuple(self.plan.table_ranks))
 
         info.programs, info.tag = programs, tag_of(programs)
