@@ -268,12 +268,13 @@ def test_index_out_of_range_found_on_device_without_validation(world2, value):
 
 def test_measured_tiles_are_per_weight_element_size():
     """The tile defaults are keyed by D and the bytes per weight element (fp16 rows are half
-    the bytes: twice the bags per tile measured faster at D = 64); other devices and D fall
-    back to ~4096 accumulator elements per program."""
+    the bytes: twice the bags per tile measured faster); other devices and D fall back to
+    ~4096 accumulator elements per program."""
     from portable_overlap.ops.embedding_alltoall.api import default_block_b, default_num_warps
 
     assert (default_block_b(64, "sm_90", 2), default_num_warps(64, "sm_90", 2)) == (64, 8)
     assert (default_block_b(64, "sm_90", 4), default_num_warps(64, "sm_90", 4)) == (32, 4)
-    assert default_block_b(92, "sm_90", 2) == 16  # D = 92 is tiled as 128
+    assert default_block_b(92, "sm_90", 2) == 32  # D = 92 is tiled as 128
+    assert default_block_b(256, "sm_90", 2) == 2 * default_block_b(256, "sm_90", 4)
     assert (default_block_b(64, "gfx942", 2), default_num_warps(64, "gfx942", 2)) == (64, 4)
     assert default_block_b(512, "sm_90", 4) == 8

@@ -54,15 +54,17 @@ POOLINGS = ("sum", "mean")
 #: (bags per tile, warps) measured best for the fused op on 2x H200 (sm_90) per (arch, D rounded
 #: up to a power of two, bytes per weight element): benchmarks/bench_embedding_alltoall.py --sweep,
 #: graph replay, with the device-side index check and the register cap (logs in
-#: benchmarks/results/logs/2026-11-24-h200-embedding-moe). At (65536, 16, 64, 20): fp16 64 / 8
-#: 0.313 ms uniform, 0.261 Zipf, against 0.393 / 0.304 for 128 / 4; fp32 32 / 4 0.565 / 0.433
-#: against 0.654 / 0.482 for 128 / 4 (half the bytes per row: twice the bags per tile pays
-#: at fp16). D = 128: 16 / 8 1.019 ms against 32 / 4 1.110 at (16384, 32, 128, 32) fp32 (the
-#: gather is latency-bound; 16 / 8 keeps 4 x 8 warps resident); D = 256: 8 / 8 0.402 ms against
-#: 16 / 4 0.425 at (4096, 64, 256, 8) fp32 (both measured before the index check).
+#: benchmarks/results/logs/2026-11-24-h200-embedding-moe). fp16 rows are half the bytes, and
+#: twice the bags per tile measured faster at every D: (65536, 16, 64, 20) fp16 64 / 8 0.313 ms
+#: uniform, 0.261 Zipf, against 0.393 / 0.304 for 128 / 4; fp32 32 / 4 0.565 / 0.433 against
+#: 0.654 / 0.482. (16384, 32, 128, 32) fp16 Zipf 32 / 8 0.345 ms against 0.378 for 16 / 8;
+#: (4096, 64, 256, 8) fp16 uniform 16 / 8 0.217 ms against 0.234 for 8 / 8. fp32, measured
+#: before the index check: D = 128 16 / 8 1.019 ms against 32 / 4 1.110 at (16384, 32, 128, 32)
+#: (the gather is latency-bound; 16 / 8 keeps 4 x 8 warps resident), D = 256 8 / 8 0.402 ms
+#: against 16 / 4 0.425 at (4096, 64, 256, 8).
 TUNED_TILE = {("sm_90", 64, 2): (64, 8), ("sm_90", 64, 4): (32, 4),
-              ("sm_90", 128, 2): (16, 8), ("sm_90", 128, 4): (16, 8),
-              ("sm_90", 256, 2): (8, 8), ("sm_90", 256, 4): (8, 8)}
+              ("sm_90", 128, 2): (32, 8), ("sm_90", 128, 4): (16, 8),
+              ("sm_90", 256, 2): (16, 8), ("sm_90", 256, 4): (8, 8)}
 
 
 def default_block_b(dim: int, arch: str, elem_bytes: int = 4) -> int:
