@@ -69,14 +69,9 @@ def main() -> int:
                CombineConfig(block_s=1, block_h=2048, num_warps=4)):
         ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=segs,
                              combine_config=cc)
-        ctx(x, w, counts, slots, tw, out=y)
-        (gemm, comb), = ctx._plans.values()
-        flat = counts.reshape(-1)
-        starts = (torch.cumsum(flat, 0, dtype=torch.int32) - flat).to(torch.int32)
-        ga = ctx._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs)
-        ca = ctx._comb_args(tw, y, x.dtype, gemm.tag, gemm.programs)
-        t_g = time_op(lambda: gemm(ga), world, graph=True, iters=30)["median_ms"]
-        k = gemm.compiled
+        phases = ctx.phases(x, w, counts, slots, tw, y)
+        t_g = time_op(phases["gemm"], world, graph=True, iters=30)["median_ms"]
+        k = phases["gemm_kernel"]
         ptx = k.asm["ptx"]
         import re
         print(f"  grouped GEMM kernel: {k.n_regs} regs, {k.n_spills} spills, shared "
@@ -86,7 +81,7 @@ def main() -> int:
               f"st.global.b16 {len(re.findall(r'st.global.b16', ptx))}", flush=True)
         if cc == CombineConfig():
             open(os.path.join(os.environ.get("OUT", "."), "moe_gemm.ptx"), "w").write(ptx)
-        t_c = time_op(lambda: comb(ca), world, graph=True, iters=30)["median_ms"]
+        t_c = time_op(phases["combine"], world, graph=True, iters=30)["median_ms"]
         print(f"moe kernels alone: grouped GEMM {t_g:.3f} ms, combine {cc} {t_c:.3f} ms "
               f"({2 * R * H * 2 / t_c / 1e6:.0f} GB/s)", flush=True)
         ctx.close()

@@ -7,11 +7,12 @@ workspace, made once per shape budget) and a ``transport=`` choice:
 ======================  ============================  ===========================================
 op                      context                       transports (first: default)
 ======================  ============================  ===========================================
-all_gather_matmul       AllGatherMatmul               copy_engine
+all_gather_matmul       AllGatherMatmul               copy_engine, sequential
 matmul_reduce_scatter   MatmulReduceScatter           copy_engine, signal_collective,
-                                                      signal_copy_engine
-matmul_all_reduce       MatmulAllReduce               copy_engine, signal_collective
-matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signal_collective
+                                                      signal_copy_engine, sequential
+matmul_all_reduce       MatmulAllReduce               copy_engine, signal_collective, sequential
+matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signal_collective,
+                                                      sequential
 gemv_all_reduce         GemvAllReduce                 stores
 embedding_all_to_all    EmbeddingAllToAll             stores, shmem
 moe_gemm_combine        MoeGemmCombine                stores, shmem

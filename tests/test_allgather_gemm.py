@@ -148,3 +148,51 @@ def _column_parallel(world):
 def test_column_parallel_linear(world2):
     for shape, err in world2.run(_column_parallel):
         assert shape == (10, 8) and err < 1e-5, (shape, err)
+
+
+def _sequential(world, dtype):
+    """transport="sequential" against the reference and the copy-engine transport, on shards
+    off every tile, through the public function; then its errors."""
+    from portable_overlap.testing.compare import rel_err
+
+    W, r = world.world_size, world.rank
+    seq = AllGatherMatmul(world, max_shard_elems=7 * 11, transport="sequential")
+    fused = AllGatherMatmul(world, max_shard_elems=7 * 11)
+    found = []
+    try:
+        for m, N, K in ((7, 13, 11), (1, 5, 3), (3, 33, 9)):
+            g = torch.Generator().manual_seed(17 * r + m + N)
+            a = torch.randn(m, K, generator=g).to(dtype)
+            b = torch.randn(K, N, generator=g).to(dtype)
+            y = torch.full((W * m, N), float("nan"), dtype=dtype)  # poisoned
+            got = all_gather_matmul(a, b, seq, y)
+            want = all_gather_matmul(a, b, fused)
+            fused.synchronize()
+            ref = all_gather_matmul_reference(a, b, world.group)
+            found.append((got is y, rel_err(y, ref), rel_err(want, ref)))
+        msgs = []
+        a, b = torch.randn(4, 8).to(dtype), torch.randn(8, 5).to(dtype)
+        for call in (lambda: seq(torch.randn(12, 8).to(dtype), b),  # more than max elements
+                     lambda: seq(a, torch.randn(7, 5).to(dtype)),  # K mismatch
+                     lambda: seq(a, b.double()),
+                     lambda: seq(a, b, torch.empty(1, 5, dtype=dtype)),  # wrong out shape
+                     lambda: seq(a, b, schedule="hetero-fused-1d"),  # no schedules here
+                     lambda: AllGatherMatmul(world, 64, transport="sequential", pieces=2)):
+            try:
+                call()
+                msgs.append(None)
+            except (ValueError, TypeError) as e:
+                msgs.append(str(e))
+    finally:
+        seq.close()
+        fused.close()
+    return found, msgs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sequential_transport_matches_the_copy_engines(world, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for found, msgs in world.run(_sequential, dtype):
+        for into_out, err, err_fused in found:
+            assert into_out and err < tol and err_fused < tol, found
+        assert all(m and m.startswith("all_gather_matmul") for m in msgs), msgs

@@ -289,3 +289,35 @@ def test_corrupt_slot_raises_on_the_owner(world, fault):
 @pytest.mark.parametrize("fault", ["duplicate", "spare"])
 def test_corrupt_slot_of_own_rows_raises(world2, fault):
     _check_corrupt(world2.run(_corrupt_slots, fault, 1, timeout=300), fault, 1)
+
+
+def _phases(world):
+    """The call's two kernels launched apart (``phases``), after the call that plans them:
+    gemm() then combine() on every rank is one more call, and gives the reference."""
+    W = world.world_size
+    g = torch.Generator().manual_seed(41 + world.rank)
+    S, H, I, El, k = 7 + world.rank, 20, 12, 2, 2
+    ctx = MoeGemmCombine(world, max_tokens=9, top_k=k, hidden=H, experts_per_rank=El,
+                         config=SMALL)
+    try:
+        tokens = torch.randn(S, I, generator=g)
+        ids = _route("uniform", S, El * W, k, world.rank, g)
+        topk_w = torch.softmax(torch.randn(S, k, generator=g), dim=1)
+        w = torch.randn(El, I, H, generator=g) / I ** 0.5
+        x, counts, slots = dispatch(tokens, ids, El, world.group)
+        out = torch.full((S, H), float("nan"))
+        phases = ctx.phases(x, w, counts, slots, topk_w, out)
+        out.fill_(float("nan"))  # poisoned: what follows must write all of it again
+        phases["gemm"]()
+        phases["combine"]()
+        ctx.synchronize()
+        ref = moe_gemm_combine_reference(x, w, counts, slots, topk_w, world.group)
+        return ((out - ref).norm() / ref.norm()).item(), phases["gemm_kernel"]
+    finally:
+        ctx.close()
+
+
+def test_phases_launch_the_two_kernels_apart(world2):
+    for err, kernel in world2.run(_phases):
+        assert err < TOL[torch.float32], err
+        assert kernel is None  # the interpreter compiles nothing to hand out

@@ -37,6 +37,11 @@ class PatternContext:
     def _make(self, world, transport, timeout_s, **options):
         raise NotImplementedError
 
+    @property
+    def timeout_s(self) -> float:
+        """How long the transport's waits last before a missing peer raises (seconds)."""
+        return self.impl.timeout_s
+
     def check(self) -> None:
         """Raise an error a kernel of an earlier call recorded (see OverlapContext.check)."""
         self.impl.check()

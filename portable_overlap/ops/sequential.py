@@ -2,7 +2,8 @@
 BLAS (``torch.matmul``) on this rank's operands, then the collective of the world's process
 group (NCCL / RCCL on GPUs, gloo on emulated ranks) on the whole product, then bias and
 residual: each op's reference with the product in the input dtype
-(``gemm_signal/reference.py``). Nothing overlaps. It is the baseline every fused transport is
+(``gemm_signal/reference.py``); for AllGather + GEMM the gather first, then the product.
+Nothing overlaps. It is the baseline every fused transport is
 measured against, and the choice where a fused transport measured slower (the copy-engine
 transports on 4 and 8 GPUs: ``docs/scaling.md``).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .context import ContextBase, collective_call, output_tensor
 from .gemm_signal.reference import (gemm_all_reduce_reference, gemm_all_to_all_signal_reference,
@@ -78,3 +80,44 @@ class SequentialMatmul(ContextBase):
         vector_checks(self.OP, a, N, rows, bias=bias, residual=residual)
         y = reference(a, b, self.world.group, bias, residual, accumulate_fp32=False)
         return out.copy_(y)
+
+
+class SequentialAllGatherMatmul(ContextBase):
+    """The ``"sequential"`` transport of AllGather + GEMM (public op ``op``): a gather buffer of
+    ``world_size * max_shard_elems`` elements, made once; each call gathers the shards into it
+    with the vendor library's ``all_gather_into_tensor`` and multiplies: ``out = cat(a_0, ...,
+    a_{W-1}) @ b``. Its input checks and errors are the copy-engine transport's."""
+
+    def __init__(self, world, op: str, max_shard_elems: int, *, timeout_s: float = 60.0,
+                 **options):
+        self.OP = op
+        _no_options(op, options)
+        super().__init__(world, timeout_s)
+        self.max_shard_elems = max_shard_elems
+        # 4 bytes per element: room for a shard of any dtype the op takes (made once, so a
+        # call allocates nothing and can be captured in a graph)
+        self._gather = torch.empty(world.world_size * max_shard_elems * 4, dtype=torch.uint8,
+                                   device=world.device)
+        self.register()
+
+    @collective_call
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 schedule: Optional[str] = None) -> torch.Tensor:
+        if schedule is not None:
+            raise ValueError(f"{self.OP}: the 'sequential' transport has no schedules; got "
+                             f"schedule={schedule!r}")
+        check_operands(self.OP, a, b, self.world.device)
+        W = self.world.world_size
+        m, K = a.shape
+        if m * K > self.max_shard_elems:
+            raise ValueError(f"{self.OP}: the shard's m*K={m * K} exceeds this context's "
+                             f"max_shard_elems={self.max_shard_elems}")
+        if not a.is_contiguous():  # the copy-engine transport's rule: switching changes nothing
+            raise ValueError(f"{self.OP}: a must be contiguous (its rows are copied by DMA)")
+        out = output_tensor(self.OP, out, (W * m, b.shape[1]), a)
+        full = self._gather[:W * m * K * a.element_size()].view(a.dtype).view(W * m, K)
+        if W > 1:
+            dist.all_gather_into_tensor(full, a, group=self.world.group)
+        else:
+            full.copy_(a)
+        return torch.matmul(full, b, out=out)

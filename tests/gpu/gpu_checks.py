@@ -314,6 +314,28 @@ def check_allgather_gemm(world: World, gen) -> None:
                worst < TOL[torch.bfloat16] * 2, f"worst rel_err={worst:.2e}")
     finally:
         ctx.close()
+    # the sequential transport (NCCL all_gather_into_tensor, then cuBLAS): odd shapes, graph
+    seq = AllGatherMatmul(world, max_shard_elems=1000 * 333, transport="sequential")
+    try:
+        for m, N, K in ((1000, 777, 333), (3, 5, 7)):
+            for dt in (torch.bfloat16, torch.float32):
+                a, b = rand((m, K), dt, dev, gen), rand((K, N), dt, dev, gen)
+                out = torch.full((world.world_size * m, N), float("nan"), dtype=dt, device=dev)
+                seq(a, b, out)
+                seq.synchronize()
+                err = rel_err(out, all_gather_matmul_reference(a, b, world.group))
+                record(f"allgather+gemm sequential {m}x{N}x{K} {str(dt)[6:]}",
+                       err < TOL[dt] * 2, f"rel_err={err:.2e}")
+        a, b = rand((300, 333), torch.bfloat16, dev, gen), rand((333, 512), torch.bfloat16, dev,
+                                                                 gen)
+        out = torch.empty(world.world_size * 300, 512, dtype=torch.bfloat16, device=dev)
+        worst = worst_over_graph_replays(
+            seq, lambda: seq(a, b, out), a, out,
+            lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
+        record("allgather+gemm sequential 10 graph replays", worst < TOL[torch.bfloat16] * 2,
+               f"worst rel_err={worst:.2e}")
+    finally:
+        seq.close()
 
 
 def check_matmul_reduce(world: World, gen) -> None:

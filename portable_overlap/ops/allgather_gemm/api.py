@@ -1,4 +1,5 @@
-"""AllGather + GEMM over the copy-engine transport, with the FiCCO schedules (1-D and 2-D).
+"""AllGather + GEMM, one context per pattern with the transport as an argument: the copy-engine
+transport with the FiCCO schedules (1-D and 2-D), or the plain sequential path.
 
 What it computes, with ``a_r`` [m, K] the row shard rank r passes and ``b`` [K, N] (the same on
 every rank, e.g. a column-parallel weight's local columns)::
@@ -38,6 +39,11 @@ neither 2-D schedule beat the 1-D pick at any benchmark shape, the M < K one inc
 
 Every wait is a bounded one-program kernel on the compute stream (transports/copy_engine.py): a
 rank that never sends makes the call raise ``PeerTimeoutError`` at the next check, not hang.
+
+Transports (``AllGatherMatmul(..., transport=)``): ``"copy_engine"`` (default, the above;
+options ``pieces``, ``schedule``) and ``"sequential"``: the vendor library's
+``all_gather_into_tensor``, then ``torch.matmul`` (``ops/sequential.py``; no options), the
+baseline and the choice where the copy engines measured slower.
 """
 from __future__ import annotations
 
@@ -46,14 +52,15 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import (check_transport, collective_call, OverlapContext, output_tensor,
-                       shape_tag)
+from ..context import collective_call, OverlapContext, output_tensor, shape_tag
+from ..pattern import PatternContext, timeout_kw
 from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
 
 OP = "all_gather_matmul"
-#: ``"copy_engine"``: the shards travel by DMA while the BLAS computes (module docstring)
-TRANSPORTS = ("copy_engine",)
+#: ``"copy_engine"``: the shards travel by DMA while the BLAS computes (module docstring);
+#: ``"sequential"``: gather, then multiply
+TRANSPORTS = ("copy_engine", "sequential")
 SCHEDULES = ("hetero-unfused-1d", "hetero-fused-1d", "uniform-fused-1d", "hetero-unfused-2d",
              "uniform-fused-2d")
 
@@ -83,18 +90,45 @@ def pick_schedule(M: int, N: int, K: int, elem_bytes: int, arch: str) -> str:
     return "hetero-fused-1d"
 
 
-class AllGatherMatmul(OverlapContext):
-    """Workspace of AllGather + GEMM on one rank: a gather buffer for ``max_shard_elems``
-    (m × K of the largest call) from every rank, piece flags. Collective to create and close;
-    the same calls in the same order on every rank, on one stream."""
+class AllGatherMatmul(PatternContext):
+    """Workspace of :func:`all_gather_matmul` on one rank, for shards of at most
+    ``max_shard_elems`` elements (m × K of the largest call): ``AllGatherMatmul(world,
+    max_shard_elems, transport="copy_engine", pieces=None, schedule=None)``. Collective to
+    create and close; the same calls in the same order on every rank, on one stream."""
+
+    OP = OP
+    TRANSPORTS = TRANSPORTS
+
+    def __init__(self, world, max_shard_elems: int, *, transport: Optional[str] = None,
+                 timeout_s: Optional[float] = None, **options):
+        if not isinstance(max_shard_elems, int) or max_shard_elems < 1:
+            raise ValueError(f"{OP}: max_shard_elems must be an int >= 1, got "
+                             f"{max_shard_elems!r}")
+        self.max_shard_elems = max_shard_elems
+        super().__init__(world, transport, timeout_s, options)
+
+    def _make(self, world, transport, timeout_s, **options):
+        if transport == "sequential":
+            from ..sequential import SequentialAllGatherMatmul
+
+            return SequentialAllGatherMatmul(world, OP, self.max_shard_elems, **options,
+                                             **timeout_kw(timeout_s))
+        return AllGatherMatmulCE(world, self.max_shard_elems, **options, **timeout_kw(timeout_s))
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 schedule: Optional[str] = None) -> torch.Tensor:
+        return self.impl(a, b, out, schedule=schedule)
+
+
+class AllGatherMatmulCE(OverlapContext):
+    """The ``"copy_engine"`` transport's workspace: a gather buffer for ``max_shard_elems``
+    (m × K of the largest call) from every rank, piece flags (module docstring)."""
 
     OP = OP
     FLAG_NAMES = CE_FLAG_NAMES
 
     def __init__(self, world, max_shard_elems: int, *, pieces: Optional[int] = None,
-                 schedule: Optional[str] = None, timeout_s: float = 10.0,
-                 transport: str = "copy_engine"):
-        self.transport = check_transport(OP, transport, TRANSPORTS)
+                 schedule: Optional[str] = None, timeout_s: float = 10.0):
         W = world.world_size
         pieces = W if pieces is None else pieces
         if max_shard_elems < 1:

@@ -128,8 +128,31 @@ class MoeGemmCombine(OverlapContext):
                  slots: torch.Tensor, topk_weights: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._validate(x, w, counts, slots, topk_weights)
+        out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x)
+        gemm, combine, _ = self._launches(x, w, counts, slots, topk_weights, out)
+        gemm()
+        combine()
+        return out
+
+    def phases(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+               slots: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> dict:
+        """Collective (one call of the op, which plans it): the call's two kernels on these
+        tensors as separate launches, to time or inspect them apart. Returns::
+
+            gemm()       # the grouped GEMM: each row stored (and stamped) at its slot
+            combine()    # the weighted sum of each token's slots into out
+            gemm_kernel  # the compiled GEMM (registers, spills, PTX); None under the interpreter
+
+        Each launch is one half of a call: with peers, ``gemm()`` waits for their previous
+        ``combine()`` and ``combine()`` for their ``gemm()``, so time them on a world of one."""
+        self(x, w, counts, slots, topk_weights, out=out)
+        gemm, combine, planned = self._launches(x, w, counts, slots, topk_weights, out)
+        return {"gemm": gemm, "combine": combine, "gemm_kernel": planned.compiled}
+
+    def _launches(self, x, w, counts, slots, topk_weights, out) -> tuple:
+        """(gemm, combine, the GEMM's PlannedLaunch): the call's two launches, planned on first
+        use, as callables."""
         S = topk_weights.shape[0]
-        out = output_tensor(OP, out, (S, self.hidden), x)
         # row starts of the segments, in the context's buffer: device ops, no host sync, no
         # allocation (the previous call's kernels read it earlier in stream order)
         flat = counts.reshape(-1)
@@ -143,13 +166,20 @@ class MoeGemmCombine(OverlapContext):
             plan = self._plans[key] = self._plan(x, w, counts, starts, slots, topk_weights, out)
         gemm, comb = plan
         args = self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs)
-        if self._provider is None:
-            gemm(args)
-        else:  # through the library's launcher (it sets up each compiled module)
-            self._put_kernel[(gemm.programs,)](*args, **gemm.consts)
-        comb.programs = max(1, -(-S // comb.block_s))  # one program per block of tokens
-        comb(self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs))
-        return out
+        comb_args = self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs)
+        blocks = max(1, -(-S // comb.block_s))  # one combine program per block of tokens
+
+        def launch_gemm():
+            if self._provider is None:
+                gemm(args)
+            else:  # through the library's launcher (it sets up each compiled module)
+                self._put_kernel[(gemm.programs,)](*args, **gemm.consts)
+
+        def launch_combine():
+            comb.programs = blocks
+            comb(comb_args)
+
+        return launch_gemm, launch_combine, gemm
 
     # -- launches ------------------------------------------------------------------------------
     def _gemm_args(self, x, w, counts, starts, slots, tag, programs):
