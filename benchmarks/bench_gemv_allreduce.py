@@ -102,7 +102,8 @@ def body(bench) -> int:
                 bench.write(op=OP + "_tuning", shape=shape, dtype=dname, best=cfg.__dict__,
                             sweep=log)
             facts = world.facts
-            plan_cfg = cfg or pick_config(M, N, Kl, dt, facts.arch, facts.sm_count, W)
+            plan_cfg = cfg or pick_config(M, N, Kl, dt, facts.arch, facts.sm_count, W,
+                                          facts.shared_per_program)
             impls = {
                 "fused": lambda: ctx(x, w, out=out, config=cfg),
                 "fused_nocomm": lambda: solo_ctx(x, w, out=y, config=plan_cfg),

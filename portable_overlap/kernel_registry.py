@@ -1,10 +1,11 @@
 """Every Triton kernel the package launches, with representative compile signatures.
 
-The compile matrix test compiles each entry for every target in ``TARGETS`` (CUDA sm_90 and
-ROCm gfx942) on a CPU-only machine, and checks that no ``*_kernel`` in the package is missing."""
+The compile matrix test compiles each entry for every target in ``TARGETS`` (CUDA sm_90, ROCm
+gfx942 and gfx950) on a CPU-only machine, and checks that no ``*_kernel`` in the package is missing."""
 from __future__ import annotations
 
-TARGETS = (("cuda", 90, 32), ("hip", "gfx942", 64))
+#: NVIDIA H100 / H200, AMD MI300X (CDNA3), AMD MI355X (CDNA4)
+TARGETS = (("cuda", 90, 32), ("hip", "gfx942", 64), ("hip", "gfx950", 64))
 
 #: kernels that call a vendor's SHMEM device library: linked by the library's launcher on GPUs,
 #: not compilable here (their body is shared with a registered kernel that is)
@@ -12,7 +13,8 @@ NEEDS_SHMEM_LIBRARY = {"moe_gemm_put_kernel": "moe_gemm_scatter_kernel",
                        "embedding_alltoall_put_kernel": "embedding_alltoall_kernel"}
 
 
-def compile_spec(fn, signature: dict, constexprs: dict, aligned, target):
+def compile_spec(fn, signature: dict, constexprs: dict, aligned, target, num_warps: int = 4,
+                 num_stages: int = 4):
     """Compile one spec for ``target`` (backend, arch, warp size) without a GPU; ``aligned``
     names the arguments the JIT would mark divisible by 16 at run time."""
     import triton
@@ -21,7 +23,8 @@ def compile_spec(fn, signature: dict, constexprs: dict, aligned, target):
 
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn, signature, constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget(*target), options={"num_warps": 4, "num_stages": 4})
+    return triton.compile(src, target=GPUTarget(*target),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 #: kernel lists of building blocks that several ops share (the persistent GEMM core)

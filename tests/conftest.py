@@ -87,7 +87,7 @@ WORLD_FIXTURES = {"world2": 2, "world4": 4, "world8": 8, "world": None}
 BINDING_FIXTURES = {"cuda_driver": "marshalling_cuda", "hip_runtime": "marshalling_hip"}
 #: summary order; "emulated" gets one line per rank count
 GROUPS = ("host", "emulated", "marshalling_cuda", "marshalling_hip", "compile_sm90",
-          "compile_gfx942", "gpu")
+          "compile_gfx942", "compile_gfx950", "gpu")
 _SELECTED = pytest.StashKey[list]()
 # test outcomes by node id: pytest_runtest_logreport gets no config, and one suite runs per process
 _outcomes: dict = {}

@@ -128,6 +128,7 @@ def test_groups_and_their_counts(suite):
         "marshalling_hip": "1 collected, 1 passed, 0 failed, 0 skipped",
         "compile_sm90": "1 collected, 1 passed, 0 failed, 0 skipped",
         "compile_gfx942": "1 collected, 0 passed, 1 failed, 0 skipped",
+        "compile_gfx950": "1 collected, 0 passed, 1 failed, 0 skipped",
         "gpu": "1 collected, " + gpu,
     }, result.stdout.str()
 

@@ -187,3 +187,42 @@ def test_cpu_backend_copy_2d():
 def test_backend_entries_are_documented():
     for entry in ENTRIES:
         assert inspect.getdoc(getattr(Backend, entry)), f"Backend.{entry} has no docstring"
+
+
+@pytest.mark.parametrize("arch,cus,lds", [("gfx942", 304, 64 * 1024), ("gfx950", 256, 160 * 1024)])
+def test_rocm_device_limits_come_from_the_runtime(monkeypatch, hip_runtime, arch, cus, lds):
+    """The ROCm facts take the CU count and the LDS per workgroup from hipDeviceGetAttribute
+    (160 KiB on gfx950, where a constant 64 KiB was assumed), with hip-python's real attribute
+    enum and a stand-in for the runtime's answers."""
+    from portable_overlap.backends import rocm
+
+    attr = hip_runtime.hipDeviceAttribute_t
+    answers = {attr.hipDeviceAttributeMultiprocessorCount: cus,
+               attr.hipDeviceAttributeMaxSharedMemoryPerBlock: lds,
+               attr.hipDeviceAttributeMaxSharedMemoryPerMultiprocessor: lds,
+               attr.hipDeviceAttributeMaxThreadsPerMultiProcessor: 2048}
+    asked = []
+
+    class FakeHip:
+        hipDeviceAttribute_t = attr
+
+        @staticmethod
+        def hipSetDevice(idx):
+            return (0,)
+
+        @staticmethod
+        def hipDeviceGetAttribute(a, idx):
+            asked.append(a)
+            return (0, answers[a])
+
+    class Props:
+        name, gcnArchName = f"AMD {arch}", f"{arch}:sramecc+:xnack-"
+
+    monkeypatch.setattr(rocm, "hip", FakeHip)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    facts = rocm.RocmBackend().device_facts(torch.device("cuda", 0))
+    assert (facts.arch, facts.sm_count, facts.warp_size) == (arch, cus, 64)
+    assert facts.shared_per_program == lds and facts.max_shared_bytes_per_sm == lds
+    assert facts.max_warps_per_sm == 32
+    assert set(answers) <= set(asked)

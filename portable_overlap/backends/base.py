@@ -61,6 +61,15 @@ class DeviceFacts:
     # of ``register_unit`` per thread (ops/launch.py: ``fewer_registers``)
     register_cap: bool = False
     register_unit: int = 8
+    # shared memory (LDS on AMD) one program may take, where the device says: NVIDIA's opt-in
+    # limit per block (227 KiB on H100/H200), AMD's per workgroup (64 KiB on gfx942, 160 KiB on
+    # gfx950); None: ``max_shared_bytes_per_sm``
+    max_shared_bytes_per_program: Optional[int] = None
+
+    @property
+    def shared_per_program(self) -> int:
+        """The most shared memory one program can have: what a config must fit."""
+        return self.max_shared_bytes_per_program or self.max_shared_bytes_per_sm
 
 
 @dataclasses.dataclass

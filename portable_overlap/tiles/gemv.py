@@ -21,6 +21,15 @@ def dot_upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``input_precision`` of the tiles' ``tl.dot``: ``"ieee"`` for every dtype. fp32 operands
+    stay exact (TF32 would keep 10 mantissa bits; the tests compare fp32 at 1e-5). For 16-bit
+    operands the setting selects nothing (the sm_90 PTX is the same with ``"tf32"``), and
+    ``"ieee"`` is the value every target takes: Triton's gfx950 backend refuses ``"tf32"``
+    (only gfx942 has XF32)."""
+    return "ieee"
+
+
 @triton.jit
 def gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

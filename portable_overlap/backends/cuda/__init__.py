@@ -124,6 +124,8 @@ class CudaBackend(Backend):
         minor = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
         smem = check(driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, dev))
+        smem_block = check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
         regs = check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR, dev))
         threads = check(driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev))
@@ -132,6 +134,7 @@ class CudaBackend(Backend):
             sm_count=int(sms), warp_size=32, max_shared_bytes_per_sm=int(smem),
             max_regs_per_sm=int(regs), max_warps_per_sm=int(threads) // 32,
             tensor_descriptors=int(major) >= 9, register_cap=True,
+            max_shared_bytes_per_program=int(smem_block),
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:

@@ -76,13 +76,23 @@ class RocmBackend(Backend):
     def device_facts(self, device: torch.device) -> DeviceFacts:
         idx = self._set(device)
         attr = hip.hipDeviceAttribute_t
-        cus = check(hip.hipDeviceGetAttribute(attr.hipDeviceAttributeMultiprocessorCount, idx))
+        def get(name):
+            return int(check(hip.hipDeviceGetAttribute(getattr(attr, name), idx)))
+
         props = torch.cuda.get_device_properties(device)
         arch = getattr(props, "gcnArchName", "gfx").split(":")[0]
+        # limits from the runtime, not constants: the LDS is 64 KiB on gfx942, 160 KiB on gfx950
+        lds_block = get("hipDeviceAttributeMaxSharedMemoryPerBlock")
         return DeviceFacts(
-            vendor="amd", name=props.name, arch=arch, sm_count=int(cus), warp_size=64,
-            max_shared_bytes_per_sm=64 * 1024, max_regs_per_sm=512 * 64 * 4,
-            max_warps_per_sm=32,
+            vendor="amd", name=props.name, arch=arch,
+            sm_count=get("hipDeviceAttributeMultiprocessorCount"), warp_size=64,
+            max_shared_bytes_per_sm=get("hipDeviceAttributeMaxSharedMemoryPerMultiprocessor")
+            or lds_block,
+            # 512 VGPRs per lane x 64 lanes x 4 SIMDs per CU (CDNA3); HIP's register attribute
+            # counts per block, which is not what the residency count needs
+            max_regs_per_sm=512 * 64 * 4,
+            max_warps_per_sm=get("hipDeviceAttributeMaxThreadsPerMultiProcessor") // 64 or 32,
+            max_shared_bytes_per_program=lds_block,
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:

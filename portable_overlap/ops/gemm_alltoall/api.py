@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ...tiles.gemv import dot_upcast
+from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
                        shape_tag)
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
@@ -158,7 +158,7 @@ class GemmAllToAll(OverlapContext):
         consts = dict(USE_DESC=use_desc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
                       EVEN_K=K % cfg.block_k == 0,
-                      PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                      PRECISION=dot_precision(a.dtype),
                       UPCAST=dot_upcast(a.dtype), G_MAX=G_MAX, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages)
         programs = min(n_tiles, self.world.facts.sm_count, G_MAX)

@@ -7,8 +7,8 @@ _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_b
 
 
 def specs():
-    for dt, prec, bm, bn, bk, desc in (("bf16", "tf32", 128, 256, 64, False),
-                                       ("bf16", "tf32", 128, 256, 64, True),
+    for dt, prec, bm, bn, bk, desc in (("bf16", "ieee", 128, 256, 64, False),
+                                       ("bf16", "ieee", 128, 256, 64, True),
                                        ("fp32", "ieee", 64, 64, 32, False)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "recv_ptr": f"*{dt}",
                "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64",

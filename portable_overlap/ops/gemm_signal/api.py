@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from ...errors import PeerTimeoutError, RankMismatchError
 from ...schedule import WaveGroups, default_partition, grouped_tile, tile_layout
-from ...tiles.gemv import dot_upcast
+from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.gate import wait_counter
 from ..context import ContextBase, align_key, collective_call, shape_tag
 from ..launch import PlannedLaunch, resident_programs
@@ -484,7 +484,7 @@ class GemmSignal(ContextBase):
                            BLOCK_K=mm.block_k,
                            GROUP_M=mm.group_m, NUM_STAGES=mm.num_stages,
                            EVEN_K=K % mm.block_k == 0,
-                           PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                           PRECISION=dot_precision(a.dtype),
                            UPCAST=dot_upcast(a.dtype), num_warps=mm.num_warps,
                            num_stages=mm.num_stages)
         stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)

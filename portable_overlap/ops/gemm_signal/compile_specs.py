@@ -8,7 +8,7 @@ _GEMM_ARGS = ("M_dest:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 
 
 
 def specs():
-    for dt, prec, bm, bn, bk in (("bf16", "tf32", 128, 256, 64), ("fp16", "tf32", 128, 128, 64),
+    for dt, prec, bm, bn, bk in (("bf16", "ieee", 128, 256, 64), ("fp16", "ieee", 128, 128, 64),
                                  ("fp32", "ieee", 64, 64, 32)):
         for desc in (False, True) if dt != "fp32" else (False,):
             sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "stage_ptr": f"*{dt}",

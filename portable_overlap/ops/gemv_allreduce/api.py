@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ...tiles.gemv import dot_upcast
+from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import check_transport, collective_call, G_MAX, OverlapContext, align_key, shape_tag
 from ..registry import OpSpec, define
 from .config import GemvConfig, pick_config
@@ -105,13 +105,13 @@ class GemvAllReduce(OverlapContext):
         N = w.shape[0]
         facts = self.world.facts
         cfg = config or pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
-                                    self.world.world_size)
+                                    self.world.world_size, facts.shared_per_program)
         n_blocks = -(-N // cfg.block_n)
         consts = dict(
             BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
             EVEN_N=N % cfg.block_n == 0,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PRECISION=dot_precision(x.dtype),
             UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX)

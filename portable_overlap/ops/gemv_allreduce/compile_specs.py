@@ -10,7 +10,7 @@ _SCALARS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_xm:i32 stride_wn:i32 n_blo
 
 
 def specs():
-    for dt, prec in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
+    for dt, prec in (("bf16", "ieee"), ("fp16", "ieee"), ("fp32", "ieee")):
         for block_m, even in ((16, True), (64, False)):
             sig = {k: v.format(dt=dt) for k, v in _PTRS.items()}
             sig.update(dict(kv.split(":") for kv in _SCALARS.split()))

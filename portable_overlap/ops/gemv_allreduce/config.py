@@ -42,8 +42,40 @@ def m_bucket(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+def stage_bytes(cfg: GemvConfig, m: int, dtype: torch.dtype) -> int:
+    """Shared memory of the K loop's pipeline: a W tile [block_n, block_k] and an x tile
+    [max(16, m rounded up to a power of two), block_k] per stage in flight (num_stages - 1 of
+    them), as Triton's pipeliners allocate it (72 KiB for fp32 32 x 64 x 4 stages at M = 64 on
+    gfx942, compiled: tests/test_compile_configs.py)."""
+    block_m = max(16, 1 << (max(1, m) - 1).bit_length())
+    elem = torch.empty((), dtype=dtype).element_size()
+    return max(1, cfg.num_stages - 1) * (cfg.block_n + block_m) * cfg.block_k * elem
+
+
+def fit_shared(cfg: GemvConfig, m: int, dtype: torch.dtype, limit: int) -> GemvConfig:
+    """``cfg`` with fewer stages, then shorter K steps, until its pipeline fits ``limit`` bytes of
+    shared memory (LDS): gfx942 has 64 KiB per workgroup, where fp32 at M = 64 needs 72 KiB with
+    the H200 heuristic's 4 stages; H200 has 227 KiB."""
+    while stage_bytes(cfg, m, dtype) > limit:
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 16:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
+
+
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
-                world: int) -> GemvConfig:
+                world: int, shared_limit: int = 0) -> GemvConfig:
+    """The measured config for this device and shape, else the heuristic below; with
+    ``shared_limit`` (bytes one program may take), made to fit it (``fit_shared``)."""
+    cfg = _pick(m, n, k, dtype, arch, sm_count, world)
+    return fit_shared(cfg, m, dtype, shared_limit) if shared_limit else cfg
+
+
+def _pick(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
+          world: int) -> GemvConfig:
     hit = TUNED.get((arch, world, m_bucket(m), n, k))
     if hit is not None:
         return hit

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ...tiles.gemv import dot_upcast
+from ...tiles.gemv import dot_precision, dot_upcast
 from .kernel import persistent_matmul_kernel
 
 OP = "persistent_matmul"
@@ -146,6 +146,6 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
         out.stride(1), G, a_desc, b_desc, USE_DESC=a_desc is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(a.dtype),
+        PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

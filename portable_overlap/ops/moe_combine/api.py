@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...tiles.gemv import dot_upcast
+from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
                        shape_tag)
 from ..launch import PlannedLaunch
@@ -205,7 +205,7 @@ class MoeGemmCombine(OverlapContext):
         gemm_consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
                            EVEN_K=I % cfg.block_k == 0,
-                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           PRECISION=dot_precision(x.dtype),
                            UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages)
         # The grid does not depend on the data-dependent row count: ranks receive different

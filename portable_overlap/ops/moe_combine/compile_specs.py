@@ -9,7 +9,7 @@ _COMB_ARGS = ("status_addr:i64 S:i32 H:i32 k:i32 stride_ts:i32 stride_tk:i32 G_s
 
 
 def specs():
-    for dt, prec, bm, bn, bk in (("bf16", "tf32", 128, 256, 64), ("fp32", "ieee", 64, 64, 32)):
+    for dt, prec, bm, bn, bk in (("bf16", "ieee", 128, 256, 64), ("fp32", "ieee", 64, 64, 32)):
         sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "counts_ptr": "*i32", "starts_ptr": "*i32",
                "slots_ptr": "*i32", "combine_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
                "slot_epoch_ptr": "*i64", "sent_ptr": "*i64",
