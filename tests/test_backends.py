@@ -189,13 +189,17 @@ def test_backend_entries_are_documented():
         assert inspect.getdoc(getattr(Backend, entry)), f"Backend.{entry} has no docstring"
 
 
-@pytest.mark.parametrize("arch,cus,lds", [("gfx942", 304, 64 * 1024), ("gfx950", 256, 160 * 1024)])
-def test_rocm_device_limits_come_from_the_runtime(monkeypatch, hip_runtime, arch, cus, lds):
+def test_hip_device_limits_come_from_the_runtime(monkeypatch, hip_runtime):
     """The ROCm facts take the CU count and the LDS per workgroup from hipDeviceGetAttribute
     (160 KiB on gfx950, where a constant 64 KiB was assumed), with hip-python's real attribute
     enum and a stand-in for the runtime's answers."""
     from portable_overlap.backends import rocm
 
+    for arch, cus, lds in (("gfx942", 304, 64 * 1024), ("gfx950", 256, 160 * 1024)):
+        _check_rocm_facts(monkeypatch, hip_runtime, rocm, arch, cus, lds)
+
+
+def _check_rocm_facts(monkeypatch, hip_runtime, rocm, arch, cus, lds):
     attr = hip_runtime.hipDeviceAttribute_t
     answers = {attr.hipDeviceAttributeMultiprocessorCount: cus,
                attr.hipDeviceAttributeMaxSharedMemoryPerBlock: lds,
