@@ -9,7 +9,8 @@
 #      (AllGather + GEMM benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS
 #      (MoE combine benchmark), PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
 #      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
-#      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, PO_EMB_SWEEP=0,
+#      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, 0 or
+#      PO_SKIP_EXAMPLES=1 skips the example, PO_EMB_SWEEP=0,
 #      PO_SKIP_EMB_BENCH=1 keeps only its checks),
 #      PO_SKIP_MR=1 / PO_MR_ARGS (GEMM + ReduceScatter / AllReduce benchmark), PO_CHECKS=name,...
 #      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
@@ -122,8 +123,10 @@ if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: c
     run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" "${sweep[@]}" \
         ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    run 300 examples/dlrm/train.py --steps ${PO_DLRM_STEPS:-300} 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    if [ "${PO_DLRM_STEPS:-300}" != 0 ] && [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then  # the DLRM example
+      run 300 examples/dlrm/train.py --steps ${PO_DLRM_STEPS:-300} 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    fi
   fi
 fi
 if [ "${PO_SKIP_DEMO:-0}" != 1 ]; then
