@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .allgather_gemm.api import check_call as check_all_gather_call
 from .context import ContextBase, collective_call, output_tensor
 from .gemm_signal.reference import (gemm_all_reduce_reference, gemm_all_to_all_signal_reference,
                                     gemm_reduce_scatter_reference)
@@ -86,7 +87,8 @@ class SequentialAllGatherMatmul(ContextBase):
     """The ``"sequential"`` transport of AllGather + GEMM (public op ``op``): a gather buffer of
     ``world_size * max_shard_elems`` elements, made once; each call gathers the shards into it
     with the vendor library's ``all_gather_into_tensor`` and multiplies: ``out = cat(a_0, ...,
-    a_{W-1}) @ b``. Its input checks and errors are the copy-engine transport's."""
+    a_{W-1}) @ b``. Its input checks and errors are the copy-engine transport's
+    (``allgather_gemm.api.check_call``)."""
 
     def __init__(self, world, op: str, max_shard_elems: int, *, timeout_s: float = 60.0,
                  **options):
@@ -106,15 +108,9 @@ class SequentialAllGatherMatmul(ContextBase):
         if schedule is not None:
             raise ValueError(f"{self.OP}: the 'sequential' transport has no schedules; got "
                              f"schedule={schedule!r}")
-        check_operands(self.OP, a, b, self.world.device)
+        out = check_all_gather_call(a, b, out, self.world, self.max_shard_elems)
         W = self.world.world_size
         m, K = a.shape
-        if m * K > self.max_shard_elems:
-            raise ValueError(f"{self.OP}: the shard's m*K={m * K} exceeds this context's "
-                             f"max_shard_elems={self.max_shard_elems}")
-        if not a.is_contiguous():  # the copy-engine transport's rule: switching changes nothing
-            raise ValueError(f"{self.OP}: a must be contiguous (its rows are copied by DMA)")
-        out = output_tensor(self.OP, out, (W * m, b.shape[1]), a)
         full = self._gather[:W * m * K * a.element_size()].view(a.dtype).view(W * m, K)
         if W > 1:
             dist.all_gather_into_tensor(full, a, group=self.world.group)

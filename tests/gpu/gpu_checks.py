@@ -283,6 +283,14 @@ def check_allgather_gemm(world: World, gen) -> None:
                                                      all_gather_matmul_reference)
 
     dev = world.device
+
+    def replays(label, ctx, a, b, out, **kw):  # 10 graph replays of one call, fresh inputs each
+        worst = worst_over_graph_replays(
+            ctx, lambda: ctx(a, b, out, **kw), a, out,
+            lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
+        record(f"allgather+gemm {label}10 graph replays", worst < TOL[torch.bfloat16] * 2,
+               f"worst rel_err={worst:.2e}")
+
     ctx = AllGatherMatmul(world, max_shard_elems=4096 * 8192)
     try:
         for m, N, K in ((4096, 8192, 8192), (1000, 777, 333), (3, 5, 7)):
@@ -301,17 +309,9 @@ def check_allgather_gemm(world: World, gen) -> None:
         a, b = rand((2048, 1024), torch.bfloat16, dev, gen), rand((1024, 512), torch.bfloat16,
                                                                    dev, gen)
         out = torch.empty(world.world_size * 2048, 512, dtype=torch.bfloat16, device=dev)
-        worst = worst_over_graph_replays(
-            ctx, lambda: ctx(a, b, out), a, out,
-            lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
-        record("allgather+gemm 10 graph replays", worst < TOL[torch.bfloat16] * 2,
-               f"worst rel_err={worst:.2e}")
+        replays("", ctx, a, b, out)
         # the default schedule is 1-D; the 2-D copies (cuMemcpy2DAsync) under capture too
-        worst = worst_over_graph_replays(
-            ctx, lambda: ctx(a, b, out, schedule="uniform-fused-2d"), a, out,
-            lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
-        record("allgather+gemm uniform-fused-2d 10 graph replays",
-               worst < TOL[torch.bfloat16] * 2, f"worst rel_err={worst:.2e}")
+        replays("uniform-fused-2d ", ctx, a, b, out, schedule="uniform-fused-2d")
     finally:
         ctx.close()
     # the sequential transport (NCCL all_gather_into_tensor, then cuBLAS): odd shapes, graph
@@ -329,11 +329,7 @@ def check_allgather_gemm(world: World, gen) -> None:
         a, b = rand((300, 333), torch.bfloat16, dev, gen), rand((333, 512), torch.bfloat16, dev,
                                                                  gen)
         out = torch.empty(world.world_size * 300, 512, dtype=torch.bfloat16, device=dev)
-        worst = worst_over_graph_replays(
-            seq, lambda: seq(a, b, out), a, out,
-            lambda: all_gather_matmul_reference(a, b, world.group), gen, 10)
-        record("allgather+gemm sequential 10 graph replays", worst < TOL[torch.bfloat16] * 2,
-               f"worst rel_err={worst:.2e}")
+        replays("sequential ", seq, a, b, out)
     finally:
         seq.close()
 

@@ -90,6 +90,21 @@ def pick_schedule(M: int, N: int, K: int, elem_bytes: int, arch: str) -> str:
     return "hetero-fused-1d"
 
 
+def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], world,
+               max_shard_elems: int) -> torch.Tensor:
+    """What every transport checks first, with the same errors (switching the transport changes
+    nothing but speed): the operands, the shard's size, a contiguous ``a`` (its rows are copied
+    by DMA), ``out`` of shape [W * m, N] (made if None). Returns ``out``."""
+    check_operands(OP, a, b, world.device)
+    m, K = a.shape
+    if m * K > max_shard_elems:
+        raise ValueError(f"{OP}: the shard's m*K={m * K} exceeds this context's "
+                         f"max_shard_elems={max_shard_elems}")
+    if not a.is_contiguous():
+        raise ValueError(f"{OP}: a must be contiguous (its rows are copied by DMA)")
+    return output_tensor(OP, out, (world.world_size * m, b.shape[1]), a)
+
+
 class AllGatherMatmul(PatternContext):
     """Workspace of :func:`all_gather_matmul` on one rank, for shards of at most
     ``max_shard_elems`` elements (m × K of the largest call): ``AllGatherMatmul(world,
@@ -157,16 +172,9 @@ class AllGatherMatmulCE(OverlapContext):
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  schedule: Optional[str] = None) -> torch.Tensor:
-        check_operands(OP, a, b, self.world.device)
         W, r = self.world.world_size, self.rank
-        m, K = a.shape
-        N = b.shape[1]
-        if m * K > self.max_shard_elems:
-            raise ValueError(f"{OP}: the shard's m*K={m * K} exceeds this context's "
-                             f"max_shard_elems={self.max_shard_elems}")
-        if not a.is_contiguous():
-            raise ValueError(f"{OP}: a must be contiguous (its rows are copied by DMA)")
-        out = output_tensor(OP, out, (W * m, N), a)
+        out = check_call(a, b, out, self.world, self.max_shard_elems)
+        (m, K), N = a.shape, b.shape[1]
         sched = schedule or self.schedule or pick_schedule(
             W * m, N, K, a.element_size(), self.world.facts.arch)
         if sched not in SCHEDULES:

@@ -48,8 +48,7 @@ def stage_bytes(cfg: GemvConfig, m: int, dtype: torch.dtype) -> int:
     them), as Triton's pipeliners allocate it (72 KiB for fp32 32 x 64 x 4 stages at M = 64 on
     gfx942, compiled: tests/test_compile_configs.py)."""
     block_m = max(16, 1 << (max(1, m) - 1).bit_length())
-    elem = torch.empty((), dtype=dtype).element_size()
-    return max(1, cfg.num_stages - 1) * (cfg.block_n + block_m) * cfg.block_k * elem
+    return max(1, cfg.num_stages - 1) * (cfg.block_n + block_m) * cfg.block_k * dtype.itemsize
 
 
 def fit_shared(cfg: GemvConfig, m: int, dtype: torch.dtype, limit: int) -> GemvConfig:
