@@ -30,7 +30,8 @@ import torch.distributed as dist
 from benchmarks.cli import BenchParser
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import World
-from portable_overlap.ops.moe_combine import MoeGemmCombine, dispatch
+from portable_overlap.ops.moe_combine import MoeGemmCombine
+from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
 
 SHAPES = [(8192, 2048, 1536, 8, 2), (8192, 2048, 1536, 32, 5), (8192, 4096, 2048, 8, 2),
           (8192, 4096, 2048, 32, 5)]
@@ -81,7 +82,7 @@ def one_shape(bench, solo, gen, dname, dt, S, H, I, E, k) -> None:
         tokens = torch.randn(S, I, generator=gen, device=dev).to(dt)
         ids = route(kind, S, E, k, gen, dev)
         tw = torch.softmax(torch.randn(S, k, generator=gen, device=dev), 1)
-        x, counts, slots = dispatch(tokens, ids, El, world.group)
+        x, counts, slots = moe_dispatch_reference(tokens, ids, El, world.group)
         R = x.shape[0]
         out = torch.empty(S, H, device=dev, dtype=dt)
         # --- the sequential path's fixed metadata (known on the host after dispatch)

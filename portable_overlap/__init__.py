@@ -15,6 +15,7 @@ matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signa
                                                       sequential
 gemv_all_reduce         GemvAllReduce                 stores
 embedding_all_to_all    EmbeddingAllToAll             stores, shmem
+moe_dispatch            MoeDispatch                   stores, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================
 
@@ -39,6 +40,7 @@ from .ops.matmul_reduce import (MatmulAllReduce, MatmulReduceScatter, matmul_all
                                 matmul_all_reduce_reference, matmul_reduce_scatter,
                                 matmul_reduce_scatter_reference)
 from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine, moe_gemm_combine_reference
+from .ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
 from .ops.registry import SPECS
 from .world import World
 

@@ -16,7 +16,8 @@ from portable_overlap.ops.gemm_alltoall import gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.matmul_reduce import (matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
-from portable_overlap.ops.moe_combine import dispatch, moe_gemm_combine_reference
+from portable_overlap.ops.moe_combine import moe_gemm_combine_reference
+from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
 from portable_overlap.testing.compare import rel_err
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
@@ -40,7 +41,7 @@ def _every_op(world):
     ids = torch.rand(S, W, generator=g).topk(k, dim=1).indices  # one expert per rank
     tokens, tw = torch.randn(S, 8, generator=g), torch.rand(S, k, generator=g)
     we = torch.randn(1, 8, 16, generator=g)
-    xr, counts, slots = dispatch(tokens, ids, 1, world.group)
+    xr, counts, slots = moe_dispatch_reference(tokens, ids, 1, world.group)
     ctx = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=16, experts_per_rank=1,
                          config=SMALL)
     out = ctx(xr, we, counts, slots, tw)

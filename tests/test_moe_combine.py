@@ -6,7 +6,8 @@ import torch
 from portable_overlap.testing import call_while_peers_skip
 from portable_overlap import InvalidInputError, PeerTimeoutError
 from portable_overlap.ops.matmul import MatmulConfig
-from portable_overlap.ops.moe_combine import (MoeGemmCombine, dispatch, moe_gemm_combine,
+from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
+from portable_overlap.ops.moe_combine import (MoeGemmCombine, moe_gemm_combine,
                                               moe_gemm_combine_reference, validate_routing)
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -41,7 +42,7 @@ def _cases(world, dtype, cases, config=None):
             ids = _route(kind, S, El * W, k, world.rank, g)
             topk_w = torch.softmax(torch.randn(S, k, generator=g), dim=1)
             w = (torch.randn(El, I, H, generator=g) / I ** 0.5).to(dtype)
-            x, counts, slots = dispatch(tokens, ids, El, world.group)
+            x, counts, slots = moe_dispatch_reference(tokens, ids, El, world.group)
             validate_routing(x, counts, slots, S, k, world)
             out = torch.full((S, H), float("nan"), dtype=dtype)
             moe_gemm_combine(x, w, counts, slots, topk_w, ctx, out=out)
@@ -134,7 +135,7 @@ def _bad_routing(world, fault):
     S, k = 6, 2
     tokens = torch.randn(S, 8, generator=g)
     ids = torch.rand(S, 2 * world.world_size, generator=g).topk(k, dim=1).indices
-    x, counts, slots = dispatch(tokens, ids, 2, world.group)
+    x, counts, slots = moe_dispatch_reference(tokens, ids, 2, world.group)
     if world.rank == 1:
         if fault == "slot":
             slots[0] = 10 ** 6  # far outside the combine buffer
@@ -197,7 +198,7 @@ def _late_combine(world):
     ids = (torch.full((S, k), r) if r == W - 1 else torch.randint(0, W, (S, k), generator=g))
     tokens, tw = torch.randn(S, 8, generator=g), torch.rand(S, k, generator=g)
     w = torch.randn(El, 8, 16, generator=g)
-    x, counts, slots = dispatch(tokens, ids, El, world.group)
+    x, counts, slots = moe_dispatch_reference(tokens, ids, El, world.group)
     try:
         outs = [ctx(x, w, counts, slots, tw) for _ in range(3)]
         ctx.synchronize()
@@ -229,7 +230,7 @@ def _corrupt_slots(world, fault, owner):
         ids[:, 0] = El  # every token's first choice is rank 1's first expert
         tokens, tw = torch.randn(S, 8, generator=g), torch.rand(S, k, generator=g)
         w = torch.randn(El, 8, H, generator=g)
-        x, counts, slots = dispatch(tokens, ids, El, world.group)
+        x, counts, slots = moe_dispatch_reference(tokens, ids, El, world.group)
         return x, w, counts, slots, tw
 
     try:
@@ -304,7 +305,7 @@ def _phases(world):
         ids = _route("uniform", S, El * W, k, world.rank, g)
         topk_w = torch.softmax(torch.randn(S, k, generator=g), dim=1)
         w = torch.randn(El, I, H, generator=g) / I ** 0.5
-        x, counts, slots = dispatch(tokens, ids, El, world.group)
+        x, counts, slots = moe_dispatch_reference(tokens, ids, El, world.group)
         out = torch.full((S, H), float("nan"))
         phases = ctx.phases(x, w, counts, slots, topk_w, out)
         out.fill_(float("nan"))  # poisoned: what follows must write all of it again

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.moe_combine import MoeGemmCombine, dispatch, moe_gemm_combine
+from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
+from ..ops.moe_dispatch import moe_dispatch_reference
 from ..ops.moe_combine.reference import combine_rows, expert_outputs
 
 
@@ -66,7 +67,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(tokens)
-        x, counts, slots = dispatch(tokens, ids, self.experts_per_rank, self.world.group)
+        x, counts, slots = moe_dispatch_reference(tokens, ids, self.experts_per_rank,
+                                                  self.world.group)
         bounds = [0] + torch.cumsum(counts.flatten().long(), 0).tolist()
         h = x.new_empty((x.shape[0], self.w_up.shape[2]))
         for s in range(len(bounds) - 1):  # first expert GEMMs, per (source, expert) segment

@@ -102,7 +102,8 @@ def _gemv() -> Op:
 
 
 def _moe() -> Op:
-    from ..ops.moe_combine import MoeGemmCombine, dispatch, moe_gemm_combine_reference
+    from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
+    from ..ops.moe_dispatch import moe_dispatch_reference
 
     S, H, I, E, k = 6, 16, 8, 2, 2
 
@@ -111,7 +112,7 @@ def _moe() -> Op:
                 ids=torch.rand(S, E * world.world_size, generator=g).topk(k, dim=1).indices,
                 topk=torch.softmax(torch.randn(S, k, generator=g), dim=1),
                 w=torch.randn(E, I, H, generator=g) / I ** 0.5)
-        x, counts, slots = dispatch(t["tokens"], t["ids"], E, world.group)
+        x, counts, slots = moe_dispatch_reference(t["tokens"], t["ids"], E, world.group)
         return {"x": x, "w": t["w"], "counts": counts, "slots": slots, "topk": t["topk"]}
 
     def corrupt(fault, i):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from portable_overlap import (GemvAllReduce, PeerTimeoutError, PortableOverlapError, World,
-                              gemv_all_reduce, gemv_all_reduce_reference)
+                              gemv_all_reduce, gemv_all_reduce_reference, moe_dispatch)
 from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -233,8 +233,8 @@ def check_moe_combine(world: World, gen) -> None:
 
 
 def _check_moe_combine(world, gen, transport):
-    from portable_overlap.ops.moe_combine import (MoeGemmCombine, dispatch,
-                                                  moe_gemm_combine_reference)
+    from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
+    from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
 
     W, dev = world.world_size, world.device
     H, I, El, k = 1024, 768, 4, 2
@@ -251,7 +251,7 @@ def _check_moe_combine(world, gen, transport):
                 tokens = rand((S, I), dt, dev, gen)
                 w = rand((El, I, H), dt, dev, gen) / I ** 0.5
                 tw = torch.softmax(torch.randn(S, k, generator=g, device=dev), 1)
-                x, counts, slots = dispatch(tokens, ids, El, world.group)
+                x, counts, slots = moe_dispatch_reference(tokens, ids, El, world.group)
                 out = torch.full((S, H), float("nan"), dtype=dt, device=dev)
                 for _ in range(3):
                     ctx(x, w, counts, slots, tw, out=out)
@@ -273,6 +273,124 @@ def _check_moe_combine(world, gen, transport):
             worst = max(worst, rel_err(out, ref))
         record(f"moe[{transport}] 10 graph replays", worst < TOL[torch.float32] * 2,
                f"worst rel_err={worst:.2e}")
+    finally:
+        ctx.close()
+
+
+def check_moe_dispatch(world: World, gen) -> None:
+    """Device-initiated MoE dispatch against the all_to_all reference (rows, counts and slots
+    equal): ranks with different token counts, uniform / skewed / one-rank routing, every
+    dtype, int32 ids; graph replays with new routing each (the dispatch alone, and dispatch +
+    combine in one graph); an id out of range raises on every rank, and the next call is right."""
+    from portable_overlap import InvalidInputError
+    from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
+    from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
+
+    W, r, dev = world.world_size, world.rank, world.device
+
+    def routing(kind, S, E_total, k, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        scores = torch.rand(S, E_total, generator=g, device=dev)
+        if kind == "skewed":
+            scores = scores * torch.linspace(4, 0.1, E_total, device=dev)
+        elif kind == "one_rank":
+            scores[:, : E_total - E_total // W] = -1
+        return scores.topk(k, dim=1).indices
+
+    def same(got, ref):
+        x, counts, slots = got
+        xr, cr, sr = ref
+        R = xr.shape[0]
+        return (torch.equal(counts, cr) and torch.equal(slots[:R], sr)
+                and torch.equal(x[:R], xr)), R
+
+    for S, H, El, k, kind, dt in ((4096 - 777 * r, 7168, 8, 8, "uniform", torch.bfloat16),
+                                  (3000, 1000, 4, 2, "skewed", torch.float16),
+                                  (5 * r, 33, 2, 2, "one_rank", torch.float32)):
+        ctx = MoeDispatch(world, max_tokens=4096, top_k=k, hidden=H, experts_per_rank=El,
+                          dtype=dt)
+        try:
+            for call in range(3):
+                ids = routing(kind, S, El * W, k, 10 * call + r)
+                if call == 2:
+                    ids = ids.to(torch.int32)
+                tokens = rand((S, H), dt, dev, gen)
+                ctx.recv.fill_(float("nan"))
+                got = moe_dispatch(tokens, ids, ctx)
+                ctx.synchronize()
+                ok, R = same(got, moe_dispatch_reference(tokens, ids, El, world.group))
+                record(f"moe_dispatch S={S} H={H} {kind} {str(dt)[6:]} call {call}", ok,
+                       f"rows={R}")
+        finally:
+            ctx.close()
+    # graph replays: new routing and tokens copied into the captured inputs before each
+    S, H, I, El, k = 2048, 1024, 512, 4, 4
+    disp = MoeDispatch(world, max_tokens=S, top_k=k, hidden=I, experts_per_rank=El,
+                       dtype=torch.bfloat16)
+    comb = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El)
+    try:
+        tokens = rand((S, I), torch.bfloat16, dev, gen)
+        ids = routing("uniform", S, El * W, k, 99 + r)
+        w = rand((El, I, H), torch.bfloat16, dev, gen) / I ** 0.5
+        tw = torch.softmax(rand((S, k), torch.float32, dev, gen), 1)
+        out = torch.empty(S, H, dtype=torch.bfloat16, device=dev)
+
+        def layer():
+            x, counts, slots = moe_dispatch(tokens, ids, disp)
+            comb(x, w, counts, slots, tw, out=out)
+
+        layer()
+        disp.synchronize()
+        comb.synchronize()
+        g_disp, g_layer = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_disp):
+            moe_dispatch(tokens, ids, disp)
+        with torch.cuda.graph(g_layer):
+            layer()
+        bad_disp, worst = 0, 0.0
+        for rep in range(10):
+            kind = ("uniform", "skewed", "one_rank")[rep % 3]
+            ids.copy_(routing(kind, S, El * W, k, 1000 + 7 * rep + r))
+            tokens.copy_(rand((S, I), torch.bfloat16, dev, gen))
+            disp.recv.fill_(float("nan"))
+            g_disp.replay()
+            disp.synchronize()
+            ref = moe_dispatch_reference(tokens, ids, El, world.group)
+            bad_disp += not same((disp.recv, disp.counts, disp.recv_slots), ref)[0]
+            out.fill_(float("nan"))
+            g_layer.replay()
+            comb.synchronize()
+            disp.synchronize()
+            worst = max(worst, rel_err(out, moe_gemm_combine_reference(*ref[:1], w, *ref[1:],
+                                                                       tw, world.group)))
+        record("moe_dispatch 10 graph replays, new routing each", bad_disp == 0,
+               f"{bad_disp} wrong")
+        record("moe_dispatch + combine in one graph, 10 replays", worst < TOL[torch.bfloat16] * 2,
+               f"worst rel_err={worst:.2e}")
+    finally:
+        comb.close()
+        disp.close()
+    # an id out of range on rank 1: every rank raises for that call; the next one is right
+    ctx = MoeDispatch(world, max_tokens=64, top_k=2, hidden=64, experts_per_rank=2,
+                      dtype=torch.float32)
+    try:
+        tokens = rand((64, 64), torch.float32, dev, gen)
+        ids = routing("uniform", 64, 2 * W, 2, 5 + r)
+        if r == 1:
+            ids[7, 1] = 2 * W + 3
+        try:
+            moe_dispatch(tokens, ids, ctx)
+            ctx.synchronize()
+            res = "no error"
+        except InvalidInputError as e:
+            res = str(e)
+        ids = routing("uniform", 64, 2 * W, 2, 6 + r)
+        got = moe_dispatch(tokens, ids, ctx)
+        ctx.synchronize()
+        ok, _ = same(got, moe_dispatch_reference(tokens, ids, 2, world.group))
+        raised = world.all_gather_object("expert id" in res)
+        record("moe_dispatch bad id raises on every rank, next call right", all(raised) and ok,
+               res.splitlines()[-1][:120])
     finally:
         ctx.close()
 
@@ -514,7 +632,8 @@ def main() -> int:
         check_bad_input(world, ctx)
         ctx.close()
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
-                  check_matmul_reduce, check_moe_combine, check_peer_failures):
+                  check_matmul_reduce, check_moe_combine, check_moe_dispatch,
+                  check_peer_failures):
         if check is check_peer_failures and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:

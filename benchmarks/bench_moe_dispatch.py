@@ -1,0 +1,123 @@
+"""Benchmark of the device-initiated MoE dispatch against the torch dispatch, by the protocol in
+benchmarks/harness.py. Run under torchrun:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_moe_dispatch.py --out results.jsonl \\
+        --device-kind nvidia-h200-x2
+
+Shapes (S tokens per rank, H, E experts in all, top-k); routing ``balanced`` (uniform top-k) or
+``zipf`` (expert popularity ~ 1/(rank+1)^1.2). Timed:
+
+- ``fused``: ``MoeDispatch`` (count, exchange, and rows stored straight into the destinations'
+  heaps; no host sync, so it is also timed as a CUDA-graph replay);
+- ``sequential``: ``moe_dispatch_reference``, the torch path: argsort, bincount, an
+  ``all_to_all_single`` of the counts, a host read of the splits, ``all_to_all_single`` of the
+  rows and of the slots (plain launches only: the host read cannot be captured);
+- ``comm``: ``all_to_all_single`` of the same rows with the splits known in advance (the
+  bytes by NCCL alone, the dispatch's ideal).
+
+``fused`` is checked against ``sequential`` (rows, counts and slots equal) before timing.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.cli import BenchParser
+from benchmarks.runner import Case, run_main, torch_dtype
+from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
+
+# (S, H, E, k): DeepSeek-like and Mixtral-like expert layouts, prefill and decode token counts
+SHAPES = [(8192, 7168, 16, 8), (8192, 4096, 8, 2), (128, 7168, 16, 8), (128, 4096, 8, 2)]
+OP = "moe_dispatch"
+
+
+def route(kind, S, E, k, gen, dev):
+    if kind == "zipf":
+        p = 1.0 / torch.arange(1, E + 1, device=dev, dtype=torch.float32) ** 1.2
+        return torch.multinomial(p.expand(S, E), k, replacement=False, generator=gen)
+    return torch.rand(S, E, generator=gen, device=dev).topk(k, dim=1).indices
+
+
+def parser() -> BenchParser:
+    ap = BenchParser(__doc__, dims=("S", "H", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
+                     allowed_dtypes=("bf16", "fp16", "fp32"), iters=50, warmup=10)
+    ap.add_argument("--routings", default="balanced,zipf")
+    return ap
+
+
+def body(bench) -> int:
+    world, args = bench.world, bench.args
+    dev, r = world.device, world.rank
+    gen = torch.Generator(device=dev).manual_seed(r)
+    for dname in args.dtypes:
+        for sh in args.shapes:
+            one_shape(bench, gen, dname, torch_dtype(dname),
+                      *(sh[d] for d in ("S", "H", "E", "k")))
+    return 0
+
+
+def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
+    world, args = bench.world, bench.args
+    dev, W, r = world.device, world.world_size, world.rank
+    El = E // W
+    ctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt)
+    try:
+        for kind in [x for x in args.routings.split(",") if x]:
+            shape = {"S": S, "H": H, "E": E, "k": k, "routing": kind}
+            tokens = torch.randn(S, H, generator=gen, device=dev).to(dt)
+            ids = route(kind, S, E, k, gen, dev)
+            ref = moe_dispatch_reference(tokens, ids, El, world.group)
+            R = ref[0].shape[0]
+            # the same rows by NCCL alone, splits known on the host beforehand
+            order = torch.argsort(ids.reshape(-1), stable=True)
+            send_rows = tokens[order // k].contiguous()
+            send_splits = torch.bincount(ids.reshape(-1), minlength=E).view(W, El).sum(1)
+            send_splits = send_splits.tolist()
+            recv_splits = ref[1].sum(1).tolist()
+            recv_rows = torch.empty(R, H, dtype=dt, device=dev)
+
+            def comm():
+                dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits,
+                                       group=world.group)
+
+            impls = {"fused": lambda: ctx(tokens, ids),
+                     "sequential": lambda: moe_dispatch_reference(tokens, ids, El,
+                                                                  world.group),
+                     "comm": comm}
+
+            def check(name):
+                ctx.recv.fill_(float("nan"))
+                x, counts, slots = impls[name]()
+                ctx.synchronize()
+                same = (torch.equal(counts, ref[1]) and torch.equal(slots[:R], ref[2])
+                        and torch.equal(x[:R], ref[0]))
+                return 0.0 if same else float("inf")
+
+            row_bytes = H * tokens.element_size()
+            sent = (S * k - send_splits[r]) * row_bytes  # the rows that leave this rank
+            label = f"{S}x{H}x{E}x{k} {kind} {dname}"
+            graphs = args.graphs
+            try:
+                # the torch path reads its splits on the host: plain launches only
+                args.graphs = tuple(g for g in graphs if not g)
+                bench.run(Case(op=OP, shape=shape, dtype=dname, impls=impls, check=check,
+                               checked=["fused"], tol=1e-9, label=label,
+                               fields=lambda name: {"bytes_sent_per_rank": sent,
+                                                    "rows_received": R}))
+                args.graphs = tuple(g for g in graphs if g)
+                if args.graphs:
+                    bench.run(Case(op=OP, shape=shape, dtype=dname,
+                                   impls={"fused": impls["fused"], "comm": comm},
+                                   label=label, summarize=(),
+                                   fields=lambda name: {"bytes_sent_per_rank": sent,
+                                                        "rows_received": R}))
+            finally:
+                args.graphs = graphs
+    finally:
+        ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(parser(), body))

@@ -1,0 +1,241 @@
+"""MoE dispatch (expert parallelism) started and finished on the GPU: no host sync, capturable.
+
+What it computes on rank r (``E`` local experts per rank, expert ``g`` on rank ``g // E``)::
+
+    # tokens [S, H], topk_ids [S, k]: rank r's tokens and the global experts of each
+    x, counts, slots = moe_dispatch_reference(tokens, topk_ids, E)   # all_to_all of real rows
+    # x [R, H]: the rows routed to r's experts, by source rank q, then local expert e, in slot
+    # order within a segment; counts [W, E] int32 (rows from q for e); slots [R] int32 (the
+    # row's slot s * k + j on its source rank)
+
+``MoeDispatch(world, ...)(tokens, topk_ids)`` returns ``(x, counts, slots)`` with ``x`` and
+``slots`` of ``capacity`` rows: the first ``counts.sum()`` are the dispatch's, the rest are
+left as they were. They are views of the context's buffers, valid until its next call (clone
+them to keep them): the layout ``moe_gemm_combine`` takes, so its ``x`` may be these very
+buffers (after the expert's first GEMM). Two transports:
+
+- ``"stores"`` (default): three kernels (kernel.py) count the routing, exchange the counts and
+  store every row straight into its destination's receive buffer (zero-copy over NVLink /
+  Infinity Fabric). The host reads nothing: a call can be captured in a CUDA graph and
+  replayed with new routing. Routing faults are found on the device and raised at the
+  context's next check, on every rank for the same call: an expert id out of range (its slot
+  is routed nowhere), more rows for a rank than its ``capacity`` (the rows past it are not
+  stored and that rank's counts are zeros, so a consumer reads no row past the buffer);
+- ``"sequential"``: ``moe_dispatch_reference`` (``all_to_all_single`` with host-read splits),
+  copied into the same buffers; an out-of-range id raises on every rank, a capacity overflow
+  on the rank that overflows.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...errors import InvalidInputError
+from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
+from ..matmul.api import DTYPES
+from ..registry import OpSpec, define
+from .kernel import (FLAG_NAMES, dispatch_scatter_kernel, route_count_kernel,
+                     route_exchange_kernel)
+from .reference import moe_dispatch_reference
+
+TRANSPORTS = ("stores", "sequential")
+OP = "moe_dispatch"
+MAX_EXPERTS = 1024  # experts in all (world * experts_per_rank): the count kernel's one-hot width
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class MoeDispatch(OverlapContext):
+    """Workspace of the MoE dispatch on one rank: a receive buffer of ``capacity`` rows of
+    ``hidden`` elements of ``dtype`` and their slots, the routing counts of every rank and the
+    flags in the symmetric heap. ``max_tokens``: the most tokens any rank passes in a call;
+    ``capacity``: the most rows any rank may receive in a call (default ``world * max_tokens *
+    top_k``, which no routing exceeds; a smaller one saves memory, and a call that passes it
+    raises). Collective to create and close; calls in the same order on every rank, on one
+    stream."""
+
+    OP = OP
+    FLAG_NAMES = FLAG_NAMES
+
+    def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
+                 experts_per_rank: int, dtype: torch.dtype = torch.bfloat16,
+                 capacity: Optional[int] = None, timeout_s: float = 10.0,
+                 transport: str = "stores"):
+        W = world.world_size
+        if capacity is None and all(isinstance(v, int) for v in (max_tokens, top_k)):
+            capacity = W * max_tokens * top_k
+        for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
+                        ("experts_per_rank", experts_per_rank), ("capacity", capacity)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
+        if dtype not in DTYPES:
+            raise TypeError(f"{OP}: dtype must be one of {DTYPES}, got {dtype}")
+        if W * experts_per_rank > MAX_EXPERTS:
+            raise ValueError(f"{OP}: at most {MAX_EXPERTS} experts in all, got {W} ranks x "
+                             f"{experts_per_rank}")
+        if max_tokens * top_k >= 2 ** 31 or capacity >= 2 ** 31:
+            raise ValueError(f"{OP}: max_tokens * top_k and capacity must stay below 2**31")
+        world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
+                                                     str(dtype), capacity, transport))
+        self.transport = transport
+        self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
+        self.experts_per_rank, self.dtype, self.capacity = experts_per_rank, dtype, capacity
+        E_total = W * experts_per_rank
+        cpu = world.device.type == "cpu"
+        # slots per block: the scatter ranks a block's slots with a [BLOCK_T, BLOCK_T] compare,
+        # the count kernel takes a [BLOCK_T, BLOCK_E] one-hot
+        self.block_e = _pow2(E_total)
+        self.block_t = 16 if cpu else (64 if self.block_e <= 256 else 32)
+        n_blocks = -(-max_tokens * top_k // self.block_t)
+        super().__init__(world, [
+            ("recv", (capacity, hidden), dtype), ("recv_slots", (capacity,), torch.int32),
+            ("counts_in", (W, E_total + 1), torch.int32),
+            ("count_flag", (W, 1), torch.int64), ("sent", (W, G_MAX), torch.int64),
+            ("consumed", (W,), torch.int64), ("ctl", (4,), torch.int64),
+        ], timeout_s)
+        if transport == "stores":
+            self.call_protocol(self.ctl, call_flags=(self.count_flag, self.sent),
+                               free_flags=(self.consumed,))
+        dev = world.device
+        self._hist = torch.zeros(n_blocks * self.block_e, dtype=torch.int32, device=dev)
+        self._base = torch.zeros_like(self._hist)
+        self._dest_start = torch.zeros(E_total, dtype=torch.int32, device=dev)
+        self._bad = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.counts = torch.zeros((W, experts_per_rank), dtype=torch.int32, device=dev)
+
+    def close(self) -> None:
+        super().close()
+        self.recv = self.recv_slots = None
+
+    @collective_call
+    def __call__(self, tokens: torch.Tensor, topk_ids: torch.Tensor) -> tuple:
+        self._validate(tokens, topk_ids)
+        if self.transport == "sequential":
+            return self._sequential(tokens, topk_ids)
+        for launch in self._launches(tokens, topk_ids):
+            launch()
+        return self.recv, self.counts, self.recv_slots
+
+    # -- launches ------------------------------------------------------------------------------
+    def _launches(self, tokens, topk_ids) -> tuple:
+        """The call's three launches (count, exchange, scatter), planned on first use."""
+        # S changes with the call and is never specialized on (kernel.py): plans depend on
+        # what is fixed for a model (dtype, strides, alignment)
+        key = (tokens.dtype, tokens.stride(0), topk_ids.dtype,
+               align_key(tokens, topk_ids))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(tokens, topk_ids)
+        count, exchange, scatter = plan
+        args = self._args(tokens, topk_ids, scatter.tag)
+        return (lambda: count(args[0]), lambda: exchange(args[1]), lambda: scatter(args[2]))
+
+    def _args(self, tokens, topk_ids, tag) -> tuple:
+        W, E = self.world.world_size, self.experts_per_rank
+        n = topk_ids.numel()
+        st = self.status.address
+        count = (topk_ids, self._hist, self._bad, st, n, W * E)
+        exchange = (self._hist, self._base, self._bad, self._dest_start, self.counts,
+                    self.counts_in, self.count_flag, self.consumed, self.ctl, self.call_clock, self.heap.bases,
+                    st, n, E, self.capacity, self.rank, W, tag, self.timeout_us)
+        scatter = (tokens, topk_ids, self._base, self._dest_start, self.recv, self.recv_slots,
+                   self.sent, self.ctl, self.call_clock, self.heap.bases, st, n, self.top_k,
+                   self.hidden, tokens.stride(0), E, self.capacity, self.rank, W, tag,
+                   self.timeout_us)
+        return count, exchange, scatter
+
+    def _plan(self, tokens, topk_ids) -> tuple:
+        W, E = self.world.world_size, self.experts_per_rank
+        cpu = self.world.device.type == "cpu"
+        programs = min(self.world.facts.sm_count, G_MAX)
+        BT, BE = self.block_t, self.block_e
+        elem = tokens.element_size()
+        block_h = 16 if cpu else min(_pow2(self.hidden), 512 // elem)
+
+        def tag_of(g):  # what must agree across ranks (not S, which may differ)
+            return shape_tag(OP, hidden=self.hidden, top_k=self.top_k, experts_per_rank=E,
+                             dtype=str(tokens.dtype), capacity=self.capacity, programs=g,
+                             block_t=BT)
+
+        def args(g):
+            return self._args(tokens, topk_ids, tag_of(g))
+
+        # every program waits for its counterparts on the peers: the grid must be resident
+        scatter = self._compile(dispatch_scatter_kernel, programs,
+                                dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_H=block_h, G_MAX=G_MAX,
+                                     num_warps=4, num_stages=1), lambda g: args(g)[2])
+        scatter.tag = tag_of(scatter.programs)
+        final = args(scatter.programs)  # the tag every launch of the call carries
+        count = self._compile(route_count_kernel, scatter.programs,
+                              dict(BLOCK_T=BT, BLOCK_E=BE, num_warps=4, num_stages=1),
+                              lambda g: final[0])
+        exchange = self._compile(route_exchange_kernel, 1,
+                                 dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_P=max(1, min(64, 8192 // BE)),
+                                      BLOCK_W=_pow2(W), BLOCK_EL=_pow2(E), num_warps=4,
+                                      num_stages=1), lambda g: final[1])
+        return count, exchange, scatter
+
+    def _sequential(self, tokens, topk_ids) -> tuple:
+        x, counts, slots = moe_dispatch_reference(tokens, topk_ids, self.experts_per_rank,
+                                                  self.world.group)
+        R = x.shape[0]
+        if R > self.capacity:
+            raise InvalidInputError(f"{OP}: rank {self.rank} receives {R} rows in this call, "
+                                    f"past its capacity of {self.capacity}")
+        self.recv[:R].copy_(x)
+        self.recv_slots[:R].copy_(slots)
+        self.counts.copy_(counts)
+        return self.recv, self.counts, self.recv_slots
+
+    # -- checks --------------------------------------------------------------------------------
+    def _validate(self, tokens, topk_ids) -> None:
+        dev = self.world.device
+        for name, t in (("tokens", tokens), ("topk_ids", topk_ids)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{OP}: {name} must be a tensor")
+            if t.device != dev:
+                raise ValueError(f"{OP}: {name} must be on {dev}, got {t.device}")
+        if tokens.dtype != self.dtype:
+            raise TypeError(f"{OP}: tokens must be {self.dtype} (the context's dtype), got "
+                            f"{tokens.dtype}")
+        if tokens.dim() != 2 or tokens.shape[1] != self.hidden or (
+                tokens.shape[0] > 1 and tokens.stride(1) != 1) or tokens.stride(0) < 0:
+            raise ValueError(f"{OP}: tokens must be [S, {self.hidden}] with contiguous rows; got "
+                             f"{tuple(tokens.shape)} strides {tokens.stride()}")
+        if topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 \
+                or topk_ids.shape != (tokens.shape[0], self.top_k) \
+                or not topk_ids.is_contiguous():
+            raise ValueError(f"{OP}: topk_ids must be a contiguous int32/int64 [S, "
+                             f"{self.top_k}] tensor with S = tokens.shape[0] = "
+                             f"{tokens.shape[0]}; got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+        if tokens.shape[0] > self.max_tokens:
+            raise ValueError(f"{OP}: S={tokens.shape[0]} tokens exceed this context's "
+                             f"max_tokens={self.max_tokens}")
+
+
+def _fake(ctx, tokens, topk_ids):
+    W = ctx.world.world_size
+    return (tokens.new_empty((ctx.capacity, ctx.hidden)),
+            tokens.new_empty((W, ctx.experts_per_rank), dtype=torch.int32),
+            tokens.new_empty((ctx.capacity,), dtype=torch.int32))
+
+
+MOE_DISPATCH = define(OpSpec(
+    OP, "(Tensor tokens, Tensor topk_ids, int handle) -> (Tensor, Tensor, Tensor)",
+    context=MoeDispatch, transports=TRANSPORTS,
+    compile_specs=("portable_overlap.ops.moe_dispatch.compile_specs",), fake=_fake))
+
+
+def moe_dispatch(tokens, topk_ids, ctx: MoeDispatch) -> tuple:
+    """Route this rank's tokens to the ranks of their top-k experts: returns ``(x, counts,
+    slots)`` in the layout of the module docstring (``x`` and ``slots`` with the context's
+    ``capacity`` rows, of which the first ``counts.sum()`` are this call's). Under
+    ``torch.compile`` one opaque op, ``torch.ops.portable_overlap.moe_dispatch(tokens,
+    topk_ids, ctx.handle)``."""
+    return MOE_DISPATCH(ctx, (tokens, topk_ids))

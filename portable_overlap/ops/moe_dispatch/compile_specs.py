@@ -1,0 +1,39 @@
+"""Representative compile signatures of the MoE dispatch kernels."""
+from .kernel import dispatch_scatter_kernel, route_count_kernel, route_exchange_kernel
+
+_EXCHANGE_ARGS = ("status_addr:i64 n_slots:i32 E:i32 capacity:i32 rank:i32 world:i32 tag:i32 "
+                  "timeout_us:i32")
+_SCATTER_ARGS = ("status_addr:i64 n_slots:i32 k:i32 H:i32 stride_ts:i32 E:i32 capacity:i32 "
+                 "rank:i32 world:i32 tag:i32 timeout_us:i32")
+
+
+def _sig(pointers: dict, scalars: str, consts: dict) -> dict:
+    sig = dict(pointers)
+    sig.update(dict(kv.split(":") for kv in scalars.split()))
+    sig.update({k: "constexpr" for k in consts})
+    return sig
+
+
+def specs():
+    # (DeepSeek-like: 8 ranks x 32 experts, top-8 ids int64; 2 ranks x 8 experts, int32 ids)
+    for ids, BE, BT, W, El in (("i64", 256, 64, 8, 32), ("i32", 16, 64, 2, 8)):
+        consts = dict(BLOCK_T=BT, BLOCK_E=BE)
+        yield (f"route_count[{ids},E{BE}]", route_count_kernel,
+               _sig({"ids_ptr": f"*{ids}", "hist_ptr": "*i32", "bad_ptr": "*i32"},
+                    "status_addr:i64 n_slots:i32 E_total:i32", consts), consts, ["hist_ptr"])
+        consts = dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_P=min(64, 8192 // BE), BLOCK_W=W,
+                      BLOCK_EL=El)
+        ptrs = {n: "*i32" for n in ("hist_ptr", "base_ptr", "bad_ptr", "dest_start_ptr",
+                                    "counts_ptr", "counts_in_ptr")}
+        ptrs.update({n: "*i64" for n in ("count_flag_ptr", "consumed_ptr", "ctl_ptr",
+                                         "clock_ptr", "bases_ptr")})
+        yield (f"route_exchange[E{BE}]", route_exchange_kernel,
+               _sig(ptrs, _EXCHANGE_ARGS, consts), consts, ["hist_ptr", "base_ptr"])
+    for dt, BH in (("bf16", 256), ("fp32", 128)):
+        consts = dict(BLOCK_T=64, BLOCK_E=256, BLOCK_H=BH, G_MAX=1024)
+        ptrs = {"tokens_ptr": f"*{dt}", "ids_ptr": "*i64", "base_ptr": "*i32",
+                "dest_start_ptr": "*i32", "recv_ptr": f"*{dt}", "recv_slots_ptr": "*i32"}
+        ptrs.update({n: "*i64" for n in ("sent_ptr", "ctl_ptr", "clock_ptr", "bases_ptr")})
+        yield (f"dispatch_scatter[{dt}]", dispatch_scatter_kernel,
+               _sig(ptrs, _SCATTER_ARGS, consts), consts,
+               ["tokens_ptr", "recv_ptr", "H", "stride_ts"])

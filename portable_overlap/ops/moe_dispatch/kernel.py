@@ -1,0 +1,216 @@
+"""Device-initiated MoE dispatch: three launches, no host sync.
+
+Rank r holds ``tokens`` [S, H] and ``topk_ids`` [S, k] (global expert ids). Slot ``i = s * k + j``
+is token s's j-th choice; expert ``g`` lives on rank ``g // E`` as local expert ``g % E``. Each
+destination d receives its rows by source rank q, then by local expert e, and within one
+(q, e) segment in slot order: the layout of ``moe_dispatch_reference`` (a stable sort of the
+slots by expert), which is what ``moe_gemm_combine`` takes.
+
+The slots are cut into blocks of BLOCK_T. A row's place at its destination is
+
+    dest_start[g] + block_base[b, g] + (slots of block b before it with the same expert)
+
+where ``block_base[b, g]`` counts expert g's slots in blocks before b (on this rank) and
+``dest_start[g]`` is where source r's segment of expert g starts at g's rank: the rows of the
+sources before r at that rank, then r's rows of the experts before g there. So the sender
+computes every row's address itself and stores the row straight into the destination's heap.
+
+``route_count_kernel`` (persistent): expert histogram of each block; ids outside [0, W·E) are
+reported (``CHECK_EXPERT``), counted in ``bad[0]`` and routed nowhere (their source's combine
+then finds the slot without a row and raises too).
+
+``route_exchange_kernel`` (one program): scans the histograms into ``block_base`` and this
+rank's send counts, frees this rank's receive buffers of the previous call on every peer
+(``consumed[r]``: this launch runs after everything the caller queued on the previous call's
+results), stores its send counts and its count of bad ids into row r of every rank's
+``counts_in`` (after that rank freed its buffers), signals ``count_flag[r]``, waits for every
+source's counts, and derives ``dest_start``, the counts this rank receives and each rank's
+total. A source's bad ids are reported by every rank (``CHECK_PEER_IDS``), so that every rank
+raises for the call. A rank whose total passes
+the capacity is reported by every rank (``CHECK_CAPACITY``: all ranks raise for the same call);
+rows past the capacity are not stored and that rank's received counts are written as zeros, so
+a consumer launched before the error is seen reads no row past the buffer.
+
+``dispatch_scatter_kernel`` (persistent, G programs on every rank): stores each row and its slot
+into the destination's receive buffers (zero-copy; this rank's own rows too), signals
+``sent[r][pid]`` on every peer (release), then waits for ``sent[q][pid]`` of every peer q: when
+the launch ends, every source's rows have landed here.
+
+No program waits for another program of its own launch (the interpreter runs them one after
+another), and every wait is bounded (status board).
+"""
+import triton
+import triton.language as tl
+
+from ...shmem.device import (STATUS_BAD_INPUT, await_flag, await_free, begin_call, call_flag,
+                             end_call, flag_value, live, peer_buffer, report, signal_peer,
+                             signal_peers, wait_peers)
+
+FLAG_COUNTS = tl.constexpr(1)
+FLAG_SENT = tl.constexpr(2)
+FLAG_CONSUMED = tl.constexpr(3)
+CHECK_EXPERT = tl.constexpr(4)
+CHECK_CAPACITY = tl.constexpr(5)
+CHECK_PEER_IDS = tl.constexpr(6)
+FLAG_NAMES = {1: "routing-counts", 2: "rows-sent", 3: "receive-buffer-free",
+              4: "expert id of routing slot (must be in [0, world * experts_per_rank))",
+              5: "rows routed to a rank past its capacity (the index: the rank; the value: the "
+                 "rows; raise the context's capacity)",
+              6: "expert ids on a source rank (the index: the rank; the value: how many are out "
+                 "of range)"}
+
+
+@triton.jit(do_not_specialize=["n_slots"])
+def route_count_kernel(ids_ptr, hist_ptr, bad_ptr, status_addr, n_slots, E_total,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``hist[b, g]``: the slots of block b routed to expert g (row stride BLOCK_E); ``bad[0]``
+    += the ids out of range."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    for b in range(pid, tl.cdiv(n_slots, BLOCK_T), tl.num_programs(0)):
+        i = b * BLOCK_T + lanes
+        valid = i < n_slots
+        g = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int64)
+        bad = valid & ((g < 0) | (g >= E_total))
+        if tl.sum(bad.to(tl.int32)) > 0:
+            first = tl.min(tl.where(bad, i, n_slots))
+            report(status_addr, pid, STATUS_BAD_INPUT, -1,
+                   (CHECK_EXPERT << 32) + first.to(tl.int64), tl.sum(tl.where(i == first, g, 0)))
+            tl.atomic_add(bad_ptr, tl.sum(bad.to(tl.int32)), sem="relaxed", scope="gpu")
+        hit = (g[:, None] == experts[None, :]) & (valid & ~bad)[:, None]
+        tl.store(hist_ptr + b * BLOCK_E + experts, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["n_slots", "rank"])
+def route_exchange_kernel(
+    hist_ptr, base_ptr,  # [blocks, BLOCK_E] int32 each: per-block histograms -> block bases
+    bad_ptr,  # int32 [1]: bad ids the count kernel found (read and cleared here)
+    dest_start_ptr,  # int32 [W * E]: where this rank's segment of each expert starts at its rank
+    counts_ptr,  # int32 [W, E] (output): rows this rank receives from each source per expert
+    counts_in_ptr,  # heap int32 [W, W * E + 1]: row q = source q's send counts, its bad ids
+    count_flag_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
+    n_slots, E, capacity, rank, world, tag, timeout_us,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_EL: tl.constexpr,
+):
+    epoch = begin_call(ctl_ptr)
+    ok = live(clock_ptr)
+    E_total = world * E
+    ROW = E_total + 1
+    # 1. what peers sent this rank in the previous call has been read (stream order): free
+    for q in range(0, world):
+        if q != rank:
+            signal_peer(consumed_ptr + rank, flag_value(epoch - 1, 0), bases_ptr, rank, q)
+    # 2. exclusive scan of the block histograms along the blocks, BLOCK_P blocks per step
+    experts = tl.arange(0, BLOCK_E)
+    run = tl.zeros((BLOCK_E,), tl.int32)
+    n_blocks = tl.cdiv(n_slots, BLOCK_T)
+    for p0 in range(0, n_blocks, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        offs = p[:, None] * BLOCK_E + experts[None, :]
+        m = (p < n_blocks)[:, None] & (experts < BLOCK_E)[None, :]
+        h = tl.load(hist_ptr + offs, mask=m, other=0)
+        tl.store(base_ptr + offs, tl.cumsum(h, axis=0) - h + run[None, :], mask=m)
+        run += tl.sum(h, axis=0)
+    # 3. this rank's send counts into row `rank` of every rank's counts_in, once that rank has
+    #    read the previous call's (it frees at its own step 1), then the counts flag
+    n_bad = tl.atomic_xchg(bad_ptr, 0, sem="relaxed", scope="gpu")
+    for q in range(0, world):
+        if q != rank:
+            ok = await_free(consumed_ptr, q, epoch, clock_ptr, timeout_us, status_addr, 0,
+                            FLAG_CONSUMED, ok)
+        if ok:
+            dst = peer_buffer(counts_in_ptr, bases_ptr, rank, q) + rank * ROW
+            tl.store(dst + experts, run, mask=experts < E_total)
+            tl.store(dst + E_total, n_bad)
+    tl.debug_barrier()  # every thread's stores before the (cumulative) release
+    for q in range(0, world):
+        if q != rank:
+            signal_peer(count_flag_ptr + rank, call_flag(epoch, tag, ok), bases_ptr, rank, q)
+    # 4. every source's counts
+    for q in range(0, world):
+        if q != rank:
+            ok = await_flag(count_flag_ptr + q, epoch, tag, clock_ptr, timeout_us, status_addr,
+                            0, q, tl.cast(q, tl.int64) + (FLAG_COUNTS << 32), ok, True)
+    tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
+    if ok:
+        # 5. per destination d (rows) and local expert e (columns): C[q][d][e] summed over q
+        d_idx = tl.arange(0, BLOCK_W)
+        e_idx = tl.arange(0, BLOCK_EL)
+        g = d_idx[:, None] * E + e_idx[None, :]
+        m2 = (d_idx < world)[:, None] & (e_idx < E)[None, :]
+        total = tl.zeros((BLOCK_W,), tl.int32)  # rows each rank receives
+        before = tl.zeros((BLOCK_W,), tl.int32)  # rows of the sources before this rank there
+        mine = tl.zeros((BLOCK_W, BLOCK_EL), tl.int32)  # this rank's send counts
+        for q in range(0, world):
+            c = tl.load(counts_in_ptr + q * ROW + g, mask=m2, other=0)
+            q_bad = tl.load(counts_in_ptr + q * ROW + E_total)
+            if (q != rank) & (q_bad > 0):  # (the source itself named the slot)
+                report(status_addr, 0, STATUS_BAD_INPUT, q,
+                       (CHECK_PEER_IDS << 32) + tl.cast(q, tl.int64), q_bad)
+            rows = tl.sum(c, axis=1)
+            total += rows
+            before += tl.where(q < rank, rows, 0)
+            mine += tl.where(q == rank, c, 0)
+        start = before[:, None] + tl.cumsum(mine, axis=1) - mine
+        tl.store(dest_start_ptr + g, start, mask=m2)
+        over = (d_idx < world) & (total > capacity)
+        if tl.sum(over.to(tl.int32)) > 0:
+            d = tl.min(tl.where(over, d_idx, BLOCK_W))
+            report(status_addr, 0, STATUS_BAD_INPUT, -1,
+                   (CHECK_CAPACITY << 32) + d.to(tl.int64),
+                   tl.sum(tl.where(d_idx == d, total, 0)))
+        # 6. what this rank receives: counts[q, e] = C[q][rank][e]; zeros past the capacity
+        fits = tl.sum(tl.where(d_idx == rank, total, 0)) <= capacity
+        cin = tl.load(counts_in_ptr + d_idx[:, None] * ROW + rank * E + e_idx[None, :],
+                      mask=m2, other=0)
+        tl.store(counts_ptr + d_idx[:, None] * E + e_idx[None, :], tl.where(fits, cin, 0),
+                 mask=m2)
+    # the scatter goes ahead only on a call whose counts all arrived (ctl[3] = epoch)
+    tl.atomic_xchg(ctl_ptr + 3, tl.where(ok, epoch.to(tl.int64), 0), sem="relaxed", scope="gpu")
+    end_call(ctl_ptr, epoch)
+
+
+# S changes from call to call, and every rank must run the same code (same registers, so the
+# same resident grid, which the tag includes): not specialized on either.
+@triton.jit(do_not_specialize=["n_slots", "rank"])
+def dispatch_scatter_kernel(
+    tokens_ptr, ids_ptr, base_ptr, dest_start_ptr,
+    recv_ptr, recv_slots_ptr,  # heap [capacity, H] and int32 [capacity]: every rank's receive
+    sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
+    n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
+    ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
+    lanes = tl.arange(0, BLOCK_T)
+    E_total = world * E
+    if ok:
+        for b in range(pid, tl.cdiv(n_slots, BLOCK_T), tl.num_programs(0)):
+            i = b * BLOCK_T + lanes
+            g = tl.load(ids_ptr + i, mask=i < n_slots, other=-1).to(tl.int64)
+            keep = (g >= 0) & (g < E_total)  # bad ids were reported by the count kernel
+            g = tl.where(keep, g, 0).to(tl.int32)
+            # the slot's rank among the block's slots of the same expert (a stable sort's)
+            same = (g[:, None] == g[None, :]) & keep[None, :] & (lanes[None, :] < lanes[:, None])
+            pos = (tl.load(dest_start_ptr + g) + tl.load(base_ptr + b * BLOCK_E + g)
+                   + tl.sum(same.to(tl.int32), axis=1))
+            keep = keep & (pos < capacity)  # an overflow was reported by the exchange
+            dest = g // E
+            tok = (i // k).to(tl.int64)
+            for q in range(0, world):
+                mq = keep & (dest == q)
+                if tl.sum(mq.to(tl.int32)) > 0:  # each row is loaded once, for its own rank
+                    tl.store(peer_buffer(recv_slots_ptr, bases_ptr, rank, q) + pos, i, mask=mq)
+                    dst = peer_buffer(recv_ptr, bases_ptr, rank, q)
+                    for h0 in range(0, H, BLOCK_H):
+                        cols = h0 + tl.arange(0, BLOCK_H)
+                        m = mq[:, None] & (cols < H)[None, :]
+                        v = tl.load(tokens_ptr + tok[:, None] * stride_ts + cols[None, :], mask=m)
+                        tl.store(dst + pos[:, None].to(tl.int64) * H + cols[None, :], v, mask=m)
+    # the rows of this program have landed everywhere (release), then every peer's have here
+    signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
+    wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,
+               status_addr, ok, G_MAX)

@@ -1,0 +1,55 @@
+"""Reference of the MoE dispatch: expert-parallel routing of each rank's tokens with torch and
+torch.distributed (three ``all_to_all_single`` calls and a host sync for their splits).
+
+Rank r routes its S tokens to top-k experts; expert ``g`` lives on rank ``g // E_local`` as local
+expert ``g % E_local``. Slot ``s * k + j`` names token s's j-th choice. After the dispatch each
+rank holds the rows routed to its experts, by source rank then by local expert (within a segment
+in slot order), with their counts and slots: exactly the inputs of ``moe_gemm_combine``. Only
+real rows travel (no capacity padding).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int,
+                           group: Optional[dist.ProcessGroup] = None):
+    """Returns ``(x, counts, slots)``: ``x`` [R, D] the rows this rank's experts must process,
+    ``counts`` int32 [world, experts_per_rank] (rows from source q for local expert e),
+    ``slots`` int32 [R] (each row's slot on its source rank). Also the ``sequential``
+    transport of :class:`~portable_overlap.ops.moe_dispatch.MoeDispatch`."""
+    S, k = topk_ids.shape
+    W = dist.get_world_size(group) if dist.is_initialized() else 1
+    E = experts_per_rank * W
+    experts = topk_ids.reshape(-1).long()
+    bad = (experts < 0) | (experts >= E)
+    order = torch.argsort(torch.where(bad, E, experts), stable=True)  # by rank, local expert
+    order = order[:experts.numel() - int(bad.sum())]  # (the bad ids sort last)
+    send_rows = tokens[order // k]
+    send_slots = order.to(torch.int32)
+    send_counts = torch.bincount(experts[order], minlength=E).to(torch.int32).view(W, -1)
+    # one more column tells every destination whether the source found a bad id, so that every
+    # rank raises for the same call (a rank raising alone would leave its peers in a collective)
+    send_counts = torch.cat([send_counts, bad.any().to(torch.int32).expand(W, 1)], 1)
+    if W == 1:
+        counts = send_counts
+    else:
+        counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(counts, send_counts, group=group)  # row q: what q sends here
+    flagged = counts[:, -1].nonzero().flatten().tolist()
+    if flagged:
+        raise ValueError(f"moe_dispatch: expert ids must be in [0, {E}); rank(s) {flagged} "
+                         f"passed others")
+    send_counts, counts = send_counts[:, :-1].contiguous(), counts[:, :-1].contiguous()
+    if W == 1:
+        return send_rows.contiguous(), counts, send_slots
+    send_splits = send_counts.sum(1).tolist()
+    recv_splits = counts.sum(1).tolist()
+    x = tokens.new_empty((sum(recv_splits), tokens.shape[1]))
+    dist.all_to_all_single(x, send_rows.contiguous(), recv_splits, send_splits, group=group)
+    slots = send_slots.new_empty(sum(recv_splits))
+    dist.all_to_all_single(slots, send_slots, recv_splits, send_splits, group=group)
+    return x, counts, slots

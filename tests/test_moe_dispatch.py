@@ -1,0 +1,324 @@
+"""Device-initiated MoE dispatch on CPU-emulated ranks against the all_to_all_single reference:
+routings (balanced, Zipf, all tokens to one rank, experts and ranks with no rows, ranks with no
+tokens), every dtype, int32 / int64 ids, repeated calls on changing routing, the combine fed by
+the dispatch's own buffers, and the faults (bad ids, capacity overflow, a skipped call, bad
+arguments)."""
+import pytest
+import torch
+
+from portable_overlap import InvalidInputError, PeerTimeoutError
+from portable_overlap.ops.matmul import MatmulConfig
+from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
+from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
+from portable_overlap.testing import call_while_peers_skip
+
+SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+
+
+def route(kind, S, E_total, k, rank, W, g):
+    """top-k expert ids [S, k] (distinct per token) for a routing pattern."""
+    scores = torch.rand(S, E_total, generator=g)
+    if kind == "zipf":  # expert popularity ~ 1 / rank^1.2
+        scores = scores * (1.0 / torch.arange(1, E_total + 1).float() ** 1.2)
+    elif kind == "one_rank":  # every token's experts on the last rank (k <= its experts)
+        scores[:, : E_total - E_total // W] = -1
+    elif kind == "first_expert":  # every token's first choice is expert 0; experts left empty
+        scores[:, 0] = 2
+        scores[:, 1: E_total // 2] = -1
+    return scores.topk(k, dim=1).indices
+
+
+def _check(world, x, counts, slots, ref):
+    """The dispatch's (x, counts, slots) against the reference's: same counts, and the first
+    counts.sum() rows and slots equal (row order is the reference's exactly)."""
+    xr, cr, sr = ref
+    R = xr.shape[0]
+    assert torch.equal(counts, cr), (counts, cr)
+    assert torch.equal(slots[:R], sr), (slots[:R], sr)
+    assert torch.equal(x[:R], xr)
+    return R
+
+
+def _cases(world, dtype, cases, id_dtype=torch.int64, capacity=None):
+    """Each case: (S per rank, H, experts_per_rank, k, routing), one context for all of them;
+    the receive buffer is poisoned before each call."""
+    W, r = world.world_size, world.rank
+    _, H, El, k, _ = cases[0]
+    ctx = MoeDispatch(world, max_tokens=max(max(c[0]) for c in cases), top_k=k, hidden=H,
+                      experts_per_rank=El, dtype=dtype, capacity=capacity)
+    rows = []
+    try:
+        for i, (S_per_rank, _, _, _, kind) in enumerate(cases):
+            g = torch.Generator().manual_seed(1000 * i + r)
+            S = S_per_rank[r % len(S_per_rank)]
+            tokens = torch.randn(S, H, generator=g).to(dtype)
+            ids = route(kind, S, El * W, k, r, W, g).to(id_dtype)
+            ctx.recv.fill_(float("nan") if dtype.is_floating_point else -1)
+            ctx.recv_slots.fill_(-7)
+            x, counts, slots = moe_dispatch(tokens, ids, ctx)
+            ctx.synchronize()
+            rows.append(_check(world, x, counts, slots,
+                               moe_dispatch_reference(tokens, ids, El, world.group)))
+    finally:
+        ctx.close()
+    return rows
+
+
+# odd H, ranks holding different token counts (one with none), a token's choices spread over
+# ranks, every choice on one rank, experts without rows
+CASES = [((13, 6), 20, 2, 2, "uniform"), ((9, 9), 20, 2, 2, "zipf"),
+         ((7, 11), 20, 2, 2, "one_rank"), ((0, 5), 20, 2, 2, "first_expert"),
+         ((17, 3), 20, 2, 2, "uniform")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_matches_reference(world, dtype):
+    for rows in world.run(_cases, dtype, CASES):
+        assert len(rows) == len(CASES)
+
+
+def test_int32_ids_top1_and_wide_top_k(world2):
+    world2.run(_cases, torch.float32, [((9, 4), 33, 1, 1, "uniform"), ((5, 8), 33, 1, 1, "zipf")],
+               torch.int32)
+    world2.run(_cases, torch.float32, [((6, 7), 8, 5, 7, "uniform"), ((6, 7), 8, 5, 7, "zipf")])
+
+
+def test_capacity_that_fits_exactly(world2):
+    # every rank receives at most S*k*W rows; a capacity of the largest actual total is enough
+    world2.run(_cases, torch.float32, [((8, 8), 16, 2, 2, "uniform")], capacity=32)
+
+
+def _then_combine(world):
+    """dispatch -> the combine, on the dispatch's own buffers (x of `capacity` rows, of which
+    the first counts.sum() are this call's), three calls with new routing each."""
+    W, r, H, I, El, k = world.world_size, world.rank, 12, 8, 2, 2
+    disp = MoeDispatch(world, max_tokens=10, top_k=k, hidden=I, experts_per_rank=El,
+                       dtype=torch.float32)
+    comb = MoeGemmCombine(world, max_tokens=10, top_k=k, hidden=H, experts_per_rank=El,
+                          config=SMALL)
+    errs = []
+    try:
+        for call in range(3):
+            g = torch.Generator().manual_seed(31 * call + r)
+            S = 4 + (r + call) % 5
+            tokens = torch.randn(S, I, generator=g)
+            ids = route("uniform" if call % 2 else "zipf", S, El * W, k, r, W, g)
+            w = torch.randn(El, I, H, generator=g) / I ** 0.5
+            tw = torch.softmax(torch.randn(S, k, generator=g), dim=1)
+            x, counts, slots = moe_dispatch(tokens, ids, disp)
+            out = torch.full((S, H), float("nan"))
+            comb(x, w, counts, slots, tw, out=out)
+            comb.synchronize()
+            disp.synchronize()
+            xr, cr, sr = moe_dispatch_reference(tokens, ids, El, world.group)
+            ref = moe_gemm_combine_reference(xr, w, cr, sr, tw, world.group)
+            errs.append(((out - ref).norm() / ref.norm()).item())
+    finally:
+        comb.close()
+        disp.close()
+    return errs
+
+
+def test_feeds_the_combine(world):
+    for errs in world.run(_then_combine):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def _sequential(world):
+    W, r = world.world_size, world.rank
+    ctx = MoeDispatch(world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2,
+                      dtype=torch.float32, transport="sequential")
+    try:
+        g = torch.Generator().manual_seed(5 + r)
+        tokens = torch.randn(7, 16, generator=g)
+        ids = route("zipf", 7, 2 * W, 2, r, W, g)
+        x, counts, slots = moe_dispatch(tokens, ids, ctx)
+        return _check(world, x, counts, slots,
+                      moe_dispatch_reference(tokens, ids, 2, world.group))
+    finally:
+        ctx.close()
+
+
+def test_sequential_transport(world2):
+    world2.run(_sequential)
+
+
+def _bad_ids(world, fault):
+    """Rank 1 passes an expert id out of range (or routes past a rank's capacity); every rank
+    raises for that call, and the context serves the next call correctly."""
+    W, r, El, k, S, H = world.world_size, world.rank, 2, 2, 6, 8
+    ctx = MoeDispatch(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                      dtype=torch.float32, capacity=W * S * k - 1, timeout_s=30.0)
+    try:
+        g = torch.Generator().manual_seed(90 + r)
+        tokens = torch.randn(S, H, generator=g)
+        ids = route("uniform", S, El * W, k, r, W, g)
+        if fault == "id" and r == 1:
+            ids[3, 1] = El * W + 5
+        if fault == "negative" and r == 1:
+            ids[0, 0] = -1
+        if fault == "capacity":  # every rank's tokens to rank 0's two experts
+            ids = torch.tensor([[0, 1]] * S)
+        try:
+            x, counts, slots = moe_dispatch(tokens, ids, ctx)
+            ctx.synchronize()
+            res = "ok"
+        except InvalidInputError as e:
+            res = "invalid: " + str(e)
+        g = torch.Generator().manual_seed(95 + r)
+        tokens = torch.randn(S, H, generator=g)
+        ids = route("uniform", S, El * W, k, r, W, g)
+        x, counts, slots = moe_dispatch(tokens, ids, ctx)
+        ctx.synchronize()
+        _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, El, world.group))
+        return res
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("fault", ["id", "negative", "capacity"])
+def test_bad_routing_raises_on_every_rank(world2, fault):
+    res = world2.run(_bad_ids, fault, timeout=200)
+    assert all(r.startswith("invalid") for r in res), res
+    if fault == "capacity":
+        assert all("capacity" in r and "[0]" in r for r in res), res
+    else:
+        assert "expert id" in res[1], res
+
+
+def _overflow_counts(world):
+    """On an overflow the receiving rank's counts are zeros (no row past its buffer is ever
+    named), so a combine launched before the error is seen reads nothing out of bounds."""
+    W, r = world.world_size, world.rank
+    ctx = MoeDispatch(world, max_tokens=8, top_k=1, hidden=8, experts_per_rank=1,
+                      dtype=torch.float32, capacity=8)
+    try:
+        ids = torch.zeros(8, 1, dtype=torch.int64)  # W * 8 rows for rank 0
+        try:  # (the interpreter raises with the call, a GPU at the next check)
+            moe_dispatch(torch.randn(8, 8), ids, ctx)
+            ctx.synchronize()
+        except InvalidInputError:
+            pass
+        return ctx.counts.clone()
+    finally:
+        ctx.close()
+
+
+def test_overflowing_rank_reports_zero_counts(world2):
+    counts = world2.run(_overflow_counts)
+    assert int(counts[0].sum()) == 0 and int(counts[1].sum()) == 0, counts
+
+
+def _bad_host(world):
+    ctx = MoeDispatch(world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2,
+                      dtype=torch.float32)
+    t, ids = torch.randn(6, 16), torch.randint(0, 2 * world.world_size, (6, 2))
+    msgs = []
+    for args in [(t.double(), ids), (t[:, :8], ids), (t, ids.float()), (t, ids[:5]),
+                 (t, ids[:, :1]), (torch.randn(9, 16), torch.zeros(9, 2, dtype=torch.int64)),
+                 (t.t().contiguous().t(), ids), (t, ids.t().contiguous().t())]:
+        try:
+            ctx(*args)
+            msgs.append(None)
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    # after the refused calls the ranks are still in step
+    g = torch.Generator().manual_seed(world.rank)
+    tokens = torch.randn(5, 16, generator=g)
+    ids = route("uniform", 5, 2 * world.world_size, 2, world.rank, world.world_size, g)
+    x, counts, slots = ctx(tokens, ids)
+    ctx.synchronize()
+    _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, 2, world.group))
+    ctx.close()
+    return msgs
+
+
+def test_bad_input_raises_before_launch(world2):
+    for msgs in world2.run(_bad_host):
+        assert all(m and m.startswith("moe_dispatch") for m in msgs), msgs
+        assert "max_tokens" in msgs[5] and "contiguous" in msgs[6], msgs
+
+
+def _bad_ctx(world):
+    msgs = []
+    for kw in (dict(transport="nvlink"), dict(top_k=0), dict(capacity=0),
+               dict(experts_per_rank=4096), dict(dtype=torch.int8)):
+        args = dict(max_tokens=8, top_k=2, hidden=16, experts_per_rank=2)
+        args.update(kw)
+        try:
+            MoeDispatch(world, **args)
+            msgs.append(None)
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_bad_context_arguments(world2):
+    for msgs in world2.run(_bad_ctx):
+        assert all(msgs), msgs
+        assert "transport" in msgs[0] and "top_k" in msgs[1] and "capacity" in msgs[2]
+        assert "experts" in msgs[3] and "dtype" in msgs[4]
+
+
+def _skip(world):
+    return call_while_peers_skip(
+        world, lambda: MoeDispatch(world, max_tokens=4, top_k=1, hidden=8, experts_per_rank=1,
+                                   dtype=torch.float32, timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(2, 8), torch.tensor([[0], [1]])))
+
+
+def test_a_rank_that_skips_a_call_is_named(world2):
+    msg = world2.run(_skip, timeout=120)[0]
+    assert "rank 1" in msg and "routing-counts" in msg, msg
+
+
+def _late_consumer(world):
+    """The last rank reads its received rows late (a slow consumer); the other ranks' next
+    calls must wait for it before storing into its buffer again: each call's rows are checked
+    right after it, on every rank."""
+    import time
+
+    W, r, El, k = world.world_size, world.rank, 1, 1
+    ctx = MoeDispatch(world, max_tokens=6, top_k=k, hidden=8, experts_per_rank=El,
+                      dtype=torch.float32, timeout_s=10.0)
+    try:
+        for call in range(3):
+            g = torch.Generator().manual_seed(7 * call + r)
+            tokens = torch.randn(6, 8, generator=g)
+            ids = torch.full((6, 1), W - 1)  # everything to the last rank
+            x, counts, slots = moe_dispatch(tokens, ids, ctx)
+            if r == W - 1:
+                time.sleep(0.5)
+            _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, El, world.group))
+        ctx.synchronize()
+    finally:
+        ctx.close()
+
+
+def test_a_late_consumer_loses_no_rows(world):
+    world.run(_late_consumer, timeout=200)
+
+
+def _torch_op(world):
+    W, r = world.world_size, world.rank
+    ctx = MoeDispatch(world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2,
+                      dtype=torch.float32)
+    try:
+        g = torch.Generator().manual_seed(3 + r)
+        tokens = torch.randn(6, 16, generator=g)
+        ids = route("uniform", 6, 2 * W, 2, r, W, g)
+        x, counts, slots = torch.ops.portable_overlap.moe_dispatch(tokens, ids, ctx.handle)
+        _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, 2, world.group))
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode() as mode:
+            ft, fi = mode.from_tensor(tokens), mode.from_tensor(ids)
+            fx, fc, fs = torch.ops.portable_overlap.moe_dispatch(ft, fi, ctx.handle)
+        return tuple(fx.shape), tuple(fc.shape), fc.dtype, tuple(fs.shape), ctx.capacity
+    finally:
+        ctx.close()
+
+
+def test_torch_op_and_fake(world2):
+    for fx, fc, dt, fs, cap in world2.run(_torch_op):
+        assert fx == (cap, 16) and fc == (2, 2) and dt == torch.int32 and fs == (cap,)
