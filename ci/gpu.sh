@@ -8,6 +8,7 @@
 #      PO_SKIP_A2A=1 / PO_A2A_ARGS (GEMM + All-to-All benchmark), PO_SKIP_AG=1 / PO_AG_ARGS
 #      (AllGather + GEMM benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS (MoE combine benchmark),
 #      PO_SKIP_MOE_DISPATCH=1 / PO_MOE_DISPATCH_ARGS (MoE dispatch benchmark),
+#      PO_SKIP_MOE_LAYER=1 / PO_MOE_LAYER_ARGS (whole MoE layer benchmark),
 #      PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
 #      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
 #      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, 0 or
@@ -79,6 +80,11 @@ fi
 if [ "${PO_SKIP_MOE_DISPATCH:-0}" != 1 ]; then
   run 300 benchmarks/bench_moe_dispatch.py --out "$out/$kind.jsonl" --device-kind "$kind" \
       ${PO_MOE_DISPATCH_ARGS:-} 2>&1 | tee "$out/bench_moe_dispatch.log" | grep -vE "^\[|Warning|warn" | tail -16
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_MOE_LAYER:-0}" != 1 ]; then
+  run 420 benchmarks/bench_moe_layer.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      ${PO_MOE_LAYER_ARGS:-} 2>&1 | tee "$out/bench_moe_layer.log" | grep -vE "^\[|Warning|warn" | tail -24
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_WAITS:-0}" != 1 ]; then

@@ -27,8 +27,10 @@ def compile_spec(fn, signature: dict, constexprs: dict, aligned, target, num_war
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-#: kernel lists of building blocks that several ops share (the persistent GEMM core)
-SHARED_SPECS = ("portable_overlap.ops.matmul.compile_specs",)
+#: kernel lists of building blocks outside the op table (the persistent GEMM core, the
+#: experts' gated grouped GEMM)
+SHARED_SPECS = ("portable_overlap.ops.matmul.compile_specs",
+                "portable_overlap.ops.moe_experts.compile_specs")
 
 
 def spec_modules() -> list:

@@ -38,7 +38,7 @@ def run(world, dims, iters):
     with torch.no_grad():
         y = fused(tokens)
         y_ref = ref(tokens)
-        fused.ctx.synchronize()
+        fused.synchronize()
         err = ((y.double() - y_ref.double()).norm() / y_ref.double().norm()).item()
         if dev.type != "cpu":
             for name, layer in (("fused", fused), ("reference", ref)):

@@ -1,16 +1,18 @@
-"""An expert-parallel MoE feed-forward layer whose combine is the fused expert GEMM + All-to-All.
+"""An expert-parallel MoE feed-forward layer run on the GPU end to end: no host sync, so the
+whole layer can be captured in a CUDA graph.
 
 Rank r holds experts ``[r * E_local, (r + 1) * E_local)`` (each a SiLU-gated MLP H -> I -> H) and
 its own tokens. Forward, on every rank::
 
     scores = softmax(tokens @ router.T); w, ids = top_k(scores)        # [S, k], renormalised
-    x, counts, slots = dispatch(tokens, ids)                            # all_to_all, real rows only
-    h = silu(x @ w_gate[e]) * (x @ w_up[e])                             # per (source, expert) segment
-    out = moe_gemm_combine(h, w_down, counts, slots, w)                 # fused down GEMM + combine
+    x, counts, slots = moe_dispatch(tokens, ids)       # rows stored into the experts' ranks
+    h = expert_swiglu(x, w_gate, w_up, counts)         # silu(x @ w_gate[e]) * (x @ w_up[e])
+    out = moe_gemm_combine(h, w_down, counts, slots, w)        # fused down GEMM + combine
 
-The router is replicated (same weights on every rank). With ``fused=False`` the last line runs
-the torch reference instead (per-segment matmul, all_to_all_single with splits, weighted sum).
-Forward only (inference): neither the fused op nor the dispatch defines a backward yet.
+The router is replicated (same weights on every rank). With ``fused=False`` the layer is the
+torch path instead: ``all_to_all_single`` dispatch with host-read splits, per-segment matmuls,
+``all_to_all_single`` back and the weighted sum. Forward only (inference): the fused ops define
+no backward yet; train with ``fused=False``.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
-from ..ops.moe_dispatch import moe_dispatch_reference
+from ..ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
+from ..ops.moe_experts import expert_swiglu
 from ..ops.moe_combine.reference import combine_rows, expert_outputs
 
 
@@ -29,12 +32,15 @@ class ExpertParallelMoE(nn.Module):
     """The expert-parallel MoE feed-forward layer of the module docstring: ``num_experts``
     experts split evenly over the ranks, ``top_k`` of them per token; ``forward(tokens)`` takes
     this rank's ``[S, hidden]`` tokens and returns their ``[S, hidden]`` outputs. Collective to
-    construct and to :meth:`close` (every rank, same arguments); ``max_tokens`` sizes the
-    combine context it makes when ``fused`` and no ``ctx`` is given."""
+    construct and to :meth:`close` (every rank, same arguments). When ``fused``, ``max_tokens``
+    (most tokens a rank passes) and ``capacity`` (most rows a rank's experts receive in a call;
+    default: every rank's tokens, which no routing exceeds) size the dispatch and combine
+    contexts it makes (``ctx``: a combine context to use instead)."""
 
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  max_tokens: int, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
-                 ctx: Optional[MoeGemmCombine] = None, seed: int = 0):
+                 ctx: Optional[MoeGemmCombine] = None, capacity: Optional[int] = None,
+                 seed: int = 0):
         super().__init__()
         W = world.world_size
         if num_experts % W:
@@ -55,10 +61,17 @@ class ExpertParallelMoE(nn.Module):
                                  .to(dev, dtype))
         self.w_down = nn.Parameter((torch.randn(E, intermediate, hidden, generator=g) * std_mid)
                                    .to(dev, dtype))
-        self.ctx = ctx
-        if fused and ctx is None:
-            self.ctx = MoeGemmCombine(world, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
-                                      experts_per_rank=E)
+        self.ctx, self.dispatch_ctx, self._h = ctx, None, None
+        if fused:
+            if ctx is None:
+                self.ctx = MoeGemmCombine(world, max_tokens=max_tokens, top_k=top_k,
+                                          hidden=hidden, experts_per_rank=E)
+            self.dispatch_ctx = MoeDispatch(world, max_tokens=max_tokens, top_k=top_k,
+                                            hidden=hidden, experts_per_rank=E, dtype=dtype,
+                                            capacity=capacity)
+            # the gated activations of every received row, reused by each call
+            self._h = torch.empty((self.dispatch_ctx.capacity, intermediate), dtype=dtype,
+                                  device=dev)
 
     def route(self, tokens):
         scores = torch.softmax((tokens @ self.router.T).float(), dim=-1)
@@ -67,6 +80,15 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(tokens)
+        if self.fused:
+            if torch.is_grad_enabled() and (tokens.requires_grad or any(
+                    p.requires_grad for p in (self.w_gate, self.w_up, self.w_down))):
+                raise RuntimeError("ExpertParallelMoE: the fused layer has no backward; run it "
+                                   "under torch.no_grad() (inference) or make it with "
+                                   "fused=False to train")
+            x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
+            h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h)
+            return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
         x, counts, slots = moe_dispatch_reference(tokens, ids, self.experts_per_rank,
                                                   self.world.group)
         bounds = [0] + torch.cumsum(counts.flatten().long(), 0).tolist()
@@ -76,16 +98,16 @@ class ExpertParallelMoE(nn.Module):
             if hi > lo:
                 e = s % self.experts_per_rank
                 h[lo:hi] = F.silu(x[lo:hi] @ self.w_gate[e]) * (x[lo:hi] @ self.w_up[e])
-        if self.fused:
-            if torch.is_grad_enabled() and (h.requires_grad or self.w_down.requires_grad
-                                            or weights.requires_grad):
-                raise RuntimeError("ExpertParallelMoE: the fused combine has no backward; run "
-                                   "the layer under torch.no_grad() (inference) or make it "
-                                   "with fused=False to train")
-            return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
         y = expert_outputs(h, self.w_down, counts, accumulate_fp32=False)
         return combine_rows(y, slots, counts, weights, self.world.group)
 
+    def synchronize(self) -> None:
+        """Wait for this rank's queued work and raise what the fused ops' kernels found."""
+        for c in (self.dispatch_ctx, self.ctx):
+            if c is not None:
+                c.synchronize()
+
     def close(self) -> None:
-        if self.ctx is not None:
-            self.ctx.close()
+        for c in (self.dispatch_ctx, self.ctx):
+            if c is not None:
+                c.close()

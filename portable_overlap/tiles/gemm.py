@@ -93,3 +93,61 @@ def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, 
         acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m,
                         pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
     return acc
+
+
+@triton.jit
+def gemm_tile_pair(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp32 tiles ``a[rows, :] @ b[:, cols]`` and ``a[rows, :] @ c[:, cols]`` (``b`` and
+    ``c`` of one shape and strides) in one pass over ``a``: a gated MLP's gate and up
+    projections, which read the same rows. Edges as in ``gemm_tile`` (clamped indices, masked
+    by the caller's store)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
+    rn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_offs = offs_k[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+    b_ptrs = b_ptr + b_offs
+    c_ptrs = c_ptr + b_offs
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            c = tl.load(c_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+            c = tl.load(c_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+        if UPCAST:  # see tiles.gemv.dot_upcast
+            acc_b = tl.dot(a.to(tl.float32), b.to(tl.float32), acc_b, input_precision="ieee")
+            acc_c = tl.dot(a.to(tl.float32), c.to(tl.float32), acc_c, input_precision="ieee")
+        else:
+            acc_b = tl.dot(a, b, acc_b, input_precision=PRECISION)
+            acc_c = tl.dot(a, c, acc_c, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        c_ptrs += BLOCK_K * stride_bk
+    return acc_b, acc_c
+
+
+@triton.jit
+def gemm_tile_pair_desc(a_desc, b_desc, c_desc, row0, b_row0, col0, K, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """``gemm_tile_pair`` through tensor descriptors: ``a`` rows from ``row0``, ``b`` / ``c``
+    rows from ``b_row0`` (a stack of matrices described as one: expert e's rows start at
+    e * K), columns from ``col0``. K must be a multiple of BLOCK_K where ``b`` is such a
+    stack, or a block would read the next matrix's rows."""
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        a = a_desc.load([row0, k0])
+        acc_b = tl.dot(a, b_desc.load([b_row0 + k0, col0]), acc_b, input_precision=PRECISION)
+        acc_c = tl.dot(a, c_desc.load([b_row0 + k0, col0]), acc_c, input_precision=PRECISION)
+    return acc_b, acc_c

@@ -1,0 +1,171 @@
+"""Benchmark of the whole expert-parallel MoE layer: the fused layer (dispatch, gated grouped
+GEMM, GEMM + combine; no host sync) against the torch path, by the protocol in
+benchmarks/harness.py. Run under torchrun:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_moe_layer.py --out results.jsonl \\
+        --device-kind nvidia-h200-x2
+
+Shapes (S tokens per rank, H, I, E experts in all, top-k); routing ``balanced`` (the layer's own
+router on random tokens) or ``zipf`` (the router's scores biased so that expert popularity falls
+as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
+
+- ``fused``: ``ExpertParallelMoE`` (router, ``moe_dispatch``, ``expert_swiglu``,
+  ``moe_gemm_combine``); also as a CUDA-graph replay;
+- ``sequential``: the same module with ``fused=False``, the torch path: ``all_to_all_single``
+  dispatch with host-read splits, per-segment matmuls, ``all_to_all_single`` back, weighted sum
+  (plain launches: the host reads cannot be captured);
+- the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
+  ``stage_combine`` (down GEMM + combine);
+- ``compute``: the expert GEMMs by cuBLAS on the same rows (per segment: gate, up, SiLU-gating,
+  down); ``cublas_gemm1_dense``: the gate and up GEMMs as two dense cuBLAS GEMMs over all the
+  received rows (what ``stage_experts`` is measured against); ``comm``: ``all_to_all_single``
+  of the dispatched rows and of the rows back, splits known in advance (NCCL alone).
+
+``fused`` is checked against ``sequential`` before timing; ideal = max(compute, comm).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.cli import BenchParser
+from benchmarks.runner import Case, rel_err, run_main, torch_dtype
+from portable_overlap import ExpertParallelMoE
+from portable_overlap.ops.moe_combine import moe_gemm_combine
+from portable_overlap.ops.moe_dispatch import moe_dispatch, moe_dispatch_reference
+from portable_overlap.ops.moe_experts import expert_swiglu
+
+SHAPES = [(8192, 7168, 2048, 16, 8), (8192, 4096, 14336, 8, 2), (128, 7168, 2048, 16, 8),
+          (128, 4096, 14336, 8, 2)]
+OP = "moe_layer"
+
+
+def parser() -> BenchParser:
+    ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
+                     allowed_dtypes=("bf16", "fp16"), iters=30, warmup=5)
+    ap.add_argument("--routings", default="balanced,zipf")
+    return ap
+
+
+def body(bench) -> int:
+    world, args = bench.world, bench.args
+    for dname in args.dtypes:
+        for sh in args.shapes:
+            one_shape(bench, dname, torch_dtype(dname),
+                      *(sh[d] for d in ("S", "H", "I", "E", "k")))
+    return 0
+
+
+def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
+    world, args = bench.world, bench.args
+    dev, W, r = world.device, world.world_size, world.rank
+    El = E // W
+    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt)
+    torch_path = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt, fused=False)
+    gen = torch.Generator(device=dev).manual_seed(100 + r)
+    try:
+        for kind in [x for x in args.routings.split(",") if x]:
+            shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind}
+            tokens = torch.randn(S, H, generator=gen, device=dev).to(dt)
+            with torch.no_grad():
+                if kind == "zipf":  # bias the shared router toward the first experts
+                    bias = 4 * torch.log(1.0 / torch.arange(1, E + 1, device=dev) ** 1.2)
+                    scores = torch.softmax((tokens @ fused.router.T).float() + bias, -1)
+                    w_top, ids = scores.topk(k, -1)
+                    weights = w_top / w_top.sum(-1, keepdim=True)
+                    fused.route = torch_path.route = (lambda t, w=weights, i=ids: (w, i))
+                else:
+                    fused.__dict__.pop("route", None)
+                    torch_path.__dict__.pop("route", None)
+                    weights, ids = fused.route(tokens)
+                # the stages' inputs, and the baselines' host-known splits
+                x, counts, slots = moe_dispatch(tokens, ids, fused.dispatch_ctx)
+                h = expert_swiglu(x, fused.w_gate, fused.w_up, counts)
+                xr, cr, _ = moe_dispatch_reference(tokens, ids, El, world.group)
+            R = xr.shape[0]
+            bounds = [0] + torch.cumsum(cr.flatten().long(), 0).tolist()
+            recv_splits = cr.sum(1).tolist()
+            everyone = torch.tensor(world.all_gather_object(recv_splits))  # [holder, source]
+            send_splits = everyone[:, r].tolist()
+            send_rows = torch.empty(S * k, H, dtype=dt, device=dev)
+            recv_rows = torch.empty(R, H, dtype=dt, device=dev)
+            gu = torch.empty(R, I, dtype=dt, device=dev)
+            hh = torch.empty(R, I, dtype=dt, device=dev)
+            y = torch.empty(R, H, dtype=dt, device=dev)
+            out = torch.empty(S, H, dtype=dt, device=dev)
+
+            def compute():
+                for s in range(W * El):
+                    lo, hi = bounds[s], bounds[s + 1]
+                    if hi > lo:
+                        e = s % El
+                        torch.matmul(xr[lo:hi], fused.w_gate[e], out=gu[lo:hi])
+                        torch.matmul(xr[lo:hi], fused.w_up[e], out=hh[lo:hi])
+                        hh[lo:hi] *= F.silu(gu[lo:hi])
+                        torch.matmul(hh[lo:hi], fused.w_down[e], out=y[lo:hi])
+
+            def gemm1_dense():
+                torch.matmul(xr, fused.w_gate[0], out=gu)
+                torch.matmul(xr, fused.w_up[0], out=hh)
+
+            def comm():
+                dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits,
+                                       group=world.group)
+                dist.all_to_all_single(send_rows, recv_rows, send_splits, recv_splits,
+                                       group=world.group)
+
+            def layer():
+                return fused(tokens)
+
+            impls = {
+                "fused": lambda: out.copy_(layer()),
+                "sequential": lambda: out.copy_(torch_path(tokens)),
+                "stage_dispatch": lambda: moe_dispatch(tokens, ids, fused.dispatch_ctx),
+                "stage_experts": lambda: expert_swiglu(x, fused.w_gate, fused.w_up, counts,
+                                                       out=h),
+                "stage_combine": lambda: moe_gemm_combine(h, fused.w_down, counts, slots,
+                                                          weights, fused.ctx),
+                "compute": compute, "cublas_gemm1_dense": gemm1_dense, "comm": comm,
+            }
+            with torch.no_grad():
+                ref = torch_path(tokens).clone()
+
+            def check(name):
+                with torch.no_grad():
+                    out.fill_(float("nan"))
+                    impls[name]()
+                    fused.synchronize()
+                return rel_err(out, ref)
+
+            def timed(fn):
+                def run():
+                    with torch.no_grad():
+                        fn()
+                return run
+
+            label = f"{S}x{H}x{I}x{E}x{k} {kind} {dname}"
+            fields = {"rows_received": R}
+            graphs = args.graphs
+            try:
+                args.graphs = tuple(g for g in graphs if not g)
+                bench.run(Case(op=OP, shape=shape, dtype=dname,
+                               impls={n: timed(f) for n, f in impls.items()}, check=check,
+                               checked=["fused"], tol=3e-2, label=label,
+                               fields=lambda name: fields))
+                args.graphs = tuple(g for g in graphs if g)
+                if args.graphs:  # everything but the torch path, which reads on the host
+                    bench.run(Case(op=OP, shape=shape, dtype=dname,
+                                   impls={n: timed(f) for n, f in impls.items()
+                                          if n != "sequential"},
+                                   label=label, summarize=(), fields=lambda name: fields))
+            finally:
+                args.graphs = graphs
+    finally:
+        fused.close()
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(parser(), body))

@@ -1,0 +1,110 @@
+"""The MoE experts' first GEMMs with the gated activation, over the dispatch layout.
+
+On rank r, with ``x, counts, slots = moe_dispatch(...)`` (rows by source rank q, then local
+expert e, ``counts[q, e]`` rows each)::
+
+    h[i] = silu(x[i] @ w_gate[e(i)]) * (x[i] @ w_up[e(i)])        # [R, I], R = counts.sum()
+
+one persistent grouped kernel (kernel.py) that reads ``counts`` on the device, so ``x`` may have
+more rows than R (the dispatch's ``capacity``) and the call needs no host sync: it can be
+captured in a CUDA graph with the dispatch and the combine around it. The gate and up tiles
+share one pass over the rows, and SiLU-gating runs in the epilogue in float32. Bulk tensor
+copies (TMA) load the tiles where the device has them and the operands allow
+(``ops.matmul.api.tile_descriptors``'s rules, and ``hidden`` a multiple of the K block).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...tiles.gemv import dot_precision, dot_upcast
+from ..matmul.api import DTYPES, MatmulConfig, tile_descriptors
+from .kernel import expert_swiglu_kernel
+
+OP = "expert_swiglu"
+
+
+def default_config(dtype: torch.dtype, device: torch.device, descriptors: bool) -> MatmulConfig:
+    """Two accumulators per tile. Through descriptors, 128 x 128 tiles over 8 warps compile to
+    176 registers on sm_90 without a spill; with pointer loads they spill (255 registers and
+    560 bytes of stack), 128 x 64 does not (249 registers)."""
+    if device.type == "cpu":
+        return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
+                            num_stages=1)
+    if dtype == torch.float32:
+        return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    return MatmulConfig(block_m=128, block_n=128 if descriptors else 64, block_k=64,
+                        num_warps=8, num_stages=3)
+
+
+def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
+    """(x, w_gate, w_up) descriptors, the weights described as one [E * H, I] stack; Nones
+    where the pointer loads must do (``tile_descriptors``' rules, or H not a multiple of the K
+    block, where a block would read into the next expert's rows)."""
+    E, H, I = w_gate.shape
+    if H % cfg.block_k or not (w_gate.is_contiguous() and w_up.is_contiguous()):
+        return None, None, None
+    x_desc, wg_desc = tile_descriptors(x, w_gate.view(E * H, I), cfg, facts)
+    if x_desc is None:
+        return None, None, None
+    return x_desc, wg_desc, tile_descriptors(x, w_up.view(E * H, I), cfg, facts)[1]
+
+
+def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  counts: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                  config: Optional[MatmulConfig] = None,
+                  programs: Optional[int] = None) -> torch.Tensor:
+    """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
+    [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``: the device checks
+    nothing past it and the rows past the sum are left as they are in ``out``)."""
+    _validate(x, w_gate, w_up, counts, out)
+    E, H, I = w_gate.shape
+    if out is None:
+        out = torch.empty((x.shape[0], I), dtype=x.dtype, device=x.device)
+    from ...backends import device_facts
+
+    facts = device_facts(x.device)
+    G = max(1, programs or facts.sm_count)
+    cfg = config or default_config(x.dtype, x.device, True)
+    x_desc, wg_desc, wu_desc = _descriptors(x, w_gate, w_up, cfg, facts)
+    if config is None and wu_desc is None:
+        cfg = default_config(x.dtype, x.device, False)
+    use_desc = wu_desc is not None
+    n_seg = counts.numel()
+    expert_swiglu_kernel[(G,)](
+        x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, I, H, n_seg, E,
+        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
+        out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=H % cfg.block_k == 0,
+        PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
+        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+def _validate(x, w_gate, w_up, counts, out) -> None:
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("counts", counts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a tensor")
+        if t.device != x.device:
+            raise ValueError(f"{OP}: {name} must be on {x.device}, got {t.device}")
+    if x.dtype not in DTYPES or w_gate.dtype != x.dtype or w_up.dtype != x.dtype:
+        raise TypeError(f"{OP}: x, w_gate and w_up must share one dtype of {DTYPES}; got "
+                        f"{x.dtype}, {w_gate.dtype}, {w_up.dtype}")
+    if x.dim() != 2 or w_gate.dim() != 3 or w_up.shape != w_gate.shape \
+            or w_up.stride() != w_gate.stride() or w_gate.shape[1] != x.shape[1]:
+        raise ValueError(f"{OP}: need x [rows, H] and w_gate, w_up [E, H, I] of one shape and "
+                         f"strides; got {tuple(x.shape)}, {tuple(w_gate.shape)}, "
+                         f"{tuple(w_up.shape)}")
+    E = w_gate.shape[0]
+    if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != E \
+            or not counts.is_contiguous():
+        raise ValueError(f"{OP}: counts must be a contiguous int32 [W, {E}] tensor; got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    if min(w_gate.shape) < 1:
+        raise ValueError(f"{OP}: empty weights {tuple(w_gate.shape)}")
+    if out is not None and (out.shape != (x.shape[0], w_gate.shape[2]) or out.dtype != x.dtype
+                            or out.device != x.device or out.stride(1) != 1):
+        raise ValueError(f"{OP}: out must be a {x.dtype} [{x.shape[0]}, {w_gate.shape[2]}] "
+                         f"tensor on {x.device} with contiguous rows")
