@@ -1,11 +1,11 @@
-"""An expert-parallel MoE layer (router, top-k, dispatch, expert MLPs, combine) with the fused
-expert GEMM + combine, checked against the same layer with the torch combine.
+"""An expert-parallel MoE layer (router, top-k, dispatch, expert MLPs, combine) run by the fused
+ops on the GPU end to end, checked against the same layer's torch path.
 
     torchrun --nproc-per-node 2 examples/moe/moe_layer.py       # GPUs: Mixtral-like shapes
     python examples/moe/moe_layer.py                            # no GPUs: emulated ranks, tiny
 
 Both layers share their weights; the script prints how far the outputs are apart, and on GPUs
-the layer's time with each combine (CUDA events, median of 20, plain launches).
+each layer's time (CUDA events, median of 20, plain launches).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def run(world, dims, iters):
         fused.synchronize()
         err = ((y.double() - y_ref.double()).norm() / y_ref.double().norm()).item()
         if dev.type != "cpu":
-            for name, layer in (("fused", fused), ("reference", ref)):
+            for name, layer in (("fused ops", fused), ("torch path", ref)):
                 ms = []
                 for _ in range(iters):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,10 +61,10 @@ def run(world, dims, iters):
 def report(W, dims, err, times, device) -> int:
     print(f"MoE layer on {W} ranks ({device}): {dims}")
     ok = err < (2e-2 if device != "cpu" else 1e-4)
-    print(f"fused vs torch combine: worst relative difference {err:.2e} -> "
+    print(f"fused layer vs torch path: worst relative difference {err:.2e} -> "
           f"{'outputs agree' if ok else 'OUTPUTS DIFFER'}")
     for k, v in times.items():
-        print(f"  layer with {k} combine: {v:.3f} ms (slowest rank's median)")
+        print(f"  layer with the {k}: {v:.3f} ms (slowest rank's median)")
     return 0 if ok else 1
 
 
