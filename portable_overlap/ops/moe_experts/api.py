@@ -78,7 +78,8 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=H % cfg.block_k == 0,
         PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
-        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), num_warps=cfg.num_warps,
+        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(),
+        BLOCK_SRC=1 << max(0, counts.shape[0] - 1).bit_length(), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 

@@ -18,7 +18,8 @@ def specs():
                        wu_desc=f"tensordesc<{dt}[{bk}, {bn}]>")
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
-                      PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16)
+                      PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16,
+                      BLOCK_SRC=2)
         if not desc:
             consts.update(x_desc=None, wg_desc=None, wu_desc=None)
         sig.update({k: "constexpr" for k in consts})

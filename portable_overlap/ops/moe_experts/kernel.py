@@ -7,8 +7,10 @@ computes, for its rows i and columns j of I::
 
     h[i, j] = silu(x[i] @ w_gate[e][:, j]) * (x[i] @ w_up[e][:, j])      (float32, then h's dtype)
 
-Segments are walked expert by expert (all sources of expert 0, then expert 1, ...), so
-consecutive tiles read the same expert's weights from L2. The tile count comes from the counts
+Tiles are walked expert by expert; an expert's row tiles of all sources are laid end to end and
+walked in grouped order, so consecutive tiles read the same expert's weight columns from L2 (at
+decode sizes, where each source sends an expert a few rows, every column block of its weights
+is then read from memory once, not once per source). The tile count comes from the counts
 on the device: the host never reads them, and a grid of one program per SM covers any routing.
 Rows past ``counts.sum()`` are neither read nor written.
 """
@@ -19,18 +21,13 @@ from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, grouped_tile
 
 
 @triton.jit
-def _segment(i, n_src, E):
-    """Segment index of the i-th step of the walk: expert i // n_src, source i % n_src."""
-    return (i % n_src) * E + i // n_src
-
-
-@triton.jit
 def expert_swiglu_kernel(
     x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc,
     I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
+    BLOCK_SRC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_src = n_seg // E
@@ -38,22 +35,32 @@ def expert_swiglu_kernel(
     segs = tl.arange(0, BLOCK_SEG)
     cnt = tl.load(counts_ptr + segs, mask=segs < n_seg, other=0)
     total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
-    # the walk's cursor (monotone in t): step, segment, its first tile, tile count, first row
-    i = 0
-    seg = _segment(i, n_src, E)
-    seg_t0 = 0
-    n = tl.load(counts_ptr + seg)
-    seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
+    srcs = tl.arange(0, BLOCK_SRC)
+    # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all sources
+    # (per source, and their running sum), its tile count
+    e = 0
+    e_t0 = 0
+    c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
+    mt_q = (c_e + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(mt_q, axis=0)
+    e_nt = tl.sum(mt_q) * num_pid_n
     for t in range(pid, total, tl.num_programs(0)):
-        while t >= seg_t0 + seg_nt:  # `total` bounds t, so the walk stays inside n_seg
-            i += 1
-            seg_t0 += seg_nt
-            seg = _segment(i, n_src, E)
-            n = tl.load(counts_ptr + seg)
-            seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
-        e = seg % E
+        while t >= e_t0 + e_nt:  # `total` bounds t, so the walk stays inside the experts
+            e += 1
+            e_t0 += e_nt
+            c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
+            mt_q = (c_e + BLOCK_M - 1) // BLOCK_M
+            cum = tl.cumsum(mt_q, axis=0)
+            e_nt = tl.sum(mt_q) * num_pid_n
+        # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
+        # tiles per weight column block, so at decode sizes every source's rows of the expert
+        # read a column block of its weights together, from L2 after the first)
+        vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
+        q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
+        pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
+        n = tl.sum(tl.where(srcs == q, c_e, 0))
+        seg = q * E + e
         start = tl.sum(tl.where(segs < seg, cnt, 0))  # rows of the segments before seg
-        pid_m, pid_n = grouped_tile(t - seg_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
         if USE_DESC:
             g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M,
                                        e * H, pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K,
