@@ -1,6 +1,6 @@
 """Fused MoE expert GEMM + combine All-to-All (expert parallelism), payload-efficient.
 
-What it computes on rank r, with the dispatch layout of ``routing.dispatch``::
+What it computes on rank r, with the dispatch layout of ``moe_dispatch`` (ops/moe_dispatch)::
 
     # x [R, I]: rows for r's experts, by source rank q, then local expert e (counts[q, e] rows)
     # w [E_local, I, H]: r's experts (global expert r * E_local + e); slots [R]: row -> slot
