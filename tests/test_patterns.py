@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_op_table_is_the_public_api():
     assert set(po.OPS) == set(SPECS) == {
         "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_to_all",
-        "gemv_all_reduce", "embedding_all_to_all", "moe_gemm_combine"}
+        "gemv_all_reduce", "embedding_all_to_all", "moe_dispatch", "moe_gemm_combine"}
     for name, spec in SPECS.items():
         assert callable(getattr(po, name)) and name in po.__all__
         assert getattr(po, spec.context.__name__) is spec.context
