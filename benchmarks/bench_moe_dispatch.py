@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench_moe_combine import route
 from benchmarks.cli import BenchParser
 from benchmarks.runner import Case, run_main, torch_dtype
 from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
@@ -31,13 +32,6 @@ from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_referenc
 # (S, H, E, k): DeepSeek-like and Mixtral-like expert layouts, prefill and decode token counts
 SHAPES = [(8192, 7168, 16, 8), (8192, 4096, 8, 2), (128, 7168, 16, 8), (128, 4096, 8, 2)]
 OP = "moe_dispatch"
-
-
-def route(kind, S, E, k, gen, dev):
-    if kind == "zipf":
-        p = 1.0 / torch.arange(1, E + 1, device=dev, dtype=torch.float32) ** 1.2
-        return torch.multinomial(p.expand(S, E), k, replacement=False, generator=gen)
-    return torch.rand(S, E, generator=gen, device=dev).topk(k, dim=1).indices
 
 
 def parser() -> BenchParser:
@@ -98,23 +92,11 @@ def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
             row_bytes = H * tokens.element_size()
             sent = (S * k - send_splits[r]) * row_bytes  # the rows that leave this rank
             label = f"{S}x{H}x{E}x{k} {kind} {dname}"
-            graphs = args.graphs
-            try:
-                # the torch path reads its splits on the host: plain launches only
-                args.graphs = tuple(g for g in graphs if not g)
-                bench.run(Case(op=OP, shape=shape, dtype=dname, impls=impls, check=check,
-                               checked=["fused"], tol=1e-9, label=label,
-                               fields=lambda name: {"bytes_sent_per_rank": sent,
-                                                    "rows_received": R}))
-                args.graphs = tuple(g for g in graphs if g)
-                if args.graphs:
-                    bench.run(Case(op=OP, shape=shape, dtype=dname,
-                                   impls={"fused": impls["fused"], "comm": comm},
-                                   label=label, summarize=(),
-                                   fields=lambda name: {"bytes_sent_per_rank": sent,
-                                                        "rows_received": R}))
-            finally:
-                args.graphs = graphs
+            bench.run(Case(op=OP, shape=shape, dtype=dname, impls=impls, check=check,
+                           checked=["fused"], tol=1e-9, label=label,
+                           plain_only=("sequential",),
+                           fields=lambda name: {"bytes_sent_per_rank": sent,
+                                                "rows_received": R}))
     finally:
         ctx.close()
 

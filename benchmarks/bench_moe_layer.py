@@ -147,22 +147,11 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                 return run
 
             label = f"{S}x{H}x{I}x{E}x{k} {kind} {dname}"
-            fields = {"rows_received": R}
-            graphs = args.graphs
-            try:
-                args.graphs = tuple(g for g in graphs if not g)
-                bench.run(Case(op=OP, shape=shape, dtype=dname,
-                               impls={n: timed(f) for n, f in impls.items()}, check=check,
-                               checked=["fused"], tol=3e-2, label=label,
-                               fields=lambda name: fields))
-                args.graphs = tuple(g for g in graphs if g)
-                if args.graphs:  # everything but the torch path, which reads on the host
-                    bench.run(Case(op=OP, shape=shape, dtype=dname,
-                                   impls={n: timed(f) for n, f in impls.items()
-                                          if n != "sequential"},
-                                   label=label, summarize=(), fields=lambda name: fields))
-            finally:
-                args.graphs = graphs
+            bench.run(Case(op=OP, shape=shape, dtype=dname,
+                           impls={n: timed(f) for n, f in impls.items()}, check=check,
+                           checked=["fused"], tol=3e-2, label=label,
+                           plain_only=("sequential",),
+                           fields=lambda name: {"rows_received": R}))
     finally:
         fused.close()
 

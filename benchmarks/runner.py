@@ -40,7 +40,8 @@ class Case:
     ``fields``: extra row fields, {impl: dict} or a callable ``name -> dict`` (evaluated when the
     row is written, after the checks). ``summarize``: the impls that get summary rows.
     ``notes``: fixed facts about the case; ``derive(times)``: figures from one graph mode's
-    {impl: ms}; both go into the summary rows and the printed table."""
+    {impl: ms}; both go into the summary rows and the printed table. ``plain_only``: impls
+    timed with plain launches only (they read on the host, which a CUDA graph cannot hold)."""
 
     op: str
     shape: Mapping
@@ -54,6 +55,7 @@ class Case:
     notes: Optional[Mapping] = None
     derive: Optional[Callable[[Mapping[str, float]], Mapping]] = None
     label: Optional[str] = None
+    plain_only: Sequence[str] = ()
 
     def checked_names(self) -> list:
         names = self.checked if self.checked is not None else \
@@ -139,7 +141,7 @@ class Bench:
         times = {}
         for graph in self.args.graphs:
             for name, fn in case.impls.items():
-                if correct.get(name) is False:
+                if correct.get(name) is False or (graph and name in case.plain_only):
                     continue  # never time a wrong result
                 r = self.time_impl(name, fn, graph)
                 if r is None:

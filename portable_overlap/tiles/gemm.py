@@ -25,10 +25,10 @@ def grouped_tile(t, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr):
+def tile_offsets(M, N, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``(a_offs, b_offs, offs_k)``: the element offsets of tile (pid_m, pid_n)'s first K block
+    in ``a`` [BLOCK_M, BLOCK_K] and ``b`` [BLOCK_K, BLOCK_N], and the K lanes."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Clamp instead of masking: the edge rows/columns load valid memory, the store drops them.
@@ -42,8 +42,20 @@ def gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     rm = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
     rn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+    a_offs = rm[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_offs = offs_k[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+    return a_offs, b_offs, offs_k
+
+
+@triton.jit
+def gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m, pid_n,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr):
+    a_offs, b_offs, offs_k = tile_offsets(M, N, stride_am, stride_ak, stride_bk, stride_bn,
+                                          pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    a_ptrs = a_ptr + a_offs
+    b_ptrs = b_ptr + b_offs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
@@ -104,13 +116,9 @@ def gemm_tile_pair(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk
     ``c`` of one shape and strides) in one pass over ``a``: a gated MLP's gate and up
     projections, which read the same rows. Edges as in ``gemm_tile`` (clamped indices, masked
     by the caller's store)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
-    rn = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    b_offs = offs_k[:, None] * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+    a_offs, b_offs, offs_k = tile_offsets(M, N, stride_am, stride_ak, stride_bk, stride_bn,
+                                          pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    a_ptrs = a_ptr + a_offs
     b_ptrs = b_ptr + b_offs
     c_ptrs = c_ptr + b_offs
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
