@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from ...errors import InvalidInputError
-from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
+from ..context import (align_key, check_transport, collective_call, G_MAX, OverlapContext,
+                       shape_tag)
 from ..matmul.api import DTYPES
 from ..registry import OpSpec, define
 from .kernel import (FLAG_NAMES, dispatch_scatter_kernel, route_count_kernel,
@@ -72,8 +73,7 @@ class MoeDispatch(OverlapContext):
                         ("experts_per_rank", experts_per_rank), ("capacity", capacity)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
+        check_transport(OP, transport, TRANSPORTS)
         if dtype not in DTYPES:
             raise TypeError(f"{OP}: dtype must be one of {DTYPES}, got {dtype}")
         if W * experts_per_rank > MAX_EXPERTS:
