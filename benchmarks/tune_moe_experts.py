@@ -1,0 +1,129 @@
+"""Sweep tile configurations of ``expert_swiglu`` (the experts' gated gate/up grouped GEMM) on
+one GPU, over the dispatch layout one rank of a W-rank layer receives, against cuBLAS on the
+same rows. Prints one line per (shape, routing, config); results go to --out as JSON lines.
+
+    torchrun --nproc-per-node 1 benchmarks/tune_moe_experts.py --out tune.jsonl \\
+        --device-kind nvidia-h200
+
+Shapes are the layer benchmark's (S tokens per rank, H, I, E experts in all, top-k) with
+``--ranks`` W (default 2): rank 0's share, ``counts[q, e]`` rows from each of the W sources
+for each of its E / W experts, drawn from a balanced or a Zipf(1.2) routing of W * S tokens.
+Baselines: ``cublas_dense`` (gate and up as two cuBLAS GEMMs over all R received rows, one
+weight: the equivalent dense problem) and ``cublas_segments`` (per (source, expert) segment
+cuBLAS gate, up and SiLU-gating: what the torch path runs).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import time_op
+from benchmarks.rows import ResultWriter
+from portable_overlap import World
+from portable_overlap.ops.matmul import MatmulConfig
+from portable_overlap.ops.moe_experts import expert_swiglu
+from portable_overlap.ops.moe_experts.api import default_config
+
+SHAPES = [(8192, 7168, 2048, 16, 8), (8192, 4096, 14336, 8, 2), (128, 7168, 2048, 16, 8),
+          (128, 4096, 14336, 8, 2)]
+# (block_m, block_n, block_k, num_warps, num_stages): the default first, then smaller row
+# blocks for the decode layouts (a few dozen rows per segment) and wider column blocks
+CONFIGS = [None, (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
+           (64, 64, 128, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4),
+           (128, 128, 128, 8, 3)]
+
+
+def routing_counts(S, E, k, W, kind, gen) -> torch.Tensor:
+    """counts [W, E // W]: rows rank 0's experts get from each source under ``kind``."""
+    scores = torch.rand(W * S, E, generator=gen)
+    if kind == "zipf":
+        scores = scores.log() + 4 * torch.log(1.0 / torch.arange(1, E + 1) ** 1.2)
+    ids = scores.topk(k, -1).indices.view(W, S * k)
+    El = E // W
+    return torch.stack([torch.bincount(ids[q], minlength=E)[:El] for q in range(W)]).int()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device-kind", default="unknown")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    world = World.from_env()
+    dev = world.device
+    writer = ResultWriter(args.out, args.device_kind, 1)
+    W = args.ranks
+    g = torch.Generator(device=dev).manual_seed(0)
+    lines = []
+    for S, H, I, E, k in SHAPES:
+        El = E // W
+        wg = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
+        wu = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
+        for kind in ("balanced", "zipf"):
+            counts = routing_counts(S, E, k, W, kind, torch.Generator().manual_seed(S + E))
+            R = int(counts.sum())
+            x = torch.randn(R, H, generator=g, device=dev).bfloat16()
+            counts_d = counts.to(dev)
+            bounds = [0] + torch.cumsum(counts.flatten().long(), 0).tolist()
+            ref = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
+            gu = torch.empty_like(ref)
+            hh = torch.empty_like(ref)
+
+            def segments():
+                for s in range(W * El):
+                    lo, hi = bounds[s], bounds[s + 1]
+                    if hi > lo:
+                        e = s % El
+                        torch.matmul(x[lo:hi], wg[e], out=gu[lo:hi])
+                        torch.matmul(x[lo:hi], wu[e], out=hh[lo:hi])
+                        hh[lo:hi] *= F.silu(gu[lo:hi])
+
+            def dense():
+                torch.matmul(x, wg[0], out=gu)
+                torch.matmul(x, wu[0], out=hh)
+
+            segments()
+            ref.copy_(hh)
+            shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind, "ranks": W,
+                     "rows": R}
+            base = {}
+            for name, fn in (("cublas_dense", dense), ("cublas_segments", segments)):
+                t = time_op(fn, world, graph=True, iters=args.iters)
+                base[name] = t["median_ms"]
+                writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl=name,
+                             graph=True, **t)
+            out = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
+            for c in CONFIGS:
+                cfg = default_config(torch.bfloat16, dev, True) if c is None else MatmulConfig(
+                    block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3], num_stages=c[4])
+                name = "default" if c is None else "x".join(map(str, c[:3])) + f"/{c[3]}w{c[4]}s"
+                try:
+                    out.fill_(float("nan"))
+                    expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg)
+                    torch.cuda.synchronize()
+                    err = float(((out.float() - ref.float()).norm() / ref.float().norm()))
+                    t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg),
+                                world, graph=True, iters=args.iters)
+                except Exception as exc:  # a config that does not fit (shared memory) is skipped
+                    print(f"{S}x{H}x{I}x{E}x{k} {kind} {name}: {type(exc).__name__} "
+                          f"{str(exc)[:120]}", flush=True)
+                    continue
+                writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl="config",
+                             graph=True, config=cfg.__dict__, rel_err=err,
+                             vs_cublas_dense=base["cublas_dense"] / t["median_ms"], **t)
+                line = (f"{S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {name:>18}: "
+                        f"{t['median_ms']:.3f} ms  dense cuBLAS {base['cublas_dense']:.3f} "
+                        f"({base['cublas_dense'] / t['median_ms']:.2f}x)  segments "
+                        f"{base['cublas_segments']:.3f}  err {err:.1e}")
+                print(line, flush=True)
+                lines.append(line)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
