@@ -4,8 +4,10 @@ ops on the GPU end to end, checked against the same layer's torch path.
     torchrun --nproc-per-node 2 examples/moe/moe_layer.py       # GPUs: Mixtral-like shapes
     python examples/moe/moe_layer.py                            # no GPUs: emulated ranks, tiny
 
-Both layers share their weights; the script prints how far the outputs are apart, and on GPUs
-each layer's time (CUDA events, median of 20, plain launches).
+Both layers share their weights; the script prints how far the outputs and the gradients of
+one training step (forward + backward; the backward is the staged torch path under either
+forward) are apart, and on GPUs each layer's forward and training-step times (CUDA events,
+median of 20, plain launches).
 """
 from __future__ import annotations
 
@@ -35,25 +37,40 @@ def run(world, dims, iters):
     S = dims["tokens"] - 3 * world.rank
     tokens = torch.randn(S, dims["hidden"], generator=g, device=dev).to(dtype)
     times = {}
+    dout = torch.randn(S, dims["hidden"], generator=g, device=dev).to(dtype)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    def train_step(layer):
+        layer.zero_grad(set_to_none=True)
+        t = tokens.clone().requires_grad_()
+        layer(t).backward(dout)
+        return t.grad, layer.w_down.grad, layer.router.grad
+
     with torch.no_grad():
         y = fused(tokens)
         y_ref = ref(tokens)
         fused.synchronize()
-        err = ((y.double() - y_ref.double()).norm() / y_ref.double().norm()).item()
-        if dev.type != "cpu":
-            for name, layer in (("fused ops", fused), ("torch path", ref)):
+    err = rel(y, y_ref)
+    grad_err = max(rel(a, b) for a, b in zip(train_step(fused), train_step(ref)))
+    if dev.type != "cpu":
+        for name, layer in (("fused ops", fused), ("torch path", ref)):
+            for what, step in (("forward", lambda: layer(tokens)),
+                               ("training step", lambda: train_step(layer))):
                 ms = []
                 for _ in range(iters):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     world.barrier()
                     a.record()
-                    layer(tokens)
+                    with torch.set_grad_enabled(what != "forward"):
+                        step()
                     b.record()
                     torch.cuda.synchronize()
                     ms.append(a.elapsed_time(b))
-                times[name] = statistics.median(ms)
+                times[f"{name}, {what}"] = statistics.median(ms)
     fused.close()
-    errs = world.all_gather_object(err)
+    errs = world.all_gather_object(max(err, grad_err))
     all_times = world.all_gather_object(times)
     return max(errs), {k: max(t[k] for t in all_times) for k in times}
 
@@ -61,8 +78,8 @@ def run(world, dims, iters):
 def report(W, dims, err, times, device) -> int:
     print(f"MoE layer on {W} ranks ({device}): {dims}")
     ok = err < (2e-2 if device != "cpu" else 1e-4)
-    print(f"fused layer vs torch path: worst relative difference {err:.2e} -> "
-          f"{'outputs agree' if ok else 'OUTPUTS DIFFER'}")
+    print(f"fused layer vs torch path, outputs and gradients: worst relative difference "
+          f"{err:.2e} -> {'they agree' if ok else 'THEY DIFFER'}")
     for k, v in times.items():
         print(f"  layer with the {k}: {v:.3f} ms (slowest rank's median)")
     return 0 if ok else 1

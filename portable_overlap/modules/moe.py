@@ -11,8 +11,10 @@ its own tokens. Forward, on every rank::
 
 The router is replicated (same weights on every rank). With ``fused=False`` the layer is the
 torch path instead: ``all_to_all_single`` dispatch with host-read splits, per-segment matmuls,
-``all_to_all_single`` back and the weighted sum. Forward only (inference): the fused ops define
-no backward yet; train with ``fused=False``.
+``all_to_all_single`` back and the weighted sum. Either forward trains: the backward runs the
+staged torch path (``moe_backward``: the tokens dispatched again with their gradient, the
+experts' activations recomputed, the rows' gradients sent back), so the fused forward is what
+is fast and the backward is correct.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from ..ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
 from ..ops.moe_experts import expert_swiglu
 from ..ops.moe_combine.reference import combine_rows, expert_outputs
+from .moe_backward import MoeLayerFunction
 
 
 class ExpertParallelMoE(nn.Module):
@@ -80,12 +83,15 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(tokens)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (
+                tokens, weights, self.w_gate, self.w_up, self.w_down)):
+            return MoeLayerFunction.apply(tokens, weights, ids, self.w_gate, self.w_up,
+                                          self.w_down, self._forward, self.experts_per_rank,
+                                          self.world.group)
+        return self._forward(tokens, weights, ids)
+
+    def _forward(self, tokens, weights, ids) -> torch.Tensor:
         if self.fused:
-            if torch.is_grad_enabled() and (tokens.requires_grad or any(
-                    p.requires_grad for p in (self.w_gate, self.w_up, self.w_down))):
-                raise RuntimeError("ExpertParallelMoE: the fused layer has no backward; run it "
-                                   "under torch.no_grad() (inference) or make it with "
-                                   "fused=False to train")
             x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
             h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h)
             return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)

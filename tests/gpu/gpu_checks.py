@@ -424,6 +424,43 @@ def check_moe_layer(world: World, gen) -> None:
                    f"worst rel_err={worst:.2e}")
     finally:
         fused.close()
+    moe_layer_backward(world, gen)
+
+
+def moe_layer_backward(world: World, gen) -> None:
+    """Gradients of the fused layer (fp32) against autograd of the dense layer over every
+    rank's tokens and experts: tokens, this rank's experts, the router summed over ranks."""
+    from portable_overlap import ExpertParallelMoE
+    from portable_overlap.modules.moe_backward import dense_layer_reference
+
+    W, r, dev = world.world_size, world.rank, world.device
+    H, I, E, k, S = 256, 192, 4 * W, 2, 300 - 50 * r
+    layer = ExpertParallelMoE(world, H, I, E, k, max_tokens=300, dtype=torch.float32)
+    try:
+        tokens = rand((S, H), torch.float32, dev, gen).requires_grad_()
+        dout = rand((S, H), torch.float32, dev, gen)
+        layer(tokens).backward(dout)
+        layer.synchronize()
+        cpu = {"tokens": tokens.detach().cpu(), "dout": dout.cpu(),
+               **{n: p.detach().cpu() for n, p in layer.named_parameters()},
+               "drouter": layer.router.grad.cpu()}
+        every = world.all_gather_object(cpu)
+        T = torch.cat([m["tokens"] for m in every]).to(dev).requires_grad_()
+        ws = [torch.cat([m[n] for m in every]).to(dev).requires_grad_()
+              for n in ("w_gate", "w_up", "w_down")]
+        router = layer.router.detach().clone().requires_grad_()
+        out = dense_layer_reference(T, router, *ws, k)
+        (out * torch.cat([m["dout"] for m in every]).to(dev)).sum().backward()
+        lo, El = sum(m["tokens"].shape[0] for m in every[:r]), E // W
+        errs = {"tokens": rel_err(tokens.grad, T.grad[lo:lo + S]),
+                "router": rel_err(sum(m["drouter"] for m in every).to(dev), router.grad)}
+        for n, w in zip(("w_gate", "w_up", "w_down"), ws):
+            errs[n] = rel_err(getattr(layer, n).grad, w.grad[r * El:(r + 1) * El])
+        worst = max(errs.values())
+        record("moe layer backward (fused forward) vs dense autograd", worst < 1e-2,
+               " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    finally:
+        layer.close()
 
 
 def check_allgather_gemm(world: World, gen) -> None:

@@ -27,11 +27,11 @@ def expert_outputs(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
     return y
 
 
-def combine_rows(y: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, topk_weights,
-                 group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Send each row of ``y`` (and its slot) back to its source rank, place rows by slot and
-    return ``out[s] = sum_j topk_weights[s, j] * rows[s * k + j]`` (float32 sum, x's dtype)."""
-    S, k = topk_weights.shape
+def return_rows(y: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, n_slots: int,
+                group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Send each row of ``y`` (and its slot) back to its source rank and place the rows this
+    rank gets by slot: ``placed`` float32 [n_slots, D], zero where no row came back. Rows of
+    ``y`` lie by source rank (``counts[q]`` rows for source q), as the dispatch left them."""
     send_splits = counts.sum(1).tolist()  # rows of y going back to each source rank
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         W = dist.get_world_size(group)
@@ -46,8 +46,17 @@ def combine_rows(y: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, top
         assert len(recv_splits) == W
     else:
         rows, got = y, slots
-    placed = torch.zeros((S * k, y.shape[1]), dtype=torch.float32, device=y.device)
+    placed = torch.zeros((n_slots, y.shape[1]), dtype=torch.float32, device=y.device)
     placed[got.long()] = rows.float()
+    return placed
+
+
+def combine_rows(y: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, topk_weights,
+                 group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Send each row of ``y`` (and its slot) back to its source rank, place rows by slot and
+    return ``out[s] = sum_j topk_weights[s, j] * rows[s * k + j]`` (float32 sum, y's dtype)."""
+    S, k = topk_weights.shape
+    placed = return_rows(y, slots, counts, S * k, group)
     out = (placed.view(S, k, y.shape[1]) * topk_weights.float().unsqueeze(-1)).sum(1)
     return out.to(y.dtype)
 
