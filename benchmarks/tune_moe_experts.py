@@ -6,7 +6,7 @@ same rows. Prints one line per (shape, routing, config); results go to --out as 
         --device-kind nvidia-h200
 
 Shapes are the layer benchmark's (S tokens per rank, H, I, E experts in all, top-k) with
-``--ranks`` W (default 2): rank 0's share, ``counts[q, e]`` rows from each of the W sources
+``--ranks`` W (default 2; a list sweeps several): rank 0's share, ``counts[q, e]`` rows from each of the W sources
 for each of its E / W experts, drawn from a balanced or a Zipf(1.2) routing of W * S tokens.
 Baselines: ``cublas_dense`` (gate and up as two cuBLAS GEMMs over all R received rows, one
 weight: the equivalent dense problem) and ``cublas_segments`` (per (source, expert) segment
@@ -20,20 +20,21 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import time_op
+from benchmarks.harness import hbm_read_bandwidth, time_op
 from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.moe_experts import expert_swiglu
-from portable_overlap.ops.moe_experts.api import default_config
+from portable_overlap.ops.moe_experts.api import default_config, gather_rows
 
 SHAPES = [(8192, 7168, 2048, 16, 8), (8192, 4096, 14336, 8, 2), (128, 7168, 2048, 16, 8),
           (128, 4096, 14336, 8, 2)]
-# (block_m, block_n, block_k, num_warps, num_stages): the default first, then smaller row
-# blocks for the decode layouts (a few dozen rows per segment) and wider column blocks
-CONFIGS = [None, (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
-           (64, 64, 128, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4),
-           (128, 128, 128, 8, 3)]
+# (block_m, block_n, block_k, num_warps, num_stages, gather): the default first (its own
+# choice of row tiles), then per-source and gathered row tiles (``expert_swiglu``'s ``gather``)
+CONFIGS = [None, (64, 128, 64, 4, 4, False), (64, 256, 64, 8, 3, False),
+           (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (64, 128, 64, 4, 4, True),
+           (64, 128, 64, 8, 3, True), (64, 256, 64, 8, 3, True), (64, 64, 64, 4, 4, True),
+           (64, 64, 128, 4, 3, True)]
 
 
 def routing_counts(S, E, k, W, kind, gen) -> torch.Tensor:
@@ -50,16 +51,22 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--device-kind", default="unknown")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", default="2", help="comma-separated world sizes to lay out")
+    ap.add_argument("--max-tokens", type=int, default=1 << 30,
+                    help="only the shapes with at most this many tokens per rank")
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
     world = World.from_env()
     dev = world.device
     writer = ResultWriter(args.out, args.device_kind, 1)
-    W = args.ranks
     g = torch.Generator(device=dev).manual_seed(0)
+    hbm = hbm_read_bandwidth(dev)  # GB/s: the decode layouts are bound by the weights' bytes
+    print(f"HBM read {hbm:.0f} GB/s", flush=True)
     lines = []
-    for S, H, I, E, k in SHAPES:
+    for W, (S, H, I, E, k) in [(int(w), sh) for w in args.ranks.split(",") for sh in SHAPES
+                               if sh[0] <= args.max_tokens]:
+        if E % W:
+            continue
         El = E // W
         wg = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
         wu = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
@@ -90,6 +97,9 @@ def main() -> int:
             ref.copy_(hh)
             shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind, "ranks": W,
                      "rows": R}
+            # gate and up weights of the experts that got rows, read once at the HBM rate
+            used = int((counts.sum(0) > 0).sum())
+            weights_ms = used * 2 * H * I * 2 / hbm / 1e6
             base = {}
             for name, fn in (("cublas_dense", dense), ("cublas_segments", segments)):
                 t = time_op(fn, world, graph=True, iters=args.iters)
@@ -98,27 +108,33 @@ def main() -> int:
                              graph=True, **t)
             out = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
             for c in CONFIGS:
-                cfg = default_config(torch.bfloat16, dev, True) if c is None else MatmulConfig(
-                    block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3], num_stages=c[4])
-                name = "default" if c is None else "x".join(map(str, c[:3])) + f"/{c[3]}w{c[4]}s"
+                # the default decides on the dispatch buffer a layer of max_tokens = S has
+                gather = gather_rows(W * S * k, W * El) if c is None else c[5]
+                cfg = default_config(torch.bfloat16, dev, True, gather) if c is None else \
+                    MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3],
+                                 num_stages=c[4])
+                name = ("default" if c is None else "x".join(map(str, c[:3]))
+                        + f"/{c[3]}w{c[4]}s") + (" gather" if gather else "")
                 try:
                     out.fill_(float("nan"))
-                    expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg)
+                    expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg, gather=gather)
                     torch.cuda.synchronize()
                     err = float(((out.float() - ref.float()).norm() / ref.float().norm()))
-                    t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg),
+                    t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg,
+                                                      gather=gather),
                                 world, graph=True, iters=args.iters)
                 except Exception as exc:  # a config that does not fit (shared memory) is skipped
                     print(f"{S}x{H}x{I}x{E}x{k} {kind} {name}: {type(exc).__name__} "
                           f"{str(exc)[:120]}", flush=True)
                     continue
                 writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl="config",
-                             graph=True, config=cfg.__dict__, rel_err=err,
-                             vs_cublas_dense=base["cublas_dense"] / t["median_ms"], **t)
-                line = (f"{S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {name:>18}: "
+                             graph=True, config=dict(cfg.__dict__, gather=gather), rel_err=err,
+                             vs_cublas_dense=base["cublas_dense"] / t["median_ms"],
+                             weights_ms_at_hbm=weights_ms, **t)
+                line = (f"W{W} {S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {name:>25}: "
                         f"{t['median_ms']:.3f} ms  dense cuBLAS {base['cublas_dense']:.3f} "
                         f"({base['cublas_dense'] / t['median_ms']:.2f}x)  segments "
-                        f"{base['cublas_segments']:.3f}  err {err:.1e}")
+                        f"{base['cublas_segments']:.3f}  weights {weights_ms:.3f}  err {err:.1e}")
                 print(line, flush=True)
                 lines.append(line)
     print("\n".join(lines))

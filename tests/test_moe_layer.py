@@ -11,9 +11,11 @@ SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
-def _swiglu(world, dtype):
+def _swiglu(world, dtype, gather):
     """Odd H and I (edge tiles), empty segments, more rows in x than the counts name (their
-    outputs stay poisoned), a non-contiguous x, a single-segment layout."""
+    outputs stay poisoned), a non-contiguous x, a single-segment layout; row tiles per source
+    or gathered over the sources (tiles mixing sources, a source with none of an expert's
+    rows)."""
     errs = []
     for seed, (W, E, H, I, extra) in enumerate(((2, 3, 24, 20, 5), (1, 1, 17, 33, 0),
                                                 (4, 2, 16, 16, 9))):
@@ -25,7 +27,7 @@ def _swiglu(world, dtype):
         wg = (torch.randn(E, H, I, generator=g) / H ** 0.5).to(dtype)
         wu = (torch.randn(E, H, I, generator=g) / H ** 0.5).to(dtype)
         out = torch.full((R + extra, I), float("nan"), dtype=dtype)
-        expert_swiglu(x, wg, wu, counts, out, config=SMALL if seed else None)
+        expert_swiglu(x, wg, wu, counts, out, config=SMALL if seed else None, gather=gather)
         ref = expert_swiglu_reference(x, wg, wu, counts)
         assert torch.isnan(out[R:]).all(), "rows past counts.sum() were written"
         errs.append(((out[:R].double() - ref.double()).norm()
@@ -33,10 +35,11 @@ def _swiglu(world, dtype):
     return errs
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["per_source", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=lambda d: str(d)[6:])
-def test_expert_swiglu_matches_reference(world2, dtype):
-    for errs in world2.run(_swiglu, dtype):
+def test_expert_swiglu_matches_reference(world2, dtype, gather):
+    for errs in world2.run(_swiglu, dtype, gather):
         assert all(e < TOL[dtype] for e in errs), errs
 
 

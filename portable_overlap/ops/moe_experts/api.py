@@ -25,17 +25,30 @@ from .kernel import expert_swiglu_kernel
 OP = "expert_swiglu"
 
 
-def default_config(dtype: torch.dtype, device: torch.device, descriptors: bool) -> MatmulConfig:
+def default_config(dtype: torch.dtype, device: torch.device, descriptors: bool,
+                   gather: bool = False) -> MatmulConfig:
     """Two accumulators per tile. Through descriptors, 128 x 128 tiles over 8 warps compile to
     176 registers on sm_90 without a spill; with pointer loads they spill (255 registers and
-    560 bytes of stack), 128 x 64 does not (249 registers)."""
+    560 bytes of stack), 128 x 64 does not (249 registers). Gathered row tiles (decode
+    layouts, a few dozen rows per expert) are 64 rows high."""
     if device.type == "cpu":
         return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
                             num_stages=1)
     if dtype == torch.float32:
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    if gather and descriptors:
+        return MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+    if gather:  # gathered rows by pointers: 64 x 128 spills at 4 and 8 warps, 64 x 64 does not
+        return MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3)
     return MatmulConfig(block_m=128, block_n=128 if descriptors else 64, block_k=64,
                         num_warps=8, num_stages=3)
+
+
+def gather_rows(rows: int, n_seg: int) -> bool:
+    """Whether row tiles gather an expert's rows of all sources: where ``x`` has room for at
+    most 64 rows per (source, expert) segment on average (decode layouts), so per-source tiles
+    would be mostly empty."""
+    return rows <= 64 * n_seg
 
 
 def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
@@ -53,11 +66,14 @@ def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
 
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                   counts: torch.Tensor, out: Optional[torch.Tensor] = None, *,
-                  config: Optional[MatmulConfig] = None,
-                  programs: Optional[int] = None) -> torch.Tensor:
+                  config: Optional[MatmulConfig] = None, programs: Optional[int] = None,
+                  gather: Optional[bool] = None) -> torch.Tensor:
     """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
     [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``: the device checks
-    nothing past it and the rows past the sum are left as they are in ``out``)."""
+    nothing past it and the rows past the sum are left as they are in ``out``).
+
+    ``gather``: row tiles hold an expert's rows of all sources together (kernel.py) instead of
+    one source's; by default where x has room for few rows per segment (``gather_rows``)."""
     _validate(x, w_gate, w_up, counts, out)
     E, H, I = w_gate.shape
     if out is None:
@@ -66,12 +82,14 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
     facts = device_facts(x.device)
     G = max(1, programs or facts.sm_count)
-    cfg = config or default_config(x.dtype, x.device, True)
+    n_seg = counts.numel()
+    if gather is None:
+        gather = gather_rows(x.shape[0], n_seg)
+    cfg = config or default_config(x.dtype, x.device, True, gather)
     x_desc, wg_desc, wu_desc = _descriptors(x, w_gate, w_up, cfg, facts)
     if config is None and wu_desc is None:
-        cfg = default_config(x.dtype, x.device, False)
+        cfg = default_config(x.dtype, x.device, False, gather)
     use_desc = wu_desc is not None
-    n_seg = counts.numel()
     expert_swiglu_kernel[(G,)](
         x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, I, H, n_seg, E,
         x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
@@ -79,7 +97,8 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=H % cfg.block_k == 0,
         PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
         BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(),
-        BLOCK_SRC=1 << max(0, counts.shape[0] - 1).bit_length(), num_warps=cfg.num_warps,
+        BLOCK_SRC=1 << max(0, counts.shape[0] - 1).bit_length(), GATHER=bool(gather),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 

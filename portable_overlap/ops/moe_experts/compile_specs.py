@@ -6,10 +6,13 @@ _ARGS = ("I:i32 H:i32 n_seg:i32 E:i32 stride_xm:i32 stride_xk:i32 stride_we:i32 
 
 
 def specs():
-    # the default tiles (api.default_config); bf16 through descriptors and pointer loads
-    for dt, bm, bn, bk, warps, desc in (("bf16", 128, 128, 64, 8, True),
-                                        ("bf16", 128, 64, 64, 8, False),
-                                        ("fp32", 64, 64, 32, 4, False)):
+    # the default tiles (api.default_config); bf16 through descriptors and pointer loads, per
+    # source and gathered row tiles
+    for dt, bm, bn, bk, warps, desc, gather in (("bf16", 128, 128, 64, 8, True, False),
+                                                ("bf16", 128, 64, 64, 8, False, False),
+                                                ("fp32", 64, 64, 32, 4, False, False),
+                                                ("bf16", 64, 128, 64, 4, True, True),
+                                                ("bf16", 64, 128, 64, 4, False, True)):
         sig = {n: f"*{dt}" for n in ("x_ptr", "wg_ptr", "wu_ptr", "h_ptr")}
         sig["counts_ptr"] = "*i32"
         if desc:
@@ -19,11 +22,12 @@ def specs():
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
                       PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16,
-                      BLOCK_SRC=2)
+                      BLOCK_SRC=2, GATHER=gather)
         if not desc:
             consts.update(x_desc=None, wg_desc=None, wu_desc=None)
         sig.update({k: "constexpr" for k in consts})
         aligned = ["x_ptr", "wg_ptr", "wu_ptr", "h_ptr", "I", "H", "stride_xm", "stride_we",
                    "stride_wk", "stride_hm"]
-        name = f"expert_swiglu[{dt}{', descriptors' if desc else ''}]"
+        name = (f"expert_swiglu[{dt}{', descriptors' if desc else ''}"
+                f"{', gathered rows' if gather else ''}]")
         yield name, expert_swiglu_kernel, sig, consts, aligned

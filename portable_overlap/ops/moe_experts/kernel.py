@@ -13,11 +13,17 @@ decode sizes, where each source sends an expert a few rows, every column block o
 is then read from memory once, not once per source). The tile count comes from the counts
 on the device: the host never reads them, and a grid of one program per SM covers any routing.
 Rows past ``counts.sum()`` are neither read nor written.
+
+With ``GATHER`` a row tile holds the expert's rows of all sources together (rows gathered from
+the sources' segments, pointer loads), not one source's: at decode sizes each source sends an
+expert a few rows, and per-source tiles would be mostly empty (32 rows per segment in a 64-row
+tile at 128 tokens per rank on 2 ranks, 8 in 8-rank layouts), computing zeros and reading each
+weight block once per source.
 """
 import triton
 import triton.language as tl
 
-from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, grouped_tile
+from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, gemm_tile_pair_rows, grouped_tile
 
 
 @triton.jit
@@ -27,21 +33,26 @@ def expert_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
-    BLOCK_SRC: tl.constexpr,
+    BLOCK_SRC: tl.constexpr, GATHER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_src = n_seg // E
     num_pid_n = tl.cdiv(I, BLOCK_N)
     segs = tl.arange(0, BLOCK_SEG)
     cnt = tl.load(counts_ptr + segs, mask=segs < n_seg, other=0)
-    total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
     srcs = tl.arange(0, BLOCK_SRC)
+    if GATHER:  # an expert's rows of all sources in one run of row tiles
+        per_e = tl.sum(tl.where((segs % E)[None, :] == tl.arange(0, BLOCK_SEG)[:, None],
+                                cnt[None, :], 0), axis=1)
+        total = tl.sum((per_e + BLOCK_M - 1) // BLOCK_M) * num_pid_n
+    else:
+        total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
     # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all sources
     # (per source, and their running sum), its tile count
     e = 0
     e_t0 = 0
     c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
-    mt_q = (c_e + BLOCK_M - 1) // BLOCK_M
+    mt_q = _row_tiles(c_e, BLOCK_M, BLOCK_SRC, GATHER)
     cum = tl.cumsum(mt_q, axis=0)
     e_nt = tl.sum(mt_q) * num_pid_n
     for t in range(pid, total, tl.num_programs(0)):
@@ -49,30 +60,62 @@ def expert_swiglu_kernel(
             e += 1
             e_t0 += e_nt
             c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
-            mt_q = (c_e + BLOCK_M - 1) // BLOCK_M
+            mt_q = _row_tiles(c_e, BLOCK_M, BLOCK_SRC, GATHER)
             cum = tl.cumsum(mt_q, axis=0)
             e_nt = tl.sum(mt_q) * num_pid_n
         # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
         # tiles per weight column block, so at decode sizes every source's rows of the expert
         # read a column block of its weights together, from L2 after the first)
         vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
-        q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
-        pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
-        n = tl.sum(tl.where(srcs == q, c_e, 0))
-        seg = q * E + e
-        start = tl.sum(tl.where(segs < seg, cnt, 0))  # rows of the segments before seg
-        if USE_DESC:
-            g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M,
-                                       e * H, pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K,
-                                       NUM_STAGES, PRECISION)
-        else:
-            g, u = gemm_tile_pair(x_ptr + start.to(tl.int64) * stride_xm,
-                                  wg_ptr + tl.cast(e, tl.int64) * stride_we,
-                                  wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, H, stride_xm,
-                                  stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
-        h = g / (1.0 + tl.exp(-g)) * u
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ptrs = h_ptr + (start + rows)[:, None].to(tl.int64) * stride_hm + cols[None, :]
-        tl.store(ptrs, h.to(h_ptr.dtype.element_ty), mask=(rows < n)[:, None] & (cols < I)[None, :])
+        if GATHER:
+            # virtual row v of the expert (sources end to end) -> its source q and row
+            v = vm * BLOCK_M + tl.arange(0, BLOCK_M)
+            ends = tl.cumsum(c_e, axis=0)  # the expert's rows up to each source's, inclusive
+            q_v = tl.sum((ends[None, :] <= v[:, None]).to(tl.int32), axis=1)
+            # where source q's segment of expert e starts in x, minus the rows of e before it
+            starts = tl.sum(tl.where(segs[None, :] < (srcs * E + e)[:, None], cnt[None, :], 0),
+                            axis=1)
+            shift = starts - (ends - c_e)
+            valid = v < tl.sum(c_e)
+            rows = v + tl.sum(tl.where(srcs[None, :] == q_v[:, None], shift[None, :], 0), axis=1)
+            rows = tl.where(valid, rows, 0)
+            g, u = gemm_tile_pair_rows(x_ptr, rows, wg_ptr + tl.cast(e, tl.int64) * stride_we,
+                                       wu_ptr + tl.cast(e, tl.int64) * stride_we, wg_desc,
+                                       wu_desc, e * H, I, H, stride_xm, stride_xk, stride_wk,
+                                       stride_wn, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                       EVEN_K, PRECISION, UPCAST, USE_DESC)
+        else:
+            q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
+            pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
+            n = tl.sum(tl.where(srcs == q, c_e, 0))
+            seg = q * E + e
+            start = tl.sum(tl.where(segs < seg, cnt, 0))  # rows of the segments before seg
+            if USE_DESC:
+                g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M,
+                                           e * H, pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N,
+                                           BLOCK_K, NUM_STAGES, PRECISION)
+            else:
+                g, u = gemm_tile_pair(x_ptr + start.to(tl.int64) * stride_xm,
+                                      wg_ptr + tl.cast(e, tl.int64) * stride_we,
+                                      wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, H,
+                                      stride_xm, stride_xk, stride_wk, stride_wn, pid_m, pid_n,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
+                                      UPCAST)
+            offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            valid = offs < n
+            rows = start + offs
+        h = g / (1.0 + tl.exp(-g)) * u
+        ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
+        tl.store(ptrs, h.to(h_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
+def _row_tiles(c_e, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr, GATHER: tl.constexpr):
+    """Row tiles of one expert per source: per-source tiles, or (``GATHER``) all of the
+    expert's rows in the first source's place (its tiles hold every source's rows)."""
+    if GATHER:
+        n = tl.sum(c_e)
+        return tl.where(tl.arange(0, BLOCK_SRC) == 0, (n + BLOCK_M - 1) // BLOCK_M, 0)
+    return (c_e + BLOCK_M - 1) // BLOCK_M
