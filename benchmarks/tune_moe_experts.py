@@ -108,9 +108,10 @@ def main() -> int:
                              graph=True, **t)
             out = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
             for c in CONFIGS:
-                # the default decides on the dispatch buffer a layer of max_tokens = S has
-                gather = gather_rows(W * S * k, W * El) if c is None else c[5]
-                cfg = default_config(torch.bfloat16, dev, True, gather) if c is None else \
+                # the default: what the layer picks for S tokens per rank
+                m = S * k / E  # what the layer passes as rows_per_segment
+                gather = gather_rows(m, W) if c is None else c[5]
+                cfg = default_config(torch.bfloat16, dev, True, m, gather) if c is None else \
                     MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3],
                                  num_stages=c[4])
                 name = ("default" if c is None else "x".join(map(str, c[:3]))

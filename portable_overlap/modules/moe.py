@@ -93,7 +93,10 @@ class ExpertParallelMoE(nn.Module):
     def _forward(self, tokens, weights, ids) -> torch.Tensor:
         if self.fused:
             x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
-            h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h)
+            # each source sends an expert S * k / (all experts) rows on average (balanced)
+            h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h,
+                              rows_per_segment=tokens.shape[0] * self.top_k
+                              / (self.experts_per_rank * self.world.world_size))
             return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
         x, counts, slots = moe_dispatch_reference(tokens, ids, self.experts_per_rank,
                                                   self.world.group)

@@ -370,13 +370,13 @@ def check_moe_dispatch(world: World, gen) -> None:
     finally:
         comb.close()
         disp.close()
-    # an id out of range on rank 1: every rank raises for that call; the next one is right
+    # an id out of range on the last rank: every rank raises for that call; the next is right
     ctx = MoeDispatch(world, max_tokens=64, top_k=2, hidden=64, experts_per_rank=2,
                       dtype=torch.float32)
     try:
         tokens = rand((64, 64), torch.float32, dev, gen)
         ids = routing("uniform", 64, 2 * W, 2, 5 + r)
-        if r == 1:
+        if r == W - 1:
             ids[7, 1] = 2 * W + 3
         try:
             moe_dispatch(tokens, ids, ctx)

@@ -14,6 +14,7 @@ copies (TMA) load the tiles where the device has them and the operands allow
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -26,29 +27,38 @@ OP = "expert_swiglu"
 
 
 def default_config(dtype: torch.dtype, device: torch.device, descriptors: bool,
-                   gather: bool = False) -> MatmulConfig:
+                   rows_per_segment: float = float("inf"), gather: bool = False) -> MatmulConfig:
     """Two accumulators per tile. Through descriptors, 128 x 128 tiles over 8 warps compile to
     176 registers on sm_90 without a spill; with pointer loads they spill (255 registers and
-    560 bytes of stack), 128 x 64 does not (249 registers). Gathered row tiles (decode
-    layouts, a few dozen rows per expert) are 64 rows high."""
+    560 bytes of stack), 128 x 64 does not (249 registers). Where segments hold 64 rows or
+    fewer (decode), 64 x 256 tiles: on one H200 at 128 tokens per rank they ran 0.48-0.70x the
+    128 x 128 time on Mixtral-like experts and 0.97-1.03x on DeepSeek-like ones, balanced or
+    Zipf routing, 2- and 8-rank layouts (benchmarks/tune_moe_experts.py). Gathered row tiles
+    by pointer loads take 64 x 64 (64 x 128 spills at 4 and 8 warps)."""
     if device.type == "cpu":
         return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
                             num_stages=1)
     if dtype == torch.float32:
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
-    if gather and descriptors:
-        return MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
-    if gather:  # gathered rows by pointers: 64 x 128 spills at 4 and 8 warps, 64 x 64 does not
+    if gather and not descriptors:
         return MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3)
+    if rows_per_segment <= 64:
+        return MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
     return MatmulConfig(block_m=128, block_n=128 if descriptors else 64, block_k=64,
                         num_warps=8, num_stages=3)
 
 
-def gather_rows(rows: int, n_seg: int) -> bool:
-    """Whether row tiles gather an expert's rows of all sources: where ``x`` has room for at
-    most 64 rows per (source, expert) segment on average (decode layouts), so per-source tiles
-    would be mostly empty."""
-    return rows <= 64 * n_seg
+def gather_rows(rows_per_segment: float, sources: int, block_m: int = 64) -> bool:
+    """Whether row tiles gather an expert's rows of all sources: where that halves the row
+    tiles and an expert has 4 sources or more. A gathered tile loads its rows by pointers and
+    costs about twice a per-source one, which only pays where the tiles, not the weights'
+    bytes, bound the time. One H200, 128 tokens per rank, 64 x 256 tiles: Mixtral-like
+    experts laid out for 8 ranks (1 expert, 32 rows per source) 0.110 vs 0.184 ms balanced,
+    0.366 vs 0.357 Zipf; for 2 ranks (4 experts, bound by their weights' 0.236 ms) 0.259 vs
+    0.251 balanced and 0.339 vs 0.294 Zipf, so not there."""
+    m = max(1.0, rows_per_segment)
+    per_source = sources * math.ceil(m / block_m)
+    return sources >= 4 and per_source >= 2 * math.ceil(sources * m / block_m)
 
 
 def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
@@ -67,13 +77,17 @@ def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                   counts: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                   config: Optional[MatmulConfig] = None, programs: Optional[int] = None,
-                  gather: Optional[bool] = None) -> torch.Tensor:
+                  gather: Optional[bool] = None,
+                  rows_per_segment: Optional[float] = None) -> torch.Tensor:
     """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
     [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``: the device checks
     nothing past it and the rows past the sum are left as they are in ``out``).
 
-    ``gather``: row tiles hold an expert's rows of all sources together (kernel.py) instead of
-    one source's; by default where x has room for few rows per segment (``gather_rows``)."""
+    ``rows_per_segment``: how many rows a (source, expert) segment holds on average, which picks
+    the tiles (``default_config``, ``gather_rows``); the host never reads ``counts``, so by
+    default it is ``rows / counts.numel() / W``, the mean under a dispatch buffer of the
+    default capacity (every rank's tokens). ``gather``: row tiles hold an expert's rows of all
+    sources together (kernel.py) instead of one source's."""
     _validate(x, w_gate, w_up, counts, out)
     E, H, I = w_gate.shape
     if out is None:
@@ -82,13 +96,14 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
     facts = device_facts(x.device)
     G = max(1, programs or facts.sm_count)
-    n_seg = counts.numel()
+    n_seg, W = counts.numel(), counts.shape[0]
+    m = x.shape[0] / n_seg / W if rows_per_segment is None else rows_per_segment
     if gather is None:
-        gather = gather_rows(x.shape[0], n_seg)
-    cfg = config or default_config(x.dtype, x.device, True, gather)
+        gather = gather_rows(m, W)
+    cfg = config or default_config(x.dtype, x.device, True, m, gather)
     x_desc, wg_desc, wu_desc = _descriptors(x, w_gate, w_up, cfg, facts)
     if config is None and wu_desc is None:
-        cfg = default_config(x.dtype, x.device, False, gather)
+        cfg = default_config(x.dtype, x.device, False, m, gather)
     use_desc = wu_desc is not None
     expert_swiglu_kernel[(G,)](
         x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, I, H, n_seg, E,
