@@ -9,6 +9,7 @@ import torch
 
 from portable_overlap.backends import ENTRIES, Backend, backend_classes, get_backend
 from portable_overlap.errors import BackendEntryMissing, BackendUnavailable, PeerTimeoutError
+from portable_overlap.kernel_registry import TARGETS
 
 
 @pytest.mark.parametrize("name", ["cuda", "rocm", "cpu"])
@@ -229,4 +230,224 @@ def _check_rocm_facts(monkeypatch, hip_runtime, rocm, arch, cus, lds):
     assert (facts.arch, facts.sm_count, facts.warp_size) == (arch, cus, 64)
     assert facts.shared_per_program == lds and facts.max_shared_bytes_per_sm == lds
     assert facts.max_warps_per_sm == 32
+    assert facts.gate_programs == 1  # the blit-kernel wait spins on a CU
     assert set(answers) <= set(asked)
+
+
+# --- the ROCm gates: which form of stream wait the backend queues ---------------------------------
+
+class _GateHip:
+    """hip-python's real enums and constants with stand-in answers for the calls the gates make:
+    the capability, the capture status, the allocations, and the queued waits and writes
+    (recorded)."""
+
+    def __init__(self, real, capable=True, capturing=False):
+        self._real, self.capable, self.capturing = real, capable, capturing
+        self.calls = []
+        self.signal_memory = []  # host buffers standing in for 8-byte signal allocations
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def hipSetDevice(self, idx):
+        return (self._real.hipError_t.hipSuccess,)
+
+    def hipDeviceGetAttribute(self, attr, idx):
+        assert attr == self._real.hipDeviceAttribute_t.hipDeviceAttributeCanUseStreamWaitValue
+        self.calls.append(("attribute", attr, idx))
+        return (self._real.hipError_t.hipSuccess, int(self.capable))
+
+    def hipStreamIsCapturing(self, stream):
+        st = self._real.hipStreamCaptureStatus
+        return (self._real.hipError_t.hipSuccess,
+                st.hipStreamCaptureStatusActive if self.capturing else st.hipStreamCaptureStatusNone)
+
+    def hipStreamWaitValue32(self, *args):
+        self.calls.append(("hipStreamWaitValue32",) + args)
+        return (self._real.hipError_t.hipSuccess,)
+
+    def hipStreamWriteValue32(self, *args):
+        self.calls.append(("hipStreamWriteValue32",) + args)
+        return (self._real.hipError_t.hipSuccess,)
+
+    def hipExtMallocWithFlags(self, nbytes, flags):
+        self.calls.append(("hipExtMallocWithFlags", nbytes, flags))
+        buf = torch.ones(nbytes // 8, dtype=torch.int64)  # the runtime starts a signal at 1
+        self.signal_memory.append(buf)
+        return (self._real.hipError_t.hipSuccess, buf.data_ptr())
+
+    def hipFree(self, ptr):
+        self.calls.append(("hipFree", ptr))
+        return (self._real.hipError_t.hipSuccess,)
+
+
+@pytest.fixture
+def gate_backend(monkeypatch, hip_runtime):
+    """A RocmBackend over ``_GateHip`` on this CPU: the kernel gate's launches are recorded
+    instead of run, and "device" tensors are host tensors."""
+    from portable_overlap.backends import rocm
+
+    def make(capable=True, capturing=False, cp_wait=False):
+        fake = _GateHip(hip_runtime, capable, capturing)
+        monkeypatch.setattr(rocm, "hip", fake)
+        if cp_wait:
+            monkeypatch.setenv(rocm.CP_WAIT_VAR, "1")
+        else:
+            monkeypatch.delenv(rocm.CP_WAIT_VAR, raising=False)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        keep = []
+
+        def host_tensor(array, device):
+            addr = array.__cuda_array_interface__["data"][0]
+            nbytes = array.__cuda_array_interface__["shape"][0]
+            keep.append(array)
+            buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+            return torch.frombuffer(buf, dtype=torch.uint8)
+
+        monkeypatch.setattr(rocm, "_device_tensor", host_tensor)
+        monkeypatch.setattr(rocm, "_device_zeros",
+                            lambda n, device: torch.zeros(n, dtype=torch.int32))
+        be = rocm.RocmBackend()
+        monkeypatch.setattr(be, "_load_gate_kernels",
+                            lambda words: fake.calls.append(("load gate kernels",)))
+        monkeypatch.setattr(be, "_on_stream", lambda stream, launch: launch(_KernelGate(fake, stream)))
+        return be, fake
+
+    return make
+
+
+class _KernelGate:
+    """Stands in for ``backends.gate_kernels``: records the launches and the stream."""
+
+    def __init__(self, fake, stream):
+        self.fake, self.stream = fake, stream
+
+    def launch_wait(self, address, value):
+        self.fake.calls.append(("kernel wait", self.stream, address, value))
+
+    def launch_write(self, address, value):
+        self.fake.calls.append(("kernel write", self.stream, address, value))
+
+
+def _queued(fake):
+    return [c for c in fake.calls if c[0] not in ("attribute", "load gate kernels")]
+
+
+def test_hip_gate_is_the_runtime_wait_where_it_serves(gate_backend):
+    """Capable device, no capture, no CP_WAIT: hipStreamWaitValue32(stream, word, value, Gte,
+    full mask), and the reset through hipStreamWriteValue32."""
+    be, fake = gate_backend()
+    words = be.alloc_gate_words(4, torch.device("cuda", 0))
+    assert words.dtype == torch.int32 and words.shape == (4,) and not words.any()
+    addr = words.data_ptr() + 8
+    be.stream_wait_value(0x1234, addr, 7)
+    be.stream_write_value(0x1234, addr, 0)
+    hip = fake._real
+    assert _queued(fake) == [
+        ("hipStreamWaitValue32", 0x1234, addr, 7, hip.hipStreamWaitValueGte, 0xFFFFFFFF),
+        ("hipStreamWriteValue32", 0x1234, addr, 0, 0)]
+    assert ("load gate kernels",) in fake.calls  # loaded before any capture can begin
+
+
+def test_hip_gate_without_the_capability_is_the_kernel_gate(gate_backend):
+    be, fake = gate_backend(capable=False)
+    words = be.alloc_gate_words(2, torch.device("cuda", 0))
+    be.stream_wait_value(0x1234, words.data_ptr(), 3)
+    assert _queued(fake) == [("kernel wait", 0x1234, words.data_ptr(), 3)]
+    attr = fake._real.hipDeviceAttribute_t.hipDeviceAttributeCanUseStreamWaitValue
+    assert ("attribute", attr, 0) in fake.calls
+
+
+def test_hip_gate_under_capture_is_the_kernel_gate(gate_backend):
+    """Older ROCm runs stream value operations at capture time instead of recording them: both
+    the wait and the counter's reset become kernels while the stream is captured."""
+    be, fake = gate_backend(capturing=True)
+    words = be.alloc_gate_words(2, torch.device("cuda", 0))
+    be.stream_wait_value(0x1234, words.data_ptr(), 5)
+    be.stream_write_value(0x1234, words.data_ptr(), 0)
+    assert _queued(fake) == [("kernel wait", 0x1234, words.data_ptr(), 5),
+                             ("kernel write", 0x1234, words.data_ptr(), 0)]
+
+
+def test_hip_gate_with_cp_wait_uses_signal_memory(gate_backend):
+    """GPU_STREAMOPS_CP_WAIT=1: a gate word comes from hipExtMallocWithFlags(8,
+    hipMallocSignalMemory), zeroed (the runtime starts a signal at 1), and the command processor
+    waits on it; contiguous words (not signal memory: the runtime would answer InvalidValue)
+    take the kernel gate."""
+    be, fake = gate_backend(cp_wait=True)
+    word = be.alloc_gate_words(1, torch.device("cuda", 0))
+    hip = fake._real
+    assert ("hipExtMallocWithFlags", 8, hip.hipMallocSignalMemory) in fake.calls
+    assert word.data_ptr() == fake.signal_memory[0].data_ptr()
+    assert word.shape == (1,) and int(word[0]) == 0 and int(fake.signal_memory[0][0]) == 0
+    be.stream_wait_value(0x1234, word.data_ptr(), 2)
+    several = be.alloc_gate_words(4, torch.device("cuda", 0))
+    be.stream_wait_value(0x1234, several.data_ptr(), 2)
+    assert _queued(fake)[1:] == [
+        ("hipStreamWaitValue32", 0x1234, word.data_ptr(), 2, hip.hipStreamWaitValueGte,
+         0xFFFFFFFF),
+        ("kernel wait", 0x1234, several.data_ptr(), 2)]
+
+
+def test_hip_errors_name_the_error(monkeypatch, hip_runtime):
+    """A failed call's message names the error as text: hip-python's hipGetErrorName answers a
+    (hipError_t, bytes) tuple, which the message printed as such."""
+    from portable_overlap.backends import rocm
+
+    err = hip_runtime.hipError_t.hipErrorInvalidValue
+
+    class Named:
+        hipError_t = hip_runtime.hipError_t
+
+        @staticmethod
+        def hipGetErrorName(e):
+            return (hip_runtime.hipError_t.hipSuccess, b"hipErrorInvalidValue")
+
+    monkeypatch.setattr(rocm, "hip", Named)
+    with pytest.raises(RuntimeError) as info:
+        rocm.check((err, None))
+    assert str(info.value) == "HIP call failed: hipErrorInvalidValue (1)"
+
+    class NoRuntime(Named):  # no libamdhip64: the runtime answers no name
+        @staticmethod
+        def hipGetErrorName(e):
+            return (hip_runtime.hipError_t.hipSuccess, None)
+
+    monkeypatch.setattr(rocm, "hip", NoRuntime)
+    with pytest.raises(RuntimeError, match=r"^HIP call failed: hipErrorInvalidValue \(1\)$"):
+        rocm.check((err,))
+
+
+def test_rocm_extra_facts_ask_torch_for_rocshmem(monkeypatch):
+    """The rocSHMEM fact is torch's answer (its shmem backend, named "NVSHMEM" on ROCm too),
+    not a fixed sentence."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from portable_overlap.backends import rocm
+
+    key = "rocshmem (torch shmem backend)"
+    for answer, want in ((True, "available"), (False, "not available")):
+        monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: answer, raising=False)
+        facts = rocm.RocmBackend().extra_facts()
+        assert facts[key].startswith(want) and (answer or "not" in facts[key])
+        assert not any("not integrated" in str(v) for v in facts.values())
+    assert "rocshmem Triton bindings" in facts and "stream value waits" in facts
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t[0] == "hip"], ids=lambda t: t[1])
+def test_kernel_gate_wait_is_bounded_on_amd(target):
+    """The kernel gate's wait reads the constant real-time counter and traps at its deadline
+    (the device_assert survives: the kernel is compiled with debug)."""
+    from portable_overlap.backends.gate_kernels import gate_wait_kernel
+    from portable_overlap.kernel_registry import compile_spec
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = gate_wait_kernel
+    sig = {"address": "i64", "value": "i32", "budget_ns": "i64"}
+    asm = triton.compile(ASTSource(fn, sig, {}), target=GPUTarget(*target),
+                         options={"num_warps": 1, "debug": fn.debug}).asm["amdgcn"]
+    assert "s_memrealtime" in asm and "s_trap" in asm
+    assert compile_spec(fn, sig, {}, [], target).asm.get("hsaco")

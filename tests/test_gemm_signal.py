@@ -447,3 +447,24 @@ def test_phases_run_the_gemm_and_reorder_apart(world2):
     for counts, local, info, err in world2.run(_phases):
         assert counts == [2, 4] and local < 1e-5 and err < 1e-5, (counts, local, err)
         assert info == (6, 1, 16 * 16 * 4, (2, 4), True), info
+
+
+def test_grid_leaves_room_for_spinning_waits():
+    """The persistent GEMM's grid leaves the programs a stream wait holds while it spins
+    (``DeviceFacts.gate_programs``): none on H200, one CU on MI300X, where the waits are kernels."""
+    import types
+
+    from portable_overlap.backends import DeviceFacts
+
+    def grid(facts, cfg=SignalConfig()):
+        ctx = types.SimpleNamespace(world=types.SimpleNamespace(facts=facts))
+        return GemmSignal.grid_programs(ctx, cfg)
+
+    common = dict(warp_size=32, max_shared_bytes_per_sm=1, max_regs_per_sm=1, max_warps_per_sm=1)
+    h200 = DeviceFacts(vendor="nvidia", name="H200", arch="sm_90", sm_count=132, **common)
+    mi300 = DeviceFacts(vendor="amd", name="MI300X", arch="gfx942", sm_count=304,
+                        gate_programs=1, **common)
+    assert (grid(h200), grid(mi300)) == (132, 303)
+    assert grid(mi300, SignalConfig(reserve_sms=16)) == 287
+    with pytest.raises(ValueError, match="leaves no SM"):
+        grid(mi300, SignalConfig(reserve_sms=303))

@@ -32,6 +32,7 @@ ENTRIES = (
     "enable_peer_access",
     "copy_async",
     "copy_2d_async",
+    "alloc_gate_words",
     "stream_wait_value",
     "stream_write_value",
     "alloc_host_mapped",
@@ -65,6 +66,11 @@ class DeviceFacts:
     # limit per block (227 KiB on H100/H200), AMD's per workgroup (64 KiB on gfx942, 160 KiB on
     # gfx950); None: ``max_shared_bytes_per_sm``
     max_shared_bytes_per_program: Optional[int] = None
+    # programs (SMs / CUs) a stream value wait keeps busy while it holds its stream: 0 where the
+    # GPU's front end waits (NVIDIA's cuStreamWaitValue32), 1 where the wait is a spinning
+    # kernel (ROCm's default blit-kernel wait and its capturable gate kernel). A persistent
+    # grid that must stay resident beside such a wait leaves this many programs free.
+    gate_programs: int = 0
 
     @property
     def shared_per_program(self) -> int:
@@ -157,6 +163,13 @@ class Backend(abc.ABC):
         raise self._missing("enable_peer_access")
 
     # -- copy engine and stream-ordered flags ----------------------------------------------
+    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
+        """``n`` int32 words on ``device``, all 0, contiguous (word g at ``data_ptr() + 4 * g``),
+        that kernels count into and :meth:`stream_wait_value` waits on. Called once per
+        workspace, outside any op call and any graph capture: a backend may allocate the words
+        from special memory and load the kernels its waits need here."""
+        raise self._missing("alloc_gate_words")
+
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
         """Copy ``nbytes`` from address ``src`` to ``dst`` (either may be a peer's) on the DMA
         copy engine, ordered on ``stream``; uses no SMs."""
@@ -172,8 +185,10 @@ class Backend(abc.ABC):
         raise self._missing("copy_2d_async")
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
-        """Make ``stream`` wait, without a spinning kernel, until the int32 at ``address`` is
-        >= ``value``.
+        """Make ``stream`` wait until the int32 at ``address`` (a word of
+        :meth:`alloc_gate_words`) is >= ``value``; without a spinning kernel where the device
+        can (``DeviceFacts.gate_programs`` says what the wait costs), and in a form that a
+        graph capture of ``stream`` records.
 
         Every kernel launched (on any stream) while the wait holds must already be loaded: with
         lazy module loading (CUDA's default) a first launch waits for the device, which the held

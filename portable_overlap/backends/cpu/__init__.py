@@ -229,6 +229,10 @@ class CpuBackend(Backend):
         for i in range(height):
             ctypes.memmove(dst + i * dst_pitch, src + i * src_pitch, width_bytes)
 
+    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
+        # the waits below poll from the host: any memory of this process will do
+        return torch.zeros(n, dtype=torch.int32, device=device)
+
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         timeout_s = self.wait_timeout_s
         word = ctypes.c_int32.from_address(address)

@@ -185,6 +185,10 @@ class CudaBackend(Backend):
             make_memcpy2d(dst, dst_pitch, src, src_pitch, width_bytes, height),
             driver.CUstream(stream or 0)))
 
+    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
+        # cuStreamWaitValue32 waits on any device memory, in the GPU's front end (no SM)
+        return torch.zeros(n, dtype=torch.int32, device=device)
+
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         check(driver.cuStreamWaitValue32(
             driver.CUstream(stream or 0), driver.CUdeviceptr(address), value,

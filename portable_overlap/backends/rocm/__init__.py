@@ -1,9 +1,21 @@
 """AMD backend over hip-python (``from hip import hip``).
 
 The same design as the CUDA backend: ``hipMalloc`` memory exported through HIP IPC handles, opened
-with lazy peer access; ``hipMemcpyAsync`` / ``hipMemcpy2DAsync`` on the SDMA engines;
-``hipStreamWaitValue32`` / ``hipStreamWriteValue32`` for stream-ordered flags; pinned host memory
+with lazy peer access; ``hipMemcpyAsync`` / ``hipMemcpy2DAsync`` for copies (docs/amd.md says
+which of them the runtime runs on SDMA and which as blit kernels on the CUs); pinned host memory
 from torch, whose device address ``hipHostGetDevicePointer`` returns.
+
+Stream-ordered flags (the gates) take one of two forms, chosen per call here, never by the ops:
+
+- ``hipStreamWaitValue32`` / ``hipStreamWriteValue32``, where the device reports
+  ``hipDeviceAttributeCanUseStreamWaitValue`` and the stream is not being captured. The runtime
+  waits with a spinning blit kernel (one workgroup on a CU) by default; with
+  ``GPU_STREAMOPS_CP_WAIT=1`` the command processor waits instead (no CU), but only on words
+  from ``hipMallocSignalMemory`` (anything else: hipErrorInvalidValue).
+- the kernel gate (``backends/gate_kernels.py``): a one-program Triton wait / write, where the
+  runtime's form would not do: under graph capture (older ROCm releases run stream value
+  operations at capture time instead of recording them), on a device without the capability, and, with
+  ``GPU_STREAMOPS_CP_WAIT=1``, on words that are not signal memory.
 
 Not run on AMD hardware in this project so far: CI imports this module and checks that every HIP
 symbol below resolves in hip-python and that argument objects are built the way the calls take
@@ -12,6 +24,8 @@ them; the first real call needs ``libamdhip64.so``.
 from __future__ import annotations
 
 import ctypes
+import os
+import weakref
 
 from typing import Optional
 
@@ -27,8 +41,14 @@ SYMBOLS = (
     "hipIpcMemLazyEnablePeerAccess", "hipDeviceCanAccessPeer", "hipDeviceEnablePeerAccess",
     "hipMemcpyAsync", "hipMemcpy2DAsync", "hipMemcpyKind", "hipStreamWaitValue32",
     "hipStreamWaitValueGte", "hipStreamWriteValue32", "hipHostGetDevicePointer", "hipGetErrorName",
-    "hipError_t",
+    "hipError_t", "hipExtMallocWithFlags", "hipMallocSignalMemory", "hipStreamIsCapturing",
+    "hipStreamCaptureStatus",
 )
+
+#: the runtime's switch to command-processor stream waits (read by the runtime at start-up)
+CP_WAIT_VAR = "GPU_STREAMOPS_CP_WAIT"
+#: bytes of one signal-memory allocation: the runtime takes exactly 8 (one HSA signal value)
+SIGNAL_BYTES = 8
 
 
 def _import_hip():
@@ -44,19 +64,63 @@ def check(result):
     """Unpack a hip-python ``(hipError_t, *values)`` tuple, raising on error."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise RuntimeError(f"HIP call failed: {hip.hipGetErrorName(err)}")
+        raise RuntimeError(f"HIP call failed: {error_name(err)}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def error_name(err) -> str:
+    """``hipErrorInvalidValue (1)`` for a hipError_t. hip-python's ``hipGetErrorName`` answers
+    a ``(hipError_t, bytes)`` tuple, not the name; where the runtime cannot answer (no
+    libamdhip64), the enum's own name stands in."""
+    code = int(err)
+    try:
+        got = hip.hipGetErrorName(err)
+        name = got[-1] if isinstance(got, tuple) else got
+        if isinstance(name, bytes):
+            name = name.decode(errors="replace")
+    except Exception:
+        name = None
+    if not name:
+        name = getattr(err, "name", None) or "unknown HIP error"
+    return f"{name} ({code})"
+
+
+def cp_wait() -> bool:
+    """Whether the runtime waits in the command processor (``GPU_STREAMOPS_CP_WAIT`` set to a
+    true value, as the runtime parses it: 1 or true)."""
+    return os.environ.get(CP_WAIT_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else 0
 
 
+def _device_tensor(array: DeviceArray, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over a raw allocation (keeps ``array`` alive as long as any view)."""
+    return torch.as_tensor(array, device=device)
+
+
+def _device_zeros(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def _free_signal(ptr, addr: int, words: set) -> None:
+    words.discard(addr)
+    try:
+        hip.hipFree(ptr)
+    except Exception:  # at interpreter exit the runtime may be gone already
+        pass
+
+
 class RocmBackend(Backend):
     name = "rocm"
     process_group_backend = "nccl"  # torch's name for RCCL on ROCm builds
+
+    def __init__(self):
+        self._can_wait: dict = {}  # device index -> hipDeviceAttributeCanUseStreamWaitValue
+        self._signal_words: set = set()  # addresses of live signal-memory gate words
 
     @classmethod
     def is_usable(cls) -> tuple[bool, str]:
@@ -93,6 +157,9 @@ class RocmBackend(Backend):
             max_regs_per_sm=512 * 64 * 4,
             max_warps_per_sm=get("hipDeviceAttributeMaxThreadsPerMultiProcessor") // 64 or 32,
             max_shared_bytes_per_program=lds_block,
+            # the default blit-kernel wait and the kernel gate (under capture) spin on a CU;
+            # only command-processor waits outside capture take none, and a plan serves both
+            gate_programs=1,
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
@@ -153,12 +220,99 @@ class RocmBackend(Backend):
         check(hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width_bytes, height,
                                    hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream or 0))
 
+    # -- gates ---------------------------------------------------------------------------------
+    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
+        """One signal-memory word where ``GPU_STREAMOPS_CP_WAIT`` is set and ``n`` is 1, so the
+        command processor can wait on it; else ordinary device memory. The runtime hands out
+        signal memory 8 bytes (one HSA signal) per allocation, so ``n`` > 1 contiguous words
+        cannot be signal memory: their waits take the kernel gate. Loads the kernel gate now,
+        outside any capture (a first launch inside one would compile and load a module)."""
+        self._set(device)
+        if cp_wait() and n == 1:
+            words = self._signal_word(device)
+        else:
+            words = _device_zeros(n, device)
+        self._load_gate_kernels(words)
+        return words
+
+    def _signal_word(self, device: torch.device) -> torch.Tensor:
+        ptr = check(hip.hipExtMallocWithFlags(SIGNAL_BYTES, hip.hipMallocSignalMemory))
+        addr = int(ptr)
+        owner = DeviceArray(addr, SIGNAL_BYTES)
+        # the tensor keeps ``owner`` alive; the memory goes back when the last view is gone
+        weakref.finalize(owner, _free_signal, ptr, addr, self._signal_words)
+        self._signal_words.add(addr)
+        raw = _device_tensor(owner, device)
+        # the runtime starts a signal at 1; the word is the low half of the 64-bit value (the
+        # waits mask with 0xFFFFFFFF), and both halves start at 0 like any gate word
+        raw.view(torch.int64).zero_()
+        return raw.view(torch.int32)[:1]
+
+    def _load_gate_kernels(self, words: torch.Tensor) -> None:
+        """Compile and load the kernel gate by running it once on a word already at 0."""
+        from .. import gate_kernels as gate
+
+        gate.launch_write(words.data_ptr(), 0)
+        gate.launch_wait(words.data_ptr(), 0)
+        torch.cuda.current_stream(words.device).synchronize()
+
+    def _capable(self) -> bool:
+        """``hipDeviceAttributeCanUseStreamWaitValue`` of the current device (read once)."""
+        idx = torch.cuda.current_device()
+        ok = self._can_wait.get(idx)
+        if ok is None:
+            attr = hip.hipDeviceAttribute_t.hipDeviceAttributeCanUseStreamWaitValue
+            ok = self._can_wait[idx] = bool(check(hip.hipDeviceGetAttribute(attr, idx)))
+        return ok
+
+    @staticmethod
+    def _capturing(stream: Optional[int]) -> bool:
+        """Whether ``stream`` is being captured. A stream the runtime cannot answer for counts as
+        captured (hipErrorStreamCaptureImplicit: the null stream while another captures): the
+        kernel gate is right in both cases, the runtime's wait only in one."""
+        err, status = hip.hipStreamIsCapturing(stream or 0)
+        if int(err) != 0:
+            return True
+        return int(status) != int(hip.hipStreamCaptureStatus.hipStreamCaptureStatusNone)
+
+    def gate_form(self, stream: Optional[int], address: int, write: bool = False) -> str:
+        """``"runtime"`` or ``"kernel"``: how a wait (or, with ``write``, a write) on ``address``
+        in ``stream`` is queued now (module docstring)."""
+        if self._capturing(stream):
+            return "kernel"
+        if write:
+            return "runtime"
+        if not self._capable():
+            return "kernel"
+        if cp_wait() and address not in self._signal_words:
+            return "kernel"
+        return "runtime"
+
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
+        if self.gate_form(stream, address) == "kernel":
+            self._on_stream(stream, lambda g: g.launch_wait(address, value))
+            return
         check(hip.hipStreamWaitValue32(stream or 0, address, value, hip.hipStreamWaitValueGte,
                                        0xFFFFFFFF))
 
     def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:
+        if self.gate_form(stream, address, write=True) == "kernel":
+            self._on_stream(stream, lambda g: g.launch_write(address, value))
+            return
         check(hip.hipStreamWriteValue32(stream or 0, address, value, 0))
+
+    def _on_stream(self, stream: Optional[int], launch) -> None:
+        """Run ``launch(gate)`` with ``stream`` current (Triton launches on the current stream)."""
+        from .. import gate_kernels as gate
+
+        device = torch.cuda.current_device()
+        if stream == self.current_stream(torch.device("cuda", device)):
+            launch(gate)
+            return
+        s = (torch.cuda.ExternalStream(stream, device=device) if stream
+             else torch.cuda.default_stream(device))
+        with torch.cuda.stream(s):
+            launch(gate)
 
     def alloc_host_mapped(self, nbytes: int) -> HostMapped:
         t = torch.zeros((nbytes + 7) // 8, dtype=torch.int64, pin_memory=True)
@@ -168,8 +322,14 @@ class RocmBackend(Backend):
     def extra_facts(self) -> dict:
         import importlib.util
 
-        return {"rocshmem": "not integrated yet (device-initiated puts are NVSHMEM-only so far)",
-                "hip-python": "installed" if importlib.util.find_spec("hip") else "not installed"}
+        facts = {"rocshmem (torch shmem backend)": _torch_shmem(),
+                 "rocshmem Triton bindings": _rocshmem_bindings(),
+                 "hip-python": "installed" if importlib.util.find_spec("hip") else "not installed"}
+        facts["stream value waits"] = (
+            f"{CP_WAIT_VAR}=1: command processor on signal-memory words, kernel gate on others "
+            f"and under graph capture" if cp_wait() else
+            "runtime blit kernel (one CU while waiting); kernel gate under graph capture")
+        return facts
 
     def current_stream(self, device: torch.device) -> Optional[int]:
         # the raw-handle getter skips building a torch.cuda.Stream object (on the launch path)
@@ -177,3 +337,29 @@ class RocmBackend(Backend):
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+
+
+def _torch_shmem() -> str:
+    """Whether torch's shmem backend can be used here. torch names it "NVSHMEM" on both vendors;
+    a ROCm build of torch puts rocSHMEM behind that name."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        ok = getattr(symm_mem, "is_nvshmem_available", None)
+        if ok is None:
+            return "not available (this torch has no shmem backend query)"
+        return "available" if ok() else "not available (torch reports no rocSHMEM)"
+    except Exception as e:  # torch without symmetric memory
+        return f"not available ({type(e).__name__}: {e})"
+
+
+def _rocshmem_bindings() -> str:
+    """Whether torch ships the rocSHMEM Triton bindings and finds rocSHMEM's device library."""
+    try:
+        from torch.distributed._symmetric_memory import _rocshmem_triton as rs
+    except Exception as e:
+        return f"not available ({type(e).__name__}: {e})"
+    try:
+        return f"device library at {rs.RocshmemLibFinder.find_device_library()}"
+    except Exception as e:
+        return f"no device library ({type(e).__name__}: {e})"

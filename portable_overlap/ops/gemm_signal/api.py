@@ -108,7 +108,8 @@ class GemmSignal(ContextBase):
         self.config = config or SignalConfig()
         self.device = world.device
         self.backend = world.backend
-        self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=self.device)
+        # the backend's gate words: its stream waits may need them from special memory
+        self.counters = self.backend.alloc_gate_words(MAX_GROUPS, self.device)
         self.stage_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._recv_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._retired: list = []  # outgrown buffers, kept: a captured graph may still use them
@@ -383,15 +384,20 @@ class GemmSignal(ContextBase):
 
     # -- planning --------------------------------------------------------------------------------
     def grid_programs(self, cfg: SignalConfig) -> int:
-        """The GEMM's persistent grid under ``cfg``: the device's SMs less the reserve."""
-        sms = self.world.facts.sm_count
+        """The GEMM's persistent grid under ``cfg``: the device's SMs less the reserve, less
+        what a stream wait holds while it waits (``DeviceFacts.gate_programs``: 0 where the
+        GPU's front end waits, 1 where the wait is a spinning kernel). The group waits start while the GEMM runs; a
+        grid of every SM would leave a spinning wait no room, or push one GEMM program into a
+        second wave behind it."""
+        facts = self.world.facts
+        sms = facts.sm_count
         reserve = cfg.reserve_sms
         if reserve is None:
             reserve = round(RESERVE_PER_132 * sms / 132)
-        if reserve >= sms:
+        if reserve + facts.gate_programs >= sms:
             raise ValueError(f"SignalConfig: reserve_sms={reserve} leaves no SM of {sms} for the "
-                             f"GEMM")
-        return sms - reserve
+                             f"GEMM (the stream waits hold {facts.gate_programs})")
+        return sms - reserve - facts.gate_programs
 
     def plan_call(self, kind, op, M, N, K, dtype, cfg: SignalConfig) -> _Plan:
         """The plan of one (kind, shape, dtype, config): tiling, wave groups, buffer sizes;

@@ -228,7 +228,7 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
         # also measured with the other reserve (none, or 16 of 132 SMs when none is
         # configured), and the reserve is part of the decision.
         sms = ctx.world.facts.sm_count
-        configured = sms - ctx.grid_programs(cfg)
+        configured = sms - ctx.world.facts.gate_programs - ctx.grid_programs(cfg)
         other = 0 if configured else round(ALT_RESERVE_PER_132 * sms / 132)
         if other != configured:
             lead = min(rows, key=lambda r: r["measured_ms"])["partition"]
