@@ -60,7 +60,8 @@ def run(world, dims, iters):
                                ("training step", lambda: train_step(layer))):
                 ms = []
                 for _ in range(iters):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a = torch.cuda.Event(enable_timing=True)
+                    b = torch.cuda.Event(enable_timing=True)
                     world.barrier()
                     a.record()
                     with torch.set_grad_enabled(what != "forward"):

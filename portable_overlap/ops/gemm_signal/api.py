@@ -386,9 +386,9 @@ class GemmSignal(ContextBase):
     def grid_programs(self, cfg: SignalConfig) -> int:
         """The GEMM's persistent grid under ``cfg``: the device's SMs less the reserve, less
         what a stream wait holds while it waits (``DeviceFacts.gate_programs``: 0 where the
-        GPU's front end waits, 1 where the wait is a spinning kernel). The group waits start while the GEMM runs; a
-        grid of every SM would leave a spinning wait no room, or push one GEMM program into a
-        second wave behind it."""
+        GPU's front end waits, 1 where the wait is a spinning kernel). The group waits start
+        while the GEMM runs; a grid of every SM would leave a spinning wait no room, or push
+        one GEMM program into a second wave behind it."""
         facts = self.world.facts
         sms = facts.sm_count
         reserve = cfg.reserve_sms
