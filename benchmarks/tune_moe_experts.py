@@ -7,8 +7,8 @@ same rows. Prints one line per (shape, routing, config); results go to --out as 
 
 Shapes are the layer benchmark's (S tokens per rank, H, I, E experts in all, top-k) with
 ``--ranks`` W (default 2; a list sweeps several): rank 0's share, ``counts[q, e]`` rows from
-each of the W sources for each of its E / W experts, drawn from a balanced or a Zipf(1.2) routing of W * S tokens.
-Baselines: ``cublas_dense`` (gate and up as two cuBLAS GEMMs over all R received rows, one
+each of the W sources for each of its E / W experts, drawn from a balanced or a Zipf(1.2)
+routing of W * S tokens. Baselines: ``cublas_dense`` (gate and up as two cuBLAS GEMMs over all R received rows, one
 weight: the equivalent dense problem) and ``cublas_segments`` (per (source, expert) segment
 cuBLAS gate, up and SiLU-gating: what the torch path runs).
 """
