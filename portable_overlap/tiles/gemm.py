@@ -74,10 +74,13 @@ def gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
 
 
 @triton.jit
-def gemm_tile_desc(a_desc, b_desc, row0, col0, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr):
-    """The fp32 tile ``a[row0:row0+BLOCK_M, :] @ b[:, col0:col0+BLOCK_N]`` with ``a_desc``
-    ([M, K] blocks [BLOCK_M, BLOCK_K]) and ``b_desc`` ([K, N] blocks [BLOCK_K, BLOCK_N]).
+def gemm_tile_desc(a_desc, b_desc, row0, b_row0, col0, K, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """The fp32 tile ``a[row0:row0+BLOCK_M, :] @ b[b_row0:b_row0+K, col0:col0+BLOCK_N]`` with
+    ``a_desc`` ([M, K] blocks [BLOCK_M, BLOCK_K]) and ``b_desc`` (blocks [BLOCK_K, BLOCK_N];
+    ``b_row0`` > 0 where ``b`` is a stack of [K, N] matrices described as one, and then K must
+    be a multiple of BLOCK_K, or a block would read the next matrix's rows).
     Reads past the tensors' ends are zeros; rows past a caller's own edge inside the tensor are
     real data and must be masked by the caller's store. On H200 this main loop ran within
     1-5 % of cuBLAS at 132 programs where the pointer loads of ``gemm_tile`` ran 9-21 % behind
@@ -86,7 +89,7 @@ def gemm_tile_desc(a_desc, b_desc, row0, col0, K, BLOCK_M: tl.constexpr, BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         a = a_desc.load([row0, k0])
-        b = b_desc.load([k0, col0])
+        b = b_desc.load([b_row0 + k0, col0])
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
@@ -99,7 +102,7 @@ def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, 
     """Tile ``(pid_m, pid_n)`` of ``a @ b`` through the descriptors when USE_DESC (the host's
     ``tile_descriptors`` allowed them), else through ``gemm_tile``'s pointer loads."""
     if USE_DESC:
-        acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M,
+        acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, 0, pid_n * BLOCK_N, K, BLOCK_M,
                              BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
     else:
         acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m,

@@ -43,7 +43,7 @@ from ..context import (align_key, collective_call, G_MAX, output_tensor, Overlap
 from ..launch import PlannedLaunch
 from ..registry import OpSpec, define
 from ...shmem.providers import put_provider
-from ..matmul.api import DTYPES, MatmulConfig, default_config
+from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_descriptors
 from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
 
 TRANSPORTS = ("stores", "shmem")
@@ -159,13 +159,18 @@ class MoeGemmCombine(OverlapContext):
         starts = torch.cumsum(flat, 0, dtype=torch.int32, out=self._starts).sub_(flat)
         # R and S are data-dependent and never specialized on (kernel.py), so plans depend only
         # on what is fixed for a model: dtype, I, strides, pointer alignment
+        # the descriptors hold the tensors' addresses: built per call (a few microseconds);
+        # whether there are any is part of the plan (an empty x has none)
+        descs = self._descriptors(x, w)
         key = (x.dtype, x.shape[1], x.stride(), w.stride(), topk_weights.stride(),
-               topk_weights.dtype, align_key(x, w, counts, slots, topk_weights, out))
+               topk_weights.dtype, align_key(x, w, counts, slots, topk_weights, out),
+               descs[0] is not None)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(x, w, counts, starts, slots, topk_weights, out)
+            plan = self._plans[key] = self._plan(x, w, counts, starts, slots, topk_weights, out,
+                                                 descs)
         gemm, comb = plan
-        args = self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs)
+        args = self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs, descs)
         comb_args = self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs)
         blocks = max(1, -(-S // comb.block_s))  # one combine program per block of tokens
 
@@ -182,14 +187,25 @@ class MoeGemmCombine(OverlapContext):
         return launch_gemm, launch_combine, gemm
 
     # -- launches ------------------------------------------------------------------------------
-    def _gemm_args(self, x, w, counts, starts, slots, tag, programs):
+    def _descriptors(self, x, w) -> tuple:
+        """(x_desc, w_desc) over x and the weights stacked as [E * I, H], or Nones where the
+        pointer loads must do (``tile_descriptors``' rules, or I not a multiple of the K block,
+        where a block would read into the next expert's rows)."""
+        cfg = self.config or default_config(x.dtype, x.device)
+        E, I, H = w.shape
+        if I % cfg.block_k or not w.is_contiguous():
+            return None, None
+        x_desc, w_desc = tile_descriptors(x, w.view(E * I, H), cfg, self.world.facts)
+        return (None, None) if x_desc is None else (x_desc, w_desc)
+
+    def _gemm_args(self, x, w, counts, starts, slots, tag, programs, descs):
         W = self.world.world_size
         return (x, w, counts, starts, slots, self._combine[x.dtype], self._stage[x.dtype],
                 self.slot_epoch, self.sent, self.rows_in,
                 self.rows_mine, self.consumed, self.ctl, self.call_clock, self.heap.bases,
                 self.status.address, x.shape[0], self.hidden, x.shape[1], self.experts_per_rank,
                 self.max_slots, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-                programs, self.rank, W, tag, self.timeout_us)
+                programs, self.rank, W, tag, self.timeout_us, *descs)
 
     def _comb_args(self, topk_weights, out, dtype, tag, gemm_programs):
         S, k = topk_weights.shape
@@ -199,12 +215,12 @@ class MoeGemmCombine(OverlapContext):
                 topk_weights.stride(1), gemm_programs, self.rank, self.world.world_size, tag,
                 self.timeout_us)
 
-    def _plan(self, x, w, counts, starts, slots, topk_weights, out):
+    def _plan(self, x, w, counts, starts, slots, topk_weights, out, descs):
         I = x.shape[1]
         cfg = self.config or default_config(x.dtype, x.device)
         gemm_consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
-                           EVEN_K=I % cfg.block_k == 0,
+                           EVEN_K=I % cfg.block_k == 0, USE_DESC=descs[0] is not None,
                            PRECISION=dot_precision(x.dtype),
                            UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages)
@@ -220,7 +236,7 @@ class MoeGemmCombine(OverlapContext):
         if self._provider is None:
             gemm = self._compile(moe_gemm_scatter_kernel, programs, gemm_consts,
                                  lambda g: self._gemm_args(x, w, counts, starts, slots, tag_of(g),
-                                                           g))
+                                                           g, descs))
         else:  # compiled by the library's launcher on first use; no intra-launch waits, no cap
             gemm = PlannedLaunch(moe_gemm_put_kernel, None, programs, gemm_consts, None)
         gemm.tag = tag_of(gemm.programs)

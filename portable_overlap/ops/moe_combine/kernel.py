@@ -6,7 +6,9 @@ local expert e (``counts[q, e]`` rows, starting at row ``starts[q, e]``). Row i 
 computes ``x[i] @ w[e]`` ([H]) and belongs to slot ``slots[i]`` of rank q's combine buffer.
 
 The tiles of a segment never straddle two segments, so each tile has one destination and one
-expert. Segments are walked source by source starting at q = r+1, so the tiles whose rows go to
+expert. Tiles load through tensor descriptors (TMA) where the host built them (``x_desc`` over x,
+``w_desc`` over the experts' weights stacked as one [E * I, H] matrix), else by pointers.
+Segments are walked source by source starting at q = r+1, so the tiles whose rows go to
 other ranks come first and this rank's own rows last (communication-aware order); program ``pid``
 takes the tiles ``pid, pid + G, ...`` of that walk. A finished tile's rows are stored straight
 into the destination's combine buffer at their slots (zero-copy, only real rows travel), and
@@ -35,7 +37,7 @@ from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free, begin_ca
                              call_flag, end_call, flag_value, live, peer_buffer,
                              peer_ptr, report, signal_peer, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
-from ...tiles.gemm import gemm_tile, grouped_tile
+from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -81,18 +83,18 @@ def moe_gemm_scatter_kernel(
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    G, rank, world, tag, timeout_us,
+    G, rank, world, tag, timeout_us, x_desc, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, G_MAX: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """The zero-copy grouped GEMM (rows stored into the sources' heaps)."""
     _grouped_gemm_scatter(
         x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
         sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
         status_addr, R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
-        stride_wn, G, rank, world, tag, timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-        NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, store_rows, no_flush)
+        stride_wn, G, rank, world, tag, timeout_us, x_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K,
+        GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, USE_DESC, store_rows, no_flush)
 
 
 @triton.jit(do_not_specialize=["R", "rank"])
@@ -101,10 +103,10 @@ def moe_gemm_put_kernel(
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    G, rank, world, tag, timeout_us,
+    G, rank, world, tag, timeout_us, x_desc, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, G_MAX: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """The same grouped GEMM with the rows put by the process's SHMEM provider (device-initiated
     puts, then their completion before the signals; shmem/providers/device.py). A kernel of its
@@ -114,8 +116,8 @@ def moe_gemm_put_kernel(
         x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
         sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
         status_addr, R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
-        stride_wn, G, rank, world, tag, timeout_us, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-        NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, shmem_put_rows, shmem_flush)
+        stride_wn, G, rank, world, tag, timeout_us, x_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K,
+        GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, USE_DESC, shmem_put_rows, shmem_flush)
 
 
 @triton.jit
@@ -124,10 +126,11 @@ def _grouped_gemm_scatter(
     sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
     status_addr,
     R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    G, rank, world, tag, timeout_us,
+    G, rank, world, tag, timeout_us, x_desc, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr, STORE: tl.constexpr,
+    FLUSH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = begin_call(ctl_ptr)
@@ -158,10 +161,15 @@ def _grouped_gemm_scatter(
         if seg < n_seg:
             pid_m, pid_n = grouped_tile(t - seg_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
             start = tl.load(starts_ptr + src * E + e)
-            acc = gemm_tile(x_ptr + start.to(tl.int64) * stride_xm,
-                            w_ptr + tl.cast(e, tl.int64) * stride_we, n, H, I, stride_xm, stride_xk,
-                            stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                            NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+            if USE_DESC:  # rows past the segment's end are the next one's: masked below
+                acc = gemm_tile_desc(x_desc, w_desc, start + pid_m * BLOCK_M, e * I,
+                                     pid_n * BLOCK_N, I, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                     PRECISION)
+            else:
+                acc = gemm_tile(x_ptr + start.to(tl.int64) * stride_xm,
+                                w_ptr + tl.cast(e, tl.int64) * stride_we, n, H, I, stride_xm,
+                                stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N,
+                                BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
             y = acc.to(combine_ptr.dtype.element_ty)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
