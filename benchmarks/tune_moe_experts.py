@@ -8,7 +8,9 @@ same rows. Prints one line per (shape, routing, config); results go to --out as 
 Shapes are the layer benchmark's (S tokens per rank, H, I, E experts in all, top-k) with
 ``--ranks`` W (default 2; a list sweeps several): rank 0's share, ``counts[q, e]`` rows from
 each of the W sources for each of its E / W experts, drawn from a balanced or a Zipf(1.2)
-routing of W * S tokens. Baselines: ``cublas_dense`` (gate and up as two cuBLAS GEMMs over all R received rows, one
+routing of W * S tokens. With ``--down``, the second GEMM instead: the grouped down GEMM of
+``moe_gemm_combine`` (its ``gemm`` phase on a world of one, each row to its own slot) through
+tensor descriptors and through pointer loads, against cuBLAS per segment. Baselines: ``cublas_dense`` (gate and up as two cuBLAS GEMMs over all R received rows, one
 weight: the equivalent dense problem) and ``cublas_segments`` (per (source, expert) segment
 cuBLAS gate, up and SiLU-gating: what the torch path runs).
 """
@@ -52,6 +54,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device-kind", default="unknown")
     ap.add_argument("--ranks", default="2", help="comma-separated world sizes to lay out")
+    ap.add_argument("--down", action="store_true", help="time the down GEMM of the combine")
     ap.add_argument("--max-tokens", type=int, default=1 << 30,
                     help="only the shapes with at most this many tokens per rank")
     ap.add_argument("--iters", type=int, default=50)
@@ -68,6 +71,9 @@ def main() -> int:
         if E % W:
             continue
         El = E // W
+        if args.down:
+            lines += down_gemm(world, writer, args, W, S, H, I, E, k, g)
+            continue
         wg = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
         wu = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
         for kind in ("balanced", "zipf"):
@@ -140,6 +146,60 @@ def main() -> int:
                 lines.append(line)
     print("\n".join(lines))
     return 0
+
+
+def down_gemm(world, writer, args, W, S, H, I, E, k, g) -> list:
+    """The combine's grouped down GEMM ([R, I] rows @ w[e] [I, H]) at rank 0's rows, as its
+    ``gemm`` phase on a world of one: the W sources' rows of each expert as one segment, each
+    row its own slot (top-k 1), through descriptors and through pointer loads."""
+    from portable_overlap.ops.moe_combine import MoeGemmCombine
+
+    dev, El = world.device, E // W
+    w = (torch.randn(El, I, H, generator=g, device=dev) * I ** -0.5).bfloat16()
+    lines = []
+    for kind in ("balanced", "zipf"):
+        per_e = routing_counts(S, E, k, W, kind, torch.Generator().manual_seed(S + E)).sum(0)
+        R = int(per_e.sum())
+        counts = per_e.view(1, El).int().to(dev)
+        bounds = [0] + torch.cumsum(per_e.long(), 0).tolist()
+        x = torch.randn(R, I, generator=g, device=dev).bfloat16()
+        y = torch.empty(R, H, device=dev, dtype=torch.bfloat16)
+        slots = torch.arange(R, dtype=torch.int32, device=dev)
+        tw = torch.ones(R, 1, device=dev)
+
+        def segments():
+            for e in range(El):
+                torch.matmul(x[bounds[e]:bounds[e + 1]], w[e], out=y[bounds[e]:bounds[e + 1]])
+
+        shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind, "ranks": W, "rows": R}
+        t_cublas = time_op(segments, world, graph=True, iters=args.iters)
+        writer.write(op="moe_down_gemm_tuning", shape=shape, dtype="bf16",
+                     impl="cublas_segments", graph=True, **t_cublas)
+        ref = y.clone()
+        for impl in ("descriptors", "pointers"):
+            ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=El)
+            if impl == "pointers":  # this context only: its plans then load by pointers
+                ctx._descriptors = lambda x_, w_: (None, None)
+            try:
+                out = torch.full((R, H), float("nan"), device=dev, dtype=torch.bfloat16)
+                ctx(x, w, counts, slots, tw, out=out)
+                ctx.synchronize()
+                err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                ph = ctx.phases(x, w, counts, slots, tw, out)
+                t = time_op(ph["gemm"], world, graph=True, iters=args.iters)
+                kern = ph["gemm_kernel"]
+            finally:
+                ctx.close()
+            writer.write(op="moe_down_gemm_tuning", shape=shape, dtype="bf16", impl=impl,
+                         graph=True, rel_err=err, registers=kern.n_regs, spills=kern.n_spills,
+                         vs_cublas=t_cublas["median_ms"] / t["median_ms"], **t)
+            line = (f"down W{W} {S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {impl:>11}: "
+                    f"{t['median_ms']:.3f} ms  cuBLAS segments {t_cublas['median_ms']:.3f} "
+                    f"({t_cublas['median_ms'] / t['median_ms']:.2f}x)  regs {kern.n_regs} "
+                    f"spills {kern.n_spills}  err {err:.1e}")
+            print(line, flush=True)
+            lines.append(line)
+    return lines
 
 
 if __name__ == "__main__":
