@@ -36,3 +36,22 @@ def test_every_kernel_is_in_the_registry():
                if k.__name__ not in NEEDS_SHMEM_LIBRARY]
     assert not missing, f"kernels without a compile spec: {missing}"
     assert launched, "found no kernels at all"
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t[0] == "hip"],
+                         ids=lambda t: f"gate-{t[0]}-{t[1]}")
+def test_kernel_gate_wait_is_bounded_on_amd(target):
+    """The kernel gate's wait (backends/gate_kernels.py) reads the constant real-time counter
+    and traps at its deadline (the device_assert survives: the kernel is compiled with
+    debug)."""
+    from portable_overlap.backends.gate_kernels import gate_wait_kernel
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = gate_wait_kernel
+    sig = {"address": "i64", "value": "i32", "budget_ns": "i64"}
+    asm = triton.compile(ASTSource(fn, sig, {}), target=GPUTarget(*target),
+                         options={"num_warps": 1, "debug": fn.debug}).asm["amdgcn"]
+    assert "s_memrealtime" in asm and "s_trap" in asm
+    assert compile_spec(fn, sig, {}, [], target).asm.get("hsaco")
