@@ -2,14 +2,20 @@
 each target of ``kernel_registry.TARGETS`` with the launch options the op would use, over the
 benchmark shapes and others, each program's shared memory (LDS on AMD) is within the target's
 limit. (The plain compile matrix compiles one representative config per kernel and would not
-see a config that only the planner picks, e.g. for the 304 compute units of gfx942.)"""
+see a config that only the planner picks, e.g. for the 304 compute units of gfx942.) The GEMM
+ops' tiles are also checked for register spills: VGPRs sent to scratch on gfx942 / gfx950
+(``.vgpr_spill_count``), spill stores to local memory on sm_90 (ptxas's report)."""
 import pytest
 import torch
 
+from portable_overlap.backends.base import DeviceFacts
 from portable_overlap.kernel_registry import TARGETS, compile_spec
 from portable_overlap.ops.gemv_allreduce.compile_specs import _PTRS, _SCALARS
 from portable_overlap.ops.gemv_allreduce.config import pick_config
 from portable_overlap.ops.gemv_allreduce.kernel import gemv_allreduce_kernel
+from portable_overlap.ops.matmul.api import MatmulConfig
+from portable_overlap.ops.matmul.api import tile_config as matmul_tile
+from portable_overlap.ops.moe_experts.api import tile_config as experts_tile
 
 #: per target: (arch name the planners key on, SMs / CUs, shared memory one program may take):
 #: H100/H200 227 KiB opt-in per block, MI300X 64 KiB LDS, MI355X 160 KiB LDS
@@ -59,3 +65,147 @@ def test_the_lds_limit_is_what_changes_the_gemv_config(target):
     assert fit.num_stages < free.num_stages
     assert _gemv_compile(target, "fp32", 64, free).metadata.shared > 64 * 1024
     assert _gemv_compile(target, "fp32", 64, fit).metadata.shared <= 64 * 1024
+
+
+# -- the GEMM ops' tile picks -------------------------------------------------------------------
+#: DeviceFacts the GEMM planners see, as the backends report them (per program: 227 KiB shared
+#: on H200, 64 KiB LDS on MI300X, 160 KiB on MI355X)
+FACTS = {("cuda", 90, 32): DeviceFacts(
+             vendor="nvidia", name="H200", arch="sm_90", sm_count=132, warp_size=32,
+             max_shared_bytes_per_sm=228 * 1024, max_regs_per_sm=65536, max_warps_per_sm=64,
+             tensor_descriptors=True, register_cap=True,
+             max_shared_bytes_per_program=227 * 1024),
+         ("hip", "gfx942", 64): DeviceFacts(
+             vendor="amd", name="MI300X", arch="gfx942", sm_count=304, warp_size=64,
+             max_shared_bytes_per_sm=64 * 1024, max_regs_per_sm=512 * 64 * 4,
+             max_warps_per_sm=32, max_shared_bytes_per_program=64 * 1024),
+         ("hip", "gfx950", 64): DeviceFacts(
+             vendor="amd", name="MI355X", arch="gfx950", sm_count=256, warp_size=64,
+             max_shared_bytes_per_sm=160 * 1024, max_regs_per_sm=512 * 64 * 4,
+             max_warps_per_sm=32, max_shared_bytes_per_program=160 * 1024)}
+#: the GEMM kernels and the module whose specs() has their representative signature
+GEMM_KERNELS = {"persistent_matmul": "portable_overlap.ops.matmul.compile_specs",
+                "gemm_signal": "portable_overlap.ops.gemm_signal.compile_specs",
+                "gemm_alltoall": "portable_overlap.ops.gemm_alltoall.compile_specs",
+                "moe_gemm_scatter": "portable_overlap.ops.moe_combine.compile_specs",
+                "expert_swiglu": "portable_overlap.ops.moe_experts.compile_specs"}
+#: (M, N, K): K a multiple of every K block, and one that is not (the masked K tail)
+GEMM_SHAPES = [(8192, 8192, 4096), (4096, 14336, 4000)]
+
+
+def _pick(kernel: str, dtype, facts, desc: bool):
+    if kernel == "expert_swiglu":
+        return experts_tile(dtype, facts, desc)
+    return matmul_tile(dtype, facts)
+
+
+def _gemm_spec(kernel: str, dt: str, cfg, even_k: bool, desc: bool):
+    """``kernel``'s representative bf16 signature (pointer loads, or descriptors with
+    ``desc``) retyped to ``dt`` and retiled to ``cfg``."""
+    import importlib
+
+    base = None
+    for name, fn, sig, consts, aligned in importlib.import_module(GEMM_KERNELS[kernel]).specs():
+        if name.startswith(kernel + "[bf16") and ("descriptors" in name) == desc:
+            base = fn, dict(sig), dict(consts), aligned
+            break
+    assert base, f"no bf16 spec of {kernel}"
+    fn, sig, consts, aligned = base
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    for arg, ty in sig.items():
+        if ty == "*bf16":
+            sig[arg] = f"*{dt}"
+        elif ty.startswith("tensordesc"):  # the A operand's [BM, BK] block, B's [BK, BN]
+            rows, cols = (bm, bk) if arg in ("a_desc", "x_desc") else (bk, bn)
+            sig[arg] = f"tensordesc<{dt}[{rows}, {cols}]>"
+    consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+                  NUM_STAGES=cfg.num_stages, EVEN_K=even_k)
+    return fn, sig, consts, aligned
+
+
+def _vgpr_spills(compiled) -> int:
+    """``.vgpr_spill_count`` of every kernel in the compiled gfx9 assembly (VGPRs the
+    register allocator sent to scratch memory)."""
+    import re
+
+    counts = re.findall(r"\.vgpr_spill_count:\s+(\d+)", compiled.asm["amdgcn"])
+    assert counts, "no .vgpr_spill_count in the assembly"
+    return max(int(c) for c in counts)
+
+
+@pytest.mark.parametrize("target", TARGETS[1:], ids=lambda t: f"{t[0]}-{t[1]}")
+def test_gemm_tiles_fit_amd_without_spills(target):
+    """The tiles the GEMM ops pick on gfx942 / gfx950 compile without VGPR spills and within
+    the LDS of a workgroup, over bf16 / fp16 / fp32 and K with and without a tail. (The H200
+    tile, 128 x 256 x 64 over 8 warps, spills 12-67 VGPRs there: ops/matmul/api.py.)"""
+    facts = FACTS[target]
+    limit = facts.shared_per_program
+    seen, bad = set(), []
+    for kernel in GEMM_KERNELS:
+        for dt, dtype in DTYPES.items():
+            cfg = _pick(kernel, dtype, facts, False)
+            for M, N, K in GEMM_SHAPES:
+                even = K % cfg.block_k == 0
+                if (kernel, dt, cfg, even) in seen or (dt != "bf16" and not even):
+                    continue  # the masked tail costs the most registers in bf16 already
+                seen.add((kernel, dt, cfg, even))
+                k = compile_spec(*_gemm_spec(kernel, dt, cfg, even, False), target,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                spills, shared = _vgpr_spills(k), k.metadata.shared
+                if spills or shared > limit:
+                    bad.append((kernel, dt, even, cfg, spills, shared))
+    assert len(seen) == 20, sorted(seen)
+    assert not bad, f"spilling or over {limit} bytes of LDS (kernel, dtype, even K, config, " \
+                    f"VGPR spills, LDS): {bad}"
+
+
+def test_gemm_tiles_on_sm90_are_the_h200_tiles():
+    """32-lane warps keep the tiles measured on H200."""
+    facts = FACTS[("cuda", 90, 32)]
+    h200 = MatmulConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8,
+                        num_stages=3)
+    fp32 = MatmulConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4,
+                        num_stages=3)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert matmul_tile(dtype, facts) == h200
+        assert experts_tile(dtype, facts, True) == MatmulConfig(
+            block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        assert experts_tile(dtype, facts, False) == MatmulConfig(
+            block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3)
+    assert matmul_tile(torch.float32, facts) == fp32
+    assert experts_tile(torch.float32, facts, True) == fp32
+
+
+@pytest.mark.parametrize("target", TARGETS[:1], ids=lambda t: f"{t[0]}-{t[1]}")
+def test_gemm_tiles_fit_sm90_without_local_memory(target, capfd):
+    """The bf16 picks on H200 (tensor descriptors where the kernel has them), as ptxas reports
+    them: no spill stores to local memory, shared memory within 227 KiB. With the experts'
+    decode picks (64 x 256 per-source tiles, 64 x 64 gathered rows by pointers). Not the MoE
+    grouped GEMM's pointer-load form (used only where its descriptors cannot be): at the H200
+    tile it compiles to 255 registers and 804 bytes of spill stores."""
+    import triton
+
+    facts = FACTS[target]
+    picks = [(kernel, _pick(kernel, torch.bfloat16, facts, True), True, {})
+             for kernel in GEMM_KERNELS]
+    for gather in (False, True):  # 32 rows per segment: decode
+        cfg = experts_tile(torch.bfloat16, facts, not gather, 32, gather)
+        picks.append(("expert_swiglu", cfg, not gather, {"GATHER": gather}))
+    bad = []
+    old = triton.knobs.nvidia.dump_ptxas_log, triton.knobs.compilation.always_compile
+    # ptxas -v's report, printed to stdout; a cached kernel would skip ptxas
+    triton.knobs.nvidia.dump_ptxas_log = triton.knobs.compilation.always_compile = True
+    try:
+        for kernel, cfg, desc, extra in picks:
+            capfd.readouterr()
+            fn, sig, consts, aligned = _gemm_spec(kernel, "bf16", cfg, True, desc)
+            consts.update(extra)
+            k = compile_spec(fn, sig, consts, aligned, target, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
+            log = capfd.readouterr().out
+            assert "spill stores" in log, f"no ptxas report for {kernel}"
+            if " 0 bytes spill stores" not in log or k.metadata.shared > facts.shared_per_program:
+                bad.append((kernel, cfg, extra, k.metadata.shared, log[-300:]))
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log, triton.knobs.compilation.always_compile = old
+    assert not bad, bad

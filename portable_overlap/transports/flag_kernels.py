@@ -14,6 +14,18 @@ from ..shmem.device import (FAILED_TAG, await_word, flag_value, live, peer_ptr,
 
 
 @triton.jit
+def read_status(status_addr):
+    """The status board's header word (host memory, written by any kernel of this rank that gave
+    up), read past every cache: an acquire atomic at system scope. The compiler turns the
+    add of 0 into a load: ``ld.global.sys.acquire`` on sm_90, ``global_load ... sc0 sc1`` then
+    ``buffer_inv sc0 sc1`` on gfx942 / gfx950, so host memory over PCIe sees no read-modify-
+    write. (``tl.load(volatile=True)`` would give ``ld.volatile`` on sm_90, but Triton's AMD
+    backend drops ``volatile``: a plain, cacheable ``global_load`` that may return a stale 0.)"""
+    return tl.atomic_add(status_addr.to(tl.pointer_type(tl.int64)), 0, sem="acquire",
+                         scope="sys")
+
+
+@triton.jit
 def epoch_kernel(ctl_ptr):
     """Start a call: ``ctl[0] += 1`` (stream-ordered before every signal and wait of the call)."""
     tl.atomic_add(ctl_ptr, 1, sem="release", scope="gpu")
@@ -36,8 +48,7 @@ def signal_kernel(flag_ptr, bases_ptr, rank, peer, ctl_ptr, back, tag, clock_ptr
     stream starts a kernel only once the copy before it has completed, and the release store
     publishes it system-wide."""
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu") - back
-    failed = (tl.load(status_addr.to(tl.pointer_type(tl.int64)), volatile=True) != 0) \
-        | (live(clock_ptr) == 0)
+    failed = (read_status(status_addr) != 0) | (live(clock_ptr) == 0)
     signal_peer(flag_ptr, flag_value(epoch, tl.where(failed, FAILED_TAG, tag)), bases_ptr, rank,
                 peer)
 

@@ -41,12 +41,38 @@ class MatmulConfig:
             raise ValueError(f"bad config {self}")
 
 
+#: 16-bit tiles where a warp is a 64-lane wavefront (AMD CDNA). A wavefront gets 512 VGPRs per
+#: lane only when it runs alone on its SIMD, i.e. 4 wavefronts per program on a 4-SIMD CU; with 8
+#: it gets 256. Compiled for gfx942 / gfx950 (bf16, pointer loads, vgpr count of 512 / spills):
+#: the H200 tile (128 x 256 x 64, 8 warps, 3 stages) spills 12 / 27 VGPRs in the plain GEMM, 33 /
+#: 38 in the tile-group-signal GEMM, 28 / 32 in GEMM + All-to-All and 50 / 67 in the MoE grouped
+#: GEMM; 256 x 256 x 64 spills 78-190 with 4 warps and 147-440 with 8. 128 x 128 x 64 with 4
+#: warps and 3 stages spills none in any of them: 328-355 VGPRs on gfx942, 380-411 on gfx950
+#: (100 or more to spare, also with a masked K tail and in fp16), and takes 16 KiB of LDS on
+#: gfx942 (limit 64) and 64 KiB on gfx950 (limit 160). With 8 warps it fits 256 only just
+#: (208-256) and the MoE GEMM spills 4 on gfx950 at 2 stages. tests/test_compile_configs.py
+#: compiles these picks. Never timed on AMD hardware.
+WAVE64_TILE = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3)
+
+
 def default_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    """The tiling of ``device`` (its ``DeviceFacts``, read once per process): ``tile_config``."""
     if device.type == "cpu":  # the interpreter: small tiles keep emulated runs short
         return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
                             num_stages=1)
-    if dtype == torch.float32:
+    from ...backends import device_facts
+
+    return tile_config(dtype, device_facts(device))
+
+
+def tile_config(dtype: torch.dtype, facts) -> MatmulConfig:
+    """The GEMM tiling for ``dtype`` on a device with ``facts``: the H200 tiles on 32-lane
+    warps, ``WAVE64_TILE`` for 16-bit operands on 64-lane wavefronts (the H200 tile spills
+    VGPRs there)."""
+    if dtype == torch.float32:  # 0 spills, 32 KiB of LDS on gfx942 and gfx950 too
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    if facts.warp_size == 64:
+        return WAVE64_TILE
     # the plain Triton GEMM measured at 655 TFLOP/s on H200 (see ../shared/DESIGN.md)
     return MatmulConfig()
 

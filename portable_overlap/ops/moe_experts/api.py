@@ -26,20 +26,40 @@ from .kernel import expert_swiglu_kernel
 OP = "expert_swiglu"
 
 
+#: the gated GEMM's 16-bit tiles on 64-lane wavefronts (AMD CDNA; no tensor descriptors there).
+#: Two accumulators per tile: compiled for gfx942 / gfx950 (bf16, pointer loads), 128 x 128 x 64
+#: spills 90 / 56 VGPRs with 8 warps and 31 / 81 with 4; 128 x 64 x 64 with 4 warps and 3 stages
+#: spills none (381 / 406 of 512 VGPRs, 384 / 407 with a masked K tail) in 16 / 64 KiB of LDS.
+#: With 8 warps it compiles to 224 / 244 of the 256 VGPRs a wavefront then gets, without a
+#: spill but 12 short of the limit on gfx950. Compiled in tests/test_compile_configs.py.
+WAVE64_TILE = MatmulConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
+
+
 def default_config(dtype: torch.dtype, device: torch.device, descriptors: bool,
                    rows_per_segment: float = float("inf"), gather: bool = False) -> MatmulConfig:
+    """The tiling of ``device`` (its ``DeviceFacts``): ``tile_config``."""
+    if device.type == "cpu":
+        return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
+                            num_stages=1)
+    from ...backends import device_facts
+
+    return tile_config(dtype, device_facts(device), descriptors, rows_per_segment, gather)
+
+
+def tile_config(dtype: torch.dtype, facts, descriptors: bool,
+                rows_per_segment: float = float("inf"), gather: bool = False) -> MatmulConfig:
     """Two accumulators per tile. Through descriptors, 128 x 128 tiles over 8 warps compile to
     176 registers on sm_90 without a spill; with pointer loads they spill (255 registers and
     560 bytes of stack), 128 x 64 does not (249 registers). Where segments hold 64 rows or
     fewer (decode), 64 x 256 tiles: on one H200 at 128 tokens per rank they ran 0.48-0.70x the
     128 x 128 time on Mixtral-like experts and 0.97-1.03x on DeepSeek-like ones, balanced or
     Zipf routing, 2- and 8-rank layouts (benchmarks/tune_moe_experts.py). Gathered row tiles
-    by pointer loads take 64 x 64 (64 x 128 spills at 4 and 8 warps)."""
-    if device.type == "cpu":
-        return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
-                            num_stages=1)
+    by pointer loads take 64 x 64 (64 x 128 spills at 4 and 8 warps). On 64-lane wavefronts:
+    ``WAVE64_TILE`` (never timed on AMD hardware, so no decode variant there yet)."""
     if dtype == torch.float32:
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    if facts.warp_size == 64:
+        return WAVE64_TILE
     if gather and not descriptors:
         return MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3)
     if rows_per_segment <= 64:

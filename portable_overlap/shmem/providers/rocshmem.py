@@ -1,17 +1,39 @@
-"""ROC_SHMEM provider (AMD): torch's symmetric memory for allocation, torch's rocSHMEM Triton
-bindings (ROCm builds of torch) for device-initiated puts. The same transport as the NVSHMEM
-provider, call for call. Never run: no AMD GPU or ROCm torch build was available; the kernels it
-plugs into are compiled for gfx942 in CI with the zero-copy transport in its place."""
+"""ROC_SHMEM provider (AMD): torch's symmetric memory with its shmem backend for allocation,
+torch's rocSHMEM Triton bindings (ROCm builds of torch) for device-initiated puts. The same
+transport as the NVSHMEM provider, call for call. Never run: no AMD GPU or ROCm torch build was
+available. Its put kernels are not in the compile matrix: they call rocSHMEM's device bitcode
+(``librocshmem_device_<arch>.bc``), and without it LLVM's AMDGPU backend cannot size the kernel
+(it aborts on the undefined callee's resource symbols); no wheel on PyPI ships that bitcode
+(docs/amd.md)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-try:
-    from torch.distributed._symmetric_memory import _rocshmem_triton as _rs
-except ImportError:  # CUDA or CPU builds of torch
-    _rs = None
+#: torch's one name for its shmem backend: NVSHMEM on CUDA builds, rocSHMEM on ROCm builds
+TORCH_SHMEM_BACKEND = "NVSHMEM"
+
+
+def _load_bindings():
+    """``(torch's rocSHMEM Triton bindings, "")`` on a ROCm build of torch whose bindings define
+    the device functions, else ``(None, why)``. The bindings module imports on every torch
+    build (CUDA and CPU builds ship it too), and defines ``put`` / ``quiet`` only where torch
+    finds a GPU Triton can compile for, so neither the import nor the module says whether
+    rocSHMEM is there: the build and the device functions do."""
+    if getattr(torch.version, "hip", None) is None:
+        return None, "this torch is not a ROCm build (rocSHMEM needs one)"
+    try:
+        from torch.distributed._symmetric_memory import _rocshmem_triton as bindings
+    except ImportError as e:
+        return None, f"this ROCm build of torch has no rocSHMEM Triton bindings ({e})"
+    if not all(hasattr(bindings, f) for f in ("put", "quiet", "requires_rocshmem")):
+        return None, ("torch's rocSHMEM Triton bindings have no device functions here (torch "
+                      "defines them only where Triton finds a GPU)")
+    return bindings, ""
+
+
+_rs, _why_not = _load_bindings()
 
 
 if _rs is not None:
@@ -65,11 +87,19 @@ class RocshmemProvider:
 
     @staticmethod
     def available() -> tuple[bool, str]:
+        """Whether this process can put through rocSHMEM: a ROCm build of torch with the Triton
+        bindings, torch's own answer that its shmem backend (rocSHMEM here) is built in and
+        usable, and rocSHMEM's device bitcode for this GPU."""
         if _rs is None:
-            return False, "this torch build has no rocSHMEM Triton bindings (needs a ROCm build)"
+            return False, _why_not
         try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if not symm_mem.is_nvshmem_available():
+                return False, ("torch reports its shmem backend (rocSHMEM on ROCm) unavailable: "
+                               "built without it, or rocSHMEM older than 3.3")
             _rs.RocshmemLibFinder.find_device_library()
-        except Exception as e:
+        except Exception as e:  # no device bitcode, no symmetric memory
             return False, f"ROC_SHMEM unavailable: {e}"
         return True, ""
 
@@ -77,17 +107,27 @@ class RocshmemProvider:
         import torch.distributed as dist
 
         if world.group is not None and world.group != dist.group.WORLD:
-            raise ValueError("rocshmem provider: the world must be the default process group")
+            raise ValueError("rocshmem provider: the world must be the default process group "
+                             "(rocSHMEM numbers PEs by global rank)")
         self.world = world
         self.store_rows, self.flush = put_rows, flush
 
     def symmetric_empty(self, nbytes: int) -> torch.Tensor:
+        """Collective: ``nbytes`` of rocSHMEM symmetric memory on every rank (uint8). torch
+        allocates symmetric tensors from the backend selected when the first one is made (its
+        default is its own IPC heap, which rocSHMEM's puts cannot address), so the shmem
+        backend is selected first; a process that already allocated from another backend gets
+        torch's error here instead of puts into the wrong heap."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
+        if symm_mem.get_backend(self.world.device) != TORCH_SHMEM_BACKEND:
+            symm_mem.set_backend(TORCH_SHMEM_BACKEND)
         t = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.world.device)
         symm_mem.rendezvous(t, dist.group.WORLD.group_name)
         return t
 
     def wrap(self, kernel):
+        """``kernel`` launched with rocSHMEM's device bitcode linked and each compiled module
+        initialised for rocSHMEM."""
         return _rs.requires_rocshmem(kernel)
