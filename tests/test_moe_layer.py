@@ -46,10 +46,12 @@ def test_expert_swiglu_matches_reference(world2, dtype, gather):
 def _swiglu_bad(world):
     x, w, c = torch.randn(6, 8), torch.randn(2, 8, 4), torch.tensor([[3, 3]], dtype=torch.int32)
     msgs = []
-    for args in [(x.double(), w, w, c), (x, w, w[:1], c), (x, w, w, c.long()),
-                 (x, w, w, c[:, :1]), (x[:, :4], w, w, c)]:
+    for args, kw in [((x.double(), w, w, c), {}), ((x, w, w[:1], c), {}),
+                     ((x, w, w, c.long()), {}), ((x, w, w, c[:, :1]), {}),
+                     ((x[:, :4], w, w, c), {}), ((x, w, w, c), {"rows_per_segment": -1}),
+                     ((x, w, w, c), {"rows_per_segment": float("nan")})]:
         try:
-            expert_swiglu(*args)
+            expert_swiglu(*args, **kw)
             msgs.append(None)
         except (TypeError, ValueError) as e:
             msgs.append(str(e))

@@ -109,6 +109,10 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     default capacity (every rank's tokens). ``gather``: row tiles hold an expert's rows of all
     sources together (kernel.py) instead of one source's."""
     _validate(x, w_gate, w_up, counts, out)
+    if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
+                                             and 0 <= rows_per_segment < float("inf")):
+        raise ValueError(f"{OP}: rows_per_segment must be a finite number >= 0, got "
+                         f"{rows_per_segment!r}")
     E, H, I = w_gate.shape
     if out is None:
         out = torch.empty((x.shape[0], I), dtype=x.dtype, device=x.device)
