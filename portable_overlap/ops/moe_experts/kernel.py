@@ -16,9 +16,9 @@ Rows past ``counts.sum()`` are neither read nor written.
 
 With ``GATHER`` a row tile holds the expert's rows of all sources together (rows gathered from
 the sources' segments, pointer loads), not one source's: at decode sizes each source sends an
-expert a few rows, and per-source tiles would be mostly empty (32 rows per segment in a 64-row
-tile at 128 tokens per rank on 2 ranks, 8 in 8-rank layouts), computing zeros and reading each
-weight block once per source.
+expert a few rows, and per-source tiles would be mostly empty, computing zeros (128 tokens per
+rank, top-2 of 8 experts: 32 rows per source, so on 8 ranks an expert's 256 rows fill 8
+half-empty 64-row tiles where 4 full ones would do).
 """
 import triton
 import triton.language as tl
