@@ -81,12 +81,21 @@ def _pick(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
     if arch == "cpu":  # the interpreter: few, small programs keep the emulated run short
         return GemvConfig(block_n=16 if n <= 64 else 32, block_k=32, num_warps=1, num_stages=1,
                           programs_per_sm=1)
-    # What the sweep on H200 favoured: one program per SM streaming 64-column tiles through six
-    # stages when there are about as many column blocks as SMs; narrower tiles and two programs
-    # per SM when N is small, so that every SM still has W rows to stream.
     if dtype == torch.float32:
         return GemvConfig(block_n=32, block_k=64, num_warps=4, num_stages=4, programs_per_sm=2)
-    if -(-n // 64) >= sm_count * 0.9:
+    # By 64-column blocks per SM: every SM needs W rows to stream, so the fewer the columns, the
+    # narrower the tile and the longer its K step. From a sweep of 10 configs at 24 decode
+    # shapes on one H200 (M 1 / 8 / 32, N 1024-28672, K 1024-18944; benchmarks/results/logs/
+    # 2026-11-24-h200-gemv-untuned-shapes): each band's pick ran at 0.94-1.00 of the sweep's
+    # best at every shape in it, where the previous two-band rule ran at 0.70-1.00 (median
+    # 0.84: 16-wide tiles at N = 3584-4096, 6 stages with one program per SM at K = 1024).
+    cols = n / 64 / sm_count
+    if cols >= 1.2:
+        return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2)
+    if cols >= 0.9:
+        return GemvConfig(block_n=32, block_k=128, num_warps=4, num_stages=6, programs_per_sm=2)
+    if cols >= 0.55:
         return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=6, programs_per_sm=1)
-    return GemvConfig(block_n=32 if n >= 32 * sm_count else 16, block_k=256, num_warps=4,
-                      num_stages=4, programs_per_sm=2)
+    if cols >= 0.25:
+        return GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=6, programs_per_sm=1)
+    return GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, programs_per_sm=2)
