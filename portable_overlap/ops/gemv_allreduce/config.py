@@ -43,18 +43,19 @@ def m_bucket(m: int) -> int:
 
 
 def stage_bytes(cfg: GemvConfig, m: int, dtype: torch.dtype) -> int:
-    """Shared memory of the K loop's pipeline: a W tile [block_n, block_k] and an x tile
-    [max(16, m rounded up to a power of two), block_k] per stage in flight (num_stages - 1 of
-    them), as Triton's pipeliners allocate it (72 KiB for fp32 32 x 64 x 4 stages at M = 64 on
-    gfx942, compiled: tests/test_compile_configs.py)."""
+    """Shared memory of the K loop's pipeline, counted high: a W tile [block_n, block_k] and an
+    x tile [max(16, m rounded up to a power of two), block_k] per stage. Triton's pipeliners
+    allocate num_stages - 1 of them for some loops and num_stages for others (compiled: fp32
+    32 x 64 at 4 stages and M = 64, 72 KiB on gfx942, three; bf16 32 x 256 at 5 stages and
+    M = 64, 240 KiB on sm_90, five: tests/test_compile_configs.py)."""
     block_m = max(16, 1 << (max(1, m) - 1).bit_length())
-    return max(1, cfg.num_stages - 1) * (cfg.block_n + block_m) * cfg.block_k * dtype.itemsize
+    return cfg.num_stages * (cfg.block_n + block_m) * cfg.block_k * dtype.itemsize
 
 
 def fit_shared(cfg: GemvConfig, m: int, dtype: torch.dtype, limit: int) -> GemvConfig:
     """``cfg`` with fewer stages, then shorter K steps, until its pipeline fits ``limit`` bytes of
     shared memory (LDS): gfx942 has 64 KiB per workgroup, where fp32 at M = 64 needs 72 KiB with
-    the H200 heuristic's 4 stages; H200 has 227 KiB."""
+    the heuristic's 4 stages; H200 has 227 KiB."""
     while stage_bytes(cfg, m, dtype) > limit:
         if cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
