@@ -88,8 +88,10 @@ def _pick(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
     # narrower the tile and the longer its K step. From a sweep of 10 configs at 24 decode
     # shapes on one H200 (M 1 / 8 / 32, N 1024-28672, K 1024-18944; benchmarks/results/logs/
     # 2026-11-24-h200-gemv-untuned-shapes): each band's pick ran at 0.94-1.00 of the sweep's
-    # best at every shape in it, where the previous two-band rule ran at 0.70-1.00 (median
-    # 0.84: 16-wide tiles at N = 3584-4096, 6 stages with one program per SM at K = 1024).
+    # best at every shape in it, and at 0.76-1.00 (median 0.99) at 16 other shapes, where a
+    # two-band rule (64 x 128 over six stages, else 16- or 32-wide tiles with K steps of 256)
+    # ran at 0.70-1.00 and 0.68-1.00. K moves the best choice too (short K favours two
+    # programs per SM); a first-call tune covers what the bands miss.
     cols = n / 64 / sm_count
     if cols >= 1.2:
         return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2)
