@@ -91,7 +91,7 @@ def _pick(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
     # best at every shape in it, and at 0.76-1.00 (median 0.99) at 16 other shapes, where a
     # two-band rule (64 x 128 over six stages, else 16- or 32-wide tiles with K steps of 256)
     # ran at 0.70-1.00 and 0.68-1.00. K moves the best choice too (short K favours two
-    # programs per SM); a first-call tune covers what the bands miss.
+    # programs per SM), which the bands do not model yet.
     cols = n / 64 / sm_count
     if cols >= 1.2:
         return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2)
