@@ -18,3 +18,7 @@ err = ((y - gemv_all_reduce_reference(x, w, world.group)).norm() / y.norm()).ite
 ctx.close()
 print(f"MPI-WORLD rank={world.rank} size={world.world_size} local={world.local_rank} "
       f"launcher={world.launcher} err={err:.1e}", flush=True)
+# tear the process group down before the interpreter exits: left to the exit handlers, its
+# threads may be destroyed while still joinable, which aborts the process after a clean run
+world.barrier()
+torch.distributed.destroy_process_group()
