@@ -1,12 +1,15 @@
-"""Benchmark of AllGather + GEMM over copy engines (FiCCO schedules) against all_gather + cuBLAS
-and torch's fused_all_gather_matmul, by the protocol in benchmarks/harness.py:
+"""Benchmark of AllGather + GEMM (copy engines with the FiCCO schedules; SM stores into every
+peer) against all_gather + cuBLAS and torch's fused_all_gather_matmul, by the protocol in
+benchmarks/harness.py:
 
     torchrun --nproc-per-node 2 benchmarks/bench_allgather_gemm.py --out r.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes (M, N, K) of the whole layer: the gathered A is [M, K] (each rank holds M / W rows) and
 each rank holds its N / W columns of the column-parallel B ([K, N / W]).
-Impls: ``fused`` (the heuristic's schedule), one ``fused[<schedule>]`` per schedule, ``sequential``
+Impls: ``fused`` (the copy-engine transport, the heuristic's schedule), one ``fused[<schedule>]``
+per schedule of ``--schedules``, one ``fused[stores,senders=<S>]`` per count of ``--senders``
+(the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips it), ``sequential``
 (all_gather_into_tensor then torch.matmul), ``compute``, ``comm``, ``torch_fused``.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
@@ -29,15 +32,35 @@ OP = "allgather_gemm"
 
 
 def parser() -> BenchParser:
-    return BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
-                       allowed_dtypes=("bf16", "fp16"), iters=30, warmup=5)
+    p = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
+                    allowed_dtypes=("bf16", "fp16"), iters=30, warmup=5)
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help="comma list of copy-engine schedules to time besides the pick "
+                        "(default: all; 'none' for none)")
+    p.add_argument("--senders", default="default",
+                   help="comma list of sender counts of the 'stores' transport, 'default' for "
+                        "its rule, 'none' to skip it (default: %(default)s)")
+    return p
+
+
+def _list(text: str, allowed=None) -> list:
+    items = [] if text.strip() in ("", "none") else [x.strip() for x in text.split(",")]
+    bad = [x for x in items if allowed is not None and x not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {bad}; choose from {allowed}")
+    return items
 
 
 def body(bench) -> int:
     world, args = bench.world, bench.args
     dev, W = world.device, world.world_size
     shapes = [(s["M"], s["N"], s["K"]) for s in args.shapes]
-    ctx = AllGatherMatmul(world, max_shard_elems=max(M // W * K for M, _, K in shapes))
+    elems = max(M // W * K for M, _, K in shapes)
+    ctx = AllGatherMatmul(world, max_shard_elems=elems)
+    schedules = _list(args.schedules, SCHEDULES)
+    stores = {n: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
+                                 senders=None if n == "default" else int(n))
+              for n in _list(args.senders)}
     group_name = dist.group.WORLD.group_name
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     for dname in args.dtypes:
@@ -50,8 +73,10 @@ def body(bench) -> int:
             out = torch.empty(M, N // W, device=dev, dtype=dt)
             pick = pick_schedule(M, N // W, K, 2, world.facts.arch)
             impls = {"fused": lambda: ctx(a, b, out)}
-            for s in SCHEDULES:
+            for s in schedules:
                 impls[f"fused[{s}]"] = lambda s=s: ctx(a, b, out, schedule=s)
+            for n, sctx in stores.items():
+                impls[f"fused[stores,senders={n}]"] = lambda c=sctx: c(a, b, out)
             impls.update({
                 "sequential": lambda: (dist.all_gather_into_tensor(full, a),
                                        torch.matmul(full, b, out=out)),
@@ -73,14 +98,16 @@ def body(bench) -> int:
             def check(name):
                 out.fill_(float("nan"))
                 impls[name]()
-                ctx.synchronize()
+                for c in (ctx, *stores.values()):
+                    c.synchronize()
                 return rel_err(out, ref)
 
             bench.run(Case(
                 op=OP, shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls, check=check,
                 fields=lambda name: {"schedule": pick if name == "fused" else None},
                 notes={"pick": pick}, label=f"{M}x{N}x{K} {dname}"))
-    ctx.close()
+    for c in (ctx, *stores.values()):
+        c.close()
     return 0
 
 

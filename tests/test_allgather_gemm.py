@@ -196,3 +196,134 @@ def test_sequential_transport_matches_the_copy_engines(world, dtype):
         for into_out, err, err_fused in found:
             assert into_out and err < tol and err_fused < tol, found
         assert all(m and m.startswith("all_gather_matmul") for m in msgs), msgs
+
+
+# the "stores" transport: shard heights on and off the interpreter's 16-row tiles (a tile then
+# holds rows of two shards, and the own shard is copied too), one row, N and K off the tiles
+STORE_SHAPES = [(16, 16, 16), (5, 7, 3), (40, 33, 20), (1, 9, 4), (33, 70, 18)]
+
+
+def _stores(world, dtype, senders):
+    """Every shape on one context, twice each (the second call reuses the buffer the first
+    filled, so it waits for the peers to release it), outputs poisoned before each call."""
+    from portable_overlap.testing.compare import rel_err
+
+    W = world.world_size
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in STORE_SHAPES),
+                          transport="stores", senders=senders)
+    found = []
+    try:
+        for i, (m, N, K) in enumerate(STORE_SHAPES):
+            for rep in range(2):
+                g = torch.Generator().manual_seed(1000 * i + 10 * rep + world.rank)
+                a = torch.randn(m, K, generator=g).to(dtype)
+                b = torch.randn(K, N, generator=torch.Generator().manual_seed(i + rep)).to(dtype)
+                out = torch.full((W * m, N), float("nan"), dtype=dtype)
+                got = all_gather_matmul(a, b, ctx, out)
+                ctx.synchronize()
+                found.append(((m, N, K), got is out,
+                              rel_err(out, all_gather_matmul_reference(a, b, world.group))))
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_stores_transport_matches_all_gather_plus_matmul(world, dtype):
+    for found in world.run(_stores, dtype, None):
+        bad = [f for f in found if not (f[1] and f[2] < TOL[dtype])]
+        assert not bad, bad
+
+
+@pytest.mark.parametrize("senders", [1, 3])
+def test_stores_transport_with_few_senders(world2, senders):
+    for found in world2.run(_stores, torch.float32, senders):
+        assert all(into and err < 1e-5 for _, into, err in found), found
+
+
+def _stores_bad(world):
+    ctx = AllGatherMatmul(world, max_shard_elems=64, transport="stores")
+    a, b = torch.randn(4, 8), torch.randn(8, 5)
+    msgs = []
+    for args, kw in (((torch.randn(9, 8), b), {}),  # more than max_shard_elems
+                     ((a, torch.randn(7, 5)), {}),  # K mismatch
+                     ((a, b.double()), {}),
+                     ((a.t(), torch.randn(4, 5)), {}),  # not contiguous
+                     ((a, b, torch.empty(3, 5)), {}),  # wrong out shape
+                     ((a, b), {"schedule": "hetero-fused-1d"})):  # no schedules here
+        try:
+            ctx(*args, **kw)
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    # the refused calls above left the ranks in step: a good call still works
+    out = ctx(a, b)
+    ctx.synchronize()
+    err = ((out - all_gather_matmul_reference(a, b, world.group)).norm() / out.norm()).item()
+    ctx.close()
+    for kw in ({"senders": 0}, {"senders": 2.5}, {"config": "big"}, {"pieces": 2}):
+        try:
+            AllGatherMatmul(world, 64, transport="stores", **kw)
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(str(e))
+    return err, msgs
+
+
+def test_stores_transport_bad_input(world2):
+    for err, msgs in world2.run(_stores_bad):
+        assert err < 1e-5
+        assert all(m and m.startswith("all_gather_matmul") or (m and "pieces" in m)
+                   for m in msgs), msgs
+
+
+def _stores_skip(world):
+    return call_while_peers_skip(
+        world, lambda: AllGatherMatmul(world, max_shard_elems=64, transport="stores",
+                                       timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
+
+
+def test_stores_transport_names_a_rank_that_skips_a_call(world2):
+    msg = world2.run(_stores_skip, timeout=120)[0]
+    assert "rank 1" in msg and "chunk-ready" in msg, msg
+
+
+def _stores_shapes_disagree(world):
+    ctx = AllGatherMatmul(world, max_shard_elems=64, transport="stores", timeout_s=2.0)
+    m = 4 if world.rank == 0 else 3  # the rows each shard lands at differ: must not be mixed
+    try:
+        ctx(torch.randn(m, 8), torch.randn(8, 5))
+        ctx.synchronize()
+        r = "no error"
+    except PortableOverlapError as e:
+        r = type(e).__name__
+    ctx.close()
+    return r
+
+
+def test_stores_transport_ranks_with_other_shapes_raise(world2):
+    for r in world2.run(_stores_shapes_disagree, timeout=120):
+        assert r in ("RankMismatchError", "PeerTimeoutError"), r
+
+
+def test_stores_tile_order_and_chunks():
+    from portable_overlap.ops.allgather_gemm.stores import (C_MAX, chunk_rows_for,
+                                                            default_senders, tile_order)
+
+    assert chunk_rows_for(1000, 128) == 128
+    big = chunk_rows_for(128 * C_MAX * 3 + 5, 128)  # a shard of more than C_MAX tile rows
+    assert big % 128 == 0 and -(-(128 * C_MAX * 3 + 5) // big) <= C_MAX
+    for W, m, bm in ((4, 64, 16), (4, 5, 16), (8, 40, 16), (2, 1, 16)):
+        for r in range(W):
+            order = tile_order(r, W, m, bm, chunk_rows_for(m, bm))
+            assert sorted(order) == list(range(-(-W * m // bm)))  # a permutation
+            own = [tm for tm in order if tm * bm >= r * m and min(tm * bm + bm, W * m)
+                   <= (r + 1) * m]
+            assert order[:len(own)] == own  # tiles of this rank's rows first
+    # rank 1 of 4, 16-row shards in 16-row tiles: own tile, then chunk 0 of ranks 0, 3, 2 in
+    # the order they are sent (rank q sends to q+1 first)
+    assert tile_order(1, 4, 16, 16, 16) == [1, 0, 3, 2]
+    assert default_senders(1, 132) == 0 and default_senders(2, 132) == 16
+    assert default_senders(8, 132) == 28

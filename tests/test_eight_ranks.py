@@ -70,6 +70,14 @@ def _every_op(world):
         ctx.synchronize()
         errs[f"allgather+gemm {sched}"] = rel_err(out, ref)
     ctx.close()
+    # the SM-store transport: 3-row shards in 16-row tiles (every tile holds rows of several
+    # ranks, so it waits for several peers' chunks), two calls on one context
+    ctx = AllGatherMatmul(world, max_shard_elems=3 * 7, transport="stores")
+    for i in range(2):
+        out = ctx(a, b)
+        ctx.synchronize()
+        errs[f"allgather+gemm stores #{i}"] = rel_err(out, ref)
+    ctx.close()
     # K split over the ranks, each rank's shard of its own width (only M and N must agree).
     # reduce_scatter: 2 rows per rank in 3 pieces (one empty); all_reduce with M=5 < W: rank
     # blocks of 0 and 1 rows (the receive room of a call is W * ceil(M/W) * N elements).
@@ -103,7 +111,7 @@ def _every_op(world):
 
 # one entry per op / variant above: a key reused by mistake would overwrite another's error
 # (13 plus one per AllGather+GEMM schedule)
-N_CHECKS = 13 + len(SCHEDULES)
+N_CHECKS = 15 + len(SCHEDULES)
 
 
 def test_every_op_on_eight_ranks(world8):

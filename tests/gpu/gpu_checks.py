@@ -500,6 +500,35 @@ def check_allgather_gemm(world: World, gen) -> None:
         replays("uniform-fused-2d ", ctx, a, b, out, schedule="uniform-fused-2d")
     finally:
         ctx.close()
+    # the SM-store transport: tile-aligned and odd shards (a tile then holds two ranks' rows
+    # and the own shard is copied too; K = 333 rows are not whole 16-byte vectors), one sender
+    # and many, back-to-back calls, graph replay
+    for senders in (None, 1, 64):
+        st = AllGatherMatmul(world, max_shard_elems=4096 * 8192, transport="stores",
+                             senders=senders)
+        try:
+            shapes = ((4096, 8192, 8192), (1000, 777, 333), (3, 5, 7)) if senders is None \
+                else ((1000, 777, 333),)
+            for m, N, K in shapes:
+                for dt in (torch.bfloat16, torch.float32):
+                    a, b = rand((m, K), dt, dev, gen), rand((K, N), dt, dev, gen)
+                    ref = all_gather_matmul_reference(a, b, world.group)
+                    out = torch.full((world.world_size * m, N), float("nan"), dtype=dt,
+                                     device=dev)
+                    for _ in range(3):
+                        st(a, b, out)
+                    st.synchronize()
+                    err = rel_err(out, ref)
+                    record(f"allgather+gemm stores senders={senders} {m}x{N}x{K} "
+                           f"{str(dt)[6:]}", err < TOL[dt] * 2, f"rel_err={err:.2e}")
+            if senders is None:
+                a, b = rand((2048, 1024), torch.bfloat16, dev, gen), rand(
+                    (1024, 512), torch.bfloat16, dev, gen)
+                out = torch.empty(world.world_size * 2048, 512, dtype=torch.bfloat16,
+                                  device=dev)
+                replays("stores ", st, a, b, out)
+        finally:
+            st.close()
     # the sequential transport (NCCL all_gather_into_tensor, then cuBLAS): odd shapes, graph
     seq = AllGatherMatmul(world, max_shard_elems=1000 * 333, transport="sequential")
     try:

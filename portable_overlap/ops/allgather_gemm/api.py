@@ -41,9 +41,12 @@ Every wait is a bounded one-program kernel on the compute stream (transports/cop
 rank that never sends makes the call raise ``PeerTimeoutError`` at the next check, not hang.
 
 Transports (``AllGatherMatmul(..., transport=)``): ``"copy_engine"`` (default, the above;
-options ``pieces``, ``schedule``) and ``"sequential"``: the vendor library's
-``all_gather_into_tensor``, then ``torch.matmul`` (``ops/sequential.py``; no options), the
-baseline and the choice where the copy engines measured slower.
+options ``pieces``, ``schedule``); ``"stores"``: one persistent Triton kernel whose first
+programs store the shard into every peer's heap, all peers at once, while the others multiply
+the rows that have arrived (``stores.py``, ``kernel.py``; options ``config``, ``senders``); and
+``"sequential"``: the vendor library's ``all_gather_into_tensor``, then ``torch.matmul``
+(``ops/sequential.py``; no options), the baseline and the choice where the copy engines
+measured slower.
 """
 from __future__ import annotations
 
@@ -60,7 +63,9 @@ from ..matmul.api import DTYPES, check_operands
 OP = "all_gather_matmul"
 #: ``"copy_engine"``: the shards travel by DMA while the BLAS computes (module docstring);
 #: ``"sequential"``: gather, then multiply
-TRANSPORTS = ("copy_engine", "sequential")
+#: ``"stores"``: one persistent kernel stores the shard into every peer's heap while it
+#: multiplies what has arrived (stores.py, kernel.py);
+TRANSPORTS = ("copy_engine", "stores", "sequential")
 SCHEDULES = ("hetero-unfused-1d", "hetero-fused-1d", "uniform-fused-1d", "hetero-unfused-2d",
              "uniform-fused-2d")
 
@@ -128,6 +133,11 @@ class AllGatherMatmul(PatternContext):
 
             return SequentialAllGatherMatmul(world, OP, self.max_shard_elems, **options,
                                              **timeout_kw(timeout_s))
+        if transport == "stores":
+            from .stores import AllGatherMatmulStores
+
+            return AllGatherMatmulStores(world, self.max_shard_elems, **options,
+                                         **timeout_kw(timeout_s))
         return AllGatherMatmulCE(world, self.max_shard_elems, **options, **timeout_kw(timeout_s))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
@@ -314,7 +324,8 @@ class AllGatherMatmulCE(OverlapContext):
 
 ALL_GATHER_MATMUL = define(OpSpec(
     OP, "(Tensor a, Tensor b, int handle) -> Tensor", context=AllGatherMatmul,
-    transports=TRANSPORTS, compile_specs=("portable_overlap.transports.compile_specs",),
+    transports=TRANSPORTS, compile_specs=("portable_overlap.transports.compile_specs",
+                                           "portable_overlap.ops.allgather_gemm.compile_specs"),
     fake=lambda ctx, a, b: a.new_empty((ctx.world.world_size * a.shape[0], b.shape[1]))))
 
 

@@ -1,0 +1,178 @@
+"""AllGather + GEMM in one persistent kernel: some programs push this rank's shard into every
+peer's heap while the others multiply what has arrived (the ``"stores"`` transport).
+
+Rank r holds ``a_r`` [m, K]; the result is ``cat(a_0, ..., a_{W-1}) @ b`` [W*m, N]. Every rank's
+heap has a gather buffer [W*m, K] (rows ``q*m .. (q+1)*m`` for rank q's shard) and ready flags
+``ready[q][c]``, one per source rank q and row chunk c of its shard (``chunk_rows`` rows each).
+
+The grid's first ``senders`` programs move data, the rest compute (roles by program id, so
+every program of the launch is resident at once and the senders start first; under the
+interpreter, which runs programs one after another, the senders finish before any tile waits).
+
+- A sender takes units ``pid, pid + senders, ...`` of this rank's list: chunk-major, and within
+  a chunk peer r+1, r+2, ... (every peer receives chunk 0 from all its peers first, so all links
+  carry data at once). A unit is one chunk's rows, contiguous in ``a`` and in the peer's buffer,
+  stored straight into the peer's heap (zero-copy, vector stores); then a barrier and the
+  release of ``ready[r][c]`` in that peer's heap. When ``m`` is not a multiple of BLOCK_M some
+  tiles hold rows of two shards, and this rank's own shard is copied into its own buffer too
+  (``COPY_OWN``; those units come first).
+- A compute program takes the tiles ``t = cpid, cpid + P, ...`` (P compute programs) of a
+  grouped order over the M tiles listed in ``order`` (the host puts the tiles of this rank's own
+  rows first, then the rest by when their rows arrive). A tile inside this rank's rows reads
+  ``a`` at once; any other tile first waits (acquire, bounded) for the ready flag of every chunk
+  its rows touch, then reads the gather buffer.
+
+Before its first store into rank d in a call, a sender waits until ``consumed[d]`` holds the
+previous epoch (d's previous call has finished reading its buffer); the last program of a launch
+sets ``consumed[r]`` in every peer's heap.
+"""
+import triton
+import triton.language as tl
+
+from ...backends.proxy_fence import async_proxy_fence
+from ...shmem.device import (await_flag, await_free, begin_call, call_flag, end_call,
+                             flag_value, live, peer_buffer, signal_peer)
+from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
+
+FLAG_READY = tl.constexpr(1)
+FLAG_CONSUMED = tl.constexpr(2)
+FLAG_NAMES = {1: "chunk-ready", 2: "gather-consumed"}
+
+
+@triton.jit
+def _send(a_ptr, gather_ptr, ready_ptr, consumed_ptr, clock_ptr, bases_ptr, status_addr, pid,
+          senders, m, K, chunk_rows, n_chunks, rank, world, epoch, tag, timeout_us, ok,
+          COPY_OWN: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr,
+          C_MAX: tl.constexpr):
+    """Sender ``pid``'s units (module docstring): copy, then signal the chunk's flag."""
+    own_units = n_chunks if COPY_OWN else 0
+    n_units = own_units + n_chunks * (world - 1)
+    cleared = tl.zeros((), tl.int64)  # bit d: rank d's buffer is free for this call
+    lanes = tl.arange(0, COPY_BLOCK)
+    for i in range(0, tl.cdiv(n_units, senders)):
+        u = pid + i * senders
+        if u < n_units:
+            if u < own_units:
+                c = u
+                d = rank
+            else:
+                v = u - own_units
+                c = v // (world - 1)
+                d = (rank + 1 + v % (world - 1)) % world
+            if d != rank:
+                if ((cleared >> d) & 1) == 0:
+                    ok = await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr,
+                                    pid, FLAG_CONSUMED, ok)
+                    cleared = cleared | (tl.full((), 1, tl.int64) << d)
+            if ok:
+                lo = c * chunk_rows
+                n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
+                # the chunk is contiguous in a and in the buffer: one flat copy. VEC elements
+                # make 16 bytes when K allows (the host checks), so the copy moves vectors
+                src = a_ptr + tl.multiple_of(lo.to(tl.int64) * K, VEC)
+                dst = peer_buffer(gather_ptr, bases_ptr, rank, d) \
+                    + tl.multiple_of((rank.to(tl.int64) * m + lo) * K, VEC)
+                for off in range(0, n, COPY_BLOCK):
+                    idx = off + lanes
+                    keep = idx < n
+                    tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
+            tl.debug_barrier()  # every thread's stores before the (cumulative) release
+            signal_peer(ready_ptr + rank * C_MAX + c, call_flag(epoch, tag, ok), bases_ptr, rank,
+                        d)
+    return ok
+
+
+@triton.jit
+def _await_rows(ready_ptr, row_lo, row_hi, m, chunk_rows, world, epoch, tag, clock_ptr,
+                timeout_us, status_addr, pid, ok, C_MAX: tl.constexpr):
+    """Wait for the ready flag of every (rank, chunk) that gathered rows [row_lo, row_hi)
+    touch; returns ``ok`` and-ed with the outcome."""
+    q0 = row_lo // m
+    q1 = (row_hi - 1) // m
+    for q in range(0, world):  # bounds from arguments only (the interpreter needs that)
+        if (q >= q0) & (q <= q1):
+            lo = tl.maximum(row_lo - q * m, 0)
+            hi = tl.minimum(row_hi - q * m, m)
+            c = lo // chunk_rows
+            while c <= (hi - 1) // chunk_rows:
+                what = (q * C_MAX + c).to(tl.int64) + (FLAG_READY << 32)
+                ok = await_flag(ready_ptr + q * C_MAX + c, epoch, tag, clock_ptr, timeout_us,
+                                status_addr, pid, q, what, ok, True)
+                c += 1
+    tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
+    return ok
+
+
+# Every rank runs the same compiled code (the rank is never specialized on: see
+# gemm_alltoall.kernel).
+@triton.jit(do_not_specialize=["rank"])
+def allgather_gemm_kernel(
+    a_ptr, b_ptr, out_ptr,  # a [m, K] contiguous, b [K, N] (any strides), out [W*m, N]
+    gather_ptr, ready_ptr, consumed_ptr, ctl_ptr,  # heap: [W*m, K], int64 [W, C_MAX], [W], [2]
+    clock_ptr, bases_ptr, order_ptr, status_addr,  # call clock; heap bases; M-tile order
+    m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, senders, G, rank, world, tag,
+    timeout_us,
+    a_desc, g_desc, b_desc,  # descriptors of a, the gather buffer and b when USE_DESC
+    USE_DESC: tl.constexpr, COPY_OWN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = begin_call(ctl_ptr)
+    ok = live(clock_ptr)
+    if pid < senders:
+        ok = _send(a_ptr, gather_ptr, ready_ptr, consumed_ptr, clock_ptr, bases_ptr, status_addr,
+                   pid, senders, m, K, chunk_rows, n_chunks, rank, world, epoch, tag, timeout_us,
+                   ok, COPY_OWN, COPY_BLOCK, VEC, C_MAX)
+    else:
+        P = G - senders
+        rows_all = world * m
+        num_pid_m = tl.cdiv(rows_all, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        n_tiles = num_pid_m * num_pid_n
+        own_lo = rank * m
+        for i in range(0, tl.cdiv(n_tiles, P)):
+            t = pid - senders + i * P
+            if (t < n_tiles) & ok:
+                vm, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+                tm = tl.load(order_ptr + vm)
+                row_lo = tm * BLOCK_M
+                row_hi = tl.minimum(row_lo + BLOCK_M, rows_all)
+                # one main loop for both sources (two would hold two sets of pipeline
+                # buffers: 288 KiB of shared memory with descriptors, and spill registers)
+                own = (row_lo >= own_lo) & (row_hi <= own_lo + m)  # this rank's rows: no wait
+                if not own:
+                    ok = _await_rows(ready_ptr, row_lo, row_hi, m, chunk_rows, world, epoch, tag,
+                                     clock_ptr, timeout_us, status_addr, pid, ok, C_MAX)
+                if USE_DESC:
+                    if own:
+                        src_desc = a_desc
+                        src_row = row_lo - own_lo
+                    else:
+                        async_proxy_fence()  # the acquire above, before the bulk copies' reads
+                        src_desc = g_desc
+                        src_row = row_lo
+                    acc = gemm_tile_desc(src_desc, b_desc, src_row, 0, pid_n * BLOCK_N, K,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                else:
+                    if own:
+                        src = a_ptr + (row_lo - own_lo).to(tl.int64) * K
+                    else:
+                        src = gather_ptr + row_lo.to(tl.int64) * K
+                    acc = gemm_tile(src, b_ptr, row_hi - row_lo, N, K, K, 1, stride_bk,
+                                    stride_bn, 0, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                    EVEN_K, PRECISION, UPCAST)
+                if ok:
+                    rows = row_lo + tl.arange(0, BLOCK_M)
+                    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                    mask = (rows < row_hi)[:, None] & (cols < N)[None, :]
+                    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+                             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # the last program out: every read of the gather buffer is done; tell the peers
+    tl.debug_barrier()
+    if end_call(ctl_ptr, epoch):
+        for q in range(0, world):
+            if q != rank:
+                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)

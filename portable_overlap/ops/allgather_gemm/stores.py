@@ -1,0 +1,177 @@
+"""The ``"stores"`` transport of AllGather + GEMM: one persistent Triton kernel whose first
+programs store this rank's shard straight into every peer's heap, all peers at once, while the
+other programs multiply the rows that have arrived (kernel.py has the protocol).
+
+Where the copy engines of one GPU serve its peers one copy at a time (docs/scaling.md: about
+220 GB/s on 4 and 8 H200s), SM stores go to every peer's link at once; the price is the
+programs that send instead of computing (``senders``).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ...tiles.gemv import dot_precision, dot_upcast
+from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
+from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_descriptors
+from .kernel import FLAG_NAMES, allgather_gemm_kernel
+
+OP = "all_gather_matmul"
+#: the most row chunks one shard is cut into (flag slots per source rank)
+C_MAX = 1024
+#: elements a sender moves per step of its copy loop (16 KiB of bf16)
+COPY_BLOCK = 8192
+
+
+def default_senders(world_size: int, sm_count: int) -> int:
+    """How many programs send when the caller does not say: a quarter of the device's
+    processors times the share of the gathered rows that come from peers, at least 8, so
+    that the link, not the number of stores in flight, bounds the transfer (on 2x H200, 8
+    programs stored 123 GB/s into a peer, 32 programs 273: ../shared/DESIGN.md). 2 ranks: 16
+    of 132; 8 ranks: 28. Not yet measured against other counts on 4 or 8 GPUs: pass
+    ``senders`` to try others."""
+    if world_size == 1:
+        return 0
+    return max(8, sm_count * (world_size - 1) // (4 * world_size))
+
+
+def chunk_rows_for(m: int, block_m: int) -> int:
+    """Rows per ready flag: one tile row (BLOCK_M) where the shard has at most ``C_MAX`` of
+    them, else the smallest multiple of BLOCK_M that keeps the count within ``C_MAX``."""
+    tiles = -(-m // block_m)
+    return block_m * -(-tiles // C_MAX)
+
+
+def tile_order(rank: int, world: int, m: int, block_m: int, chunk_rows: int) -> list:
+    """The M tiles of the gathered [W*m, K] in the order the compute programs take them: tiles
+    inside this rank's rows first (they wait for nothing), then the others by when the last
+    chunk they need arrives. Rank q sends chunk-major, peer q+1 first, so chunk c of rank q
+    lands here about ``c * W + (rank - q) % W`` units into the call; this rank's own chunks
+    (copied into its buffer where tiles straddle two shards) are the first units (-1)."""
+    rows_all = world * m
+    own_lo, own_hi = rank * m, (rank + 1) * m
+    keys = []
+    for tm in range(-(-rows_all // block_m)):
+        lo, hi = tm * block_m, min(tm * block_m + block_m, rows_all)
+        if lo >= own_lo and hi <= own_hi:
+            keys.append((-2, tm))
+            continue
+        last = -1
+        for q in range(lo // m, (hi - 1) // m + 1):
+            c_hi = (min(hi - q * m, m) - 1) // chunk_rows
+            last = max(last, -1 if q == rank else c_hi * world + (rank - q) % world)
+        keys.append((last, tm))
+    return [tm for _, tm in sorted(keys)]
+
+
+class AllGatherMatmulStores(OverlapContext):
+    """The ``"stores"`` transport's workspace: a gather buffer for ``max_shard_elems`` (m x K
+    of the largest call) from every rank, ready flags, the status board. Options:
+    ``config`` (the GEMM tiling; default: the device's) and ``senders`` (programs that send;
+    default: ``default_senders``)."""
+
+    OP = OP
+    FLAG_NAMES = FLAG_NAMES
+
+    def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
+                 senders: Optional[int] = None, timeout_s: float = 10.0):
+        W = world.world_size
+        if max_shard_elems < 1:
+            raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
+        if config is not None and not isinstance(config, MatmulConfig):
+            raise TypeError(f"{OP}: config must be a MatmulConfig, got {type(config).__name__}")
+        if senders is not None and (not isinstance(senders, int) or not 1 <= senders <= 512):
+            raise ValueError(f"{OP}: senders must be an int in [1, 512], got {senders!r}")
+        if W > 64:  # the senders keep one bit per peer ("its buffer is free") in an int64
+            raise ValueError(f"{OP}: at most 64 ranks, got {W}")
+        world.check_same(f"{OP} context arguments (max_shard_elems, config, senders)",
+                         (max_shard_elems, config, senders))
+        super().__init__(world, [
+            ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
+            ("ready", (W, C_MAX), torch.int64), ("consumed", (W,), torch.int64),
+            ("ctl", (2,), torch.int64),
+        ], timeout_s)
+        self.call_protocol(self.ctl, call_flags=(self.ready,), free_flags=(self.consumed,))
+        self.max_shard_elems, self.config, self.senders = max_shard_elems, config, senders
+        self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+
+    @collective_call
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 schedule: Optional[str] = None) -> torch.Tensor:
+        from .api import check_call
+
+        if schedule is not None:
+            raise ValueError(f"{OP}: the 'stores' transport has no schedules; got "
+                             f"schedule={schedule!r}")
+        out = check_call(a, b, out, self.world, self.max_shard_elems)
+        m, K = a.shape
+        key = (m, K, b.shape[1], a.dtype, b.stride(), align_key(a, b, out))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(a, b, out)
+        plan(self._args(a, b, out, plan))
+        return out
+
+    def _gathered(self, m: int, K: int, dtype) -> torch.Tensor:
+        W = self.world.world_size
+        return self._gather[dtype][: W * m * K].view(W * m, K)
+
+    def _args(self, a, b, out, plan, programs: Optional[int] = None, tag: Optional[int] = None):
+        m, K = a.shape
+        W = self.world.world_size
+        a_desc = g_desc = b_desc = None
+        if plan.use_desc:
+            a_desc, b_desc = tile_descriptors(a, b, plan.cfg, self.world.facts)
+            g_desc = tile_descriptors(self._gathered(m, K, a.dtype), b, plan.cfg,
+                                      self.world.facts)[0]
+        return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.ctl,
+                self.call_clock, self.heap.bases, plan.order, self.status.address, m,
+                b.shape[1], K, b.stride(0), b.stride(1), plan.chunk_rows, plan.n_chunks,
+                plan.senders, plan.programs if programs is None else programs, self.rank, W,
+                plan.tag if tag is None else tag, self.timeout_us, a_desc, g_desc, b_desc)
+
+    def _plan(self, a, b, out):
+        m, K = a.shape
+        N = b.shape[1]
+        W, facts = self.world.world_size, self.world.facts
+        cfg = self.config or default_config(a.dtype, a.device)
+        chunk_rows = chunk_rows_for(m, cfg.block_m)
+        n_chunks = -(-m // chunk_rows)
+        copy_own = W > 1 and m % cfg.block_m != 0
+        units = (n_chunks if copy_own else 0) + n_chunks * (W - 1)
+        senders = min(units, self.senders or default_senders(W, facts.sm_count))
+        n_tiles = -(-W * m // cfg.block_m) * -(-N // cfg.block_n)
+        programs = min(senders + n_tiles, max(facts.sm_count, senders + 1), G_MAX)
+        es = a.element_size()
+        vec = 16 // es if (K * es) % 16 == 0 else 1
+        use_desc = (tile_descriptors(a, b, cfg, facts)[0] is not None and tile_descriptors(
+            self._gathered(m, K, a.dtype), b, cfg, facts)[0] is not None)
+
+        # what _args needs before the launch is planned
+        p = SimpleNamespace(cfg=cfg, chunk_rows=chunk_rows, n_chunks=n_chunks, senders=senders,
+                            use_desc=use_desc, order=torch.tensor(
+                                tile_order(self.rank, W, m, cfg.block_m, chunk_rows),
+                                dtype=torch.int32, device=a.device))
+
+        def tag_of(g):  # shapes, tiling, grid, senders: a rank planned otherwise is caught
+            return shape_tag(m=m, N=N, K=K, dtype=str(a.dtype), config=cfg, programs=g,
+                             senders=senders, chunk_rows=chunk_rows)
+
+        consts = dict(USE_DESC=use_desc, COPY_OWN=copy_own, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
+                      PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype),
+                      COPY_BLOCK=COPY_BLOCK, VEC=vec, C_MAX=C_MAX, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)
+        plan = self._compile(allgather_gemm_kernel, programs, consts,
+                             lambda g: self._args(a, b, out, p, g, tag_of(g)))
+        if plan.programs <= senders:
+            raise RuntimeError(f"{OP}: only {plan.programs} programs of this kernel fit on the "
+                               f"device at once, not more than senders={senders}: pass fewer "
+                               f"senders")
+        plan.cfg, plan.chunk_rows, plan.n_chunks, plan.senders, plan.use_desc, plan.order = (
+            cfg, chunk_rows, n_chunks, senders, use_desc, p.order)
+        plan.tag = tag_of(plan.programs)
+        return plan
