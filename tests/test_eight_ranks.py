@@ -3,6 +3,7 @@ a 2-core CI machine), against its torch reference. The 2- and 4-rank suites cove
 file only checks that nothing assumes W <= 4 (block splits with empty blocks, peer loops, tags)."""
 import torch
 
+import portable_overlap as po
 from portable_overlap import (AllGatherMatmul, EmbeddingAllToAll, GemvAllReduce,
                               MoeGemmCombine, SignalConfig, embedding_all_to_all_reference,
                               gemv_all_reduce_reference)
@@ -91,6 +92,18 @@ def _every_op(world):
         ctx.synchronize()
         errs[f"matmul+{mode} copy engine"] = rel_err(out, ref_fn(a, b, world.group))
     ctx.close()
+    # the SM-store transport, the same cases: 2-row blocks in 16-row tiles, and 5 rows over 8
+    # ranks (three ranks own no row, the others one)
+    for pattern, mode, M, ref_fn in (
+            (po.MatmulReduceScatter, "reduce_scatter", 2 * W, matmul_reduce_scatter_reference),
+            (po.MatmulAllReduce, "all_reduce", 5, matmul_all_reduce_reference)):
+        ctx = pattern(world, M, 7, transport="stores")
+        a = torch.randn(M, 3 + r, generator=g)
+        b = torch.randn(7, 3 + r, generator=g).t()
+        out = ctx(a, b)
+        ctx.synchronize()
+        errs[f"matmul+{mode} stores"] = rel_err(out, ref_fn(a, b, world.group))
+        ctx.close()
     ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
     a, b = torch.randn(9, 8, generator=g), torch.randn(8, 12, generator=g)
     for i in range(2):  # the second call of a plan waits on the group counters
@@ -110,8 +123,8 @@ def _every_op(world):
 
 
 # one entry per op / variant above: a key reused by mistake would overwrite another's error
-# (13 plus one per AllGather+GEMM schedule)
-N_CHECKS = 15 + len(SCHEDULES)
+# (17 plus one per AllGather+GEMM schedule)
+N_CHECKS = 17 + len(SCHEDULES)
 
 
 def test_every_op_on_eight_ranks(world8):

@@ -584,6 +584,30 @@ def check_matmul_reduce(world: World, gen) -> None:
                    f"worst rel_err={worst:.2e}")
     finally:
         ctx.close()
+    # the SM-store transport: the same shapes (a transposed weight view: pointer loads),
+    # back-to-back calls; its graph replays are in check_patterns
+    import portable_overlap as po
+
+    W = world.world_size
+    for mode, make in (("reduce_scatter", po.MatmulReduceScatter),
+                       ("all_reduce", po.MatmulAllReduce)):
+        st = make(world, 8192, 8192, transport="stores")
+        try:
+            for M, N, K in ((8192, 8192, 4096), (1000, 777, 333), (3 * W, 5, 7 + world.rank)):
+                for dt in (torch.bfloat16, torch.float32):
+                    a = rand((M, K), dt, dev, gen)
+                    for b in (rand((K, N), dt, dev, gen), rand((N, K), dt, dev, gen).t()):
+                        ref = refs[mode](a, b, world.group)
+                        out = torch.full(ref.shape, float("nan"), dtype=dt, device=dev)
+                        for _ in range(3):
+                            st(a, b, out=out)
+                        st.synchronize()
+                        err = rel_err(out, ref)
+                        record(f"matmul+{mode} stores {M}x{N}x{K} {str(dt)[6:]}"
+                               f"{'' if b.is_contiguous() else ' b transposed'}",
+                               err < TOL[dt] * 2, f"rel_err={err:.2e}")
+        finally:
+            st.close()
 
 
 def check_patterns(world: World, gen, replays: int = 5) -> None:

@@ -12,6 +12,10 @@ Transports (``transport=``):
 - ``"copy_engine"`` (default): the vendor BLAS computes the peers' row blocks first in pieces;
   copy engines (DMA) move each finished piece, no SM spent on communication
   (``matmul_reduce.api.MatmulReduce``; options ``pieces``, ``put_lanes``);
+- ``"stores"``: one persistent Triton GEMM stores each partial tile straight into its owner's
+  heap, the peers' blocks first, all peers at once; the owner adds the peers' partials in the
+  epilogue of its own tiles (AllReduce: and stores the reduced tiles into every peer's heap)
+  (``matmul_reduce.stores``, ``matmul_reduce.kernel``; option ``config``);
 - ``"signal_collective"``: one persistent Triton GEMM counts finished tiles per wave group; each
   group's counter gates an ordinary collective of the vendor's library on a side stream, a
   reorder restores the layout (``gemm_signal.api.GemmSignal``; option ``config``, per call also
@@ -51,6 +55,11 @@ class _MatmulReduction(MatmulPattern):
             from ..gemm_signal.api import GemmSignal
 
             return GemmSignal(world, **options, **timeout_kw(timeout_s))
+        if transport == "stores":
+            from .stores import MatmulReduceStores
+
+            return MatmulReduceStores(world, self.OP, self.MODE, M, N, **options,
+                                      **timeout_kw(timeout_s))
         if transport == "sequential":
             from ..sequential import SequentialMatmul
 
@@ -78,7 +87,8 @@ class MatmulReduceScatter(_MatmulReduction):
 
     OP = "matmul_reduce_scatter"
     MODE = "reduce_scatter"
-    TRANSPORTS = ("copy_engine", "signal_collective", "signal_copy_engine", "sequential")
+    TRANSPORTS = ("copy_engine", "stores", "signal_collective", "signal_copy_engine",
+                  "sequential")
 
 
 class MatmulAllReduce(_MatmulReduction):
@@ -88,7 +98,7 @@ class MatmulAllReduce(_MatmulReduction):
 
     OP = "matmul_all_reduce"
     MODE = "all_reduce"
-    TRANSPORTS = ("copy_engine", "signal_collective", "sequential")
+    TRANSPORTS = ("copy_engine", "stores", "signal_collective", "sequential")
 
 
 def _rows_of(ctx, M: int) -> int:
@@ -97,7 +107,8 @@ def _rows_of(ctx, M: int) -> int:
 
 
 _KERNELS = ("portable_overlap.ops.gemm_signal.compile_specs",
-            "portable_overlap.transports.compile_specs")
+            "portable_overlap.transports.compile_specs",
+            "portable_overlap.ops.matmul_reduce.compile_specs")
 _SCHEMA = ("(Tensor a, Tensor b, int handle, Tensor? bias=None, Tensor? residual=None) "
            "-> Tensor")
 

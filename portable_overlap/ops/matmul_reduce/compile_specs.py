@@ -1,0 +1,34 @@
+"""Representative compile signatures of the ``"stores"`` GEMM + ReduceScatter / AllReduce kernel
+for the compile matrix: both modes, the device's bf16 tiles with and without descriptors, with
+the epilogue's bias and residual, and fp32."""
+from ..matmul.compile_specs import descriptor_signature
+from .kernel import matmul_reduce_stores_kernel
+
+_ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
+         "stride_bn:i32 stride_res:i32 block_rows:i32 G:i32 rank:i32 world:i32 tag:i32 "
+         "timeout_us:i32")
+
+
+def specs():
+    for dt, prec, bm, bn, bk, desc, ar, extra in (
+            ("bf16", "ieee", 128, 256, 64, False, False, False),
+            ("bf16", "ieee", 128, 256, 64, True, False, True),
+            ("bf16", "ieee", 128, 256, 64, True, True, True),
+            ("fp32", "ieee", 64, 64, 32, False, True, False)):
+        sig = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr",
+                                     "recv_ptr", "gathered_ptr")}
+        sig.update({n: "*i64" for n in ("sent_ptr", "reduced_ptr", "consumed_ptr", "ctl_ptr",
+                                        "clock_ptr", "bases_ptr")})
+        sig.update(dict(kv.split(":") for kv in _ARGS.split()))
+        sig.update(descriptor_signature(dt, bm, bn, bk, desc))
+        consts = dict(ALL_REDUCE=ar, HAS_BIAS=extra, HAS_RES=extra, USE_DESC=desc, BLOCK_M=bm,
+                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
+                      PRECISION=prec, UPCAST=False, G_MAX=1024)
+        if not desc:
+            consts.update(a_desc=None, b_desc=None)
+        sig.update({k: "constexpr" for k in consts})
+        aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "gathered_ptr", "K", "N",
+                   "stride_am", "stride_bk"]
+        yield (f"matmul_reduce_stores[{'all_reduce' if ar else 'reduce_scatter'}, {dt}"
+               f"{', descriptors' if desc else ''}{', bias+residual' if extra else ''}]",
+               matmul_reduce_stores_kernel, sig, consts, aligned)

@@ -1,0 +1,130 @@
+"""The ``"stores"`` transport of GEMM + ReduceScatter / AllReduce: one persistent Triton kernel
+stores each partial tile straight into its owner's heap, peers' blocks first, and the owner adds
+the peers' partials to its own in the epilogue of its last tiles (kernel.py has the protocol).
+
+The copy engines of one GPU serve its peers one copy at a time (docs/scaling.md); SM stores
+reach every peer's link at once, with no piece to stage and no reduction pass after the GEMM.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...tiles.gemv import dot_precision, dot_upcast
+from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
+from ..matmul.api import (DTYPES, MatmulConfig, check_operands, default_config,
+                          tile_descriptors, vector_checks)
+from .kernel import FLAG_NAMES, matmul_reduce_stores_kernel
+
+MODES = ("reduce_scatter", "all_reduce")
+
+
+class MatmulReduceStores(OverlapContext):
+    """The ``"stores"`` transport's workspace for one mode (``"reduce_scatter"`` or
+    ``"all_reduce"``) and results of at most ``max_m`` x ``max_n``: the peers' partials of this
+    rank's block (W x ceil(max_m / W) x max_n elements) and, for AllReduce, every rank's
+    reduced block (max_m x max_n) in the symmetric heap; flags. Option ``config``: the GEMM
+    tiling (default: the device's)."""
+
+    FLAG_NAMES = FLAG_NAMES
+
+    def __init__(self, world, op: str, mode: str, max_m: int, max_n: int, *,
+                 config: Optional[MatmulConfig] = None, timeout_s: float = 10.0):
+        self.OP = op
+        W = world.world_size
+        if mode not in MODES:
+            raise ValueError(f"{op}: mode must be one of {MODES}, got {mode!r}")
+        if config is not None and not isinstance(config, MatmulConfig):
+            raise TypeError(f"{op}: config must be a MatmulConfig, got {type(config).__name__}")
+        if W > 64:  # the kernel keeps one bit per peer ("its buffers are free") in an int64
+            raise ValueError(f"{op}: at most 64 ranks, got {W}")
+        world.check_same(f"{op} context arguments (max_m, max_n, config)",
+                         (max_m, max_n, config))
+        block = -(-max_m // W)
+        super().__init__(world, [
+            ("_recv_raw", (W * block * max_n,), torch.float32),  # viewed per dtype
+            ("_gathered_raw", (max_m * max_n if mode == "all_reduce" else 1,), torch.float32),
+            ("sent", (W, G_MAX), torch.int64), ("reduced", (W, G_MAX), torch.int64),
+            ("consumed", (W,), torch.int64), ("ctl", (2,), torch.int64),
+        ], timeout_s)
+        flags = (self.sent, self.reduced) if mode == "all_reduce" else (self.sent,)
+        self.call_protocol(self.ctl, call_flags=flags, free_flags=(self.consumed,))
+        self.mode, self.max_m, self.max_n, self.config = mode, max_m, max_n, config
+        self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        self._gathered = {dt: self._gathered_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+
+    def reduce_scatter(self, a, b, out=None, *, bias=None, residual=None) -> torch.Tensor:
+        """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_q a_q @ b_q`` (+ bias + residual) on rank r."""
+        return self._call("reduce_scatter", a, b, out, bias, residual)
+
+    def all_reduce(self, a, b, out=None, *, bias=None, residual=None) -> torch.Tensor:
+        """``sum_q a_q @ b_q`` (+ bias + residual) [M, N] on every rank."""
+        return self._call("all_reduce", a, b, out, bias, residual)
+
+    @collective_call
+    def _call(self, mode, a, b, out, bias, residual) -> torch.Tensor:
+        if mode != self.mode:
+            raise ValueError(f"{self.OP}: this workspace was made for {self.mode}")
+        check_operands(self.OP, a, b, self.world.device)
+        W = self.world.world_size
+        M, K = a.shape
+        N = b.shape[1]
+        if mode == "reduce_scatter" and M % W:
+            raise ValueError(f"{self.OP}: M={M} rows must split evenly over {W} ranks")
+        if M > self.max_m or N > self.max_n:
+            raise ValueError(f"{self.OP}: an [{M}, {N}] result exceeds this context's "
+                             f"max_m x max_n = {self.max_m} x {self.max_n}")
+        rows = M // W if mode == "reduce_scatter" else M
+        out = output_tensor(self.OP, out, (rows, N), a)
+        vector_checks(self.OP, a, N, rows, bias=bias, residual=residual)
+        key = (M, K, N, a.dtype, a.stride(), b.stride(), align_key(a, b, out), bias is None,
+               None if residual is None else residual.stride(0))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(a, b, out, bias, residual)
+        plan(self._args(a, b, out, bias, residual, plan))
+        return out
+
+    def _args(self, a, b, out, bias, residual, plan, programs=None, tag=None):
+        M, K = a.shape
+        W = self.world.world_size
+        a_desc = b_desc = None
+        if plan.use_desc:
+            a_desc, b_desc = tile_descriptors(a, b, plan.cfg, self.world.facts)
+        return (a, b, out, out if bias is None else bias, out if residual is None else residual,
+                self._recv[a.dtype], self._gathered[a.dtype], self.sent, self.reduced,
+                self.consumed, self.ctl, self.call_clock, self.heap.bases, self.status.address,
+                M, b.shape[1], K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                0 if residual is None else residual.stride(0), -(-M // W),
+                plan.programs if programs is None else programs, self.rank, W,
+                plan.tag if tag is None else tag, self.timeout_us, a_desc, b_desc)
+
+    def _plan(self, a, b, out, bias, residual):
+        from types import SimpleNamespace
+
+        M, K = a.shape
+        N = b.shape[1]
+        W, facts = self.world.world_size, self.world.facts
+        cfg = self.config or default_config(a.dtype, a.device)
+        block = -(-M // W)
+        tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
+        programs = min(W * tpb, facts.sm_count, G_MAX)
+        use_desc = tile_descriptors(a, b, cfg, facts)[0] is not None
+        p = SimpleNamespace(cfg=cfg, use_desc=use_desc)
+
+        # shapes (K is each rank's own), tiling, grid: a rank planned otherwise is caught
+        def tag_of(g):
+            return shape_tag(mode=self.mode, M=M, N=N, dtype=str(a.dtype), config=cfg,
+                             programs=g)
+
+        consts = dict(ALL_REDUCE=self.mode == "all_reduce", HAS_BIAS=bias is not None,
+                      HAS_RES=residual is not None, USE_DESC=use_desc, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
+                      PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype), G_MAX=G_MAX,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        plan = self._compile(matmul_reduce_stores_kernel, programs, consts,
+                             lambda g: self._args(a, b, out, bias, residual, p, g, tag_of(g)))
+        plan.cfg, plan.use_desc, plan.tag = cfg, use_desc, tag_of(plan.programs)
+        return plan

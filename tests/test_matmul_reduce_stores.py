@@ -1,0 +1,157 @@
+"""GEMM + ReduceScatter / AllReduce over SM stores into the owner's heap (the ``"stores"``
+transport, ops/matmul_reduce/kernel.py) on emulated ranks, against the sum of every rank's
+product in float64 (rounded where the op rounds)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import portable_overlap as po
+from portable_overlap import PortableOverlapError
+from portable_overlap.testing import call_while_peers_skip
+from portable_overlap.testing.compare import rel_err
+
+# bf16: a 1-ulp difference in one of the 3 elements of the smallest case is 1 % of its norm
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _truth(a, b, group, mode, bias, residual):
+    """In float64, rounded where the op rounds: each peer's partial to the input dtype (what
+    travels), the all-reduced sum once more before bias and residual (what every rank gets)."""
+    c = (a.double() @ b.double()).to(a.dtype).double()
+    dist.all_reduce(c, group=group)
+    if mode == "reduce_scatter":
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        c = c[c.shape[0] // W * r: c.shape[0] // W * (r + 1)]
+    else:
+        c = c.to(a.dtype).double()
+    if bias is not None:
+        c = c + bias.double()
+    if residual is not None:
+        c = c + residual.double()
+    return c
+
+
+def _cases(world, dtype, mode, extra):
+    """Every shape twice on one context (the second call waits for the peers to release the
+    buffers the first filled), each rank with a K of its own, outputs poisoned."""
+    W, r = world.world_size, world.rank
+    shapes = _shapes(mode, W)
+    make = po.MatmulReduceScatter if mode == "reduce_scatter" else po.MatmulAllReduce
+    fn = po.matmul_reduce_scatter if mode == "reduce_scatter" else po.matmul_all_reduce
+    ctx = make(world, max(s[0] for s in shapes), max(s[1] for s in shapes), transport="stores")
+    found = []
+    try:
+        for i, (M, N, K) in enumerate(shapes):
+            for rep in range(2):
+                g = torch.Generator().manual_seed(1000 * i + 10 * rep + r)
+                a = torch.randn(M, K + r, generator=g).to(dtype)
+                b = torch.randn(K + r, N, generator=g).to(dtype)
+                rows = M // W if mode == "reduce_scatter" else M
+                bias = torch.randn(N, generator=g).to(dtype) if extra else None
+                res = torch.randn(rows, N, generator=g).to(dtype) if extra else None
+                out = torch.full((rows, N), float("nan"), dtype=dtype)
+                got = fn(a, b, ctx, out, bias=bias, residual=res)
+                ctx.synchronize()
+                found.append(((M, N, K), got is out,
+                              rel_err(out, _truth(a, b, world.group, mode, bias, res))))
+    finally:
+        ctx.close()
+    return found
+
+
+def _shapes(mode, W):
+    # rows per rank on and off the interpreter's 16-row tiles, N and K off every tile; the
+    # all-reduce also at M not divisible by W and M < W (ranks with empty blocks)
+    shapes = [(16 * W, 16, 16), (2 * W, 7, 3), (5 * W, 33, 20)]
+    return shapes + ([(5, 9, 4), (1, 3, 5)] if mode == "all_reduce" else [])
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_stores_match_the_sum_of_products(world, dtype, mode):
+    extra = dtype != torch.float16  # bias and residual in two of the three dtypes
+    for found in world.run(_cases, dtype, mode, extra):
+        bad = [f for f in found if not (f[1] and f[2] < TOL[dtype])]
+        assert not bad, bad
+
+
+def _bad(world):
+    W = world.world_size
+    M, N, K = 4 * W, 8, 6
+    msgs = []
+    for make, fn in ((po.MatmulReduceScatter, po.matmul_reduce_scatter),
+                     (po.MatmulAllReduce, po.matmul_all_reduce)):
+        ctx = make(world, M, N, transport="stores")
+        a, b = torch.randn(M, K), torch.randn(K, N)
+        for call in (lambda: fn(a, torch.randn(K + 1, N), ctx),
+                     lambda: fn(a, b.double(), ctx),
+                     lambda: fn(torch.randn(2 * M, K), b, ctx),  # more rows than max_m
+                     lambda: fn(a, torch.randn(K, N + 1), ctx),  # more columns than max_n
+                     lambda: fn(a, b, ctx, torch.empty(1, N)),
+                     lambda: fn(a, b, ctx, bias=torch.randn(N + 1)),
+                     lambda: fn(a, b, ctx, residual=torch.randn(1, N))):
+            try:
+                call()
+                msgs.append(None)
+            except (ValueError, TypeError) as e:
+                msgs.append(str(e))
+        if make is po.MatmulReduceScatter:  # rows must split evenly over the ranks
+            try:
+                fn(torch.randn(M - 1, K), b, ctx)
+                msgs.append(None)
+            except ValueError as e:
+                msgs.append(str(e))
+        # the refused calls left the ranks in step: a good call still works
+        y = fn(a, b, ctx)
+        ctx.synchronize()
+        want = _truth(a, b, world.group, "reduce_scatter" if make is po.MatmulReduceScatter
+                      else "all_reduce", None, None)
+        msgs.append(None if rel_err(y, want) < 1e-5 else "wrong after refusals")
+        ctx.close()
+        try:
+            make(world, M, N, transport="stores", config="big")
+            msgs.append(None)
+        except TypeError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_stores_bad_input(world2):
+    for msgs in world2.run(_bad):
+        good = [m for m in msgs if m is None]
+        assert len(good) == 2, msgs  # the good call after the refusals, per pattern
+        assert all(m.startswith(("matmul_reduce_scatter", "matmul_all_reduce"))
+                   for m in msgs if m is not None), msgs
+
+
+def _skip(world, mode):
+    make = po.MatmulReduceScatter if mode == "reduce_scatter" else po.MatmulAllReduce
+    M, N, K = 2 * world.world_size, 8, 4
+    return call_while_peers_skip(
+        world, lambda: make(world, M, N, transport="stores", timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(M, K), torch.randn(K, N)))
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+def test_a_rank_that_skips_a_call_is_named(world2, mode):
+    msg = world2.run(_skip, mode, timeout=120)[0]
+    assert "rank 1" in msg and "partials-sent" in msg, msg
+
+
+def _other_n(world):
+    ctx = po.MatmulReduceScatter(world, 4, 16, transport="stores", timeout_s=2.0)
+    N = 8 if world.rank == 0 else 9  # the ranks' tiles would land in the wrong places
+    try:
+        ctx(torch.randn(4, 3), torch.randn(3, N))
+        ctx.synchronize()
+        r = "no error"
+    except PortableOverlapError as e:
+        r = type(e).__name__
+    ctx.close()
+    return r
+
+
+def test_ranks_called_with_other_shapes_raise(world2):
+    for r in world2.run(_other_n, timeout=120):
+        assert r in ("RankMismatchError", "PeerTimeoutError"), r
