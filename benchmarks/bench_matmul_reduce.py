@@ -6,8 +6,9 @@ torch's fused_matmul_reduce_scatter, by the protocol in benchmarks/harness.py:
 
 Shapes (M, N, K) of the whole layer with K split: each rank holds a [M, K/W] and b [K/W, N]
 (b a transposed [N, K/W] weight, as a row-parallel linear holds it). Impls per mode: ``fused``
-(default pieces and put lanes), ``fused[p=<n>]`` (other piece counts), ``fused[lanes=<n>]``
-(other put-lane counts), ``sequential`` (torch.matmul, then
+(the copy-engine transport, default pieces and put lanes), ``fused[p=<n>]`` (other piece
+counts), ``fused[lanes=<n>]`` (other put-lane counts), ``fused[stores]`` (the SM-store
+transport; ``--no-stores`` skips it), ``sequential`` (torch.matmul, then
 reduce_scatter_tensor / all_reduce), ``compute``, ``comm``, and for reduce_scatter
 ``torch_fused`` (torch.ops.symm_mem.fused_matmul_reduce_scatter; skipped with the reason printed
 where it fails). The shared options (shapes, dtypes, worlds, graph modes, checks) are in
@@ -15,6 +16,7 @@ benchmarks/cli.py.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from benchmarks.cli import BenchParser, parse_ints
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
+import portable_overlap as po
 from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
 
@@ -41,6 +44,8 @@ def parser() -> BenchParser:
     ap.add_argument("--pieces", default="4", help="piece counts; the first is 'fused'")
     ap.add_argument("--put-lanes", default="0",
                     help="put-lane counts (0: the default, one per peer); the first is 'fused'")
+    ap.add_argument("--stores", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the 'stores' transport as fused[stores] (default: on)")
     return ap
 
 
@@ -56,6 +61,11 @@ def body(bench) -> int:
     variants.update({f"fused[lanes={n}]": (pieces[0], n) for n in lanes[1:]})
     ctxs = {name: MatmulReduce(world, max_elems, pieces=p, put_lanes=n or None)
             for name, (p, n) in variants.items()}
+    max_m, max_n = max(M for M, _, _ in shapes), max(N for _, N, _ in shapes)
+    stores = {mode: make(world, max_m, max_n, transport="stores")
+              for mode, make in (("reduce_scatter", po.MatmulReduceScatter),
+                                 ("all_reduce", po.MatmulAllReduce))
+              if args.stores and mode in modes}
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     for dname in args.dtypes:
         dt = torch_dtype(dname)
@@ -70,6 +80,8 @@ def body(bench) -> int:
                 rs_out = torch.empty(M // W, N, device=dev, dtype=dt)
                 impls = {name: (lambda ctx=ctx: getattr(ctx, mode)(a, b, out))
                          for name, ctx in ctxs.items()}
+                if mode in stores:
+                    impls["fused[stores]"] = lambda st=stores[mode]: st(a, b, out=out)
                 if mode == "reduce_scatter":
                     coll = lambda: dist.reduce_scatter_tensor(rs_out, c)  # noqa: E731
                 else:
@@ -89,16 +101,17 @@ def body(bench) -> int:
                 def check(name):
                     out.fill_(float("nan"))
                     impls[name]()
-                    for ctx in ctxs.values():
+                    for ctx in (*ctxs.values(), *stores.values()):
                         ctx.synchronize()
                     return rel_err(out, ref)
 
                 bench.run(Case(
                     op=OP[mode], shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls,
                     check=check, tol=2e-2, label=f"{mode} {M}x{N}x{K} {dname}",
-                    fields=lambda name: {"transport": "copy_engine"
-                                         if name.startswith("fused") else None}))
-    for ctx in ctxs.values():
+                    fields=lambda name: {"transport": (
+                        "stores" if name == "fused[stores]" else "copy_engine")
+                        if name.startswith("fused") else None}))
+    for ctx in (*ctxs.values(), *stores.values()):
         ctx.close()
     return 0
 

@@ -95,6 +95,22 @@ def gemm_tile_desc(a_desc, b_desc, row0, b_row0, col0, K, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def gemm_tile_desc_bt(a_desc, bt_desc, row0, col0, K, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """``gemm_tile_desc`` where ``b`` is the transpose of a row-major [N, K] matrix (an
+    ``nn.Linear`` weight, ``weight.t()``): ``bt_desc`` describes that matrix in [BLOCK_N,
+    BLOCK_K] blocks and the dot takes each block transposed, which the tensor cores read from
+    shared memory as it lies. Pointer loads of such a ``b`` read it column by column."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        a = a_desc.load([row0, k0])
+        bt = bt_desc.load([col0, k0])
+        acc = tl.dot(a, bt.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, stride_bk,
                    stride_bn, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,

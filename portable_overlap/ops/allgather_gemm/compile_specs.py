@@ -1,6 +1,7 @@
 """Representative compile signatures of the ``"stores"`` AllGather + GEMM kernel for the
-compile matrix: the device's bf16 tiles with and without descriptors, with and without the own
-shard's copy (a shard height off the tile), and fp32."""
+compile matrix: the device's bf16 tiles with and without descriptors (of b, or of b.t() for a
+transposed weight), with and without the own shard's copy (a shard height off the tile), and
+fp32."""
 from ..matmul.compile_specs import descriptor_signature
 from .kernel import allgather_gemm_kernel
 
@@ -9,10 +10,11 @@ _ARGS = ("status_addr:i64 m:i32 N:i32 K:i32 stride_bk:i32 stride_bn:i32 chunk_ro
 
 
 def specs():
-    for dt, prec, bm, bn, bk, desc, copy_own in (("bf16", "ieee", 128, 256, 64, False, False),
-                                                 ("bf16", "ieee", 128, 256, 64, True, False),
-                                                 ("bf16", "ieee", 128, 256, 64, True, True),
-                                                 ("fp32", "ieee", 64, 64, 32, False, True)):
+    for dt, prec, bm, bn, bk, desc, bt, copy_own in (
+            ("bf16", "ieee", 128, 256, 64, False, False, False),
+            ("bf16", "ieee", 128, 256, 64, True, False, False),
+            ("bf16", "ieee", 128, 256, 64, True, True, True),
+            ("fp32", "ieee", 64, 64, 32, False, False, True)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                "gather_ptr": f"*{dt}", "ready_ptr": "*i64", "consumed_ptr": "*i64",
                "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64", "order_ptr": "*i32"}
@@ -20,7 +22,9 @@ def specs():
         ds = descriptor_signature(dt, bm, bn, bk, desc)
         sig.update(ds)
         sig["g_desc"] = ds["a_desc"]
-        consts = dict(USE_DESC=desc, COPY_OWN=copy_own, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        if bt:  # blocks of b.t(), [bn, bk]
+            sig["b_desc"] = f"tensordesc<{dt}[{bn}, {bk}]>"
+        consts = dict(USE_DESC=desc, B_TRANS=bt, COPY_OWN=copy_own, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       GROUP_M=8, NUM_STAGES=3, EVEN_K=True, PRECISION=prec, UPCAST=False,
                       COPY_BLOCK=8192, VEC=8 if dt == "bf16" else 4, C_MAX=1024)
         if not desc:
@@ -28,5 +32,6 @@ def specs():
         sig.update({k: "constexpr" for k in consts})
         aligned = ["a_ptr", "b_ptr", "out_ptr", "gather_ptr", "K", "N", "stride_bk"]
         yield (f"allgather_gemm[{dt}{', descriptors' if desc else ''}"
+               f"{' of b.t()' if bt else ''}"
                f"{', own copy' if copy_own else ''}]", allgather_gemm_kernel, sig, consts,
                aligned)

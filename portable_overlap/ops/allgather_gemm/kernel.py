@@ -32,7 +32,7 @@ import triton.language as tl
 from ...backends.proxy_fence import async_proxy_fence
 from ...shmem.device import (await_flag, await_free, begin_call, call_flag, end_call,
                              flag_value, live, peer_buffer, signal_peer)
-from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
+from ...tiles.gemm import gemm_tile, gemm_tile_desc, gemm_tile_desc_bt, grouped_tile
 
 FLAG_READY = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -112,8 +112,8 @@ def allgather_gemm_kernel(
     clock_ptr, bases_ptr, order_ptr, status_addr,  # call clock; heap bases; M-tile order
     m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, senders, G, rank, world, tag,
     timeout_us,
-    a_desc, g_desc, b_desc,  # descriptors of a, the gather buffer and b when USE_DESC
-    USE_DESC: tl.constexpr, COPY_OWN: tl.constexpr,
+    a_desc, g_desc, b_desc,  # descriptors of a, the gather buffer and b (b.t(): B_TRANS)
+    USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, COPY_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr,
@@ -153,8 +153,13 @@ def allgather_gemm_kernel(
                         async_proxy_fence()  # the acquire above, before the bulk copies' reads
                         src_desc = g_desc
                         src_row = row_lo
-                    acc = gemm_tile_desc(src_desc, b_desc, src_row, 0, pid_n * BLOCK_N, K,
-                                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                    if B_TRANS:
+                        acc = gemm_tile_desc_bt(src_desc, b_desc, src_row, pid_n * BLOCK_N, K,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                                PRECISION)
+                    else:
+                        acc = gemm_tile_desc(src_desc, b_desc, src_row, 0, pid_n * BLOCK_N, K,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
                 else:
                     if own:
                         src = a_ptr + (row_lo - own_lo).to(tl.int64) * K

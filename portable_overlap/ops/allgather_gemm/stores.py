@@ -15,7 +15,7 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
-from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_descriptors
+from ..matmul.api import DTYPES, MatmulConfig, default_config, operand_descriptors
 from .kernel import FLAG_NAMES, allgather_gemm_kernel
 
 OP = "all_gather_matmul"
@@ -123,9 +123,9 @@ class AllGatherMatmulStores(OverlapContext):
         W = self.world.world_size
         a_desc = g_desc = b_desc = None
         if plan.use_desc:
-            a_desc, b_desc = tile_descriptors(a, b, plan.cfg, self.world.facts)
-            g_desc = tile_descriptors(self._gathered(m, K, a.dtype), b, plan.cfg,
-                                      self.world.facts)[0]
+            a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
+            g_desc = operand_descriptors(self._gathered(m, K, a.dtype), b, plan.cfg,
+                                         self.world.facts)[0]
         return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.ctl,
                 self.call_clock, self.heap.bases, plan.order, self.status.address, m,
                 b.shape[1], K, b.stride(0), b.stride(1), plan.chunk_rows, plan.n_chunks,
@@ -146,8 +146,11 @@ class AllGatherMatmulStores(OverlapContext):
         programs = min(senders + n_tiles, max(facts.sm_count, senders + 1), G_MAX)
         es = a.element_size()
         vec = 16 // es if (K * es) % 16 == 0 else 1
-        use_desc = (tile_descriptors(a, b, cfg, facts)[0] is not None and tile_descriptors(
-            self._gathered(m, K, a.dtype), b, cfg, facts)[0] is not None)
+        # descriptors where the device and operands allow, b's transpose where b is one (a
+        # column-parallel weight, weight.t()); the plan's key (strides, alignment) fixes them
+        a_desc, _, b_trans = operand_descriptors(a, b, cfg, facts)
+        use_desc = a_desc is not None and operand_descriptors(
+            self._gathered(m, K, a.dtype), b, cfg, facts)[0] is not None
 
         # what _args needs before the launch is planned
         p = SimpleNamespace(cfg=cfg, chunk_rows=chunk_rows, n_chunks=n_chunks, senders=senders,
@@ -159,7 +162,7 @@ class AllGatherMatmulStores(OverlapContext):
             return shape_tag(m=m, N=N, K=K, dtype=str(a.dtype), config=cfg, programs=g,
                              senders=senders, chunk_rows=chunk_rows)
 
-        consts = dict(USE_DESC=use_desc, COPY_OWN=copy_own, BLOCK_M=cfg.block_m,
+        consts = dict(USE_DESC=use_desc, B_TRANS=b_trans, COPY_OWN=copy_own, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
                       PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype),

@@ -83,22 +83,49 @@ def tile_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts)
     ``gemm_tile`` must do: a device without bulk tensor copies (``facts.tensor_descriptors``),
     a dtype other than bf16 / fp16, or operands a descriptor cannot describe (rows not
     contiguous, row strides or base addresses not multiples of 16 bytes, e.g. a transposed
-    weight view). Build them per call: they hold the tensors' addresses."""
-    if not getattr(facts, "tensor_descriptors", False) or a.dtype not in (torch.bfloat16,
-                                                                          torch.float16):
+    weight view: see ``operand_descriptors``). Build them per call: they hold the tensors'
+    addresses."""
+    if not _boxes_fit(a, cfg, facts) or not (_rows_fit(a) and _rows_fit(b)):
         return None, None
-    es = a.element_size()
-    # a box is at most 256 elements per dimension and its rows whole 16-byte units
-    if max(cfg.block_m, cfg.block_n, cfg.block_k) > 256 or (cfg.block_k * es) % 16 \
-            or (cfg.block_n * es) % 16:
-        return None, None
-    for t in (a, b):
-        if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16 or not t.numel():
-            return None, None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n]))
+
+
+def operand_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts) -> tuple:
+    """``(a_desc, b_desc, b_trans)``: ``tile_descriptors`` where ``b`` allows them, else, where
+    ``b`` is the transpose of a row-major [N, K] matrix (``weight.t()`` of an ``nn.Linear``),
+    a descriptor of that matrix in [BLOCK_N, BLOCK_K] blocks with ``b_trans`` True (for
+    ``tiles.gemm.gemm_tile_desc_bt``); ``(None, None, False)`` where neither is possible."""
+    a_desc, b_desc = tile_descriptors(a, b, cfg, facts)
+    if a_desc is not None:
+        return a_desc, b_desc, False
+    if b.dim() == 2 and _boxes_fit(a, cfg, facts) and _rows_fit(a) and _rows_fit(b.t()):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
+                TensorDescriptor.from_tensor(b.t(), [cfg.block_n, cfg.block_k]), True)
+    return None, None, False
+
+
+def _boxes_fit(a: torch.Tensor, cfg: MatmulConfig, facts) -> bool:
+    """Whether the device copies tiles of ``a``'s dtype in ``cfg``'s blocks: a box is at most
+    256 elements per dimension and its rows whole 16-byte units."""
+    if not getattr(facts, "tensor_descriptors", False) or a.dtype not in (torch.bfloat16,
+                                                                          torch.float16):
+        return False
+    es = a.element_size()
+    return max(cfg.block_m, cfg.block_n, cfg.block_k) <= 256 and not (cfg.block_k * es) % 16 \
+        and not (cfg.block_n * es) % 16
+
+
+def _rows_fit(t: torch.Tensor) -> bool:
+    """Whether a descriptor can describe ``t``: contiguous rows, row stride and base address
+    multiples of 16 bytes, not empty."""
+    es = t.element_size()
+    return t.stride(1) == 1 and not (t.stride(0) * es) % 16 and not t.data_ptr() % 16 \
+        and t.numel() > 0
 
 
 def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None:

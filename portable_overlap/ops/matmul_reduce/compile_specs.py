@@ -10,18 +10,22 @@ _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_b
 
 
 def specs():
-    for dt, prec, bm, bn, bk, desc, ar, extra in (
-            ("bf16", "ieee", 128, 256, 64, False, False, False),
-            ("bf16", "ieee", 128, 256, 64, True, False, True),
-            ("bf16", "ieee", 128, 256, 64, True, True, True),
-            ("fp32", "ieee", 64, 64, 32, False, True, False)):
+    for dt, prec, bm, bn, bk, desc, bt, ar, extra in (
+            ("bf16", "ieee", 128, 256, 64, False, False, False, False),
+            ("bf16", "ieee", 128, 256, 64, True, False, False, True),
+            ("bf16", "ieee", 128, 256, 64, True, True, False, False),
+            ("bf16", "ieee", 128, 256, 64, True, True, True, True),
+            ("fp32", "ieee", 64, 64, 32, False, False, True, False)):
         sig = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr",
                                      "recv_ptr", "gathered_ptr")}
         sig.update({n: "*i64" for n in ("sent_ptr", "reduced_ptr", "consumed_ptr", "ctl_ptr",
                                         "clock_ptr", "bases_ptr")})
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         sig.update(descriptor_signature(dt, bm, bn, bk, desc))
-        consts = dict(ALL_REDUCE=ar, HAS_BIAS=extra, HAS_RES=extra, USE_DESC=desc, BLOCK_M=bm,
+        if bt:  # blocks of b.t(), [bn, bk]
+            sig["b_desc"] = f"tensordesc<{dt}[{bn}, {bk}]>"
+        consts = dict(ALL_REDUCE=ar, HAS_BIAS=extra, HAS_RES=extra, USE_DESC=desc, B_TRANS=bt,
+                      BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
                       PRECISION=prec, UPCAST=False, G_MAX=1024)
         if not desc:
@@ -30,5 +34,6 @@ def specs():
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "gathered_ptr", "K", "N",
                    "stride_am", "stride_bk"]
         yield (f"matmul_reduce_stores[{'all_reduce' if ar else 'reduce_scatter'}, {dt}"
-               f"{', descriptors' if desc else ''}{', bias+residual' if extra else ''}]",
+               f"{', descriptors' if desc else ''}{' of b.t()' if bt else ''}"
+               f"{', bias+residual' if extra else ''}]",
                matmul_reduce_stores_kernel, sig, consts, aligned)

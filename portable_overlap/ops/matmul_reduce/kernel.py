@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ...shmem.device import (await_free, begin_call, call_flag, end_call, flag_value, live,
                              peer_buffer, signal_peer, signal_peers, wait_peers)
-from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
+from ...tiles.gemm import gemm_tile, gemm_tile_desc, gemm_tile_desc_bt, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -101,9 +101,9 @@ def matmul_reduce_stores_kernel(
     clock_ptr, bases_ptr, status_addr,  # call clock; heap bases; status board
     M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_res, block_rows, G, rank,
     world, tag, timeout_us,
-    a_desc, b_desc,  # tensor descriptors of a and b when USE_DESC
+    a_desc, b_desc,  # tensor descriptors of a and b (of b.t() when B_TRANS) when USE_DESC
     ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    USE_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
 ):
@@ -131,8 +131,12 @@ def matmul_reduce_stores_kernel(
         row0 = tm * BLOCK_M  # in the block
         if (T < tpb) & (row0 < rows_d) & ok:
             if USE_DESC:
-                acc = gemm_tile_desc(a_desc, b_desc, lo_d + row0, 0, tn * BLOCK_N, K, BLOCK_M,
-                                     BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                if B_TRANS:
+                    acc = gemm_tile_desc_bt(a_desc, b_desc, lo_d + row0, tn * BLOCK_N, K,
+                                            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                else:
+                    acc = gemm_tile_desc(a_desc, b_desc, lo_d + row0, 0, tn * BLOCK_N, K,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
             else:
                 acc = gemm_tile(a_ptr + (lo_d + row0).to(tl.int64) * stride_am, b_ptr,
                                 rows_d - row0, N, K, stride_am, stride_ak, stride_bk, stride_bn,

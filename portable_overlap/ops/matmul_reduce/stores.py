@@ -14,7 +14,7 @@ import torch
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
 from ..matmul.api import (DTYPES, MatmulConfig, check_operands, default_config,
-                          tile_descriptors, vector_checks)
+                          operand_descriptors, vector_checks)
 from .kernel import FLAG_NAMES, matmul_reduce_stores_kernel
 
 MODES = ("reduce_scatter", "all_reduce")
@@ -91,7 +91,7 @@ class MatmulReduceStores(OverlapContext):
         W = self.world.world_size
         a_desc = b_desc = None
         if plan.use_desc:
-            a_desc, b_desc = tile_descriptors(a, b, plan.cfg, self.world.facts)
+            a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
         return (a, b, out, out if bias is None else bias, out if residual is None else residual,
                 self._recv[a.dtype], self._gathered[a.dtype], self.sent, self.reduced,
                 self.consumed, self.ctl, self.call_clock, self.heap.bases, self.status.address,
@@ -110,7 +110,10 @@ class MatmulReduceStores(OverlapContext):
         block = -(-M // W)
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
         programs = min(W * tpb, facts.sm_count, G_MAX)
-        use_desc = tile_descriptors(a, b, cfg, facts)[0] is not None
+        # descriptors where the device and operands allow, b's transpose where b is one (a
+        # row-parallel weight, weight.t()); the plan's key (strides, alignment) fixes the choice
+        a_desc, _, b_trans = operand_descriptors(a, b, cfg, facts)
+        use_desc = a_desc is not None
         p = SimpleNamespace(cfg=cfg, use_desc=use_desc)
 
         # shapes (K is each rank's own), tiling, grid: a rank planned otherwise is caught
@@ -119,7 +122,8 @@ class MatmulReduceStores(OverlapContext):
                              programs=g)
 
         consts = dict(ALL_REDUCE=self.mode == "all_reduce", HAS_BIAS=bias is not None,
-                      HAS_RES=residual is not None, USE_DESC=use_desc, BLOCK_M=cfg.block_m,
+                      HAS_RES=residual is not None, USE_DESC=use_desc, B_TRANS=b_trans,
+                      BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
                       PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype), G_MAX=G_MAX,
