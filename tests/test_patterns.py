@@ -112,7 +112,7 @@ def _bad_contexts(world):
                  lambda: po.MatmulAllToAll(world, 8, 8, transport="signal_copy_engine"),
                  lambda: po.MatmulReduceScatter(world, 8, 8, pieces=0),
                  lambda: po.GemvAllReduce(world, 8, transport="copy_engine"),
-                 lambda: po.AllGatherMatmul(world, 8, transport="stores")):
+                 lambda: po.AllGatherMatmul(world, 8, transport="shmem")):
         try:
             make().close()
             msgs.append(None)
@@ -124,8 +124,8 @@ def _bad_contexts(world):
 def test_bad_transport_and_sizes(world2):
     for msgs in world2.run(_bad_contexts):
         assert all(msgs), msgs
-        assert re.search(r"transport must be one of \('copy_engine', 'signal_collective', 'sequential'\)",
-                         msgs[0]), msgs[0]
+        assert re.search(r"transport must be one of \('copy_engine', 'stores', "
+                         r"'signal_collective', 'sequential'\)", msgs[0]), msgs[0]
         assert "max_m" in msgs[1] and "signal_copy_engine" in msgs[2] and "pieces" in msgs[3]
         assert "gemv_all_reduce: transport" in msgs[4]
         assert "all_gather_matmul: transport" in msgs[5]
