@@ -3,8 +3,7 @@ all_gather + matmul."""
 import pytest
 import torch
 
-from portable_overlap import PortableOverlapError
-from portable_overlap.testing import call_while_peers_skip
+from portable_overlap.testing import call_while_peers_skip, error_of_one_call
 from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul, all_gather_matmul,
                                                  all_gather_matmul_reference, pick_schedule)
 
@@ -98,16 +97,10 @@ def test_a_rank_that_skips_a_call_is_named(world2):
 def _layouts_disagree(world):
     """Rank 0 gathers row pieces, rank 1 column pieces: the buffers are laid out differently, so
     the tags must tell them apart instead of computing on the wrong bytes."""
-    ctx = AllGatherMatmul(world, max_shard_elems=64, timeout_s=2.0)
     sched = "hetero-unfused-1d" if world.rank == 0 else "hetero-unfused-2d"
-    try:
-        ctx(torch.randn(4, 8), torch.randn(8, 5), schedule=sched)
-        ctx.synchronize()
-        r = "no error"
-    except PortableOverlapError as e:
-        r = type(e).__name__
-    ctx.close()
-    return r
+    return error_of_one_call(
+        lambda: AllGatherMatmul(world, max_shard_elems=64, timeout_s=2.0),
+        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5), schedule=sched))
 
 
 def test_ranks_disagreeing_on_1d_or_2d_raise(world2):
@@ -291,16 +284,10 @@ def test_stores_transport_names_a_rank_that_skips_a_call(world2):
 
 
 def _stores_shapes_disagree(world):
-    ctx = AllGatherMatmul(world, max_shard_elems=64, transport="stores", timeout_s=2.0)
     m = 4 if world.rank == 0 else 3  # the rows each shard lands at differ: must not be mixed
-    try:
-        ctx(torch.randn(m, 8), torch.randn(8, 5))
-        ctx.synchronize()
-        r = "no error"
-    except PortableOverlapError as e:
-        r = type(e).__name__
-    ctx.close()
-    return r
+    return error_of_one_call(
+        lambda: AllGatherMatmul(world, max_shard_elems=64, transport="stores", timeout_s=2.0),
+        lambda ctx: ctx(torch.randn(m, 8), torch.randn(8, 5)))
 
 
 def test_stores_transport_ranks_with_other_shapes_raise(world2):

@@ -28,3 +28,21 @@ def call_while_peers_skip(world, make_ctx: Callable[[], object], call: Callable[
                       f"late: raised after {took:.2f} s, timeout_s={ctx.timeout_s}: {e}")
     ctx.close()
     return result
+
+
+def error_of_one_call(make_ctx: Callable[[], object], call: Callable[[object], object]) -> str:
+    """Collective: every rank makes a context, makes its own ``call(ctx)`` (the ranks' calls
+    disagree on purpose: other shapes, other layouts), synchronizes and closes. Returns the
+    name of the library error it raised (``"RankMismatchError"``, ``"PeerTimeoutError"``...),
+    or ``"no error"``."""
+    from ..errors import PortableOverlapError
+
+    ctx = make_ctx()
+    try:
+        call(ctx)
+        ctx.synchronize()
+        result = "no error"
+    except PortableOverlapError as e:
+        result = type(e).__name__
+    ctx.close()
+    return result
