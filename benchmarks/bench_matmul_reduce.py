@@ -16,7 +16,6 @@ benchmarks/cli.py.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -44,8 +43,8 @@ def parser() -> BenchParser:
     ap.add_argument("--pieces", default="4", help="piece counts; the first is 'fused'")
     ap.add_argument("--put-lanes", default="0",
                     help="put-lane counts (0: the default, one per peer); the first is 'fused'")
-    ap.add_argument("--stores", action=argparse.BooleanOptionalAction, default=True,
-                    help="time the 'stores' transport as fused[stores] (default: on)")
+    ap.add_argument("--no-stores", action="store_true",
+                    help="do not time the 'stores' transport (fused[stores])")
     return ap
 
 
@@ -65,7 +64,7 @@ def body(bench) -> int:
     stores = {mode: make(world, max_m, max_n, transport="stores")
               for mode, make in (("reduce_scatter", po.MatmulReduceScatter),
                                  ("all_reduce", po.MatmulAllReduce))
-              if args.stores and mode in modes}
+              if not args.no_stores and mode in modes}
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     for dname in args.dtypes:
         dt = torch_dtype(dname)
