@@ -112,7 +112,7 @@ def _bad_contexts(world):
                  lambda: po.MatmulAllToAll(world, 8, 8, transport="signal_copy_engine"),
                  lambda: po.MatmulReduceScatter(world, 8, 8, pieces=0),
                  lambda: po.GemvAllReduce(world, 8, transport="copy_engine"),
-                 lambda: po.AllGatherMatmul(world, 8, transport="stores")):
+                 lambda: po.AllGatherMatmul(world, 8, transport="signal_collective")):
         try:
             make().close()
             msgs.append(None)
