@@ -7,7 +7,7 @@ workspace, made once per shape budget) and a ``transport=`` choice:
 ======================  ============================  ===========================================
 op                      context                       transports (first: default)
 ======================  ============================  ===========================================
-all_gather_matmul       AllGatherMatmul               copy_engine, sequential
+all_gather_matmul       AllGatherMatmul               copy_engine, stores, sequential
 matmul_reduce_scatter   MatmulReduceScatter           copy_engine, signal_collective,
                                                       signal_copy_engine, sequential
 matmul_all_reduce       MatmulAllReduce               copy_engine, signal_collective, sequential
@@ -19,7 +19,9 @@ moe_dispatch            MoeDispatch                   stores, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================
 
-Each op is also ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS`` lists them). The
+The first four also take ``transport="auto"``: the context times every transport at the first
+call of each new shape and keeps the fastest (``ops/planner.py``). Each op is also
+``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS`` lists them). The
 modules (``RowParallelLinear``, ``ColumnParallelLinear``, ``ShardedEmbeddingBagCollection``,
 ``ExpertParallelMoE``) use them as drop-in layers. See README.md.
 """

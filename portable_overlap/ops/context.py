@@ -41,6 +41,13 @@ def check_timeout(op: str, timeout_s) -> float:
     return t
 
 
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
+    if device.type == "cpu":
+        return False
+    return bool(torch.get_device_module(device).is_current_stream_capturing())
+
+
 def check_transport(op: str, transport, transports: Sequence[str]) -> str:
     """``transport`` if it is one of ``transports``, else a clear error."""
     if transport not in transports:
@@ -102,10 +109,7 @@ class ContextBase:
 
     def capturing(self) -> bool:
         """Whether the caller's stream is being captured into a CUDA graph."""
-        dev = self.world.device
-        if dev.type == "cpu":
-            return False
-        return bool(torch.get_device_module(dev).is_current_stream_capturing())
+        return stream_capturing(self.world.device)
 
     def check(self) -> None:
         """Raise if this context is closed or broken (out of step with its peers)."""
@@ -171,9 +175,10 @@ class OverlapContext(ContextBase):
       number is used up and every peer's waits for it end with the failure tag, so the peers
       raise for that same call instead of pairing their next call with it;
     - every wait ends at the call's deadline (``timeout_s`` after the call's first wait that
-      found its flag missing began, on this rank), reported as :class:`PeerTimeoutError`. A timeout leaves the ranks out of step (a rank
-      skipped or lost a call): the context is then broken for good, on the device at once and on
-      the host at its next check, and must be closed. Other failures (a peer gave up, shapes
+      found its flag missing began, on this rank), reported as :class:`PeerTimeoutError`. A
+      timeout leaves the ranks out of step (a rank skipped or lost a call): the context is then
+      broken for good, on the device at once and on the host at its next check, and must be
+      closed. Other failures (a peer gave up, shapes
       differ, bad routing, a refused call) raise for that call and leave the context usable;
     - a context is used by one thread at a time: a call while another thread's call is running
       raises :class:`ConcurrentUseError` (calls from two threads would reach the ranks in

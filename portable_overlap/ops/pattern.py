@@ -1,59 +1,128 @@
-"""Contexts of the patterns that more than one transport implements (GEMM + ReduceScatter,
-GEMM + AllReduce, GEMM + All-to-All): the user makes one context per pattern and names the
-transport; the context owns the transport's workspace and forwards calls, checks and closing
-to it.
+"""Contexts of the patterns that more than one transport implements (AllGather + GEMM,
+GEMM + ReduceScatter, GEMM + AllReduce, GEMM + All-to-All): the user makes one context per
+pattern and names the transport, or passes ``transport="auto"``; the context owns the
+workspaces and forwards calls, checks and closing to them.
 
 The transport is fixed when the context is made because each one's workspace (symmetric
 buffers, flags, streams, process groups) is collective to create and cannot be made inside a
-call."""
+call. With ``"auto"`` the context makes every candidate's workspace and picks one per call key at
+that key's first eager call, by timing them all on its inputs (``planner.py``)."""
 from __future__ import annotations
 
 from typing import Optional
 
 from .context import check_timeout, register_context, unregister_context
+from .planner import AUTO, PLANNER_OPTIONS, TransportPlanner
 
 
 class PatternContext:
     """Base of the multi-transport pattern contexts. A subclass sets ``OP`` (the public op
-    name), ``TRANSPORTS`` (names, the first is the default) and ``_make(world, transport,
-    timeout_s, **options)`` returning the transport's workspace ``impl``; ``__call__`` runs the
-    op on it."""
+    name), ``TRANSPORTS`` (names, the first is the default), ``CALL_OPTIONS`` and
+    ``OUTPUT_OPTIONS``, and defines ``_make(world, transport, timeout_s, **options)`` returning
+    the transport's workspace, ``_bind(*args, **kwargs)`` turning a call's arguments into
+    ``(inputs, out, options)`` (``inputs``: the tensors by name, in the op schema's order) and
+    ``_run(transport, workspace, inputs, out, options)`` running one call on a workspace.
+
+    ``transport``: one of ``TRANSPORTS``, or ``"auto"``: the context makes the workspace of
+    every candidate and, at the first eager call of each call key (shapes, dtypes, strides,
+    which optional inputs are given, the per-call options), times every candidate on that
+    call's inputs and keeps the fastest for every later call with that key; ``"sequential"`` is
+    kept unless a fused transport beats it by more than 3 % (``planner.py`` says how). The
+    default stays ``TRANSPORTS[0]``: ``"auto"`` is opt-in until its picks have been measured on
+    4 and 8 GPUs. Options of ``"auto"``:
+
+    - ``candidates``: the transports it chooses from (default: all of ``TRANSPORTS``);
+    - ``options``: each candidate's own options, ``{transport: {option: value}}`` (e.g.
+      ``options={"copy_engine": {"pieces": 8}}``); a candidate not named gets its defaults.
+      A transport's options given directly (``pieces=8``) are refused with ``"auto"``, since
+      the other candidates do not take them;
+    - ``cache_path``: a JSON file that keeps the decisions across processes (default:
+      ``$PORTABLE_OVERLAP_TUNING_CACHE`` if set, else the decisions stay in memory);
+    - ``iters`` (10), ``warmup`` (2): timed and untimed runs per candidate; ``graph`` (False):
+      time CUDA-graph replays instead of plain calls, for calls that will be replayed.
+
+    Per-call options (``CALL_OPTIONS``: per transport, each option's name and type) restrict an
+    ``"auto"`` call to the candidates that take them. ``ctx.transport`` stays ``"auto"``;
+    :meth:`choice` and :attr:`decisions` show what was picked."""
 
     OP = "op"
     TRANSPORTS: tuple = ()
+    #: transport -> {per-call option: the type(s) it takes}; a transport not listed takes none
+    CALL_OPTIONS: dict = {}
+    #: per-call options that are outputs (an ``"auto"`` timing writes a scratch tensor instead)
+    OUTPUT_OPTIONS: tuple = ()
 
     def __init__(self, world, transport: Optional[str], timeout_s: Optional[float], options):
         transport = self.TRANSPORTS[0] if transport is None else transport
-        if transport not in self.TRANSPORTS:
-            raise ValueError(f"{self.OP}: transport must be one of {self.TRANSPORTS}, got "
-                             f"{transport!r}")
+        if transport != AUTO and transport not in self.TRANSPORTS:
+            raise ValueError(f"{self.OP}: transport must be one of {self.TRANSPORTS} or "
+                             f"{AUTO!r}, got {transport!r}")
         if timeout_s is not None:
             check_timeout(self.OP, timeout_s)
         world.check_same(f"{self.OP} transport", transport)
         self.world, self.rank, self.transport = world, world.rank, transport
-        self.impl = self._make(world, transport, timeout_s, **options)
+        self.impl, self.planner = None, None
+        if transport == AUTO:
+            self.planner = TransportPlanner(self, timeout_s, **options)
+        else:
+            misplaced = sorted(set(options) & set(PLANNER_OPTIONS))
+            if misplaced:
+                what = "is an option" if len(misplaced) == 1 else "are options"
+                raise ValueError(f"{self.OP}: {', '.join(misplaced)} {what} of "
+                                 f"transport={AUTO!r}, not of transport={transport!r}")
+            self.impl = self._make(world, transport, timeout_s, **options)
         self.handle = register_context(self)
 
     def _make(self, world, transport, timeout_s, **options):
         raise NotImplementedError
 
+    def _bind(self, *args, **kwargs) -> tuple:
+        raise NotImplementedError
+
+    def _run(self, transport: str, impl, inputs: dict, out, options: dict):
+        raise NotImplementedError
+
+    def _dispatch(self, inputs: dict, out, options: dict):
+        """One call: on the named transport's workspace with the options as given, or on the
+        transport ``"auto"`` picked for the call's key."""
+        if self.planner is None:
+            return self._run(self.transport, self.impl, inputs, out, options)
+        return self.planner(inputs, out, options)
+
+    def choice(self, *args, **kwargs) -> Optional[str]:
+        """The transport that runs a call with these arguments (the call's own): the named
+        one, or ``"auto"``'s pick, None while that is not decided (before the key's first
+        call)."""
+        if self.planner is None:
+            return self.transport
+        return self.planner.choice(*self._bind(*args, **kwargs))
+
+    @property
+    def decisions(self) -> dict:
+        """``"auto"``'s measured decisions: cache key (JSON: the op, the call, the candidates,
+        the device, the versions) -> ``{"transport": pick, "ms": {candidate: slowest rank's
+        median}, "failed": {candidate: each rank's error}}``; empty with a named transport."""
+        return {} if self.planner is None else dict(self.planner.decisions)
+
     @property
     def timeout_s(self) -> float:
-        """How long the transport's waits last before a missing peer raises (seconds)."""
-        return self.impl.timeout_s
+        """How long the transport's waits last before a missing peer raises (seconds; with
+        ``"auto"`` the longest of the candidates')."""
+        return (self.planner or self.impl).timeout_s
 
     def check(self) -> None:
-        """Raise an error a kernel of an earlier call recorded (see OverlapContext.check)."""
-        self.impl.check()
+        """Raise an error a kernel of an earlier call recorded (see OverlapContext.check); with
+        ``"auto"``, of every candidate's workspace."""
+        (self.planner or self.impl).check()
 
     def synchronize(self) -> None:
-        """Wait for this context's work on the device, then :meth:`check`."""
-        self.impl.synchronize()
+        """Wait for this context's work on the device (every workspace's), then :meth:`check`."""
+        (self.planner or self.impl).synchronize()
 
     def close(self) -> None:
-        """Free the workspace (collective: every rank closes)."""
+        """Free the workspaces (collective: every rank closes)."""
         unregister_context(self.handle)
-        self.impl.close()
+        (self.planner or self.impl).close()
 
     def __enter__(self):
         return self
@@ -62,8 +131,9 @@ class PatternContext:
         self.close()
 
     def __repr__(self) -> str:
+        more = "" if self.planner is None else f", candidates={self.planner.candidates}"
         return (f"{type(self).__name__}(rank={self.rank}/{self.world.world_size}, "
-                f"transport={self.transport!r})")
+                f"transport={self.transport!r}{more})")
 
 
 class MatmulPattern(PatternContext):

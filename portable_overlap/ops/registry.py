@@ -43,7 +43,8 @@ class OpSpec:
     size and rank). ``eager(ctx, *args, **options)`` runs the op; by default it calls the
     context (``ctx(*args, **options)``). ``backward`` / ``setup_context`` are torch.library's
     autograd pair, for ops with a gradient. ``context``: the pattern's context class (the
-    handle must name one). ``transports``: the values of its ``transport=`` argument.
+    handle must name one). ``transports``: the values of its ``transport=`` argument (the
+    pattern contexts also take ``"auto"``, which picks one of them: ``ops/planner.py``).
     ``compile_specs``: the modules (dotted names) whose ``specs()`` list the kernels the op
     launches, for the compile matrix (``kernel_registry``)."""
 

@@ -4,8 +4,9 @@ group (NCCL / RCCL on GPUs, gloo on emulated ranks) on the whole product, then b
 residual: each op's reference with the product in the input dtype
 (``gemm_signal/reference.py``); for AllGather + GEMM the gather first, then the product.
 Nothing overlaps. It is the baseline every fused transport is
-measured against, and the choice where a fused transport measured slower (the copy-engine
-transports on 4 and 8 GPUs: ``docs/scaling.md``).
+measured against, the choice where a fused transport measured slower (the copy-engine
+transports on 4 and 8 GPUs: ``docs/scaling.md``), and always a candidate of
+``transport="auto"`` unless the user's ``candidates=`` leaves it out (``ops/planner.py``).
 
 Calls are matched the way the collective library matches them: a rank that skips a call or
 calls with other shapes is not told apart from a late one, and its peers' collective waits until

@@ -46,7 +46,10 @@ programs store the shard into every peer's heap, all peers at once, while the ot
 the rows that have arrived (``stores.py``, ``kernel.py``; options ``config``, ``senders``); and
 ``"sequential"``: the vendor library's ``all_gather_into_tensor``, then ``torch.matmul``
 (``ops/sequential.py``; no options), the baseline and the choice where the copy engines
-measured slower.
+measured slower. ``"auto"`` makes all three and keeps, per call shape, the one that timed
+fastest at that shape's first call (``ops/planner.py``; ``sequential`` unless beaten by more
+than 3 %); a call that passes ``schedule`` runs on ``"copy_engine"``, the one transport with
+schedules.
 """
 from __future__ import annotations
 
@@ -113,11 +116,14 @@ def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], wo
 class AllGatherMatmul(PatternContext):
     """Workspace of :func:`all_gather_matmul` on one rank, for shards of at most
     ``max_shard_elems`` elements (m × K of the largest call): ``AllGatherMatmul(world,
-    max_shard_elems, transport="copy_engine", pieces=None, schedule=None)``. Collective to
-    create and close; the same calls in the same order on every rank, on one stream."""
+    max_shard_elems, transport="copy_engine", pieces=None, schedule=None)``, or
+    ``transport="auto"`` (``PatternContext``; a per-call ``schedule`` keeps the call on
+    ``"copy_engine"``). Collective to create and close; the same calls in the same order on
+    every rank, on one stream."""
 
     OP = OP
     TRANSPORTS = TRANSPORTS
+    CALL_OPTIONS = {"copy_engine": {"schedule": str}}
 
     def __init__(self, world, max_shard_elems: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):
@@ -142,7 +148,13 @@ class AllGatherMatmul(PatternContext):
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  schedule: Optional[str] = None) -> torch.Tensor:
-        return self.impl(a, b, out, schedule=schedule)
+        return self._dispatch(*self._bind(a, b, out, schedule=schedule))
+
+    def _bind(self, a, b, out=None, *, schedule=None) -> tuple:
+        return {"a": a, "b": b}, out, {"schedule": schedule}
+
+    def _run(self, transport, impl, inputs, out, options):
+        return impl(inputs["a"], inputs["b"], out, **options)
 
 
 class AllGatherMatmulCE(OverlapContext):
@@ -325,7 +337,7 @@ class AllGatherMatmulCE(OverlapContext):
 ALL_GATHER_MATMUL = define(OpSpec(
     OP, "(Tensor a, Tensor b, int handle) -> Tensor", context=AllGatherMatmul,
     transports=TRANSPORTS, compile_specs=("portable_overlap.transports.compile_specs",
-                                           "portable_overlap.ops.allgather_gemm.compile_specs"),
+                                          "portable_overlap.ops.allgather_gemm.compile_specs"),
     fake=lambda ctx, a, b: a.new_empty((ctx.world.world_size * a.shape[0], b.shape[1]))))
 
 

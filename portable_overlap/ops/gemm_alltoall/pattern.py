@@ -15,7 +15,12 @@ i.e. ``torch.distributed.all_to_all_single(out, a @ b)``. Transports (``transpor
 - ``"signal_collective"``: a persistent GEMM's wave-group counters gate the vendor library's
   All-to-All on a side stream (``gemm_signal.api.GemmSignal``; option ``config``);
 - ``"sequential"``: ``torch.matmul``, then the vendor library's ``all_to_all_single`` on the whole
-  product (``ops/sequential.py``; no options): the baseline.
+  product (``ops/sequential.py``; no options): the baseline;
+- ``"auto"``: every transport's workspace; each call shape runs the one that timed fastest at
+  that shape's first call (``ops/planner.py``; ``"sequential"`` unless beaten by more than
+  3 %). A call that passes ``config`` runs on the transport whose config it is
+  (``MatmulConfig``: ``"stores"``, ``SignalConfig``: ``"signal_collective"``), one that passes
+  ``rms_weight``, ``eps`` or ``normed`` on ``"signal_collective"``.
 """
 from __future__ import annotations
 
@@ -23,18 +28,22 @@ from typing import Optional
 
 import torch
 
+from ..gemm_signal.config import SIGNAL_CALL_OPTIONS
+from ..matmul.api import MatmulConfig
 from ..pattern import MatmulPattern, timeout_kw
 from ..registry import OpSpec, define
 
 
 class MatmulAllToAll(MatmulPattern):
     """Workspace of :func:`portable_overlap.matmul_all_to_all` on one rank (module docstring):
-    ``MatmulAllToAll(world, max_m, max_n, transport="stores")`` for results of at most
-    ``max_m`` x ``max_n``. Collective to create and to close; the same calls in the same order
-    on every rank."""
+    ``MatmulAllToAll(world, max_m, max_n, transport="stores")`` (or ``transport="auto"``:
+    ``PatternContext``) for results of at most ``max_m`` x ``max_n``. Collective to create and
+    to close; the same calls in the same order on every rank."""
 
     OP = "matmul_all_to_all"
     TRANSPORTS = ("stores", "copy_engine", "signal_collective", "sequential")
+    CALL_OPTIONS = {"stores": {"config": MatmulConfig}, "signal_collective": SIGNAL_CALL_OPTIONS}
+    OUTPUT_OPTIONS = ("normed",)
 
     def _make(self, world, transport, timeout_s, **options):
         if transport == "signal_collective":
@@ -54,9 +63,15 @@ class MatmulAllToAll(MatmulPattern):
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  residual: Optional[torch.Tensor] = None, *,
                  out: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
-        if self.transport in ("signal_collective", "sequential"):
-            return self.impl.all_to_all(a, b, out, bias=bias, residual=residual, **options)
-        return self.impl(a, b, out, bias=bias, residual=residual, **options)
+        return self._dispatch(*self._bind(a, b, bias, residual, out=out, **options))
+
+    def _bind(self, a, b, bias=None, residual=None, *, out=None, **options) -> tuple:
+        return {"a": a, "b": b, "bias": bias, "residual": residual}, out, options
+
+    def _run(self, transport, impl, inputs, out, options):
+        run = impl.all_to_all if transport in ("signal_collective", "sequential") else impl
+        return run(inputs["a"], inputs["b"], out, bias=inputs["bias"],
+                   residual=inputs["residual"], **options)
 
 
 ALL_TO_ALL = define(OpSpec(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
 from ...schedule import as_wave_groups
 from ..matmul.api import MatmulConfig
 
@@ -56,6 +58,13 @@ class SignalConfig:
             raise ValueError(f"SignalConfig: max_groups must be in 1..{MAX_GROUPS}: {self}")
         if isinstance(self.partition, str):
             if self.partition != "tune":
-                raise ValueError(f"SignalConfig: partition must be group sizes, None or 'tune': {self}")
+                raise ValueError(f"SignalConfig: partition must be group sizes, None or "
+                                 f"'tune': {self}")
         elif self.partition is not None:
             object.__setattr__(self, "partition", as_wave_groups(self.partition).sizes)
+
+
+#: the per-call options of the signal_collective transport and the types each takes: a pattern
+#: context made with ``transport="auto"`` runs a call that passes any of them on this transport
+SIGNAL_CALL_OPTIONS = {"config": SignalConfig, "rms_weight": torch.Tensor, "eps": (int, float),
+                       "normed": torch.Tensor}

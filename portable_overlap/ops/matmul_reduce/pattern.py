@@ -25,7 +25,12 @@ Transports (``transport=``):
   (``gemm_signal.copy_engine.GemmReduceScatterCE``; option ``config``);
 - ``"sequential"``: ``torch.matmul``, then the vendor library's collective on the whole product
   (``ops/sequential.py``; no options): the baseline, and the choice where a fused transport
-  measured slower.
+  measured slower;
+- ``"auto"``: every transport's workspace; each call shape runs the one that timed fastest at
+  that shape's first call (``ops/planner.py``; ``"sequential"`` unless beaten by more than
+  3 %). A call that passes per-call options runs on the transports that take them (``config``,
+  ``rms_weight``, ``eps``, ``normed``: ``"signal_collective"``; ``config`` also
+  ``"signal_copy_engine"``).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from ..gemm_signal.config import SIGNAL_CALL_OPTIONS, SignalConfig
 from ..matmul.api import DTYPES, default_config
 from ..pattern import MatmulPattern, timeout_kw
 from ..registry import OpSpec, define
@@ -43,6 +49,9 @@ class _MatmulReduction(MatmulPattern):
     ``max_m`` x ``max_n`` (the full product's rows and columns) and the call."""
 
     MODE = ""
+    CALL_OPTIONS = {"signal_collective": SIGNAL_CALL_OPTIONS,
+                    "signal_copy_engine": {"config": SignalConfig}}
+    OUTPUT_OPTIONS = ("normed",)
 
     def _make(self, world, transport, timeout_s, **options):
         W, M, N = world.world_size, self.max_m, self.max_n
@@ -77,13 +86,21 @@ class _MatmulReduction(MatmulPattern):
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  residual: Optional[torch.Tensor] = None, *,
                  out: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
-        return getattr(self.impl, self.MODE)(a, b, out, bias=bias, residual=residual, **options)
+        return self._dispatch(*self._bind(a, b, bias, residual, out=out, **options))
+
+    def _bind(self, a, b, bias=None, residual=None, *, out=None, **options) -> tuple:
+        return {"a": a, "b": b, "bias": bias, "residual": residual}, out, options
+
+    def _run(self, transport, impl, inputs, out, options):
+        return getattr(impl, self.MODE)(inputs["a"], inputs["b"], out, bias=inputs["bias"],
+                                        residual=inputs["residual"], **options)
 
 
 class MatmulReduceScatter(_MatmulReduction):
     """Workspace of :func:`portable_overlap.matmul_reduce_scatter` on one rank (module
-    docstring): ``MatmulReduceScatter(world, max_m, max_n, transport="copy_engine")``.
-    Collective to create and to close; the same calls in the same order on every rank."""
+    docstring): ``MatmulReduceScatter(world, max_m, max_n, transport="copy_engine")``, or
+    ``transport="auto"`` (``PatternContext``). Collective to create and to close; the same
+    calls in the same order on every rank."""
 
     OP = "matmul_reduce_scatter"
     MODE = "reduce_scatter"
@@ -93,8 +110,9 @@ class MatmulReduceScatter(_MatmulReduction):
 
 class MatmulAllReduce(_MatmulReduction):
     """Workspace of :func:`portable_overlap.matmul_all_reduce` on one rank (module docstring):
-    ``MatmulAllReduce(world, max_m, max_n, transport="copy_engine")``. Collective to create
-    and to close; the same calls in the same order on every rank."""
+    ``MatmulAllReduce(world, max_m, max_n, transport="copy_engine")``, or
+    ``transport="auto"`` (``PatternContext``). Collective to create and to close; the same
+    calls in the same order on every rank."""
 
     OP = "matmul_all_reduce"
     MODE = "all_reduce"

@@ -1,0 +1,198 @@
+"""GPU checks of ``transport="auto"`` (ops/planner.py), under torchrun (2 ranks or more):
+
+    torchrun --nproc-per-node 2 tests/gpu/check_auto_transport.py
+
+For each multi-transport pattern at a prefill-sized and a decode-sized shape (bf16): the first
+call times every candidate and writes a correct result into the poisoned ``out``; the pick is
+the same on every rank, the fastest measured (``"sequential"`` within the tie margin); the
+second call times nothing; the decided call captured in a CUDA graph replays correctly with
+fresh inputs. Then a ``graph=True`` context, and an undecided call under capture, which must
+raise. Each check prints ``PASS``/``FAIL`` on rank 0 with the candidates' times; the exit code is
+1 if any failed on any rank. (Not collected by pytest: it needs one process per GPU.)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import portable_overlap as po
+from portable_overlap.ops import planner
+from portable_overlap.schedule import tuning
+from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.patterns import GEMM_PATTERNS
+
+TOL = 2e-2  # bf16
+results: list = []
+
+
+def record(name: str, ok: bool, detail: str = "") -> None:
+    results.append((name, bool(ok), detail))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:44s} {detail}", flush=True)
+
+
+class Counted:
+    """``tuning.time_call``, counted."""
+
+    def __init__(self):
+        self.count, self.real = 0, tuning.time_call
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.real(*args, **kwargs)
+
+
+def cases(W):
+    """(op, context, reference(a, b, group, bias), shapes (M, N, K) per rank, rows of the
+    result, context sizes); for AllGather + GEMM M is the shard's rows."""
+    def ref(name):
+        return lambda a, b, g, bias: GEMM_PATTERNS[name][1](a, b, g, bias, None)
+
+    return [
+        ("all_gather_matmul", po.AllGatherMatmul,
+         lambda a, b, g, bias: po.all_gather_matmul_reference(a, b, g),
+         [(2048, 4096, 4096), (32, 4096, 4096)], lambda m: W * m, (2048 * 4096,)),
+        ("matmul_reduce_scatter", po.MatmulReduceScatter, ref("matmul_reduce_scatter"),
+         [(4096, 4096, 4096 // W), (64 * W, 4096, 8192 // W)], lambda M: M // W, (4096, 4096)),
+        ("matmul_all_reduce", po.MatmulAllReduce, ref("matmul_all_reduce"),
+         [(4096, 4096, 4096 // W), (16, 4096, 8192 // W)], lambda M: M, (4096, 4096)),
+        ("matmul_all_to_all", po.MatmulAllToAll, ref("matmul_all_to_all"),
+         [(4096, 4096, 2048), (64 * W, 4096, 2048)], lambda M: M, (4096, 4096)),
+    ]
+
+
+def inputs(world, name, M, N, K, gen, bias):
+    dev = world.device
+    a = torch.randn(M, K, device=dev, generator=gen).to(torch.bfloat16)
+    b = torch.randn(K, N, device=dev, generator=gen).to(torch.bfloat16) / K ** 0.5
+    if name == "all_gather_matmul":
+        return a, b, None
+    return a, b, torch.randn(N, device=dev, generator=gen).to(torch.bfloat16) if bias else None
+
+
+def call(name, ctx, a, b, bias, out=None):
+    fn = getattr(po, name)
+    return fn(a, b, ctx, out) if name == "all_gather_matmul" else fn(a, b, ctx, out, bias=bias)
+
+
+def check_pattern(world, gen, name, make, ref, shapes, rows, sizes) -> None:
+    counted = Counted()
+    ctx = make(world, *sizes, transport="auto")
+    tuning.time_call = counted
+    try:
+        for M, N, K in shapes:
+            label = f"{name} {M}x{N}x{K}"
+            a, b, bias = inputs(world, name, M, N, K, gen, bias=True)
+            out = torch.full((rows(M), N), float("nan"), device=world.device,
+                             dtype=torch.bfloat16)
+            call(name, ctx, a, b, bias, out)
+            ctx.synchronize()
+            err = rel_err(out, ref(a, b, world.group, bias))
+            pick = ctx.choice(a, b) if name == "all_gather_matmul" else ctx.choice(a, b, bias)
+            decision = list(ctx.decisions.values())[-1]
+            ms = decision["ms"]
+            best = min(ms, key=ms.get)
+            want = ("sequential" if "sequential" in ms
+                    and ms["sequential"] <= ms[best] * (1 + planner.TIE) else best)
+            picks = world.all_gather_object(pick)
+            timed = counted.count
+            # the second call, fresh inputs: no timing
+            a2, b2, bias2 = inputs(world, name, M, N, K, gen, bias=True)
+            y = call(name, ctx, a2, b2, bias2)
+            ctx.synchronize()
+            err2 = rel_err(y, ref(a2, b2, world.group, bias2))
+            again = counted.count - timed
+            times = ", ".join(f"{t} {v:.3f}" for t, v in ms.items())
+            record(f"{label} pick", pick == want and len(set(picks)) == 1
+                   and timed == len(ms) and again == 0 and err < TOL and err2 < TOL,
+                   f"{pick} [{times} ms] failed={list(decision['failed'])} "
+                   f"rel_err={err:.1e}/{err2:.1e}")
+            counted.count = 0
+            # the decided call in a CUDA graph, replayed with fresh inputs
+            graph_out = torch.empty_like(out)
+            call(name, ctx, a, b, bias, graph_out)  # (plans for graph_out's address)
+            ctx.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                call(name, ctx, a, b, bias, graph_out)
+            worst = 0.0
+            for _ in range(3):
+                a.copy_(torch.randn(a.shape, device=a.device, generator=gen).to(a.dtype))
+                graph_out.fill_(float("nan"))
+                g.replay()
+                ctx.synchronize()
+                worst = max(worst, rel_err(graph_out, ref(a, b, world.group, bias)))
+            record(f"{label} graph replay", worst < TOL and counted.count == 0,
+                   f"{pick} worst rel_err={worst:.1e}")
+    finally:
+        tuning.time_call = counted.real
+        ctx.close()
+
+
+def check_graph_timing_and_capture(world, gen) -> None:
+    """graph=True times graph replays; an undecided call under capture raises."""
+    W = world.world_size
+    M, N, K = 2048, 4096, 4096 // W
+    ctx = po.MatmulAllReduce(world, M, N, transport="auto", graph=True)
+    try:
+        a, b, bias = inputs(world, "matmul_all_reduce", M, N, K, gen, bias=False)
+        y = po.matmul_all_reduce(a, b, ctx)
+        ctx.synchronize()
+        err = rel_err(y, po.matmul_all_reduce_reference(a, b, world.group))
+        ms = list(ctx.decisions.values())[0]["ms"]
+        record(f"graph=True {M}x{N}x{K}", err < TOL,
+               f"{ctx.choice(a, b)} [{', '.join(f'{t} {v:.3f}' for t, v in ms.items())} ms]")
+        a2 = a[: M // 2].contiguous()  # a new key
+        g = torch.cuda.CUDAGraph()
+        msg = ""
+        try:
+            with torch.cuda.graph(g):
+                po.matmul_all_reduce(a2, b, ctx)
+        except RuntimeError as e:
+            msg = str(e)
+        torch.cuda.synchronize()
+        y = po.matmul_all_reduce(a, b, ctx)  # still usable
+        ctx.synchronize()
+        err = rel_err(y, po.matmul_all_reduce_reference(a, b, world.group))
+        record("undecided call under capture raises", "make one eager call" in msg
+               and err < TOL, msg[:90])
+    finally:
+        ctx.close()
+
+
+def main() -> int:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(int(os.environ.get("PO_AUTO_CHECK_TIMEOUT", "540")),
+                                      exit=True)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    world = po.World.from_env()
+    gen = torch.Generator(device=world.device).manual_seed(3000 + world.rank)
+    for case in cases(world.world_size):
+        try:
+            check_pattern(world, gen, *case)
+        except Exception as e:
+            record(case[0], False, f"raised {type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+    try:
+        check_graph_timing_and_capture(world, gen)
+    except Exception as e:
+        record("graph timing", False, f"raised {type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
+    failed = sum(not ok for _, ok, _ in results)
+    all_failed = world.all_gather_object(failed)
+    if world.rank == 0:
+        for name, ok, detail in results:
+            print(f"{'PASS' if ok else 'FAIL'}  {name:44s} {detail}", flush=True)
+        print(f"auto transport gpu checks: {sum(ok for _, ok, _ in results)} passed, "
+              f"{sum(all_failed)} failed (all ranks)", flush=True)
+    dist.destroy_process_group()
+    return 1 if sum(all_failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,471 @@
+"""``transport="auto"`` (ops/planner.py) on the four multi-transport pattern contexts, on
+emulated ranks: the results of every transport it can pick, the decision shared by every rank
+and reused without timing, the disk cache, the candidates and options it takes and refuses, a
+candidate that raises, graph capture of an undecided call, and the context's lifecycle.
+
+Most tests replace ``schedule.tuning.time_call`` in the ranks by :class:`_FakeTimings`, which
+runs the timed call once and returns the time the test gave its transport: the interpreter's
+timings always pick ``"sequential"``, and the test must steer the pick to each transport."""
+import contextlib
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+import portable_overlap as po
+from portable_overlap.errors import ConcurrentUseError, ContextClosedError
+from portable_overlap.ops import planner
+from portable_overlap.ops.gemm_signal import SignalConfig
+from portable_overlap.schedule import tuning
+from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.patterns import GEMM_PATTERNS, pattern_inputs
+
+TOL = 1e-5  # fp32
+
+
+class _FakeTimings:
+    """Stands in for ``tuning.time_call``: counts the timings, runs the timed call once and
+    returns ``costs[transport]`` (1.0 for transports not listed) for the transport it ran, the
+    same on every rank. It learns the transport from the context's ``_run``, which it wraps."""
+
+    def __init__(self, ctx):
+        self.count, self.ran, self.costs = 0, [], {}
+        run = ctx._run
+
+        def recording(transport, impl, *args):
+            self.ran.append(transport)
+            return run(transport, impl, *args)
+
+        ctx._run = recording
+
+    def __call__(self, fn, world, *, iters, warmup, graph):
+        self.count += 1
+        fn()
+        return self.costs.get(self.ran[-1], 1.0)
+
+
+class _CountedTimings:
+    """``tuning.time_call`` itself, counted."""
+
+    def __init__(self):
+        self.count, self.real = 0, tuning.time_call
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.real(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _timing(fake):
+    real = tuning.time_call
+    tuning.time_call = fake
+    try:
+        yield fake
+    finally:
+        tuning.time_call = real
+
+
+def _ag_reference(a, b, group, bias=None, residual=None):
+    return po.all_gather_matmul_reference(a, b, group)
+
+
+def _cases(W):
+    """(op, context class, reference, rows of the result, shapes, sizes the context needs)
+    per pattern; shapes off every tile (odd N and K; M a multiple of W where rows are split)."""
+    out = []
+    for name, (make, ref, rows) in GEMM_PATTERNS.items():
+        shapes = [(W * (i + 1), 5 + 2 * i, 3 + 2 * i) for i in range(len(make.TRANSPORTS) + 1)]
+        out.append((name, make, ref, rows, shapes,
+                    (max(s[0] for s in shapes), max(s[1] for s in shapes))))
+    shapes = [(2 * i + 1, 5 + 2 * i, 3 + i) for i in range(len(po.AllGatherMatmul.TRANSPORTS)
+                                                           + 1)]
+    out.append(("all_gather_matmul", po.AllGatherMatmul, _ag_reference,
+                lambda m, W: W * m, shapes, (max(m * k for m, _, k in shapes),)))
+    return out
+
+
+def _inputs(world, name, rows, M, N, K, seed):
+    """Fresh random inputs of a call (AllGather + GEMM: no bias or residual)."""
+    g = torch.Generator().manual_seed(1000 * seed + 10 * world.rank + M)
+    a, b, bias, res = pattern_inputs(g, M, N, K, rows(M, world.world_size), torch.float32)
+    if name == "all_gather_matmul":
+        b = torch.randn(K, N, generator=torch.Generator().manual_seed(seed))  # same everywhere
+        return a, b, None, None
+    return a, b, bias, res
+
+
+def _call(name, ctx, a, b, bias, res, out=None):
+    fn = getattr(po, name)
+    if name == "all_gather_matmul":
+        return fn(a, b, ctx, out)
+    return fn(a, b, ctx, out, bias=bias, residual=res)
+
+
+def _forced_picks(world):
+    """Each pattern's auto context, one call key per transport with the timings steered to it,
+    and one where the fastest fused transport wins by less than the tie margin (sequential is
+    kept); each key called twice, the second time through the torch.library op."""
+    W = world.world_size
+    found, decisions = [], {}
+    for name, make, ref, rows, shapes, sizes in _cases(W):
+        ctx = make(world, *sizes, transport="auto", iters=1, warmup=0)
+        fake = _FakeTimings(ctx)
+        steer = [(want, {t: 1.0 if t == want else 2.0 for t in make.TRANSPORTS})
+                 for want in make.TRANSPORTS]
+        steer.append(("sequential", {**{t: 2.0 for t in make.TRANSPORTS},
+                                     make.TRANSPORTS[0]: 1.0,
+                                     "sequential": 1.0 + planner.TIE / 2}))
+        try:
+            with _timing(fake):
+                for i, (want, costs) in enumerate(steer):
+                    fake.costs = costs
+                    M, N, K = shapes[i]
+                    for rep in range(2):
+                        a, b, bias, res = _inputs(world, name, rows, M, N, K, 2 * i + rep)
+                        before = fake.count
+                        if rep == 0:
+                            out = torch.full((rows(M, W), N), float("nan"))  # poisoned
+                            into_out = _call(name, ctx, a, b, bias, res, out) is out
+                        else:
+                            op = getattr(torch.ops.portable_overlap, name)
+                            args = (a, b, ctx.handle) + (() if bias is None else (bias, res))
+                            out, into_out = op(*args), True
+                        ctx.synchronize()
+                        found.append((name, want, rep, ctx.choice(a, b, *(
+                            () if bias is None else (bias, res))), into_out,
+                            rel_err(out, ref(a, b, world.group, bias, res)),
+                            fake.count - before))
+            assert all(json.loads(k)["op"] == name for k in ctx.decisions)
+            decisions[name] = sorted(d["transport"] for d in ctx.decisions.values())
+        finally:
+            ctx.close()
+    return found, decisions
+
+
+def test_every_pick_is_correct_and_reused(world):
+    per_rank = world.run(_forced_picks, timeout=600)
+    transports = {c[0]: c[1].TRANSPORTS for c in _cases(2)}
+    for found, decisions in per_rank:
+        assert len(found) == 2 * sum(len(t) + 1 for t in transports.values())
+        for name, want, rep, chose, into_out, err, timings in found:
+            assert chose == want, (name, want, rep, chose)
+            assert into_out and err < TOL, (name, want, rep, err)
+            # every candidate timed once at the key's first call, none at the second
+            assert timings == (len(transports[name]) if rep == 0 else 0), (name, want, rep,
+                                                                           timings)
+        for name, picks in decisions.items():
+            assert picks == sorted([*transports[name], "sequential"]), (name, picks)
+    picks = [[x[:4] for x in found] for found, _ in per_rank]
+    assert all(p == picks[0] for p in picks[1:])  # the same pick on every rank
+
+
+def _disk_cache(world, tmp):
+    """Real timings (the interpreter's: sequential wins by far) and where decisions are kept:
+    in memory only, in a file named by cache_path (shared by the ranks) that a second context
+    reads without timing, in the file the environment names; never in the home directory."""
+    W = world.world_size
+    M, N, K = 3 * W, 7, 5
+    home = os.path.join(tmp, f"home{world.rank}")
+    os.makedirs(home)
+    saved = {v: os.environ.get(v) for v in ("HOME", tuning.CACHE_VAR)}
+    os.environ["HOME"] = home
+    os.environ.pop(tuning.CACHE_VAR, None)
+    path, env_path = os.path.join(tmp, "decisions.json"), os.path.join(tmp, "env.json")
+    steps = {}
+
+    def run(step, **kw):
+        ctx = po.MatmulAllReduce(world, M, N, transport="auto", iters=2, warmup=1, **kw)
+        try:
+            g = torch.Generator().manual_seed(world.rank + len(steps))
+            a, b, bias, res = pattern_inputs(g, M, N, K, M, torch.float32)
+            out = torch.full((M, N), float("nan"))
+            with _timing(_CountedTimings()) as counted:
+                po.matmul_all_reduce(a, b, ctx, out, bias=bias)
+            err = rel_err(out, GEMM_PATTERNS["matmul_all_reduce"][1](a, b, world.group, bias,
+                                                                     None))
+            steps[step] = (ctx.choice(a, b, bias), counted.count, err, list(ctx.decisions))
+        finally:
+            ctx.close()
+
+    try:
+        run("memory")
+        run("file", cache_path=path)
+        run("file again", cache_path=path)
+        os.environ[tuning.CACHE_VAR] = env_path
+        run("env")
+        with open(path) as f:
+            on_disk = json.load(f)
+        return steps, on_disk, os.path.exists(env_path), os.listdir(home)
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def test_decisions_in_memory_and_in_a_file(world2, tmp_path):
+    n = len(po.MatmulAllReduce.TRANSPORTS)
+    for steps, on_disk, env_file, home in world2.run(_disk_cache, str(tmp_path)):
+        for step, (chose, timings, err, keys) in steps.items():
+            assert chose == "sequential" and err < TOL, (step, chose, err)
+            assert len(keys) == 1, (step, keys)
+            assert timings == (0 if step == "file again" else n), (step, timings)
+        assert steps["file"][3] == steps["file again"][3] == list(on_disk)
+        assert on_disk[steps["file"][3][0]]["transport"] == "sequential"
+        assert set(on_disk[steps["file"][3][0]]["ms"]) == set(po.MatmulAllReduce.TRANSPORTS)
+        assert env_file and home == []
+
+
+def _candidates(world):
+    """candidates= restricts what is made and timed; bad values name the op."""
+    M, N, K = 2 * world.world_size, 5, 3
+    ctx = po.MatmulReduceScatter(world, M, N, transport="auto",
+                                 candidates=["sequential", "copy_engine"], iters=1, warmup=0)
+    fake = _FakeTimings(ctx)
+    try:
+        a, b = torch.randn(M, K), torch.randn(K, N)
+        with _timing(fake):
+            y = po.matmul_reduce_scatter(a, b, ctx)
+        err = rel_err(y, po.matmul_reduce_scatter_reference(a, b, world.group))
+        good = (repr(ctx), sorted(set(fake.ran)), fake.count, err)
+    finally:
+        ctx.close()
+    one = po.MatmulAllToAll(world, M, N, transport="auto", candidates=("copy_engine",))
+    try:
+        with _timing(_CountedTimings()) as counted:
+            po.matmul_all_to_all(a, b, one)
+        good += (one.choice(a, b), counted.count)
+    finally:
+        one.close()
+    bad = {}
+    for label, value in (("str", "sequential"), ("empty", ()), ("unknown", ("nccl",)),
+                         ("twice", ("sequential", "sequential")), ("auto", ("auto",)),
+                         ("not a collection", 3)):
+        try:
+            po.MatmulAllReduce(world, M, N, transport="auto", candidates=value).close()
+            bad[label] = None
+        except ValueError as e:
+            bad[label] = str(e)
+    return good, bad
+
+
+def test_candidates_restrict_the_choice(world2):
+    for good, bad in world2.run(_candidates):
+        text, ran, timings, err, one_choice, one_timings = good
+        assert "candidates=('copy_engine', 'sequential')" in text, text
+        assert ran == ["copy_engine", "sequential"] and timings == 2 and err < TOL
+        assert one_choice == "copy_engine" and one_timings == 0  # nothing to choose
+        for label, msg in bad.items():
+            assert msg and msg.startswith("matmul_all_reduce: candidates must be"), (label, msg)
+
+
+def _bad_options(world):
+    """Option combinations refused at creation (with the op's name), per-call options no
+    candidate takes, and per-call options that settle the transport without timing."""
+    M, N = 2 * world.world_size, 5
+    made = {
+        "direct transport option": dict(transport="auto", pieces=2),
+        "options for a non-candidate": dict(transport="auto", candidates=("sequential",
+                                                                          "copy_engine"),
+                                            options={"signal_collective": {}}),
+        "options for an unknown transport": dict(transport="auto", options={"nccl": {}}),
+        "options not a dict": dict(transport="auto", options=[("copy_engine", {})]),
+        "a transport's options not a dict": dict(transport="auto",
+                                                 options={"copy_engine": 4}),
+        "iters": dict(transport="auto", iters=0),
+        "warmup": dict(transport="auto", warmup=-1),
+        "graph": dict(transport="auto", graph="yes"),
+        "cache_path a directory": dict(transport="auto", cache_path="/"),
+        "candidates with a named transport": dict(transport="sequential",
+                                                  candidates=("sequential",)),
+        "cache_path with a named transport": dict(transport="copy_engine", cache_path="x.json"),
+        "refused by the transport": dict(transport="auto", options={"sequential": {"pieces": 2}}),
+        "unknown transport": dict(transport="automatic"),
+    }
+    msgs = {}
+    for label, kw in made.items():
+        try:
+            po.MatmulAllReduce(world, M, N, **kw).close()
+            msgs[label] = None
+        except ValueError as e:
+            msgs[label] = str(e)
+    ctx = po.MatmulAllReduce(world, M, N, transport="auto", options={"copy_engine": {"pieces": 2}})
+    try:
+        a, b = torch.randn(M, 3), torch.randn(3, N)
+        with _timing(_CountedTimings()) as counted:
+            y = po.matmul_all_reduce(a, b, ctx, config=SignalConfig())
+        msgs["signal config"] = (ctx.choice(a, b, config=SignalConfig()), counted.count,
+                                 rel_err(y, po.matmul_all_reduce_reference(a, b, world.group)),
+                                 ctx.impl, ctx.planner.impls["copy_engine"].pieces)
+    finally:
+        ctx.close()
+    ag = po.AllGatherMatmul(world, 64, transport="auto", candidates=("stores", "sequential"))
+    try:
+        po.all_gather_matmul(torch.randn(3, 4), torch.randn(4, 5), ag, schedule="hetero-fused-1d")
+        msgs["schedule without copy_engine"] = None
+    except ValueError as e:
+        msgs["schedule without copy_engine"] = str(e)
+    finally:
+        ag.close()
+    return msgs
+
+
+def test_bad_option_combinations(world2):
+    for msgs in world2.run(_bad_options):
+        chose, timings, err, impl, pieces = msgs.pop("signal config")
+        assert chose == "signal_collective" and timings == 0 and err < TOL
+        assert impl is None and pieces == 2
+        for label, msg in msgs.items():
+            assert msg and msg.startswith(("matmul_all_reduce", "all_gather_matmul")), (label, msg)
+        assert "options={name: {...}}" in msgs["direct transport option"]
+        assert "not a candidate" in msgs["options for a non-candidate"]
+        assert "not a transport" in msgs["options for an unknown transport"]
+        assert "is an option of transport='auto'" in msgs["candidates with a named transport"]
+        assert "is an option of transport='auto'" in msgs["cache_path with a named transport"]
+        assert "'sequential' transport takes no options" in msgs["refused by the transport"]
+        assert "or 'auto'" in msgs["unknown transport"]
+        assert "no candidate transport takes the per-call options schedule=" in \
+            msgs["schedule without copy_engine"]
+
+
+def _failing(world, only_rank0):
+    """A candidate that raises while it is timed is left out with a warning (on every rank,
+    also when it raised on one rank only and left its peers' workspace broken); when all raise,
+    the call raises; bad input raises what a named transport raises."""
+    M, N, K = 2 * world.world_size, 5, 3
+    ctx = po.MatmulAllReduce(world, M, N, transport="auto", iters=1, warmup=0, timeout_s=3.0)
+    run = ctx._run
+    broken = {"copy_engine"}
+
+    def failing(transport, impl, *args):
+        if transport in broken and (world.rank == 0 or not only_rank0):
+            raise RuntimeError(f"injected failure of {transport}")
+        return run(transport, impl, *args)
+
+    ctx._run = failing
+    found = {}
+    try:
+        a, b = torch.randn(M, K), torch.randn(K, N)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = po.matmul_all_reduce(a, b, ctx)
+        ctx.synchronize()  # every workspace still checks clean
+        found["dropped"] = (ctx.choice(a, b), rel_err(y, po.matmul_all_reduce_reference(
+            a, b, world.group)), [str(w.message) for w in caught if w.category is RuntimeWarning],
+            list(ctx.decisions.values())[0]["failed"], ctx.planner.candidates)
+        if not only_rank0:  # (on one rank only, its peer's collectives would wait for it)
+            broken.update(ctx.TRANSPORTS)  # now every candidate raises
+            try:
+                po.matmul_all_reduce(torch.randn(M + 1, K), torch.randn(K, N), ctx)
+                found["all fail"] = None
+            except RuntimeError as e:
+                found["all fail"] = str(e)
+            broken.clear()
+            named = po.MatmulAllReduce(world, M, N, transport="sequential")
+            for label, c in (("auto", ctx), ("named", named)):
+                try:
+                    po.matmul_all_reduce(a, torch.randn(K + 1, N), c)
+                    found[label] = None
+                except ValueError as e:
+                    found[label] = str(e)
+            named.close()
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("only_rank0", [False, True], ids=["every-rank", "rank0"])
+def test_a_candidate_that_raises_is_dropped(world2, only_rank0):
+    for found in world2.run(_failing, only_rank0, timeout=300):
+        chose, err, warned, failed, left = found["dropped"]
+        assert chose == "sequential" and err < TOL
+        assert len(warned) == 1 and "transport 'copy_engine' raised" in warned[0], warned
+        assert list(failed) == ["copy_engine"] and "injected failure" in failed["copy_engine"]
+        if only_rank0:  # its peer timed out waiting: that workspace is out of step for good
+            assert "every later one" in warned[0] and "copy_engine" not in left, (warned, left)
+            continue
+        assert "copy_engine" in left
+        assert found["auto"] and found["auto"] == found["named"], found
+        assert found["all fail"].startswith("matmul_all_reduce: no candidate transport could "
+                                            "run this call"), found["all fail"]
+        assert all(f"{t}: rank 0: RuntimeError: injected" in found["all fail"] for t in left)
+
+
+def _capture(world):
+    """A call under graph capture whose key is undecided raises (timing cannot be captured); a
+    decided key runs as its transport does."""
+    M, N, K = 2 * world.world_size, 5, 3
+    ctx = po.MatmulAllToAll(world, M, N, transport="auto", iters=1, warmup=0)
+    real = planner.stream_capturing
+    found = {}
+    try:
+        a, b = torch.randn(M, K), torch.randn(K, N)
+        planner.stream_capturing = lambda device: True
+        try:
+            po.matmul_all_to_all(a, b, ctx)
+            found["undecided"] = None
+        except RuntimeError as e:
+            found["undecided"] = str(e)
+        planner.stream_capturing = real
+        po.matmul_all_to_all(a, b, ctx)  # eager: decides
+        planner.stream_capturing = lambda device: True
+        y = po.matmul_all_to_all(a, b, ctx)
+        found["decided"] = rel_err(y, po.matmul_all_to_all_reference(a, b, world.group))
+    finally:
+        planner.stream_capturing = real
+        ctx.close()
+    return found
+
+
+def test_graph_capture_needs_a_decided_call(world2):
+    for found in world2.run(_capture):
+        assert "make one eager call with these shapes before capturing" in found["undecided"]
+        assert found["decided"] < TOL
+
+
+def _lifecycle(world):
+    """timeout_s, check, synchronize and close cover every candidate's workspace."""
+    M, N = 2 * world.world_size, 5
+    found = {}
+    with po.AllGatherMatmul(world, 32, transport="auto", timeout_s=7.0) as ctx:
+        found["timeout"] = ctx.timeout_s
+        found["workspaces"] = sorted(ctx.planner.impls)
+        ctx.check()
+        ctx.synchronize()
+        ctx.planner._lock.acquire()  # another thread's call is under way
+        try:
+            po.all_gather_matmul(torch.randn(2, 3), torch.randn(3, 4), ctx)
+        except ConcurrentUseError as e:
+            found["threads"] = str(e)
+        finally:
+            ctx.planner._lock.release()
+        found["default"] = po.MatmulAllReduce(world, M, N, transport="auto")
+        found["default timeout"] = found["default"].timeout_s
+        found["default"].close()
+        found["default"] = repr(found["default"])
+    found["closed"] = [impl._closed for impl in ctx.planner.impls.values()]
+    ctx.close()  # twice: nothing
+    a, b = torch.randn(2, 3), torch.randn(3, 4)
+    for what, call in (("call", lambda: po.all_gather_matmul(a, b, ctx)), ("check", ctx.check),
+                       ("synchronize", ctx.synchronize)):
+        try:
+            call()
+            found[what] = None
+        except ContextClosedError as e:
+            found[what] = str(e)
+    return found
+
+
+def test_lifecycle_covers_every_workspace(world2):
+    for found in world2.run(_lifecycle):
+        assert found["timeout"] == 7.0
+        assert found["workspaces"] == sorted(po.AllGatherMatmul.TRANSPORTS)
+        assert "already running a call in another thread" in found["threads"]
+        assert found["default timeout"] == 60.0  # the longest default (sequential's)
+        assert "transport='auto', candidates=(" in found["default"]
+        assert found["closed"] == [True] * len(po.AllGatherMatmul.TRANSPORTS)
+        for what in ("call", "check", "synchronize"):
+            assert found[what] and "all_gather_matmul: this context was closed" in found[what]
