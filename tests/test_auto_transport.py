@@ -161,6 +161,43 @@ def test_every_pick_is_correct_and_reused(world):
     assert all(p == picks[0] for p in picks[1:])  # the same pick on every rank
 
 
+def _keys(world):
+    """What makes a new call key: shapes, strides (but not a size-1 dimension's), optional
+    inputs given; new values in the same layout do not."""
+    M, N, K = world.world_size, 5, 3
+    ctx = po.MatmulAllReduce(world, 4 * M, N, transport="auto", iters=1, warmup=0)
+    fake = _FakeTimings(ctx)
+    counts = {}
+    try:
+        a, b = torch.randn(M, K), torch.randn(K, N)
+        with _timing(fake):
+            for label, args, kw in (
+                    ("first", (a, b), {}),
+                    ("new values", (torch.randn(M, K), torch.randn(K, N)), {}),
+                    ("b transposed", (a, torch.randn(N, K).t()), {}),
+                    ("bias", (a, b), {"bias": torch.randn(N)}),
+                    ("rows", (torch.randn(2 * M, K), b), {}),
+                    ("one row", (torch.randn(1, K), b), {}),
+                    ("one row of a wider tensor", (torch.randn(1, 2 * K)[:, :K], b), {})):
+                before = fake.count
+                y = po.matmul_all_reduce(*args, ctx, **kw)
+                ref = GEMM_PATTERNS["matmul_all_reduce"][1]
+                err = rel_err(y, ref(*args, world.group, kw.get("bias"), None))
+                counts[label] = (fake.count - before, err)
+    finally:
+        ctx.close()
+    return counts
+
+
+def test_what_makes_a_new_call_key(world2):
+    n = len(po.MatmulAllReduce.TRANSPORTS)
+    for counts in world2.run(_keys):
+        assert all(err < TOL for _, err in counts.values()), counts
+        assert {k: c for k, (c, _) in counts.items()} == {
+            "first": n, "new values": 0, "b transposed": n, "bias": n, "rows": n,
+            "one row": n, "one row of a wider tensor": 0}, counts
+
+
 def _disk_cache(world, tmp):
     """Real timings (the interpreter's: sequential wins by far) and where decisions are kept:
     in memory only, in a file named by cache_path (shared by the ranks) that a second context

@@ -152,7 +152,7 @@ def _call_key(inputs: dict, given: dict) -> tuple:
 
 
 def _describe(v):
-    """``_value_key`` for JSON (the disk cache's key and the ranks' comparison)."""
+    """One value of ``_call_key`` as JSON, for the decision's key (``tuning.cache_key``)."""
     if v is None:
         return None
     if isinstance(v, torch.Tensor):
