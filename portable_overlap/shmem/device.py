@@ -279,3 +279,30 @@ def await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr, pid, 
     ``kind`` names it in a timeout report. Returns ``ok`` and-ed with the outcome."""
     return await_word(consumed_ptr + d, epoch - 1, epoch, 0, clock_ptr, timeout_us, status_addr,
                       pid, d, tl.cast(d, tl.int64) + (kind << 32), ok, False)
+
+
+@triton.jit
+def await_free_once(consumed_ptr, d, cleared, epoch, clock_ptr, timeout_us, status_addr, pid,
+                    kind, ok):
+    """``await_free`` for rank d, once per call and program: bit d of ``cleared`` (an int64, so
+    at most 64 ranks) records that this program already waited for d in this call. Returns
+    ``(ok, cleared)`` with bit d set."""
+    if ((cleared >> d) & 1) == 0:
+        ok = await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr, pid, kind,
+                        ok)
+        cleared = cleared | (tl.full((), 1, tl.int64) << d)
+    return ok, cleared
+
+
+@triton.jit
+def end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world):
+    """``end_call`` of a launch whose peers write into this rank's heap: the last program out
+    also sets ``consumed[rank]`` to ``epoch`` in every peer's heap (``await_free`` waits for
+    it), after a barrier that orders this program's reads of the received data before its
+    ticket. Every program has taken its ticket only after its own reads, so when the last one
+    signals, no program of this launch reads the buffers any more."""
+    tl.debug_barrier()
+    if end_call(ctl_ptr, epoch):
+        for q in range(0, world):
+            if q != rank:
+                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)

@@ -111,6 +111,40 @@ def gemm_tile_desc_bt(a_desc, bt_desc, row0, col0, K, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def gemm_tile_desc_of(a_desc, b_desc, row0, col0, K, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      PRECISION: tl.constexpr, B_TRANS: tl.constexpr):
+    """The tile ``a[row0:, :] @ b[:, col0:]`` through descriptors: ``b_desc`` describes ``b``
+    (``gemm_tile_desc``) or, with ``B_TRANS``, the row-major matrix ``b`` is the transpose of
+    (``gemm_tile_desc_bt``), as ``ops.matmul.api.operand_descriptors`` built it."""
+    if B_TRANS:
+        acc = gemm_tile_desc_bt(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                NUM_STAGES, PRECISION)
+    else:
+        acc = gemm_tile_desc(a_desc, b_desc, row0, 0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                             NUM_STAGES, PRECISION)
+    return acc
+
+
+@triton.jit
+def store_tile_epilogue(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om,
+                        stride_rm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """Rows ``r`` of a tile placed at ``(row0, col0)`` of ``out``, in fp32 (``x``): add bias
+    and residual (rows ``row0 + r`` of it), round once, store (masked at the tile's ``nrows``
+    and at N)."""
+    col_ok = (col0 + c) < N
+    mask = (r[:, None] < nrows) & col_ok[None, :]
+    out_rows = (row0 + r).to(tl.int64)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        x += tl.load(res_ptr + out_rows[:, None] * stride_rm + (col0 + c)[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
+             x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, stride_bk,
                    stride_bn, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,

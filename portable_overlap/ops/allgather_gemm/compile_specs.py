@@ -25,9 +25,8 @@ def specs():
         if bt:  # blocks of b.t(), [bn, bk]
             sig["b_desc"] = f"tensordesc<{dt}[{bn}, {bk}]>"
         consts = dict(USE_DESC=desc, B_TRANS=bt, COPY_OWN=copy_own, BLOCK_M=bm, BLOCK_N=bn,
-                      BLOCK_K=bk,
-                      GROUP_M=8, NUM_STAGES=3, EVEN_K=True, PRECISION=prec, UPCAST=False,
-                      COPY_BLOCK=8192, VEC=8 if dt == "bf16" else 4, C_MAX=1024)
+                      BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True, PRECISION=prec,
+                      UPCAST=False, COPY_BLOCK=8192, VEC=8 if dt == "bf16" else 4, C_MAX=1024)
         if not desc:
             consts.update(a_desc=None, g_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})

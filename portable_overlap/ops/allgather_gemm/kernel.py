@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from ...backends.proxy_fence import async_proxy_fence
-from ...shmem.device import (await_flag, await_free, begin_call, call_flag, end_call,
-                             flag_value, live, peer_buffer, signal_peer)
-from ...tiles.gemm import gemm_tile, gemm_tile_desc, gemm_tile_desc_bt, grouped_tile
+from ...shmem.device import (await_flag, await_free_once, begin_call, call_flag, end_call_free,
+                             live, peer_buffer, signal_peer)
+from ...tiles.gemm import gemm_tile, gemm_tile_desc_of, grouped_tile
 
 FLAG_READY = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -60,10 +60,8 @@ def _send(a_ptr, gather_ptr, ready_ptr, consumed_ptr, clock_ptr, bases_ptr, stat
                 c = v // (world - 1)
                 d = (rank + 1 + v % (world - 1)) % world
             if d != rank:
-                if ((cleared >> d) & 1) == 0:
-                    ok = await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr,
-                                    pid, FLAG_CONSUMED, ok)
-                    cleared = cleared | (tl.full((), 1, tl.int64) << d)
+                ok, cleared = await_free_once(consumed_ptr, d, cleared, epoch, clock_ptr,
+                                              timeout_us, status_addr, pid, FLAG_CONSUMED, ok)
             if ok:
                 lo = c * chunk_rows
                 n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
@@ -153,13 +151,9 @@ def allgather_gemm_kernel(
                         async_proxy_fence()  # the acquire above, before the bulk copies' reads
                         src_desc = g_desc
                         src_row = row_lo
-                    if B_TRANS:
-                        acc = gemm_tile_desc_bt(src_desc, b_desc, src_row, pid_n * BLOCK_N, K,
-                                                BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                                PRECISION)
-                    else:
-                        acc = gemm_tile_desc(src_desc, b_desc, src_row, 0, pid_n * BLOCK_N, K,
-                                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                    acc = gemm_tile_desc_of(src_desc, b_desc, src_row, pid_n * BLOCK_N, K,
+                                            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION,
+                                            B_TRANS)
                 else:
                     if own:
                         src = a_ptr + (row_lo - own_lo).to(tl.int64) * K
@@ -176,8 +170,4 @@ def allgather_gemm_kernel(
                              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     # the last program out: every read of the gather buffer is done; tell the peers
-    tl.debug_barrier()
-    if end_call(ctl_ptr, epoch):
-        for q in range(0, world):
-            if q != rank:
-                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)
+    end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)

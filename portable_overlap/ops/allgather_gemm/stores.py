@@ -121,16 +121,14 @@ class AllGatherMatmulStores(OverlapContext):
     def _args(self, a, b, out, plan, programs: Optional[int] = None, tag: Optional[int] = None):
         m, K = a.shape
         W = self.world.world_size
-        a_desc = g_desc = b_desc = None
-        if plan.use_desc:
+        a_desc = b_desc = None
+        if plan.use_desc:  # per call: they hold a's and b's addresses
             a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
-            g_desc = operand_descriptors(self._gathered(m, K, a.dtype), b, plan.cfg,
-                                         self.world.facts)[0]
         return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.ctl,
                 self.call_clock, self.heap.bases, plan.order, self.status.address, m,
                 b.shape[1], K, b.stride(0), b.stride(1), plan.chunk_rows, plan.n_chunks,
                 plan.senders, plan.programs if programs is None else programs, self.rank, W,
-                plan.tag if tag is None else tag, self.timeout_us, a_desc, g_desc, b_desc)
+                plan.tag if tag is None else tag, self.timeout_us, a_desc, plan.g_desc, b_desc)
 
     def _plan(self, a, b, out):
         m, K = a.shape
@@ -149,12 +147,14 @@ class AllGatherMatmulStores(OverlapContext):
         # descriptors where the device and operands allow, b's transpose where b is one (a
         # column-parallel weight, weight.t()); the plan's key (strides, alignment) fixes them
         a_desc, _, b_trans = operand_descriptors(a, b, cfg, facts)
-        use_desc = a_desc is not None and operand_descriptors(
-            self._gathered(m, K, a.dtype), b, cfg, facts)[0] is not None
+        # the gather buffer's view of this key has a fixed address: its descriptor is made once
+        g_desc = operand_descriptors(self._gathered(m, K, a.dtype), b, cfg, facts)[0]
+        use_desc = a_desc is not None and g_desc is not None
 
-        # what _args needs before the launch is planned
+        # what _args needs, before the launch is planned and on it afterwards
         p = SimpleNamespace(cfg=cfg, chunk_rows=chunk_rows, n_chunks=n_chunks, senders=senders,
-                            use_desc=use_desc, order=torch.tensor(
+                            use_desc=use_desc, g_desc=g_desc if use_desc else None,
+                            order=torch.tensor(
                                 tile_order(self.rank, W, m, cfg.block_m, chunk_rows),
                                 dtype=torch.int32, device=a.device))
 
@@ -174,7 +174,6 @@ class AllGatherMatmulStores(OverlapContext):
             raise RuntimeError(f"{OP}: only {plan.programs} programs of this kernel fit on the "
                                f"device at once, not more than senders={senders}: pass fewer "
                                f"senders")
-        plan.cfg, plan.chunk_rows, plan.n_chunks, plan.senders, plan.use_desc, plan.order = (
-            cfg, chunk_rows, n_chunks, senders, use_desc, p.order)
+        vars(plan).update(vars(p))
         plan.tag = tag_of(plan.programs)
         return plan

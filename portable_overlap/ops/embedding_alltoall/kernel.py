@@ -30,8 +30,8 @@ destinations it has not signalled yet, but keeps every wait, so the ranks stay i
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_BAD_INPUT, await_free, begin_call, call_flag, end_call,
-                             flag_value, live, peer_buffer, report, signal_peer, wait_peers)
+from ...shmem.device import (STATUS_BAD_INPUT, await_free, begin_call, call_flag, end_call_free,
+                             live, peer_buffer, report, signal_peer, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
 from .pool import first_outside, indices_outside, pooled_rows
 
@@ -195,8 +195,4 @@ def _embedding_alltoall(
                         tl.store(out_ptr + offs, tl.load(recv_ptr + offs, mask=mask), mask=mask)
 
     # 4. the last program out publishes the epoch here and "recv consumed" on every peer
-    tl.debug_barrier()  # this program's reads of recv are done before its ticket
-    if end_call(ctl_ptr, epoch):
-        for q in range(0, world):
-            if q != rank:
-                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)
+    end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)

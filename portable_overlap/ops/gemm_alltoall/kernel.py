@@ -24,8 +24,8 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (await_free, begin_call, call_flag, end_call,
-                             flag_value, live, peer_buffer, signal_peer, signal_peers, wait_peers)
+from ...shmem.device import (await_free_once, begin_call, call_flag, end_call_free, live,
+                             peer_buffer, signal_peers, wait_peers)
 from ...tiles.gemm import gemm_tile_auto, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
@@ -88,11 +88,10 @@ def gemm_alltoall_kernel(
                     if d == rank:
                         tl.store(out_ptr + offs, y, mask=in_d[:, None] & col_ok)
                     else:
-                        if ((cleared >> d) & 1) == 0:
-                            # d must have copied out the previous call before we overwrite recv
-                            ok = await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us,
-                                            status_addr, pid, FLAG_CONSUMED, ok)
-                            cleared = cleared | (tl.full((), 1, tl.int64) << d)
+                        # d must have copied out the previous call before we overwrite recv
+                        ok, cleared = await_free_once(consumed_ptr, d, cleared, epoch,
+                                                      clock_ptr, timeout_us, status_addr, pid,
+                                                      FLAG_CONSUMED, ok)
                         if ok:
                             dst = peer_buffer(recv_ptr, bases_ptr, rank, d)
                             tl.store(dst + offs, y, mask=in_d[:, None] & col_ok)
@@ -121,8 +120,4 @@ def gemm_alltoall_kernel(
                         tl.store(out_ptr + offs, tl.load(recv_ptr + offs, mask=mask), mask=mask)
 
     # 4. the last program out publishes the epoch here and "recv consumed" on every peer
-    tl.debug_barrier()  # this program's reads of recv are done before its ticket
-    if end_call(ctl_ptr, epoch):
-        for q in range(0, world):
-            if q != rank:
-                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)
+    end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)

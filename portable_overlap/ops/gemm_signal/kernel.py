@@ -22,7 +22,7 @@ an optional fused bias (per column) and residual add.
 import triton
 import triton.language as tl
 
-from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
+from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile, store_tile_epilogue
 
 
 @triton.jit
@@ -102,25 +102,8 @@ def signal_reorder_kernel(
     s, r, c, row0, nrows, col0 = _slab_of_program(table_ptr, BLOCK_M, BLOCK_N, ROWS)
     x = tl.load(src_ptr + s.to(tl.int64) * (BLOCK_M * BLOCK_N) + r[:, None] * BLOCK_N
                 + c[None, :]).to(tl.float32)
-    _finish_slab(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om, stride_rm,
-                 HAS_BIAS, HAS_RES)
-
-
-@triton.jit
-def _finish_slab(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om, stride_rm,
-                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    """Rows ``r`` of a tile placed at ``(row0, col0)`` of ``out``, in fp32 (``x``): add bias and
-    residual, round once, store (masked at the tile's ``nrows`` and at N)."""
-    col_ok = (col0 + c) < N
-    mask = (r[:, None] < nrows) & col_ok[None, :]
-    out_rows = (row0 + r).to(tl.int64)
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + col0 + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        x += tl.load(res_ptr + out_rows[:, None] * stride_rm + (col0 + c)[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_rows[:, None] * stride_om + (col0 + c)[None, :],
-             x.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile_epilogue(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om,
+                        stride_rm, HAS_BIAS, HAS_RES)
 
 
 @triton.jit
@@ -208,5 +191,5 @@ def signal_reduce_kernel(
         if q != rank:
             x += tl.load(src).to(tl.float32)
         src += region
-    _finish_slab(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om, stride_rm,
-                 HAS_BIAS, HAS_RES)
+    store_tile_epilogue(x, r, c, row0, nrows, col0, N, out_ptr, bias_ptr, res_ptr, stride_om,
+                        stride_rm, HAS_BIAS, HAS_RES)

@@ -29,9 +29,9 @@ previous epoch; the last program of a launch sets ``consumed[r]`` in every peer'
 import triton
 import triton.language as tl
 
-from ...shmem.device import (await_free, begin_call, call_flag, end_call, flag_value, live,
-                             peer_buffer, signal_peer, signal_peers, wait_peers)
-from ...tiles.gemm import gemm_tile, gemm_tile_desc, gemm_tile_desc_bt, grouped_tile
+from ...shmem.device import (await_free_once, begin_call, call_flag, end_call_free, live,
+                             peer_buffer, signal_peers, wait_peers)
+from ...tiles.gemm import gemm_tile, gemm_tile_desc_of, grouped_tile, store_tile_epilogue
 
 FLAG_SENT = tl.constexpr(1)
 FLAG_CONSUMED = tl.constexpr(2)
@@ -46,49 +46,35 @@ def _first_tile(pid, d, tpb, G):
 
 
 @triton.jit
-def _epilogue(z, bias_ptr, res_ptr, res_rows, cols, N, mask, stride_res,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    """``z`` (float32) plus bias [N] and the residual rows ``res_rows``, in float32."""
-    if HAS_BIAS:
-        z += tl.load(bias_ptr + cols, mask=cols < N, other=0.0)[None, :].to(tl.float32)
-    if HAS_RES:
-        z += tl.load(res_ptr + res_rows[:, None].to(tl.int64) * stride_res + cols[None, :],
-                     mask=mask, other=0.0).to(tl.float32)
-    return z
-
-
-@triton.jit
-def _finish_own(acc, rows, cols, mask, lo_d, rank, world, block_rows, N, out_ptr, bias_ptr,
+def _finish_own(acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_ptr, bias_ptr,
                 res_ptr, stride_res, recv_ptr, gathered_ptr, consumed_ptr, clock_ptr, bases_ptr,
                 status_addr, epoch, timeout_us, pid, ok, cleared, ALL_REDUCE: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-    """Step 3 for the columns ``cols`` of one tile of this rank's block (``rows`` counted in the
-    block, which starts at row ``lo_d``): add the peers' partials to ``acc`` and store the
-    result (module docstring). Returns ``ok``."""
+    """Step 3 for columns ``col0 + c`` of one tile of this rank's block (rows ``r`` counted in
+    the block, which starts at row ``lo_d`` and has ``rows_d`` rows): add the peers' partials
+    to ``acc`` and store the result (module docstring). Returns ``(ok, cleared)``."""
+    cols = col0 + c
+    mask = (r < rows_d)[:, None] & (cols < N)[None, :]
     for q in range(0, world):
         if q != rank:
-            offs = (q * block_rows + rows)[:, None].to(tl.int64) * N + cols[None, :]
+            offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
             acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ALL_REDUCE:
         y = acc.to(out_ptr.dtype.element_ty)  # the reduced block every rank gets
-        goffs = (lo_d + rows)[:, None].to(tl.int64) * N + cols[None, :]
+        goffs = (lo_d + r)[:, None].to(tl.int64) * N + cols[None, :]
         for q in range(0, world):
             if q != rank:
-                if ((cleared >> q) & 1) == 0:
-                    ok = await_free(consumed_ptr, q, epoch, clock_ptr, timeout_us, status_addr,
-                                    pid, FLAG_CONSUMED, ok)
+                ok, cleared = await_free_once(consumed_ptr, q, cleared, epoch, clock_ptr,
+                                              timeout_us, status_addr, pid, FLAG_CONSUMED, ok)
                 if ok:
                     tl.store(peer_buffer(gathered_ptr, bases_ptr, rank, q) + goffs, y,
                              mask=mask)
-        z = _epilogue(y.to(tl.float32), bias_ptr, res_ptr, lo_d + rows, cols, N, mask,
-                      stride_res, HAS_BIAS, HAS_RES)
-        tl.store(out_ptr + goffs, z.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        z = _epilogue(acc, bias_ptr, res_ptr, rows, cols, N, mask, stride_res, HAS_BIAS,
-                      HAS_RES)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
-                 z.to(out_ptr.dtype.element_ty), mask=mask)
-    return ok
+        store_tile_epilogue(y.to(tl.float32), r, c, lo_d, rows_d, col0, N, out_ptr, bias_ptr,
+                            res_ptr, N, stride_res, HAS_BIAS, HAS_RES)
+    else:  # out and residual hold this rank's rows only
+        store_tile_epilogue(acc, r, c, 0, rows_d, col0, N, out_ptr, bias_ptr, res_ptr, N,
+                            stride_res, HAS_BIAS, HAS_RES)
+    return ok, cleared
 
 
 # Every rank runs the same compiled code (the rank is never specialized on: see
@@ -131,26 +117,20 @@ def matmul_reduce_stores_kernel(
         row0 = tm * BLOCK_M  # in the block
         if (T < tpb) & (row0 < rows_d) & ok:
             if USE_DESC:
-                if B_TRANS:
-                    acc = gemm_tile_desc_bt(a_desc, b_desc, lo_d + row0, tn * BLOCK_N, K,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
-                else:
-                    acc = gemm_tile_desc(a_desc, b_desc, lo_d + row0, 0, tn * BLOCK_N, K,
-                                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+                acc = gemm_tile_desc_of(a_desc, b_desc, lo_d + row0, tn * BLOCK_N, K, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION, B_TRANS)
             else:
                 acc = gemm_tile(a_ptr + (lo_d + row0).to(tl.int64) * stride_am, b_ptr,
                                 rows_d - row0, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                                 0, tn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
                                 UPCAST)
-            rows = row0 + tl.arange(0, BLOCK_M)  # in the block
-            cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = (rows < rows_d)[:, None] & (cols < N)[None, :]
             if d != rank:  # 1. a peer's partial, into its heap at this rank's slot
-                if ((cleared >> d) & 1) == 0:
-                    ok = await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr,
-                                    pid, FLAG_CONSUMED, ok)
-                    cleared = cleared | (tl.full((), 1, tl.int64) << d)
+                ok, cleared = await_free_once(consumed_ptr, d, cleared, epoch, clock_ptr,
+                                              timeout_us, status_addr, pid, FLAG_CONSUMED, ok)
                 if ok:
+                    rows = row0 + tl.arange(0, BLOCK_M)  # in the block
+                    cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+                    mask = (rows < rows_d)[:, None] & (cols < N)[None, :]
                     dst = peer_buffer(recv_ptr, bases_ptr, rank, d)
                     offs = (rank * block_rows + rows)[:, None].to(tl.int64) * N + cols[None, :]
                     tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -160,20 +140,18 @@ def matmul_reduce_stores_kernel(
                 HALF: tl.constexpr = BLOCK_N // 2
                 left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)),
                                                   (0, 2, 1)))
-                c_left = tn * BLOCK_N + tl.arange(0, HALF)
-                ok = _finish_own(left, rows, c_left, (rows < rows_d)[:, None]
-                                 & (c_left < N)[None, :], lo_d, rank, world, block_rows, N,
-                                 out_ptr, bias_ptr, res_ptr, stride_res, recv_ptr, gathered_ptr,
-                                 consumed_ptr, clock_ptr, bases_ptr, status_addr, epoch,
-                                 timeout_us, pid, ok, cleared, ALL_REDUCE, HAS_BIAS, HAS_RES)
-                if ALL_REDUCE:  # _finish_own waited until every peer's buffers were free
-                    cleared = tl.full((), -1, tl.int64)
-                c_right = c_left + HALF
-                ok = _finish_own(right, rows, c_right, (rows < rows_d)[:, None]
-                                 & (c_right < N)[None, :], lo_d, rank, world, block_rows, N,
-                                 out_ptr, bias_ptr, res_ptr, stride_res, recv_ptr, gathered_ptr,
-                                 consumed_ptr, clock_ptr, bases_ptr, status_addr, epoch,
-                                 timeout_us, pid, ok, cleared, ALL_REDUCE, HAS_BIAS, HAS_RES)
+                r = row0 + tl.arange(0, BLOCK_M)
+                c = tl.arange(0, HALF)
+                ok, cleared = _finish_own(left, r, c, tn * BLOCK_N, lo_d, rows_d, rank, world,
+                                          block_rows, N, out_ptr, bias_ptr, res_ptr, stride_res,
+                                          recv_ptr, gathered_ptr, consumed_ptr, clock_ptr,
+                                          bases_ptr, status_addr, epoch, timeout_us, pid, ok,
+                                          cleared, ALL_REDUCE, HAS_BIAS, HAS_RES)
+                ok, cleared = _finish_own(right, r, c, tn * BLOCK_N + HALF, lo_d, rows_d, rank,
+                                          world, block_rows, N, out_ptr, bias_ptr, res_ptr,
+                                          stride_res, recv_ptr, gathered_ptr, consumed_ptr,
+                                          clock_ptr, bases_ptr, status_addr, epoch, timeout_us,
+                                          pid, ok, cleared, ALL_REDUCE, HAS_BIAS, HAS_RES)
 
     if ALL_REDUCE:  # 4. the peers' reduced blocks, the tiles their program pid reduced
         signal_peers(reduced_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
@@ -189,18 +167,14 @@ def matmul_reduce_stores_kernel(
                     tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
                     row0 = tm * BLOCK_M
                     if (T < tpb) & (row0 < rows_q):
-                        rows = lo_q + row0 + tl.arange(0, BLOCK_M)
-                        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-                        mask = (rows < lo_q + rows_q)[:, None] & (cols < N)[None, :]
-                        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-                        y = tl.load(gathered_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                        z = _epilogue(y, bias_ptr, res_ptr, rows, cols, N, mask, stride_res,
-                                      HAS_BIAS, HAS_RES)
-                        tl.store(out_ptr + offs, z.to(out_ptr.dtype.element_ty), mask=mask)
+                        r = row0 + tl.arange(0, BLOCK_M)  # in block q
+                        c = tl.arange(0, BLOCK_N)
+                        mask = (r < rows_q)[:, None] & (tn * BLOCK_N + c < N)[None, :]
+                        y = tl.load(gathered_ptr + (lo_q + r)[:, None].to(tl.int64) * N
+                                    + (tn * BLOCK_N + c)[None, :], mask=mask, other=0.0)
+                        store_tile_epilogue(y.to(tl.float32), r, c, lo_q, rows_q, tn * BLOCK_N,
+                                            N, out_ptr, bias_ptr, res_ptr, N, stride_res,
+                                            HAS_BIAS, HAS_RES)
 
     # the last program out: every read of this rank's buffers is done; tell the peers
-    tl.debug_barrier()
-    if end_call(ctl_ptr, epoch):
-        for q in range(0, world):
-            if q != rank:
-                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)
+    end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)

@@ -7,6 +7,7 @@ reach every peer's link at once, with no piece to stage and no reduction pass af
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -101,8 +102,6 @@ class MatmulReduceStores(OverlapContext):
                 plan.tag if tag is None else tag, self.timeout_us, a_desc, b_desc)
 
     def _plan(self, a, b, out, bias, residual):
-        from types import SimpleNamespace
-
         M, K = a.shape
         N = b.shape[1]
         W, facts = self.world.world_size, self.world.facts
@@ -123,8 +122,8 @@ class MatmulReduceStores(OverlapContext):
 
         consts = dict(ALL_REDUCE=self.mode == "all_reduce", HAS_BIAS=bias is not None,
                       HAS_RES=residual is not None, USE_DESC=use_desc, B_TRANS=b_trans,
-                      BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
                       PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype), G_MAX=G_MAX,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free, begin_call,
-                             call_flag, end_call, flag_value, live, peer_buffer,
-                             peer_ptr, report, signal_peer, signal_peers)
+                             call_flag, end_call, end_call_free, live, peer_buffer, peer_ptr,
+                             report, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
 from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
@@ -295,8 +295,4 @@ def moe_combine_kernel(
             tl.store(out_ptr + toks[:, None].to(tl.int64) * H + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m)
     # 5. the last program out frees this rank's combine buffer on every peer
-    tl.debug_barrier()
-    if end_call(ctl_ptr + 2, epoch):
-        for q in range(0, world):
-            if q != rank:
-                signal_peer(consumed_ptr + rank, flag_value(epoch, 0), bases_ptr, rank, q)
+    end_call_free(ctl_ptr + 2, epoch, consumed_ptr, bases_ptr, rank, world)
