@@ -56,6 +56,14 @@ def check_transport(op: str, transport, transports: Sequence[str]) -> str:
     return transport
 
 
+def concurrent_use(op: str, rank: int) -> ConcurrentUseError:
+    """The error of a call made while another thread's call on the same context runs."""
+    return ConcurrentUseError(
+        f"{op}: this context is already running a call in another thread on rank {rank}; a "
+        f"context serves one thread at a time (calls from two threads would reach the ranks in "
+        f"different orders): give each thread its own context")
+
+
 def collective_call(method):
     """Wrap an op's call method (see :class:`OverlapContext`): refuse a closed or broken context
     and a second thread, and turn an exception raised before the call's first launch into a
@@ -145,10 +153,7 @@ class ContextBase:
         """A call's guards (``collective_call``): open, one thread, not broken."""
         self._check_open()
         if not self._guard.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{self.OP}: this context is already running a call in another thread on rank "
-                f"{self.rank}; a context serves one thread at a time (calls from two threads "
-                f"would reach the ranks in different orders): give each thread its own context")
+            raise concurrent_use(self.OP, self.rank)
         try:
             self._before_call()
         except BaseException:

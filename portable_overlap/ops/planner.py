@@ -57,9 +57,9 @@ from typing import Optional
 import torch
 
 from ..envvars import env_file_path
-from ..errors import ConcurrentUseError, ContextBrokenError, ContextClosedError
+from ..errors import ContextBrokenError, ContextClosedError
 from ..schedule import tuning
-from .context import stream_capturing
+from .context import concurrent_use, stream_capturing
 
 AUTO = "auto"
 SEQUENTIAL = "sequential"
@@ -236,11 +236,7 @@ class TransportPlanner:
         given = {k: v for k, v in options.items() if v is not None}
         fast = _call_key(inputs, given)
         if not self._lock.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{self.ctx.OP}: this context is already running a call in another thread on "
-                f"rank {self.ctx.rank}; a context serves one thread at a time (calls from two "
-                f"threads would reach the ranks in different orders): give each thread its own "
-                f"context")
+            raise concurrent_use(self.ctx.OP, self.ctx.rank)
         try:
             self._check_open()
             transport = self._chosen.get(fast)

@@ -17,22 +17,17 @@ import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 
 import portable_overlap as po
+from portable_overlap.testing.check_log import CheckLog
 from portable_overlap.ops import planner
 from portable_overlap.schedule import tuning
 from portable_overlap.testing.compare import rel_err
 from portable_overlap.testing.patterns import GEMM_PATTERNS
 
 TOL = 2e-2  # bf16
-results: list = []
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    results.append((name, bool(ok), detail))
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:44s} {detail}", flush=True)
+LOG = CheckLog(44)
+results, record = LOG.results, LOG.record
 
 
 class Counted:
@@ -183,15 +178,7 @@ def main() -> int:
     except Exception as e:
         record("graph timing", False, f"raised {type(e).__name__}: {e}"[:300])
         traceback.print_exc()
-    failed = sum(not ok for _, ok, _ in results)
-    all_failed = world.all_gather_object(failed)
-    if world.rank == 0:
-        for name, ok, detail in results:
-            print(f"{'PASS' if ok else 'FAIL'}  {name:44s} {detail}", flush=True)
-        print(f"auto transport gpu checks: {sum(ok for _, ok, _ in results)} passed, "
-              f"{sum(all_failed)} failed (all ranks)", flush=True)
-    dist.destroy_process_group()
-    return 1 if sum(all_failed) else 0
+    return LOG.finish(world, "auto transport gpu checks")
 
 
 if __name__ == "__main__":

@@ -17,20 +17,15 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
+from portable_overlap.testing.check_log import CheckLog
 from portable_overlap import (EmbeddingAllToAll, PortableOverlapError, World,
                               embedding_all_to_all, embedding_all_to_all_reference)
 from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-results: list[tuple[str, bool, str]] = []
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    results.append((name, bool(ok), detail))
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:55s} {detail}", flush=True)
+LOG = CheckLog(55)
+results, record = LOG.results, LOG.record
 
 
 def make_input(ctx, splits, dtype, gen, pf=4, weighted=False, idx_dtype=torch.int64):
@@ -291,15 +286,7 @@ def main() -> int:
             traceback.print_exc()
             if isinstance(e, PortableOverlapError):
                 break  # a peer is out of step: later collectives would not line up
-    failed = sum(not ok for _, ok, _ in results)
-    all_failed = world.all_gather_object(failed)
-    if world.rank == 0:
-        for name, ok, detail in results:
-            print(f"{'PASS' if ok else 'FAIL'}  {name:55s} {detail}", flush=True)
-        print(f"embedding gpu checks: {sum(ok for _, ok, _ in results)} passed, "
-              f"{sum(all_failed)} failed (all ranks)", flush=True)
-    dist.destroy_process_group()
-    return 1 if sum(all_failed) else 0
+    return LOG.finish(world, "embedding gpu checks")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from portable_overlap.testing.check_log import CheckLog
 from portable_overlap import World
 from portable_overlap.testing.signal_calls import (gemm_all_reduce, gemm_all_to_all_signal,
                                                    gemm_reduce_scatter)
@@ -29,13 +30,8 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 OPS = {"all_reduce": (gemm_all_reduce, gemm_all_reduce_reference),
        "reduce_scatter": (gemm_reduce_scatter, gemm_reduce_scatter_reference),
        "all_to_all": (gemm_all_to_all_signal, gemm_all_to_all_signal_reference)}
-results: list[tuple[str, bool, str]] = []
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    results.append((name, bool(ok), detail))
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:52s} {detail}", flush=True)
+LOG = CheckLog(52)
+results, record = LOG.results, LOG.record
 
 
 def rand(shape, dtype, device, gen):
@@ -357,15 +353,7 @@ def main() -> int:
     except Exception as e:
         record("bad input", False, f"raised {type(e).__name__}: {e}"[:300])
     ctx.close()
-    failed = sum(not ok for _, ok, _ in results)
-    all_failed = world.all_gather_object(failed)
-    if world.rank == 0:
-        for name, ok, detail in results:
-            print(f"{'PASS' if ok else 'FAIL'}  {name:52s} {detail}", flush=True)
-        print(f"gemm_signal gpu checks: {sum(ok for _, ok, _ in results)} passed, "
-              f"{sum(all_failed)} failed (all ranks)", flush=True)
-    dist.destroy_process_group()
-    return 1 if sum(all_failed) else 0
+    return LOG.finish(world, "gemm_signal gpu checks")
 
 
 if __name__ == "__main__":

@@ -16,18 +16,14 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from portable_overlap.testing.check_log import CheckLog
 from portable_overlap import (GemvAllReduce, PeerTimeoutError, PortableOverlapError, World,
                               gemv_all_reduce, gemv_all_reduce_reference, moe_dispatch)
 from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-results: list[tuple[str, bool, str]] = []
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    results.append((name, bool(ok), detail))
-    if os.environ.get("RANK", "0") == "0":  # progress as it goes; the summary comes at the end
-        print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:45s} {detail}", flush=True)
+LOG = CheckLog(45)
+results, record = LOG.results, LOG.record
 
 
 def same_on_all_ranks(world: World, y: torch.Tensor) -> bool:
@@ -759,15 +755,7 @@ def main() -> int:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
             _guarded(check, world, gen)
-    failed = sum(not ok for _, ok, _ in results)
-    all_failed = world.all_gather_object(failed)
-    if world.rank == 0:
-        for name, ok, detail in results:
-            print(f"{'PASS' if ok else 'FAIL'}  {name:45s} {detail}", flush=True)
-        print(f"gpu checks: {sum(ok for _, ok, _ in results)} passed, {sum(all_failed)} failed "
-              f"(all ranks)", flush=True)
-    dist.destroy_process_group()
-    return 1 if sum(all_failed) else 0
+    return LOG.finish(world, "gpu checks")
 
 
 if __name__ == "__main__":
