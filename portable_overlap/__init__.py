@@ -45,13 +45,14 @@ from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine, moe_gemm_combine_
 from .ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
 from .ops.registry import SPECS
 from .world import World
+from .workspace import Workspace
 
 __version__ = "0.1.0"
 
 #: the ops and their contexts, from the op table (one entry per communication pattern)
 OPS = tuple(SPECS)
 __all__ = [
-    "World", "get_backend", "OPS",
+    "World", "Workspace", "get_backend", "OPS",
     *OPS, *(spec.context.__name__ for spec in SPECS.values()),
     *(f"{name}_reference" for name in OPS),
     "GemvConfig", "SignalConfig", "ShardingPlan",

@@ -1,4 +1,5 @@
-"""The signal / wait helpers of shmem/device.py compile to system-scope release and acquire on
+"""The signal / wait helpers of shmem/device.py (and the public device API built on them)
+compile to system-scope release and acquire on
 both vendors: a peer flag is written after this program's stores are visible to the whole
 system, and a poll reads past every cache. Checked in the compiled code for sm_90, gfx942 and
 gfx950 (the helpers' memory semantics are what the protocol rests on; a compiler that dropped
@@ -26,9 +27,22 @@ SIG = {"flag_ptr": "*i64", "bases_ptr": "*i64", "clock_ptr": "*i64", "out_ptr": 
        "timeout_us": "i32"}
 
 
+def _language_kernel():
+    """The public device API's kernel of every primitive (its compile spec's bf16 entry)."""
+    from portable_overlap.language.compile_specs import specs
+
+    name, fn, sig, consts, aligned = next(specs())
+    return fn, sig, consts, aligned
+
+
+KERNELS = {"shmem.device": lambda: (_signal_then_wait, SIG, {}, []),
+           "language": _language_kernel}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
-def test_signal_is_a_system_release_and_the_poll_a_system_acquire(target):
-    k = compile_spec(_signal_then_wait, SIG, {}, [], target)
+def test_signal_is_a_system_release_and_the_poll_a_system_acquire(target, kernel):
+    k = compile_spec(*KERNELS[kernel](), target)
     if target[0] == "cuda":
         ptx = k.asm["ptx"]
         assert re.search(r"atom\.global\.sys\.release\.exch\.b64", ptx), ptx

@@ -1,0 +1,281 @@
+"""Device functions for writing fused compute + communication kernels in Triton, over a
+:class:`portable_overlap.Workspace`'s symmetric heap.
+
+    import portable_overlap.language as pol
+
+    @triton.jit
+    def my_kernel(ctx, x_ptr, inbox_ptr, ready_ptr, n, BLOCK: tl.constexpr):
+        call = pol.begin_call(ctx)              # this launch's number, the same on every rank
+        me, world = pol.rank(ctx), pol.num_ranks(ctx)
+        ...
+        pol.put_signal(ctx, inbox_ptr + offs, tile, peer, ready_ptr + me, call, mask)
+        ok = pol.wait(ctx, ready_ptr + peer, call, peer)   # bounded: a missing peer is an error
+        ...
+        pol.end_call(ctx, call)                 # every program, last thing
+
+``ctx`` is the workspace's descriptor (``ws.ctx``, an int64 tensor passed as the kernel's first
+argument): this rank, the world size, every rank's heap base as mapped in this process, the
+call counter, the deadline clock, the timeout and the host-visible status board. Every
+function here takes it first, so a kernel needs no other argument to reach its peers.
+
+Rules (what makes a kernel of these functions correct; the tutorials in ``docs/tutorials``
+follow them):
+
+- **Heap addresses.** ``remote_ptr`` and every function that reaches a peer take addresses in
+  this rank's copy of the workspace's heap (``ws.tensor`` / ``ws.flags``): the same buffer sits
+  at the same offset on every rank.
+- **Calls.** Every program calls :func:`begin_call` before its first signal or wait and
+  :func:`end_call` as its last step; the workspace counts calls on the device (no host state),
+  so a kernel replays correctly in a CUDA graph. A flag holds the number of the call that set
+  it: waits compare against ``call`` and nothing is ever reset.
+- **Counters** (:func:`notify` / :func:`wait_count`) accumulate across calls: if a call adds
+  ``n`` to a counter, wait for ``call * n``.
+- **Reuse of a receive buffer.** A rank may start call ``c + 1`` while a peer still reads what
+  it sent in call ``c``. Before overwriting a peer's buffer, wait for that peer's "consumed"
+  flag of the previous call (``wait(ctx, free_ptr + peer, call - 1, peer)``, the peer signals
+  it after its reads), or alternate between two buffers by ``call % 2``.
+- **Bounded waits.** :func:`wait`, :func:`wait_count` and :func:`barrier` give up at the call's
+  deadline (``timeout_s`` after its first wait that had to spin); the program's report names
+  the flag and the peer, and the host raises :class:`~portable_overlap.PeerTimeoutError` at its
+  next check. A timeout leaves the ranks out of step: later waits of the workspace return
+  False at once and the workspace must be closed.
+- **Waiting on the same launch.** A program may wait for another program of its own launch (a
+  producer/consumer counter) only if every program of the grid is resident at once (at most
+  ``ws.sm_count`` programs of a kernel that fits one per SM), and never under the CPU
+  interpreter, which runs programs one after another. Waits on peers' flags are always fine.
+
+Signals are release stores at system scope after a barrier of the program's threads, so every
+thread's earlier stores are visible to whoever acquires the flag; waits are acquire loads at
+system scope followed by a barrier, so every thread of the waiting program sees the data. One
+source serves NVIDIA and AMD GPUs and the CPU-emulated ranks (``TRITON_INTERPRET=1``).
+"""
+import triton
+import triton.language as tl
+
+from ..backends.device_clock import now_ns
+from ..shmem import device as _shmem
+
+# Layout of the descriptor (``ws.ctx``), int64 words. The first two are the call counter and
+# the ticket of the programs that finished the current call, the next two the call's deadline
+# stamp and the epoch of a call that timed out (``shmem.device.call_deadline`` / ``live``).
+CTX_EPOCH = tl.constexpr(0)
+CTX_CLOCK = tl.constexpr(2)
+CTX_RANK = tl.constexpr(4)
+CTX_WORLD = tl.constexpr(5)
+CTX_TIMEOUT_US = tl.constexpr(6)
+CTX_STATUS = tl.constexpr(7)
+CTX_HEAP = tl.constexpr(8)
+CTX_BASES = tl.constexpr(16)  # then one word per rank: its heap base as mapped here
+#: status-board slots; a program beyond the last reports in the last
+STATUS_SLOTS = tl.constexpr(1024)
+
+__all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "is_live",
+           "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "put_signal",
+           "wait", "notify", "wait_count", "barrier", "peer_at"]
+
+
+# -- who and where -------------------------------------------------------------------------------
+@triton.jit
+def rank(ctx):
+    """This rank (int32)."""
+    return tl.load(ctx + CTX_RANK).to(tl.int32)
+
+
+@triton.jit
+def num_ranks(ctx):
+    """The number of ranks of the workspace (int32)."""
+    return tl.load(ctx + CTX_WORLD).to(tl.int32)
+
+
+@triton.jit
+def program():
+    """This program's index over the whole grid (up to three axes, axis 0 fastest)."""
+    return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1)
+                                                     + tl.num_programs(1) * tl.program_id(2))
+
+
+@triton.jit
+def num_programs():
+    """The number of programs of the launch (every axis)."""
+    return tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+
+
+@triton.jit
+def peer_at(step, me, world):
+    """The peer a rank talks to at ``step`` of a rotation: ``(me + step) % world``. When every
+    rank walks steps 1 .. world-1 in order, each link is used by one sender at a time and all
+    links are busy at once; step 0 is the rank itself."""
+    return (me + step) % world
+
+
+# -- calls ---------------------------------------------------------------------------------------
+@triton.jit
+def begin_call(ctx):
+    """The number of this launch among the workspace's calls (1, 2, ...; int64), the same on
+    every rank. Call it before the first signal or wait; it is what flags carry."""
+    return tl.atomic_add(ctx + CTX_EPOCH, 0, sem="relaxed", scope="gpu") + 1
+
+
+@triton.jit
+def end_call(ctx, call):
+    """Count this program out of call ``call``; the last program of the launch advances the
+    workspace's call counter for the next launch. Every program calls it once, as its last
+    step. Returns whether this program was the last."""
+    ticket = tl.atomic_add(ctx + CTX_EPOCH + 1, 1, sem="acq_rel", scope="gpu")
+    last = ticket == num_programs() - 1
+    tl.atomic_xchg(ctx + CTX_EPOCH + 1, 0, mask=last, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctx + CTX_EPOCH, call.to(tl.int64), mask=last, sem="release", scope="gpu")
+    return last
+
+
+@triton.jit
+def is_live(ctx):
+    """Whether no wait of this workspace has timed out on this rank. After a timeout the
+    ranks are out of step: every later wait returns False at once."""
+    return _shmem.live(ctx + CTX_CLOCK)
+
+
+# -- data ----------------------------------------------------------------------------------------
+@triton.jit
+def remote_ptr(ctx, ptr, peer):
+    """The address in ``peer``'s heap of ``ptr`` (a scalar or block of pointers into this
+    rank's heap). Plain loads and stores through it reach the peer's memory (NVLink /
+    Infinity Fabric on GPUs, the shared mapping on emulated ranks). The result keeps ``ptr``'s
+    alignment, so tile stores stay vectorized: translate the base and add the offsets, or
+    translate the block, either works."""
+    return _shmem.peer_buffer(ptr, ctx + CTX_BASES, rank(ctx), peer)
+
+
+@triton.jit
+def load_remote(ctx, ptr, peer, mask=None, other=None):
+    """``tl.load`` of ``peer``'s copy of ``ptr`` (a pull)."""
+    return tl.load(remote_ptr(ctx, ptr, peer), mask=mask, other=other)
+
+
+@triton.jit
+def store_remote(ctx, ptr, value, peer, mask=None):
+    """``tl.store`` of ``value`` into ``peer``'s copy of ``ptr`` (a push, zero-copy)."""
+    tl.store(remote_ptr(ctx, ptr, peer), value, mask=mask)
+
+
+@triton.jit
+def put(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
+    """Copy ``n`` elements from ``src`` (any memory this rank reads) to ``peer``'s copy of
+    ``dst`` (a heap address), by this program, ``BLOCK`` elements per step."""
+    out = remote_ptr(ctx, dst, peer)
+    for i in range(0, n, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(out + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+@triton.jit
+def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
+    """Copy ``n`` elements from ``peer``'s copy of ``src`` (a heap address) to ``dst`` (any
+    memory this rank writes), by this program, ``BLOCK`` elements per step."""
+    inp = remote_ptr(ctx, src, peer)
+    for i in range(0, n, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(dst + offs, tl.load(inp + offs, mask=m), mask=m)
+
+
+# -- signals -------------------------------------------------------------------------------------
+@triton.jit
+def signal(ctx, flag_ptr, peer, call, ok=True):
+    """Set ``peer``'s copy of the flag ``flag_ptr`` to call ``call``, after every store this
+    program made before (release at system scope). ``peer`` may be this rank. With ``ok``
+    False the flag says this rank gave up on the call: the waiter's :func:`wait` returns False
+    and reports that the peer failed, instead of reading data that was never written."""
+    tl.debug_barrier()  # every thread's stores before the one thread's (cumulative) release
+    value = _shmem.call_flag(call, 0, ok)
+    tl.atomic_xchg(remote_ptr(ctx, flag_ptr, peer), value, sem="release", scope="sys")
+
+
+@triton.jit
+def put_signal(ctx, ptr, value, peer, flag_ptr, call, mask=None):
+    """Store the tile ``value`` at ``peer``'s copy of ``ptr``, then :func:`signal` ``peer``'s
+    copy of ``flag_ptr`` with call ``call``: the peer that waits for the flag sees the tile."""
+    store_remote(ctx, ptr, value, peer, mask)
+    signal(ctx, flag_ptr, peer, call)
+
+
+@triton.jit
+def notify(ctx, counter_ptr, peer, count=1):
+    """Add ``count`` to ``peer``'s copy of the counter ``counter_ptr`` (release at system
+    scope, after this program's earlier stores). ``peer`` may be this rank: a producer tile
+    telling its consumers on the same GPU."""
+    tl.debug_barrier()
+    tl.atomic_add(remote_ptr(ctx, counter_ptr, peer), tl.cast(count, tl.int64), sem="release",
+                  scope="sys")
+
+
+@triton.jit
+def _report(ctx, code, peer, flag_ptr, expected):
+    """Record on the status board why this program gave up: ``code``, the peer, the flag (as
+    its byte offset in the heap, which the host turns into a name and an index) and what was
+    expected."""
+    slot = tl.minimum(program(), STATUS_SLOTS - 1)
+    where = flag_ptr.to(tl.int64) - tl.load(ctx + CTX_HEAP)
+    _shmem.report(tl.load(ctx + CTX_STATUS), slot, code, peer, where, expected)
+
+
+@triton.jit
+def wait(ctx, flag_ptr, call, peer):
+    """Wait until this rank's flag ``flag_ptr`` holds call ``call`` (or a later one), set by
+    ``peer``'s :func:`signal`. Bounded by the call's deadline: on a timeout the program's report
+    names the flag and ``peer`` and the host raises ``PeerTimeoutError``. Returns whether the
+    flag arrived and the peer did not give up; the data the peer stored before its signal is
+    then visible to every thread of this program."""
+    clock = ctx + CTX_CLOCK
+    ok = is_live(ctx)
+    if ok:
+        v, arrived = _shmem.wait_flag(flag_ptr, call, call, clock, tl.load(ctx + CTX_TIMEOUT_US))
+        if not arrived:
+            _report(ctx, _shmem.STATUS_TIMEOUT, peer, flag_ptr, call)
+            tl.atomic_xchg(clock + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
+            ok = False
+        elif (v >> 32) == _shmem.FAILED_TAG:
+            _report(ctx, _shmem.STATUS_PEER_FAILED, peer, flag_ptr, call)
+            ok = False
+    tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
+    return ok
+
+
+@triton.jit
+def wait_count(ctx, counter_ptr, target, call, peer):
+    """Wait until this rank's counter ``counter_ptr`` reaches ``target`` (counters accumulate
+    over calls: ``target = call * per_call``); ``peer`` (or -1) is who is expected to count, for
+    the report. Bounded like :func:`wait`; returns whether the count arrived."""
+    clock = ctx + CTX_CLOCK
+    ok = is_live(ctx)
+    if ok:
+        target = tl.cast(target, tl.int64)
+        v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
+        if v < target:
+            deadline = _shmem.call_deadline(clock, call, tl.load(ctx + CTX_TIMEOUT_US))
+            while (v < target) & (now_ns() < deadline):
+                v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
+        if v < target:
+            _report(ctx, _shmem.STATUS_TIMEOUT, peer, counter_ptr, target)
+            tl.atomic_xchg(clock + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
+            ok = False
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def barrier(ctx, flags_ptr, call):
+    """Every rank's program reaches this point of call ``call`` before any goes on (bounded).
+    ``flags_ptr``: a ``[num_ranks]`` flag array of the workspace that this barrier alone uses
+    (one per program that calls it, and one per barrier of a call). Returns whether every peer
+    arrived."""
+    me = rank(ctx)
+    world = num_ranks(ctx)
+    for step in range(1, world):
+        signal(ctx, flags_ptr + me, peer_at(step, me, world), call)
+    ok = is_live(ctx)
+    for step in range(1, world):
+        q = peer_at(world - step, me, world)
+        ok = ok & wait(ctx, flags_ptr + q, call, q)
+    return ok

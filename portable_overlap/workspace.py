@@ -1,0 +1,220 @@
+"""The host side of user-written fused kernels: a symmetric heap to carve tensors and flags from,
+and a launch that gives the kernel its descriptor and turns a kernel's reports into errors.
+
+    ws = Workspace(world, nbytes=64 << 20, timeout_s=10.0, name="my_allgather")
+    inbox = ws.tensor((world.world_size, n), torch.bfloat16)     # collective: same on every rank
+    ready = ws.flags((world.world_size,), "ready")
+    ws.launch(my_kernel, (ws.sm_count,), x, inbox, ready, n, BLOCK=1024)
+    ws.synchronize()          # or the next launch: raises what the kernel reported
+    ws.close()                # collective
+
+The device functions are in :mod:`portable_overlap.language`; ``docs/tutorials`` has runnable
+kernels. A workspace is one heap and one call counter: its launches must come in the same order
+on every rank, on one stream, and each is one call of the kernel on every rank.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .errors import ContextBrokenError, PortableOverlapError
+from .ops.context import G_MAX, ContextBase, concurrent_use
+from .shmem.heap import SymmetricHeap, heap_bytes
+from .shmem.status import STATUS_TIMEOUT, StatusBoard
+from . import language as _lang
+
+_ALIGN = 256  # bytes: every tensor starts 16-byte aligned for vector stores and TMA
+_CTX_WORDS = int(_lang.CTX_BASES.value)
+
+
+class Workspace(ContextBase):
+    """``nbytes`` of symmetric memory on every rank of ``world`` (collective to make and to
+    :meth:`close`), with the state a kernel of :mod:`portable_overlap.language` needs.
+
+    - :meth:`tensor` and :meth:`flags` carve buffers from it: the same calls on every rank give
+      the same offsets, so a kernel reaches a peer's copy of a buffer through
+      ``pol.remote_ptr``.
+    - :attr:`ctx` is the kernel's first argument: rank, world size, every rank's heap base, the
+      call counter, the deadline clock, the timeout (``timeout_s``) and the status board.
+    - :meth:`launch` runs one call of a kernel; a wait that timed out, or a peer that gave up,
+      is raised at the next launch, :meth:`check` or :meth:`synchronize` (at once on emulated
+      ranks) as :class:`~portable_overlap.PeerTimeoutError` naming the program, the peer, the
+      flag (by the name given to :meth:`flags`, and its index) and the call. After a timeout the
+      workspace is broken (its ranks are out of step): close it and make a new one.
+
+    ``name`` is the kernel's name in errors. The descriptor's call counter lives on the device,
+    so launches captured in a CUDA graph replay as new calls.
+    """
+
+    OP = "workspace"
+
+    def __init__(self, world, nbytes: int, *, timeout_s: float = 30.0, name: str = "workspace"):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Workspace: name must be a non-empty string, got {name!r}")
+        self.OP = name
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"{name}: nbytes must be a non-negative int, got {nbytes!r}")
+        super().__init__(world, timeout_s)
+        W = world.world_size
+        pool = int(math.ceil(max(nbytes, 1) / _ALIGN) * _ALIGN)
+        self.heap = SymmetricHeap(world, heap_bytes([((_CTX_WORDS + W,), torch.int64),
+                                                     ((pool,), torch.uint8)]))
+        try:
+            self.ctx = self.heap.alloc((_CTX_WORDS + W,), torch.int64)
+            self._pool = self.heap.alloc((pool,), torch.uint8)
+            self.status = StatusBoard(world.backend, G_MAX)
+            words = [0] * _CTX_WORDS
+            words[int(_lang.CTX_RANK.value)] = world.rank
+            words[int(_lang.CTX_WORLD.value)] = W
+            words[int(_lang.CTX_TIMEOUT_US.value)] = self.timeout_us
+            words[int(_lang.CTX_STATUS.value)] = self.status.address
+            words[int(_lang.CTX_HEAP.value)] = self.heap.addresses[world.rank]
+            self.ctx.copy_(torch.tensor(words + list(self.heap.addresses), dtype=torch.int64))
+        except BaseException:
+            self.heap.close()
+            raise
+        self.world_size = W
+        #: programs that are resident at once for any kernel that fits one program per SM/CU
+        self.sm_count = world.facts.sm_count
+        self._top = 0
+        self._arrays: list = []  # (heap offset, nbytes, name, shape) of every flag array
+        self._calls = 0  # launches made, for the end_call check; None once one was captured
+        self._sync_errors = world.backend.name == "cpu"
+        self.register()
+
+    # -- buffers -------------------------------------------------------------------------------
+    def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor in the heap, at the same offset on every rank. Collective: every
+        rank makes the same calls in the same order (checked here, a host exchange)."""
+        return self._carve(shape, dtype, None)
+
+    def flags(self, shape: Sequence[int], name: str) -> torch.Tensor:
+        """A zeroed int64 array of flags (or counters) named ``name`` in errors. Collective,
+        like :meth:`tensor`. Give every flag array its own use: a flag holds the number of the
+        call that last set it, a counter the sum of everything added to it."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.OP}: a flag array needs a name (for its errors), got "
+                             f"{name!r}")
+        return self._carve(shape, torch.int64, name)
+
+    def _carve(self, shape, dtype, name: Optional[str]) -> torch.Tensor:
+        self._check_open()
+        try:
+            shape = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.OP}: shape must be a sequence of ints, got {shape!r}") \
+                from None
+        if any(s < 0 for s in shape) or not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{self.OP}: need non-negative sizes and a torch.dtype, got shape "
+                             f"{shape} and dtype {dtype!r}")
+        self.world.check_same(f"{self.OP}: buffer #{len(self._arrays)} (shape, dtype, name)",
+                              (shape, str(dtype), name))
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        start = int(math.ceil(self._top / _ALIGN) * _ALIGN)
+        if start + size > self._pool.numel():
+            raise MemoryError(f"{self.OP}: the workspace's {self._pool.numel()} bytes are full "
+                              f"({start} used, asked {size} more); make it with a larger nbytes")
+        self._top = start + size
+        t = self._pool[start:start + size].view(dtype).view(shape)
+        t.zero_()
+        self._arrays.append((self.heap.offset_of(t) if size else -1, size, name, shape))
+        return t
+
+    # -- calls ---------------------------------------------------------------------------------
+    def launch(self, kernel, grid, *args, **kwargs):
+        """``kernel[grid](self.ctx, *args, **kwargs)``: one call of a kernel whose programs all
+        call ``pol.begin_call`` / ``pol.end_call``. Raises what an earlier call reported first;
+        on emulated ranks the call runs at once and its own errors are raised here."""
+        self._check_open()
+        if not self._guard.acquire(blocking=False):
+            raise concurrent_use(self.OP, self.rank)
+        try:
+            if self._broken is not None or self.status.failed():
+                self.check()
+            if self.capturing():
+                self._calls = None  # replays add calls the host does not see
+            out = kernel[grid](self.ctx, *args, **kwargs)
+            if self._calls is not None:
+                self._calls += 1
+        finally:
+            self._guard.release()
+        if self._sync_errors:
+            self.check()
+            self._check_call_count()
+        return out
+
+    def check(self) -> None:
+        """Raise if a kernel of this workspace reported a failure: a wait that timed out (the
+        workspace is then broken), or a peer that gave up (the workspace stays usable)."""
+        self._check_open()
+        self._check_broken()
+        if not self.status.failed():
+            return
+        self.world.backend.synchronize(self.world.device)
+        timed_out = self.status.has(STATUS_TIMEOUT)
+        names = self._name_reports()
+        try:
+            self.status.raise_if_failed(self.OP, self.rank, names)
+        except PortableOverlapError as e:
+            if timed_out:
+                self._broken = str(e)
+            else:
+                self.status.clear()
+            raise
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued launches, then :meth:`check`; also checks that every
+        program of every launch called ``pol.end_call`` (unless a launch was captured)."""
+        self._check_open()
+        self.world.backend.synchronize(self.world.device)
+        self.check()
+        self._check_call_count()
+
+    def _check_call_count(self) -> None:
+        if self._calls is None:
+            return
+        done = int(self.ctx[int(_lang.CTX_EPOCH.value)])
+        if done != self._calls:
+            self._broken = (f"{self.OP}: {self._calls} launches made, {done} finished on the "
+                            f"device")
+            raise ContextBrokenError(
+                f"{self.OP} on rank {self.rank}: {self._calls} launches made but the device "
+                f"counted {done} finished calls: every program of a launch must call "
+                f"pol.begin_call(ctx) first and pol.end_call(ctx, call) last (a kernel that "
+                f"skips them reuses the previous call's number, and its waits would take old "
+                f"flags for new ones). Close this workspace and make a new one")
+
+    def _name_reports(self) -> dict:
+        """Rewrite each report's flag (its byte offset in the heap, as the kernel wrote it) as
+        (array number << 32 | flat index); return the names of the array numbers."""
+        names = {0: "unknown (not a flag of this workspace)"}
+        for i, (off, size, name, shape) in enumerate(self._arrays):
+            if name is not None:  # the index printed is the flat one
+                names[i + 1] = f"'{name}'" + (f" (shape {list(shape)}, flat index)"
+                                               if len(shape) > 1 else "")
+        words = self.status.words
+        for pid in words[:, 0].nonzero().flatten().tolist():
+            where = int(words[pid, 2])
+            kind, index = 0, where
+            for i, (off, size, name, _) in enumerate(self._arrays):
+                if name is not None and off <= where < off + size:
+                    kind, index = i + 1, (where - off) // 8
+                    break
+            words[pid, 2] = (kind << 32) | (index & 0xFFFFFFFF)
+        return names
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective (every rank): free the heap once every rank's launches are done."""
+        if self._closed:
+            return
+        super().close()
+        self.heap.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
