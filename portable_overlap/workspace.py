@@ -2,6 +2,7 @@
 and a launch that gives the kernel its descriptor and turns a kernel's reports into errors.
 
     ws = Workspace(world, nbytes=64 << 20, timeout_s=10.0, name="my_allgather")
+    # or nbytes=Workspace.bytes_for(((world.world_size, n), torch.bfloat16), ((W,), torch.int64))
     inbox = ws.tensor((world.world_size, n), torch.bfloat16)     # collective: same on every rank
     ready = ws.flags((world.world_size,), "ready")
     ws.launch(my_kernel, (ws.sm_count,), x, inbox, ready, n, BLOCK=1024)
@@ -85,6 +86,16 @@ class Workspace(ContextBase):
         self.register()
 
     # -- buffers -------------------------------------------------------------------------------
+    @staticmethod
+    def bytes_for(*buffers) -> int:
+        """The ``nbytes`` that holds ``buffers``, each ``(shape, dtype)``, carved in that order
+        (each starts 256-byte aligned)."""
+        top = 0
+        for shape, dtype in buffers:
+            top = int(math.ceil(top / _ALIGN) * _ALIGN)
+            top += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return top
+
     def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor in the heap, at the same offset on every rank. Collective: every
         rank makes the same calls in the same order (checked here, a host exchange)."""

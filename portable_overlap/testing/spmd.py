@@ -1,0 +1,41 @@
+"""Run one function on every rank, wherever the script was started: under torchrun or mpirun
+on the GPUs of this world, otherwise on CPU-emulated ranks (the tutorials and examples start
+the same way on a laptop and on a GPU node)."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+from ..envvars import env_int
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, mpirun) started this process as one of several ranks."""
+    return "RANK" in os.environ or any(
+        v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"))
+
+
+def run_on_ranks(fn: Callable, *args, ranks: Optional[int] = None,
+                 timeout: float = 600.0) -> list:
+    """``fn(world, *args)`` on every rank. Under a launcher: on this process's world (NCCL and
+    the GPU when there is one), returning ``[this rank's result]``; otherwise on ``ranks``
+    CPU-emulated ranks (default: ``$PORTABLE_OVERLAP_EMULATED_RANKS``, else 2) (spawned processes, the Triton interpreter), returning every rank's
+    result in rank order. ``fn`` must be a module-level function (the emulated ranks import
+    it), and kernels it launches module-level too, so they are made in interpreter mode there."""
+    if launched():
+        import torch.distributed as dist
+
+        from ..world import World
+
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        world = World.from_env()
+        try:
+            return [fn(world, *args)]
+        finally:
+            dist.destroy_process_group()
+    from .emulated import EmulatedWorld
+
+    if ranks is None:
+        ranks = env_int("PORTABLE_OVERLAP_EMULATED_RANKS", 2, 1, 64)
+    with EmulatedWorld(ranks) as ew:
+        return ew.run(fn, *args, timeout=timeout)
