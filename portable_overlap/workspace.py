@@ -120,6 +120,8 @@ class Workspace(ContextBase):
         if any(s < 0 for s in shape) or not isinstance(dtype, torch.dtype):
             raise ValueError(f"{self.OP}: need non-negative sizes and a torch.dtype, got shape "
                              f"{shape} and dtype {dtype!r}")
+        # agree first, so that every rank takes the same path below (a rank that alone ran
+        # out of room would leave its peers waiting in the next collective)
         self.world.check_same(f"{self.OP}: buffer #{len(self._arrays)} (shape, dtype, name)",
                               (shape, str(dtype), name))
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -127,9 +129,13 @@ class Workspace(ContextBase):
         if start + size > self._pool.numel():
             raise MemoryError(f"{self.OP}: the workspace's {self._pool.numel()} bytes are full "
                               f"({start} used, asked {size} more); make it with a larger nbytes")
-        self._top = start + size
         t = self._pool[start:start + size].view(dtype).view(shape)
+        # Zeroed, and the zeroing finished on every rank, before any rank goes on: a peer may
+        # launch at once and signal into this buffer, and a later zeroing would erase that.
         t.zero_()
+        self.world.backend.synchronize(self.world.device)
+        self.world.barrier()
+        self._top = start + size
         self._arrays.append((self.heap.offset_of(t) if size else -1, size, name, shape))
         return t
 

@@ -1,0 +1,320 @@
+"""Calls of the public device API (portable_overlap.language) that the CPU tests and the GPU
+check share: each runs on every rank (``fn(world, ...)``) on the world's device and returns
+host values; the ``check_*`` functions judge every rank's results and return what is wrong."""
+import torch
+import triton
+import triton.language as tl
+
+import portable_overlap.language as pol
+from ..workspace import Workspace
+
+
+def error_of_one_call(fn):
+    """(exception type name, message) of what ``fn()`` raised, or None."""
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@triton.jit
+def _ping_kernel(ctx, x_ptr, inbox_ptr, ready_ptr, free_ptr, ok_ptr, n, BLOCK: tl.constexpr):
+    """Rank r pushes x (n elements) into rank r+1's inbox and signals it; reads its own inbox
+    (from r-1) into x_ptr's second half after the wait; frees the inbox for the next call."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    nxt = pol.peer_at(1, me, world)
+    prev = pol.peer_at(world - 1, me, world)
+    ok = pol.wait(ctx, free_ptr + nxt, call - 1, nxt)  # nxt read what I sent last call
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    pol.put_signal(ctx, inbox_ptr + offs, tl.load(x_ptr + offs, mask=m), nxt, ready_ptr + me,
+                   call, m)
+    ok = ok & pol.wait(ctx, ready_ptr + prev, call, prev)
+    tl.store(x_ptr + n + offs, tl.load(inbox_ptr + offs, mask=m), mask=m)
+    pol.signal(ctx, free_ptr + me, prev, call)
+    tl.store(ok_ptr, ok.to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def ping(world, n, calls):
+    """Rank r sends fresh random data to r+1 in ``calls`` back-to-back calls (free flags);
+    returns per call (sent, received, ok) and the device's call count."""
+    W, r, dev = world.world_size, world.rank, world.device
+    with Workspace(world, 1 << 14, timeout_s=20.0, name="ping") as ws:
+        inbox = ws.tensor((n,), torch.float32)
+        ready = ws.flags((W,), "ready")
+        free = ws.flags((W,), "free")
+        got = []
+        for c in range(calls):
+            g = torch.Generator(dev).manual_seed(1000 * c + r)
+            x = torch.cat([torch.randn(n, generator=g, device=dev),
+                           torch.full((n,), float("nan"), device=dev)])
+            ok = torch.zeros(1, dtype=torch.int32, device=dev)
+            ws.launch(_ping_kernel, (1,), x, inbox, ready, free, ok, n, BLOCK=64)
+            got.append((x[:n].to("cpu", copy=True), x[n:].to("cpu", copy=True), int(ok)))
+        ws.synchronize()
+        return got, int(ws.ctx[0])
+
+
+@triton.jit
+def _gather_kernel(ctx, x_ptr, out_ptr, ready_ptr, n, BLOCK: tl.constexpr):
+    """All-gather by bulk puts: program p sends x to the peer at step p+1 of the rotation,
+    then signals; program 0 also copies its own rows. Every program then waits for the peer it
+    reads from and copies that peer's rows from the heap to out."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    p = pol.program()
+    q = pol.peer_at(p + 1, me, world)
+    pol.put(ctx, out_ptr + me * n, x_ptr, n, q, BLOCK)
+    pol.signal(ctx, ready_ptr + me, q, call)
+    if p == 0:
+        pol.put(ctx, out_ptr + me * n, x_ptr, n, me, BLOCK)
+    src = pol.peer_at(world - 1 - p, me, world)
+    pol.wait(ctx, ready_ptr + src, call, src)
+    pol.end_call(ctx, call)
+
+
+def gather(world, n, calls):
+    """All-gather by puts, ``calls`` times with fresh data; returns per call (x, gathered)."""
+    W, r, dev = world.world_size, world.rank, world.device
+    ws = Workspace(world, 1 << 16, timeout_s=20.0, name="gather")
+    out = ws.tensor((W, n), torch.float16)
+    ready = ws.flags((W,), "ready")
+    results = []
+    for c in range(calls):
+        x = torch.randn(n, generator=torch.Generator(dev).manual_seed(50 * c + r),
+                        device=dev).half()
+        out.fill_(float("nan"))
+        world.barrier()  # one receive buffer: nobody stores before everyone poisoned it
+        ws.launch(_gather_kernel, (max(W - 1, 1),), x, out, ready, n, BLOCK=32)
+        results.append((x.to("cpu", copy=True), out.to("cpu", copy=True)))
+        world.barrier()  # ...and nobody overwrites it before everyone read it
+    ws.close()
+    return results
+
+
+@triton.jit
+def _count_kernel(ctx, counter_ptr, bar_ptr, x_ptr, out_ptr, ok_ptr, BLOCK: tl.constexpr):
+    """Every rank adds 1 to every rank's counter (itself included) and waits for world per
+    call; then a barrier; then reads every peer's x by remote loads and sums them."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    for step in range(0, world):
+        pol.notify(ctx, counter_ptr, pol.peer_at(step, me, world))
+    ok = pol.wait_count(ctx, counter_ptr, call * world, call, -1)
+    ok = ok & pol.barrier(ctx, bar_ptr, call)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for q in range(0, world):
+        acc += pol.load_remote(ctx, x_ptr + offs, q)
+    tl.store(out_ptr + offs, acc)
+    tl.store(ok_ptr, ok.to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def count(world, calls):
+    """Counters, a barrier and remote loads; returns per call (x, sum over ranks, ok,
+    counter)."""
+    W, r, dev = world.world_size, world.rank, world.device
+    ws = Workspace(world, 4096, timeout_s=20.0)
+    counter = ws.flags((1,), "arrivals")
+    bars = ws.flags((calls, W), "barrier")
+    x = ws.tensor((16,), torch.float32)
+    got = []
+    for c in range(calls):
+        x.copy_(torch.randn(16, generator=torch.Generator(dev).manual_seed(7 * c + r),
+                            device=dev))
+        ws.synchronize()
+        world.barrier()
+        out = torch.full((16,), float("nan"), device=dev)
+        ok = torch.zeros(1, dtype=torch.int32, device=dev)
+        ws.launch(_count_kernel, (1,), counter, bars[c], x, out, ok, BLOCK=16)
+        got.append((x.to("cpu", copy=True), out.to("cpu", copy=True), int(ok), int(counter[0])))
+        world.barrier()
+    ws.close()
+    return got
+
+
+@triton.jit
+def _grid_kernel(ctx, out_ptr):
+    call = pol.begin_call(ctx)
+    tl.store(out_ptr + pol.program(), pol.num_programs() * 1000 + call)
+    pol.end_call(ctx, call)
+
+
+def grid(world):
+    """A 3-D grid's program numbering, over two calls; returns the slots written."""
+    with Workspace(world, 256) as ws:
+        out = torch.full((24,), -1, dtype=torch.int64, device=world.device)
+        ws.launch(_grid_kernel, (2, 3, 4), out)
+        ws.launch(_grid_kernel, (4, 3, 2), out)
+        ws.synchronize()
+        return out.to("cpu", copy=True)
+
+
+@triton.jit
+def _lonely_kernel(ctx, flags_ptr):
+    """Waits for a flag that no rank ever sets."""
+    call = pol.begin_call(ctx)
+    pol.wait(ctx, flags_ptr + 2, call, pol.peer_at(1, pol.rank(ctx), pol.num_ranks(ctx)))
+    pol.end_call(ctx, call)
+
+
+def lonely(world):
+    """Every rank waits for a flag nobody sets, then calls again: the two errors."""
+    ws = Workspace(world, 1024, timeout_s=0.5, name="lonely")
+    ws.tensor((5,), torch.float32)
+    flags = ws.flags((2, 3), "never_set")
+    first = error_of_one_call(lambda: (ws.launch(_lonely_kernel, (2,), flags),
+                                       ws.synchronize()))
+    second = error_of_one_call(lambda: ws.launch(_lonely_kernel, (2,), flags))
+    ws.close()
+    return first, second
+
+
+@triton.jit
+def _quit_kernel(ctx, flags_ptr, out_ptr, QUITTER: tl.constexpr):
+    """Rank QUITTER gives up on the call; the others wait for its flag."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    for step in range(1, world):
+        pol.signal(ctx, flags_ptr + me, pol.peer_at(step, me, world), call, me != QUITTER)
+    ok = me >= 0
+    for step in range(1, world):
+        q = pol.peer_at(step, me, world)
+        ok = ok & pol.wait(ctx, flags_ptr + q, call, q)
+    tl.store(out_ptr, ok.to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def quitter(world):
+    """Rank 1 gives up on a call; then a call where nobody does."""
+    W = world.world_size
+    ws = Workspace(world, 1024, timeout_s=20.0, name="quitter")
+    flags = ws.flags((W,), "ready")
+    out = torch.full((1,), -1, dtype=torch.int32, device=world.device)
+    first = error_of_one_call(lambda: (ws.launch(_quit_kernel, (1,), flags, out, QUITTER=1),
+                                       ws.synchronize()))
+    ok1 = int(out)
+    # the next call's flags would stand for this one's (a later call counts as arrived) if a
+    # rank signalled them before a peer read this call's: a kernel that runs calls back to
+    # back protects its flags with a "free" flag, as _ping_kernel does; here the host waits
+    world.barrier()
+    ws.launch(_quit_kernel, (1,), flags, out, QUITTER=W)  # nobody quits: usable again
+    ok2 = int(out)
+    ws.close()
+    return first, ok1, ok2
+
+
+@triton.jit
+def _no_end_kernel(ctx, out_ptr):
+    call = pol.begin_call(ctx)
+    tl.store(out_ptr, call)
+
+
+def no_end(world):
+    """A kernel that never calls end_call, launched twice: the two errors."""
+    ws = Workspace(world, 256)
+    out = torch.zeros(1, dtype=torch.int64, device=world.device)
+    err = error_of_one_call(lambda: (ws.launch(_no_end_kernel, (1,), out), ws.synchronize()))
+    again = error_of_one_call(lambda: ws.launch(_no_end_kernel, (1,), out))
+    ws.close()
+    return err, again
+
+
+def bad_host(world):
+    """Host input a Workspace refuses: each case's error."""
+    errors = {}
+    for what, fn in {
+        "nbytes": lambda: Workspace(world, -1),
+        "name": lambda: Workspace(world, 64, name=""),
+        "timeout": lambda: Workspace(world, 64, timeout_s=0),
+    }.items():
+        errors[what] = error_of_one_call(fn)
+    ws = Workspace(world, 1024, name="host")
+    errors["shape"] = error_of_one_call(lambda: ws.tensor(("a",), torch.float32))
+    errors["dtype"] = error_of_one_call(lambda: ws.tensor((4,), "float32"))
+    errors["flag name"] = error_of_one_call(lambda: ws.flags((4,), ""))
+    errors["full"] = error_of_one_call(lambda: ws.tensor((4096,), torch.float32))
+    errors["disagree"] = error_of_one_call(
+        lambda: ws.tensor((4 + world.rank,), torch.float32))
+    ws.close()
+    errors["closed"] = error_of_one_call(lambda: ws.tensor((4,), torch.float32))
+    errors["closed launch"] = error_of_one_call(lambda: ws.launch(_grid_kernel, (1,), None))
+    return errors
+
+
+# -- verdicts over every rank's results (rank order); each returns the list of what is wrong --
+def check_ping(out, calls):
+    bad, W = [], len(out)
+    for r, (got, done) in enumerate(out):
+        if done != calls:
+            bad.append(f"rank {r}: the device counted {done} calls, not {calls}")
+        for c in range(calls):
+            mine, recv, ok = got[c]
+            if ok != 1 or not torch.equal(recv, out[(r - 1) % W][0][c][0]):
+                bad.append(f"rank {r} call {c}: ok={ok}, received data differs")
+    return bad
+
+
+def check_gather(out):
+    bad = []
+    for r, results in enumerate(out):
+        for c, (_, gathered) in enumerate(results):
+            want = torch.stack([out[q][c][0] for q in range(len(out))])
+            if not torch.equal(gathered, want):
+                bad.append(f"rank {r} call {c}: gathered rows differ")
+    return bad
+
+
+def check_count(out):
+    bad, W = [], len(out)
+    for r, got in enumerate(out):
+        for c, (_, total, ok, count) in enumerate(got):
+            want = sum(out[q][c][0] for q in range(W))
+            if ok != 1 or count != (c + 1) * W or not torch.allclose(total, want):
+                bad.append(f"rank {r} call {c}: ok={ok}, counter {count} (want {(c + 1) * W})"
+                           f", sum off by {(total - want).abs().max():.3g}")
+    return bad
+
+
+def check_grid(out):
+    want = torch.full((24,), 24 * 1000 + 2)
+    return [f"rank {r}: {o.tolist()}" for r, o in enumerate(out) if not torch.equal(o, want)]
+
+
+def check_lonely(out):
+    bad = []
+    for r, (first, second) in enumerate(out):
+        kind, msg = first or (None, "")
+        if not (kind == "PeerTimeoutError" and "lonely" in msg and f"rank {r}" in msg
+                and "call #1" in msg and "'never_set' (shape [2, 3], flat index) flag [2]" in msg):
+            bad.append(f"rank {r}: first call raised {first}")
+        if (second or (None,))[0] != "ContextBrokenError":
+            bad.append(f"rank {r}: second call raised {second}")
+    return bad
+
+
+def check_quitter(out):
+    bad = []
+    for r, (first, ok1, ok2) in enumerate(out):
+        if r == 1:
+            good = first is None and ok1 == 1  # the quitter itself waited for the others
+        else:
+            good = (first is not None and first[0] == "PeerTimeoutError"
+                    and "rank 1 gave up" in first[1] and "'ready'" in first[1] and ok1 == 0)
+        if not good or ok2 != 1:
+            bad.append(f"rank {r}: {first}, ok {ok1} then {ok2}")
+    return bad
+
+
+def check_no_end(out):
+    return [f"rank {r}: {err}, then {again}" for r, (err, again) in enumerate(out)
+            if not (err and err[0] == "ContextBrokenError" and "pol.end_call" in err[1]
+                    and again and again[0] == "ContextBrokenError")]
