@@ -57,3 +57,37 @@ def test_emulated_ranks_override_is_range_checked(monkeypatch):
     monkeypatch.setenv("PORTABLE_OVERLAP_EMULATED_RANKS", "0")
     with pytest.raises(ValueError, match="PORTABLE_OVERLAP_EMULATED_RANKS='0'"):
         run_on_ranks(print)
+
+
+def _module(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tutorial_" + os.path.basename(path)[:-3], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernels_read_only_constexpr_globals():
+    """The interpreter lets a kernel read any module global; the GPU compiler accepts only
+    ``tl.constexpr`` ones (and functions, modules): a tutorial that passes on emulated ranks
+    must not fail to compile on a GPU for that."""
+    import inspect
+    import types
+
+    import triton
+    import triton.language as tl
+
+    for path in TUTORIALS:
+        mod = _module(path)
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, triton.runtime.JITFunction):
+                continue
+            for g in fn.fn.__code__.co_names:
+                value = fn.fn.__globals__.get(g, None)
+                ok = value is None or isinstance(value, (tl.constexpr, types.ModuleType,
+                                                          triton.runtime.JITFunction)) \
+                    or inspect.isfunction(value) or inspect.isclass(value) \
+                    or inspect.isbuiltin(value)
+                assert ok, (f"{os.path.basename(path)}: {name} reads the global {g} = "
+                            f"{value!r}; make it a tl.constexpr")

@@ -32,7 +32,7 @@ import portable_overlap.language as pol
 from portable_overlap import Workspace
 from portable_overlap.testing import run_on_ranks, time_call
 
-MAX_CHUNKS = 256  # flags per source rank
+MAX_CHUNKS = tl.constexpr(256)  # flags per source rank (a constexpr: the kernel reads it)
 
 
 @triton.jit
@@ -70,15 +70,15 @@ def main(world, n=None):
     W = world.world_size
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     n = n or (8 << 20 if dev.type == "cuda" else 3000)  # elements per rank
-    chunk = max(1024, triton.cdiv(n, MAX_CHUNKS))
+    chunk = max(1024, triton.cdiv(n, MAX_CHUNKS.value))
     chunks = triton.cdiv(n, chunk)
-    nbytes = Workspace.bytes_for(((W, n), dtype), ((W, MAX_CHUNKS), torch.int64),
+    nbytes = Workspace.bytes_for(((W, n), dtype), ((W, MAX_CHUNKS.value), torch.int64),
                                  ((W,), torch.int64))
     ws = Workspace(world, nbytes, timeout_s=30.0, name="all_gather")
     gathered = ws.tensor((W, n), dtype)
-    ready = ws.flags((W, MAX_CHUNKS), "ready")
+    ready = ws.flags((W, MAX_CHUNKS.value), "ready")
     free = ws.flags((W,), "free")
-    programs = max(1, min(ws.sm_count, (W - 1) * chunks))
+    programs = min(ws.sm_count, max(W - 1, 1) * chunks)  # (one rank: its own copy)
     g = torch.Generator(dev).manual_seed(world.rank)
     x = torch.randn(n, device=dev, generator=g).to(dtype)
 

@@ -43,7 +43,8 @@ def ping(world, n, calls):
     """Rank r sends fresh random data to r+1 in ``calls`` back-to-back calls (free flags);
     returns per call (sent, received, ok) and the device's call count."""
     W, r, dev = world.world_size, world.rank, world.device
-    with Workspace(world, 1 << 14, timeout_s=20.0, name="ping") as ws:
+    nbytes = Workspace.bytes_for(((n,), torch.float32), ((W,), torch.int64), ((W,), torch.int64))
+    with Workspace(world, nbytes, timeout_s=20.0, name="ping") as ws:
         inbox = ws.tensor((n,), torch.float32)
         ready = ws.flags((W,), "ready")
         free = ws.flags((W,), "free")
@@ -53,7 +54,8 @@ def ping(world, n, calls):
             x = torch.cat([torch.randn(n, generator=g, device=dev),
                            torch.full((n,), float("nan"), device=dev)])
             ok = torch.zeros(1, dtype=torch.int32, device=dev)
-            ws.launch(_ping_kernel, (1,), x, inbox, ready, free, ok, n, BLOCK=64)
+            ws.launch(_ping_kernel, (1,), x, inbox, ready, free, ok, n,
+                      BLOCK=triton.next_power_of_2(n))  # one tile holds the message
             got.append((x[:n].to("cpu", copy=True), x[n:].to("cpu", copy=True), int(ok)))
         ws.synchronize()
         return got, int(ws.ctx[0])
@@ -81,7 +83,8 @@ def _gather_kernel(ctx, x_ptr, out_ptr, ready_ptr, n, BLOCK: tl.constexpr):
 def gather(world, n, calls):
     """All-gather by puts, ``calls`` times with fresh data; returns per call (x, gathered)."""
     W, r, dev = world.world_size, world.rank, world.device
-    ws = Workspace(world, 1 << 16, timeout_s=20.0, name="gather")
+    ws = Workspace(world, Workspace.bytes_for(((W, n), torch.float16), ((W,), torch.int64)),
+                   timeout_s=20.0, name="gather")
     out = ws.tensor((W, n), torch.float16)
     ready = ws.flags((W,), "ready")
     results = []
