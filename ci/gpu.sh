@@ -18,7 +18,9 @@
 #      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
 #      its error against the measured op, the search's pick against a bounded exhaustive search;
 #      independent of PO_SKIP_SIG), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
-#      PO_SKIP_WAITS=1 (bounded waits on the device clock), PO_SKIP_CAMPAIGN=1 / PO_CAMPAIGN_ARGS
+#      PO_SKIP_WAITS=1 (bounded waits on the device clock), PO_SKIP_LANGUAGE=1 (the device API
+#      and tutorials, tests/gpu/check_language.py), PO_SKIP_AUTO=1 (transport="auto",
+#      tests/gpu/check_auto_transport.py), PO_SKIP_CAMPAIGN=1 / PO_CAMPAIGN_ARGS
 #      (the fault campaign, tests/gpu/check_campaign.py),
 #      PO_COMMIT (recorded with every result), PO_ARCHIVE=1 (logs packed into gpu-logs.tgz).
 set -uo pipefail
@@ -89,6 +91,14 @@ if [ "${PO_SKIP_MOE_LAYER:-0}" != 1 ]; then
 fi
 if [ "${PO_SKIP_WAITS:-0}" != 1 ]; then
   timeout 150 python3 tests/gpu/check_waits.py 2>&1 | tee "$out/check_waits.log" | grep -E "PASS|FAIL|wait checks" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_LANGUAGE:-0}" != 1 ]; then  # the public device API and the tutorials
+  run 300 tests/gpu/check_language.py 2>&1 | tee "$out/check_language.log" | grep -E "^PASS|^FAIL|language checks" | tail -14
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_AUTO:-0}" != 1 ]; then  # transport="auto" (the planner)
+  run 300 tests/gpu/check_auto_transport.py 2>&1 | tee "$out/check_auto.log" | grep -E "^PASS|^FAIL|checks" | tail -24
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_CAMPAIGN:-0}" != 1 ]; then
