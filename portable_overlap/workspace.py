@@ -25,9 +25,9 @@ from .ops.context import G_MAX, ContextBase, concurrent_use
 from .shmem.heap import SymmetricHeap, heap_bytes
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
+from .language.host import descriptor_words, fill_descriptor, name_offset_reports
 
 _ALIGN = 256  # bytes: every tensor starts 16-byte aligned for vector stores and TMA
-_CTX_WORDS = int(_lang.CTX_BASES.value)
 
 
 class Workspace(ContextBase):
@@ -60,19 +60,13 @@ class Workspace(ContextBase):
         super().__init__(world, timeout_s)
         W = world.world_size
         pool = int(math.ceil(max(nbytes, 1) / _ALIGN) * _ALIGN)
-        self.heap = SymmetricHeap(world, heap_bytes([((_CTX_WORDS + W,), torch.int64),
+        self.heap = SymmetricHeap(world, heap_bytes([((descriptor_words(W),), torch.int64),
                                                      ((pool,), torch.uint8)]))
         try:
-            self.ctx = self.heap.alloc((_CTX_WORDS + W,), torch.int64)
+            self.ctx = self.heap.alloc((descriptor_words(W),), torch.int64)
             self._pool = self.heap.alloc((pool,), torch.uint8)
             self.status = StatusBoard(world.backend, G_MAX)
-            words = [0] * _CTX_WORDS
-            words[int(_lang.CTX_RANK.value)] = world.rank
-            words[int(_lang.CTX_WORLD.value)] = W
-            words[int(_lang.CTX_TIMEOUT_US.value)] = self.timeout_us
-            words[int(_lang.CTX_STATUS.value)] = self.status.address
-            words[int(_lang.CTX_HEAP.value)] = self.heap.addresses[world.rank]
-            self.ctx.copy_(torch.tensor(words + list(self.heap.addresses), dtype=torch.int64))
+            fill_descriptor(self.ctx, self.heap, world.rank, self.timeout_us, self.status.address)
         except BaseException:
             self.heap.close()
             raise
@@ -204,23 +198,12 @@ class Workspace(ContextBase):
                 f"flags for new ones). Close this workspace and make a new one")
 
     def _name_reports(self) -> dict:
-        """Rewrite each report's flag (its byte offset in the heap, as the kernel wrote it) as
-        (array number << 32 | flat index); return the names of the array numbers."""
-        names = {0: "unknown (not a flag of this workspace)"}
-        for i, (off, size, name, shape) in enumerate(self._arrays):
-            if name is not None:  # the index printed is the flat one
-                names[i + 1] = f"'{name}'" + (f" (shape {list(shape)}, flat index)"
-                                               if len(shape) > 1 else "")
-        words = self.status.words
-        for pid in words[:, 0].nonzero().flatten().tolist():
-            where = int(words[pid, 2])
-            kind, index = 0, where
-            for i, (off, size, name, _) in enumerate(self._arrays):
-                if name is not None and off <= where < off + size:
-                    kind, index = i + 1, (where - off) // 8
-                    break
-            words[pid, 2] = (kind << 32) | (index & 0xFFFFFFFF)
-        return names
+        """The reports' flags named by the arrays of :meth:`flags` (the index printed is the
+        flat one)."""
+        regions = [(off, size, f"'{name}'" + (f" (shape {list(shape)}, flat index)"
+                                              if len(shape) > 1 else ""))
+                   for off, size, name, shape in self._arrays if name is not None]
+        return name_offset_reports(self.status, regions)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

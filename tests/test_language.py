@@ -39,6 +39,10 @@ def test_a_peer_that_gives_up_is_reported_and_the_workspace_goes_on(world):
     assert not calls.check_quitter(world.run(calls.quitter))
 
 
+def test_flags_of_another_tag_raise_a_mismatch(world):
+    assert not calls.check_tagged(world.run(calls.tagged))
+
+
 def test_a_kernel_that_skips_end_call_is_caught(world2):
     assert not calls.check_no_end(world2.run(calls.no_end))
 
@@ -71,3 +75,4 @@ def test_the_checks_can_fail():
     assert calls.check_grid([torch.zeros(24, dtype=torch.int64)])
     assert calls.check_lonely([(None, None)])
     assert calls.check_no_end([(None, None)])
+    assert calls.check_tagged([(None, None)])

@@ -68,6 +68,8 @@ CTX_HEAP = tl.constexpr(8)
 CTX_BASES = tl.constexpr(16)  # then one word per rank: its heap base as mapped here
 #: status-board slots; a program beyond the last reports in the last
 STATUS_SLOTS = tl.constexpr(1024)
+#: a report's flag is ``heap offset | 1 << REPORT_OFFSET`` (the host names it, ``host.py``)
+REPORT_OFFSET = tl.constexpr(62)
 
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "is_live",
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "put_signal",
@@ -182,13 +184,15 @@ def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
 
 # -- signals -------------------------------------------------------------------------------------
 @triton.jit
-def signal(ctx, flag_ptr, peer, call, ok=True):
+def signal(ctx, flag_ptr, peer, call, ok=True, tag=0):
     """Set ``peer``'s copy of the flag ``flag_ptr`` to call ``call``, after every store this
     program made before (release at system scope). ``peer`` may be this rank. With ``ok``
     False the flag says this rank gave up on the call: the waiter's :func:`wait` returns False
-    and reports that the peer failed, instead of reading data that was never written."""
+    and reports that the peer failed, instead of reading data that was never written. ``tag``
+    (0 .. 2^31 - 2, e.g. a hash of the call's shapes) travels with the flag: a waiter that
+    expects another tag reports a mismatch (:func:`wait`)."""
     tl.debug_barrier()  # every thread's stores before the one thread's (cumulative) release
-    value = _shmem.call_flag(call, 0, ok)
+    value = _shmem.call_flag(call, tag, ok)
     tl.atomic_xchg(remote_ptr(ctx, flag_ptr, peer), value, sem="release", scope="sys")
 
 
@@ -217,16 +221,19 @@ def _report(ctx, code, peer, flag_ptr, expected):
     expected."""
     slot = tl.minimum(program(), STATUS_SLOTS - 1)
     where = flag_ptr.to(tl.int64) - tl.load(ctx + CTX_HEAP)
+    where = where | (tl.full((), 1, tl.int64) << REPORT_OFFSET)
     _shmem.report(tl.load(ctx + CTX_STATUS), slot, code, peer, where, expected)
 
 
 @triton.jit
-def wait(ctx, flag_ptr, call, peer):
+def wait(ctx, flag_ptr, call, peer, tag=-1):
     """Wait until this rank's flag ``flag_ptr`` holds call ``call`` (or a later one), set by
     ``peer``'s :func:`signal`. Bounded by the call's deadline: on a timeout the program's report
-    names the flag and ``peer`` and the host raises ``PeerTimeoutError``. Returns whether the
-    flag arrived and the peer did not give up; the data the peer stored before its signal is
-    then visible to every thread of this program."""
+    names the flag and ``peer`` and the host raises ``PeerTimeoutError``. With ``tag`` >= 0 a
+    flag of this call with another tag is reported as a mismatch (``RankMismatchError``: the
+    peer called with other shapes). Returns whether the flag arrived, the peer did not give up
+    and the tags agree; the data the peer stored before its signal is then visible to every
+    thread of this program."""
     clock = ctx + CTX_CLOCK
     ok = is_live(ctx)
     if ok:
@@ -236,7 +243,12 @@ def wait(ctx, flag_ptr, call, peer):
             tl.atomic_xchg(clock + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
             ok = False
         elif (v >> 32) == _shmem.FAILED_TAG:
-            _report(ctx, _shmem.STATUS_PEER_FAILED, peer, flag_ptr, call)
+            _report(ctx, _shmem.STATUS_PEER_FAILED, peer, flag_ptr,
+                    (tl.cast(tl.maximum(tag, 0), tl.int64) << 32) | (call & 0xFFFFFFFF))
+            ok = False
+        elif (tag >= 0) & ((v & 0xFFFFFFFF) == (call & 0xFFFFFFFF)) & ((v >> 32) != tag):
+            _report(ctx, _shmem.STATUS_MISMATCH, peer, flag_ptr,
+                    ((v >> 32) << 32) | tl.cast(tag, tl.int64))
             ok = False
     tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
     return ok

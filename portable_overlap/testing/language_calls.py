@@ -253,6 +253,44 @@ def bad_host(world):
     return errors
 
 
+@triton.jit
+def _tagged_kernel(ctx, flags_ptr, tag):
+    """Every rank signals its peers with ``tag`` and expects the same tag from them."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    for step in range(1, world):
+        pol.signal(ctx, flags_ptr + me, pol.peer_at(step, me, world), call, True, tag)
+    for step in range(1, world):
+        q = pol.peer_at(step, me, world)
+        pol.wait(ctx, flags_ptr + q, call, q, tag)
+    pol.end_call(ctx, call)
+
+
+def tagged(world):
+    """Rank 0 calls with tag 7, the others with 9; then every rank with 9 (after a host
+    barrier). Returns the two calls' errors."""
+    ws = Workspace(world, 1024, timeout_s=20.0, name="tagged")
+    flags = ws.flags((world.world_size,), "ready")
+    first = error_of_one_call(lambda: (ws.launch(_tagged_kernel, (1,), flags,
+                                                 7 if world.rank == 0 else 9), ws.synchronize()))
+    world.barrier()
+    second = error_of_one_call(lambda: (ws.launch(_tagged_kernel, (1,), flags, 9),
+                                        ws.synchronize()))
+    ws.close()
+    return first, second
+
+
+def check_tagged(out):
+    bad = []
+    for r, (first, second) in enumerate(out):
+        if not (first and first[0] == "RankMismatchError" and "different shapes" in first[1]):
+            bad.append(f"rank {r}: first call raised {first}")
+        if second is not None:
+            bad.append(f"rank {r}: second call raised {second}")
+    return bad
+
+
 # -- verdicts over every rank's results (rank order); each returns the list of what is wrong --
 def check_ping(out, calls):
     bad, W = [], len(out)

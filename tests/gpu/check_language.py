@@ -102,6 +102,9 @@ def main() -> int:
                f"{time.perf_counter() - t0:.2f} s for timeout 0.5 s")
     if world.world_size > 1:
         run_check(world, "peer gives up, workspace goes on", calls.quitter, calls.check_quitter)
+    if world.world_size > 1:
+        run_check(world, "flags of another tag -> RankMismatchError", calls.tagged,
+                  calls.check_tagged)
     run_check(world, "kernel without end_call is caught", calls.no_end, calls.check_no_end)
     run_check(world, "graph replay: 5 replays, new data", graph_replay,
               # one eager call, then five replays: the device counted six
