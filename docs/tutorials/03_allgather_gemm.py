@@ -26,7 +26,7 @@ from portable_overlap import AllGatherMatmul, Workspace
 from portable_overlap.testing import run_on_ranks, time_call
 from portable_overlap.tiles.gemm import gemm_tile, grouped_tile
 
-MAX_CHUNKS = 256  # flags per source rank
+MAX_CHUNKS = 256  # the most flags per source rank (a chunk is at least a tile row)
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
             n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
             pol.put(ctx, gathered_ptr + (me * m + lo).to(tl.int64) * K,
                     a_ptr + lo.to(tl.int64) * K, n, q, COPY)
-            pol.signal(ctx, ready_ptr + me * MAX_CHUNKS + c, q, call)
+            pol.signal(ctx, ready_ptr + me * chunks + c, q, call)
     else:
         tiles_m = tl.cdiv(m, BLOCK_M)  # per shard: a tile never holds rows of two shards
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -67,7 +67,7 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
             if q == me:
                 src = a_ptr + lo.to(tl.int64) * K
             else:  # chunks are whole tile rows: one flag covers the tile
-                pol.wait(ctx, ready_ptr + q * MAX_CHUNKS + lo // chunk_rows, call, q)
+                pol.wait(ctx, ready_ptr + q * chunks + lo // chunk_rows, call, q)
                 src = gathered_ptr + (q * m + lo).to(tl.int64) * K
             acc = gemm_tile(src, b_ptr, rows, N, K, K, 1, N, 1, 0, tn, BLOCK_M, BLOCK_N,
                             BLOCK_K, STAGES, EVEN_K, "ieee", False)
@@ -87,10 +87,10 @@ def main(world, m=None, N=None, K=None, dtype=None):
     bm, bn, bk, warps, stages = (128, 256, 64, 8, 3) if gpu else (16, 16, 16, 1, 1)
     chunk_rows = bm * triton.cdiv(triton.cdiv(m, bm), MAX_CHUNKS)  # whole tile rows
     chunks = triton.cdiv(m, chunk_rows)
-    ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype), ((W, MAX_CHUNKS), torch.int64),
+    ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype), ((W, chunks), torch.int64),
                                               ((W,), torch.int64)), name="allgather_gemm")
     gathered = ws.tensor((W * m, K), dtype)
-    ready = ws.flags((W, MAX_CHUNKS), "ready")
+    ready = ws.flags((W, chunks), "ready")
     free = ws.flags((W,), "free")
     # 16 of 132 H200 SMs send on 2 ranks (~200 GB/s into the peer: the GEMM reads the rows
     # slower than that), the library's default; at least one program computes
