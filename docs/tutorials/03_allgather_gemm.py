@@ -23,6 +23,7 @@ import triton.language as tl
 
 import portable_overlap.language as pol
 from portable_overlap import AllGatherMatmul, Workspace
+from portable_overlap.ops.matmul.api import default_config
 from portable_overlap.testing import run_on_ranks, time_call
 from portable_overlap.tiles.gemm import gemm_tile, grouped_tile
 
@@ -47,13 +48,12 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
     if p < senders:  # item i: chunk i % chunks to the peer at step 1 + i // chunks
         for i in range(p, (world - 1) * chunks, senders):
             q = pol.peer_at(1 + i // chunks, me, world)
-            c = i % chunks
             pol.wait(ctx, free_ptr + q, call, q)
-            lo = c * chunk_rows
+            lo = i % chunks * chunk_rows
             n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
             pol.put(ctx, gathered_ptr + (me * m + lo).to(tl.int64) * K,
                     a_ptr + lo.to(tl.int64) * K, n, q, COPY)
-            pol.signal(ctx, ready_ptr + me * chunks + c, q, call)
+            pol.signal(ctx, ready_ptr + me * chunks + i % chunks, q, call)
     else:
         tiles_m = tl.cdiv(m, BLOCK_M)  # per shard: a tile never holds rows of two shards
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -64,9 +64,8 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
             tm, tn = grouped_tile(t % per_shard, tiles_m, tiles_n, GROUP_M)
             lo = tm * BLOCK_M
             rows = tl.minimum(m - lo, BLOCK_M)
-            if q == me:
-                src = a_ptr + lo.to(tl.int64) * K
-            else:  # chunks are whole tile rows: one flag covers the tile
+            src = a_ptr + lo.to(tl.int64) * K  # this rank's rows: no wait
+            if q != me:  # chunks are whole tile rows: one flag covers the tile
                 pol.wait(ctx, ready_ptr + q * chunks + lo // chunk_rows, call, q)
                 src = gathered_ptr + (q * m + lo).to(tl.int64) * K
             acc = gemm_tile(src, b_ptr, rows, N, K, K, 1, N, 1, 0, tn, BLOCK_M, BLOCK_N,
@@ -83,15 +82,16 @@ def main(world, m=None, N=None, K=None, dtype=None):
     dev, W, gpu = world.device, world.world_size, world.device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if gpu else torch.float32)  # fp16 works too on GPUs
     m, N, K = (m or 8192 // W, N or 8192, K or 8192) if gpu else (m or 37, N or 50, K or 45)
-    # tiles: the library's H200 GEMM tile on GPUs, small ones under the (slow) interpreter
-    bm, bn, bk, warps, stages = (128, 256, 64, 8, 3) if gpu else (16, 16, 16, 1, 1)
+    cfg = default_config(dtype, dev)  # the library's GEMM tiles (small on the interpreter)
+    bm = cfg.block_m
+    tiles = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                 STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     chunk_rows = bm * triton.cdiv(triton.cdiv(m, bm), MAX_CHUNKS)  # whole tile rows
     chunks = triton.cdiv(m, chunk_rows)
     ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype), ((W, chunks), torch.int64),
                                               ((W,), torch.int64)), name="allgather_gemm")
     gathered = ws.tensor((W * m, K), dtype)
-    ready = ws.flags((W, chunks), "ready")
-    free = ws.flags((W,), "free")
+    ready, free = ws.flags((W, chunks), "ready"), ws.flags((W,), "free")
     # 16 of 132 H200 SMs send on 2 ranks (~200 GB/s into the peer: the GEMM reads the rows
     # slower than that), the library's default; at least one program computes
     senders = min(max(1, ws.sm_count * (W - 1) // (4 * W)), (W - 1) * chunks, ws.sm_count - 1)
@@ -103,9 +103,7 @@ def main(world, m=None, N=None, K=None, dtype=None):
 
     def ours():
         ws.launch(allgather_gemm_kernel, (ws.sm_count,), a, b, out, gathered, ready, free, m, N,
-                  K, chunk_rows, senders, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                  STAGES=stages, EVEN_K=K % bk == 0, COPY=8192 if gpu else 256, num_warps=warps,
-                  num_stages=stages)
+                  K, chunk_rows, senders, EVEN_K=K % cfg.block_k == 0, COPY=8192, **tiles)
 
     full = torch.empty(W * m, K, device=dev, dtype=dtype)
     dist = torch.distributed  # (all_gather_single is the newer name of the same collective)
@@ -132,9 +130,8 @@ def main(world, m=None, N=None, K=None, dtype=None):
         paths["AllGatherMatmul(stores)"] = lambda: builtin(a, b)
     ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
           for name, f in paths.items()}
-    ws.close()
-    if gpu:
-        builtin.close()
+    for w in (ws, builtin) if gpu else (ws,):
+        w.close()
     oks = world.all_gather_object(ok)
     if world.rank == 0:
         print(f"all_gather(a [{m}, {K}] per rank) @ b [{K}, {N}], {dtype}, {W} ranks "

@@ -25,6 +25,7 @@ import triton.language as tl
 
 import portable_overlap.language as pol
 from portable_overlap import MatmulReduceScatter, Workspace
+from portable_overlap.ops.matmul.api import default_config
 from portable_overlap.testing import run_on_ranks, time_call
 from portable_overlap.tiles.gemm import gemm_tile, grouped_tile
 
@@ -87,10 +88,11 @@ def main(world, M=None, N=None, K=None, dtype=None):
     dev, W, gpu = world.device, world.world_size, world.device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if gpu else torch.float32)  # fp16 works too on GPUs
     M, N, K = (M or 8192, N or 8192, K or 8192 // W) if gpu else (M or 74, N or 50, K or 29)
-    # tiles: the library's H200 GEMM tile on GPUs, small ones under the (slow) interpreter
-    bm, bn, bk, warps, stages = (128, 256, 64, 8, 3) if gpu else (16, 16, 16, 1, 1)
+    cfg = default_config(dtype, dev)  # the library's GEMM tiles (small on the interpreter)
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                 STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_rows = triton.cdiv(M, W)
-    per_block = triton.cdiv(block_rows, bm) * triton.cdiv(N, bn)
+    per_block = triton.cdiv(block_rows, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     ws = Workspace(world, Workspace.bytes_for(((W, block_rows, N), dtype),
                                               ((W, per_block), torch.int64), ((W,), torch.int64)),
                    name="gemm_reduce_scatter")
@@ -102,10 +104,8 @@ def main(world, M=None, N=None, K=None, dtype=None):
     out = torch.empty(hi - lo, N, device=dev, dtype=dtype)
 
     def ours():
-        ws.launch(gemm_reduce_scatter_kernel, (ws.sm_count,), a, b, out, recv, ready, free, M,
-                  N, K, block_rows, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                  STAGES=stages, EVEN_K=K % bk == 0, SLICE=min(32, bm), num_warps=warps,
-                  num_stages=stages)
+        ws.launch(gemm_reduce_scatter_kernel, (ws.sm_count,), a, b, out, recv, ready, free, M, N,
+                  K, block_rows, EVEN_K=K % cfg.block_k == 0, SLICE=min(32, cfg.block_m), **tiles)
 
     dist, scattered = torch.distributed, torch.empty(M // W, N, device=dev, dtype=dtype)
 
