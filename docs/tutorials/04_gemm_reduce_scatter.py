@@ -34,7 +34,7 @@ from portable_overlap.tiles.gemm import gemm_tile, grouped_tile
 def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, free_ptr, M, N,
                                K, block_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                               STAGES: tl.constexpr, EVEN_K: tl.constexpr, SLICE: tl.constexpr):
+                               STAGES: tl.constexpr, EVEN_K: tl.constexpr):
     call = pol.begin_call(ctx)
     me, world, p, P = pol.rank(ctx), pol.num_ranks(ctx), pol.program(), pol.num_programs()
     tiles_m, tiles_n = tl.cdiv(block_rows, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -61,8 +61,7 @@ def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, 
                 pol.put_signal(ctx, recv_ptr + offs, acc.to(recv_ptr.dtype.element_ty), d,
                                ready_ptr + me * per_block + T, call,
                                (r < rows)[:, None] & (cols < N)[None, :])
-    # 2. this rank's block, SLICE rows at a time (the float32 sum and a partial of a whole
-    # tile would not fit the registers beside each other)
+    # 2. this rank's block: the tiles this program computed, from every source (own slot too)
     rows = M * (me + 1) // world - M * me // world
     for T in range(p, per_block, P):
         tm, tn = grouped_tile(T, tiles_m, tiles_n, GROUP_M)
@@ -71,16 +70,15 @@ def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, 
             for s in range(0, world):  # the partials in the order they were sent
                 q = pol.peer_at(world - s, me, world)
                 pol.wait(ctx, ready_ptr + q * per_block + T, call, q)
+            r = row0 + tl.arange(0, BLOCK_M)
             cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            for r0 in tl.static_range(0, BLOCK_M, SLICE):
-                r = row0 + r0 + tl.arange(0, SLICE)
-                mask = (r < rows)[:, None] & (cols < N)[None, :]
-                acc = tl.zeros((SLICE, BLOCK_N), tl.float32)
-                for q in range(0, world):
-                    offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
-                    acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
-                         acc.to(out_ptr.dtype.element_ty), mask=mask)
+            mask = (r < rows)[:, None] & (cols < N)[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for q in range(0, world):
+                offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
+                acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
     pol.end_call(ctx, call)
 
 
@@ -105,7 +103,7 @@ def main(world, M=None, N=None, K=None, dtype=None):
 
     def ours():
         ws.launch(gemm_reduce_scatter_kernel, (ws.sm_count,), a, b, out, recv, ready, free, M, N,
-                  K, block_rows, EVEN_K=K % cfg.block_k == 0, SLICE=min(32, cfg.block_m), **tiles)
+                  K, block_rows, EVEN_K=K % cfg.block_k == 0, **tiles)
 
     dist, scattered = torch.distributed, torch.empty(M // W, N, device=dev, dtype=dtype)
 
