@@ -1,0 +1,147 @@
+"""Tutorial 4: GEMM + ReduceScatter in one kernel, each partial tile stored in its owner's heap.
+
+Rank q holds ``a_q`` [M, K] and ``b_q`` [K, N] (the full K split over the ranks); rank r keeps
+row block r of the sum: ``out_r = (sum_q a_q @ b_q)[M*r//W : M*(r+1)//W]``. Program p of every
+rank owns the tiles T = p, p + P, ... of every block. (1) It computes its tiles of blocks me+1,
+me+2, ... (``pol.peer_at``: the peers' partials travel while this rank computes), then of its
+own, and stores each partial tile straight into slot ``me`` of the owner's ``recv`` [W, rows
+per block, N] with a per-tile flag (``pol.put_signal``), after the owner's "free" flag
+(tutorial 2). (2) It reduces its tiles of this rank's block: waits for each tile's W flags and
+adds the W partials in float32. The peers' program p sent them: every wait is on the same
+program of a peer, never on another program of this launch, so the kernel is right whether the
+programs run at once (GPUs: the grid fits the device) or one after another (the interpreter).
+
+    torchrun --nproc-per-node 2 docs/tutorials/04_gemm_reduce_scatter.py     # GPUs
+    python docs/tutorials/04_gemm_reduce_scatter.py                          # CPU-emulated ranks
+
+It prints whether every rank's block is right (against torch in fp32) and the time against
+torch (matmul, then NCCL reduce-scatter) and ``MatmulReduceScatter(transport="stores")``.
+"""
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+import portable_overlap.language as pol
+from portable_overlap import MatmulReduceScatter, Workspace
+from portable_overlap.ops.matmul.api import default_config
+from portable_overlap.testing import run_on_ranks, time_call
+from portable_overlap.tiles.gemm import gemm_tile, grouped_tile
+
+
+@triton.jit
+def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, free_ptr, M, N,
+                               K, block_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                               STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+    call = pol.begin_call(ctx)
+    me, world, p, P = pol.rank(ctx), pol.num_ranks(ctx), pol.program(), pol.num_programs()
+    tiles_m, tiles_n = tl.cdiv(block_rows, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_block = tiles_m * tiles_n  # every block is cut alike; tiles past a short one's end skip
+    if p == 0:  # "my recv is free for this call": my previous call has finished reading it
+        for s in range(1, world):
+            pol.signal(ctx, free_ptr + me, pol.peer_at(s, me, world), call)
+    for s in range(1, world + 1):  # 1. partial tiles of blocks me+1, ..., me-1, then mine
+        d = pol.peer_at(s, me, world)
+        lo = M * d // world
+        rows = M * (d + 1) // world - lo
+        if d != me:
+            pol.wait(ctx, free_ptr + d, call, d)
+        for T in range(p, per_block, P):
+            tm, tn = grouped_tile(T, tiles_m, tiles_n, GROUP_M)
+            row0 = tm * BLOCK_M
+            if row0 < rows:
+                acc = gemm_tile(a_ptr + (lo + row0).to(tl.int64) * K, b_ptr, rows - row0, N, K,
+                                K, 1, N, 1, 0, tn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K,
+                                "ieee", False)
+                r = row0 + tl.arange(0, BLOCK_M)
+                cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+                offs = (me * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
+                pol.put_signal(ctx, recv_ptr + offs, acc.to(recv_ptr.dtype.element_ty), d,
+                               ready_ptr + me * per_block + T, call,
+                               (r < rows)[:, None] & (cols < N)[None, :])
+    # 2. this rank's block: the tiles this program computed, from every source (own slot too)
+    rows = M * (me + 1) // world - M * me // world
+    for T in range(p, per_block, P):
+        tm, tn = grouped_tile(T, tiles_m, tiles_n, GROUP_M)
+        row0 = tm * BLOCK_M
+        if row0 < rows:
+            for s in range(0, world):  # the partials in the order they were sent
+                q = pol.peer_at(world - s, me, world)
+                pol.wait(ctx, ready_ptr + q * per_block + T, call, q)
+            r = row0 + tl.arange(0, BLOCK_M)
+            cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (r < rows)[:, None] & (cols < N)[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for q in range(0, world):
+                offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
+                acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+    pol.end_call(ctx, call)
+
+
+def main(world, M=None, N=None, K=None, dtype=None):
+    dev, W, gpu = world.device, world.world_size, world.device.type == "cuda"
+    dtype = dtype or (torch.bfloat16 if gpu else torch.float32)  # fp16 works too on GPUs
+    M, N, K = (M or 8192, N or 8192, K or 8192 // W) if gpu else (M or 74, N or 50, K or 29)
+    cfg = default_config(dtype, dev)  # the library's GEMM tiles (small on the interpreter)
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                 STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    block_rows = triton.cdiv(M, W)
+    per_block = triton.cdiv(block_rows, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    ws = Workspace(world, Workspace.bytes_for(((W, block_rows, N), dtype),
+                                              ((W, per_block), torch.int64), ((W,), torch.int64)),
+                   name="gemm_reduce_scatter")
+    recv = ws.tensor((W, block_rows, N), dtype)
+    ready, free = ws.flags((W, per_block), "ready"), ws.flags((W,), "free")
+    g = torch.Generator(dev).manual_seed(world.rank)
+    a, b = torch.empty(M, K, device=dev, dtype=dtype), torch.empty(K, N, device=dev, dtype=dtype)
+    lo, hi = M * world.rank // W, M * (world.rank + 1) // W
+    out = torch.empty(hi - lo, N, device=dev, dtype=dtype)
+
+    def ours():
+        ws.launch(gemm_reduce_scatter_kernel, (ws.sm_count,), a, b, out, recv, ready, free, M, N,
+                  K, block_rows, EVEN_K=K % cfg.block_k == 0, **tiles)
+
+    dist, scattered = torch.distributed, torch.empty(M // W, N, device=dev, dtype=dtype)
+
+    def torch_path():  # torch's blocks are equal: M // W rows each
+        dist.reduce_scatter_tensor(scattered, a @ b)
+
+    ok = True
+    for _ in range(3):  # fresh data each call, back to back
+        a.copy_(torch.randn(M, K, device=dev, generator=g))
+        b.copy_(torch.randn(K, N, device=dev, generator=g) / (W * K) ** 0.5)
+        out.fill_(float("nan"))
+        recv.fill_(float("nan"))  # a tile that read partials before they came would show
+        ours()
+        want = a.float() @ b.float()
+        dist.all_reduce(want)
+        err = ((out.float() - want[lo:hi]).abs().max() / want.abs().max()).item()
+        ok &= err < (2e-2 if dtype != torch.float32 else 1e-4)  # NaN fails too
+    ws.synchronize()
+    paths = {"portable_overlap.language": ours}
+    if M % W == 0:  # torch's reduce-scatter takes equal blocks only
+        paths["torch matmul + reduce_scatter"] = torch_path
+    if gpu:  # the library's op, the same design with more care (tensor descriptors, tile map)
+        builtin = MatmulReduceScatter(world, M, N, transport="stores")
+        paths["MatmulReduceScatter(stores)"] = lambda: builtin(a, b)
+    ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
+          for name, f in paths.items()}
+    for w in (ws, builtin) if gpu else (ws,):
+        w.close()
+    oks = world.all_gather_object(ok)
+    if world.rank == 0:
+        print(f"reduce_scatter(a [{M}, {K}] @ b [{K}, {N}] on each rank), {dtype}, {W} ranks "
+              f"({dev.type}): block right on every rank: {all(oks)}")
+        for name, t in ms.items():
+            tf = f", {2 * W * M * N * K / t / 1e9:.0f} TFLOP/s" if gpu else ""
+            print(f"  {name}: {t:.3f} ms{tf} (slowest rank's median"
+                  f"{', graph replay' if gpu else ''})")
+    return 0 if all(oks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(max(run_on_ranks(main)))

@@ -1,0 +1,149 @@
+"""Tutorial 5: AllGather + RMSNorm + GEMM in one kernel (sequence parallel; not a library op).
+
+Rank r holds ``x_r`` [m, K] (a slice of the sequence) and the same ``gamma`` [K] and ``w``
+[K, N]; every rank computes ``out = rms_norm(cat(x_0, ..., x_{W-1}), gamma, eps) @ w``
+[W*m, N], ``rms_norm(x)[i] = x[i] * gamma / sqrt(mean(x[i]**2) + eps)``. The rows travel as in
+tutorial 3 (same senders, flags and order). The norm takes no pass of its own: a row's scale is
+one number, so the K loop multiplies ``x * gamma`` by ``w`` and sums each row's squares on the
+side, and the tile's rows are scaled by ``1 / sqrt(sum / K + eps)`` at the end.
+
+    torchrun --nproc-per-node 2 docs/tutorials/05_allgather_rmsnorm_gemm.py     # GPUs
+    python docs/tutorials/05_allgather_rmsnorm_gemm.py                          # CPU-emulated
+
+It prints the check against torch in fp32 (rows of unequal scales, so a wrong norm shows) and
+the time against torch (NCCL all-gather, ``rms_norm``, matmul).
+"""
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+import portable_overlap.language as pol
+from portable_overlap import Workspace
+from portable_overlap.ops.matmul.api import default_config
+from portable_overlap.testing import run_on_ranks, time_call
+from portable_overlap.tiles.gemm import grouped_tile, tile_offsets
+
+
+@triton.jit
+def rmsnorm_gemm_tile(x_ptr, gamma_ptr, w_ptr, rows, N, K, eps, tn, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """The fp32 tile ``rms_norm(x[:rows]) @ w[:, tn*BLOCK_N:]``, unmasked (the caller's store)."""
+    x_offs, w_offs, k = tile_offsets(rows, N, K, 1, N, 1, 0, tn, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, squares = tl.zeros((BLOCK_M, BLOCK_N), tl.float32), tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        in_k = k0 + k < K
+        x = tl.load(x_ptr + x_offs + k0, mask=in_k[None, :], other=0.0)
+        g = tl.load(gamma_ptr + k0 + k, mask=in_k, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + w_offs + k0 * N, mask=in_k[:, None], other=0.0)
+        squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+        # x * gamma rounded to x's dtype (as torch's rms_norm output is) for the tensor cores
+        acc = tl.dot((x.to(tl.float32) * g[None, :]).to(x.dtype), w, acc, input_precision="ieee")
+    return acc * tl.rsqrt(squares / K + eps)[:, None]
+
+
+@triton.jit
+def allgather_rmsnorm_gemm_kernel(ctx, x_ptr, gamma_ptr, w_ptr, out_ptr, gathered_ptr,
+                                  ready_ptr, free_ptr, m, N, K, eps, chunk_rows, senders,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  STAGES: tl.constexpr, COPY: tl.constexpr):
+    call = pol.begin_call(ctx)
+    me, world, p = pol.rank(ctx), pol.num_ranks(ctx), pol.program()
+    chunks = tl.cdiv(m, chunk_rows)
+    # tutorial 3's protocol: no program waits for another program of this launch
+    if p == 0:  # "my gathered is free for this call": my previous call has finished reading it
+        for s in range(1, world):
+            pol.signal(ctx, free_ptr + me, pol.peer_at(s, me, world), call)
+    if p < senders:  # item i: chunk i % chunks to the peer at step 1 + i // chunks
+        for i in range(p, (world - 1) * chunks, senders):
+            q = pol.peer_at(1 + i // chunks, me, world)
+            pol.wait(ctx, free_ptr + q, call, q)
+            lo = i % chunks * chunk_rows
+            n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
+            pol.put(ctx, gathered_ptr + (me * m + lo).to(tl.int64) * K,
+                    x_ptr + lo.to(tl.int64) * K, n, q, COPY)
+            pol.signal(ctx, ready_ptr + me * chunks + i % chunks, q, call)
+    else:
+        tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        per_shard = tiles_m * tiles_n
+        for t in range(p - senders, world * per_shard, pol.num_programs() - senders):
+            q = pol.peer_at(world - t // per_shard, me, world)  # mine, then rank me-1, ...
+            tm, tn = grouped_tile(t % per_shard, tiles_m, tiles_n, GROUP_M)
+            lo = tm * BLOCK_M
+            rows = tl.minimum(m - lo, BLOCK_M)
+            src = x_ptr + lo.to(tl.int64) * K  # this rank's rows: no wait
+            if q != me:  # chunks are whole tile rows: one flag covers the tile
+                pol.wait(ctx, ready_ptr + q * chunks + lo // chunk_rows, call, q)
+                src = gathered_ptr + (q * m + lo).to(tl.int64) * K
+            y = rmsnorm_gemm_tile(src, gamma_ptr, w_ptr, rows, N, K, eps, tn, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, STAGES)
+            r = tl.arange(0, BLOCK_M)
+            cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + (q * m + lo + r)[:, None].to(tl.int64) * N + cols[None, :],
+                     y.to(out_ptr.dtype.element_ty), mask=(r < rows)[:, None] & (cols < N)[None, :])
+    pol.end_call(ctx, call)
+
+
+def main(world, m=None, N=None, K=None, dtype=None, eps=1e-6):
+    dev, W, gpu = world.device, world.world_size, world.device.type == "cuda"
+    dtype = dtype or (torch.bfloat16 if gpu else torch.float32)  # fp16 works too on GPUs
+    m, N, K = (m or 8192 // W, N or 8192, K or 8192) if gpu else (m or 37, N or 50, K or 45)
+    cfg = default_config(dtype, dev)  # the library's GEMM tiles (small on the interpreter)
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                 STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    chunk_rows = cfg.block_m * triton.cdiv(triton.cdiv(m, cfg.block_m), 256)  # <= 256 chunks
+    chunks = triton.cdiv(m, chunk_rows)
+    ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype), ((W, chunks), torch.int64),
+                                              ((W,), torch.int64)), name="allgather_rmsnorm_gemm")
+    gathered = ws.tensor((W * m, K), dtype)
+    ready, free = ws.flags((W, chunks), "ready"), ws.flags((W,), "free")
+    senders = min(max(1, ws.sm_count * (W - 1) // (4 * W)), (W - 1) * chunks, ws.sm_count - 1)
+    g, same = torch.Generator(dev).manual_seed(world.rank), torch.Generator(dev).manual_seed(7)
+    x = torch.empty(m, K, device=dev, dtype=dtype)
+    out = torch.empty(W * m, N, device=dev, dtype=dtype)
+    gamma = (1 + 0.5 * torch.rand(K, device=dev, generator=same)).to(dtype)  # same on every rank
+    w = (torch.randn(K, N, device=dev, generator=same) / K ** 0.5).to(dtype)
+
+    def ours():
+        ws.launch(allgather_rmsnorm_gemm_kernel, (ws.sm_count,), x, gamma, w, out, gathered,
+                  ready, free, m, N, K, eps, chunk_rows, senders, COPY=8192, **tiles)
+
+    full = torch.empty(W * m, K, device=dev, dtype=dtype)
+    dist = torch.distributed  # (all_gather_single is the newer name of the same collective)
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def torch_path():
+        gather_into(full, x)
+        return torch.nn.functional.rms_norm(full, (K,), gamma, eps) @ w
+
+    ok = True
+    for _ in range(3):  # fresh data each call, back to back
+        x.copy_(torch.randn(m, K, device=dev, generator=g)
+                * torch.rand(m, 1, device=dev, generator=g) * 4)
+        out.fill_(float("nan"))
+        gathered.fill_(float("nan"))  # a tile that read rows before they came would show
+        ours()
+        gather_into(full, x)
+        want = torch.nn.functional.rms_norm(full.float(), (K,), gamma.float(), eps) @ w.float()
+        err = ((out.float() - want).abs().max() / want.abs().max()).item()
+        ok &= err < (2e-2 if dtype != torch.float32 else 1e-4)  # NaN fails too
+    ws.synchronize()
+    ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
+          for name, f in (("portable_overlap.language", ours),
+                          ("torch all_gather + rms_norm + matmul", torch_path))}
+    ws.close()
+    oks = world.all_gather_object(ok)
+    if world.rank == 0:
+        print(f"rms_norm(all_gather(x [{m}, {K}] per rank)) @ w [{K}, {N}], {dtype}, {W} ranks "
+              f"({dev.type}): result right on every rank: {all(oks)}")
+        for name, t in ms.items():
+            tf = f", {2 * W * m * N * K / t / 1e9:.0f} TFLOP/s" if gpu else ""
+            print(f"  {name}: {t:.3f} ms{tf} (slowest rank's median"
+                  f"{', graph replay' if gpu else ''})")
+    return 0 if all(oks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(max(run_on_ranks(main)))
