@@ -222,7 +222,11 @@ def _report(ctx, code, peer, flag_ptr, expected):
     slot = tl.minimum(program(), STATUS_SLOTS - 1)
     where = flag_ptr.to(tl.int64) - tl.load(ctx + CTX_HEAP)
     where = where | (tl.full((), 1, tl.int64) << REPORT_OFFSET)
-    _shmem.report(tl.load(ctx + CTX_STATUS), slot, code, peer, where, expected)
+    board = tl.load(ctx + CTX_STATUS)
+    # a program's first report is the cause; a later wait of the same call that failed
+    # because of it (the peer gave up in turn) must not overwrite it
+    if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
+        _shmem.report(board, slot, code, peer, where, expected)
 
 
 @triton.jit

@@ -8,9 +8,12 @@ import torch
 
 from . import (CTX_BASES, CTX_HEAP, CTX_RANK, CTX_STATUS, CTX_TIMEOUT_US, CTX_WORLD,
                REPORT_OFFSET)
+from . import CTX_CLOCK as _CLOCK
 
 #: words before the per-rank heap bases
 CTX_WORDS = int(CTX_BASES.value)
+#: the first of the two deadline-clock words (``shmem.device.call_deadline`` / ``live``)
+CTX_CLOCK = int(_CLOCK.value)
 _OFFSET_BIT = int(REPORT_OFFSET.value)
 #: report kinds given to the flag arrays named from offsets (above any op's own flag kinds)
 FIRST_OFFSET_KIND = 1000

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import ContextBrokenError, ContextClosedError, ConcurrentUseError
+from ..language.host import CTX_CLOCK, descriptor_words, fill_descriptor, name_offset_reports
 from ..shmem.heap import SymmetricHeap, heap_bytes
 from ..shmem.status import STATUS_TIMEOUT, StatusBoard
 # shape_tag: the ops import it from here
@@ -193,16 +194,29 @@ class OverlapContext(ContextBase):
     """
 
     OP = "op"
+    #: report kind -> flag name, for kernels that report ``(kind << 32) | index``
     FLAG_NAMES: dict = {}
+    #: heap buffer -> flag name, for kernels of the device API (reports by heap offset; a
+    #: buffer not listed is named by its attribute)
+    FLAG_LABELS: dict = {}
 
     def __init__(self, world, layout: Sequence[tuple], timeout_s: float):
         super().__init__(world, timeout_s)
-        # [0] the current call's start (shared deadline), [1] the epoch of a timed-out call
-        layout = [("call_clock", (2,), torch.int64), *layout]
+        # the device API's descriptor (portable_overlap.language): kernels written on that API
+        # take ``self.ctx`` (its words 0-1 count calls); the others take ``call_clock``, its
+        # words 2-3: [0] the current call's start (shared deadline), [1] the epoch of a
+        # timed-out call
+        layout = [("ctx", (descriptor_words(world.world_size),), torch.int64), *layout]
         self.heap = SymmetricHeap(world, heap_bytes([(s, d) for _, s, d in layout]))
         for name, shape, dtype in layout:
             setattr(self, name, self.heap.alloc(shape, dtype))
+        self.call_clock = self.ctx[CTX_CLOCK:CTX_CLOCK + 2]
         self.status = StatusBoard(world.backend, G_MAX)
+        fill_descriptor(self.ctx, self.heap, world.rank, self.timeout_us, self.status.address)
+        # the flag arrays a device-API kernel's reports name by heap offset
+        self._flag_regions = [(self.heap.offset_of(getattr(self, n)), getattr(self, n).nbytes,
+                               self.FLAG_LABELS.get(n, n)) for n, _, d in layout[1:]
+                              if d == torch.int64 and getattr(self, n).numel()]
         self._plans: dict = {}
         self._launched = False
         self._refusal: list = []  # (planned launch, arguments) per flag array: call_protocol
@@ -245,8 +259,9 @@ class OverlapContext(ContextBase):
         timed_out = self.status.has(STATUS_TIMEOUT)
         for tag in self.status.own_tags():  # for a peer that explains a mismatch of this call
             publish(self.world, tag, self.OP)
+        names = {**self.FLAG_NAMES, **name_offset_reports(self.status, self._flag_regions)}
         try:
-            self.status.raise_if_failed(self.OP, self.rank, self.FLAG_NAMES,
+            self.status.raise_if_failed(self.OP, self.rank, names,
                                         explain=self._explain_mismatch)
         except Exception as e:
             if timed_out:

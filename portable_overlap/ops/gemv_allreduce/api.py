@@ -18,7 +18,7 @@ from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import check_transport, collective_call, G_MAX, OverlapContext, align_key, shape_tag
 from ..registry import OpSpec, define
 from .config import GemvConfig, pick_config
-from .kernel import FLAG_NAMES, gemv_allreduce_kernel
+from .kernel import FLAG_LABELS, gemv_allreduce_kernel
 
 OP = "gemv_all_reduce"
 MAX_M = 64
@@ -44,7 +44,7 @@ class GemvAllReduce(OverlapContext):
     """
 
     OP = OP
-    FLAG_NAMES = FLAG_NAMES
+    FLAG_LABELS = FLAG_LABELS
 
     def __init__(self, world, max_n: int, *, timeout_s: float = 10.0,
                  config: Optional[GemvConfig] = None, transport: str = "stores"):
@@ -57,9 +57,8 @@ class GemvAllReduce(OverlapContext):
             ("partial", (W * MAX_M * max_n,), torch.float32),  # fp32 partials, [src, M, N]
             ("_result_raw", (MAX_M * max_n,), torch.float32),  # reduced tiles, viewed per dtype
             ("ready", (W, G_MAX), torch.int64), ("bcast", (W, G_MAX), torch.int64),
-            ("ctl", (2,), torch.int64),  # epoch, launch ticket
         ], timeout_s)
-        self.call_protocol(self.ctl, call_flags=(self.ready, self.bcast))
+        self.call_protocol(self.ctx, call_flags=(self.ready, self.bcast))
         self.max_n = max_n
         self.config = config
         self._result = {dt: self._result_raw.view(torch.uint8).view(dt) for dt in DTYPES}
@@ -93,10 +92,8 @@ class GemvAllReduce(OverlapContext):
 
     def _args(self, x, w, out, tag, n_blocks, programs):
         M, K = x.shape
-        return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctl,
-                self.call_clock, self.heap.bases, self.status.address, M, w.shape[0], K,
-                x.stride(0), w.stride(0), n_blocks, programs, self.rank, self.world.world_size,
-                tag, self.timeout_us)
+        return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctx,
+                M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag)
 
     # -- planning (once per shape) -------------------------------------------------------------
     def _plan(self, x, w, out, config: Optional[GemvConfig]):

@@ -3,10 +3,8 @@
 from .kernel import gemv_allreduce_kernel
 
 _PTRS = {"x_ptr": "*{dt}", "w_ptr": "*{dt}", "out_ptr": "*{dt}", "partial_ptr": "*fp32",
-         "result_ptr": "*{dt}", "ready_ptr": "*i64", "bcast_ptr": "*i64", "ctl_ptr": "*i64",
-         "clock_ptr": "*i64", "bases_ptr": "*i64"}
-_SCALARS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_xm:i32 stride_wn:i32 n_blocks:i32 G:i32 "
-            "rank:i32 world:i32 tag:i32 timeout_us:i32")
+         "result_ptr": "*{dt}", "ready_ptr": "*i64", "bcast_ptr": "*i64", "ctx": "*i64"}
+_SCALARS = "M:i32 N:i32 K:i32 stride_xm:i32 stride_wn:i32 n_blocks:i32 G:i32 tag:i32"
 
 
 def specs():

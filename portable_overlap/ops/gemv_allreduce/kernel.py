@@ -19,41 +19,55 @@ On rank r, program pid:
    the output.
 
 Every rank ends with the same bits: each block is summed once, by its owner, in rank order.
-Flags carry ``(shape tag << 32) | epoch``; the epoch lives in the heap (``ctl``) and is advanced by
-the last program of each launch, so the kernel can be replayed from a CUDA graph unchanged.
+Written on the public device API (``portable_overlap.language``): flags carry the call number
+(counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
+bounded and reported by the flag it waited for.
 """
 import triton
 import triton.language as tl
 
-from ...shmem.device import (begin_call, call_flag, end_call, live, peer_ptr,
-                             signal_peers, wait_peers)
+from ... import language as pol
 from ...tiles.gemv import gemv_tile
 
-#: flag kinds named in timeout reports
-FLAG_READY = tl.constexpr(1)
-FLAG_BCAST = tl.constexpr(2)
-FLAG_NAMES = {1: "partials-ready", 2: "result-broadcast"}
+#: the flags' names in timeout reports (the reports name a flag by its heap buffer)
+FLAG_LABELS = {"ready": "partials-ready", "bcast": "result-broadcast"}
 
 
-# Every rank must run the same compiled code (same registers, so the same resident grid, which
-# the shape tag includes): the rank number and per-rank counts are never specialized on (the
-# JIT would bake rank == 1 into rank 1's kernel only).
-@triton.jit(do_not_specialize=["rank"])
+@triton.jit
+def _signal_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
+    """Set ``flags[rank][pid]`` in every peer's heap (a ``[world, G_MAX]`` flag array)."""
+    for step in range(1, world):
+        pol.signal(ctx, flags_ptr + rank * G_MAX + pid, pol.peer_at(step, rank, world), call,
+                   ok, tag)
+
+
+@triton.jit
+def _wait_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
+    """Wait for ``flags[q][pid]`` of every peer q; ``ok`` and-ed with the outcomes. After a
+    failure it stops waiting: a missing peer costs one timeout, not one per flag."""
+    for step in range(1, world):
+        q = pol.peer_at(step, rank, world)
+        if ok:
+            ok = pol.wait(ctx, flags_ptr + q * G_MAX + pid, call, q, tag)
+    return ok
+
+
+@triton.jit
 def gemv_allreduce_kernel(
     x_ptr, w_ptr, out_ptr,  # user tensors: x [M, K], w [N, K], out [M, N]
     partial_ptr, result_ptr,  # heap: fp32 [world, M, N] partials, [M, N] results (out dtype)
-    ready_ptr, bcast_ptr, ctl_ptr,  # heap: int64 flags [world, G_MAX] x2, int64 [epoch, count]
-    clock_ptr, bases_ptr, status_addr,  # heap call clock; int64 [world] heap bases; status board
-    M, N, K, stride_xm, stride_wn, n_blocks, G, rank, world, tag, timeout_us,
+    ready_ptr, bcast_ptr, ctx,  # heap: int64 flags [world, G_MAX] x2; the device API's ctx
+    M, N, K, stride_xm, stride_wn, n_blocks, G, tag,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)  # G == the grid size (an argument: loop bounds must not depend on
     #                         program_id, which the interpreter keeps as a 1-element array)
-    epoch = begin_call(ctl_ptr)
-    ok = live(clock_ptr)
-    flag = call_flag(epoch, tag, ok)
+    call = pol.begin_call(ctx)
+    rank = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    ok = pol.is_live(ctx)
     n_rounds = tl.cdiv(n_blocks, G)  # program pid takes blocks pid, pid + G, ... < n_blocks
     offs_m = tl.arange(0, BLOCK_M)
     offs_nb = tl.arange(0, BLOCK_N)
@@ -70,10 +84,10 @@ def gemv_allreduce_kernel(
             n0 = (pid + i * G) * BLOCK_N
             acc = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0, BLOCK_M, BLOCK_N,
                             BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
-            dst = peer_ptr(partial_ptr + rank * MN + n0, bases_ptr, rank, owner)
-            tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N) & ok)
+            pol.store_remote(ctx, partial_ptr + rank * MN + n0 + tile_off, acc, owner,
+                             m_mask & ((n0 + offs_nb)[None, :] < N) & ok)
     # 2. tell every peer this program's partials for it have landed
-    signal_peers(ready_ptr, bases_ptr, pid, rank, world, flag, G_MAX)
+    _signal_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
 
     # 3. blocks this rank owns: own partial into the local slot (read back in step 4)
     for i in range(0, n_rounds):
@@ -86,8 +100,7 @@ def gemv_allreduce_kernel(
             tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N))
 
     # 4. reduce owned blocks in rank order, store locally and into every peer's result buffer
-    ok = wait_peers(ready_ptr, FLAG_READY, pid, rank, world, epoch, tag, clock_ptr,
-                    timeout_us, status_addr, ok, G_MAX)
+    ok = _wait_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world
@@ -99,15 +112,13 @@ def gemv_allreduce_kernel(
                     total += tl.load(partial_ptr + q * MN + n0 + tile_off, mask=mask, other=0.0)
                 y = total.to(out_ptr.dtype.element_ty)
                 tl.store(out_ptr + n0 + tile_off, y, mask=mask)
-                for q in range(0, world):
-                    if q != rank:
-                        dst = peer_ptr(result_ptr + n0, bases_ptr, rank, q)
-                        tl.store(dst + tile_off, y, mask=mask)
-    signal_peers(bcast_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
+                for step in range(1, world):
+                    pol.store_remote(ctx, result_ptr + n0 + tile_off, y,
+                                     pol.peer_at(step, rank, world), mask)
+    _signal_peers(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX)
 
     # 5. blocks peers own: their reduced tiles arrived in result; copy them to the output
-    ok = wait_peers(bcast_ptr, FLAG_BCAST, pid, rank, world, epoch, tag, clock_ptr,
-                    timeout_us, status_addr, ok, G_MAX)
+    ok = _wait_peers(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world
@@ -116,4 +127,4 @@ def gemv_allreduce_kernel(
                 mask = m_mask & ((n0 + offs_nb)[None, :] < N)
                 y = tl.load(result_ptr + n0 + tile_off, mask=mask)
                 tl.store(out_ptr + n0 + tile_off, y, mask=mask)
-    end_call(ctl_ptr, epoch)
+    pol.end_call(ctx, call)
