@@ -9,7 +9,9 @@ How torch runs them: the shard (AllGather) or each peer's partial rows (ReduceSc
 one symmetric-memory workspace per process group, which torch allocates at a call that needs
 more room than it has; peers pull or push whole shards over that workspace on a second stream
 while the BLAS multiplies what has arrived, with torch's barriers between the steps. The input
-itself need not be a symmetric tensor: torch copies it into the workspace.
+itself need not be a symmetric tensor: torch copies it into the workspace. torch's op allocates
+its result and its receive buffer per call from torch's caching allocator (under graph capture,
+from the graph's pool); the transports of this library allocate nothing per call.
 
 Where they run (:func:`unavailable_reason`, the one place that decides it): GPU worlds (torch
 registers no CPU kernel for them), of one host, with a torch that has the ops; a world of one
