@@ -7,10 +7,12 @@ workspace, made once per shape budget) and a ``transport=`` choice:
 ======================  ============================  ===========================================
 op                      context                       transports (first: default)
 ======================  ============================  ===========================================
-all_gather_matmul       AllGatherMatmul               copy_engine, stores, sequential
-matmul_reduce_scatter   MatmulReduceScatter           copy_engine, signal_collective,
-                                                      signal_copy_engine, sequential
-matmul_all_reduce       MatmulAllReduce               copy_engine, signal_collective, sequential
+all_gather_matmul       AllGatherMatmul               copy_engine, stores, torch_fused,
+                                                      sequential
+matmul_reduce_scatter   MatmulReduceScatter           copy_engine, stores, signal_collective,
+                                                      signal_copy_engine, torch_fused, sequential
+matmul_all_reduce       MatmulAllReduce               copy_engine, stores, signal_collective,
+                                                      sequential
 matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signal_collective,
                                                       sequential
 gemv_all_reduce         GemvAllReduce                 stores
@@ -19,8 +21,9 @@ moe_dispatch            MoeDispatch                   stores, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================
 
-The first four also take ``transport="auto"``: the context times every transport at the first
-call of each new shape and keeps the fastest (``ops/planner.py``). Each op is also
+The first four also take ``transport="auto"``: the context times every transport that can run
+on its world at the first call of each new shape and keeps the fastest (``ops/planner.py``);
+``torch_fused`` (torch's own fused ops) runs on GPU worlds of one host only. Each op is also
 ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS`` lists them). The
 modules (``RowParallelLinear``, ``ColumnParallelLinear``, ``ShardedEmbeddingBagCollection``,
 ``ExpertParallelMoE``) use them as drop-in layers. See README.md.

@@ -108,14 +108,13 @@ def _forced_picks(world):
     and one where the fastest fused transport wins by less than the tie margin (sequential is
     kept); each key called twice, the second time through the torch.library op."""
     W = world.world_size
-    found, decisions = [], {}
+    found, decisions, available = [], {}, {}
     for name, make, ref, rows, shapes, sizes in _cases(W):
         ctx = make(world, *sizes, transport="auto", iters=1, warmup=0)
         fake = _FakeTimings(ctx)
-        steer = [(want, {t: 1.0 if t == want else 2.0 for t in make.TRANSPORTS})
-                 for want in make.TRANSPORTS]
-        steer.append(("sequential", {**{t: 2.0 for t in make.TRANSPORTS},
-                                     make.TRANSPORTS[0]: 1.0,
+        here = make.available(world)  # the default candidates (torch_fused: GPUs only)
+        steer = [(want, {t: 1.0 if t == want else 2.0 for t in here}) for want in here]
+        steer.append(("sequential", {**{t: 2.0 for t in here}, here[0]: 1.0,
                                      "sequential": 1.0 + planner.TIE / 2}))
         try:
             with _timing(fake):
@@ -139,15 +138,17 @@ def _forced_picks(world):
                             fake.count - before))
             assert all(json.loads(k)["op"] == name for k in ctx.decisions)
             decisions[name] = sorted(d["transport"] for d in ctx.decisions.values())
+            available[name] = here
         finally:
             ctx.close()
-    return found, decisions
+    return found, decisions, available
 
 
 def test_every_pick_is_correct_and_reused(world):
     per_rank = world.run(_forced_picks, timeout=600)
-    transports = {c[0]: c[1].TRANSPORTS for c in _cases(2)}
-    for found, decisions in per_rank:
+    transports = per_rank[0][2]
+    assert set(transports) == {c[0] for c in _cases(2)}
+    for found, decisions, _ in per_rank:
         assert len(found) == 2 * sum(len(t) + 1 for t in transports.values())
         for name, want, rep, chose, into_out, err, timings in found:
             assert chose == want, (name, want, rep, chose)
@@ -157,7 +158,7 @@ def test_every_pick_is_correct_and_reused(world):
                                                                            timings)
         for name, picks in decisions.items():
             assert picks == sorted([*transports[name], "sequential"]), (name, picks)
-    picks = [[x[:4] for x in found] for found, _ in per_rank]
+    picks = [[x[:4] for x in found] for found, _, _ in per_rank]
     assert all(p == picks[0] for p in picks[1:])  # the same pick on every rank
 
 
@@ -470,6 +471,7 @@ def _lifecycle(world):
     with po.AllGatherMatmul(world, 32, transport="auto", timeout_s=7.0) as ctx:
         found["timeout"] = ctx.timeout_s
         found["workspaces"] = sorted(ctx.planner.impls)
+        found["available"] = sorted(ctx.available(world))
         ctx.check()
         ctx.synchronize()
         ctx.planner._lock.acquire()  # another thread's call is under way
@@ -499,10 +501,12 @@ def _lifecycle(world):
 def test_lifecycle_covers_every_workspace(world2):
     for found in world2.run(_lifecycle):
         assert found["timeout"] == 7.0
-        assert found["workspaces"] == sorted(po.AllGatherMatmul.TRANSPORTS)
+        assert found["workspaces"] == found["available"]  # every one that runs here
+        assert found["available"] == sorted(set(po.AllGatherMatmul.TRANSPORTS)
+                                            - {"torch_fused"})
         assert "already running a call in another thread" in found["threads"]
         assert found["default timeout"] == 60.0  # the longest default (sequential's)
         assert "transport='auto', candidates=(" in found["default"]
-        assert found["closed"] == [True] * len(po.AllGatherMatmul.TRANSPORTS)
+        assert found["closed"] == [True] * len(found["available"])
         for what in ("call", "check", "synchronize"):
             assert found[what] and "all_gather_matmul: this context was closed" in found[what]

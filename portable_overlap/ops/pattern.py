@@ -11,8 +11,21 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..errors import BackendUnavailable
 from .context import check_timeout, register_context, unregister_context
 from .planner import AUTO, PLANNER_OPTIONS, TransportPlanner
+
+
+def transport_unavailable(world, transport: str) -> Optional[str]:
+    """Why ``transport`` cannot run on ``world``, None where it can: the one place that decides
+    it. Only ``"torch_fused"`` depends on more than the backend (``ops/torch_fused.py``: GPU
+    worlds of one host, a torch with the ops); every other transport runs wherever the world's
+    backend does."""
+    if transport == "torch_fused":
+        from .torch_fused import unavailable_reason
+
+        return unavailable_reason(world)
+    return None
 
 
 class PatternContext:
@@ -31,7 +44,8 @@ class PatternContext:
     default stays ``TRANSPORTS[0]``: ``"auto"`` is opt-in until its picks have been measured on
     4 and 8 GPUs. Options of ``"auto"``:
 
-    - ``candidates``: the transports it chooses from (default: all of ``TRANSPORTS``);
+    - ``candidates``: the transports it chooses from (default: every transport of
+      ``TRANSPORTS`` that can run on this world);
     - ``options``: each candidate's own options, ``{transport: {option: value}}`` (e.g.
       ``options={"copy_engine": {"pieces": 8}}``); a candidate not named gets its defaults.
       A transport's options given directly (``pieces=8``) are refused with ``"auto"``, since
@@ -40,6 +54,11 @@ class PatternContext:
       ``$PORTABLE_OVERLAP_TUNING_CACHE`` if set, else the decisions stay in memory);
     - ``iters`` (10), ``warmup`` (2): timed and untimed runs per candidate; ``graph`` (False):
       time CUDA-graph replays instead of plain calls, for calls that will be replayed.
+
+    A transport that cannot run on the context's world (:meth:`unavailable`: ``"torch_fused"``
+    on the CPU-emulated backend) raises :class:`~portable_overlap.errors.BackendUnavailable`
+    when named, as ``transport=`` or in ``candidates=``, and is left out of ``"auto"``'s default
+    candidates.
 
     Per-call options (``CALL_OPTIONS``: per transport, each option's name and type) restrict an
     ``"auto"`` call to the candidates that take them. ``ctx.transport`` stays ``"auto"``;
@@ -61,9 +80,13 @@ class PatternContext:
             check_timeout(self.OP, timeout_s)
         world.check_same(f"{self.OP} transport", transport)
         self.world, self.rank, self.transport = world, world.rank, transport
+        unavailable = self.unavailable(world)
+        if transport in unavailable:
+            raise BackendUnavailable(f"{self.OP}: transport {transport!r} cannot run here: "
+                                     f"{unavailable[transport]}")
         self.impl, self.planner = None, None
         if transport == AUTO:
-            self.planner = TransportPlanner(self, timeout_s, **options)
+            self.planner = TransportPlanner(self, timeout_s, unavailable, **options)
         else:
             misplaced = sorted(set(options) & set(PLANNER_OPTIONS))
             if misplaced:
@@ -72,6 +95,20 @@ class PatternContext:
                                  f"transport={AUTO!r}, not of transport={transport!r}")
             self.impl = self._make(world, transport, timeout_s, **options)
         self.handle = register_context(self)
+
+    @classmethod
+    def unavailable(cls, world) -> dict:
+        """``{transport: why it cannot run on world}`` for the transports of ``TRANSPORTS`` that
+        cannot (``transport_unavailable``); the others are the ones ``"auto"`` chooses from by
+        default."""
+        why = {t: transport_unavailable(world, t) for t in cls.TRANSPORTS}
+        return {t: w for t, w in why.items() if w is not None}
+
+    @classmethod
+    def available(cls, world) -> tuple:
+        """The transports of ``TRANSPORTS`` that can run on ``world``, in that order."""
+        unavailable = cls.unavailable(world)
+        return tuple(t for t in cls.TRANSPORTS if t not in unavailable)
 
     def _make(self, world, transport, timeout_s, **options):
         raise NotImplementedError

@@ -9,9 +9,9 @@ options with their values (tensors by shape, dtype and strides).
 What the first call of a key does (collective; the same on every rank):
 
 1. **The call's candidates**: the context's (``candidates=``, default: every transport of
-   ``TRANSPORTS``) that take each per-call option given, by name and type (the pattern's
-   ``CALL_OPTIONS``; a transport not listed there takes none). One candidate runs at once,
-   untimed; none is a ``ValueError``.
+   ``TRANSPORTS`` that can run on this world, ``PatternContext.unavailable``) that take each
+   per-call option given, by name and type (the pattern's ``CALL_OPTIONS``; a transport not
+   listed there takes none). One candidate runs at once, untimed; none is a ``ValueError``.
 2. **The decision's key**: every rank's call key, gathered (one key on every rank, also where
    the shapes differ across ranks, as the reduction patterns' K shards may), then
    ``schedule.tuning.decide``: a decision every rank's cache holds is used as it is (no
@@ -57,7 +57,7 @@ from typing import Optional
 import torch
 
 from ..envvars import env_file_path
-from ..errors import ContextBrokenError, ContextClosedError
+from ..errors import BackendUnavailable, ContextBrokenError, ContextClosedError
 from ..schedule import tuning
 from .context import concurrent_use, stream_capturing
 
@@ -86,16 +86,31 @@ class MemoryCache:
         self.entries[key] = value
 
 
-def check_candidates(op: str, transports: tuple, candidates) -> tuple:
-    """``candidates`` (None: all of ``transports``) as a tuple in ``transports`` order."""
+#: transports ``"auto"`` times only when ``candidates=`` names them: torch's fused ops wait in
+#: barriers without a deadline, so a rank that refuses or skips a call leaves its peers waiting
+#: for ever instead of raising ``PeerTimeoutError`` (docs/scaling.md)
+OPT_IN = ("torch_fused",)
+
+
+def check_candidates(op: str, transports: tuple, candidates,
+                     unavailable: Optional[dict] = None) -> tuple:
+    """``candidates`` (None: every transport of ``transports`` not in ``unavailable`` nor in
+    ``OPT_IN``) as a tuple in ``transports`` order. ``unavailable``: ``{transport: why it cannot run on this
+    world}`` (``PatternContext.unavailable``); naming one of them raises
+    :class:`BackendUnavailable` with the reason."""
+    unavailable = unavailable or {}
     if candidates is None:
-        return tuple(transports)
+        return tuple(t for t in transports if t not in unavailable and t not in OPT_IN)
     bad = isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__")
     names = [] if bad else list(candidates)
     if bad or not names or len(set(names)) != len(names) \
             or any(not isinstance(t, str) or t not in transports for t in names):
         raise ValueError(f"{op}: candidates must be a non-empty collection of distinct transports "
                          f"among {transports}, got {candidates!r}")
+    for t in names:
+        if t in unavailable:
+            raise BackendUnavailable(f"{op}: candidates names {t!r}, which cannot run here: "
+                                     f"{unavailable[t]}")
     return tuple(t for t in transports if t in names)
 
 
@@ -192,11 +207,12 @@ class TransportPlanner:
     """The workspaces and decisions of a pattern context ``ctx`` made with ``transport="auto"``
     (module docstring). ``ctx`` provides ``OP``, ``TRANSPORTS``, ``CALL_OPTIONS``,
     ``OUTPUT_OPTIONS``, ``world``, ``_make(world, transport, timeout_s, **options)`` and
-    ``_run(transport, workspace, inputs, out, options)``."""
+    ``_run(transport, workspace, inputs, out, options)``; ``unavailable`` is
+    ``{transport: why it cannot run on this world}`` (``PatternContext.unavailable``)."""
 
-    def __init__(self, ctx, timeout_s: Optional[float], *, candidates=None, options=None,
-                 cache_path=None, iters: int = 10, warmup: int = 2, graph: bool = False,
-                 **rest):
+    def __init__(self, ctx, timeout_s: Optional[float], unavailable: dict, *, candidates=None,
+                 options=None, cache_path=None, iters: int = 10, warmup: int = 2,
+                 graph: bool = False, **rest):
         op, world = ctx.OP, ctx.world
         if rest:
             raise ValueError(
@@ -204,7 +220,7 @@ class TransportPlanner:
                 f"transport's own options go in options={{name: {{...}}}} (e.g. options="
                 f"{{{ctx.TRANSPORTS[0]!r}: {{...}}}}), got {', '.join(sorted(rest))}")
         self.ctx = ctx
-        self.candidates = check_candidates(op, ctx.TRANSPORTS, candidates)
+        self.candidates = check_candidates(op, ctx.TRANSPORTS, candidates, unavailable)
         self.options = check_options(op, ctx.TRANSPORTS, self.candidates, options)
         self.iters = _check_int(op, "iters", iters, 1)
         self.warmup = _check_int(op, "warmup", warmup, 0)

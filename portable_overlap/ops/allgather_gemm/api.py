@@ -43,13 +43,15 @@ rank that never sends makes the call raise ``PeerTimeoutError`` at the next chec
 Transports (``AllGatherMatmul(..., transport=)``): ``"copy_engine"`` (default, the above;
 options ``pieces``, ``schedule``); ``"stores"``: one persistent Triton kernel whose first
 programs store the shard into every peer's heap, all peers at once, while the others multiply
-the rows that have arrived (``stores.py``, ``kernel.py``; options ``config``, ``senders``); and
+the rows that have arrived (``stores.py``, ``kernel.py``; options ``config``, ``senders``);
+``"torch_fused"``: torch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (``ops/torch_fused.py``;
+no options; GPU worlds of one host only, elsewhere it raises ``BackendUnavailable``); and
 ``"sequential"``: the vendor library's ``all_gather_into_tensor``, then ``torch.matmul``
 (``ops/sequential.py``; no options), the baseline and the choice where the copy engines
-measured slower. ``"auto"`` makes all three and keeps, per call shape, the one that timed
-fastest at that shape's first call (``ops/planner.py``; ``sequential`` unless beaten by more
-than 3 %); a call that passes ``schedule`` runs on ``"copy_engine"``, the one transport with
-schedules.
+measured slower. ``"auto"`` makes every transport that can run on the world and keeps, per
+call shape, the one that timed fastest at that shape's first call (``ops/planner.py``;
+``sequential`` unless beaten by more than 3 %); a call that passes ``schedule`` runs on
+``"copy_engine"``, the one transport with schedules.
 """
 from __future__ import annotations
 
@@ -65,10 +67,11 @@ from ..matmul.api import DTYPES, check_operands
 
 OP = "all_gather_matmul"
 #: ``"copy_engine"``: the shards travel by DMA while the BLAS computes (module docstring);
-#: ``"sequential"``: gather, then multiply
 #: ``"stores"``: one persistent kernel stores the shard into every peer's heap while it
 #: multiplies what has arrived (stores.py, kernel.py);
-TRANSPORTS = ("copy_engine", "stores", "sequential")
+#: ``"torch_fused"``: torch's ``fused_all_gather_matmul`` (ops/torch_fused.py; GPUs only);
+#: ``"sequential"``: gather, then multiply
+TRANSPORTS = ("copy_engine", "stores", "torch_fused", "sequential")
 SCHEDULES = ("hetero-unfused-1d", "hetero-fused-1d", "uniform-fused-1d", "hetero-unfused-2d",
              "uniform-fused-2d")
 
@@ -98,11 +101,10 @@ def pick_schedule(M: int, N: int, K: int, elem_bytes: int, arch: str) -> str:
     return "hetero-fused-1d"
 
 
-def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], world,
-               max_shard_elems: int) -> torch.Tensor:
-    """What every transport checks first, with the same errors (switching the transport changes
-    nothing but speed): the operands, the shard's size, a contiguous ``a`` (its rows are copied
-    by DMA), ``out`` of shape [W * m, N] (made if None). Returns ``out``."""
+def check_input(a: torch.Tensor, b: torch.Tensor, world, max_shard_elems: int) -> None:
+    """What every transport checks of the operands first, with the same errors (switching the
+    transport changes nothing but speed): the operands, the shard's size, a contiguous ``a``
+    (its rows are copied by DMA)."""
     check_operands(OP, a, b, world.device)
     m, K = a.shape
     if m * K > max_shard_elems:
@@ -110,7 +112,13 @@ def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], wo
                          f"max_shard_elems={max_shard_elems}")
     if not a.is_contiguous():
         raise ValueError(f"{OP}: a must be contiguous (its rows are copied by DMA)")
-    return output_tensor(OP, out, (world.world_size * m, b.shape[1]), a)
+
+
+def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], world,
+               max_shard_elems: int) -> torch.Tensor:
+    """``check_input``, then ``out`` of shape [W * m, N] (made if None). Returns ``out``."""
+    check_input(a, b, world, max_shard_elems)
+    return output_tensor(OP, out, (world.world_size * a.shape[0], b.shape[1]), a)
 
 
 class AllGatherMatmul(PatternContext):
@@ -144,6 +152,11 @@ class AllGatherMatmul(PatternContext):
 
             return AllGatherMatmulStores(world, self.max_shard_elems, **options,
                                          **timeout_kw(timeout_s))
+        if transport == "torch_fused":
+            from ..torch_fused import TorchFusedAllGatherMatmul
+
+            return TorchFusedAllGatherMatmul(world, OP, self.max_shard_elems, **options,
+                                             **timeout_kw(timeout_s))
         return AllGatherMatmulCE(world, self.max_shard_elems, **options, **timeout_kw(timeout_s))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,

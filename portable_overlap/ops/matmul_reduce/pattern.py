@@ -23,14 +23,18 @@ Transports (``transport=``):
 - ``"signal_copy_engine"`` (ReduceScatter only): the same GEMM, its group counters gating
   copy-engine transfers, a reduction kernel at the end
   (``gemm_signal.copy_engine.GemmReduceScatterCE``; option ``config``);
+- ``"torch_fused"`` (ReduceScatter only): torch's
+  ``torch.ops.symm_mem.fused_matmul_reduce_scatter``, then bias and residual
+  (``ops/torch_fused.py``; no options; GPU worlds of one host only, elsewhere it raises
+  ``BackendUnavailable``);
 - ``"sequential"``: ``torch.matmul``, then the vendor library's collective on the whole product
   (``ops/sequential.py``; no options): the baseline, and the choice where a fused transport
   measured slower;
-- ``"auto"``: every transport's workspace; each call shape runs the one that timed fastest at
-  that shape's first call (``ops/planner.py``; ``"sequential"`` unless beaten by more than
-  3 %). A call that passes per-call options runs on the transports that take them (``config``,
-  ``rms_weight``, ``eps``, ``normed``: ``"signal_collective"``; ``config`` also
-  ``"signal_copy_engine"``).
+- ``"auto"``: the workspace of every transport that can run on the world; each call shape runs
+  the one that timed fastest at that shape's first call (``ops/planner.py``; ``"sequential"``
+  unless beaten by more than 3 %). A call that passes per-call options runs on the transports
+  that take them (``config``, ``rms_weight``, ``eps``, ``normed``: ``"signal_collective"``;
+  ``config`` also ``"signal_copy_engine"``; ``"torch_fused"`` takes none).
 """
 from __future__ import annotations
 
@@ -69,6 +73,10 @@ class _MatmulReduction(MatmulPattern):
 
             return MatmulReduceStores(world, self.OP, self.MODE, M, N, **options,
                                       **timeout_kw(timeout_s))
+        if transport == "torch_fused":
+            from ..torch_fused import TorchFusedMatmul
+
+            return TorchFusedMatmul(world, self.OP, M, N, **options, **timeout_kw(timeout_s))
         if transport == "sequential":
             from ..sequential import SequentialMatmul
 
@@ -105,7 +113,7 @@ class MatmulReduceScatter(_MatmulReduction):
     OP = "matmul_reduce_scatter"
     MODE = "reduce_scatter"
     TRANSPORTS = ("copy_engine", "stores", "signal_collective", "signal_copy_engine",
-                  "sequential")
+                  "torch_fused", "sequential")
 
 
 class MatmulAllReduce(_MatmulReduction):

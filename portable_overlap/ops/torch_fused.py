@@ -1,0 +1,202 @@
+"""torch's own fused ops as a transport of the GEMM patterns (``transport="torch_fused"``):
+``torch.ops.symm_mem.fused_all_gather_matmul`` for AllGather + GEMM and
+``torch.ops.symm_mem.fused_matmul_reduce_scatter`` for GEMM + ReduceScatter. They compute what
+the other transports compute, with the same input checks and errors, so ``transport="auto"``
+can weigh them against ours: the library's aim is never to be slower than torch's fused ops or
+the vendor library's collectives.
+
+How torch runs them: the shard (AllGather) or each peer's partial rows (ReduceScatter) go through
+one symmetric-memory workspace per process group, which torch allocates at a call that needs
+more room than it has; peers pull or push whole shards over that workspace on a second stream
+while the BLAS multiplies what has arrived, with torch's barriers between the steps. The input
+itself need not be a symmetric tensor: torch copies it into the workspace. torch's op allocates
+its result and its receive buffer per call from torch's caching allocator (under graph capture,
+from the graph's pool); the transports of this library allocate nothing per call.
+
+Where they run (:func:`unavailable_reason`, the one place that decides it): GPU worlds (torch
+registers no CPU kernel for them), of one host, with a torch that has the ops; a world of one
+rank too. Elsewhere making this transport raises
+:class:`~portable_overlap.errors.BackendUnavailable`. ``transport="auto"`` times it only when
+``candidates=`` names it (``planner.OPT_IN``, for the reason below).
+
+Calls are matched by torch's barriers, which wait without a deadline: a rank that skips a call,
+refuses one (bad input) or calls with other shapes leaves its peers waiting inside torch's op
+(``timeout_s`` is checked and kept, but torch's waits do not use it). Shapes that differ across
+ranks are not detected."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendUnavailable
+from .allgather_gemm.api import check_input as check_all_gather_input
+from .context import ContextBase, collective_call, output_tensor
+from .matmul.api import add_epilogue, check_operands, vector_checks
+
+TRANSPORT = "torch_fused"
+#: the torch ops this transport calls (``torch.ops.symm_mem.<name>``)
+TORCH_OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+#: bytes per element of the widest dtype the ops take (fp32): the workspace fits any of them
+_WIDEST = 4
+
+
+def unavailable_reason(world) -> Optional[str]:
+    """Why torch's fused ops cannot run on ``world``, or None where they can. The same on every
+    rank (it reads the backend, the world's sizes and torch's build), so ranks agree on it."""
+    if world.backend.name == "cpu":
+        return ("the CPU-emulated backend: torch registers its symm_mem fused ops for GPU "
+                "tensors only")
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem)
+    except Exception as e:  # a torch built without distributed or symmetric memory
+        return f"this torch has no symmetric memory ({type(e).__name__}: {e})"
+    for name in TORCH_OPS:
+        if not hasattr(torch.ops.symm_mem, name):
+            return f"torch {torch.__version__} has no torch.ops.symm_mem.{name}"
+    if world.local_world_size != world.world_size:
+        # torch's default symmetric-memory allocator maps the peers' workspaces by IPC handles,
+        # which reach the GPUs of one host
+        return (f"ranks on more than one host ({world.world_size} ranks, "
+                f"{world.local_world_size} on this one): torch's symmetric-memory workspace "
+                f"joins the GPUs of one host")
+    return None
+
+
+def _no_options(op: str, options: dict) -> None:
+    """This transport has no options: name the ones given (another transport's, say)."""
+    if options:
+        raise ValueError(f"{op}: the {TRANSPORT!r} transport takes no options; got "
+                         f"{sorted(options)}")
+
+
+class _TorchFused(ContextBase):
+    """What both workspaces share: the availability check, the process group's name (torch's
+    ops name their group by it) and torch's workspace sized for the largest call."""
+
+    def __init__(self, world, op: str, sizes: tuple, workspace_bytes: int, *,
+                 timeout_s: float = 60.0, **options):
+        self.OP = op
+        _no_options(op, options)
+        why = unavailable_reason(world)
+        if why is not None:
+            raise BackendUnavailable(f"{op}: transport {TRANSPORT!r} cannot run here: {why}")
+        super().__init__(world, timeout_s)
+        world.check_same(f"{op} context sizes", sizes)  # before the collective allocation
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = (world.group or dist.group.WORLD).group_name
+        _enable_group(symm_mem, self.group_name)
+        # torch allocates its workspace (collectively) at the first call that needs more room
+        # than it has, and refuses to under graph capture: sized here for the largest call, no
+        # call allocates it, and calls can be captured. The workspace is torch's, one per
+        # process group and shared with every other user of torch's fused ops on it: close()
+        # leaves it to torch.
+        with _current(world.device):  # torch allocates it on the current device
+            symm_mem.get_symm_mem_workspace(self.group_name, min_size=workspace_bytes)
+        self.workspace_bytes = workspace_bytes
+        self.register()
+
+
+def _current(device: torch.device):
+    """``device`` made the current one of its kind while the block runs (nothing for the CPU,
+    which has no current device)."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.get_device_module(device).device(device)
+
+
+def _enable_group(symm_mem, group_name: str) -> None:
+    """Register the group with torch's symmetric memory where this torch still needs it (it
+    marks the call deprecated once groups register themselves)."""
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is None or getattr(enable, "__deprecated__", None) is not None:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable(group_name)
+
+
+class TorchFusedMatmul(_TorchFused):
+    """The ``"torch_fused"`` transport of GEMM + ReduceScatter (public op ``op``), for results
+    of at most ``max_m`` x ``max_n``: each call is ::
+
+        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group)
+          # rows [r*M/W, (r+1)*M/W) of sum_q a_q @ b_q on rank r (torch chunks dim 0 by rank)
+        y += bias; y += residual                                   # where given
+
+    torch rounds each peer's partial to the input dtype and sums them (as NCCL's reduction
+    does), so the result matches ``"sequential"`` to within a rounding of the partials."""
+
+    def __init__(self, world, op: str, max_m: int, max_n: int, *, timeout_s: float = 60.0,
+                 **options):
+        W = world.world_size
+        # torch stages two peer-sized chunks of the result ([M/W, N] each) in the workspace
+        super().__init__(world, op, (max_m, max_n), 2 * -(-max_m // W) * max_n * _WIDEST,
+                         timeout_s=timeout_s, **options)
+        self.max_m, self.max_n = max_m, max_n
+
+    def reduce_scatter(self, a, b, out=None, *, bias=None, residual=None,
+                       **options) -> torch.Tensor:
+        """Rows ``[r*M/W, (r+1)*M/W)`` of ``sum_q a_q @ b_q`` (+ bias + residual) on rank r."""
+        _no_options(self.OP, options)
+        return self._call(a, b, out, bias, residual)
+
+    @collective_call
+    def _call(self, a, b, out: Optional[torch.Tensor], bias, residual):
+        # the checks and errors of the other transports (ops/sequential.py), before torch's op
+        check_operands(self.OP, a, b, self.world.device)
+        W = self.world.world_size
+        M, N = a.shape[0], b.shape[1]
+        if M % W:
+            raise ValueError(f"{self.OP}: M={M} rows must split evenly over {W} ranks")
+        if M > self.max_m or N > self.max_n:
+            raise ValueError(f"{self.OP}: an [{M}, {N}] result exceeds this context's "
+                             f"max_m x max_n = {self.max_m} x {self.max_n}")
+        if out is not None:
+            out = output_tensor(self.OP, out, (M // W, N), a)
+        vector_checks(self.OP, a, N, M // W, bias=bias, residual=residual)
+        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, self.group_name)
+        if out is not None:  # torch's op has no out=: one copy of this rank's rows
+            y = out.copy_(y)
+        add_epilogue(y, bias, residual)
+        return y
+
+
+class TorchFusedAllGatherMatmul(_TorchFused):
+    """The ``"torch_fused"`` transport of AllGather + GEMM (public op ``op``), for shards of at
+    most ``max_shard_elems`` elements: each call is ::
+
+        _, [y] = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group, return_A=False)
+          # cat([a_0, ..., a_{W-1}]) @ b on every rank, [W*m, N], rank q's rows at q*m
+        out.copy_(y)                                               # where out is given
+
+    The input checks and errors are the copy-engine transport's
+    (``allgather_gemm.api.check_input``)."""
+
+    def __init__(self, world, op: str, max_shard_elems: int, *, timeout_s: float = 60.0,
+                 **options):
+        # a shard of the widest dtype, W of them: torch's small-M path gathers every shard into
+        # the workspace (where the GPUs have multicast), its other paths only this rank's
+        super().__init__(world, op, (max_shard_elems,),
+                         world.world_size * max_shard_elems * _WIDEST, timeout_s=timeout_s,
+                         **options)
+        self.max_shard_elems = max_shard_elems
+
+    @collective_call
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 schedule: Optional[str] = None) -> torch.Tensor:
+        if schedule is not None:
+            raise ValueError(f"{self.OP}: the {TRANSPORT!r} transport has no schedules; got "
+                             f"schedule={schedule!r}")
+        check_all_gather_input(a, b, self.world, self.max_shard_elems)
+        W = self.world.world_size
+        if out is not None:
+            out = output_tensor(self.OP, out, (W * a.shape[0], b.shape[1]), a)
+        # return_A=False: the gathered a is not kept (one [W*m, K] result less)
+        _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, self.group_name,
+                                                             return_A=False)
+        return y if out is None else out.copy_(y)  # torch's op has no out=
