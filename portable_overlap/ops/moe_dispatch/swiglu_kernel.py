@@ -134,20 +134,18 @@ def dispatch_swiglu_kernel(
             tl.debug_barrier()  # every thread's stores before the (cumulative) release
             signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
                         rank, d)
-    else:
-        have, ok = _take_tiles(queue_ptr, own_total, 0, have, ok, counts_ptr, cnt, segs,
-                               sent_ptr, senders, recv_ptr, wg_ptr, wu_ptr, h_ptr, x_desc,
-                               wg_desc, wu_desc, I, H, E, rank, world, epoch, tag, clock_ptr,
-                               timeout_us, status_addr, pid, stride_we, stride_wk, stride_wn,
-                               stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES,
-                               EVEN_K, PRECISION, UPCAST, USE_DESC, BLOCK_F, G_MAX)
-    if SENDERS_COMPUTE or pid >= senders:
-        have, ok = _take_tiles(queue_ptr + 1, peer_total, E, have, ok, counts_ptr, cnt, segs,
-                               sent_ptr, senders, recv_ptr, wg_ptr, wu_ptr, h_ptr, x_desc,
-                               wg_desc, wu_desc, I, H, E, rank, world, epoch, tag, clock_ptr,
-                               timeout_us, status_addr, pid, stride_we, stride_wk, stride_wn,
-                               stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES,
-                               EVEN_K, PRECISION, UPCAST, USE_DESC, BLOCK_F, G_MAX)
+    # queue 0: the own rows' tiles (compute programs only), queue 1: the peers' (one call
+    # site, so the GEMM's pipeline buffers are laid out once)
+    q_lo = tl.where(pid < senders, 1, 0)
+    q_hi = tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 1)
+    for qi in range(q_lo, q_hi):
+        have, ok = _take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
+                               have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
+                               wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, I, H, E, rank,
+                               world, epoch, tag, clock_ptr, timeout_us, status_addr, pid,
+                               stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
+                               BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
+                               BLOCK_F, G_MAX)
     # the last program out (every program has made its last claim) zeroes the queues
     tl.debug_barrier()
     ticket = tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu")
