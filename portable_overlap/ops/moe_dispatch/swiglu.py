@@ -85,13 +85,20 @@ def check_weights(ctx, w_gate, w_up, out) -> None:
 def run(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segment):
     """The ``"stores"`` call (``MoeDispatch.dispatch_swiglu`` checked the arguments): the
     dispatch's count and exchange launches, then the fused launch."""
+    W, E = ctx.world.world_size, ctx.experts_per_rank
+    # (expert_swiglu's default: a balanced routing fills 1/W of a default-capacity buffer)
+    m = ctx.capacity / (W * W * E) if rows_per_segment is None else rows_per_segment
+    # per-source row tiles always: a tile that gathered several sources' rows would wait for
+    # all of them. Plans are keyed by the tiles the mean picks, not by the mean (which moves
+    # with S from call to call)
+    cfg = config or default_config(tokens.dtype, tokens.device, True, m, False)
     key = ("swiglu", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
-           w_gate.stride(), out.stride(0), senders, config, rows_per_segment,
+           w_gate.stride(), out.stride(0), senders, config, cfg,
            align_key(tokens, topk_ids, w_gate, w_up, out))
     plan = ctx._plans.get(key)
     if plan is None:
         plan = ctx._plans[key] = _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders,
-                                       config, rows_per_segment)
+                                       config, m)
     count, exchange, fused = plan.launches
     routing = ctx._args(tokens, topk_ids, plan.tag)
     count(routing[0])
@@ -113,13 +120,9 @@ def _args(ctx, tokens, topk_ids, w_gate, w_up, out, plan, programs=None, tag=Non
             w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0))
 
 
-def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segment):
+def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, m):
     W, E, facts = ctx.world.world_size, ctx.experts_per_rank, ctx.world.facts
-    I = w_gate.shape[2]
     cpu = ctx.world.device.type == "cpu"
-    m = ctx.capacity / (W * E) if rows_per_segment is None else rows_per_segment
-    # per-source row tiles always: a tile that gathered several sources' rows would wait for
-    # all of them
     cfg = config or default_config(tokens.dtype, tokens.device, True, m, False)
     # the receive buffer has a fixed address: its descriptor is made once
     x_desc = _descriptors(ctx.recv, w_gate, w_up, cfg, facts)[0]
@@ -130,10 +133,13 @@ def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_se
     elem = tokens.element_size()
     p = SimpleNamespace(cfg=cfg, x_desc=x_desc, senders=n_send, tag=0)
 
-    def tag_of(g):  # what must agree across ranks (not S, which may differ)
+    def tag_of(g):
+        # what the ranks' launches must agree on: the dispatch's layout and the senders each
+        # rank waits for. Not S, the GEMM's tiles or the grid, which are this rank's own
+        # (ranks with other token counts may pick other tiles)
         return shape_tag(OP, hidden=ctx.hidden, top_k=ctx.top_k, experts_per_rank=E,
-                         dtype=str(tokens.dtype), capacity=ctx.capacity, programs=g,
-                         block_t=ctx.block_t, intermediate=I, config=cfg, senders=n_send)
+                         dtype=str(tokens.dtype), capacity=ctx.capacity, block_t=ctx.block_t,
+                         senders=n_send)
 
     consts = dict(BLOCK_T=ctx.block_t, BLOCK_E=ctx.block_e,
                   BLOCK_H=16 if cpu else min(_pow2(ctx.hidden), 512 // elem), G_MAX=G_MAX,
