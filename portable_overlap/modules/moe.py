@@ -31,7 +31,7 @@ from torch import nn
 
 from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from ..ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_dispatch_reference,
-                                 moe_dispatch_swiglu)
+                                moe_dispatch_swiglu)
 from ..ops.moe_experts import expert_swiglu
 from ..ops.moe_combine.reference import combine_rows, expert_outputs
 from .moe_backward import MoeLayerFunction

@@ -180,7 +180,7 @@ class MoeDispatch(OverlapContext):
         return count, exchange, scatter
 
     def _plan(self, tokens, topk_ids) -> tuple:
-        W, E = self.world.world_size, self.experts_per_rank
+        E = self.experts_per_rank
         cpu = self.world.device.type == "cpu"
         programs = min(self.world.facts.sm_count, G_MAX)
         BT, BE = self.block_t, self.block_e

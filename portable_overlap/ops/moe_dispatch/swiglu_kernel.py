@@ -1,7 +1,7 @@
 """The dispatch's scatter and the experts' gated first GEMM in one persistent launch: the GEMM
 starts on the rows that have arrived, not after the last peer's.
 
-Runs after the dispatch's count and exchange launches (kernel.py), in their place of the
+Runs after the dispatch's count and exchange launches (kernel.py), in place of the dispatch's
 scatter launch. On rank r, with the dispatch's layout (rows by source rank q, then local expert
 e, ``counts[q, e]`` rows per segment)::
 
@@ -30,10 +30,13 @@ program waits for a program of its own launch that has not run. Senders take no 
 for sender 1 of rank q, which runs after q's sender 0, which waits for r's sender 1, would be
 a cycle; with one sender per rank each waits only for the others' sender 0, which signals
 before it waits. The own-row tiles, the only ones that wait for this launch's own senders,
-are never taken by a sender. The last program out zeroes the queue counters for the next call (each program takes
-its ticket after its last claim). Every wait is bounded (the status board names the source and
+are never taken by a sender.
+
+The last program out zeroes the queue counters for the next call (each program takes its
+ticket after its last claim). Every wait is bounded (the status board names the source and
 the sender flag); a source that gave up (the exchange failed there) is reported, and a program
-that gave up stops claiming tiles.
+that gave up stops claiming tiles. Only the tiles' own rows are stored, so a source's rows
+past the capacity (not sent) or a rank whose counts were zeroed (an overflow) store nothing.
 """
 import triton
 import triton.language as tl
