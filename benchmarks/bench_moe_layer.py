@@ -14,8 +14,12 @@ as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
 - ``sequential``: the same module with ``fused=False``, the torch path: ``all_to_all_single``
   dispatch with host-read splits, per-segment matmuls, ``all_to_all_single`` back, weighted sum
   (plain launches: the host reads cannot be captured);
+- ``fused_dispatch_gemm``: the same layer with ``fuse_dispatch=True`` (the dispatch and the
+  gated GEMM in one launch, ``moe_dispatch_swiglu``); checked like ``fused``;
 - the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
-  ``stage_combine`` (down GEMM + combine);
+  ``stage_combine`` (down GEMM + combine), and ``stage_dispatch_swiglu`` (the fused launch that
+  replaces the first two; ``stage_dispatch_swiglu_s16`` / ``_s64``: with 16 / 64 sending
+  programs instead of the default quarter of the grid);
 - ``compute``: the expert GEMMs by cuBLAS on the same rows (per segment: gate, up, SiLU-gating,
   down); ``cublas_gemm1_dense``: the gate and up GEMMs as two dense cuBLAS GEMMs over all the
   received rows (what ``stage_experts`` is measured against); ``comm``: ``all_to_all_single``
@@ -35,7 +39,8 @@ from benchmarks.cli import BenchParser
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import ExpertParallelMoE
 from portable_overlap.ops.moe_combine import moe_gemm_combine
-from portable_overlap.ops.moe_dispatch import moe_dispatch, moe_dispatch_reference
+from portable_overlap.ops.moe_dispatch import (moe_dispatch, moe_dispatch_reference,
+                                               moe_dispatch_swiglu)
 from portable_overlap.ops.moe_experts import expert_swiglu
 
 SHAPES = [(8192, 7168, 2048, 16, 8), (8192, 4096, 14336, 8, 2), (128, 7168, 2048, 16, 8),
@@ -120,14 +125,32 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
             def layer():
                 return fused(tokens)
 
+            def layer_fused_dispatch():
+                fused.fuse_dispatch = True  # same weights and contexts, the other form
+                try:
+                    return fused(tokens)
+                finally:
+                    fused.fuse_dispatch = False
+
+            m = S * k / E  # the layer's rows_per_segment
+
+            def dispatch_swiglu(senders=None):
+                return moe_dispatch_swiglu(tokens, ids, fused.w_gate, fused.w_up,
+                                           fused.dispatch_ctx, out=h, senders=senders,
+                                           rows_per_segment=m)
+
             impls = {
                 "fused": lambda: out.copy_(layer()),
+                "fused_dispatch_gemm": lambda: out.copy_(layer_fused_dispatch()),
                 "sequential": lambda: out.copy_(torch_path(tokens)),
                 "stage_dispatch": lambda: moe_dispatch(tokens, ids, fused.dispatch_ctx),
                 "stage_experts": lambda: expert_swiglu(x, fused.w_gate, fused.w_up, counts,
                                                        out=h),
                 "stage_combine": lambda: moe_gemm_combine(h, fused.w_down, counts, slots,
                                                           weights, fused.ctx),
+                "stage_dispatch_swiglu": dispatch_swiglu,
+                "stage_dispatch_swiglu_s16": lambda: dispatch_swiglu(16),
+                "stage_dispatch_swiglu_s64": lambda: dispatch_swiglu(64),
                 "compute": compute, "cublas_gemm1_dense": gemm1_dense, "comm": comm,
             }
             with torch.no_grad():
@@ -149,7 +172,7 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
             label = f"{S}x{H}x{I}x{E}x{k} {kind} {dname}"
             bench.run(Case(op=OP, shape=shape, dtype=dname,
                            impls={n: timed(f) for n, f in impls.items()}, check=check,
-                           checked=["fused"], tol=3e-2, label=label,
+                           checked=["fused", "fused_dispatch_gemm"], tol=3e-2, label=label,
                            plain_only=("sequential",),
                            fields=lambda name: {"rows_received": R}))
     finally:

@@ -9,6 +9,11 @@ its own tokens. Forward, on every rank::
     h = expert_swiglu(x, w_gate, w_up, counts)         # silu(x @ w_gate[e]) * (x @ w_up[e])
     out = moe_gemm_combine(h, w_down, counts, slots, w)        # fused down GEMM + combine
 
+With ``fuse_dispatch=True`` the dispatch and the gated GEMM run as one launch after the routing
+counts are exchanged (``moe_dispatch_swiglu``: the GEMM starts on each source's rows as they
+arrive, this rank's own rows first); the default is the two launches until the fused form is
+measured on 2 GPUs to be no slower (docs/moe.md has the prediction).
+
 The router is replicated (same weights on every rank). With ``fused=False`` the layer is the
 torch path instead: ``all_to_all_single`` dispatch with host-read splits, per-segment matmuls,
 ``all_to_all_single`` back and the weighted sum. Either forward trains: the backward runs the
@@ -25,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
-from ..ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
+from ..ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_dispatch_reference,
+                                moe_dispatch_swiglu)
 from ..ops.moe_experts import expert_swiglu
 from ..ops.moe_combine.reference import combine_rows, expert_outputs
 from .moe_backward import MoeLayerFunction
@@ -38,19 +44,24 @@ class ExpertParallelMoE(nn.Module):
     construct and to :meth:`close` (every rank, same arguments). When ``fused``, ``max_tokens``
     (most tokens a rank passes) and ``capacity`` (most rows a rank's experts receive in a call;
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
-    contexts it makes (``ctx``: a combine context to use instead)."""
+    contexts it makes (``ctx``: a combine context to use instead); ``fuse_dispatch``: the
+    dispatch and the gated GEMM in one launch (module docstring)."""
 
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  max_tokens: int, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
                  ctx: Optional[MoeGemmCombine] = None, capacity: Optional[int] = None,
-                 seed: int = 0):
+                 seed: int = 0, fuse_dispatch: bool = False):
         super().__init__()
         W = world.world_size
         if num_experts % W:
             raise ValueError(f"num_experts={num_experts} must split evenly over {W} ranks")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        if fuse_dispatch and not fused:
+            raise ValueError("fuse_dispatch=True needs fused=True (the torch path has no "
+                             "dispatch launch to fuse)")
         self.world, self.top_k, self.fused = world, top_k, fused
+        self.fuse_dispatch = bool(fuse_dispatch)
         self.experts_per_rank = E = num_experts // W
         dev = world.device
         g = torch.Generator(device="cpu").manual_seed(seed)  # same router on every rank
@@ -92,11 +103,16 @@ class ExpertParallelMoE(nn.Module):
 
     def _forward(self, tokens, weights, ids) -> torch.Tensor:
         if self.fused:
-            x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
             # each source sends an expert S * k / (all experts) rows on average (balanced)
-            h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h,
-                              rows_per_segment=tokens.shape[0] * self.top_k
-                              / (self.experts_per_rank * self.world.world_size))
+            m = tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
+            if self.fuse_dispatch:
+                h, counts, slots = moe_dispatch_swiglu(tokens, ids, self.w_gate, self.w_up,
+                                                       self.dispatch_ctx, out=self._h,
+                                                       rows_per_segment=m)
+            else:
+                x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
+                h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h,
+                                  rows_per_segment=m)
             return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
         x, counts, slots = moe_dispatch_reference(tokens, ids, self.experts_per_rank,
                                                   self.world.group)

@@ -459,6 +459,132 @@ def moe_layer_backward(world: World, gen) -> None:
         layer.close()
 
 
+def check_moe_dispatch_swiglu(world: World, gen) -> None:
+    """The dispatch with the gated first GEMM fused into it against the two launches on the same
+    context (same tiles) and the torch reference: a DeepSeek-like row width, ranks with
+    different token counts, uniform / skewed / one-rank routing, every dtype; 10 CUDA-graph
+    replays with new routing each; the layer with ``fuse_dispatch=True`` against the torch
+    path; an id out of range raises on every rank and the next call is right."""
+    from portable_overlap import ExpertParallelMoE, InvalidInputError
+    from portable_overlap.ops.moe_dispatch import (MoeDispatch, moe_dispatch,
+                                                   moe_dispatch_swiglu,
+                                                   moe_dispatch_swiglu_reference)
+    from portable_overlap.ops.moe_experts import expert_swiglu
+
+    W, r, dev = world.world_size, world.rank, world.device
+
+    def routing(kind, S, E_total, k, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        scores = torch.rand(S, E_total, generator=g, device=dev)
+        if kind == "skewed":
+            scores = scores * torch.linspace(4, 0.1, E_total, device=dev)
+        elif kind == "one_rank":
+            scores[:, : E_total - E_total // W] = -1
+        return scores.topk(k, dim=1).indices
+
+    for S, H, I, El, k, kind, dt in ((4096 - 777 * r, 7168, 2048, 8, 8, "uniform", torch.bfloat16),
+                                     (3000, 1024, 768, 4, 2, "skewed", torch.float16),
+                                     (5 * r + 3, 33, 40, 2, 2, "one_rank", torch.float32)):
+        ctx = MoeDispatch(world, max_tokens=4096, top_k=k, hidden=H, experts_per_rank=El,
+                          dtype=dt)
+        wg, wu = (rand((El, H, I), dt, dev, gen) / H ** 0.5 for _ in range(2))
+        try:
+            for call in range(2):
+                ids = routing(kind, S, El * W, k, 10 * call + r)
+                tokens = rand((S, H), dt, dev, gen)
+                h = torch.full((ctx.capacity, I), float("nan"), dtype=dt, device=dev)
+                got, counts, slots = moe_dispatch_swiglu(tokens, ids, wg, wu, ctx, h)
+                ctx.synchronize()
+                h_ref, c_ref, s_ref = moe_dispatch_swiglu_reference(tokens, ids, wg, wu, El,
+                                                                    world.group)
+                R = h_ref.shape[0]
+                fused = h[:R].clone()
+                layout = (torch.equal(counts, c_ref) and torch.equal(slots[:R], s_ref)
+                          and bool(torch.isnan(h[R:]).all()))
+                x, c2, _ = moe_dispatch(tokens, ids, ctx)
+                # the fused launch's tiles: per source, the default for the mean segment
+                h2 = expert_swiglu(x, wg, wu, c2, gather=False,
+                                   rows_per_segment=ctx.capacity / (W * W * El))
+                ctx.synchronize()
+                err_ref, err_unfused = rel_err(fused, h_ref), rel_err(fused, h2[:R])
+                record(f"moe_dispatch_swiglu S={S} H={H} I={I} {kind} {str(dt)[6:]} call "
+                       f"{call}", layout and err_ref < TOL[dt] * 2 and err_unfused < TOL[dt],
+                       f"rows={R} vs reference {err_ref:.1e}, vs unfused {err_unfused:.1e} "
+                       f"(bitwise equal: {torch.equal(fused, h2[:R])})")
+        finally:
+            ctx.close()
+    # graph replays: new routing and tokens copied into the captured inputs before each
+    S, H, I, El, k = 2048, 1024, 512, 4, 4
+    ctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                      dtype=torch.bfloat16)
+    try:
+        tokens = rand((S, H), torch.bfloat16, dev, gen)
+        ids = routing("uniform", S, El * W, k, 99 + r)
+        wg, wu = (rand((El, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
+        h = torch.empty(ctx.capacity, I, dtype=torch.bfloat16, device=dev)
+        moe_dispatch_swiglu(tokens, ids, wg, wu, ctx, h)
+        ctx.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moe_dispatch_swiglu(tokens, ids, wg, wu, ctx, h)
+        worst = 0.0
+        for rep in range(10):
+            kind = ("uniform", "skewed", "one_rank")[rep % 3]
+            ids.copy_(routing(kind, S, El * W, k, 1000 + 7 * rep + r))
+            tokens.copy_(rand((S, H), torch.bfloat16, dev, gen))
+            h.fill_(float("nan"))
+            graph.replay()
+            ctx.synchronize()
+            h_ref = moe_dispatch_swiglu_reference(tokens, ids, wg, wu, El, world.group)[0]
+            worst = max(worst, rel_err(h[:h_ref.shape[0]], h_ref))
+        record("moe_dispatch_swiglu 10 graph replays, new routing each",
+               worst < TOL[torch.bfloat16] * 2, f"worst rel_err={worst:.2e}")
+        # an id out of range on the last rank: every rank raises; the next call is right
+        bad = routing("uniform", S, El * W, k, 5 + r)
+        if r == W - 1:
+            bad[7, 1] = El * W + 3
+        try:
+            moe_dispatch_swiglu(tokens, bad, wg, wu, ctx, h)
+            ctx.synchronize()
+            res = "no error"
+        except InvalidInputError as e:
+            res = str(e)
+        moe_dispatch_swiglu(tokens, ids, wg, wu, ctx, h)
+        ctx.synchronize()
+        h_ref = moe_dispatch_swiglu_reference(tokens, ids, wg, wu, El, world.group)[0]
+        err = rel_err(h[:h_ref.shape[0]], h_ref)
+        raised = world.all_gather_object("expert id" in res)
+        record("moe_dispatch_swiglu bad id raises on every rank, next call right",
+               all(raised) and err < TOL[torch.bfloat16] * 2, res.splitlines()[-1][:120])
+    finally:
+        ctx.close()
+    # the layer with the fused dispatch against the torch path, eager and 10 graph replays
+    H, I, E, k, S = 1024, 768, 4 * W, 4, 1536
+    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16,
+                              fuse_dispatch=True)
+    ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16, fused=False)
+    try:
+        with torch.no_grad():
+            tokens = rand((S - 100 * r, H), torch.bfloat16, dev, gen)
+            err = rel_err(fused(tokens), ref(tokens))
+            fused.synchronize()
+            out = torch.empty_like(tokens)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out.copy_(fused(tokens))
+            worst = 0.0
+            for _ in range(10):
+                tokens.copy_(rand(tuple(tokens.shape), tokens.dtype, dev, gen))
+                out.fill_(float("nan"))
+                graph.replay()
+                fused.synchronize()
+                worst = max(worst, rel_err(out, ref(tokens)))
+            record("moe layer fuse_dispatch vs torch path, eager and 10 graph replays",
+                   err < 3e-2 and worst < 3e-2, f"rel_err={err:.2e}, replays {worst:.2e}")
+    finally:
+        fused.close()
+
+
 def check_allgather_gemm(world: World, gen) -> None:
     """AllGather + GEMM over copy engines: every FiCCO schedule, odd shapes, graph replay."""
     from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul,
@@ -750,7 +876,7 @@ def main() -> int:
         ctx.close()
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
-                  check_moe_layer, check_peer_failures):
+                  check_moe_dispatch_swiglu, check_moe_layer, check_peer_failures):
         if check is check_peer_failures and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:

@@ -108,6 +108,8 @@ class MoeDispatch(OverlapContext):
         self._dest_start = torch.zeros(E_total, dtype=torch.int32, device=dev)
         self._bad = torch.zeros(1, dtype=torch.int32, device=dev)
         self.counts = torch.zeros((W, experts_per_rank), dtype=torch.int32, device=dev)
+        # the fused dispatch + gated GEMM's tile queues (swiglu_kernel.py), zero between calls
+        self._queue = torch.zeros(3, dtype=torch.int32, device=dev)
 
     def close(self) -> None:
         super().close()
@@ -121,6 +123,33 @@ class MoeDispatch(OverlapContext):
         for launch in self._launches(tokens, topk_ids):
             launch()
         return self.recv, self.counts, self.recv_slots
+
+    @collective_call
+    def dispatch_swiglu(self, tokens: torch.Tensor, topk_ids: torch.Tensor,
+                        w_gate: torch.Tensor, w_up: torch.Tensor,
+                        out: Optional[torch.Tensor] = None, *, senders: Optional[int] = None,
+                        config=None, rows_per_segment: Optional[float] = None) -> tuple:
+        """The dispatch with the experts' gated first GEMM fused into it: ``(h, counts,
+        slots)`` (``swiglu.py``; ``moe_dispatch_swiglu`` is the function form)."""
+        from . import swiglu
+        from ..moe_experts import expert_swiglu
+
+        self._validate(tokens, topk_ids)
+        swiglu.check_options(senders, config, rows_per_segment)
+        if out is None:
+            out = torch.empty((self.capacity, w_gate.shape[-1]), dtype=self.dtype,
+                              device=self.world.device)
+        swiglu.check_weights(self, w_gate, w_up, out)
+        if self.transport == "sequential":
+            x, counts, slots = self._sequential(tokens, topk_ids)
+            expert_swiglu(x, w_gate, w_up, counts, out, config=config, gather=False,
+                          rows_per_segment=rows_per_segment)
+            return out, counts, slots
+        if self.world.world_size > swiglu.MAX_WORLD:
+            raise ValueError(f"{swiglu.OP}: at most {swiglu.MAX_WORLD} ranks, got "
+                             f"{self.world.world_size}")
+        return swiglu.run(self, tokens, topk_ids, w_gate, w_up, out, senders, config,
+                          rows_per_segment)
 
     # -- launches ------------------------------------------------------------------------------
     def _launches(self, tokens, topk_ids) -> tuple:
@@ -151,7 +180,7 @@ class MoeDispatch(OverlapContext):
         return count, exchange, scatter
 
     def _plan(self, tokens, topk_ids) -> tuple:
-        W, E = self.world.world_size, self.experts_per_rank
+        E = self.experts_per_rank
         cpu = self.world.device.type == "cpu"
         programs = min(self.world.facts.sm_count, G_MAX)
         BT, BE = self.block_t, self.block_e
@@ -171,15 +200,23 @@ class MoeDispatch(OverlapContext):
                                 dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_H=block_h, G_MAX=G_MAX,
                                      num_warps=4, num_stages=1), lambda g: args(g)[2])
         scatter.tag = tag_of(scatter.programs)
-        final = args(scatter.programs)  # the tag every launch of the call carries
-        count = self._compile(route_count_kernel, scatter.programs,
+        count, exchange = self._plan_routing(tokens, topk_ids, scatter.programs, scatter.tag)
+        return count, exchange, scatter
+
+    def _plan_routing(self, tokens, topk_ids, programs: int, tag: int) -> tuple:
+        """The count (``programs`` programs) and exchange launches of a call whose launches
+        carry ``tag``: the routing part of the dispatch and of the fused dispatch + GEMM."""
+        W, E = self.world.world_size, self.experts_per_rank
+        BT, BE = self.block_t, self.block_e
+        final = self._args(tokens, topk_ids, tag)
+        count = self._compile(route_count_kernel, programs,
                               dict(BLOCK_T=BT, BLOCK_E=BE, num_warps=4, num_stages=1),
                               lambda g: final[0])
         exchange = self._compile(route_exchange_kernel, 1,
                                  dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_P=max(1, min(64, 8192 // BE)),
                                       BLOCK_W=_pow2(W), BLOCK_EL=_pow2(E), num_warps=4,
                                       num_stages=1), lambda g: final[1])
-        return count, exchange, scatter
+        return count, exchange
 
     def _sequential(self, tokens, topk_ids) -> tuple:
         x, counts, slots = moe_dispatch_reference(tokens, topk_ids, self.experts_per_rank,

@@ -1,5 +1,6 @@
 """Representative compile signatures of the MoE dispatch kernels."""
 from .kernel import dispatch_scatter_kernel, route_count_kernel, route_exchange_kernel
+from .swiglu_kernel import dispatch_swiglu_kernel
 
 _EXCHANGE_ARGS = ("status_addr:i64 n_slots:i32 E:i32 capacity:i32 rank:i32 world:i32 tag:i32 "
                   "timeout_us:i32")
@@ -37,3 +38,36 @@ def specs():
         yield (f"dispatch_scatter[{dt}]", dispatch_scatter_kernel,
                _sig(ptrs, _SCATTER_ARGS, consts), consts,
                ["tokens_ptr", "recv_ptr", "H", "stride_ts"])
+    yield from _swiglu_specs()
+
+
+_SWIGLU_ARGS = ("status_addr:i64 n_slots:i32 k:i32 H:i32 stride_ts:i32 E:i32 capacity:i32 "
+                "rank:i32 world:i32 tag:i32 timeout_us:i32 senders:i32 I:i32 stride_we:i32 "
+                "stride_wk:i32 stride_wn:i32 stride_hm:i32")
+
+
+def _swiglu_specs():
+    """The fused dispatch + gated GEMM at its default tiles (moe_experts.api.tile_config):
+    bf16 through descriptors (sm_90) and by pointer loads (no descriptors: AMD), fp32."""
+    for dt, bm, bn, bk, warps, desc in (("bf16", 128, 128, 64, 8, True),
+                                        ("bf16", 128, 64, 64, 4, False),
+                                        ("fp32", 64, 64, 32, 4, False)):
+        ptrs = {"tokens_ptr": f"*{dt}", "ids_ptr": "*i64", "base_ptr": "*i32",
+                "dest_start_ptr": "*i32", "recv_ptr": f"*{dt}", "recv_slots_ptr": "*i32",
+                "counts_ptr": "*i32", "queue_ptr": "*i32", "wg_ptr": f"*{dt}",
+                "wu_ptr": f"*{dt}", "h_ptr": f"*{dt}"}
+        ptrs.update({n: "*i64" for n in ("sent_ptr", "ctl_ptr", "clock_ptr", "bases_ptr")})
+        consts = dict(BLOCK_T=64, BLOCK_E=16, BLOCK_H=256 if dt == "bf16" else 128, G_MAX=1024,
+                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
+                      PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16, BLOCK_F=32,
+                      SENDERS_COMPUTE=True)
+        if desc:
+            ptrs.update(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>",
+                        wg_desc=f"tensordesc<{dt}[{bk}, {bn}]>",
+                        wu_desc=f"tensordesc<{dt}[{bk}, {bn}]>")
+        else:
+            consts.update(x_desc=None, wg_desc=None, wu_desc=None)
+        name = f"dispatch_swiglu[{dt}{', descriptors' if desc else ''}]"
+        yield (name, dispatch_swiglu_kernel, _sig(ptrs, _SWIGLU_ARGS, consts), consts,
+               ["tokens_ptr", "recv_ptr", "wg_ptr", "wu_ptr", "h_ptr", "H", "stride_ts", "I",
+                "stride_we", "stride_wk", "stride_hm"])

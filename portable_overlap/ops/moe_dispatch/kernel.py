@@ -172,6 +172,41 @@ def route_exchange_kernel(
     end_call(ctl_ptr, epoch)
 
 
+@triton.jit
+def scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+                 bases_ptr, pid, step, n_slots, k, H, stride_ts, E, capacity, rank, world, d_lo,
+                 d_hi, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The scatter's work for slot blocks ``pid, pid + step, ...``: each slot routed to a rank
+    in ``[d_lo, d_hi)`` has its row and its slot stored at its place in that rank's receive
+    buffers (module docstring). Slots with bad ids and rows past the capacity are skipped
+    (the count and exchange kernels reported them). Shared by the dispatch's scatter (every
+    destination in one pass) and the fused dispatch + gated GEMM (one destination per pass)."""
+    lanes = tl.arange(0, BLOCK_T)
+    E_total = world * E
+    for b in range(pid, tl.cdiv(n_slots, BLOCK_T), step):
+        i = b * BLOCK_T + lanes
+        g = tl.load(ids_ptr + i, mask=i < n_slots, other=-1).to(tl.int64)
+        keep = (g >= 0) & (g < E_total)  # bad ids were reported by the count kernel
+        g = tl.where(keep, g, 0).to(tl.int32)
+        # the slot's rank among the block's slots of the same expert (a stable sort's)
+        same = (g[:, None] == g[None, :]) & keep[None, :] & (lanes[None, :] < lanes[:, None])
+        pos = (tl.load(dest_start_ptr + g) + tl.load(base_ptr + b * BLOCK_E + g)
+               + tl.sum(same.to(tl.int32), axis=1))
+        keep = keep & (pos < capacity)  # an overflow was reported by the exchange
+        dest = g // E
+        tok = (i // k).to(tl.int64)
+        for q in range(d_lo, d_hi):
+            mq = keep & (dest == q)
+            if tl.sum(mq.to(tl.int32)) > 0:  # each row is loaded once, for its own rank
+                tl.store(peer_buffer(recv_slots_ptr, bases_ptr, rank, q) + pos, i, mask=mq)
+                dst = peer_buffer(recv_ptr, bases_ptr, rank, q)
+                for h0 in range(0, H, BLOCK_H):
+                    cols = h0 + tl.arange(0, BLOCK_H)
+                    m = mq[:, None] & (cols < H)[None, :]
+                    v = tl.load(tokens_ptr + tok[:, None] * stride_ts + cols[None, :], mask=m)
+                    tl.store(dst + pos[:, None].to(tl.int64) * H + cols[None, :], v, mask=m)
+
+
 # S changes from call to call, and every rank must run the same code (same registers, so the
 # same resident grid, which the tag includes): not specialized on either.
 @triton.jit(do_not_specialize=["n_slots", "rank"])
@@ -185,31 +220,10 @@ def dispatch_scatter_kernel(
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
     ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
-    lanes = tl.arange(0, BLOCK_T)
-    E_total = world * E
     if ok:
-        for b in range(pid, tl.cdiv(n_slots, BLOCK_T), tl.num_programs(0)):
-            i = b * BLOCK_T + lanes
-            g = tl.load(ids_ptr + i, mask=i < n_slots, other=-1).to(tl.int64)
-            keep = (g >= 0) & (g < E_total)  # bad ids were reported by the count kernel
-            g = tl.where(keep, g, 0).to(tl.int32)
-            # the slot's rank among the block's slots of the same expert (a stable sort's)
-            same = (g[:, None] == g[None, :]) & keep[None, :] & (lanes[None, :] < lanes[:, None])
-            pos = (tl.load(dest_start_ptr + g) + tl.load(base_ptr + b * BLOCK_E + g)
-                   + tl.sum(same.to(tl.int32), axis=1))
-            keep = keep & (pos < capacity)  # an overflow was reported by the exchange
-            dest = g // E
-            tok = (i // k).to(tl.int64)
-            for q in range(0, world):
-                mq = keep & (dest == q)
-                if tl.sum(mq.to(tl.int32)) > 0:  # each row is loaded once, for its own rank
-                    tl.store(peer_buffer(recv_slots_ptr, bases_ptr, rank, q) + pos, i, mask=mq)
-                    dst = peer_buffer(recv_ptr, bases_ptr, rank, q)
-                    for h0 in range(0, H, BLOCK_H):
-                        cols = h0 + tl.arange(0, BLOCK_H)
-                        m = mq[:, None] & (cols < H)[None, :]
-                        v = tl.load(tokens_ptr + tok[:, None] * stride_ts + cols[None, :], mask=m)
-                        tl.store(dst + pos[:, None].to(tl.int64) * H + cols[None, :], v, mask=m)
+        scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+                     bases_ptr, pid, tl.num_programs(0), n_slots, k, H, stride_ts, E, capacity,
+                     rank, world, 0, world, BLOCK_T, BLOCK_E, BLOCK_H)
     # the rows of this program have landed everywhere (release), then every peer's have here
     signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
     wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,

@@ -53,3 +53,13 @@ def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts
     slots = send_slots.new_empty(sum(recv_splits))
     dist.all_to_all_single(slots, send_slots, recv_splits, send_splits, group=group)
     return x, counts, slots
+
+
+def moe_dispatch_swiglu_reference(tokens, topk_ids, w_gate, w_up, experts_per_rank: int,
+                                  group=None) -> tuple:
+    """``(h, counts, slots)``: ``moe_dispatch_reference``, then the experts' gated first GEMM
+    on the rows received (``expert_swiglu_reference``; float32, rounded to the rows' dtype)."""
+    from ..moe_experts.reference import expert_swiglu_reference
+
+    x, counts, slots = moe_dispatch_reference(tokens, topk_ids, experts_per_rank, group)
+    return expert_swiglu_reference(x, w_gate, w_up, counts), counts, slots

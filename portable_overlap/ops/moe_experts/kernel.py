@@ -85,30 +85,51 @@ def expert_swiglu_kernel(
                                        wu_desc, e * H, I, H, stride_xm, stride_xk, stride_wk,
                                        stride_wn, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
                                        EVEN_K, PRECISION, UPCAST, USE_DESC)
+            store_swiglu(g, u, rows, valid, cols, h_ptr, I, stride_hm)
         else:
             q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
             pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
             n = tl.sum(tl.where(srcs == q, c_e, 0))
             seg = q * E + e
             start = tl.sum(tl.where(segs < seg, cnt, 0))  # rows of the segments before seg
-            if USE_DESC:
-                g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M,
-                                           e * H, pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N,
-                                           BLOCK_K, NUM_STAGES, PRECISION)
-            else:
-                g, u = gemm_tile_pair(x_ptr + start.to(tl.int64) * stride_xm,
-                                      wg_ptr + tl.cast(e, tl.int64) * stride_we,
-                                      wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, H,
-                                      stride_xm, stride_xk, stride_wk, stride_wn, pid_m, pid_n,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
-                                      UPCAST)
-            offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            valid = offs < n
-            rows = start + offs
-        h = g / (1.0 + tl.exp(-g)) * u
-        ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
-        tl.store(ptrs, h.to(h_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (cols < I)[None, :])
+            swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n,
+                                e, pid_m, pid_n, I, H, stride_xm, stride_xk, stride_we,
+                                stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K,
+                                NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
+
+
+@triton.jit
+def swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n, e,
+                        pid_m, pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk,
+                        stride_wn, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
+    """Tile (pid_m, pid_n) of one segment: ``h[start + i, j]`` of the module docstring for
+    the segment's rows ``start .. start + n`` of ``x`` (all of expert ``e``), computed and
+    stored. Pointer loads read no row outside the segment; descriptor loads may read rows past
+    its end, whose products are never stored (so those rows need not be there yet)."""
+    if USE_DESC:
+        g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M, e * H,
+                                   pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                   PRECISION)
+    else:
+        g, u = gemm_tile_pair(x_ptr + start.to(tl.int64) * stride_xm,
+                              wg_ptr + tl.cast(e, tl.int64) * stride_we,
+                              wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, H, stride_xm,
+                              stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N,
+                              BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    store_swiglu(g, u, start + offs, offs < n, cols, h_ptr, I, stride_hm)
+
+
+@triton.jit
+def store_swiglu(g, u, rows, valid, cols, h_ptr, I, stride_hm):
+    """The epilogue: ``silu(g) * u`` in float32, stored in h's dtype at ``rows`` x ``cols``
+    (the rows where ``valid``, the columns below I)."""
+    h = g / (1.0 + tl.exp(-g)) * u
+    ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
+    tl.store(ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (cols < I)[None, :])
 
 
 @triton.jit

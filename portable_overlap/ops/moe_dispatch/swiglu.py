@@ -1,0 +1,189 @@
+"""The MoE dispatch with the experts' gated first GEMM fused into its scatter.
+
+What it computes on rank r (``E`` local experts per rank; ``w_gate``, ``w_up`` [E, H, I] are
+rank r's experts)::
+
+    x, counts, slots = moe_dispatch(tokens, topk_ids, ctx)           # the rows routed to r
+    h = expert_swiglu(x, w_gate, w_up, counts)     # silu(x[i] @ w_gate[e]) * (x[i] @ w_up[e])
+    return h, counts, slots
+
+``h`` [capacity, I]: its first ``counts.sum()`` rows are this call's (by source rank, then
+local expert, slot order inside a segment, as ``x``), the rest are left as they were; ``counts``
+and ``slots`` and the received rows (``ctx.recv``) are the dispatch's own buffers, valid until
+the context's next call. With the ``"stores"`` transport the count and exchange launches of the
+dispatch run first, then one persistent launch (swiglu_kernel.py) in which some programs store
+the rows into their destinations' heaps while the others compute the tiles of the rows that
+have arrived, this rank's own rows first. Same faults as the dispatch (bad ids, a capacity
+overflow, a rank that skips a call), same CUDA-graph capture (no host sync). With the
+``"sequential"`` transport: ``moe_dispatch`` then ``expert_swiglu``.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ...tiles.gemv import dot_precision, dot_upcast
+from ..context import G_MAX, align_key, shape_tag
+from ..matmul.api import MatmulConfig
+from ..moe_experts.api import _descriptors, _validate as _validate_experts, default_config
+from .swiglu_kernel import dispatch_swiglu_kernel
+
+OP = "moe_dispatch_swiglu"
+#: the most ranks: a compute program keeps one bit per source ("its rows are here") in an int64
+MAX_WORLD = 64
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def default_senders(world_size: int, programs: int) -> int:
+    """Programs that send when the caller does not say: a quarter of the grid, at least one
+    and one fewer than the grid. On 2 H200 (132 programs: 33) the 470 MB a rank receives at
+    the DeepSeek-like prefill layout take about 1.7 ms at the 273 GB/s that 32 programs stored
+    into a peer (../shared/DESIGN.md), within the 2.9 ms of GEMM tiles on the rank's own rows;
+    senders compute the peers' tiles once they have sent. A first guess, not yet measured
+    against other counts: pass ``senders`` to try others."""
+    if world_size == 1:
+        return 1
+    return max(1, min(programs - 1, programs // 4))
+
+
+def check_options(senders, config, rows_per_segment) -> None:
+    if senders is not None and (not isinstance(senders, int) or isinstance(senders, bool)
+                                or not 1 <= senders < G_MAX):
+        raise ValueError(f"{OP}: senders must be an int in [1, {G_MAX}), got {senders!r}")
+    if config is not None and not isinstance(config, MatmulConfig):
+        raise TypeError(f"{OP}: config must be a MatmulConfig, got {type(config).__name__}")
+    if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
+                                             and 0 <= rows_per_segment < float("inf")):
+        raise ValueError(f"{OP}: rows_per_segment must be a finite number >= 0, got "
+                         f"{rows_per_segment!r}")
+
+
+def check_weights(ctx, w_gate, w_up, out) -> None:
+    """The experts' weights and ``out`` against the context (before anything is launched)."""
+    for name, t in (("w_gate", w_gate), ("w_up", w_up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a tensor")
+        if t.device != ctx.world.device:
+            raise ValueError(f"{OP}: {name} must be on {ctx.world.device}, got {t.device}")
+    if w_gate.dtype != ctx.dtype:
+        raise TypeError(f"{OP}: w_gate and w_up must be {ctx.dtype} (the context's dtype), got "
+                        f"{w_gate.dtype}")
+    if w_gate.dim() != 3 or w_gate.shape[:2] != (ctx.experts_per_rank, ctx.hidden):
+        raise ValueError(f"{OP}: w_gate and w_up must be [{ctx.experts_per_rank}, {ctx.hidden}, "
+                         f"I]; got {tuple(w_gate.shape)}")
+    if w_gate.stride(2) != 1:
+        raise ValueError(f"{OP}: w_gate and w_up must have contiguous rows; got strides "
+                         f"{w_gate.stride()}")
+    _validate_experts(ctx.recv, w_gate, w_up, ctx.counts, out)
+
+
+def run(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segment):
+    """The ``"stores"`` call (``MoeDispatch.dispatch_swiglu`` checked the arguments): the
+    dispatch's count and exchange launches, then the fused launch."""
+    W, E = ctx.world.world_size, ctx.experts_per_rank
+    # (expert_swiglu's default: a balanced routing fills 1/W of a default-capacity buffer)
+    m = ctx.capacity / (W * W * E) if rows_per_segment is None else rows_per_segment
+    # per-source row tiles always: a tile that gathered several sources' rows would wait for
+    # all of them. Plans are keyed by the tiles the mean picks, not by the mean (which moves
+    # with S from call to call)
+    cfg = config or default_config(tokens.dtype, tokens.device, True, m, False)
+    key = ("swiglu", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
+           w_gate.stride(), out.stride(0), senders, config, cfg,
+           align_key(tokens, topk_ids, w_gate, w_up, out))
+    plan = ctx._plans.get(key)
+    if plan is None:
+        plan = ctx._plans[key] = _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders,
+                                       config, m)
+    count, exchange, fused = plan.launches
+    routing = ctx._args(tokens, topk_ids, plan.tag)
+    count(routing[0])
+    exchange(routing[1])
+    fused(_args(ctx, tokens, topk_ids, w_gate, w_up, out, plan))
+    return out, ctx.counts, ctx.recv_slots
+
+
+def _args(ctx, tokens, topk_ids, w_gate, w_up, out, plan, programs=None, tag=None):
+    W, E = ctx.world.world_size, ctx.experts_per_rank
+    wg_desc = wu_desc = None
+    if plan.x_desc is not None:  # per call: they hold the weights' addresses
+        _, wg_desc, wu_desc = _descriptors(ctx.recv, w_gate, w_up, plan.cfg, ctx.world.facts)
+    return (tokens, topk_ids, ctx._base, ctx._dest_start, ctx.recv, ctx.recv_slots, ctx.sent,
+            ctx.ctl, ctx.call_clock, ctx.heap.bases, ctx.status.address, ctx.counts,
+            ctx._queue, w_gate, w_up, out, plan.x_desc, wg_desc, wu_desc, topk_ids.numel(),
+            ctx.top_k, ctx.hidden, tokens.stride(0), E, ctx.capacity, ctx.rank, W,
+            plan.tag if tag is None else tag, ctx.timeout_us, plan.senders, w_gate.shape[2],
+            w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0))
+
+
+def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, m):
+    W, E, facts = ctx.world.world_size, ctx.experts_per_rank, ctx.world.facts
+    cpu = ctx.world.device.type == "cpu"
+    cfg = config or default_config(tokens.dtype, tokens.device, True, m, False)
+    # the receive buffer has a fixed address: its descriptor is made once
+    x_desc = _descriptors(ctx.recv, w_gate, w_up, cfg, facts)[0]
+    if config is None and x_desc is None:
+        cfg = default_config(tokens.dtype, tokens.device, False, m, False)
+    programs = min(facts.sm_count, G_MAX)
+    n_send = senders or default_senders(W, programs)
+    elem = tokens.element_size()
+    p = SimpleNamespace(cfg=cfg, x_desc=x_desc, senders=n_send, tag=0)
+
+    def tag_of(g):
+        # what the ranks' launches must agree on: the dispatch's layout and the senders each
+        # rank waits for. Not S, the GEMM's tiles or the grid, which are this rank's own
+        # (ranks with other token counts may pick other tiles)
+        return shape_tag(OP, hidden=ctx.hidden, top_k=ctx.top_k, experts_per_rank=E,
+                         dtype=str(tokens.dtype), capacity=ctx.capacity, block_t=ctx.block_t,
+                         senders=n_send)
+
+    consts = dict(BLOCK_T=ctx.block_t, BLOCK_E=ctx.block_e,
+                  BLOCK_H=16 if cpu else min(_pow2(ctx.hidden), 512 // elem), G_MAX=G_MAX,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
+                  EVEN_K=ctx.hidden % cfg.block_k == 0, PRECISION=dot_precision(tokens.dtype),
+                  UPCAST=dot_upcast(tokens.dtype), USE_DESC=x_desc is not None,
+                  BLOCK_SEG=_pow2(W * E), BLOCK_F=min(_pow2(n_send), 128),
+                  # (swiglu_kernel.py: under the interpreter only one sender per rank may)
+                  SENDERS_COMPUTE=not cpu or n_send == 1,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # compute programs wait for senders of this launch (the own rows): the grid must be
+    # resident, which _compile ensures
+    fused = ctx._compile(dispatch_swiglu_kernel, programs, consts,
+                         lambda g: _args(ctx, tokens, topk_ids, w_gate, w_up, out, p, g,
+                                         tag_of(g)))
+    if fused.programs <= n_send:
+        raise RuntimeError(f"{OP}: only {fused.programs} programs of the fused kernel fit on "
+                           f"the device at once, not more than senders={n_send}: pass fewer "
+                           f"senders")
+    p.tag = tag_of(fused.programs)
+    count, exchange = ctx._plan_routing(tokens, topk_ids, fused.programs, p.tag)
+    p.launches = (count, exchange, fused)
+    return p
+
+
+def moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up, ctx, out: Optional[torch.Tensor] = None,
+                        *, senders: Optional[int] = None, config: Optional[MatmulConfig] = None,
+                        rows_per_segment: Optional[float] = None) -> tuple:
+    """``(h, counts, slots)`` of the module docstring: this rank's tokens routed to the ranks of
+    their top-k experts and, on every rank, the gated first GEMM of its experts on the rows it
+    receives, started on each source's rows as they arrive. ``ctx``: a :class:`MoeDispatch`
+    (calls of this op and of ``moe_dispatch`` may alternate on it); ``out`` [capacity, I]
+    receives ``h`` (default: a new tensor); ``senders``: programs that store rows (default
+    ``default_senders``); ``config``, ``rows_per_segment``: the GEMM's tiling, as
+    ``expert_swiglu``'s (row tiles are always per source). Inference only (no autograd)."""
+    from .api import MoeDispatch
+
+    if not isinstance(ctx, MoeDispatch):
+        raise TypeError(f"{OP}: ctx must be a MoeDispatch (made with MoeDispatch(world, ...)), "
+                        f"got {type(ctx).__name__}")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (tokens, w_gate, w_up)):
+        raise RuntimeError(f"{OP} has no backward, and an input requires grad: call it under "
+                           f"torch.no_grad() (inference) or pass detached tensors")
+    return ctx.dispatch_swiglu(tokens, topk_ids, w_gate, w_up, out, senders=senders,
+                               config=config, rows_per_segment=rows_per_segment)

@@ -1,0 +1,157 @@
+"""The dispatch's scatter and the experts' gated first GEMM in one persistent launch: the GEMM
+starts on the rows that have arrived, not after the last peer's.
+
+Runs after the dispatch's count and exchange launches (kernel.py), in place of the dispatch's
+scatter launch. On rank r, with the dispatch's layout (rows by source rank q, then local expert
+e, ``counts[q, e]`` rows per segment)::
+
+    x = the dispatch's receive buffer (rows of every source, stored here by the sources)
+    h[i] = silu(x[i] @ w_gate[e(i)]) * (x[i] @ w_up[e(i)])      # the rows of counts.sum()
+
+Roles by program id (every program of the grid is resident at once; the host caps the grid):
+
+- programs ``0 .. senders-1`` send. Sender p takes slot blocks ``p, p + senders, ...`` and
+  stores their rows (``scatter_rows``) one destination per pass, in the order ``r, r+1, ...``
+  (its own rank first: a local copy, so the rank's own GEMM tiles can start early), and after
+  each pass releases ``sent[r][p]`` in that destination's heap. Rank d thus receives source
+  ``d - j``'s rows in its j-th pass, so each source serves a different rank first.
+- the others compute. A tile reads one (source, expert) segment, and its first wait for
+  source q (acquire, bounded) is for ``sent[q][0 .. senders)``, every sender of q: then all
+  of q's rows are here. Two tile queues, claimed by atomic counters: the tiles of this rank's
+  own rows, then the peers' in the order they arrive (source ``r-1``, ``r-2``, ...; expert by
+  expert inside a source, grouped order inside a segment). Compute programs take from the
+  first queue, then the second; senders, once they have sent, take from the second only.
+
+Under the interpreter, which runs programs one after another in program order, every sender
+runs before any compute program starts, and a compute program waits only for senders (of its
+own launch, done by then, or of other ranks, which wait for nothing before they signal): no
+program waits for a program of its own launch that has not run. Senders take no tiles there
+(``SENDERS_COMPUTE`` false) unless there is one sender per rank: sender 0 of rank r waiting
+for sender 1 of rank q, which runs after q's sender 0, which waits for r's sender 1, would be
+a cycle; with one sender per rank each waits only for the others' sender 0, which signals
+before it waits. The own-row tiles, the only ones that wait for this launch's own senders,
+are never taken by a sender.
+
+The last program out zeroes the queue counters for the next call (each program takes its
+ticket after its last claim). Every wait is bounded (the status board names the source and
+the sender flag); a source that gave up (the exchange failed there) is reported, and a program
+that gave up stops claiming tiles. Only the tiles' own rows are stored, so a source's rows
+past the capacity (not sent) or a rank whose counts were zeroed (an overflow) store nothing.
+"""
+import triton
+import triton.language as tl
+
+from ...backends.proxy_fence import async_proxy_fence
+from ...shmem.device import await_flags, call_flag, live, signal_peer
+from ...tiles.gemm import grouped_tile
+from ..moe_experts.kernel import swiglu_segment_tile
+from .kernel import FLAG_SENT, scatter_rows
+
+
+@triton.jit
+def _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M: tl.constexpr):
+    """Segment ``f`` of the fused order (source ``r - f // E``, expert ``f % E``): its source,
+    expert, rows and tile count."""
+    q = (rank + world - f // E) % world
+    e = f % E
+    n = tl.load(counts_ptr + q * E + e)
+    return q, e, n, tl.cdiv(n, BLOCK_M) * num_pid_n
+
+
+@triton.jit
+def _take_tiles(queue_ptr, total, f0, have, ok, counts_ptr, cnt, segs, sent_ptr, senders, x_ptr,
+                wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, I, H, E, rank, world, epoch,
+                tag, clock_ptr, timeout_us, status_addr, pid, stride_we, stride_wk, stride_wn,
+                stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr,
+                BLOCK_F: tl.constexpr, G_MAX: tl.constexpr):
+    """Claim tiles of one queue (``total`` tiles, the fused order from segment ``f0``) until it
+    is empty or this program gives up; ``have`` bit q: source q's rows are known here."""
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    f = f0
+    q, e, n, s_nt = _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
+    s_t0 = 0
+    t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
+    while (t < total) & ok:
+        # claims only grow, so the cursor only moves forward; `total` keeps it in the queue
+        while t >= s_t0 + s_nt:
+            f += 1
+            s_t0 += s_nt
+            q, e, n, s_nt = _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
+        if ((have >> q) & 1) == 0:
+            what = (q * G_MAX).to(tl.int64) + (FLAG_SENT << 32)
+            ok = await_flags(sent_ptr + q * G_MAX, senders, epoch, tag, clock_ptr, timeout_us,
+                             status_addr, pid, q, what, ok, BLOCK_F)
+            tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
+            if USE_DESC:
+                async_proxy_fence()  # the acquire, before the bulk copies' reads of the rows
+            have = have | (tl.full((), 1, tl.int64) << q)
+        if ok:
+            pid_m, pid_n = grouped_tile(t - s_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
+            start = tl.sum(tl.where(segs < q * E + e, cnt, 0))  # rows of the segments before
+            swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start,
+                                n, e, pid_m, pid_n, I, H, H, 1, stride_we, stride_wk,
+                                stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                EVEN_K, PRECISION, UPCAST, USE_DESC)
+        t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
+    return have, ok
+
+
+# S changes from call to call and every rank must run the same code: neither S nor the rank
+# is specialized on (as the scatter).
+@triton.jit(do_not_specialize=["n_slots", "rank"])
+def dispatch_swiglu_kernel(
+    tokens_ptr, ids_ptr, base_ptr, dest_start_ptr,  # the scatter's inputs (kernel.py)
+    recv_ptr, recv_slots_ptr, sent_ptr,  # heap: [capacity, H], int32 [capacity], [W, G_MAX]
+    ctl_ptr, clock_ptr, bases_ptr, status_addr,
+    counts_ptr,  # int32 [W, E]: the rows this rank receives (the exchange's)
+    queue_ptr,  # int32 [3]: own tiles claimed, peers' tiles claimed, programs finished
+    wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc,  # [E, H, I] weights, h [capacity, I]
+    n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us, senders,
+    I, stride_we, stride_wk, stride_wn, stride_hm,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
+    BLOCK_F: tl.constexpr, SENDERS_COMPUTE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
+    ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
+    # the tile lists, from the counts on the device
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    segs = tl.arange(0, BLOCK_SEG)
+    cnt = tl.load(counts_ptr + segs, mask=segs < world * E, other=0)
+    tiles = tl.cdiv(cnt, BLOCK_M) * num_pid_n
+    own_total = tl.sum(tl.where(segs // E == rank, tiles, 0))
+    peer_total = tl.sum(tiles) - own_total
+    have = tl.zeros((), tl.int64)
+    if pid < senders:
+        for j in range(0, world):
+            d = (rank + j) % world
+            if ok:
+                scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
+                             recv_slots_ptr, bases_ptr, pid, senders, n_slots, k, H, stride_ts,
+                             E, capacity, rank, world, d, d + 1, BLOCK_T, BLOCK_E, BLOCK_H)
+            tl.debug_barrier()  # every thread's stores before the (cumulative) release
+            signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
+                        rank, d)
+    # queue 0: the own rows' tiles (compute programs only), queue 1: the peers' (one call
+    # site, so the GEMM's pipeline buffers are laid out once)
+    q_lo = tl.where(pid < senders, 1, 0)
+    q_hi = tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 1)
+    for qi in range(q_lo, q_hi):
+        have, ok = _take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
+                               have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
+                               wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, I, H, E, rank,
+                               world, epoch, tag, clock_ptr, timeout_us, status_addr, pid,
+                               stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
+                               BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
+                               BLOCK_F, G_MAX)
+    # the last program out (every program has made its last claim) zeroes the queues
+    tl.debug_barrier()
+    ticket = tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu")
+    last = ticket == tl.num_programs(0) - 1
+    for i in range(0, 3):
+        tl.atomic_xchg(queue_ptr + i, 0, mask=last, sem="relaxed", scope="gpu")
