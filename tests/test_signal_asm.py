@@ -45,6 +45,8 @@ def test_signal_is_a_system_release_and_the_poll_a_system_acquire(target, kernel
     k = compile_spec(*KERNELS[kernel](), target)
     if target[0] == "cuda":
         ptx = k.asm["ptx"]
+        if kernel == "language":  # pol.fence_bulk_reads: the acquire ordered before TMA reads
+            assert "fence.proxy.async.global" in ptx
         assert re.search(r"atom\.global\.sys\.release\.exch\.b64", ptx), ptx
         assert re.search(r"ld\.global\.sys\.acquire\.b64", ptx), ptx
         return

@@ -17,8 +17,9 @@ What it shows:
   another, as in the CPU interpreter, or when the grid is larger than the GPU).
 - **Reuse across calls.** A rank may not overwrite a peer's ``gathered`` before the peer has
   used the previous call's. Each call begins with every rank telling its peers "I am in call
-  c" (flag ``free``): its stream ran everything queued before this launch, including the code
-  that read the last result. Senders wait for that flag before their first store.
+  c" (``pol.announce_call``, flag ``free``): its stream ran everything queued before this
+  launch, including the code that read the last result. Senders wait for that flag
+  (``pol.wait_free``) before their first store.
 It prints whether every rank gathered the right data and the time against torch's
 ``all_gather_into_tensor`` (NCCL on GPUs).
 """
@@ -44,13 +45,12 @@ def all_gather_kernel(ctx, x_ptr, gathered_ptr, ready_ptr, free_ptr, n, chunks,
     p = pol.program()
     P = pol.num_programs()
     if p == 0:  # "my gathered buffer is free for this call": tell every peer
-        for s in range(1, world):
-            pol.signal(ctx, free_ptr + me, pol.peer_at(s, me, world), call)
+        pol.announce_call(ctx, free_ptr, call)
     items = (world - 1) * chunks
     for i in range(p, items, P):  # send: item i is (step, chunk)
         q = pol.peer_at(1 + i // chunks, me, world)
         c = i % chunks
-        pol.wait(ctx, free_ptr + q, call, q)
+        pol.wait_free(ctx, free_ptr, q, call)
         start = c * CHUNK
         pol.put(ctx, gathered_ptr + me * n + start, x_ptr + start, tl.minimum(CHUNK, n - start),
                 q, BLOCK)

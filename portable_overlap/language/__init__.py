@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ..backends.device_clock import now_ns
+from ..backends.proxy_fence import async_proxy_fence
 from ..shmem import device as _shmem
 
 # Layout of the descriptor (``ws.ctx``), int64 words. The first two are the call counter and
@@ -72,8 +73,9 @@ STATUS_SLOTS = tl.constexpr(1024)
 REPORT_OFFSET = tl.constexpr(62)
 
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "is_live",
-           "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "put_signal",
-           "wait", "notify", "wait_count", "barrier", "peer_at"]
+           "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
+           "put_signal", "wait", "notify", "wait_count", "barrier", "announce_call", "wait_free",
+           "fence_bulk_reads", "peer_at"]
 
 
 # -- who and where -------------------------------------------------------------------------------
@@ -197,6 +199,15 @@ def signal(ctx, flag_ptr, peer, call, ok=True, tag=0):
 
 
 @triton.jit
+def signal_all(ctx, flag_ptr, call, ok=True, tag=0):
+    """:func:`signal` ``flag_ptr`` in every peer's heap (not this rank's), in rotation order."""
+    me = rank(ctx)
+    world = num_ranks(ctx)
+    for step in range(1, world):
+        signal(ctx, flag_ptr, peer_at(step, me, world), call, ok, tag)
+
+
+@triton.jit
 def put_signal(ctx, ptr, value, peer, flag_ptr, call, mask=None):
     """Store the tile ``value`` at ``peer``'s copy of ``ptr``, then :func:`signal` ``peer``'s
     copy of ``flag_ptr`` with call ``call``: the peer that waits for the flag sees the tile."""
@@ -295,3 +306,33 @@ def barrier(ctx, flags_ptr, call):
         q = peer_at(world - step, me, world)
         ok = ok & wait(ctx, flags_ptr + q, call, q)
     return ok
+
+
+# -- reuse across calls ----------------------------------------------------------------------
+@triton.jit
+def announce_call(ctx, free_ptr, call):
+    """Tell every peer that this rank has entered call ``call``: its stream has run everything
+    queued before this launch, including whatever read the previous call's results, so peers
+    may write into its buffers again (:func:`wait_free`). ``free_ptr``: a ``[num_ranks]`` flag
+    array of the workspace. Called by one program of the launch (e.g. program 0), first."""
+    signal_all(ctx, free_ptr + rank(ctx), call)
+
+
+@triton.jit
+def wait_free(ctx, free_ptr, peer, call):
+    """Wait until ``peer`` has entered call ``call`` (:func:`announce_call`), before the first
+    store into its buffers in this call; returns at once for this rank itself. Bounded like
+    :func:`wait`."""
+    ok = is_live(ctx)
+    if peer != rank(ctx):
+        ok = wait(ctx, free_ptr + peer, call, peer)
+    return ok
+
+
+@triton.jit
+def fence_bulk_reads():
+    """Order the acquire of an earlier :func:`wait` before this thread's later bulk tensor
+    copies (loads through a tensor descriptor, TMA on Hopper) of data a peer stored: without
+    it a descriptor load may read as if the wait had not happened. Nothing on targets without
+    an asynchronous copy proxy (AMD, the interpreter). Plain ``tl.load`` needs no fence."""
+    async_proxy_fence()
