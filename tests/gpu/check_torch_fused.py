@@ -35,6 +35,7 @@ import portable_overlap as po
 from portable_overlap.errors import BackendUnavailable
 from portable_overlap.testing.check_log import CheckLog
 from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.graphs import worst_over_graph_replays
 from portable_overlap.testing.patterns import GEMM_PATTERNS
 
 #: bf16 / fp16: torch rounds each peer's partial before the sum (as NCCL does), then bias and
@@ -88,7 +89,7 @@ def check_all_gather(world, gen) -> None:
             m, K, N = shapes[2]
             a, b = rand((m, K), dtype, world, gen), rand((K, N), dtype, world, gen, K ** -0.5)
             out = poisoned((W * m, N), dtype, world)
-            worst = replayed(ctx, lambda: po.all_gather_matmul(a, b, ctx, out), a, out,
+            worst = worst_over_graph_replays(ctx, lambda: po.all_gather_matmul(a, b, ctx, out), a, out,
                              lambda: po.all_gather_matmul_reference(a, b, world.group), gen)
             record(f"all_gather_matmul {m}x{K}x{N} {dt} graph replays", worst < TOL[dtype],
                    f"worst rel_err={worst:.1e}")
@@ -122,30 +123,12 @@ def check_reduce_scatter(world, gen) -> None:
             M, N, K = shapes[2]
             a, b = rand((M, K), dtype, world, gen), rand((K, N), dtype, world, gen, K ** -0.5)
             bias, out = rand((N,), dtype, world, gen), poisoned((M // W, N), dtype, world)
-            worst = replayed(ctx, lambda: po.matmul_reduce_scatter(a, b, ctx, out, bias=bias), a,
+            worst = worst_over_graph_replays(ctx, lambda: po.matmul_reduce_scatter(a, b, ctx, out, bias=bias), a,
                              out, lambda: RS_REFERENCE(a, b, world.group, bias, None), gen)
             record(f"matmul_reduce_scatter {M}x{N}x{K} {dt} graph replays", worst < TOL[dtype],
                    f"worst rel_err={worst:.1e}")
         finally:
             ctx.close()
-
-
-def replayed(ctx, call, a, out, ref, gen, replays: int = 3) -> float:
-    """``call()`` captured once in a CUDA graph, replayed with fresh values in ``a`` and a
-    poisoned ``out`` each time; the worst relative error against ``ref()``."""
-    call()
-    ctx.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    worst = 0.0
-    for _ in range(replays):
-        a.copy_(torch.randn(a.shape, device=a.device, generator=gen).to(a.dtype))
-        out.fill_(float("nan"))
-        graph.replay()
-        ctx.synchronize()
-        worst = max(worst, rel_err(out, ref()))
-    return worst
 
 
 def check_bad_input(world, gen) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from portable_overlap.testing.check_log import CheckLog
+from portable_overlap.testing.graphs import worst_over_graph_replays
 from portable_overlap import (GemvAllReduce, PeerTimeoutError, PortableOverlapError, World,
                               gemv_all_reduce, gemv_all_reduce_reference, moe_dispatch)
 from portable_overlap.testing.compare import rel_err
@@ -34,25 +35,6 @@ def same_on_all_ranks(world: World, y: torch.Tensor) -> bool:
 
 def rand(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-
-def worst_over_graph_replays(ctx, call, a, out, ref, gen, replays: int) -> float:
-    """Capture ``call()`` once in a CUDA graph, then replay it ``replays`` times, with fresh
-    random values in ``a`` and a poisoned ``out`` before each replay; the worst relative error of
-    ``out`` against ``ref()`` (the reference on the current inputs)."""
-    call()
-    ctx.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    worst = 0.0
-    for _ in range(replays):
-        a.copy_(rand(tuple(a.shape), a.dtype, a.device, gen))
-        out.fill_(float("nan"))
-        graph.replay()
-        ctx.synchronize()
-        worst = max(worst, rel_err(out, ref()))
-    return worst
 
 
 def check_backend(world: World, gen) -> None:
