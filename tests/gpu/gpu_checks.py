@@ -37,6 +37,19 @@ def rand(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
+def moe_routing(world: World, kind: str, S: int, E_total: int, k: int, seed: int):
+    """Top-k expert ids [S, k] on ``world``'s device: uniform scores, "skewed" (a falling ramp:
+    the first experts get most tokens) or "one_rank" (every token to the last rank's experts)."""
+    dev, W = world.device, world.world_size
+    g = torch.Generator(device=dev).manual_seed(seed)
+    scores = torch.rand(S, E_total, generator=g, device=dev)
+    if kind == "skewed":
+        scores = scores * torch.linspace(4, 0.1, E_total, device=dev)
+    elif kind == "one_rank":
+        scores[:, : E_total - E_total // W] = -1
+    return scores.topk(k, dim=1).indices
+
+
 def check_backend(world: World, gen) -> None:
     """IPC-opened peer memory, copy-engine copies into it, and stream wait/write on a flag."""
     from portable_overlap.shmem import SymmetricHeap
@@ -266,15 +279,6 @@ def check_moe_dispatch(world: World, gen) -> None:
 
     W, r, dev = world.world_size, world.rank, world.device
 
-    def routing(kind, S, E_total, k, seed):
-        g = torch.Generator(device=dev).manual_seed(seed)
-        scores = torch.rand(S, E_total, generator=g, device=dev)
-        if kind == "skewed":
-            scores = scores * torch.linspace(4, 0.1, E_total, device=dev)
-        elif kind == "one_rank":
-            scores[:, : E_total - E_total // W] = -1
-        return scores.topk(k, dim=1).indices
-
     def same(got, ref):
         x, counts, slots = got
         xr, cr, sr = ref
@@ -289,7 +293,7 @@ def check_moe_dispatch(world: World, gen) -> None:
                           dtype=dt)
         try:
             for call in range(3):
-                ids = routing(kind, S, El * W, k, 10 * call + r)
+                ids = moe_routing(world, kind, S, El * W, k, 10 * call + r)
                 if call == 2:
                     ids = ids.to(torch.int32)
                 tokens = rand((S, H), dt, dev, gen)
@@ -308,7 +312,7 @@ def check_moe_dispatch(world: World, gen) -> None:
     comb = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El)
     try:
         tokens = rand((S, I), torch.bfloat16, dev, gen)
-        ids = routing("uniform", S, El * W, k, 99 + r)
+        ids = moe_routing(world, "uniform", S, El * W, k, 99 + r)
         w = rand((El, I, H), torch.bfloat16, dev, gen) / I ** 0.5
         tw = torch.softmax(rand((S, k), torch.float32, dev, gen), 1)
         out = torch.empty(S, H, dtype=torch.bfloat16, device=dev)
@@ -328,7 +332,7 @@ def check_moe_dispatch(world: World, gen) -> None:
         bad_disp, worst = 0, 0.0
         for rep in range(10):
             kind = ("uniform", "skewed", "one_rank")[rep % 3]
-            ids.copy_(routing(kind, S, El * W, k, 1000 + 7 * rep + r))
+            ids.copy_(moe_routing(world, kind, S, El * W, k, 1000 + 7 * rep + r))
             tokens.copy_(rand((S, I), torch.bfloat16, dev, gen))
             disp.recv.fill_(float("nan"))
             g_disp.replay()
@@ -353,7 +357,7 @@ def check_moe_dispatch(world: World, gen) -> None:
                       dtype=torch.float32)
     try:
         tokens = rand((64, 64), torch.float32, dev, gen)
-        ids = routing("uniform", 64, 2 * W, 2, 5 + r)
+        ids = moe_routing(world, "uniform", 64, 2 * W, 2, 5 + r)
         if r == W - 1:
             ids[7, 1] = 2 * W + 3
         try:
@@ -362,7 +366,7 @@ def check_moe_dispatch(world: World, gen) -> None:
             res = "no error"
         except InvalidInputError as e:
             res = str(e)
-        ids = routing("uniform", 64, 2 * W, 2, 6 + r)
+        ids = moe_routing(world, "uniform", 64, 2 * W, 2, 6 + r)
         got = moe_dispatch(tokens, ids, ctx)
         ctx.synchronize()
         ok, _ = same(got, moe_dispatch_reference(tokens, ids, 2, world.group))
@@ -455,15 +459,6 @@ def check_moe_dispatch_swiglu(world: World, gen) -> None:
 
     W, r, dev = world.world_size, world.rank, world.device
 
-    def routing(kind, S, E_total, k, seed):
-        g = torch.Generator(device=dev).manual_seed(seed)
-        scores = torch.rand(S, E_total, generator=g, device=dev)
-        if kind == "skewed":
-            scores = scores * torch.linspace(4, 0.1, E_total, device=dev)
-        elif kind == "one_rank":
-            scores[:, : E_total - E_total // W] = -1
-        return scores.topk(k, dim=1).indices
-
     for S, H, I, El, k, kind, dt in ((4096 - 777 * r, 7168, 2048, 8, 8, "uniform", torch.bfloat16),
                                      (3000, 1024, 768, 4, 2, "skewed", torch.float16),
                                      (5 * r + 3, 33, 40, 2, 2, "one_rank", torch.float32)):
@@ -472,7 +467,7 @@ def check_moe_dispatch_swiglu(world: World, gen) -> None:
         wg, wu = (rand((El, H, I), dt, dev, gen) / H ** 0.5 for _ in range(2))
         try:
             for call in range(2):
-                ids = routing(kind, S, El * W, k, 10 * call + r)
+                ids = moe_routing(world, kind, S, El * W, k, 10 * call + r)
                 tokens = rand((S, H), dt, dev, gen)
                 h = torch.full((ctx.capacity, I), float("nan"), dtype=dt, device=dev)
                 got, counts, slots = moe_dispatch_swiglu(tokens, ids, wg, wu, ctx, h)
@@ -501,7 +496,7 @@ def check_moe_dispatch_swiglu(world: World, gen) -> None:
                       dtype=torch.bfloat16)
     try:
         tokens = rand((S, H), torch.bfloat16, dev, gen)
-        ids = routing("uniform", S, El * W, k, 99 + r)
+        ids = moe_routing(world, "uniform", S, El * W, k, 99 + r)
         wg, wu = (rand((El, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
         h = torch.empty(ctx.capacity, I, dtype=torch.bfloat16, device=dev)
         moe_dispatch_swiglu(tokens, ids, wg, wu, ctx, h)
@@ -512,7 +507,7 @@ def check_moe_dispatch_swiglu(world: World, gen) -> None:
         worst = 0.0
         for rep in range(10):
             kind = ("uniform", "skewed", "one_rank")[rep % 3]
-            ids.copy_(routing(kind, S, El * W, k, 1000 + 7 * rep + r))
+            ids.copy_(moe_routing(world, kind, S, El * W, k, 1000 + 7 * rep + r))
             tokens.copy_(rand((S, H), torch.bfloat16, dev, gen))
             h.fill_(float("nan"))
             graph.replay()
@@ -522,7 +517,7 @@ def check_moe_dispatch_swiglu(world: World, gen) -> None:
         record("moe_dispatch_swiglu 10 graph replays, new routing each",
                worst < TOL[torch.bfloat16] * 2, f"worst rel_err={worst:.2e}")
         # an id out of range on the last rank: every rank raises; the next call is right
-        bad = routing("uniform", S, El * W, k, 5 + r)
+        bad = moe_routing(world, "uniform", S, El * W, k, 5 + r)
         if r == W - 1:
             bad[7, 1] = El * W + 3
         try:
