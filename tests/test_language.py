@@ -47,6 +47,10 @@ def test_a_kernel_that_skips_end_call_is_caught(world2):
     assert not calls.check_no_end(world2.run(calls.no_end))
 
 
+def test_every_call_on_eight_ranks(world8):
+    assert not calls.check_every_call(world8.run(calls.every_call, timeout=600))
+
+
 def test_bad_host_input_is_refused(world2):
     for errors in world2.run(calls.bad_host):
         assert errors["nbytes"][0] == "ValueError" and "nbytes" in errors["nbytes"][1]

@@ -291,6 +291,12 @@ def check_tagged(out):
     return bad
 
 
+def every_call(world):
+    """Each call above once (for 8 ranks, where one pool serves them all)."""
+    return dict(ping=ping(world, 33, 2), gather=gather(world, 21, 2), count=count(world, 2),
+                lonely=lonely(world), quitter=quitter(world), tagged=tagged(world))
+
+
 # -- verdicts over every rank's results (rank order); each returns the list of what is wrong --
 def check_ping(out, calls):
     bad, W = [], len(out)
@@ -359,3 +365,12 @@ def check_no_end(out):
     return [f"rank {r}: {err}, then {again}" for r, (err, again) in enumerate(out)
             if not (err and err[0] == "ContextBrokenError" and "pol.end_call" in err[1]
                     and again and again[0] == "ContextBrokenError")]
+
+
+def check_every_call(out):
+    """The verdicts of :func:`every_call`, each problem prefixed by its call."""
+    pick = lambda name: [o[name] for o in out]  # noqa: E731
+    return [f"{name}: {p}" for name, check in (
+        ("ping", lambda o: check_ping(o, 2)), ("gather", check_gather), ("count", check_count),
+        ("lonely", check_lonely), ("quitter", check_quitter), ("tagged", check_tagged))
+        for p in check(pick(name))]
