@@ -142,6 +142,13 @@ def test_layer_with_fused_dispatch(world):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def test_layer_with_fused_dispatch_on_eight_ranks(world8):
+    """Eight ranks, 16 experts: the fused launch's sender passes and source waits with more
+    peers than the 2/4-rank cases (a rank without tokens in one call)."""
+    for errs in world8.run(_layer, timeout=900):
+        assert all(e < 1e-5 for e in errs), errs
+
+
 def _faults(world, fault):
     """Rank 1 passes an expert id out of range, or every rank's tokens go to rank 0 past its
     capacity: every rank raises for that call, the overflowing rank's counts are zeros and its
