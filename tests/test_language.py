@@ -51,6 +51,14 @@ def test_every_call_on_eight_ranks(world8):
     assert not calls.check_every_call(world8.run(calls.every_call, timeout=600))
 
 
+def test_every_peer_and_consumed_buffers_over_back_to_back_calls(world):
+    assert not calls.check_sum(world.run(calls.sum_by_pushes, 11, 3), 3)
+
+
+def test_a_consumed_flag_nobody_sets_raises_naming_it(world2):
+    assert not calls.check_unread(world2.run(calls.unread))
+
+
 def test_bad_host_input_is_refused(world2):
     for errors in world2.run(calls.bad_host):
         assert errors["nbytes"][0] == "ValueError" and "nbytes" in errors["nbytes"][1]
@@ -80,3 +88,5 @@ def test_the_checks_can_fail():
     assert calls.check_lonely([(None, None)])
     assert calls.check_no_end([(None, None)])
     assert calls.check_tagged([(None, None)])
+    assert calls.check_unread([(1, None, None)])
+    assert calls.check_sum([([(x, x, [1])], 1), ([(x, x, [1])], 1)], 1)

@@ -31,9 +31,10 @@ follow them):
 - **Counters** (:func:`notify` / :func:`wait_count`) accumulate across calls: if a call adds
   ``n`` to a counter, wait for ``call * n``.
 - **Reuse of a receive buffer.** A rank may start call ``c + 1`` while a peer still reads what
-  it sent in call ``c``. Before overwriting a peer's buffer, wait for that peer's "consumed"
-  flag of the previous call (``wait(ctx, free_ptr + peer, call - 1, peer)``, the peer signals
-  it after its reads), or alternate between two buffers by ``call % 2``.
+  it sent in call ``c``. Before overwriting a peer's buffer, wait until the peer has read the
+  previous call's data (:func:`wait_consumed`, which its :func:`end_call_consumed` signals),
+  or until it has entered this call (:func:`wait_free` / :func:`announce_call`), or alternate
+  between two buffers by ``call % 2``.
 - **Bounded waits.** :func:`wait`, :func:`wait_count` and :func:`barrier` give up at the call's
   deadline (``timeout_s`` after its first wait that had to spin); the program's report names
   the flag and the peer, and the host raises :class:`~portable_overlap.PeerTimeoutError` at its
@@ -75,7 +76,8 @@ REPORT_OFFSET = tl.constexpr(62)
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "is_live",
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "notify", "wait_count", "barrier", "announce_call", "wait_free",
-           "fence_bulk_reads", "peer_at"]
+           "fence_bulk_reads", "peer_at", "wait_peers", "wait_consumed", "wait_consumed_once",
+           "end_call_consumed"]
 
 
 # -- who and where -------------------------------------------------------------------------------
@@ -241,6 +243,14 @@ def _report(ctx, code, peer, flag_ptr, expected):
 
 
 @triton.jit
+def _timed_out(ctx, peer, flag_ptr, expected, call):
+    """Report a wait of call ``call`` that ran past the deadline, and mark the workspace out of
+    step on this rank (:func:`is_live`): a peer skipped or lost a call."""
+    _report(ctx, _shmem.STATUS_TIMEOUT, peer, flag_ptr, expected)
+    tl.atomic_xchg(ctx + CTX_CLOCK + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def wait(ctx, flag_ptr, call, peer, tag=-1):
     """Wait until this rank's flag ``flag_ptr`` holds call ``call`` (or a later one), set by
     ``peer``'s :func:`signal`. Bounded by the call's deadline: on a timeout the program's report
@@ -254,8 +264,7 @@ def wait(ctx, flag_ptr, call, peer, tag=-1):
     if ok:
         v, arrived = _shmem.wait_flag(flag_ptr, call, call, clock, tl.load(ctx + CTX_TIMEOUT_US))
         if not arrived:
-            _report(ctx, _shmem.STATUS_TIMEOUT, peer, flag_ptr, call)
-            tl.atomic_xchg(clock + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
+            _timed_out(ctx, peer, flag_ptr, call, call)
             ok = False
         elif (v >> 32) == _shmem.FAILED_TAG:
             _report(ctx, _shmem.STATUS_PEER_FAILED, peer, flag_ptr,
@@ -284,8 +293,7 @@ def wait_count(ctx, counter_ptr, target, call, peer):
             while (v < target) & (now_ns() < deadline):
                 v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
         if v < target:
-            _report(ctx, _shmem.STATUS_TIMEOUT, peer, counter_ptr, target)
-            tl.atomic_xchg(clock + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
+            _timed_out(ctx, peer, counter_ptr, target, call)
             ok = False
     tl.debug_barrier()
     return ok
@@ -336,3 +344,69 @@ def fence_bulk_reads():
     it a descriptor load may read as if the wait had not happened. Nothing on targets without
     an asynchronous copy proxy (AMD, the interpreter). Plain ``tl.load`` needs no fence."""
     async_proxy_fence()
+
+
+# -- every peer's flag; buffers read until the end of a call -----------------------------------
+@triton.jit
+def wait_peers(ctx, flags_ptr, stride, call, tag=-1):
+    """:func:`wait` for one flag of every peer q, at ``flags_ptr + q * stride``: the flag
+    that q's ``signal_all(ctx, flags_ptr + q * stride, call, ok, tag)`` set here (e.g.
+    ``flags[q][program]`` of a ``[num_ranks, slots]`` array: ``flags_ptr = flags + program``,
+    ``stride = slots``). Peers in rotation order; after the first failure it waits for no
+    more, so a missing peer costs one timeout, not one per peer. Returns whether every flag
+    arrived, no peer gave up and the tags agree."""
+    me = rank(ctx)
+    world = num_ranks(ctx)
+    ok = is_live(ctx)
+    for step in range(1, world):
+        q = peer_at(step, me, world)
+        if ok:
+            ok = wait(ctx, flags_ptr + q * stride, call, q, tag)
+    return ok
+
+
+@triton.jit
+def wait_consumed(ctx, consumed_ptr, peer, call):
+    """Wait until ``peer`` has read everything that was stored into its buffers in the previous
+    call: its :func:`end_call_consumed` of call ``call - 1`` set ``consumed_ptr[peer]`` here
+    (``consumed_ptr``: a ``[num_ranks]`` flag array of the workspace). Call it before the
+    first store into ``peer``'s buffers in call ``call``; returns at once for this rank itself.
+    Bounded like :func:`wait` (by call ``call``'s deadline); returns whether it arrived."""
+    ok = is_live(ctx)
+    if ok & (peer != rank(ctx)):
+        flag = consumed_ptr + peer
+        v, arrived = _shmem.wait_flag(flag, call - 1, call, ctx + CTX_CLOCK,
+                                      tl.load(ctx + CTX_TIMEOUT_US))
+        if not arrived:
+            _timed_out(ctx, peer, flag, call - 1, call)
+            ok = False
+    return ok
+
+
+@triton.jit
+def wait_consumed_once(ctx, consumed_ptr, peer, call, waited, ok):
+    """:func:`wait_consumed` where a program stores into many peers' buffers, tile after tile:
+    it waits for ``peer`` only the first time in the call. ``waited`` (an int64, 0 at the
+    start of the call; so at most 64 ranks) has bit q set once the program waited for q;
+    ``ok``: the program's state so far (once False, nothing is waited for). Returns ``(ok
+    and-ed with the outcome, waited with bit peer set)``."""
+    if ((waited >> peer) & 1) == 0:
+        if ok:
+            ok = wait_consumed(ctx, consumed_ptr, peer, call)
+        waited = waited | (tl.full((), 1, tl.int64) << peer)
+    return ok, waited
+
+
+@triton.jit
+def end_call_consumed(ctx, call, consumed_ptr):
+    """:func:`end_call` of a launch whose peers store into this rank's buffers: the last
+    program out also sets ``consumed_ptr[rank]`` to ``call`` in every peer's heap (what the
+    peers' :func:`wait_consumed` of the next call waits for). A barrier orders this program's
+    reads of the received data before its ticket, so when the last program signals, no program
+    of the launch reads the buffers any more. Every program calls it once, as its last step;
+    returns whether this program was the last."""
+    tl.debug_barrier()
+    last = end_call(ctx, call)
+    if last:
+        signal_all(ctx, consumed_ptr + rank(ctx), call)
+    return last

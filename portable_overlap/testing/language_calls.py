@@ -294,7 +294,96 @@ def check_tagged(out):
 def every_call(world):
     """Each call above once (for 8 ranks, where one pool serves them all)."""
     return dict(ping=ping(world, 33, 2), gather=gather(world, 21, 2), count=count(world, 2),
-                lonely=lonely(world), quitter=quitter(world), tagged=tagged(world))
+                lonely=lonely(world), quitter=quitter(world), tagged=tagged(world),
+                sum=sum_by_pushes(world, 11, 2))
+
+
+@triton.jit
+def _sum_kernel(ctx, x_ptr, recv_ptr, sent_ptr, consumed_ptr, out_ptr, ok_ptr, n, tag,
+                BLOCK: tl.constexpr):
+    """out = the sum of every rank's x (n elements per program), by pushes: program p stores
+    its slice of x into ``recv[me]`` of every peer in two halves (the second half's wait for
+    the peer's "consumed" flag is skipped), signals ``sent[me][p]`` on every peer, waits for
+    every peer's ``sent[q][p]`` and adds the received slices to its own. Calls run back to
+    back: a peer's buffer is written only once it has read the previous call's data."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    p = pol.program()
+    P = pol.num_programs()
+    offs = p * n + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < (p + 1) * n)
+    ok = pol.is_live(ctx)
+    waited = tl.zeros((), tl.int64)
+    for half in range(0, 2):
+        lo = p * n + half * (n // 2)
+        part = (offs >= lo) & (offs < lo + n // 2 + half * (n % 2))
+        for step in range(1, world):
+            q = pol.peer_at(step, me, world)
+            ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, q, call, waited, ok)
+            pol.store_remote(ctx, recv_ptr + me * P * n + offs, x, q, part & ok)
+    pol.signal_all(ctx, sent_ptr + me * P + p, call, ok, tag)
+    if ok:
+        ok = pol.wait_peers(ctx, sent_ptr + p, P, call, tag)
+    acc = x.to(tl.float32)
+    for q in range(0, world):
+        if q != me:
+            acc += tl.load(recv_ptr + q * P * n + offs, mask=offs < (p + 1) * n)
+    tl.store(out_ptr + offs, acc, mask=(offs < (p + 1) * n) & ok)
+    tl.store(ok_ptr + p, ok.to(tl.int32))
+    pol.end_call_consumed(ctx, call, consumed_ptr)
+
+
+def sum_by_pushes(world, n, calls, programs=2):
+    """The sum of every rank's x over ``calls`` back-to-back calls (no host synchronization
+    between them); returns per call (x, sum, ok per program) and the device's call count."""
+    W, r, dev = world.world_size, world.rank, world.device
+    nbytes = Workspace.bytes_for(((W, programs * n), torch.float32),
+                                 ((W, programs), torch.int64), ((W,), torch.int64))
+    with Workspace(world, nbytes, timeout_s=20.0, name="sum") as ws:
+        recv = ws.tensor((W, programs * n), torch.float32)
+        sent = ws.flags((W, programs), "sent")
+        consumed = ws.flags((W,), "consumed")
+        launched = []
+        for c in range(calls):
+            x = torch.randn(programs * n, generator=torch.Generator(dev).manual_seed(31 * c + r),
+                            device=dev)
+            out = torch.full_like(x, float("nan"))
+            ok = torch.zeros(programs, dtype=torch.int32, device=dev)
+            ws.launch(_sum_kernel, (programs,), x, recv, sent, consumed, out, ok, n, 5,
+                      BLOCK=triton.next_power_of_2(n))
+            launched.append((x, out, ok))
+        ws.synchronize()
+        got = [(x.to("cpu"), out.to("cpu"), ok.tolist()) for x, out, ok in launched]
+        return got, int(ws.ctx[0])
+
+
+@triton.jit
+def _unread_kernel(ctx, consumed_ptr, ok_ptr):
+    """Waits for the next peer's "consumed" flag of the previous call, which nobody sets
+    (the kernel ends with ``end_call``, not ``end_call_consumed``)."""
+    call = pol.begin_call(ctx)
+    q = pol.peer_at(1, pol.rank(ctx), pol.num_ranks(ctx))
+    tl.store(ok_ptr, pol.wait_consumed(ctx, consumed_ptr, q, call).to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def unread(world):
+    """Three calls of ``_unread_kernel``: the first waits for nothing (call 0 counts as
+    consumed), the second times out waiting for the flag of call 1 (the report names the
+    call the flag should hold), the third finds the workspace broken. Returns (first ok,
+    second's error, third's error)."""
+    ws = Workspace(world, 1024, timeout_s=0.5, name="unread")
+    consumed = ws.flags((world.world_size,), "consumed")
+    ok = torch.zeros(1, dtype=torch.int32, device=world.device)
+    ws.launch(_unread_kernel, (1,), consumed, ok)
+    ws.synchronize()
+    first = int(ok)
+    second = error_of_one_call(lambda: (ws.launch(_unread_kernel, (1,), consumed, ok),
+                                        ws.synchronize()))
+    third = error_of_one_call(lambda: ws.launch(_unread_kernel, (1,), consumed, ok))
+    ws.close()
+    return first, second, third
 
 
 # -- verdicts over every rank's results (rank order); each returns the list of what is wrong --
@@ -372,5 +461,32 @@ def check_every_call(out):
     pick = lambda name: [o[name] for o in out]  # noqa: E731
     return [f"{name}: {p}" for name, check in (
         ("ping", lambda o: check_ping(o, 2)), ("gather", check_gather), ("count", check_count),
-        ("lonely", check_lonely), ("quitter", check_quitter), ("tagged", check_tagged))
+        ("lonely", check_lonely), ("quitter", check_quitter), ("tagged", check_tagged),
+        ("sum", lambda o: check_sum(o, 2)))
         for p in check(pick(name))]
+
+
+def check_sum(out, calls):
+    bad, W = [], len(out)
+    for r, (got, done) in enumerate(out):
+        if done != calls:
+            bad.append(f"rank {r}: the device counted {done} calls, not {calls}")
+        for c in range(calls):
+            _, total, ok = got[c]
+            want = sum(out[q][0][c][0] for q in range(W))
+            if set(ok) != {1} or not torch.allclose(total, want, rtol=1e-5, atol=1e-5):
+                bad.append(f"rank {r} call {c}: ok={ok}, sum off by "
+                           f"{(total - want).abs().max():.3g}")
+    return bad
+
+
+def check_unread(out):
+    bad, W = [], len(out)
+    for r, (first, second, third) in enumerate(out):
+        kind, msg = second or (None, "")
+        if not (first == 1 and kind == "PeerTimeoutError" and f"rank {r}" in msg
+                and f"'consumed' flag [{(r + 1) % W}] of call #1" in msg):
+            bad.append(f"rank {r}: first ok={first}, then {second}")
+        if (third or (None,))[0] != "ContextBrokenError":
+            bad.append(f"rank {r}: third call raised {third}")
+    return bad

@@ -5,8 +5,8 @@ fp32."""
 from ..matmul.compile_specs import descriptor_signature
 from .kernel import allgather_gemm_kernel
 
-_ARGS = ("status_addr:i64 m:i32 N:i32 K:i32 stride_bk:i32 stride_bn:i32 chunk_rows:i32 "
-         "n_chunks:i32 senders:i32 G:i32 rank:i32 world:i32 tag:i32 timeout_us:i32")
+_ARGS = ("m:i32 N:i32 K:i32 stride_bk:i32 stride_bn:i32 chunk_rows:i32 n_chunks:i32 "
+         "senders:i32 G:i32 tag:i32")
 
 
 def specs():
@@ -17,7 +17,7 @@ def specs():
             ("fp32", "ieee", 64, 64, 32, False, False, True)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                "gather_ptr": f"*{dt}", "ready_ptr": "*i64", "consumed_ptr": "*i64",
-               "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64", "order_ptr": "*i32"}
+               "ctx": "*i64", "order_ptr": "*i32"}
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         ds = descriptor_signature(dt, bm, bn, bk, desc)
         sig.update(ds)

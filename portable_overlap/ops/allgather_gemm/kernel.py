@@ -22,32 +22,32 @@ interpreter, which runs programs one after another, the senders finish before an
   ``a`` at once; any other tile first waits (acquire, bounded) for the ready flag of every chunk
   its rows touch, then reads the gather buffer.
 
-Before its first store into rank d in a call, a sender waits until ``consumed[d]`` holds the
-previous epoch (d's previous call has finished reading its buffer); the last program of a launch
-sets ``consumed[r]`` in every peer's heap.
+Before its first store into rank d in a call, a sender waits until d has read the previous
+call's gather buffer (``pol.wait_consumed_once`` on ``consumed[d]``); the last program of a
+launch tells every peer that this rank's buffer is read (``pol.end_call_consumed``).
+
+Written on the public device API (``portable_overlap.language``): flags carry the call number
+(counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
+bounded and reported by the flag it waited for.
 """
 import triton
 import triton.language as tl
 
-from ...backends.proxy_fence import async_proxy_fence
-from ...shmem.device import (await_flag, await_free_once, begin_call, call_flag, end_call_free,
-                             live, peer_buffer, signal_peer)
+from ... import language as pol
 from ...tiles.gemm import gemm_tile, gemm_tile_desc_of, grouped_tile
 
-FLAG_READY = tl.constexpr(1)
-FLAG_CONSUMED = tl.constexpr(2)
-FLAG_NAMES = {1: "chunk-ready", 2: "gather-consumed"}
+#: the flags' names in timeout reports (the reports name a flag by its heap buffer)
+FLAG_LABELS = {"ready": "chunk-ready", "consumed": "gather-consumed"}
 
 
 @triton.jit
-def _send(a_ptr, gather_ptr, ready_ptr, consumed_ptr, clock_ptr, bases_ptr, status_addr, pid,
-          senders, m, K, chunk_rows, n_chunks, rank, world, epoch, tag, timeout_us, ok,
-          COPY_OWN: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr,
-          C_MAX: tl.constexpr):
+def _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K, chunk_rows,
+          n_chunks, rank, world, call, tag, ok, COPY_OWN: tl.constexpr,
+          COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr):
     """Sender ``pid``'s units (module docstring): copy, then signal the chunk's flag."""
     own_units = n_chunks if COPY_OWN else 0
     n_units = own_units + n_chunks * (world - 1)
-    cleared = tl.zeros((), tl.int64)  # bit d: rank d's buffer is free for this call
+    waited = tl.zeros((), tl.int64)  # bit d: rank d's buffer is free for this call
     lanes = tl.arange(0, COPY_BLOCK)
     for i in range(0, tl.cdiv(n_units, senders)):
         u = pid + i * senders
@@ -60,56 +60,51 @@ def _send(a_ptr, gather_ptr, ready_ptr, consumed_ptr, clock_ptr, bases_ptr, stat
                 c = v // (world - 1)
                 d = (rank + 1 + v % (world - 1)) % world
             if d != rank:
-                ok, cleared = await_free_once(consumed_ptr, d, cleared, epoch, clock_ptr,
-                                              timeout_us, status_addr, pid, FLAG_CONSUMED, ok)
+                ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, d, call, waited, ok)
             if ok:
                 lo = c * chunk_rows
                 n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
                 # the chunk is contiguous in a and in the buffer: one flat copy. VEC elements
                 # make 16 bytes when K allows (the host checks), so the copy moves vectors
                 src = a_ptr + tl.multiple_of(lo.to(tl.int64) * K, VEC)
-                dst = peer_buffer(gather_ptr, bases_ptr, rank, d) \
+                dst = pol.remote_ptr(ctx, gather_ptr, d) \
                     + tl.multiple_of((rank.to(tl.int64) * m + lo) * K, VEC)
                 for off in range(0, n, COPY_BLOCK):
                     idx = off + lanes
                     keep = idx < n
                     tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
-            tl.debug_barrier()  # every thread's stores before the (cumulative) release
-            signal_peer(ready_ptr + rank * C_MAX + c, call_flag(epoch, tag, ok), bases_ptr, rank,
-                        d)
+            pol.signal(ctx, ready_ptr + rank * C_MAX + c, d, call, ok, tag)
     return ok
 
 
 @triton.jit
-def _await_rows(ready_ptr, row_lo, row_hi, m, chunk_rows, world, epoch, tag, clock_ptr,
-                timeout_us, status_addr, pid, ok, C_MAX: tl.constexpr):
+def _await_rows(ctx, ready_ptr, row_lo, row_hi, m, chunk_rows, call, tag, ok,
+                C_MAX: tl.constexpr):
     """Wait for the ready flag of every (rank, chunk) that gathered rows [row_lo, row_hi)
-    touch; returns ``ok`` and-ed with the outcome."""
+    touch; returns ``ok`` and-ed with the outcome (after a failure it waits for no more)."""
     q0 = row_lo // m
     q1 = (row_hi - 1) // m
-    for q in range(0, world):  # bounds from arguments only (the interpreter needs that)
+    # the world size is read here, not passed: a value loaded from the descriptor before the
+    # tile loop holds a register through the GEMM main loop (195 -> 197 registers on sm_90 at
+    # 128 x 256 x 64 with descriptors), where a kernel argument needed none
+    for q in range(0, pol.num_ranks(ctx)):  # bounds not from program_id (the interpreter)
         if (q >= q0) & (q <= q1):
             lo = tl.maximum(row_lo - q * m, 0)
             hi = tl.minimum(row_hi - q * m, m)
             c = lo // chunk_rows
             while c <= (hi - 1) // chunk_rows:
-                what = (q * C_MAX + c).to(tl.int64) + (FLAG_READY << 32)
-                ok = await_flag(ready_ptr + q * C_MAX + c, epoch, tag, clock_ptr, timeout_us,
-                                status_addr, pid, q, what, ok, True)
+                if ok:
+                    ok = pol.wait(ctx, ready_ptr + q * C_MAX + c, call, q, tag)
                 c += 1
-    tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
     return ok
 
 
-# Every rank runs the same compiled code (the rank is never specialized on: see
-# gemm_alltoall.kernel).
-@triton.jit(do_not_specialize=["rank"])
+@triton.jit
 def allgather_gemm_kernel(
     a_ptr, b_ptr, out_ptr,  # a [m, K] contiguous, b [K, N] (any strides), out [W*m, N]
-    gather_ptr, ready_ptr, consumed_ptr, ctl_ptr,  # heap: [W*m, K], int64 [W, C_MAX], [W], [2]
-    clock_ptr, bases_ptr, order_ptr, status_addr,  # call clock; heap bases; M-tile order
-    m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, senders, G, rank, world, tag,
-    timeout_us,
+    gather_ptr, ready_ptr, consumed_ptr,  # heap: [W*m, K], int64 flags [W, C_MAX], [W]
+    ctx, order_ptr,  # the device API's descriptor; int32 M-tile order
+    m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, senders, G, tag,
     a_desc, g_desc, b_desc,  # descriptors of a, the gather buffer and b (b.t(): B_TRANS)
     USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, COPY_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -117,12 +112,14 @@ def allgather_gemm_kernel(
     UPCAST: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    epoch = begin_call(ctl_ptr)
-    ok = live(clock_ptr)
+    call = pol.begin_call(ctx)
+    rank = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    ok = pol.is_live(ctx)
     if pid < senders:
-        ok = _send(a_ptr, gather_ptr, ready_ptr, consumed_ptr, clock_ptr, bases_ptr, status_addr,
-                   pid, senders, m, K, chunk_rows, n_chunks, rank, world, epoch, tag, timeout_us,
-                   ok, COPY_OWN, COPY_BLOCK, VEC, C_MAX)
+        ok = _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K,
+                   chunk_rows, n_chunks, rank, world, call, tag, ok, COPY_OWN, COPY_BLOCK, VEC,
+                   C_MAX)
     else:
         P = G - senders
         rows_all = world * m
@@ -141,14 +138,14 @@ def allgather_gemm_kernel(
                 # buffers: 288 KiB of shared memory with descriptors, and spill registers)
                 own = (row_lo >= own_lo) & (row_hi <= own_lo + m)  # this rank's rows: no wait
                 if not own:
-                    ok = _await_rows(ready_ptr, row_lo, row_hi, m, chunk_rows, world, epoch, tag,
-                                     clock_ptr, timeout_us, status_addr, pid, ok, C_MAX)
+                    ok = _await_rows(ctx, ready_ptr, row_lo, row_hi, m, chunk_rows, call, tag,
+                                     ok, C_MAX)
                 if USE_DESC:
                     if own:
                         src_desc = a_desc
                         src_row = row_lo - own_lo
                     else:
-                        async_proxy_fence()  # the acquire above, before the bulk copies' reads
+                        pol.fence_bulk_reads()  # the acquire above, before the bulk copies
                         src_desc = g_desc
                         src_row = row_lo
                     acc = gemm_tile_desc_of(src_desc, b_desc, src_row, pid_n * BLOCK_N, K,
@@ -170,4 +167,4 @@ def allgather_gemm_kernel(
                              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     # the last program out: every read of the gather buffer is done; tell the peers
-    end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)
+    pol.end_call_consumed(ctx, call, consumed_ptr)

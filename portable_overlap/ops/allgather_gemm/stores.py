@@ -16,7 +16,7 @@ import torch
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
 from ..matmul.api import DTYPES, MatmulConfig, default_config, operand_descriptors
-from .kernel import FLAG_NAMES, allgather_gemm_kernel
+from .kernel import FLAG_LABELS, allgather_gemm_kernel
 
 OP = "all_gather_matmul"
 #: the most row chunks one shard is cut into (flag slots per source rank)
@@ -73,7 +73,7 @@ class AllGatherMatmulStores(OverlapContext):
     default: ``default_senders``)."""
 
     OP = OP
-    FLAG_NAMES = FLAG_NAMES
+    FLAG_LABELS = FLAG_LABELS
 
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, timeout_s: float = 10.0):
@@ -91,9 +91,8 @@ class AllGatherMatmulStores(OverlapContext):
         super().__init__(world, [
             ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
             ("ready", (W, C_MAX), torch.int64), ("consumed", (W,), torch.int64),
-            ("ctl", (2,), torch.int64),
         ], timeout_s)
-        self.call_protocol(self.ctl, call_flags=(self.ready,), free_flags=(self.consumed,))
+        self.call_protocol(self.ctx, call_flags=(self.ready,), free_flags=(self.consumed,))
         self.max_shard_elems, self.config, self.senders = max_shard_elems, config, senders
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
 
@@ -120,15 +119,13 @@ class AllGatherMatmulStores(OverlapContext):
 
     def _args(self, a, b, out, plan, programs: Optional[int] = None, tag: Optional[int] = None):
         m, K = a.shape
-        W = self.world.world_size
         a_desc = b_desc = None
         if plan.use_desc:  # per call: they hold a's and b's addresses
             a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
-        return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.ctl,
-                self.call_clock, self.heap.bases, plan.order, self.status.address, m,
-                b.shape[1], K, b.stride(0), b.stride(1), plan.chunk_rows, plan.n_chunks,
-                plan.senders, plan.programs if programs is None else programs, self.rank, W,
-                plan.tag if tag is None else tag, self.timeout_us, a_desc, plan.g_desc, b_desc)
+        return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.ctx,
+                plan.order, m, b.shape[1], K, b.stride(0), b.stride(1), plan.chunk_rows,
+                plan.n_chunks, plan.senders, plan.programs if programs is None else programs,
+                plan.tag if tag is None else tag, a_desc, plan.g_desc, b_desc)
 
     def _plan(self, a, b, out):
         m, K = a.shape

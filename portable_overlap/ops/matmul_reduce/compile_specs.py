@@ -4,9 +4,8 @@ the epilogue's bias and residual, and fp32."""
 from ..matmul.compile_specs import descriptor_signature
 from .kernel import matmul_reduce_stores_kernel
 
-_ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
-         "stride_bn:i32 stride_res:i32 block_rows:i32 G:i32 rank:i32 world:i32 tag:i32 "
-         "timeout_us:i32")
+_ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
+         "stride_res:i32 block_rows:i32 G:i32 tag:i32")
 
 
 def specs():
@@ -18,8 +17,7 @@ def specs():
             ("fp32", "ieee", 64, 64, 32, False, False, True, False)):
         sig = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr",
                                      "recv_ptr", "gathered_ptr")}
-        sig.update({n: "*i64" for n in ("sent_ptr", "reduced_ptr", "consumed_ptr", "ctl_ptr",
-                                        "clock_ptr", "bases_ptr")})
+        sig.update({n: "*i64" for n in ("sent_ptr", "reduced_ptr", "consumed_ptr", "ctx")})
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         sig.update(descriptor_signature(dt, bm, bn, bk, desc))
         if bt:  # blocks of b.t(), [bn, bk]

@@ -23,20 +23,22 @@ Program pid of rank r:
    the peers' blocks that their program pid reduced from ``gathered`` into ``out`` (adding this
    rank's bias and residual).
 
-Before its first store into rank d in a call a program waits until ``consumed[d]`` holds the
-previous epoch; the last program of a launch sets ``consumed[r]`` in every peer's heap.
+Before its first store into rank d in a call a program waits until d has read the previous
+call's data (``pol.wait_consumed_once`` on ``consumed[d]``); the last program of a launch tells
+every peer that this rank's buffers are read (``pol.end_call_consumed``).
+
+Written on the public device API (``portable_overlap.language``): flags carry the call number
+(counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
+bounded and reported by the flag it waited for.
 """
 import triton
 import triton.language as tl
 
-from ...shmem.device import (await_free_once, begin_call, call_flag, end_call_free, live,
-                             peer_buffer, signal_peers, wait_peers)
+from ... import language as pol
 from ...tiles.gemm import gemm_tile, gemm_tile_desc_of, grouped_tile, store_tile_epilogue
 
-FLAG_SENT = tl.constexpr(1)
-FLAG_CONSUMED = tl.constexpr(2)
-FLAG_REDUCED = tl.constexpr(3)
-FLAG_NAMES = {1: "partials-sent", 2: "recv-consumed", 3: "block-reduced"}
+#: the flags' names in timeout reports (the reports name a flag by its heap buffer)
+FLAG_LABELS = {"sent": "partials-sent", "consumed": "recv-consumed", "reduced": "block-reduced"}
 
 
 @triton.jit
@@ -46,13 +48,13 @@ def _first_tile(pid, d, tpb, G):
 
 
 @triton.jit
-def _finish_own(acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_ptr, bias_ptr,
-                res_ptr, stride_res, recv_ptr, gathered_ptr, consumed_ptr, clock_ptr, bases_ptr,
-                status_addr, epoch, timeout_us, pid, ok, cleared, ALL_REDUCE: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+def _finish_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_ptr,
+                bias_ptr, res_ptr, stride_res, recv_ptr, gathered_ptr, consumed_ptr, call, ok,
+                waited, ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_RES: tl.constexpr):
     """Step 3 for columns ``col0 + c`` of one tile of this rank's block (rows ``r`` counted in
     the block, which starts at row ``lo_d`` and has ``rows_d`` rows): add the peers' partials
-    to ``acc`` and store the result (module docstring). Returns ``(ok, cleared)``."""
+    to ``acc`` and store the result (module docstring). Returns ``(ok, waited)``."""
     cols = col0 + c
     mask = (r < rows_d)[:, None] & (cols < N)[None, :]
     for q in range(0, world):
@@ -64,29 +66,24 @@ def _finish_own(acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_p
         goffs = (lo_d + r)[:, None].to(tl.int64) * N + cols[None, :]
         for q in range(0, world):
             if q != rank:
-                ok, cleared = await_free_once(consumed_ptr, q, cleared, epoch, clock_ptr,
-                                              timeout_us, status_addr, pid, FLAG_CONSUMED, ok)
+                ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, q, call, waited, ok)
                 if ok:
-                    tl.store(peer_buffer(gathered_ptr, bases_ptr, rank, q) + goffs, y,
-                             mask=mask)
+                    tl.store(pol.remote_ptr(ctx, gathered_ptr, q) + goffs, y, mask=mask)
         store_tile_epilogue(y.to(tl.float32), r, c, lo_d, rows_d, col0, N, out_ptr, bias_ptr,
                             res_ptr, N, stride_res, HAS_BIAS, HAS_RES)
     else:  # out and residual hold this rank's rows only
         store_tile_epilogue(acc, r, c, 0, rows_d, col0, N, out_ptr, bias_ptr, res_ptr, N,
                             stride_res, HAS_BIAS, HAS_RES)
-    return ok, cleared
+    return ok, waited
 
 
-# Every rank runs the same compiled code (the rank is never specialized on: see
-# gemm_alltoall.kernel).
-@triton.jit(do_not_specialize=["rank"])
+@triton.jit
 def matmul_reduce_stores_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, res_ptr,  # a [M, K_r], b [K_r, N]; out, residual by mode
     recv_ptr, gathered_ptr,  # heap: [W, block_rows, N] partials by source; [M, N] (AllReduce)
-    sent_ptr, reduced_ptr, consumed_ptr, ctl_ptr,  # heap: int64 [W, G_MAX] x2, [W], [2]
-    clock_ptr, bases_ptr, status_addr,  # call clock; heap bases; status board
-    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_res, block_rows, G, rank,
-    world, tag, timeout_us,
+    sent_ptr, reduced_ptr, consumed_ptr,  # heap: int64 flags [W, G_MAX] x2, [W]
+    ctx,  # the device API's descriptor
+    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_res, block_rows, G, tag,
     a_desc, b_desc,  # tensor descriptors of a and b (of b.t() when B_TRANS) when USE_DESC
     ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -94,21 +91,28 @@ def matmul_reduce_stores_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    epoch = begin_call(ctl_ptr)
-    ok = live(clock_ptr)
+    call = pol.begin_call(ctx)
+    rank = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    ok = pol.is_live(ctx)
     n_tm = tl.cdiv(block_rows, BLOCK_M)
     n_tn = tl.cdiv(N, BLOCK_N)
     tpb = n_tm * n_tn
     per = tl.cdiv(tpb, G)  # most tiles of one block a program takes
-    cleared = tl.zeros((), tl.int64)  # bit d: rank d's buffers are free for this call
+    waited = tl.zeros((), tl.int64)  # bit d: rank d's buffers are free for this call
     # One loop over the blocks in order r+1, ..., r-1, r, with one tile-GEMM call site: a
     # second call site would hold a second set of pipeline buffers (shared memory).
     for idx in range(0, world * per):
+        # read again for every tile: the two words loaded once before the loop would hold
+        # registers through the GEMM main loop, where kernel arguments held none (on sm_90 at
+        # 128 x 256 x 64, AllReduce with bias + residual: 24 bytes of spills instead of 16)
+        rank = pol.rank(ctx)
+        world = pol.num_ranks(ctx)
         i = idx // per  # position of the block in this rank's order; world-1 = its own
         if idx == (world - 1) * per:  # 2. every peer partial this program owes is stored
-            signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
-            ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr,
-                            timeout_us, status_addr, ok, G_MAX)
+            pol.signal_all(ctx, sent_ptr + rank * G_MAX + pid, call, ok, tag)
+            if ok:
+                ok = pol.wait_peers(ctx, sent_ptr + pid, G_MAX, call, tag)
         d = (rank + 1 + i) % world
         T = _first_tile(pid, d, tpb, G) + (idx % per) * G
         lo_d = M * d // world
@@ -125,13 +129,12 @@ def matmul_reduce_stores_kernel(
                                 0, tn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
                                 UPCAST)
             if d != rank:  # 1. a peer's partial, into its heap at this rank's slot
-                ok, cleared = await_free_once(consumed_ptr, d, cleared, epoch, clock_ptr,
-                                              timeout_us, status_addr, pid, FLAG_CONSUMED, ok)
+                ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, d, call, waited, ok)
                 if ok:
                     rows = row0 + tl.arange(0, BLOCK_M)  # in the block
                     cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
                     mask = (rows < rows_d)[:, None] & (cols < N)[None, :]
-                    dst = peer_buffer(recv_ptr, bases_ptr, rank, d)
+                    dst = pol.remote_ptr(ctx, recv_ptr, d)
                     offs = (rank * block_rows + rows)[:, None].to(tl.int64) * N + cols[None, :]
                     tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
             else:  # 3. this rank's block: its partial plus the peers', half a tile at a time
@@ -142,21 +145,19 @@ def matmul_reduce_stores_kernel(
                                                   (0, 2, 1)))
                 r = row0 + tl.arange(0, BLOCK_M)
                 c = tl.arange(0, HALF)
-                ok, cleared = _finish_own(left, r, c, tn * BLOCK_N, lo_d, rows_d, rank, world,
-                                          block_rows, N, out_ptr, bias_ptr, res_ptr, stride_res,
-                                          recv_ptr, gathered_ptr, consumed_ptr, clock_ptr,
-                                          bases_ptr, status_addr, epoch, timeout_us, pid, ok,
-                                          cleared, ALL_REDUCE, HAS_BIAS, HAS_RES)
-                ok, cleared = _finish_own(right, r, c, tn * BLOCK_N + HALF, lo_d, rows_d, rank,
-                                          world, block_rows, N, out_ptr, bias_ptr, res_ptr,
-                                          stride_res, recv_ptr, gathered_ptr, consumed_ptr,
-                                          clock_ptr, bases_ptr, status_addr, epoch, timeout_us,
-                                          pid, ok, cleared, ALL_REDUCE, HAS_BIAS, HAS_RES)
+                ok, waited = _finish_own(ctx, left, r, c, tn * BLOCK_N, lo_d, rows_d, rank,
+                                         world, block_rows, N, out_ptr, bias_ptr, res_ptr,
+                                         stride_res, recv_ptr, gathered_ptr, consumed_ptr, call,
+                                         ok, waited, ALL_REDUCE, HAS_BIAS, HAS_RES)
+                ok, waited = _finish_own(ctx, right, r, c, tn * BLOCK_N + HALF, lo_d, rows_d,
+                                         rank, world, block_rows, N, out_ptr, bias_ptr, res_ptr,
+                                         stride_res, recv_ptr, gathered_ptr, consumed_ptr, call,
+                                         ok, waited, ALL_REDUCE, HAS_BIAS, HAS_RES)
 
     if ALL_REDUCE:  # 4. the peers' reduced blocks, the tiles their program pid reduced
-        signal_peers(reduced_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
-        ok = wait_peers(reduced_ptr, FLAG_REDUCED, pid, rank, world, epoch, tag, clock_ptr,
-                        timeout_us, status_addr, ok, G_MAX)
+        pol.signal_all(ctx, reduced_ptr + rank * G_MAX + pid, call, ok, tag)
+        if ok:
+            ok = pol.wait_peers(ctx, reduced_ptr + pid, G_MAX, call, tag)
         if ok:
             for i in range(1, world):
                 q = (rank + i) % world
@@ -177,4 +178,4 @@ def matmul_reduce_stores_kernel(
                                             HAS_BIAS, HAS_RES)
 
     # the last program out: every read of this rank's buffers is done; tell the peers
-    end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)
+    pol.end_call_consumed(ctx, call, consumed_ptr)

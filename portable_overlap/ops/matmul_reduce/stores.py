@@ -16,7 +16,7 @@ from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
 from ..matmul.api import (DTYPES, MatmulConfig, check_operands, default_config,
                           operand_descriptors, vector_checks)
-from .kernel import FLAG_NAMES, matmul_reduce_stores_kernel
+from .kernel import FLAG_LABELS, matmul_reduce_stores_kernel
 
 MODES = ("reduce_scatter", "all_reduce")
 
@@ -28,7 +28,7 @@ class MatmulReduceStores(OverlapContext):
     reduced block (max_m x max_n) in the symmetric heap; flags. Option ``config``: the GEMM
     tiling (default: the device's)."""
 
-    FLAG_NAMES = FLAG_NAMES
+    FLAG_LABELS = FLAG_LABELS
 
     def __init__(self, world, op: str, mode: str, max_m: int, max_n: int, *,
                  config: Optional[MatmulConfig] = None, timeout_s: float = 10.0):
@@ -47,10 +47,10 @@ class MatmulReduceStores(OverlapContext):
             ("_recv_raw", (W * block * max_n,), torch.float32),  # viewed per dtype
             ("_gathered_raw", (max_m * max_n if mode == "all_reduce" else 1,), torch.float32),
             ("sent", (W, G_MAX), torch.int64), ("reduced", (W, G_MAX), torch.int64),
-            ("consumed", (W,), torch.int64), ("ctl", (2,), torch.int64),
+            ("consumed", (W,), torch.int64),
         ], timeout_s)
         flags = (self.sent, self.reduced) if mode == "all_reduce" else (self.sent,)
-        self.call_protocol(self.ctl, call_flags=flags, free_flags=(self.consumed,))
+        self.call_protocol(self.ctx, call_flags=flags, free_flags=(self.consumed,))
         self.mode, self.max_m, self.max_n, self.config = mode, max_m, max_n, config
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._gathered = {dt: self._gathered_raw.view(torch.uint8).view(dt) for dt in DTYPES}
@@ -95,11 +95,10 @@ class MatmulReduceStores(OverlapContext):
             a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
         return (a, b, out, out if bias is None else bias, out if residual is None else residual,
                 self._recv[a.dtype], self._gathered[a.dtype], self.sent, self.reduced,
-                self.consumed, self.ctl, self.call_clock, self.heap.bases, self.status.address,
-                M, b.shape[1], K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                0 if residual is None else residual.stride(0), -(-M // W),
-                plan.programs if programs is None else programs, self.rank, W,
-                plan.tag if tag is None else tag, self.timeout_us, a_desc, b_desc)
+                self.consumed, self.ctx, M, b.shape[1], K, a.stride(0), a.stride(1),
+                b.stride(0), b.stride(1), 0 if residual is None else residual.stride(0),
+                -(-M // W), plan.programs if programs is None else programs,
+                plan.tag if tag is None else tag, a_desc, b_desc)
 
     def _plan(self, a, b, out, bias, residual):
         M, K = a.shape
