@@ -43,12 +43,11 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
     # interpreter, program 0 first): senders wait only for the peers' program 0 (below),
     # compute programs only for the peers' senders.
     if p == 0:  # "my gathered is free for this call": my previous call has finished reading it
-        for s in range(1, world):
-            pol.signal(ctx, free_ptr + me, pol.peer_at(s, me, world), call)
+        pol.announce_call(ctx, free_ptr, call)
     if p < senders:  # item i: chunk i % chunks to the peer at step 1 + i // chunks
         for i in range(p, (world - 1) * chunks, senders):
             q = pol.peer_at(1 + i // chunks, me, world)
-            pol.wait(ctx, free_ptr + q, call, q)
+            pol.wait_free(ctx, free_ptr, q, call)
             lo = i % chunks * chunk_rows
             n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
             pol.put(ctx, gathered_ptr + (me * m + lo).to(tl.int64) * K,

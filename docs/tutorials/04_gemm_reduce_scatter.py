@@ -40,14 +40,12 @@ def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, 
     tiles_m, tiles_n = tl.cdiv(block_rows, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_block = tiles_m * tiles_n  # every block is cut alike; tiles past a short one's end skip
     if p == 0:  # "my recv is free for this call": my previous call has finished reading it
-        for s in range(1, world):
-            pol.signal(ctx, free_ptr + me, pol.peer_at(s, me, world), call)
+        pol.announce_call(ctx, free_ptr, call)
     for s in range(1, world + 1):  # 1. partial tiles of blocks me+1, ..., me-1, then mine
         d = pol.peer_at(s, me, world)
         lo = M * d // world
         rows = M * (d + 1) // world - lo
-        if d != me:
-            pol.wait(ctx, free_ptr + d, call, d)
+        pol.wait_free(ctx, free_ptr, d, call)  # (at once for d == me)
         for T in range(p, per_block, P):
             tm, tn = grouped_tile(T, tiles_m, tiles_n, GROUP_M)
             row0 = tm * BLOCK_M
