@@ -6,12 +6,12 @@ rank owns the tiles T = p, p + P, ... of every block and walks the blocks me+1, 
 (``pol.peer_at``: the peers' partials travel while this rank computes), its own last. A peer's
 partial tile goes straight into slot ``me`` of the owner's ``recv`` [W, rows per block, N] with
 a per-tile flag (``pol.put_signal``), after the owner's ``pol.announce_call`` (tutorial 2's
-"free" flag, ``pol.wait_free``). A tile of its own block stays in registers: the program waits
-for the tile's W-1 flags and adds the peers' partials in float32 before the one store. The
-peers' program p sent them: every wait is on the same program of a peer, never on another
-program of this launch, so the kernel is right whether the programs run at once (GPUs) or one
-after another (the interpreter). Tiles load through tensor descriptors where the device has
-bulk tensor copies (TMA), else through pointers (tutorial 3).
+"free" flag, ``pol.wait_free``). A tile of its own block stays in registers (its ``recv`` slot
+is never written): the program waits for the tile's W-1 flags and adds the peers' partials in
+float32 before the one store. The peers' program p sent them: every wait is on the same program
+of a peer, never on another program of this launch, so the kernel is right whether the programs
+run at once (GPUs) or one after another (the interpreter). Tiles load through tensor descriptors
+where the device has bulk tensor copies (TMA), else through pointers (tutorial 3).
 
     torchrun --nproc-per-node 2 docs/tutorials/04_gemm_reduce_scatter.py     # GPUs
     python docs/tutorials/04_gemm_reduce_scatter.py                          # CPU-emulated ranks
