@@ -4,16 +4,19 @@ Rank r holds ``a_r`` [m, K] and the same ``b`` [K, N]; every rank computes
 ``out = cat(a_0, ..., a_{W-1}) @ b`` [W*m, N] (rows ``q*m .. (q+1)*m`` from rank q's shard).
 The first ``senders`` programs push this rank's shard into row block ``me`` of every peer's
 ``gathered`` [W*m, K] (one peer after the other, ``pol.peer_at``, in chunks of rows) and raise
-a flag per (source, chunk) there. The other programs compute the output tiles (the tile GEMM
-core, ``tiles.gemm.gemm_tile``): this rank's rows first (read from ``a``, no wait), then the
-peers' shards in the order they arrive, each tile waiting for the flag of its rows' chunk. The
-"free" flag of tutorial 2 makes back-to-back calls safe.
+a flag per (source, chunk) there. The other programs compute the output tiles: this rank's rows
+first (from ``a``, no wait), then the peers' shards in the order they arrive, each tile waiting
+for the flag of its rows' chunk. ``pol.announce_call`` / ``pol.wait_free`` (tutorial 2) make
+back-to-back calls safe. Where the device has bulk tensor copies (TMA on Hopper:
+``world.facts.tensor_descriptors``), the tiles load through tensor descriptors of ``a``,
+``gathered`` and ``b`` (``tiles.gemm.gemm_tile_desc``: 95-99 % of cuBLAS on H200, where pointer
+loads reach 79-91 %), with ``pol.fence_bulk_reads()`` between a wait and the copies it guards;
+elsewhere (AMD, the interpreter, fp32) through pointers (``tiles.gemm.gemm_tile``).
 
     torchrun --nproc-per-node 2 docs/tutorials/03_allgather_gemm.py     # GPUs
     python docs/tutorials/03_allgather_gemm.py                          # CPU-emulated ranks
 
-It prints whether every rank's product is right (against torch in fp32) and the time against
-torch (NCCL all-gather, then matmul) and the library's ``AllGatherMatmul(transport="stores")``.
+It checks itself against torch in fp32 and times torch and ``AllGatherMatmul(transport="stores")``.
 """
 import sys
 
@@ -23,58 +26,57 @@ import triton.language as tl
 
 import portable_overlap.language as pol
 from portable_overlap import AllGatherMatmul, Workspace
-from portable_overlap.ops.matmul.api import default_config
+from portable_overlap.ops.matmul.api import default_config, tile_descriptors
 from portable_overlap.testing import run_on_ranks, time_call
-from portable_overlap.tiles.gemm import gemm_tile, grouped_tile
+from portable_overlap.tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 MAX_CHUNKS = 256  # the most flags per source rank (a chunk is at least a tile row)
 
 
 @triton.jit
 def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, free_ptr,
-                          m, N, K, chunk_rows, senders, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          STAGES: tl.constexpr, EVEN_K: tl.constexpr, COPY: tl.constexpr):
+                          a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                          COPY: tl.constexpr, USE_DESC: tl.constexpr):
     call = pol.begin_call(ctx)
     me, world, p = pol.rank(ctx), pol.num_ranks(ctx), pol.program()
     chunks = tl.cdiv(m, chunk_rows)
-    # No program waits for another program of this launch, so the kernel is right whether its
-    # programs run at once (GPUs: the grid fits the device) or one after another (the CPU
-    # interpreter, program 0 first): senders wait only for the peers' program 0 (below),
-    # compute programs only for the peers' senders.
+    # No program waits for one of this launch (senders wait for the peers' program 0, compute
+    # programs for the peers' senders): right with programs at once or one by one (interpreter).
     if p == 0:  # "my gathered is free for this call": my previous call has finished reading it
-        for s in range(1, world):
-            pol.signal(ctx, free_ptr + me, pol.peer_at(s, me, world), call)
+        pol.announce_call(ctx, free_ptr, call)
     if p < senders:  # item i: chunk i % chunks to the peer at step 1 + i // chunks
         for i in range(p, (world - 1) * chunks, senders):
             q = pol.peer_at(1 + i // chunks, me, world)
-            pol.wait(ctx, free_ptr + q, call, q)
+            pol.wait_free(ctx, free_ptr, q, call)
             lo = i % chunks * chunk_rows
             n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
             pol.put(ctx, gathered_ptr + (me * m + lo).to(tl.int64) * K,
                     a_ptr + lo.to(tl.int64) * K, n, q, COPY)
             pol.signal(ctx, ready_ptr + me * chunks + i % chunks, q, call)
     else:
-        tiles_m = tl.cdiv(m, BLOCK_M)  # per shard: a tile never holds rows of two shards
-        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(N, BLOCK_N)  # a tile is in one shard
         per_shard = tiles_m * tiles_n
         for t in range(p - senders, world * per_shard, pol.num_programs() - senders):
-            # shard j of the order: mine, then the one sent at step 1 (rank me - 1), ...
-            q = pol.peer_at(world - t // per_shard, me, world)
+            q = pol.peer_at(world - t // per_shard, me, world)  # mine, then rank me-1's, ...
             tm, tn = grouped_tile(t % per_shard, tiles_m, tiles_n, GROUP_M)
-            lo = tm * BLOCK_M
-            rows = tl.minimum(m - lo, BLOCK_M)
-            src = a_ptr + lo.to(tl.int64) * K  # this rank's rows: no wait
+            lo, rows = tm * BLOCK_M, tl.minimum(m - tm * BLOCK_M, BLOCK_M)
+            src, desc, row0 = a_ptr, a_desc, lo  # this rank's rows: no wait
             if q != me:  # chunks are whole tile rows: one flag covers the tile
                 pol.wait(ctx, ready_ptr + q * chunks + lo // chunk_rows, call, q)
-                src = gathered_ptr + (q * m + lo).to(tl.int64) * K
-            acc = gemm_tile(src, b_ptr, rows, N, K, K, 1, N, 1, 0, tn, BLOCK_M, BLOCK_N,
-                            BLOCK_K, STAGES, EVEN_K, "ieee", False)
-            r = tl.arange(0, BLOCK_M)
-            cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            dst = out_ptr + (q * m + lo + r)[:, None].to(tl.int64) * N + cols[None, :]
-            tl.store(dst, acc.to(out_ptr.dtype.element_ty),
-                     mask=(r < rows)[:, None] & (cols < N)[None, :])
+                pol.fence_bulk_reads()  # the wait's acquire, then the tile's bulk copies
+                src, desc, row0 = gathered_ptr, g_desc, q * m + lo
+            if USE_DESC:  # one call site per path: another would hold more pipeline buffers
+                acc = gemm_tile_desc(desc, b_desc, row0, 0, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, STAGES, "ieee")
+            else:
+                acc = gemm_tile(src + row0.to(tl.int64) * K, b_ptr, rows, N, K, K, 1, N, 1, 0,
+                                tn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, "ieee", False)
+            r, cols = tl.arange(0, BLOCK_M), tn * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + (q * m + lo + r)[:, None].to(tl.int64) * N + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty),
+                     mask=(r < rows)[:, None] & (cols < N)[None, :])  # not the next shard's
     pol.end_call(ctx, call)
 
 
@@ -83,27 +85,29 @@ def main(world, m=None, N=None, K=None, dtype=None):
     dtype = dtype or (torch.bfloat16 if gpu else torch.float32)  # fp16 works too on GPUs
     m, N, K = (m or 8192 // W, N or 8192, K or 8192) if gpu else (m or 37, N or 50, K or 45)
     cfg = default_config(dtype, dev)  # the library's GEMM tiles (small on the interpreter)
-    bm = cfg.block_m
-    tiles = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                  STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    chunk_rows = bm * triton.cdiv(triton.cdiv(m, bm), MAX_CHUNKS)  # whole tile rows
+    chunk_rows = cfg.block_m * triton.cdiv(triton.cdiv(m, cfg.block_m), MAX_CHUNKS)  # tile rows
     chunks = triton.cdiv(m, chunk_rows)
     ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype), ((W, chunks), torch.int64),
                                               ((W,), torch.int64)), name="allgather_gemm")
     gathered = ws.tensor((W * m, K), dtype)
     ready, free = ws.flags((W, chunks), "ready"), ws.flags((W,), "free")
-    # 16 of 132 H200 SMs send on 2 ranks (~200 GB/s into the peer: the GEMM reads the rows
-    # slower than that), the library's default; at least one program computes
+    # 16 of 132 H200 SMs send on 2 ranks (~200 GB/s: more than the GEMM reads); one computes
     senders = min(max(1, ws.sm_count * (W - 1) // (4 * W)), (W - 1) * chunks, ws.sm_count - 1)
     g = torch.Generator(dev).manual_seed(world.rank)
     a = torch.randn(m, K, device=dev, generator=g).to(dtype)
     b = (torch.randn(K, N, device=dev, generator=torch.Generator(dev).manual_seed(7))
          / K ** 0.5).to(dtype)  # the same on every rank
     out = torch.empty(W * m, N, device=dev, dtype=dtype)
+    # (None, None) where pointer loads must do; made once: a, b, gathered keep their addresses
+    a_desc, b_desc = tile_descriptors(a, b, cfg, world.facts)
+    g_desc = tile_descriptors(gathered, b, cfg, world.facts)[0]
 
     def ours():
-        ws.launch(allgather_gemm_kernel, (ws.sm_count,), a, b, out, gathered, ready, free, m, N,
-                  K, chunk_rows, senders, EVEN_K=K % cfg.block_k == 0, COPY=8192, **tiles)
+        ws.launch(allgather_gemm_kernel, (ws.sm_count,), a, b, out, gathered, ready, free,
+                  a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
+                  EVEN_K=K % cfg.block_k == 0, COPY=8192, USE_DESC=a_desc is not None, **tiles)
 
     full = torch.empty(W * m, K, device=dev, dtype=dtype)
     dist = torch.distributed  # (all_gather_single is the newer name of the same collective)
@@ -125,7 +129,7 @@ def main(world, m=None, N=None, K=None, dtype=None):
         ok &= err < (2e-2 if dtype != torch.float32 else 1e-4)  # NaN fails too
     ws.synchronize()
     paths = {"portable_overlap.language": ours, "torch all_gather + matmul": torch_path}
-    if gpu:  # the library's op, the same design with more care (tensor descriptors, own order)
+    if gpu:  # the library's op: the same design, with a tile order by arrival time
         builtin = AllGatherMatmul(world, m * K, transport="stores")
         paths["AllGatherMatmul(stores)"] = lambda: builtin(a, b)
     ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
@@ -137,9 +141,8 @@ def main(world, m=None, N=None, K=None, dtype=None):
         print(f"all_gather(a [{m}, {K}] per rank) @ b [{K}, {N}], {dtype}, {W} ranks "
               f"({dev.type}): product right on every rank: {all(oks)}")
         for name, t in ms.items():
-            tf = f", {2 * W * m * N * K / t / 1e9:.0f} TFLOP/s" if gpu else ""
-            print(f"  {name}: {t:.3f} ms{tf} (slowest rank's median"
-                  f"{', graph replay' if gpu else ''})")
+            print(f"  {name}: {t:.3f} ms" + (f", {2 * W * m * N * K / t / 1e9:.0f} TFLOP/s"
+                  f" (slowest rank's median, graph replay)" if gpu else " (slowest rank's median)"))
     return 0 if all(oks) else 1
 
 

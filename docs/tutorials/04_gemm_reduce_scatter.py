@@ -2,14 +2,16 @@
 
 Rank q holds ``a_q`` [M, K] and ``b_q`` [K, N] (the full K split over the ranks); rank r keeps
 row block r of the sum: ``out_r = (sum_q a_q @ b_q)[M*r//W : M*(r+1)//W]``. Program p of every
-rank owns the tiles T = p, p + P, ... of every block. (1) It computes its tiles of blocks me+1,
-me+2, ... (``pol.peer_at``: the peers' partials travel while this rank computes), then of its
-own, and stores each partial tile straight into slot ``me`` of the owner's ``recv`` [W, rows
-per block, N] with a per-tile flag (``pol.put_signal``), after the owner's "free" flag
-(tutorial 2). (2) It reduces its tiles of this rank's block: waits for each tile's W flags and
-adds the W partials in float32. The peers' program p sent them: every wait is on the same
-program of a peer, never on another program of this launch, so the kernel is right whether the
-programs run at once (GPUs: the grid fits the device) or one after another (the interpreter).
+rank owns the tiles T = p, p + P, ... of every block and walks the blocks me+1, me+2, ...
+(``pol.peer_at``: the peers' partials travel while this rank computes), its own last. A peer's
+partial tile goes straight into slot ``me`` of the owner's ``recv`` [W, rows per block, N] with
+a per-tile flag (``pol.put_signal``), after the owner's ``pol.announce_call`` (tutorial 2's
+"free" flag, ``pol.wait_free``). A tile of its own block stays in registers (its ``recv`` slot
+is never written): the program waits for the tile's W-1 flags and adds the peers' partials in
+float32 before the one store. The peers' program p sent them: every wait is on the same program
+of a peer, never on another program of this launch, so the kernel is right whether the programs
+run at once (GPUs) or one after another (the interpreter). Tiles load through tensor descriptors
+where the device has bulk tensor copies (TMA), else through pointers (tutorial 3).
 
     torchrun --nproc-per-node 2 docs/tutorials/04_gemm_reduce_scatter.py     # GPUs
     python docs/tutorials/04_gemm_reduce_scatter.py                          # CPU-emulated ranks
@@ -25,60 +27,55 @@ import triton.language as tl
 
 import portable_overlap.language as pol
 from portable_overlap import MatmulReduceScatter, Workspace
-from portable_overlap.ops.matmul.api import default_config
+from portable_overlap.ops.matmul.api import default_config, tile_descriptors
 from portable_overlap.testing import run_on_ranks, time_call
-from portable_overlap.tiles.gemm import gemm_tile, grouped_tile
+from portable_overlap.tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 
 @triton.jit
-def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, free_ptr, M, N,
-                               K, block_rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                               STAGES: tl.constexpr, EVEN_K: tl.constexpr):
+def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, free_ptr, a_desc,
+                               b_desc, M, N, K, block_rows, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                               EVEN_K: tl.constexpr, USE_DESC: tl.constexpr):
     call = pol.begin_call(ctx)
     me, world, p, P = pol.rank(ctx), pol.num_ranks(ctx), pol.program(), pol.num_programs()
     tiles_m, tiles_n = tl.cdiv(block_rows, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_block = tiles_m * tiles_n  # every block is cut alike; tiles past a short one's end skip
     if p == 0:  # "my recv is free for this call": my previous call has finished reading it
-        for s in range(1, world):
-            pol.signal(ctx, free_ptr + me, pol.peer_at(s, me, world), call)
-    for s in range(1, world + 1):  # 1. partial tiles of blocks me+1, ..., me-1, then mine
+        pol.announce_call(ctx, free_ptr, call)
+    for s in range(1, world + 1):  # blocks me+1, ..., me-1, then mine: one GEMM call site
         d = pol.peer_at(s, me, world)
         lo = M * d // world
         rows = M * (d + 1) // world - lo
-        if d != me:
-            pol.wait(ctx, free_ptr + d, call, d)
+        pol.wait_free(ctx, free_ptr, d, call)  # (at once for d == me)
         for T in range(p, per_block, P):
             tm, tn = grouped_tile(T, tiles_m, tiles_n, GROUP_M)
             row0 = tm * BLOCK_M
             if row0 < rows:
-                acc = gemm_tile(a_ptr + (lo + row0).to(tl.int64) * K, b_ptr, rows - row0, N, K,
-                                K, 1, N, 1, 0, tn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K,
-                                "ieee", False)
+                if USE_DESC:  # rows past the block are zeros or the next block's: not stored
+                    acc = gemm_tile_desc(a_desc, b_desc, lo + row0, 0, tn * BLOCK_N, K, BLOCK_M,
+                                         BLOCK_N, BLOCK_K, STAGES, "ieee")
+                else:
+                    acc = gemm_tile(a_ptr + (lo + row0).to(tl.int64) * K, b_ptr, rows - row0, N,
+                                    K, K, 1, N, 1, 0, tn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                    EVEN_K, "ieee", False)
                 r = row0 + tl.arange(0, BLOCK_M)
                 cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-                offs = (me * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
-                pol.put_signal(ctx, recv_ptr + offs, acc.to(recv_ptr.dtype.element_ty), d,
-                               ready_ptr + me * per_block + T, call,
-                               (r < rows)[:, None] & (cols < N)[None, :])
-    # 2. this rank's block: the tiles this program computed, from every source (own slot too)
-    rows = M * (me + 1) // world - M * me // world
-    for T in range(p, per_block, P):
-        tm, tn = grouped_tile(T, tiles_m, tiles_n, GROUP_M)
-        row0 = tm * BLOCK_M
-        if row0 < rows:
-            for s in range(0, world):  # the partials in the order they were sent
-                q = pol.peer_at(world - s, me, world)
-                pol.wait(ctx, ready_ptr + q * per_block + T, call, q)
-            r = row0 + tl.arange(0, BLOCK_M)
-            cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = (r < rows)[:, None] & (cols < N)[None, :]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for q in range(0, world):
-                offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
-                acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + r[:, None].to(tl.int64) * N + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+                mask = (r < rows)[:, None] & (cols < N)[None, :]
+                offs = r[:, None].to(tl.int64) * N + cols[None, :]  # in the block
+                slot = block_rows.to(tl.int64) * N  # elements per slot of recv
+                if d != me:  # a peer's partial: into its recv, slot me
+                    pol.put_signal(ctx, recv_ptr + me * slot + offs,
+                                   acc.to(recv_ptr.dtype.element_ty), d,
+                                   ready_ptr + me * per_block + T, call, mask)
+                else:  # my block: add the peers' partials, in the order they were sent
+                    for i in range(1, world):
+                        q = pol.peer_at(world - i, me, world)
+                        pol.wait(ctx, ready_ptr + q * per_block + T, call, q)
+                        acc += tl.load(recv_ptr + q * slot + offs, mask=mask,
+                                       other=0.0).to(tl.float32)
+                    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     pol.end_call(ctx, call)
 
 
@@ -100,10 +97,13 @@ def main(world, M=None, N=None, K=None, dtype=None):
     a, b = torch.empty(M, K, device=dev, dtype=dtype), torch.empty(K, N, device=dev, dtype=dtype)
     lo, hi = M * world.rank // W, M * (world.rank + 1) // W
     out = torch.empty(hi - lo, N, device=dev, dtype=dtype)
+    # (None, None) where pointer loads must do; made once: a and b keep their addresses
+    a_desc, b_desc = tile_descriptors(a, b, cfg, world.facts)
 
     def ours():
-        ws.launch(gemm_reduce_scatter_kernel, (ws.sm_count,), a, b, out, recv, ready, free, M, N,
-                  K, block_rows, EVEN_K=K % cfg.block_k == 0, **tiles)
+        ws.launch(gemm_reduce_scatter_kernel, (ws.sm_count,), a, b, out, recv, ready, free,
+                  a_desc, b_desc, M, N, K, block_rows, EVEN_K=K % cfg.block_k == 0,
+                  USE_DESC=a_desc is not None, **tiles)
 
     dist, scattered = torch.distributed, torch.empty(M // W, N, device=dev, dtype=dtype)
 
@@ -125,7 +125,7 @@ def main(world, M=None, N=None, K=None, dtype=None):
     paths = {"portable_overlap.language": ours}
     if M % W == 0:  # torch's reduce-scatter takes equal blocks only
         paths["torch matmul + reduce_scatter"] = torch_path
-    if gpu:  # the library's op, the same design with more care (tensor descriptors, tile map)
+    if gpu:  # the library's op: the same design, with one "sent" flag per program and peer
         builtin = MatmulReduceScatter(world, M, N, transport="stores")
         paths["MatmulReduceScatter(stores)"] = lambda: builtin(a, b)
     ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
@@ -137,9 +137,8 @@ def main(world, M=None, N=None, K=None, dtype=None):
         print(f"reduce_scatter(a [{M}, {K}] @ b [{K}, {N}] on each rank), {dtype}, {W} ranks "
               f"({dev.type}): block right on every rank: {all(oks)}")
         for name, t in ms.items():
-            tf = f", {2 * W * M * N * K / t / 1e9:.0f} TFLOP/s" if gpu else ""
-            print(f"  {name}: {t:.3f} ms{tf} (slowest rank's median"
-                  f"{', graph replay' if gpu else ''})")
+            print(f"  {name}: {t:.3f} ms" + (f", {2 * W * M * N * K / t / 1e9:.0f} TFLOP/s"
+                  f" (slowest rank's median, graph replay)" if gpu else " (slowest rank's median)"))
     return 0 if all(oks) else 1
 
 
