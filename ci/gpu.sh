@@ -19,7 +19,8 @@
 #      its error against the measured op, the search's pick against a bounded exhaustive search;
 #      independent of PO_SKIP_SIG), PO_SKIP_EXAMPLES=1, PO_SKIP_DEMO=1,
 #      PO_SKIP_WAITS=1 (bounded waits on the device clock), PO_SKIP_LANGUAGE=1 (the device API
-#      and tutorials, tests/gpu/check_language.py), PO_SKIP_AUTO=1 (transport="auto",
+#      and tutorials, tests/gpu/check_language.py), PO_SKIP_TUT_BENCH=1 / PO_TUT_ARGS (the
+#      tutorials' kernels beside the library's ops, benchmarks/bench_tutorials.py), PO_SKIP_AUTO=1 (transport="auto",
 #      tests/gpu/check_auto_transport.py), PO_SKIP_CAMPAIGN=1 / PO_CAMPAIGN_ARGS
 #      (the fault campaign, tests/gpu/check_campaign.py),
 #      PO_COMMIT (recorded with every result), PO_ARCHIVE=1 (logs packed into gpu-logs.tgz).
@@ -95,6 +96,11 @@ if [ "${PO_SKIP_WAITS:-0}" != 1 ]; then
 fi
 if [ "${PO_SKIP_LANGUAGE:-0}" != 1 ]; then  # the public device API and the tutorials
   run 300 tests/gpu/check_language.py 2>&1 | tee "$out/check_language.log" | grep -E "^PASS|^FAIL|language checks" | tail -14
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_TUT_BENCH:-0}" != 1 ]; then  # the tutorials' kernels beside the library's ops
+  run 420 benchmarks/bench_tutorials.py --out "$out/$kind.jsonl" --device-kind "$kind" \
+      ${PO_TUT_ARGS:-} 2>&1 | tee "$out/bench_tutorials.log" | grep -E "W=[0-9]|Error" | tail -12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_AUTO:-0}" != 1 ]; then  # transport="auto" (the planner)

@@ -39,5 +39,18 @@ def test_errors_and_crashes_are_reported():
         ew.close(force=True)
 
 
+@pytest.mark.emulated(ranks=2)
+def test_a_task_the_ranks_cannot_receive_fails_at_once():
+    """A lambda cannot be pickled to the ranks: a clear error at once, not a wait for the
+    timeout (the queue's feeder thread would only print the pickling error), and the world
+    still serves the next task."""
+    with EmulatedWorld(2) as ew:
+        t = time.monotonic()
+        with pytest.raises(TypeError, match="cannot receive .*lambda.*module-level function"):
+            ew.run(lambda world: world.rank, timeout=120)
+        assert time.monotonic() - t < 5
+        assert ew.run(lambda_free_rank) == [0, 1]
+
+
 def lambda_free_rank(world):
     return world.rank

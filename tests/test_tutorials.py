@@ -91,3 +91,40 @@ def test_kernels_read_only_constexpr_globals():
                     or inspect.isbuiltin(value)
                 assert ok, (f"{os.path.basename(path)}: {name} reads the global {g} = "
                             f"{value!r}; make it a tl.constexpr")
+
+
+def _bench_tutorials_on_rank(world, argv):
+    """One emulated rank of benchmarks/bench_tutorials.py, the protocol's timer replaced (no
+    GPU): each path runs once and is given 1 ms."""
+    import benchmarks.harness as harness
+    from benchmarks import bench_tutorials, runner
+
+    def fake_time_op(fn, world, *, graph, iters, warmup):
+        assert graph and (iters, warmup) == (2, 1)
+        fn()
+        return {"median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.1}
+
+    harness.time_op = fake_time_op
+    return bench_tutorials.body(runner.Bench(bench_tutorials.parser().parse_args(argv), world))
+
+
+@pytest.mark.emulated(ranks=2)
+def test_tutorial_benchmark_writes_rows(tmp_path, monkeypatch):
+    """benchmarks/bench_tutorials.py runs each tutorial's main() as written, times its paths with
+    the protocol's timer and writes a row per path, named by role, at the shapes that split."""
+    import json
+
+    from benchmarks.bench_tutorials import TUTORIALS
+    from portable_overlap.testing import run_on_ranks
+
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "r.jsonl"
+    argv = ["--out", str(out), "--device-kind", "cpu", "--shapes", "74x50x58,75x50x58",
+            "--dtypes", "fp32", "--iters", "2", "--warmup", "1"]
+    assert run_on_ranks(_bench_tutorials_on_rank, argv, ranks=2) == [0, 0]
+    rows = [json.loads(line) for line in open(out)]
+    got = sorted((r["op"], r["impl"], r["correct"]) for r in rows)
+    assert got == sorted((op, impl, True if impl == "tutorial" else None)
+                         for op in TUTORIALS for impl in ("tutorial", "sequential"))
+    assert all(r["world"] == 2 and r["shape"] == {"M": 74, "N": 50, "K": 58} and r["graph"]
+               for r in rows)  # 75 rows do not split 2 ways: skipped

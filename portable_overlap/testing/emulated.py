@@ -18,6 +18,7 @@ import queue
 import socket
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Optional
 
 
@@ -106,6 +107,14 @@ class EmulatedWorld:
         """``fn(world, *args, **kwargs)`` on every rank; the ranks' return values in rank order."""
         if not self.alive:
             raise WorkerHang("this emulated world was shut down after a hang; make a new one")
+        # Queue.put pickles in a feeder thread, which only prints a failure: the ranks would
+        # wait for a task that never comes. Pickle here, so a lambda fails at once, by name.
+        try:
+            ForkingPickler.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"the emulated ranks cannot receive {fn!r} with its arguments: "
+                            f"{type(e).__name__}: {e} (pass a module-level function and "
+                            f"picklable arguments)") from e
         for q in self._in:
             q.put((fn, args, kwargs))
         return self._collect(timeout)
