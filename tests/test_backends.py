@@ -431,3 +431,25 @@ def test_rocm_extra_facts_ask_torch_for_rocshmem(monkeypatch):
         assert facts[key].startswith(want) and (answer or "not" in facts[key])
         assert not any("not integrated" in str(v) for v in facts.values())
     assert "rocshmem Triton bindings" in facts and "stream value waits" in facts
+
+
+def test_device_facts_of_a_device_without_index_are_the_current_devices(monkeypatch):
+    """``torch.device("cuda")`` means the current device (torch's convention): the backend is
+    asked about ``cuda:<current>``, never handed an index-less device (making it current
+    raised ValueError), and both spellings share one cache entry."""
+    import portable_overlap.backends as backends
+
+    asked = []
+
+    class Recording:
+        def device_facts(self, device):
+            asked.append(device)
+            return ("facts of", str(device))
+
+    monkeypatch.setattr(backends, "_facts", {})
+    monkeypatch.setattr(backends, "get_backend", lambda: Recording())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert backends.device_facts(torch.device("cuda")) == ("facts of", "cuda:3")
+    assert backends.device_facts("cuda:3") == ("facts of", "cuda:3")
+    assert backends.device_facts(torch.device("cpu")) == ("facts of", "cpu")
+    assert asked == [torch.device("cuda", 3), torch.device("cpu")]

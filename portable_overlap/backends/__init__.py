@@ -62,7 +62,14 @@ _facts: dict = {}
 
 def device_facts(device) -> DeviceFacts:
     """The selected backend's facts about ``device``, read once per process and backend choice:
-    they never change, and reading them costs several driver calls (too many for an op call)."""
+    they never change, and reading them costs several driver calls (too many for an op call).
+    A GPU device without an index (``torch.device("cuda")``) means the current device, as in
+    torch's own calls."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
     key = (env_str(ENV_VAR), str(device))
     facts = _facts.get(key)
     if facts is None:
