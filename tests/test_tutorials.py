@@ -85,10 +85,9 @@ def test_kernels_read_only_constexpr_globals():
                 continue
             for g in fn.fn.__code__.co_names:
                 value = fn.fn.__globals__.get(g, None)
-                ok = value is None or isinstance(value, (tl.constexpr, types.ModuleType,
-                                                          triton.runtime.JITFunction)) \
-                    or inspect.isfunction(value) or inspect.isclass(value) \
-                    or inspect.isbuiltin(value)
+                allowed = (tl.constexpr, types.ModuleType, triton.runtime.JITFunction)
+                ok = value is None or isinstance(value, allowed) or inspect.isfunction(value) \
+                    or inspect.isclass(value) or inspect.isbuiltin(value)
                 assert ok, (f"{os.path.basename(path)}: {name} reads the global {g} = "
                             f"{value!r}; make it a tl.constexpr")
 

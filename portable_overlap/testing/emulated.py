@@ -24,7 +24,8 @@ from typing import Callable, Optional
 
 class RemoteError(RuntimeError):
     def __init__(self, rank: int, exc_type: str, message: str, tb: str):
-        super().__init__(f"rank {rank} raised {exc_type}: {message}\n--- remote traceback ---\n{tb}")
+        super().__init__(f"rank {rank} raised {exc_type}: {message}\n"
+                         f"--- remote traceback ---\n{tb}")
         self.rank, self.exc_type, self.message = rank, exc_type, message
 
 
@@ -85,7 +86,8 @@ class EmulatedWorld:
         env = {"TRITON_INTERPRET": "1", "PORTABLE_OVERLAP_BACKEND": "cpu",
                "OMP_NUM_THREADS": "1"}
         port = _free_port()
-        self._procs = [ctx.Process(target=_worker, args=(r, size, port, self._in[r], self._out, env),
+        self._procs = [ctx.Process(target=_worker,
+                                   args=(r, size, port, self._in[r], self._out, env),
                                    daemon=True) for r in range(size)]
         # The children import Triton kernels while unpickling their target, before _worker runs:
         # the interpreter switch must already be in the environment they inherit.
