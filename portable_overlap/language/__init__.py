@@ -23,7 +23,9 @@ follow them):
 
 - **Heap addresses.** ``remote_ptr`` and every function that reaches a peer take addresses in
   this rank's copy of the workspace's heap (``ws.tensor`` / ``ws.flags``): the same buffer sits
-  at the same offset on every rank.
+  at the same offset on every rank. In a ``Workspace(shmem=True)`` only the flags are in the
+  heap; its tensors are the SHMEM library's symmetric memory, which :func:`shmem_put` reaches
+  and ``remote_ptr`` does not.
 - **Calls.** Every program calls :func:`begin_call` before its first signal or wait and
   :func:`end_call` as its last step; the workspace counts calls on the device (no host state),
   so a kernel replays correctly in a CUDA graph. A flag holds the number of the call that set
@@ -56,6 +58,7 @@ import triton.language as tl
 from ..backends.device_clock import now_ns
 from ..backends.proxy_fence import async_proxy_fence
 from ..shmem import device as _shmem
+from ..shmem.providers import device as _provider
 
 # Layout of the descriptor (``ws.ctx``), int64 words. The first two are the call counter and
 # the ticket of the programs that finished the current call, the next two the call's deadline
@@ -77,7 +80,7 @@ __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_ca
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "notify", "wait_count", "barrier", "announce_call", "wait_free",
            "fence_bulk_reads", "peer_at", "wait_peers", "wait_consumed", "wait_consumed_once",
-           "end_call_consumed"]
+           "end_call_consumed", "shmem_put", "shmem_quiet"]
 
 
 # -- who and where -------------------------------------------------------------------------------
@@ -410,3 +413,53 @@ def end_call_consumed(ctx, call, consumed_ptr):
     if last:
         signal_all(ctx, consumed_ptr + rank(ctx), call)
     return last
+
+
+# -- puts through the SHMEM library (a Workspace(shmem=True) kernel only) ------------------------
+@triton.jit
+def _no_library_put(dst, src, n, peer):
+    tl.static_assert(False, "pol.shmem_put: this process has no SHMEM library (NVSHMEM / "
+                            "ROC_SHMEM) bound; call it only in a kernel launched by "
+                            "Workspace(shmem=True), under `if VIA_SHMEM:`")
+
+
+@triton.jit
+def _no_library_quiet():
+    tl.static_assert(False, "pol.shmem_quiet: this process has no SHMEM library (NVSHMEM / "
+                            "ROC_SHMEM) bound; call it only in a kernel launched by "
+                            "Workspace(shmem=True), under `if VIA_SHMEM:`")
+
+
+# Bound once here (shmem/providers/device.py chose the process's library): a kernel names its
+# callees when it compiles. Without a library the stand-ins fail that compile with a message,
+# and a branch on a constexpr False that calls them is never compiled.
+_library_put = _provider.put if _provider.put is not None else _no_library_put
+_library_quiet = _provider.flush if _provider.flush is not None else _no_library_quiet
+
+
+@triton.jit
+def shmem_put(dst, src, n, peer):
+    """Copy ``n`` elements of ``dst``'s type from ``src`` (memory of this rank, same element
+    type) to ``peer``'s copy of ``dst``, through the SHMEM library (NVSHMEM on NVIDIA,
+    ROC_SHMEM on AMD), by the whole program (every thread takes part). ``dst`` is a scalar
+    address in a tensor of a ``Workspace(shmem=True)`` (``ws.tensor``: the library's symmetric
+    memory). Valid only in a kernel launched by such a workspace, whose launch links the
+    library; elsewhere it does not compile. The data is complete at ``peer`` only after
+    :func:`shmem_quiet`. ``peer`` may be this rank."""
+    _library_put(dst, src, n, peer)
+
+
+@triton.jit
+def shmem_quiet():
+    """Every :func:`shmem_put` of this program has completed at its destination. Call it
+    before the :func:`signal` that tells the receiver, so the flag's release covers the data::
+
+        if VIA_SHMEM:                      # VIA_SHMEM: tl.constexpr = ws.shmem
+            pol.shmem_put(dst, src, n, peer)
+            pol.shmem_quiet()
+        else:
+            pol.put(ctx, dst, src, n, peer, BLOCK)
+        pol.signal(ctx, flag, peer, call)
+
+    Valid only in a kernel launched by a ``Workspace(shmem=True)``."""
+    _library_quiet()

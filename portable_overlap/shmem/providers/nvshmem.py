@@ -59,6 +59,15 @@ if _nv is not None:
         """Every put of this program has completed at its destination."""
         _nv.quiet()
 
+    @triton.jit
+    def put(dst, src, n, peer):
+        """``n`` elements of ``dst``'s type from ``src`` (local memory of the same type) to
+        ``peer``'s copy of the symmetric ``dst``, by the calling program: a block-wide put
+        (``nvshmemx_putmem_block``), so every thread of the program calls it with the same
+        arguments, which Triton's scalar code does. The bindings take a byte count as int64
+        and the PE as int32; the casts let a caller pass any int."""
+        _nv.put(dst, src, tl.cast(n, tl.int64), tl.cast(peer, tl.int32))
+
 
 class NvshmemProvider:
     name = "nvshmem"

@@ -81,6 +81,12 @@ if _rs is not None:
     def flush():
         _rs.quiet()
 
+    @triton.jit
+    def put(dst, src, n, peer):
+        """As nvshmem.put: ``n`` elements from local ``src`` to ``peer``'s copy of the
+        symmetric ``dst``, a work-group-wide put (``rocshmem_putmem_wg``)."""
+        _rs.put(dst, src, tl.cast(n, tl.int64), tl.cast(peer, tl.int32))
+
 
 class RocshmemProvider:
     name = "rocshmem"
