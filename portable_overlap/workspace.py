@@ -12,17 +12,26 @@ and a launch that gives the kernel its descriptor and turns a kernel's reports i
 The device functions are in :mod:`portable_overlap.language`; ``docs/tutorials`` has runnable
 kernels. A workspace is one heap and one call counter: its launches must come in the same order
 on every rank, on one stream, and each is one call of the kernel on every rank.
+``Workspace(..., shmem=True)`` puts the tensors in the SHMEM library's symmetric memory
+(NVSHMEM / ROC_SHMEM) for kernels that move data with ``pol.shmem_put``.
 """
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
 from typing import Optional, Sequence
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
-from .errors import ContextBrokenError, PortableOverlapError
+from .errors import ContextBrokenError, PortableOverlapError, RankMismatchError
 from .ops.context import G_MAX, ContextBase, concurrent_use
 from .shmem.heap import SymmetricHeap, heap_bytes
+from .shmem.providers import ShmemUnavailable, get_provider
+from .shmem.providers import device as _provider_device
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
 from .language.host import descriptor_words, fill_descriptor, name_offset_reports
@@ -47,19 +56,39 @@ class Workspace(ContextBase):
 
     ``name`` is the kernel's name in errors. The descriptor's call counter lives on the device,
     so launches captured in a CUDA graph replay as new calls.
+
+    ``shmem=True`` (the same on every rank): the tensors of :meth:`tensor` come from the SHMEM
+    library of the process (NVSHMEM on NVIDIA, ROC_SHMEM on AMD; ``shmem/providers``), one
+    symmetric allocation of ``nbytes``, for kernels that move data with ``pol.shmem_put``; the
+    descriptor and the flags stay in the heap, and :meth:`launch` links the library into the
+    kernels that call it. The heap keeps its ``nbytes`` as well (the flags sit at their offsets
+    of the one layout ``bytes_for`` describes), so such a workspace holds ``nbytes`` twice.
+    Where the library is not usable on some rank (the CPU backend, a torch build without the
+    bindings, NVSHMEM not found) every rank raises ``ShmemUnavailable`` (``shmem.providers``)
+    naming the ranks and why, before anything is allocated. :attr:`shmem` says which kind it
+    is: pass it to a kernel as a constexpr (``VIA_SHMEM=ws.shmem``).
     """
 
     OP = "workspace"
 
-    def __init__(self, world, nbytes: int, *, timeout_s: float = 30.0, name: str = "workspace"):
+    def __init__(self, world, nbytes: int, *, timeout_s: float = 30.0, name: str = "workspace",
+                 shmem: bool = False):
         if not isinstance(name, str) or not name:
             raise ValueError(f"Workspace: name must be a non-empty string, got {name!r}")
         self.OP = name
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"{name}: nbytes must be a non-negative int, got {nbytes!r}")
+        if not isinstance(shmem, bool):
+            raise ValueError(f"{name}: shmem must be True or False, got {shmem!r}")
         super().__init__(world, timeout_s)
         W = world.world_size
         pool = int(math.ceil(max(nbytes, 1) / _ALIGN) * _ALIGN)
+        self._provider = _shmem_provider(world, name, shmem)
+        #: whether the tensors are the SHMEM library's (``pol.shmem_put``) or the heap's
+        self.shmem = self._provider is not None
+        # The library's allocation first: if the heap fails after it, dropping it is all the
+        # undoing (no collective), and nothing is left half-made.
+        data = self._provider.symmetric_empty(pool) if self.shmem else None
         self.heap = SymmetricHeap(world, heap_bytes([((descriptor_words(W),), torch.int64),
                                                      ((pool,), torch.uint8)]))
         try:
@@ -73,6 +102,8 @@ class Workspace(ContextBase):
         self.world_size = W
         #: programs that are resident at once for any kernel that fits one program per SM/CU
         self.sm_count = world.facts.sm_count
+        self._data = data  # the tensors' pool: the library's symmetric memory, or None
+        self._linked: dict = {}  # kernel -> the provider's launcher of it
         self._top = 0
         self._arrays: list = []  # (heap offset, nbytes, name, shape) of every flag array
         self._calls = 0  # launches made, for the end_call check; None once one was captured
@@ -91,8 +122,9 @@ class Workspace(ContextBase):
         return top
 
     def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed tensor in the heap, at the same offset on every rank. Collective: every
-        rank makes the same calls in the same order (checked here, a host exchange)."""
+        """A zeroed tensor in the heap (with ``shmem=True``: in the SHMEM library's symmetric
+        memory), at the same offset on every rank. Collective: every rank makes the same calls
+        in the same order (checked here, a host exchange)."""
         return self._carve(shape, dtype, None)
 
     def flags(self, shape: Sequence[int], name: str) -> torch.Tensor:
@@ -123,21 +155,31 @@ class Workspace(ContextBase):
         if start + size > self._pool.numel():
             raise MemoryError(f"{self.OP}: the workspace's {self._pool.numel()} bytes are full "
                               f"({start} used, asked {size} more); make it with a larger nbytes")
-        t = self._pool[start:start + size].view(dtype).view(shape)
+        # one layout (offsets, room) for both pools: flags always in the heap, where the
+        # descriptor's peer bases reach them; tensors in the library's memory when there is one
+        in_heap = name is not None or self._data is None
+        pool = self._pool if in_heap else self._data
+        t = pool[start:start + size].view(dtype).view(shape)
         # Zeroed, and the zeroing finished on every rank, before any rank goes on: a peer may
         # launch at once and signal into this buffer, and a later zeroing would erase that.
         t.zero_()
         self.world.backend.synchronize(self.world.device)
         self.world.barrier()
         self._top = start + size
-        self._arrays.append((self.heap.offset_of(t) if size else -1, size, name, shape))
+        self._arrays.append((self.heap.offset_of(t) if size and in_heap else -1, size, name,
+                             shape))
         return t
 
     # -- calls ---------------------------------------------------------------------------------
     def launch(self, kernel, grid, *args, **kwargs):
         """``kernel[grid](self.ctx, *args, **kwargs)``: one call of a kernel whose programs all
         call ``pol.begin_call`` / ``pol.end_call``. Raises what an earlier call reported first;
-        on emulated ranks the call runs at once and its own errors are raised here."""
+        on emulated ranks the call runs at once and its own errors are raised here. With
+        ``shmem=True`` a kernel that calls the SHMEM library (``pol.shmem_put`` /
+        ``pol.shmem_quiet``, itself or through the ``triton.jit`` functions it calls) goes
+        through the provider's launcher, which links the library and sets up each compiled
+        module; other kernels launch as usual (the library's module set-up fails for a module
+        that does not link it)."""
         self._check_open()
         if not self._guard.acquire(blocking=False):
             raise concurrent_use(self.OP, self.rank)
@@ -146,6 +188,8 @@ class Workspace(ContextBase):
                 self.check()
             if self.capturing():
                 self._calls = None  # replays add calls the host does not see
+            if self.shmem:
+                kernel = self._linked_kernel(kernel)
             out = kernel[grid](self.ctx, *args, **kwargs)
             if self._calls is not None:
                 self._calls += 1
@@ -155,6 +199,14 @@ class Workspace(ContextBase):
             self.check()
             self._check_call_count()
         return out
+
+    def _linked_kernel(self, kernel):
+        """``kernel`` through the provider's launcher if it calls the library, else itself."""
+        linked = self._linked.get(kernel)
+        if linked is None:
+            calls = _reaches(kernel, _library_functions(), set())
+            linked = self._linked[kernel] = self._provider.wrap(kernel) if calls else kernel
+        return linked
 
     def check(self) -> None:
         """Raise if a kernel of this workspace reported a failure: a wait that timed out (the
@@ -212,9 +264,77 @@ class Workspace(ContextBase):
             return
         super().close()
         self.heap.close()
+        # the library's memory goes once no view of it is left (torch frees it); the heap's
+        # close waited for every rank's launches first
+        self._data = self._provider = None
+        self._linked = {}
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _library_functions() -> set:
+    """The device functions that call the SHMEM library: the public ones and the provider's
+    bindings (None where there is no provider)."""
+    names = ("put_rows", "put_strided", "put", "flush")
+    return {_lang.shmem_put, _lang.shmem_quiet} | {
+        f for f in (getattr(_provider_device, n) for n in names) if f is not None}
+
+
+def _reaches(fn, targets: set, seen: set) -> bool:
+    """Whether the jit function ``fn`` (compiled or interpreted) is one of ``targets`` or names
+    one, itself or through the jit functions it names (globals and module attributes: what
+    Triton resolves when it compiles). A name in a branch the compile skips counts too."""
+    if fn in targets:
+        return True
+    if not isinstance(fn, (JITFunction, InterpretedFunction)) or fn in seen:
+        return False
+    seen.add(fn)
+    # a JITFunction keeps the source it compiles; the interpreter's wrapper does not
+    body = ast.parse(textwrap.dedent(getattr(fn, "src", None) or inspect.getsource(fn.fn)))
+    for node in ast.walk(body):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            if _reaches(_resolve(node, fn.fn.__globals__), targets, seen):
+                return True
+    return False
+
+
+def _resolve(node, scope: dict):
+    """The object a name or a dotted name (``pol.shmem_put``) of a function's body stands for
+    in its module, or None."""
+    if isinstance(node, ast.Name):
+        return scope.get(node.id)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
+        base = _resolve(node.value, scope)
+        return None if base is None else getattr(base, node.attr, None)
+    return None
+
+
+def _shmem_provider(world, op: str, shmem: bool):
+    """The SHMEM provider a ``shmem=True`` workspace puts through, or None for ``shmem=False``.
+    Collective, before anything is allocated: every rank tells the others what it asked for
+    and, if it cannot have a provider, why (the provider layer's own reason), so a workspace
+    that cannot be made raises on every rank instead of leaving the others waiting in the
+    library's collective allocation."""
+    provider, why = None, None
+    if shmem:
+        try:
+            provider = get_provider(world)
+        except ShmemUnavailable as e:
+            why = str(e)
+        except Exception as e:  # a world the provider cannot serve (not the default group)
+            why = f"{type(e).__name__}: {e}"
+    said = world.all_gather_object((shmem, why))
+    if any(s != shmem for s, _ in said):
+        raise RankMismatchError(f"{op}: ranks disagree on shmem: " + ", ".join(
+            f"rank {r}: {s}" for r, (s, _) in enumerate(said)))
+    failed = [f"rank {r}: {w}" for r, (_, w) in enumerate(said) if w is not None]
+    if failed:
+        raise ShmemUnavailable(
+            f"{op}: shmem=True needs a usable SHMEM library (NVSHMEM on NVIDIA, ROC_SHMEM on "
+            f"AMD) on every rank. Not usable on " + "; ".join(failed) + ". Make the workspace "
+            "with shmem=False (zero-copy puts through the heap, pol.put)")
+    return provider

@@ -3,10 +3,13 @@ ranks: every primitive against a torch reference over several calls, and the fai
 flag nobody sets, a peer that gives up, a kernel that skips end_call, bad host input). The calls
 live in portable_overlap.testing.language_calls, shared with tests/gpu/check_language.py."""
 import pytest
+import torch
 import triton
 
 import portable_overlap.language as pol
+from portable_overlap import Workspace
 from portable_overlap.errors import ContextClosedError, RankMismatchError
+from portable_overlap.shmem.providers import ShmemUnavailable
 from portable_overlap.testing import language_calls as calls
 
 
@@ -59,6 +62,123 @@ def test_a_consumed_flag_nobody_sets_raises_naming_it(world2):
     assert not calls.check_unread(world2.run(calls.unread))
 
 
+def test_shmem_workspace_without_a_library_raises_on_every_rank_and_leaves_nothing(world2):
+    """Emulated ranks have no SHMEM library: every rank raises the provider layer's reason,
+    and a zero-copy workspace made after it works."""
+    assert not calls.check_shmem_refused(world2.run(calls.shmem_refused))
+
+
+def test_ring_by_puts_with_the_shmem_branch_off(world):
+    """The shmem-or-zero-copy kernel on a zero-copy workspace (VIA_SHMEM=ws.shmem, False):
+    the branch that calls pol.shmem_put is not run, the puts and flags are."""
+    assert not calls.check_ping(world.run(calls.ring, 1500, 3, False), 3)
+
+
+def test_shmem_put_without_a_library_says_so(world2):
+    for err in world2.run(calls.shmem_put_without_library):
+        assert err and "pol.shmem_put: this process has no SHMEM library" in err[1], err
+
+
+def test_the_provider_bindings_are_none_without_a_provider():
+    from portable_overlap.shmem.providers import device
+
+    assert device.LIBRARY is None  # this process runs the CPU backend
+    for name in ("put_rows", "put_strided", "put", "flush"):
+        assert hasattr(device, name) and getattr(device, name) is None, name
+
+
+class _StandInProvider:
+    """A SHMEM provider's host side on the CPU: plain memory for the symmetric allocation, a
+    launcher that runs the kernel as it is; it records what the workspace asked of it."""
+
+    def __init__(self, world):
+        self.world, self.allocs, self.wrapped = world, [], []
+
+    def symmetric_empty(self, nbytes):
+        self.allocs.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.world.device)
+
+    def wrap(self, kernel):
+        self.wrapped.append(kernel.fn.__name__)
+        return kernel
+
+
+def _with_provider(world, get_provider, fn):
+    """``fn()`` on this rank with the workspace's provider lookup replaced by ``get_provider``."""
+    import portable_overlap.workspace as module
+
+    real, module.get_provider = module.get_provider, get_provider
+    try:
+        return fn()
+    finally:
+        module.get_provider = real
+
+
+def _stand_in_workspace(world):
+    """A shmem workspace over the stand-in provider: where its tensors and flags live, a kernel
+    without library calls launched twice, which kernels went to the provider's launcher, and
+    what it allocated."""
+    W = world.world_size
+    p = _StandInProvider(world)
+
+    def make():
+        with Workspace(world, Workspace.bytes_for(((64,), torch.float32), ((W,), torch.int64)),
+                       name="stand_in", shmem=True) as ws:
+            inbox = ws.tensor((64,), torch.float32)
+            ready = ws.flags((W,), "ready")
+            out = torch.full((24,), -1, dtype=torch.int64)
+            ws.launch(calls._grid_kernel, (2, 3, 4), out)
+            ws.launch(calls._grid_kernel, (4, 3, 2), out)
+            ws.synchronize()
+            # a kernel that calls the library goes through the launcher (once per kernel); the
+            # stand-ins of pol.shmem_put cannot run here, so it is only looked up
+            ring = [ws._linked_kernel(calls._ring_kernel) for _ in range(2)]
+            inbox_in_heap = calls.error_of_one_call(lambda: ws.heap.offset_of(inbox)) is None
+            return (ws.shmem, inbox_in_heap, ws.heap.offset_of(ready) >= 0,
+                    bool((inbox == 0).all()), out, ring[0] is ring[1])
+
+    return _with_provider(world, lambda w: p, make) + (p.allocs, p.wrapped)
+
+
+def _one_rank_without_a_library(world):
+    """Rank 1 has no library (its provider lookup raises), rank 0 has the stand-in: what each
+    raised and what rank 0 allocated; then rank 0 asks for shmem and rank 1 does not."""
+    p = _StandInProvider(world)
+
+    def lookup(w):
+        if w.rank == 1:
+            raise ShmemUnavailable("NVSHMEM unavailable: a stand-in reason")
+        return p
+
+    def make(shmem):
+        return lambda: calls.error_of_one_call(
+            lambda: Workspace(world, 1024, name="half", shmem=shmem))
+
+    missing = _with_provider(world, lookup, make(True))
+    disagree = _with_provider(world, lookup, make(world.rank == 0))
+    return missing, disagree, p.allocs
+
+
+def test_a_shmem_workspace_puts_tensors_in_the_library_and_flags_in_the_heap(world2):
+    for shmem, inbox_in_heap, ready_in_heap, zeroed, out, reused, allocs, wrapped in \
+            world2.run(_stand_in_workspace):
+        assert shmem and not inbox_in_heap and ready_in_heap and zeroed
+        assert torch.equal(out, torch.full((24,), 24 * 1000 + 2))  # launched as usual
+        # one allocation of nbytes, rounded up to the 256-byte alignment
+        nbytes = Workspace.bytes_for(((64,), torch.float32), ((2,), torch.int64))
+        assert allocs == [-(-nbytes // 256) * 256]
+        assert wrapped == ["_ring_kernel"] and reused
+
+
+def test_a_rank_without_the_library_fails_every_rank_before_any_allocation(world2):
+    for missing, disagree, allocs in world2.run(_one_rank_without_a_library):
+        assert missing[0] == "ShmemUnavailable", missing
+        assert "rank 1: NVSHMEM unavailable: a stand-in reason" in missing[1]
+        assert "rank 0" not in missing[1]
+        assert disagree[0] == RankMismatchError.__name__ and "shmem" in disagree[1], disagree
+        assert allocs == []  # rank 0 allocated nothing: no rank waits in the library
+
+
 def test_bad_host_input_is_refused(world2):
     for errors in world2.run(calls.bad_host):
         assert errors["nbytes"][0] == "ValueError" and "nbytes" in errors["nbytes"][1]
@@ -70,6 +190,7 @@ def test_bad_host_input_is_refused(world2):
         assert errors["disagree"][0] == RankMismatchError.__name__
         assert errors["closed"][0] == ContextClosedError.__name__
         assert errors["closed launch"][0] == ContextClosedError.__name__
+        assert errors["shmem"][0] == "ValueError" and "shmem" in errors["shmem"][1]
 
 
 def test_public_names():

@@ -62,6 +62,80 @@ def ping(world, n, calls):
 
 
 @triton.jit
+def _ring_kernel(ctx, x_ptr, inbox_ptr, out_ptr, ready_ptr, free_ptr, ok_ptr, n,
+                 BLOCK: tl.constexpr, VIA_SHMEM: tl.constexpr):
+    """Rank r puts x (n elements) into rank r+1's inbox, through the SHMEM library (VIA_SHMEM)
+    or by zero-copy stores, and signals it; copies its own inbox (from r-1) to out after the
+    wait; frees the inbox for the next call."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    nxt = pol.peer_at(1, me, world)
+    prev = pol.peer_at(world - 1, me, world)
+    ok = pol.wait(ctx, free_ptr + nxt, call - 1, nxt)  # nxt read what I sent last call
+    if VIA_SHMEM:
+        pol.shmem_put(inbox_ptr, x_ptr, n, nxt)
+        pol.shmem_quiet()  # the data is at nxt before the flag says so
+    else:
+        pol.put(ctx, inbox_ptr, x_ptr, n, nxt, BLOCK)
+    pol.signal(ctx, ready_ptr + me, nxt, call)
+    ok = ok & pol.wait(ctx, ready_ptr + prev, call, prev)
+    for i in range(0, n, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(inbox_ptr + offs, mask=offs < n), mask=offs < n)
+    pol.signal(ctx, free_ptr + me, prev, call)
+    tl.store(ok_ptr, ok.to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def ring(world, n, calls, shmem):
+    """Rank r sends fresh random data to r+1 in ``calls`` back-to-back calls by puts: through
+    the SHMEM library on a ``Workspace(shmem=True)``, by ``pol.put`` otherwise (raises
+    ShmemUnavailable on every rank where the library is not usable). Returns what
+    :func:`ping` returns."""
+    W, r, dev = world.world_size, world.rank, world.device
+    nbytes = Workspace.bytes_for(((n,), torch.float32), ((W,), torch.int64), ((W,), torch.int64))
+    with Workspace(world, nbytes, timeout_s=20.0, name="ring", shmem=shmem) as ws:
+        inbox = ws.tensor((n,), torch.float32)
+        ready = ws.flags((W,), "ready")
+        free = ws.flags((W,), "free")
+        got = []
+        for c in range(calls):
+            x = torch.randn(n, generator=torch.Generator(dev).manual_seed(1000 * c + r),
+                            device=dev)
+            out = torch.full((n,), float("nan"), device=dev)
+            ok = torch.zeros(1, dtype=torch.int32, device=dev)
+            ws.launch(_ring_kernel, (1,), x, inbox, out, ready, free, ok, n, BLOCK=1024,
+                      VIA_SHMEM=ws.shmem)
+            got.append((x.to("cpu", copy=True), out.to("cpu", copy=True), int(ok)))
+        ws.synchronize()
+        return got, int(ws.ctx[0])
+
+
+def shmem_refused(world):
+    """``Workspace(shmem=True)`` where no SHMEM library is usable: its error; then whether a
+    ``Workspace(shmem=False)`` made after it works (a ring of two calls)."""
+    err = error_of_one_call(lambda: Workspace(world, 4096, name="shm", shmem=True))
+    return err, ring(world, 37, 2, shmem=False)
+
+
+@triton.jit
+def _shmem_put_kernel(ctx, x_ptr, inbox_ptr, n):
+    call = pol.begin_call(ctx)
+    pol.shmem_put(inbox_ptr, x_ptr, n, pol.rank(ctx))
+    pol.end_call(ctx, call)
+
+
+def shmem_put_without_library(world):
+    """A kernel that calls ``pol.shmem_put`` (no constexpr guard) where no SHMEM library is
+    bound: the launch's error (no peer waits for it)."""
+    with Workspace(world, 1024, name="no_library") as ws:
+        inbox = ws.tensor((16,), torch.float32)
+        x = torch.ones(16, device=world.device)
+        return error_of_one_call(lambda: ws.launch(_shmem_put_kernel, (1,), x, inbox, 16))
+
+
+@triton.jit
 def _gather_kernel(ctx, x_ptr, out_ptr, ready_ptr, n, BLOCK: tl.constexpr):
     """All-gather by bulk puts: program p sends x to the peer at step p+1 of the rotation,
     then signals; program 0 also copies its own rows. Every program then waits for the peer it
@@ -238,6 +312,7 @@ def bad_host(world):
         "nbytes": lambda: Workspace(world, -1),
         "name": lambda: Workspace(world, 64, name=""),
         "timeout": lambda: Workspace(world, 64, timeout_s=0),
+        "shmem": lambda: Workspace(world, 64, shmem="yes"),
     }.items():
         errors[what] = error_of_one_call(fn)
     ws = Workspace(world, 1024, name="host")
@@ -397,6 +472,17 @@ def check_ping(out, calls):
             if ok != 1 or not torch.equal(recv, out[(r - 1) % W][0][c][0]):
                 bad.append(f"rank {r} call {c}: ok={ok}, received data differs")
     return bad
+
+
+def check_shmem_refused(out):
+    bad = []
+    for r, (err, _) in enumerate(out):
+        kind, msg = err or (None, "")
+        if not (kind == "ShmemUnavailable" and "shm: shmem=True" in msg
+                and all(f"rank {q}: no device-initiated communication library on the 'cpu' "
+                        f"backend" in msg for q in range(len(out)))):
+            bad.append(f"rank {r}: Workspace(shmem=True) raised {err}")
+    return bad + check_ping([ring for _, ring in out], 2)
 
 
 def check_gather(out):
