@@ -95,7 +95,7 @@ if [ "${PO_SKIP_WAITS:-0}" != 1 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_LANGUAGE:-0}" != 1 ]; then  # the public device API and the tutorials
-  run 300 tests/gpu/check_language.py 2>&1 | tee "$out/check_language.log" | grep -E "^PASS|^FAIL|language checks" | tail -14
+  run 300 tests/gpu/check_language.py 2>&1 | tee "$out/check_language.log" | grep -E "^PASS|^FAIL|^SKIP|language checks" | tail -14
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_TUT_BENCH:-0}" != 1 ]; then  # the tutorials' kernels beside the library's ops

@@ -7,18 +7,24 @@ import os
 
 
 class CheckLog:
-    """``record(name, ok, detail)`` per check; ``finish(world, title)`` at the end. ``width``
-    pads the names in the printed lines."""
+    """``record(name, ok, detail)`` per check, ``skip(name, why)`` for one this machine cannot
+    run (neither passed nor failed); ``finish(world, title)`` at the end. ``width`` pads the
+    names in the printed lines."""
 
     def __init__(self, width: int = 45):
         self.width = width
-        self.results: list = []  # (name, ok, detail)
+        self.results: list = []  # (name, ok: True / False / None for skipped, detail)
 
     def record(self, name: str, ok: bool, detail: str = "") -> None:
-        self.results.append((name, bool(ok), detail))
+        self._add(name, bool(ok), detail)
+
+    def skip(self, name: str, why: str) -> None:
+        self._add(name, None, why)
+
+    def _add(self, name: str, ok, detail: str) -> None:
+        self.results.append((name, ok, detail))
         if os.environ.get("RANK", "0") == "0":
-            print(f"[rank 0] {'PASS' if ok else 'FAIL'}  {name:{self.width}s} {detail}",
-                  flush=True)
+            print(f"[rank 0] {_verdict(ok)}  {name:{self.width}s} {detail}", flush=True)
 
     def finish(self, world, title: str) -> int:
         """Collective: print (rank 0) every result and ``"<title>: P passed, F failed (all
@@ -26,11 +32,17 @@ class CheckLog:
         on any rank)."""
         import torch.distributed as dist
 
-        all_failed = world.all_gather_object(sum(not ok for _, ok, _ in self.results))
+        all_failed = world.all_gather_object(sum(ok is False for _, ok, _ in self.results))
         if world.rank == 0:
             for name, ok, detail in self.results:
-                print(f"{'PASS' if ok else 'FAIL'}  {name:{self.width}s} {detail}", flush=True)
-            print(f"{title}: {sum(ok for _, ok, _ in self.results)} passed, {sum(all_failed)} "
-                  f"failed (all ranks)", flush=True)
+                print(f"{_verdict(ok)}  {name:{self.width}s} {detail}", flush=True)
+            skipped = sum(ok is None for _, ok, _ in self.results)
+            print(f"{title}: {sum(ok is True for _, ok, _ in self.results)} passed, "
+                  f"{sum(all_failed)} failed (all ranks)"
+                  + (f", {skipped} skipped" if skipped else ""), flush=True)
         dist.destroy_process_group()
         return 1 if sum(all_failed) else 0
+
+
+def _verdict(ok) -> str:
+    return "SKIP" if ok is None else "PASS" if ok else "FAIL"

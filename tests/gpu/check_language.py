@@ -7,8 +7,10 @@ The calls of the CPU tests (portable_overlap.testing.language_calls) on the GPU:
 over back-to-back calls, an all-gather by puts, counters + barrier + remote loads, a 3-D grid's
 numbering, a flag nobody sets (PeerTimeoutError naming it, within its timeout, then a broken
 workspace), a peer that gives up, a kernel that skips end_call; then a launch captured in a
-CUDA graph, replayed with fresh data (the call counter advances on the device), and every
-tutorial's main(). Exit code 1 if a check failed on any rank. (Not collected by pytest.)
+CUDA graph, replayed with fresh data (the call counter advances on the device), every
+tutorial's main(), and a ring of puts through the SHMEM library (``Workspace(shmem=True)``,
+``pol.shmem_put`` + ``pol.shmem_quiet`` + ``pol.signal``; SKIP with the reason where no library
+is usable). Exit code 1 if a check failed on any rank. (Not collected by pytest.)
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import traceback
 import torch
 
 from portable_overlap import World, Workspace
+from portable_overlap.shmem.providers import ShmemUnavailable
+from portable_overlap.shmem.providers.device import LIBRARY
 from portable_overlap.testing import language_calls as calls
 from portable_overlap.testing.check_log import CheckLog
 
@@ -69,6 +73,25 @@ def graph_replay(world):
     return got, done
 
 
+def shmem_ring(world) -> None:
+    """Rank r puts fresh data to r+1 through the SHMEM library over 3 back-to-back calls (a
+    world of one puts to itself), against what the peer sent; SKIP where no library is usable
+    (every rank raises the same ShmemUnavailable, before anything is allocated)."""
+    name = f"shmem puts ({'ROC_SHMEM' if LIBRARY == 'rocshmem' else 'NVSHMEM'}) ring of 3 calls"
+    t0 = time.perf_counter()
+    try:
+        out = world.all_gather_object(calls.ring(world, 4099, 3, shmem=True))
+    except ShmemUnavailable as e:
+        LOG.skip(name, str(e)[:500])
+        return
+    except Exception as e:
+        traceback.print_exc()
+        LOG.record(name, False, f"{type(e).__name__}: {str(e)[:300]}")
+        return
+    bad = calls.check_ping(out, 3)
+    LOG.record(name, not bad, f"{time.perf_counter() - t0:.2f} s " + "; ".join(bad)[:300])
+
+
 def tutorials(world):
     """Every tutorial's main() on this world; its return codes."""
     codes = {}
@@ -112,6 +135,7 @@ def main() -> int:
     run_check(world, "tutorials (main of each)", tutorials,
               lambda out: [f"rank {r}: {codes}" for r, codes in enumerate(out)
                            if any(codes.values())])
+    shmem_ring(world)
     return LOG.finish(world, "language checks")
 
 
