@@ -320,7 +320,9 @@ def _shmem_provider(world, op: str, shmem: bool):
     that cannot be made raises on every rank instead of leaving the others waiting in the
     library's collective allocation."""
     provider, why = None, None
-    if shmem:
+    if shmem and world.world_size < 2:  # torch's rendezvous of the library's memory refuses it
+        why = "a world of one rank (the library's symmetric memory needs two or more)"
+    elif shmem:
         try:
             provider = get_provider(world)
         except ShmemUnavailable as e:

@@ -211,3 +211,24 @@ def test_the_checks_can_fail():
     assert calls.check_tagged([(None, None)])
     assert calls.check_unread([(1, None, None)])
     assert calls.check_sum([([(x, x, [1])], 1), ([(x, x, [1])], 1)], 1)
+
+
+def _shmem_on_one_rank(world):
+    """A shmem workspace on a world of one, the library usable (the stand-in): what it raised,
+    and what was allocated."""
+    p = _StandInProvider(world)
+    err = _with_provider(world, lambda w: p, lambda: calls.error_of_one_call(
+        lambda: Workspace(world, 1024, name="alone", shmem=True)))
+    return err, p.allocs
+
+
+@pytest.mark.emulated(ranks=1)
+def test_a_shmem_workspace_on_one_rank_says_why(monkeypatch):
+    """torch's rendezvous of the library's memory refuses a world of one (found on one H100):
+    the workspace says so before allocating, instead of torch's internal check failing."""
+    from portable_overlap.testing import run_on_ranks
+
+    monkeypatch.delenv("RANK", raising=False)
+    [(err, allocs)] = run_on_ranks(_shmem_on_one_rank, ranks=1)
+    assert err and err[0] == "ShmemUnavailable" and "a world of one rank" in err[1], err
+    assert allocs == []

@@ -74,8 +74,8 @@ def graph_replay(world):
 
 
 def shmem_ring(world) -> None:
-    """Rank r puts fresh data to r+1 through the SHMEM library over 3 back-to-back calls (a
-    world of one puts to itself), against what the peer sent; SKIP where no library is usable
+    """Rank r puts fresh data to r+1 through the SHMEM library over 3 back-to-back calls,
+    against what the peer sent; SKIP where no library is usable or the world has one rank
     (every rank raises the same ShmemUnavailable, before anything is allocated)."""
     name = f"shmem puts ({'ROC_SHMEM' if LIBRARY == 'rocshmem' else 'NVSHMEM'}) ring of 3 calls"
     t0 = time.perf_counter()
