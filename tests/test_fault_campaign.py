@@ -92,3 +92,18 @@ def test_rank_killed_mid_call_gives_a_bounded_error_and_leaks_nothing():
     # the segments are anonymous: nothing of either process outlives it
     shm = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
     assert not [f for f in shm for pid in ew.pids if f.startswith(f"portable_overlap_{pid}_")]
+
+
+@pytest.mark.emulated(ranks=1)
+def test_fault_campaign_on_one_rank(monkeypatch):
+    """A world of one has no peer to disagree with: the campaign draws no 'other shape' fault
+    there (on one H100 such a call returned its own shape's right result, which the table
+    counted as wrong), and everything else holds as on more ranks."""
+    from portable_overlap.testing import run_on_ranks
+
+    monkeypatch.delenv("RANK", raising=False)
+    seed = int(os.environ.get("PO_CAMPAIGN_SEED", 0)) or int.from_bytes(os.urandom(3), "little")
+    [t] = run_on_ranks(_campaign, seed, 30, ranks=1)
+    assert "other_shape" not in t["by_fault"], (seed, t["by_fault"])
+    problems = t["wrong"] + t["late"] + t["unexpected"] + t["leftovers"]
+    assert not problems, f"seed {seed}:\n" + "\n".join(map(str, problems[:40]))
