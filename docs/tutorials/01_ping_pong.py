@@ -22,7 +22,7 @@ import triton.language as tl
 
 import portable_overlap.language as pol
 from portable_overlap import Workspace
-from portable_overlap.testing import run_on_ranks, time_call
+from portable_overlap.testing import report, run_on_ranks, time_call
 
 ROUNDS = 16  # messages per launch (even: each rank receives ROUNDS / 2)
 
@@ -88,14 +88,9 @@ def main(world, n=1024):
     ms = {name: time_call(f, world, iters=iters, warmup=2)
           for name, f in (("portable_overlap.language", ours), ("torch send/recv", torch_path))}
     ws.close()
-    oks = world.all_gather_object(ok)
-    if world.rank == 0:
-        print(f"ping-pong of {n} floats, {ROUNDS} messages per call, {world.world_size} ranks "
-              f"({dev.type}): tile right on every rank: {all(oks)}")
-        for name, t in ms.items():
-            print(f"  {name}: {1e3 * t / (ROUNDS / 2):.1f} us per round trip "
-                  f"(slowest rank's median)")
-    return 0 if all(oks) else 1
+    return report(world, f"ping-pong of {n} floats, {ROUNDS} messages per call, "
+                  f"{world.world_size} ranks ({dev.type}): tile", ok, ms,
+                  rate=lambda t: f", {1e3 * t / (ROUNDS / 2):.1f} us per round trip")
 
 
 if __name__ == "__main__":

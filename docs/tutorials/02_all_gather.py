@@ -31,7 +31,7 @@ import triton.language as tl
 
 import portable_overlap.language as pol
 from portable_overlap import Workspace
-from portable_overlap.testing import run_on_ranks, time_call
+from portable_overlap.testing import report, run_on_ranks, time_call
 
 MAX_CHUNKS = tl.constexpr(256)  # flags per source rank (a constexpr: the kernel reads it)
 
@@ -106,15 +106,10 @@ def main(world, n=None):
     ms = {name: time_call(f, world, iters=50 if gpu else 2, warmup=3, graph=gpu)
           for name, f in (("portable_overlap.language", ours), ("torch all_gather", torch_path))}
     ws.close()
-    oks = world.all_gather_object(ok)
-    if world.rank == 0:
-        print(f"all-gather of {n} {dtype} per rank over {W} ranks ({dev.type}): gathered right "
-              f"on every rank: {all(oks)}")
-        for name, t in ms.items():
-            gbs = f", {(W - 1) * n * dtype.itemsize / t / 1e6:.0f} GB/s in per rank" if gpu else ""
-            print(f"  {name}: {t:.3f} ms{gbs} (slowest rank's median"
-                  f"{', graph replay' if gpu else ''})")
-    return 0 if all(oks) else 1
+    return report(world, f"all-gather of {n} {dtype} per rank over {W} ranks ({dev.type}): "
+                  f"gathered", ok, ms, graph=gpu,
+                  rate=(lambda t: f", {(W - 1) * n * dtype.itemsize / t / 1e6:.0f} GB/s in per "
+                        f"rank") if gpu else None)
 
 
 if __name__ == "__main__":

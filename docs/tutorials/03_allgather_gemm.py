@@ -27,7 +27,7 @@ import triton.language as tl
 import portable_overlap.language as pol
 from portable_overlap import AllGatherMatmul, Workspace
 from portable_overlap.ops.matmul.api import default_config, tile_descriptors
-from portable_overlap.testing import run_on_ranks, time_call
+from portable_overlap.testing import report, run_on_ranks, time_call
 from portable_overlap.tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 MAX_CHUNKS = 256  # the most flags per source rank (a chunk is at least a tile row)
@@ -136,14 +136,9 @@ def main(world, m=None, N=None, K=None, dtype=None):
           for name, f in paths.items()}
     for w in (ws, builtin) if gpu else (ws,):
         w.close()
-    oks = world.all_gather_object(ok)
-    if world.rank == 0:
-        print(f"all_gather(a [{m}, {K}] per rank) @ b [{K}, {N}], {dtype}, {W} ranks "
-              f"({dev.type}): product right on every rank: {all(oks)}")
-        for name, t in ms.items():
-            print(f"  {name}: {t:.3f} ms" + (f", {2 * W * m * N * K / t / 1e9:.0f} TFLOP/s"
-                  f" (slowest rank's median, graph replay)" if gpu else " (slowest rank's median)"))
-    return 0 if all(oks) else 1
+    return report(world, f"all_gather(a [{m}, {K}] per rank) @ b [{K}, {N}], {dtype}, {W} ranks "
+                  f"({dev.type}): product", ok, ms, graph=gpu,
+                  rate=(lambda t: f", {2 * W * m * N * K / t / 1e9:.0f} TFLOP/s") if gpu else None)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import triton.language as tl
 import portable_overlap.language as pol
 from portable_overlap import Workspace
 from portable_overlap.ops.matmul.api import default_config, tile_descriptors
-from portable_overlap.testing import run_on_ranks, time_call
+from portable_overlap.testing import report, run_on_ranks, time_call
 from portable_overlap.tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 
@@ -136,14 +136,9 @@ def main(world, m=None, N=None, K=None, dtype=None, eps=1e-6):
           for name, f in (("portable_overlap.language", ours),
                           ("torch all_gather + rms_norm + matmul", torch_path))}
     ws.close()
-    oks = world.all_gather_object(ok)
-    if world.rank == 0:
-        print(f"rms_norm(all_gather(x [{m}, {K}] per rank)) @ w [{K}, {N}], {dtype}, {W} ranks "
-              f"({dev.type}): result right on every rank: {all(oks)}")
-        for name, t in ms.items():
-            print(f"  {name}: {t:.3f} ms" + (f", {2 * W * m * N * K / t / 1e9:.0f} TFLOP/s"
-                  f" (slowest rank's median, graph replay)" if gpu else " (slowest rank's median)"))
-    return 0 if all(oks) else 1
+    return report(world, f"rms_norm(all_gather(x [{m}, {K}] per rank)) @ w [{K}, {N}], {dtype}, "
+                  f"{W} ranks ({dev.type}): result", ok, ms, graph=gpu,
+                  rate=(lambda t: f", {2 * W * m * N * K / t / 1e9:.0f} TFLOP/s") if gpu else None)
 
 
 if __name__ == "__main__":

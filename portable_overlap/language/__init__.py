@@ -99,8 +99,8 @@ def num_ranks(ctx):
 @triton.jit
 def program():
     """This program's index over the whole grid (up to three axes, axis 0 fastest)."""
-    return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1)
-                                                     + tl.num_programs(1) * tl.program_id(2))
+    rest = tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
+    return tl.program_id(0) + tl.num_programs(0) * rest
 
 
 @triton.jit
@@ -168,25 +168,25 @@ def store_remote(ctx, ptr, value, peer, mask=None):
 
 
 @triton.jit
-def put(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
-    """Copy ``n`` elements from ``src`` (any memory this rank reads) to ``peer``'s copy of
-    ``dst`` (a heap address), by this program, ``BLOCK`` elements per step."""
-    out = remote_ptr(ctx, dst, peer)
+def _copy(dst, src, n, BLOCK: tl.constexpr):
     for i in range(0, n, BLOCK):
         offs = i + tl.arange(0, BLOCK)
         m = offs < n
-        tl.store(out + offs, tl.load(src + offs, mask=m), mask=m)
+        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+
+@triton.jit
+def put(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
+    """Copy ``n`` elements from ``src`` (any memory this rank reads) to ``peer``'s copy of
+    ``dst`` (a heap address), by this program, ``BLOCK`` elements per step."""
+    _copy(remote_ptr(ctx, dst, peer), src, n, BLOCK)
 
 
 @triton.jit
 def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
     """Copy ``n`` elements from ``peer``'s copy of ``src`` (a heap address) to ``dst`` (any
     memory this rank writes), by this program, ``BLOCK`` elements per step."""
-    inp = remote_ptr(ctx, src, peer)
-    for i in range(0, n, BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        m = offs < n
-        tl.store(dst + offs, tl.load(inp + offs, mask=m), mask=m)
+    _copy(dst, remote_ptr(ctx, src, peer), n, BLOCK)
 
 
 # -- signals -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .allgather_gemm.api import check_call as check_all_gather_call
+from .allgather_gemm.api import check_call as check_all_gather_call, refuse_schedule
 from .context import ContextBase, collective_call, output_tensor
 from .gemm_signal.reference import (gemm_all_reduce_reference, gemm_all_to_all_signal_reference,
                                     gemm_reduce_scatter_reference)
@@ -106,9 +106,7 @@ class SequentialAllGatherMatmul(ContextBase):
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  schedule: Optional[str] = None) -> torch.Tensor:
-        if schedule is not None:
-            raise ValueError(f"{self.OP}: the 'sequential' transport has no schedules; got "
-                             f"schedule={schedule!r}")
+        refuse_schedule("sequential", schedule)
         out = check_all_gather_call(a, b, out, self.world, self.max_shard_elems)
         W = self.world.world_size
         m, K = a.shape

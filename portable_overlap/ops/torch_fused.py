@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendUnavailable
-from .allgather_gemm.api import check_input as check_all_gather_input
+from .allgather_gemm.api import check_input as check_all_gather_input, refuse_schedule
 from .context import ContextBase, collective_call, output_tensor
 from .matmul.api import add_epilogue, check_operands, vector_checks
 
@@ -189,9 +189,7 @@ class TorchFusedAllGatherMatmul(_TorchFused):
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  schedule: Optional[str] = None) -> torch.Tensor:
-        if schedule is not None:
-            raise ValueError(f"{self.OP}: the {TRANSPORT!r} transport has no schedules; got "
-                             f"schedule={schedule!r}")
+        refuse_schedule(TRANSPORT, schedule)
         check_all_gather_input(a, b, self.world, self.max_shard_elems)
         W = self.world.world_size
         if out is not None:

@@ -462,11 +462,15 @@ def unread(world):
 
 
 # -- verdicts over every rank's results (rank order); each returns the list of what is wrong --
+def _miscounted(out, calls):
+    """Ranks whose device counted other than ``calls`` calls (out: per rank (results, count))."""
+    return [f"rank {r}: the device counted {done} calls, not {calls}"
+            for r, (_, done) in enumerate(out) if done != calls]
+
+
 def check_ping(out, calls):
-    bad, W = [], len(out)
-    for r, (got, done) in enumerate(out):
-        if done != calls:
-            bad.append(f"rank {r}: the device counted {done} calls, not {calls}")
+    bad, W = _miscounted(out, calls), len(out)
+    for r, (got, _) in enumerate(out):
         for c in range(calls):
             mine, recv, ok = got[c]
             if ok != 1 or not torch.equal(recv, out[(r - 1) % W][0][c][0]):
@@ -553,10 +557,8 @@ def check_every_call(out):
 
 
 def check_sum(out, calls):
-    bad, W = [], len(out)
-    for r, (got, done) in enumerate(out):
-        if done != calls:
-            bad.append(f"rank {r}: the device counted {done} calls, not {calls}")
+    bad, W = _miscounted(out, calls), len(out)
+    for r, (got, _) in enumerate(out):
         for c in range(calls):
             _, total, ok = got[c]
             want = sum(out[q][0][c][0] for q in range(W))

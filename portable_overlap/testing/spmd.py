@@ -19,9 +19,10 @@ def run_on_ranks(fn: Callable, *args, ranks: Optional[int] = None,
                  timeout: float = 600.0) -> list:
     """``fn(world, *args)`` on every rank. Under a launcher: on this process's world (NCCL and
     the GPU when there is one), returning ``[this rank's result]``; otherwise on ``ranks``
-    CPU-emulated ranks (default: ``$PORTABLE_OVERLAP_EMULATED_RANKS``, else 2) (spawned processes, the Triton interpreter), returning every rank's
-    result in rank order. ``fn`` must be a module-level function (the emulated ranks import
-    it), and kernels it launches module-level too, so they are made in interpreter mode there."""
+    CPU-emulated ranks (default: ``$PORTABLE_OVERLAP_EMULATED_RANKS``, else 2; spawned
+    processes, the Triton interpreter), returning every rank's result in rank order. ``fn``
+    must be a module-level function (the emulated ranks import it), and kernels it launches
+    module-level too, so they are made in interpreter mode there."""
     if launched():
         import torch.distributed as dist
 
@@ -39,3 +40,18 @@ def run_on_ranks(fn: Callable, *args, ranks: Optional[int] = None,
         ranks = env_int("PORTABLE_OVERLAP_EMULATED_RANKS", 2, 1, 64)
     with EmulatedWorld(ranks) as ew:
         return ew.run(fn, *args, timeout=timeout)
+
+
+def report(world, headline: str, ok: bool, times: dict, rate: Optional[Callable] = None,
+           graph: bool = False) -> int:
+    """Collective: rank 0 prints whether ``ok`` held on every rank (``"<headline> right on every
+    rank: True"``) and each path's time in ``times`` ({name: ms}, the slowest rank's median),
+    with ``rate(ms)`` after it where given (", 784 TFLOP/s"). Returns 0 if every rank was
+    right, else 1: the script's exit code."""
+    oks = world.all_gather_object(bool(ok))
+    if world.rank == 0:
+        print(f"{headline} right on every rank: {all(oks)}")
+        how = "slowest rank's median" + (", graph replay" if graph else "")
+        for name, t in times.items():
+            print(f"  {name}: {t:.3f} ms{rate(t) if rate else ''} ({how})")
+    return 0 if all(oks) else 1

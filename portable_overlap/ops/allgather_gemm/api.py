@@ -114,6 +114,14 @@ def check_input(a: torch.Tensor, b: torch.Tensor, world, max_shard_elems: int) -
         raise ValueError(f"{OP}: a must be contiguous (its rows are copied by DMA)")
 
 
+def refuse_schedule(transport: str, schedule: Optional[str]) -> None:
+    """A transport without copy-engine schedules (every one but ``"copy_engine"``) refuses a
+    ``schedule`` argument with the same words."""
+    if schedule is not None:
+        raise ValueError(f"{OP}: the {transport!r} transport has no schedules; got "
+                         f"schedule={schedule!r}")
+
+
 def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], world,
                max_shard_elems: int) -> torch.Tensor:
     """``check_input``, then ``out`` of shape [W * m, N] (made if None). Returns ``out``."""

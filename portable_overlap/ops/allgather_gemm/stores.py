@@ -99,11 +99,9 @@ class AllGatherMatmulStores(OverlapContext):
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  schedule: Optional[str] = None) -> torch.Tensor:
-        from .api import check_call
+        from .api import check_call, refuse_schedule
 
-        if schedule is not None:
-            raise ValueError(f"{OP}: the 'stores' transport has no schedules; got "
-                             f"schedule={schedule!r}")
+        refuse_schedule("stores", schedule)
         out = check_call(a, b, out, self.world, self.max_shard_elems)
         m, K = a.shape
         key = (m, K, b.shape[1], a.dtype, b.stride(), align_key(a, b, out))
