@@ -72,7 +72,7 @@ def main() -> int:
             continue
         El = E // W
         if args.down:
-            lines += down_gemm(world, writer, args, W, S, H, I, E, k, g)
+            lines += down_gemm(world, writer, args, W, S, H, I, E, k, g, hbm)
             continue
         wg = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
         wu = (torch.randn(El, H, I, generator=g, device=dev) * H ** -0.5).bfloat16()
@@ -148,17 +148,30 @@ def main() -> int:
     return 0
 
 
-def down_gemm(world, writer, args, W, S, H, I, E, k, g) -> list:
+#: the down GEMM's tilings: the call's own pick (``MoeGemmCombine``'s default or, at decode
+#: sizes, ``decode_config``) by descriptors and by pointer loads, then fixed tilings
+#: (block_m, block_n, block_k, num_warps, num_stages)
+DOWN_CONFIGS = [("descriptors", None), ("pointers", None), ("config", (128, 256, 64, 8, 3)),
+                ("config", (64, 256, 64, 8, 3)), ("config", (64, 256, 64, 4, 4)),
+                ("config", (64, 128, 64, 4, 4)), ("config", (64, 128, 128, 4, 3))]
+
+
+def down_gemm(world, writer, args, W, S, H, I, E, k, g, hbm) -> list:
     """The combine's grouped down GEMM ([R, I] rows @ w[e] [I, H]) at rank 0's rows, as its
-    ``gemm`` phase on a world of one: the W sources' rows of each expert as one segment, each
-    row its own slot (top-k 1), through descriptors and through pointer loads."""
+    ``gemm`` phase on a world of one: the W sources' rows of each expert as one segment (or
+    source 0's rows alone), each row its own slot (top-k 1), with each tiling of
+    ``DOWN_CONFIGS``. On one rank the call picks its decode tiles only where an expert gets 64
+    rows or fewer in all; the fixed tilings show what they would do at the other layouts."""
     from portable_overlap.ops.moe_combine import MoeGemmCombine
 
     dev, El = world.device, E // W
     w = (torch.randn(El, I, H, generator=g, device=dev) * I ** -0.5).bfloat16()
     lines = []
-    for kind in ("balanced", "zipf"):
-        per_e = routing_counts(S, E, k, W, kind, torch.Generator().manual_seed(S + E)).sum(0)
+    # and one source's rows alone ("balanced-1src"): the segment sizes of a per-source walk
+    for kind, one in (("balanced", False), ("zipf", False), ("balanced", True)):
+        c_all = routing_counts(S, E, k, W, kind, torch.Generator().manual_seed(S + E))
+        per_e = c_all[0] if one else c_all.sum(0)
+        kind = kind + ("-1src" if one else "")
         R = int(per_e.sum())
         counts = per_e.view(1, El).int().to(dev)
         bounds = [0] + torch.cumsum(per_e.long(), 0).tolist()
@@ -172,14 +185,18 @@ def down_gemm(world, writer, args, W, S, H, I, E, k, g) -> list:
                 torch.matmul(x[bounds[e]:bounds[e + 1]], w[e], out=y[bounds[e]:bounds[e + 1]])
 
         shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind, "ranks": W, "rows": R}
+        weights_ms = int((per_e > 0).sum()) * I * H * 2 / hbm / 1e6  # each used expert once
         t_cublas = time_op(segments, world, graph=True, iters=args.iters)
         writer.write(op="moe_down_gemm_tuning", shape=shape, dtype="bf16",
                      impl="cublas_segments", graph=True, **t_cublas)
         ref = y.clone()
-        for impl in ("descriptors", "pointers"):
-            ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=El)
+        for impl, c in DOWN_CONFIGS:
+            cfg = None if c is None else MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2],
+                                                      num_warps=c[3], num_stages=c[4])
+            ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=El,
+                                 config=cfg)
             if impl == "pointers":  # this context only: its plans then load by pointers
-                ctx._descriptors = lambda x_, w_: (None, None)
+                ctx._descriptors = lambda x_, w_, cfg_: (None, None)
             try:
                 out = torch.full((R, H), float("nan"), device=dev, dtype=torch.bfloat16)
                 ctx(x, w, counts, slots, tw, out=out)
@@ -188,15 +205,22 @@ def down_gemm(world, writer, args, W, S, H, I, E, k, g) -> list:
                 ph = ctx.phases(x, w, counts, slots, tw, out)
                 t = time_op(ph["gemm"], world, graph=True, iters=args.iters)
                 kern = ph["gemm_kernel"]
+            except Exception as exc:  # a config that does not fit (shared memory) is skipped
+                print(f"down {S}x{H}x{I}x{E}x{k} {kind} {impl}: {type(exc).__name__} "
+                      f"{str(exc)[:120]}", flush=True)
+                continue
             finally:
                 ctx.close()
+            impl = impl if c is None else "x".join(map(str, c[:3])) + f"/{c[3]}w{c[4]}s"
             writer.write(op="moe_down_gemm_tuning", shape=shape, dtype="bf16", impl=impl,
                          graph=True, rel_err=err, registers=kern.n_regs, spills=kern.n_spills,
-                         vs_cublas=t_cublas["median_ms"] / t["median_ms"], **t)
-            line = (f"down W{W} {S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {impl:>11}: "
+                         vs_cublas=t_cublas["median_ms"] / t["median_ms"],
+                         weights_ms_at_hbm=weights_ms, **t)
+            line = (f"down W{W} {S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {impl:>16}: "
                     f"{t['median_ms']:.3f} ms  cuBLAS segments {t_cublas['median_ms']:.3f} "
-                    f"({t_cublas['median_ms'] / t['median_ms']:.2f}x)  regs {kern.n_regs} "
-                    f"spills {kern.n_spills}  err {err:.1e}")
+                    f"({t_cublas['median_ms'] / t['median_ms']:.2f}x)  weights "
+                    f"{weights_ms:.3f}  regs {kern.n_regs} spills {kern.n_spills}  "
+                    f"err {err:.1e}")
             print(line, flush=True)
             lines.append(line)
     return lines

@@ -28,11 +28,12 @@ def _route(kind, S, E, k, rank, g):
     return torch.rand(S, E, generator=g).topk(k, dim=1).indices
 
 
-def _cases(world, dtype, cases, config=None):
+def _cases(world, dtype, cases, config=None, walk="auto"):
     """Each case: (S on rank 0, S on rank 1.., H, I, experts_per_rank, k, routing)."""
     W = world.world_size
     ctx = MoeGemmCombine(world, max_tokens=max(max(c[0]) for c in cases), top_k=cases[0][4],
-                         hidden=cases[0][1], experts_per_rank=cases[0][3], config=config)
+                         hidden=cases[0][1], experts_per_rank=cases[0][3], config=config,
+                         walk=walk)
     errs = []
     try:
         for i, (S_per_rank, H, I, El, k, kind) in enumerate(cases):
@@ -71,6 +72,17 @@ def test_matches_reference(world, dtype):
         assert all(e < TOL[dtype] for e in errs), errs
 
 
+@pytest.mark.parametrize("walk", ["sources", "experts"])
+def test_both_walks_match_reference(world, walk):
+    """The two tile orders of the GEMM (the tests above run the decode-size pick, "experts",
+    as their token counts are small): one source's tiles at a time, and every source's tiles
+    of one expert together, with several row tiles per source (22 tokens, top-3 of 2 experts
+    per rank, 16-row tiles), ranks of different sizes and an expert with no rows."""
+    cases = [((22, 13), 20, 12, 2, 3, "uniform"), ((9, 22), 20, 12, 2, 3, "skip_upper")]
+    for errs in world.run(_cases, torch.bfloat16, cases, SMALL, walk):
+        assert all(e < TOL[torch.bfloat16] for e in errs), errs
+
+
 def test_top1_odd_shapes_and_default_tiling(world2):
     for errs in world2.run(_cases, torch.float32, CASES_K1):
         assert all(e < 1e-5 for e in errs), errs
@@ -104,7 +116,7 @@ def _bad_ctx(world):
     msgs = []
     for kw, exc in ((dict(transport="nvlink"), ValueError), (dict(transport="shmem"),
                                                               ShmemUnavailable),
-                    (dict(top_k=0), ValueError)):
+                    (dict(top_k=0), ValueError), (dict(walk="diagonal"), ValueError)):
         args = dict(max_tokens=8, top_k=2, hidden=16, experts_per_rank=2)
         args.update(kw)
         try:
@@ -119,6 +131,7 @@ def test_bad_context_arguments(world2):
     # the device-initiated transport needs NVSHMEM / ROC_SHMEM: a clear error on emulated ranks
     for msgs in world2.run(_bad_ctx):
         assert "transport" in msgs[0] and "cpu" in msgs[1] and "top_k" in msgs[2], msgs
+        assert "walk must be one of" in msgs[3], msgs
 
 
 def test_bad_input_raises_before_launch(world2):

@@ -47,6 +47,8 @@ from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_descriptors
 from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
 
 TRANSPORTS = ("stores", "shmem")
+#: the GEMM's tile walks: by the call's size (``decode_walk``), expert by expert, source by source
+WALKS = ("auto", "experts", "sources")
 
 OP = "moe_gemm_combine"
 
@@ -59,11 +61,49 @@ class CombineConfig:
     num_warps: int = 4
 
 
+#: mean rows of a (source, expert) segment at or below which a call is a decode size
+DECODE_ROWS = 64
+
+
+def decode_walk(tokens: int, top_k: int, world: int, experts_per_rank: int) -> bool:
+    """Whether the GEMM of a call with ``tokens`` tokens on this rank walks its tiles expert by
+    expert with ``decode_config``'s tiles: where the (source, expert) segments hold
+    ``DECODE_ROWS`` rows or fewer on average, ``tokens * top_k / (world * experts_per_rank)``
+    (this rank's token count standing in for its peers', which the host does not know).
+    There a row tile or two per source read all of an expert's weights, which bound the time:
+    walked source by source, every source's tiles read them from memory again (twice on 2
+    ranks, 8 times on 8); walked expert by expert, the sources' tiles of one weight column block
+    run one after another and share it through the L2 cache. At prefill sizes the source-major
+    walk stays: it sends the peers' rows first and the weights are re-read per row-tile group
+    anyway."""
+    return tokens * top_k <= DECODE_ROWS * world * experts_per_rank
+
+
+def decode_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    """The GEMM's tiles at decode sizes: 64-row tiles where the segments hold 64 rows or fewer
+    (128-row ones would compute at least half zeros); ``default_config`` for float32, on
+    64-lane wavefronts (never timed on AMD hardware) and under the interpreter."""
+    base = default_config(dtype, device)
+    if device.type == "cpu" or dtype == torch.float32 or base.block_m <= 64:
+        return base
+    from ...backends import device_facts
+
+    if device_facts(device).warp_size == 64:
+        return base
+    return MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
+
+
 class MoeGemmCombine(OverlapContext):
     """Workspace of the fused expert GEMM + combine on one rank: a combine buffer of
     ``max_tokens * top_k`` rows of ``hidden`` (the most tokens any rank holds in a call), one
     epoch stamp per row, flags and row counters in the symmetric heap. Collective to create and
-    close; calls in the same order on every rank, on one stream."""
+    close; calls in the same order on every rank, on one stream.
+
+    ``config``: the GEMM's tiles (default: ``default_config``, or ``decode_config`` for calls
+    of decode size). ``walk``: the order of the GEMM's tiles, ``"sources"`` (the peers' rows
+    first), ``"experts"`` (each expert's tiles of all sources together) or ``"auto"`` (experts
+    at decode sizes, ``decode_walk``). The tiles and walk that a call's size picks may differ
+    between the ranks of one call."""
 
     OP = OP
     FLAG_NAMES = FLAG_NAMES
@@ -71,19 +111,22 @@ class MoeGemmCombine(OverlapContext):
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
                  experts_per_rank: int, timeout_s: float = 10.0,
                  config: Optional[MatmulConfig] = None,
-                 combine_config: Optional[CombineConfig] = None, transport: str = "stores"):
+                 combine_config: Optional[CombineConfig] = None, transport: str = "stores",
+                 walk: str = "auto"):
         for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
                         ("experts_per_rank", experts_per_rank)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
+        if walk not in WALKS:
+            raise ValueError(f"{OP}: walk must be one of {WALKS}, got {walk!r}")
         W = world.world_size
         if W > 64:  # the GEMM kernel keeps one bit per peer in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
-                                                     config, combine_config, transport))
-        self.transport = transport
+                                                     config, combine_config, transport, walk))
+        self.transport, self.walk = transport, walk
         self._provider = put_provider(world, transport)
         self.max_slots = max_tokens * top_k
         super().__init__(world, [
@@ -108,8 +151,9 @@ class MoeGemmCombine(OverlapContext):
         if self._provider is not None:
             # the library's symmetric memory: combine rows, then one staging tile per program
             G = min(world.facts.sm_count, G_MAX)
-            tile = max(c.block_m * c.block_n for c in
-                       (config or default_config(dt, world.device) for dt in DTYPES))
+            tile = max(c.block_m * c.block_n for dt in DTYPES for c in
+                       (config or default_config(dt, world.device),
+                        config or decode_config(dt, world.device)))
             sym = self._provider.symmetric_empty(4 * n + 256 + 4 * G * tile)
             self._sym = sym
             self._combine = {dt: sym[:4 * n].view(dt)[:n].view(self.max_slots, hidden)
@@ -158,17 +202,21 @@ class MoeGemmCombine(OverlapContext):
         flat = counts.reshape(-1)
         starts = torch.cumsum(flat, 0, dtype=torch.int32, out=self._starts).sub_(flat)
         # R and S are data-dependent and never specialized on (kernel.py), so plans depend only
-        # on what is fixed for a model: dtype, I, strides, pointer alignment
+        # on what is fixed for a model (dtype, I, strides, pointer alignment) and on whether
+        # S is a decode size (``decode_walk``: two plans at most)
+        decode = decode_walk(S, self.top_k, self.world.world_size, self.experts_per_rank)
+        expert_major = {"auto": decode, "experts": True, "sources": False}[self.walk]
+        cfg = self._gemm_config(x, decode)
         # the descriptors hold the tensors' addresses: built per call (a few microseconds);
         # whether there are any is part of the plan (an empty x has none)
-        descs = self._descriptors(x, w)
+        descs = self._descriptors(x, w, cfg)
         key = (x.dtype, x.shape[1], x.stride(), w.stride(), topk_weights.stride(),
                topk_weights.dtype, align_key(x, w, counts, slots, topk_weights, out),
-               descs[0] is not None)
+               descs[0] is not None, decode, expert_major)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(x, w, counts, starts, slots, topk_weights, out,
-                                                 descs)
+                                                 descs, cfg, expert_major)
         gemm, comb = plan
         args = self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs, descs)
         comb_args = self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs)
@@ -187,11 +235,19 @@ class MoeGemmCombine(OverlapContext):
         return launch_gemm, launch_combine, gemm
 
     # -- launches ------------------------------------------------------------------------------
-    def _descriptors(self, x, w) -> tuple:
+    def _gemm_config(self, x, decode: bool) -> MatmulConfig:
+        """The GEMM's tiling: the context's ``config``, else ``default_config``, or at decode
+        sizes ``decode_config``."""
+        if self.config is not None:
+            return self.config
+        if decode:
+            return decode_config(x.dtype, x.device)
+        return default_config(x.dtype, x.device)
+
+    def _descriptors(self, x, w, cfg: MatmulConfig) -> tuple:
         """(x_desc, w_desc) over x and the weights stacked as [E * I, H], or Nones where the
         pointer loads must do (``tile_descriptors``' rules, or I not a multiple of the K block,
         where a block would read into the next expert's rows)."""
-        cfg = self.config or default_config(x.dtype, x.device)
         E, I, H = w.shape
         if I % cfg.block_k or not w.is_contiguous():
             return None, None
@@ -215,23 +271,27 @@ class MoeGemmCombine(OverlapContext):
                 topk_weights.stride(1), gemm_programs, self.rank, self.world.world_size, tag,
                 self.timeout_us)
 
-    def _plan(self, x, w, counts, starts, slots, topk_weights, out, descs):
+    def _plan(self, x, w, counts, starts, slots, topk_weights, out, descs, cfg, expert_major):
         I = x.shape[1]
-        cfg = self.config or default_config(x.dtype, x.device)
+        W = self.world.world_size
         gemm_consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
                            EVEN_K=I % cfg.block_k == 0, USE_DESC=descs[0] is not None,
                            PRECISION=dot_precision(x.dtype),
-                           UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, num_warps=cfg.num_warps,
-                           num_stages=cfg.num_stages)
+                           UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, EXPERT_MAJOR=expert_major,
+                           BLOCK_SRC=1 << max(0, W - 1).bit_length(),
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         # The grid does not depend on the data-dependent row count: ranks receive different
         # numbers of rows, and a peer's combine waits for every program of this launch.
         programs = min(self.world.facts.sm_count, G_MAX)
 
-        def tag_of(g):  # what must agree across ranks (not R or S, which may differ)
+        # what must agree across ranks: not R or S, which may differ, nor the tiles and walk
+        # that follow from S (``decode_walk``): they are this rank's own business, while the
+        # grid is every peer's (its combine counts this launch's programs)
+        def tag_of(g):
             return shape_tag(OP, hidden=self.hidden, intermediate=I,
                              experts_per_rank=self.experts_per_rank, top_k=self.top_k,
-                             dtype=str(x.dtype), config=cfg, programs=g)
+                             dtype=str(x.dtype), config=self.config, programs=g)
 
         if self._provider is None:
             gemm = self._compile(moe_gemm_scatter_kernel, programs, gemm_consts,

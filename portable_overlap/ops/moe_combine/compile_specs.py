@@ -9,9 +9,11 @@ _COMB_ARGS = ("status_addr:i64 S:i32 H:i32 k:i32 stride_ts:i32 stride_tk:i32 G_s
 
 
 def specs():
-    for dt, prec, bm, bn, bk, desc in (("bf16", "ieee", 128, 256, 64, True),
-                                       ("bf16", "ieee", 128, 256, 64, False),
-                                       ("fp32", "ieee", 64, 64, 32, False)):
+    # the default tiles (source-major walk) and the decode tiles (expert-major walk)
+    for dt, prec, bm, bn, bk, desc, experts in (("bf16", "ieee", 128, 256, 64, True, False),
+                                                ("bf16", "ieee", 128, 256, 64, False, False),
+                                                ("fp32", "ieee", 64, 64, 32, False, False),
+                                                ("bf16", "ieee", 64, 256, 64, True, True)):
         sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "counts_ptr": "*i32", "starts_ptr": "*i32",
                "slots_ptr": "*i32", "combine_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
                "slot_epoch_ptr": "*i64", "sent_ptr": "*i64",
@@ -19,7 +21,8 @@ def specs():
                "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
-                      PRECISION=prec, UPCAST=False, G_MAX=1024, USE_DESC=desc)
+                      PRECISION=prec, UPCAST=False, G_MAX=1024, USE_DESC=desc,
+                      EXPERT_MAJOR=experts, BLOCK_SRC=8)
         if desc:  # x [R, I] and the weights stacked as [E * I, H]
             sig.update(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>",
                        w_desc=f"tensordesc<{dt}[{bk}, {bn}]>")
@@ -28,9 +31,9 @@ def specs():
         sig.update({k: "constexpr" for k in consts})
         aligned = ["x_ptr", "w_ptr", "combine_ptr", "I", "H", "stride_xm", "stride_wk",
                    "stride_we"]
-        yield (f"moe_gemm_scatter[{dt}{', descriptors' if desc else ''}]",
-               moe_gemm_scatter_kernel, sig, consts, aligned)
-        if dt == "bf16" and desc:
+        yield (f"moe_gemm_scatter[{dt}{', descriptors' if desc else ''}"
+               f"{', decode' if experts else ''}]", moe_gemm_scatter_kernel, sig, consts, aligned)
+        if dt == "bf16" and (desc or experts):
             continue  # one combine kernel per dtype
         sig = {"combine_ptr": f"*{dt}", "topk_ptr": "*fp32", "out_ptr": f"*{dt}",
                "slot_epoch_ptr": "*i64", "sent_ptr": "*i64", "rows_in_ptr": "*i64",

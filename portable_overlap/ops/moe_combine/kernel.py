@@ -10,11 +10,15 @@ expert. Tiles load through tensor descriptors (TMA) where the host built them (`
 ``w_desc`` over the experts' weights stacked as one [E * I, H] matrix), else by pointers.
 Segments are walked source by source starting at q = r+1, so the tiles whose rows go to
 other ranks come first and this rank's own rows last (communication-aware order); program ``pid``
-takes the tiles ``pid, pid + G, ...`` of that walk. A finished tile's rows are stored straight
-into the destination's combine buffer at their slots (zero-copy, only real rows travel), and
-each row's slot is stamped with the call's epoch in the destination's ``slot_epoch``. A row
-whose slot is outside the buffer is skipped and reported (``CHECK_SLOT``). Afterwards each
-program tells every rank how many rows it stored there and signals ``sent[r][pid]`` (release).
+takes the tiles ``pid, pid + G, ...`` of that walk. At decode sizes (``EXPERT_MAJOR``, chosen by
+``api.decode_walk``) the walk goes expert by expert instead, each expert's row tiles of all
+sources (from q = r+1 on) in grouped order, so the few row tiles that share a weight column
+block run together and read it from memory once, not once per source. A finished tile's rows
+are stored straight into the destination's combine buffer at their slots (zero-copy, only real
+rows travel), and each row's slot is stamped with the call's epoch in the destination's
+``slot_epoch``. A row whose slot is outside the buffer is skipped and reported
+(``CHECK_SLOT``). Afterwards each program tells every rank how many rows it stored there and
+signals ``sent[r][pid]`` (release).
 Before its first store into rank q in a call, and in any case before it writes q's count and
 flag, a program waits until ``consumed[q]`` holds the previous epoch (q's combine has read the
 previous call's rows, stamps, counts and flags).
@@ -87,6 +91,7 @@ def moe_gemm_scatter_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr,
+    EXPERT_MAJOR: tl.constexpr, BLOCK_SRC: tl.constexpr,
 ):
     """The zero-copy grouped GEMM (rows stored into the sources' heaps)."""
     _grouped_gemm_scatter(
@@ -94,7 +99,8 @@ def moe_gemm_scatter_kernel(
         sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
         status_addr, R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
         stride_wn, G, rank, world, tag, timeout_us, x_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K,
-        GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, USE_DESC, store_rows, no_flush)
+        GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, USE_DESC, EXPERT_MAJOR, BLOCK_SRC,
+        store_rows, no_flush)
 
 
 @triton.jit(do_not_specialize=["R", "rank"])
@@ -107,6 +113,7 @@ def moe_gemm_put_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr,
+    EXPERT_MAJOR: tl.constexpr, BLOCK_SRC: tl.constexpr,
 ):
     """The same grouped GEMM with the rows put by the process's SHMEM provider (device-initiated
     puts, then their completion before the signals; shmem/providers/device.py). A kernel of its
@@ -117,7 +124,8 @@ def moe_gemm_put_kernel(
         sent_ptr, rows_in_ptr, rows_mine_ptr, consumed_ptr, ctl_ptr, clock_ptr, bases_ptr,
         status_addr, R, H, I, E, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
         stride_wn, G, rank, world, tag, timeout_us, x_desc, w_desc, BLOCK_M, BLOCK_N, BLOCK_K,
-        GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, USE_DESC, shmem_put_rows, shmem_flush)
+        GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, USE_DESC, EXPERT_MAJOR, BLOCK_SRC,
+        shmem_put_rows, shmem_flush)
 
 
 @triton.jit
@@ -129,7 +137,8 @@ def _grouped_gemm_scatter(
     G, rank, world, tag, timeout_us, x_desc, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr, STORE: tl.constexpr,
+    UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr,
+    EXPERT_MAJOR: tl.constexpr, BLOCK_SRC: tl.constexpr, STORE: tl.constexpr,
     FLUSH: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -144,22 +153,54 @@ def _grouped_gemm_scatter(
         tl.store(rows_mine_ptr + q * G_MAX + pid, 0)
     tl.debug_barrier()  # zeroed before any thread of the program counts into it
 
-    # the walk's cursor: segment index, its first tile, its tile count (monotone in t)
+    # the walk's cursors (monotone in t). Source-major: segment index, its first tile, its tile
+    # count. Expert-major: expert, its first tile, its row tiles per source (in walk order,
+    # sources rank+1, ..., rank) and their running sum, its tile count.
     seg = 0
     seg_t0 = 0
     src, e = _segment(seg, rank, world, E)
     n = tl.load(counts_ptr + src * E + e)
     seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
+    qs = tl.arange(0, BLOCK_SRC)  # a source's place in the walk
+    q_src = (rank + 1 + qs) % world
+    c_e = tl.load(counts_ptr + q_src * E, mask=qs < world, other=0)
+    mt_q = tl.cdiv(c_e, BLOCK_M)
+    cum = tl.cumsum(mt_q, axis=0)
+    seg_nt_e = tl.sum(mt_q) * num_pid_n
     for i in range(0, tl.cdiv(t_max, G)):
         t = pid + i * G
-        while (t >= seg_t0 + seg_nt) & (seg < n_seg):
-            seg += 1
-            seg_t0 += seg_nt
-            src, e = _segment(seg, rank, world, E)
-            n = tl.load(counts_ptr + src * E + e, mask=seg < n_seg, other=0)
-            seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
-        if seg < n_seg:
-            pid_m, pid_n = grouped_tile(t - seg_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
+        if EXPERT_MAJOR:
+            # an expert's row tiles of all sources end to end, in grouped order: at decode
+            # sizes (a tile or two per source) the tiles of one weight column block follow one
+            # another, so the block is read from memory once per expert, not once per source
+            while (t >= seg_t0 + seg_nt_e) & (seg < E):
+                seg += 1
+                seg_t0 += seg_nt_e
+                c_e = tl.load(counts_ptr + q_src * E + seg, mask=(qs < world) & (seg < E),
+                              other=0)
+                mt_q = tl.cdiv(c_e, BLOCK_M)
+                cum = tl.cumsum(mt_q, axis=0)
+                seg_nt_e = tl.sum(mt_q) * num_pid_n
+            walking = seg < E
+            # (past the walk's end the tile is not used; the max keeps the divisions defined)
+            vm, pid_n = grouped_tile(t - seg_t0, tl.maximum(tl.sum(mt_q), 1), num_pid_n,
+                                     GROUP_M)
+            q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
+            pid_m = vm - tl.sum(tl.where(qs == q, cum - mt_q, 0))
+            n = tl.sum(tl.where(qs == q, c_e, 0))
+            src = (rank + 1 + q) % world
+            e = seg
+        else:
+            while (t >= seg_t0 + seg_nt) & (seg < n_seg):
+                seg += 1
+                seg_t0 += seg_nt
+                src, e = _segment(seg, rank, world, E)
+                n = tl.load(counts_ptr + src * E + e, mask=seg < n_seg, other=0)
+                seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
+            walking = seg < n_seg
+            pid_m, pid_n = grouped_tile(t - seg_t0, tl.maximum(tl.cdiv(n, BLOCK_M), 1),
+                                        num_pid_n, GROUP_M)
+        if walking:
             start = tl.load(starts_ptr + src * E + e)
             if USE_DESC:  # rows past the segment's end are the next one's: masked below
                 acc = gemm_tile_desc(x_desc, w_desc, start + pid_m * BLOCK_M, e * I,
