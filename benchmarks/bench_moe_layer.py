@@ -17,7 +17,8 @@ as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
 - ``fused_dispatch_gemm``: the same layer with ``fuse_dispatch=True`` (the dispatch and the
   gated GEMM in one launch, ``moe_dispatch_swiglu``); checked like ``fused``;
 - the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
-  ``stage_combine`` (down GEMM + combine), and ``stage_dispatch_swiglu`` (the fused launch that
+  ``stage_combine`` (down GEMM + combine; ``stage_combine_sources`` / ``_experts``: with its
+  tile walk fixed source by source / expert by expert, where the layer picks by size), and ``stage_dispatch_swiglu`` (the fused launch that
   replaces the first two; ``stage_dispatch_swiglu_s16`` / ``_s64``: with 16 / 64 sending
   programs instead of the default quarter of the grid);
 - ``compute``: the expert GEMMs by cuBLAS on the same rows (per segment: gate, up, SiLU-gating,
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from benchmarks.cli import BenchParser
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import ExpertParallelMoE
-from portable_overlap.ops.moe_combine import moe_gemm_combine
+from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from portable_overlap.ops.moe_dispatch import (moe_dispatch, moe_dispatch_reference,
                                                moe_dispatch_swiglu)
 from portable_overlap.ops.moe_experts import expert_swiglu
@@ -70,6 +71,9 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
     El = E // W
     fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt)
     torch_path = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt, fused=False)
+    # the down GEMM + combine with each tile walk fixed (the layer's own context picks by S)
+    walks = {wk: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                                walk=wk) for wk in ("sources", "experts")}
     gen = torch.Generator(device=dev).manual_seed(100 + r)
     try:
         for kind in [x for x in args.routings.split(",") if x]:
@@ -148,6 +152,10 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                                                        out=h),
                 "stage_combine": lambda: moe_gemm_combine(h, fused.w_down, counts, slots,
                                                           weights, fused.ctx),
+                "stage_combine_sources": lambda: moe_gemm_combine(
+                    h, fused.w_down, counts, slots, weights, walks["sources"]),
+                "stage_combine_experts": lambda: moe_gemm_combine(
+                    h, fused.w_down, counts, slots, weights, walks["experts"]),
                 "stage_dispatch_swiglu": dispatch_swiglu,
                 "stage_dispatch_swiglu_s16": lambda: dispatch_swiglu(16),
                 "stage_dispatch_swiglu_s64": lambda: dispatch_swiglu(64),
@@ -177,6 +185,8 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                            fields=lambda name: {"rows_received": R}))
     finally:
         fused.close()
+        for c in walks.values():
+            c.close()
 
 
 if __name__ == "__main__":

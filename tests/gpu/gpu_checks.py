@@ -219,20 +219,24 @@ def check_gemm_alltoall(world: World, gen) -> None:
 def check_moe_combine(world: World, gen) -> None:
     """Fused MoE expert GEMM + combine, both transports: ranks with different token counts,
     uniform and skewed routing, every dtype, repeated calls, graph replays with fixed routing."""
-    for transport in ("stores", "shmem"):
-        _guarded(_check_moe_combine, world, gen, transport)
+    for transport, walk in (("stores", "auto"), ("shmem", "auto"), ("stores", "sources"),
+                            ("stores", "experts")):
+        _guarded(_check_moe_combine, world, gen, transport, walk)
 
 
-def _check_moe_combine(world, gen, transport):
+def _check_moe_combine(world, gen, transport, walk):
     from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
     from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
 
     W, dev = world.world_size, world.device
     H, I, El, k = 1024, 768, 4, 2
     ctx = MoeGemmCombine(world, max_tokens=4096, top_k=k, hidden=H, experts_per_rank=El,
-                         transport=transport)
+                         transport=transport, walk=walk)
+    name = transport if walk == "auto" else f"{transport}, {walk}"
     try:
-        for S, kind in ((4096 - 777 * world.rank, "uniform"), (3000, "skewed"), (5, "uniform")):
+        # S = 5 and 100 are decode sizes: the "auto" walk goes expert by expert there
+        for S, kind in ((4096 - 777 * world.rank, "uniform"), (3000, "skewed"), (5, "uniform"),
+                        (100, "skewed")):
             for dt in (torch.bfloat16, torch.float16, torch.float32):
                 g = torch.Generator(device=dev).manual_seed(7 * S + world.rank)
                 scores = torch.rand(S, El * W, generator=g, device=dev)
@@ -249,7 +253,7 @@ def _check_moe_combine(world, gen, transport):
                 ctx.synchronize()
                 err = rel_err(out, moe_gemm_combine_reference(x, w, counts, slots, tw,
                                                               world.group))
-                record(f"moe[{transport}] S={S} {kind} {str(dt)[6:]}", err < TOL[dt] * 2,
+                record(f"moe[{name}] S={S} {kind} {str(dt)[6:]}", err < TOL[dt] * 2,
                        f"rel_err={err:.2e} rows={x.shape[0]}")
         out.fill_(float("nan"))
         graph = torch.cuda.CUDAGraph()
@@ -262,7 +266,7 @@ def _check_moe_combine(world, gen, transport):
             graph.replay()
             ctx.synchronize()
             worst = max(worst, rel_err(out, ref))
-        record(f"moe[{transport}] 10 graph replays", worst < TOL[torch.float32] * 2,
+        record(f"moe[{name}] 10 graph replays", worst < TOL[torch.float32] * 2,
                f"worst rel_err={worst:.2e}")
     finally:
         ctx.close()
