@@ -18,9 +18,10 @@ as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
   gated GEMM in one launch, ``moe_dispatch_swiglu``); checked like ``fused``;
 - the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
   ``stage_combine`` (down GEMM + combine; ``stage_combine_sources`` / ``_experts``: with its
-  tile walk fixed source by source / expert by expert, where the layer picks by size), and ``stage_dispatch_swiglu`` (the fused launch that
-  replaces the first two; ``stage_dispatch_swiglu_s16`` / ``_s64``: with 16 / 64 sending
-  programs instead of the default quarter of the grid);
+  tile walk fixed source by source / expert by expert, where the layer picks by size), and
+  ``stage_dispatch_swiglu`` (the fused launch that replaces the first two;
+  ``stage_dispatch_swiglu_s16`` / ``_s64``: with 16 / 64 sending programs instead of the
+  default quarter of the grid);
 - ``compute``: the expert GEMMs by cuBLAS on the same rows (per segment: gate, up, SiLU-gating,
   down); ``cublas_gemm1_dense``: the gate and up GEMMs as two dense cuBLAS GEMMs over all the
   received rows (what ``stage_experts`` is measured against); ``comm``: ``all_to_all_single``
