@@ -55,6 +55,9 @@ def main() -> int:
     ap.add_argument("--device-kind", default="unknown")
     ap.add_argument("--ranks", default="2", help="comma-separated world sizes to lay out")
     ap.add_argument("--down", action="store_true", help="time the down GEMM of the combine")
+    ap.add_argument("--down-configs", default="",
+                    help="the down GEMM's fixed tilings instead of DOWN_CONFIGS', as "
+                         "BMxBNxBK/<warps>w<stages>s,...")
     ap.add_argument("--max-tokens", type=int, default=1 << 30,
                     help="only the shapes with at most this many tokens per rank")
     ap.add_argument("--iters", type=int, default=50)
@@ -156,6 +159,18 @@ DOWN_CONFIGS = [("descriptors", None), ("pointers", None), ("config", (128, 256,
                 ("config", (64, 128, 64, 4, 4)), ("config", (64, 128, 128, 4, 3))]
 
 
+def down_configs(spec: str) -> list:
+    """``DOWN_CONFIGS``, or the call's own picks and the tilings ``spec`` names."""
+    if not spec:
+        return DOWN_CONFIGS
+    out = DOWN_CONFIGS[:2]
+    for item in spec.split(","):
+        blocks, rest = item.split("/")
+        warps, stages = rest.rstrip("s").split("w")
+        out.append(("config", (*map(int, blocks.split("x")), int(warps), int(stages))))
+    return out
+
+
 def down_gemm(world, writer, args, W, S, H, I, E, k, g, hbm) -> list:
     """The combine's grouped down GEMM ([R, I] rows @ w[e] [I, H]) at rank 0's rows, as its
     ``gemm`` phase on a world of one: the W sources' rows of each expert as one segment (or
@@ -190,7 +205,7 @@ def down_gemm(world, writer, args, W, S, H, I, E, k, g, hbm) -> list:
         writer.write(op="moe_down_gemm_tuning", shape=shape, dtype="bf16",
                      impl="cublas_segments", graph=True, **t_cublas)
         ref = y.clone()
-        for impl, c in DOWN_CONFIGS:
+        for impl, c in down_configs(args.down_configs):
             cfg = None if c is None else MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2],
                                                       num_warps=c[3], num_stages=c[4])
             ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=El,
