@@ -20,9 +20,10 @@ def specs():
                "rows_in_ptr": "*i64", "rows_mine_ptr": "*i64", "consumed_ptr": "*i64",
                "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
         sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
-                      PRECISION=prec, UPCAST=False, G_MAX=1024, USE_DESC=desc,
-                      EXPERT_MAJOR=experts, BLOCK_SRC=8)
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                      NUM_STAGES=4 if experts else 3, EVEN_K=True, PRECISION=prec,
+                      UPCAST=False, G_MAX=1024, USE_DESC=desc, EXPERT_MAJOR=experts,
+                      BLOCK_SRC=8)
         if desc:  # x [R, I] and the weights stacked as [E * I, H]
             sig.update(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>",
                        w_desc=f"tensordesc<{dt}[{bk}, {bn}]>")
