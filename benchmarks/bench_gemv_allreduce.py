@@ -6,7 +6,8 @@ one-shot all-reduce, by the protocol in benchmarks/harness.py. Run under torchru
 
 Shapes are (M, N, K) with K split over the ranks (each rank holds K / world columns of W).
 ``--tune`` first sweeps launch configurations of the fused kernel per shape (graph replay) and
-uses the fastest; every rank uses rank 0's pick. Impls: ``fused``, ``fused_nocomm`` (the fused
+uses the fastest; every rank uses rank 0's pick. Impls: ``fused`` (the default two-shot
+``"stores"`` transport), ``fused_one_shot`` (``transport="one_shot"``), ``fused_nocomm`` (the fused
 kernel on a world of one rank: its GEMV streaming without any communication), ``sequential``
 (torch.mm then NCCL all_reduce), ``compute``, ``comm``, ``torch_fused`` (torch.mm into symmetric
 memory, then torch's one_shot_all_reduce). ``floor_ms`` = per-rank W bytes / HBM read bandwidth.
@@ -73,6 +74,7 @@ def body(bench) -> int:
     bench.say(f"HBM read bandwidth {min(bws):.0f} GB/s (slowest rank)")
 
     ctx = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes))
+    one_shot = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes), transport="one_shot")
     # The fused kernel on a world of one rank: its GEMV streaming without any communication,
     # which separates the kernel's own bandwidth from what the all-reduce costs it.
     solo_groups = [dist.new_group([r]) for r in range(W)]
@@ -106,6 +108,7 @@ def body(bench) -> int:
                                           facts.shared_per_program)
             impls = {
                 "fused": lambda: ctx(x, w, out=out, config=cfg),
+                "fused_one_shot": lambda: one_shot(x, w, out=out, config=cfg),
                 "fused_nocomm": lambda: solo_ctx(x, w, out=y, config=plan_cfg),
                 "sequential": lambda: dist.all_reduce(torch.mm(x, w.t(), out=y)),
                 "compute": lambda: torch.mm(x, w.t(), out=y),
@@ -125,13 +128,14 @@ def body(bench) -> int:
                     bench.say(f"torch symmetric memory unavailable: {e}")
 
             def check(name):
+                c = one_shot if name == "fused_one_shot" else ctx
                 out.fill_(float("nan"))
-                ctx(x, w, out=out, config=cfg)
-                ctx.synchronize()
+                c(x, w, out=out, config=cfg)
+                c.synchronize()
                 return rel_err(out, gemv_all_reduce_reference(x, w, world.group))
 
             bench.run(Case(
-                op=OP, shape=shape, dtype=dname, impls=impls, check=check, checked=["fused"],
+                op=OP, shape=shape, dtype=dname, impls=impls, check=check, checked=["fused", "fused_one_shot"],
                 label=f"{M}x{N}x{K} {dname}",
                 fields=lambda name: {"floor_ms": round(floor_ms, 5),
                                      **({"config": cfg.__dict__}
@@ -140,6 +144,7 @@ def body(bench) -> int:
                 derive=lambda t: {"fused_over_floor": t["fused"] / floor_ms
                                   if "fused" in t else None}))
     ctx.close()
+    one_shot.close()
     solo_ctx.close()
     return 0
 

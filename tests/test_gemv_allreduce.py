@@ -6,6 +6,7 @@ import torch
 from portable_overlap import (ContextBrokenError, GemvAllReduce, GemvConfig, PeerTimeoutError,
                               PortableOverlapError, RowParallelLinear,
                               gemv_all_reduce, gemv_all_reduce_reference)
+from portable_overlap.ops.gemv_allreduce.api import TRANSPORTS
 from portable_overlap.testing.compare import rel_err
 
 # bf16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
@@ -21,9 +22,10 @@ def _inputs(world, M, N, K, dtype, seed):
     return x, w
 
 
-def _run_cases(world, cases, config=None):
+def _run_cases(world, cases, config=None, transport="stores"):
     """Each case on a fresh poisoned output; returns (rel error, output bytes) per case."""
-    ctx = GemvAllReduce(world, max_n=max(c[1] for c in cases), config=config)
+    ctx = GemvAllReduce(world, max_n=max(c[1] for c in cases), config=config,
+                        transport=transport)
     out = []
     try:
         for i, (M, N, K, dtype) in enumerate(cases):
@@ -43,9 +45,10 @@ SHAPES = [(1, 40, 33), (5, 100, 64), (3, 37, 130), (64, 48, 31), (17, 1, 9), (1,
           (2, 129, 257)]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_matches_reference_and_is_identical_on_ranks(world, dtype):
-    results = world.run(_run_cases, [(M, N, K, dtype) for M, N, K in SHAPES])
+def test_matches_reference_and_is_identical_on_ranks(world, dtype, transport):
+    results = world.run(_run_cases, [(M, N, K, dtype) for M, N, K in SHAPES], None, transport)
     for rank_results in results:
         for (err, _), shape in zip(rank_results, SHAPES):
             assert err < TOL[dtype], f"shape {shape}: rel err {err}"
@@ -64,14 +67,20 @@ def test_other_tilings_and_several_rounds_per_program(world2):
             assert all(err < 1e-5 for err, _ in rank_results), cfg
 
 
-def _repeated_calls(world):
-    # epochs advance across calls of changing shapes; nothing is reset in between
-    ctx = GemvAllReduce(world, max_n=96)
+def _repeated_calls(world, transport="stores"):
+    # epochs advance across calls of changing shapes; nothing is reset in between. The last
+    # rank comes late to every other call, so the others run ahead into the next call while it
+    # is still reducing (the one-shot form's partials of consecutive calls must not collide)
+    import time
+
+    ctx = GemvAllReduce(world, max_n=96, transport=transport)
     worst = 0.0
     try:
         for i in range(12):
             M, N, K = 1 + (7 * i) % 64, 16 + (29 * i) % 80, 8 + 5 * i
             x, w = _inputs(world, M, N, K, torch.float32, seed=100 + i)
+            if world.rank == world.world_size - 1 and i % 2:
+                time.sleep(0.2)
             y = ctx(x, w)
             worst = max(worst, rel_err(y, gemv_all_reduce_reference(x, w, world.group)))
         epoch = int(ctx.ctx[0])  # the descriptor counts calls
@@ -80,8 +89,9 @@ def _repeated_calls(world):
     return worst, epoch
 
 
-def test_back_to_back_calls_with_changing_shapes(world2):
-    for worst, epoch in world2.run(_repeated_calls):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_back_to_back_calls_with_changing_shapes(world2, transport):
+    for worst, epoch in world2.run(_repeated_calls, transport):
         assert worst < 1e-5
         assert epoch == 12  # one epoch per call, kept in the heap
 
@@ -214,8 +224,8 @@ def test_ranks_disagreeing_on_the_tiling_are_caught(world2):
     assert world2.run(_disagree_on_tiling, timeout=120) == ["RankMismatchError"] * 2
 
 
-def _skip_one_call(world, skipper):
-    ctx = GemvAllReduce(world, max_n=64, timeout_s=1.0)
+def _skip_one_call(world, skipper, transport="stores"):
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=1.0, transport=transport)
     x, w = _inputs(world, 3, 40, 20, torch.float32, seed=3)
     result = "ok"
     if world.rank != skipper:
@@ -228,9 +238,10 @@ def _skip_one_call(world, skipper):
     return result
 
 
-def test_a_rank_that_skips_a_call_is_named_and_nobody_hangs(world):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_that_skips_a_call_is_named_and_nobody_hangs(world, transport):
     skipper = world.size - 1
-    results = world.run(_skip_one_call, skipper, timeout=120)
+    results = world.run(_skip_one_call, skipper, transport, timeout=120)
     for rank, msg in enumerate(results):
         if rank == skipper:
             continue

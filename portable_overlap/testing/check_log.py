@@ -9,10 +9,12 @@ import os
 class CheckLog:
     """``record(name, ok, detail)`` per check, ``skip(name, why)`` for one this machine cannot
     run (neither passed nor failed); ``finish(world, title)`` at the end. ``width`` pads the
-    names in the printed lines."""
+    names in the printed lines; ``prefix`` goes before every name recorded while it is set (the
+    same checks run on another context)."""
 
     def __init__(self, width: int = 45):
         self.width = width
+        self.prefix = ""
         self.results: list = []  # (name, ok: True / False / None for skipped, detail)
 
     def record(self, name: str, ok: bool, detail: str = "") -> None:
@@ -22,6 +24,7 @@ class CheckLog:
         self._add(name, None, why)
 
     def _add(self, name: str, ok, detail: str) -> None:
+        name = self.prefix + name
         self.results.append((name, ok, detail))
         if os.environ.get("RANK", "0") == "0":
             print(f"[rank 0] {_verdict(ok)}  {name:{self.width}s} {detail}", flush=True)

@@ -850,11 +850,14 @@ def main() -> int:
     # device time on what changed
     only = {n for n in os.environ.get("PO_CHECKS", "").split(",") if n}
     if not only or "gemv" in only:
-        ctx = GemvAllReduce(world, max_n=8192)
-        for check in (check_shapes, check_back_to_back, check_graph, check_compile):
-            _guarded(check, world, ctx, gen)
-        check_bad_input(world, ctx)
-        ctx.close()
+        for transport in ("stores", "one_shot"):
+            LOG.prefix = "" if transport == "stores" else f"[{transport}] "
+            ctx = GemvAllReduce(world, max_n=8192, transport=transport)
+            for check in (check_shapes, check_back_to_back, check_graph, check_compile):
+                _guarded(check, world, ctx, gen)
+            check_bad_input(world, ctx)
+            ctx.close()
+        LOG.prefix = ""
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_moe_dispatch_swiglu, check_moe_layer, check_peer_failures):

@@ -23,8 +23,11 @@ from .kernel import FLAG_LABELS, gemv_allreduce_kernel
 OP = "gemv_all_reduce"
 MAX_M = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: ``"stores"``: one persistent kernel, partial sums stored into the owners' heaps
-TRANSPORTS = ("stores",)
+#: ``"stores"``: one persistent kernel, partial sums stored into the owners' heaps, which reduce
+#: them and store the result into every rank (two flag rounds); ``"one_shot"``: every partial
+#: stored into every rank, each reducing all of them (one flag round, ``world`` times the
+#: stores and the reduction: for latency-bound decode steps on many ranks)
+TRANSPORTS = ("stores", "one_shot")
 
 
 class GemvAllReduce(OverlapContext):
@@ -40,7 +43,8 @@ class GemvAllReduce(OverlapContext):
         timeout_s: how long a kernel waits for a peer before it gives up and reports
             (approximate: converted to polls with the backend's poll rate).
         config: force one launch configuration (else tuned table, else heuristic).
-        transport: ``"stores"`` (the only one: ``TRANSPORTS``).
+        transport: ``"stores"`` (two-shot) or ``"one_shot"`` (``TRANSPORTS``). The one-shot
+            form keeps two calls' partials (``2 * world * 64 * max_n`` floats).
     """
 
     OP = OP
@@ -51,11 +55,15 @@ class GemvAllReduce(OverlapContext):
         self.transport = check_transport(OP, transport, TRANSPORTS)
         if max_n < 1:
             raise ValueError(f"{OP}: max_n must be >= 1, got {max_n}")
-        world.check_same(f"{OP} context arguments (max_n, config)", (max_n, config))
+        world.check_same(f"{OP} context arguments (max_n, config, transport)",
+                         (max_n, config, transport))
         W = world.world_size
+        one_shot = transport == "one_shot"
         super().__init__(world, [
-            ("partial", (W * MAX_M * max_n,), torch.float32),  # fp32 partials, [src, M, N]
-            ("_result_raw", (MAX_M * max_n,), torch.float32),  # reduced tiles, viewed per dtype
+            # fp32 partials [src, M, N]; the one-shot form keeps two calls' (kernel.py)
+            ("partial", ((2 if one_shot else 1) * W * MAX_M * max_n,), torch.float32),
+            # reduced tiles, viewed per dtype (the two-shot form's broadcast)
+            ("_result_raw", (1 if one_shot else MAX_M * max_n,), torch.float32),
             ("ready", (W, G_MAX), torch.int64), ("bcast", (W, G_MAX), torch.int64),
         ], timeout_s)
         self.call_protocol(self.ctx, call_flags=(self.ready, self.bcast))
@@ -109,22 +117,22 @@ class GemvAllReduce(OverlapContext):
             BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
             EVEN_N=N % cfg.block_n == 0,
             PRECISION=dot_precision(x.dtype),
-            UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX,
+            UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, ONE_SHOT=self.transport == "one_shot",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX)
-        tag_of = lambda g: _tag(M, N, K, x.dtype, cfg, g)  # noqa: E731
+        tag_of = lambda g: _tag(M, N, K, x.dtype, cfg, g, self.transport)  # noqa: E731
         plan = self._compile(gemv_allreduce_kernel, programs, consts,
                              lambda g: self._args(x, w, out, tag_of(g), n_blocks, g))
         plan.tag, plan.n_blocks = tag_of(plan.programs), n_blocks
         return plan
 
 
-def _tag(M, N, K, dtype, cfg: GemvConfig, programs: int) -> int:
+def _tag(M, N, K, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
     """What the flags carry besides the epoch: ranks run the same code, so a rank called with
     other shapes, or planned with another tiling or grid (a per-call config on one rank only), is
     caught by the first flag it sends instead of mixing up column blocks."""
     return shape_tag(x=(M, K), w=(N, K), dtype=str(dtype), block_n=cfg.block_n,
-                     programs=programs)
+                     programs=programs, transport=transport)
 
 
 def _validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:

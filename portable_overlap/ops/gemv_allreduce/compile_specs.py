@@ -9,13 +9,15 @@ _SCALARS = "M:i32 N:i32 K:i32 stride_xm:i32 stride_wn:i32 n_blocks:i32 G:i32 tag
 
 def specs():
     for dt, prec in (("bf16", "ieee"), ("fp16", "ieee"), ("fp32", "ieee")):
-        for block_m, even in ((16, True), (64, False)):
+        for block_m, even, one_shot in ((16, True, False), (64, False, False), (16, True, True)):
             sig = {k: v.format(dt=dt) for k, v in _PTRS.items()}
             sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
             consts = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=4, EVEN_K=even,
-                          EVEN_N=even, PRECISION=prec, UPCAST=False, G_MAX=1024)
+                          EVEN_N=even, PRECISION=prec, UPCAST=False, G_MAX=1024,
+                          ONE_SHOT=one_shot)
             sig.update({k: "constexpr" for k in consts})
             # what the JIT specializes at run time: 16-byte aligned pointers, K and strides % 16
             aligned = [*_PTRS, "K", "stride_xm", "stride_wn"] if even else [*_PTRS]
-            yield (f"gemv_allreduce[{dt},BM{block_m},even={even}]", gemv_allreduce_kernel, sig,
-                   consts, aligned)
+            yield (f"gemv_allreduce[{dt},BM{block_m},even={even}"
+                   f"{',one_shot' if one_shot else ''}]", gemv_allreduce_kernel, sig, consts,
+                   aligned)

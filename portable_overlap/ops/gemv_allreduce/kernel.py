@@ -1,4 +1,5 @@
-"""Fused GEMV + AllReduce: one persistent Triton kernel, two-phase direct all-reduce by stores.
+"""Fused GEMV + AllReduce: one persistent Triton kernel, a direct all-reduce by stores in two
+phases (the ``"stores"`` transport) or one (``"one_shot"``).
 
 Output columns are cut into blocks of BLOCK_N; block ``b`` is the ``i``-th block of program
 ``pid = b % G`` (``i = b // G``) and is *owned* by rank ``(i + pid) % world``, so every program
@@ -19,6 +20,17 @@ On rank r, program pid:
    the output.
 
 Every rank ends with the same bits: each block is summed once, by its owner, in rank order.
+
+With ``ONE_SHOT`` (the ``"one_shot"`` transport) there is no owner and no second round: program
+pid of rank r stores the partial of each of its blocks into ``partial[r]`` of every rank's heap
+(its own included), signals ``ready[r][pid]`` on every peer, waits for every peer's, and sums the
+``world`` partials of its blocks in rank order (so every rank still ends with the same bits).
+One flag round instead of two, for ``world`` times the partial stores and the reduction work:
+what a latency-bound decode step on many ranks wants. The partials of consecutive calls go to
+the two halves of ``partial`` by the call's parity: a peer may still be reducing call c when
+this rank starts call c + 1, but it has finished call c before it signals call c + 1, which this
+rank waits for before call c + 2 writes that half again.
+
 Written on the public device API (``portable_overlap.language``): flags carry the call number
 (counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
 bounded and reported by the flag it waited for.
@@ -61,6 +73,7 @@ def gemv_allreduce_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
+    ONE_SHOT: tl.constexpr,
 ):
     pid = tl.program_id(0)  # G == the grid size (an argument: loop bounds must not depend on
     #                         program_id, which the interpreter keeps as a 1-element array)
@@ -75,6 +88,28 @@ def gemv_allreduce_kernel(
     MN = M * N
     tile_off = offs_m[:, None] * N + offs_nb[None, :]
 
+    if ONE_SHOT:
+        _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, M, N, K, stride_xm,
+                  stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds, offs_nb,
+                  m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N,
+                  PRECISION, UPCAST, G_MAX)
+    else:
+        _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_ptr, ctx, M,
+                  N, K, stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok,
+                  n_rounds, offs_nb, m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                  EVEN_K, EVEN_N, PRECISION, UPCAST, G_MAX)
+    pol.end_call(ctx, call)
+
+
+@triton.jit
+def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
+              stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds,
+              offs_nb, m_mask, MN, tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+              EVEN_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              G_MAX: tl.constexpr):
+    """Steps 1-5 of the module docstring: partials to the owners, owners reduce and store the
+    result into every rank."""
     # 1. blocks that peers own: compute first, store into the owner's partial[rank] (not once
     #    the context is out of step: ``ok`` only masks the stores, so the tile's loads do not
     #    wait for the atomic that reads it)
@@ -127,4 +162,35 @@ def gemv_allreduce_kernel(
                 mask = m_mask & ((n0 + offs_nb)[None, :] < N)
                 y = tl.load(result_ptr + n0 + tile_off, mask=mask)
                 tl.store(out_ptr + n0 + tile_off, y, mask=mask)
-    pol.end_call(ctx, call)
+
+
+@triton.jit
+def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, M, N, K, stride_xm, stride_wn,
+              n_blocks, G, tag, pid, call, rank, world, ok, n_rounds, offs_nb, m_mask, MN,
+              tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+              PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr):
+    """The one-shot all-reduce of the module docstring: every partial to every rank, one flag
+    round, every rank reduces all of its program's blocks."""
+    half = partial_ptr + (call % 2) * world * MN  # this call's half of the partials
+    for i in range(0, n_rounds):
+        if pid + i * G < n_blocks:
+            n0 = (pid + i * G) * BLOCK_N
+            mask = m_mask & ((n0 + offs_nb)[None, :] < N)
+            acc = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0, BLOCK_M, BLOCK_N,
+                            BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
+            dst = half + rank * MN + n0 + tile_off
+            tl.store(dst, acc, mask=mask)
+            for step in range(1, world):  # peers in rotated order: every link busy at once
+                pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
+    _signal_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    ok = _wait_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    if ok:
+        for i in range(0, n_rounds):
+            if pid + i * G < n_blocks:
+                n0 = (pid + i * G) * BLOCK_N
+                mask = m_mask & ((n0 + offs_nb)[None, :] < N)
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for q in range(0, world):
+                    total += tl.load(half + q * MN + n0 + tile_off, mask=mask, other=0.0)
+                tl.store(out_ptr + n0 + tile_off, total.to(out_ptr.dtype.element_ty), mask=mask)
