@@ -58,6 +58,8 @@ def main() -> int:
     ap.add_argument("--down-configs", default="",
                     help="the down GEMM's fixed tilings instead of DOWN_CONFIGS', as "
                          "BMxBNxBK/<warps>w<stages>s,...")
+    ap.add_argument("--combine", action="store_true",
+                    help="time the combine's weighted sum (its combine phase) per token block")
     ap.add_argument("--max-tokens", type=int, default=1 << 30,
                     help="only the shapes with at most this many tokens per rank")
     ap.add_argument("--iters", type=int, default=50)
@@ -74,6 +76,10 @@ def main() -> int:
         if E % W:
             continue
         El = E // W
+        if args.combine:
+            if W == 1:
+                lines += combine_sum(world, writer, args, S, H, I, E, k, g, hbm)
+            continue
         if args.down:
             lines += down_gemm(world, writer, args, W, S, H, I, E, k, g, hbm)
             continue
@@ -157,6 +163,42 @@ def main() -> int:
 DOWN_CONFIGS = [("descriptors", None), ("pointers", None), ("config", (128, 256, 64, 8, 3)),
                 ("config", (64, 256, 64, 8, 3)), ("config", (64, 256, 64, 4, 4)),
                 ("config", (64, 128, 64, 4, 4)), ("config", (64, 128, 128, 4, 3))]
+
+
+def combine_sum(world, writer, args, S, H, I, E, k, g, hbm) -> list:
+    """The combine's weighted sum of each token's k rows (its ``combine`` phase on a world of
+    one) per ``CombineConfig.block_s`` (tokens per program), against the rows' bytes at the
+    HBM rate."""
+    from portable_overlap.ops.moe_combine import CombineConfig, MoeGemmCombine
+    from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
+
+    dev = world.device
+    tokens = torch.randn(S, I, generator=g, device=dev).bfloat16()
+    ids = torch.rand(S, E, generator=g, device=dev).topk(k, -1).indices
+    x, counts, slots = moe_dispatch_reference(tokens, ids, E, world.group)
+    w = (torch.randn(E, I, H, generator=g, device=dev) * I ** -0.5).bfloat16()
+    tw = torch.softmax(torch.randn(S, k, generator=g, device=dev), -1)
+    rows_ms = S * k * H * 2 / hbm / 1e6
+    shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "ranks": 1}
+    lines = []
+    for bs in (1, 2, 4, 8, 16):
+        ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=E,
+                             combine_config=CombineConfig(block_s=bs))
+        try:
+            out = torch.empty(S, H, device=dev, dtype=torch.bfloat16)
+            ph = ctx.phases(x, w, counts, slots, tw, out)
+            ctx.synchronize()
+            t = time_op(ph["combine"], world, graph=True, iters=args.iters)
+        finally:
+            ctx.close()
+        writer.write(op="moe_combine_sum_tuning", shape=shape, dtype="bf16",
+                     impl=f"block_s{bs}", graph=True, rows_ms_at_hbm=rows_ms, **t)
+        line = (f"combine {S:>5}x{H}x{I:>5}x{E:>2}x{k} block_s {bs:>2} ({-(-S // bs):>5} "
+                f"programs): {t['median_ms'] * 1e3:.1f} us  rows at HBM rate "
+                f"{rows_ms * 1e3:.1f} us")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
 
 
 def down_configs(spec: str) -> list:
