@@ -28,12 +28,12 @@ def _route(kind, S, E, k, rank, g):
     return torch.rand(S, E, generator=g).topk(k, dim=1).indices
 
 
-def _cases(world, dtype, cases, config=None, walk="auto"):
+def _cases(world, dtype, cases, config=None, walk="auto", combine_config=None):
     """Each case: (S on rank 0, S on rank 1.., H, I, experts_per_rank, k, routing)."""
     W = world.world_size
     ctx = MoeGemmCombine(world, max_tokens=max(max(c[0]) for c in cases), top_k=cases[0][4],
                          hidden=cases[0][1], experts_per_rank=cases[0][3], config=config,
-                         walk=walk)
+                         walk=walk, combine_config=combine_config)
     errs = []
     try:
         for i, (S_per_rank, H, I, El, k, kind) in enumerate(cases):
@@ -81,6 +81,28 @@ def test_both_walks_match_reference(world, walk):
     cases = [((22, 13), 20, 12, 2, 3, "uniform"), ((9, 22), 20, 12, 2, 3, "skip_upper")]
     for errs in world.run(_cases, torch.bfloat16, cases, SMALL, walk):
         assert all(e < TOL[torch.bfloat16] for e in errs), errs
+
+
+def test_weighted_sum_blocks_by_token_count(world2):
+    """``block_s=None``: tokens per program of the weighted sum chosen per call (1 for these
+    small calls; each choice is a plan of its own), ranks of different sizes, next to a fixed
+    block of 8 tokens (more than some ranks hold)."""
+    from portable_overlap.ops.moe_combine import CombineConfig
+
+    for cc in (CombineConfig(block_h=16, num_warps=1), CombineConfig(block_s=8, block_h=16,
+                                                                      num_warps=1)):
+        for errs in world2.run(_cases, torch.float32, CASES_K2, SMALL, "auto", cc):
+            assert all(e < 1e-5 for e in errs), (cc, errs)
+
+
+def test_combine_block_and_config_checks():
+    from portable_overlap.ops.moe_combine import CombineConfig
+    from portable_overlap.ops.moe_combine.api import combine_block
+
+    assert [combine_block(s, 132) for s in (1, 128, 264, 528, 8192)] == [1, 1, 1, 2, 4]
+    for bad in (dict(block_s=3), dict(block_s=0), dict(block_h=8), dict(num_warps=3)):
+        with pytest.raises(ValueError, match="block_s"):
+            CombineConfig(**bad)
 
 
 def test_top1_odd_shapes_and_default_tiling(world2):

@@ -55,10 +55,33 @@ OP = "moe_gemm_combine"
 
 @dataclasses.dataclass(frozen=True)
 class CombineConfig:
-    """Tiling of the weighted-sum kernel: tokens and hidden columns per program step."""
-    block_s: int = 8
+    """Tiling of the weighted-sum kernel: tokens per program (``block_s``; None: by the call's
+    token count, ``combine_block``) and hidden columns per program step."""
+    block_s: Optional[int] = None
     block_h: int = 256
     num_warps: int = 4
+
+    def __post_init__(self):
+        def pow2(v, least):
+            return isinstance(v, int) and v >= least and not v & (v - 1)
+
+        if not ((self.block_s is None or pow2(self.block_s, 1)) and pow2(self.block_h, 16)
+                and self.num_warps in (1, 2, 4, 8, 16)):
+            raise ValueError(f"{OP}: block_s (None or a power of two), block_h (a power of two "
+                             f">= 16) and num_warps (1-16, a power of two) of {self}")
+
+
+def combine_block(tokens: int, sm_count: int) -> int:
+    """Tokens per program of the weighted sum: the most of 4, 2, 1 that still gives every
+    processor two programs. Each token reads k rows of H, so a program of few tokens has little
+    in flight, and a grid of fewer programs than processors leaves the rest idle: on one H100
+    at 128 tokens (k 8, H 7168) 8 tokens per program (16 programs) took 91.7 us, 1 token (128)
+    23.1; at 8192 tokens 8 per program took 400.7 us, 4 367.9 (the rows at the HBM rate:
+    315.5; ``tune_moe_experts.py --combine``)."""
+    for block in (4, 2):
+        if -(-tokens // block) >= 2 * sm_count:
+            return block
+    return 1
 
 
 #: mean rows of a (source, expert) segment at or below which a call is a decode size
@@ -222,7 +245,12 @@ class MoeGemmCombine(OverlapContext):
         if plan is None:
             plan = self._plans[key] = self._plan(x, w, counts, starts, slots, topk_weights, out,
                                                  descs, cfg, expert_major)
-        gemm, comb = plan
+        gemm = plan
+        cc = self._combine_config(x.device, S)
+        comb = self._plans.get(("combine", key, cc))
+        if comb is None:
+            comb = self._plans[("combine", key, cc)] = self._plan_combine(topk_weights, out,
+                                                                          x.dtype, gemm, cc)
         args = self._gemm_args(x, w, counts, starts, slots, gemm.tag, gemm.programs, descs)
         comb_args = self._comb_args(topk_weights, out, x.dtype, gemm.tag, gemm.programs)
         blocks = max(1, -(-S // comb.block_s))  # one combine program per block of tokens
@@ -305,18 +333,30 @@ class MoeGemmCombine(OverlapContext):
         else:  # compiled by the library's launcher on first use; no intra-launch waits, no cap
             gemm = PlannedLaunch(moe_gemm_put_kernel, None, programs, gemm_consts, None)
         gemm.tag = tag_of(gemm.programs)
-        cc = self.combine_config or (CombineConfig() if x.device.type != "cpu" else
-                                     CombineConfig(block_s=4, block_h=16, num_warps=1))
+        return gemm
+
+    def _combine_config(self, device, S: int) -> CombineConfig:
+        """The weighted sum's tiling for a call of S tokens: the context's ``combine_config``
+        with ``block_s`` filled in by ``combine_block`` where it is None."""
+        if device.type == "cpu":  # the interpreter: small blocks keep emulated runs short
+            base = self.combine_config or CombineConfig(block_s=4, block_h=16, num_warps=1)
+        else:
+            base = self.combine_config or CombineConfig()
+        if base.block_s is not None:
+            return base
+        return dataclasses.replace(base, block_s=combine_block(S, self.world.facts.sm_count))
+
+    def _plan_combine(self, topk_weights, out, dtype, gemm, cc: CombineConfig):
         S = topk_weights.shape[0]
         comb_consts = dict(BLOCK_S=cc.block_s, BLOCK_H=cc.block_h, G_MAX=G_MAX,
                            num_warps=cc.num_warps, num_stages=1)
         # every program waits for the peers' rows, none for another program of this launch,
         # so the grid needs no cap: one program per block of tokens (one when S is 0)
         comb = self._compile(moe_combine_kernel, max(1, -(-S // cc.block_s)), comb_consts,
-                             lambda g: self._comb_args(topk_weights, out, x.dtype, gemm.tag,
+                             lambda g: self._comb_args(topk_weights, out, dtype, gemm.tag,
                                                        gemm.programs))
         comb.block_s = cc.block_s
-        return gemm, comb
+        return comb
 
     # -- checks --------------------------------------------------------------------------------
     def _validate(self, x, w, counts, slots, topk_weights) -> None:
