@@ -15,13 +15,13 @@ matmul_all_reduce       MatmulAllReduce               copy_engine, stores, signa
                                                       sequential
 matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signal_collective,
                                                       sequential
-gemv_all_reduce         GemvAllReduce                 stores, one_shot
+gemv_all_reduce         GemvAllReduce                 stores, one_shot, sequential
 embedding_all_to_all    EmbeddingAllToAll             stores, shmem
 moe_dispatch            MoeDispatch                   stores, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================
 
-The first four also take ``transport="auto"``: the context times every transport that can run
+The first five also take ``transport="auto"``: the context times every transport that can run
 on its world at the first call of each new shape and keeps the fastest (``ops/planner.py``);
 ``torch_fused`` (torch's own fused ops) runs on GPU worlds of one host only. Each op is also
 ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS`` lists them). The

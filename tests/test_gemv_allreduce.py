@@ -6,7 +6,7 @@ import torch
 from portable_overlap import (ContextBrokenError, GemvAllReduce, GemvConfig, PeerTimeoutError,
                               PortableOverlapError, RowParallelLinear,
                               gemv_all_reduce, gemv_all_reduce_reference)
-from portable_overlap.ops.gemv_allreduce.api import TRANSPORTS
+from portable_overlap.ops.gemv_allreduce.api import KERNEL_TRANSPORTS
 from portable_overlap.testing.compare import rel_err
 
 # bf16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
@@ -45,7 +45,7 @@ SHAPES = [(1, 40, 33), (5, 100, 64), (3, 37, 130), (64, 48, 31), (17, 1, 9), (1,
           (2, 129, 257)]
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 def test_matches_reference_and_is_identical_on_ranks(world, dtype, transport):
     results = world.run(_run_cases, [(M, N, K, dtype) for M, N, K in SHAPES], None, transport)
@@ -83,13 +83,13 @@ def _repeated_calls(world, transport="stores"):
                 time.sleep(0.2)
             y = ctx(x, w)
             worst = max(worst, rel_err(y, gemv_all_reduce_reference(x, w, world.group)))
-        epoch = int(ctx.ctx[0])  # the descriptor counts calls
+        epoch = int(ctx.impl.ctx[0])  # the fused workspace's descriptor counts calls
     finally:
         ctx.close()
     return worst, epoch
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
 def test_back_to_back_calls_with_changing_shapes(world2, transport):
     for worst, epoch in world2.run(_repeated_calls, transport):
         assert worst < 1e-5
@@ -238,7 +238,7 @@ def _skip_one_call(world, skipper, transport="stores"):
     return result
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
 def test_a_rank_that_skips_a_call_is_named_and_nobody_hangs(world, transport):
     skipper = world.size - 1
     results = world.run(_skip_one_call, skipper, transport, timeout=120)

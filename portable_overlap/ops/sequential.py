@@ -116,3 +116,34 @@ class SequentialAllGatherMatmul(ContextBase):
         else:
             full.copy_(a)
         return torch.matmul(full, b, out=out)
+
+
+class SequentialGemv(ContextBase):
+    """The ``"sequential"`` transport of GEMV + AllReduce (public op ``op``): ``torch.mm(x,
+    w.T)`` in the input dtype, then the vendor library's ``all_reduce`` of the [M, N] product,
+    into ``out`` (or a new tensor). Input is checked as the fused transports check it
+    (``gemv_allreduce.api.validate``), N against the ``max_n`` the context was made for."""
+
+    def __init__(self, world, op: str, max_n: int, *, timeout_s: float = 60.0, **options):
+        self.OP = op
+        _no_options(op, options)
+        super().__init__(world, timeout_s)
+        self.max_n = max_n
+        self.register()
+
+    @collective_call
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 **options) -> torch.Tensor:
+        from .gemv_allreduce.api import check_out, validate
+
+        _no_options(self.OP, options)
+        validate(x, w, self.world.device, self.max_n)
+        M, N = x.shape[0], w.shape[0]
+        if out is None:
+            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        else:
+            check_out(out, M, N, x)
+        torch.mm(x, w.t(), out=out)
+        if self.world.world_size > 1:
+            dist.all_reduce(out, group=self.world.group)
+        return out

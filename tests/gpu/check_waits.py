@@ -67,7 +67,8 @@ def main():
           f"device span {dev_s * 1e3:.1f} ms, host span {host * 1e3:.1f} ms")
 
     # 2. a wait that never ends gives up at the deadline, and the context says so
-    ctx = GemvAllReduce(world, max_n=64, timeout_s=0.3)
+    pattern = GemvAllReduce(world, max_n=64, timeout_s=0.3)
+    ctx = pattern.impl  # the fused transport's workspace
     flag = torch.zeros(8, dtype=torch.int64, device=dev)
     ctl = torch.ones(1, dtype=torch.int64, device=dev)
 
@@ -99,7 +100,7 @@ def main():
         check("next call refused", False, "no error")
     except ContextBrokenError:
         check("next call refused", True)
-    ctx.close()
+    pattern.close()
 
     # 3. one deadline for all waves of a launch
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -1,4 +1,5 @@
-"""Fused GEMV + AllReduce: validation, workspace, launch, and the torch.library op.
+"""Fused GEMV + AllReduce: validation, the fused transports' workspace and launch (the public
+context with its transports, and the torch.library op, are in pattern.py).
 
 What it computes, with ``x_r``, ``w_r`` the tensors rank r passes::
 
@@ -16,7 +17,6 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import check_transport, collective_call, G_MAX, OverlapContext, align_key, shape_tag
-from ..registry import OpSpec, define
 from .config import GemvConfig, pick_config
 from .kernel import FLAG_LABELS, gemv_allreduce_kernel
 
@@ -27,12 +27,13 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: them and store the result into every rank (two flag rounds); ``"one_shot"``: every partial
 #: stored into every rank, each reducing all of them (one flag round, ``world`` times the
 #: stores and the reduction: for latency-bound decode steps on many ranks)
-TRANSPORTS = ("stores", "one_shot")
+KERNEL_TRANSPORTS = ("stores", "one_shot")
 
 
-class GemvAllReduce(OverlapContext):
-    """The workspace of the fused op on one rank: a symmetric heap with the partial and result
-    buffers and the flags, a status board, and the per-shape launch choices.
+class GemvAllReduceKernel(OverlapContext):
+    """The workspace of the fused transports on one rank (``pattern.GemvAllReduce`` makes it):
+    a symmetric heap with the partial and result buffers and the flags, a status board, and the
+    per-shape launch choices.
 
     Collective: every rank of ``world`` must create it with the same arguments, and then make the
     same sequence of calls (same shapes, same order) on one stream.
@@ -43,8 +44,8 @@ class GemvAllReduce(OverlapContext):
         timeout_s: how long a kernel waits for a peer before it gives up and reports
             (approximate: converted to polls with the backend's poll rate).
         config: force one launch configuration (else tuned table, else heuristic).
-        transport: ``"stores"`` (two-shot) or ``"one_shot"`` (``TRANSPORTS``). The one-shot
-            form keeps two calls' partials (``2 * world * 64 * max_n`` floats).
+        transport: ``"stores"`` (two-shot) or ``"one_shot"`` (``KERNEL_TRANSPORTS``). The
+            one-shot form keeps two calls' partials (``2 * world * 64 * max_n`` floats).
     """
 
     OP = OP
@@ -52,7 +53,7 @@ class GemvAllReduce(OverlapContext):
 
     def __init__(self, world, max_n: int, *, timeout_s: float = 10.0,
                  config: Optional[GemvConfig] = None, transport: str = "stores"):
-        self.transport = check_transport(OP, transport, TRANSPORTS)
+        self.transport = check_transport(OP, transport, KERNEL_TRANSPORTS)
         if max_n < 1:
             raise ValueError(f"{OP}: max_n must be >= 1, got {max_n}")
         world.check_same(f"{OP} context arguments (max_n, config, transport)",
@@ -82,14 +83,14 @@ class GemvAllReduce(OverlapContext):
         # argument binding.
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) \
                 or x.dim() != 2 or w.dim() != 2:
-            _validate(x, w, self.world.device, self.max_n)  # raises with the reason
+            validate(x, w, self.world.device, self.max_n)  # raises with the reason
         M, K = x.shape
         N = w.shape[0]
         if out is None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         elif out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
                 or not out.is_contiguous():
-            _check_out(out, M, N, x)
+            check_out(out, M, N, x)
         key = (M, K, N, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
                w.is_contiguous(), x.stride(0), w.stride(0), align_key(x, w, out), config)
         plan = self._plans.get(key)
@@ -105,7 +106,7 @@ class GemvAllReduce(OverlapContext):
 
     # -- planning (once per shape) -------------------------------------------------------------
     def _plan(self, x, w, out, config: Optional[GemvConfig]):
-        _validate(x, w, self.world.device, self.max_n)
+        validate(x, w, self.world.device, self.max_n)
         M, K = x.shape
         N = w.shape[0]
         facts = self.world.facts
@@ -135,7 +136,9 @@ def _tag(M, N, K, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
                      programs=programs, transport=transport)
 
 
-def _validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:
+def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:
+    """The op's input checks (every transport's): ``ValueError`` / ``TypeError`` naming what
+    is wrong."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError(f"{OP}: x and w must be tensors")
     if x.dim() != 2 or w.dim() != 2:
@@ -161,23 +164,9 @@ def _validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int
         raise ValueError(f"{OP}: x and w must be contiguous (call .contiguous() first)")
 
 
-def _check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor) -> None:
+def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor) -> None:
+    """``out`` must be a contiguous [M, N] tensor of x's dtype and device."""
     if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
             or not out.is_contiguous():
         raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{M}, {N}] tensor on "
                          f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
-
-
-GEMV_ALL_REDUCE = define(OpSpec(
-    OP, "(Tensor x, Tensor w, int handle) -> Tensor", context=GemvAllReduce,
-    transports=TRANSPORTS, compile_specs=("portable_overlap.ops.gemv_allreduce.compile_specs",),
-    fake=lambda ctx, x, w: x.new_empty((x.shape[0], w.shape[0]))))
-
-
-def gemv_all_reduce(x: torch.Tensor, w: torch.Tensor, ctx: GemvAllReduce,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = Σ_r x_r @ w_rᵀ`` [M, N] on every rank of ``ctx.world``, where ``x_r`` [M, K_r]
-    (1 <= M <= 64) and ``w_r`` [N, K_r] are what rank r passes; see the module docstring.
-    Under ``torch.compile`` one opaque op,
-    ``torch.ops.portable_overlap.gemv_all_reduce(x, w, ctx.handle)``."""
-    return GEMV_ALL_REDUCE(ctx, (x, w), out=out)

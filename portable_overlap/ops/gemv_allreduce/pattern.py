@@ -1,0 +1,97 @@
+"""The context of GEMV + AllReduce (a row-parallel linear layer at decode batch sizes), with the
+transport as an argument, and its torch.library op.
+
+What it computes, with ``x_r`` [M, K_r] (1 <= M <= 64) and ``w_r`` [N, K_r] the tensors rank r
+passes (its K-slice of a row-parallel weight)::
+
+    y = sum(x_r.float() @ w_r.float().T for r in ranks).to(x.dtype)   # [M, N], on every rank
+
+Transports (``transport=``):
+
+- ``"stores"`` (default): one persistent Triton kernel; each rank stores its fp32 partials
+  straight into the owners' heaps, owners reduce in rank order and store the result into every
+  rank (two flag rounds; ``api.GemvAllReduceKernel``, kernel.py; options ``config``, per call
+  ``config``);
+- ``"one_shot"``: the same kernel storing every partial into every rank, each rank reducing all
+  of them (one flag round; for latency-bound steps on many ranks; same options);
+- ``"sequential"``: ``torch.mm`` in the input dtype, then the vendor library's ``all_reduce`` of
+  the product (``ops/sequential.py``; no options): the baseline, and the choice where the fused
+  kernel measured slower;
+- ``"auto"``: the workspace of each and, per call shape, the one that timed fastest at that
+  shape's first call (``ops/planner.py``; ``"sequential"`` unless beaten by more than 3 %).
+
+The fused transports give every rank the same bits (each block summed in rank order); the
+sequential one gives what the collective library gives (the same on every rank for NCCL's and
+gloo's all-reduce, rounded in the input dtype).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..pattern import PatternContext, timeout_kw
+from ..registry import OpSpec, define
+from .config import GemvConfig
+
+OP = "gemv_all_reduce"
+
+
+class GemvAllReduce(PatternContext):
+    """Workspace of :func:`gemv_all_reduce` on one rank (module docstring):
+    ``GemvAllReduce(world, max_n, transport="stores", timeout_s=10.0, config=None)``, or
+    ``transport="auto"`` (``PatternContext``). ``max_n``: the largest N (output features) it
+    will be called with. ``config``: the fused transports' launch configuration (default: the
+    tuned table, else the heuristic of ``config.pick_config``). Collective to create and to
+    close; the same calls in the same order on every rank, on one stream."""
+
+    OP = OP
+    TRANSPORTS = ("stores", "one_shot", "sequential")
+    CALL_OPTIONS = {"stores": {"config": GemvConfig}, "one_shot": {"config": GemvConfig}}
+
+    def __init__(self, world, max_n: int, *, transport: Optional[str] = None,
+                 timeout_s: Optional[float] = None, **options):
+        if not isinstance(max_n, int) or max_n < 1:
+            raise ValueError(f"{OP}: max_n must be an int >= 1, got {max_n!r}")
+        self.max_n = max_n
+        super().__init__(world, transport, timeout_s, options)
+
+    def _make(self, world, transport, timeout_s, **options):
+        if transport == "sequential":
+            from ..sequential import SequentialGemv
+
+            return SequentialGemv(world, OP, self.max_n, **options, **timeout_kw(timeout_s))
+        from .api import GemvAllReduceKernel
+
+        return GemvAllReduceKernel(world, self.max_n, transport=transport, **options,
+                                   **timeout_kw(timeout_s))
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 **options) -> torch.Tensor:
+        """Run the op (module docstring); ``out`` is filled if given. ``options``: the
+        transport's per-call options (``config`` for the fused ones: tuning sweeps)."""
+        if self.planner is None:  # the decode path: one call less than ``_dispatch``
+            return self.impl(x, w, out, **options)
+        return self._dispatch(*self._bind(x, w, out, **options))
+
+    def _bind(self, x, w, out=None, **options) -> tuple:
+        return {"x": x, "w": w}, out, options
+
+    def _run(self, transport, impl, inputs, out, options):
+        return impl(inputs["x"], inputs["w"], out, **options)
+
+
+GEMV_ALL_REDUCE = define(OpSpec(
+    OP, "(Tensor x, Tensor w, int handle) -> Tensor", context=GemvAllReduce,
+    transports=GemvAllReduce.TRANSPORTS,
+    compile_specs=("portable_overlap.ops.gemv_allreduce.compile_specs",),
+    fake=lambda ctx, x, w: x.new_empty((x.shape[0], w.shape[0]))))
+
+
+def gemv_all_reduce(x: torch.Tensor, w: torch.Tensor, ctx: GemvAllReduce,
+                    out: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
+    """``y = Σ_r x_r @ w_rᵀ`` [M, N] on every rank of ``ctx.world``, where ``x_r`` [M, K_r]
+    (1 <= M <= 64) and ``w_r`` [N, K_r] are what rank r passes; see the module docstring.
+    Under ``torch.compile`` one opaque op,
+    ``torch.ops.portable_overlap.gemv_all_reduce(x, w, ctx.handle)``."""
+    return GEMV_ALL_REDUCE(ctx, (x, w), out=out, **options)
