@@ -17,7 +17,7 @@ matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signa
                                                       sequential
 gemv_all_reduce         GemvAllReduce                 stores, one_shot, sequential
 embedding_all_to_all    EmbeddingAllToAll             stores, shmem
-moe_dispatch            MoeDispatch                   stores, sequential
+moe_dispatch            MoeDispatch                   stores, shmem, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================
 

@@ -10,7 +10,8 @@ TARGETS = (("cuda", 90, 32), ("hip", "gfx942", 64), ("hip", "gfx950", 64))
 #: kernels that call a vendor's SHMEM device library: linked by the library's launcher on GPUs,
 #: not compilable here (their body is shared with a registered kernel that is)
 NEEDS_SHMEM_LIBRARY = {"moe_gemm_put_kernel": "moe_gemm_scatter_kernel",
-                       "embedding_alltoall_put_kernel": "embedding_alltoall_kernel"}
+                       "embedding_alltoall_put_kernel": "embedding_alltoall_kernel",
+                       "dispatch_put_kernel": "dispatch_scatter_kernel"}
 
 
 def compile_spec(fn, signature: dict, constexprs: dict, aligned, target, num_warps: int = 4,

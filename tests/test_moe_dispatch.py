@@ -5,11 +5,17 @@ the dispatch's own buffers, and the faults (bad ids, capacity overflow, a skippe
 arguments)."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from portable_overlap import InvalidInputError, PeerTimeoutError
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
 from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
+from portable_overlap.shmem import SymmetricHeap
+from portable_overlap.shmem.device import peer_ptr
+from portable_overlap.shmem.heap import heap_bytes
+from portable_overlap.shmem.providers import ShmemUnavailable
 from portable_overlap.testing import call_while_peers_skip
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
@@ -322,3 +328,220 @@ def _torch_op(world):
 def test_torch_op_and_fake(world2):
     for fx, fc, dt, fs, cap in world2.run(_torch_op):
         assert fx == (cap, 16) and fc == (2, 2) and dt == torch.int32 and fs == (cap,)
+
+
+# -- the "shmem" transport ------------------------------------------------------------------------
+# No SHMEM library runs on the CPU: the refusals are checked as they are, the kernel body over a
+# stand-in provider whose symmetric memory is a heap of the emulated ranks' shared memory (one
+# address names every rank's copy through its table of bases, as the library's symmetric
+# addresses do) and whose put copies through that table.
+
+_SYM_BASES = 0  # the stand-in's table of bases (an address) and this rank, read by its put
+_SYM_RANK = 0
+
+
+@triton.jit
+def _stand_in_put(dst, src, n, peer):
+    """The library's put: ``n`` elements from local ``src`` to ``peer``'s copy of ``dst``."""
+    bases = tl.cast(_SYM_BASES, tl.int64).to(tl.pointer_type(tl.int64))
+    d = peer_ptr(dst, bases, _SYM_RANK, peer)
+    for c in range(0, n, 32):
+        offs = c + tl.arange(0, 32)
+        tl.store(d + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _stand_in_flush():
+    """The stand-in's copies are done when they return."""
+    pass
+
+
+class _StandInShmem:
+    """A SHMEM provider on emulated ranks (see above); records what the context asked of it."""
+
+    def __init__(self, world):
+        self.world, self.heaps, self.wrapped = world, [], []
+
+    def symmetric_empty(self, nbytes):
+        global _SYM_BASES, _SYM_RANK
+        heap = SymmetricHeap(self.world, heap_bytes([((nbytes,), torch.uint8)]))
+        self.heaps.append(heap)
+        _SYM_BASES, _SYM_RANK = heap.bases.data_ptr(), self.world.rank
+        return heap.alloc((nbytes,), torch.uint8)
+
+    def wrap(self, kernel):
+        self.wrapped.append(kernel.fn.__name__)
+        return kernel
+
+
+def _with_provider(world, lookup, fn):
+    """``fn()`` on this rank with the provider lookup replaced by ``lookup`` and the put
+    kernel's library calls by the stand-in's; the stand-in's memory freed afterwards."""
+    import portable_overlap.ops.moe_dispatch.kernel as kernel
+    import portable_overlap.shmem.providers as providers
+
+    saved = providers.get_provider, kernel.shmem_put, kernel.shmem_flush
+    providers.get_provider, kernel.shmem_put, kernel.shmem_flush = (lookup, _stand_in_put,
+                                                                    _stand_in_flush)
+    try:
+        return fn()
+    finally:
+        providers.get_provider, kernel.shmem_put, kernel.shmem_flush = saved
+
+
+def _shmem(world, case):
+    """The shmem dispatch over the stand-in library: ``case`` "cases" (the results against the
+    reference), "faults" (a bad id, a capacity overflow: raised on every rank, then a right
+    call) or "swiglu" (the fused dispatch + GEMM refused, then a right call)."""
+    p = _StandInShmem(world)
+
+    def run():
+        W, r = world.world_size, world.rank
+        if case == "cases":
+            ctx = MoeDispatch(world, max_tokens=17, top_k=2, hidden=20, experts_per_rank=2,
+                              dtype=torch.bfloat16, transport="shmem")
+        else:
+            ctx = MoeDispatch(world, max_tokens=8, top_k=2, hidden=8, experts_per_rank=2,
+                              dtype=torch.float32, capacity=W * 6 * 2 - 1, transport="shmem",
+                              timeout_s=30.0)
+        out = {}
+        try:
+            # the receive buffers are the library's, the flags the heap's
+            out["recv in heap"] = [_in_heap(ctx, t) for t in (ctx.recv, ctx.recv_slots)]
+            out["flags in heap"] = [_in_heap(ctx, t) for t in (ctx.sent, ctx.count_flag)]
+            if case == "cases":
+                for i, (S_per_rank, H, El, k, kind) in enumerate(CASES):
+                    g = torch.Generator().manual_seed(1000 * i + r)
+                    S = S_per_rank[r % len(S_per_rank)]
+                    tokens = torch.randn(S, H, generator=g).to(torch.bfloat16)
+                    ids = route(kind, S, El * W, k, r, W, g)
+                    ctx.recv.fill_(float("nan"))
+                    ctx.recv_slots.fill_(-7)
+                    x, counts, slots = moe_dispatch(tokens, ids, ctx)
+                    ctx.synchronize()
+                    out[kind, i] = _check(world, x, counts, slots,
+                                          moe_dispatch_reference(tokens, ids, El, world.group))
+            else:
+                g = torch.Generator().manual_seed(90 + r)
+                tokens = torch.randn(6, 8, generator=g)
+                faults = {"id": route("uniform", 6, 2 * W, 2, r, W, g),
+                          "capacity": torch.tensor([[0, 1]] * 6)}  # all rows to rank 0
+                if r == 1:
+                    faults["id"][3, 1] = 2 * W + 5
+                if case == "swiglu":
+                    faults = {"swiglu": faults["id"].clone()}
+                    faults["swiglu"][3, 1] = 0
+                for name, ids in faults.items():
+                    try:
+                        if name == "swiglu":
+                            ctx.dispatch_swiglu(tokens, ids, torch.randn(2, 8, 4),
+                                                torch.randn(2, 8, 4))
+                        else:
+                            moe_dispatch(tokens, ids, ctx)
+                        ctx.synchronize()
+                        out[name] = "no error"
+                    except (InvalidInputError, ValueError) as e:
+                        out[name] = f"{type(e).__name__}: {e}"
+                    # the next call is right
+                    ids = route("zipf", 6, 2 * W, 2, r, W, g)
+                    x, counts, slots = moe_dispatch(tokens, ids, ctx)
+                    ctx.synchronize()
+                    out[name, "next"] = _check(world, x, counts, slots,
+                                               moe_dispatch_reference(tokens, ids, 2,
+                                                                      world.group))
+        finally:
+            ctx.close()
+        return out
+
+    try:
+        out = _with_provider(world, lambda w: p, run)
+    except Exception as e:  # told as text: its tensors may be views of the stand-in's memory
+        out = {"raised": f"{type(e).__name__}: {e}"}
+    finally:
+        for heap in p.heaps:
+            heap.close()
+    out["wrapped"] = p.wrapped
+    return out
+
+
+def _in_heap(ctx, t):
+    try:
+        ctx.heap.offset_of(t)
+        return True
+    except ValueError:
+        return False
+
+
+def test_shmem_transport_matches_the_reference(world):
+    """Every routing of CASES (ranks with different token counts, one with none, every choice
+    on one rank, experts without rows) through the put kernel over the stand-in library."""
+    for out in world.run(_shmem, "cases", timeout=300):
+        assert "raised" not in out, out
+        assert out.pop("recv in heap") == [False, False]
+        assert out.pop("flags in heap") == [True, True]
+        assert out.pop("wrapped") == ["dispatch_put_kernel"]
+        assert len(out) == len(CASES)
+
+
+def test_shmem_transport_faults_raise_on_every_rank(world2):
+    for out in world2.run(_shmem, "faults", timeout=300):
+        assert "raised" not in out, out
+        assert out["id"].startswith("InvalidInputError") and "expert id" in out["id"], out
+        assert "capacity" in out["capacity"] and "[0]" in out["capacity"], out
+
+
+def test_shmem_transport_refuses_the_fused_dispatch_swiglu(world2):
+    for out in world2.run(_shmem, "swiglu", timeout=300):
+        assert "raised" not in out, out
+        assert out["swiglu"].startswith("ValueError") and "'stores'" in out["swiglu"], out
+
+
+def _no_library(world):
+    """Without a library (the CPU backend as it is), and with it on rank 0 only: what each
+    rank raised, and what rank 0's stand-in allocated."""
+    p = _StandInShmem(world)
+    args = dict(max_tokens=8, top_k=2, hidden=16, experts_per_rank=2, transport="shmem")
+    found = []
+
+    def lookup(w):
+        if w.rank == 1:
+            raise ShmemUnavailable("NVSHMEM unavailable: a stand-in reason")
+        return p
+
+    for make in (lambda: MoeDispatch(world, **args),
+                 lambda: _with_provider(world, lookup, lambda: MoeDispatch(world, **args))):
+        try:
+            make().close()
+            found.append(None)
+        except ShmemUnavailable as e:
+            found.append(str(e))
+    return found, p.heaps
+
+
+def test_shmem_transport_without_a_library_raises_on_every_rank_before_allocating(world2):
+    for (cpu, half), heaps in world2.run(_no_library):
+        assert cpu and cpu.startswith("moe_dispatch") and "'cpu'" in cpu, cpu
+        assert "rank 0" in cpu and "rank 1" in cpu and "transport='stores'" in cpu, cpu
+        assert half and "rank 1: NVSHMEM unavailable: a stand-in reason" in half, half
+        assert "rank 0" not in half, half
+        assert heaps == []  # rank 0 allocated nothing: no rank waits in the library
+
+
+def _one_rank(world):
+    p = _StandInShmem(world)
+    try:
+        _with_provider(world, lambda w: p, lambda: MoeDispatch(
+            world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2, transport="shmem"))
+        return None, p.heaps
+    except ShmemUnavailable as e:
+        return str(e), p.heaps
+
+
+@pytest.mark.emulated(ranks=1)
+def test_shmem_transport_on_one_rank_says_why(monkeypatch):
+    """torch's rendezvous of the library's memory refuses a world of one (as Workspace)."""
+    from portable_overlap.testing import run_on_ranks
+
+    monkeypatch.delenv("RANK", raising=False)
+    [(err, heaps)] = run_on_ranks(_one_rank, ranks=1)
+    assert err and "a world of one rank" in err and heaps == [], err

@@ -379,6 +379,92 @@ def check_moe_dispatch(world: World, gen) -> None:
                res.splitlines()[-1][:120])
     finally:
         ctx.close()
+    _guarded(_check_moe_dispatch_shmem, world, gen)
+
+
+def _check_moe_dispatch_shmem(world: World, gen) -> None:
+    """The dispatch's ``"shmem"`` transport (NVSHMEM / ROC_SHMEM puts) against the reference:
+    the routings of the stores check, 3 calls each; a bad id raises on every rank and the next
+    call is right; the fused dispatch + GEMM refused; 5 graph replays with new routing. SKIP
+    where no library is usable or the world has one rank (every rank raises the same
+    ShmemUnavailable, before anything is allocated)."""
+    from portable_overlap import InvalidInputError
+    from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
+    from portable_overlap.shmem.providers import ShmemUnavailable
+
+    W, r, dev = world.world_size, world.rank, world.device
+
+    def same(got, ref):
+        R = ref[0].shape[0]
+        return (torch.equal(got[1], ref[1]) and torch.equal(got[2][:R], ref[2])
+                and torch.equal(got[0][:R], ref[0]))
+
+    def make(**kw):
+        return MoeDispatch(world, transport="shmem", **kw)
+
+    try:
+        make(max_tokens=8, top_k=1, hidden=8, experts_per_rank=1,
+             dtype=torch.float32).close()
+    except ShmemUnavailable as e:
+        LOG.skip("moe_dispatch[shmem]", str(e)[:500])
+        return
+    for S, H, El, k, kind, dt in ((4096 - 777 * r, 7168, 8, 8, "uniform", torch.bfloat16),
+                                  (3000, 1000, 4, 2, "skewed", torch.float16),
+                                  (5 * r, 33, 2, 2, "one_rank", torch.float32)):
+        ctx = make(max_tokens=4096, top_k=k, hidden=H, experts_per_rank=El, dtype=dt)
+        try:
+            for call in range(3):
+                ids = moe_routing(world, kind, S, El * W, k, 10 * call + r)
+                tokens = rand((S, H), dt, dev, gen)
+                ctx.recv.fill_(float("nan"))
+                got = moe_dispatch(tokens, ids, ctx)
+                ctx.synchronize()
+                record(f"moe_dispatch[shmem] S={S} H={H} {kind} {str(dt)[6:]} call {call}",
+                       same(got, moe_dispatch_reference(tokens, ids, El, world.group)))
+        finally:
+            ctx.close()
+    S, H, El, k = 512, 1024, 4, 4
+    ctx = make(max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=torch.bfloat16)
+    try:
+        tokens = rand((S, H), torch.bfloat16, dev, gen)
+        ids = moe_routing(world, "uniform", S, El * W, k, 5 + r)
+        if r == W - 1:
+            ids[7, 1] = El * W + 3
+        try:
+            moe_dispatch(tokens, ids, ctx)
+            ctx.synchronize()
+            res = "no error"
+        except InvalidInputError as e:
+            res = str(e)
+        try:
+            ctx.dispatch_swiglu(tokens, ids, rand((El, H, 64), torch.bfloat16, dev, gen),
+                                rand((El, H, 64), torch.bfloat16, dev, gen))
+            swiglu = "no error"
+        except ValueError as e:
+            swiglu = str(e)
+        ids = moe_routing(world, "uniform", S, El * W, k, 6 + r)
+        got = moe_dispatch(tokens, ids, ctx)
+        ctx.synchronize()
+        ok = same(got, moe_dispatch_reference(tokens, ids, El, world.group))
+        raised = world.all_gather_object("expert id" in res and "'stores'" in swiglu)
+        record("moe_dispatch[shmem] bad id and dispatch_swiglu raise on every rank, next call "
+               "right", all(raised) and ok, res.splitlines()[-1][:120])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            moe_dispatch(tokens, ids, ctx)
+        bad = 0
+        for rep in range(5):
+            kind = ("uniform", "skewed", "one_rank")[rep % 3]
+            ids.copy_(moe_routing(world, kind, S, El * W, k, 2000 + 7 * rep + r))
+            tokens.copy_(rand((S, H), torch.bfloat16, dev, gen))
+            ctx.recv.fill_(float("nan"))
+            graph.replay()
+            ctx.synchronize()
+            bad += not same((ctx.recv, ctx.counts, ctx.recv_slots),
+                            moe_dispatch_reference(tokens, ids, El, world.group))
+        record("moe_dispatch[shmem] 5 graph replays, new routing each", bad == 0, f"{bad} wrong")
+    finally:
+        ctx.close()
 
 
 def check_moe_layer(world: World, gen) -> None:

@@ -12,7 +12,7 @@ What it computes on rank r (``E`` local experts per rank, expert ``g`` on rank `
 ``slots`` of ``capacity`` rows: the first ``counts.sum()`` are the dispatch's, the rest are
 left as they were. They are views of the context's buffers, valid until its next call (clone
 them to keep them): the layout ``moe_gemm_combine`` takes, so its ``x`` may be these very
-buffers (after the expert's first GEMM). Two transports:
+buffers (after the expert's first GEMM). Three transports:
 
 - ``"stores"`` (default): three kernels (kernel.py) count the routing, exchange the counts and
   store every row straight into its destination's receive buffer (zero-copy over NVLink /
@@ -21,26 +21,39 @@ buffers (after the expert's first GEMM). Two transports:
   context's next check, on every rank for the same call: an expert id out of range (its slot
   is routed nowhere), more rows for a rank than its ``capacity`` (the rows past it are not
   stored and that rank's counts are zeros, so a consumer reads no row past the buffer);
+- ``"shmem"`` (the scale-out design): the same three kernels, but the receive buffers (rows
+  and slots) are in the symmetric memory of the process's SHMEM library (NVSHMEM / ROC_SHMEM,
+  shmem/providers) and a peer's rows and slots are put by the library from the kernel, row by
+  row, completed (quiet) before the same release signals; the counts, flags and signals stay
+  in this library's heap. The tokens are first copied into the library's memory (the puts'
+  source; one local copy of S rows per call). Same results, layout, faults, call protocol and
+  capture as ``"stores"``. Needs a usable library on every rank and two or more ranks, else
+  every rank raises ``ShmemUnavailable`` when the context is made, before anything is
+  allocated. ``dispatch_swiglu`` raises for it (the fused kernel stores rows; it needs
+  ``"stores"``). Not yet run on a GPU;
 - ``"sequential"``: ``moe_dispatch_reference`` (``all_to_all_single`` with host-read splits),
   copied into the same buffers; an out-of-range id raises on every rank, a capacity overflow
   on the rank that overflows.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from ...errors import InvalidInputError
+from ...shmem.providers import agreed_put_provider
 from ..context import (align_key, check_transport, collective_call, G_MAX, OverlapContext,
                        shape_tag)
+from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from ..registry import OpSpec, define
-from .kernel import (FLAG_NAMES, dispatch_scatter_kernel, route_count_kernel,
-                     route_exchange_kernel)
+from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
+                     route_count_kernel, route_exchange_kernel)
 from .reference import moe_dispatch_reference
 
-TRANSPORTS = ("stores", "sequential")
+TRANSPORTS = ("stores", "shmem", "sequential")
 OP = "moe_dispatch"
 MAX_EXPERTS = 1024  # experts in all (world * experts_per_rank): the count kernel's one-hot width
 ID_DTYPES = (torch.int32, torch.int64)
@@ -56,8 +69,9 @@ class MoeDispatch(OverlapContext):
     flags in the symmetric heap. ``max_tokens``: the most tokens any rank passes in a call;
     ``capacity``: the most rows any rank may receive in a call (default ``world * max_tokens *
     top_k``, which no routing exceeds; a smaller one saves memory, and a call that passes it
-    raises). Collective to create and close; calls in the same order on every rank, on one
-    stream."""
+    raises). With ``transport="shmem"`` the receive buffers and a copy of the tokens are in the
+    SHMEM library's symmetric memory instead (module docstring). Collective to create and
+    close; calls in the same order on every rank, on one stream."""
 
     OP = OP
     FLAG_NAMES = FLAG_NAMES
@@ -83,6 +97,8 @@ class MoeDispatch(OverlapContext):
             raise ValueError(f"{OP}: max_tokens * top_k and capacity must stay below 2**31")
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
                                                      str(dtype), capacity, transport))
+        # collective, before any allocation: every rank raises if one has no SHMEM library
+        self._provider = agreed_put_provider(world, OP, transport)
         self.transport = transport
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank, self.dtype, self.capacity = experts_per_rank, dtype, capacity
@@ -93,16 +109,25 @@ class MoeDispatch(OverlapContext):
         self.block_e = _pow2(E_total)
         self.block_t = 16 if cpu else (64 if self.block_e <= 256 else 32)
         n_blocks = -(-max_tokens * top_k // self.block_t)
-        super().__init__(world, [
-            ("recv", (capacity, hidden), dtype), ("recv_slots", (capacity,), torch.int32),
+        # the receive buffers: in the heap, or in the library's symmetric memory (below)
+        recv = [] if self._provider is not None else [
+            ("recv", (capacity, hidden), dtype), ("recv_slots", (capacity,), torch.int32)]
+        super().__init__(world, recv + [
             ("counts_in", (W, E_total + 1), torch.int32),
             ("count_flag", (W, 1), torch.int64), ("sent", (W, G_MAX), torch.int64),
             ("consumed", (W,), torch.int64), ("ctl", (4,), torch.int64),
         ], timeout_s)
-        if transport == "stores":
+        if transport != "sequential":
             self.call_protocol(self.ctl, call_flags=(self.count_flag, self.sent),
                                free_flags=(self.consumed,))
         dev = world.device
+        # the put transport's slot ids and stage; the zero-copy kernel takes (and never
+        # touches) the receive slots in their place
+        self._sym = self._send = self._put_kernel = None
+        if self._provider is not None:
+            self._symmetric_buffers(max_tokens * top_k)
+        else:
+            self._slot_ids = self._stage = self.recv_slots
         self._hist = torch.zeros(n_blocks * self.block_e, dtype=torch.int32, device=dev)
         self._base = torch.zeros_like(self._hist)
         self._dest_start = torch.zeros(E_total, dtype=torch.int32, device=dev)
@@ -111,9 +136,36 @@ class MoeDispatch(OverlapContext):
         # the fused dispatch + gated GEMM's tile queues (swiglu_kernel.py), zero between calls
         self._queue = torch.zeros(3, dtype=torch.int32, device=dev)
 
+    def _symmetric_buffers(self, n_slots: int) -> None:
+        """The put transport's buffers: one collective allocation of the library's symmetric
+        memory holding the receive rows and slots, the slot ids (the slots' puts' source:
+        ``slot_ids[i] = i``) and a copy of the tokens (the rows' puts' source); and each
+        program's stage (device memory, kernel.py ``put_rows``)."""
+        parts = (("recv", (self.capacity, self.hidden), self.dtype),
+                 ("recv_slots", (self.capacity,), torch.int32),
+                 ("_slot_ids", (n_slots,), torch.int32),
+                 ("_send", (self.max_tokens, self.hidden), self.dtype))
+        at, offsets = 0, []
+        for _, shape, dtype in parts:  # each buffer 256-byte aligned
+            at = -(-at // 256) * 256
+            offsets.append(at)
+            at += math.prod(shape) * dtype.itemsize
+        self._sym = self._provider.symmetric_empty(at)
+        for (name, shape, dtype), at in zip(parts, offsets):
+            n = math.prod(shape) * dtype.itemsize
+            setattr(self, name, self._sym[at:at + n].view(dtype).view(shape))
+        self._slot_ids.copy_(torch.arange(n_slots, dtype=torch.int32,
+                                          device=self.world.device))
+        self._stage = torch.zeros(G_MAX * 2 * self.block_t, dtype=torch.int32,
+                                  device=self.world.device)
+        self._put_kernel = self._provider.wrap(dispatch_put_kernel)
+
     def close(self) -> None:
+        """Collective: also lets the library's symmetric memory go (torch frees it once no view
+        of it is left)."""
         super().close()
-        self.recv = self.recv_slots = None
+        self.recv = self.recv_slots = self._slot_ids = self._stage = None
+        self._send = self._sym = self._put_kernel = None
 
     @collective_call
     def __call__(self, tokens: torch.Tensor, topk_ids: torch.Tensor) -> tuple:
@@ -134,6 +186,10 @@ class MoeDispatch(OverlapContext):
         from . import swiglu
         from ..moe_experts import expert_swiglu
 
+        if self.transport == "shmem":
+            raise ValueError(f"{swiglu.OP}: the fused dispatch + gated GEMM stores the rows "
+                             f"itself and needs transport='stores'; this context's transport is "
+                             f"'shmem' (call moe_dispatch, then expert_swiglu on its rows)")
         self._validate(tokens, topk_ids)
         swiglu.check_options(senders, config, rows_per_segment)
         if out is None:
@@ -163,7 +219,18 @@ class MoeDispatch(OverlapContext):
             plan = self._plans[key] = self._plan(tokens, topk_ids)
         count, exchange, scatter = plan
         args = self._args(tokens, topk_ids, scatter.tag)
-        return (lambda: count(args[0]), lambda: exchange(args[1]), lambda: scatter(args[2]))
+        if self._provider is None:
+            return (lambda: count(args[0]), lambda: exchange(args[1]), lambda: scatter(args[2]))
+
+        def put():
+            # the puts' source is the library's memory (kernel.py put_rows); the previous call's
+            # puts from it completed before its launch ended
+            self._send[:tokens.shape[0]].copy_(tokens)
+            self._launched = True
+            # through the library's launcher (it sets up each compiled module)
+            self._put_kernel[(scatter.programs,)](*args[2], **scatter.consts)
+
+        return lambda: count(args[0]), lambda: exchange(args[1]), put
 
     def _args(self, tokens, topk_ids, tag) -> tuple:
         W, E = self.world.world_size, self.experts_per_rank
@@ -171,12 +238,15 @@ class MoeDispatch(OverlapContext):
         st = self.status.address
         count = (topk_ids, self._hist, self._bad, st, n, W * E)
         exchange = (self._hist, self._base, self._bad, self._dest_start, self.counts,
-                    self.counts_in, self.count_flag, self.consumed, self.ctl, self.call_clock, self.heap.bases,
-                    st, n, E, self.capacity, self.rank, W, tag, self.timeout_us)
-        scatter = (tokens, topk_ids, self._base, self._dest_start, self.recv, self.recv_slots,
-                   self.sent, self.ctl, self.call_clock, self.heap.bases, st, n, self.top_k,
-                   self.hidden, tokens.stride(0), E, self.capacity, self.rank, W, tag,
-                   self.timeout_us)
+                    self.counts_in, self.count_flag, self.consumed, self.ctl, self.call_clock,
+                    self.heap.bases, st, n, E, self.capacity, self.rank, W, tag, self.timeout_us)
+        # the put transport's rows come from the tokens' copy in the library's memory
+        src, stride = ((tokens, tokens.stride(0)) if self._provider is None else
+                       (self._send, self.hidden))
+        scatter = (src, topk_ids, self._base, self._dest_start, self.recv, self.recv_slots,
+                   self._slot_ids, self._stage, self.sent, self.ctl, self.call_clock,
+                   self.heap.bases, st, n, self.top_k, self.hidden, stride, E, self.capacity,
+                   self.rank, W, tag, self.timeout_us)
         return count, exchange, scatter
 
     def _plan(self, tokens, topk_ids) -> tuple:
@@ -195,10 +265,18 @@ class MoeDispatch(OverlapContext):
         def args(g):
             return self._args(tokens, topk_ids, tag_of(g))
 
-        # every program waits for its counterparts on the peers: the grid must be resident
-        scatter = self._compile(dispatch_scatter_kernel, programs,
-                                dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_H=block_h, G_MAX=G_MAX,
-                                     num_warps=4, num_stages=1), lambda g: args(g)[2])
+        consts = dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_H=block_h, G_MAX=G_MAX, num_warps=4,
+                      num_stages=1)
+        if self._provider is None:
+            # every program waits for its counterparts on the peers: the grid must be resident
+            scatter = self._compile(dispatch_scatter_kernel, programs, consts,
+                                    lambda g: args(g)[2])
+        else:
+            # compiled by the library's launcher on first use, so not capped here: one program
+            # of 4 warps per SM is resident whatever its registers (at most 255 x 128 of an
+            # SM's 64K) and its few KB of shared memory
+            scatter = PlannedLaunch(dispatch_put_kernel, None, programs, consts, None,
+                                    owner=self)
         scatter.tag = tag_of(scatter.programs)
         count, exchange = self._plan_routing(tokens, topk_ids, scatter.programs, scatter.tag)
         return count, exchange, scatter

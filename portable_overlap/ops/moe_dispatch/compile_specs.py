@@ -33,8 +33,11 @@ def specs():
     for dt, BH in (("bf16", 256), ("fp32", 128)):
         consts = dict(BLOCK_T=64, BLOCK_E=256, BLOCK_H=BH, G_MAX=1024)
         ptrs = {"tokens_ptr": f"*{dt}", "ids_ptr": "*i64", "base_ptr": "*i32",
-                "dest_start_ptr": "*i32", "recv_ptr": f"*{dt}", "recv_slots_ptr": "*i32"}
+                "dest_start_ptr": "*i32", "recv_ptr": f"*{dt}", "recv_slots_ptr": "*i32",
+                "slot_ids_ptr": "*i32", "stage_ptr": "*i32"}
         ptrs.update({n: "*i64" for n in ("sent_ptr", "ctl_ptr", "clock_ptr", "bases_ptr")})
+        # (dispatch_put_kernel, the same body with the SHMEM library's puts, is compiled by
+        # the library's launcher on GPUs: kernel_registry.NEEDS_SHMEM_LIBRARY)
         yield (f"dispatch_scatter[{dt}]", dispatch_scatter_kernel,
                _sig(ptrs, _SCATTER_ARGS, consts), consts,
                ["tokens_ptr", "recv_ptr", "H", "stride_ts"])

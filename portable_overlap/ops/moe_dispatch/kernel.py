@@ -34,7 +34,10 @@ a consumer launched before the error is seen reads no row past the buffer.
 ``dispatch_scatter_kernel`` (persistent, G programs on every rank): stores each row and its slot
 into the destination's receive buffers (zero-copy; this rank's own rows too), signals
 ``sent[r][pid]`` on every peer (release), then waits for ``sent[q][pid]`` of every peer q: when
-the launch ends, every source's rows have landed here.
+the launch ends, every source's rows have landed here. ``dispatch_put_kernel`` is the same
+kernel body with the receive buffers in the SHMEM library's symmetric memory: a peer's rows and
+slots are put by the library (``put_rows``), and the program's puts complete (quiet) before its
+release signal. The counts, flags and signals stay in this library's heap on both.
 
 No program waits for another program of its own launch (the interpreter runs them one after
 another), and every wait is bounded (status board).
@@ -45,6 +48,7 @@ import triton.language as tl
 from ...shmem.device import (STATUS_BAD_INPUT, await_flag, await_free, begin_call, call_flag,
                              end_call, flag_value, live, peer_buffer, report, signal_peer,
                              signal_peers, wait_peers)
+from ...shmem.providers.device import flush as shmem_flush, put as shmem_put
 
 FLAG_COUNTS = tl.constexpr(1)
 FLAG_SENT = tl.constexpr(2)
@@ -173,14 +177,79 @@ def route_exchange_kernel(
 
 
 @triton.jit
+def _store_rows_at(tokens_ptr, dst_rows, dst_slots, i, k, pos, mq, H, stride_ts,
+                   BLOCK_H: tl.constexpr):
+    """The rows and slots of the lanes ``mq`` of a slot block stored at their places ``pos`` of
+    the receive buffers ``dst_rows`` [capacity, H] and ``dst_slots`` (plain stores)."""
+    tok = (i // k).to(tl.int64)
+    tl.store(dst_slots + pos, i, mask=mq)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = mq[:, None] & (cols < H)[None, :]
+        v = tl.load(tokens_ptr + tok[:, None] * stride_ts + cols[None, :], mask=m)
+        tl.store(dst_rows + pos[:, None].to(tl.int64) * H + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def store_rows(tokens_ptr, recv_ptr, recv_slots_ptr, bases_ptr, slot_ids_ptr, stage_ptr, pid,
+               rank, q, i, k, pos, mq, H, stride_ts, BLOCK_T: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """Zero-copy transport: the block's rows for rank ``q`` (lanes ``mq``) and their slots stored
+    straight into q's heap receive buffers (plain stores over NVLink / Infinity Fabric; this
+    rank's own when q == rank). ``slot_ids_ptr`` and ``stage_ptr`` are the put transport's."""
+    _store_rows_at(tokens_ptr, peer_buffer(recv_ptr, bases_ptr, rank, q),
+                   peer_buffer(recv_slots_ptr, bases_ptr, rank, q), i, k, pos, mq, H, stride_ts,
+                   BLOCK_H)
+
+
+@triton.jit
+def put_rows(tokens_ptr, recv_ptr, recv_slots_ptr, bases_ptr, slot_ids_ptr, stage_ptr, pid,
+             rank, q, i, k, pos, mq, H, stride_ts, BLOCK_T: tl.constexpr,
+             BLOCK_H: tl.constexpr):
+    """Device-initiated transport: ``recv_ptr``, ``recv_slots_ptr``, ``tokens_ptr`` (a copy of
+    the tokens, rows ``stride_ts`` apart) and ``slot_ids_ptr`` (``slot_ids[i] = i``) are in the
+    SHMEM library's symmetric memory, where one address names every rank's copy. This rank's
+    own rows: plain stores. A peer's, row by row: the block's lanes for q are packed into this
+    program's stage (their places, then their slots: BLOCK_T int32 each), then each row is one
+    block-wide put of its H elements and one of its slot into q's receive buffers. The puts
+    read symmetric memory only: over a network the library sends from memory it registered,
+    which its symmetric memory is. One put per row: a row's place follows the previous lane's
+    only for the same expert, and even then its token and its slot do not follow that lane's
+    (the token's other choices lie between)."""
+    if q == rank:
+        _store_rows_at(tokens_ptr, recv_ptr, recv_slots_ptr, i, k, pos, mq, H, stride_ts,
+                       BLOCK_H)
+    else:
+        stage = stage_ptr + tl.cast(pid, tl.int64) * (2 * BLOCK_T)
+        at = tl.cumsum(mq.to(tl.int32), axis=0) - 1
+        tl.store(stage + at, pos, mask=mq)
+        tl.store(stage + BLOCK_T + at, i, mask=mq)
+        tl.debug_barrier()  # the whole stage is written before any thread reads it
+        for j in range(0, tl.sum(mq.to(tl.int32))):
+            p = tl.load(stage + j).to(tl.int64)
+            s = tl.load(stage + BLOCK_T + j)
+            shmem_put(recv_ptr + p * H, tokens_ptr + (s // k).to(tl.int64) * stride_ts, H, q)
+            shmem_put(recv_slots_ptr + p, slot_ids_ptr + s, 1, q)
+        tl.debug_barrier()  # every thread has read the stage before the next block's writes
+
+
+@triton.jit
+def no_flush():
+    """Zero-copy stores need no completion step before the release signal."""
+    pass
+
+
+@triton.jit
 def scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-                 bases_ptr, pid, step, n_slots, k, H, stride_ts, E, capacity, rank, world, d_lo,
-                 d_hi, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                 slot_ids_ptr, stage_ptr, bases_ptr, pid, step, n_slots, k, H, stride_ts, E,
+                 capacity, rank, world, d_lo, d_hi, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr):
     """The scatter's work for slot blocks ``pid, pid + step, ...``: each slot routed to a rank
-    in ``[d_lo, d_hi)`` has its row and its slot stored at its place in that rank's receive
-    buffers (module docstring). Slots with bad ids and rows past the capacity are skipped
-    (the count and exchange kernels reported them). Shared by the dispatch's scatter (every
-    destination in one pass) and the fused dispatch + gated GEMM (one destination per pass)."""
+    in ``[d_lo, d_hi)`` has its row and its slot placed at its place in that rank's receive
+    buffers (module docstring) by the transport's ``STORE`` (``store_rows``, ``put_rows``).
+    Slots with bad ids and rows past the capacity are skipped (the count and exchange kernels
+    reported them). Shared by the dispatch's scatter (every destination in one pass) and the
+    fused dispatch + gated GEMM (one destination per pass)."""
     lanes = tl.arange(0, BLOCK_T)
     E_total = world * E
     for b in range(pid, tl.cdiv(n_slots, BLOCK_T), step):
@@ -194,17 +263,11 @@ def scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_s
                + tl.sum(same.to(tl.int32), axis=1))
         keep = keep & (pos < capacity)  # an overflow was reported by the exchange
         dest = g // E
-        tok = (i // k).to(tl.int64)
         for q in range(d_lo, d_hi):
             mq = keep & (dest == q)
             if tl.sum(mq.to(tl.int32)) > 0:  # each row is loaded once, for its own rank
-                tl.store(peer_buffer(recv_slots_ptr, bases_ptr, rank, q) + pos, i, mask=mq)
-                dst = peer_buffer(recv_ptr, bases_ptr, rank, q)
-                for h0 in range(0, H, BLOCK_H):
-                    cols = h0 + tl.arange(0, BLOCK_H)
-                    m = mq[:, None] & (cols < H)[None, :]
-                    v = tl.load(tokens_ptr + tok[:, None] * stride_ts + cols[None, :], mask=m)
-                    tl.store(dst + pos[:, None].to(tl.int64) * H + cols[None, :], v, mask=m)
+                STORE(tokens_ptr, recv_ptr, recv_slots_ptr, bases_ptr, slot_ids_ptr, stage_ptr,
+                      pid, rank, q, i, k, pos, mq, H, stride_ts, BLOCK_T, BLOCK_H)
 
 
 # S changes from call to call, and every rank must run the same code (same registers, so the
@@ -213,17 +276,53 @@ def scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_s
 def dispatch_scatter_kernel(
     tokens_ptr, ids_ptr, base_ptr, dest_start_ptr,
     recv_ptr, recv_slots_ptr,  # heap [capacity, H] and int32 [capacity]: every rank's receive
+    slot_ids_ptr, stage_ptr,  # the put transport's (unused here)
     sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
     n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
 ):
+    """The zero-copy scatter (rows stored into the destinations' heaps)."""
+    _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+             slot_ids_ptr, stage_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
+             n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us, BLOCK_T,
+             BLOCK_E, BLOCK_H, G_MAX, store_rows, no_flush)
+
+
+@triton.jit(do_not_specialize=["n_slots", "rank"])
+def dispatch_put_kernel(
+    tokens_ptr, ids_ptr, base_ptr, dest_start_ptr,
+    recv_ptr, recv_slots_ptr,  # symmetric memory of the SHMEM library: [capacity, H], [capacity]
+    slot_ids_ptr,  # symmetric int32 [max_tokens * top_k]: slot_ids[i] = i, the slots' puts' source
+    stage_ptr,  # int32 [G_MAX, 2 * BLOCK_T]: each program's packed places and slots
+    sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
+    n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
+):
+    """The same scatter with the peers' rows put by the process's SHMEM provider (device-
+    initiated puts, then their completion before the release signals; ``put_rows``). A kernel
+    of its own: the provider's launcher sets up its compiled modules, and it is compiled only
+    where a provider exists (GPUs with NVSHMEM / ROC_SHMEM)."""
+    _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+             slot_ids_ptr, stage_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
+             n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us, BLOCK_T,
+             BLOCK_E, BLOCK_H, G_MAX, put_rows, shmem_flush)
+
+
+@triton.jit
+def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+             slot_ids_ptr, stage_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
+             n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us,
+             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+             G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr):
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
     ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
     if ok:
         scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-                     bases_ptr, pid, tl.num_programs(0), n_slots, k, H, stride_ts, E, capacity,
-                     rank, world, 0, world, BLOCK_T, BLOCK_E, BLOCK_H)
+                     slot_ids_ptr, stage_ptr, bases_ptr, pid, tl.num_programs(0), n_slots, k,
+                     H, stride_ts, E, capacity, rank, world, 0, world, BLOCK_T, BLOCK_E,
+                     BLOCK_H, STORE)
+    FLUSH()  # the transport's rows have landed before the release
     # the rows of this program have landed everywhere (release), then every peer's have here
     signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
     wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,

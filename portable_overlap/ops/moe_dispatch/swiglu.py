@@ -15,7 +15,10 @@ dispatch run first, then one persistent launch (swiglu_kernel.py) in which some 
 the rows into their destinations' heaps while the others compute the tiles of the rows that
 have arrived, this rank's own rows first. Same faults as the dispatch (bad ids, a capacity
 overflow, a rank that skips a call), same CUDA-graph capture (no host sync). With the
-``"sequential"`` transport: ``moe_dispatch`` then ``expert_swiglu``.
+``"sequential"`` transport: ``moe_dispatch`` then ``expert_swiglu``. A context with the
+``"shmem"`` transport raises ``ValueError``: the fused kernel stores the rows itself, so it
+needs ``"stores"`` (its compute programs wait for senders of the same launch, so the grid must
+be capped at what is resident, which the SHMEM library's launcher does not do).
 """
 from __future__ import annotations
 

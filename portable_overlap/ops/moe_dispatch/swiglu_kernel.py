@@ -45,7 +45,7 @@ from ...backends.proxy_fence import async_proxy_fence
 from ...shmem.device import await_flags, call_flag, live, signal_peer
 from ...tiles.gemm import grouped_tile
 from ..moe_experts.kernel import swiglu_segment_tile
-from .kernel import FLAG_SENT, scatter_rows
+from .kernel import FLAG_SENT, scatter_rows, store_rows
 
 
 @triton.jit
@@ -130,10 +130,11 @@ def dispatch_swiglu_kernel(
     if pid < senders:
         for j in range(0, world):
             d = (rank + j) % world
-            if ok:
+            if ok:  # (zero-copy stores: no slot ids or stage, the put transport's)
                 scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
-                             recv_slots_ptr, bases_ptr, pid, senders, n_slots, k, H, stride_ts,
-                             E, capacity, rank, world, d, d + 1, BLOCK_T, BLOCK_E, BLOCK_H)
+                             recv_slots_ptr, recv_slots_ptr, recv_slots_ptr, bases_ptr, pid,
+                             senders, n_slots, k, H, stride_ts, E, capacity, rank, world, d,
+                             d + 1, BLOCK_T, BLOCK_E, BLOCK_H, store_rows)
             tl.debug_barrier()  # every thread's stores before the (cumulative) release
             signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
                         rank, d)

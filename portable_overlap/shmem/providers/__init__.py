@@ -26,6 +26,35 @@ def put_provider(world, transport: str):
     return get_provider(world)
 
 
+def agreed_put_provider(world, op: str, transport: str):
+    """Collective, before anything is allocated: the provider an op's ``transport`` needs, for
+    ops whose ranks already agree on the transport. None for a transport other than
+    ``"shmem"``. With ``"shmem"``, every rank tells the others whether it can have a provider,
+    and if any cannot (no library: the CPU backend, a torch build without the bindings,
+    NVSHMEM not found; or a world of one rank, whose rendezvous of the library's memory torch
+    refuses) every rank raises ``ShmemUnavailable`` naming those ranks and why, instead of
+    leaving the others waiting in the library's collective allocation."""
+    if transport != "shmem":
+        return None
+    provider, why = None, None
+    if world.world_size < 2:
+        why = "a world of one rank (the library's symmetric memory needs two or more)"
+    else:
+        try:
+            provider = get_provider(world)
+        except ShmemUnavailable as e:
+            why = str(e)
+        except Exception as e:  # a world the provider cannot serve (not the default group)
+            why = f"{type(e).__name__}: {e}"
+    failed = [f"rank {r}: {w}" for r, w in enumerate(world.all_gather_object(why)) if w]
+    if failed:
+        raise ShmemUnavailable(
+            f"{op}: transport='shmem' needs a usable SHMEM library (NVSHMEM on NVIDIA, ROC_SHMEM "
+            f"on AMD) on every rank. Not usable on " + "; ".join(failed) + ". Use "
+            "transport='stores' (zero-copy stores through the heap)")
+    return provider
+
+
 def get_provider(world):
     """The device-shmem provider for ``world``'s backend, or raise ``ShmemUnavailable``."""
     name = world.backend.name
