@@ -332,3 +332,53 @@ def _solo(world):
 def test_world_of_one_rank_is_a_plain_gemv(world2):
     for size, err in world2.run(_solo):
         assert size == 1 and err < 1e-6
+
+
+def _pattern_transports(world):
+    """The pattern's other transports: "sequential" (torch.mm + the group's all_reduce) and
+    "auto" (each candidate timed at a shape's first call, the pick kept for later calls)."""
+    out = {}
+    seq = GemvAllReduce(world, max_n=64, transport="sequential")
+    auto = GemvAllReduce(world, max_n=64, transport="auto", iters=2, warmup=1)
+    try:
+        for i, (M, N, K) in enumerate(((3, 40, 33), (1, 64, 16), (3, 40, 33))):
+            x, w = _inputs(world, M, N, K, torch.float32, seed=50 + i)
+            ref = gemv_all_reduce_reference(x, w, world.group)
+            y = torch.full((M, N), float("nan"))
+            out[f"sequential {i}"] = rel_err(seq(x, w, out=y), ref)
+            out[f"auto {i}"] = rel_err(auto(x, w), ref)
+            out[f"auto choice {i}"] = auto.choice(x, w)
+        for dt in (torch.bfloat16, torch.float16):  # the product and its sum in the input dtype
+            x, w = _inputs(world, 5, 48, 40, dt, seed=70)
+            out[f"sequential {dt}"] = (rel_err(seq(x, w), gemv_all_reduce_reference(
+                x, w, world.group)), TOL[dt])
+        # a per-call launch configuration runs on the fused transports only
+        x, w = _inputs(world, 2, 40, 24, torch.float32, seed=60)
+        cfg = GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, programs_per_sm=1)
+        out["auto with config"] = rel_err(auto(x, w, config=cfg),
+                                          gemv_all_reduce_reference(x, w, world.group))
+        out["auto with config choice"] = auto.choice(x, w, config=cfg)
+        out["decisions"] = len(auto.decisions)
+        try:
+            seq(x, w, config=cfg)
+            out["sequential with config"] = "no error"
+        except ValueError as e:
+            out["sequential with config"] = str(e)
+    finally:
+        seq.close()
+        auto.close()
+    return out
+
+
+def test_sequential_and_auto_transports(world):
+    for found in world.run(_pattern_transports, timeout=300):
+        for key, v in found.items():
+            if key.startswith(("sequential ", "auto ")) and isinstance(v, float):
+                assert v < 1e-5, (key, v)
+            elif isinstance(v, tuple):  # (error, tolerance)
+                assert v[0] < v[1], (key, v)
+        assert found["auto choice 0"] in GemvAllReduce.TRANSPORTS, found
+        assert found["auto choice 2"] == found["auto choice 0"]  # decided once per shape
+        assert found["auto with config choice"] in ("stores", "one_shot"), found
+        assert found["decisions"] == 3, found
+        assert "takes no options" in found["sequential with config"], found
