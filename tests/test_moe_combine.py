@@ -357,3 +357,28 @@ def test_phases_launch_the_two_kernels_apart(world2):
     for err, kernel in world2.run(_phases):
         assert err < TOL[torch.float32], err
         assert kernel is None  # the interpreter compiles nothing to hand out
+
+
+def test_decode_tiles_fit_the_device():
+    """The down GEMM's decode tiles: 4 stages where the shared memory holds them (H200), 3 on a
+    164 KiB device (A100), the default tiles on 64-lane wavefronts and for float32."""
+    import dataclasses
+
+    from portable_overlap.backends.base import DeviceFacts
+    from portable_overlap.ops.matmul.api import tile_config
+    from portable_overlap.ops.moe_combine.api import decode_tile
+
+    h200 = DeviceFacts(vendor="nvidia", name="H200", arch="sm_90", sm_count=132, warp_size=32,
+                       max_shared_bytes_per_sm=228 * 1024, max_regs_per_sm=65536,
+                       max_warps_per_sm=64, tensor_descriptors=True, register_cap=True,
+                       max_shared_bytes_per_program=227 * 1024)
+    a100 = dataclasses.replace(h200, name="A100", arch="sm_80",
+                               max_shared_bytes_per_sm=164 * 1024,
+                               max_shared_bytes_per_program=163 * 1024)
+    mi300 = dataclasses.replace(h200, vendor="amd", name="MI300X", arch="gfx942", warp_size=64,
+                                max_shared_bytes_per_program=64 * 1024)
+    assert (decode_tile(torch.bfloat16, h200).block_m, decode_tile(torch.bfloat16, h200)
+            .num_stages) == (64, 4)
+    assert decode_tile(torch.float16, a100).num_stages == 3
+    assert decode_tile(torch.bfloat16, mi300) == tile_config(torch.bfloat16, mi300)
+    assert decode_tile(torch.float32, h200) == tile_config(torch.float32, h200)

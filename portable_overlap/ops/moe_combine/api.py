@@ -43,7 +43,7 @@ from ..context import (align_key, collective_call, G_MAX, output_tensor, Overlap
 from ..launch import PlannedLaunch
 from ..registry import OpSpec, define
 from ...shmem.providers import put_provider
-from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_descriptors
+from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_config, tile_descriptors
 from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
 
 TRANSPORTS = ("stores", "shmem")
@@ -103,22 +103,31 @@ def decode_walk(tokens: int, top_k: int, world: int, experts_per_rank: int) -> b
 
 
 def decode_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
-    """The GEMM's tiles at decode sizes: 64 x 256 x 64 over 8 warps with 4 stages (152
-    registers, no spill on sm_90). Segments of a source's rows of an expert hold 32-64 rows at
-    128 tokens per rank, where 128-row tiles compute at least half zeros and the weights' bytes
-    set the time: more loads in flight (4 stages, not 3) matter more than the tile's rows. On one
-    H100, one source's rows of rank 0's experts (``tune_moe_experts.py --down``, layouts of 2
-    and 8 ranks, DeepSeek-like and Mixtral-like): 0.095 / 0.166 / 0.030 / 0.085 ms against
-    0.093 / 0.184 / 0.038 / 0.116 for the default tiles. ``default_config`` for float32, on
-    64-lane wavefronts (never timed on AMD hardware) and under the interpreter."""
-    base = default_config(dtype, device)
-    if device.type == "cpu" or dtype == torch.float32 or base.block_m <= 64:
-        return base
+    """The GEMM's tiles at decode sizes on ``device`` (its ``DeviceFacts``): ``decode_tile``;
+    ``default_config`` under the interpreter."""
+    if device.type == "cpu":
+        return default_config(dtype, device)
     from ...backends import device_facts
 
-    if device_facts(device).warp_size == 64:
+    return decode_tile(dtype, device_facts(device))
+
+
+def decode_tile(dtype: torch.dtype, facts) -> MatmulConfig:
+    """64 x 256 x 64 over 8 warps with 4 stages (152 registers, no spill on sm_90). Segments of
+    a source's rows of an expert hold 32-64 rows at 128 tokens per rank, where 128-row tiles
+    compute at least half zeros and the weights' bytes set the time: more loads in flight (4
+    stages, not 3) matter more than the tile's rows. On one H100, one source's rows of rank 0's
+    experts (``tune_moe_experts.py --down``, layouts of 2 and 8 ranks, DeepSeek-like and
+    Mixtral-like): 0.095 / 0.166 / 0.030 / 0.085 ms against 0.093 / 0.184 / 0.038 / 0.116 for
+    the default tiles. The default tiles (``matmul.api.tile_config``) for float32 and on
+    64-lane wavefronts (never timed on AMD hardware)."""
+    base = tile_config(dtype, facts)
+    if dtype == torch.float32 or facts.warp_size == 64 or base.block_m <= 64:
         return base
-    return MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=4)
+    # 40 KiB of operand tiles per stage (16-bit): 4 stages where the shared memory holds them
+    # with room to spare (227 KiB on H100 / H200), 3 where not (164 KiB on A100)
+    stages = 4 if 4 * 40 * 1024 + 32 * 1024 <= facts.shared_per_program else 3
+    return MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=stages)
 
 
 class MoeGemmCombine(OverlapContext):
