@@ -58,6 +58,9 @@ def main() -> int:
     ap.add_argument("--down-configs", default="",
                     help="the down GEMM's fixed tilings instead of DOWN_CONFIGS', as "
                          "BMxBNxBK/<warps>w<stages>s,...")
+    ap.add_argument("--configs", default="",
+                    help="the gated GEMM's tilings instead of CONFIGS' (after the default), as "
+                         "BMxBNxBK/<warps>w<stages>s[g],... (g: gathered row tiles)")
     ap.add_argument("--combine", action="store_true",
                     help="time the combine's weighted sum (its combine phase) per token block")
     ap.add_argument("--max-tokens", type=int, default=1 << 30,
@@ -122,7 +125,7 @@ def main() -> int:
                 writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl=name,
                              graph=True, **t)
             out = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
-            for c in CONFIGS:
+            for c in gate_configs(args.configs):
                 # the default: what the layer picks for S tokens per rank
                 m = S * k / E  # what the layer passes as rows_per_segment
                 gather = gather_rows(m, W) if c is None else c[5]
@@ -163,6 +166,19 @@ def main() -> int:
 DOWN_CONFIGS = [("descriptors", None), ("pointers", None), ("config", (128, 256, 64, 8, 3)),
                 ("config", (64, 256, 64, 8, 3)), ("config", (64, 256, 64, 4, 4)),
                 ("config", (64, 128, 64, 4, 4)), ("config", (64, 128, 128, 4, 3))]
+
+
+def gate_configs(spec: str) -> list:
+    """``CONFIGS``, or the default and the tilings ``spec`` names."""
+    if not spec:
+        return CONFIGS
+    out = [None]
+    for item in spec.split(","):
+        gather = item.endswith("g")
+        blocks, rest = item.rstrip("g").split("/")
+        warps, stages = rest.rstrip("s").split("w")
+        out.append((*map(int, blocks.split("x")), int(warps), int(stages), gather))
+    return out
 
 
 def combine_sum(world, writer, args, S, H, I, E, k, g, hbm) -> list:
