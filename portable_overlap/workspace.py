@@ -30,7 +30,7 @@ from triton.runtime.jit import JITFunction
 from .errors import ContextBrokenError, PortableOverlapError, RankMismatchError
 from .ops.context import G_MAX, ContextBase, concurrent_use
 from .shmem.heap import SymmetricHeap, heap_bytes
-from .shmem.providers import ShmemUnavailable, get_provider
+from .shmem.providers import ShmemUnavailable, provider_or_reason
 from .shmem.providers import device as _provider_device
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
@@ -319,16 +319,7 @@ def _shmem_provider(world, op: str, shmem: bool):
     and, if it cannot have a provider, why (the provider layer's own reason), so a workspace
     that cannot be made raises on every rank instead of leaving the others waiting in the
     library's collective allocation."""
-    provider, why = None, None
-    if shmem and world.world_size < 2:  # torch's rendezvous of the library's memory refuses it
-        why = "a world of one rank (the library's symmetric memory needs two or more)"
-    elif shmem:
-        try:
-            provider = get_provider(world)
-        except ShmemUnavailable as e:
-            why = str(e)
-        except Exception as e:  # a world the provider cannot serve (not the default group)
-            why = f"{type(e).__name__}: {e}"
+    provider, why = provider_or_reason(world) if shmem else (None, None)
     said = world.all_gather_object((shmem, why))
     if any(s != shmem for s, _ in said):
         raise RankMismatchError(f"{op}: ranks disagree on shmem: " + ", ".join(

@@ -104,8 +104,9 @@ class _StandInProvider:
 
 
 def _with_provider(world, get_provider, fn):
-    """``fn()`` on this rank with the workspace's provider lookup replaced by ``get_provider``."""
-    import portable_overlap.workspace as module
+    """``fn()`` on this rank with the provider lookup (``shmem.providers.get_provider``, which
+    the workspace asks through ``provider_or_reason``) replaced by ``get_provider``."""
+    import portable_overlap.shmem.providers as module
 
     real, module.get_provider = module.get_provider, get_provider
     try:

@@ -36,16 +36,7 @@ def agreed_put_provider(world, op: str, transport: str):
     leaving the others waiting in the library's collective allocation."""
     if transport != "shmem":
         return None
-    provider, why = None, None
-    if world.world_size < 2:
-        why = "a world of one rank (the library's symmetric memory needs two or more)"
-    else:
-        try:
-            provider = get_provider(world)
-        except ShmemUnavailable as e:
-            why = str(e)
-        except Exception as e:  # a world the provider cannot serve (not the default group)
-            why = f"{type(e).__name__}: {e}"
+    provider, why = provider_or_reason(world)
     failed = [f"rank {r}: {w}" for r, w in enumerate(world.all_gather_object(why)) if w]
     if failed:
         raise ShmemUnavailable(
@@ -53,6 +44,21 @@ def agreed_put_provider(world, op: str, transport: str):
             f"on AMD) on every rank. Not usable on " + "; ".join(failed) + ". Use "
             "transport='stores' (zero-copy stores through the heap)")
     return provider
+
+
+def provider_or_reason(world) -> tuple:
+    """``(provider, None)`` where this rank can put through a SHMEM library, else ``(None,
+    why)``: a world of one rank (torch's rendezvous of the library's memory refuses it), no
+    library, or a world the provider cannot serve (not the default group). Not collective: the
+    callers exchange the reasons so that every rank raises together."""
+    if world.world_size < 2:
+        return None, "a world of one rank (the library's symmetric memory needs two or more)"
+    try:
+        return get_provider(world), None
+    except ShmemUnavailable as e:
+        return None, str(e)
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
 
 
 def get_provider(world):
