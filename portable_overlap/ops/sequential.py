@@ -142,7 +142,7 @@ class SequentialGemv(ContextBase):
         if out is None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         else:
-            check_out(out, M, N, x)
+            check_out(out, M, N, x, w)
         torch.mm(x, w.t(), out=out)
         if self.world.world_size > 1:
             dist.all_reduce(out, group=self.world.group)

@@ -89,8 +89,8 @@ class GemvAllReduceKernel(OverlapContext):
         if out is None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         elif out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
-                or not out.is_contiguous():
-            check_out(out, M, N, x)
+                or not out.is_contiguous() or overlaps(out, x) or overlaps(out, w):
+            check_out(out, M, N, x, w)
         key = (M, K, N, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
                w.is_contiguous(), x.stride(0), w.stride(0), align_key(x, w, out), config)
         plan = self._plans.get(key)
@@ -164,9 +164,30 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
         raise ValueError(f"{OP}: x and w must be contiguous (call .contiguous() first)")
 
 
-def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor) -> None:
-    """``out`` must be a contiguous [M, N] tensor of x's dtype and device."""
+def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``out`` must be a contiguous [M, N] tensor of x's dtype and device, sharing no memory
+    with x or w."""
     if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
             or not out.is_contiguous():
         raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{M}, {N}] tensor on "
                          f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+    # The sequential transport's torch.mm(out=x) reads x while writing it (a silently wrong
+    # result), and the fused kernel's programs store result tiles while others still read x and
+    # w: an output that overlaps an input is refused by every transport.
+    for name, t in (("x", x), ("w", w)):
+        if overlaps(out, t):
+            raise ValueError(f"{OP}: out must not share memory with {name} (pass a separate "
+                             f"output tensor)")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (first to last element, by their strides)
+    intersect."""
+    def span(t):
+        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
