@@ -142,3 +142,42 @@ def _combine_edges(world, walk, block_s):
 def test_combine_edges(world2, walk, block_s):
     for errs in world2.run(_combine_edges, walk, block_s):
         assert max(errs[:4]) < 1e-5 and errs[4] < 1.5e-2, errs
+
+
+def _moe_grad_refusals(world):
+    """The MoE contexts called directly with inputs that require grad: a clear error (as the
+    functional ops give), not buffers that silently carry no gradient; under no_grad they run."""
+    from portable_overlap.ops.moe_combine import MoeGemmCombine
+    from portable_overlap.ops.moe_dispatch import MoeDispatch
+
+    W, El, k, H, I = world.world_size, 2, 2, 16, 8
+    disp = MoeDispatch(world, max_tokens=6, top_k=k, hidden=H, experts_per_rank=El,
+                       dtype=torch.float32)
+    comb = MoeGemmCombine(world, max_tokens=6, top_k=k, hidden=H, experts_per_rank=El)
+    found = {}
+    try:
+        g = torch.Generator().manual_seed(world.rank)
+        tokens = torch.randn(5, H, generator=g)
+        ids = torch.rand(5, El * W, generator=g).topk(k, -1).indices
+        found["dispatch"] = _outcome(lambda: disp(tokens.requires_grad_(), ids))
+        tokens.requires_grad_(False)
+        x, counts, slots = disp(tokens, ids)
+        w = torch.randn(El, I, H, generator=g, requires_grad=True)
+        h = torch.randn(x.shape[0], I, generator=g)
+        tw = torch.softmax(torch.randn(5, k, generator=g), -1)
+        found["combine"] = _outcome(lambda: comb(h, w, counts, slots, tw))
+        with torch.no_grad():
+            found["combine, no_grad"] = _outcome(lambda: comb(h, w, counts, slots, tw))
+        comb.synchronize()
+    finally:
+        disp.close()
+        comb.close()
+    return found
+
+
+def test_moe_contexts_refuse_inputs_that_require_grad(world2):
+    for found in world2.run(_moe_grad_refusals):
+        for name in ("dispatch", "combine"):
+            kind, msg = found[name]
+            assert kind == "RuntimeError" and "has no backward" in msg, (name, found[name])
+        assert found["combine, no_grad"] == ("ok", ""), found

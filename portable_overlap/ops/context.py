@@ -65,6 +65,16 @@ def concurrent_use(op: str, rank: int) -> ConcurrentUseError:
         f"different orders): give each thread its own context")
 
 
+def refuse_grad(op: str, *tensors) -> None:
+    """Raise where autograd would record a call of an op that has no backward (a tensor input
+    requires grad and grad mode is on): its result would carry no gradient at all, a silent
+    error in training."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in tensors):
+        raise RuntimeError(f"{op} has no backward, and an input requires grad: call it under "
+                           f"torch.no_grad() (inference) or pass detached tensors")
+
+
 def collective_call(method):
     """Wrap an op's call method (see :class:`OverlapContext`): refuse a closed or broken context
     and a second thread, and turn an exception raised before the call's first launch into a

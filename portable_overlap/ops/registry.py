@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .context import get_context
+from .context import get_context, refuse_grad
 
 NAMESPACE = "portable_overlap"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -85,11 +85,8 @@ class OpSpec:
         The torch op is used under ``torch.compile``, or when ``grad`` says autograd must record
         the call; then every option must be unset (None), as a functional op has none."""
         check_context(self, ctx)
-        if self.backward is None and torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in args):
-            # the result would carry no gradient at all: a silent error in training
-            raise RuntimeError(f"{self.name} has no backward, and an input requires grad: call "
-                               f"it under torch.no_grad() (inference) or pass detached tensors")
+        if self.backward is None:
+            refuse_grad(self.name, *args)
         if not (grad or torch.compiler.is_compiling()):
             return self.run(ctx, *args, **options)
         set_ = [k for k, v in options.items() if v is not None]

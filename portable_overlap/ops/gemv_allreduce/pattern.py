@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from ..context import refuse_grad
 from ..pattern import PatternContext, timeout_kw
 from ..registry import OpSpec, define
 from .config import GemvConfig
@@ -70,13 +71,9 @@ class GemvAllReduce(PatternContext):
                  **options) -> torch.Tensor:
         """Run the op (module docstring); ``out`` is filled if given. ``options``: the
         transport's per-call options (``config`` for the fused ones: tuning sweeps)."""
-        if (getattr(x, "requires_grad", False) or getattr(w, "requires_grad", False)) \
-                and torch.is_grad_enabled():
-            # as gemv_all_reduce refuses it (ops/registry.py): the fused transports' result
-            # would carry no gradient (a silent error in training), the sequential one's
-            # torch.mm(out=) raise autograd's own, unclear error
-            raise RuntimeError(f"{OP} has no backward, and an input requires grad: call it "
-                               f"under torch.no_grad() (inference) or pass detached tensors")
+        # as gemv_all_reduce refuses it: the fused transports' result would carry no gradient,
+        # the sequential one's torch.mm(out=) raise autograd's own, unclear error
+        refuse_grad(OP, x, w)
         if self.planner is None:  # the decode path: one call less than ``_dispatch``
             return self.impl(x, w, out, **options)
         return self._dispatch(*self._bind(x, w, out, **options))

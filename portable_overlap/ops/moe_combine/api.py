@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
-                       shape_tag)
+                       refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ..registry import OpSpec, define
 from ...shmem.providers import put_provider
@@ -208,6 +208,7 @@ class MoeGemmCombine(OverlapContext):
     def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
                  slots: torch.Tensor, topk_weights: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        refuse_grad(OP, x, w, topk_weights)  # the result would carry no gradient
         self._validate(x, w, counts, slots, topk_weights)
         out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x)
         gemm, combine, _ = self._launches(x, w, counts, slots, topk_weights, out)

@@ -45,7 +45,7 @@ import torch
 from ...errors import InvalidInputError
 from ...shmem.providers import agreed_put_provider
 from ..context import (align_key, check_transport, collective_call, G_MAX, OverlapContext,
-                       shape_tag)
+                       refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from ..registry import OpSpec, define
@@ -169,6 +169,7 @@ class MoeDispatch(OverlapContext):
 
     @collective_call
     def __call__(self, tokens: torch.Tensor, topk_ids: torch.Tensor) -> tuple:
+        refuse_grad(OP, tokens)  # the context's buffers carry no gradient
         self._validate(tokens, topk_ids)
         if self.transport == "sequential":
             return self._sequential(tokens, topk_ids)
