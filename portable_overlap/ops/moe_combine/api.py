@@ -209,7 +209,8 @@ class MoeGemmCombine(OverlapContext):
                  slots: torch.Tensor, topk_weights: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._validate(x, w, counts, slots, topk_weights)
-        out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x)
+        out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x,
+                            dict(x=x, w=w, topk_weights=topk_weights))
         gemm, combine, _ = self._launches(x, w, counts, slots, topk_weights, out)
         gemm()
         combine()
