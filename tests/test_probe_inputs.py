@@ -54,7 +54,7 @@ def test_gemv_edges_and_refusals(world2, transport):
         assert max(errs) < 1e-5, errs
         # an out that aliases an input: torch.mm(out=x) gave a silently wrong result
         for key in ("out=x", "out=w", "out over x"):
-            assert refusals[key][0] == "ValueError" and "share memory" in refusals[key][1], \
+            assert refusals[key][0] == "ValueError" and "shares memory" in refusals[key][1], \
                 refusals[key]
         # the context call dropped the graph (fused) or raised autograd's own error (sequential)
         assert refusals["grad"][0] == "RuntimeError" and "no backward" in refusals["grad"][1], \

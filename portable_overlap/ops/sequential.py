@@ -78,7 +78,8 @@ class SequentialMatmul(ContextBase):
                              f"max_m x max_n = {self.max_m} x {self.max_n}")
         reference, rows_of = _KINDS[kind]
         rows = rows_of(M, W)
-        out = output_tensor(self.OP, out, (rows, N), a)
+        out = output_tensor(self.OP, out, (rows, N), a,
+                            dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(self.OP, a, N, rows, bias=bias, residual=residual)
         y = reference(a, b, self.world.group, bias, residual, accumulate_fp32=False)
         return out.copy_(y)

@@ -157,7 +157,8 @@ class TorchFusedMatmul(_TorchFused):
             raise ValueError(f"{self.OP}: an [{M}, {N}] result exceeds this context's "
                              f"max_m x max_n = {self.max_m} x {self.max_n}")
         if out is not None:
-            out = output_tensor(self.OP, out, (M // W, N), a)
+            out = output_tensor(self.OP, out, (M // W, N), a,
+                                dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(self.OP, a, N, M // W, bias=bias, residual=residual)
         y = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, self.group_name)
         if out is not None:  # torch's op has no out=: one copy of this rank's rows
@@ -193,7 +194,7 @@ class TorchFusedAllGatherMatmul(_TorchFused):
         check_all_gather_input(a, b, self.world, self.max_shard_elems)
         W = self.world.world_size
         if out is not None:
-            out = output_tensor(self.OP, out, (W * a.shape[0], b.shape[1]), a)
+            out = output_tensor(self.OP, out, (W * a.shape[0], b.shape[1]), a, dict(a=a, b=b))
         # return_A=False: the gathered a is not kept (one [W*m, K] result less)
         _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, self.group_name,
                                                              return_A=False)

@@ -126,7 +126,8 @@ def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], wo
                max_shard_elems: int) -> torch.Tensor:
     """``check_input``, then ``out`` of shape [W * m, N] (made if None). Returns ``out``."""
     check_input(a, b, world, max_shard_elems)
-    return output_tensor(OP, out, (world.world_size * a.shape[0], b.shape[1]), a)
+    return output_tensor(OP, out, (world.world_size * a.shape[0], b.shape[1]), a,
+                         dict(a=a, b=b))
 
 
 class AllGatherMatmul(PatternContext):

@@ -245,7 +245,8 @@ class EmbeddingAllToAll(OverlapContext):
         if (self.validate if validate is None else validate) and not _capturing(weight):
             self._validate_data(lengths, indices)
         shape = self.output_shape(splits)
-        out = output_tensor(OP, out, shape, weight)
+        out = output_tensor(OP, out, shape, weight,
+                            dict(weight=weight, per_sample_weights=per_sample_weights))
         # bag offsets: exclusive prefix sum of lengths (no host sync: graph-capturable), in a
         # buffer that grows only when a larger batch first arrives (offsets[0] stays 0)
         if self._offsets.numel() < lengths.numel() + 1:

@@ -86,7 +86,7 @@ class GemmAllToAll(OverlapContext):
         _validate(a, b, self.world, self.max_elems)
         M, K = a.shape
         N = b.shape[1]
-        out = output_tensor(OP, out, (M, N), a)
+        out = output_tensor(OP, out, (M, N), a, dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(OP, a, N, M, bias=bias, residual=residual)
         if self._links is not None:
             self._call_copy_engine(a, b, out)

@@ -61,7 +61,7 @@ from ...errors import PeerTimeoutError, RankMismatchError
 from ...schedule import WaveGroups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.gate import wait_counter
-from ..context import ContextBase, align_key, collective_call, shape_tag
+from ..context import ContextBase, align_key, check_no_overlap, collective_call, shape_tag
 from ..launch import PlannedLaunch, resident_programs
 from ..matmul.api import (check_2d, check_operands, default_config,
                           tile_descriptors, vector_checks)
@@ -226,12 +226,15 @@ class GemmSignal(ContextBase):
             out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
         check_2d(op, "out", out, (out_rows, N), a)
         vector_checks(op, a, N, out_rows, bias=bias, residual=residual, rms_weight=rms_weight)
+        inputs = dict(a=a, b=b, bias=bias, residual=residual, rms_weight=rms_weight)
+        check_no_overlap(op, out, inputs)
         if rms_weight is not None:
             if not eps > 0:
                 raise ValueError(f"{op}: eps must be > 0, got {eps}")
             if normed is None:
                 normed = torch.empty_like(out)
             check_2d(op, "normed", normed, (out_rows, N), a)
+            check_no_overlap(op, normed, dict(inputs, out=out), name="normed")
         elif normed is not None:
             raise ValueError(f"{op}: normed is written only with rms_weight")
         plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)

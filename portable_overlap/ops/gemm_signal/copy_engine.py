@@ -110,7 +110,7 @@ class GemmReduceScatterCE(OverlapContext):
         cfg = config or self.config
         _check_partition(cfg)
         op, cfg, M, N, K, rows = sig.check_call("reduce_scatter", a, b, cfg)
-        out = output_tensor(OP, out, (rows, N), a)
+        out = output_tensor(OP, out, (rows, N), a, dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(OP, a, N, rows, bias=bias, residual=residual)
         plan = sig.plan_call("reduce_scatter", op, M, N, K, a.dtype, cfg)
         mm, T, pd = plan.mm, plan.tile_elems, plan.groups.n_tiles // W

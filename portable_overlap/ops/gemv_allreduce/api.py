@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
-from ..context import check_transport, collective_call, G_MAX, OverlapContext, align_key, shape_tag
+from ..context import (align_key, check_no_overlap, check_transport, collective_call, G_MAX,
+                       OverlapContext, shape_tag)
 from .config import GemvConfig, pick_config
 from .kernel import FLAG_LABELS, gemv_allreduce_kernel
 
@@ -88,8 +89,7 @@ class GemvAllReduceKernel(OverlapContext):
         N = w.shape[0]
         if out is None:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        elif out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
-                or not out.is_contiguous() or overlaps(out, x) or overlaps(out, w):
+        else:
             check_out(out, M, N, x, w)
         key = (M, K, N, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
                w.is_contiguous(), x.stride(0), w.stride(0), align_key(x, w, out), config)
@@ -165,29 +165,20 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
 
 
 def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor, w: torch.Tensor) -> None:
-    """``out`` must be a contiguous [M, N] tensor of x's dtype and device, sharing no memory
-    with x or w."""
+    """``out`` must be a contiguous [M, N] tensor of x's dtype and device that shares no memory
+    with ``x`` or ``w`` (``context.check_no_overlap``: the kernel's programs store result
+    blocks while others still read x, and the sequential transport's ``torch.mm`` writes
+    ``out`` as it reads them)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{OP}: out must be a tensor or None, got {type(out).__name__}")
     if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
             or not out.is_contiguous():
         raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{M}, {N}] tensor on "
                          f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
-    # The sequential transport's torch.mm(out=x) reads x while writing it (a silently wrong
-    # result), and the fused kernel's programs store result tiles while others still read x and
-    # w: an output that overlaps an input is refused by every transport.
-    for name, t in (("x", x), ("w", w)):
-        if overlaps(out, t):
-            raise ValueError(f"{OP}: out must not share memory with {name} (pass a separate "
-                             f"output tensor)")
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` (first to last element, by their strides)
-    intersect."""
-    def span(t):
-        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+    # the decode path: address arithmetic only (0.5 us against 4 for the general check); x and
+    # w are contiguous wherever a launch follows (validate, and the plan key)
+    o = out.data_ptr()
+    for t in (x, w):
+        p = t.data_ptr()
+        if p < o + out.nbytes and o < p + t.nbytes:
+            check_no_overlap(OP, out, {"x": x, "w": w})  # raises, naming the input

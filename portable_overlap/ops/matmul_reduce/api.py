@@ -130,7 +130,8 @@ class MatmulReduce(OverlapContext):
                              f"MatmulReduce.elems_needed(M, N, world_size) of the largest call)")
         block = [M * q // W for q in range(W + 1)]  # rank q's rows: [block[q], block[q+1])
         rows_out = block[r + 1] - block[r] if mode == "reduce_scatter" else M
-        out = output_tensor(f"matmul_{mode}", out, (rows_out, N), a)
+        out = output_tensor(f"matmul_{mode}", out, (rows_out, N), a,
+                            dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(f"matmul_{mode}", a, N, rows_out, bias=bias, residual=residual)
         links = self._links
         partials = self._partials[a.dtype]

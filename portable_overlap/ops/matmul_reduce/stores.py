@@ -77,7 +77,8 @@ class MatmulReduceStores(OverlapContext):
             raise ValueError(f"{self.OP}: an [{M}, {N}] result exceeds this context's "
                              f"max_m x max_n = {self.max_m} x {self.max_n}")
         rows = M // W if mode == "reduce_scatter" else M
-        out = output_tensor(self.OP, out, (rows, N), a)
+        out = output_tensor(self.OP, out, (rows, N), a,
+                            dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(self.OP, a, N, rows, bias=bias, residual=residual)
         key = (M, K, N, a.dtype, a.stride(), b.stride(), align_key(a, b, out), bias is None,
                None if residual is None else residual.stride(0))

@@ -210,7 +210,8 @@ class MoeGemmCombine(OverlapContext):
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         refuse_grad(OP, x, w, topk_weights)  # the result would carry no gradient
         self._validate(x, w, counts, slots, topk_weights)
-        out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x)
+        out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x,
+                            dict(x=x, w=w, topk_weights=topk_weights))
         gemm, combine, _ = self._launches(x, w, counts, slots, topk_weights, out)
         gemm()
         combine()

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
+from ..context import check_no_overlap
 from ..matmul.api import DTYPES, MatmulConfig, tile_descriptors
 from .kernel import expert_swiglu_kernel
 
@@ -167,3 +168,5 @@ def _validate(x, w_gate, w_up, counts, out) -> None:
                             or out.device != x.device or out.stride(1) != 1):
         raise ValueError(f"{OP}: out must be a {x.dtype} [{x.shape[0]}, {w_gate.shape[2]}] "
                          f"tensor on {x.device} with contiguous rows")
+    if out is not None:  # tiles of h are stored while other tiles still read x's rows
+        check_no_overlap(OP, out, dict(x=x, w_gate=w_gate, w_up=w_up))
