@@ -92,3 +92,45 @@ def test_output_aliasing_an_input_is_refused(world2):
         for case, msg in msgs.items():
             assert msg.startswith("ValueError") and "shares memory with the input" in msg, \
                 (case, msg)
+
+
+# --- a peer refuses the next call while this rank still reads the previous one ----------------
+
+def _refusal_overtakes_a_slow_reader(world):
+    """Rank 1 finishes a GEMM + AllReduce call and refuses the next one (bad input) at once; rank
+    0 reads rank 1's last flags of the first call only later (its waits are held back on the
+    host). The refusal writes all of rank 1's flag words for the next call, over the first
+    call's: rank 0 used to take them for a failure of the first call ("rank 1 gave up on call
+    #1", PeerTimeoutError) though rank 1 had delivered it and returned its result; seen by
+    chance on emulated ranks, made certain here by the delay."""
+    r = world.rank
+    ctx = po.MatmulAllReduce(world, 8, 8, transport="copy_engine", timeout_s=10.0)
+    links, pieces = ctx.impl._links, ctx.impl.pieces
+    wait_ready = links.wait_ready
+    if r == 0:
+        def late(q, slot, tag):  # the reduced pieces (slots P..2P-1) are read 1 s late
+            if slot >= pieces:
+                time.sleep(1.0)
+            wait_ready(q, slot, tag)
+        links.wait_ready = late
+    g = torch.Generator().manual_seed(r)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    # the reference first: a collective between the two calls would hold rank 1 back
+    ref = po.matmul_all_reduce_reference(a, b, world.group)
+    try:
+        first = rel_err(ctx(a, b), ref)
+    except po.PortableOverlapError as e:
+        first = f"{type(e).__name__}: {e}"
+    refused = _error(lambda: ctx(torch.randn(0, 3), b))  # empty operand: refused everywhere
+    links.wait_ready = wait_ready
+    after = rel_err(ctx(a, b), ref)
+    ctx.close()
+    return first, refused, after
+
+
+def test_a_refused_call_does_not_fail_the_call_a_peer_still_reads(world2):
+    for first, refused, after in world2.run(_refusal_overtakes_a_slow_reader, timeout=120):
+        assert isinstance(first, float) and first < 1e-5, first
+        assert refused.startswith("ValueError") and "empty operand" in refused, refused
+        assert after < 1e-5
+
