@@ -134,3 +134,50 @@ def test_a_refused_call_does_not_fail_the_call_a_peer_still_reads(world2):
         assert refused.startswith("ValueError") and "empty operand" in refused, refused
         assert after < 1e-5
 
+
+# --- jagged data that does not add up, unchecked ----------------------------------------------
+
+def _unchecked_lengths(world):
+    """``validate=False`` (and graph capture) skip the host's data check. Lengths that overrun
+    the indices made the kernel read past their end: here the word past the end holds an index
+    far outside every table, which the kernel used to read (InvalidInputError, or on a GPU an
+    arbitrary word). Now a negative length counts as 0 and the bags end at the last index: the
+    result is the reference's on those lengths."""
+    from portable_overlap.ops.embedding_alltoall import embedding_all_to_all_reference
+
+    r, D, splits = world.rank, 5, [2, 3]
+    ctx = EmbeddingAllToAll(world, [7, 5, 9, 4], D, max_local_batch=4, block_b=2)
+    g = torch.Generator().manual_seed(30 + r)
+    B = sum(splits)
+    weight = torch.randn(ctx.weight_rows, D, generator=g)
+    results = {}
+    for case in ("overrun", "negative"):
+        lengths = torch.randint(1, 3, (ctx.n_loc * B,), generator=g)
+        idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
+                             generator=g) for j, t in enumerate(ctx.local_tables)]
+        store = torch.cat(idx + [torch.tensor([10 ** 6])])  # the word past the end
+        indices = store[:-1]
+        if case == "overrun":
+            lengths[-1] += 3
+        else:
+            lengths[1] = -1
+            lengths[2] += 1
+        # the lengths the op now stands by: negative ones 0, bags ending at the last index
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64),
+                          lengths.clamp(min=0).cumsum(0).clamp(max=indices.numel())])
+        ref = embedding_all_to_all_reference(weight, offs.diff(), indices, None, ctx.plan, r,
+                                             splits, "sum", world.group)
+        out = torch.full(ctx.output_shape(splits), float("nan"))
+        try:
+            ctx(weight, lengths, indices, batch_splits=splits, out=out, validate=False)
+            results[case] = rel_err(out, ref)
+        except po.PortableOverlapError as e:
+            results[case] = f"{type(e).__name__}: {e}"
+    ctx.close()
+    return results
+
+
+def test_unchecked_lengths_never_read_past_the_indices(world2):
+    for results in world2.run(_unchecked_lengths):
+        for case, err in results.items():
+            assert isinstance(err, float) and err < 1e-5, (case, err)
