@@ -219,3 +219,184 @@ def test_misaligned_epilogue_operands_get_their_own_launch(world2):
         for transport, (err, plans) in out.items():
             assert err < 1e-5, (transport, err)
             assert plans == 2, (transport, plans)
+
+
+# --- odd shapes and strides: right results, or a clear error on every rank --------------------
+
+#: (name, (M, N, K), how a / b / residual are laid out); M is the GEMM's rows (AllGather: the
+#: shard's), divisible by 2 ranks
+SHAPES = [("1x1x1", (2, 1, 1), {}), ("primes", (14, 7, 3), {}), ("K 97", (2, 5, 97), {}),
+          ("N 97", (4, 97, 5), {}), ("a transposed", (6, 7, 9), {"a": "t"}),
+          ("b transposed", (6, 7, 9), {"b": "t"}), ("b every other column", (6, 7, 9),
+                                                    {"b": "cols"}),
+          ("b stride 0", (6, 7, 9), {"b": "expand"}), ("a storage offset", (6, 7, 9),
+                                                      {"a": "offset"}),
+          ("residual stride 0", (6, 7, 9), {"res": "expand"})]
+
+
+def _tensor(g, shape, how=None):
+    if how == "t":
+        return torch.randn(shape[::-1], generator=g).t()
+    if how == "cols":
+        return torch.randn(shape[0], 2 * shape[1], generator=g)[:, ::2]
+    if how == "expand":
+        return torch.randn(1, shape[1], generator=g).expand(shape)
+    if how == "offset":
+        return torch.randn(shape[0] * shape[1] + 3, generator=g)[3:].view(shape)
+    return torch.randn(shape, generator=g)
+
+
+def _odd_shapes(world):
+    W = world.world_size
+    g = torch.Generator().manual_seed(7 + world.rank)
+    errs = {}
+    for op, transport in (("all_reduce", "stores"), ("all_reduce", "copy_engine"),
+                          ("reduce_scatter", "stores"), ("all_to_all", "stores"),
+                          ("all_gather", "stores"), ("all_gather", "copy_engine")):
+        if op == "all_gather":
+            ctx = po.AllGatherMatmul(world, 512, transport=transport)
+        else:
+            cls = {"all_reduce": po.MatmulAllReduce, "reduce_scatter": po.MatmulReduceScatter,
+                   "all_to_all": po.MatmulAllToAll}[op]
+            ctx = cls(world, 16, 128, transport=transport)
+        for name, (M, N, K), how in SHAPES:
+            if op == "all_gather" and ("a" in how or "res" in how):
+                continue  # a shard is copied whole (contiguous), there is no residual
+            a, b = _tensor(g, (M, K), how.get("a")), _tensor(g, (K, N), how.get("b"))
+            rows = {"reduce_scatter": M // W, "all_gather": W * M}.get(op, M)
+            res = None if op == "all_gather" else _tensor(g, (rows, N), how.get("res"))
+            out = torch.full((rows, N), float("nan"))
+            if op == "all_gather":
+                ref = po.all_gather_matmul_reference(a, b, world.group)
+                ctx(a, b, out=out)
+            else:
+                ref = getattr(po, f"matmul_{op}_reference")(a, b, world.group) + res
+                ctx(a, b, None, res, out=out)
+            errs[f"{op} {transport} {name}"] = rel_err(out, ref)
+        # no rows at all: refused on every rank, and the ranks stay in step
+        errs[f"{op} {transport} M=0"] = _error(lambda: ctx(torch.randn(0, 4), torch.randn(4, 5)))
+        ctx.close()
+    return errs
+
+
+def test_odd_shapes_and_strides_match_the_reference(world2):
+    for errs in world2.run(_odd_shapes, timeout=300):
+        for case, err in errs.items():
+            if case.endswith("M=0"):
+                assert err.startswith("ValueError") and "empty operand" in err, (case, err)
+            else:
+                assert err < 1e-5, (case, err)
+
+
+def _gemv_edges(world):
+    g = torch.Generator().manual_seed(world.rank)
+    out = {}
+    for transport in ("stores", "one_shot"):
+        ctx = po.GemvAllReduce(world, max_n=40, transport=transport)
+        for M, N, K in ((1, 1, 1), (64, 13, 7), (3, 40, 97)):  # the largest M the op takes
+            x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+            y = torch.full((M, N), float("nan"))
+            ctx(x, w, out=y)
+            out[f"{transport} {M}x{N}x{K}"] = rel_err(y, po.gemv_all_reduce_reference(
+                x, w, world.group))
+        w = torch.randn(5, 7, generator=g)
+        out[f"{transport} M=65"] = _error(lambda: ctx(torch.randn(65, 7), w))
+        out[f"{transport} M=0"] = _error(lambda: ctx(torch.randn(0, 7), w))
+        out[f"{transport} int"] = _error(lambda: ctx(torch.ones(2, 7, dtype=torch.int32),
+                                                     w.int()))
+        ctx.close()
+    return out
+
+
+def test_gemv_edges(world2):
+    for out in world2.run(_gemv_edges):
+        for case, got in out.items():
+            if "65" in case:
+                assert got.startswith("ValueError") and "1..64, got 65" in got, got
+            elif "M=0" in case:
+                assert got.startswith("ValueError") and "x is empty" in got, got
+            elif case.endswith("int"):
+                assert got.startswith("TypeError") and "dtype" in got, got
+            else:
+                assert got < 1e-5, (case, got)
+
+
+def _moe_edges(world):
+    """Routing a reviewer would try: no tokens anywhere, a token choosing one expert twice,
+    every token to one expert, ids out of range or of an int type the op does not take, a NaN
+    routing weight (which must stay in its own token)."""
+    W, r = world.world_size, world.rank
+    El, k, H = 2, 2, 12
+    disp = po.MoeDispatch(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                          dtype=torch.float32)
+    g = torch.Generator().manual_seed(r)
+    got = {}
+    for name, ids in (("no tokens", torch.zeros(0, k, dtype=torch.int64)),
+                      ("one expert twice", torch.tensor([[1, 1]] * 4)),
+                      ("all to expert 0", torch.tensor([[0, 1]] * 6))):
+        tokens = torch.randn(ids.shape[0], H, generator=g)
+        disp.recv.fill_(float("nan"))
+        x, counts, slots = disp(tokens, ids)
+        disp.synchronize()
+        xr, cr, sr = moe_dispatch_reference(tokens, ids, El, world.group)
+        n = xr.shape[0]
+        got[name] = bool(torch.equal(counts, cr) and torch.equal(slots[:n], sr)
+                         and torch.equal(x[:n], xr))
+    for name, ids in (("id == experts", torch.tensor([[0, El * W]] * 3)),
+                      ("negative id", torch.tensor([[-1, 0]] * 3))):
+        try:
+            disp(torch.randn(3, H), ids)
+            disp.synchronize()
+            got[name] = "no error"
+        except po.InvalidInputError as e:
+            got[name] = f"InvalidInputError: {e}"
+    got["int16 ids"] = _error(lambda: disp(torch.randn(3, H), torch.zeros(3, k, dtype=torch.int16)))
+    disp.close()
+    comb = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                          config=SMALL)
+    S, I = 5, 8
+    ids = torch.rand(S, El * W, generator=g).topk(k, 1).indices
+    x, counts, slots = moe_dispatch_reference(torch.randn(S, I, generator=g), ids, El,
+                                              world.group)
+    w = torch.randn(El, I, H, generator=g)
+    tw = torch.softmax(torch.randn(S, k, generator=g), 1)
+    tw[2, 1] = float("nan")
+    y = moe_gemm_combine(x, w, counts, slots, tw, comb)
+    comb.synchronize()
+    ref = po.moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
+    keep = torch.arange(S) != 2
+    got["nan weight stays in its token"] = bool(torch.isnan(y[2]).all()) and \
+        rel_err(y[keep], ref[keep]) < 1e-5
+    comb.close()
+    return got
+
+
+def test_moe_routing_edges(world2):
+    for got in world2.run(_moe_edges):
+        for case in ("no tokens", "one expert twice", "all to expert 0",
+                     "nan weight stays in its token"):
+            assert got[case] is True, (case, got[case])
+        for case in ("id == experts", "negative id"):
+            assert got[case].startswith("InvalidInputError") and "expert id" in got[case], \
+                got[case]
+        assert got["int16 ids"].startswith("ValueError") and "int32/int64" in got["int16 ids"]
+
+
+def _grad_into_an_op_without_backward(world):
+    ctx = po.MatmulAllToAll(world, 8, 8)
+    a = torch.randn(4, 3, requires_grad=True)
+    try:
+        po.matmul_all_to_all(a, torch.randn(3, 5), ctx)
+        msg = "no error"
+    except RuntimeError as e:
+        msg = str(e)
+    with torch.no_grad():
+        y = po.matmul_all_to_all(a, torch.ones(3, 5), ctx)
+    ctx.close()
+    return msg, y.requires_grad
+
+
+def test_an_input_that_requires_grad_is_not_dropped_silently(world2):
+    for msg, requires_grad in world2.run(_grad_into_an_op_without_backward):
+        assert "has no backward" in msg and "no_grad" in msg, msg
+        assert not requires_grad
