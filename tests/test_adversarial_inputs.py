@@ -6,7 +6,6 @@ rank raises a clear error and that the context serves the next call. Tiny shapes
 file runs in about a minute on 2 cores."""
 import time
 
-import pytest
 import torch
 
 import portable_overlap as po
@@ -400,3 +399,39 @@ def test_an_input_that_requires_grad_is_not_dropped_silently(world2):
     for msg, requires_grad in world2.run(_grad_into_an_op_without_backward):
         assert "has no backward" in msg and "no_grad" in msg, msg
         assert not requires_grad
+
+
+# --- ranks that disagree on the shapes of one call ----------------------------------------------
+
+def _disagree(world):
+    """Rank 0 calls with 4 rows, rank 1 with 6: every rank raises for that call, naming the op
+    the user called (the copy-engine GEMM + AllReduce named its workspace, "matmul_reduce"),
+    and the next call with agreeing shapes is right."""
+    r = world.rank
+    g = torch.Generator().manual_seed(r)
+    got = {}
+    for name, ctx in (("matmul_all_reduce", po.MatmulAllReduce(world, 8, 8,
+                                                                transport="copy_engine")),
+                      ("matmul_all_to_all", po.MatmulAllToAll(world, 8, 8)),
+                      ("gemv_all_reduce", po.GemvAllReduce(world, 8))):
+        b = torch.randn(3, 5, generator=g)
+        w = b.t().contiguous() if name == "gemv_all_reduce" else b
+        try:
+            ctx(torch.randn(4 if r == 0 else 6, 3, generator=g), w)
+            first = "no error"
+        except po.PortableOverlapError as e:
+            first = f"{type(e).__name__}: {e}"
+        a = torch.randn(4, 3, generator=g)
+        ref = {"matmul_all_reduce": po.matmul_all_reduce_reference,
+               "matmul_all_to_all": po.matmul_all_to_all_reference,
+               "gemv_all_reduce": po.gemv_all_reduce_reference}[name](a, w, world.group)
+        got[name] = (first, rel_err(ctx(a, w), ref))
+        ctx.close()
+    return got
+
+
+def test_ranks_that_disagree_on_shapes_raise_on_every_rank(world2):
+    for got in world2.run(_disagree, timeout=120):
+        for name, (first, after) in got.items():
+            assert first.startswith(f"RankMismatchError: {name}: ranks 0 and 1 called it"), first
+            assert after < 1e-5, (name, after)
