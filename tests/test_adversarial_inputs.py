@@ -1,9 +1,11 @@
-"""The public ops called the way a reviewer trying to break them would: odd shapes, strided and
-aliased tensors, a peer that refuses a call while this rank still reads the previous one, and
-jagged data that does not add up. Each case runs on CPU-emulated ranks against the torch
-reference (fresh random inputs, poisoned outputs); a case that must fail checks that every
-rank raises a clear error and that the context serves the next call. Tiny shapes: the whole
-file runs in about a minute on 2 cores."""
+"""The public ops called the way a reviewer trying to break them would: odd shapes (1, primes,
+K past or below a block, no rows), strided, stride-0, offset, misaligned and aliased tensors,
+MoE routing and GEMV batch edges, ranks that disagree on a call's shapes, a peer that refuses
+a call while this rank still reads the previous one, and jagged data that does not add up.
+Each case runs on CPU-emulated ranks against the torch reference (fresh random inputs,
+poisoned outputs); a case that must fail checks that every rank raises a clear error and that
+the context serves the next call. Tiny shapes: the whole file runs in under a minute on 2
+cores."""
 import time
 
 import torch
