@@ -1,12 +1,13 @@
-"""The public ops called the way a reviewer trying to break them would: odd shapes, strided and
-aliased tensors, a peer that refuses a call while this rank still reads the previous one, and
-jagged data that does not add up. Each case runs on CPU-emulated ranks against the torch
-reference (fresh random inputs, poisoned outputs); a case that must fail checks that every
-rank raises a clear error and that the context serves the next call. Tiny shapes: the whole
-file runs in about a minute on 2 cores."""
+"""The public ops called the way a reviewer trying to break them would: odd shapes (1, primes,
+K past or below a block, no rows), strided, stride-0, offset, misaligned and aliased tensors,
+MoE routing and GEMV batch edges, ranks that disagree on a call's shapes, a peer that refuses
+a call while this rank still reads the previous one, and jagged data that does not add up.
+Each case runs on CPU-emulated ranks against the torch reference (fresh random inputs,
+poisoned outputs); a case that must fail checks that every rank raises a clear error and that
+the context serves the next call. Tiny shapes: the whole file runs in under a minute on 2
+cores."""
 import time
 
-import pytest
 import torch
 
 import portable_overlap as po
@@ -92,3 +93,347 @@ def test_output_aliasing_an_input_is_refused(world2):
         for case, msg in msgs.items():
             assert msg.startswith("ValueError") and "shares memory with the input" in msg, \
                 (case, msg)
+
+
+# --- a peer refuses the next call while this rank still reads the previous one ----------------
+
+def _refusal_overtakes_a_slow_reader(world):
+    """Rank 1 finishes a GEMM + AllReduce call and refuses the next one (bad input) at once; rank
+    0 reads rank 1's last flags of the first call only later (its waits are held back on the
+    host). The refusal writes all of rank 1's flag words for the next call, over the first
+    call's: rank 0 used to take them for a failure of the first call ("rank 1 gave up on call
+    #1", PeerTimeoutError) though rank 1 had delivered it and returned its result; seen by
+    chance on emulated ranks, made certain here by the delay."""
+    r = world.rank
+    ctx = po.MatmulAllReduce(world, 8, 8, transport="copy_engine", timeout_s=10.0)
+    links, pieces = ctx.impl._links, ctx.impl.pieces
+    wait_ready = links.wait_ready
+    if r == 0:
+        def late(q, slot, tag):  # the reduced pieces (slots P..2P-1) are read 1 s late
+            if slot >= pieces:
+                time.sleep(1.0)
+            wait_ready(q, slot, tag)
+        links.wait_ready = late
+    g = torch.Generator().manual_seed(r)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    # the reference first: a collective between the two calls would hold rank 1 back
+    ref = po.matmul_all_reduce_reference(a, b, world.group)
+    try:
+        first = rel_err(ctx(a, b), ref)
+    except po.PortableOverlapError as e:
+        first = f"{type(e).__name__}: {e}"
+    refused = _error(lambda: ctx(torch.randn(0, 3), b))  # empty operand: refused everywhere
+    links.wait_ready = wait_ready
+    after = rel_err(ctx(a, b), ref)
+    ctx.close()
+    return first, refused, after
+
+
+def test_a_refused_call_does_not_fail_the_call_a_peer_still_reads(world2):
+    for first, refused, after in world2.run(_refusal_overtakes_a_slow_reader, timeout=120):
+        assert isinstance(first, float) and first < 1e-5, first
+        assert refused.startswith("ValueError") and "empty operand" in refused, refused
+        assert after < 1e-5
+
+
+# --- jagged data that does not add up, unchecked ----------------------------------------------
+
+def _unchecked_lengths(world):
+    """``validate=False`` (and graph capture) skip the host's data check. Lengths that overrun
+    the indices made the kernel read past their end: here the word past the end holds an index
+    far outside every table, which the kernel used to read (InvalidInputError, or on a GPU an
+    arbitrary word). Now a negative length counts as 0 and the bags end at the last index: the
+    result is the reference's on those lengths."""
+    from portable_overlap.ops.embedding_alltoall import embedding_all_to_all_reference
+
+    r, D, splits = world.rank, 5, [2, 3]
+    ctx = EmbeddingAllToAll(world, [7, 5, 9, 4], D, max_local_batch=4, block_b=2)
+    g = torch.Generator().manual_seed(30 + r)
+    B = sum(splits)
+    weight = torch.randn(ctx.weight_rows, D, generator=g)
+    results = {}
+    for case in ("overrun", "negative"):
+        lengths = torch.randint(1, 3, (ctx.n_loc * B,), generator=g)
+        idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
+                             generator=g) for j, t in enumerate(ctx.local_tables)]
+        store = torch.cat(idx + [torch.tensor([10 ** 6])])  # the word past the end
+        indices = store[:-1]
+        if case == "overrun":
+            lengths[-1] += 3
+        else:
+            lengths[1] = -1
+            lengths[2] += 1
+        # the lengths the op now stands by: negative ones 0, bags ending at the last index
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64),
+                          lengths.clamp(min=0).cumsum(0).clamp(max=indices.numel())])
+        ref = embedding_all_to_all_reference(weight, offs.diff(), indices, None, ctx.plan, r,
+                                             splits, "sum", world.group)
+        out = torch.full(ctx.output_shape(splits), float("nan"))
+        try:
+            ctx(weight, lengths, indices, batch_splits=splits, out=out, validate=False)
+            results[case] = rel_err(out, ref)
+        except po.PortableOverlapError as e:
+            results[case] = f"{type(e).__name__}: {e}"
+    ctx.close()
+    return results
+
+
+def test_unchecked_lengths_never_read_past_the_indices(world2):
+    for results in world2.run(_unchecked_lengths):
+        for case, err in results.items():
+            assert isinstance(err, float) and err < 1e-5, (case, err)
+
+
+# --- misaligned epilogue operands -------------------------------------------------------------
+
+def _misaligned_epilogue(world):
+    """A residual (or out) one element past a 16-byte boundary, after a call with aligned ones.
+    On GPUs the compiled kernels assume what the JIT specialized them on, 16-byte alignment of
+    every pointer included: a launch planned for an aligned residual must not be reused for a
+    misaligned one (vector loads at a misaligned address: wrong data or a device fault). The
+    plans are keyed by it; checked here by the plans made (the interpreter itself does not
+    care) and by the results."""
+    g = torch.Generator().manual_seed(world.rank)
+    W = world.world_size
+    a, b = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g)
+    store = torch.randn(4 * 5 + 1, generator=g)
+    out = {}
+    for transport, rows in (("stores", 4), ("signal_copy_engine", 4 // W)):
+        cls = po.MatmulAllReduce if transport == "stores" else po.MatmulReduceScatter
+        ctx = cls(world, 8, 8, transport=transport)
+        aligned = store[:rows * 5].view(rows, 5)
+        shifted = store[1:rows * 5 + 1].view(rows, 5)  # 4 bytes past the aligned one
+        ref = {"stores": po.matmul_all_reduce_reference,
+               "signal_copy_engine": po.matmul_reduce_scatter_reference}[transport](
+                   a, b, world.group)
+        errs = []
+        for res in (aligned, shifted):
+            errs.append(rel_err(ctx(a, b, None, res), ref + res))
+        plans = ctx.impl._plans if transport == "stores" else ctx.impl._reduce
+        out[transport] = (max(errs), len(plans))
+        ctx.close()
+    return out
+
+
+def test_misaligned_epilogue_operands_get_their_own_launch(world2):
+    for out in world2.run(_misaligned_epilogue):
+        for transport, (err, plans) in out.items():
+            assert err < 1e-5, (transport, err)
+            assert plans == 2, (transport, plans)
+
+
+# --- odd shapes and strides: right results, or a clear error on every rank --------------------
+
+#: (name, (M, N, K), how a / b / residual are laid out); M is the GEMM's rows (AllGather: the
+#: shard's), divisible by 2 ranks
+SHAPES = [("1x1x1", (2, 1, 1), {}), ("primes", (14, 7, 3), {}), ("K 97", (2, 5, 97), {}),
+          ("N 97", (4, 97, 5), {}), ("a transposed", (6, 7, 9), {"a": "t"}),
+          ("b transposed", (6, 7, 9), {"b": "t"}), ("b every other column", (6, 7, 9),
+                                                    {"b": "cols"}),
+          ("b stride 0", (6, 7, 9), {"b": "expand"}), ("a storage offset", (6, 7, 9),
+                                                      {"a": "offset"}),
+          ("residual stride 0", (6, 7, 9), {"res": "expand"})]
+
+
+def _tensor(g, shape, how=None):
+    if how == "t":
+        return torch.randn(shape[::-1], generator=g).t()
+    if how == "cols":
+        return torch.randn(shape[0], 2 * shape[1], generator=g)[:, ::2]
+    if how == "expand":
+        return torch.randn(1, shape[1], generator=g).expand(shape)
+    if how == "offset":
+        return torch.randn(shape[0] * shape[1] + 3, generator=g)[3:].view(shape)
+    return torch.randn(shape, generator=g)
+
+
+def _odd_shapes(world):
+    W = world.world_size
+    g = torch.Generator().manual_seed(7 + world.rank)
+    errs = {}
+    for op, transport in (("all_reduce", "stores"), ("all_reduce", "copy_engine"),
+                          ("reduce_scatter", "stores"), ("all_to_all", "stores"),
+                          ("all_gather", "stores"), ("all_gather", "copy_engine")):
+        if op == "all_gather":
+            ctx = po.AllGatherMatmul(world, 512, transport=transport)
+        else:
+            cls = {"all_reduce": po.MatmulAllReduce, "reduce_scatter": po.MatmulReduceScatter,
+                   "all_to_all": po.MatmulAllToAll}[op]
+            ctx = cls(world, 16, 128, transport=transport)
+        for name, (M, N, K), how in SHAPES:
+            if op == "all_gather" and ("a" in how or "res" in how):
+                continue  # a shard is copied whole (contiguous), there is no residual
+            a, b = _tensor(g, (M, K), how.get("a")), _tensor(g, (K, N), how.get("b"))
+            rows = {"reduce_scatter": M // W, "all_gather": W * M}.get(op, M)
+            res = None if op == "all_gather" else _tensor(g, (rows, N), how.get("res"))
+            out = torch.full((rows, N), float("nan"))
+            if op == "all_gather":
+                ref = po.all_gather_matmul_reference(a, b, world.group)
+                ctx(a, b, out=out)
+            else:
+                ref = getattr(po, f"matmul_{op}_reference")(a, b, world.group) + res
+                ctx(a, b, None, res, out=out)
+            errs[f"{op} {transport} {name}"] = rel_err(out, ref)
+        # no rows at all: refused on every rank, and the ranks stay in step
+        errs[f"{op} {transport} M=0"] = _error(lambda: ctx(torch.randn(0, 4), torch.randn(4, 5)))
+        ctx.close()
+    return errs
+
+
+def test_odd_shapes_and_strides_match_the_reference(world2):
+    for errs in world2.run(_odd_shapes, timeout=300):
+        for case, err in errs.items():
+            if case.endswith("M=0"):
+                assert err.startswith("ValueError") and "empty operand" in err, (case, err)
+            else:
+                assert err < 1e-5, (case, err)
+
+
+def _gemv_edges(world):
+    g = torch.Generator().manual_seed(world.rank)
+    out = {}
+    for transport in ("stores", "one_shot"):
+        ctx = po.GemvAllReduce(world, max_n=40, transport=transport)
+        for M, N, K in ((1, 1, 1), (64, 13, 7), (3, 40, 97)):  # the largest M the op takes
+            x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+            y = torch.full((M, N), float("nan"))
+            ctx(x, w, out=y)
+            out[f"{transport} {M}x{N}x{K}"] = rel_err(y, po.gemv_all_reduce_reference(
+                x, w, world.group))
+        w = torch.randn(5, 7, generator=g)
+        out[f"{transport} M=65"] = _error(lambda: ctx(torch.randn(65, 7), w))
+        out[f"{transport} M=0"] = _error(lambda: ctx(torch.randn(0, 7), w))
+        out[f"{transport} int"] = _error(lambda: ctx(torch.ones(2, 7, dtype=torch.int32),
+                                                     w.int()))
+        ctx.close()
+    return out
+
+
+def test_gemv_edges(world2):
+    for out in world2.run(_gemv_edges):
+        for case, got in out.items():
+            if "65" in case:
+                assert got.startswith("ValueError") and "1..64, got 65" in got, got
+            elif "M=0" in case:
+                assert got.startswith("ValueError") and "x is empty" in got, got
+            elif case.endswith("int"):
+                assert got.startswith("TypeError") and "dtype" in got, got
+            else:
+                assert got < 1e-5, (case, got)
+
+
+def _moe_edges(world):
+    """Routing a reviewer would try: no tokens anywhere, a token choosing one expert twice,
+    every token to one expert, ids out of range or of an int type the op does not take, a NaN
+    routing weight (which must stay in its own token)."""
+    W, r = world.world_size, world.rank
+    El, k, H = 2, 2, 12
+    disp = po.MoeDispatch(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                          dtype=torch.float32)
+    g = torch.Generator().manual_seed(r)
+    got = {}
+    for name, ids in (("no tokens", torch.zeros(0, k, dtype=torch.int64)),
+                      ("one expert twice", torch.tensor([[1, 1]] * 4)),
+                      ("all to expert 0", torch.tensor([[0, 1]] * 6))):
+        tokens = torch.randn(ids.shape[0], H, generator=g)
+        disp.recv.fill_(float("nan"))
+        x, counts, slots = disp(tokens, ids)
+        disp.synchronize()
+        xr, cr, sr = moe_dispatch_reference(tokens, ids, El, world.group)
+        n = xr.shape[0]
+        got[name] = bool(torch.equal(counts, cr) and torch.equal(slots[:n], sr)
+                         and torch.equal(x[:n], xr))
+    for name, ids in (("id == experts", torch.tensor([[0, El * W]] * 3)),
+                      ("negative id", torch.tensor([[-1, 0]] * 3))):
+        try:
+            disp(torch.randn(3, H), ids)
+            disp.synchronize()
+            got[name] = "no error"
+        except po.InvalidInputError as e:
+            got[name] = f"InvalidInputError: {e}"
+    got["int16 ids"] = _error(lambda: disp(torch.randn(3, H), torch.zeros(3, k, dtype=torch.int16)))
+    disp.close()
+    comb = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                          config=SMALL)
+    S, I = 5, 8
+    ids = torch.rand(S, El * W, generator=g).topk(k, 1).indices
+    x, counts, slots = moe_dispatch_reference(torch.randn(S, I, generator=g), ids, El,
+                                              world.group)
+    w = torch.randn(El, I, H, generator=g)
+    tw = torch.softmax(torch.randn(S, k, generator=g), 1)
+    tw[2, 1] = float("nan")
+    y = moe_gemm_combine(x, w, counts, slots, tw, comb)
+    comb.synchronize()
+    ref = po.moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
+    keep = torch.arange(S) != 2
+    got["nan weight stays in its token"] = bool(torch.isnan(y[2]).all()) and \
+        rel_err(y[keep], ref[keep]) < 1e-5
+    comb.close()
+    return got
+
+
+def test_moe_routing_edges(world2):
+    for got in world2.run(_moe_edges):
+        for case in ("no tokens", "one expert twice", "all to expert 0",
+                     "nan weight stays in its token"):
+            assert got[case] is True, (case, got[case])
+        for case in ("id == experts", "negative id"):
+            assert got[case].startswith("InvalidInputError") and "expert id" in got[case], \
+                got[case]
+        assert got["int16 ids"].startswith("ValueError") and "int32/int64" in got["int16 ids"]
+
+
+def _grad_into_an_op_without_backward(world):
+    ctx = po.MatmulAllToAll(world, 8, 8)
+    a = torch.randn(4, 3, requires_grad=True)
+    try:
+        po.matmul_all_to_all(a, torch.randn(3, 5), ctx)
+        msg = "no error"
+    except RuntimeError as e:
+        msg = str(e)
+    with torch.no_grad():
+        y = po.matmul_all_to_all(a, torch.ones(3, 5), ctx)
+    ctx.close()
+    return msg, y.requires_grad
+
+
+def test_an_input_that_requires_grad_is_not_dropped_silently(world2):
+    for msg, requires_grad in world2.run(_grad_into_an_op_without_backward):
+        assert "has no backward" in msg and "no_grad" in msg, msg
+        assert not requires_grad
+
+
+# --- ranks that disagree on the shapes of one call ----------------------------------------------
+
+def _disagree(world):
+    """Rank 0 calls with 4 rows, rank 1 with 6: every rank raises for that call, naming the op
+    the user called (the copy-engine GEMM + AllReduce named its workspace, "matmul_reduce"),
+    and the next call with agreeing shapes is right."""
+    r = world.rank
+    g = torch.Generator().manual_seed(r)
+    got = {}
+    for name, ctx in (("matmul_all_reduce", po.MatmulAllReduce(world, 8, 8,
+                                                                transport="copy_engine")),
+                      ("matmul_all_to_all", po.MatmulAllToAll(world, 8, 8)),
+                      ("gemv_all_reduce", po.GemvAllReduce(world, 8))):
+        b = torch.randn(3, 5, generator=g)
+        w = b.t().contiguous() if name == "gemv_all_reduce" else b
+        try:
+            ctx(torch.randn(4 if r == 0 else 6, 3, generator=g), w)
+            first = "no error"
+        except po.PortableOverlapError as e:
+            first = f"{type(e).__name__}: {e}"
+        a = torch.randn(4, 3, generator=g)
+        ref = {"matmul_all_reduce": po.matmul_all_reduce_reference,
+               "matmul_all_to_all": po.matmul_all_to_all_reference,
+               "gemv_all_reduce": po.gemv_all_reduce_reference}[name](a, w, world.group)
+        got[name] = (first, rel_err(ctx(a, w), ref))
+        ctx.close()
+    return got
+
+
+def test_ranks_that_disagree_on_shapes_raise_on_every_rank(world2):
+    for got in world2.run(_disagree, timeout=120):
+        for name, (first, after) in got.items():
+            assert first.startswith(f"RankMismatchError: {name}: ranks 0 and 1 called it"), first
+            assert after < 1e-5, (name, after)

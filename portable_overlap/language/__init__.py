@@ -269,7 +269,7 @@ def wait(ctx, flag_ptr, call, peer, tag=-1):
         if not arrived:
             _timed_out(ctx, peer, flag_ptr, call, call)
             ok = False
-        elif (v >> 32) == _shmem.FAILED_TAG:
+        elif _shmem.peer_failed(v, (v & 0xFFFFFFFF) == (call & 0xFFFFFFFF)):
             _report(ctx, _shmem.STATUS_PEER_FAILED, peer, flag_ptr,
                     (tl.cast(tl.maximum(tag, 0), tl.int64) << 32) | (call & 0xFFFFFFFF))
             ok = False

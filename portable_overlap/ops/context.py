@@ -87,11 +87,13 @@ def collective_call(method):
             out = method(self, *args, **kwargs)
         except BaseException as e:
             self._abandon_call(e)
+            self._delivered = False  # (after the refusal: it tells of the call before this one)
             raise
         finally:
             self._guard.release()
         if self._sync_errors:  # the interpreter ran the call already: raise with this call
             self.check()
+        self._delivered = True
         return out
 
     return call
@@ -121,6 +123,8 @@ class ContextBase:
         self._closed = False
         self._guard = threading.Lock()
         self._sync_errors = False  # whether a call's errors are known when it returns
+        # whether the last call returned without an error (a refusal's flag tag: refuse_kernel)
+        self._delivered = True
 
     def register(self) -> None:
         """Give the context its handle (the torch.library ops' way to name it)."""
@@ -249,12 +253,13 @@ class OverlapContext(ContextBase):
         steps += [(t, not call_flags and i == 0, True) for i, t in enumerate(free_flags)]
         self._refusal = []
         for flags, advance, free in steps:
-            args = (epoch, flags, flags.numel() // W, self.heap.bases, self.rank, W)
+            args = (epoch, flags, flags.numel() // W, self.heap.bases, self.rank, W,
+                    self.status.address, self.call_clock)
             plan = self._refuse_plans.get((advance, free))
             if plan is None:  # one compiled kernel per variant: no argument is specialized
                 plan = self._refuse_plans[(advance, free)] = self._compile(
                     refuse_kernel, 1, dict(ADVANCE=advance, FREE=free, BLOCK=G_MAX, num_warps=4,
-                                           num_stages=1), lambda g, a=args: a)
+                                           num_stages=1), lambda g, a=args: (*a, 1))
             self._refusal.append((plan, args))
 
     # -- errors ----------------------------------------------------------------------------------
@@ -274,6 +279,7 @@ class OverlapContext(ContextBase):
             self.status.raise_if_failed(self.OP, self.rank, names,
                                         explain=self._explain_mismatch)
         except Exception as e:
+            self._delivered = False
             if timed_out:
                 self._broken = str(e)
             else:  # the ranks are still in step: the next call may go on
@@ -319,7 +325,7 @@ class OverlapContext(ContextBase):
         """Count a call that never launched and end every peer's wait for it (see
         ``refuse_kernel``): one small launch per flag array, planned by ``call_protocol``."""
         for plan, args in self._refusal:
-            plan.run_untracked(args)
+            plan.run_untracked((*args, int(self._delivered)))
 
     # -- planning --------------------------------------------------------------------------------
     def _compile(self, kernel, programs: int, consts: dict,

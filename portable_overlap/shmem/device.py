@@ -26,6 +26,13 @@ STATUS_BAD_INPUT = tl.constexpr(4)  # data-dependent input a kernel found invali
 #: The tag a program signals with once it has given up on the call: the peer then reports the
 #: failure instead of consuming data that was never written. Shape tags stay below it.
 FAILED_TAG = tl.constexpr(0x7FFFFFFF)
+#: The tag of a call refused on the host (``transports.flag_kernels.refuse_kernel``) by a rank
+#: that delivered every earlier call in full. A refusal writes all of its flag words at once, so
+#: it may overwrite the previous call's word before a slower peer read it: that peer, still in
+#: the previous call, must take such a word as "delivered" (the data is there; the refusing rank
+#: moved on only after its launches of that call), where FAILED_TAG of a later call still means
+#: failure (the refusing rank had given up before). Odd, like FAILED_TAG: no shape tag.
+REFUSED_TAG = tl.constexpr(0x7FFFFFFD)
 TAG_MASK = 0x7FFFFFFE
 
 
@@ -111,6 +118,15 @@ def reached(v, epoch):
 
 
 @triton.jit
+def peer_failed(v, this_call):
+    """Whether the flag word ``v`` (which ``reached`` the awaited call; ``this_call``: its epoch
+    is that call's) says the peer will not deliver the call: the failure tag, or a refusal of
+    this very call. A refusal of a later call means the awaited one was delivered (REFUSED_TAG)."""
+    tag = v >> 32
+    return (tag == FAILED_TAG) | ((tag == REFUSED_TAG) & this_call)
+
+
+@triton.jit
 def wait_flag(flag_ptr, want, call, clock_ptr, timeout_us):
     """Poll (acquire, system scope) until the local flag holds epoch ``want`` or a later one in
     its low half, or call ``call``'s deadline passes (``call_deadline``). Returns (the word last
@@ -140,11 +156,12 @@ def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pi
             tl.atomic_xchg(clock_ptr + 1, call.to(tl.int64), sem="relaxed", scope="gpu")
             ok = False
         elif CHECK_TAG:
-            if (v >> 32) == FAILED_TAG:
+            this_call = (v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)
+            if peer_failed(v, this_call):
                 report(status_addr, pid, STATUS_PEER_FAILED, peer, what,
                        (tl.cast(tag, tl.int64) << 32) | (want.to(tl.int64) & 0xFFFFFFFF))
                 ok = False
-            elif ((v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)) & ((v >> 32) != tag):
+            elif this_call & ((v >> 32) != tag):
                 report(status_addr, pid, STATUS_MISMATCH, peer, what,
                        ((v >> 32) << 32) | tl.cast(tag, tl.int64))
                 ok = False
@@ -177,8 +194,8 @@ def await_flags(flags_ptr, n, epoch, tag, clock_ptr, timeout_us, status_addr, pi
                     v = tl.where(waiting, again, v)
                     waiting = ~reached(v, epoch)
             late = ~reached(v, epoch)
-            failed = m & ((v >> 32) == FAILED_TAG)
             this_call = (v & 0xFFFFFFFF) == (epoch.to(tl.int64) & 0xFFFFFFFF)
+            failed = m & peer_failed(v, this_call)
             other = m & this_call & ((v >> 32) != tag)
             if tl.sum(late.to(tl.int32)) > 0:
                 i = tl.min(tl.where(late, lanes, BLOCK))

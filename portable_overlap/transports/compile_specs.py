@@ -16,5 +16,6 @@ def specs():
     for advance, free in ((True, False), (False, False), (False, True)):
         yield (f"refuse[advance={advance},free={free}]", refuse_kernel,
                {"ctl_ptr": "*i64", "flags_ptr": "*i64", "n_slots": "i32", "bases_ptr": "*i64",
-                "rank": "i32", "world": "i32", "ADVANCE": "constexpr", "FREE": "constexpr",
+                "rank": "i32", "world": "i32", "status_addr": "i64", "clock_ptr": "*i64",
+                "clean": "i32", "ADVANCE": "constexpr", "FREE": "constexpr",
                 "BLOCK": "constexpr"}, {"ADVANCE": advance, "FREE": free, "BLOCK": 1024}, [])

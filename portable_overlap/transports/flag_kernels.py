@@ -9,7 +9,7 @@ replays see a new epoch each time (a host counter would be frozen into the graph
 import triton
 import triton.language as tl
 
-from ..shmem.device import (FAILED_TAG, await_word, flag_value, live, peer_ptr,
+from ..shmem.device import (FAILED_TAG, REFUSED_TAG, await_word, flag_value, live, peer_ptr,
                              signal_peer)
 
 
@@ -66,21 +66,29 @@ def wait_kernel(flag_ptr, peer, ctl_ptr, back, tag, clock_ptr, timeout_us, statu
                what, live(clock_ptr), CHECK_TAG)
 
 
-@triton.jit(do_not_specialize=["n_slots", "rank"])
-def refuse_kernel(ctl_ptr, flags_ptr, n_slots, bases_ptr, rank, world, ADVANCE: tl.constexpr,
-                  FREE: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n_slots", "rank", "clean"])
+def refuse_kernel(ctl_ptr, flags_ptr, n_slots, bases_ptr, rank, world, status_addr, clock_ptr,
+                  clean, ADVANCE: tl.constexpr, FREE: tl.constexpr, BLOCK: tl.constexpr):
     """Stand in for a call this rank gave up on the host (bad input found before any launch),
     so its peers' waits for that call end at once and no later call is paired with the wrong
     one. ADVANCE: count the call (``ctl[0] += 1``, the epoch a finished call leaves there).
     Then, with that epoch, either set this rank's words of a ``[world, n_slots]`` flag array in
-    every peer's heap to the failure tag (the call's results will not come), or (FREE) this
+    every peer's heap to a failure tag (the call's results will not come), or (FREE) this
     rank's word of a ``[world]`` "consumed" array (nothing of the call is left to read here,
-    so peers may write into this rank's buffers for the next call)."""
+    so peers may write into this rank's buffers for the next call).
+
+    The words are written at once, possibly over the previous call's words before a slower
+    peer read them (that peer still waits in the previous call). The tag tells it what it
+    lost: REFUSED_TAG when this rank delivered the previous calls in full (``clean``: none
+    raised on the host; the status board clean and no timeout here, for a failure the host
+    has not seen yet), which that peer takes as its word; else FAILED_TAG, a failure for it
+    too."""
     if ADVANCE:
         epoch = tl.atomic_add(ctl_ptr, 1, sem="acq_rel", scope="gpu") + 1
     else:
         epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
-    value = flag_value(epoch, 0 if FREE else FAILED_TAG)
+    delivered = (clean != 0) & (read_status(status_addr) == 0) & live(clock_ptr)
+    value = flag_value(epoch, 0 if FREE else tl.where(delivered, REFUSED_TAG, FAILED_TAG))
     offs = tl.arange(0, BLOCK)
     for q in range(0, world):
         if q != rank:

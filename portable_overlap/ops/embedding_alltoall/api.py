@@ -179,6 +179,7 @@ class EmbeddingAllToAll(OverlapContext):
                        for dt in (*DTYPES, *INDEX_DTYPES)}
         self.validate = True
         self._offsets = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._lengths = torch.zeros(0, dtype=torch.int64, device=dev)  # unchecked, clamped
         # the global table ids of each rank's tables, for the backward's column gather
         self._cols = [torch.tensor(plan.tables_of(q), dtype=torch.int64, device=dev)
                       for q in range(W)]
@@ -239,10 +240,12 @@ class EmbeddingAllToAll(OverlapContext):
         sync per call; skipped during CUDA-graph capture. Without it an index outside its
         table is still found by the kernel (it reads nothing outside the table) and raised as
         ``InvalidInputError`` at the context's next check; lengths that do not sum to the
-        number of indices are not checked then."""
+        number of indices are not reported then, but nothing past ``indices`` is read: a
+        negative length counts as 0 and the bags end at the last index."""
         splits = self.resolve_splits(lengths, batch_splits)
         self._validate(weight, lengths, indices, per_sample_weights, splits, pooling)
-        if (self.validate if validate is None else validate) and not _capturing(weight):
+        checked = (self.validate if validate is None else validate) and not _capturing(weight)
+        if checked:
             self._validate_data(lengths, indices)
         shape = self.output_shape(splits)
         out = output_tensor(OP, out, shape, weight,
@@ -252,8 +255,20 @@ class EmbeddingAllToAll(OverlapContext):
         if self._offsets.numel() < lengths.numel() + 1:
             self._offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64,
                                         device=lengths.device)
+            self._lengths = torch.empty(lengths.numel(), dtype=torch.int64,
+                                        device=lengths.device)
         offsets = self._offsets[:lengths.numel() + 1]
+        if not checked:
+            # Unchecked lengths may be negative or not add up to the number of indices: the
+            # kernel would read indices (and per-index weights) past their end, and a bag whose
+            # range leaves its tile's checked range (offsets not monotone) would gather rows
+            # whose indices nobody checked. A negative length counts as 0 and the offsets stop
+            # at len(indices): every bag lies inside indices and inside its tile's index
+            # check. Three small device ops, no host sync (graph capture takes this path).
+            lengths = torch.clamp(lengths, min=0, out=self._lengths[:lengths.numel()])
         torch.cumsum(lengths, 0, out=offsets[1:])
+        if not checked:
+            offsets.clamp_(max=indices.numel())
         psw = per_sample_weights
         # everything the JIT specialized the compiled kernel on (dtypes, 16-byte alignment)
         key = (splits, weight.dtype, indices.dtype, None if psw is None else psw.dtype, pooling,

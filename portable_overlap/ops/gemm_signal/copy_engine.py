@@ -37,7 +37,7 @@ import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ...transports.gate import wait_counter
-from ..context import collective_call, OverlapContext, output_tensor, shape_tag
+from ..context import align_key, collective_call, OverlapContext, output_tensor, shape_tag
 from ..matmul.api import DTYPES
 from ..matmul.api import vector_checks
 from .api import GemmSignal, signal_gemm_args
@@ -169,8 +169,10 @@ class GemmReduceScatterCE(OverlapContext):
         res_, stride_rm = (residual, residual.stride(0)) if residual is not None else (out, 0)
         args = (stage, self._own[id(plan)], recv, plan.table_t, out, bias_, res_, out.shape[1],
                 out.stride(0), stride_rm, self.rank, W, pd * plan.tile_elems)
+        # (the JIT specializes the pointers on their 16-byte alignment: a kernel compiled for an
+        # aligned out would store to a misaligned one in 16-byte vectors)
         key = (id(plan), out.stride(0), stride_rm, bias is not None, residual is not None,
-               a.dtype)
+               a.dtype, align_key(out, bias_, res_))
         launch = self._reduce.get(key)
         if launch is None:
             consts = dict(BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, ROWS=rows,

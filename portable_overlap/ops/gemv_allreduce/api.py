@@ -155,7 +155,7 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
         raise ValueError(f"{OP}: x has K={K} columns but w has K={Kw}")
     if not 1 <= M <= MAX_M:
         raise ValueError(f"{OP}: M (rows of x) must be in 1..{MAX_M}, got {M}; "
-                         f"use a GEMM path for larger batches")
+                         + ("x is empty" if M < 1 else "use a GEMM path for larger batches"))
     if not 1 <= N <= max_n:
         raise ValueError(f"{OP}: N={N} is outside 1..max_n={max_n} of this context")
     if K < 1:

@@ -57,7 +57,8 @@ class MatmulReduce(OverlapContext):
     FLAG_NAMES = CE_FLAG_NAMES
 
     def __init__(self, world, max_elems: int, *, pieces: int = 4,
-                 put_lanes: Optional[int] = None, timeout_s: float = 10.0):
+                 put_lanes: Optional[int] = None, timeout_s: float = 10.0, op: str = OP):
+        self.OP = op  # the public op the errors name (the pattern contexts pass theirs)
         W = world.world_size
         if max_elems < 1:
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
@@ -136,7 +137,7 @@ class MatmulReduce(OverlapContext):
         links = self._links
         partials = self._partials[a.dtype]
         reduced = self._reduced[a.dtype][: M * N].view(M, N)
-        tag = shape_tag(OP, mode, M=M, N=N, dtype=str(a.dtype), pieces=P)
+        tag = shape_tag(self.OP, mode, M=M, N=N, dtype=str(a.dtype), pieces=P)
 
         # Equal pieces. (Tapered all_reduce pieces, weights P..1 so that the exposed pull of the
         # last reduced piece shrinks, were measured slower: 1.088 vs 0.926 ms at 8192^2 x 4096;

@@ -62,7 +62,7 @@ class _MatmulReduction(MatmulPattern):
         if transport == "copy_engine":
             from .api import MatmulReduce
 
-            return MatmulReduce(world, MatmulReduce.elems_needed(M, N, W), **options,
+            return MatmulReduce(world, MatmulReduce.elems_needed(M, N, W), op=self.OP, **options,
                                 **timeout_kw(timeout_s))
         if transport == "signal_collective":
             from ..gemm_signal.api import GemmSignal

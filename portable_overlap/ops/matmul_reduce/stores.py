@@ -80,8 +80,11 @@ class MatmulReduceStores(OverlapContext):
         out = output_tensor(self.OP, out, (rows, N), a,
                             dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(self.OP, a, N, rows, bias=bias, residual=residual)
-        key = (M, K, N, a.dtype, a.stride(), b.stride(), align_key(a, b, out), bias is None,
-               None if residual is None else residual.stride(0))
+        # the JIT specializes every pointer on its 16-byte alignment, bias and residual too: a
+        # kernel compiled for an aligned residual would load a misaligned one in 16-byte vectors
+        extra = [t for t in (bias, residual) if t is not None]
+        key = (M, K, N, a.dtype, a.stride(), b.stride(), align_key(a, b, out, *extra),
+               bias is None, None if residual is None else residual.stride(0))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out, bias, residual)
