@@ -168,17 +168,20 @@ DOWN_CONFIGS = [("descriptors", None), ("pointers", None), ("config", (128, 256,
                 ("config", (64, 128, 64, 4, 4)), ("config", (64, 128, 128, 4, 3))]
 
 
-def gate_configs(spec: str) -> list:
-    """``CONFIGS``, or the default and the tilings ``spec`` names."""
-    if not spec:
-        return CONFIGS
-    out = [None]
+def parse_tilings(spec: str) -> list:
+    """``BMxBNxBK/<warps>w<stages>s[g],...`` as (block_m, block_n, block_k, num_warps,
+    num_stages, gathered) tuples (``g``: gathered row tiles)."""
+    out = []
     for item in spec.split(","):
-        gather = item.endswith("g")
         blocks, rest = item.rstrip("g").split("/")
         warps, stages = rest.rstrip("s").split("w")
-        out.append((*map(int, blocks.split("x")), int(warps), int(stages), gather))
+        out.append((*map(int, blocks.split("x")), int(warps), int(stages), item.endswith("g")))
     return out
+
+
+def gate_configs(spec: str) -> list:
+    """``CONFIGS``, or the default and the tilings ``spec`` names."""
+    return [None, *parse_tilings(spec)] if spec else CONFIGS
 
 
 def combine_sum(world, writer, args, S, H, I, E, k, g, hbm) -> list:
@@ -221,12 +224,7 @@ def down_configs(spec: str) -> list:
     """``DOWN_CONFIGS``, or the call's own picks and the tilings ``spec`` names."""
     if not spec:
         return DOWN_CONFIGS
-    out = DOWN_CONFIGS[:2]
-    for item in spec.split(","):
-        blocks, rest = item.split("/")
-        warps, stages = rest.rstrip("s").split("w")
-        out.append(("config", (*map(int, blocks.split("x")), int(warps), int(stages))))
-    return out
+    return DOWN_CONFIGS[:2] + [("config", t[:5]) for t in parse_tilings(spec)]
 
 
 def down_gemm(world, writer, args, W, S, H, I, E, k, g, hbm) -> list:

@@ -179,6 +179,7 @@ class MoeGemmCombine(OverlapContext):
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank = experts_per_rank
         self.config, self.combine_config = config, combine_config
+        self._combine_configs = {}  # block_s -> the filled-in CombineConfig
         n = self.max_slots * hidden  # the raw buffer fits n float32s: n elements of any dtype
         self._combine = {dt: self._combine_raw.view(torch.uint8).view(dt)[:n]
                          .view(self.max_slots, hidden) for dt in DTYPES}
@@ -355,7 +356,11 @@ class MoeGemmCombine(OverlapContext):
             base = self.combine_config or CombineConfig()
         if base.block_s is not None:
             return base
-        return dataclasses.replace(base, block_s=combine_block(S, self.world.facts.sm_count))
+        block = combine_block(S, self.world.facts.sm_count)
+        cc = self._combine_configs.get(block)  # made once per block: this runs every call
+        if cc is None:
+            cc = self._combine_configs[block] = dataclasses.replace(base, block_s=block)
+        return cc
 
     def _plan_combine(self, topk_weights, out, dtype, gemm, cc: CombineConfig):
         S = topk_weights.shape[0]
