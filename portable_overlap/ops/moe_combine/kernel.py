@@ -48,11 +48,14 @@ FLAG_CONSUMED = tl.constexpr(2)
 CHECK_SLOT = tl.constexpr(3)
 CHECK_ROWS = tl.constexpr(4)
 CHECK_SLOT_MISSING = tl.constexpr(5)
+FLAG_READY = tl.constexpr(6)  # (the one-launch layer's, ops/moe_layer/kernel.py)
 FLAG_BLOCK = tl.constexpr(128)  # flags polled (and row counts summed) per vector load
 FLAG_NAMES = {1: "rows-sent", 2: "combine-consumed", 3: "routing slot of dispatched row",
               4: "row count arriving (expected S*top_k)",
               5: "routing slot with no row in this call (duplicate or out-of-range slot on a "
-                 "sender; the value: the call that last filled it, 0 for none)"}
+                 "sender; the value: the call that last filled it, 0 for none)",
+              6: "gated activations of a row tile (the gated GEMM tiles of the same launch; a "
+                 "peer-failed report: a tile of it was given up on, see the dispatch's error)"}
 
 
 @triton.jit
@@ -76,6 +79,95 @@ def store_rows(combine_ptr, bases_ptr, stage_ptr, slots_ptr, row0, n_rows, col0,
 def no_flush():
     """Zero-copy stores need no completion step before the release signal."""
     pass
+
+
+@triton.jit
+def begin_down(rows_mine_ptr, pid, world, G_MAX: tl.constexpr):
+    """Zero this program's counts of the rows it stores into each rank in this call."""
+    for q in range(0, world):
+        tl.store(rows_mine_ptr + q * G_MAX + pid, 0)
+    tl.debug_barrier()  # zeroed before any thread of the program counts into it
+
+
+@triton.jit
+def down_tile(x_ptr, w_ptr, x_desc, w_desc, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
+              rows_mine_ptr, consumed_ptr, clock_ptr, bases_ptr, status_addr, src, e, n, start,
+              pid_m, pid_n, H, I, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
+              stride_wn, rank, epoch, timeout_us, pid, cleared, ok, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+              EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              G_MAX: tl.constexpr, USE_DESC: tl.constexpr, STORE: tl.constexpr):
+    """Tile (pid_m, pid_n) of segment (src, e): its ``n`` rows ``x[start:start + n]`` times
+    ``w[e]``, column block pid_n, stored by ``STORE`` into src's combine buffer at the rows'
+    slots, each row counted (``rows_mine``) and its slot stamped with the call once. Before the
+    first store into a peer in a call (bit src of ``cleared``), waits until that peer has read
+    the previous call's rows. Returns ``(ok, cleared)``."""
+    if USE_DESC:  # rows past the segment's end are the next one's: masked below
+        acc = gemm_tile_desc(x_desc, w_desc, start + pid_m * BLOCK_M, e * I, pid_n * BLOCK_N, I,
+                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+    else:
+        acc = gemm_tile(x_ptr + start.to(tl.int64) * stride_xm,
+                        w_ptr + tl.cast(e, tl.int64) * stride_we, n, H, I, stride_xm,
+                        stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N,
+                        BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+    y = acc.to(combine_ptr.dtype.element_ty)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = rows < n
+    slot = tl.load(slots_ptr + start + rows, mask=valid, other=0)
+    slot_ok = (slot >= 0) & (slot < max_slots)
+    if tl.sum((valid & ~slot_ok).to(tl.int32)) > 0:
+        # skip the row and go on: src's combine then misses that slot's stamp and raises too,
+        # and this program's flags stay in step (no failure tag)
+        bad = tl.max(tl.where(valid & ~slot_ok, start + rows, -1))
+        report(status_addr, pid, STATUS_BAD_INPUT, src, (CHECK_SLOT << 32) + bad.to(tl.int64),
+               tl.load(slots_ptr + bad).to(tl.int64))
+    keep = valid & slot_ok
+    if src != rank:
+        if ((cleared >> src) & 1) == 0:
+            # src must have read the previous call's rows before we overwrite them
+            ok = await_free(consumed_ptr, src, epoch, clock_ptr, timeout_us, status_addr, pid,
+                            FLAG_CONSUMED, ok)
+            cleared = cleared | (tl.full((), 1, tl.int64) << src)
+    if ok:
+        STORE(combine_ptr, bases_ptr, stage_ptr, slots_ptr, start + pid_m * BLOCK_M,
+              tl.minimum(n - pid_m * BLOCK_M, BLOCK_M), pid_n * BLOCK_N, max_slots, rank, src,
+              slot, cols, y, keep, H, pid, BLOCK_M, BLOCK_N)
+        if pid_n == 0:  # count and stamp each row once, not once per column block
+            tl.atomic_add(rows_mine_ptr + src * G_MAX + pid, tl.sum(keep.to(tl.int64)),
+                          sem="relaxed", scope="gpu")
+            # src's slot_epoch[slot] = this call: src's combine proves with it that every one
+            # of its S*k slots got a row. Plain stores through this library's heap on both
+            # transports, like the row counts (the "shmem" transport's puts carry only the
+            # rows); ordered before the release signal by finish_down's barrier. Cost: 8 bytes
+            # per row next to the row's H elements.
+            tl.store(peer_buffer(slot_epoch_ptr, bases_ptr, rank, src) + slot, epoch, mask=keep)
+    return ok, cleared
+
+
+@triton.jit
+def finish_down(rows_mine_ptr, rows_in_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr,
+                bases_ptr, status_addr, cleared, epoch, tag, ok, pid, rank, world, timeout_us,
+                G_MAX: tl.constexpr, FLUSH: tl.constexpr):
+    """After a program's last ``down_tile`` of the call: tell every rank how many rows it
+    stored there, signal ``sent[rank][pid]`` there (release) and count the program out
+    (``end_call``). Returns whether it was the launch's last program."""
+    # A program that stored nothing into rank q has not waited for q's previous combine yet, but
+    # it is about to overwrite q's rows-in count and rows-sent flag of that call: q's combine may
+    # still be polling them (a slow or busy rank), and the flag wait is for equality, so a word
+    # overwritten early is a lost signal (it shows on 4 ranks with skewed routing:
+    # tests/test_moe_combine.py::test_a_late_combine_loses_no_signal).
+    for q in range(0, world):
+        if (q != rank) & (((cleared >> q) & 1) == 0):
+            ok = await_free(consumed_ptr, q, epoch, clock_ptr, timeout_us, status_addr, pid,
+                            FLAG_CONSUMED, ok)
+    FLUSH()  # the transport's rows have landed before the counts and the release
+    tl.debug_barrier()
+    for q in range(0, world):
+        cnt = tl.atomic_add(rows_mine_ptr + q * G_MAX + pid, 0, sem="relaxed", scope="gpu")
+        tl.store(peer_ptr(rows_in_ptr + rank * G_MAX + pid, bases_ptr, rank, q), cnt)
+    signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
+    return end_call(ctl_ptr, epoch)
 
 
 # R (rows received) and S (tokens) change from call to call with the routing: compiled once, the
@@ -149,9 +241,7 @@ def _grouped_gemm_scatter(
     t_max = (tl.cdiv(R, BLOCK_M) + n_seg) * num_pid_n
     ok = live(clock_ptr)
     cleared = tl.zeros((), tl.int64)  # bit q: rank q's combine buffer is free for this call
-    for q in range(0, world):
-        tl.store(rows_mine_ptr + q * G_MAX + pid, 0)
-    tl.debug_barrier()  # zeroed before any thread of the program counts into it
+    begin_down(rows_mine_ptr, pid, world, G_MAX)
 
     # the walk's cursors (monotone in t). Source-major: segment index, its first tile, its tile
     # count. Expert-major: expert, its first tile, its row tiles per source (in walk order,
@@ -202,67 +292,16 @@ def _grouped_gemm_scatter(
                                         num_pid_n, GROUP_M)
         if walking:
             start = tl.load(starts_ptr + src * E + e)
-            if USE_DESC:  # rows past the segment's end are the next one's: masked below
-                acc = gemm_tile_desc(x_desc, w_desc, start + pid_m * BLOCK_M, e * I,
-                                     pid_n * BLOCK_N, I, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                     PRECISION)
-            else:
-                acc = gemm_tile(x_ptr + start.to(tl.int64) * stride_xm,
-                                w_ptr + tl.cast(e, tl.int64) * stride_we, n, H, I, stride_xm,
-                                stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N,
-                                BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
-            y = acc.to(combine_ptr.dtype.element_ty)
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = rows < n
-            slot = tl.load(slots_ptr + start + rows, mask=valid, other=0)
-            slot_ok = (slot >= 0) & (slot < max_slots)
-            if tl.sum((valid & ~slot_ok).to(tl.int32)) > 0:
-                # skip the row and go on: src's combine then misses that slot's stamp and
-                # raises too, and this program's flags stay in step (no failure tag)
-                bad = tl.max(tl.where(valid & ~slot_ok, start + rows, -1))
-                report(status_addr, pid, STATUS_BAD_INPUT, src,
-                       (CHECK_SLOT << 32) + bad.to(tl.int64),
-                       tl.load(slots_ptr + bad).to(tl.int64))
-            keep = valid & slot_ok
-            if src != rank:
-                if ((cleared >> src) & 1) == 0:
-                    # src must have read the previous call's rows before we overwrite them
-                    ok = await_free(consumed_ptr, src, epoch, clock_ptr, timeout_us, status_addr,
-                                    pid, FLAG_CONSUMED, ok)
-                    cleared = cleared | (tl.full((), 1, tl.int64) << src)
-            if ok:
-                STORE(combine_ptr, bases_ptr, stage_ptr, slots_ptr, start + pid_m * BLOCK_M,
-                      tl.minimum(n - pid_m * BLOCK_M, BLOCK_M), pid_n * BLOCK_N, max_slots,
-                      rank, src, slot, cols, y, keep, H, pid, BLOCK_M, BLOCK_N)
-                if pid_n == 0:  # count and stamp each row once, not once per column block
-                    tl.atomic_add(rows_mine_ptr + src * G_MAX + pid,
-                                  tl.sum(keep.to(tl.int64)), sem="relaxed", scope="gpu")
-                    # src's slot_epoch[slot] = this call: src's combine proves with it that
-                    # every one of its S*k slots got a row. Plain stores through this library's
-                    # heap on both transports, like the row counts below (the "shmem"
-                    # transport's puts carry only the rows); ordered before the release signal
-                    # by the same barrier. Cost: 8 bytes per row next to the row's H elements.
-                    tl.store(peer_buffer(slot_epoch_ptr, bases_ptr, rank, src) + slot, epoch,
-                             mask=keep)
+            ok, cleared = down_tile(
+                x_ptr, w_ptr, x_desc, w_desc, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
+                rows_mine_ptr, consumed_ptr, clock_ptr, bases_ptr, status_addr, src, e, n, start,
+                pid_m, pid_n, H, I, max_slots, stride_xm, stride_xk, stride_we, stride_wk,
+                stride_wn, rank, epoch, timeout_us, pid, cleared, ok, BLOCK_M, BLOCK_N, BLOCK_K,
+                NUM_STAGES, EVEN_K, PRECISION, UPCAST, G_MAX, USE_DESC, STORE)
 
-    # A program that stored nothing into rank q has not waited for q's previous combine yet, but
-    # it is about to overwrite q's rows-in count and rows-sent flag of that call: q's combine may
-    # still be polling them (a slow or busy rank), and the flag wait is for equality, so a word
-    # overwritten early is a lost signal (it shows on 4 ranks with skewed routing:
-    # tests/test_moe_combine.py::test_a_late_combine_loses_no_signal).
-    for q in range(0, world):
-        if (q != rank) & (((cleared >> q) & 1) == 0):
-            ok = await_free(consumed_ptr, q, epoch, clock_ptr, timeout_us, status_addr, pid,
-                            FLAG_CONSUMED, ok)
-    # tell every rank how many rows this program stored there, then signal (release)
-    FLUSH()  # the transport's rows have landed before the counts and the release
-    tl.debug_barrier()
-    for q in range(0, world):
-        cnt = tl.atomic_add(rows_mine_ptr + q * G_MAX + pid, 0, sem="relaxed", scope="gpu")
-        tl.store(peer_ptr(rows_in_ptr + rank * G_MAX + pid, bases_ptr, rank, q), cnt)
-    signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
-    end_call(ctl_ptr, epoch)
+    finish_down(rows_mine_ptr, rows_in_ptr, sent_ptr, consumed_ptr, ctl_ptr, clock_ptr,
+                bases_ptr, status_addr, cleared, epoch, tag, ok, pid, rank, world, timeout_us,
+                G_MAX, FLUSH)
 
 
 @triton.jit(do_not_specialize=["S", "rank"])

@@ -48,6 +48,38 @@ from ..moe_experts.kernel import swiglu_segment_tile
 from .kernel import FLAG_SENT, scatter_rows, store_rows
 
 
+#: what a tile given up on adds to its row tile's ready count (take_tiles): more than any
+#: count of computed tiles, so the consumer's wait ends and it sees the row tile is not there
+READY_SKIPPED = tl.constexpr(1 << 20)
+
+
+@triton.jit
+def row_tile(s, pid_m, cnt, segs, BLOCK_M: tl.constexpr):
+    """The number of row tile ``pid_m`` of segment ``s`` (= source * E + expert) among all row
+    tiles of the call, segment by segment (``cnt``: the rows of every segment, lane ``segs``)."""
+    return tl.sum(tl.where(segs < s, (cnt + BLOCK_M - 1) // BLOCK_M, 0)) + pid_m
+
+
+@triton.jit
+def send_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr, sent_ptr,
+              bases_ptr, pid, senders, n_slots, k, H, stride_ts, E, capacity, rank, world, epoch,
+              tag, ok, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+              G_MAX: tl.constexpr):
+    """Sender ``pid`` of ``senders``: its slot blocks' rows stored one destination per pass,
+    its own rank first, each pass ending with ``sent[rank][pid]`` released in that
+    destination's heap (the module docstring)."""
+    for j in range(0, world):
+        d = (rank + j) % world
+        if ok:  # (zero-copy stores: no slot ids or stage, the put transport's)
+            scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
+                         recv_slots_ptr, recv_slots_ptr, recv_slots_ptr, bases_ptr, pid,
+                         senders, n_slots, k, H, stride_ts, E, capacity, rank, world, d,
+                         d + 1, BLOCK_T, BLOCK_E, BLOCK_H, store_rows)
+        tl.debug_barrier()  # every thread's stores before the (cumulative) release
+        signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
+                    rank, d)
+
+
 @triton.jit
 def _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M: tl.constexpr):
     """Segment ``f`` of the fused order (source ``r - f // E``, expert ``f % E``): its source,
@@ -59,21 +91,28 @@ def _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _take_tiles(queue_ptr, total, f0, have, ok, counts_ptr, cnt, segs, sent_ptr, senders, x_ptr,
-                wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, I, H, E, rank, world, epoch,
-                tag, clock_ptr, timeout_us, status_addr, pid, stride_we, stride_wk, stride_wn,
-                stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr,
-                BLOCK_F: tl.constexpr, G_MAX: tl.constexpr):
+def take_tiles(queue_ptr, total, f0, have, ok, counts_ptr, cnt, segs, sent_ptr, senders, x_ptr,
+               wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, ready_ptr, I, H, E, rank, world,
+               epoch, tag, clock_ptr, timeout_us, status_addr, pid, stride_we, stride_wk,
+               stride_wn, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+               EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               USE_DESC: tl.constexpr, BLOCK_F: tl.constexpr, G_MAX: tl.constexpr,
+               NOTIFY: tl.constexpr):
     """Claim tiles of one queue (``total`` tiles, the fused order from segment ``f0``) until it
-    is empty or this program gives up; ``have`` bit q: source q's rows are known here."""
+    is empty or this program gives up; ``have`` bit q: source q's rows are known here. With
+    ``NOTIFY``, each claimed tile then counts itself in ``ready_ptr[row tile]`` (release): one
+    per tile computed, ``READY_SKIPPED`` for a tile given up on (row tiles numbered segment by
+    segment in (source, expert) order, ``row_tile``), so a consumer of the row tile's
+    activations waits for ``cdiv(I, BLOCK_N)`` and sees whether any is missing."""
     num_pid_n = tl.cdiv(I, BLOCK_N)
     f = f0
     q, e, n, s_nt = _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
     s_t0 = 0
     t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
-    while (t < total) & ok:
+    # (with NOTIFY a program that gave up still drains the queue, counting each tile it claims
+    # as given up: a consumer waits for every tile of its row tile, and no one else may take it)
+    while (t < total) & (ok | NOTIFY):
         # claims only grow, so the cursor only moves forward; `total` keeps it in the queue
         while t >= s_t0 + s_nt:
             f += 1
@@ -87,13 +126,17 @@ def _take_tiles(queue_ptr, total, f0, have, ok, counts_ptr, cnt, segs, sent_ptr,
             if USE_DESC:
                 async_proxy_fence()  # the acquire, before the bulk copies' reads of the rows
             have = have | (tl.full((), 1, tl.int64) << q)
+        pid_m, pid_n = grouped_tile(t - s_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
         if ok:
-            pid_m, pid_n = grouped_tile(t - s_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
             start = tl.sum(tl.where(segs < q * E + e, cnt, 0))  # rows of the segments before
             swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start,
                                 n, e, pid_m, pid_n, I, H, H, 1, stride_we, stride_wk,
                                 stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
                                 EVEN_K, PRECISION, UPCAST, USE_DESC)
+        if NOTIFY:
+            tl.debug_barrier()  # every thread's stores of the tile before the (cumulative) release
+            tl.atomic_add(ready_ptr + row_tile(q * E + e, pid_m, cnt, segs, BLOCK_M),
+                          tl.where(ok, 1, READY_SKIPPED), sem="release", scope="gpu")
         t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
     return have, ok
 
@@ -128,28 +171,21 @@ def dispatch_swiglu_kernel(
     peer_total = tl.sum(tiles) - own_total
     have = tl.zeros((), tl.int64)
     if pid < senders:
-        for j in range(0, world):
-            d = (rank + j) % world
-            if ok:  # (zero-copy stores: no slot ids or stage, the put transport's)
-                scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
-                             recv_slots_ptr, recv_slots_ptr, recv_slots_ptr, bases_ptr, pid,
-                             senders, n_slots, k, H, stride_ts, E, capacity, rank, world, d,
-                             d + 1, BLOCK_T, BLOCK_E, BLOCK_H, store_rows)
-            tl.debug_barrier()  # every thread's stores before the (cumulative) release
-            signal_peer(sent_ptr + rank * G_MAX + pid, call_flag(epoch, tag, ok), bases_ptr,
-                        rank, d)
+        send_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+                  sent_ptr, bases_ptr, pid, senders, n_slots, k, H, stride_ts, E, capacity, rank,
+                  world, epoch, tag, ok, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX)
     # queue 0: the own rows' tiles (compute programs only), queue 1: the peers' (one call
     # site, so the GEMM's pipeline buffers are laid out once)
     q_lo = tl.where(pid < senders, 1, 0)
     q_hi = tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 1)
     for qi in range(q_lo, q_hi):
-        have, ok = _take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
-                               have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
-                               wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, I, H, E, rank,
-                               world, epoch, tag, clock_ptr, timeout_us, status_addr, pid,
-                               stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
-                               BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
-                               BLOCK_F, G_MAX)
+        have, ok = take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
+                              have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
+                              wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, queue_ptr, I, H, E,
+                              rank, world, epoch, tag, clock_ptr, timeout_us, status_addr, pid,
+                              stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
+                              BLOCK_F, G_MAX, False)
     # the last program out (every program has made its last claim) zeroes the queues
     tl.debug_barrier()
     ticket = tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu")

@@ -1,0 +1,248 @@
+"""The expert-parallel MoE layer after routing, from the dispatch to the combine, with the
+dispatch's scatter, both expert GEMMs and the combine's row stores in one persistent launch.
+
+What it computes on rank r (``E`` local experts per rank; ``w_gate``, ``w_up`` [E, H, I] and
+``w_down`` [E, I, H] are rank r's experts, global experts ``r * E .. r * E + E - 1``)::
+
+    x, counts, slots = moe_dispatch(tokens, topk_ids, dispatch_ctx)     # rows routed to r
+    h = expert_swiglu(x, w_gate, w_up, counts)     # silu(x[i] @ w_gate[e]) * (x[i] @ w_up[e])
+    out = moe_gemm_combine(h, w_down, counts, slots, topk_weights, combine_ctx)
+    # out [S, H]: out[s] = sum_j topk_weights[s, j] * expert_{topk_ids[s, j]}(tokens[s])
+
+Four launches (kernel.py): the dispatch's count and exchange, then one persistent launch in
+which some programs store the rows into their destinations' heaps while the others compute the
+gated GEMM's tiles as the rows arrive (this rank's own first) and then the down GEMM's tiles
+as their activations are finished, each row stored straight into its source's combine buffer;
+then the combine's weighted sum. No host sync: capturable in a CUDA graph. Same faults as the
+dispatch and the combine, raised on every rank for the same call (by the dispatch context for
+routing faults and the rows that arrive, by the combine context for the rows that leave).
+
+The two contexts are the staged path's own (``MoeDispatch`` with the ``"stores"`` transport,
+``MoeGemmCombine`` with ``"stores"``), made with the same ``hidden``, ``top_k`` and
+``experts_per_rank`` on the same world; calls of this op and of the staged ops may alternate on
+them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ...tiles.gemv import dot_precision, dot_upcast
+from ..context import G_MAX, align_key, collective_call, output_tensor, refuse_grad, shape_tag
+from ..matmul.api import MatmulConfig
+from ..moe_combine import MoeGemmCombine
+from ..moe_combine.api import OP as COMBINE_OP, decode_walk
+from ..moe_dispatch import MoeDispatch
+from ..moe_dispatch import swiglu
+from ..moe_experts.api import _descriptors, default_config
+from .kernel import moe_layer_kernel
+
+OP = "moe_layer"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def down_config(gated: MatmulConfig, down: MatmulConfig) -> MatmulConfig:
+    """The down GEMM's tiles inside the layer's launch: ``down``'s, with the gated GEMM's row
+    tile height (a down tile waits for the gated tiles of exactly one row tile) and warps (one
+    launch has one warp count)."""
+    return dataclasses.replace(down, block_m=gated.block_m, num_warps=gated.num_warps)
+
+
+def _check_contexts(dctx, cctx) -> None:
+    if not isinstance(dctx, MoeDispatch):
+        raise TypeError(f"{OP}: dispatch_ctx must be a MoeDispatch, got {type(dctx).__name__}")
+    if not isinstance(cctx, MoeGemmCombine):
+        raise TypeError(f"{OP}: combine_ctx must be a MoeGemmCombine, got "
+                        f"{type(cctx).__name__}")
+    if dctx.world is not cctx.world:
+        raise ValueError(f"{OP}: the dispatch and combine contexts must be made on the same "
+                         f"world")
+    for name in ("hidden", "top_k", "experts_per_rank"):
+        if getattr(dctx, name) != getattr(cctx, name):
+            raise ValueError(f"{OP}: the contexts disagree on {name}: dispatch "
+                             f"{getattr(dctx, name)}, combine {getattr(cctx, name)}")
+    if dctx.transport != "stores" or cctx.transport != "stores":
+        raise ValueError(f"{OP}: the one-launch layer stores rows itself and needs both contexts "
+                         f"with transport='stores'; got dispatch {dctx.transport!r}, combine "
+                         f"{cctx.transport!r} (call the staged ops instead)")
+    if dctx.world.world_size > swiglu.MAX_WORLD:
+        raise ValueError(f"{OP}: at most {swiglu.MAX_WORLD} ranks, got "
+                         f"{dctx.world.world_size}")
+
+
+def moe_layer(tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+              dispatch_ctx: MoeDispatch, combine_ctx: MoeGemmCombine,
+              out: Optional[torch.Tensor] = None, *, senders: Optional[int] = None,
+              rows_per_segment: Optional[float] = None) -> torch.Tensor:
+    """``out`` [S, H] of the module docstring for this rank's ``tokens`` [S, H], ``topk_ids``
+    [S, k] (global expert ids) and ``topk_weights`` [S, k]. ``senders``: programs that store
+    rows (``swiglu.default_senders``); ``rows_per_segment``: the mean rows of a (source,
+    expert) segment, which picks the tiles (default ``S * k / (W * E)``, this rank's S standing
+    in for its peers'). Collective: every rank calls it in the same order as its other calls on
+    the two contexts. Inference only (no autograd)."""
+    _check_contexts(dispatch_ctx, combine_ctx)
+    refuse_grad(OP, tokens, topk_weights, w_gate, w_up, w_down)
+    return _dispatch_side(dispatch_ctx, combine_ctx, tokens, topk_ids, topk_weights, w_gate,
+                          w_up, w_down, out, senders, rows_per_segment)
+
+
+@collective_call
+def _dispatch_side(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out,
+                   senders, rows_per_segment):
+    """The dispatch context's half of the call: its checks, then the combine's half. A refusal
+    on either side (bad input on this rank) is told to the peers on both contexts."""
+    dctx._validate(tokens, topk_ids)
+    swiglu.check_options(senders, None, rows_per_segment)
+    h = _activations(dctx, w_gate)
+    swiglu.check_weights(dctx, w_gate, w_up, h)
+    return _combine_side(cctx, dctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h,
+                         out, senders, rows_per_segment)
+
+
+def _activations(dctx, w_gate) -> torch.Tensor:
+    """The gated activations' buffer ([capacity, I]), one per I and dtype, made on first use
+    (the first call of a shape is not capturable anyway: it compiles)."""
+    I = w_gate.shape[-1] if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 3 else 0
+    bufs = dctx.__dict__.setdefault("_layer_h", {})
+    h = bufs.get(I)
+    if h is None:
+        h = bufs[I] = torch.empty((dctx.capacity, max(I, 1)), dtype=dctx.dtype,
+                                  device=dctx.world.device)
+    return h
+
+
+@collective_call
+def _combine_side(cctx, dctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out,
+                  senders, rows_per_segment):
+    cctx._validate(h, w_down, dctx.counts, dctx.recv_slots, topk_weights)
+    if topk_weights.shape[0] != tokens.shape[0]:
+        raise ValueError(f"{OP}: topk_weights has {topk_weights.shape[0]} rows, tokens "
+                         f"{tokens.shape[0]}")
+    if w_down.shape[1] != w_gate.shape[2]:
+        raise ValueError(f"{OP}: w_down must be [E, I, H] with I = {w_gate.shape[2]} (w_gate's); "
+                         f"got {tuple(w_down.shape)}")
+    if w_down.stride(2) != 1:
+        raise ValueError(f"{OP}: w_down must have contiguous rows; got strides "
+                         f"{w_down.stride()}")
+    out = output_tensor(OP, out, (tokens.shape[0], cctx.hidden), tokens,
+                        dict(tokens=tokens, topk_weights=topk_weights, w_gate=w_gate, w_up=w_up,
+                             w_down=w_down))
+    S = tokens.shape[0]
+    W, E = dctx.world.world_size, dctx.experts_per_rank
+    m = S * dctx.top_k / (W * E) if rows_per_segment is None else rows_per_segment
+    plan = _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out,
+                 senders, m, decode_walk(S, dctx.top_k, W, E))
+    count, exchange, fused = plan.launches
+    routing = dctx._args(tokens, topk_ids, plan.tag)
+    args = _args(dctx, cctx, plan, tokens, topk_ids, w_gate, w_up, w_down, h)
+    comb = plan.combine
+    comb_args = cctx._comb_args(topk_weights, out, tokens.dtype, plan.c_tag, fused.programs)
+    dctx._launched = cctx._launched = True  # from here on the call is under way on both
+    count(routing[0])
+    exchange(routing[1])
+    fused(args)
+    comb.programs = max(1, -(-S // comb.block_s))  # one weighted-sum program per token block
+    comb(comb_args)
+    return out
+
+
+def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out, senders, m,
+          decode):
+    cfg1 = default_config(tokens.dtype, tokens.device, True, m, False)
+    cfg2 = down_config(cfg1, cctx._gemm_config(h, decode))
+    cc = cctx._combine_config(tokens.device, topk_weights.shape[0])
+    key = ("layer", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
+           w_gate.stride(), w_down.stride(), topk_weights.dtype, topk_weights.stride(), senders,
+           cfg1, cfg2, cc, align_key(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out))
+    plan = cctx._plans.get(key)
+    if plan is not None:
+        return plan
+    W, E, facts = dctx.world.world_size, dctx.experts_per_rank, dctx.world.facts
+    I = w_gate.shape[2]
+    cpu = dctx.world.device.type == "cpu"
+    x_desc = _descriptors(dctx.recv, w_gate, w_up, cfg1, facts)[0]
+    h_desc = cctx._descriptors(h, w_down, cfg2)[0]
+    if x_desc is None:  # the pointer loads' tiles (the gated GEMM spills at 128 x 128 there)
+        cfg1 = default_config(tokens.dtype, tokens.device, False, m, False)
+        cfg2 = down_config(cfg1, cfg2)
+        h_desc = cctx._descriptors(h, w_down, cfg2)[0]
+    programs = min(facts.sm_count, G_MAX)
+    n_send = senders or swiglu.default_senders(W, programs)
+    # one ready counter per row tile: every segment adds at most one partial row tile
+    n_ready = -(-dctx.capacity // cfg1.block_m) + W * E
+    ready = torch.zeros(max(n_ready, 1), dtype=torch.int32, device=dctx.world.device)
+    queue = torch.zeros(3, dtype=torch.int32, device=dctx.world.device)
+    elem = tokens.element_size()
+    p = SimpleNamespace(cfg1=cfg1, cfg2=cfg2, x_desc=x_desc, h_desc=h_desc, senders=n_send,
+                        ready=ready, queue=queue, tag=0, c_tag=0)
+
+    def tags(g):
+        # the dispatch's side: its layout and the senders each rank waits for; the combine's:
+        # what its weighted sum waits for (this launch's programs). Not S or the tiles, which
+        # are each rank's own
+        d = shape_tag(OP, hidden=dctx.hidden, top_k=dctx.top_k, experts_per_rank=E,
+                      dtype=str(tokens.dtype), capacity=dctx.capacity, block_t=dctx.block_t,
+                      senders=n_send)
+        c = shape_tag(COMBINE_OP, hidden=cctx.hidden, intermediate=I, experts_per_rank=E,
+                      top_k=cctx.top_k, dtype=str(tokens.dtype), config=cctx.config, programs=g,
+                      layer=True)
+        return d, c
+
+    def args_of(g):
+        p.tag, p.c_tag = tags(g)
+        return _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h)
+
+    consts = dict(BLOCK_T=dctx.block_t, BLOCK_E=dctx.block_e,
+                  BLOCK_H=16 if cpu else min(_pow2(dctx.hidden), 512 // elem), G_MAX=G_MAX,
+                  BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k,
+                  GROUP_M=cfg1.group_m, NUM_STAGES=cfg1.num_stages,
+                  EVEN_K=dctx.hidden % cfg1.block_k == 0, PRECISION=dot_precision(tokens.dtype),
+                  UPCAST=dot_upcast(tokens.dtype), USE_DESC=x_desc is not None,
+                  BLOCK_SEG=_pow2(W * E), BLOCK_F=min(_pow2(n_send), 128),
+                  # (kernel.py: under the interpreter only one sender per rank may compute,
+                  # and senders take no down tiles)
+                  SENDERS_COMPUTE=not cpu or n_send == 1,
+                  BLOCK_N2=cfg2.block_n, BLOCK_K2=cfg2.block_k, GROUP_M2=cfg2.group_m,
+                  NUM_STAGES2=cfg2.num_stages, EVEN_K2=I % cfg2.block_k == 0,
+                  USE_DESC2=h_desc is not None, SENDERS_DOWN=not cpu,
+                  num_warps=cfg1.num_warps, num_stages=cfg1.num_stages)
+    # programs wait for programs of the same launch (the own rows, the activations): the grid
+    # must be resident, which _compile ensures
+    fused = cctx._compile(moe_layer_kernel, programs, consts, args_of)
+    if fused.programs <= n_send:
+        raise RuntimeError(f"{OP}: only {fused.programs} programs of the layer kernel fit on the "
+                           f"device at once, not more than senders={n_send}: pass fewer senders")
+    p.tag, p.c_tag = tags(fused.programs)
+    count, exchange = dctx._plan_routing(tokens, topk_ids, fused.programs, p.tag)
+    p.launches = (count, exchange, fused)
+    p.combine = cctx._plan_combine(topk_weights, out, tokens.dtype,
+                                   SimpleNamespace(tag=p.c_tag, programs=fused.programs), cc)
+    cctx._plans[key] = p
+    return p
+
+
+def _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h):
+    W, E = dctx.world.world_size, dctx.experts_per_rank
+    wg_desc = wu_desc = wd_desc = None
+    if p.x_desc is not None:  # per call: they hold the weights' addresses
+        _, wg_desc, wu_desc = _descriptors(dctx.recv, w_gate, w_up, p.cfg1, dctx.world.facts)
+    if p.h_desc is not None:
+        wd_desc = cctx._descriptors(h, w_down, p.cfg2)[1]
+    return (tokens, topk_ids, dctx._base, dctx._dest_start, dctx.recv, dctx.recv_slots,
+            dctx.sent, dctx.ctl, dctx.call_clock, dctx.heap.bases, dctx.status.address,
+            dctx.counts, p.queue, p.ready, w_gate, w_up, h, p.x_desc, wg_desc, wu_desc,
+            topk_ids.numel(), dctx.top_k, dctx.hidden, tokens.stride(0), E, dctx.capacity,
+            dctx.rank, W, p.tag, dctx.timeout_us, p.senders, w_gate.shape[2], w_gate.stride(0),
+            w_gate.stride(1), w_gate.stride(2), h.stride(0),
+            w_down, p.h_desc, wd_desc, cctx._combine[tokens.dtype], cctx.slot_epoch, cctx.sent,
+            cctx.rows_in, cctx.rows_mine, cctx.consumed, cctx.ctl, cctx.call_clock,
+            cctx.heap.bases, cctx.status.address, cctx.max_slots, w_down.stride(0), w_down.stride(1),
+            w_down.stride(2), p.c_tag, cctx.timeout_us)
+
