@@ -16,6 +16,10 @@ as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
   (plain launches: the host reads cannot be captured);
 - ``fused_dispatch_gemm``: the same layer with ``fuse_dispatch=True`` (the dispatch and the
   gated GEMM in one launch, ``moe_dispatch_swiglu``); checked like ``fused``;
+- ``fused_one_launch``: the same layer with ``one_launch=True`` (the dispatch's scatter, both
+  expert GEMMs and the combine's row stores in one launch, ``moe_layer``); checked like
+  ``fused``; ``stage_layer_launch``: ``moe_layer`` alone (no router), against
+  ``stage_dispatch_swiglu`` + ``stage_combine``;
 - the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
   ``stage_combine`` (down GEMM + combine; ``stage_combine_sources`` / ``_experts``: with its
   tile walk fixed source by source / expert by expert, where the layer picks by size), and
@@ -39,7 +43,7 @@ import torch.nn.functional as F
 
 from benchmarks.cli import BenchParser
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
-from portable_overlap import ExpertParallelMoE
+from portable_overlap import ExpertParallelMoE, moe_layer
 from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from portable_overlap.ops.moe_dispatch import (moe_dispatch, moe_dispatch_reference,
                                                moe_dispatch_swiglu)
@@ -130,12 +134,12 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
             def layer():
                 return fused(tokens)
 
-            def layer_fused_dispatch():
-                fused.fuse_dispatch = True  # same weights and contexts, the other form
+            def layer_as(form):
+                setattr(fused, form, True)  # same weights and contexts, another schedule
                 try:
                     return fused(tokens)
                 finally:
-                    fused.fuse_dispatch = False
+                    setattr(fused, form, False)
 
             m = S * k / E  # the layer's rows_per_segment
 
@@ -146,7 +150,11 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
 
             impls = {
                 "fused": lambda: out.copy_(layer()),
-                "fused_dispatch_gemm": lambda: out.copy_(layer_fused_dispatch()),
+                "fused_dispatch_gemm": lambda: out.copy_(layer_as("fuse_dispatch")),
+                "fused_one_launch": lambda: out.copy_(layer_as("one_launch")),
+                "stage_layer_launch": lambda: moe_layer(
+                    tokens, ids, weights, fused.w_gate, fused.w_up, fused.w_down,
+                    fused.dispatch_ctx, fused.ctx, out=out, rows_per_segment=m),
                 "sequential": lambda: out.copy_(torch_path(tokens)),
                 "stage_dispatch": lambda: moe_dispatch(tokens, ids, fused.dispatch_ctx),
                 "stage_experts": lambda: expert_swiglu(x, fused.w_gate, fused.w_up, counts,
@@ -181,7 +189,8 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
             label = f"{S}x{H}x{I}x{E}x{k} {kind} {dname}"
             bench.run(Case(op=OP, shape=shape, dtype=dname,
                            impls={n: timed(f) for n, f in impls.items()}, check=check,
-                           checked=["fused", "fused_dispatch_gemm"], tol=3e-2, label=label,
+                           checked=["fused", "fused_dispatch_gemm", "fused_one_launch",
+                                    "stage_layer_launch"], tol=3e-2, label=label,
                            plain_only=("sequential",),
                            fields=lambda name: {"rows_received": R}))
     finally:

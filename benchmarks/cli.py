@@ -161,6 +161,9 @@ class BenchParser(argparse.ArgumentParser):
                             "replay), or 0 / 1 (default: %(default)s)")
         g.add_argument("--no-graph", action="store_true", help="plain launches only")
         g.add_argument("--no-plain", action="store_true", help="CUDA-graph replay only")
+        g.add_argument("--impls", default="",
+                       help="comma list of the impls to check and time (default: every one "
+                            "the benchmark has)")
         g.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                        help="check every fused impl against the reference before timing it; "
                             "a wrong one is not timed (default: on)")
@@ -179,5 +182,6 @@ class BenchParser(argparse.ArgumentParser):
         if not graphs:
             self.error("no graph mode left to time (--no-graph and --no-plain together?)")
         ns.graphs = graphs
+        ns.impls = tuple(x for x in ns.impls.split(",") if x)
         ns.out = results_path(ns.out, ns.device_kind)
         return ns

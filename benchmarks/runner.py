@@ -129,6 +129,10 @@ class Bench:
     def run(self, case: Case) -> dict:
         """Checks, times, writes and prints ``case`` (see the module's docstring); returns
         {(impl, graph): median ms} of what was timed."""
+        wanted = getattr(self.args, "impls", ())  # (--impls: a subset of them)
+        if wanted:
+            case = dataclasses.replace(case, impls={n: f for n, f in case.impls.items()
+                                                    if n in wanted})
         errs = {}
         if self.args.check and case.check is not None:
             for name in case.checked_names():

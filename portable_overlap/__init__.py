@@ -46,6 +46,7 @@ from .ops.matmul_reduce import (MatmulAllReduce, MatmulReduceScatter, matmul_all
                                 matmul_reduce_scatter_reference)
 from .ops.moe_combine import MoeGemmCombine, moe_gemm_combine, moe_gemm_combine_reference
 from .ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_reference
+from .ops.moe_layer import moe_layer, moe_layer_reference
 from .ops.registry import SPECS
 from .world import World
 from .workspace import Workspace
@@ -60,7 +61,7 @@ __all__ = [
     *(f"{name}_reference" for name in OPS),
     "GemvConfig", "SignalConfig", "ShardingPlan",
     "RowParallelLinear", "ColumnParallelLinear", "ShardedEmbeddingBagCollection",
-    "ExpertParallelMoE",
+    "ExpertParallelMoE", "moe_layer", "moe_layer_reference",
     "PortableOverlapError", "BackendUnavailable", "PeerTimeoutError", "RankMismatchError",
     "ContextBrokenError", "ContextClosedError", "ConcurrentUseError", "PeerSetupError",
     "InvalidInputError",

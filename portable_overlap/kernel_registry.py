@@ -29,9 +29,11 @@ def compile_spec(fn, signature: dict, constexprs: dict, aligned, target, num_war
 
 
 #: kernel lists of building blocks outside the op table (the persistent GEMM core, the
-#: experts' gated grouped GEMM, the backends' kernel gate, the public device API)
+#: experts' gated grouped GEMM, the one-launch MoE layer, the backends' kernel gate, the public
+#: device API)
 SHARED_SPECS = ("portable_overlap.ops.matmul.compile_specs",
                 "portable_overlap.ops.moe_experts.compile_specs",
+                "portable_overlap.ops.moe_layer.compile_specs",
                 "portable_overlap.backends.compile_specs",
                 "portable_overlap.language.compile_specs")
 

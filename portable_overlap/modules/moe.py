@@ -11,8 +11,10 @@ its own tokens. Forward, on every rank::
 
 With ``fuse_dispatch=True`` the dispatch and the gated GEMM run as one launch after the routing
 counts are exchanged (``moe_dispatch_swiglu``: the GEMM starts on each source's rows as they
-arrive, this rank's own rows first); the default is the two launches until the fused form is
-measured on 2 GPUs to be no slower (docs/moe.md has the prediction).
+arrive, this rank's own rows first); with ``one_launch=True`` the down GEMM and the combine's
+row stores join that launch too (``ops/moe_layer``: a down tile starts once the gated tiles of
+its rows are done), leaving the weighted sum to a launch of its own. The default is the staged
+launches until the fused forms are measured on 2 GPUs to be no slower (docs/moe.md).
 
 The router is replicated (same weights on every rank). With ``fused=False`` the layer is the
 torch path instead: ``all_to_all_single`` dispatch with host-read splits, per-segment matmuls,
@@ -26,14 +28,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
-from ..ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_dispatch_reference,
-                                moe_dispatch_swiglu)
+from ..ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_swiglu
 from ..ops.moe_experts import expert_swiglu
-from ..ops.moe_combine.reference import combine_rows, expert_outputs
+from ..ops.moe_layer import moe_layer, moe_layer_reference
 from .moe_backward import MoeLayerFunction
 
 
@@ -45,23 +45,28 @@ class ExpertParallelMoE(nn.Module):
     (most tokens a rank passes) and ``capacity`` (most rows a rank's experts receive in a call;
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
     contexts it makes (``ctx``: a combine context to use instead); ``fuse_dispatch``: the
-    dispatch and the gated GEMM in one launch (module docstring)."""
+    dispatch and the gated GEMM in one launch; ``one_launch``: the dispatch and both expert
+    GEMMs in one launch (module docstring)."""
 
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  max_tokens: int, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
                  ctx: Optional[MoeGemmCombine] = None, capacity: Optional[int] = None,
-                 seed: int = 0, fuse_dispatch: bool = False):
+                 seed: int = 0, fuse_dispatch: bool = False, one_launch: bool = False):
         super().__init__()
         W = world.world_size
         if num_experts % W:
             raise ValueError(f"num_experts={num_experts} must split evenly over {W} ranks")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        if fuse_dispatch and not fused:
-            raise ValueError("fuse_dispatch=True needs fused=True (the torch path has no "
-                             "dispatch launch to fuse)")
+        for name, v in (("fuse_dispatch", fuse_dispatch), ("one_launch", one_launch)):
+            if v and not fused:
+                raise ValueError(f"{name}=True needs fused=True (the torch path has no launches "
+                                 f"to fuse)")
+        if fuse_dispatch and one_launch:
+            raise ValueError("fuse_dispatch and one_launch are two schedules of the fused "
+                             "layer: pass one")
         self.world, self.top_k, self.fused = world, top_k, fused
-        self.fuse_dispatch = bool(fuse_dispatch)
+        self.fuse_dispatch, self.one_launch = bool(fuse_dispatch), bool(one_launch)
         self.experts_per_rank = E = num_experts // W
         dev = world.device
         g = torch.Generator(device="cpu").manual_seed(seed)  # same router on every rank
@@ -83,9 +88,10 @@ class ExpertParallelMoE(nn.Module):
             self.dispatch_ctx = MoeDispatch(world, max_tokens=max_tokens, top_k=top_k,
                                             hidden=hidden, experts_per_rank=E, dtype=dtype,
                                             capacity=capacity)
-            # the gated activations of every received row, reused by each call
-            self._h = torch.empty((self.dispatch_ctx.capacity, intermediate), dtype=dtype,
-                                  device=dev)
+            if not one_launch:  # (the one-launch layer keeps its own on the dispatch context)
+                # the gated activations of every received row, reused by each call
+                self._h = torch.empty((self.dispatch_ctx.capacity, intermediate), dtype=dtype,
+                                      device=dev)
 
     def route(self, tokens):
         scores = torch.softmax((tokens @ self.router.T).float(), dim=-1)
@@ -105,6 +111,9 @@ class ExpertParallelMoE(nn.Module):
         if self.fused:
             # each source sends an expert S * k / (all experts) rows on average (balanced)
             m = tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
+            if self.one_launch:
+                return moe_layer(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
+                                 self.dispatch_ctx, self.ctx, rows_per_segment=m)
             if self.fuse_dispatch:
                 h, counts, slots = moe_dispatch_swiglu(tokens, ids, self.w_gate, self.w_up,
                                                        self.dispatch_ctx, out=self._h,
@@ -114,17 +123,9 @@ class ExpertParallelMoE(nn.Module):
                 h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h,
                                   rows_per_segment=m)
             return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
-        x, counts, slots = moe_dispatch_reference(tokens, ids, self.experts_per_rank,
-                                                  self.world.group)
-        bounds = [0] + torch.cumsum(counts.flatten().long(), 0).tolist()
-        h = x.new_empty((x.shape[0], self.w_up.shape[2]))
-        for s in range(len(bounds) - 1):  # first expert GEMMs, per (source, expert) segment
-            lo, hi = bounds[s], bounds[s + 1]
-            if hi > lo:
-                e = s % self.experts_per_rank
-                h[lo:hi] = F.silu(x[lo:hi] @ self.w_gate[e]) * (x[lo:hi] @ self.w_up[e])
-        y = expert_outputs(h, self.w_down, counts, accumulate_fp32=False)
-        return combine_rows(y, slots, counts, weights, self.world.group)
+        return moe_layer_reference(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
+                                   self.experts_per_rank, self.world.group,
+                                   accumulate_fp32=False)
 
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise what the fused ops' kernels found."""

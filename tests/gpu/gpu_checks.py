@@ -472,15 +472,25 @@ def check_moe_layer(world: World, gen) -> None:
     replays of one CUDA graph with new tokens each (so new routing: no host sync anywhere)."""
     from portable_overlap import ExpertParallelMoE
 
-    H, I, E, k, S = 1024, 768, 4 * world.world_size, 4, 1536
-    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16)
+    H, I, E, k = 1024, 768, 4 * world.world_size, 4
+    # a prefill size, and a decode size (other tiles: 64-row, the down GEMM walked by experts)
+    for S, what in ((1536, ""), (96, " (decode)")):
+        for opts, form in (({}, "fused"), ({"one_launch": True}, "one launch")):
+            _moe_layer_case(world, gen, H, I, E, k, S, opts, f"{form}{what}")
+    moe_layer_backward(world, gen)
+
+
+def _moe_layer_case(world: World, gen, H, I, E, k, S, opts, name) -> None:
+    from portable_overlap import ExpertParallelMoE
+
+    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16, **opts)
     ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16, fused=False)
     try:
         with torch.no_grad():
-            tokens = rand((S - 100 * world.rank, H), torch.bfloat16, world.device, gen)
+            tokens = rand((S - S // 16 * world.rank, H), torch.bfloat16, world.device, gen)
             err = rel_err(fused(tokens), ref(tokens))
             fused.synchronize()
-            record("moe layer fused vs torch path", err < 3e-2, f"rel_err={err:.2e}")
+            record(f"moe layer {name} vs torch path", err < 3e-2, f"rel_err={err:.2e}")
             out = torch.empty_like(tokens)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -492,11 +502,10 @@ def check_moe_layer(world: World, gen) -> None:
                 graph.replay()
                 fused.synchronize()
                 worst = max(worst, rel_err(out, ref(tokens)))
-            record("moe layer 10 graph replays, new tokens each", worst < 3e-2,
+            record(f"moe layer {name}: 10 graph replays, new tokens each", worst < 3e-2,
                    f"worst rel_err={worst:.2e}")
     finally:
         fused.close()
-    moe_layer_backward(world, gen)
 
 
 def moe_layer_backward(world: World, gen) -> None:
