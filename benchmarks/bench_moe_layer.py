@@ -19,7 +19,7 @@ as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
 - ``fused_one_launch``: the same layer with ``one_launch=True`` (the dispatch's scatter, both
   expert GEMMs and the combine's row stores in one launch, ``moe_layer``); checked like
   ``fused``; ``stage_layer_launch``: ``moe_layer`` alone (no router), against
-  ``stage_dispatch_swiglu`` + ``stage_combine``;
+  ``stage_dispatch_swiglu`` + ``stage_combine`` (``_s16`` / ``_s64``: 16 / 64 senders);
 - the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
   ``stage_combine`` (down GEMM + combine; ``stage_combine_sources`` / ``_experts``: with its
   tile walk fixed source by source / expert by expert, where the layer picks by size), and
@@ -148,13 +148,18 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                                            fused.dispatch_ctx, out=h, senders=senders,
                                            rows_per_segment=m)
 
+            def layer_launch(senders=None):
+                return moe_layer(tokens, ids, weights, fused.w_gate, fused.w_up, fused.w_down,
+                                 fused.dispatch_ctx, fused.ctx, out=out, senders=senders,
+                                 rows_per_segment=m)
+
             impls = {
                 "fused": lambda: out.copy_(layer()),
                 "fused_dispatch_gemm": lambda: out.copy_(layer_as("fuse_dispatch")),
                 "fused_one_launch": lambda: out.copy_(layer_as("one_launch")),
-                "stage_layer_launch": lambda: moe_layer(
-                    tokens, ids, weights, fused.w_gate, fused.w_up, fused.w_down,
-                    fused.dispatch_ctx, fused.ctx, out=out, rows_per_segment=m),
+                "stage_layer_launch": layer_launch,
+                "stage_layer_launch_s16": lambda: layer_launch(16),
+                "stage_layer_launch_s64": lambda: layer_launch(64),
                 "sequential": lambda: out.copy_(torch_path(tokens)),
                 "stage_dispatch": lambda: moe_dispatch(tokens, ids, fused.dispatch_ctx),
                 "stage_experts": lambda: expert_swiglu(x, fused.w_gate, fused.w_up, counts,

@@ -42,22 +42,35 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def default_senders(world_size: int, programs: int) -> int:
-    """Programs that send when the caller does not say: a quarter of the grid, at least one
-    and one fewer than the grid. On 2 H200 (132 programs: 33) the 470 MB a rank receives at
-    the DeepSeek-like prefill layout take about 1.7 ms at the 273 GB/s that 32 programs stored
-    into a peer (../shared/DESIGN.md), within the 2.9 ms of GEMM tiles on the rank's own rows;
-    senders compute the peers' tiles once they have sent. A first guess, not yet measured
-    against other counts: pass ``senders`` to try others."""
+def default_senders(world_size: int, programs: int, interpreter: bool = False) -> int:
+    """Programs that send when the caller does not say. Senders take GEMM tiles too once they
+    have sent, so more senders cost only the time they spend sending. A world of one rank has
+    nothing to hide its local copy behind: every program copies its share, then computes (on
+    one H100 at 8192 tokens and H 7168, one sender took 30 ms to copy the 940 MB that the
+    dispatch launch copies in about 0.3 ms). Otherwise a quarter of the grid: on 2 H200 (132
+    programs: 33) the 470 MB a rank receives at the DeepSeek-like prefill layout take about
+    1.7 ms at the 273 GB/s that 32 programs stored into a peer (../shared/DESIGN.md), within the
+    2.9 ms of GEMM tiles on the rank's own rows. Not yet measured against other counts on 2
+    GPUs: pass ``senders`` to try others. Under the interpreter a world of one has one sender
+    (there, several senders take no tiles: swiglu_kernel.py)."""
     if world_size == 1:
-        return 1
+        return 1 if interpreter else programs
     return max(1, min(programs - 1, programs // 4))
+
+
+def check_grid(op: str, programs: int, senders: int, senders_compute: bool) -> None:
+    """The fused launch's grid (``programs`` resident) must hold the senders, and a program
+    that computes where senders do not (several senders under the interpreter)."""
+    least = senders if senders_compute else senders + 1
+    if programs < least:
+        raise ValueError(f"{op}: senders={senders} needs {least} programs of the fused kernel on "
+                         f"the device at once, and {programs} fit: pass fewer senders")
 
 
 def check_options(senders, config, rows_per_segment) -> None:
     if senders is not None and (not isinstance(senders, int) or isinstance(senders, bool)
-                                or not 1 <= senders < G_MAX):
-        raise ValueError(f"{OP}: senders must be an int in [1, {G_MAX}), got {senders!r}")
+                                or not 1 <= senders <= G_MAX):
+        raise ValueError(f"{OP}: senders must be an int in [1, {G_MAX}], got {senders!r}")
     if config is not None and not isinstance(config, MatmulConfig):
         raise TypeError(f"{OP}: config must be a MatmulConfig, got {type(config).__name__}")
     if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
@@ -132,7 +145,7 @@ def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, m):
     if config is None and x_desc is None:
         cfg = default_config(tokens.dtype, tokens.device, False, m, False)
     programs = min(facts.sm_count, G_MAX)
-    n_send = senders or default_senders(W, programs)
+    n_send = senders or default_senders(W, programs, cpu)
     elem = tokens.element_size()
     p = SimpleNamespace(cfg=cfg, x_desc=x_desc, senders=n_send, tag=0)
 
@@ -159,10 +172,7 @@ def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, m):
     fused = ctx._compile(dispatch_swiglu_kernel, programs, consts,
                          lambda g: _args(ctx, tokens, topk_ids, w_gate, w_up, out, p, g,
                                          tag_of(g)))
-    if fused.programs <= n_send:
-        raise RuntimeError(f"{OP}: only {fused.programs} programs of the fused kernel fit on "
-                           f"the device at once, not more than senders={n_send}: pass fewer "
-                           f"senders")
+    check_grid(OP, fused.programs, n_send, consts["SENDERS_COMPUTE"])
     p.tag = tag_of(fused.programs)
     count, exchange = ctx._plan_routing(tokens, topk_ids, fused.programs, p.tag)
     p.launches = (count, exchange, fused)

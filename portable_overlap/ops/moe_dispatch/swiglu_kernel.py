@@ -19,8 +19,8 @@ Roles by program id (every program of the grid is resident at once; the host cap
   source q (acquire, bounded) is for ``sent[q][0 .. senders)``, every sender of q: then all
   of q's rows are here. Two tile queues, claimed by atomic counters: the tiles of this rank's
   own rows, then the peers' in the order they arrive (source ``r-1``, ``r-2``, ...; expert by
-  expert inside a source, grouped order inside a segment). Compute programs take from the
-  first queue, then the second; senders, once they have sent, take from the second only.
+  expert inside a source, grouped order inside a segment). Every program takes from the
+  first queue, then the second; senders once they have sent.
 
 Under the interpreter, which runs programs one after another in program order, every sender
 runs before any compute program starts, and a compute program waits only for senders (of its
@@ -29,8 +29,7 @@ program waits for a program of its own launch that has not run. Senders take no 
 (``SENDERS_COMPUTE`` false) unless there is one sender per rank: sender 0 of rank r waiting
 for sender 1 of rank q, which runs after q's sender 0, which waits for r's sender 1, would be
 a cycle; with one sender per rank each waits only for the others' sender 0, which signals
-before it waits. The own-row tiles, the only ones that wait for this launch's own senders,
-are never taken by a sender.
+before it waits (its own rows' tiles wait for itself, done by then).
 
 The last program out zeroes the queue counters for the next call (each program takes its
 ticket after its last claim). Every wait is bounded (the status board names the source and
@@ -174,11 +173,9 @@ def dispatch_swiglu_kernel(
         send_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
                   sent_ptr, bases_ptr, pid, senders, n_slots, k, H, stride_ts, E, capacity, rank,
                   world, epoch, tag, ok, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX)
-    # queue 0: the own rows' tiles (compute programs only), queue 1: the peers' (one call
-    # site, so the GEMM's pipeline buffers are laid out once)
-    q_lo = tl.where(pid < senders, 1, 0)
-    q_hi = tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 1)
-    for qi in range(q_lo, q_hi):
+    # queue 0: the own rows' tiles, queue 1: the peers' (one call site, so the GEMM's
+    # pipeline buffers are laid out once)
+    for qi in range(0, tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 0)):
         have, ok = take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
                               have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
                               wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, queue_ptr, I, H, E,

@@ -174,7 +174,7 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
         cfg2 = down_config(cfg1, cfg2)
         h_desc = cctx._descriptors(h, w_down, cfg2)[0]
     programs = min(facts.sm_count, G_MAX)
-    n_send = senders or swiglu.default_senders(W, programs)
+    n_send = senders or swiglu.default_senders(W, programs, cpu)
     # one ready counter per row tile: every segment adds at most one partial row tile
     n_ready = -(-dctx.capacity // cfg1.block_m) + W * E
     ready = torch.zeros(max(n_ready, 1), dtype=torch.int32, device=dctx.world.device)
@@ -216,9 +216,7 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
     # programs wait for programs of the same launch (the own rows, the activations): the grid
     # must be resident, which _compile ensures
     fused = cctx._compile(moe_layer_kernel, programs, consts, args_of)
-    if fused.programs <= n_send:
-        raise RuntimeError(f"{OP}: only {fused.programs} programs of the layer kernel fit on the "
-                           f"device at once, not more than senders={n_send}: pass fewer senders")
+    swiglu.check_grid(OP, fused.programs, n_send, consts["SENDERS_COMPUTE"])
     p.tag, p.c_tag = tags(fused.programs)
     count, exchange = dctx._plan_routing(tokens, topk_ids, fused.programs, p.tag)
     p.launches = (count, exchange, fused)

@@ -153,9 +153,7 @@ def moe_layer_kernel(
         send_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
                   sent_ptr, bases_ptr, pid, senders, n_slots, k, H, stride_ts, E, capacity, rank,
                   world, epoch, tag, ok, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX)
-    q_lo = tl.where(pid < senders, 1, 0)
-    q_hi = tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 1)
-    for qi in range(q_lo, q_hi):
+    for qi in range(0, tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 0)):
         have, ok = take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
                               have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
                               wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, ready_ptr, I, H,
