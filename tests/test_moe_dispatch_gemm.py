@@ -12,21 +12,9 @@ from portable_overlap.ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_di
                                                moe_dispatch_swiglu_reference)
 from portable_overlap.ops.moe_experts import expert_swiglu
 from portable_overlap.testing import call_while_peers_skip, error_of_one_call
+from portable_overlap.testing.routing import route
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def route(kind, S, E_total, k, W, g):
-    """top-k expert ids [S, k] (distinct per token) for a routing pattern."""
-    scores = torch.rand(S, E_total, generator=g)
-    if kind == "zipf":  # expert popularity ~ 1 / rank^1.2
-        scores = scores * (1.0 / torch.arange(1, E_total + 1).float() ** 1.2)
-    elif kind == "one_rank":  # every token's experts on the last rank (k <= its experts)
-        scores[:, : E_total - E_total // W] = -1
-    elif kind == "first_expert":  # every token's first choice is expert 0; experts left empty
-        scores[:, 0] = 2
-        scores[:, 1: E_total // 2] = -1
-    return scores.topk(k, dim=1).indices
 
 
 def _weights(world, El, H, I, dtype, seed=0):

@@ -1,0 +1,283 @@
+"""The one-launch MoE layer (``moe_layer``: the dispatch's scatter, both expert GEMMs and the
+combine's row stores in one persistent launch) on CPU-emulated ranks: against the staged ops on
+the same contexts (equal bit for bit: same tiles under the interpreter) and against the torch
+reference, over routings (balanced, Zipf, every choice on one rank, experts without rows, a
+rank without tokens), every dtype, one sender per rank and several, odd shapes; the layer's
+``one_launch`` option on 2, 4 and 8 ranks; and the faults (bad ids, a capacity overflow, a
+skipped call, bad arguments, refused calls that leave the ranks in step)."""
+import pytest
+import torch
+
+from portable_overlap import ExpertParallelMoE, InvalidInputError, PeerTimeoutError
+from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
+from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch
+from portable_overlap.ops.moe_experts import expert_swiglu
+from portable_overlap.ops.moe_layer import moe_layer, moe_layer_reference
+from portable_overlap.ops.moe_layer.api import down_config
+from portable_overlap.ops.matmul.api import MatmulConfig
+from portable_overlap.testing.routing import route
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+
+
+def _weights(world, El, H, I, dtype, seed=0):
+    g = torch.Generator().manual_seed(700 + seed + world.rank)
+    wg, wu = [(torch.randn(El, H, I, generator=g) / H ** 0.5).to(dtype) for _ in range(2)]
+    wd = (torch.randn(El, I, H, generator=g) / I ** 0.5).to(dtype)
+    return wg, wu, wd
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _contexts(world, max_tokens, k, H, El, dtype, **kw):
+    d = MoeDispatch(world, max_tokens=max_tokens, top_k=k, hidden=H, experts_per_rank=El,
+                    dtype=dtype, **kw)
+    c = MoeGemmCombine(world, max_tokens=max_tokens, top_k=k, hidden=H, experts_per_rank=El,
+                       timeout_s=d.timeout_s)
+    return d, c
+
+
+def _compare(world, dtype, cases, senders, H=24, I=20, El=2, k=2):
+    """Each case (S per rank, routing): fresh tokens and weights, a poisoned output, the layer
+    in one launch, then the staged ops on the same contexts; returns the errors against the
+    reference."""
+    W, r = world.world_size, world.rank
+    d, c = _contexts(world, max(max(s) for s, _ in cases), k, H, El, dtype)
+    wg, wu, wd = _weights(world, El, H, I, dtype)
+    errs = []
+    try:
+        for i, (S_per_rank, kind) in enumerate(cases):
+            g = torch.Generator().manual_seed(1000 * i + r)
+            S = S_per_rank[r % len(S_per_rank)]
+            tokens = torch.randn(S, H, generator=g).to(dtype)
+            ids = route(kind, S, El * W, k, W, g)
+            w = torch.rand(S, k, generator=g)
+            d.recv.fill_(float("nan"))
+            out = torch.full((S, H), float("nan"), dtype=dtype)
+            got = moe_layer(tokens, ids, w, wg, wu, wd, d, c, out, senders=senders)
+            d.synchronize()
+            c.synchronize()
+            assert got is out
+            ref = moe_layer_reference(tokens, ids, w, wg, wu, wd, El, world.group)
+            # the staged ops on the same contexts (their calls alternate with the layer's)
+            x, counts, slots = moe_dispatch(tokens, ids, d)
+            h = expert_swiglu(x, wg, wu, counts, gather=False)
+            staged = moe_gemm_combine(h, wd, counts, slots, w, c)
+            c.synchronize()
+            assert torch.equal(out, staged), "one launch and staged ops differ"
+            errs.append(_rel(out, ref) if S else float(out.numel()))
+    finally:
+        d.close()
+        c.close()
+    return errs
+
+
+# odd H and I, ranks with different token counts (one with none), every choice on one rank,
+# experts without rows
+CASES = [((13, 6), "uniform"), ((9, 9), "zipf"), ((7, 11), "one_rank"), ((0, 5), "first_expert")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_matches_staged_ops_and_reference(world, dtype):
+    for errs in world.run(_compare, dtype, CASES, None, timeout=300):
+        assert all(e < TOL[dtype] for e in errs), errs
+
+
+@pytest.mark.parametrize("senders", [1, 3], ids=["one_sender", "three_senders"])
+def test_float32_and_sender_counts(world, senders):
+    """One sender per rank (it takes tiles of both queues once it has sent) and three (compute
+    programs only under the interpreter)."""
+    for errs in world.run(_compare, torch.float32, CASES, senders, timeout=300):
+        assert all(e < TOL[torch.float32] for e in errs), errs
+
+
+def test_wide_top_k_and_one_expert_per_rank(world2):
+    """Top-7 of 10 experts (several row tiles per segment at the interpreter's 16-row tiles)
+    and top-1 of one expert per rank, with H and I not multiples of a tile."""
+    for errs in world2.run(_compare, torch.float32, [((19, 7), "uniform"), ((6, 17), "zipf")],
+                           2, H=16, I=48, El=5, k=7, timeout=300):
+        assert all(e < 1e-5 for e in errs), errs
+    for errs in world2.run(_compare, torch.float32, [((9, 4), "uniform")], 1, H=33, I=17,
+                           El=1, k=1, timeout=300):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def _module(world):
+    """``ExpertParallelMoE(one_launch=True)`` against the staged layer (equal) and the torch
+    path, three calls with different token counts (a rank with none in one)."""
+    H, I, E, k = 24, 20, 2 * world.world_size, 3
+    one = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32,
+                            one_launch=True)
+    staged = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32)
+    ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32, fused=False)
+    errs = []
+    try:
+        with torch.no_grad():
+            for call in range(3):
+                g = torch.Generator().manual_seed(7 * call + world.rank)
+                S = (3 + 2 * call + world.rank) % 10 if call != 1 or world.rank else 0
+                tokens = torch.randn(S, H, generator=g)
+                y = one(tokens)
+                one.synchronize()
+                assert torch.equal(y, staged(tokens))
+                staged.synchronize()
+                y_ref = ref(tokens)  # (collective: every rank, whatever its S)
+                errs.append(_rel(y, y_ref) if S else float(y.numel()))
+        for kw in ({"fused": False, "one_launch": True},
+                   {"fuse_dispatch": True, "one_launch": True}):
+            with pytest.raises(ValueError, match="one_launch"):
+                ExpertParallelMoE(world, H, I, E, k, max_tokens=9, **kw)
+    finally:
+        one.close()
+        staged.close()
+    return errs
+
+
+def test_layer_in_one_launch(world):
+    for errs in world.run(_module, timeout=300):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def test_layer_in_one_launch_on_eight_ranks(world8):
+    for errs in world8.run(_module, timeout=900):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def _faults(world, fault):
+    """Rank 1 passes an expert id out of range (or a negative one), or every rank's tokens go
+    to rank 0 past its capacity: every rank raises for that call, and the contexts serve the
+    next call correctly."""
+    W, r, El, k, S, H, I = world.world_size, world.rank, 2, 2, 6, 8, 12
+    d, c = _contexts(world, 8, k, H, El, torch.float32, capacity=W * S * k - 1, timeout_s=30.0)
+    wg, wu, wd = _weights(world, El, H, I, torch.float32)
+    try:
+        g = torch.Generator().manual_seed(90 + r)
+        tokens = torch.randn(S, H, generator=g)
+        ids = route("uniform", S, El * W, k, W, g)
+        w = torch.rand(S, k, generator=g)
+        if fault == "id" and r == 1:
+            ids[3, 1] = El * W + 5
+        if fault == "negative" and r == 1:
+            ids[0, 0] = -1
+        if fault == "capacity":  # every rank's tokens to rank 0's two experts
+            ids = torch.tensor([[0, 1]] * S)
+        res = []
+        for ctx in (d, c):
+            try:
+                if not res:
+                    moe_layer(tokens, ids, w, wg, wu, wd, d, c)
+                ctx.synchronize()
+                res.append("ok")
+            except InvalidInputError as e:
+                res.append("invalid: " + str(e))
+        g = torch.Generator().manual_seed(95 + r)
+        tokens = torch.randn(S, H, generator=g)
+        ids = route("uniform", S, El * W, k, W, g)
+        w = torch.rand(S, k, generator=g)
+        out = moe_layer(tokens, ids, w, wg, wu, wd, d, c)
+        d.synchronize()
+        c.synchronize()
+        assert _rel(out, moe_layer_reference(tokens, ids, w, wg, wu, wd, El, world.group)) < 1e-5
+        return res
+    finally:
+        d.close()
+        c.close()
+
+
+@pytest.mark.parametrize("fault", ["id", "negative", "capacity"])
+def test_bad_routing_raises_on_every_rank(world2, fault):
+    res = world2.run(_faults, fault, timeout=300)
+    # the dispatch context names the routing fault on every rank
+    assert all(r[0].startswith("invalid") for r in res), res
+    if fault == "capacity":
+        assert all("capacity" in r[0] for r in res), res
+    else:
+        assert "expert id" in res[1][0], res
+
+
+def test_capacity_overflow_on_four_ranks(world4):
+    res = world4.run(_faults, "capacity", timeout=300)
+    assert all(r[0].startswith("invalid") and "capacity" in r[0] for r in res), res
+
+
+def _skip(world):
+    """Rank 0 calls the layer, rank 1 never does: rank 0 raises within its timeout, naming
+    rank 1 and the routing counts it waited for."""
+    d, c = _contexts(world, 4, 1, 8, 1, torch.float32, timeout_s=1.0)
+    wg, wu, wd = _weights(world, 1, 8, 4, torch.float32)
+    res = "ok"
+    try:
+        if world.rank == 0:
+            try:
+                moe_layer(torch.randn(2, 8), torch.tensor([[0], [1]]), torch.ones(2, 1), wg,
+                          wu, wd, d, c)
+                d.synchronize()
+                res = "no error"
+            except PeerTimeoutError as e:
+                res = str(e)
+    finally:
+        d.close()
+        c.close()
+    return res
+
+
+def test_a_rank_that_skips_a_call_is_named(world2):
+    msg = world2.run(_skip, timeout=120)[0]
+    assert "rank 1" in msg and "routing-counts" in msg, msg
+
+
+def _bad_args(world):
+    W = world.world_size
+    d, c = _contexts(world, 8, 2, 16, 2, torch.float32)
+    other = MoeGemmCombine(world, max_tokens=8, top_k=2, hidden=12, experts_per_rank=2)
+    wg, wu, wd = _weights(world, 2, 16, 8, torch.float32)
+    t, ids, w = torch.randn(6, 16), torch.randint(0, 2 * W, (6, 2)), torch.rand(6, 2)
+    msgs = []
+    for args, kw in [((t, ids, w, wg, wu, wd[:, :4]), {}),         # I of w_down
+                     ((t, ids, w, wg, wu, wd.double()), {}),         # dtype of w_down
+                     ((t, ids, w[:5], wg, wu, wd), {}),              # weights' rows
+                     ((t, ids, w, wg, wu[:, :, :4], wd), {}),        # w_up
+                     ((t[:, :8], ids, w, wg, wu, wd), {}),           # tokens' width
+                     ((t, ids, w, wg, wu, wd), {"senders": 0}),
+                     ((t, ids, w, wg, wu, wd), {"out": t}),          # out aliasing tokens
+                     ((t, ids, w, wg, wu, wd), {"rows_per_segment": -1.0})]:
+        try:
+            moe_layer(*args, d, c, **kw)
+            msgs.append(None)
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    for ctxs in ((c, c), (d, other), (d, object())):
+        try:
+            moe_layer(t, ids, w, wg, wu, wd, *ctxs)
+            msgs.append(None)
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    # after the refused calls the ranks are still in step, on both contexts
+    g = torch.Generator().manual_seed(world.rank)
+    tokens = torch.randn(5, 16, generator=g)
+    ids = route("uniform", 5, 2 * W, 2, W, g)
+    w = torch.rand(5, 2, generator=g)
+    out = moe_layer(tokens, ids, w, wg, wu, wd, d, c)
+    d.synchronize()
+    c.synchronize()
+    assert _rel(out, moe_layer_reference(tokens, ids, w, wg, wu, wd, 2, world.group)) < 1e-5
+    for ctx in (d, c, other):
+        ctx.close()
+    return msgs
+
+
+def test_bad_arguments_raise_before_launch(world2):
+    for msgs in world2.run(_bad_args, timeout=300):
+        assert all(m and m.split(":")[0] in ("moe_layer", "moe_dispatch", "moe_dispatch_swiglu",
+                                             "expert_swiglu", "moe_gemm_combine")
+                   for m in msgs), msgs
+
+
+def test_down_tiles_take_the_gated_row_height_and_warps():
+    gated = MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    down = MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=4)
+    got = down_config(gated, down)
+    assert (got.block_m, got.num_warps) == (64, 8)
+    assert (got.block_n, got.block_k, got.num_stages) == (256, 64, 4)
