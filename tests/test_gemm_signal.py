@@ -126,7 +126,11 @@ def _separate_gate_words(world, cases, repeat):
         del be.alloc_gate_words
     words = made[0]
     apart = all(words.address(g + 1) != words.address(g) + 4 for g in range(words.n - 1))
-    return errs, zero, words.indirect and apart, made[1:] == ["freed"]
+    for v in words.views:
+        v.fill_(7)
+    words.zero_(3)  # one kernel through the table: words 0..2 only
+    zeroed = words.values().tolist() == [0] * 3 + [7] * (words.n - 3)
+    return errs, zero, words.indirect and apart, made[1:] == ["freed"], zeroed
 
 
 def test_counters_through_the_address_table(world2):
@@ -140,9 +144,10 @@ def test_counters_through_the_address_table(world2):
              ("all_reduce", torch.float32, 24, 35, 9, False, "event", False)]
     results = world2.run(_separate_gate_words, cases, 2)
     _check([r[:2] for r in results], cases, 2)
-    for _, _, indirect, freed in results:
+    for _, _, indirect, freed, zeroed in results:
         assert indirect, "the counters were not separate words reached through a table"
         assert freed, "close did not hand the separate words back once"
+        assert zeroed, "zero_(n) through the table did not zero exactly words [0, n)"
 
 
 def test_every_partition_gives_the_same_result(world):
