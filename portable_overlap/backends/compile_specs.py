@@ -1,6 +1,6 @@
 """Representative compile signatures of the backends' own kernels (the kernel gate and the reset
-of separate gate words) for the compile matrix. Their arguments are never specialized (``gate_kernels``), so one signature is
-the binary every launch runs."""
+of separate gate words) for the compile matrix. Their scalar arguments are never specialized
+(``gate_kernels``), so one signature is the binary every launch runs."""
 from .gate_kernels import ZERO_BLOCK, gate_wait_kernel, gate_write_kernel, gate_zero_kernel
 
 
