@@ -421,22 +421,53 @@ def test_hip_gate_with_cp_wait_gives_every_word_its_own_signal_memory(gate_backe
     assert sorted(c[1] for c in fake.calls if c[0] == "hipFree") == sorted(bufs)
 
 
-def test_hip_gate_words_freed_when_an_allocation_fails(gate_backend):
-    """A signal allocation that fails part way frees the words made before it."""
+def test_hip_gate_words_without_signal_memory_are_contiguous(gate_backend):
+    """A signal allocation that fails part way frees the words made before it, and the words
+    fall back to contiguous ordinary memory (the kernel gate waits on them) with a warning; on a
+    device without the capability no signal memory is asked for at all."""
     be, fake = gate_backend(cp_wait=True)
     real = fake.hipExtMallocWithFlags
 
     def third_fails(nbytes, flags):
         if len(fake.signal_memory) == 2:
-            return (fake._real.hipError_t.hipErrorOutOfMemory, 0)
+            return (fake._real.hipError_t.hipErrorInvalidValue, 0)
         return real(nbytes, flags)
 
     fake.hipExtMallocWithFlags = third_fails
-    fake.hipGetErrorName = lambda e: (fake._real.hipError_t.hipSuccess, b"hipErrorOutOfMemory")
-    with pytest.raises(RuntimeError, match="hipErrorOutOfMemory"):
-        be.alloc_gate_words(4, torch.device("cuda", 0))
+    fake.hipGetErrorName = lambda e: (fake._real.hipError_t.hipSuccess, b"hipErrorInvalidValue")
+    with pytest.warns(UserWarning, match="no signal memory.*hipErrorInvalidValue"):
+        words = be.alloc_gate_words(4, torch.device("cuda", 0))
     assert sorted(c[1] for c in fake.calls if c[0] == "hipFree") == sorted(
         m.data_ptr() for m in fake.signal_memory)
+    assert not words.indirect and words.n == 4
+    be.stream_wait_value(0x1234, words.address(1), 2)
+    assert _queued(fake)[-1] == ("kernel wait", 0x1234, words.address(1), 2)
+
+    be, fake = gate_backend(cp_wait=True, capable=False)
+    words = be.alloc_gate_words(4, torch.device("cuda", 0))
+    assert not words.indirect and not fake.signal_memory
+
+
+def test_hip_gate_kernels_load_before_any_capture(gate_backend, monkeypatch):
+    """alloc_gate_words runs the kernel gate's wait and write and the separate words' zeroing
+    once, then synchronizes: every kernel a gate needs is loaded before any capture."""
+    from portable_overlap.backends import gate_kernels, rocm
+
+    be, fake = gate_backend(cp_wait=True)
+    words = be.alloc_gate_words(3, torch.device("cuda", 0))
+    ran = []
+    monkeypatch.setattr(gate_kernels, "launch_write", lambda a, v: ran.append(("write", a, v)))
+    monkeypatch.setattr(gate_kernels, "launch_wait", lambda a, v: ran.append(("wait", a, v)))
+    monkeypatch.setattr(gate_kernels, "launch_zero", lambda t, n: ran.append(("zero", t, n)))
+
+    class Stream:
+        def synchronize(self):
+            ran.append(("sync",))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    rocm.RocmBackend._load_gate_kernels(be, words)
+    first = words.address(0)
+    assert ran == [("write", first, 0), ("wait", first, 0), ("zero", words.table, 3), ("sync",)]
 
 
 def test_hip_errors_name_the_error(monkeypatch, hip_runtime):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 import weakref
 
 from typing import Optional
@@ -234,13 +235,21 @@ class RocmBackend(Backend):
         allocation (the runtime hands out signal memory 8 bytes, one HSA signal, per
         allocation), with the device table of their addresses that kernels count through: the
         command processor waits on every one of them. Else ``n`` contiguous words of ordinary
-        device memory, which the runtime's blit-kernel wait takes. ``close`` frees the signal
-        memory (``hipFree`` each). Loads the kernel gate (and the words' zeroing kernel) now,
-        outside any capture (a first launch inside one would compile and load a module)."""
+        device memory, which the runtime's blit-kernel wait takes; so too on a device without
+        ``hipDeviceAttributeCanUseStreamWaitValue`` (every wait is the kernel gate there), and
+        where the runtime refuses signal memory (a warning says why: the waits then take the
+        kernel gate, slower but correct). ``close`` frees the signal memory (``hipFree`` each).
+        Loads the kernel gate (and the words' zeroing kernel) now, outside any capture (a first
+        launch inside one would compile and load a module)."""
         self._set(device)
-        if cp_wait():
-            words = self._signal_words_of(n, device)
-        else:
+        words = None
+        if cp_wait() and self._capable():
+            try:
+                words = self._signal_words_of(n, device)
+            except RuntimeError as e:
+                warnings.warn(f"{CP_WAIT_VAR}=1 but no signal memory for the gate words ({e}): "
+                              f"their waits take the kernel gate (one CU each while waiting)")
+        if words is None:
             words = GateWords(_device_zeros(n, device))
         try:
             self._load_gate_kernels(words)
