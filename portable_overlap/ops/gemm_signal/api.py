@@ -130,8 +130,8 @@ class GemmSignal(ContextBase):
         self.register()
 
     def close(self) -> None:
-        """Collective (every rank): also hands the group counters back to the backend (separate
-        signal-memory words on ROCm under ``GPU_STREAMOPS_CP_WAIT=1``)."""
+        """Collective (every rank): also hands the group counters back to the backend, which
+        may have made each its own allocation (``GateWords.close``)."""
         if self._closed:
             return
         super().close()
