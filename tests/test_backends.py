@@ -307,6 +307,8 @@ def gate_backend(monkeypatch, hip_runtime):
         monkeypatch.setattr(rocm, "_device_tensor", host_tensor)
         monkeypatch.setattr(rocm, "_device_zeros",
                             lambda n, device: torch.zeros(n, dtype=torch.int32))
+        monkeypatch.setattr(rocm, "_device_table",
+                            lambda addrs, device: torch.tensor(addrs, dtype=torch.int64))
         be = rocm.RocmBackend()
         monkeypatch.setattr(be, "_load_gate_kernels",
                             lambda words: fake.calls.append(("load gate kernels",)))
@@ -338,8 +340,11 @@ def test_hip_gate_is_the_runtime_wait_where_it_serves(gate_backend):
     full mask), and the reset through hipStreamWriteValue32."""
     be, fake = gate_backend()
     words = be.alloc_gate_words(4, torch.device("cuda", 0))
-    assert words.dtype == torch.int32 and words.shape == (4,) and not words.any()
-    addr = words.data_ptr() + 8
+    assert not words.indirect and words.kernel_arg is words.words
+    assert words.words.dtype == torch.int32 and words.words.shape == (4,)
+    assert not words.values().any()
+    addr = words.address(2)
+    assert addr == words.words.data_ptr() + 8
     be.stream_wait_value(0x1234, addr, 7)
     be.stream_write_value(0x1234, addr, 0)
     hip = fake._real
@@ -352,8 +357,8 @@ def test_hip_gate_is_the_runtime_wait_where_it_serves(gate_backend):
 def test_hip_gate_without_the_capability_is_the_kernel_gate(gate_backend):
     be, fake = gate_backend(capable=False)
     words = be.alloc_gate_words(2, torch.device("cuda", 0))
-    be.stream_wait_value(0x1234, words.data_ptr(), 3)
-    assert _queued(fake) == [("kernel wait", 0x1234, words.data_ptr(), 3)]
+    be.stream_wait_value(0x1234, words.address(0), 3)
+    assert _queued(fake) == [("kernel wait", 0x1234, words.address(0), 3)]
     attr = fake._real.hipDeviceAttribute_t.hipDeviceAttributeCanUseStreamWaitValue
     assert ("attribute", attr, 0) in fake.calls
 
@@ -363,30 +368,106 @@ def test_hip_gate_under_capture_is_the_kernel_gate(gate_backend):
     the wait and the counter's reset become kernels while the stream is captured."""
     be, fake = gate_backend(capturing=True)
     words = be.alloc_gate_words(2, torch.device("cuda", 0))
-    be.stream_wait_value(0x1234, words.data_ptr(), 5)
-    be.stream_write_value(0x1234, words.data_ptr(), 0)
-    assert _queued(fake) == [("kernel wait", 0x1234, words.data_ptr(), 5),
-                             ("kernel write", 0x1234, words.data_ptr(), 0)]
+    be.stream_wait_value(0x1234, words.address(1), 5)
+    be.stream_write_value(0x1234, words.address(1), 0)
+    assert _queued(fake) == [("kernel wait", 0x1234, words.address(1), 5),
+                             ("kernel write", 0x1234, words.address(1), 0)]
 
 
 def test_hip_gate_with_cp_wait_uses_signal_memory(gate_backend):
     """GPU_STREAMOPS_CP_WAIT=1: a gate word comes from hipExtMallocWithFlags(8,
     hipMallocSignalMemory), zeroed (the runtime starts a signal at 1), and the command processor
-    waits on it; contiguous words (not signal memory: the runtime would answer InvalidValue)
-    take the kernel gate."""
+    waits on it."""
     be, fake = gate_backend(cp_wait=True)
     word = be.alloc_gate_words(1, torch.device("cuda", 0))
     hip = fake._real
     assert ("hipExtMallocWithFlags", 8, hip.hipMallocSignalMemory) in fake.calls
-    assert word.data_ptr() == fake.signal_memory[0].data_ptr()
-    assert word.shape == (1,) and int(word[0]) == 0 and int(fake.signal_memory[0][0]) == 0
-    be.stream_wait_value(0x1234, word.data_ptr(), 2)
-    several = be.alloc_gate_words(4, torch.device("cuda", 0))
-    be.stream_wait_value(0x1234, several.data_ptr(), 2)
-    assert _queued(fake)[1:] == [
-        ("hipStreamWaitValue32", 0x1234, word.data_ptr(), 2, hip.hipStreamWaitValueGte,
-         0xFFFFFFFF),
-        ("kernel wait", 0x1234, several.data_ptr(), 2)]
+    assert word.address(0) == fake.signal_memory[0].data_ptr()
+    assert word.n == 1 and word.values().tolist() == [0] and int(fake.signal_memory[0][0]) == 0
+    be.stream_wait_value(0x1234, word.address(0), 2)
+    assert _queued(fake)[-1] == ("hipStreamWaitValue32", 0x1234, word.address(0), 2,
+                                 hip.hipStreamWaitValueGte, 0xFFFFFFFF)
+
+
+def test_hip_gate_with_cp_wait_gives_every_word_its_own_signal_memory(gate_backend):
+    """GPU_STREAMOPS_CP_WAIT=1 and n > 1 words (the signal GEMM's group counters): n signal
+    allocations of 8 bytes (the runtime hands out no more per allocation, so contiguous words
+    could not be signal memory) and a device table of their addresses for the kernels; every
+    word's wait and reset are the runtime's (the command processor waits), none the kernel gate;
+    close frees each allocation once."""
+    be, fake = gate_backend(cp_wait=True)
+    hip = fake._real
+    words = be.alloc_gate_words(5, torch.device("cuda", 0))
+    mallocs = [c for c in fake.calls if c[0] == "hipExtMallocWithFlags"]
+    assert mallocs == [("hipExtMallocWithFlags", 8, hip.hipMallocSignalMemory)] * 5
+    bufs = [m.data_ptr() for m in fake.signal_memory]
+    assert words.n == 5 and words.indirect and words.kernel_arg is words.table
+    assert [words.address(g) for g in range(5)] == bufs
+    assert words.table.dtype == torch.int64 and words.table.tolist() == bufs
+    assert words.values().tolist() == [0] * 5
+    assert all(int(m[0]) == 0 for m in fake.signal_memory)  # both halves of each signal
+    for g in range(5):
+        be.stream_wait_value(0x1234, words.address(g), g + 1)
+        be.stream_write_value(0x1234, words.address(g), 0)
+    assert _queued(fake)[5:] == [c for g in range(5) for c in (
+        ("hipStreamWaitValue32", 0x1234, bufs[g], g + 1, hip.hipStreamWaitValueGte, 0xFFFFFFFF),
+        ("hipStreamWriteValue32", 0x1234, bufs[g], 0, 0))]
+    fake.capturing = True  # under capture the kernel gate still serves (and is recorded)
+    be.stream_wait_value(0x1234, words.address(3), 1)
+    assert _queued(fake)[-1] == ("kernel wait", 0x1234, bufs[3], 1)
+    assert not [c for c in fake.calls if c[0] == "hipFree"]
+    words.close()
+    words.close()
+    assert sorted(c[1] for c in fake.calls if c[0] == "hipFree") == sorted(bufs)
+
+
+def test_hip_gate_words_without_signal_memory_are_contiguous(gate_backend):
+    """A signal allocation that fails part way frees the words made before it, and the words
+    fall back to contiguous ordinary memory (the kernel gate waits on them) with a warning; on a
+    device without the capability no signal memory is asked for at all."""
+    be, fake = gate_backend(cp_wait=True)
+    real = fake.hipExtMallocWithFlags
+
+    def third_fails(nbytes, flags):
+        if len(fake.signal_memory) == 2:
+            return (fake._real.hipError_t.hipErrorInvalidValue, 0)
+        return real(nbytes, flags)
+
+    fake.hipExtMallocWithFlags = third_fails
+    fake.hipGetErrorName = lambda e: (fake._real.hipError_t.hipSuccess, b"hipErrorInvalidValue")
+    with pytest.warns(UserWarning, match="no signal memory.*hipErrorInvalidValue"):
+        words = be.alloc_gate_words(4, torch.device("cuda", 0))
+    assert sorted(c[1] for c in fake.calls if c[0] == "hipFree") == sorted(
+        m.data_ptr() for m in fake.signal_memory)
+    assert not words.indirect and words.n == 4
+    be.stream_wait_value(0x1234, words.address(1), 2)
+    assert _queued(fake)[-1] == ("kernel wait", 0x1234, words.address(1), 2)
+
+    be, fake = gate_backend(cp_wait=True, capable=False)
+    words = be.alloc_gate_words(4, torch.device("cuda", 0))
+    assert not words.indirect and not fake.signal_memory
+
+
+def test_hip_gate_kernels_load_before_any_capture(gate_backend, monkeypatch):
+    """alloc_gate_words runs the kernel gate's wait and write and the separate words' zeroing
+    once, then synchronizes: every kernel a gate needs is loaded before any capture."""
+    from portable_overlap.backends import gate_kernels, rocm
+
+    be, fake = gate_backend(cp_wait=True)
+    words = be.alloc_gate_words(3, torch.device("cuda", 0))
+    ran = []
+    monkeypatch.setattr(gate_kernels, "launch_write", lambda a, v: ran.append(("write", a, v)))
+    monkeypatch.setattr(gate_kernels, "launch_wait", lambda a, v: ran.append(("wait", a, v)))
+    monkeypatch.setattr(gate_kernels, "launch_zero", lambda t, n: ran.append(("zero", t, n)))
+
+    class Stream:
+        def synchronize(self):
+            ran.append(("sync",))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    rocm.RocmBackend._load_gate_kernels(be, words)
+    first = words.address(0)
+    assert ran == [("write", first, 0), ("wait", first, 0), ("zero", words.table, 3), ("sync",)]
 
 
 def test_hip_errors_name_the_error(monkeypatch, hip_runtime):

@@ -73,7 +73,7 @@ def _cases(world, cases, repeat=1):
             assert not torch.isnan(out).any(), f"output not fully written: {cases[i // repeat]}"
             ref = ref_fn(a, b, world.group, bias=bias, residual=res)
             errs.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
-        zero = bool((ctx.counters == 0).all())
+        zero = bool((ctx.counters.values() == 0).all())
     finally:
         ctx.close()
     return errs, zero
@@ -102,6 +102,52 @@ def test_ops_match_reference(world, dtype):
     # bf16 twice: the first call of a plan runs unguarded, the second waits on the counters
     repeat = 2 if dtype == torch.bfloat16 else 1
     _check(world.run(_cases, cases, repeat), cases, repeat)
+
+
+def _separate_gate_words(world, cases, repeat):
+    """``_cases`` with the group counters as the ROCm backend gives them under
+    GPU_STREAMOPS_CP_WAIT=1: each word its own allocation (in falling address order here, so
+    word g + 1 is nowhere near word g), which the GEMM counts into through the address table."""
+    from portable_overlap.backends import GateWords
+
+    be, made = world.backend, []
+
+    def separate(n, device):
+        views = [torch.zeros(16, dtype=torch.int32, device=device)[:1] for _ in range(n)]
+        views.sort(key=lambda v: -v.data_ptr())
+        table = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=device)
+        made.append(GateWords(views=views, table=table, release=lambda: made.append("freed")))
+        return made[0]
+
+    be.alloc_gate_words = separate
+    try:
+        errs, zero = _cases(world, cases, repeat)
+    finally:
+        del be.alloc_gate_words
+    words = made[0]
+    apart = all(words.address(g + 1) != words.address(g) + 4 for g in range(words.n - 1))
+    for v in words.views:
+        v.fill_(7)
+    words.zero_(3)  # one kernel through the table: words 0..2 only
+    zeroed = words.values().tolist() == [0] * 3 + [7] * (words.n - 3)
+    return errs, zero, words.indirect and apart, made[1:] == ["freed"], zeroed
+
+
+def test_counters_through_the_address_table(world2):
+    """The signal GEMM counts into gate words that are separate allocations (ROCm's signal
+    memory, where the command processor waits) through their address table: every kind,
+    several groups, the second call of each plan waiting on every group's word, the event gate
+    (the words zeroed through the table every call), and the words handed back at close."""
+    cases = [("all_reduce", torch.float32, 24, 35, 9, False, (2, 4), False),
+             ("reduce_scatter", torch.float32, 40, 35, 9, False, (2, 4, 6), False),
+             ("all_to_all", torch.float32, 8, 35, 9, False, (2, 2, 2), True),
+             ("all_reduce", torch.float32, 24, 35, 9, False, "event", False)]
+    results = world2.run(_separate_gate_words, cases, 2)
+    _check([r[:2] for r in results], cases, 2)
+    for _, _, indirect, freed, zeroed in results:
+        assert indirect, "the counters were not separate words reached through a table"
+        assert freed, "close did not hand the separate words back once"
+        assert zeroed, "zero_(n) through the table did not zero exactly words [0, n)"
 
 
 def test_every_partition_gives_the_same_result(world):
@@ -350,11 +396,11 @@ def _sequence(world):
         name = be.name
 
         def stream_wait_value(self, stream, addr, value):
-            log.append(f"{stream}:wait[{(addr - ctx.counters.data_ptr()) // 4}]>={value}")
+            log.append(f"{stream}:wait[{(addr - ctx.counters.address(0)) // 4}]>={value}")
             be.stream_wait_value(stream, addr, value)
 
         def stream_write_value(self, stream, addr, value):
-            log.append(f"{stream}:write[{(addr - ctx.counters.data_ptr()) // 4}]={value}")
+            log.append(f"{stream}:write[{(addr - ctx.counters.address(0)) // 4}]={value}")
             be.stream_write_value(stream, addr, value)
 
         def synchronize(self, device):
@@ -429,7 +475,7 @@ def _phases(world):
         out = torch.full((24, 35), float("nan"))
         p = ctx.phases("all_reduce", a, b, out)
         p["gemm"]()
-        counts = ctx.counters[:2].tolist()
+        counts = ctx.counters.values()[:2].tolist()
         p["reorder"]()
         local = ((out - a @ b).norm() / (a @ b).norm()).item()
         p["reset"]()

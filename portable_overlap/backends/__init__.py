@@ -9,7 +9,8 @@ from typing import Optional
 
 from ..envvars import env_str
 from ..errors import BackendUnavailable
-from .base import ENTRIES, Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
+from .base import (ENTRIES, Allocation, Backend, DeviceFacts, GateWords, HostMapped,
+                   PeerMapping)
 
 ENV_VAR = "PORTABLE_OVERLAP_BACKEND"
 
@@ -77,5 +78,5 @@ def device_facts(device) -> DeviceFacts:
     return facts
 
 
-__all__ = ["ENTRIES", "Allocation", "Backend", "DeviceFacts", "HostMapped", "PeerMapping",
-           "backend_classes", "get_backend", "device_facts", "ENV_VAR"]
+__all__ = ["ENTRIES", "Allocation", "Backend", "DeviceFacts", "GateWords", "HostMapped",
+           "PeerMapping", "backend_classes", "get_backend", "device_facts", "ENV_VAR"]

@@ -106,6 +106,75 @@ class HostMapped:
     device_address: int  # the address kernels use
 
 
+class GateWords:
+    """``n`` int32 words, all 0, that kernels count into and :meth:`Backend.stream_wait_value`
+    waits on (made by :meth:`Backend.alloc_gate_words`). Two layouts, one interface:
+
+    - contiguous: ``words`` is an int32 tensor of ``n``, word g at ``words.data_ptr() + 4 * g``,
+      and kernels take ``words`` itself;
+    - separate: each word is its own allocation (``views``: one int32 tensor of 1 per word),
+      where the runtime's zero-SM wait needs memory it hands out one word per allocation (ROCm's
+      signal memory, 8 bytes per ``hipExtMallocWithFlags``). Kernels then take ``table``, the
+      words' addresses as an int64 tensor on the device, and reach word g through it.
+
+    A kernel takes ``kernel_arg`` and ``indirect`` as a constexpr (``transports.gate.gate_word``
+    resolves word g either way); the host names word g by :meth:`address`. :meth:`close` hands
+    back what the backend allocated (``release``); the words must not be used after it."""
+
+    def __init__(self, words: Optional[torch.Tensor] = None, *, views: Optional[list] = None,
+                 table: Optional[torch.Tensor] = None, release=None):
+        if (words is None) == (views is None) or (views is not None and table is None):
+            raise ValueError("GateWords: give words, or views with their table")
+        self.words, self.views, self.table = words, views, table
+        self.n = words.numel() if words is not None else len(views)
+        self._release = release
+
+    @property
+    def indirect(self) -> bool:
+        """Whether kernels reach the words through ``table`` (separate allocations)."""
+        return self.table is not None
+
+    @property
+    def kernel_arg(self) -> torch.Tensor:
+        """What a kernel takes: the words (contiguous) or their address table (separate)."""
+        return self.table if self.indirect else self.words
+
+    def address(self, g: int) -> int:
+        """The address of word ``g`` (for the stream waits and writes)."""
+        if not 0 <= g < self.n:
+            raise IndexError(f"gate word {g} of {self.n}")
+        if self.indirect:
+            return self.views[g].data_ptr()
+        return self.words.data_ptr() + 4 * g
+
+    def zero_(self, n: Optional[int] = None) -> "GateWords":
+        """Set words ``[0, n)`` (all by default) to 0 with one kernel on the current stream, so a
+        graph capture records it (stream value writes may not be recorded: the ROCm backend)."""
+        n = self.n if n is None else n
+        if not self.indirect:
+            self.words[:n].zero_()
+        elif n:
+            from . import gate_kernels
+
+            gate_kernels.launch_zero(self.table, n)
+        return self
+
+    def values(self) -> torch.Tensor:
+        """A copy of the words as one int32 tensor on their device (to inspect them)."""
+        if not self.indirect:
+            return self.words.clone()
+        return torch.cat([v.reshape(1) for v in self.views])
+
+    def close(self) -> None:
+        """Hand back the backend's allocations (once; a second call does nothing)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __repr__(self) -> str:
+        return f"<GateWords n={self.n} {'separate' if self.indirect else 'contiguous'}>"
+
+
 class Backend(abc.ABC):
     """One vendor runtime. Each entry documents its contract; the CUDA, ROCm and CPU-emulated
     backends implement all of them (see ``ENTRIES``)."""
@@ -163,11 +232,13 @@ class Backend(abc.ABC):
         raise self._missing("enable_peer_access")
 
     # -- copy engine and stream-ordered flags ----------------------------------------------
-    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
-        """``n`` int32 words on ``device``, all 0, contiguous (word g at ``data_ptr() + 4 * g``),
-        that kernels count into and :meth:`stream_wait_value` waits on. Called once per
-        workspace, outside any op call and any graph capture: a backend may allocate the words
-        from special memory and load the kernels its waits need here."""
+    def alloc_gate_words(self, n: int, device: torch.device) -> GateWords:
+        """``n`` int32 words on ``device``, all 0, that kernels count into and
+        :meth:`stream_wait_value` waits on: contiguous, or each its own allocation where the
+        backend's wait needs special memory that comes one word at a time (:class:`GateWords`).
+        Called once per workspace, outside any op call and any graph capture: a backend may
+        allocate the words from special memory and load the kernels its waits (and the words'
+        ``zero_``) need here. The workspace calls the result's ``close`` when it is closed."""
         raise self._missing("alloc_gate_words")
 
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
@@ -185,7 +256,7 @@ class Backend(abc.ABC):
         raise self._missing("copy_2d_async")
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
-        """Make ``stream`` wait until the int32 at ``address`` (a word of
+        """Make ``stream`` wait until the int32 at ``address`` (``GateWords.address`` of a word of
         :meth:`alloc_gate_words`) is >= ``value``; without a spinning kernel where the device
         can (``DeviceFacts.gate_programs`` says what the wait costs), and in a form that a
         graph capture of ``stream`` records.

@@ -1,6 +1,8 @@
 """The kernel gate: a stream value wait and write as one-program Triton kernels, for a backend
 whose runtime's stream value operations cannot serve (the ROCm backend under graph capture, on a
-device without the capability, and on words its command-processor wait refuses).
+device without the capability, and on words its command-processor wait refuses); and the reset
+of gate words that are separate allocations, reached through their address table
+(``GateWords``), in one launch.
 
 A graph capture records a kernel launch on every runtime, while ROCm's stream value operations
 are recorded only by releases whose capture hooks cover them; on older ones they run at capture
@@ -51,6 +53,21 @@ def gate_write_kernel(address, value):
     tl.atomic_xchg(address.to(tl.pointer_type(tl.int32)), value, sem="release", scope="sys")
 
 
+#: words one program of ``gate_zero_kernel`` zeroes per step (a workspace's words, in one step)
+ZERO_BLOCK = 256
+
+
+@triton.jit(do_not_specialize=["n"])
+def gate_zero_kernel(table_ptr, n, BLOCK: tl.constexpr):
+    """Store 0 to the int32 words whose addresses are ``table_ptr[0:n]`` (int64): gate words that
+    are separate allocations (``GateWords``), zeroed by one launch instead of one per word."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        i = start + offs
+        addr = tl.load(table_ptr + i, mask=i < n, other=0)
+        tl.store(addr.to(tl.pointer_type(tl.int32)), 0, mask=i < n)
+
+
 def launch_wait(address: int, value: int) -> None:
     """Queue the bounded wait on the current stream."""
     gate_wait_kernel[(1,)](address, value, WAIT_BUDGET_NS, num_warps=1)
@@ -59,3 +76,8 @@ def launch_wait(address: int, value: int) -> None:
 def launch_write(address: int, value: int) -> None:
     """Queue the write on the current stream."""
     gate_write_kernel[(1,)](address, value, num_warps=1)
+
+
+def launch_zero(table, n: int) -> None:
+    """Queue the zeroing of the words at ``table[0:n]`` on the current stream."""
+    gate_zero_kernel[(1,)](table, n, BLOCK=ZERO_BLOCK, num_warps=1)

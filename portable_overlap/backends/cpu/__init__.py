@@ -26,7 +26,7 @@ import torch
 
 from ...envvars import env_float, env_int
 from ...errors import PeerTimeoutError
-from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
+from ..base import Allocation, Backend, DeviceFacts, GateWords, HostMapped, PeerMapping
 
 SLOTS_VAR = "PORTABLE_OVERLAP_CPU_SLOTS"
 WAIT_TIMEOUT_VAR = "PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT"
@@ -229,9 +229,9 @@ class CpuBackend(Backend):
         for i in range(height):
             ctypes.memmove(dst + i * dst_pitch, src + i * src_pitch, width_bytes)
 
-    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
+    def alloc_gate_words(self, n: int, device: torch.device) -> GateWords:
         # the waits below poll from the host: any memory of this process will do
-        return torch.zeros(n, dtype=torch.int32, device=device)
+        return GateWords(torch.zeros(n, dtype=torch.int32, device=device))
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         timeout_s = self.wait_timeout_s

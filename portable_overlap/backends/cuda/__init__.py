@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
+from ..base import Allocation, Backend, DeviceFacts, GateWords, HostMapped, PeerMapping
 from .._native import DeviceArray, lazy_module
 
 #: The driver symbols this backend calls; the CPU test suite checks that each resolves.
@@ -185,9 +185,10 @@ class CudaBackend(Backend):
             make_memcpy2d(dst, dst_pitch, src, src_pitch, width_bytes, height),
             driver.CUstream(stream or 0)))
 
-    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
-        # cuStreamWaitValue32 waits on any device memory, in the GPU's front end (no SM)
-        return torch.zeros(n, dtype=torch.int32, device=device)
+    def alloc_gate_words(self, n: int, device: torch.device) -> GateWords:
+        # cuStreamWaitValue32 waits on any device memory, in the GPU's front end (no SM):
+        # contiguous words, which the kernels count into directly
+        return GateWords(torch.zeros(n, dtype=torch.int32, device=device))
 
     def stream_wait_value(self, stream: Optional[int], address: int, value: int) -> None:
         check(driver.cuStreamWaitValue32(

@@ -11,11 +11,14 @@ Stream-ordered flags (the gates) take one of two forms, chosen per call here, ne
   ``hipDeviceAttributeCanUseStreamWaitValue`` and the stream is not being captured. The runtime
   waits with a spinning blit kernel (one workgroup on a CU) by default; with
   ``GPU_STREAMOPS_CP_WAIT=1`` the command processor waits instead (no CU), but only on words
-  from ``hipMallocSignalMemory`` (anything else: hipErrorInvalidValue).
+  from ``hipMallocSignalMemory`` (anything else: hipErrorInvalidValue). Signal memory comes 8
+  bytes per allocation, so there every gate word is its own allocation and the kernels reach
+  them through a table of their addresses (``GateWords``).
 - the kernel gate (``backends/gate_kernels.py``): a one-program Triton wait / write, where the
   runtime's form would not do: under graph capture (older ROCm releases run stream value
-  operations at capture time instead of recording them), on a device without the capability, and, with
-  ``GPU_STREAMOPS_CP_WAIT=1``, on words that are not signal memory.
+  operations at capture time instead of recording them), on a device without the capability,
+  and, with ``GPU_STREAMOPS_CP_WAIT=1``, on a word that is not signal memory (none of
+  :meth:`RocmBackend.alloc_gate_words`'s).
 
 Not run on AMD hardware in this project so far: CI imports this module and checks that every HIP
 symbol below resolves in hip-python and that argument objects are built the way the calls take
@@ -25,13 +28,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 import weakref
 
 from typing import Optional
 
 import torch
 
-from ..base import Allocation, Backend, DeviceFacts, HostMapped, PeerMapping
+from ..base import Allocation, Backend, DeviceFacts, GateWords, HostMapped, PeerMapping
 from .._native import DeviceArray, lazy_module
 
 #: The HIP symbols this backend calls; the CPU test suite checks that each resolves.
@@ -104,6 +108,11 @@ def _device_tensor(array: DeviceArray, device: torch.device) -> torch.Tensor:
 
 def _device_zeros(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def _device_table(addresses: list, device: torch.device) -> torch.Tensor:
+    """The int64 tensor of ``addresses`` on ``device`` (a GateWords address table)."""
+    return torch.tensor(addresses, dtype=torch.int64, device=device)
 
 
 def _free_signal(ptr, addr: int, words: set) -> None:
@@ -221,40 +230,78 @@ class RocmBackend(Backend):
                                    hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream or 0))
 
     # -- gates ---------------------------------------------------------------------------------
-    def alloc_gate_words(self, n: int, device: torch.device) -> torch.Tensor:
-        """One signal-memory word where ``GPU_STREAMOPS_CP_WAIT`` is set and ``n`` is 1, so the
-        command processor can wait on it; else ordinary device memory. The runtime hands out
-        signal memory 8 bytes (one HSA signal) per allocation, so ``n`` > 1 contiguous words
-        cannot be signal memory: their waits take the kernel gate. Loads the kernel gate now,
-        outside any capture (a first launch inside one would compile and load a module)."""
+    def alloc_gate_words(self, n: int, device: torch.device) -> GateWords:
+        """Where ``GPU_STREAMOPS_CP_WAIT`` is set, ``n`` words of signal memory, each its own
+        allocation (the runtime hands out signal memory 8 bytes, one HSA signal, per
+        allocation), with the device table of their addresses that kernels count through: the
+        command processor waits on every one of them. Else ``n`` contiguous words of ordinary
+        device memory, which the runtime's blit-kernel wait takes; so too on a device without
+        ``hipDeviceAttributeCanUseStreamWaitValue`` (every wait is the kernel gate there), and
+        where the runtime refuses signal memory (a warning says why: the waits then take the
+        kernel gate, slower but correct). ``close`` frees the signal memory (``hipFree`` each).
+        Loads the kernel gate (and the words' zeroing kernel) now, outside any capture (a first
+        launch inside one would compile and load a module)."""
         self._set(device)
-        if cp_wait() and n == 1:
-            words = self._signal_word(device)
-        else:
-            words = _device_zeros(n, device)
-        self._load_gate_kernels(words)
+        words = None
+        if cp_wait() and self._capable():
+            try:
+                words = self._signal_words_of(n, device)
+            except RuntimeError as e:
+                warnings.warn(f"{CP_WAIT_VAR}=1 but no signal memory for the gate words ({e}): "
+                              f"their waits take the kernel gate (one CU each while waiting)")
+        if words is None:
+            words = GateWords(_device_zeros(n, device))
+        try:
+            self._load_gate_kernels(words)
+        except BaseException:
+            words.close()
+            raise
         return words
 
-    def _signal_word(self, device: torch.device) -> torch.Tensor:
+    def _signal_words_of(self, n: int, device: torch.device) -> GateWords:
+        """``n`` separate signal-memory words and their address table."""
+        views, frees = [], []
+
+        def release():
+            for free in frees:
+                free()  # a finalizer runs once: the owners' own finalization then does nothing
+
+        try:
+            for _ in range(n):
+                view, free = self._signal_word(device)
+                views.append(view)
+                frees.append(free)
+            table = _device_table([v.data_ptr() for v in views], device)
+        except BaseException:
+            release()
+            raise
+        return GateWords(views=views, table=table, release=release)
+
+    def _signal_word(self, device: torch.device):
+        """One signal-memory word as an int32 tensor of 1, and the finalizer that frees it."""
         ptr = check(hip.hipExtMallocWithFlags(SIGNAL_BYTES, hip.hipMallocSignalMemory))
         addr = int(ptr)
         owner = DeviceArray(addr, SIGNAL_BYTES)
-        # the tensor keeps ``owner`` alive; the memory goes back when the last view is gone
-        weakref.finalize(owner, _free_signal, ptr, addr, self._signal_words)
+        # the tensor keeps ``owner`` alive; the memory goes back at ``GateWords.close`` or when
+        # the last view is gone, whichever comes first
+        free = weakref.finalize(owner, _free_signal, ptr, addr, self._signal_words)
         self._signal_words.add(addr)
         raw = _device_tensor(owner, device)
         # the runtime starts a signal at 1; the word is the low half of the 64-bit value (the
         # waits mask with 0xFFFFFFFF), and both halves start at 0 like any gate word
         raw.view(torch.int64).zero_()
-        return raw.view(torch.int32)[:1]
+        return raw.view(torch.int32)[:1], free
 
-    def _load_gate_kernels(self, words: torch.Tensor) -> None:
-        """Compile and load the kernel gate by running it once on a word already at 0."""
+    def _load_gate_kernels(self, words: GateWords) -> None:
+        """Compile and load the kernel gate, and the zeroing of separate words, by running them
+        once on words already at 0."""
         from .. import gate_kernels as gate
 
-        gate.launch_write(words.data_ptr(), 0)
-        gate.launch_wait(words.data_ptr(), 0)
-        torch.cuda.current_stream(words.device).synchronize()
+        gate.launch_write(words.address(0), 0)
+        gate.launch_wait(words.address(0), 0)
+        words.zero_()
+        device = (words.table if words.indirect else words.words).device
+        torch.cuda.current_stream(device).synchronize()
 
     def _capable(self) -> bool:
         """``hipDeviceAttributeCanUseStreamWaitValue`` of the current device (read once)."""
@@ -326,8 +373,8 @@ class RocmBackend(Backend):
                  "rocshmem Triton bindings": _rocshmem_bindings(),
                  "hip-python": "installed" if importlib.util.find_spec("hip") else "not installed"}
         facts["stream value waits"] = (
-            f"{CP_WAIT_VAR}=1: command processor on signal-memory words, kernel gate on others "
-            f"and under graph capture" if cp_wait() else
+            f"{CP_WAIT_VAR}=1: command processor (every gate word its own signal-memory "
+            f"allocation); kernel gate under graph capture" if cp_wait() else
             "runtime blit kernel (one CU while waiting); kernel gate under graph capture")
         return facts
 

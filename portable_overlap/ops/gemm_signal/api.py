@@ -108,7 +108,8 @@ class GemmSignal(ContextBase):
         self.config = config or SignalConfig()
         self.device = world.device
         self.backend = world.backend
-        # the backend's gate words: its stream waits may need them from special memory
+        # the backend's gate words (GateWords): its stream waits may need them from special
+        # memory, each word its own allocation; word g counts group g's tiles
         self.counters = self.backend.alloc_gate_words(MAX_GROUPS, self.device)
         self.stage_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._recv_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -127,6 +128,14 @@ class GemmSignal(ContextBase):
         # made or agreed now, by every rank (collective), never inside a call
         self._sig_group = _bounded_group(world) if collectives else None
         self.register()
+
+    def close(self) -> None:
+        """Collective (every rank): also hands the group counters back to the backend, which
+        may have made each its own allocation (``GateWords.close``)."""
+        if self._closed:
+            return
+        super().close()
+        self.counters.close()
 
     # -- the ops -----------------------------------------------------------------------------
     @collective_call
@@ -171,7 +180,7 @@ class GemmSignal(ContextBase):
                                      self.world.facts)
         reorder_args = _reorder_args(plan, recv, out, None, None)
         return {"gemm": lambda: gemm(gemm_args), "reorder": lambda: reorder(reorder_args),
-                "reset": self.counters.zero_, "programs": gemm.programs,
+                "reset": lambda: self.counters.zero_(), "programs": gemm.programs,
                 "n_tiles": plan.groups.n_tiles, "dests": plan.dests,
                 "tile_bytes": plan.tile_elems * a.element_size(), "groups": plan.groups}
 
@@ -337,12 +346,11 @@ class GemmSignal(ContextBase):
             if not guarded:  # the comm stream waits for the whole GEMM, no stream is held; a
                 # kernel resets the counters (capturable where stream value ops may not be)
                 self._wait_caller()
-                self.counters[:plan.groups.n_groups].zero_()
+                self.counters.zero_(plan.groups.n_groups)
             tile = plan.tile_elems
-            base = self.counters.data_ptr()
             for g, (start, size) in enumerate(zip(plan.groups.starts, plan.groups.sizes)):
                 if guarded:  # wait for the group's tiles, then reset its counter
-                    wait_counter(be, self._comm_handle, base + 4 * g, size)
+                    wait_counter(be, self._comm_handle, self.counters.address(g), size)
                 chunk = stage[start * tile:(start + size) * tile]
                 if plan.kind == "all_reduce":
                     dist.all_reduce(chunk, group=group)
@@ -364,7 +372,7 @@ class GemmSignal(ContextBase):
                 self._wait_caller()
                 for g in range(plan.groups.n_groups):
                     self.backend.stream_write_value(self._comm_handle,
-                                                    self.counters.data_ptr() + 4 * g, 0)
+                                                    self.counters.address(g), 0)
             self._join()
         except Exception:
             pass
@@ -494,8 +502,8 @@ class GemmSignal(ContextBase):
                            GROUP_M=mm.group_m, NUM_STAGES=mm.num_stages,
                            EVEN_K=K % mm.block_k == 0,
                            PRECISION=dot_precision(a.dtype),
-                           UPCAST=dot_upcast(a.dtype), num_warps=mm.num_warps,
-                           num_stages=mm.num_stages)
+                           UPCAST=dot_upcast(a.dtype), GATE_TABLE=self.counters.indirect,
+                           num_warps=mm.num_warps, num_stages=mm.num_stages)
         stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv_raw[:plan.recv_bytes].view(a.dtype) if plan.recv_bytes else stage
 
@@ -541,13 +549,14 @@ class GemmSignal(ContextBase):
 
 
 def signal_gemm_args(plan, a, b, stage, counters, programs, facts=None):
-    """The signal GEMM's runtime arguments; with ``facts``, tensor descriptors of a and b where
-    the device and operands allow (``tile_descriptors``; the launch was compiled for the same
-    choice: its key holds the strides and alignments that decide it)."""
+    """The signal GEMM's runtime arguments (``counters``: the context's ``GateWords``, which the
+    kernel takes as its words or their address table); with ``facts``, tensor descriptors of a
+    and b where the device and operands allow (``tile_descriptors``; the launch was compiled for
+    the same choice: its key holds the strides and alignments that decide it)."""
     a_desc, b_desc = tile_descriptors(a, b, plan.mm, facts) if facts else (None, None)
-    return (a, b, stage, plan.slot_t, plan.group_t, counters, plan.m_dest, b.shape[1], a.shape[1],
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), plan.dests, programs, a_desc,
-            b_desc)
+    return (a, b, stage, plan.slot_t, plan.group_t, counters.kernel_arg, plan.m_dest, b.shape[1],
+            a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1), plan.dests, programs,
+            a_desc, b_desc)
 
 
 def _reorder_args(plan, recv, out, bias, residual, rms_weight=None, normed=None, eps=1e-6):

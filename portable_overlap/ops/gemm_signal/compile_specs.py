@@ -7,22 +7,30 @@ _GEMM_ARGS = ("M_dest:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 
               "dests:i32 G:i32")
 
 
+def _gemm_spec(dt, prec, bm, bn, bk, desc, table):
+    sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
+           "slot_ptr": "*i32", "group_ptr": "*i32", "count_ptr": "*i64" if table else "*i32"}
+    sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
+    sig.update(descriptor_signature(dt, bm, bn, bk, desc))
+    consts = dict(USE_DESC=desc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                  NUM_STAGES=3, EVEN_K=True, PRECISION=prec, UPCAST=False, GATE_TABLE=table)
+    if not desc:
+        consts.update(a_desc=None, b_desc=None)
+    sig.update({k: "constexpr" for k in consts})
+    aligned = ["a_ptr", "b_ptr", "stage_ptr", "K", "N", "stride_am", "stride_bk"]
+    name = (f"gemm_signal[{dt}{', descriptors' if desc else ''}"
+            f"{', gate table' if table else ''}]")
+    return name, gemm_signal_kernel, sig, consts, aligned
+
+
 def specs():
     for dt, prec, bm, bn, bk in (("bf16", "ieee", 128, 256, 64), ("fp16", "ieee", 128, 128, 64),
                                  ("fp32", "ieee", 64, 64, 32)):
         for desc in (False, True) if dt != "fp32" else (False,):
-            sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
-                   "slot_ptr": "*i32", "group_ptr": "*i32", "count_ptr": "*i32"}
-            sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
-            sig.update(descriptor_signature(dt, bm, bn, bk, desc))
-            consts = dict(USE_DESC=desc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                          NUM_STAGES=3, EVEN_K=True, PRECISION=prec, UPCAST=False)
-            if not desc:
-                consts.update(a_desc=None, b_desc=None)
-            sig.update({k: "constexpr" for k in consts})
-            aligned = ["a_ptr", "b_ptr", "stage_ptr", "K", "N", "stride_am", "stride_bk"]
-            name = f"gemm_signal[{dt}{', descriptors' if desc else ''}]"
-            yield name, gemm_signal_kernel, sig, consts, aligned
+            yield _gemm_spec(dt, prec, bm, bn, bk, desc, False)
+    # the group counters as separate words reached through their address table (ROCm's signal
+    # memory under GPU_STREAMOPS_CP_WAIT=1)
+    yield _gemm_spec("fp32", "ieee", 64, 64, 32, False, True)
     for dt, bm, bn, bias, res in (("bf16", 128, 256, True, True), ("fp32", 64, 64, False, False)):
         sig = {"src_ptr": f"*{dt}", "table_ptr": "*i32", "out_ptr": f"*{dt}",
                "bias_ptr": f"*{dt}", "res_ptr": f"*{dt}", "N": "i32", "stride_om": "i32",

@@ -131,7 +131,7 @@ class GemmReduceScatterCE(OverlapContext):
         recv = self._recv[a.dtype]
         reduce, reduce_args = self._reduce_launch(plan, stage, recv, out, bias, residual, a)
         tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), groups=plan.groups.sizes)
-        be, counters = self.world.backend, sig.counters.data_ptr()
+        be, counters = self.world.backend, sig.counters
 
         links.begin()
         links.follow()  # the side stream starts after the epoch and the caller's earlier work
@@ -140,7 +140,7 @@ class GemmReduceScatterCE(OverlapContext):
             side = be.current_stream(self.world.device)
             for g, (start, size) in enumerate(zip(plan.groups.starts, plan.groups.sizes)):
                 # group g's tiles are done: no SM polls, the copy engine reads them next
-                wait_counter(be, side, counters + 4 * g, size)
+                wait_counter(be, side, counters.address(g), size)
                 per, u0 = size // W, start // W
                 for i in range(1, W):
                     d = (r + i) % W

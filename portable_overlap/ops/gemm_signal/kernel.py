@@ -4,6 +4,9 @@
 epilogue: instead of storing a tile into ``c``, it stores the whole ``[BLOCK_M, BLOCK_N]`` tile
 (edge rows/columns zeroed) into staging slot ``slot[t]`` and counts it in its group's
 counter ``count[group[t]]`` (int32, +1 per tile, release at system scope after a CTA barrier).
+The counters are the backend's gate words (``transports.gate.gate_word``): ``count_ptr`` points
+at them, or with ``GATE_TABLE`` at the int64 table of their addresses (each a separate
+allocation: ROCm's signal memory, which its command processor can wait on).
 A host stream wait (``stream_wait_value(count[g] >= size_g)``) then releases group g's collective.
 
 Why the counters can never leave a stream wait hanging: the kernel has no waits, no early exits
@@ -23,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile, store_tile_epilogue
+from ...transports.gate import gate_word
 
 
 @triton.jit
@@ -30,13 +34,14 @@ def gemm_signal_kernel(
     a_ptr, b_ptr,  # a [dests * M_dest, K], b [K, N], any strides
     stage_ptr,  # staging: n_tiles tiles of BLOCK_M x BLOCK_N, row-major inside a tile
     slot_ptr, group_ptr,  # int32 [n_tiles]: staging slot and wave group of schedule-order tile t
-    count_ptr,  # int32 [n_groups]: tiles finished per group (waited on by the host streams)
+    count_ptr,  # int32 [n_groups]: tiles finished per group (waited on by the host streams);
+    # with GATE_TABLE int64 [n_groups]: the address of each group's int32 counter
     M_dest, N, K, stride_am, stride_ak, stride_bk, stride_bn, dests, G,
     a_desc, b_desc,  # tensor descriptors of a and b when USE_DESC (else None): gemm_tile_desc
     USE_DESC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, GATE_TABLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M_dest, BLOCK_M)
@@ -69,7 +74,7 @@ def gemm_signal_kernel(
                      acc.to(stage_ptr.dtype.element_ty))
             # every thread's stores come before the one thread's release (release is cumulative)
             tl.debug_barrier()
-            tl.atomic_add(count_ptr + g, 1, sem="release", scope="sys")
+            tl.atomic_add(gate_word(count_ptr, g, GATE_TABLE), 1, sem="release", scope="sys")
 
 
 @triton.jit
