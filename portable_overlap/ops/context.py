@@ -82,21 +82,50 @@ def collective_call(method):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        self._enter_call()
-        try:
-            out = method(self, *args, **kwargs)
-        except BaseException as e:
-            self._abandon_call(e)
-            self._delivered = False  # (after the refusal: it tells of the call before this one)
-            raise
-        finally:
-            self._guard.release()
-        if self._sync_errors:  # the interpreter ran the call already: raise with this call
-            self.check()
-        self._delivered = True
-        return out
+        return run_collective((self,), method, (self, *args), kwargs)
 
     return call
+
+
+def run_collective(contexts: Sequence, fn: Callable, args: tuple = (),
+                   kwargs: Optional[dict] = None):
+    """``fn(*args, **kwargs)`` as one call of every context in ``contexts`` (``collective_call``
+    for one; several where one op's launches use the workspaces of several contexts): their
+    guards, then the call; an exception refuses the call on every one of them (or marks a
+    context broken where its launches had begun). Under the interpreter, which has run the
+    call when ``fn`` returns, each context's errors are raised after it, the first context's
+    first: list the context whose faults cause the others' first."""
+    entered = []
+    try:
+        for ctx in contexts:
+            ctx._enter_call()
+            entered.append(ctx)
+    except BaseException:
+        for ctx in entered:
+            ctx._guard.release()
+        raise
+    try:
+        out = fn(*args, **(kwargs or {}))
+    except BaseException as e:
+        for ctx in contexts:
+            ctx._abandon_call(e)
+            ctx._delivered = False  # (after the refusal: it tells of the call before this one)
+        raise
+    finally:
+        for ctx in contexts:
+            ctx._guard.release()
+    errors = []
+    for ctx in contexts:
+        if ctx._sync_errors:  # the interpreter ran the call already: raise with this call
+            try:
+                ctx.check()
+            except Exception as e:
+                errors.append(e)
+                continue
+        ctx._delivered = True
+    if errors:
+        raise errors[0]
+    return out
 
 
 class ContextBase:

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
-from ..context import G_MAX, align_key, collective_call, output_tensor, refuse_grad, shape_tag
+from ..context import G_MAX, align_key, output_tensor, refuse_grad, run_collective, shape_tag
 from ..matmul.api import MatmulConfig
 from ..moe_combine import MoeGemmCombine
 from ..moe_combine.api import OP as COMBINE_OP, decode_walk
@@ -88,39 +88,37 @@ def moe_layer(tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     in for its peers'). Collective: every rank calls it in the same order as its other calls on
     the two contexts. Inference only (no autograd)."""
     _check_contexts(dispatch_ctx, combine_ctx)
-    refuse_grad(OP, tokens, topk_weights, w_gate, w_up, w_down)
-    return _dispatch_side(dispatch_ctx, combine_ctx, tokens, topk_ids, topk_weights, w_gate,
-                          w_up, w_down, out, senders, rows_per_segment)
-
-
-@collective_call
-def _dispatch_side(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out,
-                   senders, rows_per_segment):
-    """The dispatch context's half of the call: its checks, then the combine's half. A refusal
-    on either side (bad input on this rank) is told to the peers on both contexts."""
-    dctx._validate(tokens, topk_ids)
-    swiglu.check_options(senders, None, rows_per_segment)
-    h = _activations(dctx, w_gate)
-    swiglu.check_weights(dctx, w_gate, w_up, h)
-    return _combine_side(cctx, dctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h,
-                         out, senders, rows_per_segment)
+    # one call of both contexts: a refusal (bad input on this rank) is told to the peers on
+    # both, and the dispatch's errors (routing, the rows that arrive), which cause the
+    # combine's, are raised first
+    return run_collective((dispatch_ctx, combine_ctx), _run,
+                          (dispatch_ctx, combine_ctx, tokens, topk_ids, topk_weights, w_gate,
+                           w_up, w_down, out, senders, rows_per_segment))
 
 
 def _activations(dctx, w_gate) -> torch.Tensor:
-    """The gated activations' buffer ([capacity, I]), one per I and dtype, made on first use
-    (the first call of a shape is not capturable anyway: it compiles)."""
-    I = w_gate.shape[-1] if isinstance(w_gate, torch.Tensor) and w_gate.dim() == 3 else 0
+    """The gated activations' buffer ([capacity, I]), one per I, made on first use (the first
+    call of a shape is not capturable anyway: it compiles)."""
+    I = w_gate.shape[2]
     bufs = dctx.__dict__.setdefault("_layer_h", {})
     h = bufs.get(I)
     if h is None:
-        h = bufs[I] = torch.empty((dctx.capacity, max(I, 1)), dtype=dctx.dtype,
-                                  device=dctx.world.device)
+        h = bufs[I] = torch.empty((dctx.capacity, I), dtype=dctx.dtype, device=dctx.world.device)
     return h
 
 
-@collective_call
-def _combine_side(cctx, dctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out,
-                  senders, rows_per_segment):
+def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, senders,
+         rows_per_segment):
+    """The call (``run_collective`` holds both contexts' guards): every check, then the
+    launches."""
+    refuse_grad(OP, tokens, topk_weights, w_gate, w_up, w_down)
+    dctx._validate(tokens, topk_ids)
+    swiglu.check_options(senders, None, rows_per_segment)
+    for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or min(t.shape) < 1:
+            raise ValueError(f"{OP}: {name} must be a non-empty 3-d tensor")
+    h = _activations(dctx, w_gate)
+    swiglu.check_weights(dctx, w_gate, w_up, h)
     cctx._validate(h, w_down, dctx.counts, dctx.recv_slots, topk_weights)
     if topk_weights.shape[0] != tokens.shape[0]:
         raise ValueError(f"{OP}: topk_weights has {topk_weights.shape[0]} rows, tokens "
