@@ -31,20 +31,21 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _contexts(world, max_tokens, k, H, El, dtype, **kw):
+def _contexts(world, max_tokens, k, H, El, dtype, walk="auto", **kw):
     d = MoeDispatch(world, max_tokens=max_tokens, top_k=k, hidden=H, experts_per_rank=El,
                     dtype=dtype, **kw)
     c = MoeGemmCombine(world, max_tokens=max_tokens, top_k=k, hidden=H, experts_per_rank=El,
-                       timeout_s=d.timeout_s)
+                       timeout_s=d.timeout_s, walk=walk)
     return d, c
 
 
-def _compare(world, dtype, cases, senders, H=24, I=20, El=2, k=2):
+def _compare(world, dtype, cases, senders, H=24, I=20, El=2, k=2, walk="auto"):
     """Each case (S per rank, routing): fresh tokens and weights, a poisoned output, the layer
     in one launch, then the staged ops on the same contexts; returns the errors against the
-    reference."""
+    reference. ``walk``: the down tiles' order (the sizes here are decode sizes, where "auto"
+    walks expert by expert)."""
     W, r = world.world_size, world.rank
-    d, c = _contexts(world, max(max(s) for s, _ in cases), k, H, El, dtype)
+    d, c = _contexts(world, max(max(s) for s, _ in cases), k, H, El, dtype, walk)
     wg, wu, wd = _weights(world, El, H, I, dtype)
     errs = []
     try:
@@ -93,11 +94,16 @@ def test_float32_and_sender_counts(world, senders):
         assert all(e < TOL[torch.float32] for e in errs), errs
 
 
+def test_down_tiles_walked_source_by_source(world):
+    for errs in world.run(_compare, torch.float32, CASES, None, walk="sources", timeout=300):
+        assert all(e < TOL[torch.float32] for e in errs), errs
+
+
 def test_wide_top_k_and_one_expert_per_rank(world2):
     """Top-7 of 10 experts (several row tiles per segment at the interpreter's 16-row tiles)
     and top-1 of one expert per rank, with H and I not multiples of a tile."""
     for errs in world2.run(_compare, torch.float32, [((19, 7), "uniform"), ((6, 17), "zipf")],
-                           2, H=16, I=48, El=5, k=7, timeout=300):
+                           2, H=16, I=48, El=5, k=7, walk="sources", timeout=300):
         assert all(e < 1e-5 for e in errs), errs
     for errs in world2.run(_compare, torch.float32, [((9, 4), "uniform")], 1, H=33, I=17,
                            El=1, k=1, timeout=300):

@@ -491,6 +491,12 @@ def _moe_layer_case(world: World, gen, H, I, E, k, S, opts, name) -> None:
             err = rel_err(fused(tokens), ref(tokens))
             fused.synchronize()
             record(f"moe layer {name} vs torch path", err < 3e-2, f"rel_err={err:.2e}")
+            for plan in fused.ctx._plans.values():  # the one-launch kernel's resources, to read
+                k = getattr(getattr(plan, "launches", (None,) * 3)[2], "compiled", None)
+                if k is not None and world.rank == 0:
+                    print(f"info  moe layer {name}: one-launch kernel {k.n_regs} registers, "
+                          f"{k.n_spills} spilled, {k.metadata.shared} B shared, "
+                          f"{plan.launches[2].programs} programs", flush=True)
             out = torch.empty_like(tokens)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

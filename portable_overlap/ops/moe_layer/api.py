@@ -135,8 +135,10 @@ def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, 
     S = tokens.shape[0]
     W, E = dctx.world.world_size, dctx.experts_per_rank
     m = S * dctx.top_k / (W * E) if rows_per_segment is None else rows_per_segment
+    decode = decode_walk(S, dctx.top_k, W, E)
+    expert_major = {"auto": decode, "experts": True, "sources": False}[cctx.walk]
     plan = _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out,
-                 senders, m, decode_walk(S, dctx.top_k, W, E))
+                 senders, m, decode, expert_major)
     count, exchange, fused = plan.launches
     routing = dctx._args(tokens, topk_ids, plan.tag)
     args = _args(dctx, cctx, plan, tokens, topk_ids, w_gate, w_up, w_down, h)
@@ -152,13 +154,13 @@ def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, 
 
 
 def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out, senders, m,
-          decode):
+          decode, expert_major):
     cfg1 = default_config(tokens.dtype, tokens.device, True, m, False)
     cfg2 = down_config(cfg1, cctx._gemm_config(h, decode))
     cc = cctx._combine_config(tokens.device, topk_weights.shape[0])
     key = ("layer", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
            w_gate.stride(), w_down.stride(), topk_weights.dtype, topk_weights.stride(), senders,
-           cfg1, cfg2, cc, align_key(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out))
+           cfg1, cfg2, cc, expert_major, align_key(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out))
     plan = cctx._plans.get(key)
     if plan is not None:
         return plan
@@ -210,6 +212,7 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
                   BLOCK_N2=cfg2.block_n, BLOCK_K2=cfg2.block_k, GROUP_M2=cfg2.group_m,
                   NUM_STAGES2=cfg2.num_stages, EVEN_K2=I % cfg2.block_k == 0,
                   USE_DESC2=h_desc is not None, SENDERS_DOWN=not cpu,
+                  EXPERT_MAJOR=expert_major, BLOCK_SRC=_pow2(W),
                   num_warps=cfg1.num_warps, num_stages=cfg1.num_stages)
     # programs wait for programs of the same launch (the own rows, the activations): the grid
     # must be resident, which _compile ensures

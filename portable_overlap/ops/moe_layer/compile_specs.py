@@ -28,7 +28,8 @@ def specs():
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=stages,
                       EVEN_K=True, PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16,
                       BLOCK_F=32, SENDERS_COMPUTE=True, BLOCK_N2=bn2, BLOCK_K2=bk2, GROUP_M2=8,
-                      NUM_STAGES2=stages2, EVEN_K2=True, USE_DESC2=desc, SENDERS_DOWN=True)
+                      NUM_STAGES2=stages2, EVEN_K2=True, USE_DESC2=desc, SENDERS_DOWN=True,
+                      EXPERT_MAJOR=bm == 64 and desc, BLOCK_SRC=8)
         if desc:
             ptrs.update(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>",
                         wg_desc=f"tensordesc<{dt}[{bk}, {bn}]>",

@@ -17,7 +17,8 @@ Roles and queues (every program of the grid is resident at once; the host caps t
 - the gated GEMM's tiles come from two queues, this rank's own rows first, then the peers' in
   the order they arrive (``swiglu_kernel.take_tiles``); each finished tile counts itself in its
   row tile's ready counter;
-- then the down GEMM's tiles, from a third queue in the same (source, expert) order: a tile
+- then the down GEMM's tiles, from a third queue in the same (source, expert) order (at
+  decode sizes expert by expert, each expert's row tiles of all sources together): a tile
   waits (bounded) until every gated tile of its row tile is counted, then computes its rows of
   ``h @ w_down`` and stores them at their slots in the source's combine buffer
   (``moe_combine.kernel.down_tile``: the combine's zero-copy store, stamps and row counts).
@@ -66,23 +67,53 @@ def _take_down_tiles(queue_ptr, total, ready_ptr, counts_ptr, cnt, segs, h_ptr, 
                      pid, cleared, ok, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr):
-    """Claim down-GEMM tiles (``total``, the fused segment order) until the queue is empty or
-    this program gives up. Returns ``(cleared, ok)``."""
+                     UPCAST: tl.constexpr, G_MAX: tl.constexpr, USE_DESC: tl.constexpr,
+                     EXPERT_MAJOR: tl.constexpr, BLOCK_SRC: tl.constexpr):
+    """Claim down-GEMM tiles (``total``) until the queue is empty or this program gives up, in
+    the fused segment order, or (``EXPERT_MAJOR``, at decode sizes) expert by expert, each
+    expert's row tiles of all sources (in the same source order) in grouped order, so the few
+    row tiles that share a weight column block run together and read it from memory once (as
+    the staged combine's decode walk, ``moe_combine.api.decode_walk``). Returns
+    ``(cleared, ok)``."""
     need = tl.cdiv(I, BLOCK_N1)  # gated tiles per row tile
     num_pid_n = tl.cdiv(H, BLOCK_N)
+    # the cursor (monotone in t, claims only grow): segment f or expert f, its first tile and
+    # its tile count; expert-major also its row tiles per source (j-th source in the order:
+    # this rank, then r-1, r-2, ...) and their running sum
     f = 0
-    q, e, n = _segment(f, rank, world, E, counts_ptr)
-    s_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
     s_t0 = 0
+    js = tl.arange(0, BLOCK_SRC)
+    q_of = (rank + world - js) % world
+    c_e = tl.load(counts_ptr + q_of * E, mask=js < world, other=0)
+    mt = tl.cdiv(c_e, BLOCK_M)
+    cum = tl.cumsum(mt, axis=0)
+    q, e, n = _segment(f, rank, world, E, counts_ptr)
+    if EXPERT_MAJOR:
+        s_nt = tl.sum(mt) * num_pid_n
+    else:
+        s_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
     t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
     while (t < total) & ok:
-        while t >= s_t0 + s_nt:  # claims only grow: the cursor only moves forward
+        while t >= s_t0 + s_nt:  # (t < total: the cursor stops at a segment with tiles)
             f += 1
             s_t0 += s_nt
-            q, e, n = _segment(f, rank, world, E, counts_ptr)
-            s_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
-        pid_m, pid_n = grouped_tile(t - s_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
+            if EXPERT_MAJOR:
+                c_e = tl.load(counts_ptr + q_of * E + f, mask=js < world, other=0)
+                mt = tl.cdiv(c_e, BLOCK_M)
+                cum = tl.cumsum(mt, axis=0)
+                s_nt = tl.sum(mt) * num_pid_n
+            else:
+                q, e, n = _segment(f, rank, world, E, counts_ptr)
+                s_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
+        if EXPERT_MAJOR:
+            vm, pid_n = grouped_tile(t - s_t0, tl.sum(mt), num_pid_n, GROUP_M)
+            j = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
+            pid_m = vm - tl.sum(tl.where(js == j, cum - mt, 0))
+            n = tl.sum(tl.where(js == j, c_e, 0))
+            q = (rank + world - j) % world
+            e = f
+        else:
+            pid_m, pid_n = grouped_tile(t - s_t0, tl.cdiv(n, BLOCK_M), num_pid_n, GROUP_M)
         rt = row_tile(q * E + e, pid_m, cnt, segs, BLOCK_M)
         ok, got = await_count(ready_ptr + rt, need, epoch, clock_ptr, timeout_us, status_addr,
                               pid, rank, (FLAG_READY << 32) + rt.to(tl.int64), ok)
@@ -131,7 +162,7 @@ def moe_layer_kernel(
     BLOCK_F: tl.constexpr, SENDERS_COMPUTE: tl.constexpr,
     BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, GROUP_M2: tl.constexpr,
     NUM_STAGES2: tl.constexpr, EVEN_K2: tl.constexpr, USE_DESC2: tl.constexpr,
-    SENDERS_DOWN: tl.constexpr,
+    SENDERS_DOWN: tl.constexpr, EXPERT_MAJOR: tl.constexpr, BLOCK_SRC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
@@ -169,7 +200,7 @@ def moe_layer_kernel(
             c_consumed_ptr, c_clock_ptr, c_bases_ptr, c_status_addr, H, I, E, max_slots,
             stride_hm, stride_de, stride_dk, stride_dn, rank, world, c_epoch, c_timeout_us, pid,
             cleared, c_ok, BLOCK_M, BLOCK_N, BLOCK_N2, BLOCK_K2, GROUP_M2, NUM_STAGES2, EVEN_K2,
-            PRECISION, UPCAST, G_MAX, USE_DESC2)
+            PRECISION, UPCAST, G_MAX, USE_DESC2, EXPERT_MAJOR, BLOCK_SRC)
     last = finish_down(rows_mine_ptr, rows_in_ptr, c_sent_ptr, c_consumed_ptr, c_ctl_ptr,
                        c_clock_ptr, c_bases_ptr, c_status_addr, cleared, c_epoch, c_tag, c_ok, pid,
                        rank, world, c_timeout_us, G_MAX, no_flush)
