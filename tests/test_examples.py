@@ -41,10 +41,11 @@ def test_transformer_decode_example():
 
 
 @emulated2
-def test_moe_layer_example():
-    out = _run([os.path.join("examples", "moe", "moe_layer.py")])
+@pytest.mark.parametrize("schedule", ["staged", "one_launch"])
+def test_moe_layer_example(schedule):
+    out = _run([os.path.join("examples", "moe", "moe_layer.py"), "--schedule", schedule])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "they agree" in out.stdout
+    assert "they agree" in out.stdout and f"schedule {schedule}" in out.stdout
 
 
 @emulated2

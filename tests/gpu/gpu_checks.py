@@ -469,9 +469,8 @@ def _check_moe_dispatch_shmem(world: World, gen) -> None:
 
 def check_moe_layer(world: World, gen) -> None:
     """The fused ExpertParallelMoE against its torch path (same weights), eager and as 10
-    replays of one CUDA graph with new tokens each (so new routing: no host sync anywhere)."""
-    from portable_overlap import ExpertParallelMoE
-
+    replays of one CUDA graph with new tokens each (so new routing: no host sync anywhere),
+    with its staged launches and in one launch, at a prefill and a decode size."""
     H, I, E, k = 1024, 768, 4 * world.world_size, 4
     # a prefill size, and a decode size (other tiles: 64-row, the down GEMM walked by experts)
     for S, what in ((1536, ""), (48, " (decode)")):

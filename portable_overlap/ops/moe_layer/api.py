@@ -160,7 +160,8 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
     cc = cctx._combine_config(tokens.device, topk_weights.shape[0])
     key = ("layer", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
            w_gate.stride(), w_down.stride(), topk_weights.dtype, topk_weights.stride(), senders,
-           cfg1, cfg2, cc, expert_major, align_key(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out))
+           cfg1, cfg2, cc, expert_major,
+           align_key(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out))
     plan = cctx._plans.get(key)
     if plan is not None:
         return plan
@@ -242,6 +243,5 @@ def _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h):
             w_gate.stride(1), w_gate.stride(2), h.stride(0),
             w_down, p.h_desc, wd_desc, cctx._combine[tokens.dtype], cctx.slot_epoch, cctx.sent,
             cctx.rows_in, cctx.rows_mine, cctx.consumed, cctx.ctl, cctx.call_clock,
-            cctx.heap.bases, cctx.status.address, cctx.max_slots, w_down.stride(0), w_down.stride(1),
-            w_down.stride(2), p.c_tag, cctx.timeout_us)
-
+            cctx.heap.bases, cctx.status.address, cctx.max_slots, w_down.stride(0),
+            w_down.stride(1), w_down.stride(2), p.c_tag, cctx.timeout_us)

@@ -50,7 +50,6 @@ from ..moe_combine.kernel import (FLAG_READY, begin_down, down_tile, finish_down
 from ..moe_dispatch.swiglu_kernel import READY_SKIPPED, row_tile, send_rows, take_tiles
 
 
-
 @triton.jit
 def _segment(f, rank, world, E, counts_ptr):
     """Segment ``f`` of the fused order (source ``r - f // E``, expert ``f % E``)."""
