@@ -140,24 +140,22 @@ def take_tiles(queue_ptr, total, f0, have, ok, counts_ptr, cnt, segs, sent_ptr, 
     return have, ok
 
 
-# S changes from call to call and every rank must run the same code: neither S nor the rank
-# is specialized on (as the scatter).
-@triton.jit(do_not_specialize=["n_slots", "rank"])
-def dispatch_swiglu_kernel(
-    tokens_ptr, ids_ptr, base_ptr, dest_start_ptr,  # the scatter's inputs (kernel.py)
-    recv_ptr, recv_slots_ptr, sent_ptr,  # heap: [capacity, H], int32 [capacity], [W, G_MAX]
-    ctl_ptr, clock_ptr, bases_ptr, status_addr,
-    counts_ptr,  # int32 [W, E]: the rows this rank receives (the exchange's)
-    queue_ptr,  # int32 [3]: own tiles claimed, peers' tiles claimed, programs finished
-    wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc,  # [E, H, I] weights, h [capacity, I]
+@triton.jit
+def dispatch_and_gate(
+    tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr, sent_ptr,
+    ctl_ptr, clock_ptr, bases_ptr, status_addr, counts_ptr, queue_ptr, ready_ptr,
+    wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc,
     n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us, senders,
     I, stride_we, stride_wk, stride_wn, stride_hm,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
-    BLOCK_F: tl.constexpr, SENDERS_COMPUTE: tl.constexpr,
+    BLOCK_F: tl.constexpr, SENDERS_COMPUTE: tl.constexpr, NOTIFY: tl.constexpr,
 ):
+    """This program's part of the module docstring's roles: its sender passes (if it sends),
+    then the tiles it claims from the two queues (``take_tiles``; ``NOTIFY``: each counted in
+    ``ready_ptr``). Returns whether the program stayed on track (the dispatch's ``ok``)."""
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
     ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
@@ -178,11 +176,39 @@ def dispatch_swiglu_kernel(
     for qi in range(0, tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 0)):
         have, ok = take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
                               have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
-                              wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, queue_ptr, I, H, E,
+                              wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, ready_ptr, I, H, E,
                               rank, world, epoch, tag, clock_ptr, timeout_us, status_addr, pid,
                               stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
                               BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
-                              BLOCK_F, G_MAX, False)
+                              BLOCK_F, G_MAX, NOTIFY)
+    return ok
+
+
+# S changes from call to call and every rank must run the same code: neither S nor the rank
+# is specialized on (as the scatter).
+@triton.jit(do_not_specialize=["n_slots", "rank"])
+def dispatch_swiglu_kernel(
+    tokens_ptr, ids_ptr, base_ptr, dest_start_ptr,  # the scatter's inputs (kernel.py)
+    recv_ptr, recv_slots_ptr, sent_ptr,  # heap: [capacity, H], int32 [capacity], [W, G_MAX]
+    ctl_ptr, clock_ptr, bases_ptr, status_addr,
+    counts_ptr,  # int32 [W, E]: the rows this rank receives (the exchange's)
+    queue_ptr,  # int32 [3]: own tiles claimed, peers' tiles claimed, programs finished
+    wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc,  # [E, H, I] weights, h [capacity, I]
+    n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us, senders,
+    I, stride_we, stride_wk, stride_wn, stride_hm,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
+    BLOCK_F: tl.constexpr, SENDERS_COMPUTE: tl.constexpr,
+):
+    dispatch_and_gate(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+                      sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr, counts_ptr, queue_ptr,
+                      queue_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, n_slots, k, H,
+                      stride_ts, E, capacity, rank, world, tag, timeout_us, senders, I, stride_we,
+                      stride_wk, stride_wn, stride_hm, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX, BLOCK_M,
+                      BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
+                      BLOCK_SEG, BLOCK_F, SENDERS_COMPUTE, False)
     # the last program out (every program has made its last claim) zeroes the queues
     tl.debug_barrier()
     ticket = tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu")

@@ -47,7 +47,7 @@ from ...shmem.device import STATUS_PEER_FAILED, await_count, begin_call, live, r
 from ...tiles.gemm import grouped_tile
 from ..moe_combine.kernel import (FLAG_READY, begin_down, down_tile, finish_down, no_flush,
                                   store_rows)
-from ..moe_dispatch.swiglu_kernel import READY_SKIPPED, row_tile, send_rows, take_tiles
+from ..moe_dispatch.swiglu_kernel import READY_SKIPPED, dispatch_and_gate, row_tile
 
 
 @triton.jit
@@ -164,33 +164,22 @@ def moe_layer_kernel(
     SENDERS_DOWN: tl.constexpr, EXPERT_MAJOR: tl.constexpr, BLOCK_SRC: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
-    ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
     c_epoch = begin_call(c_ctl_ptr)
     c_ok = live(c_clock_ptr)
     cleared = tl.zeros((), tl.int64)  # bit q: rank q's combine buffer is free for this call
     begin_down(rows_mine_ptr, pid, world, G_MAX)
-    # the tile lists, from the counts on the device
+    ok = dispatch_and_gate(
+        tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr, sent_ptr,
+        ctl_ptr, clock_ptr, bases_ptr, status_addr, counts_ptr, queue_ptr, ready_ptr, wg_ptr,
+        wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, n_slots, k, H, stride_ts, E, capacity, rank,
+        world, tag, timeout_us, senders, I, stride_we, stride_wk, stride_wn, stride_hm, BLOCK_T,
+        BLOCK_E, BLOCK_H, G_MAX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K,
+        PRECISION, UPCAST, USE_DESC, BLOCK_SEG, BLOCK_F, SENDERS_COMPUTE, True)
+    # the down tiles, from the counts on the device
     segs = tl.arange(0, BLOCK_SEG)
     cnt = tl.load(counts_ptr + segs, mask=segs < world * E, other=0)
     row_tiles = tl.cdiv(cnt, BLOCK_M)
-    tiles = row_tiles * tl.cdiv(I, BLOCK_N)
-    own_total = tl.sum(tl.where(segs // E == rank, tiles, 0))
-    peer_total = tl.sum(tiles) - own_total
     down_total = tl.sum(row_tiles) * tl.cdiv(H, BLOCK_N2)
-    have = tl.zeros((), tl.int64)
-    if pid < senders:
-        send_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-                  sent_ptr, bases_ptr, pid, senders, n_slots, k, H, stride_ts, E, capacity, rank,
-                  world, epoch, tag, ok, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX)
-    for qi in range(0, tl.where(SENDERS_COMPUTE or (pid >= senders), 2, 0)):
-        have, ok = take_tiles(queue_ptr + qi, tl.where(qi == 0, own_total, peer_total), qi * E,
-                              have, ok, counts_ptr, cnt, segs, sent_ptr, senders, recv_ptr,
-                              wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, ready_ptr, I, H,
-                              E, rank, world, epoch, tag, clock_ptr, timeout_us, status_addr,
-                              pid, stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
-                              BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
-                              BLOCK_F, G_MAX, True)
     c_ok = c_ok & ok  # rows this program failed to receive or compute make no results
     if (SENDERS_DOWN or (pid >= senders)) & c_ok:
         cleared, c_ok = _take_down_tiles(
