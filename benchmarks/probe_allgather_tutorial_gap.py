@@ -12,8 +12,8 @@ Per shape (default 4096x8192x16384 and the control 8192x8192x8192), every varian
 - ``bench_order``: the bench's blocks (``harness.time_op``, graphs, 30 after 5 warm-ups) in its
   order (tutorial, sequential, op), then in the reverse order;
 - ``interleaved``: each variant captured once (and plain launches), ``--rounds`` rounds of
-  ``--iters`` calls each, the order rotated every round; SM clock / power / temperature read
-  while each block runs. ``tutorial``: the tutorial's kernel and launch; ``op``: ``ctx(a, b)``
+  ``--iters`` calls each, the order rotated every round; SM clock, power, temperature and
+  clock-limit reasons read while each block runs (NVML or nvidia-smi). ``tutorial``: the tutorial's kernel and launch; ``op``: ``ctx(a, b)``
   (the bench's call, a new ``out`` per call); ``op_out``: ``out=`` given; ``plan``: the op's
   planned launch called with arguments made once (no host checks, descriptors made once);
   ``cublas``: ``torch.matmul`` of the gathered rows (the clock anchor).
@@ -114,15 +114,34 @@ def sass_offline(out: str, tut) -> dict:
 
 
 # -- timing --------------------------------------------------------------------------------------
-def gpu_state(device) -> dict:
-    """SM clock (MHz), power (W) and temperature (C) now; None where NVML is missing."""
-    out = dict.fromkeys(("mhz", "watts", "celsius"))
+SMI_FIELDS = ("mhz", "watts", "celsius", "throttle")
+
+
+def gpu_state(device):
+    """Start reading the SM clock (MHz), power (W), temperature (C) and clock-limit reasons (a
+    bit mask: 0x4 power cap, 0x20/0x40 thermal) while the GPU runs; returns a function that
+    gives them as a dict. NVML through torch where it is installed, else ``nvidia-smi``."""
     try:
-        out.update(mhz=torch.cuda.clock_rate(device), celsius=torch.cuda.temperature(device),
-                   watts=torch.cuda.power_draw(device) / 1e3)
-    except Exception:  # no NVML here
+        got = dict(mhz=torch.cuda.clock_rate(device), watts=torch.cuda.power_draw(device) / 1e3,
+                   celsius=torch.cuda.temperature(device), throttle=None)
+        return lambda: got
+    except Exception:  # no pynvml
         pass
-    return out
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", str(device.index)).split(",")[device.index]
+    try:
+        q = subprocess.Popen(["nvidia-smi", "-i", gpu, "--format=csv,noheader,nounits",
+                              "--query-gpu=clocks.sm,power.draw,temperature.gpu,"
+                              "clocks_throttle_reasons.active"], stdout=subprocess.PIPE, text=True)
+    except Exception:
+        return lambda: dict.fromkeys(SMI_FIELDS)
+
+    def read():
+        try:
+            v = [x.strip() for x in q.communicate(timeout=30)[0].split(",")]
+            return dict(zip(SMI_FIELDS, [float(v[0]), float(v[1]), float(v[2]), v[3]]))
+        except Exception:
+            return dict.fromkeys(SMI_FIELDS)
+    return read
 
 
 def runner(fn, graph: bool):
@@ -141,8 +160,9 @@ def runner(fn, graph: bool):
     return g.replay
 
 
-def interleaved(fns: dict, graph: bool, rounds: int, iters: int, device) -> dict:
-    """Rounds of ``iters`` timed calls per variant, the order rotated each round."""
+def interleaved(fns: dict, graph: bool, rounds: int, iters: int, tail: int, device) -> dict:
+    """Rounds of ``iters`` timed calls per variant, the order rotated each round; ``tail``
+    untimed calls after each block keep the GPU busy while its clock is read."""
     runs = {n: runner(f, graph) for n, f in fns.items()}
     names = list(runs)
     ms, per_round, state = ({n: [] for n in names} for _ in range(3))
@@ -155,8 +175,11 @@ def interleaved(fns: dict, graph: bool, rounds: int, iters: int, device) -> dict
                 a.record()
                 runs[n]()
                 b.record()
-            state[n].append(gpu_state(device))  # while the block runs
+            read = gpu_state(device)  # while the block (and an untimed tail) runs
+            for _ in range(tail):
+                runs[n]()
             torch.cuda.synchronize()
+            state[n].append(read())
             t = [a.elapsed_time(b) for a, b in ev]
             ms[n] += t
             per_round[n].append(round(statistics.median(t), 5))
@@ -253,7 +276,7 @@ def probe_shape(world, tut, M, N, K, args) -> dict:
                           for label, order in (("forward", ("tutorial", "sequential", "op")),
                                                ("reverse", ("op", "sequential", "tutorial")))}
     res["interleaved"] = {("graph" if gr else "plain"): interleaved(fns, gr, args.rounds,
-                                                                     args.iters, dev)
+                                                                     args.iters, args.tail, dev)
                           for gr in (True, False)}
     ws.close()
     ctx.close()
@@ -289,6 +312,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="4096x8192x16384,8192x8192x8192")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--iters", type=int, default=20, help="timed calls per variant per round")
+    p.add_argument("--tail", type=int, default=40, help="untimed calls after each block")
     p.add_argument("--sass-only", action="store_true", help="compile for sm_90 here, no GPU")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
