@@ -27,7 +27,7 @@ import triton.language as tl
 import portable_overlap.language as pol
 from portable_overlap import AllGatherMatmul, Workspace
 from portable_overlap.ops.matmul.api import default_config, tile_descriptors
-from portable_overlap.testing import report, run_on_ranks, time_call
+from portable_overlap.testing import report, run_on_ranks, time_paths
 from portable_overlap.tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 MAX_CHUNKS = 256  # the most flags per source rank (a chunk is at least a tile row)
@@ -132,8 +132,7 @@ def main(world, m=None, N=None, K=None, dtype=None):
     if gpu:  # the library's op: the same design, with a tile order by arrival time
         builtin = AllGatherMatmul(world, m * K, transport="stores")
         paths["AllGatherMatmul(stores)"] = lambda: builtin(a, b)
-    ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
-          for name, f in paths.items()}
+    ms = time_paths(paths, world, iters=60 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
     for w in (ws, builtin) if gpu else (ws,):
         w.close()
     return report(world, f"all_gather(a [{m}, {K}] per rank) @ b [{K}, {N}], {dtype}, {W} ranks "

@@ -28,7 +28,7 @@ import triton.language as tl
 import portable_overlap.language as pol
 from portable_overlap import MatmulReduceScatter, Workspace
 from portable_overlap.ops.matmul.api import default_config, tile_descriptors
-from portable_overlap.testing import report, run_on_ranks, time_call
+from portable_overlap.testing import report, run_on_ranks, time_paths
 from portable_overlap.tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 
@@ -128,8 +128,7 @@ def main(world, M=None, N=None, K=None, dtype=None):
     if gpu:  # the library's op: the same design, with one "sent" flag per program and peer
         builtin = MatmulReduceScatter(world, M, N, transport="stores")
         paths["MatmulReduceScatter(stores)"] = lambda: builtin(a, b)
-    ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
-          for name, f in paths.items()}
+    ms = time_paths(paths, world, iters=60 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
     for w in (ws, builtin) if gpu else (ws,):
         w.close()
     return report(world, f"reduce_scatter(a [{M}, {K}] @ b [{K}, {N}] on each rank), {dtype}, "

@@ -21,7 +21,7 @@ import triton.language as tl
 import portable_overlap.language as pol
 from portable_overlap import Workspace
 from portable_overlap.ops.matmul.api import default_config, tile_descriptors
-from portable_overlap.testing import report, run_on_ranks, time_call
+from portable_overlap.testing import report, run_on_ranks, time_paths
 from portable_overlap.tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
 
@@ -132,9 +132,9 @@ def main(world, m=None, N=None, K=None, dtype=None, eps=1e-6):
         err = ((out.float() - want).abs().max() / want.abs().max()).item()
         ok &= err < (2e-2 if dtype != torch.float32 else 1e-4)  # NaN fails too
     ws.synchronize()
-    ms = {name: time_call(f, world, iters=30 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
-          for name, f in (("portable_overlap.language", ours),
-                          ("torch all_gather + rms_norm + matmul", torch_path))}
+    ms = time_paths({"portable_overlap.language": ours,
+                     "torch all_gather + rms_norm + matmul": torch_path}, world,
+                    iters=60 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
     ws.close()
     return report(world, f"rms_norm(all_gather(x [{m}, {K}] per rank)) @ w [{K}, {N}], {dtype}, "
                   f"{W} ranks ({dev.type}): result", ok, ms, graph=gpu,

@@ -202,6 +202,31 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
     return max(world.all_gather_object(statistics.median(s.elapsed_time(e) for s, e in events)))
 
 
+def rotated_rounds(names: Sequence[str], rounds: int) -> list:
+    """The order of ``names`` in each of ``rounds`` rounds, rotated by one each round, so that
+    no name is always timed after the same others (``time_paths``)."""
+    names = list(names)
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)] \
+        if names else []
+
+
+def time_paths(paths: dict, world, *, iters: int = 20, warmup: int = 3, graph: bool = False,
+               rounds: int = 3) -> dict:
+    """Collective: ``{name: ms}`` for the callables of ``paths``: ``time_call`` of each in
+    ``rounds`` rounds of ``iters // rounds`` runs (at least one), the order rotated each round
+    (``rotated_rounds``), each path's median over its rounds. A fixed order favours the first
+    path, as a GPU's clock falls while it heats: on one H100 the same AllGather + GEMM kernel
+    timed 9-13% slower after two other paths than before them
+    (``benchmarks/probe_allgather_tutorial_gap.py``)."""
+    rounds = max(1, min(rounds, iters))
+    per: dict = {name: [] for name in paths}
+    for order in rotated_rounds(paths, rounds):
+        for name in order:
+            per[name].append(time_call(paths[name], world, iters=max(1, iters // rounds),
+                                       warmup=warmup, graph=graph))
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
 def measure_comm_curve(world, collective: str, sizes: Sequence[int], dtype=torch.bfloat16,
                        iters: int = 20) -> tuple:
     """Collective: ``((bytes, ms), ...)`` of ``collective`` ("all_reduce", "reduce_scatter",

@@ -1,9 +1,10 @@
 """Helpers for tests, the demo, the tutorials and benchmarks (importable by users writing their
 own tests)."""
-from ..schedule.tuning import time_call
+from ..schedule.tuning import time_call, time_paths
 from .emulated import EmulatedWorld, RemoteError, WorkerHang
 from .faults import call_while_peers_skip, error_of_one_call
 from .spmd import launched, report, run_on_ranks
 
 __all__ = ["EmulatedWorld", "RemoteError", "WorkerHang", "call_while_peers_skip",
-           "error_of_one_call", "launched", "report", "run_on_ranks", "time_call"]
+           "error_of_one_call", "launched", "report", "run_on_ranks", "time_call",
+           "time_paths"]
