@@ -287,3 +287,35 @@ def test_down_tiles_take_the_gated_row_height_and_warps():
     got = down_config(gated, down)
     assert (got.block_m, got.num_warps) == (64, 8)
     assert (got.block_n, got.block_k, got.num_stages) == (256, 64, 4)
+
+
+def _mixed(world):
+    """Rank 0 calls the layer in one launch while rank 1 calls the staged ops: both raise a
+    RankMismatchError for that call (the dispatch's shape tags differ), within the timeout."""
+    from portable_overlap import PortableOverlapError
+
+    W = world.world_size
+    d, c = _contexts(world, 8, 2, 8, 2, torch.float32, timeout_s=2.0)
+    wg, wu, wd = _weights(world, 2, 8, 4, torch.float32)
+    g = torch.Generator().manual_seed(world.rank)
+    tokens = torch.randn(5, 8, generator=g)
+    ids = route("uniform", 5, 2 * W, 2, W, g)
+    w = torch.rand(5, 2, generator=g)
+    try:
+        if world.rank == 0:
+            moe_layer(tokens, ids, w, wg, wu, wd, d, c)
+        else:
+            x, counts, slots = moe_dispatch(tokens, ids, d)
+            moe_gemm_combine(expert_swiglu(x, wg, wu, counts), wd, counts, slots, w, c)
+        d.synchronize()
+        c.synchronize()
+        res = "no error"
+    except PortableOverlapError as e:
+        res = type(e).__name__
+    d.close()
+    c.close()
+    return res
+
+
+def test_a_rank_calling_the_staged_ops_is_caught(world2):
+    assert world2.run(_mixed, timeout=200) == ["RankMismatchError"] * 2

@@ -135,6 +135,8 @@ class MoeDispatch(OverlapContext):
         self.counts = torch.zeros((W, experts_per_rank), dtype=torch.int32, device=dev)
         # the fused dispatch + gated GEMM's tile queues (swiglu_kernel.py), zero between calls
         self._queue = torch.zeros(3, dtype=torch.int32, device=dev)
+        # the one-launch layer's gated activations (ops/moe_layer), per I, made on first use
+        self._layer_h: dict = {}
 
     def _symmetric_buffers(self, n_slots: int) -> None:
         """The put transport's buffers: one collective allocation of the library's symmetric
@@ -164,6 +166,7 @@ class MoeDispatch(OverlapContext):
         """Collective: also lets the library's symmetric memory go (torch frees it once no view
         of it is left)."""
         super().close()
+        self._layer_h = {}
         self.recv = self.recv_slots = self._slot_ids = self._stage = None
         self._send = self._sym = self._put_kernel = None
 

@@ -100,10 +100,10 @@ def _activations(dctx, w_gate) -> torch.Tensor:
     """The gated activations' buffer ([capacity, I]), one per I, made on first use (the first
     call of a shape is not capturable anyway: it compiles)."""
     I = w_gate.shape[2]
-    bufs = dctx.__dict__.setdefault("_layer_h", {})
-    h = bufs.get(I)
+    h = dctx._layer_h.get(I)
     if h is None:
-        h = bufs[I] = torch.empty((dctx.capacity, I), dtype=dctx.dtype, device=dctx.world.device)
+        h = dctx._layer_h[I] = torch.empty((dctx.capacity, I), dtype=dctx.dtype,
+                                           device=dctx.world.device)
     return h
 
 
