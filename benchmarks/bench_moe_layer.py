@@ -58,7 +58,24 @@ def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=30, warmup=5)
     ap.add_argument("--routings", default="balanced,zipf")
+    ap.add_argument("--down-tile", default="",
+                    help="the down GEMM's tiles for every schedule of the layer, "
+                         "BMxBNxBK/<warps>w<stages>s (default: the combine's own choice); "
+                         "recorded in the rows' shape")
     return ap
+
+
+def down_tile(spec: str):
+    """``--down-tile`` as a MatmulConfig, or None."""
+    if not spec:
+        return None
+    from portable_overlap.ops.matmul import MatmulConfig
+
+    blocks, rest = spec.split("/")
+    warps, stages = rest.rstrip("s").split("w")
+    bm, bn, bk = map(int, blocks.split("x"))
+    return MatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=int(warps),
+                        num_stages=int(stages))
 
 
 def body(bench) -> int:
@@ -74,7 +91,10 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
     world, args = bench.world, bench.args
     dev, W, r = world.device, world.world_size, world.rank
     El = E // W
-    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt)
+    tile = down_tile(args.down_tile)
+    ctx = None if tile is None else MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
+                                                   experts_per_rank=El, config=tile)
+    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt, ctx=ctx)
     torch_path = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt, fused=False)
     # the down GEMM + combine with each tile walk fixed (the layer's own context picks by S)
     walks = {wk: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
@@ -82,7 +102,8 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
     gen = torch.Generator(device=dev).manual_seed(100 + r)
     try:
         for kind in [x for x in args.routings.split(",") if x]:
-            shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind}
+            shape = {"S": S, "H": H, "I": I, "E": E, "k": k, "routing": kind,
+                     **({"down_tile": args.down_tile} if tile else {})}
             tokens = torch.randn(S, H, generator=gen, device=dev).to(dt)
             with torch.no_grad():
                 if kind == "zipf":  # bias the shared router toward the first experts

@@ -161,6 +161,11 @@ class BenchParser(argparse.ArgumentParser):
                             "replay), or 0 / 1 (default: %(default)s)")
         g.add_argument("--no-graph", action="store_true", help="plain launches only")
         g.add_argument("--no-plain", action="store_true", help="CUDA-graph replay only")
+        g.add_argument("--rounds", type=int, default=1,
+                       help="time the impls in this many rounds of --iters each, the order "
+                            "rotated each round, and keep each impl's round with the median "
+                            "median: a GPU's clock drifts within a run, and a fixed order "
+                            "favours the impls timed first (default: %(default)s)")
         g.add_argument("--impls", default="",
                        help="comma list of the impls to check and time (default: every one "
                             "the benchmark has)")

@@ -25,6 +25,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 from benchmarks import cli
 from benchmarks.metrics import format_table, rounded, summarize
 from benchmarks.rows import ResultWriter
+from portable_overlap.schedule.tuning import rotated_rounds
 from portable_overlap.testing.compare import rel_err  # noqa: F401  (the benchmarks import it from here)
 
 
@@ -143,13 +144,22 @@ class Bench:
                 f"{n} {e:.1e}{'' if correct[n] else ' WRONG: not timed'}"
                 for n, e in errs.items()))
         times = {}
+        rounds = max(1, getattr(self.args, "rounds", 1))
         for graph in self.args.graphs:
-            for name, fn in case.impls.items():
-                if correct.get(name) is False or (graph and name in case.plain_only):
-                    continue  # never time a wrong result
-                r = self.time_impl(name, fn, graph)
-                if r is None:
+            names = [n for n in case.impls  # never time a wrong result
+                     if correct.get(n) is not False and not (graph and n in case.plain_only)]
+            # (--rounds: the impls timed round by round, the order rotated each round; each
+            # impl's row is its round with the median median)
+            got = {n: [] for n in names}
+            for order in rotated_rounds(names, rounds):
+                for name in order:
+                    r = self.time_impl(name, case.impls[name], graph)
+                    if r is not None:
+                        got[name].append(r)
+            for name in names:
+                if not got[name]:
                     continue
+                r = sorted(got[name], key=lambda x: x["median_ms"])[len(got[name]) // 2]
                 times[(name, graph)] = r["median_ms"]
                 if self.rank == 0:
                     fields = {"correct": correct.get(name), "rel_err": errs.get(name),

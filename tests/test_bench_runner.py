@@ -325,3 +325,27 @@ def test_ci_invocations_parse(tmp_path):
         assert ns.out == str(tmp_path / "r.jsonl")
         seen.add(name)
     assert seen == set(SCRIPTS)
+
+
+def test_rounds_rotate_the_order_and_keep_the_median_round(tmp_path, timed):
+    """``--rounds 3``: every impl timed in each of three rounds, the order rotated each round
+    (a fixed order favours the impls timed first on a GPU whose clock drifts), and each impl's
+    row is its round with the median median."""
+    order = []
+    clock = iter([9.0, 1.0, 5.0, 2.0, 8.0, 3.0])  # what each timing returns, in call order
+
+    def impl(name):
+        def run():
+            order.append(name)
+            return next(clock)
+        return run
+
+    bench = _bench(tmp_path, "--no-check", "--graph", "graph", "--rounds", "3")
+    times = bench.run(runner.Case(op="op", shape={"M": 1, "N": 1, "K": 1}, dtype="bf16",
+                                  impls={"fused": impl("fused"), "sequential": impl("sequential")},
+                                  check=None))
+    assert order == ["fused", "sequential", "sequential", "fused", "fused", "sequential"]
+    # fused got 9, 2, 8 (median 8); sequential 1, 5, 3 (median 3); graph halves them
+    assert times == {("fused", True): 4.0, ("sequential", True): 1.5}
+    assert [(r["impl"], r["median_ms"]) for r in _rows(tmp_path) if r["op"] == "op"] == [
+        ("fused", 4.0), ("sequential", 1.5)]
