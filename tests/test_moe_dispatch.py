@@ -17,6 +17,7 @@ from portable_overlap.shmem.device import peer_ptr
 from portable_overlap.shmem.heap import heap_bytes
 from portable_overlap.shmem.providers import ShmemUnavailable
 from portable_overlap.testing import call_while_peers_skip
+from portable_overlap.testing.routing import with_fault
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
 
@@ -160,12 +161,7 @@ def _bad_ids(world, fault):
         g = torch.Generator().manual_seed(90 + r)
         tokens = torch.randn(S, H, generator=g)
         ids = route("uniform", S, El * W, k, r, W, g)
-        if fault == "id" and r == 1:
-            ids[3, 1] = El * W + 5
-        if fault == "negative" and r == 1:
-            ids[0, 0] = -1
-        if fault == "capacity":  # every rank's tokens to rank 0's two experts
-            ids = torch.tensor([[0, 1]] * S)
+        ids = with_fault(ids, fault, r, El * W)
         try:
             x, counts, slots = moe_dispatch(tokens, ids, ctx)
             ctx.synchronize()

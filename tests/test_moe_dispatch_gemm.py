@@ -12,7 +12,7 @@ from portable_overlap.ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_di
                                                moe_dispatch_swiglu_reference)
 from portable_overlap.ops.moe_experts import expert_swiglu
 from portable_overlap.testing import call_while_peers_skip, error_of_one_call
-from portable_overlap.testing.routing import route
+from portable_overlap.testing.routing import route, with_fault
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
@@ -150,12 +150,7 @@ def _faults(world, fault):
         g = torch.Generator().manual_seed(90 + r)
         tokens = torch.randn(S, H, generator=g)
         ids = route("uniform", S, El * W, k, W, g)
-        if fault == "id" and r == 1:
-            ids[3, 1] = El * W + 5
-        if fault == "negative" and r == 1:
-            ids[0, 0] = -1
-        if fault == "capacity":  # every rank's tokens to rank 0's two experts
-            ids = torch.tensor([[0, 1]] * S)
+        ids = with_fault(ids, fault, r, El * W)
         try:
             moe_dispatch_swiglu(tokens, ids, wg, wu, ctx, h)
             ctx.synchronize()

@@ -15,7 +15,7 @@ from portable_overlap.ops.moe_experts import expert_swiglu
 from portable_overlap.ops.moe_layer import moe_layer, moe_layer_reference
 from portable_overlap.ops.moe_layer.api import down_config
 from portable_overlap.ops.matmul.api import MatmulConfig
-from portable_overlap.testing.routing import route
+from portable_overlap.testing.routing import route, with_fault
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
@@ -169,12 +169,7 @@ def _faults(world, fault):
         tokens = torch.randn(S, H, generator=g)
         ids = route("uniform", S, El * W, k, W, g)
         w = torch.rand(S, k, generator=g)
-        if fault == "id" and r == 1:
-            ids[3, 1] = El * W + 5
-        if fault == "negative" and r == 1:
-            ids[0, 0] = -1
-        if fault == "capacity":  # every rank's tokens to rank 0's two experts
-            ids = torch.tensor([[0, 1]] * S)
+        ids = with_fault(ids, fault, r, El * W)
         res = []
         for ctx in (d, c):
             try:

@@ -55,7 +55,6 @@ source serves NVIDIA and AMD GPUs and the CPU-emulated ranks (``TRITON_INTERPRET
 import triton
 import triton.language as tl
 
-from ..backends.device_clock import now_ns
 from ..backends.proxy_fence import async_proxy_fence
 from ..shmem import device as _shmem
 from ..shmem.providers import device as _provider
@@ -290,11 +289,8 @@ def wait_count(ctx, counter_ptr, target, call, peer):
     ok = is_live(ctx)
     if ok:
         target = tl.cast(target, tl.int64)
-        v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
-        if v < target:
-            deadline = _shmem.call_deadline(clock, call, tl.load(ctx + CTX_TIMEOUT_US))
-            while (v < target) & (now_ns() < deadline):
-                v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
+        v = _shmem.poll_count(counter_ptr, target, call, clock, tl.load(ctx + CTX_TIMEOUT_US),
+                              "sys")
         if v < target:
             _timed_out(ctx, peer, counter_ptr, target, call)
             ok = False

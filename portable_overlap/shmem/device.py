@@ -169,21 +169,28 @@ def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pi
 
 
 @triton.jit
+def poll_count(counter_ptr, target, call, clock_ptr, timeout_us, SCOPE: tl.constexpr):
+    """Poll (acquire, ``SCOPE``) until the counter at ``counter_ptr`` reaches ``target`` or call
+    ``call``'s deadline passes (``call_deadline``). Returns the count last read."""
+    v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope=SCOPE)
+    if v < target:
+        deadline = call_deadline(clock_ptr, call, timeout_us)
+        while (v < target) & (now_ns() < deadline):
+            v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope=SCOPE)
+    return v
+
+
+@triton.jit
 def await_count(counter_ptr, target, epoch, clock_ptr, timeout_us, status_addr, pid, peer, what,
                 ok):
-    """Poll (acquire, device scope) until the counter of this device at ``counter_ptr`` reaches
-    ``target`` or call ``epoch``'s deadline passes; a timeout is reported (``what`` names the
-    counter) and marks the context out of step, as ``await_word``'s. For counts that programs of
-    one launch raise for each other: only a persistent kernel whose grid is resident may wait
-    for them. Returns ``(ok and-ed with the outcome, the count last read)``; does not wait once
-    ``ok`` is false."""
+    """``poll_count`` at device scope on a counter of this device; a timeout is reported
+    (``what`` names the counter) and marks the context out of step, as ``await_word``'s. For
+    counts that programs of one launch raise for each other: only a persistent kernel whose grid
+    is resident may wait for them. Returns ``(ok and-ed with the outcome, the count last
+    read)``; does not wait once ``ok`` is false."""
     v = tl.zeros((), tl.int32)
     if ok:
-        v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        if v < target:
-            deadline = call_deadline(clock_ptr, epoch, timeout_us)
-            while (v < target) & (now_ns() < deadline):
-                v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        v = poll_count(counter_ptr, target, epoch, clock_ptr, timeout_us, "gpu")
         if v < target:
             report(status_addr, pid, STATUS_TIMEOUT, peer, what, tl.cast(target, tl.int64))
             tl.atomic_xchg(clock_ptr + 1, epoch.to(tl.int64), sem="relaxed", scope="gpu")

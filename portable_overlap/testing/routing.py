@@ -16,3 +16,16 @@ def route(kind: str, S: int, E_total: int, k: int, W: int, g: torch.Generator) -
         scores[:, 0] = 2
         scores[:, 1: E_total // 2] = -1
     return scores.topk(k, dim=1).indices
+
+
+def with_fault(ids: torch.Tensor, fault, rank: int, E_total: int) -> torch.Tensor:
+    """``ids`` with a routing fault for the fault tests: ``"id"`` (rank 1's slot (3, 1) names an
+    expert past the last), ``"negative"`` (rank 1's first id is -1), ``"capacity"`` (every
+    token's choices are experts 0 and 1, so rank 0 receives every row), anything else none."""
+    if fault == "id" and rank == 1:
+        ids[3, 1] = E_total + 5
+    if fault == "negative" and rank == 1:
+        ids[0, 0] = -1
+    if fault == "capacity":
+        ids = torch.tensor([[0, 1]] * ids.shape[0])
+    return ids

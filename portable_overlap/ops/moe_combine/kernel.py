@@ -37,7 +37,7 @@ another), and every wait is bounded (status board).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free, begin_call,
+from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free_once, begin_call,
                              call_flag, end_call, end_call_free, live, peer_buffer, peer_ptr,
                              report, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
@@ -82,6 +82,28 @@ def no_flush():
 
 
 @triton.jit
+def expert_rows(counts_ptr, q_src, qs, e, E, world, BLOCK_M: tl.constexpr):
+    """Expert ``e``'s rows from each source (lane j: source ``q_src[j]``, lanes ``qs`` past the
+    world empty, as is an ``e`` past the experts), their row tiles and the tiles' running sum:
+    the cursor of a walk of an expert's row tiles of all sources (``expert_tile``)."""
+    c_e = tl.load(counts_ptr + q_src * E + e, mask=(qs < world) & (e < E), other=0)
+    mt = tl.cdiv(c_e, BLOCK_M)
+    return c_e, mt, tl.cumsum(mt, axis=0)
+
+
+@triton.jit
+def expert_tile(t_rel, c_e, mt, cum, qs, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile ``t_rel`` of one expert's row tiles of all sources end to end, in grouped order, so
+    the row tiles that share a weight column block follow one another (``expert_rows`` gives
+    ``c_e``, ``mt``, ``cum``). Returns (the source's lane j, the row tile within its rows, the
+    column tile, its rows); the max keeps the divisions defined for a tile past the walk."""
+    vm, pid_n = grouped_tile(t_rel, tl.maximum(tl.sum(mt), 1), num_pid_n, GROUP_M)
+    j = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
+    pid_m = vm - tl.sum(tl.where(qs == j, cum - mt, 0))
+    return j, pid_m, pid_n, tl.sum(tl.where(qs == j, c_e, 0))
+
+
+@triton.jit
 def begin_down(rows_mine_ptr, pid, world, G_MAX: tl.constexpr):
     """Zero this program's counts of the rows it stores into each rank in this call."""
     for q in range(0, world):
@@ -123,12 +145,9 @@ def down_tile(x_ptr, w_ptr, x_desc, w_desc, slots_ptr, combine_ptr, stage_ptr, s
         report(status_addr, pid, STATUS_BAD_INPUT, src, (CHECK_SLOT << 32) + bad.to(tl.int64),
                tl.load(slots_ptr + bad).to(tl.int64))
     keep = valid & slot_ok
-    if src != rank:
-        if ((cleared >> src) & 1) == 0:
-            # src must have read the previous call's rows before we overwrite them
-            ok = await_free(consumed_ptr, src, epoch, clock_ptr, timeout_us, status_addr, pid,
-                            FLAG_CONSUMED, ok)
-            cleared = cleared | (tl.full((), 1, tl.int64) << src)
+    if src != rank:  # src must have read the previous call's rows before we overwrite them
+        ok, cleared = await_free_once(consumed_ptr, src, cleared, epoch, clock_ptr, timeout_us,
+                                      status_addr, pid, FLAG_CONSUMED, ok)
     if ok:
         STORE(combine_ptr, bases_ptr, stage_ptr, slots_ptr, start + pid_m * BLOCK_M,
               tl.minimum(n - pid_m * BLOCK_M, BLOCK_M), pid_n * BLOCK_N, max_slots, rank, src,
@@ -158,9 +177,9 @@ def finish_down(rows_mine_ptr, rows_in_ptr, sent_ptr, consumed_ptr, ctl_ptr, clo
     # overwritten early is a lost signal (it shows on 4 ranks with skewed routing:
     # tests/test_moe_combine.py::test_a_late_combine_loses_no_signal).
     for q in range(0, world):
-        if (q != rank) & (((cleared >> q) & 1) == 0):
-            ok = await_free(consumed_ptr, q, epoch, clock_ptr, timeout_us, status_addr, pid,
-                            FLAG_CONSUMED, ok)
+        if q != rank:
+            ok, cleared = await_free_once(consumed_ptr, q, cleared, epoch, clock_ptr, timeout_us,
+                                          status_addr, pid, FLAG_CONSUMED, ok)
     FLUSH()  # the transport's rows have landed before the counts and the release
     tl.debug_barrier()
     for q in range(0, world):
@@ -253,9 +272,7 @@ def _grouped_gemm_scatter(
     seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
     qs = tl.arange(0, BLOCK_SRC)  # a source's place in the walk
     q_src = (rank + 1 + qs) % world
-    c_e = tl.load(counts_ptr + q_src * E, mask=qs < world, other=0)
-    mt_q = tl.cdiv(c_e, BLOCK_M)
-    cum = tl.cumsum(mt_q, axis=0)
+    c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, 0, E, world, BLOCK_M)
     seg_nt_e = tl.sum(mt_q) * num_pid_n
     for i in range(0, tl.cdiv(t_max, G)):
         t = pid + i * G
@@ -266,18 +283,11 @@ def _grouped_gemm_scatter(
             while (t >= seg_t0 + seg_nt_e) & (seg < E):
                 seg += 1
                 seg_t0 += seg_nt_e
-                c_e = tl.load(counts_ptr + q_src * E + seg, mask=(qs < world) & (seg < E),
-                              other=0)
-                mt_q = tl.cdiv(c_e, BLOCK_M)
-                cum = tl.cumsum(mt_q, axis=0)
+                c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, seg, E, world, BLOCK_M)
                 seg_nt_e = tl.sum(mt_q) * num_pid_n
             walking = seg < E
-            # (past the walk's end the tile is not used; the max keeps the divisions defined)
-            vm, pid_n = grouped_tile(t - seg_t0, tl.maximum(tl.sum(mt_q), 1), num_pid_n,
-                                     GROUP_M)
-            q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
-            pid_m = vm - tl.sum(tl.where(qs == q, cum - mt_q, 0))
-            n = tl.sum(tl.where(qs == q, c_e, 0))
+            # (past the walk's end the tile is not used)
+            q, pid_m, pid_n, n = expert_tile(t - seg_t0, c_e, mt_q, cum, qs, num_pid_n, GROUP_M)
             src = (rank + 1 + q) % world
             e = seg
         else:

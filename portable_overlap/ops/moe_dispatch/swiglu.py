@@ -138,8 +138,36 @@ def _args(ctx, tokens, topk_ids, w_gate, w_up, out, plan, programs=None, tag=Non
             w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0))
 
 
+def dispatch_tag(op: str, ctx, dtype: torch.dtype, senders: int) -> int:
+    """What the ranks' launches of a fused dispatch (``op``'s) must agree on: the dispatch's
+    layout and the senders each rank waits for. Not S, the GEMM's tiles or the grid, which are
+    this rank's own (ranks with other token counts may pick other tiles)."""
+    return shape_tag(op, hidden=ctx.hidden, top_k=ctx.top_k, experts_per_rank=ctx.experts_per_rank,
+                     dtype=str(dtype), capacity=ctx.capacity, block_t=ctx.block_t,
+                     senders=senders)
+
+
+def gated_consts(ctx, dtype: torch.dtype, cfg: MatmulConfig, x_desc, senders: int) -> dict:
+    """The constexprs of the senders' passes and the gated GEMM's queues
+    (``swiglu_kernel.dispatch_and_gate``) on ``ctx`` (a MoeDispatch) at tiles ``cfg``, with the
+    launch's warps and stages: this launch's, and the first part of the one-launch layer's."""
+    W, E = ctx.world.world_size, ctx.experts_per_rank
+    cpu = ctx.world.device.type == "cpu"
+    elem = torch.empty((), dtype=dtype).element_size()
+    return dict(BLOCK_T=ctx.block_t, BLOCK_E=ctx.block_e,
+                BLOCK_H=16 if cpu else min(_pow2(ctx.hidden), 512 // elem), G_MAX=G_MAX,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
+                EVEN_K=ctx.hidden % cfg.block_k == 0, PRECISION=dot_precision(dtype),
+                UPCAST=dot_upcast(dtype), USE_DESC=x_desc is not None,
+                BLOCK_SEG=_pow2(W * E), BLOCK_F=min(_pow2(senders), 128),
+                # (swiglu_kernel.py: under the interpreter only one sender per rank may)
+                SENDERS_COMPUTE=not cpu or senders == 1,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, m):
-    W, E, facts = ctx.world.world_size, ctx.experts_per_rank, ctx.world.facts
+    W, facts = ctx.world.world_size, ctx.world.facts
     cpu = ctx.world.device.type == "cpu"
     cfg = config or default_config(tokens.dtype, tokens.device, True, m, False)
     # the receive buffer has a fixed address: its descriptor is made once
@@ -148,34 +176,16 @@ def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, m):
         cfg = default_config(tokens.dtype, tokens.device, False, m, False)
     programs = min(facts.sm_count, G_MAX)
     n_send = senders or default_senders(W, programs, cpu)
-    elem = tokens.element_size()
     p = SimpleNamespace(cfg=cfg, x_desc=x_desc, senders=n_send, tag=0)
 
-    def tag_of(g):
-        # what the ranks' launches must agree on: the dispatch's layout and the senders each
-        # rank waits for. Not S, the GEMM's tiles or the grid, which are this rank's own
-        # (ranks with other token counts may pick other tiles)
-        return shape_tag(OP, hidden=ctx.hidden, top_k=ctx.top_k, experts_per_rank=E,
-                         dtype=str(tokens.dtype), capacity=ctx.capacity, block_t=ctx.block_t,
-                         senders=n_send)
-
-    consts = dict(BLOCK_T=ctx.block_t, BLOCK_E=ctx.block_e,
-                  BLOCK_H=16 if cpu else min(_pow2(ctx.hidden), 512 // elem), G_MAX=G_MAX,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
-                  EVEN_K=ctx.hidden % cfg.block_k == 0, PRECISION=dot_precision(tokens.dtype),
-                  UPCAST=dot_upcast(tokens.dtype), USE_DESC=x_desc is not None,
-                  BLOCK_SEG=_pow2(W * E), BLOCK_F=min(_pow2(n_send), 128),
-                  # (swiglu_kernel.py: under the interpreter only one sender per rank may)
-                  SENDERS_COMPUTE=not cpu or n_send == 1,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tag = dispatch_tag(OP, ctx, tokens.dtype, n_send)
+    consts = gated_consts(ctx, tokens.dtype, cfg, x_desc, n_send)
     # compute programs wait for senders of this launch (the own rows): the grid must be
     # resident, which _compile ensures
     fused = ctx._compile(dispatch_swiglu_kernel, programs, consts,
-                         lambda g: _args(ctx, tokens, topk_ids, w_gate, w_up, out, p, g,
-                                         tag_of(g)))
+                         lambda g: _args(ctx, tokens, topk_ids, w_gate, w_up, out, p, g, tag))
     check_grid(OP, fused.programs, n_send, consts["SENDERS_COMPUTE"])
-    p.tag = tag_of(fused.programs)
+    p.tag = tag
     count, exchange = ctx._plan_routing(tokens, topk_ids, fused.programs, p.tag)
     p.launches = (count, exchange, fused)
     return p

@@ -80,7 +80,7 @@ def send_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slot
 
 
 @triton.jit
-def _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M: tl.constexpr):
+def fused_segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M: tl.constexpr):
     """Segment ``f`` of the fused order (source ``r - f // E``, expert ``f % E``): its source,
     expert, rows and tile count."""
     q = (rank + world - f // E) % world
@@ -106,7 +106,7 @@ def take_tiles(queue_ptr, total, f0, have, ok, counts_ptr, cnt, segs, sent_ptr, 
     activations waits for ``cdiv(I, BLOCK_N)`` and sees whether any is missing."""
     num_pid_n = tl.cdiv(I, BLOCK_N)
     f = f0
-    q, e, n, s_nt = _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
+    q, e, n, s_nt = fused_segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
     s_t0 = 0
     t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
     # (with NOTIFY a program that gave up still drains the queue, counting each tile it claims
@@ -116,7 +116,7 @@ def take_tiles(queue_ptr, total, f0, have, ok, counts_ptr, cnt, segs, sent_ptr, 
         while t >= s_t0 + s_nt:
             f += 1
             s_t0 += s_nt
-            q, e, n, s_nt = _segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
+            q, e, n, s_nt = fused_segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
         if ((have >> q) & 1) == 0:
             what = (q * G_MAX).to(tl.int64) + (FLAG_SENT << 32)
             ok = await_flags(sent_ptr + q * G_MAX, senders, epoch, tag, clock_ptr, timeout_us,

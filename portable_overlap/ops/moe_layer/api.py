@@ -30,7 +30,6 @@ from typing import Optional
 
 import torch
 
-from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import G_MAX, align_key, output_tensor, refuse_grad, run_collective, shape_tag
 from ..matmul.api import MatmulConfig
 from ..moe_combine import MoeGemmCombine
@@ -180,46 +179,31 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
     n_ready = -(-dctx.capacity // cfg1.block_m) + W * E
     ready = torch.zeros(max(n_ready, 1), dtype=torch.int32, device=dctx.world.device)
     queue = torch.zeros(3, dtype=torch.int32, device=dctx.world.device)
-    elem = tokens.element_size()
     p = SimpleNamespace(cfg1=cfg1, cfg2=cfg2, x_desc=x_desc, h_desc=h_desc, senders=n_send,
-                        ready=ready, queue=queue, tag=0, c_tag=0)
+                        ready=ready, queue=queue,
+                        tag=swiglu.dispatch_tag(OP, dctx, tokens.dtype, n_send), c_tag=0)
 
-    def tags(g):
-        # the dispatch's side: its layout and the senders each rank waits for; the combine's:
-        # what its weighted sum waits for (this launch's programs). Not S or the tiles, which
-        # are each rank's own
-        d = shape_tag(OP, hidden=dctx.hidden, top_k=dctx.top_k, experts_per_rank=E,
-                      dtype=str(tokens.dtype), capacity=dctx.capacity, block_t=dctx.block_t,
-                      senders=n_send)
-        c = shape_tag(COMBINE_OP, hidden=cctx.hidden, intermediate=I, experts_per_rank=E,
-                      top_k=cctx.top_k, dtype=str(tokens.dtype), config=cctx.config, programs=g,
-                      layer=True)
-        return d, c
+    def combine_tag(g):
+        # what the sources' weighted sums wait for: this launch's programs (the grid)
+        return shape_tag(COMBINE_OP, hidden=cctx.hidden, intermediate=I, experts_per_rank=E,
+                         top_k=cctx.top_k, dtype=str(tokens.dtype), config=cctx.config,
+                         programs=g, layer=True)
 
     def args_of(g):
-        p.tag, p.c_tag = tags(g)
+        p.c_tag = combine_tag(g)
         return _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h)
 
-    consts = dict(BLOCK_T=dctx.block_t, BLOCK_E=dctx.block_e,
-                  BLOCK_H=16 if cpu else min(_pow2(dctx.hidden), 512 // elem), G_MAX=G_MAX,
-                  BLOCK_M=cfg1.block_m, BLOCK_N=cfg1.block_n, BLOCK_K=cfg1.block_k,
-                  GROUP_M=cfg1.group_m, NUM_STAGES=cfg1.num_stages,
-                  EVEN_K=dctx.hidden % cfg1.block_k == 0, PRECISION=dot_precision(tokens.dtype),
-                  UPCAST=dot_upcast(tokens.dtype), USE_DESC=x_desc is not None,
-                  BLOCK_SEG=_pow2(W * E), BLOCK_F=min(_pow2(n_send), 128),
-                  # (kernel.py: under the interpreter only one sender per rank may compute,
-                  # and senders take no down tiles)
-                  SENDERS_COMPUTE=not cpu or n_send == 1,
+    consts = dict(swiglu.gated_consts(dctx, tokens.dtype, cfg1, x_desc, n_send),
                   BLOCK_N2=cfg2.block_n, BLOCK_K2=cfg2.block_k, GROUP_M2=cfg2.group_m,
                   NUM_STAGES2=cfg2.num_stages, EVEN_K2=I % cfg2.block_k == 0,
-                  USE_DESC2=h_desc is not None, SENDERS_DOWN=not cpu,
-                  EXPERT_MAJOR=expert_major, BLOCK_SRC=_pow2(W),
-                  num_warps=cfg1.num_warps, num_stages=cfg1.num_stages)
+                  USE_DESC2=h_desc is not None,
+                  # (kernel.py: under the interpreter senders take no down tiles)
+                  SENDERS_DOWN=not cpu, EXPERT_MAJOR=expert_major, BLOCK_SRC=_pow2(W))
     # programs wait for programs of the same launch (the own rows, the activations): the grid
     # must be resident, which _compile ensures
     fused = cctx._compile(moe_layer_kernel, programs, consts, args_of)
     swiglu.check_grid(OP, fused.programs, n_send, consts["SENDERS_COMPUTE"])
-    p.tag, p.c_tag = tags(fused.programs)
+    p.c_tag = combine_tag(fused.programs)
     count, exchange = dctx._plan_routing(tokens, topk_ids, fused.programs, p.tag)
     p.launches = (count, exchange, fused)
     p.combine = cctx._plan_combine(topk_weights, out, tokens.dtype,

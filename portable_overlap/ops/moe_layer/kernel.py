@@ -45,17 +45,10 @@ import triton.language as tl
 from ...backends.proxy_fence import async_proxy_fence
 from ...shmem.device import STATUS_PEER_FAILED, await_count, begin_call, live, report
 from ...tiles.gemm import grouped_tile
-from ..moe_combine.kernel import (FLAG_READY, begin_down, down_tile, finish_down, no_flush,
-                                  store_rows)
-from ..moe_dispatch.swiglu_kernel import READY_SKIPPED, dispatch_and_gate, row_tile
-
-
-@triton.jit
-def _segment(f, rank, world, E, counts_ptr):
-    """Segment ``f`` of the fused order (source ``r - f // E``, expert ``f % E``)."""
-    q = (rank + world - f // E) % world
-    e = f % E
-    return q, e, tl.load(counts_ptr + q * E + e)
+from ..moe_combine.kernel import (FLAG_READY, begin_down, down_tile, expert_rows, expert_tile,
+                                  finish_down, no_flush, store_rows)
+from ..moe_dispatch.swiglu_kernel import (READY_SKIPPED, dispatch_and_gate, fused_segment,
+                                          row_tile)
 
 
 @triton.jit
@@ -83,32 +76,22 @@ def _take_down_tiles(queue_ptr, total, ready_ptr, counts_ptr, cnt, segs, h_ptr, 
     s_t0 = 0
     js = tl.arange(0, BLOCK_SRC)
     q_of = (rank + world - js) % world
-    c_e = tl.load(counts_ptr + q_of * E, mask=js < world, other=0)
-    mt = tl.cdiv(c_e, BLOCK_M)
-    cum = tl.cumsum(mt, axis=0)
-    q, e, n = _segment(f, rank, world, E, counts_ptr)
+    c_e, mt, cum = expert_rows(counts_ptr, q_of, js, f, E, world, BLOCK_M)
+    q, e, n, s_nt = fused_segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
     if EXPERT_MAJOR:
         s_nt = tl.sum(mt) * num_pid_n
-    else:
-        s_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
     t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
     while (t < total) & ok:
         while t >= s_t0 + s_nt:  # (t < total: the cursor stops at a segment with tiles)
             f += 1
             s_t0 += s_nt
             if EXPERT_MAJOR:
-                c_e = tl.load(counts_ptr + q_of * E + f, mask=js < world, other=0)
-                mt = tl.cdiv(c_e, BLOCK_M)
-                cum = tl.cumsum(mt, axis=0)
+                c_e, mt, cum = expert_rows(counts_ptr, q_of, js, f, E, world, BLOCK_M)
                 s_nt = tl.sum(mt) * num_pid_n
             else:
-                q, e, n = _segment(f, rank, world, E, counts_ptr)
-                s_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
+                q, e, n, s_nt = fused_segment(f, rank, world, E, counts_ptr, num_pid_n, BLOCK_M)
         if EXPERT_MAJOR:
-            vm, pid_n = grouped_tile(t - s_t0, tl.sum(mt), num_pid_n, GROUP_M)
-            j = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
-            pid_m = vm - tl.sum(tl.where(js == j, cum - mt, 0))
-            n = tl.sum(tl.where(js == j, c_e, 0))
+            j, pid_m, pid_n, n = expert_tile(t - s_t0, c_e, mt, cum, js, num_pid_n, GROUP_M)
             q = (rank + world - j) % world
             e = f
         else:
