@@ -327,6 +327,21 @@ def test_ci_invocations_parse(tmp_path):
     assert seen == set(SCRIPTS)
 
 
+def test_scaleup_defaults_parse(tmp_path):
+    """The benchmark arguments ci/scaleup.sh sets by default (through gpu.sh's PO_*_ARGS) are
+    accepted by the benchmarks they reach, and it has a case for each of its parts."""
+    text = open(os.path.join(ROOT, "ci", "scaleup.sh")).read()
+    gpu = open(os.path.join(ROOT, "ci", "gpu.sh")).read().replace("\\\n", " ")
+    defaults = re.findall(r"export (PO_\w+_ARGS)=\$\{\1:-(.*?)\}\n", text)
+    assert defaults
+    for var, argv in defaults:
+        name = re.search(r"benchmarks/(bench_\w+)\.py [^\n]*\$\{" + var, gpu).group(1)
+        importlib.import_module(f"benchmarks.{name}").parser().parse_args(
+            ["--out", str(tmp_path / "r.jsonl")] + argv.split())
+    for part in ("ops", "moe", "rest"):
+        assert f"\n  {part})\n" in text
+
+
 def test_rounds_rotate_the_order_and_keep_the_median_round(tmp_path, timed):
     """``--rounds 3``: every impl timed in each of three rounds, the order rotated each round
     (a fixed order favours the impls timed first on a GPU whose clock drifts), and each impl's

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The scale-up measurements (docs/scaling.md) in parts that each fit one 10-minute device call,
+# on the GPUs of one host (4 or 8). Logs and rows go to OUTDIR; the device kind names the
+# results file (nvidia-h200-x<NPROC>.jsonl).
+#   bash ci/scaleup.sh PART OUTDIR [NPROC]
+# PART:
+#   ops    the GPU checks, torch's fused ops and transport="auto" checks, then AllGather + GEMM
+#          (stores at three sender counts beside the copy engines, torch's fused op,
+#          sequential), GEMM + ReduceScatter / AllReduce and GEMV + AllReduce (one-shot, auto)
+#   moe    the MoE combine, dispatch and whole-layer benchmarks, the MoE example
+#   rest   embedding + All-to-All, GEMM + All-to-All, the device API and its tutorials beside
+#          the library's ops, the fault campaign, the prefill and DLRM examples
+# Each part runs ci/gpu.sh with the other sections skipped, so the options of gpu.sh
+# (PO_AG_ARGS, PO_MR_ARGS, ...) still apply; PO_COMMIT is recorded with every row.
+set -uo pipefail
+part=${1:?usage: bash ci/scaleup.sh ops|moe|rest OUTDIR [NPROC]}
+out=${2:?usage: bash ci/scaleup.sh ops|moe|rest OUTDIR [NPROC]}
+nproc=${3:-8}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+skip_all=(PO_SKIP_CHECKS PO_SKIP_BENCH PO_SKIP_A2A PO_SKIP_AG PO_SKIP_MR PO_SKIP_MOE
+          PO_SKIP_MOE_DISPATCH PO_SKIP_MOE_LAYER PO_SKIP_SIG PO_SKIP_PRED PO_SKIP_EMB
+          PO_SKIP_WAITS PO_SKIP_LANGUAGE PO_SKIP_TUT_BENCH PO_SKIP_AUTO PO_SKIP_CAMPAIGN
+          PO_SKIP_EXAMPLES PO_SKIP_DEMO)
+for v in "${skip_all[@]}"; do export "$v=1"; done
+status=0
+case "$part" in
+  ops)
+    # torch's fused ops as transports, checked on this world before anything is timed
+    PO_TORCH_FUSED_CHECK_TIMEOUT=200 timeout 240 torchrun --nproc-per-node "$nproc" --master-port "$((29500 + RANDOM % 1000))" \
+        tests/gpu/check_torch_fused.py 2>&1 | tee "$out/check_torch_fused.log" \
+        | grep -E "^PASS|^FAIL|checks" | tail -n 20
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    export PO_SKIP_CHECKS=0 PO_SKIP_AUTO=0 PO_SKIP_AG=0 PO_SKIP_MR=0 PO_SKIP_BENCH=0
+    export PO_CHECKS=${PO_CHECKS:-}
+    # the sender counts around the rule's (docs/scaling.md: the first thing to measure)
+    export PO_AG_ARGS=${PO_AG_ARGS:---senders default,16,40 --schedules none}
+    ;;
+  moe)
+    export PO_SKIP_MOE=0 PO_SKIP_MOE_DISPATCH=0 PO_SKIP_MOE_LAYER=0 PO_SKIP_EXAMPLES=0
+    export PO_MOE_LAYER_ARGS=${PO_MOE_LAYER_ARGS:---rounds 3}
+    ;;
+  rest)
+    export PO_SKIP_EMB=0 PO_SKIP_A2A=0 PO_SKIP_LANGUAGE=0 PO_SKIP_TUT_BENCH=0
+    export PO_SKIP_CAMPAIGN=0 PO_SKIP_EXAMPLES=0 PO_DLRM_STEPS=${PO_DLRM_STEPS:-100}
+    ;;
+  *)
+    echo "unknown part '$part': ops, moe or rest" >&2
+    exit 2
+    ;;
+esac
+PO_DEVICE_KIND=${PO_DEVICE_KIND:-nvidia-h200-x${nproc}} bash ci/gpu.sh "$out" "$nproc" || status=1
+exit $status
