@@ -19,13 +19,14 @@ as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
 - ``fused_one_launch``: the same layer with ``one_launch=True`` (the dispatch's scatter, both
   expert GEMMs and the combine's row stores in one launch, ``moe_layer``); checked like
   ``fused``; ``stage_layer_launch``: ``moe_layer`` alone (no router), against
-  ``stage_dispatch_swiglu`` + ``stage_combine`` (``_s16`` / ``_s64``: 16 / 64 senders);
+  ``stage_dispatch_swiglu`` + ``stage_combine`` (``_s<N>``: N senders, one per count of
+  ``--senders``);
 - the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
   ``stage_combine`` (down GEMM + combine; ``stage_combine_sources`` / ``_experts``: with its
   tile walk fixed source by source / expert by expert, where the layer picks by size), and
   ``stage_dispatch_swiglu`` (the fused launch that replaces the first two;
-  ``stage_dispatch_swiglu_s16`` / ``_s64``: with 16 / 64 sending programs instead of the
-  default quarter of the grid);
+  ``stage_dispatch_swiglu_s<N>``: with N sending programs instead of ``default_senders``'
+  count, one per count of ``--senders``);
 - ``compute``: the expert GEMMs by cuBLAS on the same rows (per segment: gate, up, SiLU-gating,
   down); ``cublas_gemm1_dense``: the gate and up GEMMs as two dense cuBLAS GEMMs over all the
   received rows (what ``stage_experts`` is measured against); ``comm``: ``all_to_all_single``
@@ -62,6 +63,9 @@ def parser() -> BenchParser:
                     help="the down GEMM's tiles for every schedule of the layer, "
                          "BMxBNxBK/<warps>w<stages>s (default: the combine's own choice); "
                          "recorded in the rows' shape")
+    ap.add_argument("--senders", default="16,64",
+                    help="sender counts of the _s<N> impls of the fused launches "
+                         "(default: %(default)s)")
     return ap
 
 
@@ -91,6 +95,7 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
     world, args = bench.world, bench.args
     dev, W, r = world.device, world.world_size, world.rank
     El = E // W
+    senders = [int(n) for n in args.senders.split(",") if n.strip()]
     tile = down_tile(args.down_tile)
     ctx = None if tile is None else MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
                                                    experts_per_rank=El, config=tile)
@@ -179,8 +184,6 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                 "fused_dispatch_gemm": lambda: out.copy_(layer_as("fuse_dispatch")),
                 "fused_one_launch": lambda: out.copy_(layer_as("one_launch")),
                 "stage_layer_launch": layer_launch,
-                "stage_layer_launch_s16": lambda: layer_launch(16),
-                "stage_layer_launch_s64": lambda: layer_launch(64),
                 "sequential": lambda: out.copy_(torch_path(tokens)),
                 "stage_dispatch": lambda: moe_dispatch(tokens, ids, fused.dispatch_ctx),
                 "stage_experts": lambda: expert_swiglu(x, fused.w_gate, fused.w_up, counts,
@@ -192,10 +195,11 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                 "stage_combine_experts": lambda: moe_gemm_combine(
                     h, fused.w_down, counts, slots, weights, walks["experts"]),
                 "stage_dispatch_swiglu": dispatch_swiglu,
-                "stage_dispatch_swiglu_s16": lambda: dispatch_swiglu(16),
-                "stage_dispatch_swiglu_s64": lambda: dispatch_swiglu(64),
                 "compute": compute, "cublas_gemm1_dense": gemm1_dense, "comm": comm,
             }
+            for n in senders:
+                impls[f"stage_layer_launch_s{n}"] = lambda n=n: layer_launch(n)
+                impls[f"stage_dispatch_swiglu_s{n}"] = lambda n=n: dispatch_swiglu(n)
             with torch.no_grad():
                 ref = torch_path(tokens).clone()
 
