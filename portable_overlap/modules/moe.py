@@ -114,13 +114,15 @@ class ExpertParallelMoE(nn.Module):
             if self.one_launch:
                 return moe_layer(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
                                  self.dispatch_ctx, self.ctx, rows_per_segment=m)
+            # under torch.compile the parts are functional ops (one node each, no out=)
+            h_buf = None if torch.compiler.is_compiling() else self._h
             if self.fuse_dispatch:
                 h, counts, slots = moe_dispatch_swiglu(tokens, ids, self.w_gate, self.w_up,
-                                                       self.dispatch_ctx, out=self._h,
+                                                       self.dispatch_ctx, out=h_buf,
                                                        rows_per_segment=m)
             else:
                 x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
-                h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=self._h,
+                h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=h_buf,
                                   rows_per_segment=m)
             return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
         return moe_layer_reference(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .context import get_context, refuse_grad
+from .context import ContextBase, get_context, refuse_grad
 
 NAMESPACE = "portable_overlap"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -94,7 +94,9 @@ class OpSpec:
             if grad:
                 raise ValueError(f"{self.name}: {', '.join(set_)} cannot be used when autograd "
                                  f"records the call (the differentiable op is functional)")
-            return self.run(ctx, *args, **options)  # compiled as a graph break, not an op
+            # a graph break: torch.compile must not trace into the launch (it would trace the
+            # kernels' address arithmetic and flag writes as if they were tensor code)
+            return torch.compiler.disable(self.run)(ctx, *args, **options)
         h = self.handle_index
         return self.op(*args[:h], ctx.handle, *args[h:])
 
@@ -135,3 +137,81 @@ def define(spec: OpSpec) -> OpSpec:
                                         setup_context=spec.setup_context, lib=_LIB)
     SPECS[spec.name] = spec
     return spec
+
+
+#: the layer parts that are torch.library ops outside the op table, by name. They are not one
+#: communication pattern each (the experts' gated GEMM has no communication; the fused
+#: dispatch + gated GEMM and the one-launch layer run on the contexts of two patterns), so they
+#: have no transports and no planner; torch.compile must still see each as one opaque node.
+PARTS: dict = {}
+
+
+def _handles(names) -> list:
+    return [i for i, n in enumerate(names) if n == "handle" or n.endswith("_handle")]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartSpec:
+    """One layer part. ``schema``: its torch.library arguments and result; the ``int``
+    arguments named ``handle`` or ``<name>_handle`` find contexts. ``run(*args, **options)``:
+    the eager call, with the contexts themselves in the handles' places and the options only the
+    eager path takes (``out=``, a tile config); ``fake(*args)``: empty results of the right
+    shapes, same arguments. ``grad_args``: the arguments (by name) that must not require grad
+    (the part has no backward). ``copies``: the results (by position) that are a context's own
+    buffers in the eager call, which the context's next call overwrites: the op returns copies
+    of them, new tensors as its fake says."""
+
+    name: str
+    schema: str
+    run: Callable
+    fake: Callable
+    grad_args: tuple = ()
+    copies: tuple = ()
+
+    @property
+    def arg_names(self) -> tuple:
+        args = self.schema[self.schema.index("(") + 1: self.schema.rindex(")")]
+        return tuple(_ARG.findall(args))
+
+    @property
+    def op(self):
+        return getattr(getattr(torch.ops, NAMESPACE), self.name)
+
+    def __call__(self, args: tuple, **options):
+        """Run the part with ``args`` (the schema's arguments, contexts in the handles' places):
+        eagerly, or under ``torch.compile`` as its torch op, or, where an option is set, as a
+        graph break around the eager call."""
+        names = self.arg_names
+        refuse_grad(self.name, *(a for n, a in zip(names, args) if n in self.grad_args))
+        if not torch.compiler.is_compiling():
+            return self.run(*args, **options)
+        if any(v is not None for v in options.values()):
+            return torch.compiler.disable(self.run)(*args, **options)
+        return self.op(*(a.handle if isinstance(a, ContextBase) else a for a in args))
+
+
+def define_part(part: PartSpec) -> PartSpec:
+    """Define ``portable_overlap::<part.name>`` from ``part`` and add it to :data:`PARTS`."""
+    if part.name in PARTS or part.name in SPECS:
+        raise ValueError(f"op {part.name} is defined twice")
+    names = part.arg_names
+    handles = _handles(names)
+    _LIB.define(part.name + part.schema)
+
+    def _contexts(args, kwargs):
+        args = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+        return [get_context(a) if i in handles else a for i, a in enumerate(args)]
+
+    def kernel(*args, **kwargs):
+        result = part.run(*_contexts(args, kwargs))
+        if part.copies:
+            result = tuple(t.clone() if i in part.copies else t for i, t in enumerate(result))
+        return result
+
+    def fake(*args, **kwargs):
+        return part.fake(*_contexts(args, kwargs))
+
+    _LIB.impl(part.name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{part.name}", fake, lib=_LIB)
+    PARTS[part.name] = part
+    return part

@@ -476,7 +476,34 @@ def check_moe_layer(world: World, gen) -> None:
     for S, what in ((1536, ""), (48, " (decode)")):
         for opts, form in (({}, "fused"), ({"one_launch": True}, "one launch")):
             _moe_layer_case(world, gen, H, I, E, k, S, opts, f"{form}{what}")
+    for form in (None, "fuse_dispatch", "one_launch"):
+        _moe_layer_compiled(world, gen, H, I, E, k, 256, form)
     moe_layer_backward(world, gen)
+
+
+def _moe_layer_compiled(world: World, gen, H, I, E, k, S, form) -> None:
+    """The layer under torch.compile(fullgraph=True) (inductor): its parts are opaque ops, so
+    the forward is one graph; against the torch path, two calls with new tokens."""
+    from portable_overlap import ExpertParallelMoE
+
+    torch._dynamo.reset()
+    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16)
+    if form:
+        setattr(fused, form, True)
+    ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16, fused=False)
+    try:
+        layer = torch.compile(fused, fullgraph=True)
+        worst = 0.0
+        with torch.no_grad():
+            for _ in range(2):
+                tokens = rand((S - 16 * world.rank, H), torch.bfloat16, world.device, gen)
+                y = layer(tokens)
+                fused.synchronize()
+                worst = max(worst, rel_err(y, ref(tokens)))
+        record(f"moe layer {form or 'staged'}: torch.compile(fullgraph=True) vs torch path",
+               worst < 3e-2, f"worst rel_err={worst:.2e}")
+    finally:
+        fused.close()
 
 
 def _moe_layer_case(world: World, gen, H, I, E, k, S, opts, name) -> None:

@@ -30,6 +30,7 @@ import torch
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import G_MAX, align_key, shape_tag
 from ..matmul.api import MatmulConfig
+from ..registry import PartSpec, define_part
 from ..moe_experts.api import _descriptors, _validate as _validate_experts, default_config
 from .swiglu_kernel import dispatch_swiglu_kernel
 
@@ -199,15 +200,32 @@ def moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up, ctx, out: Optional[torch
     (calls of this op and of ``moe_dispatch`` may alternate on it); ``out`` [capacity, I]
     receives ``h`` (default: a new tensor); ``senders``: programs that store rows (default
     ``default_senders``); ``config``, ``rows_per_segment``: the GEMM's tiling, as
-    ``expert_swiglu``'s (row tiles are always per source). Inference only (no autograd)."""
+    ``expert_swiglu``'s (row tiles are always per source). Under ``torch.compile`` one opaque
+    op, ``torch.ops.portable_overlap.moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up,
+    ctx.handle, senders, rows_per_segment)`` (``out`` and ``config`` make it a graph break).
+    Inference only (no autograd)."""
     from .api import MoeDispatch
 
     if not isinstance(ctx, MoeDispatch):
         raise TypeError(f"{OP}: ctx must be a MoeDispatch (made with MoeDispatch(world, ...)), "
                         f"got {type(ctx).__name__}")
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (tokens, w_gate, w_up)):
-        raise RuntimeError(f"{OP} has no backward, and an input requires grad: call it under "
-                           f"torch.no_grad() (inference) or pass detached tensors")
+    return DISPATCH_SWIGLU((tokens, topk_ids, w_gate, w_up, ctx, senders, rows_per_segment),
+                           out=out, config=config)
+
+
+def _run_part(tokens, topk_ids, w_gate, w_up, ctx, senders=None, rows_per_segment=None,
+              out=None, config=None) -> tuple:
     return ctx.dispatch_swiglu(tokens, topk_ids, w_gate, w_up, out, senders=senders,
                                config=config, rows_per_segment=rows_per_segment)
+
+
+def _fake(tokens, topk_ids, w_gate, w_up, ctx, senders=None, rows_per_segment=None) -> tuple:
+    return (tokens.new_empty((ctx.capacity, w_gate.shape[-1])),
+            tokens.new_empty((ctx.world.world_size, ctx.experts_per_rank), dtype=torch.int32),
+            tokens.new_empty((ctx.capacity,), dtype=torch.int32))
+
+
+DISPATCH_SWIGLU = define_part(PartSpec(
+    OP, "(Tensor tokens, Tensor topk_ids, Tensor w_gate, Tensor w_up, int handle, "
+        "int? senders=None, float? rows_per_segment=None) -> (Tensor, Tensor, Tensor)",
+    run=_run_part, fake=_fake, grad_args=("tokens", "w_gate", "w_up"), copies=(1, 2)))

@@ -21,6 +21,7 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import check_no_overlap
+from ..registry import PartSpec, define_part
 from ..matmul.api import DTYPES, MatmulConfig, tile_descriptors
 from .kernel import expert_swiglu_kernel
 
@@ -108,7 +109,16 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     the tiles (``default_config``, ``gather_rows``); the host never reads ``counts``, so by
     default it is ``rows / counts.numel() / W``, the mean under a dispatch buffer of the
     default capacity (every rank's tokens). ``gather``: row tiles hold an expert's rows of all
-    sources together (kernel.py) instead of one source's."""
+    sources together (kernel.py) instead of one source's. Under ``torch.compile`` one opaque op,
+    ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
+    (``out``, ``config``, ``programs`` and ``gather`` make it a graph break). Inference only (no
+    autograd)."""
+    return EXPERT_SWIGLU((x, w_gate, w_up, counts, rows_per_segment), out=out, config=config,
+                         programs=programs, gather=gather)
+
+
+def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, programs=None,
+         gather=None) -> torch.Tensor:
     _validate(x, w_gate, w_up, counts, out)
     if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
                                              and 0 <= rows_per_segment < float("inf")):
@@ -141,6 +151,15 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
+
+
+def _fake(x, w_gate, w_up, counts, rows_per_segment=None):
+    return x.new_empty((x.shape[0], w_gate.shape[-1]))
+
+
+EXPERT_SWIGLU = define_part(PartSpec(
+    OP, "(Tensor x, Tensor w_gate, Tensor w_up, Tensor counts, float? rows_per_segment=None) "
+        "-> Tensor", run=_run, fake=_fake, grad_args=("x", "w_gate", "w_up")))
 
 
 def _validate(x, w_gate, w_up, counts, out) -> None:

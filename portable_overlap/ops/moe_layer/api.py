@@ -37,6 +37,7 @@ from ..moe_combine.api import OP as COMBINE_OP, decode_walk
 from ..moe_dispatch import MoeDispatch
 from ..moe_dispatch import swiglu
 from ..moe_experts.api import _descriptors, default_config
+from ..registry import PartSpec, define_part
 from .kernel import moe_layer_kernel
 
 OP = "moe_layer"
@@ -85,14 +86,36 @@ def moe_layer(tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     rows (``swiglu.default_senders``); ``rows_per_segment``: the mean rows of a (source,
     expert) segment, which picks the tiles (default ``S * k / (W * E)``, this rank's S standing
     in for its peers'). Collective: every rank calls it in the same order as its other calls on
-    the two contexts. Inference only (no autograd)."""
+    the two contexts. Under ``torch.compile`` one opaque op,
+    ``torch.ops.portable_overlap.moe_layer(tokens, topk_ids, topk_weights, w_gate, w_up, w_down,
+    dispatch_ctx.handle, combine_ctx.handle, senders, rows_per_segment)`` (``out`` makes it a
+    graph break). Inference only (no autograd)."""
     _check_contexts(dispatch_ctx, combine_ctx)
+    return MOE_LAYER((tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx,
+                      combine_ctx, senders, rows_per_segment), out=out)
+
+
+def _run_part(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx, combine_ctx,
+              senders=None, rows_per_segment=None, out=None) -> torch.Tensor:
     # one call of both contexts: a refusal (bad input on this rank) is told to the peers on
     # both, and the dispatch's errors (routing, the rows that arrive), which cause the
     # combine's, are raised first
     return run_collective((dispatch_ctx, combine_ctx), _run,
                           (dispatch_ctx, combine_ctx, tokens, topk_ids, topk_weights, w_gate,
                            w_up, w_down, out, senders, rows_per_segment))
+
+
+def _fake(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx, combine_ctx,
+          senders=None, rows_per_segment=None) -> torch.Tensor:
+    return tokens.new_empty((tokens.shape[0], combine_ctx.hidden))
+
+
+MOE_LAYER = define_part(PartSpec(
+    OP, "(Tensor tokens, Tensor topk_ids, Tensor topk_weights, Tensor w_gate, Tensor w_up, "
+        "Tensor w_down, int dispatch_handle, int handle, int? senders=None, "
+        "float? rows_per_segment=None) -> Tensor",
+    run=_run_part, fake=_fake,
+    grad_args=("tokens", "topk_weights", "w_gate", "w_up", "w_down")))
 
 
 def _activations(dctx, w_gate) -> torch.Tensor:

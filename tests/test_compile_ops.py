@@ -1,0 +1,137 @@
+"""torch.compile over the ops on CPU-emulated ranks: the MoE layer's parts (``expert_swiglu``,
+``moe_dispatch_swiglu``, ``moe_layer``) are torch.library ops with fake implementations, so the
+whole ``ExpertParallelMoE`` forward compiles as one graph in each of its three schedules and
+matches the torch path; an op called with an option a functional op cannot take (``out=``)
+runs as a graph break, not traced into its launch."""
+import pytest
+import torch
+
+from portable_overlap import ExpertParallelMoE, GemvAllReduce, gemv_all_reduce
+from portable_overlap import gemv_all_reduce_reference
+from portable_overlap.ops.moe_combine import MoeGemmCombine
+from portable_overlap.ops.moe_dispatch import MoeDispatch
+from portable_overlap.ops.moe_experts import expert_swiglu, expert_swiglu_reference
+from portable_overlap.ops.registry import PARTS, SPECS
+from portable_overlap.testing.routing import route
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _module(world, form):
+    """The layer in schedule ``form`` compiled with fullgraph=True, two calls of different token
+    counts, against the torch path with the same weights (fresh tokens per call)."""
+    torch._dynamo.reset()
+    H, I, E, k = 24, 20, 2 * world.world_size, 3
+    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32)
+    if form:
+        setattr(fused, form, True)
+    ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32, fused=False)
+    layer = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    errs = []
+    try:
+        with torch.no_grad():
+            for call, S in enumerate((7, 5 + world.rank)):
+                g = torch.Generator().manual_seed(31 * call + world.rank)
+                tokens = torch.randn(S, H, generator=g)
+                y = layer(tokens)
+                fused.synchronize()
+                errs.append(_rel(y, ref(tokens)))
+    finally:
+        fused.close()
+    return errs
+
+
+@pytest.mark.parametrize("form", [None, "fuse_dispatch", "one_launch"],
+                         ids=["staged", "fuse_dispatch", "one_launch"])
+def test_moe_module_compiles_as_one_graph(world2, form):
+    for errs in world2.run(_module, form):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def _parts_opcheck(world):
+    """opcheck (schema, fake tensors) of the three parts, on one set of contexts; every rank
+    makes the same calls, so the collective calls stay matched."""
+    W, El, H, I, k, S = world.world_size, 2, 16, 12, 2, 5
+    g = torch.Generator().manual_seed(5 + world.rank)
+    d = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                    dtype=torch.float32)
+    c = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                       timeout_s=d.timeout_s)
+    tokens = torch.randn(S, H, generator=g)
+    ids = route("balanced", S, El * W, k, W, g)
+    weights = torch.softmax(torch.randn(S, k, generator=g), -1)
+    wg, wu = (torch.randn(El, H, I, generator=g) / H ** 0.5 for _ in range(2))
+    wd = torch.randn(El, I, H, generator=g) / I ** 0.5
+    counts = torch.tensor([[3, 1]] * W, dtype=torch.int32)
+    x = torch.randn(int(counts.sum()), H, generator=g)
+    ops = torch.ops.portable_overlap
+    checks = {
+        "expert_swiglu": (ops.expert_swiglu.default, (x, wg, wu, counts, 2.0)),
+        "moe_dispatch_swiglu": (ops.moe_dispatch_swiglu.default,
+                                (tokens, ids, wg, wu, d.handle, None, None)),
+        "moe_layer": (ops.moe_layer.default,
+                      (tokens, ids, weights, wg, wu, wd, d.handle, c.handle, None, None)),
+    }
+    out = {}
+    try:
+        for name, (op, args) in checks.items():
+            out[name] = torch.library.opcheck(op, args,
+                                              test_utils=("test_schema", "test_faketensor"))
+        # and the op's result is the eager function's
+        h = ops.expert_swiglu(x, wg, wu, counts)
+        out["expert_swiglu_value"] = _rel(h, expert_swiglu_reference(x, wg, wu, counts))
+    finally:
+        d.close()
+        c.close()
+    return out
+
+
+def test_parts_schema_and_fake(world2):
+    assert set(PARTS) == {"expert_swiglu", "moe_dispatch_swiglu", "moe_layer"}
+    assert not set(PARTS) & set(SPECS)
+    for out in world2.run(_parts_opcheck):
+        assert out.pop("expert_swiglu_value") < 1e-5
+        for name, res in out.items():
+            assert all(v == "SUCCESS" for v in res.values()), (name, res)
+
+
+def _out_option(world):
+    """``out=`` under torch.compile: the call leaves the graph (torch.compiler.disable) and
+    writes ``out``; before, dynamo traced into the launch and failed."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(world.rank)
+    x, w = torch.randn(2, 64, generator=g), torch.randn(48, 64, generator=g)
+    ctx = GemvAllReduce(world, max_n=48)
+    buf = torch.full((2, 48), float("nan"))
+    try:
+        y = torch.compile(lambda a: gemv_all_reduce(a, w, ctx, out=buf) + 1,
+                          backend="aot_eager")(x)
+        ref = gemv_all_reduce_reference(x, w, world.group)
+        errs = [_rel(y, ref + 1), _rel(buf, ref)]
+    finally:
+        ctx.close()
+    E, H, I = 2, 16, 8
+    xs = torch.randn(10, H, generator=g)
+    wg, wu = torch.randn(E, H, I, generator=g), torch.randn(E, H, I, generator=g)
+    counts = torch.tensor([[3, 2], [4, 1]], dtype=torch.int32)
+    out = torch.full((10, I), float("nan"))
+    torch._dynamo.reset()
+    h = torch.compile(lambda a: expert_swiglu(a, wg, wu, counts, out=out) * 2,
+                      backend="aot_eager")(xs)
+    ref = expert_swiglu_reference(xs, wg, wu, counts)
+    return errs + [_rel(h, 2 * ref), _rel(out, ref)]
+
+
+def test_out_option_is_a_graph_break(world2):
+    for errs in world2.run(_out_option):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def test_parts_refuse_grad():
+    """A part has no backward: called where autograd would record it, it raises."""
+    x = torch.randn(4, 8, requires_grad=True)
+    wg = wu = torch.randn(1, 8, 4)
+    with pytest.raises(RuntimeError, match="expert_swiglu has no backward"):
+        expert_swiglu(x, wg, wu, torch.tensor([[4]], dtype=torch.int32))
