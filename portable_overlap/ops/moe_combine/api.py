@@ -143,6 +143,7 @@ class MoeGemmCombine(OverlapContext):
     between the ranks of one call."""
 
     OP = OP
+    TRANSPORTS = TRANSPORTS
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
