@@ -317,6 +317,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     entries = reduce_rows(read_rows(args.files))
     paths = write_tables(entries, args.out)
     if not args.tables_only:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"wrote {', '.join(paths)}; the PNGs need matplotlib "
+                  f"(pip install portable_overlap[plot]), or pass --tables-only", file=sys.stderr)
+            return 1
         paths += render(entries, args.out, graph=not args.plain, dpi=args.dpi)
     print(f"{len(entries)} groups; wrote " + ", ".join(paths))
     return 0

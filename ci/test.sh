@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README): sets up a Python if needed, then runs the CPU test suite: the real
-# Triton kernels under the interpreter on 2 and 4 emulated ranks, the backend checks, and the
+# Triton kernels under the interpreter on 2, 4 and 8 emulated ranks, the backend checks, and the
 # compile matrix (sm_90 and gfx942). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -165,6 +165,16 @@ def test_reduction_needs_no_matplotlib():
     assert not [m for m in names if m.startswith("matplotlib")]
 
 
+def test_main_without_matplotlib_says_what_to_do(files, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    out = tmp_path / "plots"
+    assert plot.main([*files, "--out", str(out)]) == 1
+    assert "--tables-only" in capsys.readouterr().err
+    assert (out / "speedups.md").exists() and not list(out.glob("*.png"))
+
+
 def test_render(files, tmp_path):
     pytest.importorskip("matplotlib")
     entries = plot.reduce_rows(plot.read_rows(files))

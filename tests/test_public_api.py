@@ -57,3 +57,10 @@ def test_op_tables_list_every_transport():
     want = {name: list(spec.transports) for name, spec in SPECS.items()}
     assert _docstring_table() == want
     assert _readme_table() == want
+
+
+def test_every_context_names_its_transports():
+    """``po.<Context>.TRANSPORTS`` (README) exists on every op's context and matches the op
+    table; the first is the default."""
+    for name, spec in SPECS.items():
+        assert spec.context.TRANSPORTS == spec.transports, name

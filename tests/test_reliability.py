@@ -281,3 +281,29 @@ def test_signal_collectives_are_bounded(world2, fault):
             # which ranks, what each passed, once
             assert "ranks 0 and 1" in msg and msg.count("rank 1:") == 1, (rank, msg)
             assert "N=32" in msg and "N=16" in msg and "they differ in: N" in msg, (rank, msg)
+
+
+def _with_blocks(world) -> dict:
+    import portable_overlap as po
+
+    made = {"embedding_all_to_all": lambda: po.EmbeddingAllToAll(world, [8, 8], 4, 2),
+            "moe_dispatch": lambda: po.MoeDispatch(world, max_tokens=4, top_k=1, hidden=8,
+                                                   experts_per_rank=1),
+            "moe_gemm_combine": lambda: po.MoeGemmCombine(world, max_tokens=4, top_k=1,
+                                                          hidden=8, experts_per_rank=1)}
+    found = {}
+    for name, make in made.items():
+        with make() as ctx:
+            pass
+        try:
+            ctx.synchronize()
+            found[name] = "still open"
+        except ContextClosedError:
+            found[name] = "closed"
+    return found
+
+
+def test_every_context_closes_at_the_end_of_a_with_block(world2):
+    """README: a context is closed by ``ctx.close()`` or a ``with`` block, for every op."""
+    for found in world2.run(_with_blocks):
+        assert set(found.values()) == {"closed"}, found

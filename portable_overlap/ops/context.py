@@ -188,6 +188,12 @@ class ContextBase:
         self._closed = True
         unregister_context(self.handle)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # collective, as close() is: every rank leaves the block
+
     def _check_open(self) -> None:
         if self._closed:
             raise ContextClosedError(f"{self.OP}: this context was closed on rank {self.rank}; "

@@ -1,5 +1,6 @@
 """AllGather + GEMM, one context per pattern with the transport as an argument: the copy-engine
-transport with the FiCCO schedules (1-D and 2-D), or the plain sequential path.
+transport with the FiCCO schedules (1-D and 2-D, below), ``"stores"`` (``stores.py``),
+``"torch_fused"`` (``ops/torch_fused.py``) or the plain sequential path.
 
 What it computes, with ``a_r`` [m, K] the row shard rank r passes and ``b`` [K, N] (the same on
 every rank, e.g. a column-parallel weight's local columns)::

@@ -108,6 +108,7 @@ class EmbeddingAllToAll(OverlapContext):
     """
 
     OP = OP
+    TRANSPORTS = TRANSPORTS
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, table_rows: Sequence[int], dim: int, max_local_batch: int, *,

@@ -42,8 +42,9 @@ class GemvAllReduceKernel(OverlapContext):
     Args:
         world: the :class:`portable_overlap.World`.
         max_n: the largest N (output features) this context will be called with.
-        timeout_s: how long a kernel waits for a peer before it gives up and reports
-            (approximate: converted to polls with the backend's poll rate).
+        timeout_s: how long a call's waits for its peers may take in all before the kernel
+            gives up and reports (one wall-clock deadline per call, from its first wait that
+            had to spin).
         config: force one launch configuration (else tuned table, else heuristic).
         transport: ``"stores"`` (two-shot) or ``"one_shot"`` (``KERNEL_TRANSPORTS``). The
             one-shot form keeps two calls' partials (``2 * world * 64 * max_n`` floats).

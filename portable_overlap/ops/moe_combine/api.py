@@ -143,6 +143,7 @@ class MoeGemmCombine(OverlapContext):
     between the ranks of one call."""
 
     OP = OP
+    TRANSPORTS = TRANSPORTS
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
@@ -469,7 +470,7 @@ MOE_GEMM_COMBINE = define(OpSpec(
 def moe_gemm_combine(x, w, counts, slots, topk_weights, ctx: MoeGemmCombine,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The expert GEMMs of this rank's received rows and the weighted combine back at their
-    sources: ``out[s] = sum_k topk_weights[s, k] * expert_k(x_s)`` [S, N] for each of this
+    sources: ``out[s] = sum_k topk_weights[s, k] * expert_k(x_s)`` [S, H] for each of this
     rank's S tokens; see the module docstring for the routing tensors. Under ``torch.compile``
     one opaque op, ``torch.ops.portable_overlap.moe_gemm_combine(x, w, counts, slots,
     topk_weights, ctx.handle)``."""

@@ -74,6 +74,7 @@ class MoeDispatch(OverlapContext):
     close; calls in the same order on every rank, on one stream."""
 
     OP = OP
+    TRANSPORTS = TRANSPORTS
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
