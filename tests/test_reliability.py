@@ -172,7 +172,6 @@ def test_lifecycle_guards(world2):
             assert "timeout_s" in msg, (t, msg)
 
 
-
 def _signal_lifecycle(world):
     """The tile-group-signal transport has the same call guards as every other context."""
     from portable_overlap import MatmulAllReduce, matmul_all_reduce, matmul_all_reduce_reference
@@ -209,6 +208,7 @@ def test_signal_transport_has_the_lifecycle_guards(world2):
         assert found["after_thread"] is True, found
         for k in ("call", "sync"):
             assert "closed" in found[k], (k, found[k])
+
 
 def _broken_after_timeout(world):
     """After a timeout the context is out of step: every later call raises at once."""

@@ -50,9 +50,10 @@ def default_senders(world_size: int, programs: int, interpreter: bool = False) -
     one H100 at 8192 tokens and H 7168, one sender took 30 ms to copy the 940 MB that the
     dispatch launch copies in 0.5 ms; with 66 or 99 senders the launch was within the
     run-to-run spread of every program, and 33 senders were 1-8 % slower, docs/moe.md).
-    Otherwise a quarter of the grid: on 2 H200 (132 programs: 33) the 470 MB a rank receives at the DeepSeek-like prefill layout take about
-    1.7 ms at the 273 GB/s that 32 programs stored into a peer (../shared/DESIGN.md), within the
-    2.9 ms of GEMM tiles on the rank's own rows. Not yet measured against other counts on 2
+    Otherwise a quarter of the grid: on 2 H200 (132 programs: 33) the 470 MB a rank receives
+    at the DeepSeek-like prefill layout take about 1.7 ms at the 273 GB/s that 32 programs
+    stored into a peer (../shared/DESIGN.md), within the 2.9 ms of GEMM tiles on the rank's own
+    rows. Not yet measured against other counts on 2
     GPUs: pass ``senders`` to try others. Under the interpreter a world of one has one sender
     (there, several senders take no tiles: swiglu_kernel.py)."""
     if world_size == 1:
