@@ -151,6 +151,41 @@ def test_sequential_transport(world2):
     world2.run(_sequential)
 
 
+def _sequential_refusal(world):
+    """The "sequential" transport, rank 0 alone refusing a call (more tokens than max_tokens,
+    then inputs that require grad): rank 1 raises for the same call instead of pairing it with
+    rank 0's next call (or waiting in the counts exchange), and the next call is right
+    on both ranks."""
+    from portable_overlap import PeerTimeoutError
+
+    W, El, k, H = world.world_size, 2, 2, 8
+    ctx = MoeDispatch(world, max_tokens=6, top_k=k, hidden=H, experts_per_rank=El,
+                      dtype=torch.float32, transport="sequential")
+    g = torch.Generator().manual_seed(world.rank)
+    res = []
+    try:
+        for S, grad in ((7 if world.rank == 0 else 4, False), (4, world.rank == 0)):
+            tokens = torch.randn(S, H, generator=g).requires_grad_(grad)
+            ids = torch.rand(S, El * W, generator=g).topk(k, 1).indices
+            try:
+                moe_dispatch(tokens, ids, ctx)
+                res.append("ok")
+            except (ValueError, RuntimeError) as e:
+                res.append(type(e).__name__ if isinstance(e, PeerTimeoutError) else "refused")
+        tokens = torch.randn(5, H, generator=g)
+        ids = torch.rand(5, El * W, generator=g).topk(k, 1).indices
+        x, counts, slots = moe_dispatch(tokens, ids, ctx)
+        _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, El, world.group))
+        return res
+    finally:
+        ctx.close()
+
+
+def test_sequential_transport_refusal_on_one_rank(world2):
+    assert world2.run(_sequential_refusal, timeout=60) == [["refused"] * 2,
+                                                           ["PeerTimeoutError"] * 2]
+
+
 def _bad_ids(world, fault):
     """Rank 1 passes an expert id out of range (or routes past a rank's capacity); every rank
     raises for that call, and the context serves the next call correctly."""
@@ -240,6 +275,35 @@ def test_bad_input_raises_before_launch(world2):
     for msgs in world2.run(_bad_host):
         assert all(m and m.startswith("moe_dispatch") for m in msgs), msgs
         assert "max_tokens" in msgs[5] and "contiguous" in msgs[6], msgs
+
+
+def _one_strided_token(world):
+    """A single token whose row is a strided view ([1, H], column stride 2): refused on every
+    rank before anything is launched (the kernels read a row with unit stride), and the next
+    call is right."""
+    ctx = MoeDispatch(world, max_tokens=4, top_k=2, hidden=16, experts_per_rank=2,
+                      dtype=torch.float32)
+    g = torch.Generator().manual_seed(world.rank)
+    ids = torch.rand(1, 2 * world.world_size, generator=g).topk(2, 1).indices
+    try:
+        try:
+            ctx(torch.randn(1, 32, generator=g)[:, ::2], ids)
+            ctx.synchronize()
+            msg = None
+        except ValueError as e:
+            msg = str(e)
+        tokens = torch.randn(1, 16, generator=g)
+        x, counts, slots = ctx(tokens, ids)
+        ctx.synchronize()
+        _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, 2, world.group))
+        return msg
+    finally:
+        ctx.close()
+
+
+def test_a_single_strided_token_is_refused(world2):
+    for msg in world2.run(_one_strided_token):
+        assert msg and msg.startswith("moe_dispatch") and "contiguous rows" in msg, msg
 
 
 def _bad_ctx(world):

@@ -232,8 +232,10 @@ def _bad_args(world):
     wg, wu = _weights(world, 2, 16, 8, torch.float32)
     t, ids = torch.randn(6, 16), torch.randint(0, 2 * W, (6, 2))
     h = torch.empty(ctx.capacity, 8)
+    both = torch.randn(ctx.capacity, 16)  # tokens in its first rows, out in its first columns
     msgs = []
     for args, kw in [((t, ids, wg.double(), wu.double()), {}), ((t, ids, wg[:1], wu[:1]), {}),
+                     ((both[:6], ids, wg, wu, both[:, :8]), {}),
                      ((t, ids, wg, wu[:, :, :4]), {}), ((t, ids, wg, wu), {"senders": 0}),
                      ((t, ids, wg, wu, h[:5]), {}), ((t[:, :8], ids, wg, wu), {}),
                      ((t, ids, wg, wu), {"rows_per_segment": -1.0}),

@@ -280,6 +280,9 @@ def test_bad_arguments_raise_before_launch(world2):
         assert all(m and m.split(":")[0] in ("moe_layer", "moe_dispatch", "moe_dispatch_swiglu",
                                              "expert_swiglu", "moe_gemm_combine")
                    for m in msgs), msgs
+        # the layer's own options are named as the layer's
+        assert msgs[5].startswith("moe_layer: senders") and \
+            msgs[7].startswith("moe_layer: rows_per_segment"), msgs
 
 
 def test_down_tiles_take_the_gated_row_height_and_warps():
@@ -320,3 +323,39 @@ def _mixed(world):
 
 def test_a_rank_calling_the_staged_ops_is_caught(world2):
     assert world2.run(_mixed, timeout=200) == ["RankMismatchError"] * 2
+
+
+def _compiled(world):
+    """``torch.compile`` of the layer, in one launch, with the fused dispatch and staged, under
+    no_grad and with a backward: the fused calls reach the graph as opaque torch.library ops
+    (traced into, their launches would fail in the middle of a call); outputs and gradients
+    equal the eager ones."""
+    import torch._dynamo
+
+    H, I, E, k = 16, 12, 2 * world.world_size, 2
+    errs = []
+    for kw in ({"one_launch": True}, {"fuse_dispatch": True}, {}):
+        layer = ExpertParallelMoE(world, H, I, E, k, max_tokens=7, dtype=torch.float32, **kw)
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(layer, backend="aot_eager")
+            g = torch.Generator().manual_seed(world.rank)
+            tokens = torch.randn(3 + world.rank, H, generator=g)
+            with torch.no_grad():
+                y, y_eager = compiled(tokens), layer(tokens)
+            layer.synchronize()
+            errs.append(_rel(y, y_eager))
+            t = tokens.clone().requires_grad_()
+            compiled(t).sum().backward()
+            layer.synchronize()
+            g_compiled, t.grad = t.grad, None
+            layer(t).sum().backward()
+            errs.append(_rel(g_compiled, t.grad))
+        finally:
+            layer.close()
+    return errs
+
+
+def test_torch_compile_of_the_layer_matches_eager(world2):
+    for errs in world2.run(_compiled, timeout=300):
+        assert all(e < 1e-6 for e in errs), errs

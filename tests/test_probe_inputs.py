@@ -181,3 +181,58 @@ def test_moe_contexts_refuse_inputs_that_require_grad(world2):
             kind, msg = found[name]
             assert kind == "RuntimeError" and "has no backward" in msg, (name, found[name])
         assert found["combine, no_grad"] == ("ok", ""), found
+
+
+def _grad_on_one_rank(world):
+    """Rank 0's input requires grad, rank 1's does not, for the functional MoE ops and the fused
+    dispatch's method: rank 0's refusal reaches rank 1 in the same call (it fails at once, not
+    at its timeout), and the contexts serve the next call on both ranks."""
+    from portable_overlap.ops.moe_combine import (MoeGemmCombine, moe_gemm_combine,
+                                                  moe_gemm_combine_reference)
+    from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_swiglu
+
+    W, El, k, H, I = world.world_size, 2, 2, 16, 8
+    disp = MoeDispatch(world, max_tokens=6, top_k=k, hidden=H, experts_per_rank=El,
+                       dtype=torch.float32, timeout_s=20.0)
+    comb = MoeGemmCombine(world, max_tokens=6, top_k=k, hidden=H, experts_per_rank=El,
+                          timeout_s=20.0)
+    found = {}
+    try:
+        g = torch.Generator().manual_seed(world.rank)
+        tokens = torch.randn(5, H, generator=g)
+        ids = torch.rand(5, El * W, generator=g).topk(k, -1).indices
+        wg, wu = torch.randn(El, H, I, generator=g), torch.randn(El, H, I, generator=g)
+        w = torch.randn(El, I, H, generator=g)
+        tw = torch.softmax(torch.randn(5, k, generator=g), -1)
+        mine = world.rank == 0
+        t_grad = tokens.clone().requires_grad_(mine)
+        calls = {
+            "moe_dispatch": lambda: moe_dispatch(t_grad, ids, disp),
+            "moe_dispatch_swiglu": lambda: moe_dispatch_swiglu(t_grad, ids, wg, wu, disp),
+            "dispatch_swiglu": lambda: disp.dispatch_swiglu(t_grad, ids, wg, wu),
+        }
+        for name, call in calls.items():
+            found[name] = _outcome(lambda: (call(), disp.synchronize()))
+        x, counts, slots = moe_dispatch(tokens, ids, disp)
+        h = torch.randn(x.shape[0], I, generator=g)
+        w_grad = w.clone().requires_grad_(mine)
+        found["moe_gemm_combine"] = _outcome(
+            lambda: (moe_gemm_combine(h, w_grad, counts, slots, tw, comb), comb.synchronize()))
+        out = moe_gemm_combine(h, w, counts, slots, tw, comb)
+        comb.synchronize()
+        R = int(counts.sum())
+        found["next call"] = (_outcome(disp.synchronize), rel_err(
+            out, moe_gemm_combine_reference(h[:R], w, counts, slots[:R], tw, world.group)))
+    finally:
+        disp.close()
+        comb.close()
+    return found
+
+
+def test_a_grad_refusal_on_one_rank_fails_the_call_on_every_rank(world2):
+    mine, peer = world2.run(_grad_on_one_rank)
+    for name in ("moe_dispatch", "moe_dispatch_swiglu", "dispatch_swiglu", "moe_gemm_combine"):
+        assert mine[name][0] == "RuntimeError" and "has no backward" in mine[name][1], mine
+        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer
+    for found in (mine, peer):
+        assert found["next call"][0] == ("ok", "") and found["next call"][1] < 1e-5, found

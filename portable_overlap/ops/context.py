@@ -128,6 +128,16 @@ def run_collective(contexts: Sequence, fn: Callable, args: tuple = (),
     return out
 
 
+def refuse_call(contexts: Sequence, error: BaseException) -> None:
+    """Raise ``error``, found by a check made before the call reached its contexts (an op's
+    wrapper), as one refused call of each context in ``contexts``: their peers fail that same
+    call instead of waiting for this rank (``run_collective``)."""
+    def fail():
+        raise error
+
+    run_collective(contexts, fail)
+
+
 class ContextBase:
     """What every context shares, whatever moves its data: the op name in its errors, a checked
     ``timeout_s``, the Triton interpreter on the CPU backend, a handle for the torch.library ops

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .context import ContextBase, get_context, refuse_grad
+from .context import ContextBase, get_context, refuse_call, refuse_grad
 
 NAMESPACE = "portable_overlap"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -86,7 +86,12 @@ class OpSpec:
         the call; then every option must be unset (None), as a functional op has none."""
         check_context(self, ctx)
         if self.backward is None:
-            refuse_grad(self.name, *args)
+            try:
+                refuse_grad(self.name, *args)
+            except RuntimeError as e:
+                if isinstance(ctx, ContextBase):  # refused on every rank, not on this one alone
+                    refuse_call((ctx,), e)
+                raise  # (a pattern's context hands its calls on; it has no call of its own)
         if not (grad or torch.compiler.is_compiling()):
             return self.run(ctx, *args, **options)
         set_ = [k for k, v in options.items() if v is not None]
@@ -182,7 +187,13 @@ class PartSpec:
         eagerly, or under ``torch.compile`` as its torch op, or, where an option is set, as a
         graph break around the eager call."""
         names = self.arg_names
-        refuse_grad(self.name, *(a for n, a in zip(names, args) if n in self.grad_args))
+        try:
+            refuse_grad(self.name, *(a for n, a in zip(names, args) if n in self.grad_args))
+        except RuntimeError as e:  # refused on every rank: the peers fail this call too
+            contexts = [a for a in args if isinstance(a, ContextBase)]
+            if contexts:
+                refuse_call(contexts, e)
+            raise
         if not torch.compiler.is_compiling():
             return self.run(*args, **options)
         if any(v is not None for v in options.values()):

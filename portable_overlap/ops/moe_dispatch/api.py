@@ -33,7 +33,8 @@ buffers (after the expert's first GEMM). Three transports:
   ``"stores"``). Not yet run on a GPU;
 - ``"sequential"``: ``moe_dispatch_reference`` (``all_to_all_single`` with host-read splits),
   copied into the same buffers; an out-of-range id raises on every rank, a capacity overflow
-  on the rank that overflows.
+  on the rank that overflows, and a call one rank refuses (bad input) on every rank: the
+  refusing rank still takes part in the counts exchange, with a refusal flag.
 """
 from __future__ import annotations
 
@@ -44,14 +45,14 @@ import torch
 
 from ...errors import InvalidInputError
 from ...shmem.providers import agreed_put_provider
-from ..context import (align_key, check_transport, collective_call, G_MAX, OverlapContext,
-                       refuse_grad, shape_tag)
+from ..context import (align_key, check_no_overlap, check_transport, collective_call, G_MAX,
+                       OverlapContext, refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from ..registry import OpSpec, define
 from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
                      route_count_kernel, route_exchange_kernel)
-from .reference import moe_dispatch_reference
+from .reference import moe_dispatch_reference, refuse_dispatch
 
 TRANSPORTS = ("stores", "shmem", "sequential")
 OP = "moe_dispatch"
@@ -195,12 +196,15 @@ class MoeDispatch(OverlapContext):
             raise ValueError(f"{swiglu.OP}: the fused dispatch + gated GEMM stores the rows "
                              f"itself and needs transport='stores'; this context's transport is "
                              f"'shmem' (call moe_dispatch, then expert_swiglu on its rows)")
+        refuse_grad(swiglu.OP, tokens, w_gate, w_up)  # h carries no gradient
         self._validate(tokens, topk_ids)
         swiglu.check_options(senders, config, rows_per_segment)
         if out is None:
             out = torch.empty((self.capacity, w_gate.shape[-1]), dtype=self.dtype,
                               device=self.world.device)
         swiglu.check_weights(self, w_gate, w_up, out)
+        # rows of h are stored while the senders still read the tokens and their ids
+        check_no_overlap(swiglu.OP, out, dict(tokens=tokens, topk_ids=topk_ids))
         if self.transport == "sequential":
             x, counts, slots = self._sequential(tokens, topk_ids)
             expert_swiglu(x, w_gate, w_up, counts, out, config=config, gather=False,
@@ -302,6 +306,7 @@ class MoeDispatch(OverlapContext):
         return count, exchange
 
     def _sequential(self, tokens, topk_ids) -> tuple:
+        self._exchanging = True  # (from here on the peers are in this call's exchanges)
         x, counts, slots = moe_dispatch_reference(tokens, topk_ids, self.experts_per_rank,
                                                   self.world.group)
         R = x.shape[0]
@@ -312,6 +317,26 @@ class MoeDispatch(OverlapContext):
         self.recv_slots[:R].copy_(slots)
         self.counts.copy_(counts)
         return self.recv, self.counts, self.recv_slots
+
+    # -- the call's guards ---------------------------------------------------------------------
+    def _before_call(self) -> None:
+        super()._before_call()
+        self._exchanging = False
+
+    def _abandon_call(self, error: BaseException) -> None:
+        """The ``"sequential"`` transport has no flags to refuse a call with: a call refused
+        before its counts exchange takes part in that exchange with a refusal instead, so the
+        peers raise for it too (``refuse_dispatch``) and stay in step."""
+        if self.transport != "sequential":
+            return super()._abandon_call(error)
+        if self._exchanging:
+            return
+        try:
+            refuse_dispatch(self.world.world_size, self.experts_per_rank, self.world.device,
+                            self.world.group)
+        except Exception as e:
+            self._broken = (f"{OP}: rank {self.rank} could not tell its peers it refused a call "
+                            f"({type(e).__name__}: {e})")
 
     # -- checks --------------------------------------------------------------------------------
     def _validate(self, tokens, topk_ids) -> None:
@@ -324,8 +349,11 @@ class MoeDispatch(OverlapContext):
         if tokens.dtype != self.dtype:
             raise TypeError(f"{OP}: tokens must be {self.dtype} (the context's dtype), got "
                             f"{tokens.dtype}")
+        # the kernels step through a row by 1, a single token's row too ([1, H] may be a
+        # strided view); the row stride is an argument
         if tokens.dim() != 2 or tokens.shape[1] != self.hidden or (
-                tokens.shape[0] > 1 and tokens.stride(1) != 1) or tokens.stride(0) < 0:
+                tokens.numel() > tokens.shape[0] and tokens.stride(1) != 1) \
+                or tokens.stride(0) < 0:
             raise ValueError(f"{OP}: tokens must be [S, {self.hidden}] with contiguous rows; got "
                              f"{tuple(tokens.shape)} strides {tokens.stride()}")
         if topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 \

@@ -14,6 +14,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ...errors import PeerTimeoutError
+
+#: the flag column of the counts exchange: this source found an expert id out of range, or
+#: refused the call before sending anything (``refuse_dispatch``)
+BAD_IDS, REFUSED = 1, 2
+
 
 def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int,
                            group: Optional[dist.ProcessGroup] = None):
@@ -39,7 +45,11 @@ def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts
     else:
         counts = torch.empty_like(send_counts)
         dist.all_to_all_single(counts, send_counts, group=group)  # row q: what q sends here
-    flagged = counts[:, -1].nonzero().flatten().tolist()
+    refused = (counts[:, -1] == REFUSED).nonzero().flatten().tolist()
+    if refused:
+        raise PeerTimeoutError(f"moe_dispatch: rank(s) {refused} gave up on this call (they raise "
+                               f"their own error); this rank's output of that call is not valid")
+    flagged = (counts[:, -1] == BAD_IDS).nonzero().flatten().tolist()
     if flagged:
         raise ValueError(f"moe_dispatch: expert ids must be in [0, {E}); rank(s) {flagged} "
                          f"passed others")
@@ -53,6 +63,18 @@ def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts
     slots = send_slots.new_empty(sum(recv_splits))
     dist.all_to_all_single(slots, send_slots, recv_splits, send_splits, group=group)
     return x, counts, slots
+
+
+def refuse_dispatch(world_size: int, experts_per_rank: int, device, group=None) -> None:
+    """A source's part of the counts exchange of ``moe_dispatch_reference`` for a call it
+    refuses (bad input, found before the exchange): its peers, already in the exchange or
+    about to enter it, raise for that same call instead of pairing it with this rank's next
+    one."""
+    if world_size == 1:
+        return
+    send = torch.zeros((world_size, experts_per_rank + 1), dtype=torch.int32, device=device)
+    send[:, -1] = REFUSED
+    dist.all_to_all_single(torch.empty_like(send), send, group=group)
 
 
 def moe_dispatch_swiglu_reference(tokens, topk_ids, w_gate, w_up, experts_per_rank: int,

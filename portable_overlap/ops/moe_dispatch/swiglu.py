@@ -70,33 +70,35 @@ def check_grid(op: str, programs: int, senders: int, senders_compute: bool) -> N
                          f"the device at once, and {programs} fit: pass fewer senders")
 
 
-def check_options(senders, config, rows_per_segment) -> None:
+def check_options(senders, config, rows_per_segment, op: str = OP) -> None:
+    """The fused launch's options, named in errors as ``op``'s (the caller's)."""
     if senders is not None and (not isinstance(senders, int) or isinstance(senders, bool)
                                 or not 1 <= senders <= G_MAX):
-        raise ValueError(f"{OP}: senders must be an int in [1, {G_MAX}], got {senders!r}")
+        raise ValueError(f"{op}: senders must be an int in [1, {G_MAX}], got {senders!r}")
     if config is not None and not isinstance(config, MatmulConfig):
-        raise TypeError(f"{OP}: config must be a MatmulConfig, got {type(config).__name__}")
+        raise TypeError(f"{op}: config must be a MatmulConfig, got {type(config).__name__}")
     if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
                                              and 0 <= rows_per_segment < float("inf")):
-        raise ValueError(f"{OP}: rows_per_segment must be a finite number >= 0, got "
+        raise ValueError(f"{op}: rows_per_segment must be a finite number >= 0, got "
                          f"{rows_per_segment!r}")
 
 
-def check_weights(ctx, w_gate, w_up, out) -> None:
-    """The experts' weights and ``out`` against the context (before anything is launched)."""
+def check_weights(ctx, w_gate, w_up, out, op: str = OP) -> None:
+    """The experts' weights and ``out`` against the context (before anything is launched),
+    named in errors as ``op``'s."""
     for name, t in (("w_gate", w_gate), ("w_up", w_up)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{OP}: {name} must be a tensor")
+            raise TypeError(f"{op}: {name} must be a tensor")
         if t.device != ctx.world.device:
-            raise ValueError(f"{OP}: {name} must be on {ctx.world.device}, got {t.device}")
+            raise ValueError(f"{op}: {name} must be on {ctx.world.device}, got {t.device}")
     if w_gate.dtype != ctx.dtype:
-        raise TypeError(f"{OP}: w_gate and w_up must be {ctx.dtype} (the context's dtype), got "
+        raise TypeError(f"{op}: w_gate and w_up must be {ctx.dtype} (the context's dtype), got "
                         f"{w_gate.dtype}")
     if w_gate.dim() != 3 or w_gate.shape[:2] != (ctx.experts_per_rank, ctx.hidden):
-        raise ValueError(f"{OP}: w_gate and w_up must be [{ctx.experts_per_rank}, {ctx.hidden}, "
+        raise ValueError(f"{op}: w_gate and w_up must be [{ctx.experts_per_rank}, {ctx.hidden}, "
                          f"I]; got {tuple(w_gate.shape)}")
     if w_gate.stride(2) != 1:
-        raise ValueError(f"{OP}: w_gate and w_up must have contiguous rows; got strides "
+        raise ValueError(f"{op}: w_gate and w_up must have contiguous rows; got strides "
                          f"{w_gate.stride()}")
     _validate_experts(ctx.recv, w_gate, w_up, ctx.counts, out)
 

@@ -135,12 +135,12 @@ def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, 
     launches."""
     refuse_grad(OP, tokens, topk_weights, w_gate, w_up, w_down)
     dctx._validate(tokens, topk_ids)
-    swiglu.check_options(senders, None, rows_per_segment)
+    swiglu.check_options(senders, None, rows_per_segment, OP)
     for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or min(t.shape) < 1:
             raise ValueError(f"{OP}: {name} must be a non-empty 3-d tensor")
     h = _activations(dctx, w_gate)
-    swiglu.check_weights(dctx, w_gate, w_up, h)
+    swiglu.check_weights(dctx, w_gate, w_up, h, OP)
     cctx._validate(h, w_down, dctx.counts, dctx.recv_slots, topk_weights)
     if topk_weights.shape[0] != tokens.shape[0]:
         raise ValueError(f"{OP}: topk_weights has {topk_weights.shape[0]} rows, tokens "
