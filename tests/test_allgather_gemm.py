@@ -313,4 +313,5 @@ def test_stores_tile_order_and_chunks():
     # the order they are sent (rank q sends to q+1 first)
     assert tile_order(1, 4, 16, 16, 16) == [1, 0, 3, 2]
     assert default_senders(1, 132) == 0 and default_senders(2, 132) == 16
-    assert default_senders(8, 132) == 28
+    assert default_senders(4, 132) == 16 and default_senders(8, 132) == 28
+    assert default_senders(3, 40) == 8 and default_senders(4, 304) == 38

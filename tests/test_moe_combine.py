@@ -382,3 +382,53 @@ def test_decode_tiles_fit_the_device():
     assert decode_tile(torch.float16, a100).num_stages == 3
     assert decode_tile(torch.bfloat16, mi300) == tile_config(torch.bfloat16, mi300)
     assert decode_tile(torch.float32, h200) == tile_config(torch.float32, h200)
+
+
+class _CountingProvider:
+    """A SHMEM provider stand-in that records allocations (the library's collective ones)."""
+
+    def __init__(self):
+        self.allocated = []
+
+    def symmetric_empty(self, nbytes):
+        self.allocated.append(nbytes)
+        raise AssertionError("allocated although a peer has no library")
+
+
+def _library_on_rank0_only(world):
+    """Rank 1 has no SHMEM library (torch's backend fixed to another heap, say), rank 0 has
+    one: the combine and the embedding op refuse ``"shmem"`` on both ranks, and rank 0
+    allocates nothing (its peer would never join the collective allocation)."""
+    import portable_overlap.shmem.providers as providers
+    from portable_overlap.ops.embedding_alltoall import EmbeddingAllToAll
+    from portable_overlap.shmem.providers import ShmemUnavailable
+
+    p = _CountingProvider()
+
+    def lookup(w):
+        if w.rank == 1:
+            raise ShmemUnavailable("torch's symmetric memory already allocates from 'CUDA'")
+        return p
+
+    saved, providers.get_provider = providers.get_provider, lookup
+    found = []
+    try:
+        for make in (lambda: MoeGemmCombine(world, max_tokens=8, top_k=2, hidden=16,
+                                            experts_per_rank=2, transport="shmem"),
+                     lambda: EmbeddingAllToAll(world, [7, 5, 9, 4], 8, 5, transport="shmem")):
+            try:
+                make().close()
+                found.append(None)
+            except ShmemUnavailable as e:
+                found.append(str(e))
+    finally:
+        providers.get_provider = saved
+    return found, p.allocated
+
+
+def test_shmem_refused_on_every_rank_when_one_lacks_the_library(world2):
+    for msgs, allocated in world2.run(_library_on_rank0_only):
+        assert [m.split(":")[0] for m in msgs] == ["moe_gemm_combine", "embedding_all_to_all"]
+        assert all("rank 1: torch's symmetric memory" in m and "rank 0" not in m
+                   for m in msgs), msgs
+        assert allocated == []

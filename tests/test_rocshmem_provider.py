@@ -102,3 +102,29 @@ def test_allocation_selects_the_shmem_backend_first(monkeypatch, selected):
     assert calls.index(("empty", "NVSHMEM")) < calls.index(("rendezvous", "0"))
     # selected once: torch refuses to switch backends after the first allocation
     assert calls.count(("set_backend", "NVSHMEM")) == (selected != "NVSHMEM")
+
+
+@pytest.mark.parametrize("provider", ["rocshmem", "nvshmem"])
+def test_a_backend_fixed_by_another_user_is_refused_before_allocating(monkeypatch, provider):
+    """torch keeps the backend of the first symmetric tensor of the process: after torch's
+    fused ops allocated from its IPC heap, a SHMEM provider cannot be made. Its constructor
+    says so (ShmemUnavailable, naming the way out) and allocates nothing; the callers turn
+    that into the same error on every rank (``agreed_put_provider``)."""
+    from portable_overlap.shmem.providers import ShmemUnavailable, nvshmem
+
+    calls = []
+
+    def set_backend(name):
+        calls.append(name)
+        raise RuntimeError("Backend can not be changed after use.")
+
+    monkeypatch.setattr(symm_mem, "get_backend", lambda device: "CUDA")
+    monkeypatch.setattr(symm_mem, "set_backend", set_backend)
+    monkeypatch.setattr(symm_mem, "empty", lambda *a, **k: calls.append("empty"))
+    world = types.SimpleNamespace(group=None, device=torch.device("cpu"))
+    cls = rocshmem.RocshmemProvider if provider == "rocshmem" else nvshmem.NvshmemProvider
+    with pytest.raises(ShmemUnavailable) as e:
+        cls(world)
+    msg = str(e.value)
+    assert "'CUDA'" in msg and "transport='stores'" in msg and "can not be changed" in msg
+    assert calls == ["NVSHMEM"]  # tried once, nothing allocated

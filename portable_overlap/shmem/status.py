@@ -114,4 +114,3 @@ class StatusBoard:
                RankMismatchError if STATUS_MISMATCH in codes else PeerTimeoutError)
         # (a peer that gave up is reported as a timeout-class error: a peer went missing)
         raise cls(f"{head}{lines}{more}")
-

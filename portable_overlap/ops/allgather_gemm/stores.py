@@ -26,14 +26,23 @@ COPY_BLOCK = 8192
 
 
 def default_senders(world_size: int, sm_count: int) -> int:
-    """How many programs send when the caller does not say: a quarter of the device's
-    processors times the share of the gathered rows that come from peers, at least 8, so
-    that the link, not the number of stores in flight, bounds the transfer (on 2x H200, 8
-    programs stored 123 GB/s into a peer, 32 programs 273: ../shared/DESIGN.md). 2 ranks: 16
-    of 132; 8 ranks: 28. Not yet measured against other counts on 4 or 8 GPUs: pass
-    ``senders`` to try others."""
+    """How many programs send when the caller does not say, at least 8 so that the link, not
+    the number of stores in flight, bounds the transfer (on 2x H200, 8 programs stored 123 GB/s
+    into a peer, 32 programs 273: ../shared/DESIGN.md).
+
+    - Up to 4 ranks: an eighth of the device's processors (16 of 132). On 4 H200s, 16 beat 24
+      (a quarter of the processors times the peers' share of the rows) at four of five shapes
+      by 4-17% and lost by 2-3% at 8192^3, and 40 lost at every shape (graph replay, two runs:
+      ``docs/scaling.md``). There the GEMM takes as long as the transfer, so processors given
+      to the stores slow the GEMM more than they speed the transfer.
+    - More ranks: a quarter of the processors times the peers' share of the gathered rows (28
+      of 132 on 8 ranks). The transfer takes twice the GEMM there (each rank's GEMM shrinks
+      with the world, its bytes out do not), so more senders should pay; not yet measured on
+      8 GPUs: pass ``senders`` to try others."""
     if world_size == 1:
         return 0
+    if world_size <= 4:
+        return max(8, sm_count // 8)
     return max(8, sm_count * (world_size - 1) // (4 * world_size))
 
 

@@ -14,7 +14,7 @@ order, optional ``per_sample_weights_r`` one per index)::
     pooled_r[j][s] = sum(w[i] * weight_r[row_offsets_r[j] + indices_r[i]]
                          for i in range(offs[j*B + s], offs[j*B + s + 1]))   # / length if mean
     # rank d receives, from every rank r, its tables for d's samples:
-    out_d[s - boff[d], t*D:(t+1)*D] = pooled_{table_ranks[t]}[j_t][s]     for boff[d] <= s < boff[d+1]
+    out_d[s - boff[d], t*D:(t+1)*D] = pooled_{table_ranks[t]}[j_t][s]  for boff[d] <= s < boff[d+1]
 
 i.e. ``F.embedding_bag`` per table, ``all_to_all_single``, columns put in global table order
 (reference.py). ``out_d`` is ``[batch_splits[d], T * D]`` in the tables' dtype, ready for the
@@ -31,14 +31,14 @@ per-index weights' gradient when they require it).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ...shmem.providers import put_provider
-from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor, OverlapContext,
-                       shape_tag)
+from ...shmem.providers import agreed_put_provider
+from ..context import (align_key, collective_call, G_MAX, get_context, output_tensor,
+                       OverlapContext, shape_tag)
 from ..launch import PlannedLaunch
 from ..registry import OpSpec, check_context, define
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
@@ -132,7 +132,10 @@ class EmbeddingAllToAll(OverlapContext):
                          f"transport, max_programs)",
                          (plan, max_local_batch, block_b, num_warps, transport, max_programs))
         self.transport = transport
-        self._provider = put_provider(world, transport)
+        # one rank has no peer to put to: the store kernel serves it; with peers, every rank
+        # learns whether all can have the library before any allocates from it
+        self._provider = (agreed_put_provider(world, OP, transport)
+                          if world.world_size > 1 else None)
         T, D = plan.num_tables, plan.dim
         super().__init__(world, [
             ("_recv_raw", (max_local_batch * T * D,), torch.float32),  # viewed per dtype
@@ -309,8 +312,8 @@ class EmbeddingAllToAll(OverlapContext):
                 plan.boff, self._recv[out.dtype], self._stage[out.dtype], self.sent,
                 self.consumed, self.ctl, self.call_clock,
                 self.heap.bases, self.status.address, B, self.plan.dim, self.n_loc,
-                self.plan.num_tables * self.plan.dim, self._t_max, plan.iters_of(programs or
-                                                                                  plan.programs),
+                self.plan.num_tables * self.plan.dim, self._t_max,
+                plan.iters_of(programs or plan.programs),
                 programs or plan.programs, self.rank, W, plan.tag if tag is None else tag,
                 self.timeout_us)
 
@@ -346,7 +349,8 @@ class EmbeddingAllToAll(OverlapContext):
         info.boff = torch.tensor(boff, dtype=torch.int32, device=self.world.device)
         info.iters_of = lambda g: -(-max_tasks // g)  # noqa: E731
 
-        def tag_of(g):  # batch split, dtype, pooling, tiling and grid: a rank that differs is caught
+        # batch split, dtype, pooling, tiling and grid: a rank that differs is caught
+        def tag_of(g):
             return shape_tag(batch_splits=splits, dtype=str(weight.dtype), pooling=pooling,
                              bags_per_block=bb, dim=D, programs=g, num_warps=num_warps,
                              table_ranks=tuple(self.plan.table_ranks))
@@ -408,7 +412,8 @@ class EmbeddingAllToAll(OverlapContext):
         for name, t in (("weight", weight), ("lengths", lengths), ("indices", indices),
                         ("per_sample_weights", psw)):
             if t is not None and t.device != dev:
-                raise ValueError(f"{OP}: {name} must be on this rank's device {dev}, got {t.device}")
+                raise ValueError(f"{OP}: {name} must be on this rank's device {dev}, got "
+                                 f"{t.device}")
         for name, t in (("indices", indices), ("per_sample_weights", psw)):
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"{OP}: {name} must be contiguous")

@@ -42,7 +42,7 @@ from ..context import (align_key, collective_call, G_MAX, output_tensor, Overlap
                        refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ..registry import OpSpec, define
-from ...shmem.providers import put_provider
+from ...shmem.providers import agreed_put_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_config, tile_descriptors
 from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
 
@@ -165,7 +165,10 @@ class MoeGemmCombine(OverlapContext):
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
                                                      config, combine_config, transport, walk))
         self.transport, self.walk = transport, walk
-        self._provider = put_provider(world, transport)
+        # one rank has no peer to put to: the store kernel serves it; with peers, every rank
+        # learns whether all can have the library before any allocates from it
+        self._provider = (agreed_put_provider(world, OP, transport)
+                          if world.world_size > 1 else None)
         self.max_slots = max_tokens * top_k
         super().__init__(world, [
             ("_combine_raw", (self.max_slots * hidden,), torch.float32),  # viewed per dtype

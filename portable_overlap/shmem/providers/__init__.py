@@ -17,15 +17,6 @@ class ShmemUnavailable(PortableOverlapError):
     """No device-initiated communication library is usable here (says why)."""
 
 
-def put_provider(world, transport: str):
-    """The provider an op's ``transport`` needs: ``get_provider(world)`` for ``"shmem"`` on two
-    or more ranks, else None (the op's store kernel). One rank has no peer to put to, and the
-    SHMEM libraries' collective set-up needs two or more."""
-    if transport != "shmem" or world.world_size < 2:
-        return None
-    return get_provider(world)
-
-
 def agreed_put_provider(world, op: str, transport: str):
     """Collective, before anything is allocated: the provider an op's ``transport`` needs, for
     ops whose ranks already agree on the transport. None for a transport other than
@@ -59,6 +50,31 @@ def provider_or_reason(world) -> tuple:
         return None, str(e)
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"
+
+
+def select_torch_backend(device, backend: str, library: str) -> None:
+    """Make ``backend`` the one torch's symmetric memory allocates from in this process, before
+    a provider allocates anything. torch fixes its backend at the first symmetric allocation
+    of the process, and refuses to change it after (even to the same name), so the call is
+    made once per provider and only where another backend is selected. A process that already
+    allocated from another backend (torch's own IPC heap: torch's fused ops, or any other user
+    of torch's symmetric memory) cannot reach ``library``'s puts: that is
+    :class:`ShmemUnavailable`, raised before anything is allocated."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    current = symm_mem.get_backend(device)
+    if current == backend:
+        return
+    try:
+        symm_mem.set_backend(backend)
+    except RuntimeError as e:
+        raise ShmemUnavailable(
+            f"torch's symmetric memory in this process already allocates from its {current!r} "
+            f"backend (torch keeps the backend of its first symmetric tensor: torch's fused ops, "
+            f"transport='torch_fused', or any other user of torch's symmetric memory), and "
+            f"{library}'s puts cannot address that memory. Make the transport='shmem' contexts "
+            f"before anything else allocates torch symmetric memory, or use transport='stores'. "
+            f"torch said: {e}") from e
 
 
 def get_provider(world):

@@ -92,15 +92,18 @@ class NvshmemProvider:
         if world.group is not None and world.group != dist.group.WORLD:
             raise ValueError("nvshmem provider: the world must be the default process group "
                              "(NVSHMEM numbers PEs by global rank)")
+        from . import select_torch_backend
+
+        select_torch_backend(world.device, "NVSHMEM", "NVSHMEM")
         self.world = world
         self.store_rows, self.flush = put_rows, flush
 
     def symmetric_empty(self, nbytes: int) -> torch.Tensor:
-        """Collective: ``nbytes`` of NVSHMEM symmetric memory on every rank (uint8)."""
+        """Collective: ``nbytes`` of NVSHMEM symmetric memory on every rank (uint8), from the
+        backend the constructor selected."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        symm_mem.set_backend("NVSHMEM")
         t = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.world.device)
         symm_mem.rendezvous(t, dist.group.WORLD.group_name)
         return t

@@ -115,20 +115,19 @@ class RocshmemProvider:
         if world.group is not None and world.group != dist.group.WORLD:
             raise ValueError("rocshmem provider: the world must be the default process group "
                              "(rocSHMEM numbers PEs by global rank)")
+        from . import select_torch_backend
+
+        select_torch_backend(world.device, TORCH_SHMEM_BACKEND, "rocSHMEM")
         self.world = world
         self.store_rows, self.flush = put_rows, flush
 
     def symmetric_empty(self, nbytes: int) -> torch.Tensor:
-        """Collective: ``nbytes`` of rocSHMEM symmetric memory on every rank (uint8). torch
-        allocates symmetric tensors from the backend selected when the first one is made (its
-        default is its own IPC heap, which rocSHMEM's puts cannot address), so the shmem
-        backend is selected first; a process that already allocated from another backend gets
-        torch's error here instead of puts into the wrong heap."""
+        """Collective: ``nbytes`` of rocSHMEM symmetric memory on every rank (uint8), from the
+        backend the constructor selected (torch's default, its own IPC heap, is memory
+        rocSHMEM's puts cannot address)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        if symm_mem.get_backend(self.world.device) != TORCH_SHMEM_BACKEND:
-            symm_mem.set_backend(TORCH_SHMEM_BACKEND)
         t = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.world.device)
         symm_mem.rendezvous(t, dist.group.WORLD.group_name)
         return t
