@@ -3,11 +3,13 @@
 # on the GPUs of one host (4 or 8). Logs and rows go to OUTDIR; the device kind names the
 # results file (nvidia-h200-x<NPROC>.jsonl).
 #   bash ci/scaleup.sh PART OUTDIR [NPROC]
+# and OUTDIR.tgz packs OUTDIR when it ends.
 # PART:
 #   ops    the GPU checks, torch's fused ops and transport="auto" checks, then AllGather + GEMM
 #          (stores at three sender counts beside the copy engines, torch's fused op,
 #          sequential), GEMM + ReduceScatter / AllReduce and GEMV + AllReduce (one-shot, auto)
-#   moe    the MoE combine, dispatch and whole-layer benchmarks, the MoE example
+#   moe    the MoE combine, dispatch and whole-layer benchmarks, the MoE example, the prefill
+#          example over the stores transport
 #   rest   embedding + All-to-All, GEMM + All-to-All, the device API and its tutorials beside
 #          the library's ops, the fault campaign, the prefill and DLRM examples
 # Each part runs ci/gpu.sh with the other sections skipped, so the options of gpu.sh
@@ -41,6 +43,8 @@ case "$part" in
   moe)
     export PO_SKIP_MOE=0 PO_SKIP_MOE_DISPATCH=0 PO_SKIP_MOE_LAYER=0 PO_SKIP_EXAMPLES=0
     export PO_MOE_LAYER_ARGS=${PO_MOE_LAYER_ARGS:---rounds 3}
+    # the transport that measured faster on 4 GPUs, one launch per call (docs/scaling.md)
+    export PO_PREFILL_TRANSPORT=${PO_PREFILL_TRANSPORT:-stores}
     ;;
   rest)
     export PO_SKIP_EMB=0 PO_SKIP_A2A=0 PO_SKIP_LANGUAGE=0 PO_SKIP_TUT_BENCH=0
@@ -52,4 +56,6 @@ case "$part" in
     ;;
 esac
 PO_DEVICE_KIND=${PO_DEVICE_KIND:-nvidia-h200-x${nproc}} bash ci/gpu.sh "$out" "$nproc" || status=1
+# one file with every log and row: a tool that fetches only a few files still gets them all
+tar czf "${out%/}.tgz" -C "$(dirname "${out%/}")" "$(basename "${out%/}")" && echo "packed ${out%/}.tgz"
 exit $status

@@ -60,8 +60,10 @@ def test_dlrm_example():
 
 
 @emulated2
-def test_transformer_prefill_example():
+@pytest.mark.parametrize("transport", ["copy_engine", "stores"])
+def test_transformer_prefill_example(transport):
     out = _run([os.path.join("examples", "transformer", "prefill.py"), "--layers", "1",
-                "--seq", "8"])
+                "--seq", "8", "--transport", transport])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "outputs agree" in out.stdout and "max abs diff" in out.stdout
+    assert f"transport {transport!r}" in out.stdout

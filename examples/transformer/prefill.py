@@ -2,6 +2,7 @@
 the fused collectives in the four projections of every block.
 
     torchrun --nproc-per-node 2 examples/transformer/prefill.py [--seq 8192] [--layers 4] [--graph]
+        [--transport copy_engine|stores|torch_fused|sequential|auto]
     python examples/transformer/prefill.py          # no GPUs: toy shapes on 2 emulated ranks
 
 Layout (Megatron tensor parallelism with sequence parallelism), W ranks, S prompt tokens:
@@ -11,11 +12,17 @@ Layout (Megatron tensor parallelism with sequence parallelism), W ranks, S promp
 - QKV and MLP gate/up are ``ColumnParallelLinear``: all-gather of the normed shard, then the GEMM
   with this rank's columns, giving all S rows of this rank's ``heads/W`` query heads and
   ``kv_heads/W`` key/value heads (of ``intermediate/W`` gate and up columns); fused, the gather
-  runs on copy engines under the GEMM (``all_gather_matmul``);
+  runs under the GEMM (``all_gather_matmul``, on copy engines by default);
 - causal attention over this rank's heads (all S rows: no communication);
 - O and MLP down are ``RowParallelLinear(reduce="reduce_scatter")``: each rank multiplies its
-  K-slice, the products are summed over ranks and rank r keeps its row block; fused, the GEMM is
-  split over K with the reduce-scatter on copy engines (``matmul_reduce_scatter``).
+  K-slice, the products are summed over ranks and rank r keeps its row block; fused, the
+  reduce-scatter runs under the GEMM (``matmul_reduce_scatter``).
+
+``--transport`` picks both fused ops' transport: ``copy_engine`` (the default: cuBLAS pieces,
+copy engines move them), ``stores`` (one persistent kernel stores to every peer at once; one
+launch per call, so no host-bound eager layers: on 4 H200s it is the faster of the two,
+``docs/scaling.md``), ``torch_fused`` (torch's own fused ops), ``sequential`` or ``auto`` (each
+call shape timed over the transports at its first call; the warm-up forward does it).
 
 Each rank's shard of a column-parallel weight is read as [q | k | v] (or [gate | up]) of its own
 heads (columns), as Megatron lays them out; with random weights any layout is one. No rotary
@@ -144,16 +151,16 @@ def run(world, args):
     # shared by every layer (the calls come in the same order on every rank, one at a time):
     # one gather buffer for QKV and gate/up (both read [S/W, hidden]), one reduce workspace for O
     # and down (both write [S, hidden] before the scatter)
-    ag_ctx = AllGatherMatmul(world, max_shard_elems=S // W * hid)
-    rs_ctx = MatmulReduceScatter(world, S, hid)
+    ag_ctx = AllGatherMatmul(world, max_shard_elems=S // W * hid, transport=args.transport)
+    rs_ctx = MatmulReduceScatter(world, S, hid, transport=args.transport)
     torch.manual_seed(1 + r)  # each rank its own shards of the weights
     fused = [Block(world, dims, S, dtype, True, ag_ctx, rs_ctx) for _ in range(args.layers)]
     plain = [Block(world, dims, S, dtype, False) for _ in range(args.layers)]
     for f, p in zip(fused, plain):
         p.load_state_dict(f.state_dict())
     g = torch.Generator(device=world.device).manual_seed(0)  # the same prompt everywhere
-    x = torch.randn(S, hid, device=world.device, dtype=dtype, generator=g)[r * S // W:
-                                                                         (r + 1) * S // W]
+    x = torch.randn(S, hid, device=world.device, dtype=dtype, generator=g)
+    x = x[r * S // W:(r + 1) * S // W]
     with torch.no_grad():
         ref, _ = forward(plain, x, on_gpu)  # the first calls also warm up (compiles, plans)
         got, _ = forward(fused, x, on_gpu)
@@ -174,7 +181,8 @@ def report(world_size, args, result, device):
     dims, diff, scale, t_plain, t_fused, graphs = result
     print(f"Llama-style prefill, {args.layers} layers, hidden {dims['hidden']}, heads "
           f"{dims['heads']} (kv {dims['kv_heads']}), intermediate {dims['inter']}, "
-          f"{args.seq} tokens, {world_size} ranks on {device} (tensor + sequence parallel)")
+          f"{args.seq} tokens, {world_size} ranks on {device} (tensor + sequence parallel), "
+          f"fused ops over transport {args.transport!r}")
     # bf16: one rounding of the reduced outputs differs between the paths (~0.4% of a value),
     # carried through the layers; fp32 differs only in the order of the K-split sums
     tol = 5e-2 if device != "cpu" else 1e-4
@@ -192,7 +200,8 @@ def report(world_size, args, result, device):
               f"replayed; tokens/s: reference {args.seq / gp * 1e3:,.0f}, fused "
               f"{args.seq / gf * 1e3:,.0f})")
     if device == "cpu":
-        print("(CPU-emulated ranks run the kernels in the Triton interpreter: times are not GPU times)")
+        print("(CPU-emulated ranks run the kernels in the Triton interpreter: times are not GPU "
+              "times)")
     ok = diff <= tol * scale
     print("outputs agree" if ok else "OUTPUTS DISAGREE")
     return 0 if ok else 1
@@ -206,6 +215,10 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     ap.add_argument("--graph", action="store_true",
                     help="also time all layers captured in one CUDA graph (GPUs)")
+    ap.add_argument("--transport", default="copy_engine",
+                    choices=("copy_engine", "stores", "torch_fused", "sequential", "auto"),
+                    help="the transport of both fused ops (AllGather + GEMM, GEMM + "
+                         "ReduceScatter)")
     args = ap.parse_args()
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
         args.layers, args.seq = min(args.layers, 2), min(args.seq, 16)
