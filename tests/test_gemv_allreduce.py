@@ -382,3 +382,39 @@ def test_sequential_and_auto_transports(world):
         assert found["auto with config choice"] in ("stores", "one_shot"), found
         assert found["decisions"] == 3, found
         assert "takes no options" in found["sequential with config"], found
+
+
+def _refusal_then_next_call(world):
+    """One-shot: rank 0 refuses call #1 (bad ``out``) and makes call #2 at once; rank 1 makes
+    call #1 late, after rank 0's call #2 has set its partials-ready flags (a refused call
+    waits for nothing). Rank 1 read that later flag as "call #1 delivered" and returned a sum
+    with partials rank 0 never stored, without an error; it must fail call #1 and both ranks
+    must agree on call #2."""
+    import time
+
+    r = world.rank
+    ctx = GemvAllReduce(world, max_n=16, transport="one_shot", timeout_s=20.0)
+    g = torch.Generator().manual_seed(r)
+    (x1, w1), (x2, w2) = [(torch.randn(2, 8, generator=g), torch.randn(16, 8, generator=g))
+                          for _ in range(2)]
+    found = {}
+    if r == 1:
+        time.sleep(1.5)
+    try:
+        ctx(x1, w1, out=torch.empty(3, 3) if r == 0 else None)
+        ctx.synchronize()
+        found["call 1"] = "no error"
+    except Exception as e:
+        found["call 1"] = f"{type(e).__name__}: {e}"
+    y = ctx(x2, w2)
+    ctx.synchronize()
+    ctx.close()
+    found["call 2"] = rel_err(y, gemv_all_reduce_reference(x2, w2, world.group))
+    return found
+
+
+def test_one_shot_refusal_is_not_read_as_delivered_by_a_late_peer(world2):
+    mine, peer = world2.run(_refusal_then_next_call, timeout=120)
+    assert mine["call 1"].startswith("ValueError"), mine
+    assert peer["call 1"].startswith("PeerTimeoutError") and "gave up" in peer["call 1"], peer
+    assert mine["call 2"] < 1e-5 and peer["call 2"] < 1e-5
