@@ -384,6 +384,43 @@ def test_sequential_and_auto_transports(world):
         assert "takes no options" in found["sequential with config"], found
 
 
+def _grad_on_one_rank(world, transport):
+    """Rank 0's x requires grad, rank 1's does not: rank 0 refuses (no backward) and rank 1
+    fails the same call at once; before, rank 0 raised alone and rank 1 waited for it until
+    its timeout, which broke the context for good."""
+    import time
+
+    import portable_overlap as po
+
+    r = world.rank
+    ctx = GemvAllReduce(world, max_n=16, transport=transport, timeout_s=30.0)
+    x, w = _inputs(world, 2, 16, 8, torch.float32, seed=3)
+    found = {}
+    for name, call in (("ctx", lambda: ctx(x.clone().requires_grad_(r == 0), w)),
+                       ("function", lambda: po.gemv_all_reduce(x.clone().requires_grad_(r == 0),
+                                                               w, ctx))):
+        t0 = time.monotonic()
+        try:
+            call()
+            ctx.synchronize()
+            found[name] = ("no error", "")
+        except Exception as e:
+            found[name] = (type(e).__name__, str(e))
+        assert time.monotonic() - t0 < 20, name  # not the peer's timeout
+    found["next"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
+    ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
+def test_a_grad_refusal_on_one_rank_fails_the_call_on_every_rank(world2, transport):
+    mine, peer = world2.run(_grad_on_one_rank, transport, timeout=120)
+    for name in ("ctx", "function"):
+        assert mine[name][0] == "RuntimeError" and "no backward" in mine[name][1], mine
+        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer
+    assert mine["next"] < 1e-5 and peer["next"] < 1e-5
+
+
 def _refusal_then_next_call(world):
     """One-shot: rank 0 refuses call #1 (bad ``out``) and makes call #2 at once; rank 1 makes
     call #1 late, after rank 0's call #2 has set its partials-ready flags (a refused call
