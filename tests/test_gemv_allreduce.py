@@ -455,3 +455,49 @@ def test_one_shot_refusal_is_not_read_as_delivered_by_a_late_peer(world2):
     assert mine["call 1"].startswith("ValueError"), mine
     assert peer["call 1"].startswith("PeerTimeoutError") and "gave up" in peer["call 1"], peer
     assert mine["call 2"] < 1e-5 and peer["call 2"] < 1e-5
+
+
+def _slow_reader_past_a_refusal(world):
+    """One-shot: rank 1 is slow between its flag waits and its sum in call #2 (its ``pol.wait``
+    sleeps under the interpreter); meanwhile rank 0 finishes call #2, refuses call #3 (bad
+    ``out``) and makes call #4, whose partials go to call #2's half of the buffer. Rank 0's
+    refused call waited for nothing, so call #4 overwrote what rank 1 was still summing: rank
+    1's call #2 returned a relative error of 0.97, without an error."""
+    import time
+
+    from portable_overlap import language as pol
+
+    r = world.rank
+    ctx = GemvAllReduce(world, max_n=16, transport="one_shot", timeout_s=20.0)
+    ins = [_inputs(world, 2, 16, 8, torch.float32, seed=s) for s in range(4)]
+    refs = [gemv_all_reduce_reference(x, w, world.group) for x, w in ins]
+    real_wait = pol.wait
+
+    def slow_wait(ctx_, flag, call, peer, tag=-1):
+        ok = real_wait(ctx_, flag, call, peer, tag)
+        if int(call) == 2:
+            time.sleep(1.5)
+        return ok
+
+    found = []
+    if r == 1:
+        pol.wait = slow_wait
+    try:
+        for i, (x, w) in enumerate(ins):
+            try:
+                y = ctx(x, w, out=torch.empty(3, 3) if (r == 0 and i == 2) else None)
+                ctx.synchronize()
+                found.append(rel_err(y, refs[i]))
+            except Exception as e:
+                found.append(type(e).__name__)
+    finally:
+        pol.wait = real_wait
+        ctx.close()
+    return found
+
+
+def test_one_shot_partials_are_not_overwritten_past_a_refusal(world2):
+    mine, peer = world2.run(_slow_reader_past_a_refusal, timeout=120)
+    assert mine[2] == "ValueError" and peer[2] == "PeerTimeoutError", (mine, peer)
+    for found in (mine, peer):
+        assert all(found[i] < 1e-5 for i in (0, 1, 3)), (mine, peer)

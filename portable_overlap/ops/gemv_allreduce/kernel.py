@@ -29,7 +29,9 @@ One flag round instead of two, for ``world`` times the partial stores and the re
 what a latency-bound decode step on many ranks wants. The partials of consecutive calls go to
 the two halves of ``partial`` by the call's parity: a peer may still be reducing call c when
 this rank starts call c + 1, but it has finished call c before it signals call c + 1, which this
-rank waits for before call c + 2 writes that half again.
+rank waits for before call c + 2 writes that half again (in call c + 1, or at the start of call
+c + 2 where this rank refused call c + 1 on the host). A peer's refusal is read from ``bcast``,
+which no one-shot call writes (``_refusals``).
 
 Written on the public device API (``portable_overlap.language``): flags carry the call number
 (counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
@@ -192,6 +194,16 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
     """The one-shot all-reduce of the module docstring: every partial to every rank, one flag
     round, every rank reduces all of its program's blocks."""
     half = partial_ptr + (call % 2) * world * MN  # this call's half of the partials
+    # call - 2 used this half: every peer must be done reading it. A peer's ready flag of call
+    # - 1 says so: its launch of call - 1 began after its launch of call - 2 ended (one
+    # stream). Program 0's flag, which every grid has (the grids of calls may differ). Waited
+    # for in call - 1 already, unless this rank refused call - 1 on the host, which waits for
+    # nothing (a late peer then summed this call's partials as call - 2's, with no error: seen
+    # on emulated ranks)
+    for step in range(1, world):
+        q = pol.peer_at(step, rank, world)
+        if ok:
+            ok = pol.wait_reached(ctx, ready_ptr + q * G_MAX, call - 1, call, q)
     for i in range(0, n_rounds):
         if pid + i * G < n_blocks:
             n0 = (pid + i * G) * BLOCK_N
