@@ -138,10 +138,11 @@ class PatternContext:
         try:
             refuse_grad(self.OP, *inputs.values())
         except RuntimeError as e:
-            if self.planner is None:
-                impl = self.impl
+            planner = getattr(self, "planner", None)  # (none on a context not made in full)
+            if planner is None:
+                impl = getattr(self, "impl", None)
             else:
-                impl = self.planner.impls.get(self.planner.choice(inputs, None, options))
+                impl = planner.impls.get(planner.choice(inputs, None, options))
             if isinstance(impl, ContextBase):
                 refuse_call((impl,), e)
             raise
