@@ -315,3 +315,44 @@ def test_stores_tile_order_and_chunks():
     assert default_senders(1, 132) == 0 and default_senders(2, 132) == 16
     assert default_senders(4, 132) == 16 and default_senders(8, 132) == 28
     assert default_senders(3, 40) == 8 and default_senders(4, 304) == 38
+
+
+def _stores_grad(world):
+    """An input that requires grad, called on the context itself (not only through
+    all_gather_matmul): refused, on every rank in the same call when one rank's input requires
+    grad (the peer fails at once, not at its timeout), and the context serves the next call.
+    Before, ``ctx(a, b)`` returned a result with no gradient, without an error."""
+    import time
+
+    from portable_overlap.testing.compare import rel_err
+
+    r = world.rank
+    ctx = AllGatherMatmul(world, max_shard_elems=64, transport="stores", timeout_s=30.0)
+    g = torch.Generator().manual_seed(r)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    found = {}
+    for name, call in (("both, ctx", lambda: ctx(a.clone().requires_grad_(), b)),
+                       ("rank 0, ctx", lambda: ctx(a.clone().requires_grad_(r == 0), b)),
+                       ("rank 0, function", lambda: all_gather_matmul(
+                           a, b.clone().requires_grad_(r == 0), ctx))):
+        t0 = time.monotonic()
+        try:
+            call()
+            ctx.synchronize()
+            found[name] = ("no error", "")
+        except Exception as e:
+            found[name] = (type(e).__name__, str(e))
+        assert time.monotonic() - t0 < 20, name  # not the peer's timeout
+    found["next"] = rel_err(ctx(a, b), all_gather_matmul_reference(a, b, world.group))
+    ctx.close()
+    return found
+
+
+def test_stores_transport_refuses_inputs_that_require_grad(world2):
+    mine, peer = world2.run(_stores_grad, timeout=120)
+    for found in (mine, peer):
+        assert found["both, ctx"][0] == "RuntimeError" and "no backward" in found["both, ctx"][1]
+        assert found["next"] < 1e-5
+    for name in ("rank 0, ctx", "rank 0, function"):
+        assert mine[name][0] == "RuntimeError" and "no backward" in mine[name][1], mine
+        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer

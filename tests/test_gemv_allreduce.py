@@ -382,3 +382,122 @@ def test_sequential_and_auto_transports(world):
         assert found["auto with config choice"] in ("stores", "one_shot"), found
         assert found["decisions"] == 3, found
         assert "takes no options" in found["sequential with config"], found
+
+
+def _grad_on_one_rank(world, transport):
+    """Rank 0's x requires grad, rank 1's does not: rank 0 refuses (no backward) and rank 1
+    fails the same call at once; before, rank 0 raised alone and rank 1 waited for it until
+    its timeout, which broke the context for good."""
+    import time
+
+    import portable_overlap as po
+
+    r = world.rank
+    ctx = GemvAllReduce(world, max_n=16, transport=transport, timeout_s=30.0)
+    x, w = _inputs(world, 2, 16, 8, torch.float32, seed=3)
+    found = {}
+    for name, call in (("ctx", lambda: ctx(x.clone().requires_grad_(r == 0), w)),
+                       ("function", lambda: po.gemv_all_reduce(x.clone().requires_grad_(r == 0),
+                                                               w, ctx))):
+        t0 = time.monotonic()
+        try:
+            call()
+            ctx.synchronize()
+            found[name] = ("no error", "")
+        except Exception as e:
+            found[name] = (type(e).__name__, str(e))
+        assert time.monotonic() - t0 < 20, name  # not the peer's timeout
+    found["next"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
+    ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
+def test_a_grad_refusal_on_one_rank_fails_the_call_on_every_rank(world2, transport):
+    mine, peer = world2.run(_grad_on_one_rank, transport, timeout=120)
+    for name in ("ctx", "function"):
+        assert mine[name][0] == "RuntimeError" and "no backward" in mine[name][1], mine
+        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer
+    assert mine["next"] < 1e-5 and peer["next"] < 1e-5
+
+
+def _refusal_then_next_call(world):
+    """One-shot: rank 0 refuses call #1 (bad ``out``) and makes call #2 at once; rank 1 makes
+    call #1 late, after rank 0's call #2 has set its partials-ready flags (a refused call
+    waits for nothing). Rank 1 read that later flag as "call #1 delivered" and returned a sum
+    with partials rank 0 never stored, without an error; it must fail call #1 and both ranks
+    must agree on call #2."""
+    import time
+
+    r = world.rank
+    ctx = GemvAllReduce(world, max_n=16, transport="one_shot", timeout_s=20.0)
+    g = torch.Generator().manual_seed(r)
+    (x1, w1), (x2, w2) = [(torch.randn(2, 8, generator=g), torch.randn(16, 8, generator=g))
+                          for _ in range(2)]
+    found = {}
+    if r == 1:
+        time.sleep(1.5)
+    try:
+        ctx(x1, w1, out=torch.empty(3, 3) if r == 0 else None)
+        ctx.synchronize()
+        found["call 1"] = "no error"
+    except Exception as e:
+        found["call 1"] = f"{type(e).__name__}: {e}"
+    y = ctx(x2, w2)
+    ctx.synchronize()
+    ctx.close()
+    found["call 2"] = rel_err(y, gemv_all_reduce_reference(x2, w2, world.group))
+    return found
+
+
+def test_one_shot_refusal_is_not_read_as_delivered_by_a_late_peer(world2):
+    mine, peer = world2.run(_refusal_then_next_call, timeout=120)
+    assert mine["call 1"].startswith("ValueError"), mine
+    assert peer["call 1"].startswith("PeerTimeoutError") and "gave up" in peer["call 1"], peer
+    assert mine["call 2"] < 1e-5 and peer["call 2"] < 1e-5
+
+
+def _slow_reader_past_a_refusal(world):
+    """One-shot: rank 1 is slow between its flag waits and its sum in call #2 (its ``pol.wait``
+    sleeps under the interpreter); meanwhile rank 0 finishes call #2, refuses call #3 (bad
+    ``out``) and makes call #4, whose partials go to call #2's half of the buffer. Rank 0's
+    refused call waited for nothing, so call #4 overwrote what rank 1 was still summing: rank
+    1's call #2 returned a relative error of 0.97, without an error."""
+    import time
+
+    from portable_overlap import language as pol
+
+    r = world.rank
+    ctx = GemvAllReduce(world, max_n=16, transport="one_shot", timeout_s=20.0)
+    ins = [_inputs(world, 2, 16, 8, torch.float32, seed=s) for s in range(4)]
+    refs = [gemv_all_reduce_reference(x, w, world.group) for x, w in ins]
+    real_wait = pol.wait
+
+    def slow_wait(ctx_, flag, call, peer, tag=-1):
+        ok = real_wait(ctx_, flag, call, peer, tag)
+        if int(call) == 2:
+            time.sleep(1.5)
+        return ok
+
+    found = []
+    if r == 1:
+        pol.wait = slow_wait
+    try:
+        for i, (x, w) in enumerate(ins):
+            try:
+                y = ctx(x, w, out=torch.empty(3, 3) if (r == 0 and i == 2) else None)
+                ctx.synchronize()
+                found.append(rel_err(y, refs[i]))
+            except Exception as e:
+                found.append(type(e).__name__)
+    finally:
+        pol.wait = real_wait
+        ctx.close()
+    return found
+
+
+def test_one_shot_partials_are_not_overwritten_past_a_refusal(world2):
+    mine, peer = world2.run(_slow_reader_past_a_refusal, timeout=120)
+    assert mine[2] == "ValueError" and peer[2] == "PeerTimeoutError", (mine, peer)
+    for found in (mine, peer):
+        assert all(found[i] < 1e-5 for i in (0, 1, 3)), (mine, peer)

@@ -148,3 +148,43 @@ def _other_n(world):
 def test_ranks_called_with_other_shapes_raise(world2):
     for r in world2.run(_other_n, timeout=120):
         assert r in ("RankMismatchError", "PeerTimeoutError"), r
+
+
+def _grad(world, mode):
+    """An input that requires grad on rank 0 only, through the context and the function: rank
+    0 refuses (the op has no backward), rank 1 fails the same call at once (not at its
+    timeout), and the context serves the next call. Before, the context itself returned a
+    result with no gradient without an error."""
+    import time
+
+    r = world.rank
+    make = po.MatmulReduceScatter if mode == "reduce_scatter" else po.MatmulAllReduce
+    fn = po.matmul_reduce_scatter if mode == "reduce_scatter" else po.matmul_all_reduce
+    ctx = make(world, 8, 8, transport="stores", timeout_s=30.0)
+    g = torch.Generator().manual_seed(r)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    bias = torch.randn(5, generator=g)
+    found = {}
+    for name, call in (("ctx", lambda: ctx(a.clone().requires_grad_(r == 0), b)),
+                       ("function, bias", lambda: fn(a, b, ctx,
+                                                     bias=bias.clone().requires_grad_(r == 0)))):
+        t0 = time.monotonic()
+        try:
+            call()
+            ctx.synchronize()
+            found[name] = ("no error", "")
+        except Exception as e:
+            found[name] = (type(e).__name__, str(e))
+        assert time.monotonic() - t0 < 20, name  # not the peer's timeout
+    found["next"] = rel_err(ctx(a, b), _truth(a, b, world.group, mode, None, None))
+    ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+def test_an_input_that_requires_grad_is_refused_on_every_rank(world2, mode):
+    mine, peer = world2.run(_grad, mode, timeout=120)
+    for name in ("ctx", "function, bias"):
+        assert mine[name][0] == "RuntimeError" and "no backward" in mine[name][1], mine
+        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer
+    assert mine["next"] < 1e-5 and peer["next"] < 1e-5

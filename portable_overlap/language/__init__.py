@@ -77,8 +77,8 @@ REPORT_OFFSET = tl.constexpr(62)
 
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "is_live",
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
-           "put_signal", "wait", "notify", "wait_count", "barrier", "announce_call", "wait_free",
-           "fence_bulk_reads", "peer_at", "wait_peers", "wait_consumed", "wait_consumed_once",
+           "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
+           "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers", "wait_consumed", "wait_consumed_once",
            "end_call_consumed", "shmem_put", "shmem_quiet"]
 
 
@@ -277,6 +277,23 @@ def wait(ctx, flag_ptr, call, peer, tag=-1):
                     ((v >> 32) << 32) | tl.cast(tag, tl.int64))
             ok = False
     tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
+    return ok
+
+
+@triton.jit
+def wait_reached(ctx, flag_ptr, epoch, call, peer):
+    """Wait until this rank's flag ``flag_ptr`` holds call ``epoch`` or a later one, whatever
+    the word says of that call (a failure or a refusal included): ``peer`` got that far. For a
+    protocol that must know a peer is past an earlier call (e.g. done reading a buffer it
+    signalled for later) without judging that call again. Bounded by call ``call``'s deadline
+    (a timeout is reported as :func:`wait` reports it). Returns whether it arrived."""
+    ok = is_live(ctx)
+    if ok:
+        v, arrived = _shmem.wait_flag(flag_ptr, epoch, call, ctx + CTX_CLOCK,
+                                      tl.load(ctx + CTX_TIMEOUT_US))
+        if not arrived:
+            _timed_out(ctx, peer, flag_ptr, epoch, call)
+            ok = False
     return ok
 
 

@@ -39,8 +39,13 @@ device's name and the versions of torch, Triton and this library; ranks may shar
 (they write the same decisions) or each have its own.
 
 A key is decided at its first call on every rank at once: the calls must come in the same
-order on every rank (as for every context), and where a rank's shapes differ from its peers'
-they must change together (a call is new on every rank or on none).
+order on every rank (as for every context), and a call must be new on every rank or on none:
+where a rank's call key differs from its peers' (its K shard, a transposed weight view, an
+optional input only it passes) the keys must change together. A call new on some ranks only is
+not caught: those ranks wait in the decision's exchange while their peers run the decided
+transport (on emulated ranks: a fused one's waits end in ``PeerTimeoutError`` on the peers
+while the new rank waits on; ``"sequential"``'s gather met the exchange's, a collective
+mismatch on which gloo aborted the process).
 
 Graph capture: timing needs host syncs, which capture forbids, so a call under capture whose key
 is not decided yet raises ``RuntimeError``: make one eager call with those shapes first. A

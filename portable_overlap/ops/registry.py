@@ -86,12 +86,16 @@ class OpSpec:
         the call; then every option must be unset (None), as a functional op has none."""
         check_context(self, ctx)
         if self.backward is None:
-            try:
-                refuse_grad(self.name, *args)
-            except RuntimeError as e:
-                if isinstance(ctx, ContextBase):  # refused on every rank, not on this one alone
-                    refuse_call((ctx,), e)
-                raise  # (a pattern's context hands its calls on; it has no call of its own)
+            if hasattr(ctx, "check_grad"):  # a pattern's context: refused by its workspace
+                inputs, _, given = ctx._bind(*args, **options)
+                ctx.check_grad(inputs, given)
+            else:
+                try:
+                    refuse_grad(self.name, *args)
+                except RuntimeError as e:
+                    if isinstance(ctx, ContextBase):  # refused on every rank, not on this one
+                        refuse_call((ctx,), e)
+                    raise
         if not (grad or torch.compiler.is_compiling()):
             return self.run(ctx, *args, **options)
         set_ = [k for k, v in options.items() if v is not None]

@@ -29,7 +29,9 @@ One flag round instead of two, for ``world`` times the partial stores and the re
 what a latency-bound decode step on many ranks wants. The partials of consecutive calls go to
 the two halves of ``partial`` by the call's parity: a peer may still be reducing call c when
 this rank starts call c + 1, but it has finished call c before it signals call c + 1, which this
-rank waits for before call c + 2 writes that half again.
+rank waits for before call c + 2 writes that half again (in call c + 1, or at the start of call
+c + 2 where this rank refused call c + 1 on the host). A peer's refusal is read from ``bcast``,
+which no one-shot call writes (``_refusals``).
 
 Written on the public device API (``portable_overlap.language``): flags carry the call number
 (counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
@@ -89,10 +91,10 @@ def gemv_allreduce_kernel(
     tile_off = offs_m[:, None] * N + offs_nb[None, :]
 
     if ONE_SHOT:
-        _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, M, N, K, stride_xm,
-                  stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds, offs_nb,
-                  m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N,
-                  PRECISION, UPCAST, G_MAX)
+        _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
+                  stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds,
+                  offs_nb, m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
+                  EVEN_N, PRECISION, UPCAST, G_MAX)
     else:
         _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_ptr, ctx, M,
                   N, K, stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok,
@@ -165,14 +167,43 @@ def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_p
 
 
 @triton.jit
-def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, M, N, K, stride_xm, stride_wn,
-              n_blocks, G, tag, pid, call, rank, world, ok, n_rounds, offs_nb, m_mask, MN,
-              tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _refusals(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
+    """The one-shot form's check that no peer gave up on call ``call`` on the host. A refused
+    call sets the peer's words of both flag arrays here (``refuse_kernel``) and waits for
+    nothing, so the peer's next call may set its ``ready`` word before this rank read the
+    refusal there: a later call's flag, which reads as "call delivered", and this rank would sum
+    partials the peer never stored, with no error (seen on emulated ranks). No one-shot call
+    writes ``bcast``: a refusal stays there, and a word that reached this call is judged as a
+    flag of it (``pol.wait`` returns at once); an older word (no refusal) is passed over.
+    ``ok`` and-ed with the outcomes."""
+    for step in range(1, world):
+        q = pol.peer_at(step, rank, world)
+        flag = bcast_ptr + q * G_MAX + pid
+        v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        if ok & (((v - call.to(tl.int64)) & 0xFFFFFFFF) < 0x80000000):  # reached this call
+            ok = pol.wait(ctx, flag, call, q, tag)
+    return ok
+
+
+@triton.jit
+def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K, stride_xm,
+              stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds, offs_nb, m_mask,
+              MN, tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr):
     """The one-shot all-reduce of the module docstring: every partial to every rank, one flag
     round, every rank reduces all of its program's blocks."""
     half = partial_ptr + (call % 2) * world * MN  # this call's half of the partials
+    # call - 2 used this half: every peer must be done reading it. A peer's ready flag of call
+    # - 1 says so: its launch of call - 1 began after its launch of call - 2 ended (one
+    # stream). Program 0's flag, which every grid has (the grids of calls may differ). Waited
+    # for in call - 1 already, unless this rank refused call - 1 on the host, which waits for
+    # nothing (a late peer then summed this call's partials as call - 2's, with no error: seen
+    # on emulated ranks)
+    for step in range(1, world):
+        q = pol.peer_at(step, rank, world)
+        if ok:
+            ok = pol.wait_reached(ctx, ready_ptr + q * G_MAX, call - 1, call, q)
     for i in range(0, n_rounds):
         if pid + i * G < n_blocks:
             n0 = (pid + i * G) * BLOCK_N
@@ -185,6 +216,7 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, M, N, K, strid
                 pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
     _signal_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
     ok = _wait_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    ok = _refusals(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             if pid + i * G < n_blocks:

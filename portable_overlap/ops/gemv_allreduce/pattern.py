@@ -30,7 +30,6 @@ from typing import Optional
 
 import torch
 
-from ..context import refuse_grad
 from ..pattern import PatternContext, timeout_kw
 from ..registry import OpSpec, define
 from .config import GemvConfig
@@ -72,9 +71,10 @@ class GemvAllReduce(PatternContext):
         """Run the op (module docstring); ``out`` is filled if given. ``options``: the
         transport's per-call options (``config`` for the fused ones: tuning sweeps)."""
         # as gemv_all_reduce refuses it: the fused transports' result would carry no gradient,
-        # the sequential one's torch.mm(out=) raise autograd's own, unclear error
-        refuse_grad(OP, x, w)
+        # the sequential one's torch.mm(out=) raise autograd's own, unclear error; refused on
+        # every rank (check_grad), the peers' waits end at once
         if self.planner is None:  # the decode path: one call less than ``_dispatch``
+            self.check_grad({"x": x, "w": w}, options)
             return self.impl(x, w, out, **options)
         return self._dispatch(*self._bind(x, w, out, **options))
 
