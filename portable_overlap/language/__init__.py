@@ -78,8 +78,8 @@ REPORT_OFFSET = tl.constexpr(62)
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "is_live",
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
-           "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers", "wait_consumed", "wait_consumed_once",
-           "end_call_consumed", "shmem_put", "shmem_quiet"]
+           "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
+           "wait_consumed", "wait_consumed_once", "end_call_consumed", "shmem_put", "shmem_quiet"]
 
 
 # -- who and where -------------------------------------------------------------------------------

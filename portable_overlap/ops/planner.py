@@ -100,8 +100,8 @@ OPT_IN = ("torch_fused",)
 def check_candidates(op: str, transports: tuple, candidates,
                      unavailable: Optional[dict] = None) -> tuple:
     """``candidates`` (None: every transport of ``transports`` not in ``unavailable`` nor in
-    ``OPT_IN``) as a tuple in ``transports`` order. ``unavailable``: ``{transport: why it cannot run on this
-    world}`` (``PatternContext.unavailable``); naming one of them raises
+    ``OPT_IN``) as a tuple in ``transports`` order. ``unavailable``: ``{transport: why it cannot
+    run on this world}`` (``PatternContext.unavailable``); naming one of them raises
     :class:`BackendUnavailable` with the reason."""
     unavailable = unavailable or {}
     if candidates is None:
