@@ -7,6 +7,7 @@ from portable_overlap import (ContextBrokenError, GemvAllReduce, GemvConfig, Pee
                               PortableOverlapError, RowParallelLinear,
                               gemv_all_reduce, gemv_all_reduce_reference)
 from portable_overlap.ops.gemv_allreduce.api import KERNEL_TRANSPORTS
+from portable_overlap.testing import outcomes
 from portable_overlap.testing.compare import rel_err
 
 # bf16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
@@ -388,25 +389,14 @@ def _grad_on_one_rank(world, transport):
     """Rank 0's x requires grad, rank 1's does not: rank 0 refuses (no backward) and rank 1
     fails the same call at once; before, rank 0 raised alone and rank 1 waited for it until
     its timeout, which broke the context for good."""
-    import time
-
     import portable_overlap as po
 
     r = world.rank
     ctx = GemvAllReduce(world, max_n=16, transport=transport, timeout_s=30.0)
     x, w = _inputs(world, 2, 16, 8, torch.float32, seed=3)
-    found = {}
-    for name, call in (("ctx", lambda: ctx(x.clone().requires_grad_(r == 0), w)),
-                       ("function", lambda: po.gemv_all_reduce(x.clone().requires_grad_(r == 0),
-                                                               w, ctx))):
-        t0 = time.monotonic()
-        try:
-            call()
-            ctx.synchronize()
-            found[name] = ("no error", "")
-        except Exception as e:
-            found[name] = (type(e).__name__, str(e))
-        assert time.monotonic() - t0 < 20, name  # not the peer's timeout
+    found = outcomes(ctx, {
+        "ctx": lambda: ctx(x.clone().requires_grad_(r == 0), w),
+        "function": lambda: po.gemv_all_reduce(x.clone().requires_grad_(r == 0), w, ctx)})
     found["next"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
     ctx.close()
     return found

@@ -46,7 +46,10 @@ class OpSpec:
     handle must name one). ``transports``: the values of its ``transport=`` argument (the
     pattern contexts also take ``"auto"``, which picks one of them: ``ops/planner.py``).
     ``compile_specs``: the modules (dotted names) whose ``specs()`` list the kernels the op
-    launches, for the compile matrix (``kernel_registry``)."""
+    launches, for the compile matrix (``kernel_registry``). ``copies``: the results (by
+    position) that are the context's own buffers in the eager call: the torch op returns copies
+    of them, as a functional op's results must not alias each other or an input (torch checks
+    that under ``torch.compile``), and the context's next call overwrites them."""
 
     name: str
     schema: str
@@ -57,6 +60,7 @@ class OpSpec:
     backward: Optional[Callable] = None
     setup_context: Optional[Callable] = None
     compile_specs: tuple = ()
+    copies: tuple = ()
 
     @property
     def arg_names(self) -> tuple:
@@ -133,7 +137,10 @@ def define(spec: OpSpec) -> OpSpec:
 
     def kernel(*args, **kwargs):
         ctx, rest = _split(args, kwargs)
-        return spec.run(ctx, *rest)
+        result = spec.run(ctx, *rest)
+        if spec.copies:
+            result = tuple(t.clone() if i in spec.copies else t for i, t in enumerate(result))
+        return result
 
     def fake(*args, **kwargs):
         ctx, rest = _split(args, kwargs)

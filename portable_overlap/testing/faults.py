@@ -46,3 +46,25 @@ def error_of_one_call(make_ctx: Callable[[], object], call: Callable[[object], o
         result = type(e).__name__
     ctx.close()
     return result
+
+
+def outcomes(ctx, calls: dict, within_s: float = 20.0) -> dict:
+    """Each of ``calls`` (name -> a call on ``ctx``) made in turn, with ``ctx`` synchronized
+    after it: name -> ``(error type name, message)``, ``("no error", "")`` for a call that
+    returned. Every call (an error included) must end within ``within_s`` seconds: a call one
+    rank refuses must fail its peers at once, not at their timeout."""
+    import time
+
+    found = {}
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            ctx.synchronize()
+            found[name] = ("no error", "")
+        except Exception as e:
+            found[name] = (type(e).__name__, str(e))
+        elapsed = time.monotonic() - t0
+        if elapsed >= within_s:
+            raise AssertionError(f"{name}: took {elapsed:.1f} s (more than {within_s} s)")
+    return found

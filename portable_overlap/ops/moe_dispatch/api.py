@@ -377,7 +377,8 @@ def _fake(ctx, tokens, topk_ids):
 MOE_DISPATCH = define(OpSpec(
     OP, "(Tensor tokens, Tensor topk_ids, int handle) -> (Tensor, Tensor, Tensor)",
     context=MoeDispatch, transports=TRANSPORTS,
-    compile_specs=("portable_overlap.ops.moe_dispatch.compile_specs",), fake=_fake))
+    compile_specs=("portable_overlap.ops.moe_dispatch.compile_specs",), fake=_fake,
+    copies=(0, 1, 2)))
 
 
 def moe_dispatch(tokens, topk_ids, ctx: MoeDispatch) -> tuple:
@@ -385,5 +386,6 @@ def moe_dispatch(tokens, topk_ids, ctx: MoeDispatch) -> tuple:
     slots)`` in the layout of the module docstring (``x`` and ``slots`` with the context's
     ``capacity`` rows, of which the first ``counts.sum()`` are this call's). Under
     ``torch.compile`` one opaque op, ``torch.ops.portable_overlap.moe_dispatch(tokens,
-    topk_ids, ctx.handle)``."""
+    topk_ids, ctx.handle)``, whose results are copies of the context's buffers (a functional
+    op's results must not alias each other)."""
     return MOE_DISPATCH(ctx, (tokens, topk_ids))
