@@ -510,3 +510,48 @@ def test_lifecycle_covers_every_workspace(world2):
         assert found["closed"] == [True] * len(found["available"])
         for what in ("call", "check", "synchronize"):
             assert found[what] and "all_gather_matmul: this context was closed" in found[what]
+
+
+def _new_on_one_rank(world):
+    """The first call is decided on both ranks; the next call's key is new on rank 1 only (its
+    weight is a transposed view: other strides). Rank 1 waits for a decision its peer never
+    joins and raises within its bound, naming the rule; rank 0's decided transport raises at
+    its own bounded waits; rank 1's context refuses every later call. Before, rank 1 waited
+    for ever (or gloo aborted the process on a collective mismatch)."""
+    import time
+
+    planner.EXCHANGE_MIN_S = 2.0  # the bound, shortened for the test
+    M, N, K = 3, 5, 4
+    ctx = po.AllGatherMatmul(world, M * K, transport="auto", candidates=("stores", "copy_engine"),
+                             timeout_s=2.0, iters=1, warmup=0)
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+    found = {"first": rel_err(po.all_gather_matmul(a, b, ctx),
+                              _ag_reference(a, b, world.group))}
+    b2 = b.t().contiguous().t() if world.rank == 1 else b
+    t0 = time.monotonic()
+    try:
+        po.all_gather_matmul(a, b2, ctx)
+        ctx.synchronize()
+        found["second"] = ("no error", "")
+    except Exception as e:
+        found["second"] = (type(e).__name__, str(e))
+    found["seconds"] = time.monotonic() - t0
+    try:
+        po.all_gather_matmul(a, b, ctx)
+        found["third"] = ("no error", "")
+    except Exception as e:
+        found["third"] = (type(e).__name__, str(e))
+    ctx.close()
+    return found
+
+
+def test_a_call_new_on_one_rank_raises_on_every_rank(world2):
+    r0, r1 = world2.run(_new_on_one_rank, timeout=120)
+    assert r0["first"] < TOL and r1["first"] < TOL
+    assert r0["second"][0] == "PeerTimeoutError", r0
+    assert r1["second"][0] == "PeerTimeoutError" and "new on every rank" in r1["second"][1], r1
+    assert "rank(s) [0] did not join" in r1["second"][1], r1
+    assert r0["seconds"] < 30 and r1["seconds"] < 30
+    assert r1["third"][0] == "ContextBrokenError" and "out of step" in r1["third"][1], r1
+    assert r0["third"][0] != "no error", r0  # its decided workspace is out of step too

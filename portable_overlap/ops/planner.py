@@ -12,8 +12,9 @@ What the first call of a key does (collective; the same on every rank):
    ``TRANSPORTS`` that can run on this world, ``PatternContext.unavailable``) that take each
    per-call option given, by name and type (the pattern's ``CALL_OPTIONS``; a transport not
    listed there takes none). One candidate runs at once, untimed; none is a ``ValueError``.
-2. **The decision's key**: every rank's call key, gathered (one key on every rank, also where
-   the shapes differ across ranks, as the reduction patterns' K shards may), then
+2. **The decision's key**: every rank's call key, exchanged through the process group's store
+   with a deadline (one key on every rank, also where the shapes differ across ranks, as the
+   reduction patterns' K shards may; a peer that never joins is below), then
    ``schedule.tuning.decide``: a decision every rank's cache holds is used as it is (no
    timing); otherwise every rank measures.
 3. **Measuring**: each candidate in ``TRANSPORTS`` order runs once on the call's own inputs,
@@ -41,11 +42,13 @@ device's name and the versions of torch, Triton and this library; ranks may shar
 A key is decided at its first call on every rank at once: the calls must come in the same
 order on every rank (as for every context), and a call must be new on every rank or on none:
 where a rank's call key differs from its peers' (its K shard, a transposed weight view, an
-optional input only it passes) the keys must change together. A call new on some ranks only is
-not caught: those ranks wait in the decision's exchange while their peers run the decided
-transport (on emulated ranks: a fused one's waits end in ``PeerTimeoutError`` on the peers
-while the new rank waits on; ``"sequential"``'s gather met the exchange's, a collective
-mismatch on which gloo aborted the process).
+optional input only it passes) the keys must change together. A call new on some ranks only
+finds its peers running their decided transport instead of joining the decision: the
+decision's first exchange goes through the process group's store with a deadline (the
+context's timeout, at least :data:`EXCHANGE_MIN_S`), so those ranks raise
+:class:`PeerTimeoutError` naming the rule and the ranks that stayed away, and refuse every
+later call (``ContextBrokenError``); the peers' call fails at its own bounded waits (a fused
+transport's flags; ``"sequential"``'s collective at the process group's timeout).
 
 Graph capture: timing needs host syncs, which capture forbids, so a call under capture whose key
 is not decided yet raises ``RuntimeError``: make one eager call with those shapes first. A
@@ -54,15 +57,19 @@ allocation), captured as it would be under that transport's name.
 """
 from __future__ import annotations
 
+import datetime
 import os
+import pickle
 import threading
+import uuid
 import warnings
 from typing import Optional
 
 import torch
 
 from ..envvars import env_file_path
-from ..errors import BackendUnavailable, ContextBrokenError, ContextClosedError
+from ..errors import (BackendUnavailable, ContextBrokenError, ContextClosedError,
+                      PeerTimeoutError)
 from ..schedule import tuning
 from .context import concurrent_use, stream_capturing
 
@@ -72,6 +79,9 @@ SEQUENTIAL = "sequential"
 #: fraction: the medians of a few timed runs differ by a few percent from run to run, and a
 #: pick that is really slower would be the one way ``"auto"`` could lose to the plain path
 TIE = 0.03
+#: the least time a rank waits for its peers to join a decision (``TransportPlanner._exchange``):
+#: at a key's first call the peers may still compile their kernels for the call before
+EXCHANGE_MIN_S = 60.0
 #: the keyword arguments ``transport="auto"`` takes (besides ``timeout_s``)
 PLANNER_OPTIONS = ("candidates", "options", "cache_path", "iters", "warmup", "graph")
 
@@ -235,6 +245,11 @@ class TransportPlanner:
         path = _check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
         world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph)",
                          (self.candidates, self.iters, self.warmup, self.graph))
+        # the name of this planner's decisions in the process group's store, the same on every
+        # rank (_exchange), and how many decisions this rank has begun
+        self._sync_id = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None)
+        self._begun = 0
+        self._broken: Optional[str] = None
         #: cache key -> decision, for the keys this context measured or found in its file
         self.decisions: dict = {}
         self.cache = tuning.TuningCache(path) if path else MemoryCache(self.decisions)
@@ -300,7 +315,7 @@ class TransportPlanner:
                 "options": {k: _describe(v) for k, v in sorted(given.items())}}
         # one key for every rank, from every rank's call: the reduction patterns' K shards may
         # differ across ranks, and ranks sharing a cache file then write the same entries
-        calls = world.all_gather_object(call)
+        calls = self._exchange(call)
         shape = {"call": call if all(c == call for c in calls) else calls, "graph": self.graph,
                  "candidates": {t: repr(sorted(self.options.get(t, {}).items())) for t in cands}}
         dtype = next((v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)), None)
@@ -314,6 +329,41 @@ class TransportPlanner:
         self.decisions[key] = record
         self._chosen[fast] = pick
         return pick
+
+    def _exchange(self, call: dict) -> list:
+        """Every rank's ``call`` (the first step of a decision), through the process group's
+        store with a deadline rather than a collective: a call new on this rank only (its key
+        differs from the one its peers decided: another stride, an optional input only it
+        passes) finds its peers running their decided transport instead of joining, and a
+        collective would wait for them for ever. This rank then raises
+        :class:`PeerTimeoutError` and the planner is out of step (every later call raises);
+        the peers' call fails at its own bounded waits."""
+        world = self.ctx.world
+        if world.world_size == 1:
+            return [call]
+        import torch.distributed as dist
+
+        n, self._begun = self._begun, self._begun + 1
+        prefix = f"portable_overlap/auto/{self._sync_id}/{n}/"
+        keys = [prefix + str(q) for q in range(world.world_size)]
+        store = dist.distributed_c10d._get_default_store()
+        store.set(keys[world.rank], pickle.dumps(call))
+        wait_s = max(EXCHANGE_MIN_S, self.timeout_s)
+        try:
+            store.wait(keys, datetime.timedelta(seconds=wait_s))
+        except Exception as e:  # the store's timeout error (its type varies by torch version)
+            missing = [q for q, k in enumerate(keys) if not store.check([k])]
+            self._broken = (
+                f"{self.ctx.OP}: transport='auto' is out of step with its peers: rank(s) "
+                f"{missing} did not join the decision of a call new on rank {world.rank}")
+            raise PeerTimeoutError(
+                f"{self.ctx.OP}: rank {world.rank}: this call's transport is not decided here, "
+                f"and rank(s) {missing} did not join its decision within {wait_s:.0f} s: a call "
+                f"must be new on every rank or on none, so a call key that differs across ranks "
+                f"(shapes, dtypes, strides, optional inputs, per-call options) must change on "
+                f"every rank together. This rank's call: {call}. Close the context and make a "
+                f"new one. ({type(e).__name__}: {e})") from None
+        return [pickle.loads(store.get(k)) for k in keys]
 
     def _measure(self, cands: tuple, inputs: dict, given: dict, call: dict) -> dict:
         """Collective: every candidate run and timed on this call's inputs (module docstring)."""
@@ -397,6 +447,8 @@ class TransportPlanner:
         if self._closed:
             raise ContextClosedError(f"{self.ctx.OP}: this context was closed on rank "
                                      f"{self.ctx.rank}; create a new one")
+        if self._broken is not None:
+            raise ContextBrokenError(self._broken + "; close it and create a new one")
 
     def check(self) -> None:
         """Every candidate's check (an error a kernel of an earlier call recorded)."""
