@@ -81,13 +81,16 @@ class EmulatedWorld:
     def __init__(self, size: int, start_timeout: float = 180.0):
         self.size = size
         ctx = mp.get_context("spawn")
-        self._out = ctx.Queue()
+        # one answer queue per rank: a queue's writers share a lock, and a rank that dies (a
+        # crash, os._exit) just after an answer, before its queue's feeder thread released that
+        # lock, would leave every other rank's answer blocked behind it
+        self._out = [ctx.Queue() for _ in range(size)]
         self._in = [ctx.Queue() for _ in range(size)]
         env = {"TRITON_INTERPRET": "1", "PORTABLE_OVERLAP_BACKEND": "cpu",
                "OMP_NUM_THREADS": "1"}
         port = _free_port()
         self._procs = [ctx.Process(target=_worker,
-                                   args=(r, size, port, self._in[r], self._out, env),
+                                   args=(r, size, port, self._in[r], self._out[r], env),
                                    daemon=True) for r in range(size)]
         # The children import Triton kernels while unpickling their target, before _worker runs:
         # the interpreter switch must already be in the environment they inherit.
@@ -139,11 +142,12 @@ class EmulatedWorld:
                     dead and f"ranks {sorted(dead)} died (exit codes {list(dead.values())})",
                     hung and f"ranks {hung} did not answer within {waited:g} s"]))
                 raise WorkerHang(why, answers)
-            try:  # short polls: a rank that died (a crash in a kernel) is reported at once
-                rank, status, payload = self._out.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            answers[rank] = (status, payload)
+            for r in pending:  # short polls: a rank that died (a crash in a kernel) is seen at once
+                try:
+                    rank, status, payload = self._out[r].get(timeout=0.5 / len(pending))
+                except queue.Empty:
+                    continue
+                answers[rank] = (status, payload)
         errors = [RemoteError(r, *payload) for r, (status, payload) in sorted(answers.items())
                   if status == "err"]
         if errors:
