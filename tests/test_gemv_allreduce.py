@@ -7,7 +7,7 @@ from portable_overlap import (ContextBrokenError, GemvAllReduce, GemvConfig, Pee
                               PortableOverlapError, RowParallelLinear,
                               gemv_all_reduce, gemv_all_reduce_reference)
 from portable_overlap.ops.gemv_allreduce.api import KERNEL_TRANSPORTS
-from portable_overlap.testing import outcomes
+from portable_overlap.testing import not_refused_together, outcomes
 from portable_overlap.testing.compare import rel_err
 
 # bf16: the interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so
@@ -405,9 +405,7 @@ def _grad_on_one_rank(world, transport):
 @pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
 def test_a_grad_refusal_on_one_rank_fails_the_call_on_every_rank(world2, transport):
     mine, peer = world2.run(_grad_on_one_rank, transport, timeout=120)
-    for name in ("ctx", "function"):
-        assert mine[name][0] == "RuntimeError" and "no backward" in mine[name][1], mine
-        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer
+    assert not not_refused_together(mine, peer, ("ctx", "function"), "no backward"), (mine, peer)
     assert mine["next"] < 1e-5 and peer["next"] < 1e-5
 
 

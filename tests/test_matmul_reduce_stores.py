@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import portable_overlap as po
-from portable_overlap.testing import call_while_peers_skip, error_of_one_call, outcomes
+from portable_overlap.testing import (call_while_peers_skip, error_of_one_call,
+                                      not_refused_together, outcomes)
 from portable_overlap.testing.compare import rel_err
 
 # bf16: a 1-ulp difference in one of the 3 elements of the smallest case is 1 % of its norm
@@ -173,7 +174,6 @@ def _grad(world, mode):
 @pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
 def test_an_input_that_requires_grad_is_refused_on_every_rank(world2, mode):
     mine, peer = world2.run(_grad, mode, timeout=120)
-    for name in ("ctx", "function, bias"):
-        assert mine[name][0] == "RuntimeError" and "no backward" in mine[name][1], mine
-        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer
+    assert not not_refused_together(mine, peer, ("ctx", "function, bias"), "no backward"), \
+        (mine, peer)
     assert mine["next"] < 1e-5 and peer["next"] < 1e-5

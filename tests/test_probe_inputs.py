@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from portable_overlap import GemvAllReduce, gemv_all_reduce_reference
+from portable_overlap.testing import not_refused_together
 from portable_overlap.testing.compare import rel_err
 
 
@@ -231,8 +232,7 @@ def _grad_on_one_rank(world):
 
 def test_a_grad_refusal_on_one_rank_fails_the_call_on_every_rank(world2):
     mine, peer = world2.run(_grad_on_one_rank)
-    for name in ("moe_dispatch", "moe_dispatch_swiglu", "dispatch_swiglu", "moe_gemm_combine"):
-        assert mine[name][0] == "RuntimeError" and "has no backward" in mine[name][1], mine
-        assert peer[name][0] == "PeerTimeoutError" and "gave up" in peer[name][1], peer
+    names = ("moe_dispatch", "moe_dispatch_swiglu", "dispatch_swiglu", "moe_gemm_combine")
+    assert not not_refused_together(mine, peer, names, "has no backward"), (mine, peer)
     for found in (mine, peer):
         assert found["next call"][0] == ("ok", "") and found["next call"][1] < 1e-5, found

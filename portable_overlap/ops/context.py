@@ -138,6 +138,19 @@ def refuse_call(contexts: Sequence, error: BaseException) -> None:
     run_collective(contexts, fail)
 
 
+def refuse_grad_as_call(op: str, tensors, contexts: Sequence) -> None:
+    """``refuse_grad(op, *tensors)`` made before the call reached its contexts, raised as a
+    refused call of those of ``contexts`` that are contexts (``refuse_call``), so the peers fail
+    this same call at once; with none (a context not settled yet) on this rank alone."""
+    try:
+        refuse_grad(op, *tensors)
+    except RuntimeError as e:
+        contexts = [c for c in contexts if isinstance(c, ContextBase)]
+        if contexts:
+            refuse_call(contexts, e)
+        raise
+
+
 class ContextBase:
     """What every context shares, whatever moves its data: the op name in its errors, a checked
     ``timeout_s``, the Triton interpreter on the CPU backend, a handle for the torch.library ops

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .context import ContextBase, get_context, refuse_call, refuse_grad
+from .context import ContextBase, get_context, refuse_grad_as_call
 
 NAMESPACE = "portable_overlap"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -89,18 +89,14 @@ class OpSpec:
         The torch op is used under ``torch.compile``, or when ``grad`` says autograd must record
         the call; then every option must be unset (None), as a functional op has none."""
         check_context(self, ctx)
+        eager = not (grad or torch.compiler.is_compiling())
         if self.backward is None:
-            if hasattr(ctx, "check_grad"):  # a pattern's context: refused by its workspace
+            if not hasattr(ctx, "check_grad"):
+                refuse_grad_as_call(self.name, args, (ctx,))
+            elif not eager:  # a pattern's context checks its eager calls itself (_dispatch)
                 inputs, _, given = ctx._bind(*args, **options)
                 ctx.check_grad(inputs, given)
-            else:
-                try:
-                    refuse_grad(self.name, *args)
-                except RuntimeError as e:
-                    if isinstance(ctx, ContextBase):  # refused on every rank, not on this one
-                        refuse_call((ctx,), e)
-                    raise
-        if not (grad or torch.compiler.is_compiling()):
+        if eager:
             return self.run(ctx, *args, **options)
         set_ = [k for k, v in options.items() if v is not None]
         if set_:
@@ -198,13 +194,8 @@ class PartSpec:
         eagerly, or under ``torch.compile`` as its torch op, or, where an option is set, as a
         graph break around the eager call."""
         names = self.arg_names
-        try:
-            refuse_grad(self.name, *(a for n, a in zip(names, args) if n in self.grad_args))
-        except RuntimeError as e:  # refused on every rank: the peers fail this call too
-            contexts = [a for a in args if isinstance(a, ContextBase)]
-            if contexts:
-                refuse_call(contexts, e)
-            raise
+        refuse_grad_as_call(self.name, [a for n, a in zip(names, args) if n in self.grad_args],
+                            args)
         if not torch.compiler.is_compiling():
             return self.run(*args, **options)
         if any(v is not None for v in options.values()):

@@ -53,8 +53,6 @@ def outcomes(ctx, calls: dict, within_s: float = 20.0) -> dict:
     after it: name -> ``(error type name, message)``, ``("no error", "")`` for a call that
     returned. Every call (an error included) must end within ``within_s`` seconds: a call one
     rank refuses must fail its peers at once, not at their timeout."""
-    import time
-
     found = {}
     for name, call in calls.items():
         t0 = time.monotonic()
@@ -68,3 +66,13 @@ def outcomes(ctx, calls: dict, within_s: float = 20.0) -> dict:
         if elapsed >= within_s:
             raise AssertionError(f"{name}: took {elapsed:.1f} s (more than {within_s} s)")
     return found
+
+
+def not_refused_together(refuser: dict, peer: dict, names, reason: str) -> list:
+    """The calls among ``names`` (keys of two ranks' :func:`outcomes`) that one rank refused
+    but its peer did not fail with it: the refusing rank must raise ``RuntimeError`` whose text
+    holds ``reason``, the peer a ``PeerTimeoutError`` saying the refuser gave up. Empty when
+    every such call was refused on both ranks."""
+    return [n for n in names
+            if not (refuser[n][0] == "RuntimeError" and reason in refuser[n][1]
+                    and peer[n][0] == "PeerTimeoutError" and "gave up" in peer[n][1])]
