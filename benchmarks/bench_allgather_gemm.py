@@ -9,7 +9,8 @@ Shapes (M, N, K) of the whole layer: the gathered A is [M, K] (each rank holds M
 each rank holds its N / W columns of the column-parallel B ([K, N / W]).
 Impls: ``fused`` (the copy-engine transport, the heuristic's schedule), one ``fused[<schedule>]``
 per schedule of ``--schedules``, one ``fused[stores,senders=<S>]`` per count of ``--senders``
-(the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips it), ``sequential``
+(the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips it), one
+``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``sequential``
 (all_gather_into_tensor then torch.matmul), ``compute``, ``comm``, ``torch_fused``.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
@@ -40,7 +41,25 @@ def parser() -> BenchParser:
     p.add_argument("--senders", default="default",
                    help="comma list of sender counts of the 'stores' transport, 'default' for "
                         "its rule, 'none' to skip it (default: %(default)s)")
+    p.add_argument("--stores", default="none",
+                   help="comma list of option sets of the 'stores' transport, each "
+                        "'key=value' joined by '+' (senders, copy_block, join), e.g. "
+                        "'senders=8+copy_block=32768,join=0' (default: none)")
     return p
+
+
+STORES_OPTIONS = {"senders": int, "copy_block": int, "join": lambda v: bool(int(v))}
+
+
+def _options(text: str) -> dict:
+    """One ``--stores`` option set: 'senders=8+join=0' -> {'senders': 8, 'join': False}."""
+    opts = {}
+    for kv in text.split("+"):
+        k, _, v = kv.partition("=")
+        if k not in STORES_OPTIONS or not v:
+            raise SystemExit(f"--stores: bad option {kv!r}; choose from {list(STORES_OPTIONS)}")
+        opts[k] = STORES_OPTIONS[k](v)
+    return opts
 
 
 def _list(text: str, allowed=None) -> list:
@@ -61,6 +80,9 @@ def body(bench) -> int:
     stores = {n: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                  senders=None if n == "default" else int(n))
               for n in _list(args.senders)}
+    variants = {v: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
+                                   **_options(v))
+                for v in _list(args.stores)}
     group_name = dist.group.WORLD.group_name
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     for dname in args.dtypes:
@@ -77,6 +99,8 @@ def body(bench) -> int:
                 impls[f"fused[{s}]"] = lambda s=s: ctx(a, b, out, schedule=s)
             for n, sctx in stores.items():
                 impls[f"fused[stores,senders={n}]"] = lambda c=sctx: c(a, b, out)
+            for v, vctx in variants.items():
+                impls[f"fused[stores,{v.replace('+', ',')}]"] = lambda c=vctx: c(a, b, out)
             impls.update({
                 "sequential": lambda: (dist.all_gather_into_tensor(full, a),
                                        torch.matmul(full, b, out=out)),
@@ -98,7 +122,7 @@ def body(bench) -> int:
             def check(name):
                 out.fill_(float("nan"))
                 impls[name]()
-                for c in (ctx, *stores.values()):
+                for c in (ctx, *stores.values(), *variants.values()):
                     c.synchronize()
                 return rel_err(out, ref)
 
@@ -106,7 +130,7 @@ def body(bench) -> int:
                 op=OP, shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls, check=check,
                 fields=lambda name: {"schedule": pick if name == "fused" else None},
                 notes={"pick": pick}, label=f"{M}x{N}x{K} {dname}"))
-    for c in (ctx, *stores.values()):
+    for c in (ctx, *stores.values(), *variants.values()):
         c.close()
     return 0
 

@@ -99,7 +99,7 @@ def sass_offline(out: str, tut) -> dict:
 
     target = ("cuda", 90, 32)
     _, fn, sig, consts, aligned = next(s for s in specs()
-                                       if s[0] == "allgather_gemm[bf16, descriptors]")
+                                       if s[0] == "allgather_gemm[bf16, descriptors, joined]")
     lib = compile_spec(fn, sig, consts, aligned, target, num_warps=8, num_stages=3)
     tconsts = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, STAGES=3, EVEN_K=True,
                    COPY=8192, USE_DESC=True)

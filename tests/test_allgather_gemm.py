@@ -197,14 +197,15 @@ def test_sequential_transport_matches_the_copy_engines(world, dtype):
 STORE_SHAPES = [(16, 16, 16), (5, 7, 3), (40, 33, 20), (1, 9, 4), (33, 70, 18)]
 
 
-def _stores(world, dtype, senders):
+def _stores(world, dtype, senders, **options):
     """Every shape on one context, twice each (the second call reuses the buffer the first
-    filled, so it waits for the peers to release it), outputs poisoned before each call."""
+    filled, so it waits for the peers to release it, and claims its tiles from a counter the
+    first call's last program reset), outputs poisoned before each call."""
     from portable_overlap.testing.compare import rel_err
 
     W = world.world_size
     ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in STORE_SHAPES),
-                          transport="stores", senders=senders)
+                          transport="stores", senders=senders, **options)
     found = []
     try:
         for i, (m, N, K) in enumerate(STORE_SHAPES):
@@ -236,6 +237,14 @@ def test_stores_transport_with_few_senders(world2, senders):
         assert all(into and err < 1e-5 for _, into, err in found), found
 
 
+@pytest.mark.parametrize("copy_block", [1024, 65536])
+def test_stores_transport_copy_blocks(world2, copy_block):
+    """A sender's step smaller than a chunk (many steps, the last one partial) and larger than
+    any shard here (one masked step)."""
+    for found in world2.run(_stores, torch.bfloat16, 2, copy_block=copy_block):
+        assert all(into and err < TOL[torch.bfloat16] for _, into, err in found), found
+
+
 def _stores_bad(world):
     ctx = AllGatherMatmul(world, max_shard_elems=64, transport="stores")
     a, b = torch.randn(4, 8), torch.randn(8, 5)
@@ -256,7 +265,9 @@ def _stores_bad(world):
     ctx.synchronize()
     err = ((out - all_gather_matmul_reference(a, b, world.group)).norm() / out.norm()).item()
     ctx.close()
-    for kw in ({"senders": 0}, {"senders": 2.5}, {"config": "big"}, {"pieces": 2}):
+    for kw in ({"senders": 0}, {"senders": 2.5}, {"config": "big"}, {"pieces": 2},
+               {"copy_block": 1000}, {"copy_block": 512}, {"copy_block": 1 << 17},
+               {"join": "yes"}):
         try:
             AllGatherMatmul(world, 64, transport="stores", **kw)
             msgs.append(None)

@@ -5,22 +5,26 @@ Rank r holds ``a_r`` [m, K]; the result is ``cat(a_0, ..., a_{W-1}) @ b`` [W*m, 
 heap has a gather buffer [W*m, K] (rows ``q*m .. (q+1)*m`` for rank q's shard) and ready flags
 ``ready[q][c]``, one per source rank q and row chunk c of its shard (``chunk_rows`` rows each).
 
-The grid's first ``senders`` programs move data, the rest compute (roles by program id, so
-every program of the launch is resident at once and the senders start first; under the
+The grid's first ``senders`` programs move data first, the rest compute (roles by program id,
+so every program of the launch is resident at once and the senders start first; under the
 interpreter, which runs programs one after another, the senders finish before any tile waits).
 
 - A sender takes units ``pid, pid + senders, ...`` of this rank's list: chunk-major, and within
   a chunk peer r+1, r+2, ... (every peer receives chunk 0 from all its peers first, so all links
   carry data at once). A unit is one chunk's rows, contiguous in ``a`` and in the peer's buffer,
-  stored straight into the peer's heap (zero-copy, vector stores); then a barrier and the
-  release of ``ready[r][c]`` in that peer's heap. When ``m`` is not a multiple of BLOCK_M some
-  tiles hold rows of two shards, and this rank's own shard is copied into its own buffer too
-  (``COPY_OWN``; those units come first).
-- A compute program takes the tiles ``t = cpid, cpid + P, ...`` (P compute programs) of a
-  grouped order over the M tiles listed in ``order`` (the host puts the tiles of this rank's own
-  rows first, then the rest by when their rows arrive). A tile inside this rank's rows reads
-  ``a`` at once; any other tile first waits (acquire, bounded) for the ready flag of every chunk
-  its rows touch, then reads the gather buffer.
+  stored straight into the peer's heap (zero-copy, vector stores, ``COPY_BLOCK`` elements in
+  flight per step); then a barrier and the release of ``ready[r][c]`` in that peer's heap. When
+  ``m`` is not a multiple of BLOCK_M some tiles hold rows of two shards, and this rank's own
+  shard is copied into its own buffer too (``COPY_OWN``; those units come first).
+- A compute program claims tiles one at a time from the call's counter (``tile_ptr``, an
+  atomic add), in a grouped order over the M tiles listed in ``order`` (the host puts the tiles
+  of this rank's own rows first, then the rest by when their rows arrive). A tile inside this
+  rank's rows reads ``a`` at once; any other tile first waits (acquire, bounded) for the ready
+  flag of every chunk its rows touch, then reads the gather buffer. With ``JOIN`` a sender
+  claims tiles too once its units are sent, so its processor computes for the rest of the call
+  instead of idling (not under the interpreter: there a sender that waited for a peer's chunk
+  would wait for a program of that peer that runs after the peer's own waiting sender). The
+  last program out resets the counter for the next call.
 
 Before its first store into rank d in a call, a sender waits until d has read the previous
 call's gather buffer (``pol.wait_consumed_once`` on ``consumed[d]``); the last program of a
@@ -100,13 +104,68 @@ def _await_rows(ctx, ready_ptr, row_lo, row_hi, m, chunk_rows, call, tag, ok,
 
 
 @triton.jit
+def _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_ptr, m, N, K,
+             stride_bk, stride_bn, chunk_rows, rank, world, call, tag, ok, a_desc, g_desc,
+             b_desc, USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+             NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+             UPCAST: tl.constexpr, C_MAX: tl.constexpr):
+    """Claim tiles from the call's counter (``tile_ptr``) until none is left, and compute each
+    (module docstring); returns ``ok`` (False once a wait failed: the program stops claiming)."""
+    rows_all = world * m
+    num_pid_m = tl.cdiv(rows_all, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = num_pid_m * num_pid_n
+    own_lo = rank * m
+    t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")
+    while (t < n_tiles) & ok:
+        vm, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        tm = tl.load(order_ptr + vm)
+        row_lo = tm * BLOCK_M
+        row_hi = tl.minimum(row_lo + BLOCK_M, rows_all)
+        # one main loop for both sources (two would hold two sets of pipeline buffers: 288 KiB
+        # of shared memory with descriptors, and spill registers)
+        own = (row_lo >= own_lo) & (row_hi <= own_lo + m)  # this rank's rows: no wait
+        if not own:
+            ok = _await_rows(ctx, ready_ptr, row_lo, row_hi, m, chunk_rows, call, tag, ok,
+                             C_MAX)
+        if USE_DESC:
+            if own:
+                src_desc = a_desc
+                src_row = row_lo - own_lo
+            else:
+                pol.fence_bulk_reads()  # the acquire above, before the bulk copies
+                src_desc = g_desc
+                src_row = row_lo
+            acc = gemm_tile_desc_of(src_desc, b_desc, src_row, pid_n * BLOCK_N, K, BLOCK_M,
+                                    BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION, B_TRANS)
+        else:
+            if own:
+                src = a_ptr + (row_lo - own_lo).to(tl.int64) * K
+            else:
+                src = gather_ptr + row_lo.to(tl.int64) * K
+            acc = gemm_tile(src, b_ptr, row_hi - row_lo, N, K, K, 1, stride_bk, stride_bn, 0,
+                            pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
+                            UPCAST)
+        if ok:
+            rows = row_lo + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (rows < row_hi)[:, None] & (cols < N)[None, :]
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+        t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")
+    return ok
+
+
+@triton.jit
 def allgather_gemm_kernel(
     a_ptr, b_ptr, out_ptr,  # a [m, K] contiguous, b [K, N] (any strides), out [W*m, N]
     gather_ptr, ready_ptr, consumed_ptr,  # heap: [W*m, K], int64 flags [W, C_MAX], [W]
+    tile_ptr,  # int64: the next tile to claim in this call (0 between calls)
     ctx, order_ptr,  # the device API's descriptor; int32 M-tile order
-    m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, senders, G, tag,
+    m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, senders, tag,
     a_desc, g_desc, b_desc,  # descriptors of a, the gather buffer and b (b.t(): B_TRANS)
-    USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, COPY_OWN: tl.constexpr,
+    USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, COPY_OWN: tl.constexpr, JOIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr,
@@ -120,51 +179,13 @@ def allgather_gemm_kernel(
         ok = _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K,
                    chunk_rows, n_chunks, rank, world, call, tag, ok, COPY_OWN, COPY_BLOCK, VEC,
                    C_MAX)
-    else:
-        P = G - senders
-        rows_all = world * m
-        num_pid_m = tl.cdiv(rows_all, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        n_tiles = num_pid_m * num_pid_n
-        own_lo = rank * m
-        for i in range(0, tl.cdiv(n_tiles, P)):
-            t = pid - senders + i * P
-            if (t < n_tiles) & ok:
-                vm, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
-                tm = tl.load(order_ptr + vm)
-                row_lo = tm * BLOCK_M
-                row_hi = tl.minimum(row_lo + BLOCK_M, rows_all)
-                # one main loop for both sources (two would hold two sets of pipeline
-                # buffers: 288 KiB of shared memory with descriptors, and spill registers)
-                own = (row_lo >= own_lo) & (row_hi <= own_lo + m)  # this rank's rows: no wait
-                if not own:
-                    ok = _await_rows(ctx, ready_ptr, row_lo, row_hi, m, chunk_rows, call, tag,
-                                     ok, C_MAX)
-                if USE_DESC:
-                    if own:
-                        src_desc = a_desc
-                        src_row = row_lo - own_lo
-                    else:
-                        pol.fence_bulk_reads()  # the acquire above, before the bulk copies
-                        src_desc = g_desc
-                        src_row = row_lo
-                    acc = gemm_tile_desc_of(src_desc, b_desc, src_row, pid_n * BLOCK_N, K,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION,
-                                            B_TRANS)
-                else:
-                    if own:
-                        src = a_ptr + (row_lo - own_lo).to(tl.int64) * K
-                    else:
-                        src = gather_ptr + row_lo.to(tl.int64) * K
-                    acc = gemm_tile(src, b_ptr, row_hi - row_lo, N, K, K, 1, stride_bk,
-                                    stride_bn, 0, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                    EVEN_K, PRECISION, UPCAST)
-                if ok:
-                    rows = row_lo + tl.arange(0, BLOCK_M)
-                    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                    mask = (rows < row_hi)[:, None] & (cols < N)[None, :]
-                    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
-                             acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    # the last program out: every read of the gather buffer is done; tell the peers
-    pol.end_call_consumed(ctx, call, consumed_ptr)
+    if JOIN or (pid >= senders):
+        ok = _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_ptr, m,
+                      N, K, stride_bk, stride_bn, chunk_rows, rank, world, call, tag, ok,
+                      a_desc, g_desc, b_desc, USE_DESC, B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K,
+                      GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, C_MAX)
+    # the last program out: every read of the gather buffer is done (tell the peers) and every
+    # claim of this call is made (the next call's tiles count from 0 again)
+    last = pol.end_call_consumed(ctx, call, consumed_ptr)
+    if last:
+        tl.atomic_xchg(tile_ptr, 0, sem="relaxed", scope="gpu")

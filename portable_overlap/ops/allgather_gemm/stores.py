@@ -21,7 +21,8 @@ from .kernel import FLAG_LABELS, allgather_gemm_kernel
 OP = "all_gather_matmul"
 #: the most row chunks one shard is cut into (flag slots per source rank)
 C_MAX = 1024
-#: elements a sender moves per step of its copy loop (16 KiB of bf16)
+#: elements a sender moves per step of its copy loop (16 KiB of bf16) unless told otherwise;
+#: the step's loads are all in flight before its stores, so the block bounds a sender's rate
 COPY_BLOCK = 8192
 
 
@@ -77,15 +78,18 @@ def tile_order(rank: int, world: int, m: int, block_m: int, chunk_rows: int) -> 
 
 class AllGatherMatmulStores(OverlapContext):
     """The ``"stores"`` transport's workspace: a gather buffer for ``max_shard_elems`` (m x K
-    of the largest call) from every rank, ready flags, the status board. Options:
-    ``config`` (the GEMM tiling; default: the device's) and ``senders`` (programs that send;
-    default: ``default_senders``)."""
+    of the largest call) from every rank, ready flags, the tile counter, the status board.
+    Options: ``config`` (the GEMM tiling; default: the device's), ``senders`` (programs that
+    send; default: ``default_senders``), ``copy_block`` (elements a sender moves per step, a
+    power of two in [1024, 65536]; default ``COPY_BLOCK``) and ``join`` (senders compute once
+    their units are sent; default True; GPUs only, kernel.py says why)."""
 
     OP = OP
     FLAG_LABELS = FLAG_LABELS
 
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
-                 senders: Optional[int] = None, timeout_s: float = 10.0):
+                 senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
+                 join: bool = True, timeout_s: float = 10.0):
         W = world.world_size
         if max_shard_elems < 1:
             raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
@@ -93,16 +97,28 @@ class AllGatherMatmulStores(OverlapContext):
             raise TypeError(f"{OP}: config must be a MatmulConfig, got {type(config).__name__}")
         if senders is not None and (not isinstance(senders, int) or not 1 <= senders <= 512):
             raise ValueError(f"{OP}: senders must be an int in [1, 512], got {senders!r}")
+        if (not isinstance(copy_block, int) or copy_block & (copy_block - 1)
+                or not 1024 <= copy_block <= 65536):
+            raise ValueError(f"{OP}: copy_block must be a power of two in [1024, 65536], got "
+                             f"{copy_block!r}")
+        if not isinstance(join, bool):
+            raise TypeError(f"{OP}: join must be a bool, got {type(join).__name__}")
         if W > 64:  # the senders keep one bit per peer ("its buffer is free") in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
-        world.check_same(f"{OP} context arguments (max_shard_elems, config, senders)",
-                         (max_shard_elems, config, senders))
+        world.check_same(f"{OP} context arguments (max_shard_elems, config, senders, "
+                         f"copy_block, join)", (max_shard_elems, config, senders, copy_block,
+                                                join))
         super().__init__(world, [
             ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
             ("ready", (W, C_MAX), torch.int64), ("consumed", (W,), torch.int64),
+            ("tile_next", (1,), torch.int64),
         ], timeout_s)
         self.call_protocol(self.ctx, call_flags=(self.ready,), free_flags=(self.consumed,))
         self.max_shard_elems, self.config, self.senders = max_shard_elems, config, senders
+        self.copy_block = copy_block
+        # the interpreter runs programs one after another: a joined sender would wait there
+        # for a peer program that has not run (kernel.py)
+        self.join = join and world.facts.vendor != "cpu"
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
 
     @collective_call
@@ -124,15 +140,15 @@ class AllGatherMatmulStores(OverlapContext):
         W = self.world.world_size
         return self._gather[dtype][: W * m * K].view(W * m, K)
 
-    def _args(self, a, b, out, plan, programs: Optional[int] = None, tag: Optional[int] = None):
+    def _args(self, a, b, out, plan, tag: Optional[int] = None):
         m, K = a.shape
         a_desc = b_desc = None
         if plan.use_desc:  # per call: they hold a's and b's addresses
             a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
-        return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.ctx,
-                plan.order, m, b.shape[1], K, b.stride(0), b.stride(1), plan.chunk_rows,
-                plan.n_chunks, plan.senders, plan.programs if programs is None else programs,
-                plan.tag if tag is None else tag, a_desc, plan.g_desc, b_desc)
+        return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.tile_next,
+                self.ctx, plan.order, m, b.shape[1], K, b.stride(0), b.stride(1),
+                plan.chunk_rows, plan.n_chunks, plan.senders, plan.tag if tag is None else tag,
+                a_desc, plan.g_desc, b_desc)
 
     def _plan(self, a, b, out):
         m, K = a.shape
@@ -166,14 +182,15 @@ class AllGatherMatmulStores(OverlapContext):
             return shape_tag(m=m, N=N, K=K, dtype=str(a.dtype), config=cfg, programs=g,
                              senders=senders, chunk_rows=chunk_rows)
 
-        consts = dict(USE_DESC=use_desc, B_TRANS=b_trans, COPY_OWN=copy_own, BLOCK_M=cfg.block_m,
+        consts = dict(USE_DESC=use_desc, B_TRANS=b_trans, COPY_OWN=copy_own, JOIN=self.join,
+                      BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
                       PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype),
-                      COPY_BLOCK=COPY_BLOCK, VEC=vec, C_MAX=C_MAX, num_warps=cfg.num_warps,
+                      COPY_BLOCK=self.copy_block, VEC=vec, C_MAX=C_MAX, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages)
         plan = self._compile(allgather_gemm_kernel, programs, consts,
-                             lambda g: self._args(a, b, out, p, g, tag_of(g)))
+                             lambda g: self._args(a, b, out, p, tag_of(g)))
         if plan.programs <= senders:
             raise RuntimeError(f"{OP}: only {plan.programs} programs of this kernel fit on the "
                                f"device at once, not more than senders={senders}: pass fewer "
