@@ -117,7 +117,7 @@ def _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_
     num_pid_n = tl.cdiv(N, BLOCK_N)
     n_tiles = num_pid_m * num_pid_n
     own_lo = rank * m
-    t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")
+    t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu").to(tl.int32)
     while (t < n_tiles) & ok:
         vm, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         tm = tl.load(order_ptr + vm)
@@ -153,7 +153,7 @@ def _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_
             mask = (rows < row_hi)[:, None] & (cols < N)[None, :]
             tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
-        t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")
+        t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu").to(tl.int32)
     return ok
 
 
