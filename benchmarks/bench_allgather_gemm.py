@@ -43,12 +43,14 @@ def parser() -> BenchParser:
                         "its rule, 'none' to skip it (default: %(default)s)")
     p.add_argument("--stores", default="none",
                    help="comma list of option sets of the 'stores' transport, each "
-                        "'key=value' joined by '+' (senders, copy_block, join), e.g. "
+                        "'key=value' joined by '+' (senders, copy_block, join, pull_share, "
+                        "pull_pieces), e.g. "
                         "'senders=8+copy_block=32768,join=0' (default: none)")
     return p
 
 
-STORES_OPTIONS = {"senders": int, "copy_block": int, "join": lambda v: bool(int(v))}
+STORES_OPTIONS = {"senders": int, "copy_block": int, "join": lambda v: bool(int(v)),
+                  "pull_share": float, "pull_pieces": int}
 
 
 def _options(text: str) -> dict:

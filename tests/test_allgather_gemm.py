@@ -245,6 +245,16 @@ def test_stores_transport_copy_blocks(world2, copy_block):
         assert all(into and err < TOL[torch.bfloat16] for _, into, err in found), found
 
 
+@pytest.mark.parametrize("pull_share,pull_pieces", [(0.5, 2), (1.0, 3)])
+def test_stores_transport_with_copy_engine_pulls(world, pull_share, pull_pieces):
+    """Part (the first rows of every shard) or all of the gather by copy-engine pulls, the rest
+    by the senders, over every shape (shards off the tile height: the own rows are staged and
+    copied too) and ten calls on one context (each restages only after the peers pulled)."""
+    for found in world.run(_stores, torch.bfloat16, 2, pull_share=pull_share,
+                           pull_pieces=pull_pieces):
+        assert all(into and err < TOL[torch.bfloat16] for _, into, err in found), found
+
+
 def _stores_bad(world):
     ctx = AllGatherMatmul(world, max_shard_elems=64, transport="stores")
     a, b = torch.randn(4, 8), torch.randn(8, 5)
@@ -267,7 +277,8 @@ def _stores_bad(world):
     ctx.close()
     for kw in ({"senders": 0}, {"senders": 2.5}, {"config": "big"}, {"pieces": 2},
                {"copy_block": 1000}, {"copy_block": 512}, {"copy_block": 1 << 17},
-               {"join": "yes"}):
+               {"join": "yes"}, {"pull_share": 1.5}, {"pull_share": True},
+               {"pull_pieces": 0}, {"pull_pieces": 2.0}):
         try:
             AllGatherMatmul(world, 64, transport="stores", **kw)
             msgs.append(None)

@@ -118,21 +118,31 @@ def peer_at(step, me, world):
 
 # -- calls ---------------------------------------------------------------------------------------
 @triton.jit
-def begin_call(ctx):
+def begin_call(ctx, COUNTED: tl.constexpr = False):
     """The number of this launch among the workspace's calls (1, 2, ...; int64), the same on
-    every rank. Call it before the first signal or wait; it is what flags carry."""
-    return tl.atomic_add(ctx + CTX_EPOCH, 0, sem="relaxed", scope="gpu") + 1
+    every rank. Call it before the first signal or wait; it is what flags carry. ``COUNTED``:
+    the call was counted before the launch, on the stream (copy-engine transfers of the same
+    call, whose flag kernels carry the count, advance it first): the count is this call's
+    number, and :func:`end_call` must not advance it again."""
+    if COUNTED:
+        call = tl.atomic_add(ctx + CTX_EPOCH, 0, sem="acquire", scope="gpu")
+    else:
+        call = tl.atomic_add(ctx + CTX_EPOCH, 0, sem="relaxed", scope="gpu") + 1
+    return call
 
 
 @triton.jit
-def end_call(ctx, call):
+def end_call(ctx, call, COUNTED: tl.constexpr = False):
     """Count this program out of call ``call``; the last program of the launch advances the
-    workspace's call counter for the next launch. Every program calls it once, as its last
-    step. Returns whether this program was the last."""
+    workspace's call counter for the next launch (not when ``COUNTED``: see
+    :func:`begin_call`). Every program calls it once, as its last step. Returns whether this
+    program was the last."""
     ticket = tl.atomic_add(ctx + CTX_EPOCH + 1, 1, sem="acq_rel", scope="gpu")
     last = ticket == num_programs() - 1
     tl.atomic_xchg(ctx + CTX_EPOCH + 1, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctx + CTX_EPOCH, call.to(tl.int64), mask=last, sem="release", scope="gpu")
+    if not COUNTED:
+        tl.atomic_xchg(ctx + CTX_EPOCH, call.to(tl.int64), mask=last, sem="release",
+                       scope="gpu")
     return last
 
 
@@ -414,15 +424,15 @@ def wait_consumed_once(ctx, consumed_ptr, peer, call, waited, ok):
 
 
 @triton.jit
-def end_call_consumed(ctx, call, consumed_ptr):
+def end_call_consumed(ctx, call, consumed_ptr, COUNTED: tl.constexpr = False):
     """:func:`end_call` of a launch whose peers store into this rank's buffers: the last
     program out also sets ``consumed_ptr[rank]`` to ``call`` in every peer's heap (what the
     peers' :func:`wait_consumed` of the next call waits for). A barrier orders this program's
     reads of the received data before its ticket, so when the last program signals, no program
     of the launch reads the buffers any more. Every program calls it once, as its last step;
-    returns whether this program was the last."""
+    returns whether this program was the last. ``COUNTED`` as in :func:`begin_call`."""
     tl.debug_barrier()
-    last = end_call(ctx, call)
+    last = end_call(ctx, call, COUNTED)
     if last:
         signal_all(ctx, consumed_ptr + rank(ctx), call)
     return last

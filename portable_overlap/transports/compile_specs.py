@@ -1,5 +1,5 @@
 """Compile signatures of the copy-engine transport's one-program flag kernels."""
-from .flag_kernels import epoch_kernel, refuse_kernel, signal_kernel, wait_kernel
+from .flag_kernels import epoch_kernel, landed_kernel, refuse_kernel, signal_kernel, wait_kernel
 
 
 def specs():
@@ -8,6 +8,9 @@ def specs():
            {"flag_ptr": "*i64", "bases_ptr": "*i64", "rank": "i32", "peer": "i32",
             "ctl_ptr": "*i64", "back": "i32", "tag": "i32", "clock_ptr": "*i64",
             "status_addr": "i64"}, {}, [])
+    yield ("ce_landed", landed_kernel,
+           {"flags_ptr": "*i64", "n": "i32", "ctl_ptr": "*i64", "tag": "i32", "clock_ptr": "*i64",
+            "status_addr": "i64", "BLOCK": "constexpr"}, {"BLOCK": 128}, [])
     for check in (True, False):
         yield (f"ce_wait[{check}]", wait_kernel,
                {"flag_ptr": "*i64", "peer": "i32", "ctl_ptr": "*i64", "back": "i32", "tag": "i32",

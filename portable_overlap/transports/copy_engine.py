@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from .flag_kernels import epoch_kernel, signal_kernel, wait_kernel
+from .flag_kernels import epoch_kernel, landed_kernel, signal_kernel, wait_kernel
 
 #: the wait kernels' "what" words: (kind << 32) | index, named in errors
 KIND_READY, KIND_CONSUMED = 1, 2
@@ -61,6 +61,9 @@ class CopyEngineLinks:
             signal_kernel, 1, one,
             lambda g: (consumed, ctx.heap.bases, self.rank, (self.rank + 1) % self.world.world_size,
                        ctl, 0, tag0, clock, st))
+        self._launch["landed"] = ctx._compile(
+            landed_kernel, 1, dict(one, BLOCK=128),
+            lambda g: (ready, 1, ctl, tag0, clock, st))
         for check in (True, False):
             self._launch[("wait", check)] = ctx._compile(
                 wait_kernel, 1, dict(one, CHECK_TAG=check),
@@ -159,6 +162,13 @@ class CopyEngineLinks:
         dst_pitch, src_pitch = ((t.stride(0) * es if height > 1 else width) for t in (dst, src))
         self.backend.copy_2d_async(dst_addr, dst_pitch, src_addr, src_pitch, width, height,
                                    stream)
+
+    def landed(self, flags: torch.Tensor, tag: int) -> None:
+        """Set the local heap flags ``flags`` (a contiguous int64 view) to this call's epoch and
+        ``tag`` once what was queued before on the current stream is done: rows a copy brought
+        in, for a kernel of this rank that waits for them."""
+        self._launch["landed"]((flags, flags.numel(), self.ctl, tag, self.ctx.call_clock,
+                                self.ctx.status.address))
 
     def release(self, q: int) -> None:
         """Tell rank q that this rank has copied out everything q sent it in this call."""

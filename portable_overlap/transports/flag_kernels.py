@@ -53,6 +53,24 @@ def signal_kernel(flag_ptr, bases_ptr, rank, peer, ctl_ptr, back, tag, clock_ptr
                 peer)
 
 
+_LANDED_ARGS = ["flags_ptr", "n", "ctl_ptr", "tag", "clock_ptr", "status_addr"]
+
+
+@triton.jit(do_not_specialize=_LANDED_ARGS, do_not_specialize_on_alignment=_LANDED_ARGS)
+def landed_kernel(flags_ptr, n, ctl_ptr, tag, clock_ptr, status_addr, BLOCK: tl.constexpr):
+    """Set ``n`` consecutive flags of this rank's heap to (the epoch ``ctl[0]``, ``tag``), or to
+    the failure tag once any wait of this rank has given up: what a copy queued before it on
+    the same stream brought in (a pull from a peer, a local copy) has landed, for a kernel of
+    this rank that waits for those rows. Release at system scope, as ``signal_kernel``."""
+    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
+    failed = (read_status(status_addr) != 0) | (live(clock_ptr) == 0)
+    value = flag_value(epoch, tl.where(failed, FAILED_TAG, tag))
+    offs = tl.arange(0, BLOCK)
+    for i in range(0, n, BLOCK):
+        tl.atomic_xchg(flags_ptr + i + offs, tl.full((BLOCK,), value, tl.int64),
+                       mask=i + offs < n, sem="release", scope="sys")
+
+
 @triton.jit(do_not_specialize=_WAIT_ARGS, do_not_specialize_on_alignment=_WAIT_ARGS)
 def wait_kernel(flag_ptr, peer, ctl_ptr, back, tag, clock_ptr, timeout_us, status_addr, slot,
                 what, CHECK_TAG: tl.constexpr):

@@ -46,22 +46,24 @@ FLAG_LABELS = {"ready": "chunk-ready", "consumed": "gather-consumed"}
 
 @triton.jit
 def _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K, chunk_rows,
-          n_chunks, rank, world, call, tag, ok, COPY_OWN: tl.constexpr,
+          n_chunks, n_pull, rank, world, call, tag, ok, COPY_OWN: tl.constexpr,
           COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr):
-    """Sender ``pid``'s units (module docstring): copy, then signal the chunk's flag."""
-    own_units = n_chunks if COPY_OWN else 0
-    n_units = own_units + n_chunks * (world - 1)
+    """Sender ``pid``'s units (module docstring): copy, then signal the chunk's flag. Chunks
+    below ``n_pull`` are the copy engines' (pulled by the peers): no unit."""
+    n_sent = n_chunks - n_pull
+    own_units = n_sent if COPY_OWN else 0
+    n_units = own_units + n_sent * (world - 1)
     waited = tl.zeros((), tl.int64)  # bit d: rank d's buffer is free for this call
     lanes = tl.arange(0, COPY_BLOCK)
     for i in range(0, tl.cdiv(n_units, senders)):
         u = pid + i * senders
         if u < n_units:
             if u < own_units:
-                c = u
+                c = n_pull + u
                 d = rank
             else:
                 v = u - own_units
-                c = v // (world - 1)
+                c = n_pull + v // (world - 1)
                 d = (rank + 1 + v % (world - 1)) % world
             if d != rank:
                 ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, d, call, waited, ok)
@@ -163,22 +165,25 @@ def allgather_gemm_kernel(
     gather_ptr, ready_ptr, consumed_ptr,  # heap: [W*m, K], int64 flags [W, C_MAX], [W]
     tile_ptr,  # int64: the next tile to claim in this call (0 between calls)
     ctx, order_ptr,  # the device API's descriptor; int32 M-tile order
-    m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, senders, tag,
+    m, N, K, stride_bk, stride_bn, chunk_rows, n_chunks, n_pull, senders, tag,
     a_desc, g_desc, b_desc,  # descriptors of a, the gather buffer and b (b.t(): B_TRANS)
     USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, COPY_OWN: tl.constexpr, JOIN: tl.constexpr,
+    PULLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    call = pol.begin_call(ctx)
+    # with PULLS the copy-engine side counted the call on the stream before this launch: its
+    # flag kernels and this kernel's flags carry the same number
+    call = pol.begin_call(ctx, PULLS)
     rank = pol.rank(ctx)
     world = pol.num_ranks(ctx)
     ok = pol.is_live(ctx)
     if pid < senders:
         ok = _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K,
-                   chunk_rows, n_chunks, rank, world, call, tag, ok, COPY_OWN, COPY_BLOCK, VEC,
-                   C_MAX)
+                   chunk_rows, n_chunks, n_pull, rank, world, call, tag, ok, COPY_OWN,
+                   COPY_BLOCK, VEC, C_MAX)
     if JOIN or (pid >= senders):
         ok = _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_ptr, m,
                       N, K, stride_bk, stride_bn, chunk_rows, rank, world, call, tag, ok,
@@ -186,6 +191,6 @@ def allgather_gemm_kernel(
                       GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, C_MAX)
     # the last program out: every read of the gather buffer is done (tell the peers) and every
     # claim of this call is made (the next call's tiles count from 0 again)
-    last = pol.end_call_consumed(ctx, call, consumed_ptr)
+    last = pol.end_call_consumed(ctx, call, consumed_ptr, PULLS)
     if last:
         tl.atomic_xchg(tile_ptr, 0, sem="relaxed", scope="gpu")

@@ -81,15 +81,28 @@ class AllGatherMatmulStores(OverlapContext):
     of the largest call) from every rank, ready flags, the tile counter, the status board.
     Options: ``config`` (the GEMM tiling; default: the device's), ``senders`` (programs that
     send; default: ``default_senders``), ``copy_block`` (elements a sender moves per step, a
-    power of two in [1024, 65536]; default ``COPY_BLOCK``) and ``join`` (senders compute once
-    their units are sent; default True; GPUs only, kernel.py says why)."""
+    power of two in [1024, 65536]; default ``COPY_BLOCK``), ``join`` (senders compute once
+    their units are sent; default True; GPUs only, kernel.py says why), ``pull_share`` (the
+    share of every shard's chunks, from its first rows, that the copy engines move instead of
+    the senders; default 0) and ``pull_pieces`` (copies per peer for that share; default 2).
+
+    With ``pull_share`` > 0 each rank copies the first ``n_pull`` chunks of its shard into its
+    own slot of its gather buffer (a copy-engine copy) and tells its peers; every rank pulls
+    them from every peer into the same rows of its buffer (one side stream per peer, the
+    receiver's copy engine reading over the link), and marks each piece's chunk flags when it
+    lands. The kernel's tiles wait for those flags as for the senders', and the senders move
+    only the chunks from ``n_pull`` on. The copy engines take no processor: where SM stores
+    alone cannot fill the links, the two together move the shard while more processors
+    compute. A rank restages only after every peer pulled the previous call's rows
+    (``pulled``); every wait is bounded (transports/copy_engine.py)."""
 
     OP = OP
     FLAG_LABELS = FLAG_LABELS
 
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
-                 join: bool = True, timeout_s: float = 10.0):
+                 join: bool = True, pull_share: float = 0.0, pull_pieces: int = 2,
+                 timeout_s: float = 10.0):
         W = world.world_size
         if max_shard_elems < 1:
             raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
@@ -103,17 +116,41 @@ class AllGatherMatmulStores(OverlapContext):
                              f"{copy_block!r}")
         if not isinstance(join, bool):
             raise TypeError(f"{OP}: join must be a bool, got {type(join).__name__}")
+        if (isinstance(pull_share, bool) or not isinstance(pull_share, (int, float))
+                or not 0.0 <= pull_share <= 1.0):
+            raise ValueError(f"{OP}: pull_share must be a number in [0, 1], got "
+                             f"{pull_share!r}")
+        if (isinstance(pull_pieces, bool) or not isinstance(pull_pieces, int)
+                or not 1 <= pull_pieces <= 64):
+            raise ValueError(f"{OP}: pull_pieces must be an int in [1, 64], got "
+                             f"{pull_pieces!r}")
         if W > 64:  # the senders keep one bit per peer ("its buffer is free") in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
         world.check_same(f"{OP} context arguments (max_shard_elems, config, senders, "
-                         f"copy_block, join)", (max_shard_elems, config, senders, copy_block,
-                                                join))
+                         f"copy_block, join, pull_share, pull_pieces)",
+                         (max_shard_elems, config, senders, copy_block, join, float(pull_share),
+                          pull_pieces))
         super().__init__(world, [
             ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
             ("ready", (W, C_MAX), torch.int64), ("consumed", (W,), torch.int64),
             ("tile_next", (1,), torch.int64),
+            # the copy engines' share: "my rows are staged" (one word per source rank) and "I
+            # pulled your staged rows" (one per puller)
+            ("avail", (W, 1), torch.int64), ("pulled", (W,), torch.int64),
         ], timeout_s)
-        self.call_protocol(self.ctx, call_flags=(self.ready,), free_flags=(self.consumed,))
+        self.pull_share, self.pull_pieces = float(pull_share), pull_pieces
+        self.pulls = self.pull_share > 0 and W > 1
+        if self.pulls:
+            from ...transports.copy_engine import CopyEngineLinks
+
+            # the links count the calls in the descriptor's call word (the kernel reads it:
+            # begin_call(COUNTED)); one lane stages, one per peer pulls, so a wait for one
+            # peer holds back no other's copies
+            self._links = CopyEngineLinks(self, self.avail, self.pulled, self.ctx[0:1], lanes=W)
+            self.call_protocol(self.ctx, call_flags=(self.ready, self.avail),
+                               free_flags=(self.consumed, self.pulled))
+        else:
+            self.call_protocol(self.ctx, call_flags=(self.ready,), free_flags=(self.consumed,))
         self.max_shard_elems, self.config, self.senders = max_shard_elems, config, senders
         self.copy_block = copy_block
         # the interpreter runs programs one after another: a joined sender would wait there
@@ -133,8 +170,45 @@ class AllGatherMatmulStores(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out)
+        if not self.pulls:
+            plan(self._args(a, b, out, plan))
+            return out
+        links = self._links
+        links.begin()
+        self._pull(a, plan)
         plan(self._args(a, b, out, plan))
+        links.rejoin()
         return out
+
+    def _pull(self, a: torch.Tensor, plan) -> None:
+        """Stage this rank's first ``n_pull`` chunks, pull every peer's (class docstring)."""
+        W, r = self.world.world_size, self.rank
+        m, K = a.shape
+        cr, n_pull, tag = plan.chunk_rows, plan.n_pull, plan.tag
+        g = self._gathered(m, K, a.dtype)
+        links = self._links
+        peers = [(r + i) % W for i in range(1, W)]
+        rows = min(n_pull * cr, m)
+        links.follow(0)
+        with links.on_side(0):
+            for d in peers:  # every peer pulled what this slot held in the previous call
+                links.wait_consumed(d)
+            links.copy_local(g[r * m:r * m + rows], a[:rows])
+            if plan.copy_own:  # tiles across two shards read this rank's rows from the buffer
+                links.landed(self.ready[r, :n_pull], tag)
+            for d in peers:
+                links.notify(d, 0, tag)
+        bounds = [n_pull * p // plan.pull_pieces for p in range(plan.pull_pieces + 1)]
+        for i, q in enumerate(peers, start=1):  # rank r pulls from r+1 first, r+1 from r+2...
+            links.follow(i)
+            with links.on_side(i):
+                links.wait_ready(q, 0, tag)
+                for c0, c1 in zip(bounds, bounds[1:]):
+                    if c1 > c0:
+                        view = g[q * m + c0 * cr:q * m + min(c1 * cr, m)]
+                        links.pull(q, view, view)
+                        links.landed(self.ready[q, c0:c1], tag)
+                links.release(q)
 
     def _gathered(self, m: int, K: int, dtype) -> torch.Tensor:
         W = self.world.world_size
@@ -147,7 +221,8 @@ class AllGatherMatmulStores(OverlapContext):
             a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
         return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.tile_next,
                 self.ctx, plan.order, m, b.shape[1], K, b.stride(0), b.stride(1),
-                plan.chunk_rows, plan.n_chunks, plan.senders, plan.tag if tag is None else tag,
+                plan.chunk_rows, plan.n_chunks, plan.n_pull, plan.senders,
+                plan.tag if tag is None else tag,
                 a_desc, plan.g_desc, b_desc)
 
     def _plan(self, a, b, out):
@@ -158,7 +233,11 @@ class AllGatherMatmulStores(OverlapContext):
         chunk_rows = chunk_rows_for(m, cfg.block_m)
         n_chunks = -(-m // chunk_rows)
         copy_own = W > 1 and m % cfg.block_m != 0
-        units = (n_chunks if copy_own else 0) + n_chunks * (W - 1)
+        # at least one chunk: every call of a context with pulls stages, pulls and releases,
+        # so the "pulled" flags a restaging waits for hold the previous call's number
+        n_pull = max(1, round(self.pull_share * n_chunks)) if self.pulls else 0
+        n_sent = n_chunks - n_pull
+        units = (n_sent if copy_own else 0) + n_sent * (W - 1)
         senders = min(units, self.senders or default_senders(W, facts.sm_count))
         n_tiles = -(-W * m // cfg.block_m) * -(-N // cfg.block_n)
         programs = min(senders + n_tiles, max(facts.sm_count, senders + 1), G_MAX)
@@ -172,7 +251,9 @@ class AllGatherMatmulStores(OverlapContext):
         use_desc = a_desc is not None and g_desc is not None
 
         # what _args needs, before the launch is planned and on it afterwards
-        p = SimpleNamespace(cfg=cfg, chunk_rows=chunk_rows, n_chunks=n_chunks, senders=senders,
+        p = SimpleNamespace(cfg=cfg, chunk_rows=chunk_rows, n_chunks=n_chunks, n_pull=n_pull,
+                            copy_own=copy_own, pull_pieces=min(self.pull_pieces, max(n_pull, 1)),
+                            senders=senders,
                             use_desc=use_desc, g_desc=g_desc if use_desc else None,
                             order=torch.tensor(
                                 tile_order(self.rank, W, m, cfg.block_m, chunk_rows),
@@ -180,9 +261,10 @@ class AllGatherMatmulStores(OverlapContext):
 
         def tag_of(g):  # shapes, tiling, grid, senders: a rank planned otherwise is caught
             return shape_tag(m=m, N=N, K=K, dtype=str(a.dtype), config=cfg, programs=g,
-                             senders=senders, chunk_rows=chunk_rows)
+                             senders=senders, chunk_rows=chunk_rows, n_pull=n_pull)
 
         consts = dict(USE_DESC=use_desc, B_TRANS=b_trans, COPY_OWN=copy_own, JOIN=self.join,
+                      PULLS=self.pulls,
                       BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
