@@ -6,8 +6,8 @@
 # and OUTDIR.tgz packs OUTDIR when it ends.
 # PART:
 #   ops    the GPU checks, torch's fused ops and transport="auto" checks, then AllGather + GEMM
-#          (stores at three sender counts beside the copy engines, torch's fused op,
-#          sequential), GEMM + ReduceScatter / AllReduce and GEMV + AllReduce (one-shot, auto)
+#          (stores at two sender counts and with copy-engine pulls, beside the copy engines,
+#          torch's fused op, sequential), GEMM + ReduceScatter / AllReduce and GEMV + AllReduce (one-shot, auto)
 #   moe    the MoE combine, dispatch and whole-layer benchmarks, the MoE example, the prefill
 #          example over the stores transport
 #   rest   embedding + All-to-All, GEMM + All-to-All, the device API and its tutorials beside
@@ -37,8 +37,9 @@ case "$part" in
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     export PO_SKIP_CHECKS=0 PO_SKIP_AUTO=0 PO_SKIP_AG=0 PO_SKIP_MR=0 PO_SKIP_BENCH=0
     export PO_CHECKS=${PO_CHECKS:-}
-    # the sender counts around the rule's (docs/scaling.md: the first thing to measure)
-    export PO_AG_ARGS=${PO_AG_ARGS:---senders default,16,40 --schedules none}
+    # the stores at the rule's sender count and at 24, and with half of every shard pulled by
+    # the copy engines (docs/scaling.md)
+    export PO_AG_ARGS=${PO_AG_ARGS:---senders default,24 --stores pull_share=0.5 --schedules none}
     ;;
   moe)
     export PO_SKIP_MOE=0 PO_SKIP_MOE_DISPATCH=0 PO_SKIP_MOE_LAYER=0 PO_SKIP_EXAMPLES=0

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..shmem.device import (FAILED_TAG, REFUSED_TAG, await_word, flag_value, live, peer_ptr,
-                             signal_peer)
+                            signal_peer)
 
 
 @triton.jit

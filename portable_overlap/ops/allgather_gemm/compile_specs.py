@@ -27,7 +27,8 @@ def specs():
             sig["b_desc"] = f"tensordesc<{dt}[{bn}, {bk}]>"
         consts = dict(USE_DESC=desc, B_TRANS=bt, COPY_OWN=copy_own, JOIN=join, PULLS=pulls,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
-                      PRECISION=prec, UPCAST=False, COPY_BLOCK=copy, VEC=8 if dt == "bf16" else 4, C_MAX=1024)
+                      PRECISION=prec, UPCAST=False, COPY_BLOCK=copy,
+                      VEC=8 if dt == "bf16" else 4, C_MAX=1024)
         if not desc:
             consts.update(a_desc=None, g_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
@@ -35,5 +36,5 @@ def specs():
         yield (f"allgather_gemm[{dt}{', descriptors' if desc else ''}"
                f"{' of b.t()' if bt else ''}"
                f"{', own copy' if copy_own else ''}{', joined' if join else ''}"
-               f"{f', copy {copy}' if copy != 8192 else ''}{', pulls' if pulls else ''}]", allgather_gemm_kernel, sig, consts,
-               aligned)
+               f"{f', copy {copy}' if copy != 8192 else ''}{', pulls' if pulls else ''}]",
+               allgather_gemm_kernel, sig, consts, aligned)

@@ -240,7 +240,12 @@ class AllGatherMatmulStores(OverlapContext):
         units = (n_sent if copy_own else 0) + n_sent * (W - 1)
         senders = min(units, self.senders or default_senders(W, facts.sm_count))
         n_tiles = -(-W * m // cfg.block_m) * -(-N // cfg.block_n)
-        programs = min(senders + n_tiles, max(facts.sm_count, senders + 1), G_MAX)
+        # with pulls, the links' one-program flag kernels must find a processor while this
+        # kernel runs (its tiles wait for their flags), and a program of this kernel can hold a
+        # whole processor's registers: one processor per lane stays free. (On 4 H200s a grid
+        # of every processor waited for the deadline, call after call, under graph replay.)
+        room = facts.sm_count - (W if self.pulls else 0)
+        programs = min(senders + n_tiles, max(room, senders + 1), G_MAX)
         es = a.element_size()
         vec = 16 // es if (K * es) % 16 == 0 else 1
         # descriptors where the device and operands allow, b's transpose where b is one (a
