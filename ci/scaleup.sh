@@ -5,7 +5,8 @@
 #   bash ci/scaleup.sh PART OUTDIR [NPROC]
 # and OUTDIR.tgz packs OUTDIR when it ends.
 # PART:
-#   ops    the GPU checks, torch's fused ops and transport="auto" checks, then AllGather + GEMM
+#   checks the GPU checks of every op (tests/gpu/gpu_checks.py) with a limit of 540 s
+#   ops    torch's fused ops and transport="auto" checks, then AllGather + GEMM
 #          (stores at two sender counts and with copy-engine pulls, beside the copy engines,
 #          torch's fused op, sequential), GEMM + ReduceScatter / AllReduce and GEMV + AllReduce (one-shot, auto)
 #   moe    the MoE combine, dispatch and whole-layer benchmarks, the MoE example, the prefill
@@ -15,8 +16,8 @@
 # Each part runs ci/gpu.sh with the other sections skipped, so the options of gpu.sh
 # (PO_AG_ARGS, PO_MR_ARGS, ...) still apply; PO_COMMIT is recorded with every row.
 set -uo pipefail
-part=${1:?usage: bash ci/scaleup.sh ops|moe|rest OUTDIR [NPROC]}
-out=${2:?usage: bash ci/scaleup.sh ops|moe|rest OUTDIR [NPROC]}
+part=${1:?usage: bash ci/scaleup.sh checks|ops|moe|rest OUTDIR [NPROC]}
+out=${2:?usage: bash ci/scaleup.sh checks|ops|moe|rest OUTDIR [NPROC]}
 nproc=${3:-8}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
@@ -35,11 +36,13 @@ case "$part" in
         tests/gpu/check_torch_fused.py 2>&1 | tee "$out/check_torch_fused.log" \
         | grep -E "^PASS|^FAIL|checks" | tail -n 20
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    export PO_SKIP_CHECKS=0 PO_SKIP_AUTO=0 PO_SKIP_AG=0 PO_SKIP_MR=0 PO_SKIP_BENCH=0
-    export PO_CHECKS=${PO_CHECKS:-}
+    export PO_SKIP_AUTO=0 PO_SKIP_AG=0 PO_SKIP_MR=0 PO_SKIP_BENCH=0
     # the stores at the rule's sender count and at 24, and with half of every shard pulled by
     # the copy engines (docs/scaling.md)
     export PO_AG_ARGS=${PO_AG_ARGS:---senders default,24 --stores pull_share=0.5 --schedules none}
+    ;;
+  checks)  # alone: on 4 GPUs they take longer than the 360 s of a 2-GPU run
+    export PO_SKIP_CHECKS=0 PO_CHECKS=${PO_CHECKS:-} PO_CHECKS_TIMEOUT_S=${PO_CHECKS_TIMEOUT_S:-540}
     ;;
   moe)
     export PO_SKIP_MOE=0 PO_SKIP_MOE_DISPATCH=0 PO_SKIP_MOE_LAYER=0 PO_SKIP_EXAMPLES=0
@@ -52,7 +55,7 @@ case "$part" in
     export PO_SKIP_CAMPAIGN=0 PO_SKIP_EXAMPLES=0 PO_DLRM_STEPS=${PO_DLRM_STEPS:-100}
     ;;
   *)
-    echo "unknown part '$part': ops, moe or rest" >&2
+    echo "unknown part '$part': checks, ops, moe or rest" >&2
     exit 2
     ;;
 esac

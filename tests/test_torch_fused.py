@@ -56,6 +56,21 @@ def test_where_it_may_run():
                for make in PATTERN_CONTEXTS for t in make.TRANSPORTS if t != "torch_fused")
 
 
+def test_not_where_torch_symmetric_memory_is_bound_to_nvshmem(monkeypatch):
+    """torch's fused ops allocate a workspace per process group, which torch's NVSHMEM backend
+    refuses: after a transport='shmem' context (which selects it) they are unavailable, with the
+    reason, not a RuntimeError from inside torch."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    world = _stub_world("gpu", 4, 4)
+    world.device = torch.device("cpu")
+    monkeypatch.setattr(symm_mem, "get_backend", lambda device: "NVSHMEM", raising=False)
+    why = torch_fused.unavailable_reason(world)
+    assert why and "NVSHMEM" in why and "cannot share a process" in why
+    monkeypatch.setattr(symm_mem, "get_backend", lambda device: "CUDA", raising=False)
+    assert torch_fused.unavailable_reason(world) is None
+
+
 def test_candidates_with_and_without_it():
     T = po.MatmulReduceScatter.TRANSPORTS
     without = tuple(t for t in T if t != "torch_fused")

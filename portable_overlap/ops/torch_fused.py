@@ -14,8 +14,9 @@ its result and its receive buffer per call from torch's caching allocator (under
 from the graph's pool); the transports of this library allocate nothing per call.
 
 Where they run (:func:`unavailable_reason`, the one place that decides it): GPU worlds (torch
-registers no CPU kernel for them), of one host, with a torch that has the ops; a world of one
-rank too. Elsewhere making this transport raises
+registers no CPU kernel for them), of one host, with a torch that has the ops, in a process
+whose torch symmetric memory has not been bound to NVSHMEM (by a ``transport="shmem"``
+context); a world of one rank too. Elsewhere making this transport raises
 :class:`~portable_overlap.errors.BackendUnavailable`. ``transport="auto"`` times it only when
 ``candidates=`` names it (``planner.OPT_IN``, for the reason below).
 
@@ -63,7 +64,26 @@ def unavailable_reason(world) -> Optional[str]:
         return (f"ranks on more than one host ({world.world_size} ranks, "
                 f"{world.local_world_size} on this one): torch's symmetric-memory workspace "
                 f"joins the GPUs of one host")
+    if _symmetric_backend(world) == "NVSHMEM":
+        # seen on 4 H200s: the workspace allocation raised "NVSHMEMSymmetricMemoryAllocator::
+        # alloc must not be called with a group_name" after a transport='shmem' context
+        return ("torch's symmetric memory in this process allocates from its NVSHMEM backend "
+                "(torch keeps the backend of the process's first symmetric tensor; a "
+                "transport='shmem' context selects NVSHMEM), and torch's fused ops allocate "
+                "their workspace per process group, which that backend refuses: the two "
+                "cannot share a process")
     return None
+
+
+def _symmetric_backend(world) -> Optional[str]:
+    """The backend torch's symmetric memory allocates from on ``world``'s device in this
+    process (None where this torch cannot say)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        return symm_mem.get_backend(world.device)
+    except Exception:  # an older torch without get_backend, or no device to ask about
+        return None
 
 
 def _no_options(op: str, options: dict) -> None:
