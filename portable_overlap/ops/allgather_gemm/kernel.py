@@ -26,6 +26,11 @@ interpreter, which runs programs one after another, the senders finish before an
   would wait for a program of that peer that runs after the peer's own waiting sender). The
   last program out resets the counter for the next call.
 
+With ``PULLS`` the first ``n_pull`` chunks of every shard come by copy engine instead (pulled
+by the receiver, their flags set by the copy streams' flag kernels; ``stores.py``): senders
+skip them, and the call number is the one the copy-engine side counted on the stream before
+the launch (``pol.begin_call(ctx, COUNTED=True)``), which the flags of both kinds carry.
+
 Before its first store into rank d in a call, a sender waits until d has read the previous
 call's gather buffer (``pol.wait_consumed_once`` on ``consumed[d]``); the last program of a
 launch tells every peer that this rank's buffer is read (``pol.end_call_consumed``).
