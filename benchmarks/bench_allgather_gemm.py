@@ -8,14 +8,16 @@ benchmarks/harness.py:
 Shapes (M, N, K) of the whole layer: the gathered A is [M, K] (each rank holds M / W rows) and
 each rank holds its N / W columns of the column-parallel B ([K, N / W]).
 Impls: ``fused`` (the copy-engine transport, the heuristic's schedule), one ``fused[<schedule>]``
-per schedule of ``--schedules``, one ``fused[stores,senders=<S>]`` per count of ``--senders``
-(the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips it), one
-``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``sequential``
+per schedule of ``--schedules``, ``fused[pull]`` (the copy-engine transport pulling whole
+shards, ``direction="pull"``; ``--no-pull`` skips it), one ``fused[stores,senders=<S>]`` per
+count of ``--senders`` (the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips
+it), one ``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``sequential``
 (all_gather_into_tensor then torch.matmul), ``compute``, ``comm``, ``torch_fused``.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -41,6 +43,8 @@ def parser() -> BenchParser:
     p.add_argument("--senders", default="default",
                    help="comma list of sender counts of the 'stores' transport, 'default' for "
                         "its rule, 'none' to skip it (default: %(default)s)")
+    p.add_argument("--pull", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the copy-engine transport's whole-shard pulls (default: on)")
     p.add_argument("--stores", default="none",
                    help="comma list of option sets of the 'stores' transport, each "
                         "'key=value' joined by '+' (senders, copy_block, join, pull_share, "
@@ -82,9 +86,12 @@ def body(bench) -> int:
     stores = {n: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                  senders=None if n == "default" else int(n))
               for n in _list(args.senders)}
+    pull = (AllGatherMatmul(world, max_shard_elems=elems, direction="pull") if args.pull
+            else None)
     variants = {v: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                    **_options(v))
                 for v in _list(args.stores)}
+    contexts = (ctx, *stores.values(), *variants.values(), *([pull] if pull else []))
     group_name = dist.group.WORLD.group_name
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     for dname in args.dtypes:
@@ -103,6 +110,8 @@ def body(bench) -> int:
                 impls[f"fused[stores,senders={n}]"] = lambda c=sctx: c(a, b, out)
             for v, vctx in variants.items():
                 impls[f"fused[stores,{v.replace('+', ',')}]"] = lambda c=vctx: c(a, b, out)
+            if pull is not None:
+                impls["fused[pull]"] = lambda: pull(a, b, out)
             impls.update({
                 "sequential": lambda: (dist.all_gather_into_tensor(full, a),
                                        torch.matmul(full, b, out=out)),
@@ -124,7 +133,7 @@ def body(bench) -> int:
             def check(name):
                 out.fill_(float("nan"))
                 impls[name]()
-                for c in (ctx, *stores.values(), *variants.values()):
+                for c in contexts:
                     c.synchronize()
                 return rel_err(out, ref)
 
@@ -132,7 +141,7 @@ def body(bench) -> int:
                 op=OP, shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls, check=check,
                 fields=lambda name: {"schedule": pick if name == "fused" else None},
                 notes={"pick": pick}, label=f"{M}x{N}x{K} {dname}"))
-    for c in (ctx, *stores.values(), *variants.values()):
+    for c in contexts:
         c.close()
     return 0
 

@@ -95,6 +95,81 @@ def test_a_rank_that_skips_a_call_is_named(world2):
     assert "rank 1" in msg and "piece-ready" in msg, msg
 
 
+# -- direction="pull": whole shards pulled by the receivers' copy engines ------------------------
+PULL_SHAPES = [(5, 7, 3), (16, 16, 16), (1, 9, 4), (40, 33, 20)]
+
+
+def _pulls(world, dtype):
+    """Every shape twice on one context (the second call restages only after every peer pulled
+    the first call's shard), outputs poisoned before each call."""
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in PULL_SHAPES),
+                          direction="pull")
+    found = []
+    try:
+        for i, (m, N, K) in enumerate(PULL_SHAPES):
+            for rep in range(2):
+                g = torch.Generator().manual_seed(1000 * i + 10 * rep + world.rank)
+                a = torch.randn(m, K, generator=g).to(dtype)
+                b = torch.randn(K, N, generator=torch.Generator().manual_seed(i + rep)).to(dtype)
+                out = torch.full((world.world_size * m, N), float("nan"), dtype=dtype)
+                ctx(a, b, out)
+                ctx.synchronize()
+                ref = all_gather_matmul_reference(a, b, world.group)
+                found.append(((m, N, K), ((out.double() - ref.double()).norm()
+                                          / ref.double().norm()).item()))
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_pull_direction_matches_all_gather_plus_matmul(world, dtype):
+    for found in world.run(_pulls, dtype):
+        assert all(err < TOL[dtype] for _, err in found), found
+
+
+def _pull_bad(world):
+    msgs = []
+    for kw in ({"direction": "sideways"}, {"direction": "pull", "pieces": 2},
+               {"direction": "pull", "schedule": "hetero-unfused-1d"}):
+        try:
+            AllGatherMatmul(world, 64, **kw)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    ctx = AllGatherMatmul(world, 64, direction="pull")
+    try:
+        ctx(torch.randn(4, 8), torch.randn(8, 5), schedule="hetero-unfused-1d")
+        msgs.append(None)
+    except ValueError as e:
+        msgs.append(str(e))
+    a, b = torch.randn(4, 8), torch.randn(8, 5)
+    out = ctx(a, b)  # the refused call left the ranks in step
+    ctx.synchronize()
+    err = ((out - all_gather_matmul_reference(a, b, world.group)).norm() / out.norm()).item()
+    ctx.close()
+    return err, msgs
+
+
+def test_pull_direction_bad_input(world2):
+    for err, msgs in world2.run(_pull_bad):
+        assert err < 1e-5
+        assert all(m and m.startswith("all_gather_matmul") for m in msgs), msgs
+
+
+def _pull_skip(world):
+    return call_while_peers_skip(
+        world, lambda: AllGatherMatmul(world, max_shard_elems=64, direction="pull",
+                                       timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
+
+
+def test_pull_direction_names_a_rank_that_skips_a_call(world2):
+    msg = world2.run(_pull_skip, timeout=120)[0]
+    assert "rank 1" in msg and "piece-ready" in msg, msg
+
+
 def _layouts_disagree(world):
     """Rank 0 gathers row pieces, rank 1 column pieces: the buffers are laid out differently, so
     the tags must tell them apart instead of computing on the wrong bytes."""
@@ -304,6 +379,20 @@ def _stores_skip(world):
 def test_stores_transport_names_a_rank_that_skips_a_call(world2):
     msg = world2.run(_stores_skip, timeout=120)[0]
     assert "rank 1" in msg and "chunk-ready" in msg, msg
+
+
+def _stores_pulls_skip(world):
+    return call_while_peers_skip(
+        world, lambda: AllGatherMatmul(world, max_shard_elems=64, transport="stores",
+                                       pull_share=0.5, timeout_s=1.0),
+        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
+
+
+def test_stores_transport_with_pulls_names_a_rank_that_skips_a_call(world2):
+    """With pulls the first wait that finds the skipping rank missing is a copy stream's (its
+    shard was never staged), not the kernel's: the error still names the rank and the flag."""
+    msg = world2.run(_stores_pulls_skip, timeout=120)[0]
+    assert "rank 1" in msg and "rows-staged" in msg, msg
 
 
 def _stores_shapes_disagree(world):

@@ -69,6 +69,11 @@ class CopyEngineLinks:
                 wait_kernel, 1, dict(one, CHECK_TAG=check),
                 lambda g: (consumed, 0, ctl, 0, tag0, clock, ctx.timeout_us, st, 0, 1 << 33))
 
+    @property
+    def lanes(self) -> int:
+        """How many side streams (lanes) the links have."""
+        return len(self._lanes)
+
     # -- streams ---------------------------------------------------------------------------------
     def begin(self) -> None:
         """Start a call on the caller's stream (advances the epoch)."""

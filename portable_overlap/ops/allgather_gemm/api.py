@@ -42,9 +42,11 @@ Every wait is a bounded one-program kernel on the compute stream (transports/cop
 rank that never sends makes the call raise ``PeerTimeoutError`` at the next check, not hang.
 
 Transports (``AllGatherMatmul(..., transport=)``): ``"copy_engine"`` (default, the above;
-options ``pieces``, ``schedule``); ``"stores"``: one persistent Triton kernel whose first
-programs store the shard into every peer's heap, all peers at once, while the others multiply
-the rows that have arrived (``stores.py``, ``kernel.py``; options ``config``, ``senders``);
+options ``pieces``, ``schedule``, and ``direction="pull"``: whole shards pulled by the
+receivers, torch's way, ``AllGatherMatmulCE``); ``"stores"``: one persistent Triton kernel
+whose first programs store the shard into every peer's heap, all peers at once, while the
+others multiply the rows that have arrived (``stores.py``, ``kernel.py``; options ``config``,
+``senders``, ``copy_block``, ``join``, ``pull_share``, ``pull_pieces``);
 ``"torch_fused"``: torch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (``ops/torch_fused.py``;
 no options; GPU worlds of one host only, elsewhere it raises ``BackendUnavailable``); and
 ``"sequential"``: the vendor library's ``all_gather_into_tensor``, then ``torch.matmul``
@@ -182,14 +184,31 @@ class AllGatherMatmul(PatternContext):
 
 class AllGatherMatmulCE(OverlapContext):
     """The ``"copy_engine"`` transport's workspace: a gather buffer for ``max_shard_elems``
-    (m × K of the largest call) from every rank, piece flags (module docstring)."""
+    (m × K of the largest call) from every rank, piece flags (module docstring).
+
+    ``direction="pull"`` moves whole shards the other way, receiver-driven, as torch's fused op
+    does: each rank copies its shard into its own slot of its gather buffer and tells its peers;
+    every rank pulls each peer's shard from that peer's slot into the same slot of its own
+    buffer with its own copy engine, on two side streams taken in turn (peer r+1 first), and
+    multiplies each shard on the stream that pulled it once it has landed, while the caller's
+    stream multiplies this rank's own shard. A rank restages only after every peer pulled the
+    previous call's shard. No FiCCO schedule (``schedule`` and ``pieces`` are the push side's).
+    """
 
     OP = OP
     FLAG_NAMES = CE_FLAG_NAMES
+    DIRECTIONS = ("push", "pull")
 
     def __init__(self, world, max_shard_elems: int, *, pieces: Optional[int] = None,
-                 schedule: Optional[str] = None, timeout_s: float = 10.0):
+                 schedule: Optional[str] = None, direction: str = "push",
+                 timeout_s: float = 10.0):
         W = world.world_size
+        if direction not in self.DIRECTIONS:
+            raise ValueError(f"{OP}: direction must be one of {self.DIRECTIONS}, got "
+                             f"{direction!r}")
+        if direction == "pull" and (pieces is not None or schedule is not None):
+            raise ValueError(f"{OP}: direction='pull' moves whole shards and has no schedules; "
+                             f"got pieces={pieces!r}, schedule={schedule!r}")
         pieces = W if pieces is None else pieces
         if max_shard_elems < 1:
             raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
@@ -197,21 +216,27 @@ class AllGatherMatmulCE(OverlapContext):
             raise ValueError(f"{OP}: pieces must be in [1, 256], got {pieces}")
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"{OP}: schedule must be one of {SCHEDULES}, got {schedule!r}")
-        world.check_same(f"{OP} context arguments (max_shard_elems, pieces, schedule)",
-                         (max_shard_elems, pieces, schedule))
+        world.check_same(f"{OP} context arguments (max_shard_elems, pieces, schedule, "
+                         f"direction)", (max_shard_elems, pieces, schedule, direction))
+        pull = direction == "pull"
         super().__init__(world, [
             ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
-            ("ce_ready", (W, pieces), torch.int64), ("ce_consumed", (W,), torch.int64),
-            ("ce_ctl", (1,), torch.int64),
+            # push: piece flags and "my buffer was read"; pull: "my shard is staged" and "I
+            # pulled your shard"
+            ("ce_ready", (W, 1 if pull else pieces), torch.int64),
+            ("ce_consumed", (W,), torch.int64), ("ce_ctl", (1,), torch.int64),
         ], timeout_s)
         self.max_shard_elems, self.pieces, self.schedule = max_shard_elems, pieces, schedule
+        self.direction = direction
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
-        # one push lane per peer: each peer's pieces queue on their own stream, and a wait for
-        # one peer's consumed flag holds back no other peer's copies. On 4 H200s 8192^3 takes
-        # 0.556 ms with it against 0.723 with a single lane (16384: 1.018 against 1.233 ms;
-        # docs/scaling.md); 2 ranks have one lane.
+        # push: one lane per peer, so each peer's pieces queue on their own stream, and a wait
+        # for one peer's consumed flag holds back no other peer's copies. On 4 H200s 8192^3
+        # takes 0.556 ms with it against 0.723 with a single lane (16384: 1.018 against 1.233
+        # ms; docs/scaling.md); 2 ranks have one lane. pull: a staging lane and two pull lanes
+        # (a pull and its GEMM on one, the next pull on the other)
+        lanes = min(3, W) if pull else max(1, W - 1)
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
-                                      lanes=max(1, W - 1))
+                                      lanes=lanes)
         self._staging = {}  # (schedule-fused) per-step outputs, by (rows, N, dtype)
 
     @collective_call
@@ -219,6 +244,11 @@ class AllGatherMatmulCE(OverlapContext):
                  schedule: Optional[str] = None) -> torch.Tensor:
         W, r = self.world.world_size, self.rank
         out = check_call(a, b, out, self.world, self.max_shard_elems)
+        if self.direction == "pull":
+            if schedule is not None:
+                raise ValueError(f"{OP}: direction='pull' has no schedules; got "
+                                 f"schedule={schedule!r}")
+            return self._call_pull(a, b, out)
         (m, K), N = a.shape, b.shape[1]
         sched = schedule or self.schedule or pick_schedule(
             W * m, N, K, a.element_size(), self.world.facts.arch)
@@ -238,6 +268,38 @@ class AllGatherMatmulCE(OverlapContext):
             self._call_1d(a, b, out, sched, peers, tag)
         for q in peers:
             links.release(q)
+        links.rejoin()
+        return out
+
+    def _call_pull(self, a, b, out) -> torch.Tensor:
+        """Whole shards pulled by the receiver (class docstring)."""
+        W, r = self.world.world_size, self.rank
+        m, K = a.shape
+        tag = shape_tag(OP, a=(m, K), dtype=str(a.dtype), direction="pull")
+        shards = self._gather[a.dtype][: W * m * K].view(W, m, K)
+        links = self._links
+        links.begin()
+        peers = [(r + i) % W for i in range(1, W)]
+        if not peers:  # a world of one: its own shard only
+            return torch.matmul(a, b, out=out)
+        # fork every lane before the caller's stream queues the own shard's GEMM: a lane forked
+        # after it would wait for it
+        for lane in range(links.lanes):
+            links.follow(lane)
+        with links.on_side(0):
+            for d in peers:  # every peer pulled what this slot held in the previous call
+                links.wait_consumed(d)
+            links.copy_local(shards[r], a)
+            for d in peers:
+                links.notify(d, 0, tag)
+        torch.matmul(a, b, out=out[r * m:(r + 1) * m])  # no waiting for the local shard
+        pull_lanes = list(range(1, links.lanes))
+        for i, q in enumerate(peers):
+            with links.on_side(pull_lanes[i % len(pull_lanes)]):
+                links.wait_ready(q, 0, tag)
+                links.pull(q, shards[q], shards[q])
+                links.release(q)  # what q staged is read: q may restage for its next call
+                torch.matmul(shards[q], b, out=out[q * m:(q + 1) * m])
         links.rejoin()
         return out
 

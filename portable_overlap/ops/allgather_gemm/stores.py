@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
+from ...transports.copy_engine import KIND_CONSUMED, KIND_READY, CopyEngineLinks
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
 from ..matmul.api import DTYPES, MatmulConfig, default_config, operand_descriptors
 from .kernel import FLAG_LABELS, allgather_gemm_kernel
@@ -21,8 +22,9 @@ from .kernel import FLAG_LABELS, allgather_gemm_kernel
 OP = "all_gather_matmul"
 #: the most row chunks one shard is cut into (flag slots per source rank)
 C_MAX = 1024
-#: elements a sender moves per step of its copy loop (16 KiB of bf16) unless told otherwise;
-#: the step's loads are all in flight before its stores, so the block bounds a sender's rate
+#: elements a sender moves per step of its copy loop (16 KiB of bf16) unless told otherwise.
+#: Steps of 32768 and 65536 were no faster on 4 H200s: the link, not the loads a sender has in
+#: flight, bounds it there (docs/scaling.md)
 COPY_BLOCK = 8192
 
 
@@ -91,13 +93,16 @@ class AllGatherMatmulStores(OverlapContext):
     them from every peer into the same rows of its buffer (one side stream per peer, the
     receiver's copy engine reading over the link), and marks each piece's chunk flags when it
     lands. The kernel's tiles wait for those flags as for the senders', and the senders move
-    only the chunks from ``n_pull`` on. The copy engines take no processor: where SM stores
-    alone cannot fill the links, the two together move the shard while more processors
-    compute. A rank restages only after every peer pulled the previous call's rows
-    (``pulled``); every wait is bounded (transports/copy_engine.py)."""
+    only the chunks from ``n_pull`` on. The copy engines take no processor, so the aim is to
+    add their rate to the senders'; on 4 H200s the sum was slower than the senders alone at
+    every shape (docs/scaling.md), hence off by default. A rank restages only after every peer
+    pulled the previous call's rows (``pulled``); every wait is bounded
+    (transports/copy_engine.py)."""
 
     OP = OP
     FLAG_LABELS = FLAG_LABELS
+    #: the copy-engine side's waits (pull_share > 0) report a kind, not a heap offset
+    FLAG_NAMES = {KIND_READY: "rows-staged", KIND_CONSUMED: "rows-pulled"}
 
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
@@ -141,8 +146,6 @@ class AllGatherMatmulStores(OverlapContext):
         self.pull_share, self.pull_pieces = float(pull_share), pull_pieces
         self.pulls = self.pull_share > 0 and W > 1
         if self.pulls:
-            from ...transports.copy_engine import CopyEngineLinks
-
             # the links count the calls in the descriptor's call word (the kernel reads it:
             # begin_call(COUNTED)); one lane stages, one per peer pulls, so a wait for one
             # peer holds back no other's copies
@@ -258,8 +261,7 @@ class AllGatherMatmulStores(OverlapContext):
         # what _args needs, before the launch is planned and on it afterwards
         p = SimpleNamespace(cfg=cfg, chunk_rows=chunk_rows, n_chunks=n_chunks, n_pull=n_pull,
                             copy_own=copy_own, pull_pieces=min(self.pull_pieces, max(n_pull, 1)),
-                            senders=senders,
-                            use_desc=use_desc, g_desc=g_desc if use_desc else None,
+                            senders=senders, use_desc=use_desc, g_desc=g_desc if use_desc else None,
                             order=torch.tensor(
                                 tile_order(self.rank, W, m, cfg.block_m, chunk_rows),
                                 dtype=torch.int32, device=a.device))
@@ -269,9 +271,8 @@ class AllGatherMatmulStores(OverlapContext):
                              senders=senders, chunk_rows=chunk_rows, n_pull=n_pull)
 
         consts = dict(USE_DESC=use_desc, B_TRANS=b_trans, COPY_OWN=copy_own, JOIN=self.join,
-                      PULLS=self.pulls,
-                      BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                      PULLS=self.pulls, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
                       PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype),
                       COPY_BLOCK=self.copy_block, VEC=vec, C_MAX=C_MAX, num_warps=cfg.num_warps,
