@@ -456,3 +456,87 @@ def test_stores_transport_refuses_inputs_that_require_grad(world2):
         assert found["next"] < 1e-5
     assert not not_refused_together(mine, peer, ("rank 0, ctx", "rank 0, function"),
                                     "no backward"), (mine, peer)
+
+
+# -- what a rank staged for its peers' pulls stays intact until they pulled it -------------------
+# On a GPU a rank's pull lanes, its kernel and its peers' senders run beside the staging lane
+# that waits for the peers' "pulled" flags, so nothing but the next staging may write where a
+# rank staged its shard: a peer still pulling the previous call's shard would read the new
+# call's bytes (a wrong result, no error). The interpreter runs a rank's work in program order,
+# where the race cannot happen: these tests check the byte ranges instead, over shapes and
+# dtypes that move the shards' places in the gather buffer.
+REGION_CALLS = [(4, 5, 6, torch.float32), (8, 5, 6, torch.float32), (3, 7, 6, torch.bfloat16),
+                (12, 5, 6, torch.float16), (1, 3, 2, torch.float32), (20, 5, 6, torch.bfloat16)]
+
+
+def _pull_regions(world, options):
+    """Each call of ``REGION_CALLS`` on one context, checked against the reference: per call
+    the heap byte ranges (offsets, the same on every rank) this rank read from each peer with
+    its pulls, and the ranges written into its own heap by anything that does not wait for the
+    peers' pulls: its pulls, and with the stores transport every rank's senders (rows from the
+    first sent chunk on of every shard, the own shard's where it is copied too)."""
+    from portable_overlap.ops.allgather_gemm.stores import chunk_rows_for
+    from portable_overlap.ops.matmul.api import default_config
+    from portable_overlap.testing.compare import rel_err
+
+    W = world.world_size
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k, _ in REGION_CALLS),
+                          timeout_s=5.0, **options)
+    impl, log = ctx.impl, []
+    base = impl.ctx.data_ptr()
+
+    def span(t):
+        lo = t.data_ptr() - base
+        return lo, lo + t.numel() * t.element_size()
+
+    copy = impl._links._copy
+
+    def spy(dst, src, *, dst_peer=None, src_peer=None):
+        if src_peer is not None and src.numel():
+            log[-1]["read"].append((src_peer, span(src)))
+            log[-1]["wrote"].append(span(dst))
+        return copy(dst, src, dst_peer=dst_peer, src_peer=src_peer)
+
+    impl._links._copy = spy
+    try:
+        for i, (m, N, K, dtype) in enumerate(REGION_CALLS):
+            log.append({"read": [], "wrote": []})
+            g = torch.Generator().manual_seed(10 * i + world.rank)
+            a = torch.randn(m, K, generator=g).to(dtype)
+            b = torch.randn(K, N, generator=torch.Generator().manual_seed(i)).to(dtype)
+            out = torch.full((W * m, N), float("nan"), dtype=dtype)
+            ctx(a, b, out)
+            ctx.synchronize()
+            log[-1]["err"] = rel_err(out, all_gather_matmul_reference(a, b, world.group))
+            if options.get("transport") == "stores":
+                bm = default_config(dtype, a.device).block_m
+                cr = chunk_rows_for(m, bm)
+                n_pull = max(1, round(impl.pull_share * -(-m // cr)))
+                rows = impl._gathered(m, K, dtype)
+                for p in range(W):
+                    if (p != world.rank or m % bm) and n_pull * cr < m:
+                        log[-1]["wrote"].append(span(rows[p * m + n_pull * cr:(p + 1) * m]))
+    finally:
+        ctx.close()
+    return log
+
+
+def _overwritten_before_pulled(logs) -> list:
+    """(call, rank, staged range, range written in the next call) where what a rank staged
+    and its peers pulled in one call is written in the next by something else."""
+    found = []
+    for n in range(len(logs[0]) - 1):
+        for q, mine in enumerate(logs):
+            staged = {s for r, log in enumerate(logs) if r != q
+                      for p, s in log[n]["read"] if p == q}
+            found += [(n, q, s, w) for s in staged for w in mine[n + 1]["wrote"]
+                      if w[0] < s[1] and s[0] < w[1]]
+    return found
+
+
+@pytest.mark.parametrize("options", [dict(direction="pull")], ids=["copy_engine-pull"])
+def test_staged_shards_are_not_overwritten_before_the_peers_pulled_them(world4, options):
+    logs = world4.run(_pull_regions, options, timeout=300)
+    for log in logs:
+        assert all(c["err"] < TOL[dt] for c, (*_, dt) in zip(log, REGION_CALLS)), log
+    assert not _overwritten_before_pulled(logs), _overwritten_before_pulled(logs)[:4]
