@@ -534,7 +534,9 @@ def _overwritten_before_pulled(logs) -> list:
     return found
 
 
-@pytest.mark.parametrize("options", [dict(direction="pull")], ids=["copy_engine-pull"])
+@pytest.mark.parametrize("options", [dict(direction="pull"),
+                                     dict(transport="stores", pull_share=0.5)],
+                         ids=["copy_engine-pull", "stores-pull_share"])
 def test_staged_shards_are_not_overwritten_before_the_peers_pulled_them(world4, options):
     logs = world4.run(_pull_regions, options, timeout=300)
     for log in logs:
