@@ -542,3 +542,41 @@ def test_staged_shards_are_not_overwritten_before_the_peers_pulled_them(world4, 
     for log in logs:
         assert all(c["err"] < TOL[dt] for c, (*_, dt) in zip(log, REGION_CALLS)), log
     assert not _overwritten_before_pulled(logs), _overwritten_before_pulled(logs)[:4]
+
+
+def _refused_by_one_rank_with_pulls(world, options):
+    """Rank 0 refuses a call on the host (an ``out`` of the wrong shape) that its peers make
+    with good inputs, then every rank makes good calls of other shapes: the peers fail that
+    same call at once (no timeout), and the next calls are right on every rank, outputs
+    poisoned (the refusal's flags must neither pair a peer's call with another one nor leave a
+    staged shard unpulled that a restaging waits for)."""
+    from portable_overlap.testing.compare import rel_err
+
+    W, r = world.world_size, world.rank
+    ctx = AllGatherMatmul(world, max_shard_elems=64, timeout_s=3.0, **options)
+    a, b = torch.randn(4, 8), torch.randn(8, 5)
+    bad = torch.empty(3, 5) if r == 0 else None
+    found = outcomes(ctx, {"first": lambda: ctx(a, b),
+                           "refused": lambda: ctx(a, b, bad)}, within_s=10.0)
+    errs = []
+    for i, (m, N, K) in enumerate(((4, 5, 8), (17, 3, 3), (1, 9, 5))):
+        g = torch.Generator().manual_seed(10 * i + r)
+        a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+        out = torch.full((W * m, N), float("nan"))
+        ctx(a, b, out)
+        ctx.synchronize()
+        errs.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+    ctx.close()
+    return found, errs
+
+
+@pytest.mark.parametrize("options", [dict(direction="pull"),
+                                     dict(transport="stores", pull_share=0.5)],
+                         ids=["copy_engine-pull", "stores-pull_share"])
+def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, options):
+    ranks = world.run(_refused_by_one_rank_with_pulls, options, timeout=120)
+    (mine, errs0), peers = ranks[0], ranks[1:]
+    assert mine["first"][0] == "no error" and mine["refused"][0] == "ValueError", mine
+    for found, errs in peers:
+        assert found["refused"][0] == "PeerTimeoutError" and "gave up" in found["refused"][1]
+    assert all(e < 1e-5 for _, errs in ranks for e in errs), ranks
