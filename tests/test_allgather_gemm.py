@@ -580,3 +580,47 @@ def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, o
     for found, errs in peers:
         assert found["refused"][0] == "PeerTimeoutError" and "gave up" in found["refused"][1]
     assert all(e < 1e-5 for _, errs in ranks for e in errs), ranks
+
+
+def _refusals_while_a_peer_is_late(world, options):
+    """Rank 1 refuses two calls on the host while rank 0 is late to the first of them, then
+    every rank makes a good call of a smaller shard. Rank 0 makes the refused calls late, and
+    its senders still store their rows into rank 1's gather buffer: the second call's rows
+    cover where rank 1's next call copies its own shard. Rank 1's next call must not read its
+    buffer (nor write it) before those stores have landed. Returns each call's outcome and the
+    last call's error."""
+    import time
+
+    from portable_overlap.testing.compare import rel_err
+
+    W, r = world.world_size, world.rank
+    ctx = AllGatherMatmul(world, max_shard_elems=40 * 16, timeout_s=3.0, **options)
+    found = []
+    try:
+        for i, (m, N, K) in enumerate(((4, 5, 8), (4, 5, 8), (40, 3, 16), (4, 5, 8))):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((W * m, N), float("nan"))
+            if i == 1 and r == 0:
+                time.sleep(1.0)
+            try:
+                ctx(a, b, torch.empty(1, N) if i in (1, 2) and r == 1 else out)
+                ctx.synchronize()
+                found.append("no error")
+            except Exception as e:
+                found.append(type(e).__name__)
+        found.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+    finally:
+        ctx.close()
+    return found
+
+
+def test_refused_calls_leave_no_late_stores_for_the_next_call(world2):
+    # (with pull_share the interpreter orders the late stores before the next call's pulls
+    # land: only the plain transport shows it here, the fix serves both)
+    for rank, found in enumerate(world2.run(_refusals_while_a_peer_is_late,
+                                            dict(transport="stores"), timeout=120)):
+        assert found[0] == found[3] == "no error", (rank, found)
+        assert found[1:3] == (["ValueError"] * 2 if rank == 1 else ["PeerTimeoutError"] * 2), \
+            (rank, found)
+        assert found[4] < 1e-5, (rank, found)

@@ -15,6 +15,7 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.copy_engine import KIND_CONSUMED, KIND_READY, CopyEngineLinks
+from ...transports.flag_kernels import wait_kernel
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
 from ..matmul.api import DTYPES, MatmulConfig, default_config, operand_descriptors
 from .kernel import FLAG_LABELS, allgather_gemm_kernel
@@ -22,6 +23,8 @@ from .kernel import FLAG_LABELS, allgather_gemm_kernel
 OP = "all_gather_matmul"
 #: the most row chunks one shard is cut into (flag slots per source rank)
 C_MAX = 1024
+#: the report kind of the wait for the peers' stores of calls this rank refused
+KIND_SETTLED = 3
 #: elements a sender moves per step of its copy loop (16 KiB of bf16) unless told otherwise.
 #: Steps of 32768 and 65536 were no faster on 4 H200s: the link, not the loads a sender has in
 #: flight, bounds it there (docs/scaling.md)
@@ -103,7 +106,8 @@ class AllGatherMatmulStores(OverlapContext):
     OP = OP
     FLAG_LABELS = FLAG_LABELS
     #: the copy-engine side's waits (pull_share > 0) report a kind, not a heap offset
-    FLAG_NAMES = {KIND_READY: "rows-staged", KIND_CONSUMED: "rows-pulled"}
+    FLAG_NAMES = {KIND_READY: "rows-staged", KIND_CONSUMED: "rows-pulled",
+                  KIND_SETTLED: "gather-consumed"}
 
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
@@ -169,6 +173,12 @@ class AllGatherMatmulStores(OverlapContext):
         self.join = join and world.facts.vendor != "cpu"
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._stage = {dt: self._stage_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        # after a refused call: a bounded wait, per peer, for its consumed word of that call
+        self._refused = False
+        self._settle = self._compile(
+            wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
+            lambda g: (self.consumed, 0, self.ctx, 0, 0, self.call_clock, self.timeout_us,
+                       self.status.address, 0, 1 << 33))
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
@@ -182,6 +192,8 @@ class AllGatherMatmulStores(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out)
+        if self._refused:
+            self._settle_refused()
         if not self.pulls:
             plan(self._args(a, b, out, plan))
             return out
@@ -191,6 +203,26 @@ class AllGatherMatmulStores(OverlapContext):
         plan(self._args(a, b, out, plan))
         links.rejoin()
         return out
+
+    def _refuse(self) -> None:
+        super()._refuse()
+        self._refused = True
+
+    def _settle_refused(self) -> None:
+        """Before the first call after calls this rank refused: wait (bounded, on the stream)
+        until every peer is done with the last of them, its kernel ended (``consumed``) or it
+        refused it too. A refusal frees this rank's gather buffer for the peers' next call at
+        once, but a peer late to the refused call still stores that call's rows into it; with
+        another shape they land on rows this call copies or reads (the own shard's copy, a
+        peer's rows), a wrong result without an error. A call this rank delivered needs no
+        such wait: its tiles waited for every peer's rows of it."""
+        W, r = self.world.world_size, self.rank
+        for q in range(W):
+            if q != r:  # the word of the call the counter stands at: the last refused one
+                self._settle((self.consumed[q:], q, self.ctx, 0, 0, self.call_clock,
+                              self.timeout_us, self.status.address, q,
+                              (KIND_SETTLED << 32) | q))
+        self._refused = False
 
     def _pull(self, a: torch.Tensor, plan) -> None:
         """Stage this rank's first ``n_pull`` chunks, pull every peer's (class docstring)."""
