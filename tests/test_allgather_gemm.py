@@ -624,3 +624,41 @@ def test_refused_calls_leave_no_late_stores_for_the_next_call(world2):
         assert found[1:3] == (["ValueError"] * 2 if rank == 1 else ["PeerTimeoutError"] * 2), \
             (rank, found)
         assert found[4] < 1e-5, (rank, found)
+
+
+def _failed_call_while_a_peer_is_late(world):
+    """4 ranks: rank 1 refuses a call that rank 3 makes late, so ranks 0 and 2 fail it at rank
+    1's rows, before they waited for rank 3's; then every rank makes a good call of a larger
+    shard, where rank 2's own rows sit where rank 3's late rows of the failed call land. Each
+    call's outcome and the last call's error."""
+    import time
+
+    from portable_overlap.testing.compare import rel_err
+
+    W, r = world.world_size, world.rank
+    ctx = AllGatherMatmul(world, max_shard_elems=20 * 16, timeout_s=3.0, transport="stores")
+    found = []
+    try:
+        for i, (m, N, K) in enumerate(((4, 5, 8), (16, 3, 16), (20, 3, 16))):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((W * m, N), float("nan"))
+            if i == 1 and r == 3:
+                time.sleep(1.0)
+            try:
+                ctx(a, b, torch.empty(1, N) if i == 1 and r == 1 else out)
+                ctx.synchronize()
+                found.append("no error")
+            except Exception as e:
+                found.append(type(e).__name__)
+        found.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+    finally:
+        ctx.close()
+    return found
+
+
+def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
+    for rank, found in enumerate(world4.run(_failed_call_while_a_peer_is_late, timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)

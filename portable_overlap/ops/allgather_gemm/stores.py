@@ -23,7 +23,7 @@ from .kernel import FLAG_LABELS, allgather_gemm_kernel
 OP = "all_gather_matmul"
 #: the most row chunks one shard is cut into (flag slots per source rank)
 C_MAX = 1024
-#: the report kind of the wait for the peers' stores of calls this rank refused
+#: the report kind of the wait for the peers' stores of a call this rank did not deliver
 KIND_SETTLED = 3
 #: elements a sender moves per step of its copy loop (16 KiB of bf16) unless told otherwise.
 #: Steps of 32768 and 65536 were no faster on 4 H200s: the link, not the loads a sender has in
@@ -173,9 +173,9 @@ class AllGatherMatmulStores(OverlapContext):
         self.join = join and world.facts.vendor != "cpu"
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._stage = {dt: self._stage_raw.view(torch.uint8).view(dt) for dt in DTYPES}
-        # after a refused call: a bounded wait, per peer, for its consumed word of that call
-        self._refused = False
-        self._settle = self._compile(
+        # after a call this rank refused or failed: a bounded wait, per peer, for its consumed
+        # word of that call
+        self._settle_plan = self._compile(
             wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
             lambda g: (self.consumed, 0, self.ctx, 0, 0, self.call_clock, self.timeout_us,
                        self.status.address, 0, 1 << 33))
@@ -192,8 +192,8 @@ class AllGatherMatmulStores(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out)
-        if self._refused:
-            self._settle_refused()
+        if not self._delivered:  # the last call was refused here or raised
+            self._settle()
         if not self.pulls:
             plan(self._args(a, b, out, plan))
             return out
@@ -204,25 +204,21 @@ class AllGatherMatmulStores(OverlapContext):
         links.rejoin()
         return out
 
-    def _refuse(self) -> None:
-        super()._refuse()
-        self._refused = True
-
-    def _settle_refused(self) -> None:
-        """Before the first call after calls this rank refused: wait (bounded, on the stream)
-        until every peer is done with the last of them, its kernel ended (``consumed``) or it
-        refused it too. A refusal frees this rank's gather buffer for the peers' next call at
-        once, but a peer late to the refused call still stores that call's rows into it; with
-        another shape they land on rows this call copies or reads (the own shard's copy, a
-        peer's rows), a wrong result without an error. A call this rank delivered needs no
-        such wait: its tiles waited for every peer's rows of it."""
+    def _settle(self) -> None:
+        """Before the first call after a call this rank refused on the host or that raised
+        here: wait (bounded, on the stream) until every peer is done with that call, its kernel
+        ended (``consumed``) or it refused it too. A refusal frees this rank's gather buffer for
+        the peers' next call at once, and a failed call stops waiting at its first failed flag,
+        but a peer late to that call still stores its rows into the buffer; with another shape
+        they land on rows the next call copies or reads (the own shard's copy, a peer's rows),
+        a wrong result without an error. A call this rank delivered needs no such wait: its
+        tiles waited for every peer's rows of it."""
         W, r = self.world.world_size, self.rank
         for q in range(W):
-            if q != r:  # the word of the call the counter stands at: the last refused one
-                self._settle((self.consumed[q:], q, self.ctx, 0, 0, self.call_clock,
-                              self.timeout_us, self.status.address, q,
-                              (KIND_SETTLED << 32) | q))
-        self._refused = False
+            if q != r:  # the word of the call the counter stands at: the undelivered one
+                self._settle_plan((self.consumed[q:], q, self.ctx, 0, 0, self.call_clock,
+                                   self.timeout_us, self.status.address, q,
+                                   (KIND_SETTLED << 32) | q))
 
     def _pull(self, a: torch.Tensor, plan) -> None:
         """Stage this rank's first ``n_pull`` chunks, pull every peer's (class docstring)."""
