@@ -456,3 +456,209 @@ def test_stores_transport_refuses_inputs_that_require_grad(world2):
         assert found["next"] < 1e-5
     assert not not_refused_together(mine, peer, ("rank 0, ctx", "rank 0, function"),
                                     "no backward"), (mine, peer)
+
+
+# -- what a rank staged for its peers' pulls stays intact until they pulled it -------------------
+# On a GPU a rank's pull lanes, its kernel and its peers' senders run beside the staging lane
+# that waits for the peers' "pulled" flags, so nothing but the next staging may write where a
+# rank staged its shard: a peer still pulling the previous call's shard would read the new
+# call's bytes (a wrong result, no error). The interpreter runs a rank's work in program order,
+# where the race cannot happen: these tests check the byte ranges instead, over shapes and
+# dtypes that move the shards' places in the gather buffer.
+REGION_CALLS = [(4, 5, 6, torch.float32), (8, 5, 6, torch.float32), (3, 7, 6, torch.bfloat16),
+                (12, 5, 6, torch.float16), (1, 3, 2, torch.float32), (20, 5, 6, torch.bfloat16)]
+
+
+def _pull_regions(world, options):
+    """Each call of ``REGION_CALLS`` on one context, checked against the reference: per call
+    the heap byte ranges (offsets, the same on every rank) this rank read from each peer with
+    its pulls, and the ranges written into its own heap by anything that does not wait for the
+    peers' pulls: its pulls, and with the stores transport every rank's senders (rows from the
+    first sent chunk on of every shard, the own shard's where it is copied too)."""
+    from portable_overlap.ops.allgather_gemm.stores import chunk_rows_for
+    from portable_overlap.ops.matmul.api import default_config
+    from portable_overlap.testing.compare import rel_err
+
+    W = world.world_size
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k, _ in REGION_CALLS),
+                          timeout_s=5.0, **options)
+    impl, log = ctx.impl, []
+    base = impl.ctx.data_ptr()
+
+    def span(t):
+        lo = t.data_ptr() - base
+        return lo, lo + t.numel() * t.element_size()
+
+    copy = impl._links._copy
+
+    def spy(dst, src, *, dst_peer=None, src_peer=None):
+        if src_peer is not None and src.numel():
+            log[-1]["read"].append((src_peer, span(src)))
+            log[-1]["wrote"].append(span(dst))
+        return copy(dst, src, dst_peer=dst_peer, src_peer=src_peer)
+
+    impl._links._copy = spy
+    try:
+        for i, (m, N, K, dtype) in enumerate(REGION_CALLS):
+            log.append({"read": [], "wrote": []})
+            g = torch.Generator().manual_seed(10 * i + world.rank)
+            a = torch.randn(m, K, generator=g).to(dtype)
+            b = torch.randn(K, N, generator=torch.Generator().manual_seed(i)).to(dtype)
+            out = torch.full((W * m, N), float("nan"), dtype=dtype)
+            ctx(a, b, out)
+            ctx.synchronize()
+            log[-1]["err"] = rel_err(out, all_gather_matmul_reference(a, b, world.group))
+            if options.get("transport") == "stores":
+                bm = default_config(dtype, a.device).block_m
+                cr = chunk_rows_for(m, bm)
+                n_pull = max(1, round(impl.pull_share * -(-m // cr)))
+                rows = impl._gathered(m, K, dtype)
+                for p in range(W):
+                    if (p != world.rank or m % bm) and n_pull * cr < m:
+                        log[-1]["wrote"].append(span(rows[p * m + n_pull * cr:(p + 1) * m]))
+    finally:
+        ctx.close()
+    return log
+
+
+def _overwritten_before_pulled(logs) -> list:
+    """(call, rank, staged range, range written in the next call) where what a rank staged
+    and its peers pulled in one call is written in the next by something else."""
+    found = []
+    for n in range(len(logs[0]) - 1):
+        for q, mine in enumerate(logs):
+            staged = {s for r, log in enumerate(logs) if r != q
+                      for p, s in log[n]["read"] if p == q}
+            found += [(n, q, s, w) for s in staged for w in mine[n + 1]["wrote"]
+                      if w[0] < s[1] and s[0] < w[1]]
+    return found
+
+
+@pytest.mark.parametrize("options", [dict(direction="pull"),
+                                     dict(transport="stores", pull_share=0.5)],
+                         ids=["copy_engine-pull", "stores-pull_share"])
+def test_staged_shards_are_not_overwritten_before_the_peers_pulled_them(world4, options):
+    logs = world4.run(_pull_regions, options, timeout=300)
+    for log in logs:
+        assert all(c["err"] < TOL[dt] for c, (*_, dt) in zip(log, REGION_CALLS)), log
+    assert not _overwritten_before_pulled(logs), _overwritten_before_pulled(logs)[:4]
+
+
+def _refused_by_one_rank_with_pulls(world, options):
+    """Rank 0 refuses a call on the host (an ``out`` of the wrong shape) that its peers make
+    with good inputs, then every rank makes good calls of other shapes: the peers fail that
+    same call at once (no timeout), and the next calls are right on every rank, outputs
+    poisoned (the refusal's flags must neither pair a peer's call with another one nor leave a
+    staged shard unpulled that a restaging waits for)."""
+    from portable_overlap.testing.compare import rel_err
+
+    W, r = world.world_size, world.rank
+    ctx = AllGatherMatmul(world, max_shard_elems=64, timeout_s=3.0, **options)
+    a, b = torch.randn(4, 8), torch.randn(8, 5)
+    bad = torch.empty(3, 5) if r == 0 else None
+    found = outcomes(ctx, {"first": lambda: ctx(a, b),
+                           "refused": lambda: ctx(a, b, bad)}, within_s=10.0)
+    errs = []
+    for i, (m, N, K) in enumerate(((4, 5, 8), (17, 3, 3), (1, 9, 5))):
+        g = torch.Generator().manual_seed(10 * i + r)
+        a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+        out = torch.full((W * m, N), float("nan"))
+        ctx(a, b, out)
+        ctx.synchronize()
+        errs.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+    ctx.close()
+    return found, errs
+
+
+@pytest.mark.parametrize("options", [dict(direction="pull"),
+                                     dict(transport="stores", pull_share=0.5)],
+                         ids=["copy_engine-pull", "stores-pull_share"])
+def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, options):
+    ranks = world.run(_refused_by_one_rank_with_pulls, options, timeout=120)
+    (mine, errs0), peers = ranks[0], ranks[1:]
+    assert mine["first"][0] == "no error" and mine["refused"][0] == "ValueError", mine
+    for found, errs in peers:
+        assert found["refused"][0] == "PeerTimeoutError" and "gave up" in found["refused"][1]
+    assert all(e < 1e-5 for _, errs in ranks for e in errs), ranks
+
+
+def _refusals_while_a_peer_is_late(world, options):
+    """Rank 1 refuses two calls on the host while rank 0 is late to the first of them, then
+    every rank makes a good call of a smaller shard. Rank 0 makes the refused calls late, and
+    its senders still store their rows into rank 1's gather buffer: the second call's rows
+    cover where rank 1's next call copies its own shard. Rank 1's next call must not read its
+    buffer (nor write it) before those stores have landed. Returns each call's outcome and the
+    last call's error."""
+    import time
+
+    from portable_overlap.testing.compare import rel_err
+
+    W, r = world.world_size, world.rank
+    ctx = AllGatherMatmul(world, max_shard_elems=40 * 16, timeout_s=3.0, **options)
+    found = []
+    try:
+        for i, (m, N, K) in enumerate(((4, 5, 8), (4, 5, 8), (40, 3, 16), (4, 5, 8))):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((W * m, N), float("nan"))
+            if i == 1 and r == 0:
+                time.sleep(1.0)
+            try:
+                ctx(a, b, torch.empty(1, N) if i in (1, 2) and r == 1 else out)
+                ctx.synchronize()
+                found.append("no error")
+            except Exception as e:
+                found.append(type(e).__name__)
+        found.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+    finally:
+        ctx.close()
+    return found
+
+
+def test_refused_calls_leave_no_late_stores_for_the_next_call(world2):
+    # (with pull_share the interpreter orders the late stores before the next call's pulls
+    # land: only the plain transport shows it here, the fix serves both)
+    for rank, found in enumerate(world2.run(_refusals_while_a_peer_is_late,
+                                            dict(transport="stores"), timeout=120)):
+        assert found[0] == found[3] == "no error", (rank, found)
+        assert found[1:3] == (["ValueError"] * 2 if rank == 1 else ["PeerTimeoutError"] * 2), \
+            (rank, found)
+        assert found[4] < 1e-5, (rank, found)
+
+
+def _failed_call_while_a_peer_is_late(world):
+    """4 ranks: rank 1 refuses a call that rank 3 makes late, so ranks 0 and 2 fail it at rank
+    1's rows, before they waited for rank 3's; then every rank makes a good call of a larger
+    shard, where rank 2's own rows sit where rank 3's late rows of the failed call land. Each
+    call's outcome and the last call's error."""
+    import time
+
+    from portable_overlap.testing.compare import rel_err
+
+    W, r = world.world_size, world.rank
+    ctx = AllGatherMatmul(world, max_shard_elems=20 * 16, timeout_s=3.0, transport="stores")
+    found = []
+    try:
+        for i, (m, N, K) in enumerate(((4, 5, 8), (16, 3, 16), (20, 3, 16))):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((W * m, N), float("nan"))
+            if i == 1 and r == 3:
+                time.sleep(1.0)
+            try:
+                ctx(a, b, torch.empty(1, N) if i == 1 and r == 1 else out)
+                ctx.synchronize()
+                found.append("no error")
+            except Exception as e:
+                found.append(type(e).__name__)
+        found.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+    finally:
+        ctx.close()
+    return found
+
+
+def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
+    for rank, found in enumerate(world4.run(_failed_call_while_a_peer_is_late, timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)

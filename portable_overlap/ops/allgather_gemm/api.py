@@ -187,7 +187,8 @@ class AllGatherMatmulCE(OverlapContext):
     (m × K of the largest call) from every rank, piece flags (module docstring).
 
     ``direction="pull"`` moves whole shards the other way, receiver-driven, as torch's fused op
-    does: each rank copies its shard into its own slot of its gather buffer and tells its peers;
+    does: each rank copies its shard into its own slot of its gather buffer (one fixed slot per
+    rank, whatever the call's shape: ``_pull_slot``) and tells its peers;
     every rank pulls each peer's shard from that peer's slot into the same slot of its own
     buffer with its own copy engine, on two side streams taken in turn (peer r+1 first), and
     multiplies each shard on the stream that pulled it once it has landed, while the caller's
@@ -276,7 +277,7 @@ class AllGatherMatmulCE(OverlapContext):
         W, r = self.world.world_size, self.rank
         m, K = a.shape
         tag = shape_tag(OP, a=(m, K), dtype=str(a.dtype), direction="pull")
-        shards = self._gather[a.dtype][: W * m * K].view(W, m, K)
+        shards = [self._pull_slot(q, m, K, a.dtype) for q in range(W)]
         links = self._links
         links.begin()
         peers = [(r + i) % W for i in range(1, W)]
@@ -302,6 +303,17 @@ class AllGatherMatmulCE(OverlapContext):
                 torch.matmul(shards[q], b, out=out[q * m:(q + 1) * m])
         links.rejoin()
         return out
+
+    def _pull_slot(self, q: int, m: int, K: int, dtype) -> torch.Tensor:
+        """Rank q's shard [m, K] in the gather buffer of ``direction="pull"``: the q-th of W
+        fixed slots of ``max_shard_elems`` fp32 words, whatever the call's shape and dtype. This
+        rank's own slot is then written by its staging alone, which waits for every peer's pull
+        of the previous call; packed slots would move with the shape, and this rank's pulls of
+        the next call (which wait for nothing of its own peers') could overwrite the shard a
+        slower peer is still pulling: that peer would multiply the new call's bytes."""
+        S = self.max_shard_elems
+        slot = self._gather_raw[q * S:(q + 1) * S].view(torch.uint8).view(dtype)
+        return slot[:m * K].view(m, K)
 
     def _call_1d(self, a, b, out, sched, peers, tag) -> None:
         """Pieces are row blocks of the shards (see the module docstring)."""

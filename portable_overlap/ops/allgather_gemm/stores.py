@@ -15,6 +15,7 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.copy_engine import KIND_CONSUMED, KIND_READY, CopyEngineLinks
+from ...transports.flag_kernels import wait_kernel
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
 from ..matmul.api import DTYPES, MatmulConfig, default_config, operand_descriptors
 from .kernel import FLAG_LABELS, allgather_gemm_kernel
@@ -22,6 +23,8 @@ from .kernel import FLAG_LABELS, allgather_gemm_kernel
 OP = "all_gather_matmul"
 #: the most row chunks one shard is cut into (flag slots per source rank)
 C_MAX = 1024
+#: the report kind of the wait for the peers' stores of a call this rank did not deliver
+KIND_SETTLED = 3
 #: elements a sender moves per step of its copy loop (16 KiB of bf16) unless told otherwise.
 #: Steps of 32768 and 65536 were no faster on 4 H200s: the link, not the loads a sender has in
 #: flight, bounds it there (docs/scaling.md)
@@ -88,9 +91,10 @@ class AllGatherMatmulStores(OverlapContext):
     share of every shard's chunks, from its first rows, that the copy engines move instead of
     the senders; default 0) and ``pull_pieces`` (copies per peer for that share; default 2).
 
-    With ``pull_share`` > 0 each rank copies the first ``n_pull`` chunks of its shard into its
-    own slot of its gather buffer (a copy-engine copy) and tells its peers; every rank pulls
-    them from every peer into the same rows of its buffer (one side stream per peer, the
+    With ``pull_share`` > 0 each rank copies the first ``n_pull`` chunks of its shard into a
+    staging buffer of its heap (a copy-engine copy) and tells its peers; every rank pulls
+    them from every peer's staging buffer into that peer's rows of its gather buffer (one side
+    stream per peer, the
     receiver's copy engine reading over the link), and marks each piece's chunk flags when it
     lands. The kernel's tiles wait for those flags as for the senders', and the senders move
     only the chunks from ``n_pull`` on. The copy engines take no processor, so the aim is to
@@ -102,7 +106,8 @@ class AllGatherMatmulStores(OverlapContext):
     OP = OP
     FLAG_LABELS = FLAG_LABELS
     #: the copy-engine side's waits (pull_share > 0) report a kind, not a heap offset
-    FLAG_NAMES = {KIND_READY: "rows-staged", KIND_CONSUMED: "rows-pulled"}
+    FLAG_NAMES = {KIND_READY: "rows-staged", KIND_CONSUMED: "rows-pulled",
+                  KIND_SETTLED: "gather-consumed"}
 
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
@@ -135,6 +140,7 @@ class AllGatherMatmulStores(OverlapContext):
                          f"copy_block, join, pull_share, pull_pieces)",
                          (max_shard_elems, config, senders, copy_block, join, float(pull_share),
                           pull_pieces))
+        pulls = float(pull_share) > 0 and W > 1
         super().__init__(world, [
             ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
             ("ready", (W, C_MAX), torch.int64), ("consumed", (W,), torch.int64),
@@ -142,9 +148,15 @@ class AllGatherMatmulStores(OverlapContext):
             # the copy engines' share: "my rows are staged" (one word per source rank) and "I
             # pulled your staged rows" (one per puller)
             ("avail", (W, 1), torch.int64), ("pulled", (W,), torch.int64),
+            # where this rank stages the rows its peers pull, apart from the gather buffer: the
+            # gather buffer's rows move with the call's shape, and the senders' stores, this
+            # rank's pulls and its own-row copy of the next call wait for nothing of the peers'
+            # pulls, so staged rows there could be overwritten while a slower peer still pulls
+            # them (it would multiply the next call's bytes)
+            ("_stage_raw", (max_shard_elems if pulls else 1,), torch.float32),
         ], timeout_s)
         self.pull_share, self.pull_pieces = float(pull_share), pull_pieces
-        self.pulls = self.pull_share > 0 and W > 1
+        self.pulls = pulls
         if self.pulls:
             # the links count the calls in the descriptor's call word (the kernel reads it:
             # begin_call(COUNTED)); one lane stages, one per peer pulls, so a wait for one
@@ -160,6 +172,13 @@ class AllGatherMatmulStores(OverlapContext):
         # for a peer program that has not run (kernel.py)
         self.join = join and world.facts.vendor != "cpu"
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        self._stage = {dt: self._stage_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        # after a call this rank refused or failed: a bounded wait, per peer, for its consumed
+        # word of that call
+        self._settle_plan = self._compile(
+            wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
+            lambda g: (self.consumed, 0, self.ctx, 0, 0, self.call_clock, self.timeout_us,
+                       self.status.address, 0, 1 << 33))
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
@@ -173,6 +192,8 @@ class AllGatherMatmulStores(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out)
+        if not self._delivered:  # the last call was refused here or raised
+            self._settle()
         if not self.pulls:
             plan(self._args(a, b, out, plan))
             return out
@@ -183,6 +204,22 @@ class AllGatherMatmulStores(OverlapContext):
         links.rejoin()
         return out
 
+    def _settle(self) -> None:
+        """Before the first call after a call this rank refused on the host or that raised
+        here: wait (bounded, on the stream) until every peer is done with that call, its kernel
+        ended (``consumed``) or it refused it too. A refusal frees this rank's gather buffer for
+        the peers' next call at once, and a failed call stops waiting at its first failed flag,
+        but a peer late to that call still stores its rows into the buffer; with another shape
+        they land on rows the next call copies or reads (the own shard's copy, a peer's rows),
+        a wrong result without an error. A call this rank delivered needs no such wait: its
+        tiles waited for every peer's rows of it."""
+        W, r = self.world.world_size, self.rank
+        for q in range(W):
+            if q != r:  # the word of the call the counter stands at: the undelivered one
+                self._settle_plan((self.consumed[q:], q, self.ctx, 0, 0, self.call_clock,
+                                   self.timeout_us, self.status.address, q,
+                                   (KIND_SETTLED << 32) | q))
+
     def _pull(self, a: torch.Tensor, plan) -> None:
         """Stage this rank's first ``n_pull`` chunks, pull every peer's (class docstring)."""
         W, r = self.world.world_size, self.rank
@@ -192,15 +229,17 @@ class AllGatherMatmulStores(OverlapContext):
         links = self._links
         peers = [(r + i) % W for i in range(1, W)]
         rows = min(n_pull * cr, m)
+        staged = self._stage[a.dtype][:rows * K].view(rows, K)  # the same place on every rank
         links.follow(0)
         with links.on_side(0):
-            for d in peers:  # every peer pulled what this slot held in the previous call
+            for d in peers:  # every peer pulled what the stage held in the previous call
                 links.wait_consumed(d)
-            links.copy_local(g[r * m:r * m + rows], a[:rows])
-            if plan.copy_own:  # tiles across two shards read this rank's rows from the buffer
-                links.landed(self.ready[r, :n_pull], tag)
+            links.copy_local(staged, a[:rows])
             for d in peers:
                 links.notify(d, 0, tag)
+            if plan.copy_own:  # tiles across two shards read this rank's rows from the buffer
+                links.copy_local(g[r * m:r * m + rows], a[:rows])
+                links.landed(self.ready[r, :n_pull], tag)
         bounds = [n_pull * p // plan.pull_pieces for p in range(plan.pull_pieces + 1)]
         for i, q in enumerate(peers, start=1):  # rank r pulls from r+1 first, r+1 from r+2...
             links.follow(i)
@@ -208,8 +247,8 @@ class AllGatherMatmulStores(OverlapContext):
                 links.wait_ready(q, 0, tag)
                 for c0, c1 in zip(bounds, bounds[1:]):
                     if c1 > c0:
-                        view = g[q * m + c0 * cr:q * m + min(c1 * cr, m)]
-                        links.pull(q, view, view)
+                        lo, hi = c0 * cr, min(c1 * cr, m)
+                        links.pull(q, g[q * m + lo:q * m + hi], staged[lo:hi])
                         links.landed(self.ready[q, c0:c1], tag)
                 links.release(q)
 
