@@ -84,15 +84,22 @@ def test_function_and_bad_input(world2):
         assert all(m and m.startswith("all_gather_matmul") for m in msgs), msgs
 
 
-def _skip(world):
+def _skip(world, options):
     return call_while_peers_skip(
-        world, lambda: AllGatherMatmul(world, max_shard_elems=64, timeout_s=1.0),
+        world, lambda: AllGatherMatmul(world, max_shard_elems=64, timeout_s=1.0, **options),
         lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
 
 
-def test_a_rank_that_skips_a_call_is_named(world2):
-    msg = world2.run(_skip, timeout=120)[0]
-    assert "rank 1" in msg and "piece-ready" in msg, msg
+# with pulls the first wait that finds the skipping rank missing is a copy stream's (its shard
+# was never staged), not the kernel's: the error still names the rank and the flag
+@pytest.mark.parametrize("options,flag", [
+    ({}, "piece-ready"), ({"direction": "pull"}, "piece-ready"),
+    ({"transport": "stores"}, "chunk-ready"),
+    ({"transport": "stores", "pull_share": 0.5}, "rows-staged")],
+    ids=["copy_engine", "copy_engine-pull", "stores", "stores-pull_share"])
+def test_a_rank_that_skips_a_call_is_named(world2, options, flag):
+    msg = world2.run(_skip, options, timeout=120)[0]
+    assert "rank 1" in msg and flag in msg, msg
 
 
 # -- direction="pull": whole shards pulled by the receivers' copy engines ------------------------
@@ -156,18 +163,6 @@ def test_pull_direction_bad_input(world2):
     for err, msgs in world2.run(_pull_bad):
         assert err < 1e-5
         assert all(m and m.startswith("all_gather_matmul") for m in msgs), msgs
-
-
-def _pull_skip(world):
-    return call_while_peers_skip(
-        world, lambda: AllGatherMatmul(world, max_shard_elems=64, direction="pull",
-                                       timeout_s=1.0),
-        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
-
-
-def test_pull_direction_names_a_rank_that_skips_a_call(world2):
-    msg = world2.run(_pull_skip, timeout=120)[0]
-    assert "rank 1" in msg and "piece-ready" in msg, msg
 
 
 def _layouts_disagree(world):
@@ -369,32 +364,6 @@ def test_stores_transport_bad_input(world2):
                    for m in msgs), msgs
 
 
-def _stores_skip(world):
-    return call_while_peers_skip(
-        world, lambda: AllGatherMatmul(world, max_shard_elems=64, transport="stores",
-                                       timeout_s=1.0),
-        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
-
-
-def test_stores_transport_names_a_rank_that_skips_a_call(world2):
-    msg = world2.run(_stores_skip, timeout=120)[0]
-    assert "rank 1" in msg and "chunk-ready" in msg, msg
-
-
-def _stores_pulls_skip(world):
-    return call_while_peers_skip(
-        world, lambda: AllGatherMatmul(world, max_shard_elems=64, transport="stores",
-                                       pull_share=0.5, timeout_s=1.0),
-        lambda ctx: ctx(torch.randn(4, 8), torch.randn(8, 5)))
-
-
-def test_stores_transport_with_pulls_names_a_rank_that_skips_a_call(world2):
-    """With pulls the first wait that finds the skipping rank missing is a copy stream's (its
-    shard was never staged), not the kernel's: the error still names the rank and the flag."""
-    msg = world2.run(_stores_pulls_skip, timeout=120)[0]
-    assert "rank 1" in msg and "rows-staged" in msg, msg
-
-
 def _stores_shapes_disagree(world):
     m = 4 if world.rank == 0 else 3  # the rows each shard lands at differ: must not be mixed
     return error_of_one_call(
@@ -575,7 +544,7 @@ def _refused_by_one_rank_with_pulls(world, options):
                          ids=["copy_engine-pull", "stores-pull_share"])
 def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, options):
     ranks = world.run(_refused_by_one_rank_with_pulls, options, timeout=120)
-    (mine, errs0), peers = ranks[0], ranks[1:]
+    mine, peers = ranks[0][0], ranks[1:]
     assert mine["first"][0] == "no error" and mine["refused"][0] == "ValueError", mine
     for found, errs in peers:
         assert found["refused"][0] == "PeerTimeoutError" and "gave up" in found["refused"][1]
