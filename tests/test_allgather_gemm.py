@@ -551,29 +551,28 @@ def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, o
     assert all(e < 1e-5 for _, errs in ranks for e in errs), ranks
 
 
-def _refusals_while_a_peer_is_late(world, options):
-    """Rank 1 refuses two calls on the host while rank 0 is late to the first of them, then
-    every rank makes a good call of a smaller shard. Rank 0 makes the refused calls late, and
-    its senders still store their rows into rank 1's gather buffer: the second call's rows
-    cover where rank 1's next call copies its own shard. Rank 1's next call must not read its
-    buffer (nor write it) before those stores have landed. Returns each call's outcome and the
-    last call's error."""
+def _late_and_refused(world, shapes, late, refused, options):
+    """Every rank makes one call per shape of ``shapes`` on one context; rank ``late[0]`` makes
+    call ``late[1]`` 1 s late, and rank ``refused[0]`` passes a bad ``out`` to the calls in
+    ``refused[1]`` (refused on the host). Returns each call's outcome and the last call's
+    error."""
     import time
 
     from portable_overlap.testing.compare import rel_err
 
     W, r = world.world_size, world.rank
-    ctx = AllGatherMatmul(world, max_shard_elems=40 * 16, timeout_s=3.0, **options)
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes), timeout_s=3.0,
+                          **options)
     found = []
     try:
-        for i, (m, N, K) in enumerate(((4, 5, 8), (4, 5, 8), (40, 3, 16), (4, 5, 8))):
+        for i, (m, N, K) in enumerate(shapes):
             g = torch.Generator().manual_seed(10 * i + r)
             a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
             out = torch.full((W * m, N), float("nan"))
-            if i == 1 and r == 0:
+            if (r, i) == tuple(late):
                 time.sleep(1.0)
             try:
-                ctx(a, b, torch.empty(1, N) if i in (1, 2) and r == 1 else out)
+                ctx(a, b, torch.empty(1, N) if r == refused[0] and i in refused[1] else out)
                 ctx.synchronize()
                 found.append("no error")
             except Exception as e:
@@ -585,9 +584,14 @@ def _refusals_while_a_peer_is_late(world, options):
 
 
 def test_refused_calls_leave_no_late_stores_for_the_next_call(world2):
-    # (with pull_share the interpreter orders the late stores before the next call's pulls
-    # land: only the plain transport shows it here, the fix serves both)
-    for rank, found in enumerate(world2.run(_refusals_while_a_peer_is_late,
+    """Rank 1 refuses two calls on the host while rank 0 is late to the first of them, then
+    every rank makes a good call of a smaller shard. Rank 0's senders still store the refused
+    calls' rows into rank 1's gather buffer, where rank 1's next call copies its own shard:
+    that call must not touch its buffer before those stores have landed. (With pull_share the
+    interpreter orders the late stores before the next call's pulls land: only the plain
+    transport shows it here; the fix serves both.)"""
+    shapes = ((4, 5, 8), (4, 5, 8), (40, 3, 16), (4, 5, 8))
+    for rank, found in enumerate(world2.run(_late_and_refused, shapes, (0, 1), (1, (1, 2)),
                                             dict(transport="stores"), timeout=120)):
         assert found[0] == found[3] == "no error", (rank, found)
         assert found[1:3] == (["ValueError"] * 2 if rank == 1 else ["PeerTimeoutError"] * 2), \
@@ -595,39 +599,13 @@ def test_refused_calls_leave_no_late_stores_for_the_next_call(world2):
         assert found[4] < 1e-5, (rank, found)
 
 
-def _failed_call_while_a_peer_is_late(world):
-    """4 ranks: rank 1 refuses a call that rank 3 makes late, so ranks 0 and 2 fail it at rank
-    1's rows, before they waited for rank 3's; then every rank makes a good call of a larger
-    shard, where rank 2's own rows sit where rank 3's late rows of the failed call land. Each
-    call's outcome and the last call's error."""
-    import time
-
-    from portable_overlap.testing.compare import rel_err
-
-    W, r = world.world_size, world.rank
-    ctx = AllGatherMatmul(world, max_shard_elems=20 * 16, timeout_s=3.0, transport="stores")
-    found = []
-    try:
-        for i, (m, N, K) in enumerate(((4, 5, 8), (16, 3, 16), (20, 3, 16))):
-            g = torch.Generator().manual_seed(10 * i + r)
-            a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
-            out = torch.full((W * m, N), float("nan"))
-            if i == 1 and r == 3:
-                time.sleep(1.0)
-            try:
-                ctx(a, b, torch.empty(1, N) if i == 1 and r == 1 else out)
-                ctx.synchronize()
-                found.append("no error")
-            except Exception as e:
-                found.append(type(e).__name__)
-        found.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
-    finally:
-        ctx.close()
-    return found
-
-
 def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
-    for rank, found in enumerate(world4.run(_failed_call_while_a_peer_is_late, timeout=120)):
+    """Rank 1 refuses a call that rank 3 makes late, so ranks 0 and 2 fail it at rank 1's rows
+    before they waited for rank 3's; then every rank makes a good call of a larger shard, where
+    rank 2's own rows sit where rank 3's late rows of the failed call land."""
+    shapes = ((4, 5, 8), (16, 3, 16), (20, 3, 16))
+    for rank, found in enumerate(world4.run(_late_and_refused, shapes, (3, 1), (1, (1,)),
+                                            dict(transport="stores"), timeout=120)):
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] < 1e-5, (rank, found)
