@@ -15,7 +15,6 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.copy_engine import KIND_CONSUMED, KIND_READY, CopyEngineLinks
-from ...transports.flag_kernels import wait_kernel
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
 from ..matmul.api import DTYPES, MatmulConfig, default_config, operand_descriptors
 from .kernel import FLAG_LABELS, allgather_gemm_kernel
@@ -23,8 +22,6 @@ from .kernel import FLAG_LABELS, allgather_gemm_kernel
 OP = "all_gather_matmul"
 #: the most row chunks one shard is cut into (flag slots per source rank)
 C_MAX = 1024
-#: the report kind of the wait for the peers' stores of a call this rank did not deliver
-KIND_SETTLED = 3
 #: elements a sender moves per step of its copy loop (16 KiB of bf16) unless told otherwise.
 #: Steps of 32768 and 65536 were no faster on 4 H200s: the link, not the loads a sender has in
 #: flight, bounds it there (docs/scaling.md)
@@ -106,8 +103,7 @@ class AllGatherMatmulStores(OverlapContext):
     OP = OP
     FLAG_LABELS = FLAG_LABELS
     #: the copy-engine side's waits (pull_share > 0) report a kind, not a heap offset
-    FLAG_NAMES = {KIND_READY: "rows-staged", KIND_CONSUMED: "rows-pulled",
-                  KIND_SETTLED: "gather-consumed"}
+    FLAG_NAMES = {KIND_READY: "rows-staged", KIND_CONSUMED: "rows-pulled"}
 
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
@@ -173,12 +169,8 @@ class AllGatherMatmulStores(OverlapContext):
         self.join = join and world.facts.vendor != "cpu"
         self._gather = {dt: self._gather_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._stage = {dt: self._stage_raw.view(torch.uint8).view(dt) for dt in DTYPES}
-        # after a call this rank refused or failed: a bounded wait, per peer, for its consumed
-        # word of that call
-        self._settle_plan = self._compile(
-            wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
-            lambda g: (self.consumed, 0, self.ctx, 0, 0, self.call_clock, self.timeout_us,
-                       self.status.address, 0, 1 << 33))
+        # after a call this rank refused or failed, the peers' late stores of it land first
+        self.late_stores_guard(self.consumed, "gather-consumed")
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
@@ -192,8 +184,7 @@ class AllGatherMatmulStores(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out)
-        if not self._delivered:  # the last call was refused here or raised
-            self._settle()
+        self.settle_late_stores()  # after a call this rank did not deliver
         if not self.pulls:
             plan(self._args(a, b, out, plan))
             return out
@@ -203,22 +194,6 @@ class AllGatherMatmulStores(OverlapContext):
         plan(self._args(a, b, out, plan))
         links.rejoin()
         return out
-
-    def _settle(self) -> None:
-        """Before the first call after a call this rank refused on the host or that raised
-        here: wait (bounded, on the stream) until every peer is done with that call, its kernel
-        ended (``consumed``) or it refused it too. A refusal frees this rank's gather buffer for
-        the peers' next call at once, and a failed call stops waiting at its first failed flag,
-        but a peer late to that call still stores its rows into the buffer; with another shape
-        they land on rows the next call copies or reads (the own shard's copy, a peer's rows),
-        a wrong result without an error. A call this rank delivered needs no such wait: its
-        tiles waited for every peer's rows of it."""
-        W, r = self.world.world_size, self.rank
-        for q in range(W):
-            if q != r:  # the word of the call the counter stands at: the undelivered one
-                self._settle_plan((self.consumed[q:], q, self.ctx, 0, 0, self.call_clock,
-                                   self.timeout_us, self.status.address, q,
-                                   (KIND_SETTLED << 32) | q))
 
     def _pull(self, a: torch.Tensor, plan) -> None:
         """Stage this rank's first ``n_pull`` chunks, pull every peer's (class docstring)."""

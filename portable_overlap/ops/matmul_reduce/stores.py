@@ -51,6 +51,8 @@ class MatmulReduceStores(OverlapContext):
         ], timeout_s)
         flags = (self.sent, self.reduced) if mode == "all_reduce" else (self.sent,)
         self.call_protocol(self.ctx, call_flags=flags, free_flags=(self.consumed,))
+        # after a call this rank refused or failed, the peers' late stores of it land first
+        self.late_stores_guard(self.consumed, "recv-consumed")
         self.mode, self.max_m, self.max_n, self.config = mode, max_m, max_n, config
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._gathered = {dt: self._gathered_raw.view(torch.uint8).view(dt) for dt in DTYPES}
@@ -88,6 +90,7 @@ class MatmulReduceStores(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out, bias, residual)
+        self.settle_late_stores()  # after a call this rank did not deliver
         plan(self._args(a, b, out, bias, residual, plan))
         return out
 
