@@ -17,7 +17,6 @@ The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmar
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -43,8 +42,8 @@ def parser() -> BenchParser:
     p.add_argument("--senders", default="default",
                    help="comma list of sender counts of the 'stores' transport, 'default' for "
                         "its rule, 'none' to skip it (default: %(default)s)")
-    p.add_argument("--pull", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the copy-engine transport's whole-shard pulls (default: on)")
+    p.add_argument("--no-pull", action="store_true",
+                   help="skip the copy-engine transport's whole-shard pulls (fused[pull])")
     p.add_argument("--stores", default="none",
                    help="comma list of option sets of the 'stores' transport, each "
                         "'key=value' joined by '+' (senders, copy_block, join, pull_share, "
@@ -86,8 +85,8 @@ def body(bench) -> int:
     stores = {n: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                  senders=None if n == "default" else int(n))
               for n in _list(args.senders)}
-    pull = (AllGatherMatmul(world, max_shard_elems=elems, direction="pull") if args.pull
-            else None)
+    pull = (None if args.no_pull
+            else AllGatherMatmul(world, max_shard_elems=elems, direction="pull"))
     variants = {v: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                    **_options(v))
                 for v in _list(args.stores)}
