@@ -109,31 +109,14 @@ PULL_SHAPES = [(5, 7, 3), (16, 16, 16), (1, 9, 4), (40, 33, 20)]
 def _pulls(world, dtype):
     """Every shape twice on one context (the second call restages only after every peer pulled
     the first call's shard), outputs poisoned before each call."""
-    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in PULL_SHAPES),
-                          direction="pull")
-    found = []
-    try:
-        for i, (m, N, K) in enumerate(PULL_SHAPES):
-            for rep in range(2):
-                g = torch.Generator().manual_seed(1000 * i + 10 * rep + world.rank)
-                a = torch.randn(m, K, generator=g).to(dtype)
-                b = torch.randn(K, N, generator=torch.Generator().manual_seed(i + rep)).to(dtype)
-                out = torch.full((world.world_size * m, N), float("nan"), dtype=dtype)
-                ctx(a, b, out)
-                ctx.synchronize()
-                ref = all_gather_matmul_reference(a, b, world.group)
-                found.append(((m, N, K), ((out.double() - ref.double()).norm()
-                                          / ref.double().norm()).item()))
-    finally:
-        ctx.close()
-    return found
+    return _twice_per_shape(world, dtype, PULL_SHAPES, direction="pull")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=lambda d: str(d)[6:])
 def test_pull_direction_matches_all_gather_plus_matmul(world, dtype):
     for found in world.run(_pulls, dtype):
-        assert all(err < TOL[dtype] for _, err in found), found
+        assert all(err < TOL[dtype] for _, _, err in found), found
 
 
 def _pull_bad(world):
@@ -267,18 +250,17 @@ def test_sequential_transport_matches_the_copy_engines(world, dtype):
 STORE_SHAPES = [(16, 16, 16), (5, 7, 3), (40, 33, 20), (1, 9, 4), (33, 70, 18)]
 
 
-def _stores(world, dtype, senders, **options):
-    """Every shape on one context, twice each (the second call reuses the buffer the first
-    filled, so it waits for the peers to release it, and claims its tiles from a counter the
-    first call's last program reset), outputs poisoned before each call."""
+def _twice_per_shape(world, dtype, shapes, **ctx_options):
+    """Every shape on one context made with ``ctx_options``, twice each, outputs poisoned
+    before each call: ``(shape, result is out, relative error)`` per call."""
     from portable_overlap.testing.compare import rel_err
 
     W = world.world_size
-    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in STORE_SHAPES),
-                          transport="stores", senders=senders, **options)
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in shapes),
+                          **ctx_options)
     found = []
     try:
-        for i, (m, N, K) in enumerate(STORE_SHAPES):
+        for i, (m, N, K) in enumerate(shapes):
             for rep in range(2):
                 g = torch.Generator().manual_seed(1000 * i + 10 * rep + world.rank)
                 a = torch.randn(m, K, generator=g).to(dtype)
@@ -291,6 +273,14 @@ def _stores(world, dtype, senders, **options):
     finally:
         ctx.close()
     return found
+
+
+def _stores(world, dtype, senders, **options):
+    """Every shape on one context, twice each (the second call reuses the buffer the first
+    filled, so it waits for the peers to release it, and claims its tiles from a counter the
+    first call's last program reset), outputs poisoned before each call."""
+    return _twice_per_shape(world, dtype, STORE_SHAPES, transport="stores", senders=senders,
+                            **options)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
