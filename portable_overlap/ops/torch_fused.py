@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendUnavailable
+from ..shmem.providers import torch_shmem_backend_bound
 from .allgather_gemm.api import check_input as check_all_gather_input, refuse_schedule
 from .context import ContextBase, collective_call, output_tensor
 from .matmul.api import add_epilogue, check_operands, vector_checks
@@ -64,7 +65,7 @@ def unavailable_reason(world) -> Optional[str]:
         return (f"ranks on more than one host ({world.world_size} ranks, "
                 f"{world.local_world_size} on this one): torch's symmetric-memory workspace "
                 f"joins the GPUs of one host")
-    if _symmetric_backend(world) == "NVSHMEM":
+    if torch_shmem_backend_bound(getattr(world, "device", None)):
         # seen on 4 H200s: the workspace allocation raised "NVSHMEMSymmetricMemoryAllocator::
         # alloc must not be called with a group_name" after a transport='shmem' context
         return ("torch's symmetric memory in this process allocates from its NVSHMEM backend "
@@ -73,17 +74,6 @@ def unavailable_reason(world) -> Optional[str]:
                 "their workspace per process group, which that backend refuses: the two "
                 "cannot share a process")
     return None
-
-
-def _symmetric_backend(world) -> Optional[str]:
-    """The backend torch's symmetric memory allocates from on ``world``'s device in this
-    process (None where this torch cannot say)."""
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        return symm_mem.get_backend(world.device)
-    except Exception:  # an older torch without get_backend, or no device to ask about
-        return None
 
 
 def _no_options(op: str, options: dict) -> None:

@@ -77,6 +77,19 @@ def select_torch_backend(device, backend: str, library: str) -> None:
             f"torch said: {e}") from e
 
 
+def torch_shmem_backend_bound(device) -> bool:
+    """Whether torch's symmetric memory in this process allocates from its SHMEM backend
+    ("NVSHMEM", torch's one name for NVSHMEM and rocSHMEM) on ``device``: a SHMEM provider
+    selected it (:func:`select_torch_backend`), and torch keeps it for the process. False where
+    this torch cannot say."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        return symm_mem.get_backend(device) == "NVSHMEM"
+    except Exception:  # an older torch without get_backend, or no device to ask about
+        return False
+
+
 def get_provider(world):
     """The device-shmem provider for ``world``'s backend, or raise ``ShmemUnavailable``."""
     name = world.backend.name
