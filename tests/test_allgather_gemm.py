@@ -542,35 +542,29 @@ def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, o
 
 
 def _late_and_refused(world, shapes, late, refused, options):
-    """Every rank makes one call per shape of ``shapes`` on one context; rank ``late[0]`` makes
-    call ``late[1]`` 1 s late, and rank ``refused[0]`` passes a bad ``out`` to the calls in
-    ``refused[1]`` (refused on the host). Returns each call's outcome and the last call's
-    error."""
-    import time
-
+    """One call per shape of ``shapes`` (m, N, K) on one context, the scenario of
+    ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input)."""
     from portable_overlap.testing.compare import rel_err
+    from portable_overlap.testing.faults import late_and_refused
 
     W, r = world.world_size, world.rank
     ctx = AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes), timeout_s=3.0,
                           **options)
-    found = []
-    try:
-        for i, (m, N, K) in enumerate(shapes):
+
+    def call(i, m, N, K):
+        def make(bad):
             g = torch.Generator().manual_seed(10 * i + r)
             a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
             out = torch.full((W * m, N), float("nan"))
-            if (r, i) == tuple(late):
-                time.sleep(1.0)
-            try:
-                ctx(a, b, torch.empty(1, N) if r == refused[0] and i in refused[1] else out)
-                ctx.synchronize()
-                found.append("no error")
-            except Exception as e:
-                found.append(type(e).__name__)
-        found.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+            ctx(a, b, torch.empty(1, N) if bad else out)
+            return lambda: rel_err(out, all_gather_matmul_reference(a, b, world.group))
+        return make
+
+    try:
+        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
+                                late, refused)
     finally:
         ctx.close()
-    return found
 
 
 def test_refused_calls_leave_no_late_stores_for_the_next_call(world2):

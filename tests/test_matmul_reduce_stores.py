@@ -180,37 +180,32 @@ def test_an_input_that_requires_grad_is_refused_on_every_rank(world2, mode):
 
 
 def _late_and_refused(world, mode, shapes, late, refused):
-    """One call per shape of ``shapes`` on one context; rank ``late[0]`` makes call ``late[1]``
-    1 s late and rank ``refused[0]`` passes a bad ``out`` to the calls in ``refused[1]``.
-    Returns each call's outcome and the last call's error."""
-    import time
-
+    """One call per shape of ``shapes`` (M, N, K) on one context, the scenario of
+    ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input)."""
     from portable_overlap.ops.matmul_reduce import (matmul_all_reduce_reference,
                                                     matmul_reduce_scatter_reference)
+    from portable_overlap.testing.faults import late_and_refused
 
     W, r = world.world_size, world.rank
     make, ref = ((po.MatmulReduceScatter, matmul_reduce_scatter_reference)
                  if mode == "reduce_scatter" else (po.MatmulAllReduce, matmul_all_reduce_reference))
     ctx = make(world, max(s[0] for s in shapes), max(s[1] for s in shapes), transport="stores",
                timeout_s=3.0)
-    found = []
-    try:
-        for i, (M, N, K) in enumerate(shapes):
+
+    def call(i, M, N, K):
+        def run(bad):
             g = torch.Generator().manual_seed(10 * i + r)
             a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
             out = torch.full((M // W if mode == "reduce_scatter" else M, N), float("nan"))
-            if (r, i) == tuple(late):
-                time.sleep(1.0)
-            try:
-                ctx(a, b, out=torch.empty(1, N) if r == refused[0] and i in refused[1] else out)
-                ctx.synchronize()
-                found.append("no error")
-            except Exception as e:
-                found.append(type(e).__name__)
-        found.append(rel_err(out, ref(a, b, world.group)))
+            ctx(a, b, out=torch.empty(1, N) if bad else out)
+            return lambda: rel_err(out, ref(a, b, world.group))
+        return run
+
+    try:
+        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
+                                late, refused)
     finally:
         ctx.close()
-    return found
 
 
 @pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])

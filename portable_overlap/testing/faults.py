@@ -76,3 +76,30 @@ def not_refused_together(refuser: dict, peer: dict, names, reason: str) -> list:
     return [n for n in names
             if not (refuser[n][0] == "RuntimeError" and reason in refuser[n][1]
                     and peer[n][0] == "PeerTimeoutError" and "gave up" in peer[n][1])]
+
+
+def late_and_refused(world, ctx, calls, late: tuple, refused: tuple,
+                     delay_s: float = 1.0) -> list:
+    """Collective: the calls of ``calls`` made in turn on ``ctx``, each synchronized; rank
+    ``late[0]`` makes call ``late[1]`` ``delay_s`` late, and rank ``refused[0]`` makes the calls
+    whose index is in ``refused[1]`` with bad input (refused on the host). ``calls[i](bad)``
+    makes call ``i`` (with bad input when ``bad``) and returns a function that gives the
+    relative error of its result once synchronized. Returns each call's outcome (``"no
+    error"`` or the name of the exception it raised) and then the last call's relative error.
+
+    The scenario of the late-stores bug class: the peers fail a refused call before a late
+    rank's stores of it landed, and a store transport must not let those stores land inside
+    the next call's buffers (``OverlapContext.late_stores_guard``)."""
+    found, error = [], None
+    for i, call in enumerate(calls):
+        if (world.rank, i) == tuple(late):
+            time.sleep(delay_s)
+        try:
+            error = call(world.rank == refused[0] and i in refused[1])
+            ctx.synchronize()
+            found.append("no error")
+        except Exception as e:
+            error = None
+            found.append(type(e).__name__)
+    found.append(error() if error is not None else float("nan"))
+    return found
