@@ -7,5 +7,5 @@ from .faults import (call_while_peers_skip, error_of_one_call, late_and_refused,
 from .spmd import launched, report, run_on_ranks
 
 __all__ = ["EmulatedWorld", "RemoteError", "WorkerHang", "call_while_peers_skip",
-           "error_of_one_call", "late_and_refused", "launched", "not_refused_together", "outcomes", "report",
-           "run_on_ranks", "time_call", "time_paths"]
+           "error_of_one_call", "late_and_refused", "launched", "not_refused_together",
+           "outcomes", "report", "run_on_ranks", "time_call", "time_paths"]
