@@ -921,6 +921,71 @@ def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
             record(f"bad input: {name}", True, str(e)[:70])
 
 
+def check_late_stores(world: World, gen, timeout_s: float = 3.0) -> None:
+    """The stores transports after a refused call that a peer made late
+    (``testing.faults.late_and_refused``): every rank fails that call, and the next call, of
+    other shapes, is right: the late rank's stores of the failed call must land before the
+    next call uses the buffers they land in."""
+    from portable_overlap import AllGatherMatmul, MatmulAllReduce, MatmulReduceScatter
+    from portable_overlap.ops.allgather_gemm import all_gather_matmul_reference
+    from portable_overlap.ops.matmul_reduce import (matmul_all_reduce_reference,
+                                                    matmul_reduce_scatter_reference)
+    from portable_overlap.testing.faults import late_and_refused
+
+    W, r, dev = world.world_size, world.rank, world.device
+    # with 3 ranks or more the late rank is another than the refusing one; with 2, rank 0 is
+    # late to the first of two refused calls
+    late, refused, calls = ((W - 1, 1), (1, (1,)), 3) if W > 2 else ((0, 1), (1, (1, 2)), 4)
+    want = ["no error"] * calls
+    for i in refused[1]:
+        want[i] = "ValueError" if r == refused[0] else "PeerTimeoutError"
+    # each next shape puts a peer's own rows or partials where the late rank's rows of the
+    # failed call land (tests/test_allgather_gemm.py, tests/test_matmul_reduce_stores.py)
+    ag_shapes = [(64, 80, 128), (256, 48, 256), (320, 48, 256), (64, 80, 128)][:calls]
+    mr_shapes = [(128, 80, 128), (256, 48, 256), (320, 112, 256), (128, 80, 128)][:calls]
+
+    def ag_call(ctx, i, m, N, K):
+        def run(bad):
+            a, b = rand((m, K), torch.bfloat16, dev, gen), rand((K, N), torch.bfloat16, dev, gen)
+            out = torch.full((W * m, N), float("nan"), dtype=torch.bfloat16, device=dev)
+            ctx(a, b, torch.empty(1, N, dtype=torch.bfloat16, device=dev) if bad else out)
+            return lambda: rel_err(out, all_gather_matmul_reference(a, b, world.group))
+        return run
+
+    def mr_call(ctx, mode, i, M, N, K):
+        ref = (matmul_reduce_scatter_reference if mode == "reduce_scatter"
+               else matmul_all_reduce_reference)
+
+        def run(bad):
+            a, b = rand((M, K), torch.bfloat16, dev, gen), rand((K, N), torch.bfloat16, dev, gen)
+            out = torch.full((M // W if mode == "reduce_scatter" else M, N), float("nan"),
+                             dtype=torch.bfloat16, device=dev)
+            ctx(a, b, out=torch.empty(1, N, dtype=torch.bfloat16, device=dev) if bad else out)
+            return lambda: rel_err(out, ref(a, b, world.group))
+        return run
+
+    cases = {
+        "allgather+gemm stores": (
+            lambda: AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in ag_shapes),
+                                    transport="stores", timeout_s=timeout_s),
+            lambda ctx: [ag_call(ctx, i, *s) for i, s in enumerate(ag_shapes)]),
+    }
+    for mode, make in (("reduce_scatter", MatmulReduceScatter), ("all_reduce", MatmulAllReduce)):
+        cases[f"gemm+{mode} stores"] = (
+            lambda make=make: make(world, max(s[0] for s in mr_shapes),
+                                   max(s[1] for s in mr_shapes), transport="stores",
+                                   timeout_s=timeout_s),
+            lambda ctx, mode=mode: [mr_call(ctx, mode, i, *s) for i, s in enumerate(mr_shapes)])
+    for name, (make_ctx, make_calls) in cases.items():
+        ctx = make_ctx()
+        try:
+            found = late_and_refused(world, ctx, make_calls(ctx), late, refused)
+        finally:
+            ctx.close()
+        record(f"{name}: late stores of a refused call", found[:-1] == want
+               and found[-1] < TOL[torch.bfloat16] * 2, f"{found[:-1]} rel_err={found[-1]:.2e}")
+
+
 def check_peer_failures(world: World, gen) -> None:
     # A rank called with other shapes: every rank gets a clear error, nobody hangs.
     ctx = GemvAllReduce(world, max_n=4096, timeout_s=1.0)
@@ -1003,8 +1068,9 @@ def main() -> int:
         LOG.prefix = ""
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
-                  check_moe_dispatch_swiglu, check_moe_layer, check_peer_failures):
-        if check is check_peer_failures and world.world_size == 1:
+                  check_moe_dispatch_swiglu, check_moe_layer, check_peer_failures,
+                  check_late_stores):
+        if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
             _guarded(check, world, gen)
