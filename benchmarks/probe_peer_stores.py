@@ -1,0 +1,204 @@
+"""Probe: how fast can a few programs of one kernel push this rank's shard into every peer's
+heap, the transfer of AllGather + GEMM's ``"stores"`` transport? On 4 H200s its senders reached
+210-250 GB/s out of each GPU at 8 to 32 programs, short of NCCL's all-gather (286 GB/s bus)
+and of the ~300 GB/s that 1.15x torch's fused op needs on 8 GPUs (docs/scaling.md).
+
+Every rank copies its shard ``a`` [m, K] (bf16) into rows ``rank*m ..`` of the gather buffer in
+every peer's heap, all ranks at once (the pattern of the op), with P programs, two ways:
+
+- ``flat``: what the op's senders do (``allgather_gemm/kernel.py::_send``): a program takes
+  (chunk, peer) units and moves each chunk as one flat range, ``BLOCK`` elements loaded into
+  registers and stored to the peer per step;
+- ``tma``: the same units through tensor descriptors: a [BR, BK] box is read from ``a`` into
+  shared memory and written to the peer's buffer by the Tensor Memory Accelerator, a bulk
+  store that leaves the program free to issue the next box instead of holding every byte in
+  its store queue until the link takes it.
+
+Prediction: flat stores are bound by the bytes one SM keeps in flight over NVLink (~10 GB/s
+per program at 16 KiB per step and ~1.5 us of latency), so flat grows with P up to the link;
+TMA bulk stores keep more in flight per SM and should reach >= 280 GB/s at P <= 16.
+
+Each variant is checked (every rank compares the rows each peer stored with that peer's shard,
+rebuilt from its seed) and then timed: CUDA events, a barrier before each of ``--iters``
+launches, the slowest rank's median. Egress = (W-1) * m * K * 2 bytes / time.
+
+    torchrun --nproc-per-node 4 benchmarks/probe_peer_stores.py --out DIR
+
+Writes DIR/probe_peer_stores.json; prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from benchmarks.rows import git_commit
+from portable_overlap import World
+from portable_overlap.shmem.heap import SymmetricHeap
+
+
+@triton.jit
+def flat_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
+                     BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Program p: units p, p + P, ... of (chunk, peer), chunk-major (every peer gets chunk 0
+    first); each unit one flat copy of the chunk's rows, ``STAGES`` loads in flight (the
+    software pipeliner turns them into cp.async when STAGES > 1)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_units = n_chunks * (world - 1)
+    lanes = tl.arange(0, BLOCK)
+    for u in range(pid, n_units, P):
+        c = u // (world - 1)
+        d = (rank + 1 + u % (world - 1)) % world
+        lo = c * chunk_rows
+        n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
+        src = a_ptr + tl.multiple_of(lo.to(tl.int64) * K, 8)  # K % 8 == 0: 16-byte vectors
+        dst = tl.load(dst_bases + d).to(tl.pointer_type(tl.bfloat16)) \
+            + tl.multiple_of((rank.to(tl.int64) * m + lo) * K, 8)
+        for off in tl.range(0, n, BLOCK, num_stages=STAGES):
+            idx = off + lanes
+            keep = idx < n
+            tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
+
+
+@triton.jit
+def tma_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
+                    BR: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """Program p serves peer p % (W-1) (P a multiple of W-1), the chunks p // (W-1), ...;
+    one descriptor per side, made once per program; the program's boxes [BR, BK] in one
+    loop, ``STAGES`` box loads in flight (chunk_rows a multiple of BR)."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    peers = world - 1
+    d = (rank + 1 + pid % peers) % world
+    src = tl.make_tensor_descriptor(a_ptr, [m, K], [K, 1], [BR, BK])
+    base = tl.load(dst_bases + d).to(tl.pointer_type(tl.bfloat16)) + rank.to(tl.int64) * m * K
+    dst = tl.make_tensor_descriptor(base, [m, K], [K, 1], [BR, BK])
+    first, step = pid // peers, P // peers
+    mine = tl.maximum(n_chunks - first + step - 1, 0) // step  # chunks first, first+step, ...
+    kb = tl.cdiv(K, BK)
+    per_chunk = (chunk_rows // BR) * kb
+    for i in tl.range(0, mine * per_chunk, num_stages=STAGES):
+        c = first + (i // per_chunk) * step
+        j = i % per_chunk
+        r0 = c * chunk_rows + (j // kb) * BR  # rows past m: the TMA clips them
+        k0 = (j % kb) * BK
+        dst.store([r0, k0], src.load([r0, k0]))
+
+
+def shard(rank: int, m: int, K: int, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(77 + rank)
+    return torch.randn(m, K, generator=g, device=device).to(torch.bfloat16)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mk", default="2048x8192,1024x8192", help="shard shapes m x K")
+    ap.add_argument("--programs", default="6,12,24,33,48,66,132")
+    ap.add_argument("--chunk-rows", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    world = World.from_env()
+    W, r, dev = world.world_size, world.rank, world.device
+    torch.cuda.set_device(dev)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device=dev))
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.mk.split(",")]
+    heap = SymmetricHeap(world, max(W * m * K * 2 for m, K in shapes) + (1 << 20))
+    gather_all = heap.alloc((max(W * m * K for m, K in shapes),), torch.bfloat16)
+    dst_bases = torch.tensor([heap.peer_address(gather_all, q) if q != r else 0
+                              for q in range(W)], dtype=torch.int64, device=dev)
+    variants = {"flat": dict(BLOCK=8192, STAGES=1),
+                "tma": dict(BR=64, BK=128, STAGES=1), "tma_big": dict(BR=128, BK=256, STAGES=1),
+                "tma_pipe": dict(BR=64, BK=128, STAGES=3),
+                "tma_pipe_wide": dict(BR=64, BK=256, STAGES=3)}
+    rows = []
+    for m, K in shapes:
+        a = shard(r, m, K, dev)
+        gather = gather_all[:W * m * K].view(W * m, K)
+        n_chunks = triton.cdiv(m, args.chunk_rows)
+        for name, meta in variants.items():
+            kern = tma_push_kernel if name.startswith("tma") else flat_push_kernel
+            for P in (int(x) for x in args.programs.split(",")):
+                if kern is tma_push_kernel and P % (W - 1):
+                    P += (W - 1) - P % (W - 1)
+
+                def launch():
+                    kern[(P,)](a, dst_bases, r, W, m, K, args.chunk_rows, n_chunks,
+                               num_warps=8, **meta)
+                gather.fill_(float("nan"))
+                torch.cuda.synchronize()
+                dist.barrier()
+                ok, err = True, ""
+                try:
+                    launch()
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    for q in range(W):
+                        if q != r and not torch.equal(gather[q * m:(q + 1) * m],
+                                                      shard(q, m, K, dev)):
+                            ok = False
+                except Exception as e:  # a variant that does not compile or run here
+                    ok, err = False, f"{type(e).__name__}: {e}"[:300]
+                ms = []
+                if ok:
+                    for _ in range(args.iters):
+                        torch.cuda.synchronize()
+                        dist.barrier()
+                        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+                        s.record()
+                        launch()
+                        e.record()
+                        e.synchronize()
+                        ms.append(s.elapsed_time(e))
+                med = torch.tensor([statistics.median(ms) if ms else float("nan")],
+                                   device=dev)
+                dist.all_reduce(med, op=dist.ReduceOp.MAX)
+                ok_t = torch.tensor([int(ok)], device=dev)
+                dist.all_reduce(ok_t, op=dist.ReduceOp.MIN)
+                t = med.item()
+                gbs = (W - 1) * m * K * 2 / (t * 1e-3) / 1e9 if ok_t.item() else float("nan")
+                rows.append(dict(m=m, K=K, variant=name, programs=P, world=W, ok=bool(ok_t.item()),
+                                 median_ms=round(t, 4), egress_GBps=round(gbs, 1), error=err))
+        # NCCL's all-gather of the same shards, for the bus rate
+        full = torch.empty(W * m, K, dtype=torch.bfloat16, device=dev)
+        ms = []
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            dist.barrier()
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            dist.all_gather_into_tensor(full, a)
+            e.record()
+            e.synchronize()
+            ms.append(s.elapsed_time(e))
+        med = torch.tensor([statistics.median(ms)], device=dev)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        t = med.item()
+        rows.append(dict(m=m, K=K, variant="nccl_all_gather", programs=0, world=W, ok=True,
+                         median_ms=round(t, 4),
+                         egress_GBps=round((W - 1) * m * K * 2 / (t * 1e-3) / 1e9, 1), error=""))
+    if r == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "probe_peer_stores.json"), "w") as f:
+            json.dump(dict(commit=git_commit(), device=torch.cuda.get_device_name(dev),
+                           rows=rows), f, indent=1)
+        print(f"{'m x K':>11} {'variant':>16} {'P':>4} {'ok':>3} {'ms':>8} {'GB/s out':>9}")
+        for x in rows:
+            print(f"{x['m']:>5}x{x['K']:<5} {x['variant']:>16} {x['programs']:>4} "
+                  f"{'yes' if x['ok'] else 'NO':>3} {x['median_ms']:>8.4f} {x['egress_GBps']:>9.1f}"
+                  f" {x['error'][:80]}")
+    heap.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
