@@ -158,15 +158,18 @@ def main() -> int:
                         e.record()
                         e.synchronize()
                         ms.append(s.elapsed_time(e))
-                med = torch.tensor([statistics.median(ms) if ms else float("nan")],
-                                   device=dev)
-                dist.all_reduce(med, op=dist.ReduceOp.MAX)
-                ok_t = torch.tensor([int(ok)], device=dev)
-                dist.all_reduce(ok_t, op=dist.ReduceOp.MIN)
-                t = med.item()
-                gbs = (W - 1) * m * K * 2 / (t * 1e-3) / 1e9 if ok_t.item() else float("nan")
-                rows.append(dict(m=m, K=K, variant=name, programs=P, world=W, ok=bool(ok_t.item()),
-                                 median_ms=round(t, 4), egress_GBps=round(gbs, 1), error=err))
+                got = [None] * W  # every rank's (ok, median, error): a variant counts if all ran
+                dist.all_gather_object(got, (ok, statistics.median(ms) if ms else 0.0, err))
+                good = all(g[0] for g in got)
+                t = max(g[1] for g in got)
+                gbs = (W - 1) * m * K * 2 / (t * 1e-3) / 1e9 if good and t > 0 else float("nan")
+                row = dict(m=m, K=K, variant=name, programs=P, world=W, ok=good,
+                           median_ms=round(t, 4), egress_GBps=round(gbs, 1),
+                           error=next((g[2] for g in got if g[2]), ""),
+                           rank_ms=[round(g[1], 4) for g in got])
+                rows.append(row)
+                if r == 0:
+                    print(row, flush=True)
         # NCCL's all-gather of the same shards, for the bus rate
         full = torch.empty(W * m, K, dtype=torch.bfloat16, device=dev)
         ms = []
