@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,108 +98,134 @@ def shard(rank: int, m: int, K: int, device) -> torch.Tensor:
     return torch.randn(m, K, generator=g, device=device).to(torch.bfloat16)
 
 
+VARIANTS = {"flat": dict(BLOCK=8192, STAGES=1),
+            "tma": dict(BR=64, BK=128, STAGES=1), "tma_big": dict(BR=128, BK=256, STAGES=1),
+            "tma_pipe": dict(BR=64, BK=128, STAGES=3),
+            "tma_pipe_wide": dict(BR=64, BK=256, STAGES=3)}
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time_ms(dev, launch) -> float:
+    """One launch's time: CUDA events on a GPU, the host clock around it on the CPU."""
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        launch()
+        return (time.perf_counter() - t0) * 1e3
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    launch()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
+def probe(world, shapes, programs, variants, chunk_rows: int, iters: int) -> list:
+    """Every variant at every program count and shape, checked then timed (module docstring);
+    collective. Returns the rows (the same on every rank)."""
+    W, r, dev = world.world_size, world.rank, world.device
+    if dev.type == "cuda":  # device-side descriptors take their 128 bytes from this allocator
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                     device=dev))
+    heap = SymmetricHeap(world, max(W * m * K * 2 for m, K in shapes) + (1 << 20))
+    gather_all = heap.alloc((max(W * m * K for m, K in shapes),), torch.bfloat16)
+    dst_bases = torch.tensor([heap.peer_address(gather_all, q) if q != r else 0
+                              for q in range(W)], dtype=torch.int64, device=dev)
+    rows = []
+    try:
+        for m, K in shapes:
+            a = shard(r, m, K, dev)
+            gather = gather_all[:W * m * K].view(W * m, K)
+            n_chunks = triton.cdiv(m, chunk_rows)
+            for name in variants:
+                meta = VARIANTS[name]
+                kern = tma_push_kernel if name.startswith("tma") else flat_push_kernel
+                if kern is tma_push_kernel and chunk_rows % meta["BR"]:
+                    raise ValueError(f"{name}: chunk_rows {chunk_rows} is not a multiple of "
+                                     f"its box's {meta['BR']} rows")
+                for P in programs:
+                    if kern is tma_push_kernel and P % (W - 1):
+                        P += (W - 1) - P % (W - 1)
+
+                    def launch():
+                        kern[(P,)](a, dst_bases, r, W, m, K, chunk_rows, n_chunks,
+                                   num_warps=8, **meta)
+                    gather.fill_(float("nan"))
+                    _sync(dev)
+                    world.barrier()
+                    err = ""
+                    try:  # every rank reaches the barrier below, whatever happens here
+                        launch()
+                        _sync(dev)
+                    except Exception as e:  # a variant that does not compile or run here
+                        err = f"{type(e).__name__}: {e}"[:300]
+                    world.barrier()
+                    if not err and any(not torch.equal(gather[q * m:(q + 1) * m],
+                                                       shard(q, m, K, dev))
+                                       for q in range(W) if q != r):
+                        err = "wrong rows"
+                    errs = world.all_gather_object(err)
+                    ms = []
+                    if not any(errs):  # all ranks time, or none
+                        for _ in range(iters):
+                            _sync(dev)
+                            world.barrier()
+                            ms.append(_time_ms(dev, launch))
+                    rank_ms = world.all_gather_object(statistics.median(ms) if ms else 0.0)
+                    t = max(rank_ms)
+                    good = not any(errs) and t > 0
+                    gbs = (W - 1) * m * K * 2 / (t * 1e-3) / 1e9 if good else float("nan")
+                    row = dict(m=m, K=K, variant=name, programs=P, world=W, ok=good,
+                               median_ms=round(t, 4), egress_GBps=round(gbs, 1),
+                               error=next((x for x in errs if x), ""),
+                               rank_ms=[round(x, 4) for x in rank_ms])
+                    rows.append(row)
+                    if r == 0:
+                        print(row, flush=True)
+            if dev.type == "cuda":  # NCCL's all-gather of the same shards, for the bus rate
+                full = torch.empty(W * m, K, dtype=torch.bfloat16, device=dev)
+                ms = []
+                for _ in range(iters):
+                    _sync(dev)
+                    world.barrier()
+                    ms.append(_time_ms(dev, lambda: dist.all_gather_into_tensor(full, a)))
+                t = max(world.all_gather_object(statistics.median(ms)))
+                rows.append(dict(m=m, K=K, variant="nccl_all_gather", programs=0, world=W,
+                                 ok=True, median_ms=round(t, 4),
+                                 egress_GBps=round((W - 1) * m * K * 2 / (t * 1e-3) / 1e9, 1),
+                                 error=""))
+    finally:
+        heap.close()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--mk", default="2048x8192,1024x8192", help="shard shapes m x K")
     ap.add_argument("--programs", default="6,12,24,33,48,66,132")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--chunk-rows", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     world = World.from_env()
-    W, r, dev = world.world_size, world.rank, world.device
-    torch.cuda.set_device(dev)
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                 device=dev))
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.mk.split(",")]
-    heap = SymmetricHeap(world, max(W * m * K * 2 for m, K in shapes) + (1 << 20))
-    gather_all = heap.alloc((max(W * m * K for m, K in shapes),), torch.bfloat16)
-    dst_bases = torch.tensor([heap.peer_address(gather_all, q) if q != r else 0
-                              for q in range(W)], dtype=torch.int64, device=dev)
-    variants = {"flat": dict(BLOCK=8192, STAGES=1),
-                "tma": dict(BR=64, BK=128, STAGES=1), "tma_big": dict(BR=128, BK=256, STAGES=1),
-                "tma_pipe": dict(BR=64, BK=128, STAGES=3),
-                "tma_pipe_wide": dict(BR=64, BK=256, STAGES=3)}
-    rows = []
-    for m, K in shapes:
-        a = shard(r, m, K, dev)
-        gather = gather_all[:W * m * K].view(W * m, K)
-        n_chunks = triton.cdiv(m, args.chunk_rows)
-        for name, meta in variants.items():
-            kern = tma_push_kernel if name.startswith("tma") else flat_push_kernel
-            for P in (int(x) for x in args.programs.split(",")):
-                if kern is tma_push_kernel and P % (W - 1):
-                    P += (W - 1) - P % (W - 1)
-
-                def launch():
-                    kern[(P,)](a, dst_bases, r, W, m, K, args.chunk_rows, n_chunks,
-                               num_warps=8, **meta)
-                gather.fill_(float("nan"))
-                torch.cuda.synchronize()
-                dist.barrier()
-                ok, err = True, ""
-                try:
-                    launch()
-                    torch.cuda.synchronize()
-                    dist.barrier()
-                    for q in range(W):
-                        if q != r and not torch.equal(gather[q * m:(q + 1) * m],
-                                                      shard(q, m, K, dev)):
-                            ok = False
-                except Exception as e:  # a variant that does not compile or run here
-                    ok, err = False, f"{type(e).__name__}: {e}"[:300]
-                ms = []
-                if ok:
-                    for _ in range(args.iters):
-                        torch.cuda.synchronize()
-                        dist.barrier()
-                        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-                        s.record()
-                        launch()
-                        e.record()
-                        e.synchronize()
-                        ms.append(s.elapsed_time(e))
-                got = [None] * W  # every rank's (ok, median, error): a variant counts if all ran
-                dist.all_gather_object(got, (ok, statistics.median(ms) if ms else 0.0, err))
-                good = all(g[0] for g in got)
-                t = max(g[1] for g in got)
-                gbs = (W - 1) * m * K * 2 / (t * 1e-3) / 1e9 if good and t > 0 else float("nan")
-                row = dict(m=m, K=K, variant=name, programs=P, world=W, ok=good,
-                           median_ms=round(t, 4), egress_GBps=round(gbs, 1),
-                           error=next((g[2] for g in got if g[2]), ""),
-                           rank_ms=[round(g[1], 4) for g in got])
-                rows.append(row)
-                if r == 0:
-                    print(row, flush=True)
-        # NCCL's all-gather of the same shards, for the bus rate
-        full = torch.empty(W * m, K, dtype=torch.bfloat16, device=dev)
-        ms = []
-        for _ in range(args.iters):
-            torch.cuda.synchronize()
-            dist.barrier()
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record()
-            dist.all_gather_into_tensor(full, a)
-            e.record()
-            e.synchronize()
-            ms.append(s.elapsed_time(e))
-        med = torch.tensor([statistics.median(ms)], device=dev)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        t = med.item()
-        rows.append(dict(m=m, K=K, variant="nccl_all_gather", programs=0, world=W, ok=True,
-                         median_ms=round(t, 4),
-                         egress_GBps=round((W - 1) * m * K * 2 / (t * 1e-3) / 1e9, 1), error=""))
-    if r == 0:
+    torch.cuda.set_device(world.device)
+    rows = probe(world, [tuple(int(x) for x in s.split("x")) for s in args.mk.split(",")],
+                 [int(x) for x in args.programs.split(",")], args.variants.split(","),
+                 args.chunk_rows, args.iters)
+    if world.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_peer_stores.json"), "w") as f:
-            json.dump(dict(commit=git_commit(), device=torch.cuda.get_device_name(dev),
+            json.dump(dict(commit=git_commit(), device=torch.cuda.get_device_name(world.device),
                            rows=rows), f, indent=1)
         print(f"{'m x K':>11} {'variant':>16} {'P':>4} {'ok':>3} {'ms':>8} {'GB/s out':>9}")
         for x in rows:
             print(f"{x['m']:>5}x{x['K']:<5} {x['variant']:>16} {x['programs']:>4} "
-                  f"{'yes' if x['ok'] else 'NO':>3} {x['median_ms']:>8.4f} {x['egress_GBps']:>9.1f}"
-                  f" {x['error'][:80]}")
-    heap.close()
+                  f"{'yes' if x['ok'] else 'NO':>3} {x['median_ms']:>8.4f} "
+                  f"{x['egress_GBps']:>9.1f} {x['error'][:80]}")
     dist.destroy_process_group()
     return 0
 
