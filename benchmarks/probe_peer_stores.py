@@ -166,7 +166,11 @@ def probe(world, shapes, programs, variants, chunk_rows: int, iters: int) -> lis
                     if not err and any(not torch.equal(gather[q * m:(q + 1) * m],
                                                        shard(q, m, K, dev))
                                        for q in range(W) if q != r):
-                        err = "wrong rows"
+                        bad = [(q, int(gather[q * m:(q + 1) * m].isnan().sum()),
+                                float((gather[q * m:(q + 1) * m].float()
+                                       - shard(q, m, K, dev).float()).abs().nan_to_num(-1).max()))
+                               for q in range(W) if q != r]
+                        err = f"wrong rows (peer, NaNs, max diff): {bad}"
                     errs = world.all_gather_object(err)
                     ms = []
                     if not any(errs):  # all ranks time, or none
