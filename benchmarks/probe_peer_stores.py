@@ -44,7 +44,7 @@ from portable_overlap import World
 from portable_overlap.shmem.heap import SymmetricHeap
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])  # rank 1 would be a constant without it
 def flat_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
                      BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Program p: units p, p + P, ... of (chunk, peer), chunk-major (every peer gets chunk 0
@@ -68,7 +68,7 @@ def flat_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
             tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])  # rank 1 would be a constant without it
 def tma_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
                     BR: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """Program p serves peer p % (W-1) (P a multiple of W-1), the chunks p // (W-1), ...;
@@ -184,7 +184,7 @@ def probe(world, shapes, programs, variants, chunk_rows: int, iters: int) -> lis
                     gbs = (W - 1) * m * K * 2 / (t * 1e-3) / 1e9 if good else float("nan")
                     row = dict(m=m, K=K, variant=name, programs=P, world=W, ok=good,
                                median_ms=round(t, 4), egress_GBps=round(gbs, 1),
-                               error=next((x for x in errs if x), ""),
+                               error="; ".join(f"rank {q}: {x}" for q, x in enumerate(errs) if x),
                                rank_ms=[round(x, 4) for x in rank_ms])
                     rows.append(row)
                     if r == 0:
