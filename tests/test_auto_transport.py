@@ -567,9 +567,8 @@ def _unmatched_calls(world):
 
     planner.EXCHANGE_MIN_S = 5.0  # the bound of a peer that never joins, shortened for the test
     last, M, N, K = world.world_size - 1, 2, 3, 2
-    ctx = po.MatmulAllReduce(world, 2 * M, N, transport="auto", candidates=("sequential",
-                                                                              "stores"),
-                             iters=1, warmup=0, timeout_s=5.0)
+    ctx = po.MatmulAllReduce(world, 2 * M, N, transport="auto",
+                             candidates=("sequential", "stores"), iters=1, warmup=0, timeout_s=5.0)
     fake = _FakeTimings(ctx)
     fake.costs = {"sequential": 1.0, "stores": 2.0}
     g = torch.Generator().manual_seed(world.rank)
@@ -591,7 +590,7 @@ def _unmatched_calls(world):
             step("decided", a, b, True)
             step("new on one rank", torch.randn(2 * M, K) if world.rank == last else a, b, False)
             step("matched again", a, b, True)
-            k = K + world.rank  # a call new on every rank, its K shard differing across ranks
+            k = K + 1 + world.rank  # a call new on every rank, its K shard differing across ranks
             step("new, shards differ", torch.randn(M, k), torch.randn(k, N), True)
             a3 = torch.randn(M + 1, K)
             step("refused new", a3.clone().requires_grad_(world.rank == 0), b, False)
@@ -607,7 +606,7 @@ def _unmatched_calls(world):
 
 def test_unmatched_calls_raise_on_every_rank(world):
     per_rank = world.run(_unmatched_calls, timeout=240)
-    last = world.world_size - 1
+    last = world.size - 1
     for r, found in enumerate(per_rank):
         for label in ("decided", "matched again", "new, shards differ", "after refusals"):
             assert found[label][0] == "ok" and found[label][1] < TOL, (r, label, found[label])
@@ -628,3 +627,34 @@ def test_unmatched_calls_raise_on_every_rank(world):
             else:
                 assert kind == "RankMismatchError", (r, label, found[label])
                 assert f"rank {refuser} refused this call" in msg, (r, label, msg)
+
+
+def _cache_on_some_ranks(world, tmp):
+    """Each rank's own cache file; a decision that only some ranks' files hold is new in every
+    rank's memory, so every rank decides it again (measuring: not every rank's file has it)."""
+    M, N, K = 2, 3, 2
+    path = os.path.join(tmp, f"rank{world.rank}.json")
+    found = []
+    for step in range(2):
+        if step == 1 and world.rank == 0:
+            os.remove(path)  # rank 0 lost its decisions; its peers kept theirs
+        ctx = po.MatmulAllReduce(world, M, N, transport="auto", candidates=("sequential",
+                                                                            "stores"),
+                                 cache_path=path, iters=1, warmup=0)
+        fake = _FakeTimings(ctx)
+        fake.costs = {"sequential": 2.0, "stores": 1.0}
+        try:
+            a, b = torch.randn(M, K), torch.randn(K, N)
+            with _timing(fake):
+                y = po.matmul_all_reduce(a, b, ctx)
+            found.append((ctx.choice(a, b), fake.count,
+                          rel_err(y, po.matmul_all_reduce_reference(a, b, world.group))))
+        finally:
+            ctx.close()
+    return found
+
+
+def test_a_decision_some_ranks_cache_is_made_again(world2, tmp_path):
+    for found in world2.run(_cache_on_some_ranks, str(tmp_path), timeout=240):
+        assert [f[:2] for f in found] == [("stores", 2), ("stores", 2)], found
+        assert all(f[2] < TOL for f in found), found
