@@ -555,3 +555,106 @@ def test_a_call_new_on_one_rank_raises_on_every_rank(world2):
     assert r0["seconds"] < 30 and r1["seconds"] < 30
     assert r1["third"][0] == "ContextBrokenError" and "out of step" in r1["third"][1], r1
     assert r0["third"][0] != "no error", r0  # its decided workspace is out of step too
+
+
+def _unmatched_calls(world):
+    """Calls whose keys are new on some ranks only, or that some ranks refuse on the host, next
+    to a decided ``"sequential"`` (a collective without a deadline): every rank raises in the
+    same call within seconds, naming the ranks and their calls, and the context stays usable
+    (the next matched call is right). Keys new on every rank decide together, also where the
+    ranks' K shards differ."""
+    import time
+
+    planner.EXCHANGE_MIN_S = 5.0  # the bound of a peer that never joins, shortened for the test
+    last, M, N, K = world.world_size - 1, 2, 3, 2
+    ctx = po.MatmulAllReduce(world, 2 * M, N, transport="auto",
+                             candidates=("sequential", "stores"), iters=1, warmup=0, timeout_s=5.0)
+    fake = _FakeTimings(ctx)
+    fake.costs = {"sequential": 1.0, "stores": 2.0}
+    g = torch.Generator().manual_seed(world.rank)
+    found = {}
+
+    def step(label, a, b, matched, **kw):
+        t0 = time.monotonic()
+        try:
+            y = po.matmul_all_reduce(a, b, ctx, **kw)
+            err = rel_err(y, po.matmul_all_reduce_reference(a.detach(), b, world.group)
+                          ) if matched else None
+            found[label] = ("ok", err, time.monotonic() - t0, ctx.choice(a, b))
+        except Exception as e:
+            found[label] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+    a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+    try:
+        with _timing(fake):
+            step("decided", a, b, True)
+            step("new on one rank", torch.randn(2 * M, K) if world.rank == last else a, b, False)
+            step("matched again", a, b, True)
+            k = K + 1 + world.rank  # a call new on every rank, its K shard differing across ranks
+            step("new, shards differ", torch.randn(M, k), torch.randn(k, N), True)
+            a3 = torch.randn(M + 1, K)
+            step("refused new", a3.clone().requires_grad_(world.rank == 0), b, False)
+            step("refused decided", a.clone().requires_grad_(world.rank == 0), b, False)
+            step("options no candidate takes", a3, b, False,
+                 **({"config": SignalConfig()} if world.rank == last else {}))
+            step("after refusals", a3, b, True)
+        found["timings"] = fake.count
+    finally:
+        ctx.close()
+    return found
+
+
+def test_unmatched_calls_raise_on_every_rank(world):
+    per_rank = world.run(_unmatched_calls, timeout=240)
+    last = world.size - 1
+    for r, found in enumerate(per_rank):
+        for label in ("decided", "matched again", "new, shards differ", "after refusals"):
+            assert found[label][0] == "ok" and found[label][1] < TOL, (r, label, found[label])
+            assert found[label][3] == "sequential", (r, label, found[label])
+        assert found["timings"] == 3 * 2  # three decisions of two candidates, nothing more
+        kind, msg, seconds = found["new on one rank"]
+        assert kind == "RankMismatchError" and seconds < 4, (r, found["new on one rank"])
+        assert msg.startswith("matmul_all_reduce: ") and f"rank {last}: a call new" in msg, msg
+        assert "rank 0: a call decided" in msg and "'sequential'" in msg, msg
+        for label, why in (("refused new", "has no backward"),
+                           ("refused decided", "has no backward"),
+                           ("options no candidate takes", "no candidate transport takes")):
+            refuser = last if label == "options no candidate takes" else 0
+            kind, msg, seconds = found[label]
+            assert seconds < 4 and why in msg, (r, label, found[label])
+            if r == refuser:
+                assert kind in ("RuntimeError", "ValueError"), (r, label, found[label])
+            else:
+                assert kind == "RankMismatchError", (r, label, found[label])
+                assert f"rank {refuser} refused this call" in msg, (r, label, msg)
+
+
+def _cache_on_some_ranks(world, tmp):
+    """Each rank's own cache file; a decision that only some ranks' files hold is new in every
+    rank's memory, so every rank decides it again (measuring: not every rank's file has it)."""
+    M, N, K = 2, 3, 2
+    path = os.path.join(tmp, f"rank{world.rank}.json")
+    found = []
+    for step in range(2):
+        if step == 1 and world.rank == 0:
+            os.remove(path)  # rank 0 lost its decisions; its peers kept theirs
+        ctx = po.MatmulAllReduce(world, M, N, transport="auto", candidates=("sequential",
+                                                                            "stores"),
+                                 cache_path=path, iters=1, warmup=0)
+        fake = _FakeTimings(ctx)
+        fake.costs = {"sequential": 2.0, "stores": 1.0}
+        try:
+            a, b = torch.randn(M, K), torch.randn(K, N)
+            with _timing(fake):
+                y = po.matmul_all_reduce(a, b, ctx)
+            found.append((ctx.choice(a, b), fake.count,
+                          rel_err(y, po.matmul_all_reduce_reference(a, b, world.group))))
+        finally:
+            ctx.close()
+    return found
+
+
+def test_a_decision_some_ranks_cache_is_made_again(world2, tmp_path):
+    for found in world2.run(_cache_on_some_ranks, str(tmp_path), timeout=240):
+        assert [f[:2] for f in found] == [("stores", 2), ("stores", 2)], found
+        assert all(f[2] < TOL for f in found), found

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import BackendUnavailable
-from .context import (check_timeout, refuse_grad_as_call, register_context,
+from .context import (check_timeout, refuse_grad, refuse_grad_as_call, register_context,
                       unregister_context)
 from .planner import AUTO, PLANNER_OPTIONS, TransportPlanner
 
@@ -133,16 +133,19 @@ class PatternContext:
         """``refuse_grad`` of the call's tensors (the result would carry no gradient: a silent
         error in training), raised as a refused call of the workspace that would run it
         (``refuse_grad_as_call``), so its peers fail this same call at once instead of waiting for
-        this rank until their timeout. Where no workspace is settled yet (``"auto"`` before the call
-        key's decision) only this rank raises."""
+        this rank until their timeout; with ``"auto"``, where the call's key is not decided or its
+        transport's waits have no deadline, through the call's agreement
+        (``TransportPlanner.refuse``)."""
         if not any(getattr(t, "requires_grad", False) for t in inputs.values()):
             return  # (the common case: no workspace lookup)
         planner = getattr(self, "planner", None)  # (none on a context not made in full)
         if planner is None:
-            impl = getattr(self, "impl", None)
-        else:
-            impl = planner.impls.get(planner.choice(inputs, None, options))
-        refuse_grad_as_call(self.OP, inputs.values(), (impl,))
+            refuse_grad_as_call(self.OP, inputs.values(), (getattr(self, "impl", None),))
+            return
+        try:
+            refuse_grad(self.OP, *inputs.values())
+        except RuntimeError as e:
+            planner.refuse(inputs, options, e)
 
     def choice(self, *args, **kwargs) -> Optional[str]:
         """The transport that runs a call with these arguments (the call's own): the named

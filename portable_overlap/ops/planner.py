@@ -12,11 +12,11 @@ What the first call of a key does (collective; the same on every rank):
    ``TRANSPORTS`` that can run on this world, ``PatternContext.unavailable``) that take each
    per-call option given, by name and type (the pattern's ``CALL_OPTIONS``; a transport not
    listed there takes none). One candidate runs at once, untimed; none is a ``ValueError``.
-2. **The decision's key**: every rank's call key, exchanged through the process group's store
-   with a deadline (one key on every rank, also where the shapes differ across ranks, as the
-   reduction patterns' K shards may; a peer that never joins is below), then
-   ``schedule.tuning.decide``: a decision every rank's cache holds is used as it is (no
-   timing); otherwise every rank measures.
+2. **The agreement and the decision's key**: every rank's call (its key, its candidates, or
+   the error it refused the call with) exchanged through the process group's store with a
+   deadline (``_agree``; one key for every rank, also where the shapes differ across ranks, as
+   the reduction patterns' K shards may), then ``schedule.tuning.decide``: a decision every
+   rank's cache holds is used as it is (no timing); otherwise every rank measures.
 3. **Measuring**: each candidate in ``TRANSPORTS`` order runs once on the call's own inputs,
    into an output of its own (the user's ``out`` is written only by the chosen transport,
    after the decision), then ``schedule.tuning.time_call`` times ``warmup`` + ``iters`` more
@@ -42,18 +42,37 @@ device's name and the versions of torch, Triton and this library; ranks may shar
 A key is decided at its first call on every rank at once: the calls must come in the same
 order on every rank (as for every context), and a call must be new on every rank or on none:
 where a rank's call key differs from its peers' (its K shard, a transposed weight view, an
-optional input only it passes) the keys must change together. A call new on some ranks only
-finds its peers running their decided transport instead of joining the decision: the
-decision's first exchange goes through the process group's store with a deadline (the
-context's timeout, at least :data:`EXCHANGE_MIN_S`), so those ranks raise
-:class:`PeerTimeoutError` naming the rule and the ranks that stayed away, and refuse every
-later call (``ContextBrokenError``); the peers' call fails at its own bounded waits (a fused
-transport's flags; ``"sequential"``'s collective at the process group's timeout).
+optional input only it passes) the keys must change together. Calls that break this rule raise
+on every rank in the same call, without a hang:
+
+- **The agreement** (``_settle``): every call whose key is new on this rank, and every call of a
+  decided key whose transport waits without a deadline (``UNBOUNDED``: ``"sequential"``'s NCCL /
+  RCCL / gloo collective, torch's fused ops' barriers), first posts a record to the store: new,
+  decided (with the number of its decision), or refused on the host (a check before the call:
+  an input that requires grad, per-call options no candidate takes, capture of an undecided
+  key; the rank raises its own error). Where the records do not match (a key new on some ranks
+  only, keys of different decisions, a refusal), every rank raises in this call, the refusing
+  rank its error and the others :class:`RankMismatchError` naming each rank and its call;
+  nothing ran, so the context stays usable.
+- **Decided keys of the fused transports** skip the agreement (no host round trip): a peer not
+  in the same call never signals, and their waits end at the context's timeout with
+  :class:`PeerTimeoutError`. The peer that waits in the agreement meanwhile gives up at its
+  deadline (the context's timeout, at least :data:`EXCHANGE_MIN_S`), claims the slots of the
+  ranks that stayed away (a late rank finds the claim instead of joining) and raises
+  :class:`PeerTimeoutError` naming the rule and those ranks; its planner is out of step and
+  refuses every later call (``ContextBrokenError``), telling a peer that waits in a later
+  agreement at once.
+
+The trade-off: an eager call of a decided ``"sequential"`` key makes the agreement's four store
+round trips (about 0.26 ms on the emulated ranks of a 2-core host), which a call of the named
+``"sequential"`` transport does not; a CUDA-graph replay runs none of it (the check ran when
+the call was captured). Where that matters, name the transport, or capture the calls.
 
 Graph capture: timing needs host syncs, which capture forbids, so a call under capture whose key
-is not decided yet raises ``RuntimeError``: make one eager call with those shapes first. A
-decided key's call is a call of the chosen transport with nothing added (no host sync, no
-allocation), captured as it would be under that transport's name.
+is not decided yet raises ``RuntimeError`` (on every rank: the refusal goes through the
+agreement): make one eager call with those shapes first. A decided key's call adds no device
+sync and no allocation to the chosen transport's (an ``UNBOUNDED`` one's agreement runs on the
+host only, at capture), captured as it would be under that transport's name.
 """
 from __future__ import annotations
 
@@ -69,9 +88,9 @@ import torch
 
 from ..envvars import env_file_path
 from ..errors import (BackendUnavailable, ContextBrokenError, ContextClosedError,
-                      PeerTimeoutError)
+                      PeerTimeoutError, RankMismatchError)
 from ..schedule import tuning
-from .context import concurrent_use, stream_capturing
+from .context import concurrent_use, refuse_call, stream_capturing
 
 AUTO = "auto"
 SEQUENTIAL = "sequential"
@@ -79,9 +98,15 @@ SEQUENTIAL = "sequential"
 #: fraction: the medians of a few timed runs differ by a few percent from run to run, and a
 #: pick that is really slower would be the one way ``"auto"`` could lose to the plain path
 TIE = 0.03
-#: the least time a rank waits for its peers to join a decision (``TransportPlanner._exchange``):
-#: at a key's first call the peers may still compile their kernels for the call before
+#: the least time a rank waits for its peers to join a call's agreement
+#: (``TransportPlanner._agree``): at a key's first call the peers may still compile their kernels
+#: for the call before
 EXCHANGE_MIN_S = 60.0
+#: transports whose waits have no deadline (the collective library's, torch's barriers): a
+#: decided call of one of them first agrees with its peers (``TransportPlanner._agree``), since a
+#: peer in another call would leave it waiting for ever; the other transports' waits are bounded
+#: and raise ``PeerTimeoutError`` where a peer stays away
+UNBOUNDED = (SEQUENTIAL, "torch_fused")
 #: the keyword arguments ``transport="auto"`` takes (besides ``timeout_s``)
 PLANNER_OPTIONS = ("candidates", "options", "cache_path", "iters", "warmup", "graph")
 
@@ -199,6 +224,24 @@ def _text(call: dict) -> str:
     return ", ".join(parts)
 
 
+def _text_of(record: dict) -> str:
+    call = record["call"]
+    return _text(call) if isinstance(call, dict) else call
+
+
+def _what(record: dict) -> str:
+    """A rank's record of a call's agreement (``TransportPlanner._settle``), in words."""
+    kind = record["kind"]
+    if kind == "new":
+        return f"a call new there ({_text_of(record)})"
+    if kind == "decided":
+        return (f"a call decided there as {record['transport']!r} (decision "
+                f"{record['decision']}: {_text_of(record)})")
+    if kind == "refused":
+        return f"a call it refused ({_text_of(record)}): {record['why']}"
+    return record.get("why", kind)
+
+
 def _attempt(fn):
     """``(fn(), None)``, or ``(None, the exception)`` if it raised one."""
     try:
@@ -246,14 +289,16 @@ class TransportPlanner:
         world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph)",
                          (self.candidates, self.iters, self.warmup, self.graph))
         # the name of this planner's decisions in the process group's store, the same on every
-        # rank (_exchange), and how many decisions this rank has begun
+        # rank (_agree), and how many agreements this rank has begun
         self._sync_id = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None)
         self._begun = 0
         self._broken: Optional[str] = None
         #: cache key -> decision, for the keys this context measured or found in its file
         self.decisions: dict = {}
         self.cache = tuning.TuningCache(path) if path else MemoryCache(self.decisions)
-        self._chosen: dict = {}  # call key (tuple) -> transport: the per-call lookup
+        #: call key (tuple) -> (transport, its decision's agreement number, the call in words): the
+        #: per-call lookup
+        self._chosen: dict = {}
         self._lock = threading.Lock()
         self._closed = False
         self.retired: list = []  # broken candidates' workspaces, freed at close()
@@ -274,25 +319,57 @@ class TransportPlanner:
         if not self._lock.acquire(blocking=False):
             raise concurrent_use(self.ctx.OP, self.ctx.rank)
         try:
-            self._check_open()
-            transport = self._chosen.get(fast)
-            if transport is None:
+            self._check_call()
+            chosen = self._chosen.get(fast)
+            if chosen is None:
                 transport = self._decide(fast, inputs, given)
+            else:
+                transport, decision, text = chosen
+                if transport in UNBOUNDED:
+                    self._settle({"kind": "decided", "decision": decision,
+                                  "transport": transport, "call": text})
             return self.ctx._run(transport, self.impls[transport], inputs, out, given)
+        finally:
+            self._lock.release()
+
+    def refuse(self, inputs: dict, options: dict, error: BaseException) -> None:
+        """Raise ``error``, found by a check made before the call reached the planner
+        (``PatternContext.check_grad``), as this call's refusal, which its peers hear of: as a
+        refused call of the decided transport's workspace where that transport's waits are
+        bounded (``refuse_call``), else through the call's agreement (``_settle``), so every
+        rank raises in this same call."""
+        given = {k: v for k, v in options.items() if v is not None}
+        fast = _call_key(inputs, given)
+        if not self._lock.acquire(blocking=False):
+            raise concurrent_use(self.ctx.OP, self.ctx.rank)
+        try:
+            self._check_call()
+            chosen = self._chosen.get(fast)
+            if chosen is not None and chosen[0] not in UNBOUNDED:
+                refuse_call([self.impls[chosen[0]]], error)
+            text = chosen[2] if chosen is not None else _text(self._describe_call(inputs, given))
+            self._settle({"kind": "refused", "why": f"{type(error).__name__}: {error}",
+                          "call": text}, error)
         finally:
             self._lock.release()
 
     def choice(self, inputs: dict, out, options: dict) -> Optional[str]:
         """The transport that runs calls like this one; None while it is not decided."""
-        return self._chosen.get(_call_key(inputs, {k: v for k, v in options.items()
-                                                   if v is not None}))
+        chosen = self._chosen.get(_call_key(inputs, {k: v for k, v in options.items()
+                                                     if v is not None}))
+        return None if chosen is None else chosen[0]
 
     def _takes(self, transport: str, given: dict) -> bool:
         accepted = self.ctx.CALL_OPTIONS.get(transport, {})
         return all(k in accepted and isinstance(v, accepted[k]) for k, v in given.items())
 
-    def _decide(self, fast: tuple, inputs: dict, given: dict) -> str:
-        ctx, world, op = self.ctx, self.ctx.world, self.ctx.OP
+    def _describe_call(self, inputs: dict, given: dict) -> dict:
+        return {"inputs": {k: _describe(v) for k, v in inputs.items()},
+                "options": {k: _describe(v) for k, v in sorted(given.items())}}
+
+    def _candidates_for(self, given: dict) -> tuple:
+        """The candidates that take the call's per-call options; raises where none can run it."""
+        ctx, op = self.ctx, self.ctx.OP
         if not self.candidates:
             raise RuntimeError(f"{op}: every candidate transport of this context failed out of "
                                f"step with its peers; close it and create a new one")
@@ -303,19 +380,34 @@ class TransportPlanner:
             raise ValueError(f"{op}: no candidate transport takes the per-call options "
                              f"{', '.join(f'{k}={v!r}' for k, v in sorted(given.items()))} "
                              f"(per-call options each candidate takes: {takes})")
-        if len(cands) == 1:  # nothing to choose: no timing, nothing cached
-            self._chosen[fast] = cands[0]
-            return cands[0]
-        if stream_capturing(world.device):
+        if len(cands) > 1 and stream_capturing(self.ctx.world.device):
             raise RuntimeError(
                 f"{op}: transport='auto' has not decided the transport for this call's shapes "
                 f"yet, and deciding times every candidate, which graph capture does not allow: "
                 f"make one eager call with these shapes before capturing")
-        call = {"inputs": {k: _describe(v) for k, v in inputs.items()},
-                "options": {k: _describe(v) for k, v in sorted(given.items())}}
+        return cands
+
+    def _decide(self, fast: tuple, inputs: dict, given: dict) -> str:
+        world, op = self.ctx.world, self.ctx.OP
+        call = self._describe_call(inputs, given)
+        cands, refusal = _attempt(lambda: self._candidates_for(given))
+        mine = ({"kind": "refused", "why": f"{type(refusal).__name__}: {refusal}",
+                 "call": _text(call)} if refusal is not None
+                else {"kind": "new", "call": call, "candidates": cands})
+        decision, records = self._settle(mine, refusal)
+        if any(r["candidates"] != cands for r in records):
+            raise RankMismatchError(
+                f"{op}: the ranks' calls leave different candidate transports (their per-call "
+                f"options differ): " + "; ".join(
+                    f"rank {q}: {r['candidates']} ({_text(r['call'])})"
+                    for q, r in enumerate(records)) + " (nothing ran; the context stays usable)")
+        text = _text(call)
+        if len(cands) == 1:  # nothing to choose: no timing, nothing cached
+            self._chosen[fast] = (cands[0], decision, text)
+            return cands[0]
         # one key for every rank, from every rank's call: the reduction patterns' K shards may
         # differ across ranks, and ranks sharing a cache file then write the same entries
-        calls = self._exchange(call)
+        calls = [r["call"] for r in records]
         shape = {"call": call if all(c == call for c in calls) else calls, "graph": self.graph,
                  "candidates": {t: repr(sorted(self.options.get(t, {}).items())) for t in cands}}
         dtype = next((v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)), None)
@@ -327,43 +419,106 @@ class TransportPlanner:
             raise RuntimeError(f"{op}: the tuning cache {self.cache.path} holds {record!r} for "
                                f"this call, not one of its candidates {cands}: remove that entry")
         self.decisions[key] = record
-        self._chosen[fast] = pick
+        self._chosen[fast] = (pick, decision, text)
         return pick
 
-    def _exchange(self, call: dict) -> list:
-        """Every rank's ``call`` (the first step of a decision), through the process group's
-        store with a deadline rather than a collective: a call new on this rank only (its key
-        differs from the one its peers decided: another stride, an optional input only it
-        passes) finds its peers running their decided transport instead of joining, and a
-        collective would wait for them for ever. This rank then raises
-        :class:`PeerTimeoutError` and the planner is out of step (every later call raises);
-        the peers' call fails at its own bounded waits."""
-        world = self.ctx.world
+    def _settle(self, mine: dict, error: Optional[BaseException] = None) -> tuple:
+        """This call's agreement (``_agree``) on ``mine``: ``{"kind": "new"}`` (a call key this
+        rank has not decided), ``{"kind": "decided", "decision": n}`` (a key of the n-th
+        agreement's decision, run by an ``UNBOUNDED`` transport) or ``{"kind": "refused"}``
+        (this rank raises ``error``), each with ``"call"`` (the call, for the errors). Returns
+        the agreement's number and every rank's record when the calls match: new on every rank,
+        or of the same decision on every rank. Otherwise every rank raises in this same call,
+        the refusing ranks their own error, the others :class:`RankMismatchError` naming each
+        rank's call; nothing ran, so the ranks stay in step and the context usable."""
+        op = self.ctx.OP
+        n, records = self._agree(mine, error)
+        if error is not None:
+            raise error
+        broken = [(q, r) for q, r in enumerate(records) if r["kind"] == "broken"]
+        if broken:
+            self._broken = (f"{op}: transport='auto' is out of step with its peers: rank(s) "
+                            f"{[q for q, _ in broken]} refused this call, being out of step "
+                            f"already (" + "; ".join(r["why"] for _, r in broken) + ")")
+            raise ContextBrokenError(self._broken + "; close it and create a new one")
+        refused = [(q, r) for q, r in enumerate(records) if r["kind"] == "refused"]
+        if refused:
+            raise RankMismatchError(f"{op}: " + "; ".join(
+                f"rank {q} refused this call ({_text_of(r)}): {r['why']}" for q, r in refused)
+                + " (nothing ran; the context stays usable)")
+        if len({(r["kind"], r.get("decision")) for r in records}) > 1:
+            calls = "; ".join(f"rank {q}: {_what(r)}" for q, r in enumerate(records))
+            raise RankMismatchError(
+                f"{op}: the ranks' calls of transport='auto' do not match: {calls}. A call key "
+                f"(shapes, dtypes, strides, optional inputs, per-call options) must be new on "
+                f"every rank or on none, and a decided one must come with its peers' keys of "
+                f"the same decision (nothing ran; the context stays usable)")
+        return n, records
+
+    def _agree(self, mine: dict, error: Optional[BaseException] = None) -> tuple:
+        """Every rank's ``mine`` for this call, through the process group's store with a
+        deadline (the context's timeout, at least :data:`EXCHANGE_MIN_S`) rather than a
+        collective: a peer that is not in this step (it runs a decided transport whose waits
+        are bounded, or it refused the call without telling) would leave a collective waiting
+        for ever. Returns the step's number (the same on every rank) and the records. A rank
+        posts its record only where its slot is empty; a rank whose wait ends claims the empty
+        slots of the peers that stayed away, so a late peer finds the claim instead of joining
+        a step its peers gave up: both sides raise :class:`PeerTimeoutError` and the planner
+        is out of step (every later call raises)."""
+        world, op = self.ctx.world, self.ctx.OP
+        n, self._begun = self._begun, self._begun + 1
         if world.world_size == 1:
-            return [call]
+            return n, [mine]
         import torch.distributed as dist
 
-        n, self._begun = self._begun, self._begun + 1
-        prefix = f"portable_overlap/auto/{self._sync_id}/{n}/"
-        keys = [prefix + str(q) for q in range(world.world_size)]
+        prefix = f"portable_overlap/auto/{self._sync_id}/"
+        keys = [f"{prefix}{n}/{q}" for q in range(world.world_size)]
         store = dist.distributed_c10d._get_default_store()
-        store.set(keys[world.rank], pickle.dumps(call))
+        payload = pickle.dumps(mine)
+        here = _what(mine) + (f"; this rank refused it: {type(error).__name__}: {error}"
+                              if error is not None else "")
+        got = store.compare_set(keys[world.rank], "", payload)
+        if got != payload:
+            late = pickle.loads(got)
+            self._broken = (f"{op}: transport='auto' is out of step with its peers: rank "
+                            f"{late['by']} stopped waiting for this rank at a call")
+            raise PeerTimeoutError(
+                f"{op}: rank {world.rank}: rank {late['by']} stopped waiting for this rank to "
+                f"agree on this call ({here}) after {late['waited']:.0f} s: the ranks' calls "
+                f"were not matched (a call key must be new on every rank or on none). Close the "
+                f"context and make a new one.")
         wait_s = max(EXCHANGE_MIN_S, self.timeout_s)
         try:
             store.wait(keys, datetime.timedelta(seconds=wait_s))
         except Exception as e:  # the store's timeout error (its type varies by torch version)
-            missing = [q for q, k in enumerate(keys) if not store.check([k])]
-            self._broken = (
-                f"{self.ctx.OP}: transport='auto' is out of step with its peers: rank(s) "
-                f"{missing} did not join the decision of a call new on rank {world.rank}")
+            claim = pickle.dumps({"kind": "gave up", "by": world.rank, "waited": wait_s})
+            missing = [q for q, k in enumerate(keys) if store.compare_set(k, "", claim) == claim]
+            if missing:
+                self._broken = (
+                    f"{op}: transport='auto' is out of step with its peers: rank(s) {missing} "
+                    f"did not join the agreement of a call on rank {world.rank}")
+                raise PeerTimeoutError(
+                    f"{op}: rank {world.rank}: rank(s) {missing} did not join this call's "
+                    f"agreement within {wait_s:.0f} s (this rank's call: {here}): a call must "
+                    f"be new on every rank or on none, so a call key that differs across ranks "
+                    f"(shapes, dtypes, strides, optional inputs, per-call options) must change "
+                    f"on every rank together; the missing ranks may run a decided transport "
+                    f"(which then raises at its own bounded waits). Close the context and make "
+                    f"a new one. ({type(e).__name__}: {e})") from None
+        getter = getattr(store, "multi_get", None)
+        values = getter(keys) if getter else [store.get(k) for k in keys]
+        records = [pickle.loads(v) for v in values]
+        gave_up = [r["by"] for r in records if r["kind"] == "gave up"]
+        if gave_up:
+            self._broken = (f"{op}: transport='auto' is out of step with its peers: rank(s) "
+                            f"{sorted(set(gave_up))} stopped waiting at a call")
             raise PeerTimeoutError(
-                f"{self.ctx.OP}: rank {world.rank}: this call's transport is not decided here, "
-                f"and rank(s) {missing} did not join its decision within {wait_s:.0f} s: a call "
-                f"must be new on every rank or on none, so a call key that differs across ranks "
-                f"(shapes, dtypes, strides, optional inputs, per-call options) must change on "
-                f"every rank together. This rank's call: {call}. Close the context and make a "
-                f"new one. ({type(e).__name__}: {e})") from None
-        return [pickle.loads(store.get(k)) for k in keys]
+                f"{op}: rank {world.rank}: rank(s) {sorted(set(gave_up))} stopped waiting for a "
+                f"peer to agree on this call ({here}): the ranks' calls were not matched. Close "
+                f"the context and make a new one.")
+        if n:  # every peer posted step n, so it has read step n - 1: this rank's slot is free
+            store.delete_key(f"{prefix}{n - 1}/{world.rank}")
+        return n, records
 
     def _measure(self, cands: tuple, inputs: dict, given: dict, call: dict) -> dict:
         """Collective: every candidate run and timed on this call's inputs (module docstring)."""
@@ -434,7 +589,7 @@ class TransportPlanner:
         """Leave a broken candidate out from now on (every rank retires the same ones)."""
         self.retired.append(self.impls.pop(transport))
         self.candidates = tuple(t for t in self.candidates if t != transport)
-        self._chosen = {k: t for k, t in self._chosen.items() if t != transport}
+        self._chosen = {k: c for k, c in self._chosen.items() if c[0] != transport}
 
     # -- the workspaces --------------------------------------------------------------------------
     @property
@@ -442,6 +597,21 @@ class TransportPlanner:
         """The longest of the candidates' timeouts: how long a call waits at most before a
         missing peer raises."""
         return max(impl.timeout_s for impl in [*self.impls.values(), *self.retired])
+
+    def _check_call(self) -> None:
+        """``_check_open`` at a call. A broken planner first posts its state at the call's
+        agreement (``_settle``), so a peer waiting there raises at once, not at its deadline."""
+        if self._broken is not None and not self._closed and self.ctx.world.world_size > 1:
+            import torch.distributed as dist
+
+            n, self._begun = self._begun, self._begun + 1
+            try:
+                dist.distributed_c10d._get_default_store().compare_set(
+                    f"portable_overlap/auto/{self._sync_id}/{n}/{self.ctx.world.rank}", "",
+                    pickle.dumps({"kind": "broken", "why": self._broken}))
+            except Exception:  # (the store gone: the peers wait until their deadline)
+                pass
+        self._check_open()
 
     def _check_open(self) -> None:
         if self._closed:
