@@ -305,6 +305,20 @@ def test_stores_transport_copy_blocks(world2, copy_block):
         assert all(into and err < TOL[torch.bfloat16] for _, into, err in found), found
 
 
+# shards whose rows are whole 16-byte units, as bulk copies need: heights on and off the tiles
+BULK_SHAPES = [(16, 16, 16), (5, 7, 8), (40, 33, 24), (33, 70, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+def test_stores_transport_bulk_copies(world, dtype):
+    """Senders that move boxes of rows through tensor descriptors (``bulk_copies=True``; the
+    default on devices with the Tensor Memory Accelerator), every box clipped to the shard, the
+    own shard copied too where a tile holds rows of two shards."""
+    for found in world.run(_twice_per_shape, dtype, BULK_SHAPES, transport="stores",
+                           senders=2, bulk_copies=True):
+        assert all(into and err < TOL[dtype] for _, into, err in found), found
+
+
 @pytest.mark.parametrize("pull_share,pull_pieces", [(0.5, 2), (1.0, 3)])
 def test_stores_transport_with_copy_engine_pulls(world, pull_share, pull_pieces):
     """Part (the first rows of every shard) or all of the gather by copy-engine pulls, the rest

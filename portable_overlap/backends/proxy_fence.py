@@ -32,3 +32,27 @@ def async_proxy_fence(_semantic=None):
 
 # marked by hand, as device_clock.now_ns is: the interpreter calls it without a semantic object
 async_proxy_fence.__triton_builtin__ = True
+
+
+def bulk_stores_done(_semantic=None):
+    """Wait until this thread's bulk tensor stores (TMA stores through a tensor descriptor) have
+    completed, their writes performed and not only their shared-memory source read, then order
+    them before its later generic-proxy operations: the release that tells a peer the rows are
+    there must not overtake them. Triton waits only for the source reads (``wait_group.read``)
+    before reusing the shared buffer, which leaves the writes in flight. Each thread waits for
+    the stores it issued; a barrier after this (``language.signal`` makes one) holds the
+    others until the issuing thread is through. Nothing on AMD targets and under the
+    interpreter, which have no async proxy (see the module docstring)."""
+    if _semantic is None:
+        from triton.runtime.interpreter import interpreter_semantic
+
+        return core.tensor(interpreter_semantic.builder.get_int32(0), core.int32)
+    arch = str(getattr(_semantic.builder.options, "arch", "") or "")
+    if arch.startswith("gfx"):
+        return _semantic.to_tensor(0)
+    return core.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
+        dtype=core.int32, is_pure=False, pack=1, _semantic=_semantic)
+
+
+bulk_stores_done.__triton_builtin__ = True

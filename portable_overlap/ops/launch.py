@@ -60,8 +60,10 @@ class PlannedLaunch:
         self.owner = owner  # the context whose call this launch belongs to (ops.context)
         self.__dict__.update(info)
         self.const_args = tuple(consts[n] for n in kernel.arg_names if n in consts)
+        self._scratch = None
         if compiled is not None:
             compiled._init_handles()
+            self._scratch = _global_scratch(compiled, programs)
 
     def __call__(self, args) -> None:
         if self.owner is not None:  # from here on the call is under way on the device
@@ -79,5 +81,52 @@ class PlannedLaunch:
         stream = self.stream_fn()
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         meta = k.launch_metadata((self.programs, 1, 1), stream, *args) if enter else None
-        k.run(self.programs, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave,
-              *args, *self.const_args)
+        if self._scratch is None:
+            k.run(self.programs, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave,
+                  *args, *self.const_args)
+            return
+        from triton.runtime import _allocation
+
+        # the launcher asks Triton's allocator (a context variable) for the scratch: this
+        # launch's own buffer, made with the plan, so a call allocates nothing and a user's
+        # allocator (triton.set_allocator) is left as it was
+        token = _allocation._allocator.set(self._scratch)
+        try:
+            k.run(self.programs, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave,
+                  *args, *self.const_args)
+        finally:
+            _allocation._allocator.reset(token)
+
+
+class _Scratch:
+    """A kernel's global scratch, allocated once for a planned launch: kernels that build tensor
+    descriptors on the device (``tl.make_tensor_descriptor``) write them there, 128 bytes each
+    per program. Called by Triton's launcher as its allocator."""
+
+    def __init__(self, nbytes: int, align: int, device):
+        import torch
+
+        self.nbytes, self.align = nbytes, align
+        self._raw = torch.empty(nbytes + align, dtype=torch.uint8, device=device)
+        skip = -self._raw.data_ptr() % align
+        self.buffer = self._raw[skip:skip + nbytes]
+
+    def __call__(self, size: int, align: int, stream):
+        if size > self.nbytes or align > self.align:
+            raise RuntimeError(f"a planned launch asked for {size} bytes of scratch aligned to "
+                               f"{align}; its plan made {self.nbytes} aligned to {self.align}")
+        return self.buffer
+
+
+def _global_scratch(compiled, programs: int) -> Optional[_Scratch]:
+    """The scratch ``compiled`` needs for ``programs`` programs, or None if it needs none."""
+    size = getattr(compiled.metadata, "global_scratch_size", 0) or 0
+    if size <= 0:
+        return None
+    import torch
+
+    align = max(int(getattr(compiled.metadata, "global_scratch_align", 1) or 1), 1)
+    ctas = getattr(compiled.metadata, "num_ctas", 1) or 1
+    device = torch.device(torch.accelerator.current_accelerator().type,
+                          torch.accelerator.current_device_index())
+    return _Scratch(programs * ctas * size, align, device)

@@ -1,7 +1,8 @@
 """Representative compile signatures of the ``"stores"`` AllGather + GEMM kernel for the
 compile matrix: the device's bf16 tiles with and without descriptors (of b, or of b.t() for a
 transposed weight), with and without the own shard's copy (a shard height off the tile), with
-and without joined senders and copy-engine pulls, two copy blocks, and fp32."""
+and without joined senders and copy-engine pulls, two copy blocks, bulk copies (tensor
+descriptors of boxes of a and of the peer's rows), and fp32."""
 from ..matmul.compile_specs import descriptor_signature
 from .kernel import allgather_gemm_kernel
 
@@ -10,12 +11,13 @@ _ARGS = ("m:i32 N:i32 K:i32 stride_bk:i32 stride_bn:i32 chunk_rows:i32 n_chunks:
 
 
 def specs():
-    for dt, prec, bm, bn, bk, desc, bt, copy_own, join, copy, pulls in (
-            ("bf16", "ieee", 128, 256, 64, False, False, False, False, 8192, False),
-            ("bf16", "ieee", 128, 256, 64, True, False, False, True, 8192, False),
-            ("bf16", "ieee", 128, 256, 64, True, False, False, True, 8192, True),
-            ("bf16", "ieee", 128, 256, 64, True, True, True, True, 32768, True),
-            ("fp32", "ieee", 64, 64, 32, False, False, True, True, 8192, False)):
+    for dt, prec, bm, bn, bk, desc, bt, copy_own, join, copy, pulls, bulk in (
+            ("bf16", "ieee", 128, 256, 64, False, False, False, False, 8192, False, False),
+            ("bf16", "ieee", 128, 256, 64, True, False, False, True, 8192, False, False),
+            ("bf16", "ieee", 128, 256, 64, True, False, False, True, 8192, False, True),
+            ("bf16", "ieee", 128, 256, 64, True, False, False, True, 8192, True, False),
+            ("bf16", "ieee", 128, 256, 64, True, True, True, True, 32768, True, True),
+            ("fp32", "ieee", 64, 64, 32, False, False, True, True, 8192, False, False)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                "gather_ptr": f"*{dt}", "ready_ptr": "*i64", "consumed_ptr": "*i64",
                "tile_ptr": "*i64", "ctx": "*i64", "order_ptr": "*i32"}
@@ -28,7 +30,8 @@ def specs():
         consts = dict(USE_DESC=desc, B_TRANS=bt, COPY_OWN=copy_own, JOIN=join, PULLS=pulls,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
                       PRECISION=prec, UPCAST=False, COPY_BLOCK=copy,
-                      VEC=8 if dt == "bf16" else 4, C_MAX=1024)
+                      VEC=8 if dt == "bf16" else 4, C_MAX=1024, COPY_TMA=bulk,
+                      BOX_R=128 if bm % 128 == 0 else 64, BOX_K=256 if dt == "bf16" else 128)
         if not desc:
             consts.update(a_desc=None, g_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
@@ -36,5 +39,6 @@ def specs():
         yield (f"allgather_gemm[{dt}{', descriptors' if desc else ''}"
                f"{' of b.t()' if bt else ''}"
                f"{', own copy' if copy_own else ''}{', joined' if join else ''}"
-               f"{f', copy {copy}' if copy != 8192 else ''}{', pulls' if pulls else ''}]",
+               f"{f', copy {copy}' if copy != 8192 else ''}{', pulls' if pulls else ''}"
+               f"{', bulk copies' if bulk else ''}]",
                allgather_gemm_kernel, sig, consts, aligned)

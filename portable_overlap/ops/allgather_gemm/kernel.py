@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ... import language as pol
+from ...backends.proxy_fence import async_proxy_fence, bulk_stores_done
 from ...tiles.gemm import gemm_tile, gemm_tile_desc_of, grouped_tile
 
 #: the flags' names in timeout reports (the reports name a flag by its heap buffer)
@@ -52,9 +53,12 @@ FLAG_LABELS = {"ready": "chunk-ready", "consumed": "gather-consumed"}
 @triton.jit
 def _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K, chunk_rows,
           n_chunks, n_pull, rank, world, call, tag, ok, COPY_OWN: tl.constexpr,
-          COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr):
+          COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr,
+          COPY_TMA: tl.constexpr, BOX_R: tl.constexpr, BOX_K: tl.constexpr):
     """Sender ``pid``'s units (module docstring): copy, then signal the chunk's flag. Chunks
     below ``n_pull`` are the copy engines' (pulled by the peers): no unit."""
+    if COPY_TMA:  # a's descriptor, once per program (its scratch is the program's own)
+        a_boxes = tl.make_tensor_descriptor(a_ptr, [m, K], [K, 1], [BOX_R, BOX_K])
     n_sent = n_chunks - n_pull
     own_units = n_sent if COPY_OWN else 0
     n_units = own_units + n_sent * (world - 1)
@@ -72,18 +76,35 @@ def _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K, c
                 d = (rank + 1 + v % (world - 1)) % world
             if d != rank:
                 ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, d, call, waited, ok)
-            if ok:
-                lo = c * chunk_rows
-                n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
-                # the chunk is contiguous in a and in the buffer: one flat copy. VEC elements
-                # make 16 bytes when K allows (the host checks), so the copy moves vectors
-                src = a_ptr + tl.multiple_of(lo.to(tl.int64) * K, VEC)
-                dst = pol.remote_ptr(ctx, gather_ptr, d) \
-                    + tl.multiple_of((rank.to(tl.int64) * m + lo) * K, VEC)
-                for off in range(0, n, COPY_BLOCK):
-                    idx = off + lanes
-                    keep = idx < n
-                    tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
+            if COPY_TMA:
+                if ok:
+                    # boxes of BOX_R rows by BOX_K columns: the Tensor Memory Accelerator writes
+                    # each into the peer's rows while the program loads the next, so 12 senders
+                    # kept 271 GB/s going into 3 peers on 4 H200s, where flat stores needed 24
+                    # (benchmarks/probe_peer_stores.py). The peer's rows of this shard as one
+                    # [m, K] tensor: a box past row m is clipped, never another rank's rows.
+                    async_proxy_fence()  # the acquire of d's "consumed" before the bulk writes
+                    lo = c * chunk_rows
+                    hi = tl.minimum(lo + chunk_rows, m)
+                    rows = pol.remote_ptr(ctx, gather_ptr, d) + rank.to(tl.int64) * m * K
+                    peer_boxes = tl.make_tensor_descriptor(rows, [m, K], [K, 1], [BOX_R, BOX_K])
+                    for r0 in range(lo, hi, BOX_R):
+                        for k0 in range(0, K, BOX_K):
+                            peer_boxes.store([r0, k0], a_boxes.load([r0, k0]))
+                    bulk_stores_done()  # written, not only read out of shared memory: then signal
+            else:
+                if ok:
+                    lo = c * chunk_rows
+                    n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
+                    # the chunk is contiguous in a and in the buffer: one flat copy. VEC elements
+                    # make 16 bytes when K allows (the host checks), so the copy moves vectors
+                    src = a_ptr + tl.multiple_of(lo.to(tl.int64) * K, VEC)
+                    dst = pol.remote_ptr(ctx, gather_ptr, d) \
+                        + tl.multiple_of((rank.to(tl.int64) * m + lo) * K, VEC)
+                    for off in range(0, n, COPY_BLOCK):
+                        idx = off + lanes
+                        keep = idx < n
+                        tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
             pol.signal(ctx, ready_ptr + rank * C_MAX + c, d, call, ok, tag)
     return ok
 
@@ -177,6 +198,7 @@ def allgather_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, COPY_BLOCK: tl.constexpr, VEC: tl.constexpr, C_MAX: tl.constexpr,
+    COPY_TMA: tl.constexpr = False, BOX_R: tl.constexpr = 128, BOX_K: tl.constexpr = 256,
 ):
     pid = tl.program_id(0)
     # with PULLS the copy-engine side counted the call on the stream before this launch: its
@@ -188,7 +210,7 @@ def allgather_gemm_kernel(
     if pid < senders:
         ok = _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K,
                    chunk_rows, n_chunks, n_pull, rank, world, call, tag, ok, COPY_OWN,
-                   COPY_BLOCK, VEC, C_MAX)
+                   COPY_BLOCK, VEC, C_MAX, COPY_TMA, BOX_R, BOX_K)
     if JOIN or (pid >= senders):
         ok = _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_ptr, m,
                       N, K, stride_bk, stride_bn, chunk_rows, rank, world, call, tag, ok,

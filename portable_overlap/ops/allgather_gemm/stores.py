@@ -86,7 +86,11 @@ class AllGatherMatmulStores(OverlapContext):
     power of two in [1024, 65536]; default ``COPY_BLOCK``), ``join`` (senders compute once
     their units are sent; default True; GPUs only, kernel.py says why), ``pull_share`` (the
     share of every shard's chunks, from its first rows, that the copy engines move instead of
-    the senders; default 0) and ``pull_pieces`` (copies per peer for that share; default 2).
+    the senders; default 0), ``pull_pieces`` (copies per peer for that share; default 2) and
+    ``bulk_copies`` (senders move boxes of rows through tensor descriptors, the Tensor Memory
+    Accelerator writing them into the peer's memory, instead of vector stores; default: where
+    the device has descriptors and the shard's rows are whole 16-byte units, ``False``: vector
+    stores always).
 
     With ``pull_share`` > 0 each rank copies the first ``n_pull`` chunks of its shard into a
     staging buffer of its heap (a copy-engine copy) and tells its peers; every rank pulls
@@ -108,7 +112,7 @@ class AllGatherMatmulStores(OverlapContext):
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
                  join: bool = True, pull_share: float = 0.0, pull_pieces: int = 2,
-                 timeout_s: float = 10.0):
+                 bulk_copies: Optional[bool] = None, timeout_s: float = 10.0):
         W = world.world_size
         if max_shard_elems < 1:
             raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
@@ -130,12 +134,15 @@ class AllGatherMatmulStores(OverlapContext):
                 or not 1 <= pull_pieces <= 64):
             raise ValueError(f"{OP}: pull_pieces must be an int in [1, 64], got "
                              f"{pull_pieces!r}")
+        if bulk_copies is not None and not isinstance(bulk_copies, bool):
+            raise TypeError(f"{OP}: bulk_copies must be None or a bool, got "
+                            f"{type(bulk_copies).__name__}")
         if W > 64:  # the senders keep one bit per peer ("its buffer is free") in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
         world.check_same(f"{OP} context arguments (max_shard_elems, config, senders, "
-                         f"copy_block, join, pull_share, pull_pieces)",
+                         f"copy_block, join, pull_share, pull_pieces, bulk_copies)",
                          (max_shard_elems, config, senders, copy_block, join, float(pull_share),
-                          pull_pieces))
+                          pull_pieces, bulk_copies))
         pulls = float(pull_share) > 0 and W > 1
         super().__init__(world, [
             ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
@@ -164,6 +171,10 @@ class AllGatherMatmulStores(OverlapContext):
             self.call_protocol(self.ctx, call_flags=(self.ready,), free_flags=(self.consumed,))
         self.max_shard_elems, self.config, self.senders = max_shard_elems, config, senders
         self.copy_block = copy_block
+        # None: where the device builds tensor descriptors (Hopper's TMA); True also elsewhere
+        # (the interpreter runs them as plain copies, which is how CI tests this path)
+        self.bulk_copies = (bool(getattr(world.facts, "tensor_descriptors", False))
+                            if bulk_copies is None else bulk_copies)
         # the interpreter runs programs one after another: a joined sender would wait there
         # for a peer program that has not run (kernel.py)
         self.join = join and world.facts.vendor != "cpu"
@@ -265,6 +276,14 @@ class AllGatherMatmulStores(OverlapContext):
         programs = min(senders + n_tiles, max(room, senders + 1), G_MAX)
         es = a.element_size()
         vec = 16 // es if (K * es) % 16 == 0 else 1
+        # bulk copies need 16-byte rows and a 16-byte aligned a (the key holds its alignment);
+        # boxes of 512-byte rows (the most a box row may hold is 256 elements), and up to 128
+        # rows that divide a chunk (a box never holds rows of the next chunk): 64 KiB boxes reached the link's rate with 12 senders on 4
+        # H200s where 16 KiB boxes needed twice as many (benchmarks/probe_peer_stores.py)
+        copy_tma = (self.bulk_copies and W > 1 and vec > 1 and a.data_ptr() % 16 == 0
+                    and (K * es) % 16 == 0)
+        box_k = min(256, 512 // es)
+        box_r = min(128, chunk_rows & -chunk_rows)  # a power of two that divides a chunk
         # descriptors where the device and operands allow, b's transpose where b is one (a
         # column-parallel weight, weight.t()); the plan's key (strides, alignment) fixes them
         a_desc, _, b_trans = operand_descriptors(a, b, cfg, facts)
@@ -289,7 +308,8 @@ class AllGatherMatmulStores(OverlapContext):
                       BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
                       PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype),
-                      COPY_BLOCK=self.copy_block, VEC=vec, C_MAX=C_MAX, num_warps=cfg.num_warps,
+                      COPY_BLOCK=self.copy_block, VEC=vec, C_MAX=C_MAX, COPY_TMA=copy_tma,
+                      BOX_R=box_r, BOX_K=box_k, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages)
         plan = self._compile(allgather_gemm_kernel, programs, consts,
                              lambda g: self._args(a, b, out, p, tag_of(g)))
