@@ -19,9 +19,10 @@ from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag  # 
 from .launch import fewer_registers, PlannedLaunch, resident_programs
 
 G_MAX = 1024  # most programs one launch may have (flag slots per peer)
-#: the report kind of :meth:`OverlapContext.settle_late_stores`'s waits (the copy-engine
-#: transports' kinds are 1 and 2)
-KIND_SETTLED = 3
+#: the report kind of :meth:`OverlapContext.settle_late_stores`'s waits: past every op's own
+#: kinds (1-6: its flags and device checks; the copy-engine transports' 1 and 2), which share
+#: the name table (``FLAG_NAMES``) with it
+KIND_SETTLED = 31
 #: the longest timeout a context takes (the kernels get it in µs as an int32)
 MAX_TIMEOUT_S = 1800.0
 
@@ -334,6 +335,9 @@ class OverlapContext(ContextBase):
         are."""
         from ..transports.flag_kernels import wait_kernel
 
+        if KIND_SETTLED in self.FLAG_NAMES:  # a report of the op's own would be misnamed
+            raise RuntimeError(f"{self.OP}: report kind {KIND_SETTLED} is taken by "
+                               f"{self.FLAG_NAMES[KIND_SETTLED]!r}; move KIND_SETTLED")
         self._late_words = consumed
         self._late_epoch = self.ctx if epoch is None else epoch
         self.FLAG_NAMES = {**self.FLAG_NAMES, KIND_SETTLED: name}
