@@ -278,3 +278,48 @@ def test_measured_tiles_are_per_weight_element_size():
     assert default_block_b(256, "sm_90", 2) == 2 * default_block_b(256, "sm_90", 4)
     assert (default_block_b(64, "gfx942", 2), default_num_warps(64, "gfx942", 2)) == (64, 4)
     assert default_block_b(512, "sm_90", 4) == 8
+
+
+def _late_and_refused(world, calls, late, refused):
+    """One call per (dtype, batch splits) of ``calls`` on one context of 4 tables of dimension
+    8, table t on rank ``(t + 1) % 4``, the scenario of ``testing.faults.late_and_refused`` (a
+    bad ``out`` is the refused input)."""
+    from portable_overlap.testing.faults import late_and_refused
+
+    ctx = EmbeddingAllToAll(world, [5, 6, 7, 8], 8, max_local_batch=4, table_ranks=[1, 2, 3, 0],
+                            block_b=4, timeout_s=3.0)
+
+    def call(i, dtype, splits):
+        def run(bad):
+            gen = torch.Generator().manual_seed(10 * i + world.rank)
+            weight, lengths, indices, _ = _input(ctx, splits, gen, dtype, False)
+            out = torch.full(ctx.output_shape(splits), float("nan"), dtype=dtype)
+            ctx(weight, lengths, indices, batch_splits=splits,
+                out=torch.empty(1, 1, dtype=dtype) if bad else out)
+            return lambda: rel_err(out, embedding_all_to_all_reference(
+                weight, lengths, indices, None, ctx.plan, world.rank, splits, "sum",
+                world.group))
+        return run
+
+    try:
+        return late_and_refused(world, ctx, [call(i, *c) for i, c in enumerate(calls)], late,
+                                refused)
+    finally:
+        ctx.close()
+
+
+def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
+    """Rank 1 refuses a call that rank 3 makes late: rank 0 fails it at rank 1's flags and
+    makes the next call at once, as rank 1 does, which stores its vectors into rank 0's
+    receive buffer before rank 3 stored its vectors of the failed call there. The receive
+    buffer's layout moves with the dtype only (a row per sample, the tables' columns in
+    order): the failed call is float32 and the next float16, so rank 3's late vectors of
+    table 2 in sample 0 (bytes 64-95) land on table 0's (rank 1's) in sample 1 of the next
+    call. Every rank must wait for its peers to be done with the failed call first."""
+    calls = ((torch.float32, (2, 2, 2, 2)), (torch.float32, (2, 2, 2, 2)),
+             (torch.float16, (4, 4, 4, 4)))
+    for rank, found in enumerate(world4.run(_late_and_refused, calls, (3, 1), (1, (1,)),
+                                            timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < TOL[torch.float16], (rank, found)

@@ -146,3 +146,47 @@ def _skip(world):
 def test_a_rank_that_skips_a_call_is_named(world2):
     msg = world2.run(_skip, timeout=120)[0]
     assert "rank 1" in msg and "tiles-sent" in msg, msg
+
+
+def _late_and_refused(world, shapes, late, refused, transport):
+    """One call per shape of ``shapes`` (M, N, K) on one context, the scenario of
+    ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input)."""
+    from portable_overlap.testing.compare import rel_err
+    from portable_overlap.testing.faults import late_and_refused
+
+    ctx = GemmAllToAll(world, max_elems=max(M * N for M, N, _ in shapes), config=SMALL,
+                       transport=transport, pieces=2, timeout_s=3.0)
+
+    def call(i, M, N, K):
+        def make(bad):
+            g = torch.Generator().manual_seed(10 * i + world.rank)
+            a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((M, N), float("nan"))
+            ctx(a, b, out=torch.empty(1, N) if bad else out)
+            return lambda: rel_err(out, gemm_all_to_all_reference(a, b, world.group))
+        return make
+
+    try:
+        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
+                                late, refused)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("transport", ["stores", "copy_engine"])
+def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4, transport):
+    """Rank 1 refuses a call that rank 3 makes late: rank 0 fails it at rank 1's flags and
+    starts the next call, storing its rows into rank 1's receive buffer (rank 1's refusal
+    freed it at once) before rank 3 stored its rows of the failed call there. The next call's
+    chunks are 4 times longer, so rank 3's late rows (elements 9-11 of the receive buffer)
+    land inside rank 0's rows of it: every rank must wait for its peers to be done with the
+    failed call first (a relative error of 0.26 on rank 1 without, with stores). With the copy
+    engine rank 1 copies rank 0's rows out as they land, which under the interpreter comes
+    before rank 3 wakes, so there the test passes without the wait too; on GPUs the late puts
+    can land in between."""
+    shapes = ((4, 3, 4), (4, 3, 4), (16, 3, 4))
+    for rank, found in enumerate(world4.run(_late_and_refused, shapes, (3, 1), (1, (1,)),
+                                            transport, timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)

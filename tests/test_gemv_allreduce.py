@@ -489,3 +489,54 @@ def test_one_shot_partials_are_not_overwritten_past_a_refusal(world2):
     assert mine[2] == "ValueError" and peer[2] == "PeerTimeoutError", (mine, peer)
     for found in (mine, peer):
         assert all(found[i] < 1e-5 for i in (0, 1, 3)), (mine, peer)
+
+
+def _late_and_refused(world, transport, shapes, late, refused):
+    """One call per shape of ``shapes`` (M, N, K) on one context with 16-column blocks and up
+    to 4 programs, the scenario of ``testing.faults.late_and_refused`` (a bad ``out`` is the
+    refused input)."""
+    from portable_overlap.testing.faults import late_and_refused
+
+    cfg = GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, programs_per_sm=1)
+    ctx = GemvAllReduce(world, max_n=max(s[1] for s in shapes), config=cfg,
+                        transport=transport, timeout_s=3.0)
+
+    def call(i, M, N, K):
+        def run(bad):
+            x, w = _inputs(world, M, N, K, torch.float32, seed=i)
+            out = torch.full((M, N), float("nan"))
+            ctx(x, w, out=torch.empty(1, 1) if bad else out)
+            return lambda: rel_err(out, gemv_all_reduce_reference(x, w, world.group))
+        return run
+
+    try:
+        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
+                                late, refused)
+    finally:
+        ctx.close()
+
+
+#: per transport, calls whose late partials land in the next call's partials (slots 0 and 1:
+#: ranks 0 and 1 store those early in it). Two-shot: rank 3's partials of the failed call
+#: (slot 3 of a [4, 1, 64] buffer) are slot 1 of the next call's [4, 2, 64] one, in the blocks
+#: ranks 0-2 own. One-shot: the failed call used the first half of the buffer and the next one
+#: the second; with [4, 1, 40] partials there, rank 3's late partials of programs 1-3 ([4, 1,
+#: 64], slot 3) fall in slot 1 of the next call's half (program 0's partials come before the
+#: flag that each call's start waits for: kernel.py).
+LATE_SHAPES = {"stores": ((1, 64, 8), (1, 64, 8), (2, 64, 8)),
+               "one_shot": ((1, 64, 8), (1, 64, 8), (1, 40, 8))}
+
+
+@pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
+def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4, transport):
+    """Rank 1 refuses a call that rank 3 makes late: rank 0 fails it at rank 1's flags and
+    makes the next call at once, as rank 1 does, both storing their partials into the peers'
+    heaps before rank 3 stored its partials of the failed call there, in the places of the
+    next call's (``LATE_SHAPES``): every rank must wait for its peers to be done with the
+    failed call first."""
+    for rank, found in enumerate(world4.run(_late_and_refused, transport,
+                                            LATE_SHAPES[transport], (3, 1), (1, (1,)),
+                                            timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)

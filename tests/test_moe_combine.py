@@ -432,3 +432,52 @@ def test_shmem_refused_on_every_rank_when_one_lacks_the_library(world2):
         assert all("rank 1: torch's symmetric memory" in m and "rank 0" not in m
                    for m in msgs), msgs
         assert allocated == []
+
+
+def _late_and_refused(world, experts, late, refused):
+    """One call per entry of ``experts`` on one context (4 tokens per rank, top-1, one expert
+    per rank), every token of every rank routed to global expert ``experts[i]`` in call i, the
+    scenario of ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input). The
+    dispatched rows and the references are made first: they are collective, and would hold
+    the ranks in step (or wait for a rank whose call raised)."""
+    from portable_overlap.testing.compare import rel_err
+    from portable_overlap.testing.faults import late_and_refused
+
+    S, k, I, H = 4, 1, 8, 16
+    ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=1,
+                         config=SMALL, timeout_s=3.0)
+    inputs = []
+    for i, e in enumerate(experts):
+        g = torch.Generator().manual_seed(10 * i + world.rank)
+        tokens, tw = torch.randn(S, I, generator=g), torch.rand(S, k, generator=g)
+        w = torch.randn(1, I, H, generator=g)
+        x, counts, slots = moe_dispatch_reference(tokens, torch.full((S, k), e), 1, world.group)
+        ref = moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
+        inputs.append((x, w, counts, slots, tw, ref))
+
+    def call(x, w, counts, slots, tw, ref):
+        def run(bad):
+            out = torch.full((S, H), float("nan"))
+            ctx(x, w, counts, slots, tw, out=torch.empty(1, 1) if bad else out)
+            return lambda: rel_err(out, ref)
+        return run
+
+    try:
+        return late_and_refused(world, ctx, [call(*a) for a in inputs], late, refused)
+    finally:
+        ctx.close()
+
+
+def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4):
+    """Rank 1 refuses a call that rank 3 makes late, in which every token goes to rank 3's
+    expert: ranks 0 and 2 fail it at rank 1's flags and make the next call, where every token
+    goes to rank 0's expert, at once; rank 0 stores its rows into ranks 1 and 2 (their
+    buffers are free: rank 1 refused, rank 2 ended the failed call) before rank 3 stored its
+    rows of the failed call there, at the same slots. Every rank must wait for its peers to
+    be done with the failed call first (without: a late row's stamp, of the failed call,
+    fails the next call as a routing slot with no row)."""
+    for rank, found in enumerate(world4.run(_late_and_refused, (1, 3, 0), (3, 1), (1, (1,)),
+                                            timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)

@@ -605,3 +605,48 @@ def test_shmem_transport_on_one_rank_says_why(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     [(err, heaps)] = run_on_ranks(_one_rank, ranks=1)
     assert err and "a world of one rank" in err and heaps == [], err
+
+
+def _late_and_refused(world, sizes, late, refused):
+    """One call per token count of ``sizes`` on one context (top-2 of 2 experts per rank, H
+    8), the scenario of ``testing.faults.late_and_refused`` (tokens of the wrong width are the
+    refused input). The references are made first: they are collective, and would hold the
+    ranks in step."""
+    from portable_overlap.testing.faults import late_and_refused
+
+    W, H, El, k = world.world_size, 8, 2, 2
+    ctx = MoeDispatch(world, max_tokens=max(sizes), top_k=k, hidden=H, experts_per_rank=El,
+                      dtype=torch.float32, timeout_s=3.0)
+    inputs = []
+    for i, S in enumerate(sizes):
+        g = torch.Generator().manual_seed(10 * i + world.rank)
+        tokens = torch.randn(S, H, generator=g)
+        ids = route("uniform", S, El * W, k, world.rank, W, g)
+        inputs.append((tokens, ids, moe_dispatch_reference(tokens, ids, El, world.group)))
+
+    def call(tokens, ids, ref):
+        def run(bad):
+            x, counts, slots = moe_dispatch(tokens[:, 1:] if bad else tokens, ids, ctx)
+
+            def error():
+                R = _check(world, x, counts, slots, ref)
+                return 0.0 if R == ref[0].shape[0] else float("nan")
+            return error
+        return run
+
+    try:
+        return late_and_refused(world, ctx, [call(*a) for a in inputs], late, refused)
+    finally:
+        ctx.close()
+
+
+def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4):
+    """Rank 1 refuses a call that rank 3 makes late, then every rank dispatches more tokens
+    (other places in the receive buffers). Immune by design, which this guards: a rank stores
+    rows only in a call whose routing counts arrived from every rank (the exchange's ``ctl[3]
+    = epoch``), and a refused call's never do, so rank 3 stores no row of the failed call."""
+    for rank, found in enumerate(world4.run(_late_and_refused, (3, 3, 5), (3, 1), (1, (1,)),
+                                            timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] == 0.0, (rank, found)

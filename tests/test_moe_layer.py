@@ -164,3 +164,79 @@ def test_layer_on_eight_ranks(world8):
         assert all(e < 1e-5 for e in errs), errs
     for errs in world8.run(_grads, True, True, timeout=900):
         assert all(e < 1e-4 for e in errs), errs
+
+
+def _late_and_refused(world, calls, late, refused):
+    """Calls on one pair of contexts (4 tokens per rank, top-1 of one expert per rank, H 8,
+    I 8), the scenario of ``testing.faults.late_and_refused`` (a bad ``out`` is the refused
+    input): each of ``calls`` is ``(op, e)``, ``op`` ``"layer"`` (``moe_layer``) or
+    ``"combine"`` (the staged ``moe_gemm_combine`` on the layer's combine context), every
+    token routed to global expert ``e``. The dispatched rows and references are made first:
+    they are collective, and would hold the ranks in step."""
+    from portable_overlap.ops.moe_combine import (MoeGemmCombine, moe_gemm_combine,
+                                                  moe_gemm_combine_reference)
+    from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
+    from portable_overlap.ops.moe_layer import moe_layer, moe_layer_reference
+    from portable_overlap.testing.compare import rel_err
+    from portable_overlap.testing.faults import late_and_refused
+
+    S, k, H, F = 4, 1, 8, 8  # F: the experts' intermediate width
+    dctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=1,
+                       dtype=torch.float32, timeout_s=3.0)
+    cctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=1,
+                          timeout_s=3.0)
+    made = []
+    for i, (op, e) in enumerate(calls):
+        g = torch.Generator().manual_seed(10 * i + world.rank)
+        tokens, tw = torch.randn(S, H, generator=g), torch.rand(S, k, generator=g)
+        ids = torch.full((S, k), e)
+        wg, wu = torch.randn(1, H, F, generator=g), torch.randn(1, H, F, generator=g)
+        wd = torch.randn(1, F, H, generator=g)
+        if op == "layer":
+            ref = moe_layer_reference(tokens, ids, tw, wg, wu, wd, 1, world.group)
+            made.append(lambda out, a=(tokens, ids, tw, wg, wu, wd): moe_layer(
+                *a, dctx, cctx, out=out))
+        else:
+            x, counts, slots = moe_dispatch_reference(torch.randn(S, F, generator=g), ids, 1,
+                                                      world.group)
+            ref = moe_gemm_combine_reference(x, wd, counts, slots, tw, world.group)
+            made.append(lambda out, a=(x, wd, counts, slots, tw): moe_gemm_combine(
+                *a, cctx, out=out))
+        made[-1] = (made[-1], ref)
+
+    def call(fn, ref):
+        def run(bad):
+            out = torch.full((S, H), float("nan"))
+            with torch.no_grad():
+                fn(torch.empty(1, 1) if bad else out)
+            return lambda: rel_err(out, ref)
+        return run
+
+    class Both:  # late_and_refused synchronizes one context: here both
+        def synchronize(self):
+            dctx.synchronize()
+            cctx.synchronize()
+
+    try:
+        return late_and_refused(world, Both(), [call(*m) for m in made], late, refused)
+    finally:
+        dctx.close()
+        cctx.close()
+
+
+@pytest.mark.parametrize("first", ["layer", "combine"])
+def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4, first):
+    """Rank 1 refuses a call that rank 3 makes late, in which every token goes to rank 3's
+    expert; then a layer call in which every token goes to rank 0's expert, whose rows go to
+    the slots in rank 1's combine buffer where rank 3's rows of the failed call land. Immune
+    by design, which this guards: a failed layer call stores no row (no rank stores rows in a
+    call whose routing counts did not all arrive, and a refused call's never do), and the
+    rows of a failed staged combine call, which do come late, land before any rank stores a
+    row of the layer call: the layer's count exchange waits for every rank's counts, which a
+    rank sends only after its earlier launches (one stream), the late combine's included."""
+    calls = (("layer", 1), (first, 3), ("layer", 0))
+    for rank, found in enumerate(world4.run(_late_and_refused, calls, (3, 1), (1, (1,)),
+                                            timeout=180)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)

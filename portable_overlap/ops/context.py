@@ -19,9 +19,10 @@ from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag  # 
 from .launch import fewer_registers, PlannedLaunch, resident_programs
 
 G_MAX = 1024  # most programs one launch may have (flag slots per peer)
-#: the report kind of :meth:`OverlapContext.settle_late_stores`'s waits (the copy-engine
-#: transports' kinds are 1 and 2)
-KIND_SETTLED = 3
+#: the report kind of :meth:`OverlapContext.settle_late_stores`'s waits: past every op's own
+#: kinds (1-6: its flags and device checks; the copy-engine transports' 1 and 2), which share
+#: the name table (``FLAG_NAMES``) with it
+KIND_SETTLED = 31
 #: the longest timeout a context takes (the kernels get it in µs as an int32)
 MAX_TIMEOUT_S = 1800.0
 
@@ -323,18 +324,26 @@ class OverlapContext(ContextBase):
                                            num_stages=1), lambda g, a=args: (*a, 1))
             self._refusal.append((plan, args))
 
-    def late_stores_guard(self, consumed: torch.Tensor, name: str) -> None:
+    def late_stores_guard(self, consumed: torch.Tensor, name: str,
+                          epoch: Optional[torch.Tensor] = None) -> None:
         """Declare ``consumed``, the ``[world]`` words each peer sets in this rank's heap at the
-        end of its kernel of a call (its last program, after every store of that call into this
-        rank's heap; ``pol.end_call_consumed``), for :meth:`settle_late_stores`; ``name`` names
-        them in a timeout report. The wait's kernel is compiled here, as the refusal's are."""
+        end of its last kernel of a call (its last program, after every store of that call into
+        this rank's heap; ``pol.end_call_consumed``, ``shmem.device.end_call_free``), for
+        :meth:`settle_late_stores`; ``name`` names them in a timeout report. ``epoch``: the heap
+        word whose first element counts the calls, as given to :meth:`call_protocol` (default:
+        the descriptor's, ``self.ctx``). The wait's kernel is compiled here, as the refusal's
+        are."""
         from ..transports.flag_kernels import wait_kernel
 
+        if KIND_SETTLED in self.FLAG_NAMES:  # a report of the op's own would be misnamed
+            raise RuntimeError(f"{self.OP}: report kind {KIND_SETTLED} is taken by "
+                               f"{self.FLAG_NAMES[KIND_SETTLED]!r}; move KIND_SETTLED")
         self._late_words = consumed
+        self._late_epoch = self.ctx if epoch is None else epoch
         self.FLAG_NAMES = {**self.FLAG_NAMES, KIND_SETTLED: name}
         self._late_plan = self._compile(
             wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
-            lambda g: (consumed, 0, self.ctx, 0, 0, self.call_clock, self.timeout_us,
+            lambda g: (consumed, 0, self._late_epoch, 0, 0, self.call_clock, self.timeout_us,
                        self.status.address, 0, 1 << 33))
 
     def settle_late_stores(self) -> None:
@@ -345,14 +354,15 @@ class OverlapContext(ContextBase):
         its first failed flag, but a peer late to that call still stores its data into them;
         with other shapes it lands where the next call's data goes: a wrong result without an
         error. After a delivered call there is nothing to wait for (its waits saw every peer's
-        stores of it). Needs :meth:`late_stores_guard` first."""
+        stores of it). Needs :meth:`late_stores_guard` first. The waits store nothing and
+        count no call: a call that raises after them is still refused, not half done."""
         if self._delivered:
             return
         for q in range(self.world.world_size):
             if q != self.rank:  # the word of the call the counter stands at: the undelivered one
-                self._late_plan((self._late_words[q:], q, self.ctx, 0, 0, self.call_clock,
-                                 self.timeout_us, self.status.address, q,
-                                 (KIND_SETTLED << 32) | q))
+                self._late_plan.run_untracked((self._late_words[q:], q, self._late_epoch, 0,
+                                               0, self.call_clock, self.timeout_us,
+                                               self.status.address, q, (KIND_SETTLED << 32) | q))
 
     # -- errors ----------------------------------------------------------------------------------
     def check(self) -> None:

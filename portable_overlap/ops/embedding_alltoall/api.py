@@ -143,6 +143,9 @@ class EmbeddingAllToAll(OverlapContext):
             ("ctl", (2,), torch.int64),
         ], timeout_s)
         self.call_protocol(self.ctl, call_flags=(self.sent,), free_flags=(self.consumed,))
+        # after a call this rank refused or failed, the peers' late stores of it land first
+        # (the receive buffer's layout moves with the dtype: they would land in other columns)
+        self.late_stores_guard(self.consumed, "recv-consumed", epoch=self.ctl)
         self.plan = plan
         self.max_local_batch = max_local_batch
         self.block_b, self.num_warps = block_b, num_warps  # None: per dtype (tile_for)
@@ -282,6 +285,7 @@ class EmbeddingAllToAll(OverlapContext):
             plan = self._plans[key] = self._plan(weight, indices, psw, offsets, out, splits,
                                                  pooling)
         args = self._args(weight, indices, psw, offsets, out, plan)
+        self.settle_late_stores()  # after a call this rank did not deliver
         if self._provider is None:
             plan(args)
         else:  # through the library's launcher (it sets up each compiled module)

@@ -77,6 +77,12 @@ class GemmAllToAll(OverlapContext):
         if transport == "copy_engine":
             self.FLAG_NAMES = CE_FLAG_NAMES
             self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
+            # a peer releases this rank's receive buffer after its last put of the call (one
+            # side stream): after a call this rank refused or failed, those puts land first
+            self.late_stores_guard(self.ce_consumed, "recv-consumed", epoch=self.ce_ctl)
+        else:
+            # after a call this rank refused or failed, the peers' late stores of it land first
+            self.late_stores_guard(self.consumed, "recv-consumed", epoch=self.ctl)
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
@@ -89,6 +95,7 @@ class GemmAllToAll(OverlapContext):
         out = output_tensor(OP, out, (M, N), a, dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(OP, a, N, M, bias=bias, residual=residual)
         if self._links is not None:
+            self.settle_late_stores()  # after a call this rank did not deliver
             self._call_copy_engine(a, b, out)
             add_epilogue(out, bias, residual)
             return out
@@ -96,6 +103,7 @@ class GemmAllToAll(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out, config or self.config)
+        self.settle_late_stores()  # after a call this rank did not deliver
         plan(self._args(a, b, out, plan.tag, plan.programs, plan.cfg))
         add_epilogue(out, bias, residual)
         return out
@@ -180,5 +188,3 @@ def _validate(a, b, world, max_elems: int) -> None:
                          f"(equal-split All-to-All)")
     if M * N > max_elems:
         raise ValueError(f"{OP}: M*N={M * N} exceeds this context's max_elems={max_elems}")
-
-

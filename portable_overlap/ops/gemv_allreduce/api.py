@@ -68,8 +68,12 @@ class GemvAllReduceKernel(OverlapContext):
             # reduced tiles, viewed per dtype (the two-shot form's broadcast)
             ("_result_raw", (1 if one_shot else MAX_M * max_n,), torch.float32),
             ("ready", (W, G_MAX), torch.int64), ("bcast", (W, G_MAX), torch.int64),
+            ("consumed", (W,), torch.int64),
         ], timeout_s)
-        self.call_protocol(self.ctx, call_flags=(self.ready, self.bcast))
+        self.call_protocol(self.ctx, call_flags=(self.ready, self.bcast),
+                           free_flags=(self.consumed,))
+        # after a call this rank refused or failed, the peers' late partials of it land first
+        self.late_stores_guard(self.consumed, "call-ended")
         self.max_n = max_n
         self.config = config
         self._result = {dt: self._result_raw.view(torch.uint8).view(dt) for dt in DTYPES}
@@ -97,13 +101,14 @@ class GemvAllReduceKernel(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(x, w, out, config or self.config)
+        self.settle_late_stores()  # after a call this rank did not deliver
         plan(self._args(x, w, out, plan.tag, plan.n_blocks, plan.programs))
         return out
 
     def _args(self, x, w, out, tag, n_blocks, programs):
         M, K = x.shape
         return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctx,
-                M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag)
+                self.consumed, M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag)
 
     # -- planning (once per shape) -------------------------------------------------------------
     def _plan(self, x, w, out, config: Optional[GemvConfig]):

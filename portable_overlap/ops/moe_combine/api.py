@@ -180,6 +180,9 @@ class MoeGemmCombine(OverlapContext):
             ("ctl", (4,), torch.int64),
         ], timeout_s)
         self.call_protocol(self.ctl, call_flags=(self.sent,), free_flags=(self.consumed,))
+        # after a call this rank refused or failed, the peers' late rows of it land first (the
+        # weighted sum's last program frees the buffer, after the launch that stored them)
+        self.late_stores_guard(self.consumed, "combine-consumed", epoch=self.ctl)
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank = experts_per_rank
         self.config, self.combine_config = config, combine_config
@@ -218,6 +221,7 @@ class MoeGemmCombine(OverlapContext):
         out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x,
                             dict(x=x, w=w, topk_weights=topk_weights))
         gemm, combine, _ = self._launches(x, w, counts, slots, topk_weights, out)
+        self.settle_late_stores()  # after a call this rank did not deliver
         gemm()
         combine()
         return out
