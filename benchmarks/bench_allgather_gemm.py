@@ -47,13 +47,14 @@ def parser() -> BenchParser:
     p.add_argument("--stores", default="none",
                    help="comma list of option sets of the 'stores' transport, each "
                         "'key=value' joined by '+' (senders, copy_block, join, pull_share, "
-                        "pull_pieces), e.g. "
+                        "pull_pieces, bulk_copies), e.g. "
                         "'senders=8+copy_block=32768,join=0' (default: none)")
     return p
 
 
 STORES_OPTIONS = {"senders": int, "copy_block": int, "join": lambda v: bool(int(v)),
-                  "pull_share": float, "pull_pieces": int}
+                  "pull_share": float, "pull_pieces": int,
+                  "bulk_copies": lambda v: bool(int(v))}
 
 
 def _options(text: str) -> dict:
