@@ -68,6 +68,52 @@ def flat_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
             tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
 
 
+@triton.jit
+def _pause(ns):
+    """Sleep about ``ns`` nanoseconds (a poll's back-off); nothing under the interpreter."""
+    return tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [ns],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["rank", "want"])
+def flat_push_polled_kernel(a_ptr, dst_bases, done_ptr, want, rank, world, m, K, chunk_rows,
+                            n_chunks, senders, BLOCK: tl.constexpr, POLL: tl.constexpr):
+    """The first ``senders`` programs as ``flat_push_kernel``; every other program polls a
+    local word until all senders are done (``done_ptr`` reaches ``want``), as the op's compute
+    programs poll their rows' ready flags while the rows arrive. POLL 0: an acquire atomic
+    at system scope per poll (the op's ``wait_flag``); 1: the same with a 256 ns sleep
+    between polls; 2: a volatile load per poll."""
+    pid = tl.program_id(0)
+    if pid < senders:
+        n_units = n_chunks * (world - 1)
+        lanes = tl.arange(0, BLOCK)
+        for u in range(pid, n_units, senders):
+            c = u // (world - 1)
+            d = (rank + 1 + u % (world - 1)) % world
+            lo = c * chunk_rows
+            n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
+            src = a_ptr + tl.multiple_of(lo.to(tl.int64) * K, 8)
+            dst = tl.load(dst_bases + d).to(tl.pointer_type(tl.bfloat16)) \
+                + tl.multiple_of((rank.to(tl.int64) * m + lo) * K, 8)
+            for off in range(0, n, BLOCK):
+                idx = off + lanes
+                keep = idx < n
+                tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+    else:
+        v = tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
+        spins = 0
+        while (v < want) & (spins < 50_000_000):
+            if POLL == 1:
+                _pause(256)
+            if POLL == 2:
+                v = tl.load(done_ptr, volatile=True)
+            else:
+                v = tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
+            spins += 1
+
+
 @triton.jit(do_not_specialize=["rank"])  # rank 1 would be a constant without it
 def tma_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
                     BR: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
@@ -99,6 +145,8 @@ def shard(rank: int, m: int, K: int, device) -> torch.Tensor:
 
 
 VARIANTS = {"flat": dict(BLOCK=8192, STAGES=1),
+            "flat+poll": dict(BLOCK=8192, POLL=0), "flat+poll_sleep": dict(BLOCK=8192, POLL=1),
+            "flat+poll_load": dict(BLOCK=8192, POLL=2),
             "tma": dict(BR=64, BK=128, STAGES=1), "tma_big": dict(BR=128, BK=256, STAGES=1),
             "tma_pipe": dict(BR=64, BK=128, STAGES=3),
             "tma_pipe_wide": dict(BR=64, BK=256, STAGES=3)}
@@ -134,6 +182,9 @@ def probe(world, shapes, programs, variants, chunk_rows: int, iters: int) -> lis
     gather_all = heap.alloc((max(W * m * K for m, K in shapes),), torch.bfloat16)
     dst_bases = torch.tensor([heap.peer_address(gather_all, q) if q != r else 0
                               for q in range(W)], dtype=torch.int64, device=dev)
+    # the op's grid: one program per processor (the pollers take the ones senders leave)
+    grid = (torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda"
+            else 8)
     rows = []
     try:
         for m, K in shapes:
@@ -142,7 +193,8 @@ def probe(world, shapes, programs, variants, chunk_rows: int, iters: int) -> lis
             n_chunks = triton.cdiv(m, chunk_rows)
             for name in variants:
                 meta = VARIANTS[name]
-                kern = tma_push_kernel if name.startswith("tma") else flat_push_kernel
+                kern = (tma_push_kernel if name.startswith("tma") else
+                        flat_push_polled_kernel if "poll" in name else flat_push_kernel)
                 if kern is tma_push_kernel and chunk_rows % meta["BR"]:
                     raise ValueError(f"{name}: chunk_rows {chunk_rows} is not a multiple of "
                                      f"its box's {meta['BR']} rows")
@@ -151,8 +203,15 @@ def probe(world, shapes, programs, variants, chunk_rows: int, iters: int) -> lis
                         P += (W - 1) - P % (W - 1)
 
                     def launch():
+                        if kern is flat_push_polled_kernel:  # senders, and pollers on the rest
+                            launches[0] += 1
+                            kern[(grid,)](a, dst_bases, done, P * launches[0], r, W, m, K,
+                                          chunk_rows, n_chunks, P, num_warps=8, **meta)
+                            return
                         kern[(P,)](a, dst_bases, r, W, m, K, chunk_rows, n_chunks,
                                    num_warps=8, **meta)
+                    done = torch.zeros(1, dtype=torch.int32, device=dev)
+                    launches = [0]
                     gather.fill_(float("nan"))
                     _sync(dev)
                     world.barrier()
