@@ -311,9 +311,9 @@ BULK_SHAPES = [(16, 16, 16), (5, 7, 8), (40, 33, 24), (33, 70, 16)]
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 def test_stores_transport_bulk_copies(world, dtype):
-    """Senders that move boxes of rows through tensor descriptors (``bulk_copies=True``; the
-    default on devices with the Tensor Memory Accelerator), every box clipped to the shard, the
-    own shard copied too where a tile holds rows of two shards."""
+    """Senders that move boxes of rows through tensor descriptors (``bulk_copies=True``), every
+    box clipped to the shard, the own shard copied too where a tile holds rows of two
+    shards."""
     for found in world.run(_twice_per_shape, dtype, BULK_SHAPES, transport="stores",
                            senders=2, bulk_copies=True):
         assert all(into and err < TOL[dtype] for _, into, err in found), found
@@ -352,7 +352,8 @@ def _stores_bad(world):
     for kw in ({"senders": 0}, {"senders": 2.5}, {"config": "big"}, {"pieces": 2},
                {"copy_block": 1000}, {"copy_block": 512}, {"copy_block": 1 << 17},
                {"join": "yes"}, {"pull_share": 1.5}, {"pull_share": True},
-               {"pull_pieces": 0}, {"pull_pieces": 2.0}):
+               {"pull_pieces": 0}, {"pull_pieces": 2.0}, {"bulk_copies": 1},
+               {"bulk_copies": None}):
         try:
             AllGatherMatmul(world, 64, transport="stores", **kw)
             msgs.append(None)

@@ -69,6 +69,8 @@ CTX_WORLD = tl.constexpr(5)
 CTX_TIMEOUT_US = tl.constexpr(6)
 CTX_STATUS = tl.constexpr(7)
 CTX_HEAP = tl.constexpr(8)
+#: peers :func:`signal_all` signals at once (more ranks take more rounds of as many)
+_SIGNAL_LANES = tl.constexpr(8)
 CTX_BASES = tl.constexpr(16)  # then one word per rank: its heap base as mapped here
 #: status-board slots; a program beyond the last reports in the last
 STATUS_SLOTS = tl.constexpr(1024)
@@ -214,11 +216,20 @@ def signal(ctx, flag_ptr, peer, call, ok=True, tag=0):
 
 @triton.jit
 def signal_all(ctx, flag_ptr, call, ok=True, tag=0):
-    """:func:`signal` ``flag_ptr`` in every peer's heap (not this rank's), in rotation order."""
+    """:func:`signal` ``flag_ptr`` in every peer's heap (not this rank's), all peers at once:
+    one lane per peer, each lane's release its own, so the program waits for one round trip
+    over the links instead of one per peer (an atomic waits for its old value) on the critical
+    path of every call that signals its peers."""
     me = rank(ctx)
     world = num_ranks(ctx)
-    for step in range(1, world):
-        signal(ctx, flag_ptr, peer_at(step, me, world), call, ok, tag)
+    tl.debug_barrier()  # every thread's stores before the lanes' (cumulative) releases
+    value = _shmem.call_flag(call, tag, ok)
+    for first in range(1, world, _SIGNAL_LANES):
+        steps = first + tl.arange(0, _SIGNAL_LANES)
+        peers = (me + steps) % world
+        tl.atomic_xchg(_shmem.peer_buffer(flag_ptr, ctx + CTX_BASES, me, peers),
+                       tl.full((_SIGNAL_LANES,), 0, tl.int64) + value, mask=steps < world,
+                       sem="release", scope="sys")
 
 
 @triton.jit

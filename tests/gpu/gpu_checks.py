@@ -733,11 +733,13 @@ def check_allgather_gemm(world: World, gen) -> None:
     # the SM-store transport: tile-aligned and odd shards (a tile then holds two ranks' rows
     # and the own shard is copied too; K = 333 rows are not whole 16-byte vectors), one sender
     # and many, back-to-back calls, graph replay
-    for senders in (None, 1, 64):
+    # (bulk: the senders' boxes through tensor descriptors, rows of whole 16-byte units)
+    for senders, bulk in ((None, False), (1, False), (64, False), (None, True)):
         st = AllGatherMatmul(world, max_shard_elems=4096 * 8192, transport="stores",
-                             senders=senders)
+                             senders=senders, bulk_copies=bulk)
         try:
-            shapes = ((4096, 8192, 8192), (1000, 777, 333), (3, 5, 7)) if senders is None \
+            shapes = ((4096, 8192, 8192), (1000, 777, 336), (8, 5, 8)) if bulk else \
+                ((4096, 8192, 8192), (1000, 777, 333), (3, 5, 7)) if senders is None \
                 else ((1000, 777, 333),)
             for m, N, K in shapes:
                 for dt in (torch.bfloat16, torch.float32):
@@ -749,14 +751,14 @@ def check_allgather_gemm(world: World, gen) -> None:
                         st(a, b, out)
                     st.synchronize()
                     err = rel_err(out, ref)
-                    record(f"allgather+gemm stores senders={senders} {m}x{N}x{K} "
-                           f"{str(dt)[6:]}", err < TOL[dt] * 2, f"rel_err={err:.2e}")
+                    record(f"allgather+gemm stores senders={senders}{' bulk' if bulk else ''} "
+                           f"{m}x{N}x{K} {str(dt)[6:]}", err < TOL[dt] * 2, f"rel_err={err:.2e}")
             if senders is None:
                 a, b = rand((2048, 1024), torch.bfloat16, dev, gen), rand(
                     (1024, 512), torch.bfloat16, dev, gen)
                 out = torch.empty(world.world_size * 2048, 512, dtype=torch.bfloat16,
                                   device=dev)
-                replays("stores ", st, a, b, out)
+                replays("stores bulk " if bulk else "stores ", st, a, b, out)
         finally:
             st.close()
     # the sequential transport (NCCL all_gather_into_tensor, then cuBLAS): odd shapes, graph

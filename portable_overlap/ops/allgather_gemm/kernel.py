@@ -79,9 +79,9 @@ def _send(ctx, a_ptr, gather_ptr, ready_ptr, consumed_ptr, pid, senders, m, K, c
             if COPY_TMA:
                 if ok:
                     # boxes of BOX_R rows by BOX_K columns: the Tensor Memory Accelerator writes
-                    # each into the peer's rows while the program loads the next, so 12 senders
-                    # kept 271 GB/s going into 3 peers on 4 H200s, where flat stores needed 24
-                    # (benchmarks/probe_peer_stores.py). The peer's rows of this shard as one
+                    # each into the peer's rows while the program loads the next (alone, 12
+                    # programs pushed 271 GB/s into 3 peers on 4 H200s, where flat stores needed
+                    # 24: benchmarks/probe_peer_stores.py). The peer's rows of this shard as one
                     # [m, K] tensor: a box past row m is clipped, never another rank's rows.
                     async_proxy_fence()  # the acquire of d's "consumed" before the bulk writes
                     lo = c * chunk_rows

@@ -88,9 +88,12 @@ class AllGatherMatmulStores(OverlapContext):
     share of every shard's chunks, from its first rows, that the copy engines move instead of
     the senders; default 0), ``pull_pieces`` (copies per peer for that share; default 2) and
     ``bulk_copies`` (senders move boxes of rows through tensor descriptors, the Tensor Memory
-    Accelerator writing them into the peer's memory, instead of vector stores; default: where
-    the device has descriptors and the shard's rows are whole 16-byte units, ``False``: vector
-    stores always).
+    Accelerator writing them into the peer's memory, instead of vector stores, where the
+    shard's rows are whole 16-byte units; default False). Alone, 12 to 18 programs of bulk
+    copies pushed 264-277 GB/s into 3 peers on 4 H200s, where vector stores needed 24 for
+    269-281 (16: 195); inside this kernel, at 16 senders, they measured 0.457 against 0.479 ms
+    at 8192x256x8192 (transfer only) but 0.493 against 0.473 at 8192^3, and 12 bulk senders
+    were slower at every shape (docs/scaling.md), hence off by default.
 
     With ``pull_share`` > 0 each rank copies the first ``n_pull`` chunks of its shard into a
     staging buffer of its heap (a copy-engine copy) and tells its peers; every rank pulls
@@ -112,7 +115,7 @@ class AllGatherMatmulStores(OverlapContext):
     def __init__(self, world, max_shard_elems: int, *, config: Optional[MatmulConfig] = None,
                  senders: Optional[int] = None, copy_block: int = COPY_BLOCK,
                  join: bool = True, pull_share: float = 0.0, pull_pieces: int = 2,
-                 bulk_copies: Optional[bool] = None, timeout_s: float = 10.0):
+                 bulk_copies: bool = False, timeout_s: float = 10.0):
         W = world.world_size
         if max_shard_elems < 1:
             raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
@@ -134,9 +137,8 @@ class AllGatherMatmulStores(OverlapContext):
                 or not 1 <= pull_pieces <= 64):
             raise ValueError(f"{OP}: pull_pieces must be an int in [1, 64], got "
                              f"{pull_pieces!r}")
-        if bulk_copies is not None and not isinstance(bulk_copies, bool):
-            raise TypeError(f"{OP}: bulk_copies must be None or a bool, got "
-                            f"{type(bulk_copies).__name__}")
+        if not isinstance(bulk_copies, bool):
+            raise TypeError(f"{OP}: bulk_copies must be a bool, got {type(bulk_copies).__name__}")
         if W > 64:  # the senders keep one bit per peer ("its buffer is free") in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
         world.check_same(f"{OP} context arguments (max_shard_elems, config, senders, "
@@ -171,10 +173,9 @@ class AllGatherMatmulStores(OverlapContext):
             self.call_protocol(self.ctx, call_flags=(self.ready,), free_flags=(self.consumed,))
         self.max_shard_elems, self.config, self.senders = max_shard_elems, config, senders
         self.copy_block = copy_block
-        # None: where the device builds tensor descriptors (Hopper's TMA); True also elsewhere
-        # (the interpreter runs them as plain copies, which is how CI tests this path)
-        self.bulk_copies = (bool(getattr(world.facts, "tensor_descriptors", False))
-                            if bulk_copies is None else bulk_copies)
+        # on any device: where there is no Tensor Memory Accelerator (AMD, the interpreter)
+        # the descriptors' loads and stores are plain ones, which is how CI runs this path
+        self.bulk_copies = bulk_copies
         # the interpreter runs programs one after another: a joined sender would wait there
         # for a peer program that has not run (kernel.py)
         self.join = join and world.facts.vendor != "cpu"
@@ -277,9 +278,10 @@ class AllGatherMatmulStores(OverlapContext):
         es = a.element_size()
         vec = 16 // es if (K * es) % 16 == 0 else 1
         # bulk copies need 16-byte rows and a 16-byte aligned a (the key holds its alignment);
-        # boxes of 512-byte rows (the most a box row may hold is 256 elements), and up to 128
-        # rows that divide a chunk (a box never holds rows of the next chunk): 64 KiB boxes reached the link's rate with 12 senders on 4
-        # H200s where 16 KiB boxes needed twice as many (benchmarks/probe_peer_stores.py)
+        # boxes of 512-byte rows (the most a box row may hold is 256 elements) and up to 128
+        # rows that divide a chunk (a box never holds rows of the next chunk): alone, 64 KiB
+        # boxes reached the link's rate with 12 programs on 4 H200s, where 16 KiB boxes needed
+        # twice as many (benchmarks/probe_peer_stores.py)
         copy_tma = (self.bulk_copies and W > 1 and vec > 1 and a.data_ptr() % 16 == 0
                     and (K * es) % 16 == 0)
         box_k = min(256, 512 // es)

@@ -49,10 +49,9 @@ FLAG_LABELS = {"ready": "partials-ready", "bcast": "result-broadcast"}
 
 @triton.jit
 def _signal_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
-    """Set ``flags[rank][pid]`` in every peer's heap (a ``[world, G_MAX]`` flag array)."""
-    for step in range(1, world):
-        pol.signal(ctx, flags_ptr + rank * G_MAX + pid, pol.peer_at(step, rank, world), call,
-                   ok, tag)
+    """Set ``flags[rank][pid]`` in every peer's heap (a ``[world, G_MAX]`` flag array), every
+    peer at once (``pol.signal_all``)."""
+    pol.signal_all(ctx, flags_ptr + rank * G_MAX + pid, call, ok, tag)
 
 
 @triton.jit
