@@ -76,6 +76,7 @@ host only, at capture), captured as it would be under that transport's name.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -314,12 +315,7 @@ class TransportPlanner:
     def __call__(self, inputs: dict, out, options: dict):
         """Run the call (``inputs`` by name in the op's schema order, ``out``, the per-call
         ``options``, None meaning not given) on its key's transport, deciding it first."""
-        given = {k: v for k, v in options.items() if v is not None}
-        fast = _call_key(inputs, given)
-        if not self._lock.acquire(blocking=False):
-            raise concurrent_use(self.ctx.OP, self.ctx.rank)
-        try:
-            self._check_call()
+        with self._call(inputs, options) as (given, fast):
             chosen = self._chosen.get(fast)
             if chosen is None:
                 transport = self._decide(fast, inputs, given)
@@ -329,8 +325,6 @@ class TransportPlanner:
                     self._settle({"kind": "decided", "decision": decision,
                                   "transport": transport, "call": text})
             return self.ctx._run(transport, self.impls[transport], inputs, out, given)
-        finally:
-            self._lock.release()
 
     def refuse(self, inputs: dict, options: dict, error: BaseException) -> None:
         """Raise ``error``, found by a check made before the call reached the planner
@@ -338,18 +332,25 @@ class TransportPlanner:
         refused call of the decided transport's workspace where that transport's waits are
         bounded (``refuse_call``), else through the call's agreement (``_settle``), so every
         rank raises in this same call."""
-        given = {k: v for k, v in options.items() if v is not None}
-        fast = _call_key(inputs, given)
-        if not self._lock.acquire(blocking=False):
-            raise concurrent_use(self.ctx.OP, self.ctx.rank)
-        try:
-            self._check_call()
+        with self._call(inputs, options) as (given, fast):
             chosen = self._chosen.get(fast)
             if chosen is not None and chosen[0] not in UNBOUNDED:
                 refuse_call([self.impls[chosen[0]]], error)
             text = chosen[2] if chosen is not None else _text(self._describe_call(inputs, given))
             self._settle({"kind": "refused", "why": f"{type(error).__name__}: {error}",
                           "call": text}, error)
+
+    @contextlib.contextmanager
+    def _call(self, inputs: dict, options: dict):
+        """One call of the planner: its given options and call key, under the planner's lock
+        (a second thread's concurrent call raises), on an open, unbroken planner."""
+        given = {k: v for k, v in options.items() if v is not None}
+        fast = _call_key(inputs, given)
+        if not self._lock.acquire(blocking=False):
+            raise concurrent_use(self.ctx.OP, self.ctx.rank)
+        try:
+            self._check_call()
+            yield given, fast
         finally:
             self._lock.release()
 
