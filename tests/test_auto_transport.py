@@ -598,6 +598,14 @@ def _unmatched_calls(world):
             step("options no candidate takes", a3, b, False,
                  **({"config": SignalConfig()} if world.rank == last else {}))
             step("after refusals", a3, b, True)
+            # input that only the transport's own checks refuse (an out of another shape), on
+            # a decided "sequential" key and at a key's first call: the checks run before the
+            # agreement, not inside the collective that would wait for this rank
+            bad = {"out": torch.empty(1, N)} if world.rank == last else {}
+            step("bad out decided", a, b, False, **bad)
+            a5, b5 = torch.randn(M + 1, K + 6, generator=g), torch.randn(K + 6, N, generator=g)
+            step("bad out new", a5, b5, False, **bad)
+            step("after bad outs", a5, b5, True)
         found["timings"] = fake.count
     finally:
         ctx.close()
@@ -608,18 +616,20 @@ def test_unmatched_calls_raise_on_every_rank(world):
     per_rank = world.run(_unmatched_calls, timeout=240)
     last = world.size - 1
     for r, found in enumerate(per_rank):
-        for label in ("decided", "matched again", "new, shards differ", "after refusals"):
+        for label in ("decided", "matched again", "new, shards differ", "after refusals",
+                      "after bad outs"):
             assert found[label][0] == "ok" and found[label][1] < TOL, (r, label, found[label])
             assert found[label][3] == "sequential", (r, label, found[label])
-        assert found["timings"] == 3 * 2  # three decisions of two candidates, nothing more
+        assert found["timings"] == 4 * 2  # four decisions of two candidates, nothing more
         kind, msg, seconds = found["new on one rank"]
         assert kind == "RankMismatchError" and seconds < 4, (r, found["new on one rank"])
         assert msg.startswith("matmul_all_reduce: ") and f"rank {last}: a call new" in msg, msg
         assert "rank 0: a call decided" in msg and "'sequential'" in msg, msg
         for label, why in (("refused new", "has no backward"),
                            ("refused decided", "has no backward"),
-                           ("options no candidate takes", "no candidate transport takes")):
-            refuser = last if label == "options no candidate takes" else 0
+                           ("options no candidate takes", "no candidate transport takes"),
+                           ("bad out decided", "out"), ("bad out new", "out")):
+            refuser = 0 if label.startswith("refused") else last
             kind, msg, seconds = found[label]
             assert seconds < 4 and why in msg, (r, label, found[label])
             if r == refuser:

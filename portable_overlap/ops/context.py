@@ -165,6 +165,11 @@ class ContextBase:
     orders). A subclass calls ``super().__init__`` first and :meth:`register` last."""
 
     OP = "op"
+    #: set by ``transport="auto"`` around a call of a transport whose waits have no deadline
+    #: (``planner.UNBOUNDED``): the call checks its input, raising as it would, and returns
+    #: before its first collective, so this rank's refusal reaches its peers through the
+    #: planner's agreement before any of them waits in the collective library
+    checking_only = False
 
     def __init__(self, world, timeout_s: float):
         self.timeout_s = check_timeout(self.OP, timeout_s)

@@ -50,10 +50,11 @@ on every rank in the same call, without a hang:
   RCCL / gloo collective, torch's fused ops' barriers), first posts a record to the store: new,
   decided (with the number of its decision), or refused on the host (a check before the call:
   an input that requires grad, per-call options no candidate takes, capture of an undecided
-  key; the rank raises its own error). Where the records do not match (a key new on some ranks
-  only, keys of different decisions, a refusal), every rank raises in this call, the refusing
-  rank its error and the others :class:`RankMismatchError` naming each rank and its call;
-  nothing ran, so the context stays usable.
+  key, or the input checks of an ``UNBOUNDED`` candidate, run with nothing launched
+  (``_refusal``); the rank raises its own error). Where the records do not match (a key new
+  on some ranks only, keys of different decisions, a refusal), every rank raises in this call,
+  the refusing rank its error and the others :class:`RankMismatchError` naming each rank and
+  its call; nothing ran, so the context stays usable.
 - **Decided keys of the fused transports** skip the agreement (no host round trip): a peer not
   in the same call never signals, and their waits end at the context's timeout with
   :class:`PeerTimeoutError`. The peer that waits in the agreement meanwhile gives up at its
@@ -318,12 +319,15 @@ class TransportPlanner:
         with self._call(inputs, options) as (given, fast):
             chosen = self._chosen.get(fast)
             if chosen is None:
-                transport = self._decide(fast, inputs, given)
+                transport = self._decide(fast, inputs, out, given)
             else:
                 transport, decision, text = chosen
                 if transport in UNBOUNDED:
+                    refusal = self._refusal((transport,), inputs, out, given)
                     self._settle({"kind": "decided", "decision": decision,
-                                  "transport": transport, "call": text})
+                                  "transport": transport, "call": text} if refusal is None
+                                 else {"kind": "refused", "call": text,
+                                       "why": f"{type(refusal).__name__}: {refusal}"}, refusal)
             return self.ctx._run(transport, self.impls[transport], inputs, out, given)
 
     def refuse(self, inputs: dict, options: dict, error: BaseException) -> None:
@@ -339,6 +343,28 @@ class TransportPlanner:
             text = chosen[2] if chosen is not None else _text(self._describe_call(inputs, given))
             self._settle({"kind": "refused", "why": f"{type(error).__name__}: {error}",
                           "call": text}, error)
+
+    def _refusal(self, transports: tuple, inputs: dict, out, given: dict):
+        """The error this rank's input meets in the first of ``transports`` whose waits have no
+        deadline (``UNBOUNDED``), found by that transport's own checks with nothing run
+        (``ContextBase.checking_only``), or None. Found before the call's agreement, it is this
+        rank's refusal there: the peers raise in the same call instead of waiting in the
+        collective library for a rank that never comes (timing those candidates at a key's
+        first call would wait so too)."""
+        for t in transports:
+            if t in UNBOUNDED:
+                impl = self.impls[t]
+                impl.checking_only = True
+                try:
+                    self.ctx._run(t, impl, inputs, out, given)
+                except (ValueError, TypeError) as e:  # what every transport's checks raise
+                    return e
+                except Exception:  # not the input's fault: the call itself meets it again
+                    return None
+                finally:
+                    impl.checking_only = False
+                return None
+        return None
 
     @contextlib.contextmanager
     def _call(self, inputs: dict, options: dict):
@@ -388,10 +414,12 @@ class TransportPlanner:
                 f"make one eager call with these shapes before capturing")
         return cands
 
-    def _decide(self, fast: tuple, inputs: dict, given: dict) -> str:
+    def _decide(self, fast: tuple, inputs: dict, out, given: dict) -> str:
         world, op = self.ctx.world, self.ctx.OP
         call = self._describe_call(inputs, given)
         cands, refusal = _attempt(lambda: self._candidates_for(given))
+        if refusal is None:  # what would refuse it inside a candidate without a deadline
+            refusal = self._refusal(cands, inputs, out, given)
         mine = ({"kind": "refused", "why": f"{type(refusal).__name__}: {refusal}",
                  "call": _text(call)} if refusal is not None
                 else {"kind": "new", "call": call, "candidates": cands})
