@@ -152,25 +152,20 @@ def _late_and_refused(world, shapes, late, refused, transport):
     """One call per shape of ``shapes`` (M, N, K) on one context, the scenario of
     ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input)."""
     from portable_overlap.testing.compare import rel_err
-    from portable_overlap.testing.faults import late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
-    ctx = GemmAllToAll(world, max_elems=max(M * N for M, N, _ in shapes), config=SMALL,
-                       transport=transport, pieces=2, timeout_s=3.0)
+    def call(ctx, i, shape, bad):
+        M, N, K = shape
+        g = torch.Generator().manual_seed(10 * i + world.rank)
+        a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+        out = torch.full((M, N), float("nan"))
+        ctx(a, b, out=torch.empty(1, N) if bad else out)
+        return lambda: rel_err(out, gemm_all_to_all_reference(a, b, world.group))
 
-    def call(i, M, N, K):
-        def make(bad):
-            g = torch.Generator().manual_seed(10 * i + world.rank)
-            a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
-            out = torch.full((M, N), float("nan"))
-            ctx(a, b, out=torch.empty(1, N) if bad else out)
-            return lambda: rel_err(out, gemm_all_to_all_reference(a, b, world.group))
-        return make
-
-    try:
-        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
-                                late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: GemmAllToAll(world, max_elems=max(M * N for M, N, _ in shapes),
+                                    config=SMALL, transport=transport, pieces=2, timeout_s=3.0),
+        shapes, call, late, refused)
 
 
 @pytest.mark.parametrize("transport", ["stores", "copy_engine"])

@@ -495,25 +495,21 @@ def _late_and_refused(world, transport, shapes, late, refused):
     """One call per shape of ``shapes`` (M, N, K) on one context with 16-column blocks and up
     to 4 programs, the scenario of ``testing.faults.late_and_refused`` (a bad ``out`` is the
     refused input)."""
-    from portable_overlap.testing.faults import late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
     cfg = GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, programs_per_sm=1)
-    ctx = GemvAllReduce(world, max_n=max(s[1] for s in shapes), config=cfg,
-                        transport=transport, timeout_s=3.0)
 
-    def call(i, M, N, K):
-        def run(bad):
-            x, w = _inputs(world, M, N, K, torch.float32, seed=i)
-            out = torch.full((M, N), float("nan"))
-            ctx(x, w, out=torch.empty(1, 1) if bad else out)
-            return lambda: rel_err(out, gemv_all_reduce_reference(x, w, world.group))
-        return run
+    def call(ctx, i, shape, bad):
+        M, N, K = shape
+        x, w = _inputs(world, M, N, K, torch.float32, seed=i)
+        out = torch.full((M, N), float("nan"))
+        ctx(x, w, out=torch.empty(1, 1) if bad else out)
+        return lambda: rel_err(out, gemv_all_reduce_reference(x, w, world.group))
 
-    try:
-        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
-                                late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: GemvAllReduce(world, max_n=max(s[1] for s in shapes), config=cfg,
+                                     transport=transport, timeout_s=3.0),
+        shapes, call, late, refused)
 
 
 #: per transport, calls whose late partials land in the next call's partials (slots 0 and 1:

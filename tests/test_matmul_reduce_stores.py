@@ -184,28 +184,24 @@ def _late_and_refused(world, mode, shapes, late, refused):
     ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input)."""
     from portable_overlap.ops.matmul_reduce import (matmul_all_reduce_reference,
                                                     matmul_reduce_scatter_reference)
-    from portable_overlap.testing.faults import late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
     W, r = world.world_size, world.rank
     make, ref = ((po.MatmulReduceScatter, matmul_reduce_scatter_reference)
                  if mode == "reduce_scatter" else (po.MatmulAllReduce, matmul_all_reduce_reference))
-    ctx = make(world, max(s[0] for s in shapes), max(s[1] for s in shapes), transport="stores",
-               timeout_s=3.0)
 
-    def call(i, M, N, K):
-        def run(bad):
-            g = torch.Generator().manual_seed(10 * i + r)
-            a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
-            out = torch.full((M // W if mode == "reduce_scatter" else M, N), float("nan"))
-            ctx(a, b, out=torch.empty(1, N) if bad else out)
-            return lambda: rel_err(out, ref(a, b, world.group))
-        return run
+    def call(ctx, i, shape, bad):
+        M, N, K = shape
+        g = torch.Generator().manual_seed(10 * i + r)
+        a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+        out = torch.full((M // W if mode == "reduce_scatter" else M, N), float("nan"))
+        ctx(a, b, out=torch.empty(1, N) if bad else out)
+        return lambda: rel_err(out, ref(a, b, world.group))
 
-    try:
-        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
-                                late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: make(world, max(s[0] for s in shapes), max(s[1] for s in shapes),
+                            transport="stores", timeout_s=3.0),
+        shapes, call, late, refused)
 
 
 @pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])

@@ -103,3 +103,17 @@ def late_and_refused(world, ctx, calls, late: tuple, refused: tuple,
             found.append(type(e).__name__)
     found.append(error() if error is not None else float("nan"))
     return found
+
+
+def late_and_refused_per_shape(world, make_ctx: Callable[[], object], shapes, call: Callable,
+                               late: tuple, refused: tuple, delay_s: float = 1.0) -> list:
+    """:func:`late_and_refused` with one call per shape of ``shapes`` on the context
+    ``make_ctx()`` makes (closed at the end, whatever happens): ``call(ctx, i, shape, bad)``
+    makes call ``i`` and returns the function that gives its relative error."""
+    ctx = make_ctx()
+    try:
+        return late_and_refused(
+            world, ctx, [lambda bad, i=i, s=s: call(ctx, i, s, bad) for i, s in enumerate(shapes)],
+            late, refused, delay_s)
+    finally:
+        ctx.close()
