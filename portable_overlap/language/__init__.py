@@ -69,8 +69,6 @@ CTX_WORLD = tl.constexpr(5)
 CTX_TIMEOUT_US = tl.constexpr(6)
 CTX_STATUS = tl.constexpr(7)
 CTX_HEAP = tl.constexpr(8)
-#: peers :func:`signal_all` signals at once (more ranks take more rounds of as many)
-_SIGNAL_LANES = tl.constexpr(8)
 CTX_BASES = tl.constexpr(16)  # then one word per rank: its heap base as mapped here
 #: status-board slots; a program beyond the last reports in the last
 STATUS_SLOTS = tl.constexpr(1024)
@@ -212,6 +210,10 @@ def signal(ctx, flag_ptr, peer, call, ok=True, tag=0):
     tl.debug_barrier()  # every thread's stores before the one thread's (cumulative) release
     value = _shmem.call_flag(call, tag, ok)
     tl.atomic_xchg(remote_ptr(ctx, flag_ptr, peer), value, sem="release", scope="sys")
+
+
+#: peers :func:`signal_all` signals at once (more ranks take more rounds of as many)
+_SIGNAL_LANES = tl.constexpr(8)
 
 
 @triton.jit

@@ -13,7 +13,9 @@ interpreter, which runs programs one after another, the senders finish before an
   a chunk peer r+1, r+2, ... (every peer receives chunk 0 from all its peers first, so all links
   carry data at once). A unit is one chunk's rows, contiguous in ``a`` and in the peer's buffer,
   stored straight into the peer's heap (zero-copy, vector stores, ``COPY_BLOCK`` elements in
-  flight per step); then a barrier and the release of ``ready[r][c]`` in that peer's heap. When
+  flight per step; with ``COPY_TMA``, boxes of ``BOX_R`` x ``BOX_K`` through two tensor
+  descriptors, written by the Tensor Memory Accelerator, and the writes awaited before the
+  flag); then a barrier and the release of ``ready[r][c]`` in that peer's heap. When
   ``m`` is not a multiple of BLOCK_M some tiles hold rows of two shards, and this rank's own
   shard is copied into its own buffer too (``COPY_OWN``; those units come first).
 - A compute program claims tiles one at a time from the call's counter (``tile_ptr``, an
