@@ -44,14 +44,12 @@ from portable_overlap import World
 from portable_overlap.shmem.heap import SymmetricHeap
 
 
-@triton.jit(do_not_specialize=["rank"])  # rank 1 would be a constant without it
-def flat_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
-                     BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Program p: units p, p + P, ... of (chunk, peer), chunk-major (every peer gets chunk 0
-    first); each unit one flat copy of the chunk's rows, ``STAGES`` loads in flight (the
-    software pipeliner turns them into cp.async when STAGES > 1)."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
+@triton.jit
+def _push_units(a_ptr, dst_bases, pid, P, rank, world, m, K, chunk_rows, n_chunks,
+                BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Program ``pid`` of ``P`` senders: units pid, pid + P, ... of (chunk, peer), chunk-major
+    (every peer gets chunk 0 first); each unit one flat copy of the chunk's rows, ``STAGES``
+    loads in flight (the software pipeliner turns them into cp.async when STAGES > 1)."""
     n_units = n_chunks * (world - 1)
     lanes = tl.arange(0, BLOCK)
     for u in range(pid, n_units, P):
@@ -66,6 +64,14 @@ def flat_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
             idx = off + lanes
             keep = idx < n
             tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
+
+
+@triton.jit(do_not_specialize=["rank"])  # rank 1 would be a constant without it
+def flat_push_kernel(a_ptr, dst_bases, rank, world, m, K, chunk_rows, n_chunks,
+                     BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Every program a sender (``_push_units``)."""
+    _push_units(a_ptr, dst_bases, tl.program_id(0), tl.num_programs(0), rank, world, m, K,
+                chunk_rows, n_chunks, BLOCK, STAGES)
 
 
 @triton.jit
@@ -85,20 +91,8 @@ def flat_push_polled_kernel(a_ptr, dst_bases, done_ptr, want, rank, world, m, K,
     between polls; 2: a volatile load per poll."""
     pid = tl.program_id(0)
     if pid < senders:
-        n_units = n_chunks * (world - 1)
-        lanes = tl.arange(0, BLOCK)
-        for u in range(pid, n_units, senders):
-            c = u // (world - 1)
-            d = (rank + 1 + u % (world - 1)) % world
-            lo = c * chunk_rows
-            n = (tl.minimum(lo + chunk_rows, m) - lo).to(tl.int64) * K
-            src = a_ptr + tl.multiple_of(lo.to(tl.int64) * K, 8)
-            dst = tl.load(dst_bases + d).to(tl.pointer_type(tl.bfloat16)) \
-                + tl.multiple_of((rank.to(tl.int64) * m + lo) * K, 8)
-            for off in range(0, n, BLOCK):
-                idx = off + lanes
-                keep = idx < n
-                tl.store(dst + idx, tl.load(src + idx, mask=keep), mask=keep)
+        _push_units(a_ptr, dst_bases, pid, senders, rank, world, m, K, chunk_rows, n_chunks,
+                    BLOCK, 1)
         tl.debug_barrier()
         tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
     else:
