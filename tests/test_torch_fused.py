@@ -74,9 +74,9 @@ def test_not_where_torch_symmetric_memory_is_bound_to_nvshmem(monkeypatch):
 def test_candidates_with_and_without_it():
     T = po.MatmulReduceScatter.TRANSPORTS
     without = tuple(t for t in T if t != "torch_fused")
-    # opt-in (planner.OPT_IN): a refused or skipped call would leave torch's barriers waiting
-    assert planner.check_candidates("op", T, None, {}) == without
-    assert planner.check_candidates("op", T, None) == without
+    # a default candidate where it can run (its calls agree first: planner.UNBOUNDED)
+    assert planner.check_candidates("op", T, None, {}) == T
+    assert planner.check_candidates("op", T, None) == T
     assert planner.check_candidates("op", T, None, {"torch_fused": "no GPU"}) == without
     assert planner.check_candidates("op", T, T, {}) == T
     assert planner.check_candidates("op", T, ["sequential", "torch_fused"], {}) == (
@@ -340,15 +340,17 @@ class _Steered:
 
 
 def _auto(world):
-    """``"auto"`` with torch_fused among its candidates (named: it is opt-in), the pick
-    steered to it (a correct result into the poisoned out), and per-call options it does not
-    take keeping the call off it."""
+    """``"auto"`` with torch_fused among its candidates (named, and by default where it can
+    run), the pick steered to it (a correct result into the poisoned out), per-call options it
+    does not take keeping the call off it, and an ``out`` one rank's input checks refuse on
+    a key decided for it: every rank raises in that call (torch's barriers would wait for ever
+    for the refusing rank), and the next call is right."""
     W = world.world_size
     on_cpu = _TorchOnCpu()
     found = {}
     try:
         ctx = po.MatmulReduceScatter(world, 4 * W, 6, transport="auto", iters=1, warmup=0,
-                                     candidates=po.MatmulReduceScatter.TRANSPORTS)  # opt-in
+                                     candidates=po.MatmulReduceScatter.TRANSPORTS)
         fake = _Steered(ctx)
         try:
             found["rs candidates"] = ctx.planner.candidates
@@ -365,8 +367,7 @@ def _auto(world):
                 found["rs with config"] = ctx.choice(a, b, config=SignalConfig())
         finally:
             ctx.close()
-        ctx = po.AllGatherMatmul(world, 64, transport="auto", iters=1, warmup=0,
-                                 candidates=po.AllGatherMatmul.TRANSPORTS)
+        ctx = po.AllGatherMatmul(world, 64, transport="auto", iters=1, warmup=0)
         fake = _Steered(ctx)
         try:
             found["ag candidates"] = ctx.planner.candidates
@@ -378,6 +379,14 @@ def _auto(world):
                 found["ag err"] = rel_err(out, po.all_gather_matmul_reference(a, b, world.group))
                 po.all_gather_matmul(a, b, ctx, schedule="hetero-unfused-1d")
                 found["ag with schedule"] = ctx.choice(a, b, schedule="hetero-unfused-1d")
+            try:
+                po.all_gather_matmul(a, b, ctx, torch.empty(1, 7) if world.rank == 1 else out)
+                found["ag bad out"] = "no error"
+            except Exception as e:
+                found["ag bad out"] = type(e).__name__
+            out.fill_(float("nan"))
+            po.all_gather_matmul(a, b, ctx, out)
+            found["ag after"] = rel_err(out, po.all_gather_matmul_reference(a, b, world.group))
         finally:
             ctx.close()
         return found
@@ -386,7 +395,7 @@ def _auto(world):
 
 
 def test_auto_picks_it_where_it_runs(world2):
-    for found in world2.run(_auto, timeout=600):
+    for rank, found in enumerate(world2.run(_auto, timeout=600)):
         assert found["rs candidates"] == po.MatmulReduceScatter.TRANSPORTS
         assert found["ag candidates"] == po.AllGatherMatmul.TRANSPORTS
         assert found["rs pick"] == "torch_fused" and found["rs err"] < 1e-5
@@ -394,3 +403,5 @@ def test_auto_picks_it_where_it_runs(world2):
         assert found["rs with config"] in ("signal_collective", "signal_copy_engine")
         assert found["ag pick"] == "torch_fused" and found["ag err"] < 1e-5
         assert found["ag with schedule"] == "copy_engine"
+        assert found["ag bad out"] == ("ValueError" if rank == 1 else "RankMismatchError")
+        assert found["ag after"] < 1e-5

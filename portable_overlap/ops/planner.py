@@ -128,21 +128,16 @@ class MemoryCache:
         self.entries[key] = value
 
 
-#: transports ``"auto"`` times only when ``candidates=`` names them: torch's fused ops wait in
-#: barriers without a deadline, so a rank that refuses or skips a call leaves its peers waiting
-#: for ever instead of raising ``PeerTimeoutError`` (docs/scaling.md)
-OPT_IN = ("torch_fused",)
-
-
 def check_candidates(op: str, transports: tuple, candidates,
                      unavailable: Optional[dict] = None) -> tuple:
-    """``candidates`` (None: every transport of ``transports`` not in ``unavailable`` nor in
-    ``OPT_IN``) as a tuple in ``transports`` order. ``unavailable``: ``{transport: why it cannot
-    run on this world}`` (``PatternContext.unavailable``); naming one of them raises
-    :class:`BackendUnavailable` with the reason."""
+    """``candidates`` (None: every transport of ``transports`` not in ``unavailable``; torch's
+    fused ops too, whose barriers have no deadline: their calls agree first, as
+    ``sequential``'s do, ``UNBOUNDED``) as a tuple in ``transports`` order. ``unavailable``:
+    ``{transport: why it cannot run on this world}`` (``PatternContext.unavailable``); naming
+    one of them raises :class:`BackendUnavailable` with the reason."""
     unavailable = unavailable or {}
     if candidates is None:
-        return tuple(t for t in transports if t not in unavailable and t not in OPT_IN)
+        return tuple(t for t in transports if t not in unavailable)
     bad = isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__iter__")
     names = [] if bad else list(candidates)
     if bad or not names or len(set(names)) != len(names) \

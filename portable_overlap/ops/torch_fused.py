@@ -17,13 +17,15 @@ Where they run (:func:`unavailable_reason`, the one place that decides it): GPU 
 registers no CPU kernel for them), of one host, with a torch that has the ops, in a process
 whose torch symmetric memory has not been bound to NVSHMEM (by a ``transport="shmem"``
 context); a world of one rank too. Elsewhere making this transport raises
-:class:`~portable_overlap.errors.BackendUnavailable`. ``transport="auto"`` times it only when
-``candidates=`` names it (``planner.OPT_IN``, for the reason below).
+:class:`~portable_overlap.errors.BackendUnavailable`, and ``transport="auto"`` leaves it out.
 
-Calls are matched by torch's barriers, which wait without a deadline: a rank that skips a call,
-refuses one (bad input) or calls with other shapes leaves its peers waiting inside torch's op
-(``timeout_s`` is checked and kept, but torch's waits do not use it). Shapes that differ across
-ranks are not detected."""
+Calls are matched by torch's barriers, which wait without a deadline: named as the transport,
+a rank that skips a call, refuses one (bad input) or calls with other shapes leaves its peers
+waiting inside torch's op (``timeout_s`` is checked and kept, but torch's waits do not use it).
+Under ``transport="auto"`` every call of it first agrees with the peers through the store with
+a deadline, its input checked before (``planner.UNBOUNDED``, ``ContextBase.checking_only``): a
+refused or skipped call raises on every rank instead. Shapes that differ across ranks at a
+key's first call are not detected (as for ``"sequential"``)."""
 from __future__ import annotations
 
 import contextlib

@@ -12,8 +12,8 @@ call and torch's own result tensor without ``out``, both against the torch refer
 product, then the collective), with bias and residual; a call captured in a CUDA graph and
 replayed with fresh inputs into a poisoned ``out`` (the workspace is sized at creation, so no
 call allocates it); a bad call (the same on every rank) raising ``ValueError`` and the context
-working on after it; ``transport="auto"`` with every transport named as a candidate (torch_fused
-is opt-in) timing it, and ``candidates=("torch_fused",)``. Where it does not run (e.g. ranks on several
+working on after it; ``transport="auto"`` with every transport a candidate timing it, and
+``candidates=("torch_fused",)``. Where it does not run (e.g. ranks on several
 hosts), that making it raises ``BackendUnavailable`` with the reason and that ``"auto"`` leaves
 it out; the reason is printed.
 
@@ -152,7 +152,7 @@ def check_bad_input(world, gen) -> None:
 
 
 def check_auto(world, gen) -> None:
-    """``"auto"``: torch_fused among the candidates (named: it is opt-in), timed at the first call of a key
+    """``"auto"``: torch_fused among the candidates, timed at the first call of a key
     (not failed), a correct result whatever the pick; named as the one candidate, it runs."""
     W = world.world_size
     dtype = torch.bfloat16
