@@ -556,7 +556,7 @@ def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, o
     assert all(e < 1e-5 for _, errs in ranks for e in errs), ranks
 
 
-def _late_and_refused(world, shapes, late, refused, options, copies_last=False):
+def _late_and_refused(world, shapes, late, refused, options, copies_last=False, timeout_s=3.0):
     """One call per shape of ``shapes`` (m, N, K) on one context, the scenario of
     ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input). With
     ``copies_last`` (the copy-engine transport) the late call's copies into the refusing rank
@@ -567,8 +567,8 @@ def _late_and_refused(world, shapes, late, refused, options, copies_last=False):
     from portable_overlap.testing.faults import copies_last as hold, late_and_refused
 
     W, r = world.world_size, world.rank
-    ctx = AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes), timeout_s=3.0,
-                          **options)
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes),
+                          timeout_s=timeout_s, **options)
 
     def call(i, m, N, K):
         def make(bad):
@@ -633,10 +633,12 @@ def test_copy_engine_leaves_no_late_stores_for_the_next_call(world4, options):
     (``late_stores_guard``; a relative error of 0.55 on rank 1 without the wait, and with it
     but the word given before the lanes' pushes landed). Pull: a rank's
     copy engine writes only into its own memory and a rank restages its slot only after every
-    peer pulled the previous call's shard, so no late copy lands in a peer's data."""
+    peer pulled the previous call's shard, so no late copy lands in a peer's data. (The next
+    call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine from
+    failing it; a call that fails does so at once, whatever the timeout.)"""
     shapes = ((4, 5, 8), (16, 3, 16), (20, 3, 16))
     for rank, found in enumerate(world4.run(_late_and_refused, shapes, (3, 1), (1, (1,)),
-                                            options, True, timeout=120)):
+                                            options, True, 10.0, timeout=120)):
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] < 1e-5, (rank, found)

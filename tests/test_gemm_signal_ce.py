@@ -133,7 +133,9 @@ def test_library_op_and_fake(world2):
 def _late_and_refused(world, shapes, late, refused):
     """One call per shape of ``shapes`` (M, N, K) on one context, the scenario of
     ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input), the late call's
-    copies into the refusing rank landing last (``testing.faults.copies_last``)."""
+    copies into the refusing rank landing last (``testing.faults.copies_last``). The
+    next call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine
+    from failing it (a call that fails does so at once, whatever the timeout)."""
     import contextlib
 
     from portable_overlap.testing.compare import rel_err
@@ -142,7 +144,7 @@ def _late_and_refused(world, shapes, late, refused):
     W, r = world.world_size, world.rank
     ctx = GemmReduceScatterCE(world, max(GemmReduceScatterCE.elems_needed(M, N, W, 16, 16)
                                          for M, N, _ in shapes),
-                              config=SignalConfig(matmul=SMALL, max_groups=8), timeout_s=3.0)
+                              config=SignalConfig(matmul=SMALL, max_groups=8), timeout_s=10.0)
 
     def call(i, M, N, K):
         def run(bad):

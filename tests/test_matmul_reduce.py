@@ -171,7 +171,9 @@ def test_one_put_lane_per_peer(world):
 def _late_and_refused(world, mode, shapes, late, refused):
     """One call per shape of ``shapes`` (M, N, K) on one copy-engine context, the scenario of
     ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input), the late call's
-    copies into the refusing rank landing last (``testing.faults.copies_last``)."""
+    copies into the refusing rank landing last (``testing.faults.copies_last``). The
+    next call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine
+    from failing it (a call that fails does so at once, whatever the timeout)."""
     import contextlib
 
     from portable_overlap.testing.compare import rel_err
@@ -179,7 +181,7 @@ def _late_and_refused(world, mode, shapes, late, refused):
 
     W, r = world.world_size, world.rank
     ctx = MatmulReduce(world, max(MatmulReduce.elems_needed(M, N, W) for M, N, _ in shapes),
-                       pieces=2, timeout_s=3.0)
+                       pieces=2, timeout_s=10.0)
 
     def call(i, M, N, K):
         def run(bad):
