@@ -556,22 +556,28 @@ def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, o
     assert all(e < 1e-5 for _, errs in ranks for e in errs), ranks
 
 
-def _late_and_refused(world, shapes, late, refused, options):
+def _late_and_refused(world, shapes, late, refused, options, copies_last=False, timeout_s=3.0):
     """One call per shape of ``shapes`` (m, N, K) on one context, the scenario of
-    ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input)."""
+    ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input). With
+    ``copies_last`` (the copy-engine transport) the late call's copies into the refusing rank
+    land last (``testing.faults.copies_last``)."""
+    import contextlib
+
     from portable_overlap.testing.compare import rel_err
-    from portable_overlap.testing.faults import late_and_refused
+    from portable_overlap.testing.faults import copies_last as hold, late_and_refused
 
     W, r = world.world_size, world.rank
-    ctx = AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes), timeout_s=3.0,
-                          **options)
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes),
+                          timeout_s=timeout_s, **options)
 
     def call(i, m, N, K):
         def make(bad):
             g = torch.Generator().manual_seed(10 * i + r)
             a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
             out = torch.full((W * m, N), float("nan"))
-            ctx(a, b, torch.empty(1, N) if bad else out)
+            last = copies_last and (r, i) == tuple(late)
+            with hold(ctx.impl._links, refused[0]) if last else contextlib.nullcontext():
+                ctx(a, b, torch.empty(1, N) if bad else out)
             return lambda: rel_err(out, all_gather_matmul_reference(a, b, world.group))
         return make
 
@@ -605,6 +611,34 @@ def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
     shapes = ((4, 5, 8), (16, 3, 16), (20, 3, 16))
     for rank, found in enumerate(world4.run(_late_and_refused, shapes, (3, 1), (1, (1,)),
                                             dict(transport="stores"), timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)
+
+
+@pytest.mark.parametrize("options", [dict(transport="copy_engine"),
+                                     dict(transport="copy_engine", schedule="uniform-fused-2d"),
+                                     dict(transport="copy_engine", direction="pull")],
+                         ids=["push-1d", "push-2d", "pull"])
+def test_copy_engine_leaves_no_late_stores_for_the_next_call(world4, options):
+    """Rank 1 refuses a call that rank 3 makes late, and rank 3's copies into rank 1 land last
+    (``copies_last``: its copy engine serves that lane after the others, as a GPU's may, one
+    copy at a time). Ranks 0 and 2 wait for each of rank 3's pieces into them before they
+    release the call, but rank 1's refusal frees its gather buffer at once. The next call's
+    shards are larger, so rank 3's late pieces land inside what ranks 0 and 2 already pushed
+    into rank 1 for it (1-D: rank 3's slot (p, 3) of the 4 x 4-row pieces, elements 192-255
+    + 256 p, against slots (p, 0) and (p, 2) of 5-row pieces, 0-79 and 160-239 + 320 p; 2-D:
+    rank 3's rows 48-63 of [64, 16] against rank 2's rows 40-59 of [80, 16]). Push: every
+    rank that failed the call waits for each peer's word that all its pushes of it landed
+    (``late_stores_guard``; a relative error of 0.55 on rank 1 without the wait, and with it
+    but the word given before the lanes' pushes landed). Pull: a rank's
+    copy engine writes only into its own memory and a rank restages its slot only after every
+    peer pulled the previous call's shard, so no late copy lands in a peer's data. (The next
+    call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine from
+    failing it; a call that fails does so at once, whatever the timeout.)"""
+    shapes = ((4, 5, 8), (16, 3, 16), (20, 3, 16))
+    for rank, found in enumerate(world4.run(_late_and_refused, shapes, (3, 1), (1, (1,)),
+                                            options, True, 10.0, timeout=120)):
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] < 1e-5, (rank, found)

@@ -107,7 +107,6 @@ def test_bad_input(world2):
 
 
 def _library_op(world):
-    W = world.world_size
     ctx = MatmulReduceScatter(world, 32, 32, transport="signal_copy_engine",
                               config=SignalConfig(matmul=SMALL))
     try:
@@ -129,3 +128,56 @@ def _library_op(world):
 def test_library_op_and_fake(world2):
     for ok, shape in world2.run(_library_op):
         assert ok and shape == (16, 32)
+
+
+def _late_and_refused(world, shapes, late, refused):
+    """One call per shape of ``shapes`` (M, N, K) on one context, the scenario of
+    ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input), the late call's
+    copies into the refusing rank landing last (``testing.faults.copies_last``). The
+    next call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine
+    from failing it (a call that fails does so at once, whatever the timeout)."""
+    import contextlib
+
+    from portable_overlap.testing.compare import rel_err
+    from portable_overlap.testing.faults import copies_last, late_and_refused
+
+    W, r = world.world_size, world.rank
+    ctx = GemmReduceScatterCE(world, max(GemmReduceScatterCE.elems_needed(M, N, W, 16, 16)
+                                         for M, N, _ in shapes),
+                              config=SignalConfig(matmul=SMALL, max_groups=8), timeout_s=10.0)
+
+    def call(i, M, N, K):
+        def run(bad):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((M // W, N), float("nan"))
+            with (copies_last(ctx._links, refused[0]) if (r, i) == tuple(late)
+                  else contextlib.nullcontext()):
+                ctx.reduce_scatter(a, b, torch.empty(1, N) if bad else out)
+            return lambda: rel_err(out, gemm_reduce_scatter_reference(a, b, world.group))
+        return run
+
+    try:
+        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
+                                late, refused)
+    finally:
+        ctx.close()
+
+
+def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
+    """Rank 1 refuses a call that rank 3 makes late, and rank 3's copies into rank 1 land last
+    (``copies_last``: the copy engine may still be moving them when rank 0 is done with the
+    call). Both shapes are planned in the calls before (a first plan is a host collective, on
+    which no rank would run ahead). Ranks 0 and 2 wait for each of rank 3's groups into them
+    before they release the call, but rank 1's refusal frees its receive buffer at once. The
+    next call has 3 tiles per rank's block instead of 2, so rank 3's late region of the
+    refused call (tiles 6-7 of rank 1's buffer) lies inside rank 2's region of the next call
+    (tiles 6-8): every rank that failed the call waits for each peer's word that all its puts
+    of it landed (``late_stores_guard``), given only after the side stream's copies (a
+    relative error of 0.58 on rank 1 without either)."""
+    shapes = ((64, 48, 8), (64, 32, 8), (64, 32, 8), (64, 48, 8))
+    for rank, found in enumerate(world4.run(_late_and_refused, shapes, (3, 2), (1, (2,)),
+                                            timeout=120)):
+        assert found[:4] == ["no error"] * 2 + [
+            "ValueError" if rank == 1 else "PeerTimeoutError", "no error"], (rank, found)
+        assert found[4] < 1e-5, (rank, found)

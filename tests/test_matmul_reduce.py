@@ -166,3 +166,57 @@ def test_one_put_lane_per_peer(world):
     """W-1 put lanes (one stream per peer; clamped to the peer count, so 1 on 2 ranks)."""
     for errs in world.run(_cases, torch.float32, SHAPES[:3], 2, 8):
         assert all(e[2] < 1e-5 for e in errs), errs
+
+
+def _late_and_refused(world, mode, shapes, late, refused):
+    """One call per shape of ``shapes`` (M, N, K) on one copy-engine context, the scenario of
+    ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input), the late call's
+    copies into the refusing rank landing last (``testing.faults.copies_last``). The
+    next call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine
+    from failing it (a call that fails does so at once, whatever the timeout)."""
+    import contextlib
+
+    from portable_overlap.testing.compare import rel_err
+    from portable_overlap.testing.faults import copies_last, late_and_refused
+
+    W, r = world.world_size, world.rank
+    ctx = MatmulReduce(world, max(MatmulReduce.elems_needed(M, N, W) for M, N, _ in shapes),
+                       pieces=2, timeout_s=10.0)
+
+    def call(i, M, N, K):
+        def run(bad):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((M // W if mode == "reduce_scatter" else M, N), float("nan"))
+            with (copies_last(ctx._links, refused[0]) if (r, i) == tuple(late)
+                  else contextlib.nullcontext()):
+                getattr(ctx, mode)(a, b, out=torch.empty(1, N) if bad else out)
+            return lambda: rel_err(out, REF[mode](a, b, world.group))
+        return run
+
+    try:
+        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
+                                late, refused)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4, mode):
+    """Rank 1 refuses a call that rank 3 makes late, and rank 3's copies into rank 1 land last
+    (``copies_last``: its copy engine serves that lane after the others, as a GPU's may, one
+    copy at a time). Ranks 0 and 2 wait for each of rank 3's pieces into them before they
+    release the call, but rank 1's refusal frees its receive buffer at once, so ranks 0 and
+    2's partials of the next call land in rank 1's buffer before rank 3's late partials of
+    the refused call do, and with these shapes those land inside them (elements 30-39 and
+    70-79 against rank 0's 0-13 and 56-76, rank 2's 28-41 and 98-118). Every rank that
+    failed the call waits for each peer's word that all its puts of it landed
+    (``late_stores_guard``), and a rank gives that word only after every put lane's copies
+    (relative errors of 0.39 on rank 1 with reduce_scatter, 0.19 on every rank with
+    all_reduce, without either)."""
+    shapes = ((8, 5, 8), (16, 5, 16), (20, 7, 16))
+    for rank, found in enumerate(world4.run(_late_and_refused, mode, shapes, (3, 1), (1, (1,)),
+                                            timeout=120)):
+        assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
+                             "no error"], (rank, found)
+        assert found[3] < 1e-5, (rank, found)

@@ -1,6 +1,7 @@
 """Fault injection for tests of the fused ops: calls that some ranks skip."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -117,3 +118,35 @@ def late_and_refused_per_shape(world, make_ctx: Callable[[], object], shapes, ca
             late, refused, delay_s)
     finally:
         ctx.close()
+
+
+@contextlib.contextmanager
+def copies_last(links, peer: int, delay_s: float = 1.0):
+    """While open, the copies that ``links`` (``transports.copy_engine.CopyEngineLinks``) makes
+    into rank ``peer`` (``put``: the copy and its ready flag) wait until the call joins its
+    lanes (``rejoin``) and land ``delay_s`` after that: a copy engine that serves that lane
+    last. Under the interpreter every copy runs when it is queued; this lets a test put a late
+    rank's copies of a call after what its peers already did once they were done with it, as
+    on a GPU, where the caller's stream is not ordered after the lanes until ``rejoin``."""
+    held = []
+    put, rejoin = links.put, links.rejoin
+
+    def hold(d, *args, **kwargs):
+        if d == peer:
+            held.append((d, args, kwargs))
+        else:
+            put(d, *args, **kwargs)
+
+    def release_held():
+        if held:
+            time.sleep(delay_s)
+        for d, args, kwargs in held:
+            put(d, *args, **kwargs)
+        held.clear()
+        rejoin()
+
+    links.put, links.rejoin = hold, release_held
+    try:
+        yield
+    finally:
+        del links.put, links.rejoin

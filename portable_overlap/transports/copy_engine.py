@@ -12,7 +12,11 @@ Flags (heap, int64, ``(tag << 32) | epoch`` as in shmem.device):
 ``ready[q][k]``  set by rank q once its k-th transfer into this rank landed (this call's epoch);
 ``consumed[d]``  set by rank d once it copied out everything this rank sent it, or pulled what
                  this rank offered (that call's epoch): a sender waits for
-                 ``consumed[d] == epoch - 1`` before its first copy into d.
+                 ``consumed[d] == epoch - 1`` before its first copy into d. An op whose ranks
+                 copy into their peers sets it only once its own copies of the call, into every
+                 peer, have landed too: a rank that failed a call waits for every peer's word
+                 of it before its next call (``OverlapContext.settle_late_stores``), so a late
+                 peer's copies of the failed call cannot land inside the next call's data.
 """
 from __future__ import annotations
 

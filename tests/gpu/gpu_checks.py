@@ -924,7 +924,7 @@ def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
 
 
 def check_late_stores(world: World, gen, timeout_s: float = 3.0) -> None:
-    """The stores transports after a refused call that a peer made late
+    """The transports that store or copy into peers after a refused call that a peer made late
     (``testing.faults.late_and_refused``): every rank fails that call, and the next call, of
     other shapes, is right: the late rank's stores of the failed call must land before the
     next call uses the buffers they land in."""
@@ -966,18 +966,22 @@ def check_late_stores(world: World, gen, timeout_s: float = 3.0) -> None:
             return lambda: rel_err(out, ref(a, b, world.group))
         return run
 
-    cases = {
-        "allgather+gemm stores": (
-            lambda: AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in ag_shapes),
-                                    transport="stores", timeout_s=timeout_s),
-            lambda ctx: [ag_call(ctx, i, *s) for i, s in enumerate(ag_shapes)]),
-    }
-    for mode, make in (("reduce_scatter", MatmulReduceScatter), ("all_reduce", MatmulAllReduce)):
-        cases[f"gemm+{mode} stores"] = (
-            lambda make=make: make(world, max(s[0] for s in mr_shapes),
-                                   max(s[1] for s in mr_shapes), transport="stores",
-                                   timeout_s=timeout_s),
-            lambda ctx, mode=mode: [mr_call(ctx, mode, i, *s) for i, s in enumerate(mr_shapes)])
+    cases = {}
+    for transport in ("stores", "copy_engine"):  # (copy_engine: the default push direction)
+        cases[f"allgather+gemm {transport}"] = (
+            lambda t=transport: AllGatherMatmul(
+                world, max_shard_elems=max(m * K for m, _, K in ag_shapes), transport=t,
+                timeout_s=timeout_s),
+            lambda ctx: [ag_call(ctx, i, *s) for i, s in enumerate(ag_shapes)])
+    for transport in ("stores", "copy_engine"):
+        for mode, make in (("reduce_scatter", MatmulReduceScatter),
+                           ("all_reduce", MatmulAllReduce)):
+            cases[f"gemm+{mode} {transport}"] = (
+                lambda make=make, t=transport: make(world, max(s[0] for s in mr_shapes),
+                                                    max(s[1] for s in mr_shapes), transport=t,
+                                                    timeout_s=timeout_s),
+                lambda ctx, mode=mode: [mr_call(ctx, mode, i, *s)
+                                        for i, s in enumerate(mr_shapes)])
     for name, (make_ctx, make_calls) in cases.items():
         ctx = make_ctx()
         try:

@@ -238,6 +238,12 @@ class AllGatherMatmulCE(OverlapContext):
         lanes = min(3, W) if pull else max(1, W - 1)
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
                                       lanes=lanes)
+        if not pull:
+            # a peer releases this rank after all its pushes of the call, to every rank, have
+            # landed: after a call this rank refused or failed, a late peer's pushes into any
+            # rank land before this rank pushes the next call's pieces there. (Pull writes
+            # only into the puller's own memory: nothing of a late peer lands here.)
+            self.late_stores_guard(self.ce_consumed, "recv-consumed", epoch=self.ce_ctl)
         self._staging = {}  # (schedule-fused) per-step outputs, by (rows, N, dtype)
 
     @collective_call
@@ -262,14 +268,18 @@ class AllGatherMatmulCE(OverlapContext):
         # pieces carry
         tag = shape_tag(OP, a=(m, K), dtype=str(a.dtype), pieces=P, layout=sched[-2:])
         links = self._links
+        self.settle_late_stores()  # after a call this rank did not deliver
         links.begin()
         if sched.endswith("2d"):
             self._call_2d(a, b, out, sched, peers, tag)
         else:
             self._call_1d(a, b, out, sched, peers, tag)
+        # the release after every lane's pushes too, not only this stream's reads of the
+        # peers' pieces: a peer that failed the call waits for it (settle_late_stores) before
+        # it pushes the next call's pieces into a rank this one may still be pushing into
+        links.rejoin()
         for q in peers:
             links.release(q)
-        links.rejoin()
         return out
 
     def _call_pull(self, a, b, out) -> torch.Tensor:

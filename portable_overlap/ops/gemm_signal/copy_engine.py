@@ -16,8 +16,8 @@ One call on rank r:
    staging) into region r of d's receive buffer in the heap, then sets d's ready flag for g;
 3. the caller's stream, after the GEMM: a bounded wait for every peer's every group, then
    ``signal_reduce_kernel`` sums this rank's own partial (from staging) and the peers' (from
-   the heap) in fp32, adds bias / residual, rounds once into ``out``; then tells the peers
-   their buffers here are free again.
+   the heap) in fp32, adds bias / residual, rounds once into ``out``; then, once the side
+   stream's transfers have landed too, tells the peers their buffers here are free again.
 
 Why not NCCL here: the tile-group-signal op's collectives need SMs, and on 2x H200 they made no
 measurable progress beside the persistent GEMM (``comm_slowdown`` 5-717), so its
@@ -86,6 +86,10 @@ class GemmReduceScatterCE(OverlapContext):
         self.sig = GemmSignal(world, config=config, collectives=False)
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl)
+        # a peer releases this rank after all its puts of the call have landed: after a call
+        # this rank refused or failed, a late peer's tiles land before this rank puts the next
+        # call's tiles where they would fall
+        self.late_stores_guard(self.ce_consumed, "recv-consumed", epoch=self.ce_ctl)
         self._own: dict = {}  # id(plan) -> int32 [per_dest]: staging slot of own tile u
         self._reduce: dict = {}
 
@@ -133,6 +137,7 @@ class GemmReduceScatterCE(OverlapContext):
         tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), groups=plan.groups.sizes)
         be, counters = self.world.backend, sig.counters
 
+        self.settle_late_stores()  # after a call this rank did not deliver
         links.begin()
         links.follow()  # the side stream starts after the epoch and the caller's earlier work
         gemm(signal_gemm_args(plan, a, b, stage, sig.counters, gemm.programs, self.world.facts))
@@ -154,9 +159,12 @@ class GemmReduceScatterCE(OverlapContext):
             for g in range(plan.groups.n_groups):
                 links.wait_ready(q, g, tag)
         reduce(reduce_args)
-        for q in peers:  # their regions here are read: they may send the next call's
-            links.release(q)
+        # their regions here are read, and this rank's puts have landed (the side stream
+        # joined): they may send the next call's, and a peer that failed this call waits for
+        # it (settle_late_stores) before it puts into a rank this one may still be putting into
         links.rejoin()
+        for q in peers:
+            links.release(q)
         if first:
             self.synchronize()  # the first call of a plan: kernels loaded, errors surface here
         return out
@@ -181,5 +189,3 @@ class GemmReduceScatterCE(OverlapContext):
             launch = self._reduce[key] = self.sig.compile_launch(
                 signal_reduce_kernel, pd * (mm.block_m // rows), consts, lambda g: args, False)
         return launch, args
-
-

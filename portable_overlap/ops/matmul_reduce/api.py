@@ -93,6 +93,10 @@ class MatmulReduce(OverlapContext):
         self._pull_lane = put_lanes
         self._links = CopyEngineLinks(self, self.ce_ready, self.ce_consumed, self.ce_ctl,
                                       lanes=put_lanes + 1)
+        # a peer releases this rank after all its puts of the call, to every rank, have landed:
+        # after a call this rank refused or failed, a late peer's partials land before this
+        # rank puts the next call's partials where they would fall
+        self.late_stores_guard(self.ce_consumed, "recv-consumed", epoch=self.ce_ctl)
 
     @staticmethod
     def elems_needed(M: int, N: int, world_size: int) -> int:
@@ -153,6 +157,7 @@ class MatmulReduce(OverlapContext):
             return partials[start:start + (hi - lo) * N].view(hi - lo, N)
 
         pull_lane = self._pull_lane
+        self.settle_late_stores()  # after a call this rank did not deliver
         links.begin()
         links.follow(pull_lane)  # forks here: its pulls (queued below) wait for flags only
         # 1. the peers' rows (peer r+1 first within each piece index); a piece leaves while the
@@ -213,14 +218,11 @@ class MatmulReduce(OverlapContext):
                         links.wait_ready(q, P + k, tag)
                         links.pull(q, out[lo:hi], reduced[lo:hi])
         # the release (the peers may overwrite what they sent and what this rank pulled) after
-        # every read of those buffers: this stream's addmm, the pull lane's pulls
-        lane = pull_lane if mode == "all_reduce" else 0
-        links.follow(lane)
-        with links.on_side(lane):
-            for q in peers:
-                links.release(q)
+        # every read of those buffers (this stream's sums, the pull lane's pulls) and every put
+        # lane's puts: a peer that failed the call waits for it (settle_late_stores) before it
+        # puts the next call's partials into a rank this one may still be putting into
         links.rejoin()
+        for q in peers:
+            links.release(q)
         add_epilogue(out, bias, residual)
         return out
-
-
