@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .allgather_gemm.api import check_call as check_all_gather_call, refuse_schedule
+from .allgather_gemm.api import check_call as check_all_gather_call
+from .allgather_gemm.api import check_input as check_all_gather_input, refuse_schedule
 from .context import ContextBase, collective_call, output_tensor
 from .gemm_signal.reference import (gemm_all_reduce_reference, gemm_all_to_all_signal_reference,
                                     gemm_reduce_scatter_reference)
@@ -78,8 +79,9 @@ class SequentialMatmul(ContextBase):
                              f"max_m x max_n = {self.max_m} x {self.max_n}")
         reference, rows_of = _KINDS[kind]
         rows = rows_of(M, W)
-        out = output_tensor(self.OP, out, (rows, N), a,
-                            dict(a=a, b=b, bias=bias, residual=residual))
+        if out is not None or not self.checking_only:  # (a check makes no output)
+            out = output_tensor(self.OP, out, (rows, N), a,
+                                dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(self.OP, a, N, rows, bias=bias, residual=residual)
         if self.checking_only:
             return out
@@ -110,6 +112,9 @@ class SequentialAllGatherMatmul(ContextBase):
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  schedule: Optional[str] = None) -> torch.Tensor:
         refuse_schedule("sequential", schedule)
+        if self.checking_only and out is None:  # (a check makes no output)
+            check_all_gather_input(a, b, self.world, self.max_shard_elems)
+            return None
         out = check_all_gather_call(a, b, out, self.world, self.max_shard_elems)
         if self.checking_only:
             return out
@@ -144,12 +149,12 @@ class SequentialGemv(ContextBase):
         _no_options(self.OP, options)
         validate(x, w, self.world.device, self.max_n)
         M, N = x.shape[0], w.shape[0]
-        if out is None:
-            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        else:
+        if out is not None:
             check_out(out, M, N, x, w)
         if self.checking_only:
             return out
+        if out is None:
+            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         torch.mm(x, w.t(), out=out)
         if self.world.world_size > 1:
             dist.all_reduce(out, group=self.world.group)
