@@ -561,31 +561,24 @@ def _late_and_refused(world, shapes, late, refused, options, copies_last=False, 
     ``testing.faults.late_and_refused`` (a bad ``out`` is the refused input). With
     ``copies_last`` (the copy-engine transport) the late call's copies into the refusing rank
     land last (``testing.faults.copies_last``)."""
-    import contextlib
-
     from portable_overlap.testing.compare import rel_err
-    from portable_overlap.testing.faults import copies_last as hold, late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
     W, r = world.world_size, world.rank
-    ctx = AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes),
-                          timeout_s=timeout_s, **options)
 
-    def call(i, m, N, K):
-        def make(bad):
-            g = torch.Generator().manual_seed(10 * i + r)
-            a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
-            out = torch.full((W * m, N), float("nan"))
-            last = copies_last and (r, i) == tuple(late)
-            with hold(ctx.impl._links, refused[0]) if last else contextlib.nullcontext():
-                ctx(a, b, torch.empty(1, N) if bad else out)
-            return lambda: rel_err(out, all_gather_matmul_reference(a, b, world.group))
-        return make
+    def call(ctx, i, shape, bad):
+        m, N, K = shape
+        g = torch.Generator().manual_seed(10 * i + r)
+        a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+        out = torch.full((W * m, N), float("nan"))
+        ctx(a, b, torch.empty(1, N) if bad else out)
+        return lambda: rel_err(out, all_gather_matmul_reference(a, b, world.group))
 
-    try:
-        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
-                                late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: AllGatherMatmul(world, max_shard_elems=max(m * K for m, _, K in shapes),
+                                       timeout_s=timeout_s, **options),
+        shapes, call, late, refused,
+        links_of=(lambda ctx: ctx.impl._links) if copies_last else None)
 
 
 def test_refused_calls_leave_no_late_stores_for_the_next_call(world2):

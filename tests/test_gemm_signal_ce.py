@@ -136,32 +136,24 @@ def _late_and_refused(world, shapes, late, refused):
     copies into the refusing rank landing last (``testing.faults.copies_last``). The
     next call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine
     from failing it (a call that fails does so at once, whatever the timeout)."""
-    import contextlib
-
     from portable_overlap.testing.compare import rel_err
-    from portable_overlap.testing.faults import copies_last, late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
     W, r = world.world_size, world.rank
-    ctx = GemmReduceScatterCE(world, max(GemmReduceScatterCE.elems_needed(M, N, W, 16, 16)
-                                         for M, N, _ in shapes),
-                              config=SignalConfig(matmul=SMALL, max_groups=8), timeout_s=10.0)
 
-    def call(i, M, N, K):
-        def run(bad):
-            g = torch.Generator().manual_seed(10 * i + r)
-            a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
-            out = torch.full((M // W, N), float("nan"))
-            with (copies_last(ctx._links, refused[0]) if (r, i) == tuple(late)
-                  else contextlib.nullcontext()):
-                ctx.reduce_scatter(a, b, torch.empty(1, N) if bad else out)
-            return lambda: rel_err(out, gemm_reduce_scatter_reference(a, b, world.group))
-        return run
+    def call(ctx, i, shape, bad):
+        M, N, K = shape
+        g = torch.Generator().manual_seed(10 * i + r)
+        a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+        out = torch.full((M // W, N), float("nan"))
+        ctx.reduce_scatter(a, b, torch.empty(1, N) if bad else out)
+        return lambda: rel_err(out, gemm_reduce_scatter_reference(a, b, world.group))
 
-    try:
-        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
-                                late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: GemmReduceScatterCE(
+            world, max(GemmReduceScatterCE.elems_needed(M, N, W, 16, 16) for M, N, _ in shapes),
+            config=SignalConfig(matmul=SMALL, max_groups=8), timeout_s=10.0),
+        shapes, call, late, refused, links_of=lambda ctx: ctx._links)
 
 
 def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):

@@ -174,31 +174,23 @@ def _late_and_refused(world, mode, shapes, late, refused):
     copies into the refusing rank landing last (``testing.faults.copies_last``). The
     next call's waits end 2 s or more after it began: a timeout of 10 s keeps a loaded machine
     from failing it (a call that fails does so at once, whatever the timeout)."""
-    import contextlib
-
     from portable_overlap.testing.compare import rel_err
-    from portable_overlap.testing.faults import copies_last, late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
     W, r = world.world_size, world.rank
-    ctx = MatmulReduce(world, max(MatmulReduce.elems_needed(M, N, W) for M, N, _ in shapes),
-                       pieces=2, timeout_s=10.0)
 
-    def call(i, M, N, K):
-        def run(bad):
-            g = torch.Generator().manual_seed(10 * i + r)
-            a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
-            out = torch.full((M // W if mode == "reduce_scatter" else M, N), float("nan"))
-            with (copies_last(ctx._links, refused[0]) if (r, i) == tuple(late)
-                  else contextlib.nullcontext()):
-                getattr(ctx, mode)(a, b, out=torch.empty(1, N) if bad else out)
-            return lambda: rel_err(out, REF[mode](a, b, world.group))
-        return run
+    def call(ctx, i, shape, bad):
+        M, N, K = shape
+        g = torch.Generator().manual_seed(10 * i + r)
+        a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+        out = torch.full((M // W if mode == "reduce_scatter" else M, N), float("nan"))
+        getattr(ctx, mode)(a, b, out=torch.empty(1, N) if bad else out)
+        return lambda: rel_err(out, REF[mode](a, b, world.group))
 
-    try:
-        return late_and_refused(world, ctx, [call(i, *s) for i, s in enumerate(shapes)],
-                                late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: MatmulReduce(world, max(MatmulReduce.elems_needed(M, N, W)
+                                               for M, N, _ in shapes), pieces=2, timeout_s=10.0),
+        shapes, call, late, refused, links_of=lambda ctx: ctx._links)
 
 
 @pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])

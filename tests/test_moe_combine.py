@@ -441,11 +441,9 @@ def _late_and_refused(world, experts, late, refused):
     dispatched rows and the references are made first: they are collective, and would hold
     the ranks in step (or wait for a rank whose call raised)."""
     from portable_overlap.testing.compare import rel_err
-    from portable_overlap.testing.faults import late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
     S, k, I, H = 4, 1, 8, 16
-    ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=1,
-                         config=SMALL, timeout_s=3.0)
     inputs = []
     for i, e in enumerate(experts):
         g = torch.Generator().manual_seed(10 * i + world.rank)
@@ -455,17 +453,16 @@ def _late_and_refused(world, experts, late, refused):
         ref = moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
         inputs.append((x, w, counts, slots, tw, ref))
 
-    def call(x, w, counts, slots, tw, ref):
-        def run(bad):
-            out = torch.full((S, H), float("nan"))
-            ctx(x, w, counts, slots, tw, out=torch.empty(1, 1) if bad else out)
-            return lambda: rel_err(out, ref)
-        return run
+    def call(ctx, i, args, bad):
+        x, w, counts, slots, tw, ref = args
+        out = torch.full((S, H), float("nan"))
+        ctx(x, w, counts, slots, tw, out=torch.empty(1, 1) if bad else out)
+        return lambda: rel_err(out, ref)
 
-    try:
-        return late_and_refused(world, ctx, [call(*a) for a in inputs], late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
+                                      experts_per_rank=1, config=SMALL, timeout_s=3.0),
+        inputs, call, late, refused)
 
 
 def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4):

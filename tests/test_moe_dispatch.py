@@ -612,11 +612,9 @@ def _late_and_refused(world, sizes, late, refused):
     8), the scenario of ``testing.faults.late_and_refused`` (tokens of the wrong width are the
     refused input). The references are made first: they are collective, and would hold the
     ranks in step."""
-    from portable_overlap.testing.faults import late_and_refused
+    from portable_overlap.testing.faults import late_and_refused_per_shape
 
     W, H, El, k = world.world_size, 8, 2, 2
-    ctx = MoeDispatch(world, max_tokens=max(sizes), top_k=k, hidden=H, experts_per_rank=El,
-                      dtype=torch.float32, timeout_s=3.0)
     inputs = []
     for i, S in enumerate(sizes):
         g = torch.Generator().manual_seed(10 * i + world.rank)
@@ -624,20 +622,19 @@ def _late_and_refused(world, sizes, late, refused):
         ids = route("uniform", S, El * W, k, world.rank, W, g)
         inputs.append((tokens, ids, moe_dispatch_reference(tokens, ids, El, world.group)))
 
-    def call(tokens, ids, ref):
-        def run(bad):
-            x, counts, slots = moe_dispatch(tokens[:, 1:] if bad else tokens, ids, ctx)
+    def call(ctx, i, args, bad):
+        tokens, ids, ref = args
+        x, counts, slots = moe_dispatch(tokens[:, 1:] if bad else tokens, ids, ctx)
 
-            def error():
-                R = _check(world, x, counts, slots, ref)
-                return 0.0 if R == ref[0].shape[0] else float("nan")
-            return error
-        return run
+        def error():
+            R = _check(world, x, counts, slots, ref)
+            return 0.0 if R == ref[0].shape[0] else float("nan")
+        return error
 
-    try:
-        return late_and_refused(world, ctx, [call(*a) for a in inputs], late, refused)
-    finally:
-        ctx.close()
+    return late_and_refused_per_shape(
+        world, lambda: MoeDispatch(world, max_tokens=max(sizes), top_k=k, hidden=H,
+                                   experts_per_rank=El, dtype=torch.float32, timeout_s=3.0),
+        inputs, call, late, refused)
 
 
 def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4):

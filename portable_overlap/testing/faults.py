@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from ..errors import PeerTimeoutError
 
@@ -80,23 +80,28 @@ def not_refused_together(refuser: dict, peer: dict, names, reason: str) -> list:
 
 
 def late_and_refused(world, ctx, calls, late: tuple, refused: tuple,
-                     delay_s: float = 1.0) -> list:
+                     delay_s: float = 1.0, links_of: Optional[Callable] = None) -> list:
     """Collective: the calls of ``calls`` made in turn on ``ctx``, each synchronized; rank
     ``late[0]`` makes call ``late[1]`` ``delay_s`` late, and rank ``refused[0]`` makes the calls
     whose index is in ``refused[1]`` with bad input (refused on the host). ``calls[i](bad)``
     makes call ``i`` (with bad input when ``bad``) and returns a function that gives the
     relative error of its result once synchronized. Returns each call's outcome (``"no
     error"`` or the name of the exception it raised) and then the last call's relative error.
+    With ``links_of`` (``ctx`` -> its copy-engine links) the late call's copies into the
+    refusing rank land last (:func:`copies_last`), as a GPU's copy engine may land them.
 
     The scenario of the late-stores bug class: the peers fail a refused call before a late
     rank's stores of it landed, and a store transport must not let those stores land inside
     the next call's buffers (``OverlapContext.late_stores_guard``)."""
     found, error = [], None
     for i, call in enumerate(calls):
-        if (world.rank, i) == tuple(late):
+        is_late = (world.rank, i) == tuple(late)
+        if is_late:
             time.sleep(delay_s)
         try:
-            error = call(world.rank == refused[0] and i in refused[1])
+            with (copies_last(links_of(ctx), refused[0]) if is_late and links_of is not None
+                  else contextlib.nullcontext()):
+                error = call(world.rank == refused[0] and i in refused[1])
             ctx.synchronize()
             found.append("no error")
         except Exception as e:
@@ -107,15 +112,18 @@ def late_and_refused(world, ctx, calls, late: tuple, refused: tuple,
 
 
 def late_and_refused_per_shape(world, make_ctx: Callable[[], object], shapes, call: Callable,
-                               late: tuple, refused: tuple, delay_s: float = 1.0) -> list:
-    """:func:`late_and_refused` with one call per shape of ``shapes`` on the context
-    ``make_ctx()`` makes (closed at the end, whatever happens): ``call(ctx, i, shape, bad)``
-    makes call ``i`` and returns the function that gives its relative error."""
+                               late: tuple, refused: tuple, delay_s: float = 1.0,
+                               links_of: Optional[Callable] = None) -> list:
+    """:func:`late_and_refused` with one call per entry of ``shapes`` (a shape, or whatever
+    call ``i`` needs, e.g. inputs made before: collective references would hold the ranks in
+    step) on the context ``make_ctx()`` makes (closed at the end, whatever happens):
+    ``call(ctx, i, shape, bad)`` makes call ``i`` and returns the function that gives its
+    relative error."""
     ctx = make_ctx()
     try:
         return late_and_refused(
             world, ctx, [lambda bad, i=i, s=s: call(ctx, i, s, bad) for i, s in enumerate(shapes)],
-            late, refused, delay_s)
+            late, refused, delay_s, links_of)
     finally:
         ctx.close()
 
