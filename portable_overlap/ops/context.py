@@ -301,6 +301,7 @@ class OverlapContext(ContextBase):
         self._plans: dict = {}
         self._launched = False
         self._refusal: list = []  # (planned launch, arguments) per flag array: call_protocol
+        self._late_plan = None  # the wait of settle_late_stores: late_stores_guard
         self._refuse_plans: dict = {}
         self._sync_errors = world.backend.name == "cpu"  # the interpreter runs synchronously
         self.register()
@@ -352,9 +353,10 @@ class OverlapContext(ContextBase):
                        self.status.address, 0, 1 << 33))
 
     def settle_late_stores(self) -> None:
-        """Before the first launch of a call that follows one this rank did not deliver (refused
-        on the host, or raised): hold the stream (bounded, one-program waits) until every peer
-        is done with that call, its kernel ended or it refused the call too. A refusal frees
+        """At the start of a call (``_before_call``, before anything of the call is queued)
+        that follows one this rank did not deliver (refused on the host, or raised): hold the
+        stream (bounded, one-program waits) until every peer is done with that call, its
+        kernel ended or it refused the call too. A refusal frees
         this rank's buffers for the peers' next call at once, and a failed call stops waiting at
         its first failed flag, but a peer late to that call still stores its data into them;
         with other shapes it lands where the next call's data goes: a wrong result without an
@@ -411,6 +413,8 @@ class OverlapContext(ContextBase):
         if self._broken is not None or self.status.failed():
             self.check()
         self._launched = False
+        if self._late_plan is not None:  # the op stores into its peers (late_stores_guard)
+            self.settle_late_stores()
 
     def _abandon_call(self, error: BaseException) -> None:
         """The call raised. Before its first launch: refuse it on the device too (``_refuse``),

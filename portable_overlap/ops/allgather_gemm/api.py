@@ -268,7 +268,6 @@ class AllGatherMatmulCE(OverlapContext):
         # pieces carry
         tag = shape_tag(OP, a=(m, K), dtype=str(a.dtype), pieces=P, layout=sched[-2:])
         links = self._links
-        self.settle_late_stores()  # after a call this rank did not deliver
         links.begin()
         if sched.endswith("2d"):
             self._call_2d(a, b, out, sched, peers, tag)

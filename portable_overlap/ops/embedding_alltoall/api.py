@@ -285,7 +285,6 @@ class EmbeddingAllToAll(OverlapContext):
             plan = self._plans[key] = self._plan(weight, indices, psw, offsets, out, splits,
                                                  pooling)
         args = self._args(weight, indices, psw, offsets, out, plan)
-        self.settle_late_stores()  # after a call this rank did not deliver
         if self._provider is None:
             plan(args)
         else:  # through the library's launcher (it sets up each compiled module)

@@ -137,7 +137,6 @@ class GemmReduceScatterCE(OverlapContext):
         tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), groups=plan.groups.sizes)
         be, counters = self.world.backend, sig.counters
 
-        self.settle_late_stores()  # after a call this rank did not deliver
         links.begin()
         links.follow()  # the side stream starts after the epoch and the caller's earlier work
         gemm(signal_gemm_args(plan, a, b, stage, sig.counters, gemm.programs, self.world.facts))

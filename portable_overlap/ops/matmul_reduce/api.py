@@ -157,7 +157,6 @@ class MatmulReduce(OverlapContext):
             return partials[start:start + (hi - lo) * N].view(hi - lo, N)
 
         pull_lane = self._pull_lane
-        self.settle_late_stores()  # after a call this rank did not deliver
         links.begin()
         links.follow(pull_lane)  # forks here: its pulls (queued below) wait for flags only
         # 1. the peers' rows (peer r+1 first within each piece index); a piece leaves while the

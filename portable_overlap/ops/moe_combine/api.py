@@ -221,7 +221,6 @@ class MoeGemmCombine(OverlapContext):
         out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x,
                             dict(x=x, w=w, topk_weights=topk_weights))
         gemm, combine, _ = self._launches(x, w, counts, slots, topk_weights, out)
-        self.settle_late_stores()  # after a call this rank did not deliver
         gemm()
         combine()
         return out
