@@ -11,8 +11,10 @@ Impls: ``fused`` (the copy-engine transport, the heuristic's schedule), one ``fu
 per schedule of ``--schedules``, ``fused[pull]`` (the copy-engine transport pulling whole
 shards, ``direction="pull"``; ``--no-pull`` skips it), one ``fused[stores,senders=<S>]`` per
 count of ``--senders`` (the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips
-it), one ``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``sequential``
-(all_gather_into_tensor then torch.matmul), ``compute``, ``comm``, ``torch_fused``.
+it), one ``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``auto`` and
+``auto[graph]`` (``transport="auto"``, deciding from plain calls or from graph replays; the
+row's ``pick`` is the transport it chose), ``sequential`` (all_gather_into_tensor then
+torch.matmul), ``compute``, ``comm``, ``torch_fused``.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.cli import BenchParser
-from benchmarks.runner import Case, rel_err, run_main, torch_dtype
+from benchmarks.runner import Case, auto_contexts, rel_err, run_main, torch_dtype
 from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul,
                                                  all_gather_matmul_reference, pick_schedule)
 
@@ -91,7 +93,9 @@ def body(bench) -> int:
     variants = {v: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                    **_options(v))
                 for v in _list(args.stores)}
-    contexts = (ctx, *stores.values(), *variants.values(), *([pull] if pull else []))
+    autos = auto_contexts(lambda **kw: AllGatherMatmul(world, max_shard_elems=elems, **kw))
+    contexts = (ctx, *stores.values(), *variants.values(), *([pull] if pull else []),
+                *autos.values())
     group_name = dist.group.WORLD.group_name
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     for dname in args.dtypes:
@@ -112,6 +116,8 @@ def body(bench) -> int:
                 impls[f"fused[stores,{v.replace('+', ',')}]"] = lambda c=vctx: c(a, b, out)
             if pull is not None:
                 impls["fused[pull]"] = lambda: pull(a, b, out)
+            for n, actx in autos.items():
+                impls[n] = lambda c=actx: c(a, b, out)
             impls.update({
                 "sequential": lambda: (dist.all_gather_into_tensor(full, a),
                                        torch.matmul(full, b, out=out)),
@@ -139,7 +145,9 @@ def body(bench) -> int:
 
             bench.run(Case(
                 op=OP, shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls, check=check,
-                fields=lambda name: {"schedule": pick if name == "fused" else None},
+                fields=lambda name: {"schedule": pick if name == "fused" else None,
+                                     **({"pick": autos[name].choice(a, b, out)}
+                                        if name in autos else {})},
                 notes={"pick": pick}, label=f"{M}x{N}x{K} {dname}"))
     for c in contexts:
         c.close()

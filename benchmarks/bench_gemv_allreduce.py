@@ -8,7 +8,9 @@ Shapes are (M, N, K) with K split over the ranks (each rank holds K / world colu
 ``--tune`` first sweeps launch configurations of the fused kernel per shape (graph replay) and
 uses the fastest; every rank uses rank 0's pick. Impls: ``fused`` (the default two-shot
 ``"stores"`` transport), ``fused_one_shot`` (``transport="one_shot"``), ``fused_nocomm`` (the fused
-kernel on a world of one rank: its GEMV streaming without any communication), ``sequential``
+kernel on a world of one rank: its GEMV streaming without any communication), ``auto`` and
+``auto[graph]`` (``transport="auto"``, deciding from plain calls or from graph replays; the row's
+``pick`` is the transport it chose), ``sequential``
 (torch.mm then NCCL all_reduce), ``compute``, ``comm``, ``torch_fused`` (torch.mm into symmetric
 memory, then torch's one_shot_all_reduce). ``floor_ms`` = per-rank W bytes / HBM read bandwidth.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from benchmarks.cli import BenchParser
 from benchmarks.harness import hbm_read_bandwidth
-from benchmarks.runner import Case, rel_err, run_main, torch_dtype
+from benchmarks.runner import Case, auto_contexts, rel_err, run_main, torch_dtype
 from portable_overlap import GemvAllReduce, GemvConfig, World, gemv_all_reduce_reference
 from portable_overlap.ops.gemv_allreduce.config import pick_config
 
@@ -75,6 +77,8 @@ def body(bench) -> int:
 
     ctx = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes))
     one_shot = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes), transport="one_shot")
+    autos = auto_contexts(lambda **kw: GemvAllReduce(world, max_n=max(n for _, n, _ in shapes),
+                                                     **kw))
     # The fused kernel on a world of one rank: its GEMV streaming without any communication,
     # which separates the kernel's own bandwidth from what the all-reduce costs it.
     solo_groups = [dist.new_group([r]) for r in range(W)]
@@ -110,6 +114,7 @@ def body(bench) -> int:
                 "fused": lambda: ctx(x, w, out=out, config=cfg),
                 "fused_one_shot": lambda: one_shot(x, w, out=out, config=cfg),
                 "fused_nocomm": lambda: solo_ctx(x, w, out=y, config=plan_cfg),
+                **{n: (lambda c=c: c(x, w, out=out)) for n, c in autos.items()},
                 "sequential": lambda: dist.all_reduce(torch.mm(x, w.t(), out=y)),
                 "compute": lambda: torch.mm(x, w.t(), out=y),
                 "comm": lambda: dist.all_reduce(y),
@@ -128,23 +133,32 @@ def body(bench) -> int:
                     bench.say(f"torch symmetric memory unavailable: {e}")
 
             def check(name):
-                c = one_shot if name == "fused_one_shot" else ctx
                 out.fill_(float("nan"))
-                c(x, w, out=out, config=cfg)
+                if name in autos:
+                    c = autos[name]
+                    c(x, w, out=out)
+                else:
+                    c = one_shot if name == "fused_one_shot" else ctx
+                    c(x, w, out=out, config=cfg)
                 c.synchronize()
                 return rel_err(out, gemv_all_reduce_reference(x, w, world.group))
 
             bench.run(Case(
-                op=OP, shape=shape, dtype=dname, impls=impls, check=check, checked=["fused", "fused_one_shot"],
+                op=OP, shape=shape, dtype=dname, impls=impls, check=check,
+                checked=["fused", "fused_one_shot", *autos],
                 label=f"{M}x{N}x{K} {dname}",
                 fields=lambda name: {"floor_ms": round(floor_ms, 5),
                                      **({"config": cfg.__dict__}
-                                        if name == "fused" and cfg else {})},
+                                        if name == "fused" and cfg else {}),
+                                     **({"pick": autos[name].choice(x, w, out=out)}
+                                        if name in autos else {})},
                 notes={"floor_ms": floor_ms},
                 derive=lambda t: {"fused_over_floor": t["fused"] / floor_ms
                                   if "fused" in t else None}))
     ctx.close()
     one_shot.close()
+    for c in autos.values():
+        c.close()
     solo_ctx.close()
     return 0
 

@@ -8,7 +8,9 @@ Shapes (M, N, K) of the whole layer with K split: each rank holds a [M, K/W] and
 (b a transposed [N, K/W] weight, as a row-parallel linear holds it). Impls per mode: ``fused``
 (the copy-engine transport, default pieces and put lanes), ``fused[p=<n>]`` (other piece
 counts), ``fused[lanes=<n>]`` (other put-lane counts), ``fused[stores]`` (the SM-store
-transport; ``--no-stores`` skips it), ``sequential`` (torch.matmul, then
+transport; ``--no-stores`` skips it), ``auto`` and ``auto[graph]`` (``transport="auto"``,
+deciding from plain calls or from graph replays; the row's ``pick`` is the transport it chose),
+``sequential`` (torch.matmul, then
 reduce_scatter_tensor / all_reduce), ``compute``, ``comm``, and for reduce_scatter
 ``torch_fused`` (torch.ops.symm_mem.fused_matmul_reduce_scatter; skipped with the reason printed
 where it fails). The shared options (shapes, dtypes, worlds, graph modes, checks) are in
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from benchmarks.cli import BenchParser, parse_ints
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
-from benchmarks.runner import Case, rel_err, run_main, torch_dtype
+from benchmarks.runner import Case, auto_contexts, rel_err, run_main, torch_dtype
 import portable_overlap as po
 from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
@@ -65,6 +67,10 @@ def body(bench) -> int:
               for mode, make in (("reduce_scatter", po.MatmulReduceScatter),
                                  ("all_reduce", po.MatmulAllReduce))
               if not args.no_stores and mode in modes}
+    autos = {mode: auto_contexts(lambda make=make, **kw: make(world, max_m, max_n, **kw))
+             for mode, make in (("reduce_scatter", po.MatmulReduceScatter),
+                                ("all_reduce", po.MatmulAllReduce)) if mode in modes}
+    every = (*ctxs.values(), *stores.values(), *(c for a in autos.values() for c in a.values()))
     gen = torch.Generator(device=dev).manual_seed(world.rank)
     for dname in args.dtypes:
         dt = torch_dtype(dname)
@@ -81,6 +87,8 @@ def body(bench) -> int:
                          for name, ctx in ctxs.items()}
                 if mode in stores:
                     impls["fused[stores]"] = lambda st=stores[mode]: st(a, b, out=out)
+                for n, actx in autos[mode].items():
+                    impls[n] = lambda c=actx: c(a, b, out=out)
                 if mode == "reduce_scatter":
                     coll = lambda: dist.reduce_scatter_tensor(rs_out, c)  # noqa: E731
                 else:
@@ -100,17 +108,19 @@ def body(bench) -> int:
                 def check(name):
                     out.fill_(float("nan"))
                     impls[name]()
-                    for ctx in (*ctxs.values(), *stores.values()):
+                    for ctx in every:
                         ctx.synchronize()
                     return rel_err(out, ref)
 
                 bench.run(Case(
                     op=OP[mode], shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls,
                     check=check, tol=2e-2, label=f"{mode} {M}x{N}x{K} {dname}",
-                    fields=lambda name: {"transport": (
-                        "stores" if name == "fused[stores]" else "copy_engine")
-                        if name.startswith("fused") else None}))
-    for ctx in (*ctxs.values(), *stores.values()):
+                    fields=lambda name, mode=mode, out=out: {
+                        "transport": ("stores" if name == "fused[stores]" else "copy_engine")
+                        if name.startswith("fused") else None,
+                        **({"pick": autos[mode][name].choice(a, b, out=out)}
+                           if name in autos[mode] else {})}))
+    for ctx in every:
         ctx.close()
     return 0
 

@@ -5,9 +5,9 @@ A benchmark script declares its command line (``cli.BenchParser`` plus its own o
 launches or skips per ``--worlds``, starts the world, calls the body and prints the table.
 ``Bench.run(case)``, for one case:
 
-1. checks each checked impl (by default every ``fused*`` one) against the reference, on every
-   rank, before anything is timed; the slowest rank's error counts, and a wrong impl is not
-   timed;
+1. checks each checked impl (by default every ``fused*`` and ``auto*`` one) against the
+   reference, on every rank, before anything is timed; the slowest rank's error counts, and a
+   wrong impl is not timed;
 2. times every impl with ``time_op`` in each graph mode (plain launches, CUDA-graph replay);
 3. writes one row per timed impl (the protocol's keys, ``correct``, ``rel_err``, the case's own
    fields) and one ``<op>_summary`` row per graph mode and summarized impl (speedup, fraction of
@@ -29,6 +29,19 @@ from portable_overlap.schedule.tuning import rotated_rounds
 from portable_overlap.testing.compare import rel_err  # noqa: F401  (the benchmarks import it from here)
 
 
+#: the planner's variants every benchmark of a multi-transport op times: ``auto`` decides from
+#: plain calls (its default), ``auto[graph]`` from CUDA-graph replays (``graph=True``, for calls
+#: that will be replayed)
+AUTO_VARIANTS = {"auto": {}, "auto[graph]": {"graph": True}}
+
+
+def auto_contexts(make: Callable[..., object]) -> dict:
+    """``{impl name: make(transport="auto", **options)}`` per :data:`AUTO_VARIANTS`: the
+    ``transport="auto"`` contexts a benchmark times beside the transports it names. The first
+    call of each shape (the check) makes the decision; the timed calls run the pick."""
+    return {name: make(transport="auto", **opts) for name, opts in AUTO_VARIANTS.items()}
+
+
 @dataclasses.dataclass
 class Case:
     """One problem of one op: what to time and how to check it.
@@ -37,7 +50,7 @@ class Case:
     ``compute``, ``comm``, ``torch_fused``, anything else a named variant.
     ``check(name)``: runs impl ``name`` once and returns its relative error against the
     reference (raising counts as a failure); ``checked``: the names to check (default: every
-    impl whose name starts with ``fused``); ``tol``: the largest correct error.
+    impl whose name starts with ``fused`` or ``auto``); ``tol``: the largest correct error.
     ``fields``: extra row fields, {impl: dict} or a callable ``name -> dict`` (evaluated when the
     row is written, after the checks). ``summarize``: the impls that get summary rows.
     ``notes``: fixed facts about the case; ``derive(times)``: figures from one graph mode's
@@ -60,7 +73,7 @@ class Case:
 
     def checked_names(self) -> list:
         names = self.checked if self.checked is not None else \
-            [n for n in self.impls if n.startswith("fused")]
+            [n for n in self.impls if n.startswith(("fused", "auto"))]
         return [n for n in names if n in self.impls]
 
     def row_fields(self, name: str) -> dict:
