@@ -11,9 +11,9 @@ Impls: ``fused`` (the copy-engine transport, the heuristic's schedule), one ``fu
 per schedule of ``--schedules``, ``fused[pull]`` (the copy-engine transport pulling whole
 shards, ``direction="pull"``; ``--no-pull`` skips it), one ``fused[stores,senders=<S>]`` per
 count of ``--senders`` (the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips
-it), one ``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``auto`` and
-``auto[graph]`` (``transport="auto"``, deciding from plain calls or from graph replays; the
-row's ``pick`` is the transport it chose), ``sequential`` (all_gather_into_tensor then
+it), one ``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``auto``
+(``transport="auto"``; the row's ``pick``: the transport it chose for plain and for captured
+calls), ``sequential`` (all_gather_into_tensor then
 torch.matmul), ``compute``, ``comm``, ``torch_fused``.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
@@ -146,7 +146,7 @@ def body(bench) -> int:
             bench.run(Case(
                 op=OP, shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls, check=check,
                 fields=lambda name: {"schedule": pick if name == "fused" else None,
-                                     **({"pick": autos[name].choice(a, b, out)}
+                                     **({"pick": autos[name].choices(a, b, out)}
                                         if name in autos else {})},
                 notes={"pick": pick}, label=f"{M}x{N}x{K} {dname}"))
     for c in contexts:

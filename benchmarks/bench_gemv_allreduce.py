@@ -8,9 +8,9 @@ Shapes are (M, N, K) with K split over the ranks (each rank holds K / world colu
 ``--tune`` first sweeps launch configurations of the fused kernel per shape (graph replay) and
 uses the fastest; every rank uses rank 0's pick. Impls: ``fused`` (the default two-shot
 ``"stores"`` transport), ``fused_one_shot`` (``transport="one_shot"``), ``fused_nocomm`` (the fused
-kernel on a world of one rank: its GEMV streaming without any communication), ``auto`` and
-``auto[graph]`` (``transport="auto"``, deciding from plain calls or from graph replays; the row's
-``pick`` is the transport it chose), ``sequential``
+kernel on a world of one rank: its GEMV streaming without any communication), ``auto``
+(``transport="auto"``; the row's ``pick``: the transport it chose for plain and for captured
+calls), ``sequential``
 (torch.mm then NCCL all_reduce), ``compute``, ``comm``, ``torch_fused`` (torch.mm into symmetric
 memory, then torch's one_shot_all_reduce). ``floor_ms`` = per-rank W bytes / HBM read bandwidth.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
@@ -150,7 +150,7 @@ def body(bench) -> int:
                 fields=lambda name: {"floor_ms": round(floor_ms, 5),
                                      **({"config": cfg.__dict__}
                                         if name == "fused" and cfg else {}),
-                                     **({"pick": autos[name].choice(x, w, out=out)}
+                                     **({"pick": autos[name].choices(x, w, out=out)}
                                         if name in autos else {})},
                 notes={"floor_ms": floor_ms},
                 derive=lambda t: {"fused_over_floor": t["fused"] / floor_ms

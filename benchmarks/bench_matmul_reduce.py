@@ -8,8 +8,8 @@ Shapes (M, N, K) of the whole layer with K split: each rank holds a [M, K/W] and
 (b a transposed [N, K/W] weight, as a row-parallel linear holds it). Impls per mode: ``fused``
 (the copy-engine transport, default pieces and put lanes), ``fused[p=<n>]`` (other piece
 counts), ``fused[lanes=<n>]`` (other put-lane counts), ``fused[stores]`` (the SM-store
-transport; ``--no-stores`` skips it), ``auto`` and ``auto[graph]`` (``transport="auto"``,
-deciding from plain calls or from graph replays; the row's ``pick`` is the transport it chose),
+transport; ``--no-stores`` skips it), ``auto`` (``transport="auto"``; the row's
+``pick``: the transport it chose for plain and for captured calls),
 ``sequential`` (torch.matmul, then
 reduce_scatter_tensor / all_reduce), ``compute``, ``comm``, and for reduce_scatter
 ``torch_fused`` (torch.ops.symm_mem.fused_matmul_reduce_scatter; skipped with the reason printed
@@ -118,7 +118,7 @@ def body(bench) -> int:
                     fields=lambda name, mode=mode, out=out: {
                         "transport": ("stores" if name == "fused[stores]" else "copy_engine")
                         if name.startswith("fused") else None,
-                        **({"pick": autos[mode][name].choice(a, b, out=out)}
+                        **({"pick": autos[mode][name].choices(a, b, out=out)}
                            if name in autos[mode] else {})}))
     for ctx in every:
         ctx.close()

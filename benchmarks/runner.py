@@ -29,10 +29,9 @@ from portable_overlap.schedule.tuning import rotated_rounds
 from portable_overlap.testing.compare import rel_err  # noqa: F401  (the benchmarks import it from here)
 
 
-#: the planner's variants every benchmark of a multi-transport op times: ``auto`` decides from
-#: plain calls (its default), ``auto[graph]`` from CUDA-graph replays (``graph=True``, for calls
-#: that will be replayed)
-AUTO_VARIANTS = {"auto": {}, "auto[graph]": {"graph": True}}
+#: the planner's variants every benchmark of a multi-transport op times: ``auto`` with its
+#: defaults (it times plain calls and graph replays, and a captured call runs the replays' pick)
+AUTO_VARIANTS = {"auto": {}}
 
 
 def auto_contexts(make: Callable[..., object]) -> dict:

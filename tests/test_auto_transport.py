@@ -27,8 +27,9 @@ TOL = 1e-5  # fp32
 
 class _FakeTimings:
     """Stands in for ``tuning.time_call``: counts the timings, runs the timed call once and
-    returns ``costs[transport]`` (1.0 for transports not listed) for the transport it ran, the
-    same on every rank. It learns the transport from the context's ``_run``, which it wraps."""
+    returns ``costs[(transport, graph)]`` or ``costs[transport]`` (1.0 for transports not
+    listed) for the transport it ran, the same on every rank. It learns the transport from
+    the context's ``_run``, which it wraps."""
 
     def __init__(self, ctx):
         self.count, self.ran, self.costs = 0, [], {}
@@ -43,7 +44,8 @@ class _FakeTimings:
     def __call__(self, fn, world, *, iters, warmup, graph):
         self.count += 1
         fn()
-        return self.costs.get(self.ran[-1], 1.0)
+        t = self.ran[-1]  # a cost per (transport, graph) where given, else per transport
+        return self.costs.get((t, graph), self.costs.get(t, 1.0))
 
 
 class _CountedTimings:
@@ -462,6 +464,59 @@ def test_graph_capture_needs_a_decided_call(world2):
     for found in world2.run(_capture):
         assert "make one eager call with these shapes before capturing" in found["undecided"]
         assert found["decided"] < TOL
+
+
+def _two_picks(world):
+    """Where the device can capture, a key's first call times plain calls and graph replays;
+    calls under capture run the replays' pick, the others the plain calls' pick, and a decided
+    key times nothing more."""
+    M, N, K = 2 * world.world_size, 5, 3
+    real_capture, real_capturing = planner._can_capture, planner.stream_capturing
+    planner._can_capture = lambda device: True
+    ctx = po.MatmulAllToAll(world, M, N, transport="auto", iters=1, warmup=0)
+    found = {}
+    try:
+        fake = _FakeTimings(ctx)
+        cands = ctx.planner.candidates
+        fake.costs = {**{(t, g): 3.0 for t in cands for g in (False, True)},
+                      ("stores", False): 1.0, ("copy_engine", True): 1.0}
+        with _timing(fake):
+            a, b = torch.randn(M, K), torch.randn(K, N)
+            ref = po.matmul_all_to_all_reference(a, b, world.group)
+            found["eager"] = (rel_err(po.matmul_all_to_all(a, b, ctx), ref), fake.ran[-1])
+            found["timed"] = (fake.count, len(cands))
+            found["choices"] = ctx.choices(a, b)
+            found["captured record"] = [d.get("captured", {}).get("transport")
+                                        for d in ctx.decisions.values()]
+            planner.stream_capturing = lambda device: True
+            found["choice captured"] = ctx.choice(a, b)
+            a2, b2 = torch.randn(M, K), torch.randn(K, N)
+            y = po.matmul_all_to_all(a2, b2, ctx)
+            found["captured"] = (rel_err(y, po.matmul_all_to_all_reference(a2, b2, world.group)),
+                                 fake.ran[-1], fake.count)
+            planner.stream_capturing = real_capturing
+            found["choice eager"] = ctx.choice(a, b)
+            found["named"] = po.MatmulAllToAll(world, M, N, transport="stores")
+            found["named"] = (found["named"].choices(a, b), found["named"].close())[0]
+    finally:
+        planner._can_capture, planner.stream_capturing = real_capture, real_capturing
+        ctx.close()
+    return found
+
+
+def test_plain_and_captured_calls_get_their_own_pick(world2):
+    for found in world2.run(_two_picks):
+        err, ran = found["eager"]
+        assert err < TOL and ran == "stores"
+        timed, n = found["timed"]
+        assert timed == 2 * n  # each candidate once per timing mode
+        assert found["choices"] == {"plain": "stores", "captured": "copy_engine"}
+        assert found["captured record"] == ["copy_engine"]
+        assert found["choice captured"] == "copy_engine"
+        err, ran, count = found["captured"]
+        assert err < TOL and ran == "copy_engine" and count == timed
+        assert found["choice eager"] == "stores"
+        assert found["named"] == {"plain": "stores", "captured": "stores"}
 
 
 def _lifecycle(world):

@@ -53,8 +53,10 @@ class PatternContext:
       the other candidates do not take them;
     - ``cache_path``: a JSON file that keeps the decisions across processes (default:
       ``$PORTABLE_OVERLAP_TUNING_CACHE`` if set, else the decisions stay in memory);
-    - ``iters`` (10), ``warmup`` (2): timed and untimed runs per candidate; ``graph`` (False):
-      time CUDA-graph replays instead of plain calls, for calls that will be replayed.
+    - ``iters`` (10), ``warmup`` (2): timed and untimed runs per candidate; ``graph`` (None):
+      time plain calls and CUDA-graph replays, the replays' pick running the calls made under
+      graph capture and the plain calls' pick the others; ``True`` / ``False``: time replays
+      only / plain calls only, one pick for every call.
 
     A transport that cannot run on the context's world (:meth:`unavailable`: ``"torch_fused"``
     on the CPU-emulated backend) raises :class:`~portable_overlap.errors.BackendUnavailable`
@@ -148,18 +150,28 @@ class PatternContext:
             planner.refuse(inputs, options, e)
 
     def choice(self, *args, **kwargs) -> Optional[str]:
-        """The transport that runs a call with these arguments (the call's own): the named
-        one, or ``"auto"``'s pick, None while that is not decided (before the key's first
-        call)."""
+        """The transport that runs a call with these arguments (the call's own) made now: the
+        named one, or ``"auto"``'s pick (under graph capture, the pick for captured calls),
+        None while that is not decided (before the key's first call)."""
         if self.planner is None:
             return self.transport
         return self.planner.choice(*self._bind(*args, **kwargs))
+
+    def choices(self, *args, **kwargs) -> Optional[dict]:
+        """``{"plain": transport, "captured": transport}``: what runs a call with these
+        arguments made eagerly and under graph capture (the named transport for both, or
+        ``"auto"``'s two picks; None while they are not decided)."""
+        if self.planner is None:
+            return {"plain": self.transport, "captured": self.transport}
+        return self.planner.choices(*self._bind(*args, **kwargs))
 
     @property
     def decisions(self) -> dict:
         """``"auto"``'s measured decisions: cache key (JSON: the op, the call, the candidates,
         the device, the versions) -> ``{"transport": pick, "ms": {candidate: slowest rank's
-        median}, "failed": {candidate: each rank's error}}``; empty with a named transport."""
+        median}, "failed": {candidate: each rank's error}}``, with ``"captured": {"transport",
+        "ms"}`` (the graph replays' pick and times) where both timing modes ran; empty with a
+        named transport."""
         return {} if self.planner is None else dict(self.planner.decisions)
 
     @property

@@ -18,21 +18,28 @@ What the first call of a key does (collective; the same on every rank):
    the reduction patterns' K shards may), then ``schedule.tuning.decide``: a decision every
    rank's cache holds is used as it is (no timing); otherwise every rank measures.
 3. **Measuring**: each candidate in ``TRANSPORTS`` order runs once on the call's own inputs,
-   into an output of its own (the user's ``out`` is written only by the chosen transport,
-   after the decision), then ``schedule.tuning.time_call`` times ``warmup`` + ``iters`` more
-   runs (the slowest rank's median; with ``graph=True`` CUDA-graph replays). A candidate that
-   raises on any rank is left out on every rank (the ranks exchange their errors after each
-   step) and a ``RuntimeWarning`` names it and its error; one whose workspace the failure left
-   out of step with its peers (broken, e.g. by a peer timeout) is left out of every later
-   decision too, and freed at ``close()``. When no candidate runs, the call raises: this rank's
-   error if every candidate refused its input (``ValueError`` / ``TypeError``: the error the
-   named transports give), else a ``RuntimeError`` naming each candidate's error.
-4. **The pick**: the fastest candidate, except that ``"sequential"`` is kept when it is within
-   :data:`TIE` of it. Rank 0's pick is every rank's (``decide`` broadcasts it), so later calls
-   stay matched across ranks.
+   into an output of its own (the user's ``out`` is written only by the chosen transport, after
+   the decision), then ``schedule.tuning.time_call`` times ``warmup`` + ``iters`` more runs (the
+   slowest rank's median) in each of the timing modes ``graph`` asks for: plain calls and
+   CUDA-graph replays (the default, ``graph=None``; on a CPU device, where nothing is captured,
+   plain calls only), plain calls only (``graph=False``) or replays only (``graph=True``). A
+   candidate that raises on any rank is left out on every rank (the ranks exchange their errors
+   after each step) and a ``RuntimeWarning`` names it and its error; one whose workspace the
+   failure left out of step with its peers (broken, e.g. by a peer timeout) is left out of every
+   later decision too, and freed at ``close()``. When no candidate runs, the call raises: this
+   rank's error if every candidate refused its input (``ValueError`` / ``TypeError``: the error
+   the named transports give), else a ``RuntimeError`` naming each candidate's error.
+4. **The picks**: per timing mode, the fastest candidate, except that ``"sequential"`` is kept
+   when it is within :data:`TIE` of it. A call made under CUDA-graph capture runs the pick of
+   the replays, any other call the pick of the plain calls (with one timing mode, both are
+   its pick). The two can differ, as the host's launch costs weigh on plain calls only: on
+   4 H100s, AllGather + GEMM at 8192³ picked the SM stores from plain calls, while in graph
+   replays torch's fused op ran faster (0.465 against 0.485 ms). Rank 0's picks are every rank's
+   (``decide`` broadcasts them), so later calls stay matched across ranks.
 
 Decisions live in the context (``ctx.decisions``: cache key -> ``{"transport", "ms",
-"failed"}``) and, only when a file is named, in that JSON file as well: ``cache_path=``, else
+"failed"}``, and ``"captured": {"transport", "ms"}`` for the replays' pick where both modes
+were timed) and, only when a file is named, in that JSON file as well: ``cache_path=``, else
 ``$PORTABLE_OVERLAP_TUNING_CACHE`` (``schedule.tuning.TuningCache``: atomic replacement, symbolic
 links refused). Without either nothing is written to disk. A file's key (``tuning.cache_key``)
 holds the call key, the candidates and their options, the timing mode, the world size, the
@@ -46,15 +53,16 @@ optional input only it passes) the keys must change together. Calls that break t
 on every rank in the same call, without a hang:
 
 - **The agreement** (``_settle``): every call whose key is new on this rank, and every call of a
-  decided key whose transport waits without a deadline (``UNBOUNDED``: ``"sequential"``'s NCCL /
-  RCCL / gloo collective, torch's fused ops' barriers), first posts a record to the store: new,
-  decided (with the number of its decision), or refused on the host (a check before the call:
-  an input that requires grad, per-call options no candidate takes, capture of an undecided
-  key, or the input checks of an ``UNBOUNDED`` candidate, run with nothing launched
-  (``_refusal``); the rank raises its own error). Where the records do not match (a key new
-  on some ranks only, keys of different decisions, a refusal), every rank raises in this call,
-  the refusing rank its error and the others :class:`RankMismatchError` naming each rank and
-  its call; nothing ran, so the context stays usable.
+  decided key whose transport (for its capture mode) waits without a deadline (``UNBOUNDED``:
+  ``"sequential"``'s NCCL / RCCL / gloo collective, torch's fused ops' barriers), first posts a
+  record to the store: new, decided (with the number of its decision), or refused on the host (a
+  check before the call: an input that requires grad, per-call options no candidate takes,
+  capture of an undecided key, or the input checks of an ``UNBOUNDED`` candidate, run with
+  nothing launched (``_refusal``); the rank raises its own error). Where the records do not
+  match (a key new on some ranks only, keys of different decisions, a refusal), every rank
+  raises in this call, the refusing rank its error and the others :class:`RankMismatchError`
+  naming each rank and its call; nothing ran, so the context stays usable. Ranks of one decision
+  whose calls run different transports (one captures the call, its peers do not) mismatch too.
 - **Decided keys of the fused transports** skip the agreement (no host round trip): a peer not
   in the same call never signals, and their waits end at the context's timeout with
   :class:`PeerTimeoutError`. The peer that waits in the agreement meanwhile gives up at its
@@ -239,6 +247,21 @@ def _what(record: dict) -> str:
     return record.get("why", kind)
 
 
+def _can_capture(device) -> bool:
+    """Whether calls on ``device`` can be captured in a graph: a GPU's can, a CPU's cannot (the
+    emulated ranks time plain calls only)."""
+    return device.type != "cpu"
+
+
+def _fastest(ms: dict) -> str:
+    """The pick of one timing mode's ``{candidate: ms}``: the fastest, or ``"sequential"`` where
+    it is within :data:`TIE` of that."""
+    best = min(ms, key=ms.get)
+    if SEQUENTIAL in ms and ms[SEQUENTIAL] <= ms[best] * (1 + TIE):
+        best = SEQUENTIAL
+    return best
+
+
 def _attempt(fn):
     """``(fn(), None)``, or ``(None, the exception)`` if it raised one."""
     try:
@@ -267,7 +290,7 @@ class TransportPlanner:
 
     def __init__(self, ctx, timeout_s: Optional[float], unavailable: dict, *, candidates=None,
                  options=None, cache_path=None, iters: int = 10, warmup: int = 2,
-                 graph: bool = False, **rest):
+                 graph: Optional[bool] = None, **rest):
         op, world = ctx.OP, ctx.world
         if rest:
             raise ValueError(
@@ -279,8 +302,9 @@ class TransportPlanner:
         self.options = check_options(op, ctx.TRANSPORTS, self.candidates, options)
         self.iters = _check_int(op, "iters", iters, 1)
         self.warmup = _check_int(op, "warmup", warmup, 0)
-        if not isinstance(graph, bool):
-            raise ValueError(f"{op}: graph must be True or False, got {graph!r}")
+        if graph is not None and not isinstance(graph, bool):
+            raise ValueError(f"{op}: graph must be None (time plain calls and graph replays, "
+                             f"each picking for its own calls), True or False, got {graph!r}")
         self.graph = graph
         path = _check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
         world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph)",
@@ -316,7 +340,7 @@ class TransportPlanner:
             if chosen is None:
                 transport = self._decide(fast, inputs, out, given)
             else:
-                transport, decision, text = chosen
+                transport, decision, text = self._now(chosen), chosen[1], chosen[2]
                 if transport in UNBOUNDED:
                     refusal = self._refusal((transport,), inputs, out, given)
                     self._settle({"kind": "decided", "decision": decision,
@@ -333,8 +357,8 @@ class TransportPlanner:
         rank raises in this same call."""
         with self._call(inputs, options) as (given, fast):
             chosen = self._chosen.get(fast)
-            if chosen is not None and chosen[0] not in UNBOUNDED:
-                refuse_call([self.impls[chosen[0]]], error)
+            if chosen is not None and self._now(chosen) not in UNBOUNDED:
+                refuse_call([self.impls[self._now(chosen)]], error)
             text = chosen[2] if chosen is not None else _text(self._describe_call(inputs, given))
             self._settle({"kind": "refused", "why": f"{type(error).__name__}: {error}",
                           "call": text}, error)
@@ -376,10 +400,27 @@ class TransportPlanner:
             self._lock.release()
 
     def choice(self, inputs: dict, out, options: dict) -> Optional[str]:
-        """The transport that runs calls like this one; None while it is not decided."""
-        chosen = self._chosen.get(_call_key(inputs, {k: v for k, v in options.items()
-                                                     if v is not None}))
-        return None if chosen is None else chosen[0]
+        """The transport that runs calls like this one made now (under graph capture, the
+        replays' pick); None while it is not decided."""
+        chosen = self._lookup(inputs, options)
+        return None if chosen is None else self._now(chosen)
+
+    def choices(self, inputs: dict, out, options: dict) -> Optional[dict]:
+        """``{"plain": pick for plain calls, "captured": pick for calls under graph capture}``
+        of calls like this one; None while they are not decided."""
+        chosen = self._lookup(inputs, options)
+        return None if chosen is None else {"plain": chosen[0], "captured": chosen[3]}
+
+    def _lookup(self, inputs: dict, options: dict) -> Optional[tuple]:
+        return self._chosen.get(_call_key(inputs, {k: v for k, v in options.items()
+                                                   if v is not None}))
+
+    def _now(self, chosen: tuple) -> str:
+        """The transport of a decided call made now: ``chosen`` is (plain calls' pick, decision,
+        call in words, captured calls' pick); the capture query only where the picks differ."""
+        if chosen[0] == chosen[3] or not stream_capturing(self.ctx.world.device):
+            return chosen[0]
+        return chosen[3]
 
     def _takes(self, transport: str, given: dict) -> bool:
         accepted = self.ctx.CALL_OPTIONS.get(transport, {})
@@ -427,7 +468,7 @@ class TransportPlanner:
                     for q, r in enumerate(records)) + " (nothing ran; the context stays usable)")
         text = _text(call)
         if len(cands) == 1:  # nothing to choose: no timing, nothing cached
-            self._chosen[fast] = (cands[0], decision, text)
+            self._chosen[fast] = (cands[0], decision, text, cands[0])
             return cands[0]
         # one key for every rank, from every rank's call: the reduction patterns' K shards may
         # differ across ranks, and ranks sharing a cache file then write the same entries
@@ -439,12 +480,14 @@ class TransportPlanner:
         record = tuning.decide(world, key, lambda: self._measure(cands, inputs, given, call),
                                self.cache)
         pick = record.get("transport") if isinstance(record, dict) else None
-        if pick not in cands:
+        captured = record.get("captured", {"transport": pick}) if pick is not None else None
+        captured = captured.get("transport") if isinstance(captured, dict) else None
+        if pick not in cands or captured not in cands:
             raise RuntimeError(f"{op}: the tuning cache {self.cache.path} holds {record!r} for "
                                f"this call, not one of its candidates {cands}: remove that entry")
         self.decisions[key] = record
-        self._chosen[fast] = (pick, decision, text)
-        return pick
+        self._chosen[fast] = (pick, decision, text, captured)
+        return pick  # (not under capture: an undecided call is refused there)
 
     def _settle(self, mine: dict, error: Optional[BaseException] = None) -> tuple:
         """This call's agreement (``_agree``) on ``mine``: ``{"kind": "new"}`` (a call key this
@@ -470,7 +513,7 @@ class TransportPlanner:
             raise RankMismatchError(f"{op}: " + "; ".join(
                 f"rank {q} refused this call ({_text_of(r)}): {r['why']}" for q, r in refused)
                 + " (nothing ran; the context stays usable)")
-        if len({(r["kind"], r.get("decision")) for r in records}) > 1:
+        if len({(r["kind"], r.get("decision"), r.get("transport")) for r in records}) > 1:
             calls = "; ".join(f"rank {q}: {_what(r)}" for q, r in enumerate(records))
             raise RankMismatchError(
                 f"{op}: the ranks' calls of transport='auto' do not match: {calls}. A call key "
@@ -550,7 +593,10 @@ class TransportPlanner:
         # outputs passed as options get scratch tensors too: timing writes nothing of the user's
         opts = {k: torch.empty_like(v) if k in ctx.OUTPUT_OPTIONS and isinstance(v, torch.Tensor)
                 else v for k, v in given.items()}
-        ms, failed, mine = {}, {}, {}
+        # the timing modes: plain calls (False), graph replays (True)
+        modes = ((False, True) if _can_capture(world.device) else (False,)) \
+            if self.graph is None else (self.graph,)
+        ms, failed, mine = {m: {} for m in modes}, {}, {}
         for t in cands:
             impl = self.impls[t]
 
@@ -566,20 +612,24 @@ class TransportPlanner:
             if t in failed:
                 continue
 
-            def timed(impl=impl, run=run, scratch=scratch):
-                ms_ = tuning.time_call(lambda: run(scratch), world, iters=self.iters,
-                                       warmup=self.warmup, graph=self.graph)
-                impl.synchronize()
-                return ms_
+            for mode in modes:
+                def timed(impl=impl, run=run, scratch=scratch, mode=mode):
+                    ms_ = tuning.time_call(lambda: run(scratch), world, iters=self.iters,
+                                           warmup=self.warmup, graph=mode)
+                    impl.synchronize()
+                    return ms_
 
-            value = self._agreed(t, timed, failed, mine)
-            if t not in failed:
-                ms[t] = value
+                value = self._agreed(t, timed, failed, mine)
+                if t in failed:  # (one that cannot be timed in a mode is picked in none)
+                    for m in modes:
+                        ms[m].pop(t, None)
+                    break
+                ms[mode][t] = value
         broken = {t for t in failed if _is_broken(self.impls[t])}
         broken = [t for t in cands if any(t in b for b in world.all_gather_object(broken))]
         for t in broken:
             self._retire(t)
-        if not ms:
+        if not ms[modes[0]]:
             errs = [mine[t] for t in cands if t in mine]
             if errs and all(isinstance(e, (ValueError, TypeError)) for e in errs):
                 raise errs[0]  # this rank's input was refused: a named transport's error
@@ -592,10 +642,10 @@ class TransportPlanner:
             warnings.warn(f"{op}: transport {t!r} raised while transport='auto' timed it for "
                           f"this call ({_text(call)}); it is left out of this decision{later}: "
                           f"{why}", RuntimeWarning, stacklevel=2)
-        best = min(ms, key=ms.get)
-        if SEQUENTIAL in ms and ms[SEQUENTIAL] <= ms[best] * (1 + TIE):
-            best = SEQUENTIAL
-        return {"transport": best, "ms": ms, "failed": failed}
+        record = {"transport": _fastest(ms[modes[0]]), "ms": ms[modes[0]], "failed": failed}
+        if len(modes) > 1:
+            record["captured"] = {"transport": _fastest(ms[modes[1]]), "ms": ms[modes[1]]}
+        return record
 
     def _agreed(self, transport: str, step, failed: dict, mine: dict):
         """``step()`` on every rank; its value, or the failure recorded (``failed``: every rank's
@@ -613,7 +663,7 @@ class TransportPlanner:
         """Leave a broken candidate out from now on (every rank retires the same ones)."""
         self.retired.append(self.impls.pop(transport))
         self.candidates = tuple(t for t in self.candidates if t != transport)
-        self._chosen = {k: c for k, c in self._chosen.items() if c[0] != transport}
+        self._chosen = {k: c for k, c in self._chosen.items() if transport not in (c[0], c[3])}
 
     # -- the workspaces --------------------------------------------------------------------------
     @property

@@ -3,10 +3,11 @@
     torchrun --nproc-per-node 2 tests/gpu/check_auto_transport.py
 
 For each multi-transport pattern at a prefill-sized and a decode-sized shape (bf16): the first
-call times every candidate and writes a correct result into the poisoned ``out``; the pick is
-the same on every rank, the fastest measured (``"sequential"`` within the tie margin); the
-second call times nothing; the decided call captured in a CUDA graph replays correctly with
-fresh inputs. Then a ``graph=True`` context, and an undecided call under capture, which must
+call times every candidate as plain calls and as graph replays and writes a correct result
+into the poisoned ``out``; each mode's pick is the same on every rank, the fastest measured in
+that mode (``"sequential"`` within the tie margin); the second call times nothing; the decided
+call captured in a CUDA graph (which runs the replays' pick) replays correctly with fresh
+inputs. Then a ``graph=True`` context, and an undecided call under capture, which must
 raise. Each check prints ``PASS``/``FAIL`` on rank 0 with the candidates' times; the exit code is
 1 if any failed on any rank. (Not collected by pytest: it needs one process per GPU.)
 """
@@ -87,13 +88,15 @@ def check_pattern(world, gen, name, make, ref, shapes, rows, sizes) -> None:
             call(name, ctx, a, b, bias, out)
             ctx.synchronize()
             err = rel_err(out, ref(a, b, world.group, bias))
-            pick = ctx.choice(a, b) if name == "all_gather_matmul" else ctx.choice(a, b, bias)
+            args = (a, b) if name == "all_gather_matmul" else (a, b, bias)
+            pick, picks_ = ctx.choice(*args), ctx.choices(*args)
             decision = list(ctx.decisions.values())[-1]
             ms = decision["ms"]
-            best = min(ms, key=ms.get)
-            want = ("sequential" if "sequential" in ms
-                    and ms["sequential"] <= ms[best] * (1 + planner.TIE) else best)
-            picks = world.all_gather_object(pick)
+            # both timing modes by default: plain calls, and graph replays for captured calls
+            captured_ms = decision.get("captured", {}).get("ms")
+            want = fastest(ms)
+            want_captured = fastest(captured_ms) if captured_ms else want
+            picks = world.all_gather_object(picks_)
             timed = counted.count
             # the second call, fresh inputs: no timing
             a2, b2, bias2 = inputs(world, name, M, N, K, gen, bias=True)
@@ -102,9 +105,15 @@ def check_pattern(world, gen, name, make, ref, shapes, rows, sizes) -> None:
             err2 = rel_err(y, ref(a2, b2, world.group, bias2))
             again = counted.count - timed
             times = ", ".join(f"{t} {v:.3f}" for t, v in ms.items())
-            record(f"{label} pick", pick == want and len(set(picks)) == 1
-                   and timed == len(ms) and again == 0 and err < TOL and err2 < TOL,
-                   f"{pick} [{times} ms] failed={list(decision['failed'])} "
+            if captured_ms:
+                times += "; replays: " + ", ".join(f"{t} {v:.3f}"
+                                                   for t, v in captured_ms.items())
+            record(f"{label} pick", pick == want
+                   and picks_ == {"plain": want, "captured": want_captured}
+                   and all(p == picks_ for p in picks)
+                   and timed == len(ms) + len(captured_ms or {}) and again == 0
+                   and err < TOL and err2 < TOL,
+                   f"{picks_} [{times} ms] failed={list(decision['failed'])} "
                    f"rel_err={err:.1e}/{err2:.1e}")
             counted.count = 0
             # the decided call in a CUDA graph, replayed with fresh inputs
@@ -122,10 +131,17 @@ def check_pattern(world, gen, name, make, ref, shapes, rows, sizes) -> None:
                 ctx.synchronize()
                 worst = max(worst, rel_err(graph_out, ref(a, b, world.group, bias)))
             record(f"{label} graph replay", worst < TOL and counted.count == 0,
-                   f"{pick} worst rel_err={worst:.1e}")
+                   f"{want_captured} worst rel_err={worst:.1e}")
     finally:
         tuning.time_call = counted.real
         ctx.close()
+
+
+def fastest(ms: dict) -> str:
+    """What ``"auto"`` must pick from one timing mode's times (``planner.TIE``)."""
+    best = min(ms, key=ms.get)
+    return ("sequential" if "sequential" in ms
+            and ms["sequential"] <= ms[best] * (1 + planner.TIE) else best)
 
 
 def check_graph_timing_and_capture(world, gen) -> None:
