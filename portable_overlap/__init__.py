@@ -15,7 +15,8 @@ matmul_all_reduce       MatmulAllReduce               copy_engine, stores, signa
                                                       sequential
 matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signal_collective,
                                                       sequential
-gemv_all_reduce         GemvAllReduce                 stores, one_shot, sequential
+gemv_all_reduce         GemvAllReduce                 stores, one_shot, torch_fused,
+                                                      sequential
 embedding_all_to_all    EmbeddingAllToAll             stores, shmem
 moe_dispatch            MoeDispatch                   stores, shmem, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem

@@ -5,10 +5,12 @@ the CPU-emulated backend when named (as ``transport=``, in ``candidates=``, as a
 
 torch registers its fused ops for GPU tensors only, so the transport's own code (input checks,
 ``out=``, bias and residual, the shards' order, the workspace it sizes, its place among
-``"auto"``'s candidates) runs here with torch's reference implementations of the two ops
+``"auto"``'s candidates) runs here with torch's reference implementations of the two GEMM ops
 (``_fused_all_gather_matmul_fallback``, ``_fused_matmul_reduce_scatter_fallback``: gather or
 reduce-scatter by the process group, then the product) registered as their CPU kernels, the
-availability check passed over and torch's workspace allocation recorded instead of made.
+availability check passed over and torch's workspace allocation recorded instead of made; for
+GEMV + AllReduce, ``one_shot_all_reduce_out`` as the process group's all_reduce of a copy, and
+``symm_mem.empty`` / ``rendezvous`` as a plain tensor and a record.
 tests/gpu/check_torch_fused.py runs the real ops on GPUs."""
 import types
 
@@ -25,7 +27,7 @@ from portable_overlap.testing.compare import rel_err
 from portable_overlap.testing.patterns import GEMM_PATTERNS, pattern_inputs
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-PATTERN_CONTEXTS = (po.AllGatherMatmul, po.MatmulReduceScatter)
+PATTERN_CONTEXTS = (po.AllGatherMatmul, po.MatmulReduceScatter, po.GemvAllReduce)
 
 
 def _stub_world(backend: str, world_size: int, local_world_size: int):
@@ -54,6 +56,38 @@ def test_where_it_may_run():
     assert transport_unavailable(cpu, "torch_fused") == torch_fused.unavailable_reason(cpu)
     assert all(transport_unavailable(cpu, t) is None
                for make in PATTERN_CONTEXTS for t in make.TRANSPORTS if t != "torch_fused")
+
+
+def test_each_op_needs_its_own_torch_ops(monkeypatch):
+    """GEMV + AllReduce needs torch's one_shot_all_reduce_out, the GEMM patterns their fused
+    ops: a torch without one of them leaves only that op's transport out."""
+    gpu = _stub_world("gpu", 4, 4)
+    assert torch_fused.TORCH_OPS["gemv_all_reduce"] == ("one_shot_all_reduce_out",)
+    assert torch_fused.unavailable_reason(gpu, "gemv_all_reduce") is None
+    monkeypatch.setitem(torch_fused.TORCH_OPS, "gemv_all_reduce", ("no_such_one_shot",))
+    why = torch_fused.unavailable_reason(gpu, "gemv_all_reduce")
+    assert why and why.endswith("has no torch.ops.symm_mem.no_such_one_shot"), why
+    assert torch_fused.unavailable_reason(gpu, "matmul_reduce_scatter") is None
+    assert torch_fused.unavailable_reason(gpu) == why  # every op's, without one named
+    assert transport_unavailable(gpu, "torch_fused", "gemv_all_reduce") == why
+    assert po.GemvAllReduce.unavailable(gpu) == {"torch_fused": why}
+    assert po.AllGatherMatmul.unavailable(gpu) == {}
+
+
+def test_gemv_workspace_refuses_options(world2):
+    for msg in world2.run(_gemv_options):
+        assert msg == ("gemv_all_reduce: the 'torch_fused' transport takes no options; got "
+                       "['config']"), msg
+
+
+def _gemv_options(world):
+    from portable_overlap.ops.torch_fused import TorchFusedGemv
+
+    try:  # options are refused before the availability check: the CPU says so too
+        TorchFusedGemv(world, "gemv_all_reduce", 8, config=po.GemvConfig()).close()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def test_not_where_torch_symmetric_memory_is_bound_to_nvshmem(monkeypatch):
@@ -92,12 +126,16 @@ def test_candidates_with_and_without_it():
 def _refusals(world):
     from portable_overlap.ops.torch_fused import TorchFusedAllGatherMatmul, TorchFusedMatmul
 
+    from portable_overlap.ops.torch_fused import TorchFusedGemv
+
     found = {}
     makers = {
         "all_gather_matmul": lambda **kw: po.AllGatherMatmul(world, 64, **kw),
         "matmul_reduce_scatter": lambda **kw: po.MatmulReduceScatter(world, 8, 8, **kw),
+        "gemv_all_reduce": lambda **kw: po.GemvAllReduce(world, 8, **kw),
         "workspace ag": lambda **kw: TorchFusedAllGatherMatmul(world, "all_gather_matmul", 64),
         "workspace rs": lambda **kw: TorchFusedMatmul(world, "matmul_reduce_scatter", 8, 8),
+        "workspace gemv": lambda **kw: TorchFusedGemv(world, "gemv_all_reduce", 8),
     }
     for name, make in makers.items():
         try:
@@ -105,7 +143,7 @@ def _refusals(world):
             found[name] = None
         except BackendUnavailable as e:
             found[name] = str(e)
-    for name in ("all_gather_matmul", "matmul_reduce_scatter"):
+    for name in OP_NAMES:
         make = makers[name]
         try:
             make(transport="auto", candidates=("torch_fused", "sequential")).close()
@@ -120,9 +158,12 @@ def _refusals(world):
     return found
 
 
+OP_NAMES = ("all_gather_matmul", "matmul_reduce_scatter", "gemv_all_reduce")
+
+
 def test_unavailable_on_the_emulated_backend(world2):
     for found in world2.run(_refusals):
-        for name in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for name in OP_NAMES:
             assert found[name] == (f"{name}: transport 'torch_fused' cannot run here: the "
                                    f"CPU-emulated backend: torch registers its symm_mem fused "
                                    f"ops for GPU tensors only"), found[name]
@@ -132,7 +173,7 @@ def test_unavailable_on_the_emulated_backend(world2):
             cands, made = found[f"{name} default"]
             assert "torch_fused" not in cands and "torch_fused" not in made
             assert "sequential" in cands
-        for key in ("workspace ag", "workspace rs"):
+        for key in ("workspace ag", "workspace rs", "workspace gemv"):
             assert found[key] and "cannot run here: the CPU-emulated backend" in found[key]
         for make in PATTERN_CONTEXTS:
             assert set(found["unavailable"][make.__name__]) == {"torch_fused"}
@@ -142,26 +183,47 @@ def test_unavailable_on_the_emulated_backend(world2):
 
 # -- the transport's own code, with torch's reference implementations as CPU kernels -------------
 class _TorchOnCpu:
-    """In a rank: torch's reference implementations of the two ops registered as their CPU
+    """In a rank: torch's reference implementations of the two GEMM ops registered as their CPU
     kernels, the availability check passed over, and torch's workspace allocation recorded (the
-    sizes asked for) instead of made."""
+    sizes asked for) instead of made. For GEMV: ``one_shot_all_reduce_out`` as the process
+    group's all_reduce of a copy of its input (``one_shots``: each call's input length, input
+    address, storage offset and output address), ``symm_mem.empty`` as ``torch.empty`` and
+    ``rendezvous`` recorded (``rendezvous``: the tensor's address and length, the group)."""
 
     def __init__(self):
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.symm_mem, self.sizes = symm_mem, []
+        self.symm_mem, self.sizes, self.one_shots, self.rendezvous = symm_mem, [], [], []
         self.lib = torch.library.Library("symm_mem", "IMPL")
         self.lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback,
                       "CPU")
         self.lib.impl("fused_matmul_reduce_scatter",
                       symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
-        self.saved = (torch_fused.unavailable_reason, symm_mem.get_symm_mem_workspace)
-        torch_fused.unavailable_reason = lambda world: None
+        self.lib.impl("one_shot_all_reduce_out", self._one_shot, "CPU")
+        self.saved = (torch_fused.unavailable_reason, symm_mem.get_symm_mem_workspace,
+                      symm_mem.empty, symm_mem.rendezvous)
+        torch_fused.unavailable_reason = lambda world, op=None: None
         symm_mem.get_symm_mem_workspace = lambda group, min_size: self.sizes.append(
             (group, min_size))
+        symm_mem.empty = lambda *size, dtype=None, device=None: torch.empty(
+            *size, dtype=dtype, device=device)
+        symm_mem.rendezvous = lambda t, group: self.rendezvous.append(
+            (t.data_ptr(), t.numel(), group))
+
+    def _one_shot(self, inp, reduce_op, group_name, out):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        assert reduce_op == "sum" and inp.shape == out.shape and inp.dtype == out.dtype
+        self.one_shots.append((inp.numel(), inp.data_ptr(), inp.storage_offset(),
+                               out.data_ptr()))
+        out.copy_(inp)
+        dist.all_reduce(out, group=_resolve_process_group(group_name))
+        return out
 
     def close(self):
-        torch_fused.unavailable_reason, self.symm_mem.get_symm_mem_workspace = self.saved
+        (torch_fused.unavailable_reason, self.symm_mem.get_symm_mem_workspace,
+         self.symm_mem.empty, self.symm_mem.rendezvous) = self.saved
         self.lib._destroy()
 
 
@@ -405,3 +467,158 @@ def test_auto_picks_it_where_it_runs(world2):
         assert found["ag with schedule"] == "copy_engine"
         assert found["ag bad out"] == ("ValueError" if rank == 1 else "RankMismatchError")
         assert found["ag after"] < 1e-5
+
+
+# -- GEMV + AllReduce on "torch_fused", with the CPU stand-ins of _TorchOnCpu ---------------------
+def _gemv_inputs(world, M, N, K, dtype, seed):
+    g = torch.Generator().manual_seed(100 * seed + world.rank)
+    return torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+
+
+def _gemv(world):
+    """``"torch_fused"`` and ``"sequential"`` on the same calls: their results (bit for bit:
+    both multiply in the input dtype and reduce with the process group here), which calls reached
+    torch's one-shot op and how (its input a view at offset 0 of the rendezvoused buffer, the
+    length rounded to 16 bytes, straight into ``out`` or through the staging buffer), the
+    checks-only mode, and the errors of bad calls."""
+    from portable_overlap.ops.torch_fused import TorchFusedGemv
+
+    on_cpu = _TorchOnCpu()
+    found = {"results": []}
+    try:
+        tf = po.GemvAllReduce(world, 40, transport="torch_fused")
+        seq = po.GemvAllReduce(world, 40, transport="sequential")
+        try:
+            impl = tf.impl
+            found["impl"] = type(impl) is TorchFusedGemv
+            found["rendezvous"] = [(n, g == impl.group_name) for _, n, g in on_cpu.rendezvous]
+            base = on_cpu.rendezvous[0][0]
+            for seed, (M, N, K, dtype, how) in enumerate([
+                    (2, 8, 5, torch.float32, "out"),  # 16 floats: straight into out
+                    (1, 40, 3, torch.bfloat16, "out"),  # 40 bf16: 80 bytes, straight
+                    (3, 7, 4, torch.float32, "out"),  # 21 floats: rounded to 24, staged
+                    (1, 5, 6, torch.bfloat16, "none"),  # rounded to 8, a new tensor
+                    (2, 8, 3, torch.float32, "offset"),  # out not 16-byte aligned: staged
+                    (33, 3, 2, torch.float16, "out"),  # fp16: the process group's all_reduce
+            ]):
+                x, w = _gemv_inputs(world, M, N, K, dtype, seed)
+                calls = len(on_cpu.one_shots)
+                if how == "none":
+                    y = po.gemv_all_reduce(x, w, tf)
+                else:
+                    room = torch.full((M * N + 1,), float("nan"), dtype=dtype)
+                    out = room[1:].view(M, N) if how == "offset" else room[:M * N].view(M, N)
+                    y = po.gemv_all_reduce(x, w, tf, out)
+                    assert y is out
+                ref = po.gemv_all_reduce(x, w, seq)
+                shots = on_cpu.one_shots[calls:]
+                found["results"].append((
+                    (M, N, K, str(dtype), how), torch.equal(y, ref), tuple(y.shape),
+                    y.is_contiguous(),
+                    [(n, p == base, off, p_out == y.data_ptr()) for n, p, off, p_out in shots]))
+            # checks only (what "auto" runs before an agreement): nothing launched
+            x, w = _gemv_inputs(world, 2, 8, 5, torch.float32, 9)
+            out = torch.full((2, 8), float("nan"))
+            calls = len(on_cpu.one_shots)
+            impl.checking_only = True
+            try:
+                found["check only"] = (impl(x, w, out) is out, bool(out.isnan().all()),
+                                       impl(x, w) is None, len(on_cpu.one_shots) == calls)
+            finally:
+                impl.checking_only = False
+            bad = {
+                "w dtype": lambda c: po.gemv_all_reduce(x, w.double(), c),
+                "N > max_n": lambda c: po.gemv_all_reduce(x, torch.randn(41, 5), c),
+                "M > 64": lambda c: po.gemv_all_reduce(torch.randn(65, 5), w, c),
+                "K differs": lambda c: po.gemv_all_reduce(x, torch.randn(8, 4), c),
+                "out shape": lambda c: po.gemv_all_reduce(x, w, c, torch.empty(2, 7)),
+                "out is x": lambda c: po.gemv_all_reduce(x, torch.randn(5, 5), c, x),
+                "config": lambda c: po.gemv_all_reduce(x, w, c, config=po.GemvConfig()),
+            }
+            for label, call in bad.items():
+                for name, ctx in (("torch_fused", tf), ("sequential", seq)):
+                    try:
+                        call(ctx)
+                        found[(label, name)] = None
+                    except Exception as e:  # noqa: BLE001  (the kind is the finding)
+                        found[(label, name)] = (type(e).__name__, str(e))
+            found["after"] = torch.equal(po.gemv_all_reduce(x, w, tf), po.gemv_all_reduce(x, w,
+                                                                                          seq))
+        finally:
+            tf.close()
+            seq.close()
+        return found
+    finally:
+        on_cpu.close()
+
+
+def test_gemv_matches_sequential(world2):
+    for found in world2.run(_gemv):
+        assert found["impl"] and found["rendezvous"] == [(64 * 40 * 4, True)]
+        want = {  # (length, from the buffer, offset 0, straight into the result) per one-shot
+            (2, 8, 5, "torch.float32", "out"): [(16, True, 0, True)],
+            (1, 40, 3, "torch.bfloat16", "out"): [(40, True, 0, True)],
+            (3, 7, 4, "torch.float32", "out"): [(24, True, 0, False)],
+            (1, 5, 6, "torch.bfloat16", "none"): [(8, True, 0, True)],
+            (2, 8, 3, "torch.float32", "offset"): [(16, True, 0, False)],
+            (33, 3, 2, "torch.float16", "out"): [],
+        }
+        assert len(found["results"]) == len(want)
+        for case, same, shape, contiguous, shots in found["results"]:
+            assert same and shape == case[:2] and contiguous, case
+            assert shots == want[case], (case, shots)
+        assert found["check only"] == (True, True, True, True)
+        for label in ("w dtype", "N > max_n", "M > 64", "K differs", "out shape", "out is x",
+                      "config"):
+            got, ref = found[(label, "torch_fused")], found[(label, "sequential")]
+            assert got is not None and got[0] == ref[0], (label, got, ref)
+            assert got[1].startswith("gemv_all_reduce: "), got
+            if label == "config":  # each names its own transport
+                assert "'torch_fused' transport takes no options" in got[1], got
+            else:
+                assert got[1] == ref[1], (label, got, ref)
+        assert found["after"]
+
+
+def _gemv_auto(world):
+    """``"auto"`` with torch_fused a candidate (steered to it), a per-call ``config`` keeping the
+    call off it, and an ``out`` one rank's input checks refuse on a key decided for it: every
+    rank raises in that call (torch's barriers would wait for ever), and the next is right."""
+    on_cpu = _TorchOnCpu()
+    found = {}
+    try:
+        ctx = po.GemvAllReduce(world, 16, transport="auto", iters=1, warmup=0,
+                               candidates=("torch_fused", "sequential"))
+        fake = _Steered(ctx)
+        try:
+            found["candidates"] = ctx.planner.candidates
+            x, w = _gemv_inputs(world, 3, 16, 5, torch.float32, 1)
+            ref = po.gemv_all_reduce_reference(x, w, world.group)
+            out = torch.full((3, 16), float("nan"))
+            with fake:
+                po.gemv_all_reduce(x, w, ctx, out)
+            found["pick"] = ctx.choice(x, w)
+            found["err"] = rel_err(out, ref)
+            found["timed"] = sorted(set(fake.ran))
+            try:
+                po.gemv_all_reduce(x, w, ctx, torch.empty(1, 16) if world.rank == 1 else out)
+                found["bad out"] = "no error"
+            except Exception as e:
+                found["bad out"] = type(e).__name__
+            out.fill_(float("nan"))
+            po.gemv_all_reduce(x, w, ctx, out)
+            found["after"] = rel_err(out, ref)
+        finally:
+            ctx.close()
+        return found
+    finally:
+        on_cpu.close()
+
+
+def test_gemv_auto_picks_it_where_it_runs(world2):
+    for rank, found in enumerate(world2.run(_gemv_auto, timeout=300)):
+        assert found["candidates"] == ("torch_fused", "sequential")
+        assert found["pick"] == "torch_fused" and found["err"] < 1e-5, found
+        assert found["timed"] == ["sequential", "torch_fused"]
+        assert found["bad out"] == ("ValueError" if rank == 1 else "RankMismatchError"), found
+        assert found["after"] < 1e-5

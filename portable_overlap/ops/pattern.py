@@ -17,15 +17,15 @@ from .context import (check_timeout, refuse_grad, refuse_grad_as_call, register_
 from .planner import AUTO, PLANNER_OPTIONS, TransportPlanner
 
 
-def transport_unavailable(world, transport: str) -> Optional[str]:
-    """Why ``transport`` cannot run on ``world``, None where it can: the one place that decides
-    it. Only ``"torch_fused"`` depends on more than the backend (``ops/torch_fused.py``: GPU
-    worlds of one host, a torch with the ops); every other transport runs wherever the world's
-    backend does."""
+def transport_unavailable(world, transport: str, op: Optional[str] = None) -> Optional[str]:
+    """Why ``transport`` of the public op ``op`` (None: of any op) cannot run on ``world``, None
+    where it can: the one place that decides it. Only ``"torch_fused"`` depends on more than
+    the backend (``ops/torch_fused.py``: GPU worlds of one host, a torch with the op's torch
+    ops); every other transport runs wherever the world's backend does."""
     if transport == "torch_fused":
         from .torch_fused import unavailable_reason
 
-        return unavailable_reason(world)
+        return unavailable_reason(world, op)
     return None
 
 
@@ -104,7 +104,7 @@ class PatternContext:
         """``{transport: why it cannot run on world}`` for the transports of ``TRANSPORTS`` that
         cannot (``transport_unavailable``); the others are the ones ``"auto"`` chooses from by
         default."""
-        why = {t: transport_unavailable(world, t) for t in cls.TRANSPORTS}
+        why = {t: transport_unavailable(world, t, cls.OP) for t in cls.TRANSPORTS}
         return {t: w for t, w in why.items() if w is not None}
 
     @classmethod

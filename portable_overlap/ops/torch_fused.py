@@ -1,9 +1,11 @@
-"""torch's own fused ops as a transport of the GEMM patterns (``transport="torch_fused"``):
-``torch.ops.symm_mem.fused_all_gather_matmul`` for AllGather + GEMM and
-``torch.ops.symm_mem.fused_matmul_reduce_scatter`` for GEMM + ReduceScatter. They compute what
-the other transports compute, with the same input checks and errors, so ``transport="auto"``
-can weigh them against ours: the library's aim is never to be slower than torch's fused ops or
-the vendor library's collectives.
+"""torch's own fused ops as a transport of the patterns torch has them for
+(``transport="torch_fused"``): ``torch.ops.symm_mem.fused_all_gather_matmul`` for AllGather +
+GEMM, ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` for GEMM + ReduceScatter, and the BLAS
+product written into a torch symmetric-memory buffer followed by
+``torch.ops.symm_mem.one_shot_all_reduce_out`` for GEMV + AllReduce. They compute what the
+other transports compute, with the same input checks and errors, so ``transport="auto"`` can
+weigh them against ours: the library's aim is never to be slower than torch's fused ops or the
+vendor library's collectives.
 
 How torch runs them: the shard (AllGather) or each peer's partial rows (ReduceScatter) go through
 one symmetric-memory workspace per process group, which torch allocates at a call that needs
@@ -11,10 +13,13 @@ more room than it has; peers pull or push whole shards over that workspace on a 
 while the BLAS multiplies what has arrived, with torch's barriers between the steps. The input
 itself need not be a symmetric tensor: torch copies it into the workspace. torch's op allocates
 its result and its receive buffer per call from torch's caching allocator (under graph capture,
-from the graph's pool); the transports of this library allocate nothing per call.
+from the graph's pool); the transports of this library allocate nothing per call. The GEMV
+transport needs no torch workspace: it allocates one symmetric buffer of its own at creation
+(``TorchFusedGemv``).
 
 Where they run (:func:`unavailable_reason`, the one place that decides it): GPU worlds (torch
-registers no CPU kernel for them), of one host, with a torch that has the ops, in a process
+registers no CPU kernel for them), of one host, with a torch that has the op's torch ops
+(``TORCH_OPS``), in a process
 whose torch symmetric memory has not been bound to NVSHMEM (by a ``transport="shmem"``
 context); a world of one rank too. Elsewhere making this transport raises
 :class:`~portable_overlap.errors.BackendUnavailable`, and ``transport="auto"`` leaves it out.
@@ -39,18 +44,29 @@ from ..errors import BackendUnavailable
 from ..shmem.providers import torch_shmem_backend_bound
 from .allgather_gemm.api import check_input as check_all_gather_input, refuse_schedule
 from .context import ContextBase, collective_call, output_tensor
+from .gemv_allreduce.api import MAX_M as GEMV_MAX_M, check_out as check_gemv_out
+from .gemv_allreduce.api import validate as check_gemv_input
 from .matmul.api import add_epilogue, check_operands, vector_checks
 
 TRANSPORT = "torch_fused"
-#: the torch ops this transport calls (``torch.ops.symm_mem.<name>``)
-TORCH_OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+#: public op -> the torch ops its transport calls (``torch.ops.symm_mem.<name>``)
+TORCH_OPS = {"all_gather_matmul": ("fused_all_gather_matmul",),
+             "matmul_reduce_scatter": ("fused_matmul_reduce_scatter",),
+             "gemv_all_reduce": ("one_shot_all_reduce_out",)}
 #: bytes per element of the widest dtype the ops take (fp32): the workspace fits any of them
 _WIDEST = 4
+#: the dtypes torch's one-shot all-reduce kernel takes (its CUDA kernel dispatches fp32 and bf16
+#: only); a GEMV call in another dtype (fp16) reduces with the process group's all_reduce
+ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
+#: torch's one-shot kernel moves 16-byte vectors where the input's size allows (its sizes must
+#: be multiples of 4 bytes): the GEMV transport reduces a whole number of them
+_VECTOR_BYTES = 16
 
 
-def unavailable_reason(world) -> Optional[str]:
-    """Why torch's fused ops cannot run on ``world``, or None where they can. The same on every
-    rank (it reads the backend, the world's sizes and torch's build), so ranks agree on it."""
+def unavailable_reason(world, op: Optional[str] = None) -> Optional[str]:
+    """Why torch's ops for ``op`` (a key of ``TORCH_OPS``; None: every op's) cannot run on
+    ``world``, or None where they can. The same on every rank (it reads the backend, the
+    world's sizes and torch's build), so ranks agree on it."""
     if world.backend.name == "cpu":
         return ("the CPU-emulated backend: torch registers its symm_mem fused ops for GPU "
                 "tensors only")
@@ -58,7 +74,8 @@ def unavailable_reason(world) -> Optional[str]:
         import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem)
     except Exception as e:  # a torch built without distributed or symmetric memory
         return f"this torch has no symmetric memory ({type(e).__name__}: {e})"
-    for name in TORCH_OPS:
+    names = TORCH_OPS[op] if op is not None else sum(TORCH_OPS.values(), ())
+    for name in names:
         if not hasattr(torch.ops.symm_mem, name):
             return f"torch {torch.__version__} has no torch.ops.symm_mem.{name}"
     if world.local_world_size != world.world_size:
@@ -86,14 +103,16 @@ def _no_options(op: str, options: dict) -> None:
 
 
 class _TorchFused(ContextBase):
-    """What both workspaces share: the availability check, the process group's name (torch's
-    ops name their group by it) and torch's workspace sized for the largest call."""
+    """What the workspaces share: the availability check, the process group's name (torch's
+    ops name their group by it) and the collective allocation for the largest call
+    (:meth:`_allocate`: torch's workspace of ``workspace_bytes`` unless a subclass says
+    otherwise)."""
 
     def __init__(self, world, op: str, sizes: tuple, workspace_bytes: int, *,
                  timeout_s: float = 60.0, **options):
         self.OP = op
         _no_options(op, options)
-        why = unavailable_reason(world)
+        why = unavailable_reason(world, op)
         if why is not None:
             raise BackendUnavailable(f"{op}: transport {TRANSPORT!r} cannot run here: {why}")
         super().__init__(world, timeout_s)
@@ -102,15 +121,18 @@ class _TorchFused(ContextBase):
 
         self.group_name = (world.group or dist.group.WORLD).group_name
         _enable_group(symm_mem, self.group_name)
+        self.workspace_bytes = workspace_bytes
+        with _current(world.device):  # torch allocates on the current device
+            self._allocate(symm_mem)
+        self.register()
+
+    def _allocate(self, symm_mem) -> None:
         # torch allocates its workspace (collectively) at the first call that needs more room
         # than it has, and refuses to under graph capture: sized here for the largest call, no
         # call allocates it, and calls can be captured. The workspace is torch's, one per
         # process group and shared with every other user of torch's fused ops on it: close()
         # leaves it to torch.
-        with _current(world.device):  # torch allocates it on the current device
-            symm_mem.get_symm_mem_workspace(self.group_name, min_size=workspace_bytes)
-        self.workspace_bytes = workspace_bytes
-        self.register()
+        symm_mem.get_symm_mem_workspace(self.group_name, min_size=self.workspace_bytes)
 
 
 def _current(device: torch.device):
@@ -215,3 +237,96 @@ class TorchFusedAllGatherMatmul(_TorchFused):
         _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, self.group_name,
                                                              return_A=False)
         return y if out is None else out.copy_(y)  # torch's op has no out=
+
+
+class TorchFusedGemv(_TorchFused):
+    """The ``"torch_fused"`` transport of GEMV + AllReduce (public op ``op``), for outputs of at
+    most ``max_n`` columns (and ``gemv_allreduce.api.MAX_M`` rows): each call is ::
+
+        y = symm[:M * N].view(M, N)                 # this context's symmetric buffer, x's dtype
+        torch.mm(x, w.T, out=y)                     # x_r [M, K_r] @ w_r[N, K_r].T, input dtype
+        torch.ops.symm_mem.one_shot_all_reduce_out(y, "sum", group, out)
+          # out = sum_q y_q [M, N] on every rank: each rank reads every peer's buffer
+
+    the BLAS product and the sum in the input dtype, as ``"sequential"`` (cuBLAS then NCCL),
+    and torch's one-shot kernel sums the ranks in the same order on every rank. torch's kernel
+    takes fp32 and bf16 (``ONE_SHOT_DTYPES``): an fp16 call reduces with the process group's
+    ``all_reduce`` instead, as ``"sequential"`` does; a world of one rank multiplies only. The
+    input checks and errors are the other transports' (``gemv_allreduce.api.validate``,
+    ``check_out``); there are no options.
+
+    The buffer: ``MAX_M * max_n`` fp32 elements from ``symm_mem.empty``, rendezvoused with the
+    peers at creation (so no call allocates or exchanges anything, and calls can be captured
+    in CUDA graphs), plus a local buffer of the same size for the cases below. torch's kernel
+    needs its input and output sizes to be multiples of 4 bytes and stores 16-byte vectors into
+    its output, so a call reduces ``M * N`` rounded up to a multiple of 16 bytes (the same
+    length on every rank: torch's barriers count the same blocks), straight into ``out`` where
+    that is ``M * N`` and ``out`` is 16-byte aligned, else into the local buffer and then one
+    copy into ``out``; without ``out``, into a new tensor of the rounded length, ``[:M * N]``
+    returned."""
+
+    def __init__(self, world, op: str, max_n: int, *, timeout_s: float = 60.0, **options):
+        self.max_n = max_n
+        super().__init__(world, op, (max_n,), GEMV_MAX_M * max_n * _WIDEST,
+                         timeout_s=timeout_s, **options)
+
+    def _allocate(self, symm_mem) -> None:
+        self._symm, self._scratch = {}, {}
+        if self.world.world_size == 1:  # nothing to reduce: no buffer
+            return
+        # MAX_M * max_n fp32 elements: any call's rounded length fits (64 * max_n is a
+        # multiple of 4 fp32 and of 8 bf16 elements, so rounding never passes it)
+        buf = symm_mem.empty(self.workspace_bytes, dtype=torch.uint8, device=self.world.device)
+        symm_mem.rendezvous(buf, self.group_name)
+        scratch = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.world.device)
+        # Each call hands torch's op a view of ``buf`` at offset 0, in the call's dtype and
+        # length. torch finds the symmetric allocation by the storage that holds the tensor
+        # and the peers' addresses as the allocation's bases plus the view's storage offset
+        # (0 here), so the view reaches the allocation rendezvoused above.
+        for dt in ONE_SHOT_DTYPES:
+            self._symm[dt] = buf.view(dt)
+            self._scratch[dt] = scratch.view(dt)
+
+    @collective_call
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 **options) -> torch.Tensor:
+        _no_options(self.OP, options)
+        # the checks and errors of the other transports (ops/sequential.py), before torch's op
+        check_gemv_input(x, w, self.world.device, self.max_n)
+        M, N = x.shape[0], w.shape[0]
+        if out is not None:
+            check_gemv_out(out, M, N, x, w)
+        if self.checking_only:
+            return out
+        if self.world.world_size == 1 or x.dtype not in ONE_SHOT_DTYPES:
+            if out is None:
+                out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+            torch.mm(x, w.t(), out=out)
+            if self.world.world_size > 1:
+                dist.all_reduce(out, group=self.world.group)
+            return out
+        n = M * N
+        per_vector = _VECTOR_BYTES // x.element_size()
+        length = -(-n // per_vector) * per_vector
+        symm = self._symm[x.dtype]
+        torch.mm(x, w.t(), out=symm[:n].view(M, N))
+        # past M * N the rounded length holds what an earlier call left there (or nothing
+        # written yet): reduced with the rest, never read
+        if out is None:
+            y = torch.empty(length, dtype=x.dtype, device=x.device)
+            torch.ops.symm_mem.one_shot_all_reduce_out(symm[:length], "sum", self.group_name, y)
+            return y[:n].view(M, N)
+        if length == n and out.data_ptr() % _VECTOR_BYTES == 0:
+            torch.ops.symm_mem.one_shot_all_reduce_out(symm[:length], "sum", self.group_name,
+                                                       out.view(length))
+            return out
+        staged = self._scratch[x.dtype][:length]
+        torch.ops.symm_mem.one_shot_all_reduce_out(symm[:length], "sum", self.group_name, staged)
+        return out.copy_(staged[:n].view(M, N))
+
+    def close(self) -> None:
+        """Collective (every rank): the buffers go back to torch's allocators."""
+        if self._closed:
+            return
+        super().close()
+        self._symm, self._scratch = {}, {}

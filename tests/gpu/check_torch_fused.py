@@ -1,6 +1,7 @@
 """GPU checks of ``transport="torch_fused"`` (ops/torch_fused.py: torch's
-``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``), under torchrun on the GPUs of one
-host, any number of ranks, one included:
+``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``, and for GEMV + AllReduce
+``torch.mm`` into a symmetric buffer then ``one_shot_all_reduce_out``), under torchrun on the GPUs
+of one host, any number of ranks, one included:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         timeout 600 torchrun --nproc-per-node N tests/gpu/check_torch_fused.py
@@ -13,7 +14,14 @@ product, then the collective), with bias and residual; a call captured in a CUDA
 replayed with fresh inputs into a poisoned ``out`` (the workspace is sized at creation, so no
 call allocates it); a bad call (the same on every rank) raising ``ValueError`` and the context
 working on after it; ``transport="auto"`` with every transport a candidate timing it, and
-``candidates=("torch_fused",)``. Where it does not run (e.g. ranks on several
+``candidates=("torch_fused",)``. GEMV + AllReduce: M = 1, 8, 33, N = 4160, 1000, 999 (so
+some calls reduce a rounded length through the staging buffer), K differing by rank, bf16, fp16
+(the process group's all_reduce) and fp32, ``out`` poisoned, not given, and 2 bytes off 16-byte
+alignment, against the fp32 reference and the same bits on every rank; CUDA-graph replays with
+fresh inputs (straight and staged); a wrong-dtype ``w`` and N > max_n raising what
+``transport="stores"`` raises, the context working on after them; ``transport="auto"`` with
+``candidates=("one_shot", "torch_fused", "sequential")``; and whether torch's one-shot op takes
+fp16 (printed, not a check). Where it does not run (e.g. ranks on several
 hosts), that making it raises ``BackendUnavailable`` with the reason and that ``"auto"`` leaves
 it out; the reason is printed.
 
@@ -30,6 +38,7 @@ import sys
 import traceback
 
 import torch
+import torch.distributed as dist
 
 import portable_overlap as po
 from portable_overlap.errors import BackendUnavailable
@@ -89,8 +98,9 @@ def check_all_gather(world, gen) -> None:
             m, K, N = shapes[2]
             a, b = rand((m, K), dtype, world, gen), rand((K, N), dtype, world, gen, K ** -0.5)
             out = poisoned((W * m, N), dtype, world)
-            worst = worst_over_graph_replays(ctx, lambda: po.all_gather_matmul(a, b, ctx, out), a, out,
-                             lambda: po.all_gather_matmul_reference(a, b, world.group), gen)
+            worst = worst_over_graph_replays(
+                ctx, lambda: po.all_gather_matmul(a, b, ctx, out), a, out,
+                lambda: po.all_gather_matmul_reference(a, b, world.group), gen)
             record(f"all_gather_matmul {m}x{K}x{N} {dt} graph replays", worst < TOL[dtype],
                    f"worst rel_err={worst:.1e}")
         finally:
@@ -123,8 +133,9 @@ def check_reduce_scatter(world, gen) -> None:
             M, N, K = shapes[2]
             a, b = rand((M, K), dtype, world, gen), rand((K, N), dtype, world, gen, K ** -0.5)
             bias, out = rand((N,), dtype, world, gen), poisoned((M // W, N), dtype, world)
-            worst = worst_over_graph_replays(ctx, lambda: po.matmul_reduce_scatter(a, b, ctx, out, bias=bias), a,
-                             out, lambda: RS_REFERENCE(a, b, world.group, bias, None), gen)
+            worst = worst_over_graph_replays(
+                ctx, lambda: po.matmul_reduce_scatter(a, b, ctx, out, bias=bias), a, out,
+                lambda: RS_REFERENCE(a, b, world.group, bias, None), gen)
             record(f"matmul_reduce_scatter {M}x{N}x{K} {dt} graph replays", worst < TOL[dtype],
                    f"worst rel_err={worst:.1e}")
         finally:
@@ -192,13 +203,152 @@ def check_auto(world, gen) -> None:
                    ctx.choice(a, b) == "torch_fused" and err < TOL[dtype], f"rel_err={err:.1e}")
 
 
-def check_unavailable(world, why: str) -> None:
+GEMV_SHAPES = [(M, N) for M in (1, 8, 33) for N in (4160, 1000, 999)]
+GEMV_MAX_N = 4160
+
+
+def same_on_all_ranks(world, y: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(y) for _ in range(world.world_size)]
+    dist.all_gather(gathered, y.contiguous(), group=world.group)
+    return all(torch.equal(g.view(torch.uint8), gathered[0].view(torch.uint8)) for g in gathered)
+
+
+def gemv_inputs(world, gen, M, N, dtype):
+    K = 1024 + 16 * world.rank  # the K shards differ by rank
+    return rand((M, K), dtype, world, gen), rand((N, K), dtype, world, gen, K ** -0.5)
+
+
+def gemv_reference(x, w, world):
+    return po.gemv_all_reduce_reference(x, w, world.group)
+
+
+def check_gemv(world, gen) -> None:
+    """Every shape and dtype: ``out`` poisoned, not given, and 2 bytes off alignment (staged)."""
+    for dtype in DTYPES:
+        dt = str(dtype)[6:]
+        with po.GemvAllReduce(world, GEMV_MAX_N, transport="torch_fused") as ctx:
+            for M, N in GEMV_SHAPES:
+                x, w = gemv_inputs(world, gen, M, N, dtype)
+                out = poisoned((M, N), dtype, world)
+                y = po.gemv_all_reduce(x, w, ctx, out)
+                own = po.gemv_all_reduce(x, w, ctx)
+                ctx.synchronize()
+                ref = gemv_reference(x, w, world)
+                err, err_own = rel_err(out, ref), rel_err(own, ref)
+                same = same_on_all_ranks(world, out)
+                record(f"gemv_all_reduce {M}x{N} {dt}",
+                       y is out and tuple(own.shape) == (M, N) and own.is_contiguous()
+                       and err < TOL[dtype] and err_own < TOL[dtype] and same,
+                       f"rel_err={err:.1e} (no out: {err_own:.1e}) same_on_ranks={same}")
+                if (M, N) != (8, 1000):
+                    continue
+                # the same call into an out 2 (fp16, bf16) or 4 (fp32) bytes past a 16-byte
+                # boundary: staged, then copied; the memory around out stays as it was
+                skip = 16 // out.element_size() + 1
+                room = poisoned((M * N + 2 * skip,), dtype, world)
+                off = room[skip:skip + M * N].view(M, N)
+                y = po.gemv_all_reduce(x, w, ctx, off)
+                ctx.synchronize()
+                err = rel_err(off, ref)
+                untouched = bool(room[:skip].isnan().all()) and bool(
+                    room[skip + M * N:].isnan().all())
+                record(f"gemv_all_reduce {M}x{N} {dt} out off 16-byte alignment",
+                       y is off and off.data_ptr() % 16 != 0 and err < TOL[dtype] and untouched,
+                       f"rel_err={err:.1e} outside out untouched={untouched}")
+
+
+def check_gemv_graph(world, gen) -> None:
+    """A captured call replayed with fresh inputs: straight into ``out`` and staged."""
+    for dtype, (M, N) in [(torch.bfloat16, (8, 4160)), (torch.float16, (8, 4160)),
+                          (torch.float32, (8, 4160)), (torch.bfloat16, (33, 999))]:
+        with po.GemvAllReduce(world, GEMV_MAX_N, transport="torch_fused") as ctx:
+            x, w = gemv_inputs(world, gen, M, N, dtype)
+            out = poisoned((M, N), dtype, world)
+            worst = worst_over_graph_replays(ctx, lambda: po.gemv_all_reduce(x, w, ctx, out), x,
+                                             out, lambda: gemv_reference(x, w, world), gen)
+            record(f"gemv_all_reduce {M}x{N} {str(dtype)[6:]} graph replays", worst < TOL[dtype],
+                   f"worst rel_err={worst:.1e}")
+
+
+def check_gemv_bad_input(world, gen) -> None:
+    """The same bad calls on every rank: the errors ``"stores"`` raises, before torch's op (so
+    no rank waits in torch's barrier), and the context works on."""
+    dtype = torch.bfloat16
+    x, w = gemv_inputs(world, gen, 4, 256, dtype)
+    cases = {"w dtype differs": lambda c: po.gemv_all_reduce(x, w.float(), c),
+             "N > max_n": lambda c: po.gemv_all_reduce(
+                 x, rand((GEMV_MAX_N + 1, x.shape[1]), dtype, world, gen), c)}
+    found = {}
+    for transport in ("stores", "torch_fused"):
+        with po.GemvAllReduce(world, GEMV_MAX_N, transport=transport) as ctx:
+            for label, call in cases.items():
+                try:
+                    call(ctx)
+                    found[(transport, label)] = "no error"
+                except Exception as e:  # noqa: BLE001  (the kind is the finding)
+                    found[(transport, label)] = type(e).__name__
+            if transport == "torch_fused":
+                y = po.gemv_all_reduce(x, w, ctx)
+                ctx.synchronize()
+                err = rel_err(y, gemv_reference(x, w, world))
+    for label in cases:
+        got, want = found[("torch_fused", label)], found[("stores", label)]
+        record(f"gemv_all_reduce bad input: {label}", got == want and want != "no error",
+               f"torch_fused {got}, stores {want}")
+    record("gemv_all_reduce good call after bad ones", err < TOL[dtype], f"rel_err={err:.1e}")
+
+
+def check_gemv_auto(world, gen) -> None:
+    """``"auto"`` with torch_fused among the candidates: timed at the first call (not failed),
+    a correct result whatever the pick, and a second call of the decided key."""
+    dtype, (M, N) = torch.bfloat16, (8, 4160)
+    with po.GemvAllReduce(world, GEMV_MAX_N, transport="auto",
+                          candidates=("one_shot", "torch_fused", "sequential")) as ctx:
+        errs = []
+        for _ in range(2):
+            x, w = gemv_inputs(world, gen, M, N, dtype)
+            out = poisoned((M, N), dtype, world)
+            po.gemv_all_reduce(x, w, ctx, out)
+            ctx.synchronize()
+            errs.append(rel_err(out, gemv_reference(x, w, world)))
+        decision = list(ctx.decisions.values())[-1]
+        ms = ", ".join(f"{t} {v:.3f}" for t, v in decision["ms"].items())
+        record(f"gemv_all_reduce auto {M}x{N}", "torch_fused" in decision["ms"]
+               and max(errs) < TOL[dtype],
+               f"pick {ctx.choice(x, w)} [{ms} ms] failed={list(decision['failed'])} "
+               f"rel_err={max(errs):.1e}")
+
+
+def probe_one_shot_fp16(world, gen) -> None:
+    """Whether this torch's one-shot all-reduce takes fp16 (the transport sends fp16 calls to the
+    process group's all_reduce because torch's kernel dispatches fp32 and bf16): printed only.
+    A dtype it refuses is refused on every rank before its launch."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = (world.group or dist.group.WORLD).group_name
+    t = symm_mem.empty(64, dtype=torch.float16, device=world.device)
+    symm_mem.rendezvous(t, group_name)
+    t.fill_(1.0)
+    try:
+        y = torch.ops.symm_mem.one_shot_all_reduce(t, "sum", group_name)
+        torch.cuda.synchronize(world.device)
+        what = f"takes it (sum of ones = {y[0].item()})"
+    except RuntimeError as e:
+        what = f"refuses it: {str(e).splitlines()[0][:160]}"
+    if world.rank == 0:
+        print(f"torch.ops.symm_mem.one_shot_all_reduce with fp16: {what}", flush=True)
+
+
+def check_unavailable(world, why: str, names=("all_gather_matmul", "matmul_reduce_scatter")
+                      ) -> None:
     """Where torch's ops do not run: named, the transport raises BackendUnavailable with the
     reason; ``"auto"`` leaves it out of its default candidates."""
-    for name, make in (("all_gather_matmul", lambda **kw: po.AllGatherMatmul(world, 64, **kw)),
-                       ("matmul_reduce_scatter",
-                        lambda **kw: po.MatmulReduceScatter(world, 8 * world.world_size, 8,
-                                                            **kw))):
+    makers = {"all_gather_matmul": lambda **kw: po.AllGatherMatmul(world, 64, **kw),
+              "matmul_reduce_scatter": lambda **kw: po.MatmulReduceScatter(
+                  world, 8 * world.world_size, 8, **kw),
+              "gemv_all_reduce": lambda **kw: po.GemvAllReduce(world, 8, **kw)}
+    for name in names:
+        make = makers[name]
         msg = ""
         try:
             make(transport="torch_fused").close()
@@ -227,15 +377,25 @@ def main() -> int:
     world = po.World.from_env()
     gen = torch.Generator(device=world.device).manual_seed(5000 + world.rank)
     why = po.AllGatherMatmul.unavailable(world).get("torch_fused")
+    why_gemv = po.GemvAllReduce.unavailable(world).get("torch_fused")
     if world.rank == 0:
-        print(f"torch {torch.__version__}, world of {world.world_size} "
-              f"({world.local_world_size} on this host), {world.facts.name}: torch_fused "
-              f"{'runs here' if why is None else 'cannot run here: ' + why}", flush=True)
+        for what, reason in (("GEMM patterns", why), ("GEMV + AllReduce", why_gemv)):
+            print(f"torch {torch.__version__}, world of {world.world_size} "
+                  f"({world.local_world_size} on this host), {world.facts.name}: torch_fused "
+                  f"of the {what} {'runs here' if reason is None else 'cannot run here: '}"
+                  f"{reason or ''}", flush=True)
     if why is not None:
         guarded(check_unavailable, world, why)
     else:
         for check in (check_all_gather, check_reduce_scatter, check_bad_input, check_auto):
             guarded(check, world, gen)
+    if why_gemv is not None:
+        guarded(check_unavailable, world, why_gemv, ("gemv_all_reduce",))
+    else:
+        for check in (check_gemv, check_gemv_graph, check_gemv_bad_input, check_gemv_auto):
+            guarded(check, world, gen)
+        if world.world_size > 1:
+            guarded(probe_one_shot_fp16, world, gen)
     return LOG.finish(world, f"torch_fused gpu checks (world of {world.world_size})")
 
 

@@ -14,6 +14,10 @@ Transports (``transport=``):
   ``config``);
 - ``"one_shot"``: the same kernel storing every partial into every rank, each rank reducing all
   of them (one flag round; for latency-bound steps on many ranks; same options);
+- ``"torch_fused"``: torch's path: ``torch.mm`` in the input dtype into a torch
+  symmetric-memory buffer, then torch's ``one_shot_all_reduce_out`` of it (``ops/torch_fused.py``;
+  no options; GPU worlds of one host only, elsewhere it raises ``BackendUnavailable`` and
+  ``"auto"`` leaves it out; fp16 calls reduce with the vendor library's ``all_reduce``);
 - ``"sequential"``: ``torch.mm`` in the input dtype, then the vendor library's ``all_reduce`` of
   the product (``ops/sequential.py``; no options): the baseline, and the choice where the fused
   kernel measured slower;
@@ -22,7 +26,8 @@ Transports (``transport=``):
 
 The fused transports give every rank the same bits (each block summed in rank order); the
 sequential one gives what the collective library gives (the same on every rank for NCCL's and
-gloo's all-reduce, rounded in the input dtype).
+gloo's all-reduce, rounded in the input dtype), and ``"torch_fused"`` what ``"sequential"``
+computes (the product rounded to the input dtype, summed in it by torch's kernel).
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ class GemvAllReduce(PatternContext):
     close; the same calls in the same order on every rank, on one stream."""
 
     OP = OP
-    TRANSPORTS = ("stores", "one_shot", "sequential")
+    TRANSPORTS = ("stores", "one_shot", "torch_fused", "sequential")
     CALL_OPTIONS = {"stores": {"config": GemvConfig}, "one_shot": {"config": GemvConfig}}
 
     def __init__(self, world, max_n: int, *, transport: Optional[str] = None,
@@ -61,6 +66,10 @@ class GemvAllReduce(PatternContext):
             from ..sequential import SequentialGemv
 
             return SequentialGemv(world, OP, self.max_n, **options, **timeout_kw(timeout_s))
+        if transport == "torch_fused":
+            from ..torch_fused import TorchFusedGemv
+
+            return TorchFusedGemv(world, OP, self.max_n, **options, **timeout_kw(timeout_s))
         from .api import GemvAllReduceKernel
 
         return GemvAllReduceKernel(world, self.max_n, transport=transport, **options,
