@@ -12,8 +12,8 @@ per schedule of ``--schedules``, ``fused[pull]`` (the copy-engine transport pull
 shards, ``direction="pull"``; ``--no-pull`` skips it), one ``fused[stores,senders=<S>]`` per
 count of ``--senders`` (the ``"stores"`` transport; ``default`` is its own rule, ``none`` skips
 it), one ``fused[stores,<k>=<v>,...]`` per option set of ``--stores``, ``auto``
-(``transport="auto"``; the row's ``pick``: the transport it chose for plain and for captured
-calls), ``sequential`` (all_gather_into_tensor then
+(``transport="auto"``, called without ``out`` as torch's op is; the row's ``pick``: the
+transport it chose for plain and for captured calls), ``sequential`` (all_gather_into_tensor then
 torch.matmul), ``compute``, ``comm``, ``torch_fused``.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
@@ -116,8 +116,8 @@ def body(bench) -> int:
                 impls[f"fused[stores,{v.replace('+', ',')}]"] = lambda c=vctx: c(a, b, out)
             if pull is not None:
                 impls["fused[pull]"] = lambda: pull(a, b, out)
-            for n, actx in autos.items():
-                impls[n] = lambda c=actx: c(a, b, out)
+            for n, actx in autos.items():  # without out, as torch's op is called
+                impls[n] = lambda c=actx: c(a, b)
             impls.update({
                 "sequential": lambda: (dist.all_gather_into_tensor(full, a),
                                        torch.matmul(full, b, out=out)),
@@ -138,15 +138,15 @@ def body(bench) -> int:
 
             def check(name):
                 out.fill_(float("nan"))
-                impls[name]()
+                y = impls[name]()
                 for c in contexts:
                     c.synchronize()
-                return rel_err(out, ref)
+                return rel_err(y if name in autos else out, ref)
 
             bench.run(Case(
                 op=OP, shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls, check=check,
                 fields=lambda name: {"schedule": pick if name == "fused" else None,
-                                     **({"pick": autos[name].choices(a, b, out)}
+                                     **({"pick": autos[name].choices(a, b)}
                                         if name in autos else {})},
                 notes={"pick": pick}, label=f"{M}x{N}x{K} {dname}"))
     for c in contexts:

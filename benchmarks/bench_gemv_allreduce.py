@@ -9,8 +9,8 @@ Shapes are (M, N, K) with K split over the ranks (each rank holds K / world colu
 uses the fastest; every rank uses rank 0's pick. Impls: ``fused`` (the default two-shot
 ``"stores"`` transport), ``fused_one_shot`` (``transport="one_shot"``), ``fused_nocomm`` (the fused
 kernel on a world of one rank: its GEMV streaming without any communication), ``auto``
-(``transport="auto"``; the row's ``pick``: the transport it chose for plain and for captured
-calls), ``sequential``
+(``transport="auto"``, called without ``out`` as torch's op is; the row's ``pick``: the
+transport it chose for plain and for captured calls), ``sequential``
 (torch.mm then NCCL all_reduce), ``compute``, ``comm``, ``torch_fused`` (torch.mm into symmetric
 memory, then torch's one_shot_all_reduce). ``floor_ms`` = per-rank W bytes / HBM read bandwidth.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
@@ -114,7 +114,8 @@ def body(bench) -> int:
                 "fused": lambda: ctx(x, w, out=out, config=cfg),
                 "fused_one_shot": lambda: one_shot(x, w, out=out, config=cfg),
                 "fused_nocomm": lambda: solo_ctx(x, w, out=y, config=plan_cfg),
-                **{n: (lambda c=c: c(x, w, out=out)) for n, c in autos.items()},
+                # (without out, as torch's op is called)
+                **{n: (lambda c=c: c(x, w)) for n, c in autos.items()},
                 "sequential": lambda: dist.all_reduce(torch.mm(x, w.t(), out=y)),
                 "compute": lambda: torch.mm(x, w.t(), out=y),
                 "comm": lambda: dist.all_reduce(y),
@@ -136,12 +137,12 @@ def body(bench) -> int:
                 out.fill_(float("nan"))
                 if name in autos:
                     c = autos[name]
-                    c(x, w, out=out)
+                    y = c(x, w)
                 else:
                     c = one_shot if name == "fused_one_shot" else ctx
-                    c(x, w, out=out, config=cfg)
+                    y = c(x, w, out=out, config=cfg)
                 c.synchronize()
-                return rel_err(out, gemv_all_reduce_reference(x, w, world.group))
+                return rel_err(y, gemv_all_reduce_reference(x, w, world.group))
 
             bench.run(Case(
                 op=OP, shape=shape, dtype=dname, impls=impls, check=check,
@@ -150,7 +151,7 @@ def body(bench) -> int:
                 fields=lambda name: {"floor_ms": round(floor_ms, 5),
                                      **({"config": cfg.__dict__}
                                         if name == "fused" and cfg else {}),
-                                     **({"pick": autos[name].choices(x, w, out=out)}
+                                     **({"pick": autos[name].choices(x, w)}
                                         if name in autos else {})},
                 notes={"floor_ms": floor_ms},
                 derive=lambda t: {"fused_over_floor": t["fused"] / floor_ms

@@ -8,8 +8,9 @@ Shapes (M, N, K) of the whole layer with K split: each rank holds a [M, K/W] and
 (b a transposed [N, K/W] weight, as a row-parallel linear holds it). Impls per mode: ``fused``
 (the copy-engine transport, default pieces and put lanes), ``fused[p=<n>]`` (other piece
 counts), ``fused[lanes=<n>]`` (other put-lane counts), ``fused[stores]`` (the SM-store
-transport; ``--no-stores`` skips it), ``auto`` (``transport="auto"``; the row's
-``pick``: the transport it chose for plain and for captured calls),
+transport; ``--no-stores`` skips it), ``auto`` (``transport="auto"``, called without
+``out`` as torch's op is; the row's ``pick``: the transport it chose for plain and for
+captured calls),
 ``sequential`` (torch.matmul, then
 reduce_scatter_tensor / all_reduce), ``compute``, ``comm``, and for reduce_scatter
 ``torch_fused`` (torch.ops.symm_mem.fused_matmul_reduce_scatter; skipped with the reason printed
@@ -87,8 +88,8 @@ def body(bench) -> int:
                          for name, ctx in ctxs.items()}
                 if mode in stores:
                     impls["fused[stores]"] = lambda st=stores[mode]: st(a, b, out=out)
-                for n, actx in autos[mode].items():
-                    impls[n] = lambda c=actx: c(a, b, out=out)
+                for n, actx in autos[mode].items():  # without out, as torch's op is called
+                    impls[n] = lambda c=actx: c(a, b)
                 if mode == "reduce_scatter":
                     coll = lambda: dist.reduce_scatter_tensor(rs_out, c)  # noqa: E731
                 else:
@@ -107,10 +108,10 @@ def body(bench) -> int:
 
                 def check(name):
                     out.fill_(float("nan"))
-                    impls[name]()
+                    y = impls[name]()
                     for ctx in every:
                         ctx.synchronize()
-                    return rel_err(out, ref)
+                    return rel_err(y if name in autos[mode] else out, ref)
 
                 bench.run(Case(
                     op=OP[mode], shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls,
@@ -118,7 +119,7 @@ def body(bench) -> int:
                     fields=lambda name, mode=mode, out=out: {
                         "transport": ("stores" if name == "fused[stores]" else "copy_engine")
                         if name.startswith("fused") else None,
-                        **({"pick": autos[mode][name].choices(a, b, out=out)}
+                        **({"pick": autos[mode][name].choices(a, b)}
                            if name in autos[mode] else {})}))
     for ctx in every:
         ctx.close()
