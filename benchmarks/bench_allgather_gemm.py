@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.cli import BenchParser
-from benchmarks.runner import Case, auto_contexts, rel_err, run_main, torch_dtype
+from benchmarks.runner import Case, auto_contexts, auto_fields, rel_err, run_main, torch_dtype
 from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul,
                                                  all_gather_matmul_reference, pick_schedule)
 
@@ -146,7 +146,7 @@ def body(bench) -> int:
             bench.run(Case(
                 op=OP, shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls, check=check,
                 fields=lambda name: {"schedule": pick if name == "fused" else None,
-                                     **({"pick": autos[name].choices(a, b)}
+                                     **(auto_fields(autos[name], a, b)
                                         if name in autos else {})},
                 notes={"pick": pick}, label=f"{M}x{N}x{K} {dname}"))
     for c in contexts:

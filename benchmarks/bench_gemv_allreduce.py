@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from benchmarks.cli import BenchParser
 from benchmarks.harness import hbm_read_bandwidth
-from benchmarks.runner import Case, auto_contexts, rel_err, run_main, torch_dtype
+from benchmarks.runner import Case, auto_contexts, auto_fields, rel_err, run_main, torch_dtype
 from portable_overlap import GemvAllReduce, GemvConfig, World, gemv_all_reduce_reference
 from portable_overlap.ops.gemv_allreduce.config import pick_config
 
@@ -151,7 +151,7 @@ def body(bench) -> int:
                 fields=lambda name: {"floor_ms": round(floor_ms, 5),
                                      **({"config": cfg.__dict__}
                                         if name == "fused" and cfg else {}),
-                                     **({"pick": autos[name].choices(x, w)}
+                                     **(auto_fields(autos[name], x, w)
                                         if name in autos else {})},
                 notes={"floor_ms": floor_ms},
                 derive=lambda t: {"fused_over_floor": t["fused"] / floor_ms

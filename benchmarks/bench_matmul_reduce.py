@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from benchmarks.cli import BenchParser, parse_ints
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
-from benchmarks.runner import Case, auto_contexts, rel_err, run_main, torch_dtype
+from benchmarks.runner import Case, auto_contexts, auto_fields, rel_err, run_main, torch_dtype
 import portable_overlap as po
 from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
@@ -119,7 +119,7 @@ def body(bench) -> int:
                     fields=lambda name, mode=mode, out=out: {
                         "transport": ("stores" if name == "fused[stores]" else "copy_engine")
                         if name.startswith("fused") else None,
-                        **({"pick": autos[mode][name].choices(a, b)}
+                        **(auto_fields(autos[mode][name], a, b)
                            if name in autos[mode] else {})}))
     for ctx in every:
         ctx.close()

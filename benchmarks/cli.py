@@ -28,6 +28,20 @@ DTYPE_NAMES = ("fp32", "fp16", "bf16", "fp8")
 _GRAPH_WORDS = {"0": False, "plain": False, "eager": False, "1": True, "graph": True}
 
 
+def split_names(text: str) -> list:
+    """``"fused[stores,senders=16],auto"`` -> ``["fused[stores,senders=16]", "auto"]``: a comma
+    list of impl names, whose brackets may hold commas."""
+    names, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            names.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [n.strip() for n in (*names, cur) if n.strip()]
+
+
 def parse_shapes(text: str, dims: Sequence[str]) -> list:
     """``"8192x8192x4096,16384x7168x2048"`` -> ``[{dims[0]: 8192, ...}, ...]``: each shape has
     one positive integer per name in ``dims``, in that order; ValueError says what is wrong."""
@@ -187,6 +201,6 @@ class BenchParser(argparse.ArgumentParser):
         if not graphs:
             self.error("no graph mode left to time (--no-graph and --no-plain together?)")
         ns.graphs = graphs
-        ns.impls = tuple(x for x in ns.impls.split(",") if x)
+        ns.impls = tuple(split_names(ns.impls))
         ns.out = results_path(ns.out, ns.device_kind)
         return ns

@@ -34,6 +34,15 @@ from portable_overlap.testing.compare import rel_err  # noqa: F401  (the benchma
 AUTO_VARIANTS = {"auto": {}}
 
 
+def auto_fields(ctx, *args) -> dict:
+    """Row fields of an ``auto`` impl: its picks for the call (``ctx.choices``) and the times
+    its latest decision measured (``{"ms": ..., "captured": {"ms": ...}}``)."""
+    decision = list(ctx.decisions.values())[-1] if ctx.decisions else {}
+    return {"pick": ctx.choices(*args),
+            "decision_ms": {"plain": decision.get("ms"),
+                            "captured": decision.get("captured", {}).get("ms")}}
+
+
 def auto_contexts(make: Callable[..., object]) -> dict:
     """``{impl name: make(transport="auto", **options)}`` per :data:`AUTO_VARIANTS`: the
     ``transport="auto"`` contexts a benchmark times beside the transports it names. The first

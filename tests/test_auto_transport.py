@@ -509,7 +509,7 @@ def test_plain_and_captured_calls_get_their_own_pick(world2):
         err, ran = found["eager"]
         assert err < TOL and ran == "stores"
         timed, n = found["timed"]
-        assert timed == 2 * n  # each candidate once per timing mode
+        assert timed == 2 * planner.ROUNDS * n  # each candidate, mode and round once
         assert found["choices"] == {"plain": "stores", "captured": "copy_engine"}
         assert found["captured record"] == ["copy_engine"]
         assert found["choice captured"] == "copy_engine"

@@ -67,6 +67,9 @@ def test_parser_defaults_and_overrides(tmp_path):
     assert _parser().parse_args(["--out", "x", "--graph", "1"]).graphs == (True,)
     assert _parser().parse_args(["--out", "x", "--no-graph"]).graphs == (False,)
     assert _parser(graphs=(True,)).parse_args(["--out", "x"]).graphs == (True,)
+    # --impls: names whose brackets hold commas stay whole
+    ns = _parser().parse_args(["--out", "x", "--impls", "fused[stores,senders=16],auto,,seq"])
+    assert ns.impls == ("fused[stores,senders=16]", "auto", "seq")
 
 
 def test_parser_errors(tmp_path, capsys):

@@ -20,15 +20,17 @@ What the first call of a key does (collective; the same on every rank):
 3. **Measuring**: each candidate in ``TRANSPORTS`` order runs once on the call's own inputs,
    into an output of its own (the user's ``out`` is written only by the chosen transport, after
    the decision), then ``schedule.tuning.time_call`` times ``warmup`` + ``iters`` more runs (the
-   slowest rank's median) in each of the timing modes ``graph`` asks for: plain calls and
-   CUDA-graph replays (the default, ``graph=None``; on a CPU device, where nothing is captured,
-   plain calls only), plain calls only (``graph=False``) or replays only (``graph=True``). A
-   candidate that raises on any rank is left out on every rank (the ranks exchange their errors
-   after each step) and a ``RuntimeWarning`` names it and its error; one whose workspace the
-   failure left out of step with its peers (broken, e.g. by a peer timeout) is left out of every
-   later decision too, and freed at ``close()``. When no candidate runs, the call raises: this
-   rank's error if every candidate refused its input (``ValueError`` / ``TypeError``: the error
-   the named transports give), else a ``RuntimeError`` naming each candidate's error.
+   slowest rank's median; on a GPU in :data:`ROUNDS` rounds, the candidates' order rotated each
+   round, and the median of the rounds kept) in each of the timing modes ``graph`` asks for:
+   plain calls and CUDA-graph replays (the default, ``graph=None``; on a CPU device, where
+   nothing is captured, plain calls only), plain calls only (``graph=False``) or replays only
+   (``graph=True``). A candidate that raises on any rank is left out on every rank (the ranks
+   exchange their errors after each step) and a ``RuntimeWarning`` names it and its error; one
+   whose workspace the failure left out of step with its peers (broken, e.g. by a peer timeout)
+   is left out of every later decision too, and freed at ``close()``. When no candidate runs,
+   the call raises: this rank's error if every candidate refused its input (``ValueError`` /
+   ``TypeError``: the error the named transports give), else a ``RuntimeError`` naming each
+   candidate's error.
 4. **The picks**: per timing mode, the fastest candidate, except that ``"sequential"`` is kept
    when it is within :data:`TIE` of it. A call made under CUDA-graph capture runs the pick of
    the replays, any other call the pick of the plain calls (with one timing mode, both are
@@ -89,6 +91,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import statistics
 import threading
 import uuid
 import warnings
@@ -108,6 +111,12 @@ SEQUENTIAL = "sequential"
 #: fraction: the medians of a few timed runs differ by a few percent from run to run, and a
 #: pick that is really slower would be the one way ``"auto"`` could lose to the plain path
 TIE = 0.03
+#: timing rounds per candidate and mode on a GPU, in a rotated order: a GPU's clock falls as it
+#: heats, and a fixed order favoured the candidates timed first (on one H100 the same kernel
+#: timed 9-13% slower after two others than before them, ``schedule.tuning.time_paths``; on
+#: 4 H200s ``"auto"`` kept the SM stores of AllGather + GEMM at 8192³, timed before torch's
+#: fused op, at 0.466 ms against torch's 0.439)
+ROUNDS = 3
 #: the least time a rank waits for its peers to join a call's agreement
 #: (``TransportPlanner._agree``): at a key's first call the peers may still compile their kernels
 #: for the call before
@@ -593,10 +602,12 @@ class TransportPlanner:
         # outputs passed as options get scratch tensors too: timing writes nothing of the user's
         opts = {k: torch.empty_like(v) if k in ctx.OUTPUT_OPTIONS and isinstance(v, torch.Tensor)
                 else v for k, v in given.items()}
-        # the timing modes: plain calls (False), graph replays (True)
-        modes = ((False, True) if _can_capture(world.device) else (False,)) \
-            if self.graph is None else (self.graph,)
-        ms, failed, mine = {m: {} for m in modes}, {}, {}
+        # the timing modes: plain calls (False), graph replays (True); on a GPU, ROUNDS rounds
+        # in a rotated order (tuning.rotated_rounds)
+        gpu = _can_capture(world.device)
+        modes = ((False, True) if gpu else (False,)) if self.graph is None else (self.graph,)
+        rounds = ROUNDS if gpu else 1
+        runs, failed, mine = {}, {}, {}
         for t in cands:
             impl = self.impls[t]
 
@@ -609,22 +620,29 @@ class TransportPlanner:
                 return res if isinstance(res, torch.Tensor) else res[0]
 
             scratch = self._agreed(t, probe, failed, mine)
-            if t in failed:
-                continue
+            if t not in failed:
+                runs[t] = (impl, run, scratch)
+        ms = {m: {t: [] for t in runs} for m in modes}
+        for mode in modes:
+            for order in tuning.rotated_rounds(list(runs), rounds):
+                for t in order:
+                    if t in failed:  # (one that cannot be timed in a mode is picked in none)
+                        continue
+                    impl, run, scratch = runs[t]
 
-            for mode in modes:
-                def timed(impl=impl, run=run, scratch=scratch, mode=mode):
-                    ms_ = tuning.time_call(lambda: run(scratch), world, iters=self.iters,
-                                           warmup=self.warmup, graph=mode)
-                    impl.synchronize()
-                    return ms_
+                    def timed(impl=impl, run=run, scratch=scratch, mode=mode):
+                        ms_ = tuning.time_call(lambda: run(scratch), world, iters=self.iters,
+                                               warmup=self.warmup, graph=mode)
+                        impl.synchronize()
+                        return ms_
 
-                value = self._agreed(t, timed, failed, mine)
-                if t in failed:  # (one that cannot be timed in a mode is picked in none)
-                    for m in modes:
-                        ms[m].pop(t, None)
-                    break
-                ms[mode][t] = value
+                    value = self._agreed(t, timed, failed, mine)
+                    if t not in failed:
+                        ms[mode][t].append(value)
+        # each candidate's median over its rounds (the same on every rank: each round's value
+        # is the slowest rank's)
+        ms = {m: {t: statistics.median(v) for t, v in per.items() if t not in failed}
+              for m, per in ms.items()}
         broken = {t for t in failed if _is_broken(self.impls[t])}
         broken = [t for t in cands if any(t in b for b in world.all_gather_object(broken))]
         for t in broken:

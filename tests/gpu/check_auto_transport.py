@@ -111,7 +111,8 @@ def check_pattern(world, gen, name, make, ref, shapes, rows, sizes) -> None:
             record(f"{label} pick", pick == want
                    and picks_ == {"plain": want, "captured": want_captured}
                    and all(p == picks_ for p in picks)
-                   and timed == len(ms) + len(captured_ms or {}) and again == 0
+                   and timed == planner.ROUNDS * (len(ms) + len(captured_ms or {}))
+                   and again == 0
                    and err < TOL and err2 < TOL,
                    f"{picks_} [{times} ms] failed={list(decision['failed'])} "
                    f"rel_err={err:.1e}/{err2:.1e}")
