@@ -519,6 +519,45 @@ def test_plain_and_captured_calls_get_their_own_pick(world2):
         assert found["named"] == {"plain": "stores", "captured": "stores"}
 
 
+def _timed_as_called(world):
+    """The timed runs of a key's first call fill an output of their own where the call passes
+    ``out``, and make their own result where it does not, as the call will."""
+    M, N, K = 2 * world.world_size, 5, 3
+    ctx = po.MatmulAllReduce(world, 2 * M, N, transport="auto", iters=1, warmup=0)
+    found = {}
+    try:
+        fake = _FakeTimings(ctx)
+        outs, run = [], ctx._run
+
+        def recording(transport, impl, inputs, out, options):
+            outs.append(out is None)
+            return run(transport, impl, inputs, out, options)
+
+        ctx._run = recording
+        n = len(ctx.planner.candidates)
+        with _timing(fake):
+            for given in (False, True):
+                a, b = torch.randn(M + given * world.world_size, K), torch.randn(K, N)
+                out = torch.full((a.shape[0], N), float("nan")) if given else None
+                del outs[:]
+                y = po.matmul_all_reduce(a, b, ctx, out)
+                # the input checks of "sequential" (nothing run), n probes (no out), n timed
+                # runs, then the call itself
+                found[given] = (outs[1:n + 1], outs[n + 1:2 * n + 1], outs[2 * n + 1:],
+                                y is out or not given,
+                                rel_err(y, po.matmul_all_reduce_reference(a, b, world.group)))
+    finally:
+        ctx.close()
+    return found
+
+
+def test_timed_runs_make_their_result_as_the_call_does(world2):
+    for found in world2.run(_timed_as_called):
+        for given, (probes, timed, call, into_out, err) in found.items():
+            assert all(probes) and timed == [not given] * len(timed) and len(timed) > 1
+            assert call == [not given] and into_out and err < TOL
+
+
 def _lifecycle(world):
     """timeout_s, check, synchronize and close cover every candidate's workspace."""
     M, N = 2 * world.world_size, 5

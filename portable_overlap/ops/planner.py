@@ -19,18 +19,19 @@ What the first call of a key does (collective; the same on every rank):
    rank's cache holds is used as it is (no timing); otherwise every rank measures.
 3. **Measuring**: each candidate in ``TRANSPORTS`` order runs once on the call's own inputs,
    into an output of its own (the user's ``out`` is written only by the chosen transport, after
-   the decision), then ``schedule.tuning.time_call`` times ``warmup`` + ``iters`` more runs (the
-   slowest rank's median; on a GPU in :data:`ROUNDS` rounds, the candidates' order rotated each
-   round, and the median of the rounds kept) in each of the timing modes ``graph`` asks for:
-   plain calls and CUDA-graph replays (the default, ``graph=None``; on a CPU device, where
-   nothing is captured, plain calls only), plain calls only (``graph=False``) or replays only
-   (``graph=True``). A candidate that raises on any rank is left out on every rank (the ranks
-   exchange their errors after each step) and a ``RuntimeWarning`` names it and its error; one
-   whose workspace the failure left out of step with its peers (broken, e.g. by a peer timeout)
-   is left out of every later decision too, and freed at ``close()``. When no candidate runs,
-   the call raises: this rank's error if every candidate refused its input (``ValueError`` /
-   ``TypeError``: the error the named transports give), else a ``RuntimeError`` naming each
-   candidate's error.
+   the decision; the timed runs fill that output where the call passes ``out``, else each makes
+   its own result, as the call does), then ``schedule.tuning.time_call`` times ``warmup`` +
+   ``iters`` more runs (the slowest rank's median; on a GPU in :data:`ROUNDS` rounds, the
+   candidates' order rotated each round, and the median of the rounds kept) in each of the
+   timing modes ``graph`` asks for: plain calls and CUDA-graph replays (the default,
+   ``graph=None``; on a CPU device, where nothing is captured, plain calls only), plain calls
+   only (``graph=False``) or replays only (``graph=True``). A candidate that raises on any rank
+   is left out on every rank (the ranks exchange their errors after each step) and a
+   ``RuntimeWarning`` names it and its error; one whose workspace the failure left out of step
+   with its peers (broken, e.g. by a peer timeout) is left out of every later decision too, and
+   freed at ``close()``. When no candidate runs, the call raises: this rank's error if every
+   candidate refused its input (``ValueError`` / ``TypeError``: the error the named transports
+   give), else a ``RuntimeError`` naming each candidate's error.
 4. **The picks**: per timing mode, the fastest candidate, except that ``"sequential"`` is kept
    when it is within :data:`TIE` of it. A call made under CUDA-graph capture runs the pick of
    the replays, any other call the pick of the plain calls (with one timing mode, both are
@@ -486,7 +487,8 @@ class TransportPlanner:
                  "candidates": {t: repr(sorted(self.options.get(t, {}).items())) for t in cands}}
         dtype = next((v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)), None)
         key = tuning.cache_key(op, shape, dtype, world.world_size, world.facts.name)
-        record = tuning.decide(world, key, lambda: self._measure(cands, inputs, given, call),
+        record = tuning.decide(world, key,
+                               lambda: self._measure(cands, inputs, given, call, out is not None),
                                self.cache)
         pick = record.get("transport") if isinstance(record, dict) else None
         captured = record.get("captured", {"transport": pick}) if pick is not None else None
@@ -596,8 +598,12 @@ class TransportPlanner:
             store.delete_key(f"{prefix}{n - 1}/{world.rank}")
         return n, records
 
-    def _measure(self, cands: tuple, inputs: dict, given: dict, call: dict) -> dict:
-        """Collective: every candidate run and timed on this call's inputs (module docstring)."""
+    def _measure(self, cands: tuple, inputs: dict, given: dict, call: dict,
+                 into_out: bool) -> dict:
+        """Collective: every candidate run and timed on this call's inputs (module docstring),
+        each timed run into an output of its own where the call passes ``out`` (``into_out``),
+        else making its result as the call will: a transport may return a result of its own
+        faster than it fills a given tensor (torch's fused ops copy theirs into ``out``)."""
         ctx, world, op = self.ctx, self.ctx.world, self.ctx.OP
         # outputs passed as options get scratch tensors too: timing writes nothing of the user's
         opts = {k: torch.empty_like(v) if k in ctx.OUTPUT_OPTIONS and isinstance(v, torch.Tensor)
@@ -631,7 +637,8 @@ class TransportPlanner:
                     impl, run, scratch = runs[t]
 
                     def timed(impl=impl, run=run, scratch=scratch, mode=mode):
-                        ms_ = tuning.time_call(lambda: run(scratch), world, iters=self.iters,
+                        ms_ = tuning.time_call(lambda: run(scratch if into_out else None),
+                                               world, iters=self.iters,
                                                warmup=self.warmup, graph=mode)
                         impl.synchronize()
                         return ms_
