@@ -1,5 +1,5 @@
 """GEMM + ReduceScatter / AllReduce in one persistent kernel that stores partial tiles straight
-into their owner's heap and reduces them on the owner at the end (the ``"stores"`` transport).
+into their owner's heap and reduces them in the owner's epilogue (the ``"stores"`` transport).
 
 Rank q computes the partial product ``a_q @ b_q`` [M, N]; row block d (rows
 ``[M*d//W, M*(d+1)//W)``) belongs to rank d. Every block is cut into the same ``tpb`` tiles
@@ -11,20 +11,14 @@ peers (never for another program of its own launch).
 
 Program pid of rank r:
 
-1. computes its tiles in rounds: round j holds its j-th tile of every block, blocks r+1, r+2,
-   ..., r-1 (the peers') and then r (its own). Each partial is stored in the input dtype into
-   ``recv[r]`` of the block owner's heap, this rank's own into its own heap. Every round sends
-   (W-1)/W of what it computes, so the links carry partials for the whole GEMM, at (W-1)/W of
-   the rate the GEMM makes them; computing every peer tile first would ask the links for all
-   of it during the first (W-1)/W of the GEMM and leave them idle for the rest;
+1. computes its tiles of blocks r+1, r+2, ... (peers first: their partials travel while this
+   rank computes), each stored in the input dtype into ``recv[r]`` of the owner's heap;
 2. signals ``sent[r][pid]`` on every peer (release) and waits for ``sent[q][pid]`` of every
    peer q (acquire, bounded);
-3. sums the W partials of each of its tiles of block r from ``recv`` in float32 (every partial
-   was rounded to the input dtype, as the vendor's reduce-scatter of the products rounds
-   them); ReduceScatter: ``out = sum + bias + residual``, rounded once. AllReduce: the sum is
-   rounded to the input dtype (what the vendor's all-reduce of the products would give),
-   stored into ``gathered`` in every peer's heap and, with this rank's bias and residual, into
-   ``out``;
+3. computes its tiles of block r and adds the peers' partials from ``recv[q]`` in float32;
+   ReduceScatter: ``out = sum + bias + residual``, rounded once. AllReduce: the sum is rounded
+   to the input dtype (what the vendor's all-reduce of the products would give), stored into
+   ``gathered`` in every peer's heap and, with this rank's bias and residual, into ``out``;
 4. AllReduce only: signals ``reduced[r][pid]``, waits for every peer's, and copies the tiles of
    the peers' blocks that their program pid reduced from ``gathered`` into ``out`` (adding this
    rank's bias and residual).
@@ -54,20 +48,19 @@ def _first_tile(pid, d, tpb, G):
 
 
 @triton.jit
-def _finish_own(ctx, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_ptr,
+def _finish_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_ptr,
                 bias_ptr, res_ptr, stride_res, recv_ptr, gathered_ptr, consumed_ptr, call, ok,
                 waited, ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_RES: tl.constexpr):
     """Step 3 for columns ``col0 + c`` of one tile of this rank's block (rows ``r`` counted in
-    the block, which starts at row ``lo_d`` and has ``rows_d`` rows): the sum of the W
-    partials, stored (module docstring). Returns ``(ok, waited)``."""
+    the block, which starts at row ``lo_d`` and has ``rows_d`` rows): add the peers' partials
+    to ``acc`` and store the result (module docstring). Returns ``(ok, waited)``."""
     cols = col0 + c
     mask = (r < rows_d)[:, None] & (cols < N)[None, :]
-    offs = r[:, None].to(tl.int64) * N + cols[None, :]  # in rank 0's partial
-    acc = tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    for q in range(1, world):  # in rank order
-        offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
-        acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for q in range(0, world):
+        if q != rank:
+            offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
+            acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ALL_REDUCE:
         y = acc.to(out_ptr.dtype.element_ty)  # the reduced block every rank gets
         goffs = (lo_d + r)[:, None].to(tl.int64) * N + cols[None, :]
@@ -107,16 +100,21 @@ def matmul_reduce_stores_kernel(
     tpb = n_tm * n_tn
     per = tl.cdiv(tpb, G)  # most tiles of one block a program takes
     waited = tl.zeros((), tl.int64)  # bit d: rank d's buffers are free for this call
-    # 1. One loop over the rounds, blocks r+1, ..., r-1, r in each, with one tile-GEMM call
-    # site: a second call site would hold a second set of pipeline buffers (shared memory).
+    # One loop over the blocks in order r+1, ..., r-1, r, with one tile-GEMM call site: a
+    # second call site would hold a second set of pipeline buffers (shared memory).
     for idx in range(0, world * per):
         # read again for every tile: the two words loaded once before the loop would hold
         # registers through the GEMM main loop, where kernel arguments held none (on sm_90 at
         # 128 x 256 x 64, AllReduce with bias + residual: 24 bytes of spills instead of 16)
         rank = pol.rank(ctx)
         world = pol.num_ranks(ctx)
-        d = (rank + 1 + idx % world) % world  # the round's last block is this rank's own
-        T = _first_tile(pid, d, tpb, G) + (idx // world) * G
+        i = idx // per  # position of the block in this rank's order; world-1 = its own
+        if idx == (world - 1) * per:  # 2. every peer partial this program owes is stored
+            pol.signal_all(ctx, sent_ptr + rank * G_MAX + pid, call, ok, tag)
+            if ok:
+                ok = pol.wait_peers(ctx, sent_ptr + pid, G_MAX, call, tag)
+        d = (rank + 1 + i) % world
+        T = _first_tile(pid, d, tpb, G) + (idx % per) * G
         lo_d = M * d // world
         rows_d = M * (d + 1) // world - lo_d
         tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
@@ -130,44 +128,31 @@ def matmul_reduce_stores_kernel(
                                 rows_d - row0, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                                 0, tn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
                                 UPCAST)
-            dst = recv_ptr
-            if d != rank:  # a peer's partial: into its heap, at this rank's slot
+            if d != rank:  # 1. a peer's partial, into its heap at this rank's slot
                 ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, d, call, waited, ok)
-                dst = pol.remote_ptr(ctx, recv_ptr, d)
-            if ok:  # (this rank's own: the same slot of its own heap)
-                rows = row0 + tl.arange(0, BLOCK_M)  # in the block
-                cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask = (rows < rows_d)[:, None] & (cols < N)[None, :]
-                offs = (rank * block_rows + rows)[:, None].to(tl.int64) * N + cols[None, :]
-                tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    # 2. every partial this program owes its peers is stored; theirs of its tiles
-    rank = pol.rank(ctx)
-    world = pol.num_ranks(ctx)
-    pol.signal_all(ctx, sent_ptr + rank * G_MAX + pid, call, ok, tag)
-    if ok:
-        ok = pol.wait_peers(ctx, sent_ptr + pid, G_MAX, call, tag)
-    # 3. this rank's tiles of its block: the W partials summed, half a tile at a time (a whole
-    # tile's partials, residual and bias beside the float32 sum spilled registers on sm_90 at
-    # 128 x 256)
-    lo_r = M * rank // world
-    rows_r = M * (rank + 1) // world - lo_r
-    HALF: tl.constexpr = BLOCK_N // 2
-    for j in range(0, per):
-        T = _first_tile(pid, rank, tpb, G) + j * G
-        tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
-        row0 = tm * BLOCK_M
-        if (T < tpb) & (row0 < rows_r) & ok:
-            r = row0 + tl.arange(0, BLOCK_M)
-            c = tl.arange(0, HALF)
-            ok, waited = _finish_own(ctx, r, c, tn * BLOCK_N, lo_r, rows_r, rank, world,
-                                     block_rows, N, out_ptr, bias_ptr, res_ptr, stride_res,
-                                     recv_ptr, gathered_ptr, consumed_ptr, call, ok, waited,
-                                     ALL_REDUCE, HAS_BIAS, HAS_RES)
-            ok, waited = _finish_own(ctx, r, c, tn * BLOCK_N + HALF, lo_r, rows_r, rank, world,
-                                     block_rows, N, out_ptr, bias_ptr, res_ptr, stride_res,
-                                     recv_ptr, gathered_ptr, consumed_ptr, call, ok, waited,
-                                     ALL_REDUCE, HAS_BIAS, HAS_RES)
+                if ok:
+                    rows = row0 + tl.arange(0, BLOCK_M)  # in the block
+                    cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+                    mask = (rows < rows_d)[:, None] & (cols < N)[None, :]
+                    dst = pol.remote_ptr(ctx, recv_ptr, d)
+                    offs = (rank * block_rows + rows)[:, None].to(tl.int64) * N + cols[None, :]
+                    tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            else:  # 3. this rank's block: its partial plus the peers', half a tile at a time
+                # (a whole tile's peer partials, residual and bias beside the float32
+                # accumulator spilled 768 bytes of registers on sm_90 at 128 x 256)
+                HALF: tl.constexpr = BLOCK_N // 2
+                left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)),
+                                                  (0, 2, 1)))
+                r = row0 + tl.arange(0, BLOCK_M)
+                c = tl.arange(0, HALF)
+                ok, waited = _finish_own(ctx, left, r, c, tn * BLOCK_N, lo_d, rows_d, rank,
+                                         world, block_rows, N, out_ptr, bias_ptr, res_ptr,
+                                         stride_res, recv_ptr, gathered_ptr, consumed_ptr, call,
+                                         ok, waited, ALL_REDUCE, HAS_BIAS, HAS_RES)
+                ok, waited = _finish_own(ctx, right, r, c, tn * BLOCK_N + HALF, lo_d, rows_d,
+                                         rank, world, block_rows, N, out_ptr, bias_ptr, res_ptr,
+                                         stride_res, recv_ptr, gathered_ptr, consumed_ptr, call,
+                                         ok, waited, ALL_REDUCE, HAS_BIAS, HAS_RES)
 
     if ALL_REDUCE:  # 4. the peers' reduced blocks, the tiles their program pid reduced
         pol.signal_all(ctx, reduced_ptr + rank * G_MAX + pid, call, ok, tag)
