@@ -651,6 +651,69 @@ def test_a_call_new_on_one_rank_raises_on_every_rank(world2):
     assert r0["third"][0] != "no error", r0  # its decided workspace is out of step too
 
 
+def _sizes_differ(world):
+    """A key's first call whose sizes the collective moves differ across ranks (another N on
+    the last rank; AllGather + GEMM: another K of the shard) raises RankMismatchError on every
+    rank before anything runs, where the ``"sequential"`` candidate would wait in gloo; the
+    next call, matched, is right."""
+    import time
+
+    W, last = world.world_size, world.world_size - 1
+    M, N, K = 2 * W, 5, 3
+    mine = N + (world.rank == last)
+    cases = {
+        "matmul_all_reduce": (lambda: po.MatmulAllReduce(world, M, N + 1, **kw),
+                              lambda c, n, k: po.matmul_all_reduce(torch.randn(M, k),
+                                                                   torch.randn(k, n), c)),
+        "matmul_reduce_scatter": (lambda: po.MatmulReduceScatter(world, M, N + 1, **kw),
+                                  lambda c, n, k: po.matmul_reduce_scatter(
+                                      torch.randn(M, k), torch.randn(k, n), c)),
+        "matmul_all_to_all": (lambda: po.MatmulAllToAll(world, M, N + 1, **kw),
+                              lambda c, n, k: po.matmul_all_to_all(torch.randn(M, k),
+                                                                   torch.randn(k, n), c)),
+        "gemv_all_reduce": (lambda: po.GemvAllReduce(world, N + 1, **kw),
+                            lambda c, n, k: c(torch.randn(2, k), torch.randn(n, k))),
+        "all_gather_matmul": (lambda: po.AllGatherMatmul(world, 2 * (K + 1), **kw),
+                              lambda c, n, k: po.all_gather_matmul(
+                                  torch.randn(2, k), torch.randn(k, N), c)),
+    }
+    kw = dict(transport="auto", iters=1, warmup=0)
+    found = {}
+    for name, (make, call) in cases.items():
+        ctx = make()
+        try:
+            with _timing(_FakeTimings(ctx)):
+                t0 = time.monotonic()
+                try:
+                    if name == "all_gather_matmul":  # the shard's K differs
+                        call(ctx, N, K + (world.rank == last))
+                    else:
+                        call(ctx, mine, K)
+                    found[name] = ("no error",)
+                except Exception as e:
+                    found[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+                try:
+                    y = call(ctx, N, K)
+                    found[name + " after"] = ("ok", tuple(y.shape))
+                except Exception as e:
+                    found[name + " after"] = (type(e).__name__, str(e))
+        finally:
+            ctx.close()
+    return found
+
+
+def test_first_calls_whose_collective_sizes_differ_raise_on_every_rank(world2):
+    for found in world2.run(_sizes_differ, timeout=240):
+        for name in ("matmul_all_reduce", "matmul_reduce_scatter", "matmul_all_to_all",
+                     "gemv_all_reduce", "all_gather_matmul"):
+            kind, msg, seconds = found[name]
+            assert kind == "RankMismatchError" and seconds < 30, (name, found[name])
+            assert msg.startswith(name + ": the ranks' calls differ in what every rank's must "
+                                  "share"), msg
+            assert "rank 0: {" in msg and "rank 1: {" in msg, msg
+            assert found[name + " after"][0] == "ok", (name, found[name + " after"])
+
+
 def _unmatched_calls(world):
     """Calls whose keys are new on some ranks only, or that some ranks refuse on the host, next
     to a decided ``"sequential"`` (a collective without a deadline): every rank raises in the

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..errors import BackendUnavailable
 from .context import (check_timeout, refuse_grad, refuse_grad_as_call, register_context,
                       unregister_context)
@@ -122,6 +124,12 @@ class PatternContext:
     def _run(self, transport: str, impl, inputs: dict, out, options: dict):
         raise NotImplementedError
 
+    def _matched(self, inputs: dict) -> Optional[dict]:
+        """What every rank's call must have in common for the collective to match, whatever
+        may differ across ranks (a reduction's K shard): the sizes it moves, by name. None
+        where the inputs are not what the op takes (its transports' checks say why)."""
+        raise NotImplementedError
+
     def _dispatch(self, inputs: dict, out, options: dict):
         """One call: on the named transport's workspace with the options as given, or on the
         transport ``"auto"`` picked for the call's key. An input that requires grad is refused
@@ -217,6 +225,20 @@ class MatmulPattern(PatternContext):
                 raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
         self.max_m, self.max_n = max_m, max_n
         super().__init__(world, transport, timeout_s, options)
+
+    def _matched(self, inputs: dict) -> Optional[dict]:
+        """The product's rows and columns and the dtype: what the collective moves (each
+        rank's K may differ)."""
+        return matrix_sizes(
+            lambda a, b: {"M": a.shape[0], "N": b.shape[1], "dtype": str(a.dtype)},
+            inputs["a"], inputs["b"])
+
+
+def matrix_sizes(read, *tensors) -> Optional[dict]:
+    """``read(*tensors)``, or None where they are not matrices (tensors of two dimensions)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in tensors):
+        return None
+    return read(*tensors)
 
 
 def timeout_kw(timeout_s: Optional[float]) -> dict:

@@ -65,7 +65,10 @@ on every rank in the same call, without a hang:
   match (a key new on some ranks only, keys of different decisions, a refusal), every rank
   raises in this call, the refusing rank its error and the others :class:`RankMismatchError`
   naming each rank and its call; nothing ran, so the context stays usable. Ranks of one decision
-  whose calls run different transports (one captures the call, its peers do not) mismatch too.
+  whose calls run different transports (one captures the call, its peers do not) mismatch too,
+  and so do the first calls of a key that differ in the sizes the collective moves
+  (``PatternContext._matched``: the product's rows, columns and dtype, AllGather + GEMM's whole
+  shard), which a candidate without a deadline would wait on for ever.
 - **Decided keys of the fused transports** skip the agreement (no host round trip): a peer not
   in the same call never signals, and their waits end at the context's timeout with
   :class:`PeerTimeoutError`. The peer that waits in the agreement meanwhile gives up at its
@@ -468,7 +471,8 @@ class TransportPlanner:
             refusal = self._refusal(cands, inputs, out, given)
         mine = ({"kind": "refused", "why": f"{type(refusal).__name__}: {refusal}",
                  "call": _text(call)} if refusal is not None
-                else {"kind": "new", "call": call, "candidates": cands})
+                else {"kind": "new", "call": call, "candidates": cands,
+                      "matched": self.ctx._matched(inputs)})
         decision, records = self._settle(mine, refusal)
         if any(r["candidates"] != cands for r in records):
             raise RankMismatchError(
@@ -476,6 +480,16 @@ class TransportPlanner:
                 f"options differ): " + "; ".join(
                     f"rank {q}: {r['candidates']} ({_text(r['call'])})"
                     for q, r in enumerate(records)) + " (nothing ran; the context stays usable)")
+        # the sizes the collective moves must be every rank's (a rank whose input is not the
+        # op's, None here, meets its transports' own checks next): where they differ, the
+        # candidates without a deadline would wait in the collective library for ever, or
+        # move another rank's sizes
+        matched = [r["matched"] for r in records if r["matched"] is not None]
+        if any(m != matched[0] for m in matched):
+            raise RankMismatchError(
+                f"{op}: the ranks' calls differ in what every rank's must share: " + "; ".join(
+                    f"rank {q}: {r['matched']}" for q, r in enumerate(records))
+                + f" (this rank's call: {_text(call)}; nothing ran; the context stays usable)")
         text = _text(call)
         if len(cands) == 1:  # nothing to choose: no timing, nothing cached
             self._chosen[fast] = (cands[0], decision, text, cands[0])

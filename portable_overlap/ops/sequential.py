@@ -10,8 +10,10 @@ transports on 4 and 8 GPUs: ``docs/scaling.md``), and always a candidate of
 
 Calls are matched the way the collective library matches them: a rank that skips a call or
 calls with other shapes is not told apart from a late one, and its peers' collective waits until
-the process group's own timeout (``timeout_s`` is checked but the group's timeout applies).
-Input is checked exactly as the fused transports check it, with the same errors."""
+the process group's own timeout (``timeout_s`` is checked but the group's timeout applies);
+under ``transport="auto"`` its calls first agree with the peers' with a deadline, their sizes
+compared at a key's first call (``ops/planner.py``). Input is checked exactly as the fused
+transports check it, with the same errors."""
 from __future__ import annotations
 
 from typing import Optional

@@ -29,8 +29,8 @@ a rank that skips a call, refuses one (bad input) or calls with other shapes lea
 waiting inside torch's op (``timeout_s`` is checked and kept, but torch's waits do not use it).
 Under ``transport="auto"`` every call of it first agrees with the peers through the store with
 a deadline, its input checked before (``planner.UNBOUNDED``, ``ContextBase.checking_only``): a
-refused or skipped call raises on every rank instead. Shapes that differ across ranks at a
-key's first call are not detected (as for ``"sequential"``)."""
+refused or skipped call raises on every rank instead, and so does a key's first call whose
+sizes the collective moves differ across ranks (``PatternContext._matched``)."""
 from __future__ import annotations
 
 import contextlib

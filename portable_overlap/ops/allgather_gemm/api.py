@@ -64,7 +64,7 @@ import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..context import collective_call, OverlapContext, output_tensor, shape_tag
-from ..pattern import PatternContext, timeout_kw
+from ..pattern import PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
 
@@ -180,6 +180,11 @@ class AllGatherMatmul(PatternContext):
 
     def _run(self, transport, impl, inputs, out, options):
         return impl(inputs["a"], inputs["b"], out, **options)
+
+    def _matched(self, inputs: dict):
+        """The shard (every rank's is gathered: its rows and K), the columns and the dtype."""
+        return matrix_sizes(lambda a, b: {"m": a.shape[0], "K": a.shape[1], "N": b.shape[1],
+                                          "dtype": str(a.dtype)}, inputs["a"], inputs["b"])
 
 
 class AllGatherMatmulCE(OverlapContext):

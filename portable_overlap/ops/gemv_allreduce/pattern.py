@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..pattern import PatternContext, timeout_kw
+from ..pattern import PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from .config import GemvConfig
 
@@ -92,6 +92,12 @@ class GemvAllReduce(PatternContext):
 
     def _run(self, transport, impl, inputs, out, options):
         return impl(inputs["x"], inputs["w"], out, **options)
+
+    def _matched(self, inputs: dict):
+        """The result's rows and columns and the dtype (each rank's K may differ)."""
+        return matrix_sizes(
+            lambda x, w: {"M": x.shape[0], "N": w.shape[0], "dtype": str(x.dtype)},
+            inputs["x"], inputs["w"])
 
 
 GEMV_ALL_REDUCE = define(OpSpec(
