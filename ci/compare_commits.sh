@@ -21,7 +21,7 @@ for ((i = 1; i <= rounds; i++)); do
     tree=$here; commit=${PO_COMMIT:-new}
     [ "$which" = old ] && { tree=$old; commit=${PO_OLD_COMMIT:-old}; }
     echo "== round $i: $which ($tree)"
-    PO_COMMIT=$commit PO_DEVICE_KIND=${PO_DEVICE_KIND:-nvidia-h200-x$nproc} \
+    PO_COMMIT=$commit PO_DEVICE_KIND=${PO_DEVICE_KIND:-$(bash "$here/ci/device_kind.sh" "$nproc")} \
       bash "$tree/ci/gpu.sh" "$out/$which-r$i" "$nproc" > "$out/$which-r$i.log" 2>&1 || status=1
     cat "$out/$which-r$i"/*.jsonl >> "$out/$which.jsonl" 2>/dev/null
     cat "$out/$which-r$i/timing.txt" 2>/dev/null

@@ -28,7 +28,7 @@
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
-kind=${PO_DEVICE_KIND:-nvidia-h200-x${nproc}}
+kind=${PO_DEVICE_KIND:-$(bash "$(dirname "$0")/device_kind.sh" "$nproc")}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 # Never use NVLink multicast on the shared machines.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scale-up measurements (docs/scaling.md) in parts that each fit one 10-minute device call,
 # on the GPUs of one host (4 or 8). Logs and rows go to OUTDIR; the device kind names the
-# results file (nvidia-h200-x<NPROC>.jsonl).
+# results file (ci/device_kind.sh: nvidia-h200-x<NPROC>.jsonl on H200s).
 #   bash ci/scaleup.sh PART OUTDIR [NPROC]
 # and OUTDIR.tgz packs OUTDIR when it ends.
 # PART:
@@ -59,7 +59,7 @@ case "$part" in
     exit 2
     ;;
 esac
-PO_DEVICE_KIND=${PO_DEVICE_KIND:-nvidia-h200-x${nproc}} bash ci/gpu.sh "$out" "$nproc" || status=1
+PO_DEVICE_KIND=${PO_DEVICE_KIND:-$(bash ci/device_kind.sh "$nproc")} bash ci/gpu.sh "$out" "$nproc" || status=1
 # one file with every log and row: a tool that fetches only a few files still gets them all
 tar czf "${out%/}.tgz" -C "$(dirname "${out%/}")" "$(basename "${out%/}")" && echo "packed ${out%/}.tgz"
 exit $status

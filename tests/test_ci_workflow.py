@@ -149,3 +149,24 @@ def test_the_parsed_workflow_agrees():
         assert {k: str(v) for k, v in job["env"].items() if k in NO_MULTICAST} == \
             {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
              "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@pytest.mark.parametrize("gpu,nproc,kind", [
+    ("NVIDIA H200", 4, "nvidia-h200-x4"), ("NVIDIA H200", 1, "nvidia-h200"),
+    ("NVIDIA H100 80GB HBM3", 4, "nvidia-h100-x4"), ("NVIDIA H100 80GB HBM3", 1, "nvidia-h100-x1"),
+    (None, 2, "unknown-gpu-x2")])
+def test_device_kind_names_the_machine(tmp_path, gpu, nproc, kind):
+    """The results file of a GPU run is named by the GPUs it ran on (ci/device_kind.sh), so an
+    H100 machine's rows never land in an H200 file; the scripts default to it."""
+    import subprocess
+
+    if gpu is not None:  # a stand-in nvidia-smi that answers the name query
+        smi = tmp_path / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho '{gpu}'\necho '{gpu}'\n")
+        smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    got = subprocess.run(["bash", os.path.join(ROOT, "ci", "device_kind.sh"), str(nproc)],
+                         capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert got == kind
+    for script in ("gpu.sh", "scaleup.sh", "compare_commits.sh"):
+        assert "device_kind.sh" in _read("ci", script), script
