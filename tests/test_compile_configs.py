@@ -159,6 +159,89 @@ def test_gemm_tiles_fit_amd_without_spills(target):
                     f"VGPR spills, LDS): {bad}"
 
 
+def _spec_named(module: str, name: str):
+    """The spec called ``name`` in ``module``'s specs(), its signature and constexprs copied."""
+    import importlib
+
+    for n, fn, sig, consts, aligned in importlib.import_module(module).specs():
+        if n == name:
+            return fn, dict(sig), dict(consts), aligned
+    raise AssertionError(f"no spec {name} in {module}")
+
+
+def _fused_picks(facts):
+    """The fused kernels that run the GEMM tiles besides ``GEMM_KERNELS``, at the bf16 tiles
+    their planners pick on ``facts`` (no tensor descriptors on AMD: the pointer-load specs):
+    (label, spec module, spec name, launch tiles, constexprs to set). AllGather + GEMM and
+    GEMM + ReduceScatter / AllReduce (``"stores"``) take ``matmul.api.default_config``; the
+    fused dispatch + gated GEMM takes the experts' ``default_config``; the one-launch MoE layer
+    takes that for its gated GEMM and the combine's tiles (prefill ``default_config``, decode
+    ``decode_tile``) for its down GEMM, with the gated GEMM's row height and warps
+    (``moe_layer.api.down_config``). Each with the variants that cost the most registers: all
+    of the AllGather kernel's parts (own-shard copy, joined senders, pulls), the epilogue's
+    bias and residual, both walks of the layer, and a masked K tail."""
+    from portable_overlap.ops.moe_combine.api import decode_tile
+    from portable_overlap.ops.moe_layer.api import down_config
+
+    bf16 = torch.bfloat16
+    mm, gated = matmul_tile(bf16, facts), experts_tile(bf16, facts, False)
+
+    def tiles(c):
+        return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                    NUM_STAGES=c.num_stages)
+
+    ag = ("portable_overlap.ops.allgather_gemm.compile_specs", "allgather_gemm[bf16]")
+    mr = ("portable_overlap.ops.matmul_reduce.compile_specs",
+          "matmul_reduce_stores[reduce_scatter, bf16]")
+    ds = ("portable_overlap.ops.moe_dispatch.compile_specs", "dispatch_swiglu[bf16]")
+    ml = ("portable_overlap.ops.moe_layer.compile_specs", "moe_layer[bf16, 128x64/128]")
+    picks = []
+    for even in (True, False):
+        picks.append(("allgather_gemm", *ag, mm,
+                      dict(tiles(mm), EVEN_K=even, COPY_OWN=True, JOIN=True, PULLS=True)))
+        picks.append(("dispatch_swiglu", *ds, gated, dict(tiles(gated), EVEN_K=even)))
+    for ar, extra, even in ((False, False, True), (True, True, True), (True, True, False)):
+        picks.append(("matmul_reduce_stores", *mr, mm,
+                      dict(tiles(mm), ALL_REDUCE=ar, HAS_BIAS=extra, HAS_RES=extra,
+                           EVEN_K=even)))
+    downs = {down_config(gated, matmul_tile(bf16, facts)),
+             down_config(gated, decode_tile(bf16, facts))}
+    for down in downs:
+        for major, even in ((False, True), (True, False)):
+            picks.append(("moe_layer", *ml, gated, dict(
+                tiles(gated), BLOCK_N2=down.block_n, BLOCK_K2=down.block_k,
+                GROUP_M2=down.group_m, NUM_STAGES2=down.num_stages, EVEN_K=even, EVEN_K2=even,
+                EXPERT_MAJOR=major)))
+    return picks
+
+
+@pytest.mark.parametrize("target", TARGETS[1:], ids=lambda t: f"{t[0]}-{t[1]}")
+def test_fused_gemm_kernels_fit_amd_without_spills(target):
+    """The fused kernels outside ``GEMM_KERNELS`` that run the GEMM tiles (``_fused_picks``)
+    compile at their gfx942 / gfx950 bf16 picks without VGPR spills and within the LDS of a
+    workgroup. Compiled (VGPRs of 512 / LDS, gfx942 and gfx950): AllGather + GEMM 336-341 /
+    48 KiB and 268-292 / 64 KiB; GEMM + ReduceScatter / AllReduce 355-381 / 16 KiB and 441-500
+    / 64 KiB (500 with the AllReduce's bias and residual: the closest to spilling); the MoE
+    layer 401-412 / 48 KiB and 320-350 / 64 KiB; the fused dispatch + gated GEMM 367-379 /
+    40 KiB and 292-316 / 64 KiB."""
+    facts = FACTS[target]
+    limit = facts.shared_per_program
+    bad, seen = [], 0
+    for label, module, name, cfg, consts in _fused_picks(facts):
+        fn, sig, base, aligned = _spec_named(module, name)
+        assert set(consts) <= set(base), (label, set(consts) - set(base))
+        base.update(consts)
+        k = compile_spec(fn, sig, base, aligned, target, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+        seen += 1
+        spills, shared = _vgpr_spills(k), k.metadata.shared
+        if spills or shared > limit:
+            bad.append((label, consts, spills, shared))
+    assert seen == 9, seen  # the layer's decode and prefill down tiles are one on AMD
+    assert not bad, f"spilling or over {limit} bytes of LDS (kernel, constexprs, VGPR spills, " \
+                    f"LDS): {bad}"
+
+
 def test_gemm_tiles_on_sm90_are_the_h200_tiles():
     """32-lane warps keep the tiles measured on H200."""
     facts = FACTS[("cuda", 90, 32)]
