@@ -1,5 +1,6 @@
-"""Every Triton kernel the package launches compiles for NVIDIA sm_90 and AMD gfx942 on this
-CPU-only machine (Triton cross-compiles), and none is missing from the registry."""
+"""Every Triton kernel the package launches compiles for NVIDIA sm_90 and AMD gfx942 (MI300X)
+and gfx950 (MI355X) on this CPU-only machine (Triton cross-compiles; the targets are
+``kernel_registry.TARGETS``), and none is missing from the registry."""
 import importlib
 import pkgutil
 
