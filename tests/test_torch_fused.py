@@ -441,19 +441,28 @@ def _auto(world):
                 found["ag err"] = rel_err(out, po.all_gather_matmul_reference(a, b, world.group))
                 po.all_gather_matmul(a, b, ctx, schedule="hetero-unfused-1d")
                 found["ag with schedule"] = ctx.choice(a, b, schedule="hetero-unfused-1d")
-            try:
-                po.all_gather_matmul(a, b, ctx, torch.empty(1, 7) if world.rank == 1 else out)
-                found["ag bad out"] = "no error"
-            except Exception as e:
-                found["ag bad out"] = type(e).__name__
-            out.fill_(float("nan"))
-            po.all_gather_matmul(a, b, ctx, out)
-            found["ag after"] = rel_err(out, po.all_gather_matmul_reference(a, b, world.group))
+            found["ag bad out"], found["ag after"] = _bad_out_then_right(
+                world, lambda o: po.all_gather_matmul(a, b, ctx, o), out, torch.empty(1, 7),
+                lambda: po.all_gather_matmul_reference(a, b, world.group))
         finally:
             ctx.close()
         return found
     finally:
         on_cpu.close()
+
+
+def _bad_out_then_right(world, call, out, bad, ref):
+    """``call(bad)`` on rank 1 (``call(out)`` elsewhere), then ``call(out)`` on every rank
+    into a poisoned ``out``: (the first call's error type or "no error", the second's
+    relative error against ``ref()``)."""
+    try:
+        call(bad if world.rank == 1 else out)
+        first = "no error"
+    except Exception as e:
+        first = type(e).__name__
+    out.fill_(float("nan"))
+    call(out)
+    return first, rel_err(out, ref())
 
 
 def test_auto_picks_it_where_it_runs(world2):
@@ -600,14 +609,9 @@ def _gemv_auto(world):
             found["pick"] = ctx.choice(x, w)
             found["err"] = rel_err(out, ref)
             found["timed"] = sorted(set(fake.ran))
-            try:
-                po.gemv_all_reduce(x, w, ctx, torch.empty(1, 16) if world.rank == 1 else out)
-                found["bad out"] = "no error"
-            except Exception as e:
-                found["bad out"] = type(e).__name__
-            out.fill_(float("nan"))
-            po.gemv_all_reduce(x, w, ctx, out)
-            found["after"] = rel_err(out, ref)
+            found["bad out"], found["after"] = _bad_out_then_right(
+                world, lambda o: po.gemv_all_reduce(x, w, ctx, o), out, torch.empty(1, 16),
+                lambda: ref)
         finally:
             ctx.close()
         return found

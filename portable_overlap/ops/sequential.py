@@ -146,18 +146,31 @@ class SequentialGemv(ContextBase):
     @collective_call
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
                  **options) -> torch.Tensor:
-        from .gemv_allreduce.api import check_out, validate
-
         _no_options(self.OP, options)
-        validate(x, w, self.world.device, self.max_n)
-        M, N = x.shape[0], w.shape[0]
-        if out is not None:
-            check_out(out, M, N, x, w)
+        check_gemv_call(x, w, out, self.world.device, self.max_n)
         if self.checking_only:
             return out
-        if out is None:
-            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-        torch.mm(x, w.t(), out=out)
-        if self.world.world_size > 1:
-            dist.all_reduce(out, group=self.world.group)
-        return out
+        return gemv_then_all_reduce(x, w, out, self.world)
+
+
+def check_gemv_call(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor], device,
+                    max_n: int) -> None:
+    """The input checks every GEMV + AllReduce transport makes, with the fused ones' errors
+    (``gemv_allreduce.api.validate``, ``check_out``)."""
+    from .gemv_allreduce.api import check_out, validate
+
+    validate(x, w, device, max_n)
+    if out is not None:
+        check_out(out, x.shape[0], w.shape[0], x, w)
+
+
+def gemv_then_all_reduce(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor],
+                         world) -> torch.Tensor:
+    """``torch.mm(x, w.T)`` in the input dtype into ``out`` (made if None), then the process
+    group's ``all_reduce`` of it (none on a world of one rank)."""
+    if out is None:
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    torch.mm(x, w.t(), out=out)
+    if world.world_size > 1:
+        dist.all_reduce(out, group=world.group)
+    return out

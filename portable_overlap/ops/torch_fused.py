@@ -44,9 +44,9 @@ from ..errors import BackendUnavailable
 from ..shmem.providers import torch_shmem_backend_bound
 from .allgather_gemm.api import check_input as check_all_gather_input, refuse_schedule
 from .context import ContextBase, collective_call, output_tensor
-from .gemv_allreduce.api import MAX_M as GEMV_MAX_M, check_out as check_gemv_out
-from .gemv_allreduce.api import validate as check_gemv_input
+from .gemv_allreduce.api import MAX_M as GEMV_MAX_M
 from .matmul.api import add_epilogue, check_operands, vector_checks
+from .sequential import check_gemv_call, gemv_then_all_reduce
 
 TRANSPORT = "torch_fused"
 #: public op -> the torch ops its transport calls (``torch.ops.symm_mem.<name>``)
@@ -292,19 +292,12 @@ class TorchFusedGemv(_TorchFused):
                  **options) -> torch.Tensor:
         _no_options(self.OP, options)
         # the checks and errors of the other transports (ops/sequential.py), before torch's op
-        check_gemv_input(x, w, self.world.device, self.max_n)
-        M, N = x.shape[0], w.shape[0]
-        if out is not None:
-            check_gemv_out(out, M, N, x, w)
+        check_gemv_call(x, w, out, self.world.device, self.max_n)
         if self.checking_only:
             return out
         if self.world.world_size == 1 or x.dtype not in ONE_SHOT_DTYPES:
-            if out is None:
-                out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-            torch.mm(x, w.t(), out=out)
-            if self.world.world_size > 1:
-                dist.all_reduce(out, group=self.world.group)
-            return out
+            return gemv_then_all_reduce(x, w, out, self.world)  # as "sequential" does
+        M, N = x.shape[0], w.shape[0]
         n = M * N
         per_vector = _VECTOR_BYTES // x.element_size()
         length = -(-n // per_vector) * per_vector
