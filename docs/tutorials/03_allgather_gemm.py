@@ -3,15 +3,17 @@
 Rank r holds ``a_r`` [m, K] and the same ``b`` [K, N]; every rank computes
 ``out = cat(a_0, ..., a_{W-1}) @ b`` [W*m, N] (rows ``q*m .. (q+1)*m`` from rank q's shard).
 The first ``senders`` programs push this rank's shard into row block ``me`` of every peer's
-``gathered`` [W*m, K] (one peer after the other, ``pol.peer_at``, in chunks of rows) and raise
-a flag per (source, chunk) there. The other programs compute the output tiles: this rank's rows
-first (from ``a``, no wait), then the peers' shards in the order they arrive, each tile waiting
-for the flag of its rows' chunk. ``pol.announce_call`` / ``pol.wait_free`` (tutorial 2) make
-back-to-back calls safe. Where the device has bulk tensor copies (TMA on Hopper:
-``world.facts.tensor_descriptors``), the tiles load through tensor descriptors of ``a``,
-``gathered`` and ``b`` (``tiles.gemm.gemm_tile_desc``: 95-99 % of cuBLAS on H200, where pointer
-loads reach 79-91 %), with ``pol.fence_bulk_reads()`` between a wait and the copies it guards;
-elsewhere (AMD, the interpreter, fp32) through pointers (``tiles.gemm.gemm_tile``).
+``gathered`` [W*m, K] (peer after peer, ``pol.peer_at``, in chunks of rows) and raise a flag per
+(source, chunk) there. Then every program claims output tiles from a counter (an atomic add per
+tile: none idles while tiles are left; the last program out resets it): this rank's rows first
+(from ``a``, no wait), then the peers' shards in the order they arrive, each tile waiting for
+its rows' chunk. (Under the interpreter, which runs programs one by one, senders do not compute:
+one waiting for a peer's chunk would wait for a program of that peer queued behind the peer's
+own waiting sender.) ``pol.announce_call`` / ``pol.wait_free`` (tutorial 2) make back-to-back
+calls safe. With bulk tensor copies (TMA on Hopper: ``world.facts.tensor_descriptors``) the tiles
+load through tensor descriptors (``tiles.gemm.gemm_tile_desc``: 95-99 % of cuBLAS on H200,
+pointer loads 79-91 %), ``pol.fence_bulk_reads()`` after each wait; elsewhere (AMD, the
+interpreter, fp32) through pointers (``tiles.gemm.gemm_tile``).
 
     torchrun --nproc-per-node 2 docs/tutorials/03_allgather_gemm.py     # GPUs
     python docs/tutorials/03_allgather_gemm.py                          # CPU-emulated ranks
@@ -35,15 +37,14 @@ MAX_CHUNKS = 256  # the most flags per source rank (a chunk is at least a tile r
 
 @triton.jit
 def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, free_ptr,
-                          a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
+                          tile_ptr, a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                          COPY: tl.constexpr, USE_DESC: tl.constexpr):
+                          COPY: tl.constexpr, USE_DESC: tl.constexpr, JOIN: tl.constexpr):
     call = pol.begin_call(ctx)
     me, world, p = pol.rank(ctx), pol.num_ranks(ctx), pol.program()
     chunks = tl.cdiv(m, chunk_rows)
-    # No program waits for one of this launch (senders wait for the peers' program 0, compute
-    # programs for the peers' senders): right with programs at once or one by one (interpreter).
+    # waits are for the peers' program 0 (free) and senders (ready), none for this launch's
     if p == 0:  # "my gathered is free for this call": my previous call has finished reading it
         pol.announce_call(ctx, free_ptr, call)
     if p < senders:  # item i: chunk i % chunks to the peer at step 1 + i // chunks
@@ -55,10 +56,11 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
             pol.put(ctx, gathered_ptr + (me * m + lo).to(tl.int64) * K,
                     a_ptr + lo.to(tl.int64) * K, n, q, COPY)
             pol.signal(ctx, ready_ptr + me * chunks + i % chunks, q, call)
-    else:
+    if JOIN or p >= senders:
         tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(N, BLOCK_N)  # a tile is in one shard
         per_shard = tiles_m * tiles_n
-        for t in range(p - senders, world * per_shard, pol.num_programs() - senders):
+        t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")  # a ticket, orders nothing
+        while t < world * per_shard:
             q = pol.peer_at(world - t // per_shard, me, world)  # mine, then rank me-1's, ...
             tm, tn = grouped_tile(t % per_shard, tiles_m, tiles_n, GROUP_M)
             lo, rows = tm * BLOCK_M, tl.minimum(m - tm * BLOCK_M, BLOCK_M)
@@ -77,7 +79,9 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
             tl.store(out_ptr + (q * m + lo + r)[:, None].to(tl.int64) * N + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty),
                      mask=(r < rows)[:, None] & (cols < N)[None, :])  # not the next shard's
-    pol.end_call(ctx, call)
+            t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")
+    if pol.end_call(ctx, call):  # every claim of this call is made: the next counts from 0
+        tl.atomic_xchg(tile_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def main(world, m=None, N=None, K=None, dtype=None):
@@ -89,11 +93,12 @@ def main(world, m=None, N=None, K=None, dtype=None):
                  STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     chunk_rows = cfg.block_m * triton.cdiv(triton.cdiv(m, cfg.block_m), MAX_CHUNKS)  # tile rows
     chunks = triton.cdiv(m, chunk_rows)
-    ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype), ((W, chunks), torch.int64),
-                                              ((W,), torch.int64)), name="allgather_gemm")
+    flags = (((W, chunks), "ready"), ((W,), "free"), ((1,), "tiles"))
+    ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype),
+                                              *((sh, torch.int64) for sh, _ in flags)))
     gathered = ws.tensor((W * m, K), dtype)
-    ready, free = ws.flags((W, chunks), "ready"), ws.flags((W,), "free")
-    # 16 of 132 H200 SMs send on 2 ranks (~200 GB/s: more than the GEMM reads); one computes
+    ready, free, claimed = (ws.flags(sh, name) for sh, name in flags)
+    # 16 of 132 H200 SMs send on 2 ranks (~200 GB/s: more than the GEMM reads), then compute
     senders = min(max(1, ws.sm_count * (W - 1) // (4 * W)), (W - 1) * chunks, ws.sm_count - 1)
     g = torch.Generator(dev).manual_seed(world.rank)
     a = torch.randn(m, K, device=dev, generator=g).to(dtype)
@@ -106,8 +111,9 @@ def main(world, m=None, N=None, K=None, dtype=None):
 
     def ours():
         ws.launch(allgather_gemm_kernel, (ws.sm_count,), a, b, out, gathered, ready, free,
-                  a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
-                  EVEN_K=K % cfg.block_k == 0, COPY=8192, USE_DESC=a_desc is not None, **tiles)
+                  claimed, a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
+                  EVEN_K=K % cfg.block_k == 0, COPY=8192, USE_DESC=a_desc is not None,
+                  JOIN=gpu, **tiles)
 
     full = torch.empty(W * m, K, device=dev, dtype=dtype)
     dist = torch.distributed  # (all_gather_single is the newer name of the same collective)

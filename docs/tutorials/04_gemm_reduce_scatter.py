@@ -1,8 +1,10 @@
 """Tutorial 4: GEMM + ReduceScatter in one kernel, each partial tile stored in its owner's heap.
 
 Rank q holds ``a_q`` [M, K] and ``b_q`` [K, N] (the full K split over the ranks); rank r keeps
-row block r of the sum: ``out_r = (sum_q a_q @ b_q)[M*r//W : M*(r+1)//W]``. Program p of every
-rank owns the tiles T = p, p + P, ... of every block and walks the blocks me+1, me+2, ...
+row block r of the sum: ``out_r = (sum_q a_q @ b_q)[M*r//W : M*(r+1)//W]``. Tile T of block d
+is program ``(T + d * tiles_per_block) % P``'s on every rank, so the P programs share all the
+blocks' tiles evenly (a stride within each block would give 2 blocks of 1024 tiles on 132
+programs 2 x 8 rounds, where 15.5 do). Each program walks the blocks me+1, me+2, ...
 (``pol.peer_at``: the peers' partials travel while this rank computes), its own last. A peer's
 partial tile goes straight into slot ``me`` of the owner's ``recv`` [W, rows per block, N] with
 a per-tile flag (``pol.put_signal``), after the owner's ``pol.announce_call`` (tutorial 2's
@@ -49,7 +51,7 @@ def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, 
         lo = M * d // world
         rows = M * (d + 1) // world - lo
         pol.wait_free(ctx, free_ptr, d, call)  # (at once for d == me)
-        for T in range(p, per_block, P):
+        for T in range((p - d * per_block % P + P) % P, per_block, P):
             tm, tn = grouped_tile(T, tiles_m, tiles_n, GROUP_M)
             row0 = tm * BLOCK_M
             if row0 < rows:
