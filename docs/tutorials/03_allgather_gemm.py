@@ -37,7 +37,7 @@ MAX_CHUNKS = 256  # the most flags per source rank (a chunk is at least a tile r
 
 @triton.jit
 def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, free_ptr,
-                          tile_ptr, a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
+                          claim_ptr, a_desc, g_desc, b_desc, m, N, K, chunk_rows, senders,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           GROUP_M: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                           COPY: tl.constexpr, USE_DESC: tl.constexpr, JOIN: tl.constexpr):
@@ -59,7 +59,7 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
     if JOIN or p >= senders:
         tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(N, BLOCK_N)  # a tile is in one shard
         per_shard = tiles_m * tiles_n
-        t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")  # a ticket, orders nothing
+        t = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu").to(tl.int32)  # orders nothing
         while t < world * per_shard:
             q = pol.peer_at(world - t // per_shard, me, world)  # mine, then rank me-1's, ...
             tm, tn = grouped_tile(t % per_shard, tiles_m, tiles_n, GROUP_M)
@@ -79,9 +79,9 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
             tl.store(out_ptr + (q * m + lo + r)[:, None].to(tl.int64) * N + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty),
                      mask=(r < rows)[:, None] & (cols < N)[None, :])  # not the next shard's
-            t = tl.atomic_add(tile_ptr, 1, sem="relaxed", scope="gpu")
+            t = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu").to(tl.int32)
     if pol.end_call(ctx, call):  # every claim of this call is made: the next counts from 0
-        tl.atomic_xchg(tile_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(claim_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def main(world, m=None, N=None, K=None, dtype=None):
