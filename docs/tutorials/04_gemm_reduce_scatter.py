@@ -6,14 +6,18 @@ is program ``(T + d * tiles_per_block) % P``'s on every rank, so the P programs 
 blocks' tiles evenly (a stride within each block would give 2 blocks of 1024 tiles on 132
 programs 2 x 8 rounds, where 15.5 do). Each program walks the blocks me+1, me+2, ...
 (``pol.peer_at``: the peers' partials travel while this rank computes), its own last. A peer's
-partial tile goes straight into slot ``me`` of the owner's ``recv`` [W, rows per block, N] with
-a per-tile flag (``pol.put_signal``), after the owner's ``pol.announce_call`` (tutorial 2's
-"free" flag, ``pol.wait_free``). A tile of its own block stays in registers (its ``recv`` slot
-is never written): the program waits for the tile's W-1 flags and adds the peers' partials in
-float32 before the one store. The peers' program p sent them: every wait is on the same program
-of a peer, never on another program of this launch, so the kernel is right whether the programs
-run at once (GPUs) or one after another (the interpreter). Tiles load through tensor descriptors
-where the device has bulk tensor copies (TMA), else through pointers (tutorial 3).
+partial tile goes straight into slot ``me`` of the owner's ``recv`` [W, rows per block, N]
+(``pol.store_remote``, after the owner's ``pol.announce_call``: tutorial 2's "free" flag,
+``pol.wait_free``); once the program's tiles of that block are stored it raises one flag,
+``ready[me][p]`` in the owner's heap. One per tile would cost more than the flags: a release
+holds the program until its stores have landed in the peer, so the next tile's multiply could
+not run under this one's trip over the link. A tile of its own block stays in registers (its
+``recv`` slot is never written): the program waits for ``ready[q][p]`` of every peer q and adds
+their partials in float32 before the one store. Program p of each peer sent them: every wait is
+on the same program of a peer, never on another program of this launch, so the kernel is right
+whether the programs run at once (GPUs) or one after another (the interpreter). Tiles load
+through tensor descriptors where the device has bulk tensor copies (TMA), else through pointers
+(tutorial 3).
 
     torchrun --nproc-per-node 2 docs/tutorials/04_gemm_reduce_scatter.py     # GPUs
     python docs/tutorials/04_gemm_reduce_scatter.py                          # CPU-emulated ranks
@@ -68,16 +72,17 @@ def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, 
                 offs = r[:, None].to(tl.int64) * N + cols[None, :]  # in the block
                 slot = block_rows.to(tl.int64) * N  # elements per slot of recv
                 if d != me:  # a peer's partial: into its recv, slot me
-                    pol.put_signal(ctx, recv_ptr + me * slot + offs,
-                                   acc.to(recv_ptr.dtype.element_ty), d,
-                                   ready_ptr + me * per_block + T, call, mask)
+                    pol.store_remote(ctx, recv_ptr + me * slot + offs,
+                                     acc.to(recv_ptr.dtype.element_ty), d, mask)
                 else:  # my block: add the peers' partials, in the order they were sent
                     for i in range(1, world):
                         q = pol.peer_at(world - i, me, world)
-                        pol.wait(ctx, ready_ptr + q * per_block + T, call, q)
+                        pol.wait(ctx, ready_ptr + q * P + p, call, q)
                         acc += tl.load(recv_ptr + q * slot + offs, mask=mask,
                                        other=0.0).to(tl.float32)
                     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if d != me:  # one release per (program, block), after its last tile's stores
+            pol.signal(ctx, ready_ptr + me * P + p, d, call)
     pol.end_call(ctx, call)
 
 
@@ -89,12 +94,12 @@ def main(world, M=None, N=None, K=None, dtype=None):
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                  STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_rows = triton.cdiv(M, W)
-    per_block = triton.cdiv(block_rows, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    P = world.facts.sm_count  # the grid: one "sent" flag per (source rank, program)
     ws = Workspace(world, Workspace.bytes_for(((W, block_rows, N), dtype),
-                                              ((W, per_block), torch.int64), ((W,), torch.int64)),
+                                              ((W, P), torch.int64), ((W,), torch.int64)),
                    name="gemm_reduce_scatter")
     recv = ws.tensor((W, block_rows, N), dtype)
-    ready, free = ws.flags((W, per_block), "ready"), ws.flags((W,), "free")
+    ready, free = ws.flags((W, P), "ready"), ws.flags((W,), "free")
     g = torch.Generator(dev).manual_seed(world.rank)
     a, b = torch.empty(M, K, device=dev, dtype=dtype), torch.empty(K, N, device=dev, dtype=dtype)
     lo, hi = M * world.rank // W, M * (world.rank + 1) // W
@@ -103,7 +108,7 @@ def main(world, M=None, N=None, K=None, dtype=None):
     a_desc, b_desc = tile_descriptors(a, b, cfg, world.facts)
 
     def ours():
-        ws.launch(gemm_reduce_scatter_kernel, (ws.sm_count,), a, b, out, recv, ready, free,
+        ws.launch(gemm_reduce_scatter_kernel, (P,), a, b, out, recv, ready, free,
                   a_desc, b_desc, M, N, K, block_rows, EVEN_K=K % cfg.block_k == 0,
                   USE_DESC=a_desc is not None, **tiles)
 
@@ -127,7 +132,7 @@ def main(world, M=None, N=None, K=None, dtype=None):
     paths = {"portable_overlap.language": ours}
     if M % W == 0:  # torch's reduce-scatter takes equal blocks only
         paths["torch matmul + reduce_scatter"] = torch_path
-    if gpu:  # the library's op: the same design, with one "sent" flag per program and peer
+    if gpu:  # the library's op: the same design
         builtin = MatmulReduceScatter(world, M, N, transport="stores")
         paths["MatmulReduceScatter(stores)"] = lambda: builtin(a, b)
     ms = time_paths(paths, world, iters=60 if gpu else 1, warmup=3 if gpu else 0, graph=gpu)
