@@ -14,7 +14,8 @@ counts are exchanged (``moe_dispatch_swiglu``: the GEMM starts on each source's 
 arrive, this rank's own rows first); with ``one_launch=True`` the down GEMM and the combine's
 row stores join that launch too (``ops/moe_layer``: a down tile starts once the gated tiles of
 its rows are done), leaving the weighted sum to a launch of its own. The default is the staged
-launches until the fused forms are measured on 2 GPUs to be no slower (docs/moe.md).
+launches: on 2 H200s neither fused form was faster at prefill (within 1-5 % either way) and
+both were 8-43 % slower at decode sizes (docs/moe.md).
 
 The router is replicated (same weights on every rank). With ``fused=False`` the layer is the
 torch path instead: ``all_to_all_single`` dispatch with host-read splits, per-segment matmuls,

@@ -53,8 +53,10 @@ def default_senders(world_size: int, programs: int, interpreter: bool = False) -
     Otherwise a quarter of the grid: on 2 H200 (132 programs: 33) the 470 MB a rank receives
     at the DeepSeek-like prefill layout take about 1.7 ms at the 273 GB/s that 32 programs
     stored into a peer (../shared/DESIGN.md), within the 2.9 ms of GEMM tiles on the rank's own
-    rows. Not yet measured against other counts on 2
-    GPUs: pass ``senders`` to try others. Under the interpreter a world of one has one sender
+    rows. Measured there against 8, 16, 24 and 48 senders (graph replay, 8192 tokens): 33 was
+    the fastest at the DeepSeek-like layout (6.81 ms, the others 7.06-8.20, balanced; 11.72
+    against 11.80-13.08 with Zipf routing), and the counts were within the run-to-run spread at
+    the Mixtral-like one (docs/moe.md). Under the interpreter a world of one has one sender
     (there, several senders take no tiles: swiglu_kernel.py)."""
     if world_size == 1:
         return 1 if interpreter else programs
