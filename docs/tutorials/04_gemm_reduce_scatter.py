@@ -94,7 +94,7 @@ def main(world, M=None, N=None, K=None, dtype=None):
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                  STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_rows = triton.cdiv(M, W)
-    P = world.facts.sm_count  # the grid: one "sent" flag per (source rank, program)
+    P = world.facts.sm_count  # the grid: one ready flag per (source rank, program)
     ws = Workspace(world, Workspace.bytes_for(((W, block_rows, N), dtype),
                                               ((W, P), torch.int64), ((W,), torch.int64)),
                    name="gemm_reduce_scatter")
