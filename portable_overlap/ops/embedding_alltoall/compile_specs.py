@@ -1,4 +1,9 @@
-"""Representative compile signatures of the fused embedding + All-to-All for the compile matrix."""
+"""Representative compile signatures of the fused embedding + All-to-All for the compile matrix,
+at the untuned tile (``api.default_block_b`` off ``TUNED_TILE``) and its launch's options: one
+stage, and the warps of ``api.default_num_warps``. Where sm_90 has a measured entry of the same
+tile (fp16 D=64, bf16 D=92) that is its 8 warps, the CUDA launch's (a gfx942 / gfx950 launch of
+that tile takes 4); fp32 D=128 is 4 (sm_90 takes another tile there)."""
+from .api import default_block_b, default_num_warps
 from .kernel import embedding_alltoall_kernel
 
 _SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iters:i32 G:i32 "
@@ -21,6 +26,11 @@ def specs():
         consts = dict(BLOCK_B=max(1, min(64, 4096 // block_d)), BLOCK_D=block_d,
                       HAS_WEIGHTS=weighted, MEAN=mean, G_MAX=1024)
         sig.update({k: "constexpr" for k in consts})
+        # sm_90's measured warps where its tile is this one (the CUDA launch's), else 4
+        nbytes = 4 if dt == "fp32" else 2
+        tuned = default_block_b(D, "sm_90", nbytes) == consts["BLOCK_B"]
+        consts.update(num_warps=default_num_warps(D, "sm_90", nbytes) if tuned else 4,
+                      num_stages=1)
         aligned = ["weight_ptr", "out_ptr", "recv_ptr", "offsets_ptr"]
         if D % 16 == 0:  # what the JIT specializes at run time (D and the row stride % 16)
             aligned += ["D", "row_stride"]

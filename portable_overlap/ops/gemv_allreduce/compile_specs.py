@@ -1,5 +1,7 @@
 """Representative compile signatures of this op's kernels, for the compile matrix
-(tests/test_compile_matrix.py compiles each for sm_90 and gfx942 on a CPU-only machine)."""
+(tests/test_compile_matrix.py compiles each for sm_90, gfx942 and gfx950 on a CPU-only machine):
+the 64 x 128 tile of ``config.pick_config``'s widest band, launched over 4 warps with 4 stages
+(``GemvConfig``, passed by ``api``'s launch)."""
 from .kernel import gemv_allreduce_kernel
 
 _PTRS = {"x_ptr": "*{dt}", "w_ptr": "*{dt}", "out_ptr": "*{dt}", "partial_ptr": "*fp32",
@@ -17,6 +19,7 @@ def specs():
                           EVEN_N=even, PRECISION=prec, UPCAST=False, G_MAX=1024,
                           ONE_SHOT=one_shot)
             sig.update({k: "constexpr" for k in consts})
+            consts.update(num_warps=4, num_stages=4)
             # what the JIT specializes at run time: 16-byte aligned pointers, K and strides % 16
             aligned = [*_PTRS, "K", "stride_xm", "stride_wn"] if even else [*_PTRS]
             yield (f"gemv_allreduce[{dt},BM{block_m},even={even}"

@@ -1,4 +1,7 @@
-"""Representative compile signatures of the persistent matmul for the compile matrix."""
+"""Representative compile signatures of the persistent matmul for the compile matrix, at the
+warps and stages of the launch that picks each tile (``api.tile_config``): bf16 at the H200 tile
+(8 warps; sm_90), fp16 at the 64-lane-wavefront tile (``WAVE64_TILE``, 4 warps; gfx942 /
+gfx950), fp32 at 4 warps (every device); 3 stages."""
 from .kernel import persistent_matmul_kernel
 
 _ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
@@ -6,8 +9,9 @@ _ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:
 
 
 def specs():
-    for dt, prec, bm, bn, bk in (("bf16", "ieee", 128, 256, 64), ("fp16", "ieee", 128, 128, 64),
-                                 ("fp32", "ieee", 64, 64, 32)):
+    for dt, prec, bm, bn, bk, warps in (("bf16", "ieee", 128, 256, 64, 8),
+                                        ("fp16", "ieee", 128, 128, 64, 4),
+                                        ("fp32", "ieee", 64, 64, 32, 4)):
         for desc in (False, True) if dt != "fp32" else (False,):
             sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "c_ptr": f"*{dt}"}
             sig.update(dict(kv.split(":") for kv in _ARGS.split()))
@@ -17,6 +21,7 @@ def specs():
             if not desc:
                 consts.update(a_desc=None, b_desc=None)
             sig.update({k: "constexpr" for k in consts})
+            consts.update(num_warps=warps, num_stages=3)
             aligned = ["a_ptr", "b_ptr", "c_ptr", "K", "N", "stride_am", "stride_bk", "stride_cm"]
             name = f"persistent_matmul[{dt}{', descriptors' if desc else ''}]"
             yield name, persistent_matmul_kernel, sig, consts, aligned

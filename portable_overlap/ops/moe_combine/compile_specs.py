@@ -1,4 +1,7 @@
-"""Representative compile signatures of the MoE expert GEMM + combine kernels."""
+"""Representative compile signatures of the MoE expert GEMM + combine kernels, at their launches'
+options (``api._plan``, ``_plan_combine``): the GEMM at its tile's config (the H200 bf16 tile,
+``matmul.api.tile_config``, over 8 warps with 3 stages; the decode tile, ``decode_tile``, over 8
+with 4; fp32 over 4 with 3), the weighted sum over ``CombineConfig``'s 4 warps with 1 stage."""
 from .kernel import moe_combine_kernel, moe_gemm_scatter_kernel
 
 _GEMM_ARGS = ("status_addr:i64 R:i32 H:i32 I:i32 E:i32 max_slots:i32 stride_xm:i32 stride_xk:i32 "
@@ -30,6 +33,7 @@ def specs():
         else:
             consts.update(x_desc=None, w_desc=None)
         sig.update({k: "constexpr" for k in consts})
+        consts.update(num_warps=8 if dt == "bf16" else 4, num_stages=consts["NUM_STAGES"])
         aligned = ["x_ptr", "w_ptr", "combine_ptr", "I", "H", "stride_xm", "stride_wk",
                    "stride_we"]
         yield (f"moe_gemm_scatter[{dt}{', descriptors' if desc else ''}"
@@ -42,5 +46,6 @@ def specs():
         sig.update(dict(kv.split(":") for kv in _COMB_ARGS.split()))
         consts = dict(BLOCK_S=8, BLOCK_H=256, G_MAX=1024)
         sig.update({k: "constexpr" for k in consts})
+        consts.update(num_warps=4, num_stages=1)
         yield (f"moe_combine[{dt}]", moe_combine_kernel, sig, consts,
                ["combine_ptr", "out_ptr", "H"])

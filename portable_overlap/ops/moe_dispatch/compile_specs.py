@@ -1,4 +1,7 @@
-"""Representative compile signatures of the MoE dispatch kernels."""
+"""Representative compile signatures of the MoE dispatch kernels, at their launches' options:
+the routing and the scatter over 4 warps with 1 stage (``api``), the fused dispatch + gated GEMM
+at its tile's config (``swiglu``: ``moe_experts.api.tile_config``)."""
+from ...kernel_registry import LAUNCH_OPTIONS
 from .kernel import dispatch_scatter_kernel, route_count_kernel, route_exchange_kernel
 from .swiglu_kernel import dispatch_swiglu_kernel
 
@@ -11,19 +14,23 @@ _SCATTER_ARGS = ("status_addr:i64 n_slots:i32 k:i32 H:i32 stride_ts:i32 E:i32 ca
 def _sig(pointers: dict, scalars: str, consts: dict) -> dict:
     sig = dict(pointers)
     sig.update(dict(kv.split(":") for kv in scalars.split()))
-    sig.update({k: "constexpr" for k in consts})
+    sig.update({k: "constexpr" for k in consts if k not in LAUNCH_OPTIONS})
     return sig
+
+
+#: the routing kernels' and the scatter's launch options (api.py)
+_SMALL = dict(num_warps=4, num_stages=1)
 
 
 def specs():
     # (DeepSeek-like: 8 ranks x 32 experts, top-8 ids int64; 2 ranks x 8 experts, int32 ids)
     for ids, BE, BT, W, El in (("i64", 256, 64, 8, 32), ("i32", 16, 64, 2, 8)):
-        consts = dict(BLOCK_T=BT, BLOCK_E=BE)
+        consts = dict(BLOCK_T=BT, BLOCK_E=BE, **_SMALL)
         yield (f"route_count[{ids},E{BE}]", route_count_kernel,
                _sig({"ids_ptr": f"*{ids}", "hist_ptr": "*i32", "bad_ptr": "*i32"},
                     "status_addr:i64 n_slots:i32 E_total:i32", consts), consts, ["hist_ptr"])
         consts = dict(BLOCK_T=BT, BLOCK_E=BE, BLOCK_P=min(64, 8192 // BE), BLOCK_W=W,
-                      BLOCK_EL=El)
+                      BLOCK_EL=El, **_SMALL)
         ptrs = {n: "*i32" for n in ("hist_ptr", "base_ptr", "bad_ptr", "dest_start_ptr",
                                     "counts_ptr", "counts_in_ptr")}
         ptrs.update({n: "*i64" for n in ("count_flag_ptr", "consumed_ptr", "ctl_ptr",
@@ -31,7 +38,7 @@ def specs():
         yield (f"route_exchange[E{BE}]", route_exchange_kernel,
                _sig(ptrs, _EXCHANGE_ARGS, consts), consts, ["hist_ptr", "base_ptr"])
     for dt, BH in (("bf16", 256), ("fp32", 128)):
-        consts = dict(BLOCK_T=64, BLOCK_E=256, BLOCK_H=BH, G_MAX=1024)
+        consts = dict(BLOCK_T=64, BLOCK_E=256, BLOCK_H=BH, G_MAX=1024, **_SMALL)
         ptrs = {"tokens_ptr": f"*{dt}", "ids_ptr": "*i64", "base_ptr": "*i32",
                 "dest_start_ptr": "*i32", "recv_ptr": f"*{dt}", "recv_slots_ptr": "*i32",
                 "slot_ids_ptr": "*i32", "stage_ptr": "*i32"}
@@ -63,7 +70,7 @@ def _swiglu_specs():
         consts = dict(BLOCK_T=64, BLOCK_E=16, BLOCK_H=256 if dt == "bf16" else 128, G_MAX=1024,
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
                       PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16, BLOCK_F=32,
-                      SENDERS_COMPUTE=True)
+                      SENDERS_COMPUTE=True, num_warps=warps, num_stages=3)
         if desc:
             ptrs.update(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>",
                         wg_desc=f"tensordesc<{dt}[{bk}, {bn}]>",

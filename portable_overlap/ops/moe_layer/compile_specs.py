@@ -9,7 +9,8 @@ _LAYER_ARGS = _SWIGLU_ARGS + (" c_status_addr:i64 max_slots:i32 stride_de:i32 st
 def specs():
     """The layer at the tiles its planner picks (api._plan: the gated GEMM's, the down GEMM's
     with the same row tile height and warps): bf16 through descriptors at prefill and decode
-    sizes (sm_90), bf16 by pointer loads (no descriptors: AMD), fp32."""
+    sizes (sm_90), bf16 by pointer loads (no descriptors: AMD), fp32. Compiled at the launch's
+    options: the gated GEMM's warps and stages."""
     for dt, (bm, bn, bk, warps, stages), (bn2, bk2, stages2), desc in (
             ("bf16", (128, 128, 64, 8, 3), (256, 64, 3), True),
             ("bf16", (64, 256, 64, 8, 3), (256, 64, 4), True),
@@ -29,7 +30,8 @@ def specs():
                       EVEN_K=True, PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16,
                       BLOCK_F=32, SENDERS_COMPUTE=True, BLOCK_N2=bn2, BLOCK_K2=bk2, GROUP_M2=8,
                       NUM_STAGES2=stages2, EVEN_K2=True, USE_DESC2=desc, SENDERS_DOWN=True,
-                      EXPERT_MAJOR=bm == 64 and desc, BLOCK_SRC=8)
+                      EXPERT_MAJOR=bm == 64 and desc, BLOCK_SRC=8, num_warps=warps,
+                      num_stages=stages)
         if desc:
             ptrs.update(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>",
                         wg_desc=f"tensordesc<{dt}[{bk}, {bn}]>",
