@@ -102,8 +102,9 @@ def sass_offline(out: str, tut) -> dict:
                                        if s[0] == "allgather_gemm[bf16, descriptors, joined]")
     lib = compile_spec(fn, sig, consts, aligned, target, num_warps=8, num_stages=3)
     tconsts = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, STAGES=3, EVEN_K=True,
-                   COPY=8192, USE_DESC=True)
-    same = {"gathered_ptr": "gather_ptr", "free_ptr": "consumed_ptr"}  # its names for the same
+                   COPY=8192, USE_DESC=True, JOIN=True)
+    same = {"gathered_ptr": "gather_ptr", "free_ptr": "consumed_ptr",  # its names for the same
+            "claim_ptr": "tile_ptr"}
     tsig = {n: sig[same.get(n, n)] for n in tut.allgather_gemm_kernel.arg_names
             if n not in tconsts}  # the library spec's types, descriptor blocks included
     tsig.update({k: "constexpr" for k in tconsts})
