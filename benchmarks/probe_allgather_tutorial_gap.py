@@ -13,7 +13,8 @@ Per shape (default 4096x8192x16384 and the control 8192x8192x8192), every varian
   order (tutorial, sequential, op), then in the reverse order;
 - ``interleaved``: each variant captured once (and plain launches), ``--rounds`` rounds of
   ``--iters`` calls each, the order rotated every round; SM clock, power, temperature and
-  clock-limit reasons read while each block runs (NVML or nvidia-smi). ``tutorial``: the tutorial's kernel and launch; ``op``: ``ctx(a, b)``
+  clock-limit reasons read while each block runs (NVML or nvidia-smi). ``tutorial``: the
+  tutorial's kernel and launch; ``op``: ``ctx(a, b)``
   (the bench's call, a new ``out`` per call); ``op_out``: ``out=`` given; ``plan``: the op's
   planned launch called with arguments made once (no host checks, descriptors made once);
   ``cublas``: ``torch.matmul`` of the gathered rows (the clock anchor).
@@ -62,7 +63,7 @@ def k_loop(sass: str) -> list:
     for i in range(first, len(lines)):
         m = re.search(r"BRA.*`\((\.L_x_\d+)\)", lines[i])
         if m and labels.get(m.group(1), len(lines)) < first:
-            return [_norm(l) for l in lines[labels[m.group(1)] + 1:i + 1] if _norm(l)]
+            return [_norm(ln) for ln in lines[labels[m.group(1)] + 1:i + 1] if _norm(ln)]
     return []
 
 
@@ -276,8 +277,8 @@ def probe_shape(world, tut, M, N, K, args) -> dict:
                                   for n in order}
                           for label, order in (("forward", ("tutorial", "sequential", "op")),
                                                ("reverse", ("op", "sequential", "tutorial")))}
-    res["interleaved"] = {("graph" if gr else "plain"): interleaved(fns, gr, args.rounds,
-                                                                     args.iters, args.tail, dev)
+    res["interleaved"] = {("graph" if gr else "plain"):
+                          interleaved(fns, gr, args.rounds, args.iters, args.tail, dev)
                           for gr in (True, False)}
     ws.close()
     ctx.close()
