@@ -165,25 +165,42 @@ def _tutorial_kernels():
                 yield f"{name}.{attr}", fn
 
 
-#: the tutorials' launch values: the device's bf16 GEMM tiles (ops.matmul.default_config)
-_CONSTS = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, STAGES=3, EVEN_K=True,
-               COPY=8192, JOIN=True, BLOCK_R=16, BLOCK=1024, ROUNDS=3, CHUNK=8192)
+#: the launch values of the tutorials' kernels that are not GEMMs (row_rstd's BLOCK_K on GPUs)
+_SMALL = dict(BLOCK_R=16, BLOCK_K=256, BLOCK=1024, ROUNDS=3, CHUNK=8192)
 _FLAGS = ("ctx", "ready_ptr", "free_ptr", "arrived_ptr", "claim_ptr", "flags_ptr")
 
 
-def _signature(fn, desc: bool):
-    """The tutorial kernel's compile signature by its argument names (the tutorials' own
-    naming: flags and counters int64, data bf16, ``rstd`` fp32, ``*_desc`` tensor descriptors
-    of A-side [BLOCK_M, BLOCK_K] or B-side (``b``, ``w``) [BLOCK_K, BLOCK_N] blocks)."""
+def _launch(fn, warp_size: int, desc: bool):
+    """The tutorial kernel's compile signature, constexprs and launch options as the tutorial
+    launches it on a device of ``warp_size`` lanes: a GEMM kernel (one with ``BLOCK_M``) at the
+    device's bf16 tiling (``ops.matmul.api.tile_config``, as ``default_config`` gives the
+    tutorials), the others at Triton's default options. Types by the tutorials' naming: flags
+    and counters int64, data bf16, ``rstd`` fp32, ``*_desc`` tensor descriptors of A-side
+    [BLOCK_M, BLOCK_K] or B-side (``b``, ``w``) [BLOCK_K, BLOCK_N] blocks."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from portable_overlap.ops.matmul.api import tile_config
+
+    cfg = tile_config(torch.bfloat16, SimpleNamespace(warp_size=warp_size))
+    gemm = "BLOCK_M" in fn.arg_names
+    values = dict(_SMALL)
+    options = {}
+    if gemm:
+        values.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m, STAGES=cfg.num_stages, EVEN_K=True, COPY=8192,
+                      JOIN=True, USE_DESC=desc)
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     sig, consts = {}, {}
-    bm, bn, bk = _CONSTS["BLOCK_M"], _CONSTS["BLOCK_N"], _CONSTS["BLOCK_K"]
     for p in fn.params:
         n = p.name
         if p.is_constexpr:
-            consts[n] = desc if n == "USE_DESC" else _CONSTS[n]
+            consts[n] = values[n]
             sig[n] = "constexpr"
         elif n.endswith("_desc"):
-            shape = [bk, bn] if n[0] in "bw" else [bm, bk]
+            shape = ((cfg.block_k, cfg.block_n) if n[0] in "bw"
+                     else (cfg.block_m, cfg.block_k))
             sig[n] = f"tensordesc<bf16[{shape[0]}, {shape[1]}]>" if desc else "constexpr"
             if not desc:
                 consts[n] = None
@@ -193,7 +210,7 @@ def _signature(fn, desc: bool):
             sig[n] = "*fp32" if n.startswith("rstd") else "*bf16"
         else:
             sig[n] = "fp32" if n == "eps" else "i32"
-    return sig, consts
+    return sig, consts, options
 
 
 _KERNELS = list(_tutorial_kernels())
@@ -204,11 +221,12 @@ _KERNELS = list(_tutorial_kernels())
 @pytest.mark.parametrize("kernel", _KERNELS, ids=[k[0] for k in _KERNELS])
 def test_tutorial_kernels_compile(kernel, target):
     """Each tutorial kernel compiles for sm_90 with tensor descriptors (the path an H100 / H200
-    takes) and for gfx942 with pointer loads, as launched: the interpreter runs neither path's
-    typing rules (a 64-bit descriptor offset passed it and failed on the GPU)."""
+    takes) and for gfx942 with pointer loads, at the tiles and options it is launched with
+    there: the interpreter runs neither path's typing rules (a 64-bit descriptor offset passed
+    it and failed on the GPU)."""
     from portable_overlap.kernel_registry import compile_spec
 
     name, fn = kernel
-    sig, consts = _signature(fn, desc=target[0] == "cuda")
-    compiled = compile_spec(fn, sig, consts, [], target, num_warps=8, num_stages=3)
+    sig, consts, options = _launch(fn, target[2], desc=target[0] == "cuda")
+    compiled = compile_spec(fn, sig, consts, [], target, **options)
     assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco"), name

@@ -5,7 +5,7 @@ and without joined senders and copy-engine pulls, two copy blocks, bulk copies (
 descriptors of boxes of a and of the peer's rows), and fp32. At the options of the launches of
 their tiles (``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4;
 3 stages."""
-from ..matmul.compile_specs import descriptor_signature
+from ..matmul.compile_specs import descriptor_signature, tile_launch
 from .kernel import allgather_gemm_kernel
 
 _ARGS = ("m:i32 N:i32 K:i32 stride_bk:i32 stride_bn:i32 chunk_rows:i32 n_chunks:i32 "
@@ -37,7 +37,7 @@ def specs():
         if not desc:
             consts.update(a_desc=None, g_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(num_warps=8 if bm == 128 else 4, num_stages=3)
+        consts.update(tile_launch(bm, bn, bk))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "gather_ptr", "K", "N", "stride_bk"]
         yield (f"allgather_gemm[{dt}{', descriptors' if desc else ''}"
                f"{' of b.t()' if bt else ''}"

@@ -1,7 +1,7 @@
 """Representative compile signatures of the fused GEMM + All-to-All for the compile matrix, at
 the options of the launches of their tiles (``matmul.api.tile_config``): the H200 bf16 tile over
 8 warps (sm_90), fp32 over 4; 3 stages."""
-from ..matmul.compile_specs import descriptor_signature
+from ..matmul.compile_specs import descriptor_signature, tile_launch
 from .kernel import gemm_alltoall_kernel
 
 _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
@@ -22,7 +22,7 @@ def specs():
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(num_warps=8 if bm == 128 else 4, num_stages=3)
+        consts.update(tile_launch(bm, bn, bk))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "K", "N", "stride_am", "stride_bk"]
         yield (f"gemm_alltoall[{dt}{', descriptors' if desc else ''}]", gemm_alltoall_kernel,
                sig, consts, aligned)

@@ -3,7 +3,7 @@ their launches' options (``api.launch_plan``, ``_reduce_launch``): the GEMM at i
 (``matmul.api.tile_config``: the H200 bf16 tile over 8 warps, the 64-lane-wavefront 128 x 128
 tile over 4, fp32 over 4; 3 stages), the reorder and the reduce over 4 warps and the norm's
 reorder over 8 where BLOCK_N is 256, at Triton's default stages (they pass none)."""
-from ..matmul.compile_specs import descriptor_signature
+from ..matmul.compile_specs import descriptor_signature, tile_launch
 from .kernel import (gemm_signal_kernel, signal_reduce_kernel, signal_reorder_kernel,
                      signal_reorder_norm_kernel)
 
@@ -11,7 +11,7 @@ _GEMM_ARGS = ("M_dest:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 
               "dests:i32 G:i32")
 
 
-def _gemm_spec(dt, prec, bm, bn, bk, warps, desc, table):
+def _gemm_spec(dt, prec, bm, bn, bk, desc, table):
     sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "stage_ptr": f"*{dt}",
            "slot_ptr": "*i32", "group_ptr": "*i32", "count_ptr": "*i64" if table else "*i32"}
     sig.update(dict(kv.split(":") for kv in _GEMM_ARGS.split()))
@@ -21,7 +21,7 @@ def _gemm_spec(dt, prec, bm, bn, bk, warps, desc, table):
     if not desc:
         consts.update(a_desc=None, b_desc=None)
     sig.update({k: "constexpr" for k in consts})
-    consts.update(num_warps=warps, num_stages=3)
+    consts.update(tile_launch(bm, bn, bk))
     aligned = ["a_ptr", "b_ptr", "stage_ptr", "K", "N", "stride_am", "stride_bk"]
     name = (f"gemm_signal[{dt}{', descriptors' if desc else ''}"
             f"{', gate table' if table else ''}]")
@@ -29,14 +29,13 @@ def _gemm_spec(dt, prec, bm, bn, bk, warps, desc, table):
 
 
 def specs():
-    for dt, prec, bm, bn, bk, warps in (("bf16", "ieee", 128, 256, 64, 8),
-                                        ("fp16", "ieee", 128, 128, 64, 4),
-                                        ("fp32", "ieee", 64, 64, 32, 4)):
+    for dt, prec, bm, bn, bk in (("bf16", "ieee", 128, 256, 64), ("fp16", "ieee", 128, 128, 64),
+                                 ("fp32", "ieee", 64, 64, 32)):
         for desc in (False, True) if dt != "fp32" else (False,):
-            yield _gemm_spec(dt, prec, bm, bn, bk, warps, desc, False)
+            yield _gemm_spec(dt, prec, bm, bn, bk, desc, False)
     # the group counters as separate words reached through their address table (ROCm's signal
     # memory under GPU_STREAMOPS_CP_WAIT=1)
-    yield _gemm_spec("fp32", "ieee", 64, 64, 32, 4, False, True)
+    yield _gemm_spec("fp32", "ieee", 64, 64, 32, False, True)
     for dt, bm, bn, bias, res in (("bf16", 128, 256, True, True), ("fp32", 64, 64, False, False)):
         sig = {"src_ptr": f"*{dt}", "table_ptr": "*i32", "out_ptr": f"*{dt}",
                "bias_ptr": f"*{dt}", "res_ptr": f"*{dt}", "N": "i32", "stride_om": "i32",

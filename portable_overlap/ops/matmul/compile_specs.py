@@ -9,9 +9,8 @@ _ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:
 
 
 def specs():
-    for dt, prec, bm, bn, bk, warps in (("bf16", "ieee", 128, 256, 64, 8),
-                                        ("fp16", "ieee", 128, 128, 64, 4),
-                                        ("fp32", "ieee", 64, 64, 32, 4)):
+    for dt, prec, bm, bn, bk in (("bf16", "ieee", 128, 256, 64), ("fp16", "ieee", 128, 128, 64),
+                                 ("fp32", "ieee", 64, 64, 32)):
         for desc in (False, True) if dt != "fp32" else (False,):
             sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "c_ptr": f"*{dt}"}
             sig.update(dict(kv.split(":") for kv in _ARGS.split()))
@@ -21,10 +20,27 @@ def specs():
             if not desc:
                 consts.update(a_desc=None, b_desc=None)
             sig.update({k: "constexpr" for k in consts})
-            consts.update(num_warps=warps, num_stages=3)
+            consts.update(tile_launch(bm, bn, bk))
             aligned = ["a_ptr", "b_ptr", "c_ptr", "K", "N", "stride_am", "stride_bk", "stride_cm"]
             name = f"persistent_matmul[{dt}{', descriptors' if desc else ''}]"
             yield name, persistent_matmul_kernel, sig, consts, aligned
+
+
+def tile_launch(bm: int, bn: int, bk: int) -> dict:
+    """The warps and stages the library launches the GEMM tile ``bm`` x ``bn`` x ``bk`` with:
+    those of the ``api.tile_config`` pick of that tile (on 32- or 64-lane warps, any dtype)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from .api import tile_config
+
+    for warp_size in (32, 64):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            c = tile_config(dtype, SimpleNamespace(warp_size=warp_size))
+            if (c.block_m, c.block_n, c.block_k) == (bm, bn, bk):
+                return {"num_warps": c.num_warps, "num_stages": c.num_stages}
+    raise ValueError(f"no device's GEMM tiling picks the tile {bm} x {bn} x {bk}")
 
 
 def descriptor_signature(dt: str, bm: int, bn: int, bk: int, desc: bool) -> dict:

@@ -2,7 +2,7 @@
 for the compile matrix: both modes, the device's bf16 tiles with and without descriptors, with
 the epilogue's bias and residual, and fp32. At the options of the launches of their tiles
 (``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4; 3 stages."""
-from ..matmul.compile_specs import descriptor_signature
+from ..matmul.compile_specs import descriptor_signature, tile_launch
 from .kernel import matmul_reduce_stores_kernel
 
 _ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
@@ -30,7 +30,7 @@ def specs():
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(num_warps=8 if bm == 128 else 4, num_stages=3)
+        consts.update(tile_launch(bm, bn, bk))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "gathered_ptr", "K", "N",
                    "stride_am", "stride_bk"]
         yield (f"matmul_reduce_stores[{'all_reduce' if ar else 'reduce_scatter'}, {dt}"
