@@ -180,6 +180,11 @@ class BenchParser(argparse.ArgumentParser):
                             "rotated each round, and keep each impl's round with the median "
                             "median: a GPU's clock drifts within a run, and a fixed order "
                             "favours the impls timed first (default: %(default)s)")
+        g.add_argument("--barrier", choices=("device", "host"), default="device",
+                       help="the barrier before each timed iteration: on the stream, the host "
+                            "running ahead (device), or of the hosts (host), which adds the "
+                            "gap between the ranks' hosts to every op that waits for its peers "
+                            "(benchmarks/harness.py; default: %(default)s)")
         g.add_argument("--impls", default="",
                        help="comma list of the impls to check and time (default: every one "
                             "the benchmark has)")

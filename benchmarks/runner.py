@@ -140,7 +140,8 @@ class Bench:
 
         try:
             return time_op(fn, self.world, graph=graph, iters=iters or self.args.iters,
-                           warmup=self.args.warmup if warmup is None else warmup)
+                           warmup=self.args.warmup if warmup is None else warmup,
+                           barrier=getattr(self.args, "barrier", "device"))
         except Exception as e:
             if self.rank == 0:
                 print(f"{name} graph={graph} failed: {type(e).__name__}: {str(e)[:300]}",
@@ -184,6 +185,7 @@ class Bench:
                 times[(name, graph)] = r["median_ms"]
                 if self.rank == 0:
                     fields = {"correct": correct.get(name), "rel_err": errs.get(name),
+                              "barrier": getattr(self.args, "barrier", "device"),
                               **case.row_fields(name)}
                     self.write(op=case.op, shape=case.shape, dtype=case.dtype, impl=name,
                                graph=graph, **fields, **rounded(r))

@@ -108,11 +108,30 @@ class World:
         return box[0]
 
     def barrier(self) -> None:
+        """Every rank's host waits until every rank got here (on a GPU, after the work queued
+        on its stream before the barrier ran)."""
         if self.world_size > 1:
             if self.device.type == "cuda":
                 dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
                 dist.barrier(group=self.group)
+
+    def stream_barrier(self) -> None:
+        """A barrier on this rank's current stream that the host does not wait for: the work
+        queued after it starts when every rank's stream has reached it. On a GPU an all-reduce
+        of one word by the process group's library (NCCL / RCCL), so the ranks leave it within
+        about a hop of the links, where a host barrier lets each rank's next launch wait for
+        its own host to wake up (tens of microseconds apart, which a timed call that waits for
+        its peers then counts: ``benchmarks/harness.py``); on the CPU, :meth:`barrier`."""
+        if self.world_size == 1:
+            return
+        if self.device.type == "cpu":
+            self.barrier()
+            return
+        word = getattr(self, "_barrier_word", None)
+        if word is None:
+            word = self._barrier_word = torch.zeros(1, dtype=torch.int32, device=self.device)
+        dist.all_reduce(word, group=self.group)
 
     def check_same(self, what: str, value: Any) -> None:
         """Raise on every rank if the ranks disagree on ``value`` (host sync; set-up time)."""

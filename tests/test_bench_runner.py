@@ -178,8 +178,8 @@ def timed(monkeypatch):
 
     calls = []
 
-    def fake_time_op(fn, world, *, graph, iters, warmup):
-        calls.append((graph, iters, warmup))
+    def fake_time_op(fn, world, *, graph, iters, warmup, barrier):
+        calls.append((graph, iters, warmup, barrier))
         t = fn() * (0.5 if graph else 1.0)
         return {"median_ms": t, "p10_ms": t * 0.9, "p90_ms": t * 1.1}
 
@@ -223,7 +223,7 @@ def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
     assert set(times) == {(n, g) for n in ("fused", "fused[ok]", "sequential", "compute", "comm")
                           for g in (False, True)}
     assert times[("fused", True)] == 2.0 and times[("fused", False)] == 4.0
-    assert timed[0] == (False, 7, 2)
+    assert timed[0] == (False, 7, 2, "device")
     got = _rows(tmp_path)
     timed_rows = [r for r in got if r["op"] == "op"]
     assert len(timed_rows) == 10
@@ -232,6 +232,7 @@ def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
     assert (r["impl"], r["graph"], r["correct"], r["rel_err"], r["extra"]) == \
         ("fused", False, True, 1e-3, "fused")
     assert (r["median_ms"], r["commit"], r["device"], r["world"]) == (4.0, "c0ffee1", "k", 1)
+    assert r["barrier"] == "device"
     assert {"p10_ms", "p90_ms", "date"} <= set(r)
     seq = next(x for x in timed_rows if x["impl"] == "sequential")
     assert seq["correct"] is None and seq["rel_err"] is None
@@ -248,7 +249,7 @@ def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
 
 
 def test_run_without_checks_and_one_mode(tmp_path, timed):
-    bench = _bench(tmp_path, "--no-check", "--graph", "graph")
+    bench = _bench(tmp_path, "--no-check", "--graph", "graph", "--barrier", "host")
     bench.run(runner.Case(op="op", shape={"M": 1, "N": 1, "K": 1}, dtype="bf16",
                           impls={"fused": lambda: 1.0, "fused[v]": lambda: 2.0,
                                  "sequential": lambda: 3.0},
@@ -256,6 +257,9 @@ def test_run_without_checks_and_one_mode(tmp_path, timed):
     got = _rows(tmp_path)
     assert [(r["impl"], r["graph"]) for r in got if r["op"] == "op"] == [
         ("fused", True), ("fused[v]", True), ("sequential", True)]
+    # the host barrier reaches the timer and the rows
+    assert {c[3] for c in timed} == {"host"}
+    assert {r["barrier"] for r in got if r["op"] == "op"} == {"host"}
     assert [(r["impl"], r["speedup"]) for r in got if r["op"] == "op_summary"] == [
         ("fused", 3.0), ("fused[v]", 1.5)]
     assert bench.records[0]["ok"] is None

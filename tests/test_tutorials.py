@@ -98,8 +98,8 @@ def _bench_tutorials_on_rank(world, argv):
     import benchmarks.harness as harness
     from benchmarks import bench_tutorials, runner
 
-    def fake_time_op(fn, world, *, graph, iters, warmup):
-        assert graph and (iters, warmup) == (2, 1)
+    def fake_time_op(fn, world, *, graph, iters, warmup, barrier):
+        assert graph and (iters, warmup, barrier) == (2, 1, "device")
         fn()
         return {"median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.1}
 

@@ -160,7 +160,10 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
     barrier before each (the benchmark protocol, in the library so tuners time alike). Device
     events around each run; with ``graph``, ``fn`` is captured once into a device graph (after
     ``warmup`` plain runs on a side stream, which also load its kernels) and each run replays
-    it. On the CPU the host clock times plain runs."""
+    it. On a GPU the barrier is on the stream (``World.stream_barrier``): with a host barrier
+    every candidate that waits for its peers counts the gap between the ranks' hosts, tens of
+    microseconds, which would decide between candidates of a decode step. On the CPU the host
+    clock times plain runs."""
     dev = world.device
     if dev.type == "cpu":
         for _ in range(warmup):
@@ -193,8 +196,9 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
     mod.synchronize(dev)
     events = [(mod.Event(enable_timing=True), mod.Event(enable_timing=True))
               for _ in range(iters)]
+    world.barrier()
     for start, end in events:
-        world.barrier()
+        world.stream_barrier()
         start.record()
         run()
         end.record()
