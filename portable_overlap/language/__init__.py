@@ -79,6 +79,7 @@ __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_ca
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
            "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
+           "wait_peers_reached",
            "wait_consumed", "wait_consumed_once", "end_call_consumed", "shmem_put", "shmem_quiet"]
 
 
@@ -387,20 +388,81 @@ def fence_bulk_reads():
 
 # -- every peer's flag; buffers read until the end of a call -----------------------------------
 @triton.jit
-def wait_peers(ctx, flags_ptr, stride, call, tag=-1):
+def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr = False):
     """:func:`wait` for one flag of every peer q, at ``flags_ptr + q * stride``: the flag
     that q's ``signal_all(ctx, flags_ptr + q * stride, call, ok, tag)`` set here (e.g.
     ``flags[q][program]`` of a ``[num_ranks, slots]`` array: ``flags_ptr = flags + program``,
-    ``stride = slots``). Peers in rotation order; after the first failure it waits for no
-    more, so a missing peer costs one timeout, not one per peer. Returns whether every flag
-    arrived, no peer gave up and the tags agree."""
+    ``stride = slots``). Every peer at once, one lane per peer: each poll is one load round trip
+    whatever the number of peers, where a :func:`wait` per peer makes a chain of atomics per
+    peer, which a latency-bound call (a decode step's all-reduce) pays on its critical path.
+    Reports as :func:`wait` does: the first peer in rotation order (:func:`peer_at`) that gave
+    up or called with other shapes, else the first whose flag did not come; polling stops at
+    the first peer that gave up, and missing peers cost one timeout in all. ``ARRIVED_ONLY``: no waiting; only the peers whose flag already holds ``call``
+    or a later one are judged (flags a peer sets for a call only when it gives up on it).
+    Returns whether every flag arrived, no peer gave up and the tags agree."""
+    return _wait_all(ctx, flags_ptr, stride, call, call, tag, False, ARRIVED_ONLY)
+
+
+@triton.jit
+def wait_peers_reached(ctx, flags_ptr, stride, epoch, call):
+    """:func:`wait_reached` for one flag of every peer at once (the flags as in
+    :func:`wait_peers`): every peer got to call ``epoch`` or a later one, whatever its flags
+    say of that call (e.g. it is done reading a buffer it signalled for). Bounded by call
+    ``call``'s deadline; returns whether every flag arrived."""
+    return _wait_all(ctx, flags_ptr, stride, epoch, call, -1, True, False)
+
+
+@triton.jit
+def _wait_all(ctx, flag_ptr, stride, want, call, tag, REACHED_ONLY: tl.constexpr,
+              ARRIVED_ONLY: tl.constexpr):
     me = rank(ctx)
     world = num_ranks(ctx)
     ok = is_live(ctx)
-    for step in range(1, world):
-        q = peer_at(step, me, world)
+    for first in range(1, world, _SIGNAL_LANES):
         if ok:
-            ok = wait(ctx, flags_ptr + q * stride, call, q, tag)
+            steps = first + tl.arange(0, _SIGNAL_LANES)
+            peers = (me + steps) % world
+            ptrs = flag_ptr + peers.to(tl.int64) * stride
+            lanes = steps < world
+            if ARRIVED_ONLY:
+                seen = tl.atomic_add(ptrs, tl.zeros((_SIGNAL_LANES,), tl.int64), mask=lanes,
+                                     sem="acquire", scope="sys")
+                lanes = lanes & _shmem.reached(tl.where(lanes, seen, 0), want)
+            v, arrived = _shmem.wait_flags(ptrs, lanes, want, call, ctx + CTX_CLOCK,
+                                           tl.load(ctx + CTX_TIMEOUT_US), not REACHED_ONLY)
+            missing = lanes & ~arrived
+            this_call = (v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)
+            if REACHED_ONLY:  # nothing judged but the arrival
+                failed = arrived & ~arrived
+                other = failed
+            else:
+                failed = arrived & _shmem.peer_failed(v, this_call)
+                other = arrived & (tag >= 0) & this_call & ((v >> 32) != tag)
+            bad = missing | failed | other
+            if tl.sum(bad.to(tl.int32)) > 0:
+                # the first peer in rotated order that gave up or called with other shapes,
+                # else the first missing one: polling stopped at a peer that gave up, when
+                # others may not have signalled yet (not a timeout, which would leave the
+                # workspace out of step for good)
+                given_up = failed | other
+                if tl.sum(given_up.to(tl.int32)) > 0:
+                    bad = given_up
+                step = tl.min(tl.where(bad, steps, world))
+                pick = steps == step
+                peer = tl.sum(tl.where(pick, peers, 0))
+                word = tl.sum(tl.where(pick, v, 0))
+                ptr = flag_ptr + peer.to(tl.int64) * stride
+                if tl.sum((pick & missing).to(tl.int32)) > 0:
+                    _timed_out(ctx, peer, ptr, want, call)
+                elif tl.sum((pick & failed).to(tl.int32)) > 0:
+                    _report(ctx, _shmem.STATUS_PEER_FAILED, peer, ptr,
+                            (tl.cast(tl.maximum(tag, 0), tl.int64) << 32)
+                            | (want.to(tl.int64) & 0xFFFFFFFF))
+                else:
+                    _report(ctx, _shmem.STATUS_MISMATCH, peer, ptr,
+                            ((word >> 32) << 32) | tl.cast(tag, tl.int64))
+                ok = False
+    tl.debug_barrier()  # the acquiring lanes' view becomes the whole program's
     return ok
 
 

@@ -140,6 +140,39 @@ def wait_flag(flag_ptr, want, call, clock_ptr, timeout_us):
 
 
 @triton.jit
+def _pending(v, lanes, want, STOP_ON_FAILURE: tl.constexpr):
+    """How many of ``lanes`` have not reached ``want`` in the words ``v``; 0 once a lane's word
+    says its peer gave up on ``want`` (``STOP_ON_FAILURE``)."""
+    n = tl.sum((lanes & ~reached(v, want)).to(tl.int32))
+    if STOP_ON_FAILURE:
+        gave_up = lanes & reached(v, want) & peer_failed(
+            v, (v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF))
+        n = tl.where(tl.sum(gave_up.to(tl.int32)) > 0, 0, n)
+    return n
+
+
+@triton.jit
+def wait_flags(flag_ptrs, lanes, want, call, clock_ptr, timeout_us, STOP_ON_FAILURE: tl.constexpr):
+    """``wait_flag`` of a block of local flags at once (``lanes``: which of ``flag_ptrs`` to
+    wait for), one acquire load of every lane per poll: a wait for several peers then takes one
+    load round trip per poll instead of one per peer. With ``STOP_ON_FAILURE`` the polling ends
+    as soon as a lane's word says its peer will not deliver call ``want`` (``peer_failed``), as
+    a wait for the peers one by one would stop at that peer. Returns (the words last read,
+    0 where no lane; which lanes arrived)."""
+    zero = tl.zeros(flag_ptrs.shape, tl.int64)
+    v = tl.where(lanes, tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="acquire", scope="sys"),
+                 0)
+    pending = _pending(v, lanes, want, STOP_ON_FAILURE)
+    if pending > 0:
+        deadline = call_deadline(clock_ptr, call, timeout_us)
+        while (pending > 0) & (now_ns() < deadline):
+            v = tl.where(lanes, tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="acquire",
+                                              scope="sys"), 0)
+            pending = _pending(v, lanes, want, STOP_ON_FAILURE)
+    return v, lanes & reached(v, want)
+
+
+@triton.jit
 def await_word(flag_ptr, want, call, tag, clock_ptr, timeout_us, status_addr, pid, peer, what,
                ok, CHECK_TAG: tl.constexpr):
     """``wait_flag``, then judge the word: a timeout, the peer's failure tag, or (CHECK_TAG, the

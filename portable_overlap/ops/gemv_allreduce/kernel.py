@@ -56,12 +56,10 @@ def _signal_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.con
 
 @triton.jit
 def _wait_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
-    """Wait for ``flags[q][pid]`` of every peer q; ``ok`` and-ed with the outcomes. After a
-    failure it stops waiting: a missing peer costs one timeout, not one per flag."""
-    for step in range(1, world):
-        q = pol.peer_at(step, rank, world)
-        if ok:
-            ok = pol.wait(ctx, flags_ptr + q * G_MAX + pid, call, q, tag)
+    """Wait for ``flags[q][pid]`` of every peer q, all at once (``pol.wait_peers``); ``ok``
+    and-ed with the outcome. Nothing is waited for once ``ok`` is false."""
+    if ok:
+        ok = pol.wait_peers(ctx, flags_ptr + pid, G_MAX, call, tag)
     return ok
 
 
@@ -177,14 +175,10 @@ def _refusals(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constex
     refusal there: a later call's flag, which reads as "call delivered", and this rank would sum
     partials the peer never stored, with no error (seen on emulated ranks). No one-shot call
     writes ``bcast``: a refusal stays there, and a word that reached this call is judged as a
-    flag of it (``pol.wait`` returns at once); an older word (no refusal) is passed over.
-    ``ok`` and-ed with the outcomes."""
-    for step in range(1, world):
-        q = pol.peer_at(step, rank, world)
-        flag = bcast_ptr + q * G_MAX + pid
-        v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-        if ok & (((v - call.to(tl.int64)) & 0xFFFFFFFF) < 0x80000000):  # reached this call
-            ok = pol.wait(ctx, flag, call, q, tag)
+    flag of it; an older word (no refusal) is passed over (``ARRIVED_ONLY``: every peer's word
+    read at once). ``ok`` and-ed with the outcome."""
+    if ok:
+        ok = pol.wait_peers(ctx, bcast_ptr + pid, G_MAX, call, tag, ARRIVED_ONLY=True)
     return ok
 
 
@@ -203,10 +197,8 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
     # for in call - 1 already, unless this rank refused call - 1 on the host, which waits for
     # nothing (a late peer then summed this call's partials as call - 2's, with no error: seen
     # on emulated ranks)
-    for step in range(1, world):
-        q = pol.peer_at(step, rank, world)
-        if ok:
-            ok = pol.wait_reached(ctx, ready_ptr + q * G_MAX, call - 1, call, q)
+    if ok:
+        ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
     for i in range(0, n_rounds):
         if pid + i * G < n_blocks:
             n0 = (pid + i * G) * BLOCK_N
