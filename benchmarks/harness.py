@@ -2,8 +2,10 @@
 
 CUDA events around each iteration, a barrier before each one, warm-up, the median of at least 50,
 once with plain launches and once replaying a CUDA graph; the slowest rank's median counts.
-The barrier is on the stream by default (``World.stream_barrier``): every rank's iteration starts
-when the barrier ends on its GPU, as a call in a model starts when the collective before it ends.
+The barrier is on the stream by default (``World.stream_barrier``), and the stream is held while
+the host queues the next iterations (``schedule.tuning.queue_ahead``): every rank's iteration
+starts when the barrier ends on its GPU, as a call in a model starts when the collective before
+it ends, whatever each host is doing.
 With the host barrier (``barrier="host"``, the benchmarks' ``--barrier host``) each rank's host
 wakes up and launches on its own, and an op that waits for its peers counts the gap between the
 hosts: on 4 H200s it made NCCL's 16 KiB all-reduce time 0.038-0.064 ms.
@@ -19,6 +21,7 @@ from typing import Callable
 import torch
 
 from benchmarks.rows import ResultWriter  # noqa: F401  (also importable from here)
+from portable_overlap.schedule.tuning import AHEAD, queue_ahead
 
 
 def _quantile(xs, q):
@@ -60,6 +63,8 @@ def time_op(fn: Callable[[], object], world, *, graph: bool, iters: int = 100, w
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     world.barrier()
     for i in range(iters):
+        if barrier == "device" and i % AHEAD == 0:
+            queue_ahead(world.device)  # the host queues the next runs while the GPU waits
         before()
         starts[i].record()
         run()
