@@ -42,6 +42,10 @@ def test_a_peer_that_gives_up_is_reported_and_the_workspace_goes_on(world):
     assert not calls.check_quitter(world.run(calls.quitter))
 
 
+def test_wait_peers_reports_the_peer_that_gave_up_not_the_late_one(world4):
+    assert not calls.check_quitter_among_late(world4.run(calls.quitter_among_late))
+
+
 def test_flags_of_another_tag_raise_a_mismatch(world):
     assert not calls.check_tagged(world.run(calls.tagged))
 

@@ -394,11 +394,13 @@ def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr 
     ``flags[q][program]`` of a ``[num_ranks, slots]`` array: ``flags_ptr = flags + program``,
     ``stride = slots``). Every peer at once, one lane per peer: each poll is one load round trip
     whatever the number of peers, where a :func:`wait` per peer makes a chain of atomics per
-    peer, which a latency-bound call (a decode step's all-reduce) pays on its critical path.
+    peer on the critical path of a latency-bound call (1-1.7 us of a 45 us GEMV + AllReduce on
+    4 H200s).
     Reports as :func:`wait` does: the first peer in rotation order (:func:`peer_at`) that gave
-    up or called with other shapes, else the first whose flag did not come; polling stops at
-    the first peer that gave up, and missing peers cost one timeout in all. ``ARRIVED_ONLY``: no waiting; only the peers whose flag already holds ``call``
-    or a later one are judged (flags a peer sets for a call only when it gives up on it).
+    up or called with other shapes, else the first whose flag did not come; polling stops at the
+    first peer that gave up, and missing peers cost one timeout in all. ``ARRIVED_ONLY``: no
+    waiting; only the peers whose flag already holds ``call`` or a later one are judged (flags a
+    peer sets for a call only when it gives up on it).
     Returns whether every flag arrived, no peer gave up and the tags agree."""
     return _wait_all(ctx, flags_ptr, stride, call, call, tag, False, ARRIVED_ONLY)
 

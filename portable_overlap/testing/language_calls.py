@@ -1,6 +1,8 @@
 """Calls of the public device API (portable_overlap.language) that the CPU tests and the GPU
 check share: each runs on every rank (``fn(world, ...)``) on the world's device and returns
 host values; the ``check_*`` functions judge every rank's results and return what is wrong."""
+import time
+
 import torch
 import triton
 import triton.language as tl
@@ -287,6 +289,52 @@ def quitter(world):
     ok2 = int(out)
     ws.close()
     return first, ok1, ok2
+
+
+@triton.jit
+def _quit_all_kernel(ctx, flags_ptr, out_ptr, QUITTER: tl.constexpr):
+    """Rank QUITTER gives up on the call; every rank waits for all of its peers at once."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    pol.signal_all(ctx, flags_ptr + me, call, me != QUITTER)
+    ok = pol.wait_peers(ctx, flags_ptr, 1, call)
+    tl.store(out_ptr, ok.to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def quitter_among_late(world, delay_s: float = 1.0):
+    """``pol.wait_peers`` where one peer gives up and another is late (3 ranks or more): rank
+    W-1 gives up on a call that rank 1 launches ``delay_s`` late, so rank 0 (whose rotation
+    meets rank 1 first) sees the failure while rank 1's flag is still missing. Every rank but
+    the quitter must report the quitter, not a timeout (which would leave the workspace out of
+    step), and a call where nobody gives up must then pass."""
+    W = world.world_size
+    ws = Workspace(world, 1024, timeout_s=20.0, name="quitter_among_late")
+    flags = ws.flags((W,), "ready")
+    out = torch.full((1,), -1, dtype=torch.int32, device=world.device)
+    if world.rank == 1:
+        time.sleep(delay_s)
+    first = error_of_one_call(lambda: (ws.launch(_quit_all_kernel, (1,), flags, out,
+                                                 QUITTER=W - 1), ws.synchronize()))
+    ok1 = int(out)
+    world.barrier()  # the next call's flags must not stand for this one's (see quitter)
+    ws.launch(_quit_all_kernel, (1,), flags, out, QUITTER=W)  # nobody quits
+    ok2 = int(out)
+    ws.close()
+    return first, ok1, ok2
+
+
+def check_quitter_among_late(out):
+    bad, W = [], len(out)
+    for r, (first, ok1, ok2) in enumerate(out):
+        if r == W - 1:
+            good = first is None and ok1 == 1
+        else:
+            good = (first is not None and first[0] == "PeerTimeoutError"
+                    and f"rank {W - 1} gave up" in first[1] and ok1 == 0)
+        if not good or ok2 != 1:
+            bad.append(f"rank {r}: {first}, ok {ok1} then {ok2}")
+    return bad
 
 
 @triton.jit

@@ -125,6 +125,9 @@ def main() -> int:
                f"{time.perf_counter() - t0:.2f} s for timeout 0.5 s")
     if world.world_size > 1:
         run_check(world, "peer gives up, workspace goes on", calls.quitter, calls.check_quitter)
+    if world.world_size > 2:
+        run_check(world, "wait_peers: the peer that gave up, not the late one",
+                  calls.quitter_among_late, calls.check_quitter_among_late)
     if world.world_size > 1:
         run_check(world, "flags of another tag -> RankMismatchError", calls.tagged,
                   calls.check_tagged)
