@@ -69,3 +69,21 @@ def test_cpu_backend_without_the_interpreter_says_how_to_turn_it_on():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "TRITON_INTERPRET=1" in out.stdout and "gemv_all_reduce" in out.stdout, out.stdout
+
+
+def _stream_barrier_waits(world):
+    """Rank 1 reaches the stream barrier 0.5 s after rank 0: how long each rank's call took."""
+    import time
+
+    if world.rank == 1:
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    world.stream_barrier()
+    return time.monotonic() - t0
+
+
+def test_the_stream_barrier_on_cpu_ranks_holds_the_early_rank(world2):
+    """On the CPU the stream barrier is the host barrier (a CPU has no stream to queue on): the
+    rank that arrives first waits for the late one."""
+    early, late = world2.run(_stream_barrier_waits)
+    assert early > 0.3 and late < early, (early, late)
