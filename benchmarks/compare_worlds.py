@@ -1,13 +1,16 @@
 """Speedup over the sequential baseline at two world sizes, from the results files.
 
     python benchmarks/compare_worlds.py benchmarks/results/nvidia-h200-x2.jsonl \\
-        benchmarks/results/nvidia-h200-x4.jsonl [--plain] [--markdown]
+        benchmarks/results/nvidia-h200-x4.jsonl [--plain] [--markdown] [--barrier device]
 
 For every fused op and problem (the layer's shape: the fields that depend on the world, such as
 ``K_local`` or ``tables_per_rank``, are left out of the match) it takes the newest row of each
 impl in each file, CUDA-graph replay unless ``--plain``, and prints fused / sequential /
 compute alone / communication alone and ``speedup = sequential / fused`` for both worlds, with
-``ideal = sequential / max(compute, comm)``, the most that overlap can give.
+``ideal = sequential / max(compute, comm)``, the most that overlap can give. Only rows timed
+with one kind of barrier are compared (``--barrier``: ``host``, the default, where rows that
+name none count as host-barrier rows; ``device``; ``any``): ops that wait for their peers time
+tens of microseconds slower behind a host barrier (``benchmarks/harness.py``).
 """
 from __future__ import annotations
 
@@ -26,14 +29,16 @@ def _key(row):
     return row["op"], json.dumps(shape, sort_keys=True), row.get("dtype")
 
 
-def load(path, graph):
-    """{(op, shape, dtype): {impl: (median_ms, commit)}}, newest row per impl; and the world."""
+def load(path, graph, barrier="host"):
+    """{(op, shape, dtype): {impl: (median_ms, commit)}}, newest row per impl timed with
+    ``barrier`` (or any); and the world."""
     table, world = {}, None
     with open(path) as f:
         for line in f:
             row = json.loads(line)
             if row.get("op") not in OPS or row.get("impl") not in IMPLS \
-                    or bool(row.get("graph")) != graph or "median_ms" not in row:
+                    or bool(row.get("graph")) != graph or "median_ms" not in row \
+                    or barrier not in ("any", row.get("barrier", "host")):
                 continue
             world = row["world"]
             table.setdefault(_key(row), {})[row["impl"]] = (row["median_ms"], row["commit"])
@@ -54,9 +59,11 @@ def main() -> None:
     p.add_argument("large")
     p.add_argument("--plain", action="store_true", help="plain launches instead of graph replay")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--barrier", choices=("host", "device", "any"), default="host",
+                   help="compare only rows timed with this barrier (default: %(default)s)")
     args = p.parse_args()
-    a, wa = load(args.small, not args.plain)
-    b, wb = load(args.large, not args.plain)
+    a, wa = load(args.small, not args.plain, args.barrier)
+    b, wb = load(args.large, not args.plain, args.barrier)
     cols = ["fused", "seq", "comp", "comm", "speedup", "ideal"]
     head = ["op", "shape", "dtype"] + [f"{c} W={w}" for w in (wa, wb) for c in cols]
     rows = []

@@ -371,3 +371,23 @@ def test_rounds_rotate_the_order_and_keep_the_median_round(tmp_path, timed):
     assert times == {("fused", True): 4.0, ("sequential", True): 1.5}
     assert [(r["impl"], r["median_ms"]) for r in _rows(tmp_path) if r["op"] == "op"] == [
         ("fused", 4.0), ("sequential", 1.5)]
+
+
+def test_compare_worlds_keeps_one_barrier(tmp_path):
+    """benchmarks/compare_worlds.py compares rows of one barrier: rows without the key are
+    host-barrier rows, and the newest row of the chosen barrier wins."""
+    from benchmarks import compare_worlds
+
+    path = tmp_path / "r.jsonl"
+    base = {"op": "gemv_allreduce", "shape": {"M": 1}, "dtype": "bf16", "world": 2,
+            "impl": "fused", "graph": True, "commit": "c"}
+    rows = [dict(base, median_ms=3.0), dict(base, median_ms=2.0, barrier="device"),
+            dict(base, median_ms=4.0, barrier="host")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def pick(barrier):
+        return next(iter(compare_worlds.load(str(path), True, barrier)[0].values()))
+
+    assert pick("host")["fused"][0] == 4.0
+    assert pick("device")["fused"][0] == 2.0
+    assert pick("any")["fused"][0] == 4.0
