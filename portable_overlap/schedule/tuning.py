@@ -178,7 +178,8 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
     barrier before each (the benchmark protocol, in the library so tuners time alike). Device
     events around each run; with ``graph``, ``fn`` is captured once into a device graph (after
     ``warmup`` plain runs on a side stream, which also load its kernels) and each run replays
-    it. On a GPU the barrier is on the stream (``World.stream_barrier``): with a host barrier
+    it. On a GPU the barrier is on the stream (``World.stream_barrier``), the stream held while
+    the host queues the next runs (:func:`queue_ahead`): with a host barrier
     every candidate that waits for its peers counts the gap between the ranks' hosts, tens of
     microseconds, which would decide between candidates of a decode step. On the CPU the host
     clock times plain runs."""
