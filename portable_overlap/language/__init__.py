@@ -277,6 +277,18 @@ def _timed_out(ctx, peer, flag_ptr, expected, call):
 
 
 @triton.jit
+def _refused_word(ctx, peer, flag_ptr, v, want, tag, failed):
+    """Report flag word ``v`` of call ``want``, which arrived but fails the call: its peer gave
+    up (``failed``), else it called with another shape tag than ``tag``."""
+    if failed:
+        _report(ctx, _shmem.STATUS_PEER_FAILED, peer, flag_ptr,
+                (tl.cast(tl.maximum(tag, 0), tl.int64) << 32) | (want.to(tl.int64) & 0xFFFFFFFF))
+    else:
+        _report(ctx, _shmem.STATUS_MISMATCH, peer, flag_ptr,
+                ((v >> 32) << 32) | tl.cast(tag, tl.int64))
+
+
+@triton.jit
 def wait(ctx, flag_ptr, call, peer, tag=-1):
     """Wait until this rank's flag ``flag_ptr`` holds call ``call`` (or a later one), set by
     ``peer``'s :func:`signal`. Bounded by the call's deadline: on a timeout the program's report
@@ -292,14 +304,12 @@ def wait(ctx, flag_ptr, call, peer, tag=-1):
         if not arrived:
             _timed_out(ctx, peer, flag_ptr, call, call)
             ok = False
-        elif _shmem.peer_failed(v, (v & 0xFFFFFFFF) == (call & 0xFFFFFFFF)):
-            _report(ctx, _shmem.STATUS_PEER_FAILED, peer, flag_ptr,
-                    (tl.cast(tl.maximum(tag, 0), tl.int64) << 32) | (call & 0xFFFFFFFF))
-            ok = False
-        elif (tag >= 0) & ((v & 0xFFFFFFFF) == (call & 0xFFFFFFFF)) & ((v >> 32) != tag):
-            _report(ctx, _shmem.STATUS_MISMATCH, peer, flag_ptr,
-                    ((v >> 32) << 32) | tl.cast(tag, tl.int64))
-            ok = False
+        else:
+            failed = _shmem.peer_failed(v, (v & 0xFFFFFFFF) == (call & 0xFFFFFFFF))
+            if failed | ((tag >= 0) & ((v & 0xFFFFFFFF) == (call & 0xFFFFFFFF))
+                         & ((v >> 32) != tag)):
+                _refused_word(ctx, peer, flag_ptr, v, call, tag, failed)
+                ok = False
     tl.debug_barrier()  # the acquiring thread's view becomes the whole program's
     return ok
 
@@ -456,13 +466,9 @@ def _wait_all(ctx, flag_ptr, stride, want, call, tag, REACHED_ONLY: tl.constexpr
                 ptr = flag_ptr + peer.to(tl.int64) * stride
                 if tl.sum((pick & missing).to(tl.int32)) > 0:
                     _timed_out(ctx, peer, ptr, want, call)
-                elif tl.sum((pick & failed).to(tl.int32)) > 0:
-                    _report(ctx, _shmem.STATUS_PEER_FAILED, peer, ptr,
-                            (tl.cast(tl.maximum(tag, 0), tl.int64) << 32)
-                            | (want.to(tl.int64) & 0xFFFFFFFF))
                 else:
-                    _report(ctx, _shmem.STATUS_MISMATCH, peer, ptr,
-                            ((word >> 32) << 32) | tl.cast(tag, tl.int64))
+                    _refused_word(ctx, peer, ptr, word, want, tag,
+                                  tl.sum((pick & failed).to(tl.int32)) > 0)
                 ok = False
     tl.debug_barrier()  # the acquiring lanes' view becomes the whole program's
     return ok

@@ -55,7 +55,7 @@ def _signal_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.con
 
 
 @triton.jit
-def _wait_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
+def _wait_peers(ctx, flags_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
     """Wait for ``flags[q][pid]`` of every peer q, all at once (``pol.wait_peers``); ``ok``
     and-ed with the outcome. Nothing is waited for once ``ok`` is false."""
     if ok:
@@ -138,7 +138,7 @@ def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_p
             tl.store(dst + tile_off, acc, mask=m_mask & ((n0 + offs_nb)[None, :] < N))
 
     # 4. reduce owned blocks in rank order, store locally and into every peer's result buffer
-    ok = _wait_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    ok = _wait_peers(ctx, ready_ptr, pid, call, ok, tag, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world
@@ -156,7 +156,7 @@ def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_p
     _signal_peers(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX)
 
     # 5. blocks peers own: their reduced tiles arrived in result; copy them to the output
-    ok = _wait_peers(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    ok = _wait_peers(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             owner = (i + pid) % world
@@ -168,7 +168,7 @@ def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_p
 
 
 @triton.jit
-def _refusals(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
+def _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
     """The one-shot form's check that no peer gave up on call ``call`` on the host. A refused
     call sets the peer's words of both flag arrays here (``refuse_kernel``) and waits for
     nothing, so the peer's next call may set its ``ready`` word before this rank read the
@@ -210,8 +210,8 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
             for step in range(1, world):  # peers in rotated order: every link busy at once
                 pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
     _signal_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
-    ok = _wait_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
-    ok = _refusals(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    ok = _wait_peers(ctx, ready_ptr, pid, call, ok, tag, G_MAX)
+    ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
     if ok:
         for i in range(0, n_rounds):
             if pid + i * G < n_blocks:
