@@ -83,13 +83,14 @@ def body(bench) -> int:
     dev, W = world.device, world.world_size
     shapes = [(s["M"], s["N"], s["K"]) for s in args.shapes]
     elems = max(M // W * K for M, _, K in shapes)
-    ctx = AllGatherMatmul(world, max_shard_elems=elems)
+    ctx = AllGatherMatmul(world, max_shard_elems=elems, transport="copy_engine")
     schedules = _list(args.schedules, SCHEDULES)
     stores = {n: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                  senders=None if n == "default" else int(n))
               for n in _list(args.senders)}
     pull = (None if args.no_pull
-            else AllGatherMatmul(world, max_shard_elems=elems, direction="pull"))
+            else AllGatherMatmul(world, max_shard_elems=elems, transport="copy_engine",
+                                 direction="pull"))
     variants = {v: AllGatherMatmul(world, max_shard_elems=elems, transport="stores",
                                    **_options(v))
                 for v in _list(args.stores)}

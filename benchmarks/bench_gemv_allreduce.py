@@ -75,7 +75,7 @@ def body(bench) -> int:
                 per_rank_gbs=[round(b, 1) for b in bws], method="torch.sum over 2 GiB bf16")
     bench.say(f"HBM read bandwidth {min(bws):.0f} GB/s (slowest rank)")
 
-    ctx = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes))
+    ctx = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes), transport="stores")
     one_shot = GemvAllReduce(world, max_n=max(n for _, n, _ in shapes), transport="one_shot")
     autos = auto_contexts(lambda **kw: GemvAllReduce(world, max_n=max(n for _, n, _ in shapes),
                                                      **kw))
@@ -83,7 +83,7 @@ def body(bench) -> int:
     # which separates the kernel's own bandwidth from what the all-reduce costs it.
     solo_groups = [dist.new_group([r]) for r in range(W)]
     solo = World.from_process_group(group=solo_groups[world.rank], device=dev)
-    solo_ctx = GemvAllReduce(solo, max_n=max(n for _, n, _ in shapes))
+    solo_ctx = GemvAllReduce(solo, max_n=max(n for _, n, _ in shapes), transport="stores")
     group_name = dist.group.WORLD.group_name
     try:
         import torch.distributed._symmetric_memory as symm_mem

@@ -18,7 +18,7 @@
 #      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
 #      its error against the measured op, the search's pick against a bounded exhaustive search;
 #      independent of PO_SKIP_SIG), PO_SKIP_EXAMPLES=1 / PO_PREFILL_TRANSPORT (the prefill
-#      example's fused transport, default copy_engine), PO_SKIP_DEMO=1,
+#      example's fused transport, default the library's: auto), PO_SKIP_DEMO=1,
 #      PO_SKIP_WAITS=1 (bounded waits on the device clock), PO_SKIP_LANGUAGE=1 (the device API
 #      and tutorials, tests/gpu/check_language.py), PO_SKIP_TUT_BENCH=1 / PO_TUT_ARGS (the
 #      tutorials' kernels beside the library's ops, benchmarks/bench_tutorials.py), PO_SKIP_AUTO=1 (transport="auto",
@@ -115,7 +115,7 @@ fi
 if [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then
   run 240 examples/moe/moe_layer.py 2>&1 | tee "$out/example_moe.log" | grep -vE "^\[|Warning|warn" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  run 300 examples/transformer/prefill.py --graph --transport "${PO_PREFILL_TRANSPORT:-copy_engine}" 2>&1 | tee "$out/example_prefill.log" | grep -vE "^\[|Warning|warn" | tail -13
+  run 300 examples/transformer/prefill.py --graph ${PO_PREFILL_TRANSPORT:+--transport "$PO_PREFILL_TRANSPORT"} 2>&1 | tee "$out/example_prefill.log" | grep -vE "^\[|Warning|warn" | tail -13
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 # GEMM with tile-group signals (host-collective transport): checks, then its benchmark with the

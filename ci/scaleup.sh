@@ -10,7 +10,7 @@
 #          (stores at two sender counts and with copy-engine pulls, beside the copy engines,
 #          torch's fused op, sequential), GEMM + ReduceScatter / AllReduce and GEMV + AllReduce (one-shot, auto)
 #   moe    the MoE combine, dispatch and whole-layer benchmarks, the MoE example, the prefill
-#          example over the stores transport
+#          example (default transport)
 #   rest   embedding + All-to-All, GEMM + All-to-All, the device API and its tutorials beside
 #          the library's ops, the fault campaign, the prefill and DLRM examples
 # Each part runs ci/gpu.sh with the other sections skipped, so the options of gpu.sh
@@ -47,8 +47,6 @@ case "$part" in
   moe)
     export PO_SKIP_MOE=0 PO_SKIP_MOE_DISPATCH=0 PO_SKIP_MOE_LAYER=0 PO_SKIP_EXAMPLES=0
     export PO_MOE_LAYER_ARGS=${PO_MOE_LAYER_ARGS:---rounds 3}
-    # the transport that measured faster on 4 GPUs, one launch per call (docs/scaling.md)
-    export PO_PREFILL_TRANSPORT=${PO_PREFILL_TRANSPORT:-stores}
     ;;
   rest)
     export PO_SKIP_EMB=0 PO_SKIP_A2A=0 PO_SKIP_LANGUAGE=0 PO_SKIP_TUT_BENCH=0

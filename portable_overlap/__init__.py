@@ -5,7 +5,7 @@ still being computed. One op per communication pattern, each with a context (the
 workspace, made once per shape budget) and a ``transport=`` choice:
 
 ======================  ============================  ===========================================
-op                      context                       transports (first: default)
+op                      context                       transports
 ======================  ============================  ===========================================
 all_gather_matmul       AllGatherMatmul               copy_engine, stores, torch_fused,
                                                       sequential
@@ -22,9 +22,11 @@ moe_dispatch            MoeDispatch                   stores, shmem, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================
 
-The first five also take ``transport="auto"``: the context times every transport that can run
-on its world at the first call of each new shape and keeps the fastest (``ops/planner.py``);
-``torch_fused`` (torch's own fused ops) runs on GPU worlds of one host only. Each op is also
+The first five also take ``transport="auto"``, their default on a GPU world: the context times
+every transport that can run on its world at the first eager call of each new shape and keeps
+the fastest (``ops/planner.py``); on CPU-emulated ranks their default is the first transport
+listed, as it is for the last three. ``torch_fused`` (torch's own fused ops) runs on GPU worlds
+of one host only. Each op is also
 ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS`` lists them). The
 modules (``RowParallelLinear``, ``ColumnParallelLinear``, ``ShardedEmbeddingBagCollection``,
 ``ExpertParallelMoE``) use them as drop-in layers. See README.md.

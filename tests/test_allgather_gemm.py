@@ -13,7 +13,8 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 def _cases(world, dtype, shapes, pieces):
     """Every schedule on every shape, on one context (shapes change between calls)."""
-    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in shapes), pieces=pieces)
+    ctx = AllGatherMatmul(world, max_shard_elems=max(m * k for m, _, k in shapes),
+                          transport="copy_engine", pieces=pieces)
     errs = []
     try:
         for i, (m, N, K) in enumerate(shapes):
@@ -70,7 +71,7 @@ def _op_and_bad(world):
             msgs.append(str(e))
     for kw in ({"pieces": 0}, {"schedule": "fast"}):
         try:
-            AllGatherMatmul(world, 64, **kw)
+            AllGatherMatmul(world, 64, transport="copy_engine", **kw)
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
@@ -93,7 +94,7 @@ def _skip(world, options):
 # with pulls the first wait that finds the skipping rank missing is a copy stream's (its shard
 # was never staged), not the kernel's: the error still names the rank and the flag
 @pytest.mark.parametrize("options,flag", [
-    ({}, "piece-ready"), ({"direction": "pull"}, "piece-ready"),
+    ({}, "piece-ready"), ({"transport": "copy_engine", "direction": "pull"}, "piece-ready"),
     ({"transport": "stores"}, "chunk-ready"),
     ({"transport": "stores", "pull_share": 0.5}, "rows-staged")],
     ids=["copy_engine", "copy_engine-pull", "stores", "stores-pull_share"])
@@ -109,7 +110,8 @@ PULL_SHAPES = [(5, 7, 3), (16, 16, 16), (1, 9, 4), (40, 33, 20)]
 def _pulls(world, dtype):
     """Every shape twice on one context (the second call restages only after every peer pulled
     the first call's shard), outputs poisoned before each call."""
-    return _twice_per_shape(world, dtype, PULL_SHAPES, direction="pull")
+    return _twice_per_shape(world, dtype, PULL_SHAPES, transport="copy_engine",
+                            direction="pull")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
@@ -124,11 +126,11 @@ def _pull_bad(world):
     for kw in ({"direction": "sideways"}, {"direction": "pull", "pieces": 2},
                {"direction": "pull", "schedule": "hetero-unfused-1d"}):
         try:
-            AllGatherMatmul(world, 64, **kw)
+            AllGatherMatmul(world, 64, transport="copy_engine", **kw)
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
-    ctx = AllGatherMatmul(world, 64, direction="pull")
+    ctx = AllGatherMatmul(world, 64, transport="copy_engine", direction="pull")
     try:
         ctx(torch.randn(4, 8), torch.randn(8, 5), schedule="hetero-unfused-1d")
         msgs.append(None)
@@ -508,7 +510,7 @@ def _overwritten_before_pulled(logs) -> list:
     return found
 
 
-@pytest.mark.parametrize("options", [dict(direction="pull"),
+@pytest.mark.parametrize("options", [dict(transport="copy_engine", direction="pull"),
                                      dict(transport="stores", pull_share=0.5)],
                          ids=["copy_engine-pull", "stores-pull_share"])
 def test_staged_shards_are_not_overwritten_before_the_peers_pulled_them(world4, options):
@@ -544,7 +546,7 @@ def _refused_by_one_rank_with_pulls(world, options):
     return found, errs
 
 
-@pytest.mark.parametrize("options", [dict(direction="pull"),
+@pytest.mark.parametrize("options", [dict(transport="copy_engine", direction="pull"),
                                      dict(transport="stores", pull_share=0.5)],
                          ids=["copy_engine-pull", "stores-pull_share"])
 def test_a_call_one_rank_refuses_with_pulls_leaves_the_next_calls_right(world, options):

@@ -530,7 +530,8 @@ def _timed_as_called(world):
         outs, run = [], ctx._run
 
         def recording(transport, impl, inputs, out, options):
-            outs.append(out is None)
+            if not impl.checking_only:  # (the input checks of a transport without a deadline)
+                outs.append(out is None)
             return run(transport, impl, inputs, out, options)
 
         ctx._run = recording
@@ -541,9 +542,8 @@ def _timed_as_called(world):
                 out = torch.full((a.shape[0], N), float("nan")) if given else None
                 del outs[:]
                 y = po.matmul_all_reduce(a, b, ctx, out)
-                # the input checks of "sequential" (nothing run), n probes (no out), n timed
-                # runs, then the call itself
-                found[given] = (outs[1:n + 1], outs[n + 1:2 * n + 1], outs[2 * n + 1:],
+                # n probes (no out), n timed runs, then the call itself
+                found[given] = (outs[:n], outs[n:2 * n], outs[2 * n:],
                                 y is out or not given,
                                 rel_err(y, po.matmul_all_reduce_reference(a, b, world.group)))
     finally:
@@ -825,3 +825,31 @@ def test_a_decision_some_ranks_cache_is_made_again(world2, tmp_path):
     for found in world2.run(_cache_on_some_ranks, str(tmp_path), timeout=240):
         assert [f[:2] for f in found] == [("stores", 2), ("stores", 2)], found
         assert all(f[2] < TOL for f in found), found
+
+
+def _agreements_timed(world):
+    """How many store agreements a key's first call and a decided call of "sequential" make."""
+    M, N, K = 2 * world.world_size, 5, 3
+    ctx = po.MatmulAllReduce(world, M, N, transport="auto", iters=1, warmup=0)
+    try:
+        fake = _FakeTimings(ctx)
+        fake.costs = {"sequential": 1.0, "copy_engine": 2.0, "stores": 2.0,
+                      "signal_collective": 2.0}
+        a, b = torch.randn(M, K), torch.randn(K, N)
+        with _timing(fake):
+            y = po.matmul_all_reduce(a, b, ctx)
+            first = ctx.planner._begun
+            po.matmul_all_reduce(a, b, ctx)
+            later = ctx.planner._begun - first
+        return first, later, ctx.choice(a, b), rel_err(
+            y, po.matmul_all_reduce_reference(a, b, world.group))
+    finally:
+        ctx.close()
+
+
+def test_plain_timing_of_sequential_counts_its_agreement(world2):
+    """A decided eager call of "sequential" agrees with its peers first (its waits have no
+    deadline); its plain calls' timing makes that agreement too, so the pick weighs it: the
+    key's own agreement plus one per timed run (the fake timing runs once)."""
+    for first, later, pick, err in world2.run(_agreements_timed):
+        assert (first, later, pick) == (2, 1, "sequential") and err < TOL, (first, later, pick)

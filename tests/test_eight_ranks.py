@@ -63,7 +63,7 @@ def _every_op(world):
     # peers' pieces in different orders and layouts. 3 rows in 4 pieces, the first one empty
     # (the default, W pieces, costs twice the interpreted flag waits for the same edge case).
     # The 2-D ones cut K = 7 into 4 column pieces. One call costs about 2 s here.
-    ctx = AllGatherMatmul(world, max_shard_elems=3 * 7, pieces=4)
+    ctx = AllGatherMatmul(world, max_shard_elems=3 * 7, transport="copy_engine", pieces=4)
     a, b = torch.randn(3, 7, generator=g), torch.randn(7, 5, generator=torch.Generator())
     ref = all_gather_matmul_reference(a, b, world.group)
     for sched in SCHEDULES:

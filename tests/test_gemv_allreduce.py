@@ -181,7 +181,7 @@ def test_ranks_disagreeing_on_a_shape_raise_on_every_rank(world2):
 def _mismatch_message(world):
     """Rank 0 calls with N=48, rank 1 with N=40; same grid, so the tags catch it."""
     cfg = GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, programs_per_sm=1)
-    ctx = GemvAllReduce(world, max_n=64, timeout_s=5.0, config=cfg)
+    ctx = GemvAllReduce(world, max_n=64, transport="stores", timeout_s=5.0, config=cfg)
     x, w = _inputs(world, 2, 48 if world.rank == 0 else 40, 24, torch.float32, seed=7)
     try:
         ctx(x, w)

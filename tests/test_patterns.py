@@ -111,9 +111,10 @@ def _bad_contexts(world):
     for make in (lambda: po.MatmulAllReduce(world, 8, 8, transport="nccl"),
                  lambda: po.MatmulAllReduce(world, 0, 8),
                  lambda: po.MatmulAllToAll(world, 8, 8, transport="signal_copy_engine"),
-                 lambda: po.MatmulReduceScatter(world, 8, 8, pieces=0),
+                 lambda: po.MatmulReduceScatter(world, 8, 8, transport="copy_engine", pieces=0),
                  lambda: po.GemvAllReduce(world, 8, transport="copy_engine"),
-                 lambda: po.AllGatherMatmul(world, 8, transport="shmem")):
+                 lambda: po.AllGatherMatmul(world, 8, transport="shmem"),
+                 lambda: po.MatmulReduceScatter(world, 8, 8, pieces=4)):
         try:
             make().close()
             msgs.append(None)
@@ -130,3 +131,29 @@ def test_bad_transport_and_sizes(world2):
         assert "max_m" in msgs[1] and "signal_copy_engine" in msgs[2] and "pieces" in msgs[3]
         assert "gemv_all_reduce: transport" in msgs[4]
         assert "all_gather_matmul: transport" in msgs[5]
+        assert "pieces is an option of a named transport: name it" in msgs[6], msgs[6]
+
+
+def _defaults(world):
+    made = []
+    for make in (lambda: po.MatmulAllReduce(world, 8, 8), lambda: po.GemvAllReduce(world, 8),
+                 lambda: po.AllGatherMatmul(world, 8, candidates=("sequential",))):
+        ctx = make()
+        made.append(ctx.transport)
+        ctx.close()
+    return made
+
+
+def test_default_transport(world2):
+    """No ``transport=``: the first transport on emulated ranks, ``"auto"`` where one of its
+    options is given; ``"auto"`` on a GPU world (the rule itself, with a stand-in world)."""
+    for made in world2.run(_defaults):
+        assert made == ["copy_engine", "stores", "auto"], made
+    gpu = type("GpuWorld", (), {"backend": type("Backend", (), {"name": "cuda"})})()
+    patterns = [s.context for s in SPECS.values() if hasattr(s.context, "default_transport")]
+    assert len(patterns) == 5, patterns
+    for context in patterns:
+        assert context.default_transport(gpu) == "auto", context
+        assert context.default_transport(gpu, {"graph": True}) == "auto"
+        with pytest.raises(ValueError, match="config is an option of a named transport"):
+            context.default_transport(gpu, {"config": None})

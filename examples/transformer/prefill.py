@@ -12,17 +12,19 @@ Layout (Megatron tensor parallelism with sequence parallelism), W ranks, S promp
 - QKV and MLP gate/up are ``ColumnParallelLinear``: all-gather of the normed shard, then the GEMM
   with this rank's columns, giving all S rows of this rank's ``heads/W`` query heads and
   ``kv_heads/W`` key/value heads (of ``intermediate/W`` gate and up columns); fused, the gather
-  runs under the GEMM (``all_gather_matmul``, on copy engines by default);
+  runs under the GEMM (``all_gather_matmul``);
 - causal attention over this rank's heads (all S rows: no communication);
 - O and MLP down are ``RowParallelLinear(reduce="reduce_scatter")``: each rank multiplies its
   K-slice, the products are summed over ranks and rank r keeps its row block; fused, the
   reduce-scatter runs under the GEMM (``matmul_reduce_scatter``).
 
-``--transport`` picks both fused ops' transport: ``copy_engine`` (the default: cuBLAS pieces,
-copy engines move them), ``stores`` (one persistent kernel stores to every peer at once; one
-launch per call, so no host-bound eager layers: on 4 H200s it is the faster of the two,
+``--transport`` picks both fused ops' transport: ``copy_engine`` (cuBLAS pieces, copy engines
+move them), ``stores`` (one persistent kernel stores to every peer at once; one launch per
+call, so no host-bound eager layers: on 4 H200s it is the faster of the two,
 ``docs/scaling.md``), ``torch_fused`` (torch's own fused ops), ``sequential`` or ``auto`` (each
-call shape timed over the transports at its first call; the warm-up forward does it).
+call shape timed over the transports at its first call; the warm-up forward does it). Without
+it the contexts take the library's default: ``auto`` on GPUs, ``copy_engine`` on emulated
+ranks.
 
 Each rank's shard of a column-parallel weight is read as [q | k | v] (or [gate | up]) of its own
 heads (columns), as Megatron lays them out; with random weights any layout is one. No rotary
@@ -174,15 +176,15 @@ def run(world, args):
                   if on_gpu and args.graph else None)
     ag_ctx.close()
     rs_ctx.close()
-    return dims, diff, scale, t_plain, t_fused, graphs
+    return dims, diff, scale, t_plain, t_fused, graphs, ag_ctx.transport
 
 
 def report(world_size, args, result, device):
-    dims, diff, scale, t_plain, t_fused, graphs = result
+    dims, diff, scale, t_plain, t_fused, graphs, transport = result
     print(f"Llama-style prefill, {args.layers} layers, hidden {dims['hidden']}, heads "
           f"{dims['heads']} (kv {dims['kv_heads']}), intermediate {dims['inter']}, "
           f"{args.seq} tokens, {world_size} ranks on {device} (tensor + sequence parallel), "
-          f"fused ops over transport {args.transport!r}")
+          f"fused ops over transport {transport!r}")
     # bf16: one rounding of the reduced outputs differs between the paths (~0.4% of a value),
     # carried through the layers; fp32 differs only in the order of the K-split sums
     tol = 5e-2 if device != "cpu" else 1e-4
@@ -215,10 +217,10 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     ap.add_argument("--graph", action="store_true",
                     help="also time all layers captured in one CUDA graph (GPUs)")
-    ap.add_argument("--transport", default="copy_engine",
+    ap.add_argument("--transport", default=None,
                     choices=("copy_engine", "stores", "torch_fused", "sequential", "auto"),
                     help="the transport of both fused ops (AllGather + GEMM, GEMM + "
-                         "ReduceScatter)")
+                         "ReduceScatter; default: the library's, auto on GPUs)")
     args = ap.parse_args()
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
         args.layers, args.seq = min(args.layers, 2), min(args.seq, 16)

@@ -177,11 +177,14 @@ class RowParallelLinear(nn.Module):
 
     Paths, with ``fused=True`` (the default):
 
-    - ``all_reduce``, up to 64 rows (a decode step): the fused GEMV + AllReduce kernel;
-    - ``all_reduce``, more rows (prefill): ``matmul_all_reduce`` (GEMM split over K with the
-      reduction on copy engines) when the module has a ``MatmulAllReduce`` context
-      (``max_rows`` given, or ``reduce_ctx``), else the reference;
+    - ``all_reduce``, up to 64 rows (a decode step): ``gemv_all_reduce``;
+    - ``all_reduce``, more rows (prefill): ``matmul_all_reduce`` when the module has a
+      ``MatmulAllReduce`` context (``max_rows`` given, or ``reduce_ctx``), else the reference;
     - ``reduce_scatter``, any row count: ``matmul_reduce_scatter``.
+
+    The contexts the module makes take their default transport: ``"auto"`` on a GPU world (the
+    fastest of the fused transports and the plain path, timed at each shape's first eager
+    call), the first transport on CPU-emulated ranks. Pass ``ctx`` / ``reduce_ctx`` to name one.
 
     The reference path is ``x_r @ W_rᵀ`` then ``torch.distributed.all_reduce`` /
     ``reduce_scatter_tensor``; it is taken with ``fused=False``.
@@ -322,9 +325,10 @@ class ColumnParallelLinear(nn.Module):
     ``all_gather(x)[...] @ W_rᵀ + bias_r``, i.e. all ``S`` rows of its ``out_features / world``
     output columns (Megatron's sequence parallelism before a column-parallel layer).
 
-    The gather runs on copy engines overlapped with the GEMM (``all_gather_matmul``, FiCCO
-    schedules); with ``fused=False``, the reference path (``all_gather_into_tensor`` then the
-    GEMM). Both are differentiable: ``dx_r`` is rank r's rows of the reduce-scatter of
+    The gather overlaps the GEMM (``all_gather_matmul`` on the context's transport; the context
+    the module makes takes the default, ``"auto"`` on a GPU world and the copy engines on
+    CPU-emulated ranks); with ``fused=False``, the reference path (``all_gather_into_tensor``
+    then the GEMM). Both are differentiable: ``dx_r`` is rank r's rows of the reduce-scatter of
     ``dy @ W_r`` and ``dW_r = dyᵀ @ all_gather(x)`` (the fused path gathers the input again in
     the backward instead of keeping it; both paths run one reduce-scatter per backward).
     ``dtype`` and ``device`` follow ``nn.Linear`` (``None``: torch's default dtype, the world's
@@ -333,9 +337,8 @@ class ColumnParallelLinear(nn.Module):
     Collective to construct and to :meth:`close`; inputs are ``[rows, in_features]`` with the
     same row count on every rank. A ``ctx`` given (an ``AllGatherMatmul`` shared by layers with
     the same ``in_features``) stays the caller's to close. Measured on GPUs inside
-    ``examples/transformer/prefill.py`` (4 layers in one CUDA graph, fused vs reference: 14.90
-    vs 17.25 ms on 2 H200s, 9.82 vs 9.92 ms on 4; docs/scaling.md); the op
-    alone in docs/allgather_gemm.md.
+    ``examples/transformer/prefill.py`` (docs/scaling.md); the op alone in
+    docs/allgather_gemm.md.
     """
 
     NAME = "ColumnParallelLinear"

@@ -33,19 +33,20 @@ def transport_unavailable(world, transport: str, op: Optional[str] = None) -> Op
 
 class PatternContext:
     """Base of the multi-transport pattern contexts. A subclass sets ``OP`` (the public op
-    name), ``TRANSPORTS`` (names, the first is the default), ``CALL_OPTIONS`` and
-    ``OUTPUT_OPTIONS``, and defines ``_make(world, transport, timeout_s, **options)`` returning
-    the transport's workspace, ``_bind(*args, **kwargs)`` turning a call's arguments into
-    ``(inputs, out, options)`` (``inputs``: the tensors by name, in the op schema's order) and
-    ``_run(transport, workspace, inputs, out, options)`` running one call on a workspace.
+    name), ``TRANSPORTS`` (names; the first is the default on CPU-emulated ranks),
+    ``CALL_OPTIONS`` and ``OUTPUT_OPTIONS``, and defines ``_make(world, transport, timeout_s,
+    **options)`` returning the transport's workspace, ``_bind(*args, **kwargs)`` turning a
+    call's arguments into ``(inputs, out, options)`` (``inputs``: the tensors by name, in the
+    op schema's order) and ``_run(transport, workspace, inputs, out, options)`` running one
+    call on a workspace.
 
     ``transport``: one of ``TRANSPORTS``, or ``"auto"``: the context makes the workspace of
     every candidate and, at the first eager call of each call key (shapes, dtypes, strides,
     which optional inputs are given, the per-call options), times every candidate on that
     call's inputs and keeps the fastest for every later call with that key; ``"sequential"`` is
-    kept unless a fused transport beats it by more than 3 % (``planner.py`` says how). The
-    default stays ``TRANSPORTS[0]``: ``"auto"`` is opt-in until its picks have been measured on
-    4 and 8 GPUs. Options of ``"auto"``:
+    kept unless a fused transport beats it by more than 3 % (``planner.py`` says how).
+    ``transport=None`` (the default) is :meth:`default_transport`: ``"auto"`` on a GPU world.
+    Options of ``"auto"``:
 
     - ``candidates``: the transports it chooses from (default: every transport of
       ``TRANSPORTS`` that can run on this world);
@@ -77,7 +78,8 @@ class PatternContext:
     OUTPUT_OPTIONS: tuple = ()
 
     def __init__(self, world, transport: Optional[str], timeout_s: Optional[float], options):
-        transport = self.TRANSPORTS[0] if transport is None else transport
+        if transport is None:
+            transport = self.default_transport(world, options)
         if transport != AUTO and transport not in self.TRANSPORTS:
             raise ValueError(f"{self.OP}: transport must be one of {self.TRANSPORTS} or "
                              f"{AUTO!r}, got {transport!r}")
@@ -100,6 +102,26 @@ class PatternContext:
                                  f"transport={AUTO!r}, not of transport={transport!r}")
             self.impl = self._make(world, transport, timeout_s, **options)
         self.handle = register_context(self)
+
+    @classmethod
+    def default_transport(cls, world, options=()) -> str:
+        """What a context made without ``transport=`` runs: ``"auto"``, except on CPU-emulated
+        ranks made without any of ``"auto"``'s options, where it is ``TRANSPORTS[0]``: there the
+        Triton interpreter runs every kernel, its timings say nothing of a GPU's, and timing
+        every candidate would multiply the cost of each new shape's first call by their number.
+        A transport's own options (``pieces=``, ``direction=``, ``config=``) with no transport
+        named are refused on every backend: they would bind the context to one transport on
+        CPU ranks and have no transport to go to under ``"auto"`` on a GPU."""
+        own = sorted(set(options) - set(PLANNER_OPTIONS))
+        if own:
+            what = "is an option" if len(own) == 1 else "are options"
+            raise ValueError(
+                f"{cls.OP}: {', '.join(own)} {what} of a named transport: name it "
+                f"(transport= one of {cls.TRANSPORTS}), or give {AUTO!r} "
+                f"options={{transport: {{option: value}}}}")
+        if world.backend.name == "cpu" and not options:
+            return cls.TRANSPORTS[0]
+        return AUTO
 
     @classmethod
     def unavailable(cls, world) -> dict:

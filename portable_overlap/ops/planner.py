@@ -78,10 +78,13 @@ on every rank in the same call, without a hang:
   refuses every later call (``ContextBrokenError``), telling a peer that waits in a later
   agreement at once.
 
-The trade-off: an eager call of a decided ``"sequential"`` key makes the agreement's four store
-round trips (about 0.26 ms on the emulated ranks of a 2-core host), which a call of the named
-``"sequential"`` transport does not; a CUDA-graph replay runs none of it (the check ran when
-the call was captured). Where that matters, name the transport, or capture the calls.
+The trade-off: an eager call of a decided ``"sequential"`` or ``"torch_fused"`` key makes the
+agreement's four store round trips (about 0.26 ms on the emulated ranks of a 2-core host),
+which a call of the named transport does not; a CUDA-graph replay runs none of it (the check
+ran when the call was captured). The plain calls' timing counts it (``_measure``), so eager
+calls pick a fused transport, whose waits have deadlines and need no agreement, wherever the
+agreement costs more than the fused transport loses. Where even that matters, name the
+transport, or capture the calls.
 
 Graph capture: timing needs host syncs, which capture forbids, so a call under capture whose key
 is not decided yet raises ``RuntimeError`` (on every rank: the refusal goes through the
@@ -353,14 +356,20 @@ class TransportPlanner:
             if chosen is None:
                 transport = self._decide(fast, inputs, out, given)
             else:
-                transport, decision, text = self._now(chosen), chosen[1], chosen[2]
+                transport = self._now(chosen)
                 if transport in UNBOUNDED:
-                    refusal = self._refusal((transport,), inputs, out, given)
-                    self._settle({"kind": "decided", "decision": decision,
-                                  "transport": transport, "call": text} if refusal is None
-                                 else {"kind": "refused", "call": text,
-                                       "why": f"{type(refusal).__name__}: {refusal}"}, refusal)
+                    self._settle_decided(transport, chosen[1], chosen[2], inputs, out, given)
             return self.ctx._run(transport, self.impls[transport], inputs, out, given)
+
+    def _settle_decided(self, transport: str, decision: int, text: str, inputs: dict, out,
+                        given: dict) -> None:
+        """What a decided call of an ``UNBOUNDED`` transport does before it runs: this rank's
+        input checks with nothing run (``_refusal``), then the call's agreement (``_settle``)."""
+        refusal = self._refusal((transport,), inputs, out, given)
+        self._settle({"kind": "decided", "decision": decision, "transport": transport,
+                      "call": text} if refusal is None
+                     else {"kind": "refused", "call": text,
+                           "why": f"{type(refusal).__name__}: {refusal}"}, refusal)
 
     def refuse(self, inputs: dict, options: dict, error: BaseException) -> None:
         """Raise ``error``, found by a check made before the call reached the planner
@@ -502,7 +511,8 @@ class TransportPlanner:
         dtype = next((v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)), None)
         key = tuning.cache_key(op, shape, dtype, world.world_size, world.facts.name)
         record = tuning.decide(world, key,
-                               lambda: self._measure(cands, inputs, given, call, out is not None),
+                               lambda: self._measure(cands, inputs, given, call, out is not None,
+                                                     decision),
                                self.cache)
         pick = record.get("transport") if isinstance(record, dict) else None
         captured = record.get("captured", {"transport": pick}) if pick is not None else None
@@ -613,11 +623,16 @@ class TransportPlanner:
         return n, records
 
     def _measure(self, cands: tuple, inputs: dict, given: dict, call: dict,
-                 into_out: bool) -> dict:
+                 into_out: bool, decision: int) -> dict:
         """Collective: every candidate run and timed on this call's inputs (module docstring),
         each timed run into an output of its own where the call passes ``out`` (``into_out``),
         else making its result as the call will: a transport may return a result of its own
-        faster than it fills a given tensor (torch's fused ops copy theirs into ``out``)."""
+        faster than it fills a given tensor (torch's fused ops copy theirs into ``out``). A
+        plain call of an ``UNBOUNDED`` candidate is timed with what its decided calls will do
+        before they run (``_settle_decided``: the input checks and the agreement's store round
+        trips), which its graph replays do not: on 4 H200s that agreement added 0.275 ms to an
+        eager ``"sequential"`` GEMV + AllReduce call of 0.081 ms, and without it eager decode
+        picked torch's path and ran at 0.57× the unfused layer (``docs/scaling.md``)."""
         ctx, world, op = self.ctx, self.ctx.world, self.ctx.OP
         # outputs passed as options get scratch tensors too: timing writes nothing of the user's
         opts = {k: torch.empty_like(v) if k in ctx.OUTPUT_OPTIONS and isinstance(v, torch.Tensor)
@@ -627,7 +642,7 @@ class TransportPlanner:
         gpu = _can_capture(world.device)
         modes = ((False, True) if gpu else (False,)) if self.graph is None else (self.graph,)
         rounds = ROUNDS if gpu else 1
-        runs, failed, mine = {}, {}, {}
+        runs, failed, mine, text = {}, {}, {}, _text(call)
         for t in cands:
             impl = self.impls[t]
 
@@ -650,9 +665,14 @@ class TransportPlanner:
                         continue
                     impl, run, scratch = runs[t]
 
-                    def timed(impl=impl, run=run, scratch=scratch, mode=mode):
-                        ms_ = tuning.time_call(lambda: run(scratch if into_out else None),
-                                               world, iters=self.iters,
+                    def one(t=t, run=run, scratch=scratch, mode=mode):
+                        res = scratch if into_out else None
+                        if t in UNBOUNDED and not mode:
+                            self._settle_decided(t, decision, text, inputs, res, opts)
+                        return run(res)
+
+                    def timed(impl=impl, one=one, mode=mode):
+                        ms_ = tuning.time_call(one, world, iters=self.iters,
                                                warmup=self.warmup, graph=mode)
                         impl.synchronize()
                         return ms_

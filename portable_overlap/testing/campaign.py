@@ -94,7 +94,8 @@ def _gemv() -> Op:
         return _on(world, x=torch.randn(2, 12, generator=g), w=torch.randn(n, 12, generator=g))
 
     return Op("gemv_all_reduce",
-              make=lambda world, t: GemvAllReduce(world, max_n=40, timeout_s=t),
+              make=lambda world, t: GemvAllReduce(world, max_n=40, transport="stores",
+                                                  timeout_s=t),
               inputs=inputs,
               call=lambda ctx, i, out: ctx(i["x"], i["w"], out=out),
               reference=lambda world, ctx, i: gemv_all_reduce_reference(i["x"], i["w"],
@@ -206,7 +207,7 @@ def _matmul_reduce() -> Op:
 
     return Op("matmul_reduce_scatter",
               make=lambda world, t: MatmulReduceScatter(world, 2 * world.world_size, 10,
-                                                        timeout_s=t),
+                                                        transport="copy_engine", timeout_s=t),
               inputs=inputs,
               call=lambda ctx, i, out: matmul_reduce_scatter(i["a"], i["b"], ctx, out),
               reference=lambda world, ctx, i: matmul_reduce_scatter_reference(i["a"], i["b"],
@@ -224,7 +225,8 @@ def _all_gather_matmul() -> Op:
         return _on(world, a=torch.randn(m, 8, generator=g), b=torch.randn(8, 10, generator=g))
 
     return Op("all_gather_matmul",
-              make=lambda world, t: AllGatherMatmul(world, max_shard_elems=24, timeout_s=t),
+              make=lambda world, t: AllGatherMatmul(world, max_shard_elems=24,
+                                                    transport="copy_engine", timeout_s=t),
               inputs=inputs,
               call=lambda ctx, i, out: ctx(i["a"], i["b"], out=out),
               reference=lambda world, ctx, i: all_gather_matmul_reference(i["a"], i["b"],

@@ -8,8 +8,10 @@ into the poisoned ``out``; each mode's pick is the same on every rank, the faste
 that mode (``"sequential"`` within the tie margin); the second call times nothing; the decided
 call captured in a CUDA graph (which runs the replays' pick) replays correctly with fresh
 inputs. Then a ``graph=True`` context, and an undecided call under capture, which must
-raise. Each check prints ``PASS``/``FAIL`` on rank 0 with the candidates' times; the exit code is
-1 if any failed on any rank. (Not collected by pytest: it needs one process per GPU.)
+raise. Then what a context made without ``transport=`` runs (``"auto"``), and what the
+agreement adds to an eager call of a decided ``"sequential"`` key. Each check prints
+``PASS``/``FAIL`` on rank 0 with the candidates' times; the exit code is 1 if any failed on
+any rank. (Not collected by pytest: it needs one process per GPU.)
 """
 from __future__ import annotations
 
@@ -176,6 +178,74 @@ def check_graph_timing_and_capture(world, gen) -> None:
         ctx.close()
 
 
+def check_defaults(world, gen) -> None:
+    """A context made without ``transport=`` is ``"auto"`` on a GPU world (the modules' too):
+    its first call times the candidates (the seconds it took are printed) and gives the right
+    result, and so does a later one."""
+    import time
+
+    W = world.world_size
+    for name, make, _, _, _, sizes in cases(W):
+        ctx = make(world, *sizes)
+        try:
+            record(f"{name} default transport", ctx.transport == "auto", repr(ctx))
+        finally:
+            ctx.close()
+    layer = po.RowParallelLinear(4096 * W, 4096, world, dtype=torch.bfloat16)
+    try:
+        record("RowParallelLinear default transport", layer.ctx.transport == "auto",
+               repr(layer.ctx))
+    finally:
+        layer.close()
+    ctx = po.GemvAllReduce(world, 4096)
+    try:
+        for M, N, K in ((1, 4096, 14336 // W), (8, 4096, 14336 // W)):
+            x = torch.randn(M, K, device=world.device, generator=gen).to(torch.bfloat16)
+            w = (torch.randn(N, K, device=world.device, generator=gen) / K ** 0.5).to(
+                torch.bfloat16)
+            ref = po.gemv_all_reduce_reference(x, w, world.group)
+            times, err = [], 0.0
+            for _ in range(2):  # the first call decides, the second runs the pick
+                out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=world.device)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                y = ctx(x, w, out)
+                ctx.synchronize()
+                times.append(time.perf_counter() - t0)
+                err = max(err, rel_err(y, ref))
+            dec = list(ctx.decisions.values())[-1]  # this shape's (the newest)
+            record(f"gemv_all_reduce default {M}x{N}x{K}", err < TOL,
+                   f"{ctx.choices(x, w)}; first call {times[0]:.2f} s, second "
+                   f"{times[1] * 1e3:.2f} ms, rel_err {err:.1e}; plain ms "
+                   f"{ {t: round(v, 4) for t, v in dec['ms'].items()} }, replays "
+                   f"{ {t: round(v, 4) for t, v in dec['captured']['ms'].items()} }")
+    finally:
+        ctx.close()
+    # what an eager call of a decided "sequential" key adds: the agreement through the store
+    x = torch.randn(1, 1024, device=world.device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(4096, 1024, device=world.device, generator=gen).to(torch.bfloat16)
+    ref = po.gemv_all_reduce_reference(x, w, world.group)
+    per_call, errs = {}, []
+    for label, kw in (("named", {"transport": "sequential"}),
+                      ("auto", {"transport": "auto", "candidates": ("sequential",)})):
+        ctx = po.GemvAllReduce(world, 4096, **kw)
+        try:
+            for _ in range(3):
+                errs.append(rel_err(ctx(x, w), ref))
+            torch.cuda.synchronize()
+            world.barrier()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                ctx(x, w)
+            torch.cuda.synchronize()
+            per_call[label] = (time.perf_counter() - t0) / 50 * 1e3
+        finally:
+            ctx.close()
+    record("eager sequential call: named vs auto", max(errs) < TOL,
+           f"{per_call['named']:.3f} vs {per_call['auto']:.3f} ms per call (the agreement: "
+           f"{per_call['auto'] - per_call['named']:.3f} ms)")
+
+
 def main() -> int:
     import faulthandler
 
@@ -190,6 +260,11 @@ def main() -> int:
         except Exception as e:
             record(case[0], False, f"raised {type(e).__name__}: {e}"[:300])
             traceback.print_exc()
+    try:
+        check_defaults(world, gen)
+    except Exception as e:
+        record("defaults", False, f"raised {type(e).__name__}: {e}"[:300])
+        traceback.print_exc()
     try:
         check_graph_timing_and_capture(world, gen)
     except Exception as e:

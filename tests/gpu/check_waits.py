@@ -67,7 +67,7 @@ def main():
           f"device span {dev_s * 1e3:.1f} ms, host span {host * 1e3:.1f} ms")
 
     # 2. a wait that never ends gives up at the deadline, and the context says so
-    pattern = GemvAllReduce(world, max_n=64, timeout_s=0.3)
+    pattern = GemvAllReduce(world, max_n=64, transport="stores", timeout_s=0.3)
     ctx = pattern.impl  # the fused transport's workspace
     flag = torch.zeros(8, dtype=torch.int64, device=dev)
     ctl = torch.ones(1, dtype=torch.int64, device=dev)

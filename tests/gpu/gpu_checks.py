@@ -707,7 +707,7 @@ def check_allgather_gemm(world: World, gen) -> None:
         record(f"allgather+gemm {label}10 graph replays", worst < TOL[torch.bfloat16] * 2,
                f"worst rel_err={worst:.2e}")
 
-    ctx = AllGatherMatmul(world, max_shard_elems=4096 * 8192)
+    ctx = AllGatherMatmul(world, max_shard_elems=4096 * 8192, transport="copy_engine")
     try:
         for m, N, K in ((4096, 8192, 8192), (1000, 777, 333), (3, 5, 7)):
             for dt in (torch.bfloat16, torch.float32):
@@ -886,7 +886,7 @@ def check_patterns(world: World, gen, replays: int = 5) -> None:
             finally:
                 ctx.close()
     # AllGather + GEMM and GEMV + AllReduce, the single-transport patterns, in a graph too
-    ag = po.AllGatherMatmul(world, max_shard_elems=M // W * K)
+    ag = po.AllGatherMatmul(world, max_shard_elems=M // W * K, transport="copy_engine")
     try:
         a, b = rand((M // W, K), torch.bfloat16, dev, gen), rand((K, N), torch.bfloat16, dev, gen)
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -994,7 +994,7 @@ def check_late_stores(world: World, gen, timeout_s: float = 3.0) -> None:
 
 def check_peer_failures(world: World, gen) -> None:
     # A rank called with other shapes: every rank gets a clear error, nobody hangs.
-    ctx = GemvAllReduce(world, max_n=4096, timeout_s=1.0)
+    ctx = GemvAllReduce(world, max_n=4096, transport="stores", timeout_s=1.0)
     N = 2048 if world.rank == 0 else 2048 + 64
     x = rand((4, 512), torch.bfloat16, world.device, gen)
     w = rand((N, 512), torch.bfloat16, world.device, gen)
@@ -1012,7 +1012,7 @@ def check_peer_failures(world: World, gen) -> None:
     finally:
         ctx.close()
     # One rank skips a call: the other times out, names op, rank and flag, then raises.
-    ctx = GemvAllReduce(world, max_n=4096, timeout_s=1.0)
+    ctx = GemvAllReduce(world, max_n=4096, transport="stores", timeout_s=1.0)
     w = rand((2048, 512), torch.bfloat16, world.device, gen)
     t0 = time.perf_counter()
     try:

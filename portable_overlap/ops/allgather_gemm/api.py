@@ -136,10 +136,11 @@ def check_call(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor], wo
 class AllGatherMatmul(PatternContext):
     """Workspace of :func:`all_gather_matmul` on one rank, for shards of at most
     ``max_shard_elems`` elements (m × K of the largest call): ``AllGatherMatmul(world,
-    max_shard_elems, transport="copy_engine", pieces=None, schedule=None)``, or
-    ``transport="auto"`` (``PatternContext``; a per-call ``schedule`` keeps the call on
-    ``"copy_engine"``). Collective to create and close; the same calls in the same order on
-    every rank, on one stream."""
+    max_shard_elems, transport=None, **options)``, ``transport`` one of ``TRANSPORTS`` or
+    ``"auto"``, the default on a GPU world (``PatternContext.default_transport``; a per-call
+    ``schedule`` keeps an ``"auto"`` call on ``"copy_engine"``), ``options`` the named
+    transport's (``"copy_engine"``: ``pieces=``, ``direction=``). Collective to create and
+    close; the same calls in the same order on every rank, on one stream."""
 
     OP = OP
     TRANSPORTS = TRANSPORTS

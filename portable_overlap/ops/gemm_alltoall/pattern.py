@@ -36,8 +36,9 @@ from ..registry import OpSpec, define
 
 class MatmulAllToAll(MatmulPattern):
     """Workspace of :func:`portable_overlap.matmul_all_to_all` on one rank (module docstring):
-    ``MatmulAllToAll(world, max_m, max_n, transport="stores")`` (or ``transport="auto"``:
-    ``PatternContext``) for results of at most ``max_m`` x ``max_n``. Collective to create and
+    ``MatmulAllToAll(world, max_m, max_n, transport=None)`` for results of at most ``max_m`` x
+    ``max_n``; ``transport`` one of ``TRANSPORTS`` or ``"auto"``, the default on a GPU world
+    (``PatternContext.default_transport``). Collective to create and
     to close; the same calls in the same order on every rank."""
 
     OP = "matmul_all_to_all"

@@ -44,11 +44,13 @@ OP = "gemv_all_reduce"
 
 class GemvAllReduce(PatternContext):
     """Workspace of :func:`gemv_all_reduce` on one rank (module docstring):
-    ``GemvAllReduce(world, max_n, transport="stores", timeout_s=10.0, config=None)``, or
-    ``transport="auto"`` (``PatternContext``). ``max_n``: the largest N (output features) it
-    will be called with. ``config``: the fused transports' launch configuration (default: the
-    tuned table, else the heuristic of ``config.pick_config``). Collective to create and to
-    close; the same calls in the same order on every rank, on one stream."""
+    ``GemvAllReduce(world, max_n, transport=None, timeout_s=None, **options)``, ``transport``
+    one of ``TRANSPORTS`` or ``"auto"``, the default on a GPU world
+    (``PatternContext.default_transport``). ``max_n``: the largest N (output features) it will
+    be called with. ``config=`` (an option of ``"stores"`` and ``"one_shot"``): their launch
+    configuration (default: the tuned table, else the heuristic of ``config.pick_config``).
+    Collective to create and to close; the same calls in the same order on every rank, on one
+    stream."""
 
     OP = OP
     TRANSPORTS = ("stores", "one_shot", "torch_fused", "sequential")

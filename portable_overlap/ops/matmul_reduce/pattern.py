@@ -106,9 +106,10 @@ class _MatmulReduction(MatmulPattern):
 
 class MatmulReduceScatter(_MatmulReduction):
     """Workspace of :func:`portable_overlap.matmul_reduce_scatter` on one rank (module
-    docstring): ``MatmulReduceScatter(world, max_m, max_n, transport="copy_engine")``, or
-    ``transport="auto"`` (``PatternContext``). Collective to create and to close; the same
-    calls in the same order on every rank."""
+    docstring): ``MatmulReduceScatter(world, max_m, max_n, transport=None)``, ``transport`` one
+    of ``TRANSPORTS`` or ``"auto"``, the default on a GPU world
+    (``PatternContext.default_transport``). Collective to create and to close; the same calls
+    in the same order on every rank."""
 
     OP = "matmul_reduce_scatter"
     MODE = "reduce_scatter"
@@ -118,9 +119,10 @@ class MatmulReduceScatter(_MatmulReduction):
 
 class MatmulAllReduce(_MatmulReduction):
     """Workspace of :func:`portable_overlap.matmul_all_reduce` on one rank (module docstring):
-    ``MatmulAllReduce(world, max_m, max_n, transport="copy_engine")``, or
-    ``transport="auto"`` (``PatternContext``). Collective to create and to close; the same
-    calls in the same order on every rank."""
+    ``MatmulAllReduce(world, max_m, max_n, transport=None)``, ``transport`` one of
+    ``TRANSPORTS`` or ``"auto"``, the default on a GPU world
+    (``PatternContext.default_transport``). Collective to create and to close; the same calls
+    in the same order on every rank."""
 
     OP = "matmul_all_reduce"
     MODE = "all_reduce"
