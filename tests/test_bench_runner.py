@@ -391,3 +391,30 @@ def test_compare_worlds_keeps_one_barrier(tmp_path):
     assert pick("host")["fused"][0] == 4.0
     assert pick("device")["fused"][0] == 2.0
     assert pick("any")["fused"][0] == 4.0
+
+
+def test_ops_table_takes_the_fastest_of_ours_and_leaves_auto_out_of_the_fastest(tmp_path):
+    """benchmarks/ops_table.py: "ours" is the fastest ``fused...`` row (not the GEMV kernel
+    without its exchange), "fastest / auto" compares auto with every other candidate, and a
+    problem without its baselines is left out."""
+    from benchmarks import ops_table
+
+    path = tmp_path / "r.jsonl"
+    base = {"op": "gemv_allreduce", "shape": {"M": 1, "N": 8, "K": 16}, "dtype": "bf16",
+            "world": 2, "graph": True, "commit": "c", "barrier": "device"}
+    times = {"compute": 1.0, "comm": 0.5, "sequential": 1.6, "torch_fused": 1.2, "fused": 1.3,
+             "fused_one_shot": 1.1, "fused_nocomm": 0.9, "auto": 1.25}
+    rows = [dict(base, impl=i, median_ms=t) for i, t in times.items()]
+    rows[-1]["pick"] = {"plain": "one_shot", "captured": "torch_fused"}
+    rows.append(dict(base, op="allgather_gemm", impl="fused", median_ms=1.0))  # no baselines
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table, world = ops_table.load(str(path), True, "device")
+    assert world == 2 and len(table) == 2
+    key = next(k for k in table if k[0] == "gemv_allreduce")
+    s = ops_table.summarize("gemv_allreduce", table[key])
+    assert (s["ours"], s["which"], s["pick"]) == (1.1, "one-shot", "torch_fused")
+    assert abs(s["fastest_over_auto"] - 1.1 / 1.25) < 1e-12
+    assert abs(s["vs"] - 1.2 / 1.1) < 1e-12
+    lines = ops_table.world_table(table)
+    assert len(lines) == 3 and "1.100 (one-shot)" in lines[2] and "1.250 (torch_fused)" in lines[2]
+    assert ops_table.load(str(path), True, "host")[0] == {}
