@@ -2,13 +2,15 @@
 
 On a machine with at least ``ranks`` GPUs it starts one process per GPU (NCCL); otherwise it runs
 the same kernels on CPU-emulated ranks under the Triton interpreter (correctness only: interpreter
-timings say nothing about GPU speed).
+timings say nothing about GPU speed). The context takes the library's default transport
+(``"auto"`` on GPUs: its first call of each shape times the transports and keeps the fastest;
+the table names the pick), and both paths are timed as the benchmarks time them
+(``schedule.tuning.time_call``: plain launches, the barrier on the stream, the host's time
+to issue a call counted where it is the longer).
 """
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import torch
 
@@ -41,31 +43,18 @@ def _demo_rank(world) -> list:
             same = all(torch.equal(o.view(torch.uint8), outs[0].view(torch.uint8)) for o in outs)
             fused = _time(lambda: ctx(x, w, out=out), world, on_gpu)
             seq = _time(lambda: gemv_all_reduce_reference(x, w, world.group, False), world, on_gpu)
-            rows.append((f"{M}x{N}x{K}", str(dt).replace("torch.", ""), err, same, fused, seq))
+            rows.append((f"{M}x{N}x{K}", str(dt).replace("torch.", ""), err, same, fused, seq,
+                         ctx.choice(x, w)))
     ctx.close()
     return rows
 
 
 def _time(fn, world, on_gpu: bool, iters: int = 50) -> float:
-    """Median microseconds of plain launches, a barrier before each (slowest rank)."""
-    iters = iters if on_gpu else 3
-    for _ in range(3 if on_gpu else 1):
-        fn()
-    times = []
-    for _ in range(iters):
-        world.barrier()
-        if on_gpu:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
-    return max(world.all_gather_object(statistics.median(times)))
+    """Median microseconds of plain launches (the slowest rank's), by the benchmark protocol."""
+    from .schedule.tuning import time_call
+
+    return time_call(fn, world, iters=iters if on_gpu else 3, warmup=3 if on_gpu else 1,
+                     host_bound=True) * 1e3
 
 
 def _gpu_rank(rank: int, size: int, port: int, queue) -> None:
@@ -89,13 +78,13 @@ def _print(rows, where: str, ranks: int) -> bool:
     print(f"\nfused GEMV + AllReduce, {ranks} ranks on {where}: y = sum_r x_r @ W_r^T, "
           f"K split over the ranks")
     print(f"{'M x N x K':>14} {'dtype':>9} {'rel err':>9} {'same bits':>9} "
-          f"{'fused us':>10} {'torch+coll us':>13}")
+          f"{'fused us':>10} {'torch+coll us':>13}  transport")
     ok = True
-    for shape, dt, err, same, fused, seq in rows:
+    for shape, dt, err, same, fused, seq, transport in rows:
         good = err < (1e-2 if dt != "float32" else 1e-5) and same
         ok &= good
-        print(f"{shape:>14} {dt:>9} {err:9.1e} {str(same):>9} {fused:10.1f} {seq:13.1f}"
-              f"{'' if good else '   <-- WRONG'}")
+        print(f"{shape:>14} {dt:>9} {err:9.1e} {str(same):>9} {fused:10.1f} {seq:13.1f}  "
+              f"{transport}{'' if good else '   <-- WRONG'}")
     if where.startswith("CPU"):
         print("(CPU-emulated: the Triton interpreter runs the real kernels; times are not GPU times)")
     print("correct on every rank" if ok else "SOME RESULTS ARE WRONG")

@@ -41,7 +41,7 @@ class _FakeTimings:
 
         ctx._run = recording
 
-    def __call__(self, fn, world, *, iters, warmup, graph):
+    def __call__(self, fn, world, *, iters, warmup, graph, host_bound=False):
         self.count += 1
         fn()
         t = self.ran[-1]  # a cost per (transport, graph) where given, else per transport

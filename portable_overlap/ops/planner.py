@@ -81,9 +81,10 @@ on every rank in the same call, without a hang:
 The trade-off: an eager call of a decided ``"sequential"`` or ``"torch_fused"`` key makes the
 agreement's four store round trips (about 0.26 ms on the emulated ranks of a 2-core host),
 which a call of the named transport does not; a CUDA-graph replay runs none of it (the check
-ran when the call was captured). The plain calls' timing counts it (``_measure``), so eager
-calls pick a fused transport, whose waits have deadlines and need no agreement, wherever the
-agreement costs more than the fused transport loses. Where even that matters, name the
+ran when the call was captured). The plain calls' timing counts it, and the host's time to
+issue a call where that is longer than the device's (``_measure``), so eager calls pick a
+fused transport, whose waits have deadlines and need no agreement, wherever the agreement
+costs more than the fused transport loses. Where even that matters, name the
 transport, or capture the calls.
 
 Graph capture: timing needs host syncs, which capture forbids, so a call under capture whose key
@@ -632,7 +633,9 @@ class TransportPlanner:
         before they run (``_settle_decided``: the input checks and the agreement's store round
         trips), which its graph replays do not: on 4 H200s that agreement added 0.275 ms to an
         eager ``"sequential"`` GEMV + AllReduce call of 0.081 ms, and without it eager decode
-        picked torch's path and ran at 0.57× the unfused layer (``docs/scaling.md``)."""
+        picked torch's path and ran at 0.57× the unfused layer (``docs/scaling.md``). Plain
+        calls are timed host-bound (``tuning.time_call(host_bound=True)``): the stream's hold
+        before every ten runs would hide that host time from the device's events."""
         ctx, world, op = self.ctx, self.ctx.world, self.ctx.OP
         # outputs passed as options get scratch tensors too: timing writes nothing of the user's
         opts = {k: torch.empty_like(v) if k in ctx.OUTPUT_OPTIONS and isinstance(v, torch.Tensor)
@@ -673,7 +676,7 @@ class TransportPlanner:
 
                     def timed(impl=impl, one=one, mode=mode):
                         ms_ = tuning.time_call(one, world, iters=self.iters,
-                                               warmup=self.warmup, graph=mode)
+                                               warmup=self.warmup, graph=mode, host_bound=True)
                         impl.synchronize()
                         return ms_
 
