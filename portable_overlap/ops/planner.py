@@ -84,8 +84,8 @@ which a call of the named transport does not; a CUDA-graph replay runs none of i
 ran when the call was captured). The plain calls' timing counts it, and the host's time to
 issue a call where that is longer than the device's (``_measure``), so eager calls pick a
 fused transport, whose waits have deadlines and need no agreement, wherever the agreement
-costs more than the fused transport loses. Where even that matters, name the
-transport, or capture the calls.
+costs more than the fused transport loses. Where even that matters, name the transport, or
+capture the calls.
 
 Graph capture: timing needs host syncs, which capture forbids, so a call under capture whose key
 is not decided yet raises ``RuntimeError`` (on every rank: the refusal goes through the

@@ -38,8 +38,8 @@ class MatmulAllToAll(MatmulPattern):
     """Workspace of :func:`portable_overlap.matmul_all_to_all` on one rank (module docstring):
     ``MatmulAllToAll(world, max_m, max_n, transport=None)`` for results of at most ``max_m`` x
     ``max_n``; ``transport`` one of ``TRANSPORTS`` or ``"auto"``, the default on a GPU world
-    (``PatternContext.default_transport``). Collective to create and
-    to close; the same calls in the same order on every rank."""
+    (``PatternContext.default_transport``). Collective to create and to close; the same calls
+    in the same order on every rank."""
 
     OP = "matmul_all_to_all"
     TRANSPORTS = ("stores", "copy_engine", "signal_collective", "sequential")

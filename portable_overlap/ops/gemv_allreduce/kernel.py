@@ -48,7 +48,7 @@ FLAG_LABELS = {"ready": "partials-ready", "bcast": "result-broadcast"}
 
 
 @triton.jit
-def _signal_peers(ctx, flags_ptr, pid, rank, world, call, ok, tag, G_MAX: tl.constexpr):
+def _signal_peers(ctx, flags_ptr, pid, rank, call, ok, tag, G_MAX: tl.constexpr):
     """Set ``flags[rank][pid]`` in every peer's heap (a ``[world, G_MAX]`` flag array), every
     peer at once (``pol.signal_all``)."""
     pol.signal_all(ctx, flags_ptr + rank * G_MAX + pid, call, ok, tag)
@@ -125,7 +125,7 @@ def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_p
             pol.store_remote(ctx, partial_ptr + rank * MN + n0 + tile_off, acc, owner,
                              m_mask & ((n0 + offs_nb)[None, :] < N) & ok)
     # 2. tell every peer this program's partials for it have landed
-    _signal_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
 
     # 3. blocks this rank owns: own partial into the local slot (read back in step 4)
     for i in range(0, n_rounds):
@@ -153,7 +153,7 @@ def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_p
                 for step in range(1, world):
                     pol.store_remote(ctx, result_ptr + n0 + tile_off, y,
                                      pol.peer_at(step, rank, world), mask)
-    _signal_peers(ctx, bcast_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    _signal_peers(ctx, bcast_ptr, pid, rank, call, ok, tag, G_MAX)
 
     # 5. blocks peers own: their reduced tiles arrived in result; copy them to the output
     ok = _wait_peers(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
@@ -209,7 +209,7 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
             tl.store(dst, acc, mask=mask)
             for step in range(1, world):  # peers in rotated order: every link busy at once
                 pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
-    _signal_peers(ctx, ready_ptr, pid, rank, world, call, ok, tag, G_MAX)
+    _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
     ok = _wait_peers(ctx, ready_ptr, pid, call, ok, tag, G_MAX)
     ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
     if ok:
