@@ -29,20 +29,31 @@ def _key(row):
     return row["op"], json.dumps(shape, sort_keys=True), row.get("dtype")
 
 
-def load(path, graph, barrier="host"):
-    """{(op, shape, dtype): {impl: (median_ms, commit)}}, newest row per impl timed with
-    ``barrier`` (or any); and the world."""
+def newest_rows(path, graph, barrier="host", ops=OPS, impls=None):
+    """``({(op, problem, dtype): {impl: row}}, world)``: the newest timed row of each impl of
+    ``ops`` (every impl, or those of ``impls``), CUDA-graph replay or plain launches
+    (``graph``), timed with ``barrier`` (``"any"``: every row; rows that name none are
+    host-barrier rows). The problem leaves out the shape's per-world fields."""
     table, world = {}, None
     with open(path) as f:
         for line in f:
             row = json.loads(line)
-            if row.get("op") not in OPS or row.get("impl") not in IMPLS \
+            if row.get("op") not in ops or not row.get("impl") \
+                    or (impls is not None and row["impl"] not in impls) \
                     or bool(row.get("graph")) != graph or "median_ms" not in row \
                     or barrier not in ("any", row.get("barrier", "host")):
                 continue
             world = row["world"]
-            table.setdefault(_key(row), {})[row["impl"]] = (row["median_ms"], row["commit"])
+            table.setdefault(_key(row), {})[row["impl"]] = row
     return table, world
+
+
+def load(path, graph, barrier="host"):
+    """{(op, shape, dtype): {impl: (median_ms, commit)}}, newest row per impl timed with
+    ``barrier`` (or any); and the world."""
+    table, world = newest_rows(path, graph, barrier, impls=IMPLS)
+    return {k: {i: (r["median_ms"], r["commit"]) for i, r in v.items()}
+            for k, v in table.items()}, world
 
 
 def _cells(entry):

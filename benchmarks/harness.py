@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from benchmarks.rows import ResultWriter  # noqa: F401  (also importable from here)
-from portable_overlap.schedule.tuning import AHEAD, queue_ahead
+from portable_overlap.schedule.tuning import timed_runs
 
 
 def _quantile(xs, q):
@@ -33,44 +33,17 @@ BARRIERS = ("device", "host")
 
 
 def time_op(fn: Callable[[], object], world, *, graph: bool, iters: int = 100, warmup: int = 20,
-            setup: Callable[[], object] = None, barrier: str = "device") -> dict:
+            barrier: str = "device") -> dict:
     """Median / p10 / p90 milliseconds of ``fn`` on this rank, then the slowest rank's numbers.
 
-    With ``graph``, ``fn`` is captured once into a CUDA graph and each iteration replays it.
-    ``barrier``: before each iteration, ``"device"`` a barrier on the stream (the host runs
-    ahead), ``"host"`` a host barrier (module docstring)."""
+    With ``graph``, ``fn`` is captured once into a CUDA graph (after 3 plain runs) and each
+    iteration replays it. ``barrier``: before each iteration, ``"device"`` a barrier on the
+    stream (the host runs ahead), ``"host"`` a host barrier (module docstring). The runs are
+    ``schedule.tuning.timed_runs``'s, the planner's protocol."""
     if barrier not in BARRIERS:
         raise ValueError(f"barrier must be one of {BARRIERS}, got {barrier!r}")
-    before = world.stream_barrier if barrier == "device" else world.barrier
-    run = fn
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up outside the capture (compiles, plans, NCCL comms)
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        world.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    world.barrier()
-    for i in range(iters):
-        if barrier == "device" and i % AHEAD == 0:
-            queue_ahead(world.device)  # the host queues the next runs while the GPU waits
-        before()
-        starts[i].record()
-        run()
-        ends[i].record()
-    torch.cuda.synchronize()
-    ms = [a.elapsed_time(b) for a, b in zip(starts, ends)]
+    ms, _ = timed_runs(fn, world, iters=iters, warmup=3 if graph else warmup, graph=graph,
+                       replay_warmup=warmup if graph else 0, barrier=barrier)
     mine = {"median_ms": statistics.median(ms), "p10_ms": _quantile(ms, 0.1),
             "p90_ms": _quantile(ms, 0.9)}
     everyone = world.all_gather_object(mine)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.compare_worlds import _key
+from benchmarks.compare_worlds import newest_rows
 
 OPS = {"allgather_gemm": "AllGather + GEMM", "gemm_reduce_scatter": "GEMM + ReduceScatter",
        "gemm_all_reduce": "GEMM + AllReduce", "gemv_allreduce": "GEMV + AllReduce"}
@@ -41,17 +41,7 @@ def _name(op: str, impl: str) -> str:
 
 def load(path: str, graph: bool, barrier: str):
     """``({(op, shape, dtype): {impl: row}}, world)``: the newest row of each impl."""
-    table, world = {}, None
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("op") not in OPS or "median_ms" not in row or not row.get("impl") \
-                    or bool(row.get("graph")) != graph \
-                    or barrier not in ("any", row.get("barrier", "host")):
-                continue
-            world = row["world"]
-            table.setdefault(_key(row), {})[row["impl"]] = row
-    return table, world
+    return newest_rows(path, graph, barrier, ops=OPS)
 
 
 def summarize(op: str, rows: dict):

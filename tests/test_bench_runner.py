@@ -418,3 +418,98 @@ def test_ops_table_takes_the_fastest_of_ours_and_leaves_auto_out_of_the_fastest(
     lines = ops_table.world_table(table)
     assert len(lines) == 3 and "1.100 (one-shot)" in lines[2] and "1.250 (torch_fused)" in lines[2]
     assert ops_table.load(str(path), True, "host")[0] == {}
+
+
+class _FakeDevice:
+    """Stands in for a GPU's torch device module: each kernel-like call is logged, events time
+    1.5 ms apart, and a stream is a context manager."""
+
+    def __init__(self):
+        self.log, self.clock = [], 0.0
+
+    class _Ctx:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def Stream(self, device=None):  # noqa: N802  (torch's names)
+        fake = self
+
+        class S:
+            def wait_stream(self, other):
+                fake.log.append("wait_stream")
+        return S()
+
+    def current_stream(self, device=None):
+        return self.Stream()
+
+    def stream(self, s):
+        self.log.append("side stream")
+        return self._Ctx()
+
+    def synchronize(self, device=None):
+        self.log.append("sync")
+
+    def _sleep(self, cycles):
+        self.log.append("hold")
+
+    def CUDAGraph(self):  # noqa: N802
+        fake = self
+
+        class G:
+            def replay(self):
+                fake.log.append("replay")
+        return G()
+
+    def graph(self, g):
+        self.log.append("capture")
+        return self._Ctx()
+
+    def Event(self, enable_timing=False):  # noqa: N802
+        fake = self
+
+        class E:
+            def record(self):
+                fake.clock += 1.5
+                self.t = fake.clock
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+        return E()
+
+
+def test_timed_runs_holds_the_stream_every_ahead_runs_and_warms_replays(monkeypatch):
+    """``schedule.tuning.timed_runs`` (the protocol of the planner and of ``harness.time_op``):
+    a hold before every AHEAD runs and a stream barrier before each with ``barrier="device"``,
+    host barriers and no hold with ``"host"``; with a graph, ``warmup`` runs on a side stream,
+    one capture, ``replay_warmup`` untimed replays, then one replay per timed run."""
+    import torch
+
+    from portable_overlap.schedule import tuning
+
+    fake = _FakeDevice()
+    monkeypatch.setattr(torch, "get_device_module", lambda dev: fake)
+
+    class World:
+        device = torch.device("cpu")
+
+        def barrier(self):
+            fake.log.append("host barrier")
+
+        def stream_barrier(self):
+            fake.log.append("stream barrier")
+
+    calls = []
+    ms, host = tuning.timed_runs(lambda: calls.append(1), World(), iters=12, warmup=2,
+                                 graph=False)
+    assert len(calls) == 14 and len(ms) == len(host) == 12 and ms == [1.5] * 12
+    assert fake.log.count("hold") == 2 and fake.log.count("stream barrier") == 12
+    fake.log.clear()
+    calls.clear()
+    ms, _ = tuning.timed_runs(lambda: calls.append(1), World(), iters=5, warmup=3, graph=True,
+                              replay_warmup=4, barrier="host")
+    assert len(calls) == 4 and len(ms) == 5  # 3 side-stream runs and the captured one
+    assert fake.log.count("capture") == 1 and fake.log.count("replay") == 9
+    assert "hold" not in fake.log and fake.log.count("host barrier") == 7  # capture, start, 5

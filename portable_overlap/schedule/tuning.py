@@ -201,6 +201,23 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return max(world.all_gather_object(statistics.median(times)))
+    device_ms, host_ms = timed_runs(fn, world, iters=iters, warmup=warmup, graph=graph)
+    ms = statistics.median(device_ms)
+    if host_bound and not graph:
+        ms = max(ms, statistics.median(host_ms))
+    return max(world.all_gather_object(ms))
+
+
+def timed_runs(fn: Callable[[], Any], world, *, iters: int, warmup: int, graph: bool,
+               replay_warmup: int = 0, barrier: str = "device") -> tuple:
+    """On a GPU: ``(device ms, host ms)`` of each of ``iters`` runs of ``fn`` on this rank, the
+    protocol of :func:`time_call` and of the benchmarks (``benchmarks/harness.py``): ``warmup``
+    plain runs (with ``graph`` on a side stream, then ``fn`` captured once and each run a
+    replay, after ``replay_warmup`` untimed replays), then per run a barrier (``"device"``: on
+    the stream, the stream held before every :data:`AHEAD` runs, :func:`queue_ahead`;
+    ``"host"``: ``world.barrier``) and device events around it; the host ms is how long the
+    host took to issue the run."""
+    dev = world.device
     mod = torch.get_device_module(dev)
     run = fn
     if graph:
@@ -216,28 +233,28 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
         with mod.graph(g):
             fn()
         run = g.replay
+        for _ in range(replay_warmup):
+            run()
     else:
         for _ in range(warmup):
             fn()
     mod.synchronize(dev)
+    before = world.stream_barrier if barrier == "device" else world.barrier
     events = [(mod.Event(enable_timing=True), mod.Event(enable_timing=True))
               for _ in range(iters)]
     world.barrier()
     host = []
     for i, (start, end) in enumerate(events):
-        if i % AHEAD == 0:
+        if barrier == "device" and i % AHEAD == 0:
             queue_ahead(dev)
-        world.stream_barrier()
+        before()
         start.record()
         t0 = time.perf_counter()
         run()
         host.append((time.perf_counter() - t0) * 1e3)
         end.record()
     mod.synchronize(dev)
-    ms = statistics.median(s.elapsed_time(e) for s, e in events)
-    if host_bound and not graph:
-        ms = max(ms, statistics.median(host))
-    return max(world.all_gather_object(ms))
+    return [s.elapsed_time(e) for s, e in events], host
 
 
 def rotated_rounds(names: Sequence[str], rounds: int) -> list:
