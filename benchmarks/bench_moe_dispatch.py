@@ -8,7 +8,9 @@ Shapes (S tokens per rank, H, E experts in all, top-k); routing ``balanced`` (un
 ``zipf`` (expert popularity ~ 1/(rank+1)^1.2). Timed:
 
 - ``fused``: ``MoeDispatch`` (count, exchange, and rows stored straight into the destinations'
-  heaps; no host sync, so it is also timed as a CUDA-graph replay);
+  heaps; no host sync, so it is also timed as a CUDA-graph replay), with ``dedup`` by its rule;
+  ``fused[dedup]`` / ``fused[row_per_expert]``: with the other choice (a token sent once per
+  rank it reaches, then copied to its places there / a row per expert); rows carry ``dedup``;
 - ``sequential``: ``moe_dispatch_reference``, the torch path: argsort, bincount, an
   ``all_to_all_single`` of the counts, a host read of the splits, ``all_to_all_single`` of the
   rows and of the slots (plain launches only: the host read cannot be captured);
@@ -57,6 +59,10 @@ def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
     dev, W, r = world.device, world.world_size, world.rank
     El = E // W
     ctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt)
+    other = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt,
+                        dedup=not ctx.dedup)
+    other_name = f"fused[{'dedup' if other.dedup else 'row_per_expert'}]"
+    contexts = {"fused": ctx, other_name: other}
     try:
         for kind in [x for x in args.routings.split(",") if x]:
             shape = {"S": S, "H": H, "E": E, "k": k, "routing": kind}
@@ -77,27 +83,37 @@ def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
                                        group=world.group)
 
             impls = {"fused": lambda: ctx(tokens, ids),
+                     other_name: lambda: other(tokens, ids),
                      "sequential": lambda: moe_dispatch_reference(tokens, ids, El,
                                                                   world.group),
                      "comm": comm}
 
             def check(name):
-                ctx.recv.fill_(float("nan"))
+                c = contexts[name]
+                c.recv.fill_(float("nan"))
                 x, counts, slots = impls[name]()
-                ctx.synchronize()
+                c.synchronize()
                 same = (torch.equal(counts, ref[1]) and torch.equal(slots[:R], ref[2])
                         and torch.equal(x[:R], ref[0]))
                 return 0.0 if same else float("inf")
 
             row_bytes = H * tokens.element_size()
             sent = (S * k - send_splits[r]) * row_bytes  # the rows that leave this rank
+            # with dedup, one row per (token, peer rank it reaches)
+            reached = torch.zeros(S, W, dtype=torch.int32, device=dev).scatter_(1, ids // El, 1)
+            sent_once = int(reached.sum() - reached[:, r].sum()) * row_bytes
             label = f"{S}x{H}x{E}x{k} {kind} {dname}"
             bench.run(Case(op=OP, shape=shape, dtype=dname, impls=impls, check=check,
-                           checked=["fused"], tol=1e-9, label=label,
+                           checked=list(contexts), tol=1e-9, label=label,
                            plain_only=("sequential",),
-                           fields=lambda name: {"bytes_sent_per_rank": sent,
-                                                "rows_received": R}))
+                           fields=lambda name: {"bytes_sent_per_rank": (
+                                                    sent_once if name in contexts
+                                                    and contexts[name].dedup else sent),
+                                                "rows_received": R,
+                                                **({"dedup": contexts[name].dedup}
+                                                   if name in contexts else {})}))
     finally:
+        other.close()
         ctx.close()
 
 

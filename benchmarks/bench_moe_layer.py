@@ -10,7 +10,9 @@ router on random tokens) or ``zipf`` (the router's scores biased so that expert 
 as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
 
 - ``fused``: ``ExpertParallelMoE`` (router, ``moe_dispatch``, ``expert_swiglu``,
-  ``moe_gemm_combine``); also as a CUDA-graph replay;
+  ``moe_gemm_combine``); also as a CUDA-graph replay; ``fused[dedup]`` /
+  ``fused[row_per_expert]``: the same with the dispatch's other choice of ``dedup`` than its
+  rule's (a token sent once per rank it reaches / once per expert; rows carry ``dedup``);
 - ``sequential``: the same module with ``fused=False``, the torch path: ``all_to_all_single``
   dispatch with host-read splits, per-segment matmuls, ``all_to_all_single`` back, weighted sum
   (plain launches: the host reads cannot be captured);
@@ -21,7 +23,8 @@ as 1/(rank+1)^1.2). Timed, with the same weights and tokens:
   ``fused``; ``stage_layer_launch``: ``moe_layer`` alone (no router), against
   ``stage_dispatch_swiglu`` + ``stage_combine`` (``_s<N>``: N senders, one per count of
   ``--senders``);
-- the fused layer's stages alone: ``stage_dispatch``, ``stage_experts`` (the gated grouped GEMM),
+- the fused layer's stages alone: ``stage_dispatch`` (and ``stage_dispatch[...]``, the other
+  ``dedup``), ``stage_experts`` (the gated grouped GEMM),
   ``stage_combine`` (down GEMM + combine; ``stage_combine_sources`` / ``_experts``: with its
   tile walk fixed source by source / expert by expert, where the layer picks by size), and
   ``stage_dispatch_swiglu`` (the fused launch that replaces the first two;
@@ -46,7 +49,7 @@ from benchmarks.cli import BenchParser
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import ExpertParallelMoE, moe_layer
 from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
-from portable_overlap.ops.moe_dispatch import (moe_dispatch, moe_dispatch_reference,
+from portable_overlap.ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_dispatch_reference,
                                                moe_dispatch_swiglu)
 from portable_overlap.ops.moe_experts import expert_swiglu
 
@@ -104,6 +107,10 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
     # the down GEMM + combine with each tile walk fixed (the layer's own context picks by S)
     walks = {wk: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
                                 walk=wk) for wk in ("sources", "experts")}
+    # the staged layer's dispatch with the other choice of dedup than its rule's
+    other = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt,
+                        dedup=not fused.dispatch_ctx.dedup)
+    other_name = "dedup" if other.dedup else "row_per_expert"
     gen = torch.Generator(device=dev).manual_seed(100 + r)
     try:
         for kind in [x for x in args.routings.split(",") if x]:
@@ -160,6 +167,13 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
             def layer():
                 return fused(tokens)
 
+            def layer_with(dctx):
+                saved, fused.dispatch_ctx = fused.dispatch_ctx, dctx
+                try:
+                    return fused(tokens)
+                finally:
+                    fused.dispatch_ctx = saved
+
             def layer_as(form):
                 setattr(fused, form, True)  # same weights and contexts, another schedule
                 try:
@@ -181,11 +195,13 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
 
             impls = {
                 "fused": lambda: out.copy_(layer()),
+                f"fused[{other_name}]": lambda: out.copy_(layer_with(other)),
                 "fused_dispatch_gemm": lambda: out.copy_(layer_as("fuse_dispatch")),
                 "fused_one_launch": lambda: out.copy_(layer_as("one_launch")),
                 "stage_layer_launch": layer_launch,
                 "sequential": lambda: out.copy_(torch_path(tokens)),
                 "stage_dispatch": lambda: moe_dispatch(tokens, ids, fused.dispatch_ctx),
+                f"stage_dispatch[{other_name}]": lambda: moe_dispatch(tokens, ids, other),
                 "stage_experts": lambda: expert_swiglu(x, fused.w_gate, fused.w_up, counts,
                                                        out=h),
                 "stage_combine": lambda: moe_gemm_combine(h, fused.w_down, counts, slots,
@@ -208,6 +224,7 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                     out.fill_(float("nan"))
                     impls[name]()
                     fused.synchronize()
+                    other.synchronize()
                 return rel_err(out, ref)
 
             def timed(fn):
@@ -219,12 +236,15 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
             label = f"{S}x{H}x{I}x{E}x{k} {kind} {dname}"
             bench.run(Case(op=OP, shape=shape, dtype=dname,
                            impls={n: timed(f) for n, f in impls.items()}, check=check,
-                           checked=["fused", "fused_dispatch_gemm", "fused_one_launch",
-                                    "stage_layer_launch"], tol=3e-2, label=label,
-                           plain_only=("sequential",),
-                           fields=lambda name: {"rows_received": R}))
+                           checked=["fused", f"fused[{other_name}]", "fused_dispatch_gemm",
+                                    "fused_one_launch", "stage_layer_launch"], tol=3e-2,
+                           label=label, plain_only=("sequential",),
+                           fields=lambda name: {"rows_received": R,
+                                                "dedup": (other.dedup if other_name in name
+                                                          else fused.dispatch_ctx.dedup)}))
     finally:
         fused.close()
+        other.close()
         for c in walks.values():
             c.close()
 

@@ -46,13 +46,14 @@ def _check(world, x, counts, slots, ref):
     return R
 
 
-def _cases(world, dtype, cases, id_dtype=torch.int64, capacity=None):
+def _cases(world, dtype, cases, id_dtype=torch.int64, capacity=None, dedup=None):
     """Each case: (S per rank, H, experts_per_rank, k, routing), one context for all of them;
-    the receive buffer is poisoned before each call."""
+    the receive buffers are poisoned before each call."""
     W, r = world.world_size, world.rank
     _, H, El, k, _ = cases[0]
     ctx = MoeDispatch(world, max_tokens=max(max(c[0]) for c in cases), top_k=k, hidden=H,
-                      experts_per_rank=El, dtype=dtype, capacity=capacity)
+                      experts_per_rank=El, dtype=dtype, capacity=capacity, dedup=dedup)
+    assert ctx.dedup == (dedup if dedup is not None else ctx.dedup)
     rows = []
     try:
         for i, (S_per_rank, _, _, _, kind) in enumerate(cases):
@@ -62,6 +63,8 @@ def _cases(world, dtype, cases, id_dtype=torch.int64, capacity=None):
             ids = route(kind, S, El * W, k, r, W, g).to(id_dtype)
             ctx.recv.fill_(float("nan") if dtype.is_floating_point else -1)
             ctx.recv_slots.fill_(-7)
+            if ctx.dedup:
+                ctx.rows_once.fill_(float("nan") if dtype.is_floating_point else -1)
             x, counts, slots = moe_dispatch(tokens, ids, ctx)
             ctx.synchronize()
             rows.append(_check(world, x, counts, slots,
@@ -186,12 +189,12 @@ def test_sequential_transport_refusal_on_one_rank(world2):
                                                            ["PeerTimeoutError"] * 2]
 
 
-def _bad_ids(world, fault):
+def _bad_ids(world, fault, dedup=None):
     """Rank 1 passes an expert id out of range (or routes past a rank's capacity); every rank
     raises for that call, and the context serves the next call correctly."""
     W, r, El, k, S, H = world.world_size, world.rank, 2, 2, 6, 8
     ctx = MoeDispatch(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
-                      dtype=torch.float32, capacity=W * S * k - 1, timeout_s=30.0)
+                      dtype=torch.float32, capacity=W * S * k - 1, timeout_s=30.0, dedup=dedup)
     try:
         g = torch.Generator().manual_seed(90 + r)
         tokens = torch.randn(S, H, generator=g)
@@ -214,9 +217,10 @@ def _bad_ids(world, fault):
         ctx.close()
 
 
-@pytest.mark.parametrize("fault", ["id", "negative", "capacity"])
-def test_bad_routing_raises_on_every_rank(world2, fault):
-    res = world2.run(_bad_ids, fault, timeout=200)
+@pytest.mark.parametrize("fault, dedup", [("id", None), ("negative", None), ("capacity", None),
+                                          ("id", True), ("capacity", True)])
+def test_bad_routing_raises_on_every_rank(world2, fault, dedup):
+    res = world2.run(_bad_ids, fault, dedup, timeout=200)
     assert all(r.startswith("invalid") for r in res), res
     if fault == "capacity":
         assert all("capacity" in r and "[0]" in r for r in res), res
@@ -607,7 +611,7 @@ def test_shmem_transport_on_one_rank_says_why(monkeypatch):
     assert err and "a world of one rank" in err and heaps == [], err
 
 
-def _late_and_refused(world, sizes, late, refused):
+def _late_and_refused(world, sizes, late, refused, dedup=None):
     """One call per token count of ``sizes`` on one context (top-2 of 2 experts per rank, H
     8), the scenario of ``testing.faults.late_and_refused`` (tokens of the wrong width are the
     refused input). The references are made first: they are collective, and would hold the
@@ -633,17 +637,70 @@ def _late_and_refused(world, sizes, late, refused):
 
     return late_and_refused_per_shape(
         world, lambda: MoeDispatch(world, max_tokens=max(sizes), top_k=k, hidden=H,
-                                   experts_per_rank=El, dtype=torch.float32, timeout_s=3.0),
+                                   experts_per_rank=El, dtype=torch.float32, timeout_s=3.0,
+                                   dedup=dedup),
         inputs, call, late, refused)
 
 
-def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4):
+@pytest.mark.parametrize("dedup", [None, True], ids=["default", "dedup"])
+def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4, dedup):
     """Rank 1 refuses a call that rank 3 makes late, then every rank dispatches more tokens
     (other places in the receive buffers). Immune by design, which this guards: a rank stores
     rows only in a call whose routing counts arrived from every rank (the exchange's ``ctl[3]
     = epoch``), and a refused call's never do, so rank 3 stores no row of the failed call."""
     for rank, found in enumerate(world4.run(_late_and_refused, (3, 3, 5), (3, 1), (1, (1,)),
-                                            timeout=120)):
+                                            dedup, timeout=120)):
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] == 0.0, (rank, found)
+
+
+# -- dedup: a token sent once per peer rank ---------------------------------------------------------
+# top-3 of 4 experts per rank: tokens reach a rank with several of their experts; a k that does
+# not divide the slot block, Zipf routing and every choice on one rank, odd H, a rank with no
+# tokens
+DEDUP_CASES = [((13, 6), 20, 4, 3, "uniform"), ((9, 9), 20, 4, 3, "zipf"),
+               ((7, 11), 20, 4, 3, "one_rank"), ((0, 5), 20, 4, 3, "first_expert")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+def test_dedup_matches_reference(world, dtype):
+    for rows in world.run(_cases, dtype, DEDUP_CASES, dedup=True):
+        assert len(rows) == len(DEDUP_CASES)
+
+
+def _rows_sent_once(world):
+    """Each peer's tokens land in this rank's ``rows_once`` once each (the rows there that were
+    written), fewer than the rows routed here, and the call still matches the reference."""
+    import torch.distributed as dist
+
+    W, r, S, H, El, k = world.world_size, world.rank, 12, 8, 4, 3
+    ctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                      dtype=torch.float32, dedup=True)
+    try:
+        g = torch.Generator().manual_seed(40 + r)
+        tokens = torch.randn(S, H, generator=g)
+        ids = route("uniform", S, El * W, k, r, W, g)
+        ctx.rows_once.fill_(float("nan"))
+        x, counts, slots = moe_dispatch(tokens, ids, ctx)
+        ctx.synchronize()
+        _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, El, world.group))
+        every = [torch.empty_like(ids) for _ in range(W)]
+        dist.all_gather(every, ids, group=world.group)
+        found = []
+        for q in range(W):
+            if q == r:
+                continue
+            reached = ((every[q] // El) == r).any(dim=1)  # q's tokens with an expert here
+            written = ~ctx.rows_once[q - (q > r)].isnan().any(dim=1)
+            routed = int(((every[q] // El) == r).sum())
+            found.append((torch.equal(written, reached), int(reached.sum()), routed))
+        return found
+    finally:
+        ctx.close()
+
+
+def test_dedup_sends_each_token_once_per_rank(world):
+    for found in world.run(_rows_sent_once):
+        assert all(same and sent <= routed for same, sent, routed in found), found
+        assert sum(f[1] for f in found) < sum(f[2] for f in found), found

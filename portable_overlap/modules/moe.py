@@ -47,12 +47,15 @@ class ExpertParallelMoE(nn.Module):
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
     contexts it makes (``ctx``: a combine context to use instead); ``fuse_dispatch``: the
     dispatch and the gated GEMM in one launch; ``one_launch``: the dispatch and both expert
-    GEMMs in one launch (module docstring)."""
+    GEMMs in one launch (module docstring); ``dedup``: the staged dispatch sends a token once
+    per rank it reaches (``MoeDispatch``; None: its rule; the fused schedules send a row per
+    expert)."""
 
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  max_tokens: int, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
                  ctx: Optional[MoeGemmCombine] = None, capacity: Optional[int] = None,
-                 seed: int = 0, fuse_dispatch: bool = False, one_launch: bool = False):
+                 seed: int = 0, fuse_dispatch: bool = False, one_launch: bool = False,
+                 dedup: Optional[bool] = None):
         super().__init__()
         W = world.world_size
         if num_experts % W:
@@ -66,6 +69,10 @@ class ExpertParallelMoE(nn.Module):
         if fuse_dispatch and one_launch:
             raise ValueError("fuse_dispatch and one_launch are two schedules of the fused "
                              "layer: pass one")
+        if dedup and (fuse_dispatch or one_launch or not fused):
+            raise ValueError("dedup=True is an option of the staged fused layer (fused=True "
+                             "without fuse_dispatch or one_launch): the others send a row per "
+                             "expert")
         self.world, self.top_k, self.fused = world, top_k, fused
         self.fuse_dispatch, self.one_launch = bool(fuse_dispatch), bool(one_launch)
         self.experts_per_rank = E = num_experts // W
@@ -86,9 +93,11 @@ class ExpertParallelMoE(nn.Module):
             if ctx is None:
                 self.ctx = MoeGemmCombine(world, max_tokens=max_tokens, top_k=top_k,
                                           hidden=hidden, experts_per_rank=E)
+            staged = not (fuse_dispatch or one_launch)
             self.dispatch_ctx = MoeDispatch(world, max_tokens=max_tokens, top_k=top_k,
                                             hidden=hidden, experts_per_rank=E, dtype=dtype,
-                                            capacity=capacity)
+                                            capacity=capacity,
+                                            dedup=dedup if staged else False)
             if not one_launch:  # (the one-launch layer keeps its own on the dispatch context)
                 # the gated activations of every received row, reused by each call
                 self._h = torch.empty((self.dispatch_ctx.capacity, intermediate), dtype=dtype,

@@ -8,6 +8,7 @@ Each check prints ``PASS``/``FAIL`` on rank 0; the exit code is 1 if any failed 
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -291,11 +292,12 @@ def check_moe_dispatch(world: World, gen) -> None:
         return (torch.equal(counts, cr) and torch.equal(slots[:R], sr)
                 and torch.equal(x[:R], xr)), R
 
-    for S, H, El, k, kind, dt in ((4096 - 777 * r, 7168, 8, 8, "uniform", torch.bfloat16),
-                                  (3000, 1000, 4, 2, "skewed", torch.float16),
-                                  (5 * r, 33, 2, 2, "one_rank", torch.float32)):
+    for (S, H, El, k, kind, dt), dedup in itertools.product(
+            ((4096 - 777 * r, 7168, 8, 8, "uniform", torch.bfloat16),
+             (3000, 1000, 4, 2, "skewed", torch.float16),
+             (5 * r, 33, 2, 2, "one_rank", torch.float32)), (False, True)):
         ctx = MoeDispatch(world, max_tokens=4096, top_k=k, hidden=H, experts_per_rank=El,
-                          dtype=dt)
+                          dtype=dt, dedup=dedup)
         try:
             for call in range(3):
                 ids = moe_routing(world, kind, S, El * W, k, 10 * call + r)
@@ -303,17 +305,20 @@ def check_moe_dispatch(world: World, gen) -> None:
                     ids = ids.to(torch.int32)
                 tokens = rand((S, H), dt, dev, gen)
                 ctx.recv.fill_(float("nan"))
+                if dedup and W > 1:
+                    ctx.rows_once.fill_(float("nan"))
                 got = moe_dispatch(tokens, ids, ctx)
                 ctx.synchronize()
                 ok, R = same(got, moe_dispatch_reference(tokens, ids, El, world.group))
-                record(f"moe_dispatch S={S} H={H} {kind} {str(dt)[6:]} call {call}", ok,
-                       f"rows={R}")
+                record(f"moe_dispatch S={S} H={H} {kind} {str(dt)[6:]} dedup={dedup} "
+                       f"call {call}", ok, f"rows={R}")
         finally:
             ctx.close()
-    # graph replays: new routing and tokens copied into the captured inputs before each
+    # graph replays: new routing and tokens copied into the captured inputs before each (a
+    # token sent once per rank: the receiver's copies are captured too)
     S, H, I, El, k = 2048, 1024, 512, 4, 4
     disp = MoeDispatch(world, max_tokens=S, top_k=k, hidden=I, experts_per_rank=El,
-                       dtype=torch.bfloat16)
+                       dtype=torch.bfloat16, dedup=True)
     comb = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El)
     try:
         tokens = rand((S, I), torch.bfloat16, dev, gen)

@@ -38,6 +38,7 @@ buffers (after the expert's first GEMM). Three transports:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -51,7 +52,7 @@ from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from ..registry import OpSpec, define
 from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
-                     route_count_kernel, route_exchange_kernel)
+                     expand_rows_kernel, route_count_kernel, route_exchange_kernel)
 from .reference import moe_dispatch_reference, refuse_dispatch
 
 TRANSPORTS = ("stores", "shmem", "sequential")
@@ -60,8 +61,31 @@ MAX_EXPERTS = 1024  # experts in all (world * experts_per_rank): the count kerne
 ID_DTYPES = (torch.int32, torch.int64)
 
 
+#: ``dedup=None`` sends each token once per peer rank where a token is expected to have at
+#: least this many of its experts on a rank it goes to (``rows_per_rank_reached``)
+DEDUP_MIN_ROWS = 1.5
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def rows_per_rank_reached(world_size: int, experts_per_rank: int, top_k: int) -> float:
+    """The rows a token sends to each rank it reaches, on average, where its ``top_k`` distinct
+    experts are drawn uniformly from all ``world_size * experts_per_rank``: ``top_k`` over the
+    expected number of ranks reached, ``W * (1 - C(E_total - E, k) / C(E_total, k))``."""
+    E_total = world_size * experts_per_rank
+    k = min(top_k, E_total)
+    missed = math.comb(E_total - experts_per_rank, k) / math.comb(E_total, k)
+    return k / (world_size * (1.0 - missed))
+
+
+def default_dedup(world_size: int, experts_per_rank: int, top_k: int) -> bool:
+    """``dedup=None``: send a token once per peer rank (and copy it to its places there) where
+    a token is expected to reach a rank with :data:`DEDUP_MIN_ROWS` rows or more; never on one
+    rank (no peer)."""
+    return world_size > 1 and \
+        rows_per_rank_reached(world_size, experts_per_rank, top_k) >= DEDUP_MIN_ROWS
 
 
 class MoeDispatch(OverlapContext):
@@ -72,7 +96,13 @@ class MoeDispatch(OverlapContext):
     top_k``, which no routing exceeds; a smaller one saves memory, and a call that passes it
     raises). With ``transport="shmem"`` the receive buffers and a copy of the tokens are in the
     SHMEM library's symmetric memory instead (module docstring). Collective to create and
-    close; calls in the same order on every rank, on one stream."""
+    close; calls in the same order on every rank, on one stream.
+
+    ``dedup`` (``"stores"`` only): send a token to a peer rank once, however many of its experts
+    that rank holds, into a buffer of ``(W - 1) * max_tokens`` rows there, from which the rank
+    copies it to each of its places (kernel.py, ``ONCE``): fewer bytes over the links for one
+    more local copy of the received rows. None: :func:`default_dedup` (where tokens are expected
+    to reach a rank with 1.5 rows or more). The results are the same either way."""
 
     OP = OP
     TRANSPORTS = TRANSPORTS
@@ -81,7 +111,7 @@ class MoeDispatch(OverlapContext):
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
                  experts_per_rank: int, dtype: torch.dtype = torch.bfloat16,
                  capacity: Optional[int] = None, timeout_s: float = 10.0,
-                 transport: str = "stores"):
+                 transport: str = "stores", dedup: Optional[bool] = None):
         W = world.world_size
         if capacity is None and all(isinstance(v, int) for v in (max_tokens, top_k)):
             capacity = W * max_tokens * top_k
@@ -97,13 +127,22 @@ class MoeDispatch(OverlapContext):
                              f"{experts_per_rank}")
         if max_tokens * top_k >= 2 ** 31 or capacity >= 2 ** 31:
             raise ValueError(f"{OP}: max_tokens * top_k and capacity must stay below 2**31")
+        if dedup is not None and not isinstance(dedup, bool):
+            raise ValueError(f"{OP}: dedup must be True, False or None, got {dedup!r}")
+        if dedup and transport != "stores":
+            raise ValueError(f"{OP}: dedup=True is an option of transport='stores', not of "
+                             f"{transport!r}")
+        if dedup is None:
+            dedup = transport == "stores" and default_dedup(W, experts_per_rank, top_k)
+        dedup = dedup and W > 1  # (one rank has no peer to send to)
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
-                                                     str(dtype), capacity, transport))
+                                                     str(dtype), capacity, transport, dedup))
         # collective, before any allocation: every rank raises if one has no SHMEM library
         self._provider = agreed_put_provider(world, OP, transport)
         self.transport = transport
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank, self.dtype, self.capacity = experts_per_rank, dtype, capacity
+        self.dedup = dedup
         E_total = W * experts_per_rank
         cpu = world.device.type == "cpu"
         # slots per block: the scatter ranks a block's slots with a [BLOCK_T, BLOCK_T] compare,
@@ -114,6 +153,8 @@ class MoeDispatch(OverlapContext):
         # the receive buffers: in the heap, or in the library's symmetric memory (below)
         recv = [] if self._provider is not None else [
             ("recv", (capacity, hidden), dtype), ("recv_slots", (capacity,), torch.int32)]
+        if dedup:  # the tokens each peer sends once: source q at q - (q > rank)
+            recv.append(("rows_once", (W - 1, max_tokens, hidden), dtype))
         super().__init__(world, recv + [
             ("counts_in", (W, E_total + 1), torch.int32),
             ("count_flag", (W, 1), torch.int64), ("sent", (W, G_MAX), torch.int64),
@@ -218,7 +259,8 @@ class MoeDispatch(OverlapContext):
 
     # -- launches ------------------------------------------------------------------------------
     def _launches(self, tokens, topk_ids) -> tuple:
-        """The call's three launches (count, exchange, scatter), planned on first use."""
+        """The call's launches (count, exchange, scatter, and with ``dedup`` the receiver's
+        copies), planned on first use."""
         # S changes with the call and is never specialized on (kernel.py): plans depend on
         # what is fixed for a model (dtype, strides, alignment)
         key = (tokens.dtype, tokens.stride(0), topk_ids.dtype,
@@ -226,10 +268,10 @@ class MoeDispatch(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(tokens, topk_ids)
-        count, exchange, scatter = plan
+        count, exchange, scatter = plan[:3]
         args = self._args(tokens, topk_ids, scatter.tag)
-        if self._provider is None:
-            return (lambda: count(args[0]), lambda: exchange(args[1]), lambda: scatter(args[2]))
+        if self._provider is None:  # (with dedup, the receiver's copies follow the scatter)
+            return tuple(functools.partial(launch, a) for launch, a in zip(plan, args))
 
         def put():
             # the puts' source is the library's memory (kernel.py put_rows); the previous call's
@@ -252,14 +294,17 @@ class MoeDispatch(OverlapContext):
         # the put transport's rows come from the tokens' copy in the library's memory
         src, stride = ((tokens, tokens.stride(0)) if self._provider is None else
                        (self._send, self.hidden))
+        once = self.rows_once if self.dedup else self.recv  # (unused without dedup)
         scatter = (src, topk_ids, self._base, self._dest_start, self.recv, self.recv_slots,
-                   self._slot_ids, self._stage, self.sent, self.ctl, self.call_clock,
+                   self._slot_ids, self._stage, once, self.sent, self.ctl, self.call_clock,
                    self.heap.bases, st, n, self.top_k, self.hidden, stride, E, self.capacity,
-                   self.rank, W, tag, self.timeout_us)
-        return count, exchange, scatter
+                   self.max_tokens, self.rank, W, tag, self.timeout_us)
+        expand = (self.recv, self.recv_slots, once, self.counts, self.ctl, self.top_k,
+                  self.hidden, E, self.max_tokens, self.rank, W)
+        return count, exchange, scatter, expand
 
     def _plan(self, tokens, topk_ids) -> tuple:
-        E = self.experts_per_rank
+        W, E = self.world.world_size, self.experts_per_rank
         cpu = self.world.device.type == "cpu"
         programs = min(self.world.facts.sm_count, G_MAX)
         BT, BE = self.block_t, self.block_e
@@ -269,7 +314,7 @@ class MoeDispatch(OverlapContext):
         def tag_of(g):  # what must agree across ranks (not S, which may differ)
             return shape_tag(OP, hidden=self.hidden, top_k=self.top_k, experts_per_rank=E,
                              dtype=str(tokens.dtype), capacity=self.capacity, programs=g,
-                             block_t=BT)
+                             block_t=BT, dedup=self.dedup)
 
         def args(g):
             return self._args(tokens, topk_ids, tag_of(g))
@@ -278,8 +323,8 @@ class MoeDispatch(OverlapContext):
                       num_stages=1)
         if self._provider is None:
             # every program waits for its counterparts on the peers: the grid must be resident
-            scatter = self._compile(dispatch_scatter_kernel, programs, consts,
-                                    lambda g: args(g)[2])
+            scatter = self._compile(dispatch_scatter_kernel, programs,
+                                    dict(consts, ONCE=self.dedup), lambda g: args(g)[2])
         else:
             # compiled by the library's launcher on first use, so not capped here: one program
             # of 4 warps per SM is resident whatever its registers (at most 255 x 128 of an
@@ -288,7 +333,14 @@ class MoeDispatch(OverlapContext):
                                     owner=self)
         scatter.tag = tag_of(scatter.programs)
         count, exchange = self._plan_routing(tokens, topk_ids, scatter.programs, scatter.tag)
-        return count, exchange, scatter
+        if not self.dedup:
+            return count, exchange, scatter
+        # a local copy: a [16, 512 B] tile per step keeps 8 KB in flight per program
+        expand = self._compile(expand_rows_kernel, programs,
+                               dict(BLOCK_R=8 if cpu else 16, BLOCK_H=block_h,
+                                    BLOCK_W=_pow2(W), BLOCK_EL=_pow2(E), num_warps=4,
+                                    num_stages=1), lambda g: args(g)[3])
+        return count, exchange, scatter, expand
 
     def _plan_routing(self, tokens, topk_ids, programs: int, tag: int) -> tuple:
         """The count (``programs`` programs) and exchange launches of a call whose launches

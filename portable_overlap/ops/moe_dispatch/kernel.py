@@ -39,6 +39,13 @@ kernel body with the receive buffers in the SHMEM library's symmetric memory: a 
 slots are put by the library (``put_rows``), and the program's puts complete (quiet) before its
 release signal. The counts, flags and signals stay in this library's heap on both.
 
+With ``ONCE`` (the context's ``dedup``) the zero-copy scatter sends a token to a peer once,
+however many of its experts are there (``scatter_rows_once``): the slots go to their places as
+above, the row into the peer's ``once`` buffer at the token's index, and the peer's
+``expand_rows_kernel``, launched after the scatter, copies it to each of its places. A token
+with ``c`` experts on a peer crosses the link once instead of ``c`` times, for one more local
+copy of the rows at the receiver.
+
 No program waits for another program of its own launch (the interpreter runs them one after
 another), and every wait is bounded (status board).
 """
@@ -240,6 +247,25 @@ def no_flush():
 
 
 @triton.jit
+def slot_places(ids_ptr, base_ptr, dest_start_ptr, b, n_slots, E, capacity, world,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Slot block ``b``'s slots ``i``, their places ``pos`` in their destinations' receive
+    buffers (module docstring), which of them to store (``keep``: not a bad id, not past the
+    capacity; the count and exchange kernels reported those) and their destination ranks."""
+    lanes = tl.arange(0, BLOCK_T)
+    E_total = world * E
+    i = b * BLOCK_T + lanes
+    g = tl.load(ids_ptr + i, mask=i < n_slots, other=-1).to(tl.int64)
+    keep = (g >= 0) & (g < E_total)
+    g = tl.where(keep, g, 0).to(tl.int32)
+    # the slot's rank among the block's slots of the same expert (a stable sort's)
+    same = (g[:, None] == g[None, :]) & keep[None, :] & (lanes[None, :] < lanes[:, None])
+    pos = (tl.load(dest_start_ptr + g) + tl.load(base_ptr + b * BLOCK_E + g)
+           + tl.sum(same.to(tl.int32), axis=1))
+    return i, pos, keep & (pos < capacity), g // E
+
+
+@triton.jit
 def scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
                  slot_ids_ptr, stage_ptr, bases_ptr, pid, step, n_slots, k, H, stride_ts, E,
                  capacity, rank, world, d_lo, d_hi, BLOCK_T: tl.constexpr,
@@ -250,24 +276,55 @@ def scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_s
     Slots with bad ids and rows past the capacity are skipped (the count and exchange kernels
     reported them). Shared by the dispatch's scatter (every destination in one pass) and the
     fused dispatch + gated GEMM (one destination per pass)."""
-    lanes = tl.arange(0, BLOCK_T)
-    E_total = world * E
     for b in range(pid, tl.cdiv(n_slots, BLOCK_T), step):
-        i = b * BLOCK_T + lanes
-        g = tl.load(ids_ptr + i, mask=i < n_slots, other=-1).to(tl.int64)
-        keep = (g >= 0) & (g < E_total)  # bad ids were reported by the count kernel
-        g = tl.where(keep, g, 0).to(tl.int32)
-        # the slot's rank among the block's slots of the same expert (a stable sort's)
-        same = (g[:, None] == g[None, :]) & keep[None, :] & (lanes[None, :] < lanes[:, None])
-        pos = (tl.load(dest_start_ptr + g) + tl.load(base_ptr + b * BLOCK_E + g)
-               + tl.sum(same.to(tl.int32), axis=1))
-        keep = keep & (pos < capacity)  # an overflow was reported by the exchange
-        dest = g // E
+        i, pos, keep, dest = slot_places(ids_ptr, base_ptr, dest_start_ptr, b, n_slots, E,
+                                         capacity, world, BLOCK_T, BLOCK_E)
         for q in range(d_lo, d_hi):
             mq = keep & (dest == q)
             if tl.sum(mq.to(tl.int32)) > 0:  # each row is loaded once, for its own rank
                 STORE(tokens_ptr, recv_ptr, recv_slots_ptr, bases_ptr, slot_ids_ptr, stage_ptr,
                       pid, rank, q, i, k, pos, mq, H, stride_ts, BLOCK_T, BLOCK_H)
+
+
+@triton.jit
+def scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
+                      once_ptr, bases_ptr, pid, step, n_slots, k, H, stride_ts, E, capacity,
+                      max_tokens, rank, world, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    """``scatter_rows`` that sends a token to a peer once, whatever the number of its experts
+    there: the slots' places and slot ids as there, and the row only from the token's first
+    slot routed to that peer, into the peer's ``once`` buffer (``[W - 1, max_tokens, H]``:
+    source ``r`` at index ``r - (r > q)`` of rank q's, token s at row s), from which the
+    peer's ``expand_rows_kernel`` fills every place. This rank's own rows are stored at their
+    places directly."""
+    for b in range(pid, tl.cdiv(n_slots, BLOCK_T), step):
+        i, pos, keep, dest = slot_places(ids_ptr, base_ptr, dest_start_ptr, b, n_slots, E,
+                                         capacity, world, BLOCK_T, BLOCK_E)
+        tok = (i // k).to(tl.int64)
+        j = i % k
+        # a slot leads its token's rows for its rank unless an earlier choice goes there too
+        # (bad ids go nowhere; a choice past the capacity still sends the row once)
+        dup = tl.zeros((BLOCK_T,), tl.int1)
+        for jj in range(0, k):
+            m = keep & (jj < j)
+            g2 = tl.load(ids_ptr + tok * k + jj, mask=m, other=-1)
+            dup = dup | (m & (g2 >= 0) & (g2 < world * E) & (g2 // E == dest))
+        for q in range(0, world):
+            mq = keep & (dest == q)
+            if tl.sum(mq.to(tl.int32)) > 0:
+                if q == rank:
+                    _store_rows_at(tokens_ptr, recv_ptr, recv_slots_ptr, i, k, pos, mq, H,
+                                   stride_ts, BLOCK_H)
+                else:
+                    tl.store(peer_buffer(recv_slots_ptr, bases_ptr, rank, q) + pos, i, mask=mq)
+                    lead = mq & ~dup
+                    src = tl.where(rank > q, rank - 1, rank).to(tl.int64) * max_tokens
+                    dst = peer_buffer(once_ptr, bases_ptr, rank, q)
+                    for h0 in range(0, H, BLOCK_H):
+                        cols = h0 + tl.arange(0, BLOCK_H)
+                        m = lead[:, None] & (cols < H)[None, :]
+                        v = tl.load(tokens_ptr + tok[:, None] * stride_ts + cols[None, :], mask=m)
+                        tl.store(dst + (src + tok)[:, None] * H + cols[None, :], v, mask=m)
 
 
 # S changes from call to call, and every rank must run the same code (same registers, so the
@@ -277,15 +334,18 @@ def dispatch_scatter_kernel(
     tokens_ptr, ids_ptr, base_ptr, dest_start_ptr,
     recv_ptr, recv_slots_ptr,  # heap [capacity, H] and int32 [capacity]: every rank's receive
     slot_ids_ptr, stage_ptr,  # the put transport's (unused here)
+    once_ptr,  # heap [W - 1, max_tokens, H]: the tokens sent once per rank (ONCE)
     sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
-    n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us,
+    n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag, timeout_us,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
+    ONCE: tl.constexpr,
 ):
-    """The zero-copy scatter (rows stored into the destinations' heaps)."""
+    """The zero-copy scatter (rows stored into the destinations' heaps; with ``ONCE``, a token
+    once per peer rank, ``scatter_rows_once``)."""
     _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-             slot_ids_ptr, stage_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
-             n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us, BLOCK_T,
-             BLOCK_E, BLOCK_H, G_MAX, store_rows, no_flush)
+             slot_ids_ptr, stage_ptr, once_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
+             status_addr, n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag,
+             timeout_us, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX, store_rows, no_flush, ONCE)
 
 
 @triton.jit(do_not_specialize=["n_slots", "rank"])
@@ -294,8 +354,9 @@ def dispatch_put_kernel(
     recv_ptr, recv_slots_ptr,  # symmetric memory of the SHMEM library: [capacity, H], [capacity]
     slot_ids_ptr,  # symmetric int32 [max_tokens * top_k]: slot_ids[i] = i, the slots' puts' source
     stage_ptr,  # int32 [G_MAX, 2 * BLOCK_T]: each program's packed places and slots
+    once_ptr,  # (unused: the put transport sends a row per slot)
     sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
-    n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us,
+    n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag, timeout_us,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
 ):
     """The same scatter with the peers' rows put by the process's SHMEM provider (device-
@@ -303,27 +364,73 @@ def dispatch_put_kernel(
     of its own: the provider's launcher sets up its compiled modules, and it is compiled only
     where a provider exists (GPUs with NVSHMEM / ROC_SHMEM)."""
     _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-             slot_ids_ptr, stage_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
-             n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us, BLOCK_T,
-             BLOCK_E, BLOCK_H, G_MAX, put_rows, shmem_flush)
+             slot_ids_ptr, stage_ptr, once_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
+             status_addr, n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag,
+             timeout_us, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX, put_rows, shmem_flush, False)
 
 
 @triton.jit
 def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-             slot_ids_ptr, stage_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
-             n_slots, k, H, stride_ts, E, capacity, rank, world, tag, timeout_us,
-             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-             G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr):
+             slot_ids_ptr, stage_ptr, once_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
+             status_addr, n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag,
+             timeout_us, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+             G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
+             ONCE: tl.constexpr):
     pid = tl.program_id(0)
     epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
     ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
     if ok:
-        scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-                     slot_ids_ptr, stage_ptr, bases_ptr, pid, tl.num_programs(0), n_slots, k,
-                     H, stride_ts, E, capacity, rank, world, 0, world, BLOCK_T, BLOCK_E,
-                     BLOCK_H, STORE)
+        if ONCE:
+            scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
+                              recv_slots_ptr, once_ptr, bases_ptr, pid, tl.num_programs(0),
+                              n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world,
+                              BLOCK_T, BLOCK_E, BLOCK_H)
+        else:
+            scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
+                         recv_slots_ptr, slot_ids_ptr, stage_ptr, bases_ptr, pid,
+                         tl.num_programs(0), n_slots, k, H, stride_ts, E, capacity, rank, world,
+                         0, world, BLOCK_T, BLOCK_E, BLOCK_H, STORE)
     FLUSH()  # the transport's rows have landed before the release
     # the rows of this program have landed everywhere (release), then every peer's have here
     signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
     wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,
                status_addr, ok, G_MAX)
+
+
+@triton.jit(do_not_specialize=["rank"])
+def expand_rows_kernel(recv_ptr, recv_slots_ptr, once_ptr, counts_ptr, ctl_ptr, k, H, E,
+                       max_tokens, rank, world, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr):
+    """After a scatter with ``ONCE``: every place of a peer's rows in the receive buffer gets
+    its token's row from the ``once`` buffer (the token of a place is its slot's, ``slot //
+    k``, which the peer stored there). Runs after the scatter launch in stream order: every
+    peer's rows had landed when that launch ended (its programs' acquires). Copies nothing on a
+    call whose counts did not all arrive (the scatter stored nothing), and no place past the
+    rows ``counts`` says this rank received (zeros after an overflow)."""
+    pid = tl.program_id(0)
+    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
+    if tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch:
+        d_idx = tl.arange(0, BLOCK_W)
+        e_idx = tl.arange(0, BLOCK_EL)
+        c = tl.load(counts_ptr + d_idx[:, None] * E + e_idx[None, :],
+                    mask=(d_idx < world)[:, None] & (e_idx < E)[None, :], other=0)
+        rows = tl.sum(c, axis=1)
+        starts = tl.cumsum(rows, axis=0) - rows
+        lanes = tl.arange(0, BLOCK_R)
+        for q in range(0, world):
+            if q != rank:
+                start = tl.sum(tl.where(d_idx == q, starts, 0))
+                n = tl.sum(tl.where(d_idx == q, rows, 0))
+                src = once_ptr + tl.where(q > rank, q - 1, q).to(tl.int64) * max_tokens * H
+                for b in range(pid, tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
+                    p = start + b * BLOCK_R + lanes
+                    m = p < start + n
+                    slot = tl.load(recv_slots_ptr + p, mask=m, other=0)
+                    tok = (slot // k).to(tl.int64)
+                    m = m & (slot >= 0) & (tok < max_tokens)
+                    for h0 in range(0, H, BLOCK_H):
+                        cols = h0 + tl.arange(0, BLOCK_H)
+                        mm = m[:, None] & (cols < H)[None, :]
+                        v = tl.load(src + tok[:, None] * H + cols[None, :], mask=mm)
+                        tl.store(recv_ptr + p[:, None].to(tl.int64) * H + cols[None, :], v,
+                                 mask=mm)
