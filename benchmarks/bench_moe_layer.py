@@ -233,15 +233,19 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                         fn()
                 return run
 
+            def dedup_of(name):  # the impls that run the staged dispatch
+                if other_name in name:
+                    return {"dedup": other.dedup}
+                staged = name in ("fused", "stage_dispatch")
+                return {"dedup": fused.dispatch_ctx.dedup} if staged else {}
+
             label = f"{S}x{H}x{I}x{E}x{k} {kind} {dname}"
             bench.run(Case(op=OP, shape=shape, dtype=dname,
                            impls={n: timed(f) for n, f in impls.items()}, check=check,
                            checked=["fused", f"fused[{other_name}]", "fused_dispatch_gemm",
                                     "fused_one_launch", "stage_layer_launch"], tol=3e-2,
                            label=label, plain_only=("sequential",),
-                           fields=lambda name: {"rows_received": R,
-                                                "dedup": (other.dedup if other_name in name
-                                                          else fused.dispatch_ctx.dedup)}))
+                           fields=lambda name: {"rows_received": R, **dedup_of(name)}))
     finally:
         fused.close()
         other.close()
