@@ -50,7 +50,7 @@ def specs():
                _sig(ptrs, _SCATTER_ARGS, consts), consts,
                ["tokens_ptr", "recv_ptr", "once_ptr", "H", "stride_ts"])
     # dedup's copies at the receiver (2 ranks x 8 experts)
-    consts = dict(BLOCK_R=16, BLOCK_H=256, BLOCK_W=2, BLOCK_EL=8, **_SMALL)
+    consts = dict(BLOCK_R=32, BLOCK_H=256, BLOCK_W=2, BLOCK_EL=8, **_SMALL)
     yield ("expand_rows[bf16]", expand_rows_kernel,
            _sig({"recv_ptr": "*bf16", "recv_slots_ptr": "*i32", "once_ptr": "*bf16",
                  "counts_ptr": "*i32", "ctl_ptr": "*i64"},
