@@ -704,3 +704,44 @@ def test_dedup_sends_each_token_once_per_rank(world):
     for found in world.run(_rows_sent_once):
         assert all(same and sent <= routed for same, sent, routed in found), found
         assert sum(f[1] for f in found) < sum(f[2] for f in found), found
+
+
+def test_default_dedup_rule():
+    """On where a token reaches a rank with several rows and a full call saves megabytes over
+    the links (the DeepSeek-like and Mixtral-like prefill layouts on 2 ranks, DeepSeek-V3's 256
+    experts on 8), off at decode sizes, on one rank, and where tokens reach a rank once."""
+    from portable_overlap.ops.moe_dispatch.api import default_dedup, rows_per_rank_reached
+
+    assert rows_per_rank_reached(2, 8, 8) == pytest.approx(4.0, rel=1e-3)
+    assert rows_per_rank_reached(8, 1, 1) == 1.0
+    assert default_dedup(2, 8, 8, 8192, 7168 * 2) and default_dedup(2, 4, 2, 8192, 4096 * 2)
+    assert default_dedup(8, 32, 8, 4096, 7168 * 2)
+    assert not default_dedup(2, 8, 8, 128, 7168 * 2)  # 5.5 MB saved per call
+    assert not default_dedup(1, 8, 8, 8192, 7168 * 2)
+    assert not default_dedup(8, 1, 2, 8192, 7168 * 2)  # one expert per rank: nothing to merge
+
+
+def _chosen_dedup(world, **kw):
+    ctx = MoeDispatch(world, dtype=torch.float32, **kw)
+    try:
+        return ctx.dedup, hasattr(ctx, "rows_once")
+    finally:
+        ctx.close()
+
+
+def test_dedup_default_and_refusals(world2):
+    big = dict(max_tokens=4096, top_k=4, hidden=1024, experts_per_rank=4)  # 12 MB saved
+    assert world2.run(_chosen_dedup, **big) == [(True, True)] * 2
+    assert world2.run(_chosen_dedup, **dict(big, max_tokens=64)) == [(False, False)] * 2
+    assert world2.run(_chosen_dedup, **dict(big, dedup=False)) == [(False, False)] * 2
+    for bad in (dict(dedup=True, transport="sequential"), dict(dedup=1)):
+        msgs = world2.run(_refused, **dict(big, **bad))
+        assert all("dedup" in m for m in msgs), msgs
+
+
+def _refused(world, **kw):
+    try:
+        MoeDispatch(world, dtype=torch.float32, **kw).close()
+    except ValueError as e:
+        return str(e)
+    return "no error"
