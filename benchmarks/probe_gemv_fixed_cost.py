@@ -47,6 +47,16 @@ def plain_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
 
 
 @triton.jit
+def end_call_relaxed(ctx, call):
+    """``pol.end_call`` with a relaxed ticket: a program does not wait for its stores to land
+    before it counts itself out (what the acquire-release ticket costs, ``LEVELS``)."""
+    ticket = tl.atomic_add(ctx + pol.CTX_EPOCH + 1, 1, sem="relaxed", scope="gpu")
+    last = ticket == pol.num_programs() - 1
+    tl.atomic_xchg(ctx + pol.CTX_EPOCH + 1, 0, mask=last, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctx + pol.CTX_EPOCH, call.to(tl.int64), mask=last, sem="release", scope="gpu")
+
+
+@triton.jit
 def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_ptr, M, N, K,
                   stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
@@ -67,13 +77,19 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tile = offs_m[:, None] * N + offs_n[None, :]
-    if LEVEL >= 3:  # the partial through the heap and one flag round (no peer to wait for)
+    if LEVEL >= 3 and LEVEL != 5:  # the partial through the heap, one flag round (no peer)
         tl.store(partial_ptr + tile, acc, mask=mask)
         pol.signal_all(ctx, ready_ptr + pid, call, ok)
+        if LEVEL >= 6:  # the one-shot kernel's two other waits (each reads is_live first)
+            ok = ok & pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
         ok = pol.wait_peers(ctx, ready_ptr + pid, G_MAX, call)
+        if LEVEL >= 6:
+            ok = ok & pol.wait_peers(ctx, ready_ptr + pid, G_MAX, call, ARRIVED_ONLY=True)
         acc = tl.load(partial_ptr + tile, mask=mask & ok, other=0.0)
     tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if LEVEL >= 4:
+    if LEVEL == 5 or LEVEL == 7:
+        end_call_relaxed(ctx, call)
+    elif LEVEL >= 4:
         pol.end_call_consumed(ctx, call, consumed_ptr)
     elif LEVEL >= 2:
         pol.end_call(ctx, call)
@@ -81,7 +97,9 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
 
 #: what each level of ``pieces_kernel`` adds to the one before
 LEVELS = {1: "begin_call + is_live", 2: "+ end_call", 3: "+ partial round trip, flag round",
-          4: "end_call_consumed for end_call"}
+          4: "end_call_consumed for end_call", 5: "level 2 with a relaxed ticket",
+          6: "level 4 + the one-shot kernel's two other waits",
+          7: "level 6 with a relaxed ticket (no consumed signal)"}
 
 
 def pieces_gemv(x, w, out, cfg, ws, level):
