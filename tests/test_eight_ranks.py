@@ -18,7 +18,7 @@ from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.matmul_reduce import (matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
 from portable_overlap.ops.moe_combine import moe_gemm_combine_reference
-from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
+from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
 from portable_overlap.testing.compare import rel_err
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
@@ -49,6 +49,17 @@ def _every_op(world):
     ctx.synchronize()
     errs["moe combine"] = rel_err(out, moe_gemm_combine_reference(xr, we, counts, slots, tw,
                                                                 world.group))
+    ctx.close()
+    # the dispatch with a token sent once per rank it reaches (top-4 of 2 experts per rank)
+    ids = torch.rand(S, 2 * W, generator=g).topk(4, dim=1).indices
+    ctx = MoeDispatch(world, max_tokens=8, top_k=4, hidden=8, experts_per_rank=2,
+                      dtype=torch.float32, dedup=True)
+    x, counts, slots = ctx(tokens, ids)
+    ctx.synchronize()
+    xr, cr, sr = moe_dispatch_reference(tokens, ids, 2, world.group)
+    R = xr.shape[0]
+    same = torch.equal(counts, cr) and torch.equal(slots[:R], sr) and torch.equal(x[:R], xr)
+    errs["moe dispatch dedup"] = 0.0 if same else float("inf")
     ctx.close()
     ctx = EmbeddingAllToAll(world, [6] * W, 8, max_local_batch=2, block_b=2)
     splits = [2] * W
@@ -123,8 +134,8 @@ def _every_op(world):
 
 
 # one entry per op / variant above: a key reused by mistake would overwrite another's error
-# (17 plus one per AllGather+GEMM schedule)
-N_CHECKS = 17 + len(SCHEDULES)
+# (18 plus one per AllGather+GEMM schedule)
+N_CHECKS = 18 + len(SCHEDULES)
 
 
 def test_every_op_on_eight_ranks(world8):

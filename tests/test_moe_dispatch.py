@@ -733,6 +733,9 @@ def test_dedup_default_and_refusals(world2):
     big = dict(max_tokens=4096, top_k=4, hidden=1024, experts_per_rank=4)  # 12 MB saved
     assert world2.run(_chosen_dedup, **big) == [(True, True)] * 2
     assert world2.run(_chosen_dedup, **dict(big, max_tokens=64)) == [(False, False)] * 2
+    # a capacity below the once-rows' buffer (W - 1) * max_tokens: off unless asked for
+    assert world2.run(_chosen_dedup, **dict(big, capacity=4000)) == [(False, False)] * 2
+    assert world2.run(_chosen_dedup, **dict(big, capacity=4000, dedup=True)) == [(True, True)] * 2
     assert world2.run(_chosen_dedup, **dict(big, dedup=False)) == [(False, False)] * 2
     for bad in (dict(dedup=True, transport="sequential"), dict(dedup=1)):
         msgs = world2.run(_refused, **dict(big, **bad))
@@ -745,3 +748,25 @@ def _refused(world, **kw):
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def _dedup_strided_int32(world):
+    """dedup with int32 ids and tokens whose rows are a wider tensor's (row stride H + 5)."""
+    W, r, S, H, El, k = world.world_size, world.rank, 9, 12, 3, 4
+    ctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                      dtype=torch.float16, dedup=True)
+    try:
+        g = torch.Generator().manual_seed(60 + r)
+        tokens = torch.randn(S, H + 5, generator=g).half()[:, :H]
+        ids = route("zipf", S, El * W, k, r, W, g).to(torch.int32)
+        ctx.recv.fill_(float("nan"))
+        x, counts, slots = moe_dispatch(tokens, ids, ctx)
+        ctx.synchronize()
+        return _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, El,
+                                                                      world.group))
+    finally:
+        ctx.close()
+
+
+def test_dedup_with_int32_ids_and_strided_tokens(world2):
+    assert all(R > 0 for R in world2.run(_dedup_strided_int32))

@@ -127,8 +127,10 @@ class MoeDispatch(OverlapContext):
     that rank holds, into a buffer of ``(W - 1) * max_tokens`` rows there, from which the rank
     copies it to each of its places (kernel.py, ``ONCE``): fewer bytes over the links for one
     more local copy of the received rows. None: :func:`default_dedup` (where tokens are expected
-    to reach a rank with 1.2 rows or more and a call of ``max_tokens`` to send 8 MB fewer). The
-    results are the same either way."""
+    to reach a rank with 1.2 rows or more and a call of ``max_tokens`` to send 8 MB fewer), and
+    only where that buffer is no larger than the receive buffer (``capacity`` rows: a context
+    made with a small capacity to save memory does not get twice it by default). The results
+    are the same either way."""
 
     OP = OP
     TRANSPORTS = TRANSPORTS
@@ -158,8 +160,8 @@ class MoeDispatch(OverlapContext):
         if dedup and transport != "stores":
             raise ValueError(f"{OP}: dedup=True is an option of transport='stores', not of "
                              f"{transport!r}")
-        if dedup is None:
-            dedup = transport == "stores" and default_dedup(
+        if dedup is None:  # (not where its buffer would outgrow the receive buffer)
+            dedup = transport == "stores" and (W - 1) * max_tokens <= capacity and default_dedup(
                 W, experts_per_rank, top_k, max_tokens, hidden * dtype.itemsize)
         dedup = dedup and W > 1  # (one rank has no peer to send to)
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
