@@ -63,14 +63,15 @@ def test_expert_swiglu_bad_input(world2):
         assert all(m and m.startswith("expert_swiglu") for m in msgs), msgs
 
 
-def _layer(world, capacity):
+def _layer(world, capacity, dedup=None):
     """The fused layer against the torch path (same weights), four calls with different token
     counts per rank (one rank with none in a call); outputs poisoned by fresh tensors."""
     from portable_overlap import ExpertParallelMoE
 
     H, I, E, k = 24, 20, 2 * world.world_size, 3
     fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32,
-                              capacity=capacity)
+                              capacity=capacity, dedup=dedup)
+    assert fused.dispatch_ctx.dedup == bool(dedup)  # (the rule's pick at these sizes: off)
     ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32, fused=False)
     errs = []
     try:
@@ -89,10 +90,30 @@ def _layer(world, capacity):
     return errs
 
 
-@pytest.mark.parametrize("capacity", [None, 40], ids=["default_capacity", "capacity40"])
-def test_fused_layer_matches_torch_path(world, capacity):
-    for errs in world.run(_layer, capacity):
+@pytest.mark.parametrize("capacity, dedup", [(None, None), (40, None), (None, True)],
+                         ids=["default_capacity", "capacity40", "dedup"])
+def test_fused_layer_matches_torch_path(world, capacity, dedup):
+    for errs in world.run(_layer, capacity, dedup):
         assert all(e < 1e-5 for e in errs), errs
+
+
+def _dedup_refused(world):
+    from portable_overlap import ExpertParallelMoE
+
+    msgs = []
+    for opts in ({"fuse_dispatch": True}, {"one_launch": True}, {"fused": False}):
+        try:
+            ExpertParallelMoE(world, 8, 8, 2 * world.world_size, 2, max_tokens=4, dedup=True,
+                              **opts)
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_dedup_is_refused_by_the_schedules_that_send_a_row_per_expert(world2):
+    for msgs in world2.run(_dedup_refused):
+        assert all("dedup=True" in m for m in msgs), msgs
 
 
 def _grads(world, fused, tokens_grad):

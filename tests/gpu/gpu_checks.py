@@ -479,7 +479,8 @@ def check_moe_layer(world: World, gen) -> None:
     H, I, E, k = 1024, 768, 4 * world.world_size, 4
     # a prefill size, and a decode size (other tiles: 64-row, the down GEMM walked by experts)
     for S, what in ((1536, ""), (48, " (decode)")):
-        for opts, form in (({}, "fused"), ({"one_launch": True}, "one launch")):
+        for opts, form in (({}, "fused"), ({"dedup": True}, "fused, dedup"),
+                           ({"one_launch": True}, "one launch")):
             _moe_layer_case(world, gen, H, I, E, k, S, opts, f"{form}{what}")
     for form in (None, "fuse_dispatch", "one_launch"):
         _moe_layer_compiled(world, gen, H, I, E, k, 256, form)
