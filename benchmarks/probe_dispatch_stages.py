@@ -1,8 +1,9 @@
 """Probe (2 or more GPUs): where the MoE dispatch's time goes, launch by launch, with and without
-``dedup``. Each call's launches (routing count + counts exchange, the scatter, and with
-``dedup`` the receiver's copies) are bracketed by CUDA events, every call after a stream barrier
-(plain launches; the slowest rank's median of each stage). A stage's time includes its waits
-for the peers (the exchange's counts, the scatter's flags), so the scatter's is the transfer.
+``dedup``. Each call's launches (routing count + counts exchange, then the scatter, which with
+``dedup`` also copies the received rows to their places) are bracketed by CUDA events, every
+call after a stream barrier (plain launches; the slowest rank's median of each stage). A
+stage's time includes its waits for the peers (the exchange's counts, the scatter's flags), so
+the scatter's is the transfer.
 Prints a table; rows to --out as JSON lines (op ``moe_dispatch_stages``).
 
     torchrun --nproc-per-node 2 benchmarks/probe_dispatch_stages.py --out probe.jsonl \\
@@ -21,13 +22,13 @@ from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
 
-STAGES = ("routing", "scatter", "expand")
+STAGES = ("routing", "scatter")
 
 
 def stage_times(world, ctx, tokens, ids, iters: int, warmup: int) -> dict:
     """{stage: this rank's median ms} over ``iters`` calls after ``warmup``."""
     launches = ctx._launches(tokens, ids)
-    groups = [launches[:2], launches[2:3], launches[3:]]  # routing, scatter, expand
+    groups = [launches[:2], launches[2:]]  # routing, scatter
     times = {s: [] for s in STAGES}
     for it in range(warmup + iters):
         world.stream_barrier()
@@ -91,7 +92,6 @@ def main() -> int:
                             writer.write(op="moe_dispatch_stages", shape=shape, dtype="bf16",
                                          impl=f"{'dedup' if dedup else 'row_per_expert'}:{s}",
                                          scatter_programs_per_sm=per_sm,
-                                         expand_programs_per_sm=ctx._programs_per_sm["expand"],
                                          graph=False, median_ms=slowest[s], p10_ms=None,
                                          p90_ms=None, barrier="device")
             finally:

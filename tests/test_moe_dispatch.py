@@ -655,7 +655,7 @@ def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4, dedup):
         assert found[3] == 0.0, (rank, found)
 
 
-# -- dedup: a token sent once per peer rank ---------------------------------------------------------
+# -- dedup: a token sent once per peer rank ------------------------------------------------
 # top-3 of 4 experts per rank: tokens reach a rank with several of their experts; a k that does
 # not divide the slot block, Zipf routing and every choice on one rank, odd H, a rank with no
 # tokens

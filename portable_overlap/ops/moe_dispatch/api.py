@@ -52,7 +52,7 @@ from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from ..registry import OpSpec, define
 from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
-                     expand_rows_kernel, route_count_kernel, route_exchange_kernel)
+                     route_count_kernel, route_exchange_kernel)
 from .reference import moe_dispatch_reference, refuse_dispatch
 
 TRANSPORTS = ("stores", "shmem", "sequential")
@@ -64,16 +64,10 @@ ID_DTYPES = (torch.int32, torch.int64)
 #: ``dedup=None`` sends each token once per peer rank where a token is expected to have at
 #: least this many of its experts on a rank it goes to (``rows_per_rank_reached``) ...
 DEDUP_MIN_ROWS = 1.2
-#: ... and a call of ``max_tokens`` tokens is expected to send at least this many bytes fewer:
-#: the receiver's copies are one more launch, which costs about 10 µs at decode sizes on 2
-#: H200s (128 tokens, H 7168, top-8 of 16: 0.068 against 0.058 ms), where 8 MB take about
-#: 25 µs over NVLink at the SM stores' 350 GB/s
+#: ... and a call of ``max_tokens`` tokens is expected to send at least this many bytes fewer
+#: (about 25 µs over NVLink at the SM stores' 350 GB/s): at decode sizes the receiver's copies
+#: cost more than the link time they save
 DEDUP_MIN_SAVED_BYTES = 8 << 20
-
-
-#: dedup's copies at the receiver (``expand_rows_kernel``): programs per SM and rows per step
-EXPAND_PROGRAMS_PER_SM = 4
-EXPAND_BLOCK_R = 32
 
 
 def _pow2(n: int) -> int:
@@ -182,8 +176,9 @@ class MoeDispatch(OverlapContext):
         # the receive buffers: in the heap, or in the library's symmetric memory (below)
         recv = [] if self._provider is not None else [
             ("recv", (capacity, hidden), dtype), ("recv_slots", (capacity,), torch.int32)]
-        if dedup:  # the tokens each peer sends once: source q at q - (q > rank)
-            recv.append(("rows_once", (W - 1, max_tokens, hidden), dtype))
+        if dedup:  # each peer's tokens sent once and their slots' places: q at q - (q > rank)
+            recv += [("rows_once", (W - 1, max_tokens, hidden), dtype),
+                     ("places_once", (W - 1, max_tokens * top_k), torch.int64)]
         super().__init__(world, recv + [
             ("counts_in", (W, E_total + 1), torch.int32),
             ("count_flag", (W, 1), torch.int64), ("sent", (W, G_MAX), torch.int64),
@@ -209,12 +204,11 @@ class MoeDispatch(OverlapContext):
         self._queue = torch.zeros(3, dtype=torch.int32, device=dev)
         # the one-launch layer's gated activations (ops/moe_layer), per I, made on first use
         self._layer_h: dict = {}
-        # programs per SM of the scatter and of dedup's copies (``_plan``; a probe may set them
-        # before the first call): with dedup the scatter's own rows are most of its bytes, a
-        # local copy that more programs per SM speed up (2 H200s, S 8192, H 7168, top-8 of 16:
+        # the scatter's programs per SM (``_plan``; a probe may set it before the first call):
+        # with dedup most of its bytes are local copies (its own rows, and the peers' to their
+        # places), which more programs per SM speed up (2 H200s, S 8192, H 7168, top-8 of 16:
         # 0.515 -> 0.450 ms; 4 per SM 0.446), where the rows sent per expert are bound by the link
-        self._programs_per_sm = {"scatter": 2 if dedup and not cpu else 1,
-                                 "expand": 1 if cpu else EXPAND_PROGRAMS_PER_SM}
+        self._programs_per_sm = {"scatter": 2 if dedup and not cpu else 1}
 
     def _symmetric_buffers(self, n_slots: int) -> None:
         """The put transport's buffers: one collective allocation of the library's symmetric
@@ -294,8 +288,7 @@ class MoeDispatch(OverlapContext):
 
     # -- launches ------------------------------------------------------------------------------
     def _launches(self, tokens, topk_ids) -> tuple:
-        """The call's launches (count, exchange, scatter, and with ``dedup`` the receiver's
-        copies), planned on first use."""
+        """The call's three launches (count, exchange, scatter), planned on first use."""
         # S changes with the call and is never specialized on (kernel.py): plans depend on
         # what is fixed for a model (dtype, strides, alignment)
         key = (tokens.dtype, tokens.stride(0), topk_ids.dtype,
@@ -305,7 +298,7 @@ class MoeDispatch(OverlapContext):
             plan = self._plans[key] = self._plan(tokens, topk_ids)
         count, exchange, scatter = plan[:3]
         args = self._args(tokens, topk_ids, scatter.tag)
-        if self._provider is None:  # (with dedup, the receiver's copies follow the scatter)
+        if self._provider is None:
             return tuple(functools.partial(launch, a) for launch, a in zip(plan, args))
 
         def put():
@@ -329,17 +322,17 @@ class MoeDispatch(OverlapContext):
         # the put transport's rows come from the tokens' copy in the library's memory
         src, stride = ((tokens, tokens.stride(0)) if self._provider is None else
                        (self._send, self.hidden))
-        once = self.rows_once if self.dedup else self.recv  # (unused without dedup)
+        # (unused without dedup)
+        once, places = ((self.rows_once, self.places_once) if self.dedup else
+                        (self.recv, self.sent))
         scatter = (src, topk_ids, self._base, self._dest_start, self.recv, self.recv_slots,
-                   self._slot_ids, self._stage, once, self.sent, self.ctl, self.call_clock,
-                   self.heap.bases, st, n, self.top_k, self.hidden, stride, E, self.capacity,
-                   self.max_tokens, self.rank, W, tag, self.timeout_us)
-        expand = (self.recv, self.recv_slots, once, self.counts, self.ctl, self.top_k,
-                  self.hidden, E, self.max_tokens, self.rank, W)
-        return count, exchange, scatter, expand
+                   self._slot_ids, self._stage, once, places, self.sent, self.ctl,
+                   self.call_clock, self.heap.bases, st, n, self.top_k, self.hidden, stride, E,
+                   self.capacity, self.max_tokens, self.rank, W, tag, self.timeout_us)
+        return count, exchange, scatter
 
     def _plan(self, tokens, topk_ids) -> tuple:
-        W, E = self.world.world_size, self.experts_per_rank
+        E = self.experts_per_rank
         cpu = self.world.device.type == "cpu"
         sms = self.world.facts.sm_count
         programs = min(sms * self._programs_per_sm["scatter"], G_MAX)
@@ -369,20 +362,7 @@ class MoeDispatch(OverlapContext):
                                     owner=self)
         scatter.tag = tag_of(scatter.programs)
         count, exchange = self._plan_routing(tokens, topk_ids, scatter.programs, scatter.tag)
-        if not self.dedup:
-            return count, exchange, scatter
-        # a local copy, bound by the bytes in flight: no program waits for another, so the
-        # grid is several programs per SM (capped at those resident, and at the capacity's row
-        # blocks), each a [BLOCK_R, 512 B] tile per step. 2 H200s, S 8192, H 7168, top-8 of
-        # 16: 0.371 ms with one program per SM and 16 rows, 0.208 with 4 and 32 (2.8 TB/s)
-        block_r = 8 if cpu else EXPAND_BLOCK_R
-        expand = self._compile(expand_rows_kernel,
-                               min(sms * self._programs_per_sm["expand"], G_MAX,
-                                   -(-self.capacity // block_r)),
-                               dict(BLOCK_R=block_r, BLOCK_H=block_h,
-                                    BLOCK_W=_pow2(W), BLOCK_EL=_pow2(E), num_warps=4,
-                                    num_stages=1), lambda g: args(g)[3])
-        return count, exchange, scatter, expand
+        return count, exchange, scatter
 
     def _plan_routing(self, tokens, topk_ids, programs: int, tag: int) -> tuple:
         """The count (``programs`` programs) and exchange launches of a call whose launches

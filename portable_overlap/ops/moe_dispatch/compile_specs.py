@@ -2,8 +2,7 @@
 the routing and the scatter over 4 warps with 1 stage (``api``), the fused dispatch + gated GEMM
 at its tile's config (``swiglu``: ``moe_experts.api.tile_config``)."""
 from ...kernel_registry import LAUNCH_OPTIONS
-from .kernel import (dispatch_scatter_kernel, expand_rows_kernel, route_count_kernel,
-                     route_exchange_kernel)
+from .kernel import dispatch_scatter_kernel, route_count_kernel, route_exchange_kernel
 from .swiglu_kernel import dispatch_swiglu_kernel
 
 _EXCHANGE_ARGS = ("status_addr:i64 n_slots:i32 E:i32 capacity:i32 rank:i32 world:i32 tag:i32 "
@@ -42,20 +41,14 @@ def specs():
         consts = dict(BLOCK_T=64, BLOCK_E=256, BLOCK_H=BH, G_MAX=1024, ONCE=once, **_SMALL)
         ptrs = {"tokens_ptr": f"*{dt}", "ids_ptr": "*i64", "base_ptr": "*i32",
                 "dest_start_ptr": "*i32", "recv_ptr": f"*{dt}", "recv_slots_ptr": "*i32",
-                "slot_ids_ptr": "*i32", "stage_ptr": "*i32", "once_ptr": f"*{dt}"}
+                "slot_ids_ptr": "*i32", "stage_ptr": "*i32", "once_ptr": f"*{dt}",
+                "place_ptr": "*i64"}
         ptrs.update({n: "*i64" for n in ("sent_ptr", "ctl_ptr", "clock_ptr", "bases_ptr")})
         # (dispatch_put_kernel, the same body with the SHMEM library's puts, is compiled by
         # the library's launcher on GPUs: kernel_registry.NEEDS_SHMEM_LIBRARY)
         yield (f"dispatch_scatter[{dt}{', once' if once else ''}]", dispatch_scatter_kernel,
                _sig(ptrs, _SCATTER_ARGS, consts), consts,
                ["tokens_ptr", "recv_ptr", "once_ptr", "H", "stride_ts"])
-    # dedup's copies at the receiver (2 ranks x 8 experts)
-    consts = dict(BLOCK_R=32, BLOCK_H=256, BLOCK_W=2, BLOCK_EL=8, **_SMALL)
-    yield ("expand_rows[bf16]", expand_rows_kernel,
-           _sig({"recv_ptr": "*bf16", "recv_slots_ptr": "*i32", "once_ptr": "*bf16",
-                 "counts_ptr": "*i32", "ctl_ptr": "*i64"},
-                "k:i32 H:i32 E:i32 max_tokens:i32 rank:i32 world:i32", consts), consts,
-           ["recv_ptr", "once_ptr", "H"])
     yield from _swiglu_specs()
 
 

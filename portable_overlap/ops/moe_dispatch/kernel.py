@@ -41,10 +41,11 @@ release signal. The counts, flags and signals stay in this library's heap on bot
 
 With ``ONCE`` (the context's ``dedup``) the zero-copy scatter sends a token to a peer once,
 however many of its experts are there (``scatter_rows_once``): the slots go to their places as
-above, the row into the peer's ``once`` buffer at the token's index, and the peer's
-``expand_rows_kernel``, launched after the scatter, copies it to each of its places. A token
-with ``c`` experts on a peer crosses the link once instead of ``c`` times, for one more local
-copy of the rows at the receiver.
+above, each slot's place (stamped with the call) into the peer's ``place`` map, the row into
+the peer's ``once`` buffer at the token's index; once a program's counterparts have signalled,
+it copies each row their slots name to its places (``expand_rows``). A token with ``c``
+experts on a peer crosses the link once instead of ``c`` times, for one more local copy of the
+rows at the receiver, in the same launch.
 
 No program waits for another program of its own launch (the interpreter runs them one after
 another), and every wait is bounded (status board).
@@ -288,15 +289,16 @@ def scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_s
 
 @triton.jit
 def scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-                      once_ptr, bases_ptr, pid, step, n_slots, k, H, stride_ts, E, capacity,
-                      max_tokens, rank, world, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
+                      once_ptr, place_ptr, bases_ptr, pid, step, epoch, n_slots, k, H,
+                      stride_ts, E, capacity, max_tokens, rank, world, BLOCK_T: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     """``scatter_rows`` that sends a token to a peer once, whatever the number of its experts
-    there: the slots' places and slot ids as there, and the row only from the token's first
-    slot routed to that peer, into the peer's ``once`` buffer (``[W - 1, max_tokens, H]``:
-    source ``r`` at index ``r - (r > q)`` of rank q's, token s at row s), from which the
-    peer's ``expand_rows_kernel`` fills every place. This rank's own rows are stored at their
-    places directly."""
+    there: the slot ids to their places as there; each slot's place, stamped with the call
+    (``epoch << 32 | place``), at the slot's index in the peer's ``place`` map (``[W - 1,
+    max_tokens * k]``); and the row only from the token's first slot routed to that peer, into
+    the peer's ``once`` buffer (``[W - 1, max_tokens, H]``, token s at row s). Source ``r`` is
+    index ``r - (r > q)`` of rank q's two. The peer's ``expand_rows`` fills every place from
+    them. This rank's own rows are stored at their places directly."""
     for b in range(pid, tl.cdiv(n_slots, BLOCK_T), step):
         i, pos, keep, dest = slot_places(ids_ptr, base_ptr, dest_start_ptr, b, n_slots, E,
                                          capacity, world, BLOCK_T, BLOCK_E)
@@ -318,13 +320,46 @@ def scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, r
                 else:
                     tl.store(peer_buffer(recv_slots_ptr, bases_ptr, rank, q) + pos, i, mask=mq)
                     lead = mq & ~dup
-                    src = tl.where(rank > q, rank - 1, rank).to(tl.int64) * max_tokens
+                    me = tl.where(rank > q, rank - 1, rank).to(tl.int64)
+                    tl.store(peer_buffer(place_ptr, bases_ptr, rank, q) + me * max_tokens * k + i,
+                             (epoch.to(tl.int64) << 32) | pos.to(tl.int64), mask=mq)
+                    src = me * max_tokens
                     dst = peer_buffer(once_ptr, bases_ptr, rank, q)
                     for h0 in range(0, H, BLOCK_H):
                         cols = h0 + tl.arange(0, BLOCK_H)
                         m = lead[:, None] & (cols < H)[None, :]
                         v = tl.load(tokens_ptr + tok[:, None] * stride_ts + cols[None, :], mask=m)
                         tl.store(dst + (src + tok)[:, None] * H + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def expand_rows(recv_ptr, once_ptr, place_ptr, pid, step, epoch, k, H, max_tokens, rank, world,
+                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The receiving side of ``scatter_rows_once``, in program ``pid`` of the scatter once its
+    counterparts on every peer have signalled: the slot blocks those programs sent (``pid,
+    pid + step, ...``, the same blocks of every source, up to the most a source can have) and,
+    for each slot whose place is stamped with this call, its token's row copied from the
+    ``once`` buffer to that place (a slot stamped by an earlier call went elsewhere in this
+    one)."""
+    lanes = tl.arange(0, BLOCK_T)
+    n_max = max_tokens * k
+    for q in range(0, world):
+        if q != rank:
+            src = tl.where(q > rank, q - 1, q).to(tl.int64)
+            places = place_ptr + src * n_max
+            rows = once_ptr + src * max_tokens * H
+            for b in range(pid, tl.cdiv(n_max, BLOCK_T), step):
+                i = b * BLOCK_T + lanes
+                v = tl.load(places + i, mask=i < n_max, other=0)
+                m = (i < n_max) & ((v >> 32) == epoch.to(tl.int64))
+                if tl.sum(m.to(tl.int32)) > 0:
+                    pos = v & 0xFFFFFFFF
+                    tok = (i // k).to(tl.int64)
+                    for h0 in range(0, H, BLOCK_H):
+                        cols = h0 + tl.arange(0, BLOCK_H)
+                        mm = m[:, None] & (cols < H)[None, :]
+                        x = tl.load(rows + tok[:, None] * H + cols[None, :], mask=mm)
+                        tl.store(recv_ptr + pos[:, None] * H + cols[None, :], x, mask=mm)
 
 
 # S changes from call to call, and every rank must run the same code (same registers, so the
@@ -335,15 +370,16 @@ def dispatch_scatter_kernel(
     recv_ptr, recv_slots_ptr,  # heap [capacity, H] and int32 [capacity]: every rank's receive
     slot_ids_ptr, stage_ptr,  # the put transport's (unused here)
     once_ptr,  # heap [W - 1, max_tokens, H]: the tokens sent once per rank (ONCE)
+    place_ptr,  # heap int64 [W - 1, max_tokens * top_k]: their slots' stamped places (ONCE)
     sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
     n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag, timeout_us,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
     ONCE: tl.constexpr,
 ):
     """The zero-copy scatter (rows stored into the destinations' heaps; with ``ONCE``, a token
-    once per peer rank, ``scatter_rows_once``)."""
+    once per peer rank, ``scatter_rows_once``, copied to its places by ``expand_rows``)."""
     _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-             slot_ids_ptr, stage_ptr, once_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
+             slot_ids_ptr, stage_ptr, once_ptr, place_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
              status_addr, n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag,
              timeout_us, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX, store_rows, no_flush, ONCE)
 
@@ -354,7 +390,7 @@ def dispatch_put_kernel(
     recv_ptr, recv_slots_ptr,  # symmetric memory of the SHMEM library: [capacity, H], [capacity]
     slot_ids_ptr,  # symmetric int32 [max_tokens * top_k]: slot_ids[i] = i, the slots' puts' source
     stage_ptr,  # int32 [G_MAX, 2 * BLOCK_T]: each program's packed places and slots
-    once_ptr,  # (unused: the put transport sends a row per slot)
+    once_ptr, place_ptr,  # (unused: the put transport sends a row per slot)
     sent_ptr, ctl_ptr, clock_ptr, bases_ptr, status_addr,
     n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag, timeout_us,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
@@ -364,14 +400,14 @@ def dispatch_put_kernel(
     of its own: the provider's launcher sets up its compiled modules, and it is compiled only
     where a provider exists (GPUs with NVSHMEM / ROC_SHMEM)."""
     _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-             slot_ids_ptr, stage_ptr, once_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
+             slot_ids_ptr, stage_ptr, once_ptr, place_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
              status_addr, n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag,
              timeout_us, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX, put_rows, shmem_flush, False)
 
 
 @triton.jit
 def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr,
-             slot_ids_ptr, stage_ptr, once_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
+             slot_ids_ptr, stage_ptr, once_ptr, place_ptr, sent_ptr, ctl_ptr, clock_ptr, bases_ptr,
              status_addr, n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world, tag,
              timeout_us, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
              G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
@@ -382,9 +418,9 @@ def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots
     if ok:
         if ONCE:
             scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
-                              recv_slots_ptr, once_ptr, bases_ptr, pid, tl.num_programs(0),
-                              n_slots, k, H, stride_ts, E, capacity, max_tokens, rank, world,
-                              BLOCK_T, BLOCK_E, BLOCK_H)
+                              recv_slots_ptr, once_ptr, place_ptr, bases_ptr, pid,
+                              tl.num_programs(0), epoch, n_slots, k, H, stride_ts, E, capacity,
+                              max_tokens, rank, world, BLOCK_T, BLOCK_E, BLOCK_H)
         else:
             scatter_rows(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr,
                          recv_slots_ptr, slot_ids_ptr, stage_ptr, bases_ptr, pid,
@@ -393,44 +429,9 @@ def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots
     FLUSH()  # the transport's rows have landed before the release
     # the rows of this program have landed everywhere (release), then every peer's have here
     signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
-    wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,
-               status_addr, ok, G_MAX)
-
-
-@triton.jit(do_not_specialize=["rank"])
-def expand_rows_kernel(recv_ptr, recv_slots_ptr, once_ptr, counts_ptr, ctl_ptr, k, H, E,
-                       max_tokens, rank, world, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_W: tl.constexpr, BLOCK_EL: tl.constexpr):
-    """After a scatter with ``ONCE``: every place of a peer's rows in the receive buffer gets
-    its token's row from the ``once`` buffer (the token of a place is its slot's, ``slot //
-    k``, which the peer stored there). Runs after the scatter launch in stream order: every
-    peer's rows had landed when that launch ended (its programs' acquires). Copies nothing on a
-    call whose counts did not all arrive (the scatter stored nothing), and no place past the
-    rows ``counts`` says this rank received (zeros after an overflow)."""
-    pid = tl.program_id(0)
-    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
-    if tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch:
-        d_idx = tl.arange(0, BLOCK_W)
-        e_idx = tl.arange(0, BLOCK_EL)
-        c = tl.load(counts_ptr + d_idx[:, None] * E + e_idx[None, :],
-                    mask=(d_idx < world)[:, None] & (e_idx < E)[None, :], other=0)
-        rows = tl.sum(c, axis=1)
-        starts = tl.cumsum(rows, axis=0) - rows
-        lanes = tl.arange(0, BLOCK_R)
-        for q in range(0, world):
-            if q != rank:
-                start = tl.sum(tl.where(d_idx == q, starts, 0))
-                n = tl.sum(tl.where(d_idx == q, rows, 0))
-                src = once_ptr + tl.where(q > rank, q - 1, q).to(tl.int64) * max_tokens * H
-                for b in range(pid, tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
-                    p = start + b * BLOCK_R + lanes
-                    m = p < start + n
-                    slot = tl.load(recv_slots_ptr + p, mask=m, other=0)
-                    tok = (slot // k).to(tl.int64)
-                    m = m & (slot >= 0) & (tok < max_tokens)
-                    for h0 in range(0, H, BLOCK_H):
-                        cols = h0 + tl.arange(0, BLOCK_H)
-                        mm = m[:, None] & (cols < H)[None, :]
-                        v = tl.load(src + tok[:, None] * H + cols[None, :], mask=mm)
-                        tl.store(recv_ptr + p[:, None].to(tl.int64) * H + cols[None, :], v,
-                                 mask=mm)
+    ok = wait_peers(sent_ptr, FLAG_SENT, pid, rank, world, epoch, tag, clock_ptr, timeout_us,
+                    status_addr, ok, G_MAX)
+    if ONCE:
+        if ok:  # the counterparts' rows, slots and places have landed here
+            expand_rows(recv_ptr, once_ptr, place_ptr, pid, tl.num_programs(0), epoch, k, H,
+                        max_tokens, rank, world, BLOCK_T, BLOCK_H)
