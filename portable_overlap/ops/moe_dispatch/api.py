@@ -118,9 +118,10 @@ class MoeDispatch(OverlapContext):
     close; calls in the same order on every rank, on one stream.
 
     ``dedup`` (``"stores"`` only): send a token to a peer rank once, however many of its experts
-    that rank holds, into a buffer of ``(W - 1) * max_tokens`` rows there, from which the rank
-    copies it to each of its places (kernel.py, ``ONCE``): fewer bytes over the links for one
-    more local copy of the received rows. None: :func:`default_dedup` (where tokens are expected
+    that rank holds, into a buffer of ``(W - 1) * max_tokens`` rows there (with a map of its
+    slots' places, ``(W - 1) * max_tokens * top_k`` words), from which the rank copies it to
+    each of its places in the same launch (kernel.py, ``ONCE``): fewer bytes over the links
+    for one more local copy of the received rows. None: :func:`default_dedup` (where tokens are expected
     to reach a rank with 1.2 rows or more and a call of ``max_tokens`` to send 8 MB fewer), and
     only where that buffer is no larger than the receive buffer (``capacity`` rows: a context
     made with a small capacity to save memory does not get twice it by default). The results

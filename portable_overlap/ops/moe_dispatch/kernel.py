@@ -296,9 +296,9 @@ def scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, r
     there: the slot ids to their places as there; each slot's place, stamped with the call
     (``epoch << 32 | place``), at the slot's index in the peer's ``place`` map (``[W - 1,
     max_tokens * k]``); and the row only from the token's first slot routed to that peer, into
-    the peer's ``once`` buffer (``[W - 1, max_tokens, H]``, token s at row s). Source ``r`` is
-    index ``r - (r > q)`` of rank q's two. The peer's ``expand_rows`` fills every place from
-    them. This rank's own rows are stored at their places directly."""
+    the peer's ``once`` buffer (``[W - 1, max_tokens, H]``, token s at row s). In both of rank
+    q's buffers source ``r`` is index ``r - (r > q)``. The peer's ``expand_rows`` fills every
+    place from them. This rank's own rows are stored at their places directly."""
     for b in range(pid, tl.cdiv(n_slots, BLOCK_T), step):
         i, pos, keep, dest = slot_places(ids_ptr, base_ptr, dest_start_ptr, b, n_slots, E,
                                          capacity, world, BLOCK_T, BLOCK_E)
