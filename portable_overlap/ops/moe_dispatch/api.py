@@ -98,8 +98,9 @@ def default_dedup(world_size: int, experts_per_rank: int, top_k: int, max_tokens
     a token is expected to reach a rank with :data:`DEDUP_MIN_ROWS` rows or more and a call of
     ``max_tokens`` tokens to send :data:`DEDUP_MIN_SAVED_BYTES` fewer; never on one rank (no
     peer). Measured on 2 H200s (docs/moe.md): on at S 8192 for (H, experts, top-k) = (7168,
-    16, 8) (dispatch 0.68 against 1.36 ms) and (4096, 8, 2) (the layer 1-2 % faster); off at
-    128 tokens."""
+    16, 8) (the dispatch 0.63-0.70 against 1.36-1.87 ms) and (4096, 8, 2) (0.23-0.26 against
+    0.23-0.32 ms; the layer within 2 % either way); off at 128 tokens, where it costs 5-11
+    µs."""
     if world_size < 2:
         return False
     saved = max_tokens * rows_saved_per_token(world_size, experts_per_rank, top_k) * row_bytes
@@ -121,11 +122,11 @@ class MoeDispatch(OverlapContext):
     that rank holds, into a buffer of ``(W - 1) * max_tokens`` rows there (with a map of its
     slots' places, ``(W - 1) * max_tokens * top_k`` words), from which the rank copies it to
     each of its places in the same launch (kernel.py, ``ONCE``): fewer bytes over the links
-    for one more local copy of the received rows. None: :func:`default_dedup` (where tokens are expected
-    to reach a rank with 1.2 rows or more and a call of ``max_tokens`` to send 8 MB fewer), and
-    only where that buffer is no larger than the receive buffer (``capacity`` rows: a context
-    made with a small capacity to save memory does not get twice it by default). The results
-    are the same either way."""
+    for one more local copy of the received rows. None: :func:`default_dedup` (where tokens
+    are expected to reach a rank with 1.2 rows or more and a call of ``max_tokens`` to send 8
+    MB fewer), and only where that buffer is no larger than the receive buffer (``capacity``
+    rows: a context made with a small capacity to save memory does not get twice it by
+    default). The results are the same either way."""
 
     OP = OP
     TRANSPORTS = TRANSPORTS

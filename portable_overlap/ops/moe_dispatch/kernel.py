@@ -305,7 +305,8 @@ def scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, r
         tok = (i // k).to(tl.int64)
         j = i % k
         # a slot leads its token's rows for its rank unless an earlier choice goes there too
-        # (bad ids go nowhere; a choice past the capacity still sends the row once)
+        # (bad ids go nowhere; a row past a rank's capacity may then go unsent, but that call
+        # fails on every rank and the rank's counts are zeros)
         dup = tl.zeros((BLOCK_T,), tl.int1)
         for jj in range(0, k):
             m = keep & (jj < j)
