@@ -32,6 +32,21 @@ def _quantile(xs, q):
 BARRIERS = ("device", "host")
 
 
+def check_and_time(fn: Callable[[], object], out: torch.Tensor, ref: torch.Tensor, world, *,
+                   tol: float, iters: int, warmup: int) -> tuple:
+    """A probe's step for one variant: ``out`` poisoned (NaN), ``fn`` run once and its ``out``
+    compared with ``ref`` (relative Frobenius error; a ``RuntimeError`` past ``tol``, NaN
+    included), then timed as CUDA-graph replays (:func:`time_op`). Returns ``(rel_err,
+    timing)``."""
+    out.fill_(float("nan"))
+    fn()
+    torch.cuda.synchronize()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not err < tol:
+        raise RuntimeError(f"wrong result, rel_err {err:.2e}")
+    return err, time_op(fn, world, graph=True, iters=iters, warmup=warmup)
+
+
 def time_op(fn: Callable[[], object], world, *, graph: bool, iters: int = 100, warmup: int = 20,
             barrier: str = "device") -> dict:
     """Median / p10 / p90 milliseconds of ``fn`` on this rank, then the slowest rank's numbers.

@@ -68,7 +68,7 @@ def main() -> int:
         for dedup, per_sm in [(False, 1)] + [(True, n) for n in pps]:
             ctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
                               dedup=dedup)
-            ctx._programs_per_sm["scatter"] = per_sm  # (before the first call plans)
+            ctx._scatter_programs_per_sm = per_sm  # (before the first call plans)
             try:
                 for kind in args.routings.split(","):
                     gen = torch.Generator(device=dev).manual_seed(7 + r)

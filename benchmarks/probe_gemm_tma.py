@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness import time_op
+from benchmarks.harness import check_and_time
 from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.matmul import persistent_matmul
@@ -87,13 +87,7 @@ def main() -> int:
                     lambda G=G, cfg=(bm, bn, bk, st, w, fl): desc_matmul(a, b, c, G, *cfg))
         for name, fn in impls.items():
             try:
-                c.fill_(float("nan"))
-                fn()
-                torch.cuda.synchronize()
-                err = ((c.float() - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:
-                    raise RuntimeError(f"wrong result, rel_err {err:.2e}")
-                t = time_op(fn, world, graph=True, iters=30, warmup=5)
+                err, t = check_and_time(fn, c, ref, world, tol=1e-2, iters=30, warmup=5)
             except Exception as e:
                 print(f"{M}x{N}x{K} {name}: failed {type(e).__name__}: {str(e)[:300]}",
                       flush=True)

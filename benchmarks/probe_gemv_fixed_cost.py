@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness import time_op
+from benchmarks.harness import check_and_time
 from benchmarks.rows import ResultWriter
 from portable_overlap import GemvAllReduce, GemvConfig, World
 from portable_overlap import language as pol
@@ -173,13 +173,7 @@ def main() -> int:
             shape = {"M": M, "N": N, "K": K}
             for name, fn in impls.items():
                 try:
-                    out.fill_(float("nan"))
-                    fn()
-                    torch.cuda.synchronize()
-                    err = ((out.float() - ref).norm() / ref.norm()).item()
-                    if not err < 2e-2:
-                        raise RuntimeError(f"wrong result, rel_err {err:.2e}")
-                    t = time_op(fn, world, graph=True, iters=50, warmup=10)
+                    err, t = check_and_time(fn, out, ref, world, tol=2e-2, iters=50, warmup=10)
                 except Exception as e:  # noqa: BLE001  (a config that cannot run is a finding)
                     print(f"K={K} {name}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue

@@ -210,7 +210,7 @@ class MoeDispatch(OverlapContext):
         # with dedup most of its bytes are local copies (its own rows, and the peers' to their
         # places), which more programs per SM speed up (2 H200s, S 8192, H 7168, top-8 of 16:
         # 0.515 -> 0.450 ms; 4 per SM 0.446), where the rows sent per expert are bound by the link
-        self._programs_per_sm = {"scatter": 2 if dedup and not cpu else 1}
+        self._scatter_programs_per_sm = 2 if dedup and not cpu else 1
 
     def _symmetric_buffers(self, n_slots: int) -> None:
         """The put transport's buffers: one collective allocation of the library's symmetric
@@ -298,7 +298,7 @@ class MoeDispatch(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(tokens, topk_ids)
-        count, exchange, scatter = plan[:3]
+        count, exchange, scatter = plan
         args = self._args(tokens, topk_ids, scatter.tag)
         if self._provider is None:
             return tuple(functools.partial(launch, a) for launch, a in zip(plan, args))
@@ -336,8 +336,7 @@ class MoeDispatch(OverlapContext):
     def _plan(self, tokens, topk_ids) -> tuple:
         E = self.experts_per_rank
         cpu = self.world.device.type == "cpu"
-        sms = self.world.facts.sm_count
-        programs = min(sms * self._programs_per_sm["scatter"], G_MAX)
+        programs = min(self.world.facts.sm_count * self._scatter_programs_per_sm, G_MAX)
         BT, BE = self.block_t, self.block_e
         elem = tokens.element_size()
         block_h = 16 if cpu else min(_pow2(self.hidden), 512 // elem)
