@@ -221,19 +221,21 @@ def probe_shape(world, tut, M, N, K, args) -> dict:
                  num_stages=cfg.num_stages)
     chunk_rows = cfg.block_m * triton.cdiv(triton.cdiv(m, cfg.block_m), tut.MAX_CHUNKS)
     chunks = triton.cdiv(m, chunk_rows)
-    ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype), ((W, chunks), torch.int64),
-                                              ((W,), torch.int64)), name="allgather_gemm")
+    flags = (((W, chunks), "ready"), ((W,), "free"), ((1,), "tiles"))
+    ws = Workspace(world, Workspace.bytes_for(((W * m, K), dtype),
+                                              *((sh, torch.int64) for sh, _ in flags)),
+                   name="allgather_gemm")
     gathered = ws.tensor((W * m, K), dtype)
-    ready, free = ws.flags((W, chunks), "ready"), ws.flags((W,), "free")
+    ready, free, claimed = (ws.flags(sh, name) for sh, name in flags)
     senders = min(max(1, ws.sm_count * (W - 1) // (4 * W)), (W - 1) * chunks, ws.sm_count - 1)
     a_desc, b_desc = tile_descriptors(a, b, cfg, world.facts)
     g_desc = tile_descriptors(gathered, b, cfg, world.facts)[0]
 
     def launch_tutorial():
         return ws.launch(tut.allgather_gemm_kernel, (ws.sm_count,), a, b, outs["tutorial"],
-                         gathered, ready, free, a_desc, g_desc, b_desc, m, N, K, chunk_rows,
-                         senders, EVEN_K=K % cfg.block_k == 0, COPY=8192,
-                         USE_DESC=a_desc is not None, **tiles)
+                         gathered, ready, free, claimed, a_desc, g_desc, b_desc, m, N, K,
+                         chunk_rows, senders, EVEN_K=K % cfg.block_k == 0, COPY=8192,
+                         USE_DESC=a_desc is not None, JOIN=W > 1, **tiles)
 
     ctx = AllGatherMatmul(world, m * K, transport="stores")
     impl = ctx.impl
