@@ -18,7 +18,9 @@ Each call is checked against torch (all_gather / reduce_scatter / all_reduce of 
 product), into an output filled with NaN, before it is timed. Timing: one CUDA graph of one
 call, ``--iters`` replays (four times as many for the GEMV), each between two events after an
 all-reduce of one word on the stream (the ranks' streams leave it together, so a rank's time
-holds no wait for a peer that started late); the slowest rank's median.
+holds no wait for a peer that started late), the stream held while the host queues ten of them
+(as ``portable_overlap.schedule.tuning.queue_ahead`` does, which a tree from before may lack);
+the slowest rank's median.
 Shapes are the ops' benchmark shapes (M, N, K of the whole product, split as the op splits
 them); GEMV + AllReduce at M = 1, 8, 32, N = 8192, K = 28672 split over the ranks.
 Appends one JSON line per (op, shape) to DIR/probe_api_rewrite.jsonl.
@@ -35,6 +37,8 @@ import torch
 
 GEMM_SHAPES = ((8192, 8192, 8192), (16384, 8192, 8192), (8192, 28672, 8192))
 GEMV_SHAPES = ((1, 8192, 28672), (8, 8192, 28672), (32, 8192, 28672))
+#: timed runs queued behind one hold of the stream, and the hold (about 2 ms of spinning)
+AHEAD, HOLD_CYCLES = 10, 4_000_000
 
 
 def slowest_median(world, fn, iters: int, warmup: int = 5) -> float:
@@ -54,15 +58,21 @@ def slowest_median(world, fn, iters: int, warmup: int = 5) -> float:
     for _ in range(warmup):
         g.replay()
     times = []
-    for _ in range(iters):
+    for block in range(0, iters, AHEAD):
+        # the stream held (a spinning kernel) while the host queues the block: each run starts
+        # when the barrier ends on its GPU, not when its host gets there (a GEMV + AllReduce
+        # timed 0.07 or 0.10 ms from one process to the next with a host sync per run)
+        torch.cuda._sleep(HOLD_CYCLES)
+        events = []
+        for _ in range(min(AHEAD, iters - block)):
+            dist.all_reduce(word)  # the stream barrier
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            events.append((a, b))
         torch.cuda.synchronize()
-        dist.all_reduce(word)  # the stream barrier
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        times += [a.elapsed_time(b) for a, b in events]
     med = torch.tensor([statistics.median(times)], device=world.device)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
