@@ -279,8 +279,8 @@ class Workspace(ContextBase):
 def _library_functions() -> set:
     """The device functions that call the SHMEM library: the public ones and the provider's
     bindings (None where there is no provider)."""
-    names = ("put_rows", "put_strided", "put", "flush")
-    return {_lang.shmem_put, _lang.shmem_quiet} | {
+    names = ("put_rows", "put_strided", "put", "get", "flush")
+    return {_lang.shmem_put, _lang.shmem_get, _lang.shmem_quiet} | {
         f for f in (getattr(_provider_device, n) for n in names) if f is not None}
 
 

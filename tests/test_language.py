@@ -78,16 +78,24 @@ def test_ring_by_puts_with_the_shmem_branch_off(world):
     assert not calls.check_ping(world.run(calls.ring, 1500, 3, False), 3)
 
 
-def test_shmem_put_without_a_library_says_so(world2):
-    for err in world2.run(calls.shmem_put_without_library):
-        assert err and "pol.shmem_put: this process has no SHMEM library" in err[1], err
+def test_ring_by_gets_with_the_shmem_branch_off(world):
+    """The pull ring: each rank stages its data in its own buffer and the next rank reads it
+    with pol.get (the shmem_get branch is not run on a zero-copy workspace)."""
+    assert not calls.check_ping(world.run(calls.ring, 1500, 3, False, True), 3)
+
+
+@pytest.mark.parametrize("get", [False, True], ids=["shmem_put", "shmem_get"])
+def test_shmem_call_without_a_library_says_so(world2, get):
+    name = "shmem_get" if get else "shmem_put"
+    for err in world2.run(calls.shmem_call_without_library, get):
+        assert err and f"pol.{name}: this process has no SHMEM library" in err[1], err
 
 
 def test_the_provider_bindings_are_none_without_a_provider():
     from portable_overlap.shmem.providers import device
 
     assert device.LIBRARY is None  # this process runs the CPU backend
-    for name in ("put_rows", "put_strided", "put", "flush"):
+    for name in ("put_rows", "put_strided", "put", "get", "flush"):
         assert hasattr(device, name) and getattr(device, name) is None, name
 
 
@@ -138,9 +146,10 @@ def _stand_in_workspace(world):
             # a kernel that calls the library goes through the launcher (once per kernel); the
             # stand-ins of pol.shmem_put cannot run here, so it is only looked up
             ring = [ws._linked_kernel(calls._ring_kernel) for _ in range(2)]
+            ring += [ws._linked_kernel(calls._pull_ring_kernel) for _ in range(2)]
             inbox_in_heap = calls.error_of_one_call(lambda: ws.heap.offset_of(inbox)) is None
             return (ws.shmem, inbox_in_heap, ws.heap.offset_of(ready) >= 0,
-                    bool((inbox == 0).all()), out, ring[0] is ring[1])
+                    bool((inbox == 0).all()), out, ring[0] is ring[1], ring[2] is ring[3])
 
     return _with_provider(world, lambda w: p, make) + (p.allocs, p.wrapped)
 
@@ -165,14 +174,15 @@ def _one_rank_without_a_library(world):
 
 
 def test_a_shmem_workspace_puts_tensors_in_the_library_and_flags_in_the_heap(world2):
-    for shmem, inbox_in_heap, ready_in_heap, zeroed, out, reused, allocs, wrapped in \
-            world2.run(_stand_in_workspace):
+    for shmem, inbox_in_heap, ready_in_heap, zeroed, out, reused, reused_pull, allocs, \
+            wrapped in world2.run(_stand_in_workspace):
         assert shmem and not inbox_in_heap and ready_in_heap and zeroed
         assert torch.equal(out, torch.full((24,), 24 * 1000 + 2))  # launched as usual
         # one allocation of nbytes, rounded up to the 256-byte alignment
         nbytes = Workspace.bytes_for(((64,), torch.float32), ((2,), torch.int64))
         assert allocs == [-(-nbytes // 256) * 256]
-        assert wrapped == ["_ring_kernel"] and reused
+        # the kernels that reach the library (a put, a get) go to its launcher, once each
+        assert wrapped == ["_ring_kernel", "_pull_ring_kernel"] and reused and reused_pull
 
 
 def test_a_rank_without_the_library_fails_every_rank_before_any_allocation(world2):

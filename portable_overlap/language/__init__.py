@@ -24,8 +24,8 @@ follow them):
 - **Heap addresses.** ``remote_ptr`` and every function that reaches a peer take addresses in
   this rank's copy of the workspace's heap (``ws.tensor`` / ``ws.flags``): the same buffer sits
   at the same offset on every rank. In a ``Workspace(shmem=True)`` only the flags are in the
-  heap; its tensors are the SHMEM library's symmetric memory, which :func:`shmem_put` reaches
-  and ``remote_ptr`` does not.
+  heap; its tensors are the SHMEM library's symmetric memory, which :func:`shmem_put` and
+  :func:`shmem_get` reach and ``remote_ptr`` does not.
 - **Calls.** Every program calls :func:`begin_call` before its first signal or wait and
   :func:`end_call` as its last step; the workspace counts calls on the device (no host state),
   so a kernel replays correctly in a CUDA graph. A flag holds the number of the call that set
@@ -80,7 +80,8 @@ __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_ca
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
            "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
            "wait_peers_reached",
-           "wait_consumed", "wait_consumed_once", "end_call_consumed", "shmem_put", "shmem_quiet"]
+           "wait_consumed", "wait_consumed_once", "end_call_consumed", "shmem_put", "shmem_get",
+           "shmem_quiet"]
 
 
 # -- who and where -------------------------------------------------------------------------------
@@ -521,10 +522,17 @@ def end_call_consumed(ctx, call, consumed_ptr, COUNTED: tl.constexpr = False):
     return last
 
 
-# -- puts through the SHMEM library (a Workspace(shmem=True) kernel only) ------------------------
+# -- puts and gets through the SHMEM library (a Workspace(shmem=True) kernel only) ----------------
 @triton.jit
 def _no_library_put(dst, src, n, peer):
     tl.static_assert(False, "pol.shmem_put: this process has no SHMEM library (NVSHMEM / "
+                            "ROC_SHMEM) bound; call it only in a kernel launched by "
+                            "Workspace(shmem=True), under `if VIA_SHMEM:`")
+
+
+@triton.jit
+def _no_library_get(dst, src, n, peer):
+    tl.static_assert(False, "pol.shmem_get: this process has no SHMEM library (NVSHMEM / "
                             "ROC_SHMEM) bound; call it only in a kernel launched by "
                             "Workspace(shmem=True), under `if VIA_SHMEM:`")
 
@@ -540,6 +548,7 @@ def _no_library_quiet():
 # callees when it compiles. Without a library the stand-ins fail that compile with a message,
 # and a branch on a constexpr False that calls them is never compiled.
 _library_put = _provider.put if _provider.put is not None else _no_library_put
+_library_get = _provider.get if _provider.get is not None else _no_library_get
 _library_quiet = _provider.flush if _provider.flush is not None else _no_library_quiet
 
 
@@ -553,6 +562,18 @@ def shmem_put(dst, src, n, peer):
     library; elsewhere it does not compile. The data is complete at ``peer`` only after
     :func:`shmem_quiet`. ``peer`` may be this rank."""
     _library_put(dst, src, n, peer)
+
+
+@triton.jit
+def shmem_get(dst, src, n, peer):
+    """Copy ``n`` elements of ``dst``'s type from ``peer``'s copy of ``src`` (a scalar address
+    in a tensor of a ``Workspace(shmem=True)``) to ``dst`` (memory of this rank, same element
+    type), through the SHMEM library, by the whole program; the data is in ``dst`` when it
+    returns (no :func:`shmem_quiet` needed). Wait for the flag that says ``peer``'s ``src`` is
+    written before the get, and tell ``peer`` when it may write there again (a pull: the
+    reader decides when the bytes move, e.g. a ring of K/V blocks). Valid only in a kernel
+    launched by such a workspace. ``peer`` may be this rank."""
+    _library_get(dst, src, n, peer)
 
 
 @triton.jit

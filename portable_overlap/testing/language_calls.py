@@ -90,15 +90,43 @@ def _ring_kernel(ctx, x_ptr, inbox_ptr, out_ptr, ready_ptr, free_ptr, ok_ptr, n,
     pol.end_call(ctx, call)
 
 
-def ring(world, n, calls, shmem):
-    """Rank r sends fresh random data to r+1 in ``calls`` back-to-back calls by puts: through
-    the SHMEM library on a ``Workspace(shmem=True)``, by ``pol.put`` otherwise (raises
+@triton.jit
+def _pull_ring_kernel(ctx, x_ptr, outbox_ptr, out_ptr, ready_ptr, free_ptr, ok_ptr, n,
+                      BLOCK: tl.constexpr, VIA_SHMEM: tl.constexpr):
+    """Rank r stages x (n elements) in its own outbox and tells r+1, which pulls it into out
+    through the SHMEM library (VIA_SHMEM) or by zero-copy loads, then tells r that the outbox
+    is read (r stages the next call's x only after that)."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    nxt = pol.peer_at(1, me, world)
+    prev = pol.peer_at(world - 1, me, world)
+    ok = pol.wait(ctx, free_ptr + nxt, call - 1, nxt)  # nxt pulled what I staged last call
+    for i in range(0, n, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        tl.store(outbox_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+    pol.signal(ctx, ready_ptr + me, nxt, call)  # the release covers the outbox's stores
+    ok = ok & pol.wait(ctx, ready_ptr + prev, call, prev)
+    if VIA_SHMEM:
+        pol.shmem_get(out_ptr, outbox_ptr, n, prev)  # in out when it returns
+    else:
+        pol.get(ctx, out_ptr, outbox_ptr, n, prev, BLOCK)
+    pol.signal(ctx, free_ptr + me, prev, call)  # after the reads: prev may stage again
+    tl.store(ok_ptr, ok.to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def ring(world, n, calls, shmem, pull=False):
+    """Rank r sends fresh random data to r+1 in ``calls`` back-to-back calls: pushed by r
+    (puts), or with ``pull`` staged in r's own buffer and pulled by r+1 (gets); through the
+    SHMEM library on a ``Workspace(shmem=True)``, by ``pol.put`` / ``pol.get`` otherwise (raises
     ShmemUnavailable on every rank where the library is not usable). Returns what
     :func:`ping` returns."""
     W, r, dev = world.world_size, world.rank, world.device
     nbytes = Workspace.bytes_for(((n,), torch.float32), ((W,), torch.int64), ((W,), torch.int64))
+    kernel = _pull_ring_kernel if pull else _ring_kernel
     with Workspace(world, nbytes, timeout_s=20.0, name="ring", shmem=shmem) as ws:
-        inbox = ws.tensor((n,), torch.float32)
+        box = ws.tensor((n,), torch.float32)  # the inbox of puts, the outbox of gets
         ready = ws.flags((W,), "ready")
         free = ws.flags((W,), "free")
         got = []
@@ -107,7 +135,7 @@ def ring(world, n, calls, shmem):
                             device=dev)
             out = torch.full((n,), float("nan"), device=dev)
             ok = torch.zeros(1, dtype=torch.int32, device=dev)
-            ws.launch(_ring_kernel, (1,), x, inbox, out, ready, free, ok, n, BLOCK=1024,
+            ws.launch(kernel, (1,), x, box, out, ready, free, ok, n, BLOCK=1024,
                       VIA_SHMEM=ws.shmem)
             got.append((x.to("cpu", copy=True), out.to("cpu", copy=True), int(ok)))
         ws.synchronize()
@@ -128,13 +156,22 @@ def _shmem_put_kernel(ctx, x_ptr, inbox_ptr, n):
     pol.end_call(ctx, call)
 
 
-def shmem_put_without_library(world):
-    """A kernel that calls ``pol.shmem_put`` (no constexpr guard) where no SHMEM library is
-    bound: the launch's error (no peer waits for it)."""
+@triton.jit
+def _shmem_get_kernel(ctx, x_ptr, inbox_ptr, n):
+    call = pol.begin_call(ctx)
+    pol.shmem_get(x_ptr, inbox_ptr, n, pol.rank(ctx))
+    pol.end_call(ctx, call)
+
+
+def shmem_call_without_library(world, get=False):
+    """A kernel that calls ``pol.shmem_put`` (``pol.shmem_get`` with ``get``) with no
+    constexpr guard where no SHMEM library is bound: the launch's error (no peer waits for
+    it)."""
+    kernel = _shmem_get_kernel if get else _shmem_put_kernel
     with Workspace(world, 1024, name="no_library") as ws:
         inbox = ws.tensor((16,), torch.float32)
         x = torch.ones(16, device=world.device)
-        return error_of_one_call(lambda: ws.launch(_shmem_put_kernel, (1,), x, inbox, 16))
+        return error_of_one_call(lambda: ws.launch(kernel, (1,), x, inbox, 16))
 
 
 @triton.jit

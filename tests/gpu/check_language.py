@@ -8,9 +8,10 @@ over back-to-back calls, an all-gather by puts, counters + barrier + remote load
 numbering, a flag nobody sets (PeerTimeoutError naming it, within its timeout, then a broken
 workspace), a peer that gives up, a kernel that skips end_call; then a launch captured in a
 CUDA graph, replayed with fresh data (the call counter advances on the device), every
-tutorial's main(), and a ring of puts through the SHMEM library (``Workspace(shmem=True)``,
-``pol.shmem_put`` + ``pol.shmem_quiet`` + ``pol.signal``; SKIP with the reason where no library
-is usable). Exit code 1 if a check failed on any rank. (Not collected by pytest.)
+tutorial's main(), a ring of zero-copy gets (``pol.get``), and rings of puts and of gets through
+the SHMEM library (``Workspace(shmem=True)``: ``pol.shmem_put`` + ``pol.shmem_quiet`` +
+``pol.signal``; ``pol.signal`` + ``pol.shmem_get``; SKIP with the reason where no library is
+usable). Exit code 1 if a check failed on any rank. (Not collected by pytest.)
 """
 from __future__ import annotations
 
@@ -73,14 +74,16 @@ def graph_replay(world):
     return got, done
 
 
-def shmem_ring(world) -> None:
-    """Rank r puts fresh data to r+1 through the SHMEM library over 3 back-to-back calls,
-    against what the peer sent; SKIP where no library is usable or the world has one rank
-    (every rank raises the same ShmemUnavailable, before anything is allocated)."""
-    name = f"shmem puts ({'ROC_SHMEM' if LIBRARY == 'rocshmem' else 'NVSHMEM'}) ring of 3 calls"
+def shmem_ring(world, pull=False) -> None:
+    """Rank r puts fresh data to r+1 through the SHMEM library over 3 back-to-back calls (with
+    ``pull``, r+1 gets it from r's buffer), against what the peer sent; SKIP where no library is
+    usable or the world has one rank (every rank raises the same ShmemUnavailable, before
+    anything is allocated)."""
+    name = (f"shmem {'gets' if pull else 'puts'} "
+            f"({'ROC_SHMEM' if LIBRARY == 'rocshmem' else 'NVSHMEM'}) ring of 3 calls")
     t0 = time.perf_counter()
     try:
-        out = world.all_gather_object(calls.ring(world, 4099, 3, shmem=True))
+        out = world.all_gather_object(calls.ring(world, 4099, 3, shmem=True, pull=pull))
     except ShmemUnavailable as e:
         LOG.skip(name, str(e)[:500])
         return
@@ -135,10 +138,14 @@ def main() -> int:
     run_check(world, "graph replay: 5 replays, new data", graph_replay,
               # one eager call, then five replays: the device counted six
               lambda out: calls.check_ping([(got, done - 1) for got, done in out], 5))
+    run_check(world, "pull ring (zero-copy gets), 3 calls, n=4099",
+              lambda w: calls.ring(w, 4099, 3, shmem=False, pull=True),
+              lambda out: calls.check_ping(out, 3))
     run_check(world, "tutorials (main of each)", tutorials,
               lambda out: [f"rank {r}: {codes}" for r, codes in enumerate(out)
                            if any(codes.values())])
     shmem_ring(world)
+    shmem_ring(world, pull=True)
     return LOG.finish(world, "language checks")
 
 

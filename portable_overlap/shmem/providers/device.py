@@ -7,15 +7,16 @@ serializes them), so kernels that put through the provider call these names dire
 backend, or a torch build without the bindings); then the functions are None and such kernels
 are not compiled. ``put_rows``: a tile's rows to slots (MoE combine); ``put_strided``: a tile's
 rows to a strided destination (embedding slices); ``put``: ``n`` contiguous elements to a peer's
-symmetric buffer (``portable_overlap.language.shmem_put``); ``flush``: completion of every put
-of the program before a signal (``shmem_quiet``).
+symmetric buffer (``portable_overlap.language.shmem_put``); ``get``: ``n`` contiguous elements
+from a peer's symmetric buffer, complete on return (``shmem_get``); ``flush``: completion of
+every put of the program before a signal (``shmem_quiet``).
 """
 from __future__ import annotations
 
 from ...backends import get_backend
 
 LIBRARY = None
-put_rows = put_strided = put = flush = None
+put_rows = put_strided = put = get = flush = None
 try:
     _name = get_backend().name
 except Exception:  # no usable backend at import: no provider
@@ -23,10 +24,10 @@ except Exception:  # no usable backend at import: no provider
 if _name == "cuda":
     from . import nvshmem as _p
     if _p._nv is not None:
-        LIBRARY, put_rows, put_strided, put, flush = ("nvshmem", _p.put_rows, _p.put_strided,
-                                                      _p.put, _p.flush)
+        LIBRARY, put_rows, put_strided, put, get, flush = (
+            "nvshmem", _p.put_rows, _p.put_strided, _p.put, _p.get, _p.flush)
 elif _name == "rocm":
     from . import rocshmem as _p
     if _p._rs is not None:
-        LIBRARY, put_rows, put_strided, put, flush = ("rocshmem", _p.put_rows, _p.put_strided,
-                                                      _p.put, _p.flush)
+        LIBRARY, put_rows, put_strided, put, get, flush = (
+            "rocshmem", _p.put_rows, _p.put_strided, _p.put, _p.get, _p.flush)

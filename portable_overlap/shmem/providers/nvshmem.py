@@ -68,6 +68,13 @@ if _nv is not None:
         and the PE as int32; the casts let a caller pass any int."""
         _nv.put(dst, src, tl.cast(n, tl.int64), tl.cast(peer, tl.int32))
 
+    @triton.jit
+    def get(dst, src, n, peer):
+        """``n`` elements of ``dst``'s type from ``peer``'s copy of the symmetric ``src`` to
+        local ``dst``, by the calling program (``nvshmemx_getmem_block``, every thread with the
+        same arguments); the data is in ``dst`` when it returns."""
+        _nv.get(dst, src, tl.cast(n, tl.int64), tl.cast(peer, tl.int32))
+
 
 class NvshmemProvider:
     name = "nvshmem"

@@ -27,7 +27,7 @@ def _load_bindings():
         from torch.distributed._symmetric_memory import _rocshmem_triton as bindings
     except ImportError as e:
         return None, f"this ROCm build of torch has no rocSHMEM Triton bindings ({e})"
-    if not all(hasattr(bindings, f) for f in ("put", "quiet", "requires_rocshmem")):
+    if not all(hasattr(bindings, f) for f in ("put", "get", "quiet", "requires_rocshmem")):
         return None, ("torch's rocSHMEM Triton bindings have no device functions here (torch "
                       "defines them only where Triton finds a GPU)")
     return bindings, ""
@@ -86,6 +86,12 @@ if _rs is not None:
         """As nvshmem.put: ``n`` elements from local ``src`` to ``peer``'s copy of the
         symmetric ``dst``, a work-group-wide put (``rocshmem_putmem_wg``)."""
         _rs.put(dst, src, tl.cast(n, tl.int64), tl.cast(peer, tl.int32))
+
+    @triton.jit
+    def get(dst, src, n, peer):
+        """As nvshmem.get: ``n`` elements from ``peer``'s copy of the symmetric ``src`` to
+        local ``dst``, a work-group-wide get (``rocshmem_getmem_wg``), complete on return."""
+        _rs.get(dst, src, tl.cast(n, tl.int64), tl.cast(peer, tl.int32))
 
 
 class RocshmemProvider:
