@@ -164,19 +164,20 @@ def run(args) -> int:
 
 
 def table(folder: str) -> str:
-    """Per (op, shape): each label's runs (ms) and the ratio of the labels' medians."""
+    """Per (op, shape): each label's runs (ms), labels in the order they first ran, and the
+    first label's median over the last's (above 1: the last is faster)."""
     runs = {}
     for line in open(os.path.join(folder, "probe_api_rewrite.jsonl")):
         r = json.loads(line)
         key = (r["op"], "x".join(str(v) for v in r["shape"].values()))
         runs.setdefault(key, {}).setdefault(r["label"], []).append(r["median_ms"])
-    labels = sorted({lab for per in runs.values() for lab in per})
-    out = [" | ".join(["op", "M x N x K", *labels, f"{labels[-1]} / {labels[0]}"])]
+    labels = list(dict.fromkeys(lab for per in runs.values() for lab in per))
+    out = [" | ".join(["op", "M x N x K", *labels, f"{labels[0]} / {labels[-1]}"])]
     for (op, shape), per in runs.items():
         meds = [statistics.median(per[lab]) if lab in per and None not in per[lab] else None
                 for lab in labels]
         cells = [", ".join(f"{t:.4f}" for t in per.get(lab, []) if t) for lab in labels]
-        ratio = f"{meds[-1] / meds[0]:.3f}" if None not in meds else "-"
+        ratio = f"{meds[0] / meds[-1]:.3f}" if None not in meds else "-"
         out.append(" | ".join([op, shape, *cells, ratio]))
     return "\n".join(out)
 
