@@ -4,10 +4,17 @@
 call after a stream barrier (plain launches; the slowest rank's median of each stage). A
 stage's time includes its waits for the peers (the exchange's counts, the scatter's flags), so
 the scatter's is the transfer.
+
+With ``--graph`` it times, as CUDA-graph replays (the benchmarks' protocol,
+``benchmarks.harness.time_op``), the call's launches and the subsets that leave one out:
+``all`` (count, exchange, scatter), ``no_count`` (exchange and scatter: the count's histograms
+are the previous call's, right for the same routing, which is checked after), ``routing`` (count
+and exchange) and ``exchange``; a launch's share of the call is what leaving it out saves
+(``all - no_count`` the count's, ``all - routing`` the scatter's).
 Prints a table; rows to --out as JSON lines (op ``moe_dispatch_stages``).
 
     torchrun --nproc-per-node 2 benchmarks/probe_dispatch_stages.py --out probe.jsonl \\
-        --device-kind nvidia-h200-x2 [--shapes 8192x7168x16x8,128x7168x16x8]
+        --device-kind nvidia-h200-x2 [--shapes 8192x7168x16x8,128x7168x16x8] [--graph]
 """
 from __future__ import annotations
 
@@ -18,11 +25,14 @@ import sys
 import torch
 
 from benchmarks.bench_moe_combine import route
+from benchmarks.harness import time_op
 from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch_reference
 
 STAGES = ("routing", "scatter")
+#: --graph: the launches each timed subset runs (indices into count, exchange, scatter)
+SUBSETS = {"all": (0, 1, 2), "no_count": (1, 2), "routing": (0, 1), "exchange": (1,)}
 
 
 def stage_times(world, ctx, tokens, ids, iters: int, warmup: int) -> dict:
@@ -46,6 +56,24 @@ def stage_times(world, ctx, tokens, ids, iters: int, warmup: int) -> dict:
     return {s: statistics.median(v) for s, v in times.items()}
 
 
+def subset_times(world, ctx, tokens, ids, ref, iters: int) -> dict:
+    """{subset: the slowest rank's median ms} of each of ``SUBSETS`` replayed from a CUDA
+    graph; raises if a full call after them gives other rows than ``ref``."""
+    launches = ctx._launches(tokens, ids)
+    out = {}
+    for name, picks in SUBSETS.items():
+        def run(picks=picks):
+            for i in picks:
+                launches[i]()
+        out[name] = time_op(run, world, graph=True, iters=iters, warmup=5)["median_ms"]
+    x, counts, _ = ctx(tokens, ids)
+    ctx.synchronize()
+    R = ref[0].shape[0]
+    if not (torch.equal(counts, ref[1]) and torch.equal(x[:R], ref[0])):
+        raise RuntimeError("wrong rows after the subsets' replays")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -55,6 +83,8 @@ def main() -> int:
     ap.add_argument("--routings", default="balanced,zipf")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--graph", action="store_true",
+                    help="time the launch subsets as graph replays (module docstring)")
     ap.add_argument("--scatter-programs-per-sm", default="1",
                     help="comma list: the scatter's programs per SM, each timed (with dedup)")
     args = ap.parse_args()
@@ -80,6 +110,19 @@ def main() -> int:
                     ctx.synchronize()
                     if not (torch.equal(counts, ref[1]) and torch.equal(x[:R], ref[0])):
                         raise RuntimeError(f"{spec} {kind} dedup={dedup}: wrong rows")
+                    if args.graph:
+                        t = subset_times(world, ctx, tokens, ids, ref, args.iters)
+                        if r == 0:
+                            print(f"{spec} {kind:8s} dedup={dedup!s:5s} graph " + "  ".join(
+                                f"{s} {v:.4f}" for s, v in t.items()) + "  ms", flush=True)
+                            shape = {"S": S, "H": H, "E": E, "k": k, "routing": kind}
+                            for s, v in t.items():
+                                writer.write(op="moe_dispatch_stages", shape=shape,
+                                             dtype="bf16", graph=True, median_ms=v, p10_ms=None,
+                                             p90_ms=None, barrier="device",
+                                             impl=f"{'dedup' if dedup else 'row_per_expert'}"
+                                                  f":{s}", scatter_programs_per_sm=per_sm)
+                        continue
                     mine = stage_times(world, ctx, tokens, ids, args.iters, args.warmup)
                     slowest = {s: max(m[s] for m in world.all_gather_object(mine))
                                for s in STAGES}

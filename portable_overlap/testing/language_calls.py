@@ -455,7 +455,8 @@ def every_call(world):
     """Each call above once (for 8 ranks, where one pool serves them all)."""
     return dict(ping=ping(world, 33, 2), gather=gather(world, 21, 2), count=count(world, 2),
                 lonely=lonely(world), quitter=quitter(world), tagged=tagged(world),
-                sum=sum_by_pushes(world, 11, 2))
+                sum=sum_by_pushes(world, 11, 2), push_ring=ring(world, 40, 2, False),
+                pull_ring=ring(world, 40, 2, False, pull=True))
 
 
 @triton.jit
@@ -637,7 +638,8 @@ def check_every_call(out):
     return [f"{name}: {p}" for name, check in (
         ("ping", lambda o: check_ping(o, 2)), ("gather", check_gather), ("count", check_count),
         ("lonely", check_lonely), ("quitter", check_quitter), ("tagged", check_tagged),
-        ("sum", lambda o: check_sum(o, 2)))
+        ("sum", lambda o: check_sum(o, 2)), ("push_ring", lambda o: check_ping(o, 2)),
+        ("pull_ring", lambda o: check_ping(o, 2)))
         for p in check(pick(name))]
 
 
