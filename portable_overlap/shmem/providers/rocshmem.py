@@ -27,7 +27,7 @@ def _load_bindings():
         from torch.distributed._symmetric_memory import _rocshmem_triton as bindings
     except ImportError as e:
         return None, f"this ROCm build of torch has no rocSHMEM Triton bindings ({e})"
-    if not all(hasattr(bindings, f) for f in ("put", "get", "quiet", "requires_rocshmem")):
+    if not all(hasattr(bindings, f) for f in ("put", "quiet", "requires_rocshmem")):
         return None, ("torch's rocSHMEM Triton bindings have no device functions here (torch "
                       "defines them only where Triton finds a GPU)")
     return bindings, ""
