@@ -221,12 +221,11 @@ def put_rows(tokens_ptr, recv_ptr, recv_slots_ptr, bases_ptr, slot_ids_ptr, stag
     SHMEM library's symmetric memory, where one address names every rank's copy. This rank's
     own rows: plain stores. A peer's, row by row: the block's lanes for q are packed into this
     program's stage (their places, then their slots: BLOCK_T int32 each), then each row is one
-    block-wide put of its columns ``[h_lo, h_hi)`` and, with ``first``, one of its slot into q's
-    receive buffers. The puts
-    read symmetric memory only: over a network the library sends from memory it registered,
-    which its symmetric memory is. One put per row: a row's place follows the previous lane's
-    only for the same expert, and even then its token and its slot do not follow that lane's
-    (the token's other choices lie between)."""
+    block-wide put of its columns ``[h_lo, h_hi)`` and, with ``first``, one of its slot into
+    q's receive buffers. The puts read symmetric memory only: over a network the library sends
+    from memory it registered, which its symmetric memory is. One put per row: a row's place
+    follows the previous lane's only for the same expert, and even then its token and its slot
+    do not follow that lane's (the token's other choices lie between)."""
     if q == rank:
         _store_rows_at(tokens_ptr, recv_ptr, recv_slots_ptr, i, k, pos, mq, H, stride_ts, h_lo,
                        h_hi, first, BLOCK_H)
