@@ -144,7 +144,7 @@ def _stand_in_workspace(world):
             ws.launch(calls._grid_kernel, (4, 3, 2), out)
             ws.synchronize()
             # a kernel that calls the library goes through the launcher (once per kernel); the
-            # stand-ins of pol.shmem_put cannot run here, so it is only looked up
+            # stand-ins of pol.shmem_put / pol.shmem_get cannot run here, so it is only looked up
             ring = [ws._linked_kernel(calls._ring_kernel) for _ in range(2)]
             ring += [ws._linked_kernel(calls._pull_ring_kernel) for _ in range(2)]
             inbox_in_heap = calls.error_of_one_call(lambda: ws.heap.offset_of(inbox)) is None
