@@ -8,9 +8,13 @@ Shapes are (global batch, total tables, D, pooling factor, rows per table); the 
 sharded table-wise over the ranks (``ShardingPlan.make``: equal rows, so T / world each), every
 bag holds exactly ``pooling factor`` indices, uniform or Zipf(1.05) over a table's rows. Impls:
 
-- ``fused``: the fused kernel (remote slices first, stores into the peers' heaps);
+- ``fused``: the fused kernel (remote slices first, stores into the peers' heaps; the
+  ``"stores"`` transport);
 - ``sequential``: ``F.embedding_bag`` per local table, ``all_to_all_single``, columns into
   global table order (what a model does without the fused op);
+- ``plain``: the op's ``"sequential"`` transport (one ``F.embedding_bag`` over the packed
+  tables, ``all_to_all_single``, one gather);
+- ``auto``: the op with ``transport="auto"`` (decided at an eager call before the timing);
 - ``compute``: the fused kernel on a world of one rank (its own tables for the whole global
   batch, every store local): the lookup alone;
 - ``comm``: ``all_to_all_single`` of the same bytes alone;
@@ -104,7 +108,7 @@ def sweep(bench, shape, dname, weight, lengths, indices, splits) -> None:
     variants += [(0, 0, cap) for cap in (264, 396, 792)]  # grid caps at the default tile
     for bb, nw, cap in variants:
         ctx = EmbeddingAllToAll(world, [shape["rows"]] * shape["tables"], D, max(splits),
-                                block_b=bb or None, num_warps=nw or None,
+                                transport="stores", block_b=bb or None, num_warps=nw or None,
                                 max_programs=cap or None)
         try:
             out = torch.empty(ctx.output_shape(splits), dtype=weight.dtype,
@@ -114,14 +118,14 @@ def sweep(bench, shape, dname, weight, lengths, indices, splits) -> None:
             t = time_op(lambda: ctx(weight, lengths, indices, batch_splits=splits, out=out,
                                     validate=False), world, graph=True, iters=args.iters,
                         warmup=args.warmup)["median_ms"]
-            programs = next(iter(ctx._plans.values())).programs
+            programs = next(iter(ctx.impl._plans.values())).programs
         except Exception as e:  # a tile that does not fit is skipped
             t, programs = float("inf"), None
             if world.rank == 0:
                 print(f"  block_b={bb} num_warps={nw} cap={cap} failed: {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)
         finally:
-            bb, nw = ctx.tile_for(weight.dtype)
+            bb, nw = ctx.impl.tile_for(weight.dtype)
             ctx.close()
         found.append((t, bb, nw, programs))
         if world.rank == 0:
@@ -161,7 +165,9 @@ def body(bench) -> int:
             bench.say(f"skipping {B}x{T}: batch and tables must split over {W} ranks")
             continue
         splits = [B // W] * W
-        ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W)
+        ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W, transport="stores")
+        plain_ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W, transport="sequential")
+        auto_ctx = EmbeddingAllToAll(world, [rows] * T, D, B // W, transport="auto")
         shmem_ctx = None
         if args.shmem:  # device-initiated puts (NVSHMEM / ROC_SHMEM)
             try:
@@ -170,7 +176,7 @@ def body(bench) -> int:
                 bench.say(f"shmem transport unavailable: {type(e).__name__}: {e}")
         n_loc = ctx.n_loc
         # the compute-alone baseline: the same kernel, this rank's tables, the whole batch, alone
-        solo_ctx = EmbeddingAllToAll(solo, [rows] * n_loc, D, B)
+        solo_ctx = EmbeddingAllToAll(solo, [rows] * n_loc, D, B, transport="stores")
         lengths = torch.full((n_loc * B,), pf, dtype=torch.int64, device=dev)
         for dname in args.dtypes:
             dt = DTYPES[dname]
@@ -187,10 +193,19 @@ def body(bench) -> int:
                 send = torch.empty(B * n_loc * D, dtype=dt, device=dev)
                 recv = torch.empty_like(send)
                 out2 = torch.full_like(out, float("nan")) if shmem_ctx is not None else None
+                out3, out4 = torch.empty_like(out), torch.empty_like(out)
+                # the decision, at an eager call with the timed call's options (the timing
+                # captures it in a graph)
+                auto_ctx(weight, lengths, indices, batch_splits=splits, out=out4, validate=False)
+                auto_ctx.synchronize()
                 impls = {
                     "fused": lambda: ctx(weight, lengths, indices, batch_splits=splits, out=out,
                                          validate=False),
                     "sequential": seq,
+                    "plain": lambda: plain_ctx(weight, lengths, indices, batch_splits=splits,
+                                               out=out3, validate=False),
+                    "auto": lambda: auto_ctx(weight, lengths, indices, batch_splits=splits,
+                                             out=out4, validate=False),
                     "compute": lambda: solo_ctx(weight, lengths, indices, batch_splits=[B],
                                                 out=solo_out, validate=False),
                     "comm": lambda: dist.all_to_all_single(recv, send, group=world.group),
@@ -199,9 +214,12 @@ def body(bench) -> int:
                 if shmem_ctx is not None:
                     impls["fused_shmem"] = lambda: shmem_ctx(
                         weight, lengths, indices, batch_splits=splits, out=out2, validate=False)
-                found = {"sequential": float("nan")}  # the sequential path's error, for its rows
+                # the reference paths' errors, for their rows
+                found = {"sequential": float("nan"), "plain": float("nan"), "auto": float("nan")}
 
                 def check(name):
+                    if name in ("plain", "auto"):  # (found by the check of "fused", run first)
+                        return found[name]
                     if name == "fused_shmem":  # same kernel body, same sums: same bits
                         shmem_ctx(weight, lengths, indices, batch_splits=splits, out=out2)
                         shmem_ctx.synchronize()
@@ -214,19 +232,29 @@ def body(bench) -> int:
                                                          ctx.plan, r, splits, "sum",
                                                          world.group)
                     found["sequential"] = rel_err(seq().reshape(ref.shape), ref)
+                    for name, c, o in (("plain", plain_ctx, out3), ("auto", auto_ctx, out4)):
+                        o.fill_(float("nan"))
+                        c(weight, lengths, indices, batch_splits=splits, out=o)
+                        c.synchronize()
+                        found[name] = rel_err(o, ref)
                     return rel_err(out, ref)
 
                 bench.run(Case(
                     op=OP, shape=shape, dtype=dname, impls=impls, check=check,
-                    checked=["fused", "fused_shmem"],
+                    checked=["fused", "fused_shmem", "plain", "auto"],
                     tol=1e-5 if dt == torch.float32 else 2e-3,
                     label=f"{B}x{T}x{D}x{pf}x{rows} {dname} {dist_name}",
                     fields=lambda name: {"rel_err": found["sequential"]}
                     if name == "sequential" else {}))
-                del seq, indices, out, solo_out, send, recv, out2
+                picks = auto_ctx.choices(weight, lengths, indices, batch_splits=splits,
+                                         validate=False)
+                bench.say(f"  auto picked {picks}")
+                del seq, indices, out, solo_out, send, recv, out2, out3, out4
             del weight
             torch.cuda.empty_cache()
         ctx.close()
+        plain_ctx.close()
+        auto_ctx.close()
         solo_ctx.close()
         if shmem_ctx is not None:
             shmem_ctx.close()

@@ -32,8 +32,8 @@ from benchmarks.bench_embedding_alltoall import DTYPES, SHAPES, make_indices
 from benchmarks.harness import time_op
 from benchmarks.rows import ResultWriter
 from portable_overlap import World
-from portable_overlap.ops.embedding_alltoall.api import (default_block_b, default_num_warps,
-                                                         triton_next_pow2)
+from portable_overlap.ops.embedding_alltoall.fused import (default_block_b, default_num_warps,
+                                                           triton_next_pow2)
 from portable_overlap.ops.embedding_alltoall.pool import SCAN, indices_outside, pooled_rows
 from portable_overlap.ops.launch import resident_programs
 

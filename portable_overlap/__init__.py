@@ -17,7 +17,7 @@ matmul_all_to_all       MatmulAllToAll                stores, copy_engine, signa
                                                       sequential
 gemv_all_reduce         GemvAllReduce                 stores, one_shot, torch_fused,
                                                       sequential
-embedding_all_to_all    EmbeddingAllToAll             stores, shmem
+embedding_all_to_all    EmbeddingAllToAll             stores, shmem, sequential
 moe_dispatch            MoeDispatch                   stores, shmem, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================

@@ -270,7 +270,7 @@ def test_measured_tiles_are_per_weight_element_size():
     """The tile defaults are keyed by D and the bytes per weight element (fp16 rows are half
     the bytes: twice the bags per tile measured faster); other devices and D fall back to
     ~4096 accumulator elements per program."""
-    from portable_overlap.ops.embedding_alltoall.api import default_block_b, default_num_warps
+    from portable_overlap.ops.embedding_alltoall.fused import default_block_b, default_num_warps
 
     assert (default_block_b(64, "sm_90", 2), default_num_warps(64, "sm_90", 2)) == (64, 8)
     assert (default_block_b(64, "sm_90", 4), default_num_warps(64, "sm_90", 4)) == (32, 4)

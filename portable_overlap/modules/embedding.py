@@ -20,7 +20,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # table-major jagged (KeyedJaggedTensor) layout; returns [local batch, T * D]
         out[:, t*D:(t+1)*D] = embedding_bag(table t, bags of this rank's samples, pooling)
 
-    ``fused=True`` runs the fused pooling + All-to-All kernel; ``fused=False`` the reference
+    ``fused=True`` runs the op :func:`embedding_all_to_all` over ``transport`` (default: the
+    context's, ``"auto"`` on a GPU world: the fused kernel or the plain path, whichever measured
+    faster for the batch; ``"stores"`` on CPU-emulated ranks); ``fused=False`` the reference
     (``F.embedding_bag`` per table + ``all_to_all_single``), for comparison. Both are
     differentiable in ``weight`` (dense gradient). Collective to construct (every rank, same
     arguments); call :meth:`close` (collective) when done.
@@ -32,7 +34,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, world, num_embeddings: Sequence[int], embedding_dim: int, *,
                  max_local_batch: int, table_ranks: Optional[Sequence[int]] = None,
                  pooling: str = "sum", dtype: torch.dtype = torch.float32, fused: bool = True,
-                 seed: int = 0, timeout_s: float = 10.0):
+                 seed: int = 0, timeout_s: float = 10.0, transport: Optional[str] = None):
         super().__init__()
         self.world = world
         self.plan = ShardingPlan.make(num_embeddings, embedding_dim, world.world_size,
@@ -48,7 +50,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         w = torch.cat(tables) if tables else torch.empty(0, embedding_dim)
         self.weight = nn.Parameter(w.to(device=world.device, dtype=dtype))
         self.ctx = EmbeddingAllToAll(world, self.plan.table_rows, embedding_dim, max_local_batch,
-                                     table_ranks=self.plan.table_ranks,
+                                     table_ranks=self.plan.table_ranks, transport=transport,
                                      timeout_s=timeout_s) if fused else None
 
     @property

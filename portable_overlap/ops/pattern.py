@@ -152,6 +152,16 @@ class PatternContext:
         where the inputs are not what the op takes (its transports' checks say why)."""
         raise NotImplementedError
 
+    def _matched_call(self, inputs: dict, options: dict) -> Optional[dict]:
+        """``_matched`` of a call with its per-call options (a pattern whose collective moves
+        sizes given as options, such as a batch split, reads them here)."""
+        return self._matched(inputs)
+
+    def _key_inputs(self, inputs: dict) -> dict:
+        """The inputs as ``"auto"``'s call key sees them (``planner._call_key``): as they are,
+        except where a pattern keys a jagged input by its rounded length (``planner.Jagged``)."""
+        return inputs
+
     def _dispatch(self, inputs: dict, out, options: dict):
         """One call: on the named transport's workspace with the options as given, or on the
         transport ``"auto"`` picked for the call's key. An input that requires grad is refused

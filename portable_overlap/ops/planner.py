@@ -96,6 +96,7 @@ host only, at capture), captured as it would be under that transport's name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
@@ -213,8 +214,25 @@ def _check_path(op: str, path) -> Optional[str]:
     return path
 
 
+@dataclasses.dataclass(frozen=True)
+class Jagged:
+    """How a call key sees a jagged input, whose length changes from call to call (the indices
+    of a pooled lookup): its dtype and its length rounded up to a power of two, so that calls of
+    similar sizes share one decision instead of each timing every candidate
+    (``PatternContext._key_inputs``)."""
+    length: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Jagged":
+        n = t.numel()
+        return cls(0 if n == 0 else 1 << (n - 1).bit_length(), t.dtype)
+
+
 def _layout(t) -> tuple:
     """What a tensor brings to the call key: shape, dtype, strides (0 for size-1 dimensions)."""
+    if isinstance(t, Jagged):
+        return ((t.length,), t.dtype, "jagged")
     if not isinstance(t, torch.Tensor):
         return (type(t).__name__,)  # refused by every transport: it still needs a key
     return (tuple(t.shape), t.dtype,
@@ -232,6 +250,8 @@ def _describe(v):
     """One value of ``_call_key`` as JSON, for the decision's key (``tuning.cache_key``)."""
     if v is None:
         return None
+    if isinstance(v, Jagged):
+        return {"shape": [v.length], "dtype": str(v.dtype), "jagged": True}
     if isinstance(v, torch.Tensor):
         shape, dtype, stride = _layout(v)
         return {"shape": list(shape), "dtype": str(dtype), "stride": list(stride)}
@@ -413,7 +433,7 @@ class TransportPlanner:
         """One call of the planner: its given options and call key, under the planner's lock
         (a second thread's concurrent call raises), on an open, unbroken planner."""
         given = {k: v for k, v in options.items() if v is not None}
-        fast = _call_key(inputs, given)
+        fast = _call_key(self.ctx._key_inputs(inputs), given)
         if not self._lock.acquire(blocking=False):
             raise concurrent_use(self.ctx.OP, self.ctx.rank)
         try:
@@ -435,8 +455,8 @@ class TransportPlanner:
         return None if chosen is None else {"plain": chosen[0], "captured": chosen[3]}
 
     def _lookup(self, inputs: dict, options: dict) -> Optional[tuple]:
-        return self._chosen.get(_call_key(inputs, {k: v for k, v in options.items()
-                                                   if v is not None}))
+        return self._chosen.get(_call_key(self.ctx._key_inputs(inputs),
+                                          {k: v for k, v in options.items() if v is not None}))
 
     def _now(self, chosen: tuple) -> str:
         """The transport of a decided call made now: ``chosen`` is (plain calls' pick, decision,
@@ -450,7 +470,7 @@ class TransportPlanner:
         return all(k in accepted and isinstance(v, accepted[k]) for k, v in given.items())
 
     def _describe_call(self, inputs: dict, given: dict) -> dict:
-        return {"inputs": {k: _describe(v) for k, v in inputs.items()},
+        return {"inputs": {k: _describe(v) for k, v in self.ctx._key_inputs(inputs).items()},
                 "options": {k: _describe(v) for k, v in sorted(given.items())}}
 
     def _candidates_for(self, given: dict) -> tuple:
@@ -482,7 +502,7 @@ class TransportPlanner:
         mine = ({"kind": "refused", "why": f"{type(refusal).__name__}: {refusal}",
                  "call": _text(call)} if refusal is not None
                 else {"kind": "new", "call": call, "candidates": cands,
-                      "matched": self.ctx._matched(inputs)})
+                      "matched": self.ctx._matched_call(inputs, given)})
         decision, records = self._settle(mine, refusal)
         if any(r["candidates"] != cands for r in records):
             raise RankMismatchError(

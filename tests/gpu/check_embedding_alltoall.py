@@ -1,11 +1,12 @@
-"""GPU checks of the fused embedding pooling + All-to-All, run by ci/gpu.sh under torchrun:
+"""GPU checks of embedding pooling + All-to-All, run by ci/gpu.sh under torchrun:
 
     torchrun --nproc-per-node 2 tests/gpu/check_embedding_alltoall.py
 
 Correctness against F.embedding_bag per table + all_to_all_single for fp32 / fp16 / bf16, sum and
 mean, per-index weights, uneven batch splits, a rank without tables, int32 and int64 indices,
 back-to-back calls with changing shapes, CUDA-graph replay, backward, bad input and ranks that
-disagree. Each check prints ``PASS``/``FAIL`` on rank 0; exit code 1 if any failed on any rank.
+disagree, on the fused ``"stores"`` transport (``"shmem"`` and ``"sequential"`` in checks of their
+own, ``"auto"`` eager and replayed in ``check_auto``). Each check prints ``PASS``/``FAIL`` on rank 0; exit code 1 if any failed on any rank.
 Every wait inside the kernel is bounded (10 s, 2 s for the mismatch check), so a broken kernel
 reports instead of hanging. (Not collected by pytest: one process per GPU.)
 """
@@ -24,6 +25,7 @@ from portable_overlap import (EmbeddingAllToAll, PortableOverlapError, World,
 from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+SEQ_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 LOG = CheckLog(55)
 results, record = LOG.results, LOG.record
 
@@ -53,8 +55,12 @@ def check_forward(world, gen) -> None:
         ([3000] * 5, 92, uneven, None),  # D not a power of two
         ([500, 600, 700], 32, [64] * W, [0, 0, 0]),  # ranks other than 0 hold no tables
     ]
-    for rows, D, splits, ranks in cases:
-        ctx = EmbeddingAllToAll(world, rows, D, max(splits), table_ranks=ranks)
+    for (rows, D, splits, ranks), transport in [(c, t) for t in ("stores", "sequential")
+                                                 for c in cases]:
+        ctx = EmbeddingAllToAll(world, rows, D, max(splits), table_ranks=ranks,
+                                transport=transport)
+        # the sequential transport pools in the tables' dtype (F.embedding_bag)
+        tol = TOL if transport == "stores" else SEQ_TOL
         try:
             for dt in (torch.float32, torch.float16, torch.bfloat16):
                 for pooling, weighted, idx_dt in (("sum", False, torch.int64),
@@ -69,9 +75,9 @@ def check_forward(world, gen) -> None:
                     ref = embedding_all_to_all_reference(w, ln, ix, psw, ctx.plan, world.rank,
                                                          splits, pooling, world.group)
                     err = rel_err(out, ref)
-                    record(f"fwd T={len(rows)} D={D} splits={splits[:4]} {str(dt)[6:]} "
-                           f"{pooling}{' weighted' if weighted else ''}",
-                           err < TOL[dt] and not torch.isnan(out).any(), f"rel_err={err:.2e}")
+                    record(f"fwd {transport} T={len(rows)} D={D} splits={splits[:4]} "
+                           f"{str(dt)[6:]} {pooling}{' weighted' if weighted else ''}",
+                           err < tol[dt] and not torch.isnan(out).any(), f"rel_err={err:.2e}")
         finally:
             ctx.close()
 
@@ -79,7 +85,7 @@ def check_forward(world, gen) -> None:
 def check_large(world, gen) -> None:
     """The benchmark's first shape (global batch 16384, 32 tables, D 128, 32 per bag)."""
     W = world.world_size
-    ctx = EmbeddingAllToAll(world, [200000] * 32, 128, 16384 // W)
+    ctx = EmbeddingAllToAll(world, [200000] * 32, 128, 16384 // W, transport="stores")
     try:
         splits = [16384 // W] * W
         w, ln, ix, _ = make_input(ctx, splits, torch.float32, gen, pf=16)
@@ -128,7 +134,7 @@ def check_back_to_back(world, gen, calls: int = 200) -> None:
     """Many calls, splits changing every call, no sync in between: the receive buffer is reused
     only once the peer has copied the previous call out."""
     W = world.world_size
-    ctx = EmbeddingAllToAll(world, [4000] * (2 * W + 1), 64, 512)
+    ctx = EmbeddingAllToAll(world, [4000] * (2 * W + 1), 64, 512, transport="stores")
     try:
         g = torch.Generator().manual_seed(5)
         split_list = [[int(x) for x in torch.randint(1, 513, (W,), generator=g)]
@@ -156,7 +162,7 @@ def check_back_to_back(world, gen, calls: int = 200) -> None:
 def check_graph(world, gen, replays: int = 50) -> None:
     W = world.world_size
     splits = [300 + 7 * q for q in range(W)]
-    ctx = EmbeddingAllToAll(world, [5000] * (3 * W), 128, max(splits))
+    ctx = EmbeddingAllToAll(world, [5000] * (3 * W), 128, max(splits), transport="stores")
     try:
         w, ln, ix, _ = make_input(ctx, splits, torch.float16, gen, pf=8)
         ln = torch.full_like(ln, 8)  # fixed bag length: the number of indices stays the same
@@ -190,7 +196,8 @@ def check_graph(world, gen, replays: int = 50) -> None:
 def check_backward(world, gen) -> None:
     W = world.world_size
     splits = [100 + 13 * q for q in range(W)]
-    ctx = EmbeddingAllToAll(world, [700, 1500, 90, 4000, 256], 64, max(splits))
+    ctx = EmbeddingAllToAll(world, [700, 1500, 90, 4000, 256], 64, max(splits),
+                            transport="stores")
     try:
         for dt, pooling, weighted in ((torch.float32, "sum", True), (torch.float32, "mean", False),
                                       (torch.bfloat16, "sum", False)):
@@ -219,7 +226,7 @@ def check_backward(world, gen) -> None:
 
 
 def check_bad_input(world, gen) -> None:
-    ctx = EmbeddingAllToAll(world, [100, 200, 300, 400], 32, 64)
+    ctx = EmbeddingAllToAll(world, [100, 200, 300, 400], 32, 64, transport="stores")
     try:
         W = world.world_size
         splits = [64] * W
@@ -248,7 +255,8 @@ def check_bad_input(world, gen) -> None:
 
 def check_mismatch(world, gen) -> None:
     W = world.world_size
-    ctx = EmbeddingAllToAll(world, [100] * (2 * W), 32, 128, timeout_s=2.0)
+    ctx = EmbeddingAllToAll(world, [100] * (2 * W), 32, 128, timeout_s=2.0,
+                            transport="stores")
     splits = [64] * W
     if world.rank == 0:
         splits = [64 + 8] + [64] * (W - 2) + [56]  # same total, another split
@@ -267,12 +275,55 @@ def check_mismatch(world, gen) -> None:
            f"{r} after {took:.2f} s")
 
 
+def check_auto(world, gen, replays: int = 20) -> None:
+    """``transport="auto"`` at a small batch and a large one: the eager call that decides,
+    then graph replays of the decided call with fresh indices (fp16, fixed bag lengths)."""
+    W = world.world_size
+    for B, T, D, pf in ((256 * W, 4 * W, 64, 4), (4096 * W, 8 * W, 128, 16)):
+        splits = [B // W] * W
+        ctx = EmbeddingAllToAll(world, [20000] * T, D, B // W, transport="auto")
+        try:
+            w, ln, ix, _ = make_input(ctx, splits, torch.float16, gen, pf=pf)
+            ln = torch.full_like(ln, pf)
+            ix = torch.randint(0, 20000, (ln.numel() * pf,), generator=gen, device=world.device)
+            out = torch.full(ctx.output_shape(splits), float("nan"), dtype=torch.float16,
+                             device=world.device)
+            ctx(w, ln, ix, batch_splits=splits, out=out, validate=False)  # decides
+            ctx.synchronize()
+            worst = rel_err(out, embedding_all_to_all_reference(
+                w, ln, ix, None, ctx.plan, world.rank, splits, "sum", world.group))
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                ctx(w, ln, ix, batch_splits=splits, out=out, validate=False)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ctx(w, ln, ix, batch_splits=splits, out=out, validate=False)
+            for i in range(replays):
+                ix.copy_(torch.randint(0, 20000, ix.shape, generator=gen, device=world.device))
+                out.fill_(float("nan"))
+                graph.replay()
+                if i % 5 == 4:
+                    ctx.synchronize()
+                    worst = max(worst, rel_err(out, embedding_all_to_all_reference(
+                        w, ln, ix, None, ctx.plan, world.rank, splits, "sum", world.group)))
+            picks = ctx.choices(w, ln, ix, batch_splits=splits, validate=False)
+            ms = {k: round(v, 4) for k, v in next(iter(ctx.decisions.values()))["ms"].items()}
+            record(f"auto {B}x{T}x{D}x{pf} fp16: eager + {replays} replays",
+                   worst < SEQ_TOL[torch.float16],
+                   f"worst rel_err={worst:.2e}, picks {picks}, plain-call ms {ms}")
+        finally:
+            ctx.close()
+
+
 def main() -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = World.from_env()
     gen = torch.Generator(device=world.device).manual_seed(2000 + world.rank)
     checks = [check_forward, check_large, check_shmem, check_back_to_back, check_graph,
-              check_backward, check_bad_input, check_mismatch]
+              check_backward, check_bad_input, check_mismatch, check_auto]
     only = os.environ.get("PO_EMB_CHECKS")  # e.g. "check_forward,check_backward" (a dry run)
     if only:
         checks = [c for c in checks if c.__name__ in only.split(",")]

@@ -1,9 +1,9 @@
 """Representative compile signatures of the fused embedding + All-to-All for the compile matrix,
-at the untuned tile (``api.default_block_b`` off ``TUNED_TILE``) and its launch's options: one
-stage, and the warps of ``api.default_num_warps``. Where sm_90 has a measured entry of the same
+at the untuned tile (``fused.default_block_b`` off ``TUNED_TILE``) and its launch's options: one
+stage, and the warps of ``fused.default_num_warps``. Where sm_90 has a measured entry of the same
 tile (fp16 D=64, bf16 D=92) that is its 8 warps, the CUDA launch's (a gfx942 / gfx950 launch of
 that tile takes 4); fp32 D=128 is 4 (sm_90 takes another tile there)."""
-from .api import default_block_b, default_num_warps
+from .fused import default_block_b, default_num_warps
 from .kernel import embedding_alltoall_kernel
 
 _SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iters:i32 G:i32 "
