@@ -26,8 +26,8 @@ Transports (``EmbeddingAllToAll(..., transport=...)``):
   the destination's heap, pooling in float32;
 - ``"shmem"`` (fused.py, the scale-out design): the same kernel puts each tile's rows with the
   SHMEM library of the process (NVSHMEM / ROC_SHMEM);
-- ``"sequential"`` (sequential.py): ``F.embedding_bag`` over the packed tables, then the
-  collective library's ``all_to_all_single``;
+- ``"sequential"`` (sequential.py): the pooled lookup alone (one Triton launch, lookup.py),
+  then the collective library's ``all_to_all_single``, nothing overlapped;
 - ``"auto"``, the default on a GPU world: the context times ``"stores"`` and ``"sequential"``
   at the first eager call of each new call key and keeps the faster (``ops/planner.py``).
   ``"shmem"`` is a candidate only when ``candidates=`` names it: it needs the SHMEM library on
@@ -79,7 +79,8 @@ class EmbeddingAllToAll(PatternContext):
         timeout_s: how long a fused kernel waits for a peer before it reports and gives up
             (default: 10 s).
         block_b, num_warps, max_programs: the fused kernel's tiling (``fused.py``; default: by
-            the call's dtype and the device), also under ``"auto"``.
+            the call's dtype and the device), also under ``"auto"``; the sequential transport's
+            lookup takes ``block_b`` and ``num_warps``.
         **options: ``"auto"``'s (``candidates``, ``cache_path``, ``iters``, ``warmup``,
             ``graph``; ``PatternContext``).
 
@@ -119,8 +120,10 @@ class EmbeddingAllToAll(PatternContext):
             raise ValueError(f"{OP}: transport {transport!r} takes no options of its own; got "
                              f"{sorted(options)} (the fused kernel's tiling is the context's: "
                              f"block_b=, num_warps=, max_programs=)")
-        if transport == "sequential":
-            return SequentialEmbeddingAllToAll(world, self.tables, **timeout_kw(timeout_s))
+        if transport == "sequential":  # (the lookup takes the fused kernel's tile)
+            return SequentialEmbeddingAllToAll(world, self.tables, block_b=self._tiling["block_b"],
+                                               num_warps=self._tiling["num_warps"],
+                                               **timeout_kw(timeout_s))
         return FusedEmbeddingAllToAll(world, self.tables, transport=transport, **self._tiling,
                                       **timeout_kw(timeout_s))
 

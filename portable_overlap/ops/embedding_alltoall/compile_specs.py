@@ -5,6 +5,7 @@ tile (fp16 D=64, bf16 D=92) that is its 8 warps, the CUDA launch's (a gfx942 / g
 that tile takes 4); fp32 D=128 is 4 (sm_90 takes another tile there)."""
 from .fused import default_block_b, default_num_warps
 from .kernel import embedding_alltoall_kernel
+from .lookup import pooled_lookup_kernel
 
 _SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iters:i32 G:i32 "
             "rank:i32 world:i32 tag:i32 timeout_us:i32")
@@ -36,3 +37,17 @@ def specs():
             aligned += ["D", "row_stride"]
         yield (f"embedding_alltoall[{dt},D{D},w={weighted},mean={mean}]",
                embedding_alltoall_kernel, sig, consts, aligned)
+    # the sequential transport's lookup (lookup.py): the same gather, no flags
+    for dt, idx, D, weighted, mean in (("fp32", "i64", 128, False, False),
+                                       ("bf16", "i32", 92, True, False)):
+        sig = {"weight_ptr": f"*{dt}", "indices_ptr": f"*{idx}", "psw_ptr": "*fp32",
+               "offsets_ptr": "*i64", "out_ptr": f"*{dt}", "row_off_ptr": "*i64",
+               "rows_ptr": "*i64", "bad_ptr": "*i64", "B": "i32", "D": "i32",
+               "row_stride": "i32"}
+        block_d = 1 << (D - 1).bit_length()
+        consts = dict(BLOCK_B=max(1, min(64, 4096 // block_d)), BLOCK_D=block_d,
+                      HAS_WEIGHTS=weighted, MEAN=mean)
+        sig.update({k: "constexpr" for k in consts})
+        consts.update(num_warps=4, num_stages=1)
+        yield (f"pooled_lookup[{dt},D{D},w={weighted}]", pooled_lookup_kernel, sig, consts,
+               ["weight_ptr", "out_ptr", "offsets_ptr"])

@@ -1,45 +1,48 @@
-"""The plain path of embedding pooling + All-to-All as a transport (``transport="sequential"``):
-torch's ``F.embedding_bag`` pools all of this rank's tables in one call (their rows are packed
-in one weight, so each index is offset by its table's first row), the pooled rows are put in
-destination order, the collective library's ``all_to_all_single`` exchanges them (NCCL / RCCL on
-GPUs, gloo on emulated ranks), and one gather puts the received columns in global table order.
-Nothing overlaps. It is the baseline the fused transports are timed against by
-``transport="auto"``, and the pick where they lose: at small batches the fused kernel's fixed
-cost (its flag rounds) exceeds the whole plain path (on 4 H200s, 1024 samples of 8 tables of
-D = 64 fp16: fused 0.037 ms, embedding_bag + NCCL 0.031, graph replay).
+"""The unfused path of embedding pooling + All-to-All as a transport (``transport="sequential"``):
+the pooled lookup of this rank's tables for the whole batch (lookup.py: one Triton launch, the
+fused kernel's gather without its flag rounds), written straight in the exchange's send order,
+then the collective library's ``all_to_all_single`` (NCCL / RCCL on GPUs, gloo on emulated
+ranks), then one gather that puts the received columns in global table order. Nothing
+overlaps. It is what ``transport="auto"`` times the fused kernel against, and its pick where the
+fused kernel's fixed cost (its flag rounds, its persistent grid) outweighs the overlap: on 4
+H200s at 1024 samples of 8 tables of D = 64 fp16 the fused kernel took 0.037 ms, ``F.embedding_bag``
+per table + NCCL 0.029 (graph replay).
 
-Pooling runs in the tables' dtype (``F.embedding_bag``), where the fused kernel accumulates in
-float32. Calls are matched the way the collective library matches them: a rank that skips a call
-or calls with another batch split waits in the collective until the process group's timeout
+Calls are matched the way the collective library matches them: a rank that skips a call or
+calls with another batch split waits in the collective until the process group's timeout
 (``timeout_s`` is checked but not used); under ``transport="auto"`` a call first agrees with its
 peers, with a deadline (``ops/planner.py``). The input checks are the fused transports'
 (``tables.RankTables``). An index outside its table, in a call made without the data check
-(``validate=False`` or under graph capture), reads its table's first row instead and is raised
-as :class:`~portable_overlap.errors.InvalidInputError` at the next :meth:`synchronize`: reading
-the count earlier would cost every call a host sync."""
+(``validate=False`` or under graph capture), leaves its tile of bags unpooled (zeros) and is
+raised as :class:`~portable_overlap.errors.InvalidInputError` at the next :meth:`synchronize`:
+reading the count earlier would cost every call a host sync."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ...errors import InvalidInputError
 from ..context import collective_call, ContextBase, output_tensor
+from .fused import default_block_b, default_num_warps
+from .lookup import pooled_lookup
 from .tables import OP, capturing, RankTables
 
 
 class SequentialEmbeddingAllToAll(ContextBase):
     """The ``"sequential"`` transport's workspace on one rank: the send and receive buffers of
     the exchange, made once for the context's largest batch (``tables.max_local_batch`` samples
-    per rank), viewed per dtype; each call allocates only ``F.embedding_bag``'s result."""
+    per rank) and viewed per dtype, and the bags' offsets. ``block_b`` / ``num_warps``: the
+    lookup's tiling (default: the fused kernel's for the call's dtype and D)."""
 
     OP = OP
 
-    def __init__(self, world, tables: RankTables, *, timeout_s: float = 10.0):
+    def __init__(self, world, tables: RankTables, *, timeout_s: float = 10.0,
+                 block_b: Optional[int] = None, num_warps: Optional[int] = None):
         super().__init__(world, timeout_s)
         self.tables = tables
+        self.block_b, self.num_warps = block_b, num_warps
         plan, W, dev = tables.plan, world.world_size, world.device
         T, D = plan.num_tables, plan.dim
         B_max = tables.max_local_batch
@@ -47,15 +50,24 @@ class SequentialEmbeddingAllToAll(ContextBase):
         self._send_raw = torch.empty(max(1, tables.n_loc * W * B_max * D) * 4, dtype=torch.uint8,
                                      device=dev)
         self._recv_raw = torch.empty(max(1, B_max * T * D) * 4, dtype=torch.uint8, device=dev)
-        # column i of the exchange's result (rank q's tables in q order, each q's in its order)
-        # holds global table order[i]; pos[t] is where table t arrives
-        order = [t for q in range(W) for t in plan.tables_of(q)]
-        pos = [0] * T
-        for i, t in enumerate(order):
-            pos[t] = i
-        self._pos = torch.tensor(pos, dtype=torch.int64, device=dev)
-        self._maps: dict = {}  # batch split -> (send order, receive gather)
+        # per global table t: its owner's place in the received rows (the tables of the ranks
+        # before it), its owner's table count, its index among its owner's tables (_gather_for)
+        before, n_of_owner, j_of = [0] * T, [0] * T, [0] * T
+        n = 0
+        for q in range(W):
+            q_tables = plan.tables_of(q)
+            for j, t in enumerate(q_tables):
+                before[t], n_of_owner[t], j_of[t] = n, len(q_tables), j
+            n += len(q_tables)
+        self._before, self._n_of_owner, self._j = (
+            torch.tensor(v, dtype=torch.int64, device=dev) for v in (before, n_of_owner, j_of))
+        self._gathers: dict = {}  # samples of this rank -> the receive gather
         self._bad = torch.zeros((), dtype=torch.int64, device=dev)  # unchecked calls' bad indices
+        # bag offsets and clamped lengths, grown when a larger batch first comes (offsets[0]
+        # stays 0); a stand-in for absent per-index weights (the kernel never reads it)
+        self._offsets = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._lengths = torch.zeros(0, dtype=torch.int64, device=dev)
+        self._stub = torch.zeros(16, dtype=torch.float32, device=dev)
         self.validate = True
         self.register()
 
@@ -68,8 +80,8 @@ class SequentialEmbeddingAllToAll(ContextBase):
             self._bad.zero_()
             raise InvalidInputError(f"{OP}: rank {self.rank}: {bad} indices outside their "
                                     f"tables in calls made without the data check "
-                                    f"(validate=False or graph capture); their bags read the "
-                                    f"table's first row instead")
+                                    f"(validate=False or graph capture); the tiles of bags "
+                                    f"that hold them were not pooled (zeros)")
 
     @collective_call
     def __call__(self, weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
@@ -91,75 +103,59 @@ class SequentialEmbeddingAllToAll(ContextBase):
             return out
         W, r, D = self.world.world_size, self.rank, t.plan.dim
         B, B_r, n_loc = sum(splits), splits[r], t.n_loc
-        send_order, gather = self._maps_for(splits)
-        send = self._send_raw.view(weight.dtype)[:n_loc * B * D].view(n_loc * B, D)
-        if n_loc and B:
-            pooled = self._pool(weight, lengths, indices, psw, pooling, B, checked)
-            torch.index_select(pooled, 0, send_order, out=send)
+        # this rank's tables for every rank's samples, [B, n_loc, D]: destination d's samples
+        # are rows [boff[d], boff[d+1]), contiguous, in all_to_all_single's send order
+        send = self._send_raw.view(weight.dtype)[:B * n_loc * D]
+        offsets = self._bag_offsets(lengths, indices.numel(), checked)
+        bb = self.block_b or default_block_b(D, self.world.facts.arch, weight.dtype.itemsize)
+        nw = self.num_warps or default_num_warps(D, self.world.facts.arch, weight.dtype.itemsize)
+        if indices.numel() == 0:  # (no bag reads it)
+            indices = torch.zeros(1, dtype=indices.dtype, device=indices.device)
+        pooled_lookup(weight, indices, psw if psw is not None and psw.numel() else self._stub,
+                      offsets, send, t.row_off, t.rows, self._bad, B, n_loc, D,
+                      psw is not None, pooling == "mean", bb, nw)
         if W > 1:
             n_of = [len(t.plan.tables_of(q)) for q in range(W)]
             recv = self._recv_raw.view(weight.dtype)[:B_r * t.plan.num_tables * D]
-            dist.all_to_all_single(recv, send.view(-1),
+            dist.all_to_all_single(recv, send,
                                    output_split_sizes=[B_r * n_of[q] * D for q in range(W)],
                                    input_split_sizes=[splits[d] * n_loc * D for d in range(W)],
                                    group=self.world.group)
         else:
             recv = send
         if out.numel():
-            torch.index_select(recv.view(-1, D), 0, gather, out=out.view(-1, D))
+            torch.index_select(recv.view(-1, D), 0, self._gather_for(B_r),
+                               out=out.view(-1, D))
         return out
 
-    def _pool(self, weight, lengths, indices, psw, pooling: str, B: int,
-              checked: bool) -> torch.Tensor:
-        """``[n_loc * B, D]``: bag ``j * B + s`` pooled from local table j, one
-        ``F.embedding_bag`` over the packed weight. Unchecked lengths are read as the fused
-        transports read them: a negative one counts as 0 and the bags end at the last index."""
-        t, n = self.tables, indices.numel()
-        lengths = lengths.to(torch.int64)
+    def _bag_offsets(self, lengths: torch.Tensor, n: int, checked: bool) -> torch.Tensor:
+        """The bags' prefix sum, ``lengths.numel() + 1`` entries (no host sync). Unchecked
+        lengths are read as the fused transports read them: a negative one counts as 0 and the
+        bags end at the last index, so no bag reads past ``indices``."""
+        if self._offsets.numel() < lengths.numel() + 1:
+            self._offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64,
+                                        device=lengths.device)
+            self._lengths = torch.empty(lengths.numel(), dtype=torch.int64,
+                                        device=lengths.device)
+        offsets = self._offsets[:lengths.numel() + 1]
         if not checked:
-            lengths = lengths.clamp(min=0)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+            lengths = torch.clamp(lengths, min=0, out=self._lengths[:lengths.numel()])
         torch.cumsum(lengths, 0, out=offsets[1:])
         if not checked:
             offsets.clamp_(max=n)
-        # each index's table: table j's bags hold indices [offsets[j*B], offsets[(j+1)*B]); the
-        # indices past the last bag (unchecked lengths only) are counted to the last table
-        counts = offsets[::B].diff()
-        counts[-1] += n - offsets[-1]
-        idx = indices.to(torch.int64)
-        if not checked:
-            rows = torch.repeat_interleave(t.rows, counts, output_size=n)
-            bad = (idx < 0) | (idx >= rows)
-            in_bag = torch.arange(n, device=idx.device) < offsets[-1]
-            self._bad += (bad & in_bag).sum()
-            idx = idx.masked_fill(bad, 0)
-        idx = idx + torch.repeat_interleave(t.row_off, counts, output_size=n)
-        weights = None if psw is None else psw.to(weight.dtype)
-        return F.embedding_bag(idx, weight, offsets, mode=pooling, per_sample_weights=weights,
-                               include_last_offset=True)
+        return offsets
 
-    def _maps_for(self, splits: tuple) -> tuple:
-        """For a batch split: the pooled rows in the exchange's order (for each destination d,
-        each local table j, d's samples s: bag ``j * B + boff[d] + s``), and the gather from the
-        received rows into the output's (row ``s * T + t`` of the output: table t's row s, which
-        arrives at ``pos[t] * B_r + s``). Made by device ops only, so a call under graph capture
-        can make them; kept for later calls (not those made under capture, whose memory is the
-        graph's)."""
-        maps = self._maps.get(splits)
-        if maps is not None:
-            return maps
-        dev, n_loc = self.world.device, self.tables.n_loc
-        B, B_r = sum(splits), splits[self.rank]
-        j = torch.arange(n_loc, dtype=torch.int64, device=dev)[:, None] * B
-        parts, lo = [], 0
-        for n in splits:
-            parts.append((j + lo + torch.arange(n, dtype=torch.int64, device=dev)[None, :])
-                         .reshape(-1))
-            lo += n
-        send_order = torch.cat(parts) if parts else j.reshape(-1)
-        gather = (self._pos[None, :] * B_r
-                  + torch.arange(B_r, dtype=torch.int64, device=dev)[:, None]).reshape(-1)
-        if not self.capturing():
-            self._maps[splits] = (send_order, gather)
-        return send_order, gather
-
+    def _gather_for(self, B_r: int) -> torch.Tensor:
+        """Where row ``s * T + t`` of the output (table t, sample s) is in what this rank
+        received: rank q's block ``[B_r, n_q, D]`` starts at row ``B_r * (tables of the ranks
+        before q)``, table t is q's j-th: row ``B_r * before[t] + s * n_q + j``. Made by device
+        ops only (a call under graph capture can make it), kept for later calls (not one made
+        under capture, whose memory is the graph's)."""
+        gather = self._gathers.get(B_r)
+        if gather is None:
+            s = torch.arange(B_r, dtype=torch.int64, device=self._before.device)[:, None]
+            gather = (self._before[None, :] * B_r + s * self._n_of_owner[None, :]
+                      + self._j[None, :]).reshape(-1)
+            if not self.capturing():
+                self._gathers[B_r] = gather
+        return gather

@@ -130,12 +130,14 @@ class RankTables:
         if n == 0:
             return
         B = lengths.numel() // self.n_loc
-        per_table = lengths.reshape(self.n_loc, B).sum(1)
-        rows = torch.repeat_interleave(self.rows, per_table, output_size=n)
-        bad = (indices < 0) | (indices.to(torch.int64) >= rows)
+        ends = lengths.reshape(self.n_loc, B).sum(1).cumsum(0)  # each table's last index + 1
+        # each index's table by a search over the tables' ends: repeat_interleave would write
+        # each table's run from one GPU thread
+        table = torch.searchsorted(ends, torch.arange(n, device=indices.device), right=True)
+        bad = (indices < 0) | (indices.to(torch.int64) >= self.rows[table])
         if bool(bad.any()):
             p = int(bad.nonzero()[0, 0])
-            j = int(torch.searchsorted(per_table.cumsum(0), p, right=True))
+            j = int(table[p])
             raise ValueError(f"{OP}: index {int(indices[p])} at position {p} is out of range for "
                              f"global table {self.local_tables[j]} "
                              f"({self.plan.table_rows[self.local_tables[j]]} rows)")
