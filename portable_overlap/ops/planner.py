@@ -216,23 +216,24 @@ def _check_path(op: str, path) -> Optional[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Jagged:
-    """How a call key sees a jagged input, whose length changes from call to call (the indices
-    of a pooled lookup): its dtype and its length rounded up to a power of two, so that calls of
-    similar sizes share one decision instead of each timing every candidate
+    """How a call key sees a jagged input, whose length changes from call to call and from rank
+    to rank (the indices of a pooled lookup): by its dtype alone. A key that held the length,
+    even rounded, would be new on one rank and decided on its peers whenever one rank's count
+    crossed a boundary, which the agreement refuses (keyed by the length rounded up to a power
+    of two, the DLRM example on 4 H200s stopped at a step where one rank's count crossed one and
+    its peers' did not); the decision of a key is kept for every length
     (``PatternContext._key_inputs``)."""
-    length: int
     dtype: torch.dtype
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Jagged":
-        n = t.numel()
-        return cls(0 if n == 0 else 1 << (n - 1).bit_length(), t.dtype)
+        return cls(t.dtype)
 
 
 def _layout(t) -> tuple:
     """What a tensor brings to the call key: shape, dtype, strides (0 for size-1 dimensions)."""
     if isinstance(t, Jagged):
-        return ((t.length,), t.dtype, "jagged")
+        return ("jagged", t.dtype)
     if not isinstance(t, torch.Tensor):
         return (type(t).__name__,)  # refused by every transport: it still needs a key
     return (tuple(t.shape), t.dtype,
@@ -251,7 +252,7 @@ def _describe(v):
     if v is None:
         return None
     if isinstance(v, Jagged):
-        return {"shape": [v.length], "dtype": str(v.dtype), "jagged": True}
+        return {"shape": "jagged", "dtype": str(v.dtype)}
     if isinstance(v, torch.Tensor):
         shape, dtype, stride = _layout(v)
         return {"shape": list(shape), "dtype": str(dtype), "stride": list(stride)}

@@ -31,9 +31,10 @@ Transports (``EmbeddingAllToAll(..., transport=...)``):
 - ``"auto"``, the default on a GPU world: the context times ``"stores"`` and ``"sequential"``
   at the first eager call of each new call key and keeps the faster (``ops/planner.py``).
   ``"shmem"`` is a candidate only when ``candidates=`` names it: it needs the SHMEM library on
-  every rank. The key holds the lengths' shape (the batch), the per-call options (the batch
-  split, the pooling) and the number of indices rounded up to a power of two
-  (``planner.Jagged``): a new batch of similar size is not timed again.
+  every rank. The key holds the lengths' shape (tables × batch), the per-call options (the
+  batch split, the pooling, ``validate``) and the indices' dtype, not their number
+  (``planner.Jagged``), which changes from batch to batch and from rank to rank: a batch of
+  the same size keeps its first batch's decision.
 
 Backward (through :func:`embedding_all_to_all` when ``weight`` or ``per_sample_weights``
 requires grad) sends ``grad_out`` back through the reverse All-to-All (``all_to_all_single``)
@@ -192,8 +193,8 @@ class EmbeddingAllToAll(PatternContext):
                     inputs["per_sample_weights"], out=out, **options)
 
     def _key_inputs(self, inputs: dict) -> dict:
-        """The indices and their weights by dtype and rounded length (``planner.Jagged``):
-        their count changes with every batch."""
+        """The indices and their weights by dtype only (``planner.Jagged``): their count
+        changes with every batch, on each rank its own way."""
         return {k: Jagged.of(v) if k in ("indices", "per_sample_weights")
                 and isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
