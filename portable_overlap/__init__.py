@@ -22,10 +22,10 @@ moe_dispatch            MoeDispatch                   stores, shmem, sequential
 moe_gemm_combine        MoeGemmCombine                stores, shmem
 ======================  ============================  ===========================================
 
-The first five also take ``transport="auto"``, their default on a GPU world: the context times
-every transport that can run on its world at the first eager call of each new shape and keeps
-the fastest (``ops/planner.py``); on CPU-emulated ranks their default is the first transport
-listed, as it is for the last three. ``torch_fused`` (torch's own fused ops) runs on GPU worlds
+The first six also take ``transport="auto"``, their default on a GPU world: the context times
+every transport that can run on its world (the embedding op's ``shmem`` only when named) at the
+first eager call of each new shape and keeps the fastest (``ops/planner.py``); on CPU-emulated
+ranks their default is the first transport listed, as it is for the last two. ``torch_fused`` (torch's own fused ops) runs on GPU worlds
 of one host only. Each op is also ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS``
 lists them). The modules (``RowParallelLinear``, ``ColumnParallelLinear``,
 ``ShardedEmbeddingBagCollection``, ``ExpertParallelMoE``) use them as drop-in layers. See
