@@ -70,6 +70,18 @@ def _every_op(world):
     errs["embedding+a2a"] = rel_err(out, embedding_all_to_all_reference(
         wt, lengths, idx, None, ctx.plan, r, splits, "sum", world.group))
     ctx.close()
+    # the plain path (lookup, then all_to_all_single), an uneven split with empty ranks, and
+    # "auto" choosing between it and the fused kernel (one timed run each)
+    splits = [1, 0, 2, 1, 0, 2, 1, 1][:W]
+    for transport, opts in (("sequential", {}), ("auto", dict(iters=1, warmup=0))):
+        ctx = EmbeddingAllToAll(world, [6] * W, 8, max_local_batch=2, transport=transport,
+                                **opts)
+        lengths = torch.randint(0, 3, (ctx.n_loc * sum(splits),), generator=g)
+        idx = torch.randint(0, 6, (int(lengths.sum()),), generator=g)
+        out = ctx(wt, lengths, idx, batch_splits=splits)
+        errs[f"embedding+a2a {transport}"] = rel_err(out, embedding_all_to_all_reference(
+            wt, lengths, idx, None, ctx.plan, r, splits, "sum", world.group))
+        ctx.close()
     # every schedule, not only the one pick_schedule gives these tiny shapes: they walk the
     # peers' pieces in different orders and layouts. 3 rows in 4 pieces, the first one empty
     # (the default, W pieces, costs twice the interpreted flag waits for the same edge case).
@@ -135,7 +147,7 @@ def _every_op(world):
 
 # one entry per op / variant above: a key reused by mistake would overwrite another's error
 # (18 plus one per AllGather+GEMM schedule)
-N_CHECKS = 18 + len(SCHEDULES)
+N_CHECKS = 20 + len(SCHEDULES)
 
 
 def test_every_op_on_eight_ranks(world8):

@@ -218,8 +218,8 @@ def test_auto_one_rank_refusing_fails_the_call_on_every_rank(world2):
 def test_jagged_key():
     """A jagged input is keyed by its dtype alone: its length differs from rank to rank and
     from call to call, and every rank's key must change together."""
-    assert Jagged.of(torch.zeros(5, dtype=torch.int32)) == Jagged.of(torch.zeros(9000,
-                                                                              dtype=torch.int32))
+    i32 = torch.int32
+    assert Jagged.of(torch.zeros(5, dtype=i32)) == Jagged.of(torch.zeros(9000, dtype=i32))
     assert Jagged.of(torch.zeros(5)) != Jagged.of(torch.zeros(5, dtype=torch.int32))
 
 

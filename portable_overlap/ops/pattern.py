@@ -159,7 +159,7 @@ class PatternContext:
 
     def _key_inputs(self, inputs: dict) -> dict:
         """The inputs as ``"auto"``'s call key sees them (``planner._call_key``): as they are,
-        except where a pattern keys a jagged input by its rounded length (``planner.Jagged``)."""
+        except where a pattern keys a jagged input by its dtype alone (``planner.Jagged``)."""
         return inputs
 
     def _dispatch(self, inputs: dict, out, options: dict):

@@ -3,8 +3,9 @@ the workspace of every candidate transport, times them all at the first eager ca
 call key, keeps the fastest, and runs it at every later call with that key.
 
 The call key: the op, each input's shape, dtype and strides (a size-1 dimension's stride left
-out: it moves nothing), which optional inputs (bias, residual) are given, and the per-call
-options with their values (tensors by shape, dtype and strides).
+out: it moves nothing; a jagged input, the embedding op's indices, by its dtype alone:
+:class:`Jagged`), which optional inputs (bias, residual) are given, and the per-call options
+with their values (tensors by shape, dtype and strides).
 
 What the first call of a key does (collective; the same on every rank):
 

@@ -5,8 +5,9 @@
 Correctness against F.embedding_bag per table + all_to_all_single for fp32 / fp16 / bf16, sum and
 mean, per-index weights, uneven batch splits, a rank without tables, int32 and int64 indices,
 back-to-back calls with changing shapes, CUDA-graph replay, backward, bad input and ranks that
-disagree, on the fused ``"stores"`` transport (``"shmem"`` and ``"sequential"`` in checks of their
-own, ``"auto"`` eager and replayed in ``check_auto``). Each check prints ``PASS``/``FAIL`` on rank 0; exit code 1 if any failed on any rank.
+disagree, on the fused ``"stores"`` transport; the forward matrix on ``"sequential"`` too,
+``"shmem"`` in a check of its own, ``"auto"`` eager and replayed in ``check_auto``. Each check
+prints ``PASS``/``FAIL`` on rank 0; exit code 1 if any failed on any rank.
 Every wait inside the kernel is bounded (10 s, 2 s for the mismatch check), so a broken kernel
 reports instead of hanging. (Not collected by pytest: one process per GPU.)
 """
@@ -55,8 +56,8 @@ def check_forward(world, gen) -> None:
         ([3000] * 5, 92, uneven, None),  # D not a power of two
         ([500, 600, 700], 32, [64] * W, [0, 0, 0]),  # ranks other than 0 hold no tables
     ]
-    for (rows, D, splits, ranks), transport in [(c, t) for t in ("stores", "sequential")
-                                                 for c in cases]:
+    runs = [(c, t) for t in ("stores", "sequential") for c in cases]
+    for (rows, D, splits, ranks), transport in runs:
         ctx = EmbeddingAllToAll(world, rows, D, max(splits), table_ranks=ranks,
                                 transport=transport)
         # the sequential transport pools in the tables' dtype (F.embedding_bag)
