@@ -19,7 +19,7 @@ from ...shmem.providers import agreed_put_provider
 from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
 from ..launch import PlannedLaunch
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
-from .tables import DTYPES, INDEX_DTYPES, OP, capturing, RankTables
+from .tables import BagOffsets, DTYPES, INDEX_DTYPES, OP, capturing, RankTables
 
 TRANSPORTS = ("stores", "shmem")
 
@@ -154,8 +154,7 @@ class FusedEmbeddingAllToAll(OverlapContext):
         self._stubs = {dt: torch.zeros(16, dtype=dt, device=dev)
                        for dt in (*DTYPES, *INDEX_DTYPES)}
         self.validate = True
-        self._offsets = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._lengths = torch.zeros(0, dtype=torch.int64, device=dev)  # unchecked, clamped
+        self._bag_offsets = BagOffsets(dev)
 
     def close(self) -> None:
         """Collective: also lets the library's symmetric memory go."""
@@ -191,25 +190,7 @@ class FusedEmbeddingAllToAll(OverlapContext):
         shape = self.tables.output_shape(splits)
         out = output_tensor(OP, out, shape, weight,
                             dict(weight=weight, per_sample_weights=per_sample_weights))
-        # bag offsets: exclusive prefix sum of lengths (no host sync: graph-capturable), in a
-        # buffer that grows only when a larger batch first arrives (offsets[0] stays 0)
-        if self._offsets.numel() < lengths.numel() + 1:
-            self._offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64,
-                                        device=lengths.device)
-            self._lengths = torch.empty(lengths.numel(), dtype=torch.int64,
-                                        device=lengths.device)
-        offsets = self._offsets[:lengths.numel() + 1]
-        if not checked:
-            # Unchecked lengths may be negative or not add up to the number of indices: the
-            # kernel would read indices (and per-index weights) past their end, and a bag whose
-            # range leaves its tile's checked range (offsets not monotone) would gather rows
-            # whose indices nobody checked. A negative length counts as 0 and the offsets stop
-            # at len(indices): every bag lies inside indices and inside its tile's index
-            # check. Three small device ops, no host sync (graph capture takes this path).
-            lengths = torch.clamp(lengths, min=0, out=self._lengths[:lengths.numel()])
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        if not checked:
-            offsets.clamp_(max=indices.numel())
+        offsets = self._bag_offsets(lengths, indices.numel(), checked)
         psw = per_sample_weights
         # everything the JIT specialized the compiled kernel on (dtypes, 16-byte alignment)
         key = (splits, weight.dtype, indices.dtype, None if psw is None else psw.dtype, pooling,

@@ -27,7 +27,7 @@ from ...errors import InvalidInputError
 from ..context import collective_call, ContextBase, output_tensor
 from .fused import default_block_b, default_num_warps
 from .lookup import pooled_lookup
-from .tables import OP, capturing, RankTables
+from .tables import BagOffsets, OP, capturing, RankTables
 
 
 class SequentialEmbeddingAllToAll(ContextBase):
@@ -63,10 +63,8 @@ class SequentialEmbeddingAllToAll(ContextBase):
             torch.tensor(v, dtype=torch.int64, device=dev) for v in (before, n_of_owner, j_of))
         self._gathers: dict = {}  # samples of this rank -> the receive gather
         self._bad = torch.zeros((), dtype=torch.int64, device=dev)  # unchecked calls' bad indices
-        # bag offsets and clamped lengths, grown when a larger batch first comes (offsets[0]
-        # stays 0); a stand-in for absent per-index weights (the kernel never reads it)
-        self._offsets = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._lengths = torch.zeros(0, dtype=torch.int64, device=dev)
+        self._bag_offsets = BagOffsets(dev)
+        # a stand-in for absent per-index weights (the kernel never reads it)
         self._stub = torch.zeros(16, dtype=torch.float32, device=dev)
         self.validate = True
         self.register()
@@ -127,23 +125,6 @@ class SequentialEmbeddingAllToAll(ContextBase):
             torch.index_select(recv.view(-1, D), 0, self._gather_for(B_r),
                                out=out.view(-1, D))
         return out
-
-    def _bag_offsets(self, lengths: torch.Tensor, n: int, checked: bool) -> torch.Tensor:
-        """The bags' prefix sum, ``lengths.numel() + 1`` entries (no host sync). Unchecked
-        lengths are read as the fused transports read them: a negative one counts as 0 and the
-        bags end at the last index, so no bag reads past ``indices``."""
-        if self._offsets.numel() < lengths.numel() + 1:
-            self._offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64,
-                                        device=lengths.device)
-            self._lengths = torch.empty(lengths.numel(), dtype=torch.int64,
-                                        device=lengths.device)
-        offsets = self._offsets[:lengths.numel() + 1]
-        if not checked:
-            lengths = torch.clamp(lengths, min=0, out=self._lengths[:lengths.numel()])
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        if not checked:
-            offsets.clamp_(max=n)
-        return offsets
 
     def _gather_for(self, B_r: int) -> torch.Tensor:
         """Where row ``s * T + t`` of the output (table t, sample s) is in what this rank

@@ -185,6 +185,35 @@ class RankTables:
         return grad_w.to(weight.dtype), grad_psw
 
 
+class BagOffsets:
+    """The bags' offsets of a call: the exclusive prefix sum of ``lengths`` (no host sync, so
+    graph-capturable), in a buffer that grows only when a larger batch first comes
+    (``offsets[0]`` stays 0)."""
+
+    def __init__(self, device):
+        self._offsets = torch.zeros(1, dtype=torch.int64, device=device)
+        self._lengths = torch.zeros(0, dtype=torch.int64, device=device)  # unchecked, clamped
+
+    def __call__(self, lengths: torch.Tensor, n_indices: int, checked: bool) -> torch.Tensor:
+        """``lengths.numel() + 1`` offsets. Unchecked lengths may be negative or not add up to
+        the number of indices: a kernel would read indices (and per-index weights) past their
+        end, and a bag whose range leaves its tile's checked range (offsets not monotone) would
+        gather rows whose indices nobody checked. A negative length counts as 0 and the offsets
+        stop at ``n_indices``: every bag lies inside the indices and inside its tile's index
+        check. Three small device ops, no host sync (graph capture takes this path)."""
+        n = lengths.numel()
+        if self._offsets.numel() < n + 1:
+            self._offsets = torch.zeros(n + 1, dtype=torch.int64, device=lengths.device)
+            self._lengths = torch.empty(n, dtype=torch.int64, device=lengths.device)
+        offsets = self._offsets[:n + 1]
+        if not checked:
+            lengths = torch.clamp(lengths, min=0, out=self._lengths[:n])
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        if not checked:
+            offsets.clamp_(max=n_indices)
+        return offsets
+
+
 def capturing(t: torch.Tensor) -> bool:
     """Whether the current stream of ``t``'s device is being captured into a graph (then no
     host sync is allowed). Asked through the device type's torch module: no vendor named here."""
