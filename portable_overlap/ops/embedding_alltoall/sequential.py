@@ -5,8 +5,9 @@ then the collective library's ``all_to_all_single`` (NCCL / RCCL on GPUs, gloo o
 ranks), then one gather that puts the received columns in global table order. Nothing
 overlaps. It is what ``transport="auto"`` times the fused kernel against, and its pick where the
 fused kernel's fixed cost (its flag rounds, its persistent grid) outweighs the overlap: on 4
-H200s at 1024 samples of 8 tables of D = 64 fp16 the fused kernel took 0.037 ms, ``F.embedding_bag``
-per table + NCCL 0.029 (graph replay).
+H200s at 1024 samples of 8 tables of D = 64 fp16 the fused kernel took 0.036 ms,
+``F.embedding_bag`` per table + NCCL 0.030 and this transport 0.030 (graph replay;
+``docs/embedding_alltoall.md``).
 
 Calls are matched the way the collective library matches them: a rank that skips a call or
 calls with another batch split waits in the collective until the process group's timeout
