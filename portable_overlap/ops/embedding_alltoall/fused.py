@@ -19,7 +19,7 @@ from ...shmem.providers import agreed_put_provider
 from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
 from ..launch import PlannedLaunch
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
-from .tables import BagOffsets, DTYPES, INDEX_DTYPES, OP, capturing, RankTables
+from .tables import BagOffsets, DTYPES, INDEX_DTYPES, OP, RankTables
 
 TRANSPORTS = ("stores", "shmem")
 
@@ -182,11 +182,9 @@ class FusedEmbeddingAllToAll(OverlapContext):
         ``InvalidInputError`` at the context's next check; lengths that do not sum to the
         number of indices are not reported then, but nothing past ``indices`` is read: a
         negative length counts as 0 and the bags end at the last index."""
-        splits = self.tables.resolve_splits(lengths, batch_splits)
-        self.tables.check_call(weight, lengths, indices, per_sample_weights, splits, pooling)
-        checked = (self.validate if validate is None else validate) and not capturing(weight)
-        if checked:
-            self.tables.check_data(lengths, indices)
+        splits, checked = self.tables.check(weight, lengths, indices, per_sample_weights,
+                                            batch_splits, pooling,
+                                            self.validate if validate is None else validate)
         shape = self.tables.output_shape(splits)
         out = output_tensor(OP, out, shape, weight,
                             dict(weight=weight, per_sample_weights=per_sample_weights))

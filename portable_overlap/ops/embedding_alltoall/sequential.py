@@ -28,7 +28,7 @@ from ...errors import InvalidInputError
 from ..context import collective_call, ContextBase, output_tensor
 from .fused import default_block_b, default_num_warps
 from .lookup import pooled_lookup
-from .tables import BagOffsets, OP, capturing, RankTables
+from .tables import BagOffsets, OP, RankTables
 
 
 class SequentialEmbeddingAllToAll(ContextBase):
@@ -90,11 +90,8 @@ class SequentialEmbeddingAllToAll(ContextBase):
                  validate: Optional[bool] = None) -> torch.Tensor:
         """The op (``api.py``) on the plain path; ``validate`` as the fused transports'."""
         t, psw = self.tables, per_sample_weights
-        splits = t.resolve_splits(lengths, batch_splits)
-        t.check_call(weight, lengths, indices, psw, splits, pooling)
-        checked = (self.validate if validate is None else validate) and not capturing(weight)
-        if checked:
-            t.check_data(lengths, indices)
+        splits, checked = t.check(weight, lengths, indices, psw, batch_splits, pooling,
+                                  self.validate if validate is None else validate)
         if out is not None or not self.checking_only:  # (a check makes no output)
             out = output_tensor(OP, out, t.output_shape(splits), weight,
                                 dict(weight=weight, per_sample_weights=psw))

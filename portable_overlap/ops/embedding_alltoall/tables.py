@@ -68,6 +68,17 @@ class RankTables:
         return splits
 
     # -- checks ----------------------------------------------------------------------------------
+    def check(self, weight, lengths, indices, psw, batch_splits, pooling,
+              validate: bool) -> tuple:
+        """Every transport's checks of a call: ``(splits, checked)``, the batch split and
+        whether the data were checked (``validate``, never under graph capture: a host sync)."""
+        splits = self.resolve_splits(lengths, batch_splits)
+        self.check_call(weight, lengths, indices, psw, splits, pooling)
+        checked = validate and not capturing(weight)
+        if checked:
+            self.check_data(lengths, indices)
+        return splits, checked
+
     def check_call(self, weight, lengths, indices, psw, splits, pooling) -> None:
         """The input checks of a call (types, shapes, devices, layout), no data read."""
         dev = self.world.device
