@@ -9,7 +9,10 @@ top-k) or ``zipf`` (expert popularity ~ 1/(rank+1)^1.2, top-k drawn without repl
 dispatch (untimed) gives every rank its rows; then, timed:
 
 - ``fused``: the fused kernel pair (grouped GEMM storing rows into the sources' combine buffers,
-  weighted sum);
+  weighted sum), ``transport="stores"``; ``fused_shmem``: the same over the SHMEM library;
+- ``auto``: ``transport="auto"`` (its pick, timed at its first call, runs the timed calls);
+- ``sequential_transport``: ``transport="sequential"``, the torch path as the library runs it
+  (the splits read on the host at every call; plain launches only, it cannot be captured);
 - ``sequential``: per (source, expert) segment torch.matmul, all_to_all_single with splits,
   un-permute, weighted sum;
 - ``sequential_padded``: every (source, expert) segment padded to the largest one (capacity),
@@ -17,7 +20,8 @@ dispatch (untimed) gives every rank its rows; then, timed:
 - ``compute``: the sequential path's matmuls alone; ``compute_fused``: the fused kernels on a
   world of one rank (no communication, same rows); ``comm``: the unpadded all_to_all_single alone.
 
-``fused``, ``fused_shmem`` and ``sequential_padded`` are checked against ``sequential``'s result.
+``fused``, ``fused_shmem``, ``auto``, ``sequential_transport`` and ``sequential_padded`` are
+checked against ``sequential``'s result.
 The shared options (shapes, dtypes, worlds, graph modes, checks) are in benchmarks/cli.py.
 """
 from __future__ import annotations
@@ -69,7 +73,13 @@ def one_shape(bench, solo, gen, dname, dt, S, H, I, E, k) -> None:
     world, args = bench.world, bench.args
     dev, W, r = world.device, world.world_size, world.rank
     El = E // W
-    ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El)
+    ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                         transport="stores")
+    # the library's default: the faster of "stores" and "sequential" at the first call
+    ctx_auto = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                              transport="auto")
+    ctx_seq = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                             transport="sequential")
     try:  # device-initiated puts (NVSHMEM / ROC_SHMEM)
         ctx_shmem = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
                                    experts_per_rank=El, transport="shmem")
@@ -141,7 +151,7 @@ def one_shape(bench, solo, gen, dname, dt, S, H, I, E, k) -> None:
 
         # the fused kernels with no peers: same rows, segments as experts, one slot each
         solo_ctx = MoeGemmCombine(solo, max_tokens=max(R, 1), top_k=1, hidden=H,
-                                  experts_per_rank=W * El)
+                                  experts_per_rank=W * El, transport="stores")
         w_rep = w.repeat(W, 1, 1)
         c_solo = counts.reshape(1, W * El).contiguous()
         s_solo = torch.arange(R, dtype=torch.int32, device=dev)
@@ -150,6 +160,8 @@ def one_shape(bench, solo, gen, dname, dt, S, H, I, E, k) -> None:
         impls = {
             "fused": lambda: ctx(x, w, counts, slots, tw, out=out),
             "fused_shmem": lambda: ctx_shmem(x, w, counts, slots, tw, out=out),
+            "auto": lambda: ctx_auto(x, w, counts, slots, tw, out=out),
+            "sequential_transport": lambda: ctx_seq(x, w, counts, slots, tw, out=out),
             "sequential": sequential,
             "sequential_padded": sequential_padded,
             "compute": compute,
@@ -161,6 +173,7 @@ def one_shape(bench, solo, gen, dname, dt, S, H, I, E, k) -> None:
         real_rows = R - int(counts[r].sum())  # rows this rank sends to other ranks
         row_bytes = H * out.element_size()
         bytes_sent = {"fused": real_rows * row_bytes, "fused_shmem": real_rows * row_bytes,
+                      "auto": real_rows * row_bytes, "sequential_transport": real_rows * row_bytes,
                       "sequential": real_rows * row_bytes, "comm": real_rows * row_bytes,
                       "sequential_padded": (W - 1) * El * C * row_bytes}
         sequential()
@@ -170,9 +183,10 @@ def one_shape(bench, solo, gen, dname, dt, S, H, I, E, k) -> None:
             out.fill_(float("nan"))
             impls[name]()
             torch.cuda.synchronize()
-            owner = {"fused": ctx, "fused_shmem": ctx_shmem}.get(name)
+            owner = {"fused": ctx, "fused_shmem": ctx_shmem, "auto": ctx_auto,
+                     "sequential_transport": ctx_seq}.get(name)
             if owner is not None:
-                owner.check()
+                owner.synchronize()
             return rel_err(out, ref)
 
         def derive(t):
@@ -182,12 +196,14 @@ def one_shape(bench, solo, gen, dname, dt, S, H, I, E, k) -> None:
 
         bench.run(Case(
             op=OP, shape=shape, dtype=dname, impls=impls, check=check,
-            checked=["fused", "fused_shmem", "sequential_padded"], tol=2e-2,
+            checked=["fused", "fused_shmem", "auto", "sequential_transport", "sequential_padded"],
+            tol=2e-2, plain_only=("sequential_transport",),
             label=f"{S}x{H}x{I}x{E}x{k} {kind} {dname}", derive=derive,
             fields=lambda name: {"bytes_sent_per_rank": bytes_sent.get(name, 0),
                                  "rows_received": R, "capacity": C}))
         solo_ctx.close()
-    ctx.close()
+    for c in (ctx, ctx_auto, ctx_seq):
+        c.close()
     if ctx_shmem is not None:
         ctx_shmem.close()
 

@@ -101,12 +101,13 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
     senders = [int(n) for n in args.senders.split(",") if n.strip()]
     tile = down_tile(args.down_tile)
     ctx = None if tile is None else MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
-                                                   experts_per_rank=El, config=tile)
+                                                   experts_per_rank=El, config=tile,
+                                                   transport="stores")
     fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt, ctx=ctx)
     torch_path = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=dt, fused=False)
     # the down GEMM + combine with each tile walk fixed (the layer's own context picks by S)
     walks = {wk: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
-                                walk=wk) for wk in ("sources", "experts")}
+                                walk=wk, transport="stores") for wk in ("sources", "experts")}
     # the staged layer's dispatch with the other choice of dedup than its rule's
     other = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt,
                         dedup=not fused.dispatch_ctx.dedup)

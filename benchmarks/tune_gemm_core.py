@@ -68,7 +68,7 @@ def main() -> int:
                CombineConfig(block_s=16, block_h=512, num_warps=8),
                CombineConfig(block_s=1, block_h=2048, num_warps=4)):
         ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=segs,
-                             combine_config=cc)
+                             combine_config=cc, transport="stores")
         phases = ctx.phases(x, w, counts, slots, tw, y)
         t_g = time_op(phases["gemm"], world, graph=True, iters=30)["median_ms"]
         k = phases["gemm_kernel"]
@@ -95,7 +95,7 @@ def main() -> int:
             t_dense = float("nan")
             print(f"  dense {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
         ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=segs,
-                             config=cfg)
+                             config=cfg, transport="stores")
         try:
             t_moe = time_op(lambda: ctx(x, w, counts, slots, tw, out=y), world, graph=True,
                             iters=30)["median_ms"]

@@ -202,7 +202,7 @@ def combine_sum(world, writer, args, S, H, I, E, k, g, hbm) -> list:
     lines = []
     for bs in (None, 1, 2, 4, 8, 16):  # None: the call's own pick (``combine_block``)
         ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=E,
-                             combine_config=CombineConfig(block_s=bs))
+                             combine_config=CombineConfig(block_s=bs), transport="stores")
         try:
             out = torch.empty(S, H, device=dev, dtype=torch.bfloat16)
             ph = ctx.phases(x, w, counts, slots, tw, out)
@@ -265,9 +265,9 @@ def down_gemm(world, writer, args, W, S, H, I, E, k, g, hbm) -> list:
             cfg = None if c is None else MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2],
                                                       num_warps=c[3], num_stages=c[4])
             ctx = MoeGemmCombine(world, max_tokens=R, top_k=1, hidden=H, experts_per_rank=El,
-                                 config=cfg)
+                                 config=cfg, transport="stores")
             if impl == "pointers":  # this context only: its plans then load by pointers
-                ctx._descriptors = lambda x_, w_, cfg_: (None, None)
+                ctx.kernel()._descriptors = lambda x_, w_, cfg_: (None, None)
             try:
                 out = torch.full((R, H), float("nan"), device=dev, dtype=torch.bfloat16)
                 ctx(x, w, counts, slots, tw, out=out)

@@ -19,13 +19,14 @@ gemv_all_reduce         GemvAllReduce                 stores, one_shot, torch_fu
                                                       sequential
 embedding_all_to_all    EmbeddingAllToAll             stores, shmem, sequential
 moe_dispatch            MoeDispatch                   stores, shmem, sequential
-moe_gemm_combine        MoeGemmCombine                stores, shmem
+moe_gemm_combine        MoeGemmCombine                stores, shmem, sequential
 ======================  ============================  ===========================================
 
-The first six also take ``transport="auto"``, their default on a GPU world: the context times
-every transport that can run on its world (the embedding op's ``shmem`` only when named) at the
-first eager call of each new shape and keeps the fastest (``ops/planner.py``); on CPU-emulated
-ranks their default is the first transport listed, as it is for the last two. ``torch_fused`` (torch's own fused ops) runs on GPU worlds
+All but ``moe_dispatch`` also take ``transport="auto"``, their default on a GPU world: the
+context times every transport that can run on its world (the embedding and MoE combine ops'
+``shmem`` only when named) at the first eager call of each new shape and keeps the fastest
+(``ops/planner.py``); on CPU-emulated ranks their default is the first transport listed, as it
+is for ``moe_dispatch``. ``torch_fused`` (torch's own fused ops) runs on GPU worlds
 of one host only. Each op is also ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS``
 lists them). The modules (``RowParallelLinear``, ``ColumnParallelLinear``,
 ``ShardedEmbeddingBagCollection``, ``ExpertParallelMoE``) use them as drop-in layers. See

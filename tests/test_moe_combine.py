@@ -226,8 +226,8 @@ def _late_combine(world):
     ctx = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=16, experts_per_rank=El,
                          config=SMALL, timeout_s=5.0)
     if r == W - 1:
-        orig = ctx._comb_args  # the host step right before the combine launch
-        ctx._comb_args = lambda *a: (time.sleep(1.0), orig(*a))[1]
+        orig = ctx.impl._comb_args  # the host step right before the combine launch
+        ctx.impl._comb_args = lambda *a: (time.sleep(1.0), orig(*a))[1]
     g = torch.Generator().manual_seed(70 + r)
     S = 6
     ids = (torch.full((S, k), r) if r == W - 1 else torch.randint(0, W, (S, k), generator=g))

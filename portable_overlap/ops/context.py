@@ -170,6 +170,9 @@ class ContextBase:
     #: before its first collective, so this rank's refusal reaches its peers through the
     #: planner's agreement before any of them waits in the collective library
     checking_only = False
+    #: whether a call can be captured in a CUDA graph: False for a transport that reads data on
+    #: the host at every call, which ``transport="auto"`` then times in plain calls only
+    capturable = True
 
     def __init__(self, world, timeout_s: float):
         self.timeout_s = check_timeout(self.OP, timeout_s)

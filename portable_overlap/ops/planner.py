@@ -26,7 +26,9 @@ What the first call of a key does (collective; the same on every rank):
    candidates' order rotated each round, and the median of the rounds kept) in each of the
    timing modes ``graph`` asks for: plain calls and CUDA-graph replays (the default,
    ``graph=None``; on a CPU device, where nothing is captured, plain calls only), plain calls
-   only (``graph=False``) or replays only (``graph=True``). A candidate that raises on any rank
+   only (``graph=False``) or replays only (``graph=True``); a candidate whose workspace is not
+   ``capturable`` (it reads data on the host at every call: the MoE combine's
+   ``"sequential"``) in plain calls only. A candidate that raises on any rank
    is left out on every rank (the ranks exchange their errors after each step) and a
    ``RuntimeWarning`` names it and its error; one whose workspace the failure left out of step
    with its peers (broken, e.g. by a peer timeout) is left out of every later decision too, and
@@ -36,10 +38,12 @@ What the first call of a key does (collective; the same on every rank):
 4. **The picks**: per timing mode, the fastest candidate, except that ``"sequential"`` is kept
    when it is within :data:`TIE` of it. A call made under CUDA-graph capture runs the pick of
    the replays, any other call the pick of the plain calls (with one timing mode, both are
-   its pick). The two can differ, as the host's launch costs weigh on plain calls only: on
-   4 H100s, AllGather + GEMM at 8192³ picked the SM stores from plain calls, while in graph
-   replays torch's fused op ran faster (0.465 against 0.485 ms). Rank 0's picks are every rank's
-   (``decide`` broadcasts them), so later calls stay matched across ranks.
+   its pick; where that pick is not capturable, the fastest capturable one runs the calls
+   made under capture: ``_picks``). The two can differ, as the host's launch costs weigh on
+   plain calls only: on 4 H100s, AllGather + GEMM at 8192³ picked the SM stores from plain
+   calls, while in graph replays torch's fused op ran faster (0.465 against 0.485 ms). Rank
+   0's picks are every rank's (``decide`` broadcasts them), so later calls stay matched across
+   ranks.
 
 Decisions live in the context (``ctx.decisions``: cache key -> ``{"transport", "ms",
 "failed"}``, and ``"captured": {"transport", "ms"}`` for the replays' pick where both modes
@@ -299,6 +303,24 @@ def _fastest(ms: dict) -> str:
     if SEQUENTIAL in ms and ms[SEQUENTIAL] <= ms[best] * (1 + TIE):
         best = SEQUENTIAL
     return best
+
+
+def _picks(ms: dict, modes: tuple, capturable) -> dict:
+    """A decision's picks from its times, ``ms`` ``{mode: {candidate: ms}}`` for ``modes`` in
+    timing order (False: plain calls, True: graph replays): ``{"transport", "ms"}`` of the first
+    mode, and ``"captured": {"transport", "ms"}``, the pick of the calls made under graph
+    capture, where it is another: the replays' pick where replays were timed, else, where the
+    plain calls' pick is not ``capturable`` (it reads data on the host), the fastest of those
+    that are. Without a capturable candidate the plain calls' pick stands, and raises its own
+    error under capture."""
+    first = ms[modes[0]]
+    record = {"transport": _fastest(first), "ms": first}
+    replays = ms[modes[1]] if len(modes) > 1 else None
+    if replays is None and record["transport"] not in capturable:
+        replays = {t: v for t, v in first.items() if t in capturable}
+    if replays:
+        record["captured"] = {"transport": _fastest(replays), "ms": replays}
+    return record
 
 
 def _attempt(fn):
@@ -668,6 +690,8 @@ class TransportPlanner:
         modes = ((False, True) if gpu else (False,)) if self.graph is None else (self.graph,)
         rounds = ROUNDS if gpu else 1
         runs, failed, mine, text = {}, {}, {}, _text(call)
+        # (a candidate that reads data on the host at every call is timed in plain calls only)
+        capturable = {t for t in cands if getattr(self.impls[t], "capturable", True)}
         for t in cands:
             impl = self.impls[t]
 
@@ -686,7 +710,8 @@ class TransportPlanner:
         for mode in modes:
             for order in tuning.rotated_rounds(list(runs), rounds):
                 for t in order:
-                    if t in failed:  # (one that cannot be timed in a mode is picked in none)
+                    # (one that failed in a mode is picked in none)
+                    if t in failed or (mode and t not in capturable):
                         continue
                     impl, run, scratch = runs[t]
 
@@ -707,7 +732,7 @@ class TransportPlanner:
                         ms[mode][t].append(value)
         # each candidate's median over its rounds (the same on every rank: each round's value
         # is the slowest rank's)
-        ms = {m: {t: statistics.median(v) for t, v in per.items() if t not in failed}
+        ms = {m: {t: statistics.median(v) for t, v in per.items() if t not in failed and v}
               for m, per in ms.items()}
         broken = {t for t in failed if _is_broken(self.impls[t])}
         broken = [t for t in cands if any(t in b for b in world.all_gather_object(broken))]
@@ -726,10 +751,7 @@ class TransportPlanner:
             warnings.warn(f"{op}: transport {t!r} raised while transport='auto' timed it for "
                           f"this call ({_text(call)}); it is left out of this decision{later}: "
                           f"{why}", RuntimeWarning, stacklevel=2)
-        record = {"transport": _fastest(ms[modes[0]]), "ms": ms[modes[0]], "failed": failed}
-        if len(modes) > 1:
-            record["captured"] = {"transport": _fastest(ms[modes[1]]), "ms": ms[modes[1]]}
-        return record
+        return {**_picks(ms, modes, capturable), "failed": failed}
 
     def _agreed(self, transport: str, step, failed: dict, mine: dict):
         """``step()`` on every rank; its value, or the failure recorded (``failed``: every rank's

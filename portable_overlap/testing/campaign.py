@@ -127,6 +127,7 @@ def _moe() -> Op:
     return Op("moe_gemm_combine",
               make=lambda world, t: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
                                                    experts_per_rank=E, timeout_s=t,
+                                                   transport="stores",
                                                    config=_small_tiles()),
               inputs=inputs,
               call=lambda ctx, i, out: ctx(i["x"], i["w"], i["counts"], i["slots"], i["topk"],

@@ -218,11 +218,13 @@ def check_gemm_alltoall(world: World, gen) -> None:
 
 
 def check_moe_combine(world: World, gen) -> None:
-    """Fused MoE expert GEMM + combine, zero-copy stores with each walk: ranks with different
-    token counts, uniform and skewed routing, every dtype, repeated calls, graph replays with
-    fixed routing. The "shmem" transport's run of the same check is one of the SHMEM checks
+    """MoE expert GEMM + combine: the zero-copy stores with each walk, the sequential transport
+    and ``"auto"``: ranks with different token counts, uniform and skewed routing, every dtype,
+    repeated calls, graph replays with fixed routing (the sequential transport must refuse the
+    capture). The "shmem" transport's run of the same check is one of the SHMEM checks
     (``main``)."""
-    for transport, walk in (("stores", "auto"), ("stores", "sources"), ("stores", "experts")):
+    for transport, walk in (("stores", "auto"), ("stores", "sources"), ("stores", "experts"),
+                            ("sequential", "auto"), ("auto", "auto")):
         _guarded(_check_moe_combine, world, gen, transport, walk)
 
 
@@ -259,6 +261,15 @@ def _check_moe_combine(world, gen, transport, walk):
                        f"rel_err={err:.2e} rows={x.shape[0]}")
         out.fill_(float("nan"))
         graph = torch.cuda.CUDAGraph()
+        if transport == "sequential":  # the splits are read on the host: it must refuse
+            try:
+                with torch.cuda.graph(graph):
+                    ctx(x, w, counts, slots, tw, out=out)
+                record(f"moe[{name}] refuses graph capture", False, "it was captured")
+            except RuntimeError as e:
+                record(f"moe[{name}] refuses graph capture", "cannot be captured" in str(e),
+                       str(e)[:100])
+            return
         with torch.cuda.graph(graph):
             ctx(x, w, counts, slots, tw, out=out)
         ref = moe_gemm_combine_reference(x, w, counts, slots, tw, world.group)
@@ -269,7 +280,7 @@ def _check_moe_combine(world, gen, transport, walk):
             ctx.synchronize()
             worst = max(worst, rel_err(out, ref))
         record(f"moe[{name}] 10 graph replays", worst < TOL[torch.float32] * 2,
-               f"worst rel_err={worst:.2e}")
+               f"worst rel_err={worst:.2e} picks={ctx.choices(x, w, counts, slots, tw, out)}")
     finally:
         ctx.close()
 

@@ -1,6 +1,8 @@
-"""Fused MoE expert GEMM + combine All-to-All (expert parallelism), payload-efficient.
+"""The fused transports of MoE expert GEMM + combine All-to-All (expert parallelism),
+payload-efficient: the workspace and launches of ``"stores"`` and ``"shmem"``.
 
-What it computes on rank r, with the dispatch layout of ``moe_dispatch`` (ops/moe_dispatch)::
+What the op computes on rank r (``pattern.py`` has the context and the op; the dispatch layout
+is ``moe_dispatch``'s, ops/moe_dispatch)::
 
     # x [R, I]: rows for r's experts, by source rank q, then local expert e (counts[q, e] rows)
     # w [E_local, I, H]: r's experts (global expert r * E_local + e); slots [R]: row -> slot
@@ -12,10 +14,9 @@ What it computes on rank r, with the dispatch layout of ``moe_dispatch`` (ops/mo
 with one persistent grouped-GEMM kernel that sends each finished tile's rows to the source
 rank's combine buffer at their slots, tiles for other ranks first, and a combine kernel that
 waits for the rows and takes the weighted sum (kernel.py). Only real rows travel; ranks may
-receive different row counts and hold different token counts S. Two transports
-(``MoeGemmCombine(..., transport=...)``):
+receive different row counts and hold different token counts S. The two fused transports:
 
-- ``"stores"`` (default, scale-up): plain stores into the peer's heap (zero-copy);
+- ``"stores"`` (scale-up): plain stores into the peer's heap (zero-copy);
 - ``"shmem"`` (the scale-out design): device-initiated puts by the vendor's SHMEM library
   (NVSHMEM / ROC_SHMEM, shmem/providers), rows staged per program, then put row by row into the
   peer's symmetric combine buffer; completion (quiet) before the same release signals.
@@ -41,12 +42,12 @@ from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
                        refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
-from ..registry import OpSpec, define
 from ...shmem.providers import agreed_put_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_config, tile_descriptors
 from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
 
-TRANSPORTS = ("stores", "shmem")
+#: the transports this module runs (``pattern.py`` adds ``"sequential"`` and ``"auto"``)
+FUSED_TRANSPORTS = ("stores", "shmem")
 #: the GEMM's tile walks: by the call's size (``decode_walk``), expert by expert, source by source
 WALKS = ("auto", "experts", "sources")
 
@@ -130,9 +131,9 @@ def decode_tile(dtype: torch.dtype, facts) -> MatmulConfig:
     return MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=stages)
 
 
-class MoeGemmCombine(OverlapContext):
-    """Workspace of the fused expert GEMM + combine on one rank: a combine buffer of
-    ``max_tokens * top_k`` rows of ``hidden`` (the most tokens any rank holds in a call), one
+class MoeGemmCombineKernel(OverlapContext):
+    """Workspace of a fused transport (``"stores"``, ``"shmem"``) on one rank: a combine buffer
+    of ``max_tokens * top_k`` rows of ``hidden`` (the most tokens any rank holds in a call), one
     epoch stamp per row, flags and row counters in the symmetric heap. Collective to create and
     close; calls in the same order on every rank, on one stream.
 
@@ -143,7 +144,7 @@ class MoeGemmCombine(OverlapContext):
     between the ranks of one call."""
 
     OP = OP
-    TRANSPORTS = TRANSPORTS
+    TRANSPORTS = FUSED_TRANSPORTS
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
@@ -155,8 +156,9 @@ class MoeGemmCombine(OverlapContext):
                         ("experts_per_rank", experts_per_rank)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport not in FUSED_TRANSPORTS:
+            raise ValueError(f"{OP}: transport must be one of {FUSED_TRANSPORTS}, got "
+                             f"{transport!r}")
         if walk not in WALKS:
             raise ValueError(f"{OP}: walk must be one of {WALKS}, got {walk!r}")
         W = world.world_size
@@ -217,7 +219,7 @@ class MoeGemmCombine(OverlapContext):
                  slots: torch.Tensor, topk_weights: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         refuse_grad(OP, x, w, topk_weights)  # the result would carry no gradient
-        self._validate(x, w, counts, slots, topk_weights)
+        check_inputs(self, x, w, counts, slots, topk_weights)
         out = output_tensor(OP, out, (topk_weights.shape[0], self.hidden), x,
                             dict(x=x, w=w, topk_weights=topk_weights))
         gemm, combine, _ = self._launches(x, w, counts, slots, topk_weights, out)
@@ -381,41 +383,44 @@ class MoeGemmCombine(OverlapContext):
         comb.block_s = cc.block_s
         return comb
 
-    # -- checks --------------------------------------------------------------------------------
-    def _validate(self, x, w, counts, slots, topk_weights) -> None:
-        W, E, H = self.world.world_size, self.experts_per_rank, self.hidden
-        dev = self.world.device
-        for name, t in (("x", x), ("w", w), ("counts", counts), ("slots", slots),
-                        ("topk_weights", topk_weights)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{OP}: {name} must be a tensor")
-            if t.device != dev:
-                raise ValueError(f"{OP}: {name} must be on {dev}, got {t.device}")
-        if x.dtype not in DTYPES or w.dtype != x.dtype:
-            raise TypeError(f"{OP}: x and w must share one dtype of {DTYPES}; got {x.dtype}, "
-                            f"{w.dtype}")
-        if x.dim() != 2 or w.dim() != 3 or w.shape[0] != E or w.shape[1] != x.shape[1] \
-                or w.shape[2] != H:
-            raise ValueError(f"{OP}: need x [R, I] and w [{E}, I, {H}]; got {tuple(x.shape)}, "
-                             f"{tuple(w.shape)}")
-        if x.shape[1] < 1:
-            raise ValueError(f"{OP}: I must be >= 1")
-        if counts.dtype != torch.int32 or tuple(counts.shape) != (W, E) \
-                or not counts.is_contiguous():
-            raise ValueError(f"{OP}: counts must be a contiguous int32 [{W}, {E}] tensor (rows "
-                             f"from each source rank for each local expert); got "
-                             f"{counts.dtype} {tuple(counts.shape)}")
-        if slots.dtype != torch.int32 or tuple(slots.shape) != (x.shape[0],) \
-                or not slots.is_contiguous():
-            raise ValueError(f"{OP}: slots must be a contiguous int32 [{x.shape[0]}] tensor "
-                             f"(one per row of x); got {slots.dtype} {tuple(slots.shape)}")
-        if topk_weights.dim() != 2 or topk_weights.shape[1] != self.top_k \
-                or not topk_weights.is_floating_point():
-            raise ValueError(f"{OP}: topk_weights must be a float [S, {self.top_k}] tensor; got "
-                             f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
-        if topk_weights.shape[0] > self.max_tokens:
-            raise ValueError(f"{OP}: S={topk_weights.shape[0]} tokens exceed this context's "
-                             f"max_tokens={self.max_tokens}")
+
+def check_inputs(ctx, x, w, counts, slots, topk_weights) -> None:
+    """The host checks of a call (every transport's): devices, dtypes, shapes and the token
+    count against ``ctx``'s sizes (``hidden``, ``top_k``, ``experts_per_rank``,
+    ``max_tokens``); the routing data's values are checked on the device."""
+    W, E, H = ctx.world.world_size, ctx.experts_per_rank, ctx.hidden
+    dev = ctx.world.device
+    for name, t in (("x", x), ("w", w), ("counts", counts), ("slots", slots),
+                    ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a tensor")
+        if t.device != dev:
+            raise ValueError(f"{OP}: {name} must be on {dev}, got {t.device}")
+    if x.dtype not in DTYPES or w.dtype != x.dtype:
+        raise TypeError(f"{OP}: x and w must share one dtype of {DTYPES}; got {x.dtype}, "
+                        f"{w.dtype}")
+    if x.dim() != 2 or w.dim() != 3 or w.shape[0] != E or w.shape[1] != x.shape[1] \
+            or w.shape[2] != H:
+        raise ValueError(f"{OP}: need x [R, I] and w [{E}, I, {H}]; got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}")
+    if x.shape[1] < 1:
+        raise ValueError(f"{OP}: I must be >= 1")
+    if counts.dtype != torch.int32 or tuple(counts.shape) != (W, E) \
+            or not counts.is_contiguous():
+        raise ValueError(f"{OP}: counts must be a contiguous int32 [{W}, {E}] tensor (rows "
+                         f"from each source rank for each local expert); got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    if slots.dtype != torch.int32 or tuple(slots.shape) != (x.shape[0],) \
+            or not slots.is_contiguous():
+        raise ValueError(f"{OP}: slots must be a contiguous int32 [{x.shape[0]}] tensor "
+                         f"(one per row of x); got {slots.dtype} {tuple(slots.shape)}")
+    if topk_weights.dim() != 2 or topk_weights.shape[1] != ctx.top_k \
+            or not topk_weights.is_floating_point():
+        raise ValueError(f"{OP}: topk_weights must be a float [S, {ctx.top_k}] tensor; got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if topk_weights.shape[0] > ctx.max_tokens:
+        raise ValueError(f"{OP}: S={topk_weights.shape[0]} tokens exceed this context's "
+                         f"max_tokens={ctx.max_tokens}")
 
 
 def validate_routing(x, counts, slots, S: int, top_k: int, world) -> None:
@@ -462,22 +467,3 @@ def validate_routing(x, counts, slots, S: int, top_k: int, world) -> None:
     if found:
         raise ValueError(f"{OP}: invalid routing data: "
                          + "; ".join(f"rank {q}: {m}" for q, m in found))
-
-
-MOE_GEMM_COMBINE = define(OpSpec(
-    OP, "(Tensor x, Tensor w, Tensor counts, Tensor slots, Tensor topk_weights, int handle) "
-        "-> Tensor",
-    context=MoeGemmCombine, transports=TRANSPORTS,
-    compile_specs=("portable_overlap.ops.moe_combine.compile_specs",),
-    fake=lambda ctx, x, w, counts, slots, topk_weights: x.new_empty((topk_weights.shape[0],
-                                                                    w.shape[2]))))
-
-
-def moe_gemm_combine(x, w, counts, slots, topk_weights, ctx: MoeGemmCombine,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The expert GEMMs of this rank's received rows and the weighted combine back at their
-    sources: ``out[s] = sum_k topk_weights[s, k] * expert_k(x_s)`` [S, H] for each of this
-    rank's S tokens; see the module docstring for the routing tensors. Under ``torch.compile``
-    one opaque op, ``torch.ops.portable_overlap.moe_gemm_combine(x, w, counts, slots,
-    topk_weights, ctx.handle)``."""
-    return MOE_GEMM_COMBINE(ctx, (x, w, counts, slots, topk_weights), out=out)

@@ -18,7 +18,8 @@ dispatch and the combine, raised on every rank for the same call (by the dispatc
 routing faults and the rows that arrive, by the combine context for the rows that leave).
 
 The two contexts are the staged path's own (``MoeDispatch`` with the ``"stores"`` transport,
-``MoeGemmCombine`` with ``"stores"``), made with the same ``hidden``, ``top_k`` and
+``MoeGemmCombine`` with ``"stores"`` or ``"auto"``, whose ``"stores"`` workspace the launches
+run on), made with the same ``hidden``, ``top_k`` and
 ``experts_per_rank`` on the same world; calls of this op and of the staged ops may alternate on
 them.
 """
@@ -33,7 +34,7 @@ import torch
 from ..context import G_MAX, align_key, output_tensor, refuse_grad, run_collective, shape_tag
 from ..matmul.api import MatmulConfig
 from ..moe_combine import MoeGemmCombine
-from ..moe_combine.api import OP as COMBINE_OP, decode_walk
+from ..moe_combine.api import OP as COMBINE_OP, check_inputs, decode_walk
 from ..moe_dispatch import MoeDispatch
 from ..moe_dispatch import swiglu
 from ..moe_experts.api import _descriptors, default_config
@@ -67,10 +68,16 @@ def _check_contexts(dctx, cctx) -> None:
         if getattr(dctx, name) != getattr(cctx, name):
             raise ValueError(f"{OP}: the contexts disagree on {name}: dispatch "
                              f"{getattr(dctx, name)}, combine {getattr(cctx, name)}")
-    if dctx.transport != "stores" or cctx.transport != "stores":
+    try:
+        cctx.kernel()  # (the combine context's "stores" workspace: named, or "auto"'s)
+        stores = dctx.transport == "stores"
+    except ValueError:
+        stores = False
+    if not stores:
         raise ValueError(f"{OP}: the one-launch layer stores rows itself and needs both contexts "
-                         f"with transport='stores'; got dispatch {dctx.transport!r}, combine "
-                         f"{cctx.transport!r} (call the staged ops instead)")
+                         f"with transport='stores' (the combine's may be 'auto'); got dispatch "
+                         f"{dctx.transport!r}, combine {cctx.transport!r} (call the staged ops "
+                         f"instead)")
     if dctx.world.world_size > swiglu.MAX_WORLD:
         raise ValueError(f"{OP}: at most {swiglu.MAX_WORLD} ranks, got "
                          f"{dctx.world.world_size}")
@@ -91,12 +98,17 @@ def moe_layer(tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     dispatch_ctx.handle, combine_ctx.handle, senders, rows_per_segment)`` (``out`` makes it a
     graph break). Inference only (no autograd)."""
     _check_contexts(dispatch_ctx, combine_ctx)
+    # the layer's launches run on the combine context's "stores" workspace (also under "auto"):
+    # the part's own context, which a refused call tells its peers of
     return MOE_LAYER((tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx,
-                      combine_ctx, senders, rows_per_segment), out=out)
+                      combine_ctx.kernel(), senders, rows_per_segment), out=out)
 
 
 def _run_part(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx, combine_ctx,
               senders=None, rows_per_segment=None, out=None) -> torch.Tensor:
+    if isinstance(combine_ctx, MoeGemmCombine):  # (the torch op called with its handle)
+        _check_contexts(dispatch_ctx, combine_ctx)
+        combine_ctx = combine_ctx.kernel()
     # one call of both contexts: a refusal (bad input on this rank) is told to the peers on
     # both, and the dispatch's errors (routing, the rows that arrive), which cause the
     # combine's, are raised first
@@ -141,7 +153,7 @@ def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, 
             raise ValueError(f"{OP}: {name} must be a non-empty 3-d tensor")
     h = _activations(dctx, w_gate)
     swiglu.check_weights(dctx, w_gate, w_up, h, OP)
-    cctx._validate(h, w_down, dctx.counts, dctx.recv_slots, topk_weights)
+    check_inputs(cctx, h, w_down, dctx.counts, dctx.recv_slots, topk_weights)
     if topk_weights.shape[0] != tokens.shape[0]:
         raise ValueError(f"{OP}: topk_weights has {topk_weights.shape[0]} rows, tokens "
                          f"{tokens.shape[0]}")
