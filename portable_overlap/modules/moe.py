@@ -45,7 +45,8 @@ class ExpertParallelMoE(nn.Module):
     construct and to :meth:`close` (every rank, same arguments). When ``fused``, ``max_tokens``
     (most tokens a rank passes) and ``capacity`` (most rows a rank's experts receive in a call;
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
-    contexts it makes (``ctx``: a combine context to use instead); ``fuse_dispatch``: the
+    contexts it makes (the combine's with the library's default transport, ``"auto"`` on a GPU
+    world; ``ctx``: a combine context to use instead); ``fuse_dispatch``: the
     dispatch and the gated GEMM in one launch; ``one_launch``: the dispatch and both expert
     GEMMs in one launch (module docstring); ``dedup``: the staged dispatch sends a token once
     per rank it reaches (``MoeDispatch``; None: its rule; the fused schedules send a row per
