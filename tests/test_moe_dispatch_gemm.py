@@ -111,9 +111,13 @@ def _layer(world):
                 fused.synchronize()
                 y_staged = staged(tokens)
                 staged.synchronize()
-                assert torch.equal(y, y_staged)
-                y_ref = ref(tokens)
-                errs.append(_rel(y, y_ref) if S else float(y.numel()))
+                y_ref = ref(tokens)  # (collective: every rank, whatever its S)
+                # (recorded, not asserted here: a rank that raised would leave its peers in
+                # the next collective). Not bit for bit: from 4 ranks the staged gated GEMM
+                # packs an expert's rows of all sources in one tile (``gather_rows``), where
+                # the fused launch keeps a tile per source
+                errs.append(max(_rel(y, y_ref), _rel(y, y_staged)) if S
+                            else float(y.numel()))
         try:
             ExpertParallelMoE(world, H, I, E, k, max_tokens=9, fused=False, fuse_dispatch=True)
             raise AssertionError("fuse_dispatch without fused was accepted")

@@ -117,8 +117,8 @@ def test_wide_top_k_and_one_expert_per_rank(world2):
 
 
 def _module(world):
-    """``ExpertParallelMoE(one_launch=True)`` against the staged layer (equal) and the torch
-    path, three calls with different token counts (a rank with none in one)."""
+    """``ExpertParallelMoE(one_launch=True)`` against the staged layer (to float32 rounding)
+    and the torch path, three calls with different token counts (a rank with none in one)."""
     H, I, E, k = 24, 20, 2 * world.world_size, 3
     one = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32,
                             one_launch=True)
@@ -133,10 +133,15 @@ def _module(world):
                 tokens = torch.randn(S, H, generator=g)
                 y = one(tokens)
                 one.synchronize()
-                assert torch.equal(y, staged(tokens))
+                y_staged = staged(tokens)
                 staged.synchronize()
                 y_ref = ref(tokens)  # (collective: every rank, whatever its S)
-                errs.append(_rel(y, y_ref) if S else float(y.numel()))
+                # (recorded, not asserted here: a rank that raised would leave its peers in
+                # the next collective). Not bit for bit: from 4 ranks the staged gated GEMM
+                # packs an expert's rows of all sources in one tile (``gather_rows``), where
+                # the one launch keeps a tile per source
+                errs.append(max(_rel(y, y_ref), _rel(y, y_staged)) if S
+                            else float(y.numel()))
         for kw in ({"fused": False, "one_launch": True},
                    {"fuse_dispatch": True, "one_launch": True}):
             with pytest.raises(ValueError, match="one_launch"):
