@@ -48,8 +48,8 @@ class PatternContext:
     ``transport=None`` (the default) is :meth:`default_transport`: ``"auto"`` on a GPU world.
     Options of ``"auto"``:
 
-    - ``candidates``: the transports it chooses from (default: every transport of
-      ``TRANSPORTS`` that can run on this world);
+    - ``candidates``: the transports it chooses from (default: those of ``AUTO_CANDIDATES``,
+      else of ``TRANSPORTS``, that can run on this world);
     - ``options``: each candidate's own options, ``{transport: {option: value}}`` (e.g.
       ``options={"copy_engine": {"pieces": 8}}``); a candidate not named gets its defaults.
       A transport's options given directly (``pieces=8``) are refused with ``"auto"``, since
@@ -76,10 +76,18 @@ class PatternContext:
     CALL_OPTIONS: dict = {}
     #: per-call options that are outputs (an ``"auto"`` timing writes a scratch tensor instead)
     OUTPUT_OPTIONS: tuple = ()
+    #: what ``"auto"`` chooses from unless ``candidates=`` says otherwise (those of them that can
+    #: run on the world); None: every transport that can
+    AUTO_CANDIDATES: Optional[tuple] = None
 
     def __init__(self, world, transport: Optional[str], timeout_s: Optional[float], options):
         if transport is None:
             transport = self.default_transport(world, options)
+        if transport == AUTO and "candidates" not in options \
+                and self.AUTO_CANDIDATES is not None:
+            unavailable = self.unavailable(world)
+            options = {**options, "candidates": tuple(t for t in self.AUTO_CANDIDATES
+                                                      if t not in unavailable)}
         if transport != AUTO and transport not in self.TRANSPORTS:
             raise ValueError(f"{self.OP}: transport must be one of {self.TRANSPORTS} or "
                              f"{AUTO!r}, got {transport!r}")

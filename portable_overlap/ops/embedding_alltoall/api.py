@@ -49,7 +49,7 @@ import torch
 
 from ..context import get_context
 from ..pattern import PatternContext, timeout_kw
-from ..planner import AUTO, Jagged
+from ..planner import Jagged
 from ..registry import OpSpec, check_context, define
 from .fused import check_tiling, FusedEmbeddingAllToAll
 from .plan import ShardingPlan
@@ -91,6 +91,7 @@ class EmbeddingAllToAll(PatternContext):
 
     OP = OP
     TRANSPORTS = TRANSPORTS
+    AUTO_CANDIDATES = AUTO_CANDIDATES
     CALL_OPTIONS = {t: _CALL for t in TRANSPORTS}
 
     def __init__(self, world, table_rows: Sequence[int], dim: int, max_local_batch: int, *,
@@ -109,11 +110,6 @@ class EmbeddingAllToAll(PatternContext):
         self.tables = RankTables(world, plan, max_local_batch)
         self._tiling = dict(block_b=block_b, num_warps=num_warps, max_programs=max_programs)
         self.validate = True
-        if transport is None:
-            transport = self.default_transport(world, options)
-        if transport == AUTO and "candidates" not in options:
-            unavailable = self.unavailable(world)
-            options["candidates"] = tuple(t for t in AUTO_CANDIDATES if t not in unavailable)
         super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):

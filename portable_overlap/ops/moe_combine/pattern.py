@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from ..pattern import PatternContext, timeout_kw
-from ..planner import AUTO, Jagged
+from ..planner import Jagged
 from ..registry import OpSpec, define
 from .api import FUSED_TRANSPORTS, MoeGemmCombineKernel, OP, WALKS
 
@@ -67,6 +67,7 @@ class MoeGemmCombine(PatternContext):
 
     OP = OP
     TRANSPORTS = TRANSPORTS
+    AUTO_CANDIDATES = AUTO_CANDIDATES
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
                  experts_per_rank: int, transport: Optional[str] = None,
@@ -84,11 +85,6 @@ class MoeGemmCombine(PatternContext):
         self.experts_per_rank = experts_per_rank
         self.max_slots = max_tokens * top_k
         self.config, self.combine_config, self.walk = config, combine_config, walk
-        if transport is None:
-            transport = self.default_transport(world, options)
-        if transport == AUTO and "candidates" not in options:
-            unavailable = self.unavailable(world)
-            options["candidates"] = tuple(t for t in AUTO_CANDIDATES if t not in unavailable)
         super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
