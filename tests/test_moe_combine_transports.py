@@ -218,3 +218,19 @@ def test_picks_of_a_candidate_that_cannot_be_captured():
     assert got["transport"] == "sequential" and got["captured"]["transport"] == "stores", got
     got = _picks({False: {"stores": 0.5, "sequential": 1.0}}, (False,), {"stores"})
     assert got == {"transport": "stores", "ms": {"stores": 0.5, "sequential": 1.0}}, got
+
+
+def _mismatched_sizes(world):
+    try:
+        MoeGemmCombine(world, max_tokens=4, top_k=2, hidden=8 + world.rank, experts_per_rank=1,
+                       transport="sequential").close()
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_ranks_that_disagree_on_the_sizes_raise_on_every_rank(world2):
+    """The sequential transport has no heap to size, so the context checks its sizes itself."""
+    for msg in world2.run(_mismatched_sizes):
+        assert msg.startswith("RankMismatchError: ranks disagree on moe_gemm_combine context "
+                              "arguments"), msg

@@ -85,6 +85,9 @@ class MoeGemmCombine(PatternContext):
         self.experts_per_rank = experts_per_rank
         self.max_slots = max_tokens * top_k
         self.config, self.combine_config, self.walk = config, combine_config, walk
+        # (the fused workspaces check their own arguments too; the sequential one has none)
+        world.check_same(f"{OP} context arguments",
+                         (max_tokens, top_k, hidden, experts_per_rank, walk))
         super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
