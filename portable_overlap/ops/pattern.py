@@ -148,6 +148,13 @@ class PatternContext:
     def _make(self, world, transport, timeout_s, **options):
         raise NotImplementedError
 
+    def refuse_own_options(self, transport: str, options: dict, what: str, names: str) -> None:
+        """For a pattern whose transports take no options of their own (``what``, set by the
+        context's arguments ``names``, is every transport's): a ``ValueError`` for any."""
+        if options:
+            raise ValueError(f"{self.OP}: transport {transport!r} takes no options of its own; "
+                             f"got {sorted(options)} ({what} is the context's: {names})")
+
     def _bind(self, *args, **kwargs) -> tuple:
         raise NotImplementedError
 

@@ -113,10 +113,8 @@ class EmbeddingAllToAll(PatternContext):
         super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
-        if options:
-            raise ValueError(f"{OP}: transport {transport!r} takes no options of its own; got "
-                             f"{sorted(options)} (the fused kernel's tiling is the context's: "
-                             f"block_b=, num_warps=, max_programs=)")
+        self.refuse_own_options(transport, options, "the fused kernel's tiling",
+                                "block_b=, num_warps=, max_programs=")
         if transport == "sequential":  # (the lookup takes the fused kernel's tile)
             return SequentialEmbeddingAllToAll(world, self.tables, block_b=self._tiling["block_b"],
                                                num_warps=self._tiling["num_warps"],

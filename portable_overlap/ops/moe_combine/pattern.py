@@ -91,10 +91,8 @@ class MoeGemmCombine(PatternContext):
         super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
-        if options:
-            raise ValueError(f"{OP}: transport {transport!r} takes no options of its own; got "
-                             f"{sorted(options)} (the fused kernels' tiles are the context's: "
-                             f"config=, combine_config=, walk=)")
+        self.refuse_own_options(transport, options, "the fused kernels' tiling",
+                                "config=, combine_config=, walk=")
         sizes = dict(max_tokens=self.max_tokens, top_k=self.top_k, hidden=self.hidden,
                      experts_per_rank=self.experts_per_rank, **timeout_kw(timeout_s))
         if transport == "sequential":
@@ -136,20 +134,22 @@ class MoeGemmCombine(PatternContext):
         return {"dtype": str(x.dtype), "I": x.shape[1]}
 
     # -- the fused kernels' workspace --------------------------------------------------------------
-    def kernel(self) -> MoeGemmCombineKernel:
+    def kernel(self) -> Optional[MoeGemmCombineKernel]:
         """The ``"stores"`` workspace this context runs (named, or ``"auto"``'s candidate): what
-        the one-launch MoE layer (ops/moe_layer) launches its down GEMM and weighted sum on.
-        ``ValueError`` where the context has none."""
+        the one-launch MoE layer (ops/moe_layer) launches its down GEMM and weighted sum on;
+        None where the context has none."""
         impl = self.impl if self.planner is None else self.planner.impls.get("stores")
-        if not isinstance(impl, MoeGemmCombineKernel) or impl.transport != "stores":
-            raise ValueError(f"{OP}: this context has no 'stores' workspace (transport "
-                             f"{self.transport!r}); make it with transport='stores' or 'auto'")
-        return impl
+        stores = isinstance(impl, MoeGemmCombineKernel) and impl.transport == "stores"
+        return impl if stores else None
 
     def phases(self, x, w, counts, slots, topk_weights, out) -> dict:
         """``MoeGemmCombineKernel.phases`` of the context's ``"stores"`` workspace (:meth:`kernel`):
         one call of the op, then its two kernels as separate launches, to time or inspect."""
-        return self.kernel().phases(x, w, counts, slots, topk_weights, out)
+        kernel = self.kernel()
+        if kernel is None:
+            raise ValueError(f"{OP}: phases() times the 'stores' kernels, and this context has "
+                             f"none (transport {self.transport!r})")
+        return kernel.phases(x, w, counts, slots, topk_weights, out)
 
 
 MOE_GEMM_COMBINE = define(OpSpec(

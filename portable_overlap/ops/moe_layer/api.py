@@ -68,12 +68,8 @@ def _check_contexts(dctx, cctx) -> None:
         if getattr(dctx, name) != getattr(cctx, name):
             raise ValueError(f"{OP}: the contexts disagree on {name}: dispatch "
                              f"{getattr(dctx, name)}, combine {getattr(cctx, name)}")
-    try:
-        cctx.kernel()  # (the combine context's "stores" workspace: named, or "auto"'s)
-        stores = dctx.transport == "stores"
-    except ValueError:
-        stores = False
-    if not stores:
+    # (the combine context's "stores" workspace: named, or "auto"'s)
+    if dctx.transport != "stores" or cctx.kernel() is None:
         raise ValueError(f"{OP}: the one-launch layer stores rows itself and needs both contexts "
                          f"with transport='stores' (the combine's may be 'auto'); got dispatch "
                          f"{dctx.transport!r}, combine {cctx.transport!r} (call the staged ops "
