@@ -7,10 +7,15 @@ benchmarks/harness.py. Run under torchrun:
 Shapes (S tokens per rank, H, E experts in all, top-k); routing ``balanced`` (uniform top-k) or
 ``zipf`` (expert popularity ~ 1/(rank+1)^1.2). Timed:
 
-- ``fused``: ``MoeDispatch`` (count, exchange, and rows stored straight into the destinations'
-  heaps; no host sync, so it is also timed as a CUDA-graph replay), with ``dedup`` by its rule;
-  ``fused[dedup]`` / ``fused[row_per_expert]``: with the other choice (a token sent once per
-  rank it reaches, then copied to its places there / a row per expert); rows carry ``dedup``;
+- ``fused``: ``MoeDispatch(transport="stores")`` (count, exchange, and rows stored straight into
+  the destinations' heaps; no host sync, so it is also timed as a CUDA-graph replay), with
+  ``dedup`` by its rule; ``fused[dedup]`` / ``fused[row_per_expert]``: with the other choice (a
+  token sent once per rank it reaches, then copied to its places there / a row per expert);
+  rows carry ``dedup``;
+- ``auto``: ``MoeDispatch`` with the library's default, ``transport="auto"`` on a GPU world
+  (it times ``"stores"`` and ``"sequential"`` at its first call; graph replays run the
+  capturable pick); ``sequential_transport``: ``MoeDispatch(transport="sequential")``, the
+  torch path copied into the context's buffers (plain launches only);
 - ``sequential``: ``moe_dispatch_reference``, the torch path: argsort, bincount, an
   ``all_to_all_single`` of the counts, a host read of the splits, ``all_to_all_single`` of the
   rows and of the slots (plain launches only: the host read cannot be captured);
@@ -58,11 +63,12 @@ def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
     world, args = bench.world, bench.args
     dev, W, r = world.device, world.world_size, world.rank
     El = E // W
-    ctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt)
-    other = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt,
-                        dedup=not ctx.dedup)
+    sizes = dict(max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt)
+    ctx = MoeDispatch(world, **sizes, transport="stores")
+    other = MoeDispatch(world, **sizes, transport="stores", dedup=not ctx.dedup)
     other_name = f"fused[{'dedup' if other.dedup else 'row_per_expert'}]"
-    contexts = {"fused": ctx, other_name: other}
+    contexts = {"fused": ctx, other_name: other, "auto": MoeDispatch(world, **sizes),
+                "sequential_transport": MoeDispatch(world, **sizes, transport="sequential")}
     try:
         for kind in [x for x in args.routings.split(",") if x]:
             shape = {"S": S, "H": H, "E": E, "k": k, "routing": kind}
@@ -82,8 +88,8 @@ def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
                 dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits,
                                        group=world.group)
 
-            impls = {"fused": lambda: ctx(tokens, ids),
-                     other_name: lambda: other(tokens, ids),
+            impls = {name: (lambda c=c: c(tokens, ids)) for name, c in contexts.items()}
+            impls = {**impls,
                      "sequential": lambda: moe_dispatch_reference(tokens, ids, El,
                                                                   world.group),
                      "comm": comm}
@@ -105,7 +111,7 @@ def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
             label = f"{S}x{H}x{E}x{k} {kind} {dname}"
             bench.run(Case(op=OP, shape=shape, dtype=dname, impls=impls, check=check,
                            checked=list(contexts), tol=1e-9, label=label,
-                           plain_only=("sequential",),
+                           plain_only=("sequential", "sequential_transport"),
                            fields=lambda name: {"bytes_sent_per_rank": (
                                                     sent_once if name in contexts
                                                     and contexts[name].dedup else sent),
@@ -113,8 +119,8 @@ def one_shape(bench, gen, dname, dt, S, H, E, k) -> None:
                                                 **({"dedup": contexts[name].dedup}
                                                    if name in contexts else {})}))
     finally:
-        other.close()
-        ctx.close()
+        for c in contexts.values():
+            c.close()
 
 
 if __name__ == "__main__":

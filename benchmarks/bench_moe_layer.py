@@ -110,7 +110,7 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
                                 walk=wk, transport="stores") for wk in ("sources", "experts")}
     # the staged layer's dispatch with the other choice of dedup than its rule's
     other = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El, dtype=dt,
-                        dedup=not fused.dispatch_ctx.dedup)
+                        transport="stores", dedup=not fused.dispatch_ctx.dedup)
     other_name = "dedup" if other.dedup else "row_per_expert"
     gen = torch.Generator(device=dev).manual_seed(100 + r)
     try:

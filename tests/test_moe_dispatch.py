@@ -64,7 +64,7 @@ def _cases(world, dtype, cases, id_dtype=torch.int64, capacity=None, dedup=None)
             ctx.recv.fill_(float("nan") if dtype.is_floating_point else -1)
             ctx.recv_slots.fill_(-7)
             if ctx.dedup:
-                ctx.rows_once.fill_(float("nan") if dtype.is_floating_point else -1)
+                ctx.kernel().rows_once.fill_(float("nan") if dtype.is_floating_point else -1)
             x, counts, slots = moe_dispatch(tokens, ids, ctx)
             ctx.synchronize()
             rows.append(_check(world, x, counts, slots,
@@ -470,9 +470,11 @@ def _shmem(world, case):
                               timeout_s=30.0)
         out = {}
         try:
-            # the receive buffers are the library's, the flags the heap's
-            out["recv in heap"] = [_in_heap(ctx, t) for t in (ctx.recv, ctx.recv_slots)]
-            out["flags in heap"] = [_in_heap(ctx, t) for t in (ctx.sent, ctx.count_flag)]
+            # the receive buffers are the library's, the flags the heap's (of the named
+            # transport's workspace, ctx.impl)
+            ws = ctx.impl
+            out["recv in heap"] = [_in_heap(ws, t) for t in (ctx.recv, ctx.recv_slots)]
+            out["flags in heap"] = [_in_heap(ws, t) for t in (ws.sent, ws.count_flag)]
             if case == "cases":
                 for i, (S_per_rank, H, El, k, kind) in enumerate(CASES):
                     g = torch.Generator().manual_seed(1000 * i + r)
@@ -681,7 +683,7 @@ def _rows_sent_once(world):
         g = torch.Generator().manual_seed(40 + r)
         tokens = torch.randn(S, H, generator=g)
         ids = route("uniform", S, El * W, k, r, W, g)
-        ctx.rows_once.fill_(float("nan"))
+        ctx.kernel().rows_once.fill_(float("nan"))
         x, counts, slots = moe_dispatch(tokens, ids, ctx)
         ctx.synchronize()
         _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, El, world.group))
@@ -692,7 +694,7 @@ def _rows_sent_once(world):
             if q == r:
                 continue
             reached = ((every[q] // El) == r).any(dim=1)  # q's tokens with an expert here
-            written = ~ctx.rows_once[q - (q > r)].isnan().any(dim=1)
+            written = ~ctx.kernel().rows_once[q - (q > r)].isnan().any(dim=1)
             routed = int(((every[q] // El) == r).sum())
             found.append((torch.equal(written, reached), int(reached.sum()), routed))
         return found
@@ -724,7 +726,7 @@ def test_default_dedup_rule():
 def _chosen_dedup(world, **kw):
     ctx = MoeDispatch(world, dtype=torch.float32, **kw)
     try:
-        return ctx.dedup, hasattr(ctx, "rows_once")
+        return ctx.dedup, hasattr(ctx.kernel(), "rows_once")
     finally:
         ctx.close()
 

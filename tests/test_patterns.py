@@ -151,7 +151,7 @@ def test_default_transport(world2):
         assert made == ["copy_engine", "stores", "auto"], made
     gpu = type("GpuWorld", (), {"backend": type("Backend", (), {"name": "cuda"})})()
     patterns = [s.context for s in SPECS.values() if hasattr(s.context, "default_transport")]
-    assert len(patterns) == 7, patterns
+    assert len(patterns) == 8, patterns
     for context in patterns:
         assert context.default_transport(gpu) == "auto", context
         assert context.default_transport(gpu, {"graph": True}) == "auto"

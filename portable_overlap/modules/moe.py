@@ -45,8 +45,9 @@ class ExpertParallelMoE(nn.Module):
     construct and to :meth:`close` (every rank, same arguments). When ``fused``, ``max_tokens``
     (most tokens a rank passes) and ``capacity`` (most rows a rank's experts receive in a call;
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
-    contexts it makes (the combine's with the library's default transport, ``"auto"`` on a GPU
-    world; ``ctx``: a combine context to use instead); ``fuse_dispatch``: the
+    contexts it makes (with the library's default transport, ``"auto"`` on a GPU world, except
+    the dispatch's of the fused schedules below, ``"stores"``; ``ctx``: a combine context to use
+    instead); ``fuse_dispatch``: the
     dispatch and the gated GEMM in one launch; ``one_launch``: the dispatch and both expert
     GEMMs in one launch (module docstring); ``dedup``: the staged dispatch sends a token once
     per rank it reaches (``MoeDispatch``; None: its rule; the fused schedules send a row per
@@ -95,9 +96,11 @@ class ExpertParallelMoE(nn.Module):
                 self.ctx = MoeGemmCombine(world, max_tokens=max_tokens, top_k=top_k,
                                           hidden=hidden, experts_per_rank=E)
             staged = not (fuse_dispatch or one_launch)
+            # (the fused schedules store rows themselves: they run on the "stores" workspace)
             self.dispatch_ctx = MoeDispatch(world, max_tokens=max_tokens, top_k=top_k,
                                             hidden=hidden, experts_per_rank=E, dtype=dtype,
                                             capacity=capacity,
+                                            transport=None if staged else "stores",
                                             dedup=dedup if staged else False)
             if not one_launch:  # (the one-launch layer keeps its own on the dispatch context)
                 # the gated activations of every received row, reused by each call

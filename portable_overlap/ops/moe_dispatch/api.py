@@ -1,6 +1,8 @@
-"""MoE dispatch (expert parallelism) started and finished on the GPU: no host sync, capturable.
+"""The fused transports of the MoE dispatch (``"stores"``, ``"shmem"``): the workspace
+:class:`MoeDispatchKernel` and its three launches; ``pattern.py`` holds the public context
+``MoeDispatch``, which runs them, the torch path (``sequential.py``) or ``"auto"``.
 
-What it computes on rank r (``E`` local experts per rank, expert ``g`` on rank ``g // E``)::
+What a call computes on rank r (``E`` local experts per rank, expert ``g`` on rank ``g // E``)::
 
     # tokens [S, H], topk_ids [S, k]: rank r's tokens and the global experts of each
     x, counts, slots = moe_dispatch_reference(tokens, topk_ids, E)   # all_to_all of real rows
@@ -8,19 +10,17 @@ What it computes on rank r (``E`` local experts per rank, expert ``g`` on rank `
     # order within a segment; counts [W, E] int32 (rows from q for e); slots [R] int32 (the
     # row's slot s * k + j on its source rank)
 
-``MoeDispatch(world, ...)(tokens, topk_ids)`` returns ``(x, counts, slots)`` with ``x`` and
-``slots`` of ``capacity`` rows: the first ``counts.sum()`` are the dispatch's, the rest are
-left as they were. They are views of the context's buffers, valid until its next call (clone
-them to keep them): the layout ``moe_gemm_combine`` takes, so its ``x`` may be these very
-buffers (after the expert's first GEMM). Three transports:
+A call returns ``(x, counts, slots)`` with ``x`` and ``slots`` of ``capacity`` rows: the first
+``counts.sum()`` are the dispatch's, the rest are left as they were. They are views of the
+workspace's buffers, valid until its next call: the layout ``moe_gemm_combine`` takes.
 
-- ``"stores"`` (default): three kernels (kernel.py) count the routing, exchange the counts and
-  store every row straight into its destination's receive buffer (zero-copy over NVLink /
-  Infinity Fabric). The host reads nothing: a call can be captured in a CUDA graph and
-  replayed with new routing. Routing faults are found on the device and raised at the
-  context's next check, on every rank for the same call: an expert id out of range (its slot
-  is routed nowhere), more rows for a rank than its ``capacity`` (the rows past it are not
-  stored and that rank's counts are zeros, so a consumer reads no row past the buffer);
+- ``"stores"``: three kernels (kernel.py) count the routing, exchange the counts and store
+  every row straight into its destination's receive buffer (zero-copy over NVLink / Infinity
+  Fabric). The host reads nothing: a call can be captured in a CUDA graph and replayed with
+  new routing. Routing faults are found on the device and raised at the context's next check,
+  on every rank for the same call: an expert id out of range (its slot is routed nowhere),
+  more rows for a rank than its ``capacity`` (the rows past it are not stored and that rank's
+  counts are zeros, so a consumer reads no row past the buffer);
 - ``"shmem"`` (the scale-out design): the same three kernels, but the receive buffers (rows
   and slots) are in the symmetric memory of the process's SHMEM library (NVSHMEM / ROC_SHMEM,
   shmem/providers) and a peer's rows and slots are put by the library from the kernel, row by
@@ -28,13 +28,9 @@ buffers (after the expert's first GEMM). Three transports:
   in this library's heap. The tokens are first copied into the library's memory (the puts'
   source; one local copy of S rows per call). Same results, layout, faults, call protocol and
   capture as ``"stores"``. Needs a usable library on every rank and two or more ranks, else
-  every rank raises ``ShmemUnavailable`` when the context is made, before anything is
+  every rank raises ``ShmemUnavailable`` when the workspace is made, before anything is
   allocated. ``dispatch_swiglu`` raises for it (the fused kernel stores rows; it needs
-  ``"stores"``). Not yet run on a GPU;
-- ``"sequential"``: ``moe_dispatch_reference`` (``all_to_all_single`` with host-read splits),
-  copied into the same buffers; an out-of-range id raises on every rank, a capacity overflow
-  on the rank that overflows, and a call one rank refuses (bad input) on every rank: the
-  refusing rank still takes part in the counts exchange, with a refusal flag.
+  ``"stores"``).
 """
 from __future__ import annotations
 
@@ -44,19 +40,16 @@ from typing import Optional
 
 import torch
 
-from ...errors import InvalidInputError
 from ...shmem.providers import agreed_put_provider
 from ..context import (align_key, check_no_overlap, check_transport, collective_call, G_MAX,
                        OverlapContext, refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
-from ..registry import OpSpec, define
 from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
                      route_count_kernel, route_exchange_kernel)
-from .reference import moe_dispatch_reference, refuse_dispatch
-
-TRANSPORTS = ("stores", "shmem", "sequential")
 OP = "moe_dispatch"
+#: the transports of this module's workspace (``pattern.TRANSPORTS`` adds ``"sequential"``)
+FUSED_TRANSPORTS = ("stores", "shmem")
 MAX_EXPERTS = 1024  # experts in all (world * experts_per_rank): the count kernel's one-hot width
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -108,15 +101,66 @@ def default_dedup(world_size: int, experts_per_rank: int, top_k: int, max_tokens
             and saved >= DEDUP_MIN_SAVED_BYTES)
 
 
-class MoeDispatch(OverlapContext):
-    """Workspace of the MoE dispatch on one rank: a receive buffer of ``capacity`` rows of
+def check_sizes(world, max_tokens, top_k, hidden, experts_per_rank, dtype, capacity) -> int:
+    """The sizes a dispatch context is made with, checked: returns ``capacity`` (None: ``world
+    * max_tokens * top_k``, which no routing exceeds)."""
+    W = world.world_size
+    if capacity is None and all(isinstance(v, int) for v in (max_tokens, top_k)):
+        capacity = W * max_tokens * top_k
+    for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
+                    ("experts_per_rank", experts_per_rank), ("capacity", capacity)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
+    if dtype not in DTYPES:
+        raise TypeError(f"{OP}: dtype must be one of {DTYPES}, got {dtype}")
+    if W * experts_per_rank > MAX_EXPERTS:
+        raise ValueError(f"{OP}: at most {MAX_EXPERTS} experts in all, got {W} ranks x "
+                         f"{experts_per_rank}")
+    if max_tokens * top_k >= 2 ** 31 or capacity >= 2 ** 31:
+        raise ValueError(f"{OP}: max_tokens * top_k and capacity must stay below 2**31")
+    return capacity
+
+
+def check_call(ctx, tokens, topk_ids) -> None:
+    """A call's tokens and expert ids against the context ``ctx`` (any transport's: its world,
+    ``dtype``, ``hidden``, ``top_k`` and ``max_tokens``)."""
+    dev = ctx.world.device
+    for name, t in (("tokens", tokens), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a tensor")
+        if t.device != dev:
+            raise ValueError(f"{OP}: {name} must be on {dev}, got {t.device}")
+    if tokens.dtype != ctx.dtype:
+        raise TypeError(f"{OP}: tokens must be {ctx.dtype} (the context's dtype), got "
+                        f"{tokens.dtype}")
+    # the kernels step through a row by 1, a single token's row too ([1, H] may be a strided
+    # view); the row stride is an argument
+    if tokens.dim() != 2 or tokens.shape[1] != ctx.hidden or (
+            tokens.numel() > tokens.shape[0] and tokens.stride(1) != 1) \
+            or tokens.stride(0) < 0:
+        raise ValueError(f"{OP}: tokens must be [S, {ctx.hidden}] with contiguous rows; got "
+                         f"{tuple(tokens.shape)} strides {tokens.stride()}")
+    if topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 \
+            or topk_ids.shape != (tokens.shape[0], ctx.top_k) \
+            or not topk_ids.is_contiguous():
+        raise ValueError(f"{OP}: topk_ids must be a contiguous int32/int64 [S, "
+                         f"{ctx.top_k}] tensor with S = tokens.shape[0] = "
+                         f"{tokens.shape[0]}; got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if tokens.shape[0] > ctx.max_tokens:
+        raise ValueError(f"{OP}: S={tokens.shape[0]} tokens exceed this context's "
+                         f"max_tokens={ctx.max_tokens}")
+
+
+class MoeDispatchKernel(OverlapContext):
+    """The fused transports' workspace on one rank: a receive buffer of ``capacity`` rows of
     ``hidden`` elements of ``dtype`` and their slots, the routing counts of every rank and the
     flags in the symmetric heap. ``max_tokens``: the most tokens any rank passes in a call;
     ``capacity``: the most rows any rank may receive in a call (default ``world * max_tokens *
     top_k``, which no routing exceeds; a smaller one saves memory, and a call that passes it
     raises). With ``transport="shmem"`` the receive buffers and a copy of the tokens are in the
     SHMEM library's symmetric memory instead (module docstring). Collective to create and
-    close; calls in the same order on every rank, on one stream.
+    close; calls in the same order on every rank, on one stream. Made by ``MoeDispatch``
+    (pattern.py), which users make.
 
     ``dedup`` (``"stores"`` only): send a token to a peer rank once, however many of its experts
     that rank holds, into a buffer of ``(W - 1) * max_tokens`` rows there (with a map of its
@@ -129,7 +173,7 @@ class MoeDispatch(OverlapContext):
     default). The results are the same either way."""
 
     OP = OP
-    TRANSPORTS = TRANSPORTS
+    TRANSPORTS = FUSED_TRANSPORTS
     FLAG_NAMES = FLAG_NAMES
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
@@ -137,20 +181,9 @@ class MoeDispatch(OverlapContext):
                  capacity: Optional[int] = None, timeout_s: float = 10.0,
                  transport: str = "stores", dedup: Optional[bool] = None):
         W = world.world_size
-        if capacity is None and all(isinstance(v, int) for v in (max_tokens, top_k)):
-            capacity = W * max_tokens * top_k
-        for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
-                        ("experts_per_rank", experts_per_rank), ("capacity", capacity)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
-        check_transport(OP, transport, TRANSPORTS)
-        if dtype not in DTYPES:
-            raise TypeError(f"{OP}: dtype must be one of {DTYPES}, got {dtype}")
-        if W * experts_per_rank > MAX_EXPERTS:
-            raise ValueError(f"{OP}: at most {MAX_EXPERTS} experts in all, got {W} ranks x "
-                             f"{experts_per_rank}")
-        if max_tokens * top_k >= 2 ** 31 or capacity >= 2 ** 31:
-            raise ValueError(f"{OP}: max_tokens * top_k and capacity must stay below 2**31")
+        capacity = check_sizes(world, max_tokens, top_k, hidden, experts_per_rank, dtype,
+                               capacity)
+        check_transport(OP, transport, FUSED_TRANSPORTS)
         if dedup is not None and not isinstance(dedup, bool):
             raise ValueError(f"{OP}: dedup must be True, False or None, got {dedup!r}")
         if dedup and transport != "stores":
@@ -186,9 +219,8 @@ class MoeDispatch(OverlapContext):
             ("count_flag", (W, 1), torch.int64), ("sent", (W, G_MAX), torch.int64),
             ("consumed", (W,), torch.int64), ("ctl", (4,), torch.int64),
         ], timeout_s)
-        if transport != "sequential":
-            self.call_protocol(self.ctl, call_flags=(self.count_flag, self.sent),
-                               free_flags=(self.consumed,))
+        self.call_protocol(self.ctl, call_flags=(self.count_flag, self.sent),
+                           free_flags=(self.consumed,))
         dev = world.device
         # the put transport's slot ids and stage; the zero-copy kernel takes (and never
         # touches) the receive slots in their place
@@ -248,8 +280,6 @@ class MoeDispatch(OverlapContext):
     def __call__(self, tokens: torch.Tensor, topk_ids: torch.Tensor) -> tuple:
         refuse_grad(OP, tokens)  # the context's buffers carry no gradient
         self._validate(tokens, topk_ids)
-        if self.transport == "sequential":
-            return self._sequential(tokens, topk_ids)
         for launch in self._launches(tokens, topk_ids):
             launch()
         return self.recv, self.counts, self.recv_slots
@@ -262,7 +292,6 @@ class MoeDispatch(OverlapContext):
         """The dispatch with the experts' gated first GEMM fused into it: ``(h, counts,
         slots)`` (``swiglu.py``; ``moe_dispatch_swiglu`` is the function form)."""
         from . import swiglu
-        from ..moe_experts import expert_swiglu
 
         if self.transport == "shmem":
             raise ValueError(f"{swiglu.OP}: the fused dispatch + gated GEMM stores the rows "
@@ -277,11 +306,6 @@ class MoeDispatch(OverlapContext):
         swiglu.check_weights(self, w_gate, w_up, out)
         # rows of h are stored while the senders still read the tokens and their ids
         check_no_overlap(swiglu.OP, out, dict(tokens=tokens, topk_ids=topk_ids))
-        if self.transport == "sequential":
-            x, counts, slots = self._sequential(tokens, topk_ids)
-            expert_swiglu(x, w_gate, w_up, counts, out, config=config, gather=False,
-                          rows_per_segment=rows_per_segment)
-            return out, counts, slots
         if self.world.world_size > swiglu.MAX_WORLD:
             raise ValueError(f"{swiglu.OP}: at most {swiglu.MAX_WORLD} ranks, got "
                              f"{self.world.world_size}")
@@ -380,87 +404,6 @@ class MoeDispatch(OverlapContext):
                                       num_stages=1), lambda g: final[1])
         return count, exchange
 
-    def _sequential(self, tokens, topk_ids) -> tuple:
-        self._exchanging = True  # (from here on the peers are in this call's exchanges)
-        x, counts, slots = moe_dispatch_reference(tokens, topk_ids, self.experts_per_rank,
-                                                  self.world.group)
-        R = x.shape[0]
-        if R > self.capacity:
-            raise InvalidInputError(f"{OP}: rank {self.rank} receives {R} rows in this call, "
-                                    f"past its capacity of {self.capacity}")
-        self.recv[:R].copy_(x)
-        self.recv_slots[:R].copy_(slots)
-        self.counts.copy_(counts)
-        return self.recv, self.counts, self.recv_slots
-
-    # -- the call's guards ---------------------------------------------------------------------
-    def _before_call(self) -> None:
-        super()._before_call()
-        self._exchanging = False
-
-    def _abandon_call(self, error: BaseException) -> None:
-        """The ``"sequential"`` transport has no flags to refuse a call with: a call refused
-        before its counts exchange takes part in that exchange with a refusal instead, so the
-        peers raise for it too (``refuse_dispatch``) and stay in step."""
-        if self.transport != "sequential":
-            return super()._abandon_call(error)
-        if self._exchanging:
-            return
-        try:
-            refuse_dispatch(self.world.world_size, self.experts_per_rank, self.world.device,
-                            self.world.group)
-        except Exception as e:
-            self._broken = (f"{OP}: rank {self.rank} could not tell its peers it refused a call "
-                            f"({type(e).__name__}: {e})")
-
     # -- checks --------------------------------------------------------------------------------
     def _validate(self, tokens, topk_ids) -> None:
-        dev = self.world.device
-        for name, t in (("tokens", tokens), ("topk_ids", topk_ids)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{OP}: {name} must be a tensor")
-            if t.device != dev:
-                raise ValueError(f"{OP}: {name} must be on {dev}, got {t.device}")
-        if tokens.dtype != self.dtype:
-            raise TypeError(f"{OP}: tokens must be {self.dtype} (the context's dtype), got "
-                            f"{tokens.dtype}")
-        # the kernels step through a row by 1, a single token's row too ([1, H] may be a
-        # strided view); the row stride is an argument
-        if tokens.dim() != 2 or tokens.shape[1] != self.hidden or (
-                tokens.numel() > tokens.shape[0] and tokens.stride(1) != 1) \
-                or tokens.stride(0) < 0:
-            raise ValueError(f"{OP}: tokens must be [S, {self.hidden}] with contiguous rows; got "
-                             f"{tuple(tokens.shape)} strides {tokens.stride()}")
-        if topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 \
-                or topk_ids.shape != (tokens.shape[0], self.top_k) \
-                or not topk_ids.is_contiguous():
-            raise ValueError(f"{OP}: topk_ids must be a contiguous int32/int64 [S, "
-                             f"{self.top_k}] tensor with S = tokens.shape[0] = "
-                             f"{tokens.shape[0]}; got {topk_ids.dtype} {tuple(topk_ids.shape)}")
-        if tokens.shape[0] > self.max_tokens:
-            raise ValueError(f"{OP}: S={tokens.shape[0]} tokens exceed this context's "
-                             f"max_tokens={self.max_tokens}")
-
-
-def _fake(ctx, tokens, topk_ids):
-    W = ctx.world.world_size
-    return (tokens.new_empty((ctx.capacity, ctx.hidden)),
-            tokens.new_empty((W, ctx.experts_per_rank), dtype=torch.int32),
-            tokens.new_empty((ctx.capacity,), dtype=torch.int32))
-
-
-MOE_DISPATCH = define(OpSpec(
-    OP, "(Tensor tokens, Tensor topk_ids, int handle) -> (Tensor, Tensor, Tensor)",
-    context=MoeDispatch, transports=TRANSPORTS,
-    compile_specs=("portable_overlap.ops.moe_dispatch.compile_specs",), fake=_fake,
-    copies=(0, 1, 2)))
-
-
-def moe_dispatch(tokens, topk_ids, ctx: MoeDispatch) -> tuple:
-    """Route this rank's tokens to the ranks of their top-k experts: returns ``(x, counts,
-    slots)`` in the layout of the module docstring (``x`` and ``slots`` with the context's
-    ``capacity`` rows, of which the first ``counts.sum()`` are this call's). Under
-    ``torch.compile`` one opaque op, ``torch.ops.portable_overlap.moe_dispatch(tokens,
-    topk_ids, ctx.handle)``, whose results are copies of the context's buffers (a functional
-    op's results must not alias each other)."""
-    return MOE_DISPATCH(ctx, (tokens, topk_ids))
+        check_call(self, tokens, topk_ids)

@@ -10,15 +10,16 @@ rank r's experts)::
 ``h`` [capacity, I]: its first ``counts.sum()`` rows are this call's (by source rank, then
 local expert, slot order inside a segment, as ``x``), the rest are left as they were; ``counts``
 and ``slots`` and the received rows (``ctx.recv``) are the dispatch's own buffers, valid until
-the context's next call. With the ``"stores"`` transport the count and exchange launches of the
-dispatch run first, then one persistent launch (swiglu_kernel.py) in which some programs store
-the rows into their destinations' heaps while the others compute the tiles of the rows that
-have arrived, this rank's own rows first. Same faults as the dispatch (bad ids, a capacity
-overflow, a rank that skips a call), same CUDA-graph capture (no host sync). With the
-``"sequential"`` transport: ``moe_dispatch`` then ``expert_swiglu``. A context with the
-``"shmem"`` transport raises ``ValueError``: the fused kernel stores the rows itself, so it
-needs ``"stores"`` (its compute programs wait for senders of the same launch, so the grid must
-be capped at what is resident, which the SHMEM library's launcher does not do).
+the context's next call. On the context's ``"stores"`` workspace (its transport, or one of
+``"auto"``'s candidates) the count and exchange launches of the dispatch run first, then one
+persistent launch (swiglu_kernel.py) in which some programs store the rows into their
+destinations' heaps while the others compute the tiles of the rows that have arrived, this
+rank's own rows first. Same faults as the dispatch (bad ids, a capacity overflow, a rank that
+skips a call), same CUDA-graph capture (no host sync). A context with the ``"sequential"``
+transport runs ``moe_dispatch`` then ``expert_swiglu``. One with the ``"shmem"`` transport
+raises ``ValueError``: the fused kernel stores the rows itself, so it needs ``"stores"`` (its
+compute programs wait for senders of the same launch, so the grid must be capped at what is
+resident, which the SHMEM library's launcher does not do).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def check_weights(ctx, w_gate, w_up, out, op: str = OP) -> None:
 
 
 def run(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segment):
-    """The ``"stores"`` call (``MoeDispatch.dispatch_swiglu`` checked the arguments): the
+    """The ``"stores"`` call (``MoeDispatchKernel.dispatch_swiglu`` checked the arguments): the
     dispatch's count and exchange launches, then the fused launch."""
     W, E = ctx.world.world_size, ctx.experts_per_rank
     # (expert_swiglu's default: a balanced routing fills 1/W of a default-capacity buffer)
@@ -154,8 +155,9 @@ def dispatch_tag(op: str, ctx, dtype: torch.dtype, senders: int) -> int:
 
 def gated_consts(ctx, dtype: torch.dtype, cfg: MatmulConfig, x_desc, senders: int) -> dict:
     """The constexprs of the senders' passes and the gated GEMM's queues
-    (``swiglu_kernel.dispatch_and_gate``) on ``ctx`` (a MoeDispatch) at tiles ``cfg``, with the
-    launch's warps and stages: this launch's, and the first part of the one-launch layer's."""
+    (``swiglu_kernel.dispatch_and_gate``) on ``ctx`` (a MoeDispatchKernel) at tiles ``cfg``,
+    with the launch's warps and stages: this launch's, and the first part of the one-launch
+    layer's."""
     W, E = ctx.world.world_size, ctx.experts_per_rank
     cpu = ctx.world.device.type == "cpu"
     elem = torch.empty((), dtype=dtype).element_size()
@@ -209,13 +211,15 @@ def moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up, ctx, out: Optional[torch
     op, ``torch.ops.portable_overlap.moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up,
     ctx.handle, senders, rows_per_segment)`` (``out`` and ``config`` make it a graph break).
     Inference only (no autograd)."""
-    from .api import MoeDispatch
+    from .pattern import MoeDispatch
 
     if not isinstance(ctx, MoeDispatch):
         raise TypeError(f"{OP}: ctx must be a MoeDispatch (made with MoeDispatch(world, ...)), "
                         f"got {type(ctx).__name__}")
-    return DISPATCH_SWIGLU((tokens, topk_ids, w_gate, w_up, ctx, senders, rows_per_segment),
-                           out=out, config=config)
+    # the part runs on the workspace itself: the one a refused call (an input that requires
+    # grad) is told to the peers on, and whose handle the torch op takes
+    return DISPATCH_SWIGLU((tokens, topk_ids, w_gate, w_up, ctx.swiglu_workspace(), senders,
+                            rows_per_segment), out=out, config=config)
 
 
 def _run_part(tokens, topk_ids, w_gate, w_up, ctx, senders=None, rows_per_segment=None,

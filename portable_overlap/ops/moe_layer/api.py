@@ -17,11 +17,10 @@ then the combine's weighted sum. No host sync: capturable in a CUDA graph. Same 
 dispatch and the combine, raised on every rank for the same call (by the dispatch context for
 routing faults and the rows that arrive, by the combine context for the rows that leave).
 
-The two contexts are the staged path's own (``MoeDispatch`` with the ``"stores"`` transport,
-``MoeGemmCombine`` with ``"stores"`` or ``"auto"``, whose ``"stores"`` workspace the launches
-run on), made with the same ``hidden``, ``top_k`` and
-``experts_per_rank`` on the same world; calls of this op and of the staged ops may alternate on
-them.
+The two contexts are the staged path's own (``MoeDispatch`` and ``MoeGemmCombine``, each with
+the ``"stores"`` transport or ``"auto"``: the launches run on their ``"stores"`` workspaces),
+made with the same ``hidden``, ``top_k`` and ``experts_per_rank`` on the same world; calls of
+this op and of the staged ops may alternate on them.
 """
 from __future__ import annotations
 
@@ -68,12 +67,12 @@ def _check_contexts(dctx, cctx) -> None:
         if getattr(dctx, name) != getattr(cctx, name):
             raise ValueError(f"{OP}: the contexts disagree on {name}: dispatch "
                              f"{getattr(dctx, name)}, combine {getattr(cctx, name)}")
-    # (the combine context's "stores" workspace: named, or "auto"'s)
-    if dctx.transport != "stores" or cctx.kernel() is None:
+    # (each context's "stores" workspace: named, or "auto"'s)
+    if dctx.kernel() is None or cctx.kernel() is None:
         raise ValueError(f"{OP}: the one-launch layer stores rows itself and needs both contexts "
-                         f"with transport='stores' (the combine's may be 'auto'); got dispatch "
-                         f"{dctx.transport!r}, combine {cctx.transport!r} (call the staged ops "
-                         f"instead)")
+                         f"with transport='stores' or 'auto' (whose 'stores' workspace it runs "
+                         f"on); got dispatch {dctx.transport!r}, combine {cctx.transport!r} "
+                         f"(call the staged ops instead)")
     if dctx.world.world_size > swiglu.MAX_WORLD:
         raise ValueError(f"{OP}: at most {swiglu.MAX_WORLD} ranks, got "
                          f"{dctx.world.world_size}")
@@ -94,17 +93,19 @@ def moe_layer(tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     dispatch_ctx.handle, combine_ctx.handle, senders, rows_per_segment)`` (``out`` makes it a
     graph break). Inference only (no autograd)."""
     _check_contexts(dispatch_ctx, combine_ctx)
-    # the layer's launches run on the combine context's "stores" workspace (also under "auto"):
-    # the part's own context, which a refused call tells its peers of
-    return MOE_LAYER((tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx,
-                      combine_ctx.kernel(), senders, rows_per_segment), out=out)
+    # the layer's launches run on the contexts' "stores" workspaces (also under "auto"): the
+    # part's own contexts, which a refused call tells its peers of
+    return MOE_LAYER((tokens, topk_ids, topk_weights, w_gate, w_up, w_down,
+                      dispatch_ctx.kernel(), combine_ctx.kernel(), senders, rows_per_segment),
+                     out=out)
 
 
 def _run_part(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx, combine_ctx,
               senders=None, rows_per_segment=None, out=None) -> torch.Tensor:
-    if isinstance(combine_ctx, MoeGemmCombine):  # (the torch op called with its handle)
+    if isinstance(dispatch_ctx, MoeDispatch) or isinstance(combine_ctx, MoeGemmCombine):
+        # (the torch op called with the contexts' handles)
         _check_contexts(dispatch_ctx, combine_ctx)
-        combine_ctx = combine_ctx.kernel()
+        dispatch_ctx, combine_ctx = dispatch_ctx.kernel(), combine_ctx.kernel()
     # one call of both contexts: a refusal (bad input on this rank) is told to the peers on
     # both, and the dispatch's errors (routing, the rows that arrive), which cause the
     # combine's, are raised first
