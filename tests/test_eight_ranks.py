@@ -61,6 +61,17 @@ def _every_op(world):
     same = torch.equal(counts, cr) and torch.equal(slots[:R], sr) and torch.equal(x[:R], xr)
     errs["moe dispatch dedup"] = 0.0 if same else float("inf")
     ctx.close()
+    # the torch dispatch as a transport, and "auto" between it and the stores (one set of
+    # buffers for both, one timed run each)
+    for transport, opts in (("sequential", {}), ("auto", dict(iters=1, warmup=0))):
+        ctx = MoeDispatch(world, max_tokens=8, top_k=4, hidden=8, experts_per_rank=2,
+                          dtype=torch.float32, transport=transport, **opts)
+        ctx.recv.fill_(float("nan"))
+        x, counts, slots = ctx(tokens, ids)
+        ctx.synchronize()
+        same = torch.equal(counts, cr) and torch.equal(slots[:R], sr) and torch.equal(x[:R], xr)
+        errs[f"moe dispatch {transport}"] = 0.0 if same else float("inf")
+        ctx.close()
     ctx = EmbeddingAllToAll(world, [6] * W, 8, max_local_batch=2, block_b=2)
     splits = [2] * W
     lengths = torch.randint(0, 3, (ctx.n_loc * 2 * W,), generator=g)
