@@ -157,8 +157,8 @@ def _every_op(world):
 
 
 # one entry per op / variant above: a key reused by mistake would overwrite another's error
-# (18 plus one per AllGather+GEMM schedule)
-N_CHECKS = 20 + len(SCHEDULES)
+# (22 plus one per AllGather+GEMM schedule)
+N_CHECKS = 22 + len(SCHEDULES)
 
 
 def test_every_op_on_eight_ranks(world8):

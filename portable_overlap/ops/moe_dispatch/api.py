@@ -41,12 +41,13 @@ from typing import Optional
 import torch
 
 from ...shmem.providers import agreed_put_provider
-from ..context import (align_key, check_no_overlap, check_transport, collective_call, G_MAX,
-                       OverlapContext, refuse_grad, shape_tag)
+from ..context import (align_key, check_transport, collective_call, G_MAX, OverlapContext,
+                       refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
                      route_count_kernel, route_exchange_kernel)
+
 OP = "moe_dispatch"
 #: the transports of this module's workspace (``pattern.TRANSPORTS`` adds ``"sequential"``)
 FUSED_TRANSPORTS = ("stores", "shmem")
@@ -297,15 +298,8 @@ class MoeDispatchKernel(OverlapContext):
             raise ValueError(f"{swiglu.OP}: the fused dispatch + gated GEMM stores the rows "
                              f"itself and needs transport='stores'; this context's transport is "
                              f"'shmem' (call moe_dispatch, then expert_swiglu on its rows)")
-        refuse_grad(swiglu.OP, tokens, w_gate, w_up)  # h carries no gradient
-        self._validate(tokens, topk_ids)
-        swiglu.check_options(senders, config, rows_per_segment)
-        if out is None:
-            out = torch.empty((self.capacity, w_gate.shape[-1]), dtype=self.dtype,
-                              device=self.world.device)
-        swiglu.check_weights(self, w_gate, w_up, out)
-        # rows of h are stored while the senders still read the tokens and their ids
-        check_no_overlap(swiglu.OP, out, dict(tokens=tokens, topk_ids=topk_ids))
+        out = swiglu.check_arguments(self, tokens, topk_ids, w_gate, w_up, out, senders, config,
+                                     rows_per_segment)
         if self.world.world_size > swiglu.MAX_WORLD:
             raise ValueError(f"{swiglu.OP}: at most {swiglu.MAX_WORLD} ranks, got "
                              f"{self.world.world_size}")

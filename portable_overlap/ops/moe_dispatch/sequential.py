@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ...errors import InvalidInputError
-from ..context import check_no_overlap, collective_call, ContextBase, refuse_grad
+from ..context import collective_call, ContextBase, refuse_grad
 from .api import check_call, check_sizes, OP
 from .reference import moe_dispatch_reference, refuse_dispatch
 
@@ -89,14 +89,8 @@ class SequentialMoeDispatch(ContextBase):
         from . import swiglu
         from ..moe_experts import expert_swiglu
 
-        refuse_grad(swiglu.OP, tokens, w_gate, w_up)
-        check_call(self, tokens, topk_ids)
-        swiglu.check_options(senders, config, rows_per_segment)
-        if out is None:
-            out = torch.empty((self.capacity, w_gate.shape[-1]), dtype=self.dtype,
-                              device=self.world.device)
-        swiglu.check_weights(self, w_gate, w_up, out)
-        check_no_overlap(swiglu.OP, out, dict(tokens=tokens, topk_ids=topk_ids))
+        out = swiglu.check_arguments(self, tokens, topk_ids, w_gate, w_up, out, senders, config,
+                                     rows_per_segment)
         self._refuse_capture()
         x, counts, slots = self._dispatch(tokens, topk_ids)
         expert_swiglu(x, w_gate, w_up, counts, out, config=config, gather=False,

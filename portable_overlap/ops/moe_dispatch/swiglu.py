@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
-from ..context import G_MAX, align_key, shape_tag
+from ..context import align_key, check_no_overlap, G_MAX, refuse_grad, shape_tag
 from ..matmul.api import MatmulConfig
 from ..registry import PartSpec, define_part
 from ..moe_experts.api import _descriptors, _validate as _validate_experts, default_config
@@ -104,6 +104,24 @@ def check_weights(ctx, w_gate, w_up, out, op: str = OP) -> None:
         raise ValueError(f"{op}: w_gate and w_up must have contiguous rows; got strides "
                          f"{w_gate.stride()}")
     _validate_experts(ctx.recv, w_gate, w_up, ctx.counts, out)
+
+
+def check_arguments(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config,
+                    rows_per_segment) -> torch.Tensor:
+    """A call's arguments against the context ``ctx`` (a workspace of any transport), before
+    anything runs: returns ``out``, made ([capacity, I]) where not given."""
+    from .api import check_call
+
+    refuse_grad(OP, tokens, w_gate, w_up)  # h carries no gradient
+    check_call(ctx, tokens, topk_ids)
+    check_options(senders, config, rows_per_segment)
+    if out is None:
+        out = torch.empty((ctx.capacity, w_gate.shape[-1]), dtype=ctx.dtype,
+                          device=ctx.world.device)
+    check_weights(ctx, w_gate, w_up, out)
+    # rows of h are stored while the senders still read the tokens and their ids
+    check_no_overlap(OP, out, dict(tokens=tokens, topk_ids=topk_ids))
+    return out
 
 
 def run(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segment):
