@@ -246,3 +246,37 @@ def _torch_op(world):
 
 def test_torch_op_on_an_auto_context(world2):
     assert world2.run(_torch_op) == [True, True]
+
+
+def _overflow(world):
+    """All of every rank's rows routed to rank 0, past its capacity, at a key's first call:
+    every candidate fails on some rank, so every rank raises in that call (nothing is
+    decided, and no rank returns rows past its buffer); the next call, within capacity, is
+    right and decides the key."""
+    W, r, S, H, El, k = world.world_size, world.rank, 6, 8, 2, 2
+    ctx = MoeDispatch(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                      dtype=torch.float32, capacity=W * S * k - 1, transport="auto", **QUICK)
+    g = torch.Generator().manual_seed(70 + r)
+    res = []
+    try:
+        tokens = torch.randn(S, H, generator=g)
+        try:
+            moe_dispatch(tokens, torch.tensor([[0, 1]] * S), ctx)
+            ctx.synchronize()
+            res.append("no error")
+        except Exception as e:
+            res.append("capacity" in str(e))
+        res.append(len(ctx.decisions))
+        ids = route("uniform", S, El * W, k, r, W, g)
+        x, counts, slots = moe_dispatch(tokens, ids, ctx)
+        ctx.synchronize()
+        _check(world, x, counts, slots, moe_dispatch_reference(tokens, ids, El, world.group))
+        res.append(len(ctx.decisions))
+        return res
+    finally:
+        ctx.close()
+
+
+def test_auto_capacity_overflow_raises_on_every_rank(world2):
+    for res in world2.run(_overflow, timeout=120):
+        assert res == [True, 0, 1], res
