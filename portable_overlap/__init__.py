@@ -25,11 +25,11 @@ moe_gemm_combine        MoeGemmCombine                stores, shmem, sequential
 Every op also takes ``transport="auto"``, its default on a GPU world: the context times every
 transport that can run on its world (the embedding and MoE ops' ``shmem`` only when named) at
 the first eager call of each new shape and keeps the fastest (``ops/planner.py``); on
-CPU-emulated ranks the default is the first transport listed. ``torch_fused`` (torch's own fused ops) runs on GPU worlds
-of one host only. Each op is also ``torch.ops.portable_overlap.<op>`` (``ops.registry.SPECS``
-lists them). The modules (``RowParallelLinear``, ``ColumnParallelLinear``,
-``ShardedEmbeddingBagCollection``, ``ExpertParallelMoE``) use them as drop-in layers. See
-README.md.
+CPU-emulated ranks the default is the first transport listed. ``torch_fused`` (torch's own fused
+ops) runs on GPU worlds of one host only. Each op is also ``torch.ops.portable_overlap.<op>``
+(``ops.registry.SPECS`` lists them). The modules (``RowParallelLinear``,
+``ColumnParallelLinear``, ``ShardedEmbeddingBagCollection``, ``ExpertParallelMoE``) use them as
+drop-in layers. See README.md.
 """
 from .backends import get_backend
 from .errors import (BackendUnavailable, ConcurrentUseError, ContextBrokenError,

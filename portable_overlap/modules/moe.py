@@ -47,11 +47,10 @@ class ExpertParallelMoE(nn.Module):
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
     contexts it makes (with the library's default transport, ``"auto"`` on a GPU world, except
     the dispatch's of the fused schedules below, ``"stores"``; ``ctx``: a combine context to use
-    instead); ``fuse_dispatch``: the
-    dispatch and the gated GEMM in one launch; ``one_launch``: the dispatch and both expert
-    GEMMs in one launch (module docstring); ``dedup``: the staged dispatch sends a token once
-    per rank it reaches (``MoeDispatch``; None: its rule; the fused schedules send a row per
-    expert)."""
+    instead); ``fuse_dispatch``: the dispatch and the gated GEMM in one launch; ``one_launch``:
+    the dispatch and both expert GEMMs in one launch (module docstring); ``dedup``: the staged
+    dispatch sends a token once per rank it reaches (``MoeDispatch``; None: its rule; the fused
+    schedules send a row per expert)."""
 
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  max_tokens: int, dtype: torch.dtype = torch.bfloat16, fused: bool = True,

@@ -145,6 +145,13 @@ class PatternContext:
         unavailable = cls.unavailable(world)
         return tuple(t for t in cls.TRANSPORTS if t not in unavailable)
 
+    def workspace(self, transport: str):
+        """The workspace of ``transport`` that this context holds: the named transport's, or
+        ``"auto"``'s candidate of that name; None where it has none."""
+        if self.planner is None:
+            return self.impl if self.transport == transport else None
+        return self.planner.impls.get(transport)
+
     def _make(self, world, transport, timeout_s, **options):
         raise NotImplementedError
 

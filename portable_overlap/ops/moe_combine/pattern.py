@@ -138,9 +138,7 @@ class MoeGemmCombine(PatternContext):
         """The ``"stores"`` workspace this context runs (named, or ``"auto"``'s candidate): what
         the one-launch MoE layer (ops/moe_layer) launches its down GEMM and weighted sum on;
         None where the context has none."""
-        impl = self.impl if self.planner is None else self.planner.impls.get("stores")
-        stores = isinstance(impl, MoeGemmCombineKernel) and impl.transport == "stores"
-        return impl if stores else None
+        return self.workspace("stores")
 
     def phases(self, x, w, counts, slots, topk_weights, out) -> dict:
         """``MoeGemmCombineKernel.phases`` of the context's ``"stores"`` workspace (:meth:`kernel`):

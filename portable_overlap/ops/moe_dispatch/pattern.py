@@ -140,25 +140,20 @@ class MoeDispatch(PatternContext):
         return {"dtype": str(tokens.dtype), "H": tokens.shape[1]}
 
     # -- the buffers, and the fused kernels' workspace ---------------------------------------------
-    def _workspace(self):
-        """The workspace whose buffers a call returns (every candidate of ``"auto"`` fills the
-        first one's)."""
-        return self._first
-
     @property
     def recv(self) -> torch.Tensor:
         """The receive buffer [capacity, hidden] a call's ``x`` is."""
-        return self._workspace().recv
+        return self._first.recv
 
     @property
     def recv_slots(self) -> torch.Tensor:
         """The slots [capacity] of the received rows (a call's ``slots``)."""
-        return self._workspace().recv_slots
+        return self._first.recv_slots
 
     @property
     def counts(self) -> torch.Tensor:
         """The routing counts [world, experts_per_rank] of the last call (its ``counts``)."""
-        return self._workspace().counts
+        return self._first.counts
 
     @property
     def dedup(self) -> bool:
@@ -170,14 +165,12 @@ class MoeDispatch(PatternContext):
         """The ``"stores"`` workspace this context runs (named, or ``"auto"``'s candidate): what
         the fused dispatch + gated GEMM and the one-launch MoE layer (ops/moe_layer) launch
         on; None where the context has none."""
-        impl = self.impl if self.planner is None else self.planner.impls.get("stores")
-        stores = isinstance(impl, MoeDispatchKernel) and impl.transport == "stores"
-        return impl if stores else None
+        return self.workspace("stores")
 
     def swiglu_workspace(self):
         """The workspace ``dispatch_swiglu`` runs on: the ``"stores"`` one where the context
         has it, else the named transport's."""
-        return self.kernel() or self._workspace()
+        return self.kernel() or self._first
 
     def dispatch_swiglu(self, tokens, topk_ids, w_gate, w_up, out=None, *, senders=None,
                         config=None, rows_per_segment=None) -> tuple:

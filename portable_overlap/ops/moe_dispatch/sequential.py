@@ -53,7 +53,6 @@ class SequentialMoeDispatch(ContextBase):
         self.transport = "sequential"
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank, self.dtype, self.capacity = experts_per_rank, dtype, capacity
-        self.dedup = False
         if share is not None:
             self.recv, self.recv_slots, self.counts = share.recv, share.recv_slots, share.counts
         else:
