@@ -27,16 +27,16 @@ from benchmarks.rows import ResultWriter
 from portable_overlap import World
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.moe_experts import expert_swiglu
-from portable_overlap.ops.moe_experts.api import default_config, gather_rows
+from portable_overlap.ops.moe_experts.api import default_config
 
 SHAPES = [(8192, 7168, 2048, 16, 8), (8192, 4096, 14336, 8, 2), (128, 7168, 2048, 16, 8),
           (128, 4096, 14336, 8, 2)]
 # (block_m, block_n, block_k, num_warps, num_stages, gather): the default first (its own
-# choice of row tiles), then per-source and gathered row tiles (``expert_swiglu``'s ``gather``)
+# tiles and packing), then per-source row tiles (False), the experts the device's rule packs
+# (None) and every expert packed (True): ``expert_swiglu``'s ``gather``
 CONFIGS = [None, (64, 128, 64, 4, 4, False), (64, 256, 64, 8, 3, False),
-           (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (64, 128, 64, 4, 4, True),
-           (64, 128, 64, 8, 3, True), (64, 256, 64, 8, 3, True), (64, 64, 64, 4, 4, True),
-           (64, 64, 128, 4, 3, True)]
+           (128, 128, 64, 8, 3, False), (64, 128, 64, 4, 4, None), (64, 256, 64, 8, 3, None),
+           (128, 128, 64, 8, 3, None), (64, 256, 64, 8, 3, True), (128, 128, 64, 8, 3, True)]
 
 
 def routing_counts(S, E, k, W, kind, gen) -> torch.Tensor:
@@ -60,7 +60,8 @@ def main() -> int:
                          "BMxBNxBK/<warps>w<stages>s,...")
     ap.add_argument("--configs", default="",
                     help="the gated GEMM's tilings instead of CONFIGS' (after the default), as "
-                         "BMxBNxBK/<warps>w<stages>s[g],... (g: gathered row tiles)")
+                         "BMxBNxBK/<warps>w<stages>s[g|a],... (g: every expert packed, a: "
+                         "the experts the device's rule packs)")
     ap.add_argument("--combine", action="store_true",
                     help="time the combine's weighted sum (its combine phase) per token block")
     ap.add_argument("--max-tokens", type=int, default=1 << 30,
@@ -126,21 +127,23 @@ def main() -> int:
                              graph=True, **t)
             out = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
             for c in gate_configs(args.configs):
-                # the default: what the layer picks for S tokens per rank
+                # the default: what the layer picks for S tokens per rank (its tiles, and
+                # packed experts where the device finds that they pay)
                 m = S * k / E  # what the layer passes as rows_per_segment
-                gather = gather_rows(m, W) if c is None else c[5]
-                cfg = default_config(torch.bfloat16, dev, True, m, gather) if c is None else \
+                gather = None if c is None else c[5]
+                cfg = default_config(torch.bfloat16, dev, True, m) if c is None else \
                     MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3],
                                  num_stages=c[4])
                 name = ("default" if c is None else "x".join(map(str, c[:3]))
-                        + f"/{c[3]}w{c[4]}s") + (" gather" if gather else "")
+                        + f"/{c[3]}w{c[4]}s") + PACKING[gather]
                 try:
                     out.fill_(float("nan"))
-                    expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg, gather=gather)
+                    expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg, gather=gather,
+                                  rows_per_segment=m)
                     torch.cuda.synchronize()
                     err = float(((out.float() - ref.float()).norm() / ref.float().norm()))
                     t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg,
-                                                      gather=gather),
+                                                      gather=gather, rows_per_segment=m),
                                 world, graph=True, iters=args.iters)
                 except Exception as exc:  # a config that does not fit (shared memory) is skipped
                     print(f"{S}x{H}x{I}x{E}x{k} {kind} {name}: {type(exc).__name__} "
@@ -168,14 +171,20 @@ DOWN_CONFIGS = [("descriptors", None), ("pointers", None), ("config", (128, 256,
                 ("config", (64, 128, 64, 4, 4)), ("config", (64, 128, 128, 4, 3))]
 
 
+#: the tune's names of ``expert_swiglu``'s ``gather`` (a tiling's suffix: none, g, a)
+PACKING = {False: "", True: " packed", None: " auto"}
+
+
 def parse_tilings(spec: str) -> list:
-    """``BMxBNxBK/<warps>w<stages>s[g],...`` as (block_m, block_n, block_k, num_warps,
-    num_stages, gathered) tuples (``g``: gathered row tiles)."""
+    """``BMxBNxBK/<warps>w<stages>s[g|a],...`` as (block_m, block_n, block_k, num_warps,
+    num_stages, gather) tuples: per-source row tiles, or with ``g`` every expert packed, with
+    ``a`` the experts the device's rule packs."""
     out = []
     for item in spec.split(","):
-        blocks, rest = item.rstrip("g").split("/")
+        blocks, rest = item.rstrip("ga").split("/")
         warps, stages = rest.rstrip("s").split("w")
-        out.append((*map(int, blocks.split("x")), int(warps), int(stages), item.endswith("g")))
+        gather = {"g": True, "a": None}.get(item[-1], False)
+        out.append((*map(int, blocks.split("x")), int(warps), int(stages), gather))
     return out
 
 

@@ -182,7 +182,7 @@ def _gemm_spec(kernel: str, dt: str, cfg, even_k: bool, desc: bool):
         if ty == "*bf16":
             sig[arg] = f"*{dt}"
         elif ty.startswith("tensordesc"):  # the A operand's [BM, BK] block, B's [BK, BN]
-            rows, cols = (bm, bk) if arg in ("a_desc", "x_desc") else (bk, bn)
+            rows, cols = (bm, bk) if arg in ("a_desc", "x_desc", "p_desc") else (bk, bn)
             sig[arg] = f"tensordesc<{dt}[{rows}, {cols}]>"
     consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
                   NUM_STAGES=cfg.num_stages, EVEN_K=even_k)
@@ -327,15 +327,15 @@ def test_gemm_tiles_on_sm90_are_the_h200_tiles():
 def test_gemm_tiles_fit_sm90_without_local_memory(target, capfd):
     """The bf16 picks on H200 (tensor descriptors where the kernel has them), as ptxas reports
     them: no spill stores to local memory, shared memory within 227 KiB. With the experts'
-    decode picks (64 x 256 per-source tiles, 64 x 64 gathered rows by pointers). Not the MoE
-    grouped GEMM's pointer-load form (used only where its descriptors cannot be): at the H200
-    tile it compiles to 255 registers and 804 bytes of spill stores."""
+    decode pick (64 x 256), per-source and with packed experts. Not the MoE grouped GEMM's
+    pointer-load form (used only where its descriptors cannot be): at the H200 tile it
+    compiles to 255 registers and 804 bytes of spill stores."""
     facts = FACTS[target]
     picks = [(kernel, _pick(kernel, torch.bfloat16, facts, True), True, {})
              for kernel in GEMM_KERNELS]
-    for gather in (False, True):  # 32 rows per segment: decode
-        cfg = experts_tile(torch.bfloat16, facts, not gather, 32, gather)
-        picks.append(("expert_swiglu", cfg, not gather, {"GATHER": gather}))
+    for pack in (0, 1):  # 32 rows per segment: decode
+        cfg = experts_tile(torch.bfloat16, facts, True, 32)
+        picks.append(("expert_swiglu", cfg, True, {"PACK": pack}))
     bad = []
     with _ptxas_reports():
         for kernel, cfg, desc, extra in picks:

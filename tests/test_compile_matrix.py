@@ -66,7 +66,7 @@ def _dtype_of(signature: dict) -> str:
 
 def _gemm_picks():
     """Per GEMM kernel, the configs its planner picks (``tile_config`` on 32- and 64-lane
-    warps, per dtype; the experts' over descriptors or not, per-source or gathered rows, prefill
+    warps, per dtype; the experts' over descriptors or not, prefill
     or decode; the combine's decode tile), keyed by dtype."""
     from types import SimpleNamespace
 
@@ -88,9 +88,9 @@ def _gemm_picks():
     devices = [SimpleNamespace(warp_size=w, shared_per_program=227 * 1024) for w in (32, 64)]
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     core = {dt: [matmul_tile(t, f) for f in devices] for dt, t in dtypes.items()}
-    experts = {dt: [experts_tile(t, f, desc, rows, gather) for f in devices
-                    for desc in (True, False) for rows in (float("inf"), 32)
-                    for gather in (False, True)] for dt, t in dtypes.items()}
+    experts = {dt: [experts_tile(t, f, desc, rows) for f in devices
+                    for desc in (True, False) for rows in (float("inf"), 32)]
+               for dt, t in dtypes.items()}
     combine = {dt: core[dt] + [decode_tile(t, f) for f in devices] for dt, t in dtypes.items()}
     picks = {k: core for k in (persistent_matmul_kernel, gemm_signal_kernel, gemm_alltoall_kernel,
                                matmul_reduce_stores_kernel, allgather_gemm_kernel)}

@@ -605,6 +605,76 @@ def moe_layer_backward(world: World, gen) -> None:
         layer.close()
 
 
+def check_expert_swiglu(world: World, gen) -> None:
+    """The experts' gated grouped GEMM alone (no communication: every rank checks its own) at
+    the layouts one rank of a W-rank layer receives at decode sizes, with packed experts (the
+    device's rule, every expert) and per-source tiles, against the torch reference: DeepSeek-
+    and Mixtral-like widths and odd ones (H not a multiple of the K block: pointer loads),
+    balanced / one-hot / empty routing, every dtype, rows past ``counts.sum()`` poisoned and
+    left alone; 10 CUDA-graph replays with new counts each."""
+    from portable_overlap.ops.moe_experts import expert_swiglu, expert_swiglu_reference
+
+    dev = world.device
+    g = torch.Generator().manual_seed(world.rank)
+    for W, El, H, I, per_seg, dt in ((8, 2, 7168, 2048, 64, torch.bfloat16),
+                                     (8, 1, 4096, 3584, 32, torch.bfloat16),
+                                     (2, 8, 7168, 2048, 64, torch.bfloat16),
+                                     (4, 3, 1000, 333, 20, torch.float16),
+                                     (3, 2, 96, 80, 9, torch.float32)):
+        wg, wu = (rand((El, H, I), dt, dev, gen) / H ** 0.5 for _ in range(2))
+        for kind in ("balanced", "one_source", "empty"):
+            if kind == "balanced":
+                counts = torch.randint(per_seg // 2, 3 * per_seg // 2 + 1, (W, El), generator=g)
+            elif kind == "one_source":  # every row of the first expert from one source
+                counts = torch.zeros(W, El, dtype=torch.int64)
+                counts[W - 1, 0] = 3 * per_seg + 5
+            else:
+                counts = torch.zeros(W, El, dtype=torch.int64)
+            counts = counts.to(torch.int32)
+            R = int(counts.sum())
+            cap = max(R + 7, 8)
+            x = rand((cap, H), dt, dev, gen)
+            c_d = counts.to(dev)
+            ref = expert_swiglu_reference(x, wg, wu, c_d)
+            outs = {}
+            for gather in (None, True, False):
+                out = torch.full((cap, I), float("nan"), dtype=dt, device=dev)
+                expert_swiglu(x, wg, wu, c_d, out, gather=gather, rows_per_segment=per_seg)
+                torch.cuda.synchronize(dev)
+                outs[gather] = out
+                err = rel_err(out[:R], ref) if R else 0.0
+                record(f"expert_swiglu W={W} E={El} H={H} I={I} {kind} {str(dt)[6:]} "
+                       f"gather={gather}", err < TOL[dt] and bool(torch.isnan(out[R:]).all()),
+                       f"rows={R} rel_err={err:.1e}")
+            record(f"expert_swiglu W={W} E={El} H={H} I={I} {kind} {str(dt)[6:]} packed == "
+                   f"per-source", torch.equal(outs[True][:R], outs[False][:R]),
+                   "(the same rows' products, other tiles)")
+    # graph replays: new counts (and rows) copied into the captured inputs before each
+    W, El, H, I = 8, 2, 1024, 512
+    wg, wu = (rand((El, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
+    cap = W * El * 96
+    x = rand((cap, H), torch.bfloat16, dev, gen)
+    c_d = torch.full((W, El), 64, dtype=torch.int32, device=dev)
+    out = torch.empty(cap, I, dtype=torch.bfloat16, device=dev)
+    expert_swiglu(x, wg, wu, c_d, out, rows_per_segment=64)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expert_swiglu(x, wg, wu, c_d, out, rows_per_segment=64)
+    worst, exact = 0.0, True
+    for rep in range(10):
+        c_d.copy_(torch.randint(0 if rep % 2 else 30, 97, (W, El), generator=g).to(torch.int32))
+        x.copy_(rand((cap, H), torch.bfloat16, dev, gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        R = int(c_d.sum())
+        worst = max(worst, rel_err(out[:R], expert_swiglu_reference(x, wg, wu, c_d)))
+        exact = exact and bool(torch.isnan(out[R:]).all())
+    record("expert_swiglu 10 graph replays, new counts each (packed experts)",
+           worst < TOL[torch.bfloat16] and exact, f"worst rel_err={worst:.2e}")
+
+
 def check_moe_dispatch_swiglu(world: World, gen) -> None:
     """The dispatch with the gated first GEMM fused into it against the two launches on the same
     context (same tiles) and the torch reference: a DeepSeek-like row width, ranks with
@@ -1103,8 +1173,8 @@ def main() -> int:
         LOG.prefix = ""
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
-                  check_moe_dispatch_swiglu, check_moe_layer, check_peer_failures,
-                  check_late_stores):
+                  check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
+                  check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:

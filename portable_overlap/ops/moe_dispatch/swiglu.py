@@ -133,7 +133,7 @@ def run(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segm
     # per-source row tiles always: a tile that gathered several sources' rows would wait for
     # all of them. Plans are keyed by the tiles the mean picks, not by the mean (which moves
     # with S from call to call)
-    cfg = config or default_config(tokens.dtype, tokens.device, True, m, False)
+    cfg = config or default_config(tokens.dtype, tokens.device, True, m)
     key = ("swiglu", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
            w_gate.stride(), out.stride(0), senders, config, cfg,
            align_key(tokens, topk_ids, w_gate, w_up, out))
@@ -194,11 +194,11 @@ def gated_consts(ctx, dtype: torch.dtype, cfg: MatmulConfig, x_desc, senders: in
 def _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, m):
     W, facts = ctx.world.world_size, ctx.world.facts
     cpu = ctx.world.device.type == "cpu"
-    cfg = config or default_config(tokens.dtype, tokens.device, True, m, False)
+    cfg = config or default_config(tokens.dtype, tokens.device, True, m)
     # the receive buffer has a fixed address: its descriptor is made once
     x_desc = _descriptors(ctx.recv, w_gate, w_up, cfg, facts)[0]
     if config is None and x_desc is None:
-        cfg = default_config(tokens.dtype, tokens.device, False, m, False)
+        cfg = default_config(tokens.dtype, tokens.device, False, m)
     programs = min(facts.sm_count, G_MAX)
     n_send = senders or default_senders(W, programs, cpu)
     p = SimpleNamespace(cfg=cfg, x_desc=x_desc, senders=n_send, tag=0)

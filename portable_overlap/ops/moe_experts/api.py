@@ -18,14 +18,18 @@ import math
 from typing import Optional
 
 import torch
+import triton
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import check_no_overlap
 from ..registry import PartSpec, define_part
 from ..matmul.api import DTYPES, MatmulConfig, tile_descriptors
-from .kernel import expert_swiglu_kernel
+from .kernel import expert_swiglu_kernel, pack_rows_kernel
 
 OP = "expert_swiglu"
+#: rows and columns of x the pack launch copies per step (16 KiB of bf16)
+PACK_BLOCK_R = 16
+PACK_BLOCK_H = 512
 
 
 #: the gated GEMM's 16-bit tiles on 64-lane wavefronts (AMD CDNA; no tensor descriptors there).
@@ -38,49 +42,54 @@ WAVE64_TILE = MatmulConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num
 
 
 def default_config(dtype: torch.dtype, device: torch.device, descriptors: bool,
-                   rows_per_segment: float = float("inf"), gather: bool = False) -> MatmulConfig:
+                   rows_per_segment: float = float("inf")) -> MatmulConfig:
     """The tiling of ``device`` (its ``DeviceFacts``): ``tile_config``."""
     if device.type == "cpu":
         return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
                             num_stages=1)
     from ...backends import device_facts
 
-    return tile_config(dtype, device_facts(device), descriptors, rows_per_segment, gather)
+    return tile_config(dtype, device_facts(device), descriptors, rows_per_segment)
 
 
 def tile_config(dtype: torch.dtype, facts, descriptors: bool,
-                rows_per_segment: float = float("inf"), gather: bool = False) -> MatmulConfig:
+                rows_per_segment: float = float("inf")) -> MatmulConfig:
     """Two accumulators per tile. Through descriptors, 128 x 128 tiles over 8 warps compile to
     176 registers on sm_90 without a spill; with pointer loads they spill (255 registers and
     560 bytes of stack), 128 x 64 does not (249 registers). Where segments hold 64 rows or
     fewer (decode), 64 x 256 tiles: on one H200 at 128 tokens per rank they ran 0.48-0.70x the
     128 x 128 time on Mixtral-like experts and 0.97-1.03x on DeepSeek-like ones, balanced or
-    Zipf routing, 2- and 8-rank layouts (benchmarks/tune_moe_experts.py). Gathered row tiles
-    by pointer loads take 64 x 64 (64 x 128 spills at 4 and 8 warps). On 64-lane wavefronts:
-    ``WAVE64_TILE`` (never timed on AMD hardware, so no decode variant there yet)."""
+    Zipf routing, 2- and 8-rank layouts (benchmarks/tune_moe_experts.py). On 64-lane
+    wavefronts: ``WAVE64_TILE`` (never timed on AMD hardware, so no decode variant there
+    yet)."""
     if dtype == torch.float32:
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     if facts.warp_size == 64:
         return WAVE64_TILE
-    if gather and not descriptors:
-        return MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3)
     if rows_per_segment <= 64:
         return MatmulConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
     return MatmulConfig(block_m=128, block_n=128 if descriptors else 64, block_k=64,
                         num_warps=8, num_stages=3)
 
 
-def gather_rows(rows_per_segment: float, sources: int, block_m: int = 64) -> bool:
-    """Whether row tiles gather an expert's rows of all sources: where that halves the row
-    tiles and an expert has 4 sources or more. A gathered tile loads its rows by pointers and
-    costs about twice a per-source one, which only pays where the tiles, not the weights'
-    bytes, bound the time. One H200, 128 tokens per rank, 64 x 256 tiles: Mixtral-like
-    experts laid out for 8 ranks (1 expert, 32 rows per source) 0.110 vs 0.184 ms balanced,
-    0.366 vs 0.357 Zipf; for 2 ranks (4 experts, bound by their weights' 0.236 ms) 0.259 vs
-    0.251 balanced and 0.339 vs 0.294 Zipf, so not there."""
-    m = max(1.0, rows_per_segment)
-    per_source = sources * math.ceil(m / block_m)
-    return sources >= 4 and per_source >= 2 * math.ceil(sources * m / block_m)
+#: the most rows per (source, expert) segment, on average, at which the kernel considers packing
+#: experts (``pack_rows``): past it a segment's padding is a small part of its tiles
+PACK_MAX_ROWS = 256
+
+
+def pack_rows(rows_per_segment: float, sources: int) -> bool:
+    """Whether ``expert_swiglu`` considers packing experts (kernel.py: an expert's rows of all
+    sources copied end to end, so its row tiles are full): with 2 sources or more and segments
+    of ``PACK_MAX_ROWS`` rows or fewer on average. The device then packs the experts whose
+    saved tiles pay for the copy (``kernel.expert_layout``); the host only bounds the
+    buffer."""
+    return sources >= 2 and rows_per_segment <= PACK_MAX_ROWS
+
+
+def pack_capacity(rows: int, rows_per_segment: float, segments: int, block_m: int) -> int:
+    """Rows of the packed buffer: twice the rows the segments hold on average (experts that
+    do not fit keep their per-source tiles), at most ``rows``."""
+    return max(1, min(rows, max(block_m, math.ceil(2 * rows_per_segment * segments))))
 
 
 def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
@@ -106,10 +115,12 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     nothing past it and the rows past the sum are left as they are in ``out``).
 
     ``rows_per_segment``: how many rows a (source, expert) segment holds on average, which picks
-    the tiles (``default_config``, ``gather_rows``); the host never reads ``counts``, so by
-    default it is ``rows / counts.numel() / W``, the mean under a dispatch buffer of the
-    default capacity (every rank's tokens). ``gather``: row tiles hold an expert's rows of all
-    sources together (kernel.py) instead of one source's. Under ``torch.compile`` one opaque op,
+    the tiles (``default_config``) and whether experts may be packed (``pack_rows``); the host
+    never reads ``counts``, so by default it is ``rows / counts.numel() / W``, the mean under a
+    dispatch buffer of the default capacity (every rank's tokens). ``gather``: whether row
+    tiles may hold an expert's rows of all sources together (kernel.py's packed experts):
+    None packs the experts where the device finds that it pays, True every expert with rows,
+    False none. Under ``torch.compile`` one opaque op,
     ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
     (``out``, ``config``, ``programs`` and ``gather`` make it a graph break). Inference only (no
     autograd)."""
@@ -133,22 +144,37 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
     G = max(1, programs or facts.sm_count)
     n_seg, W = counts.numel(), counts.shape[0]
     m = x.shape[0] / n_seg / W if rows_per_segment is None else rows_per_segment
-    if gather is None:
-        gather = gather_rows(m, W)
-    cfg = config or default_config(x.dtype, x.device, True, m, gather)
+    pack = (1 if pack_rows(m, W) else 0) if gather is None else (2 if gather else 0)
+    cfg = config or default_config(x.dtype, x.device, True, m)
     x_desc, wg_desc, wu_desc = _descriptors(x, w_gate, w_up, cfg, facts)
     if config is None and wu_desc is None:
-        cfg = default_config(x.dtype, x.device, False, m, gather)
+        cfg = default_config(x.dtype, x.device, False, m)
     use_desc = wu_desc is not None
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_SRC=1 << max(0, W - 1).bit_length(),
+                  BLOCK_E=1 << max(0, E - 1).bit_length(), PACK=pack)
+    packed = row_map = p_desc = None
+    cap = 0
+    if pack:
+        cap = x.shape[0] if pack == 2 else pack_capacity(x.shape[0], m, n_seg, cfg.block_m)
+        packed = torch.empty((cap, H), dtype=x.dtype, device=x.device)
+        row_map = torch.empty(cap, dtype=torch.int32, device=x.device)
+        if use_desc:
+            p_desc = tile_descriptors(packed, w_gate.view(E * H, I), cfg, facts)[0]
+            use_desc = p_desc is not None
+            if not use_desc:
+                x_desc = wg_desc = wu_desc = None
+        pack_rows_kernel[(max(1, min(4 * G, triton.cdiv(cap, PACK_BLOCK_R))),)](
+            x, counts, packed, row_map, H, W, E, I, cap, x.stride(0), x.stride(1),
+            packed.stride(0), BLOCK_R=PACK_BLOCK_R,
+            BLOCK_H=min(PACK_BLOCK_H, triton.next_power_of_2(H)), **consts, num_warps=4)
     expert_swiglu_kernel[(G,)](
-        x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, I, H, n_seg, E,
-        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
-        out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages, EVEN_K=H % cfg.block_k == 0,
-        PRECISION=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
-        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(),
-        BLOCK_SRC=1 << max(0, counts.shape[0] - 1).bit_length(), GATHER=bool(gather),
-        num_warps=cfg.num_warps,
+        x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, packed, p_desc, row_map, cap,
+        I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+        w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
+        EVEN_K=H % cfg.block_k == 0, PRECISION=dot_precision(x.dtype),
+        UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
+        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), **consts, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 

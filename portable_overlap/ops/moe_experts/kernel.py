@@ -14,26 +14,98 @@ is then read from memory once, not once per source). The tile count comes from t
 on the device: the host never reads them, and a grid of one program per SM covers any routing.
 Rows past ``counts.sum()`` are neither read nor written.
 
-With ``GATHER`` a row tile holds the expert's rows of all sources together (rows gathered from
-the sources' segments, pointer loads), not one source's: at decode sizes each source sends an
-expert a few rows, and per-source tiles would be mostly empty, computing zeros (128 tokens per
-rank, top-2 of 8 experts: 32 rows per source, so on 8 ranks an expert's 256 rows fill 8
-half-empty 64-row tiles where 4 full ones would do).
+Packed experts (``PACK``). At decode sizes each source sends an expert a few rows, and a row
+tile per source is mostly empty: 128 tokens per rank of top-8 over 16 experts on 8 ranks give
+segments of about 64 rows, so half of them take a second 64-row tile for a few rows. A packed
+expert's rows of all sources sit end to end in a second buffer, copied there by
+``pack_rows_kernel`` (a launch before this one), and its row tiles are the packed rows' (full
+tiles, loaded as any segment's: through descriptors where the device has them); the epilogue
+stores each row back at its place in the dispatch layout (``row_map``). Which experts are
+packed is decided on the device by both launches alike (``expert_layout``): where the row tiles
+saved cost more than copying the expert's rows.
 """
 import triton
 import triton.language as tl
 
-from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, gemm_tile_pair_rows, grouped_tile
+from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, grouped_tile
+
+#: a row of two products (gate and up: 4 * H * I flops) costs as long as copying ``I / PACK_COST``
+#: rows of H (2 * H elements of 2 bytes, read and written): the dense bf16 rate over the HBM
+#: rate, in flops per byte (H200: about 660 TFLOP/s over 4.1 TB/s = 160; MI300X about 1300
+#: over 5.3 = 245). An expert is packed where the padding rows its per-source tiles compute,
+#: times I, exceed PACK_COST times its rows (``expert_layout``)
+PACK_COST = tl.constexpr(160)
+
+
+@triton.jit
+def expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
+                  BLOCK_E: tl.constexpr, PACK: tl.constexpr):
+    """The rows of each (source, expert) segment and which experts are packed, as both launches
+    see them: ``(c2, packed, pstart)`` with ``c2`` [BLOCK_SRC, BLOCK_E] the counts, ``packed``
+    [BLOCK_E] whether the expert's rows go to the packed buffer and ``pstart`` [BLOCK_E] where
+    they start there. ``PACK`` 1: where the saved tiles pay for the copy (``PACK_COST``); 2:
+    every expert with rows. Experts are packed in order while they fit in the buffer's ``cap``
+    rows; the rest keep their per-source tiles."""
+    q = tl.arange(0, BLOCK_SRC)[:, None]
+    e = tl.arange(0, BLOCK_E)[None, :]
+    c2 = tl.load(counts_ptr + q * E + e, mask=(q < n_src) & (e < E), other=0)
+    n_e = tl.sum(c2, axis=0)
+    if PACK == 2:
+        want = n_e > 0
+    else:
+        saved = tl.sum((c2 + BLOCK_M - 1) // BLOCK_M, axis=0) - (n_e + BLOCK_M - 1) // BLOCK_M
+        want = saved.to(tl.int64) * BLOCK_M * I > PACK_COST * n_e.to(tl.int64)
+    fits = tl.cumsum(tl.where(want, n_e, 0), axis=0) <= cap  # (monotone: a prefix of `want`)
+    packed = want & fits
+    own = tl.where(packed, n_e, 0)
+    return c2, packed, tl.cumsum(own, axis=0) - own
+
+
+@triton.jit
+def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, I, cap, stride_xm,
+                     stride_xk, stride_pm, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
+                     BLOCK_E: tl.constexpr, PACK: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """Copy the packed experts' rows (``expert_layout``) from ``x`` to ``p`` [cap, H], expert
+    by expert and source by source inside an expert, and record each packed row's row of ``x``
+    in ``row_map`` [cap]; ``BLOCK_R`` rows per step, the programs striding over them."""
+    c2, packed, pstart = expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M, BLOCK_SRC, BLOCK_E,
+                                       PACK)
+    # per segment (q, e): where it starts in x (sources in order, experts inside a source) and
+    # in p (experts in order, sources inside an expert), flattened to one lane per segment
+    per_q = tl.sum(c2, axis=1)
+    x0 = (tl.cumsum(per_q, axis=0) - per_q)[:, None] + tl.cumsum(c2, axis=1) - c2
+    p0 = pstart[None, :] + tl.cumsum(c2, axis=0) - c2
+    n_seg: tl.constexpr = BLOCK_SRC * BLOCK_E
+    c = tl.reshape(c2, (n_seg,))
+    x0 = tl.reshape(x0, (n_seg,))
+    p0 = tl.reshape(p0, (n_seg,))
+    on = tl.reshape(packed[None, :] & (c2 > 0), (n_seg,))
+    total = tl.sum(tl.where(packed, tl.sum(c2, axis=0), 0))
+    offs_h = tl.arange(0, BLOCK_H)
+    for r0 in range(tl.program_id(0) * BLOCK_R, total, tl.num_programs(0) * BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        live = r < total
+        hit = on[None, :] & (p0[None, :] <= r[:, None]) & (r[:, None] < (p0 + c)[None, :])
+        src = tl.sum(tl.where(hit, (x0 - p0)[None, :], 0), axis=1) + r  # the row of x
+        tl.store(map_ptr + r, src, mask=live)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + offs_h
+            m = live[:, None] & (h < H)[None, :]
+            v = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xm + h[None, :] * stride_xk,
+                        mask=m)
+            tl.store(p_ptr + r[:, None].to(tl.int64) * stride_pm + h[None, :], v, mask=m)
 
 
 @triton.jit
 def expert_swiglu_kernel(
     x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc,
-    I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm,
+    p_ptr, p_desc, map_ptr, cap,  # the packed rows and their rows in x (PACK only)
+    I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
-    BLOCK_SRC: tl.constexpr, GATHER: tl.constexpr,
+    BLOCK_SRC: tl.constexpr, BLOCK_E: tl.constexpr, PACK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_src = n_seg // E
@@ -41,10 +113,17 @@ def expert_swiglu_kernel(
     segs = tl.arange(0, BLOCK_SEG)
     cnt = tl.load(counts_ptr + segs, mask=segs < n_seg, other=0)
     srcs = tl.arange(0, BLOCK_SRC)
-    if GATHER:  # an expert's rows of all sources in one run of row tiles
-        per_e = tl.sum(tl.where((segs % E)[None, :] == tl.arange(0, BLOCK_SEG)[:, None],
-                                cnt[None, :], 0), axis=1)
-        total = tl.sum((per_e + BLOCK_M - 1) // BLOCK_M) * num_pid_n
+    experts = tl.arange(0, BLOCK_E)
+    packed_e = False
+    if PACK:
+        c2, packed, pstart = expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M, BLOCK_SRC,
+                                           BLOCK_E, PACK)
+        n_e = tl.sum(c2, axis=0)
+        # an expert's row tiles: per source, or (packed) its rows' together
+        tiles_e = tl.where(packed, (n_e + BLOCK_M - 1) // BLOCK_M,
+                           tl.sum((c2 + BLOCK_M - 1) // BLOCK_M, axis=0))
+        total = tl.sum(tiles_e) * num_pid_n
+        packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
     else:
         total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
     # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all sources
@@ -52,7 +131,7 @@ def expert_swiglu_kernel(
     e = 0
     e_t0 = 0
     c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
-    mt_q = _row_tiles(c_e, BLOCK_M, BLOCK_SRC, GATHER)
+    mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
     cum = tl.cumsum(mt_q, axis=0)
     e_nt = tl.sum(mt_q) * num_pid_n
     for t in range(pid, total, tl.num_programs(0)):
@@ -60,54 +139,67 @@ def expert_swiglu_kernel(
             e += 1
             e_t0 += e_nt
             c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
-            mt_q = _row_tiles(c_e, BLOCK_M, BLOCK_SRC, GATHER)
+            if PACK:
+                packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
+            mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
             cum = tl.cumsum(mt_q, axis=0)
             e_nt = tl.sum(mt_q) * num_pid_n
         # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
         # tiles per weight column block, so at decode sizes every source's rows of the expert
         # read a column block of its weights together, from L2 after the first)
         vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if GATHER:
-            # virtual row v of the expert (sources end to end) -> its source q and row
-            v = vm * BLOCK_M + tl.arange(0, BLOCK_M)
-            ends = tl.cumsum(c_e, axis=0)  # the expert's rows up to each source's, inclusive
-            q_v = tl.sum((ends[None, :] <= v[:, None]).to(tl.int32), axis=1)
-            # where source q's segment of expert e starts in x, minus the rows of e before it
-            starts = tl.sum(tl.where(segs[None, :] < (srcs * E + e)[:, None], cnt[None, :], 0),
-                            axis=1)
-            shift = starts - (ends - c_e)
-            valid = v < tl.sum(c_e)
-            rows = v + tl.sum(tl.where(srcs[None, :] == q_v[:, None], shift[None, :], 0), axis=1)
-            rows = tl.where(valid, rows, 0)
-            g, u = gemm_tile_pair_rows(x_ptr, rows, wg_ptr + tl.cast(e, tl.int64) * stride_we,
-                                       wu_ptr + tl.cast(e, tl.int64) * stride_we, wg_desc,
-                                       wu_desc, e * H, I, H, stride_xm, stride_xk, stride_wk,
-                                       stride_wn, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                       EVEN_K, PRECISION, UPCAST, USE_DESC)
-            store_swiglu(g, u, rows, valid, cols, h_ptr, I, stride_hm)
+        if PACK:
+            if packed_e:
+                start = tl.sum(tl.where(experts == e, pstart, 0))
+                n = tl.sum(c_e)
+                g, u = segment_tile_pair(p_ptr, wg_ptr, wu_ptr, p_desc, wg_desc, wu_desc, start,
+                                         n, e, vm, pid_n, I, H, stride_pm, 1, stride_we,
+                                         stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                                         NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
+                offs = vm * BLOCK_M + tl.arange(0, BLOCK_M)
+                rows = tl.load(map_ptr + start + offs, mask=offs < n, other=0)
+                store_swiglu(g, u, rows, offs < n, pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
+                             h_ptr, I, stride_hm)
+            else:
+                _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs,
+                             c_e, mt_q, cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk,
+                             stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
+                             BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
         else:
-            q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
-            pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
-            n = tl.sum(tl.where(srcs == q, c_e, 0))
-            seg = q * E + e
-            start = tl.sum(tl.where(segs < seg, cnt, 0))  # rows of the segments before seg
-            swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n,
-                                e, pid_m, pid_n, I, H, stride_xm, stride_xk, stride_we,
-                                stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K,
-                                NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
+            _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e,
+                         mt_q, cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk, stride_we,
+                         stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                         EVEN_K, PRECISION, UPCAST, USE_DESC)
 
 
 @triton.jit
-def swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n, e,
+def _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e, mt_q,
+                 cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
+                 stride_wn, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
+    """Row tile ``vm`` of expert ``e``'s per-source tiles (``mt_q`` per source, ``cum`` their
+    running sum): the tile of its source's segment, computed and stored."""
+    q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
+    pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
+    n = tl.sum(tl.where(srcs == q, c_e, 0))
+    start = tl.sum(tl.where(segs < q * E + e, cnt, 0))  # rows of the segments before (q, e)
+    swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n, e,
                         pid_m, pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk,
-                        stride_wn, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
-    """Tile (pid_m, pid_n) of one segment: ``h[start + i, j]`` of the module docstring for
-    the segment's rows ``start .. start + n`` of ``x`` (all of expert ``e``), computed and
-    stored. Pointer loads read no row outside the segment; descriptor loads may read rows past
-    its end, whose products are never stored (so those rows need not be there yet)."""
+                        stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
+                        PRECISION, UPCAST, USE_DESC)
+
+
+@triton.jit
+def segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
+                      pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
+    """The float32 gate and up tiles (pid_m, pid_n) of the rows ``start .. start + n`` of ``x``
+    (all of expert ``e``). Pointer loads read no row outside them; descriptor loads may read
+    rows past their end, whose products are never stored (so those rows need not be there
+    yet)."""
     if USE_DESC:
         g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M, e * H,
                                    pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
@@ -118,6 +210,22 @@ def swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, 
                               wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, H, stride_xm,
                               stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N,
                               BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+    return g, u
+
+
+@triton.jit
+def swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n, e,
+                        pid_m, pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk,
+                        stride_wn, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
+    """Tile (pid_m, pid_n) of one segment: ``h[start + i, j]`` of the module docstring for
+    the segment's rows ``start .. start + n`` of ``x`` (all of expert ``e``), computed
+    (``segment_tile_pair``) and stored."""
+    g, u = segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
+                             pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+                             USE_DESC)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     store_swiglu(g, u, start + offs, offs < n, cols, h_ptr, I, stride_hm)
@@ -133,10 +241,9 @@ def store_swiglu(g, u, rows, valid, cols, h_ptr, I, stride_hm):
 
 
 @triton.jit
-def _row_tiles(c_e, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr, GATHER: tl.constexpr):
-    """Row tiles of one expert per source: per-source tiles, or (``GATHER``) all of the
+def _row_tiles(c_e, packed_e, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr):
+    """Row tiles of one expert per source: per-source tiles, or (``packed_e``) all of the
     expert's rows in the first source's place (its tiles hold every source's rows)."""
-    if GATHER:
-        n = tl.sum(c_e)
-        return tl.where(tl.arange(0, BLOCK_SRC) == 0, (n + BLOCK_M - 1) // BLOCK_M, 0)
-    return (c_e + BLOCK_M - 1) // BLOCK_M
+    per_source = (c_e + BLOCK_M - 1) // BLOCK_M
+    together = tl.where(tl.arange(0, BLOCK_SRC) == 0, (tl.sum(c_e) + BLOCK_M - 1) // BLOCK_M, 0)
+    return tl.where(packed_e, together, per_source)

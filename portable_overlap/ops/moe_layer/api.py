@@ -186,7 +186,7 @@ def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, 
 
 def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out, senders, m,
           decode, expert_major):
-    cfg1 = default_config(tokens.dtype, tokens.device, True, m, False)
+    cfg1 = default_config(tokens.dtype, tokens.device, True, m)
     cfg2 = down_config(cfg1, cctx._gemm_config(h, decode))
     cc = cctx._combine_config(tokens.device, topk_weights.shape[0])
     key = ("layer", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
@@ -202,7 +202,7 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
     x_desc = _descriptors(dctx.recv, w_gate, w_up, cfg1, facts)[0]
     h_desc = cctx._descriptors(h, w_down, cfg2)[0]
     if x_desc is None:  # the pointer loads' tiles (the gated GEMM spills at 128 x 128 there)
-        cfg1 = default_config(tokens.dtype, tokens.device, False, m, False)
+        cfg1 = default_config(tokens.dtype, tokens.device, False, m)
         cfg2 = down_config(cfg1, cfg2)
         h_desc = cctx._descriptors(h, w_down, cfg2)[0]
     programs = min(facts.sm_count, G_MAX)
