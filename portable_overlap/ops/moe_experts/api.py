@@ -27,9 +27,11 @@ from ..matmul.api import DTYPES, MatmulConfig, tile_descriptors
 from .kernel import expert_swiglu_kernel, pack_rows_kernel
 
 OP = "expert_swiglu"
-#: rows and columns of x the pack launch copies per step (16 KiB of bf16)
-PACK_BLOCK_R = 16
-PACK_BLOCK_H = 512
+#: rows and columns of x the pack launch copies per step (8 KiB of bf16), with up to 4 programs
+#: per processor: one H200 copied 1029 rows of 7168 in 8.4 us so (torch's copy of the same
+#: rows, contiguous: 11.9), in 10.8 with 16 x 512 and 128 programs
+PACK_BLOCK_R = 4
+PACK_BLOCK_H = 1024
 
 
 #: the gated GEMM's 16-bit tiles on 64-lane wavefronts (AMD CDNA; no tensor descriptors there).
@@ -72,18 +74,17 @@ def tile_config(dtype: torch.dtype, facts, descriptors: bool,
                         num_warps=8, num_stages=3)
 
 
-#: the most rows per (source, expert) segment, on average, at which the kernel considers packing
-#: experts (``pack_rows``): past it a segment's padding is a small part of its tiles
-PACK_MAX_ROWS = 256
-
-
-def pack_rows(rows_per_segment: float, sources: int) -> bool:
-    """Whether ``expert_swiglu`` considers packing experts (kernel.py: an expert's rows of all
-    sources copied end to end, so its row tiles are full): with 2 sources or more and segments
-    of ``PACK_MAX_ROWS`` rows or fewer on average. The device then packs the experts whose
-    saved tiles pay for the copy (``kernel.expert_layout``); the host only bounds the
-    buffer."""
-    return sources >= 2 and rows_per_segment <= PACK_MAX_ROWS
+def pack_rows(rows_per_segment: float, sources: int, block_m: int) -> bool:
+    """Whether ``expert_swiglu`` packs experts (kernel.py: an expert's rows of all sources
+    copied end to end, so its row tiles are full): with 2 sources or more where a segment fills
+    at most half a row tile on average; the device then packs the experts whose row tiles that
+    halves (``kernel.expert_layout``). One H200, 128 tokens per rank, 64 x 256 tiles
+    (``benchmarks/tune_moe_experts.py``): Mixtral-like experts laid out for 8 ranks (32 rows
+    per segment) 0.110 ms packed against 0.184 per source, for 4 ranks 0.175 against 0.199;
+    DeepSeek-like ones (64 rows per segment), where packing cuts the tiles by a third, not by
+    half, 0.170-0.195 packed against 0.153-0.170 per source: the pack launch costs 8-11 us and
+    the fewer tiles take as many rounds of the grid."""
+    return sources >= 2 and rows_per_segment <= block_m / 2
 
 
 def pack_capacity(rows: int, rows_per_segment: float, segments: int, block_m: int) -> int:
@@ -119,8 +120,8 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     never reads ``counts``, so by default it is ``rows / counts.numel() / W``, the mean under a
     dispatch buffer of the default capacity (every rank's tokens). ``gather``: whether row
     tiles may hold an expert's rows of all sources together (kernel.py's packed experts):
-    None packs the experts where the device finds that it pays, True every expert with rows,
-    False none. Under ``torch.compile`` one opaque op,
+    None packs, where segments are small (``pack_rows``), the experts whose row tiles that
+    halves; True every expert with rows; False none. Under ``torch.compile`` one opaque op,
     ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
     (``out``, ``config``, ``programs`` and ``gather`` make it a graph break). Inference only (no
     autograd)."""
@@ -144,12 +145,12 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
     G = max(1, programs or facts.sm_count)
     n_seg, W = counts.numel(), counts.shape[0]
     m = x.shape[0] / n_seg / W if rows_per_segment is None else rows_per_segment
-    pack = (1 if pack_rows(m, W) else 0) if gather is None else (2 if gather else 0)
     cfg = config or default_config(x.dtype, x.device, True, m)
     x_desc, wg_desc, wu_desc = _descriptors(x, w_gate, w_up, cfg, facts)
     if config is None and wu_desc is None:
         cfg = default_config(x.dtype, x.device, False, m)
     use_desc = wu_desc is not None
+    pack = (1 if pack_rows(m, W, cfg.block_m) else 0) if gather is None else (2 if gather else 0)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_SRC=1 << max(0, W - 1).bit_length(),
                   BLOCK_E=1 << max(0, E - 1).bit_length(), PACK=pack)
     packed = row_map = p_desc = None
@@ -164,7 +165,7 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
             if not use_desc:
                 x_desc = wg_desc = wu_desc = None
         pack_rows_kernel[(max(1, min(4 * G, triton.cdiv(cap, PACK_BLOCK_R))),)](
-            x, counts, packed, row_map, H, W, E, I, cap, x.stride(0), x.stride(1),
+            x, counts, packed, row_map, H, W, E, cap, x.stride(0), x.stride(1),
             packed.stride(0), BLOCK_R=PACK_BLOCK_R,
             BLOCK_H=min(PACK_BLOCK_H, triton.next_power_of_2(H)), **consts, num_warps=4)
     expert_swiglu_kernel[(G,)](

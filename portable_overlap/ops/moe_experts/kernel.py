@@ -21,31 +21,27 @@ expert's rows of all sources sit end to end in a second buffer, copied there by
 ``pack_rows_kernel`` (a launch before this one), and its row tiles are the packed rows' (full
 tiles, loaded as any segment's: through descriptors where the device has them); the epilogue
 stores each row back at its place in the dispatch layout (``row_map``). Which experts are
-packed is decided on the device by both launches alike (``expert_layout``): where the row tiles
-saved cost more than copying the expert's rows.
+packed is decided on the device by both launches alike (``expert_layout``): those whose row
+tiles packing halves.
 """
 import triton
 import triton.language as tl
 
 from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, grouped_tile
 
-#: a row of two products (gate and up: 4 * H * I flops) costs as long as copying ``I / PACK_COST``
-#: rows of H (2 * H elements of 2 bytes, read and written): the dense bf16 rate over the HBM
-#: rate, in flops per byte (H200: about 660 TFLOP/s over 4.1 TB/s = 160; MI300X about 1300
-#: over 5.3 = 245). An expert is packed where the padding rows its per-source tiles compute,
-#: times I, exceed PACK_COST times its rows (``expert_layout``)
-PACK_COST = tl.constexpr(160)
-
-
 @triton.jit
-def expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
+def expert_layout(counts_ptr, n_src, E, cap, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
                   BLOCK_E: tl.constexpr, PACK: tl.constexpr):
     """The rows of each (source, expert) segment and which experts are packed, as both launches
     see them: ``(c2, packed, pstart)`` with ``c2`` [BLOCK_SRC, BLOCK_E] the counts, ``packed``
     [BLOCK_E] whether the expert's rows go to the packed buffer and ``pstart`` [BLOCK_E] where
-    they start there. ``PACK`` 1: where the saved tiles pay for the copy (``PACK_COST``); 2:
-    every expert with rows. Experts are packed in order while they fit in the buffer's ``cap``
-    rows; the rest keep their per-source tiles."""
+    they start there. ``PACK`` 1: the experts whose per-source row tiles are at least twice
+    their packed ones; 2: every expert with rows. Packing fewer tiles pays only where it
+    halves them: a persistent grid runs the tiles in rounds of one per processor, and at
+    decode sizes a row tile's long K loop sets each round's time, so cutting 256 tiles to 160
+    on 132 processors (two rounds either way) saves nothing (``api.pack_rows``). Experts are
+    packed in order while they fit in the buffer's ``cap`` rows; the rest keep their
+    per-source tiles."""
     q = tl.arange(0, BLOCK_SRC)[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
     c2 = tl.load(counts_ptr + q * E + e, mask=(q < n_src) & (e < E), other=0)
@@ -53,8 +49,8 @@ def expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M: tl.constexpr, BLOCK_SRC
     if PACK == 2:
         want = n_e > 0
     else:
-        saved = tl.sum((c2 + BLOCK_M - 1) // BLOCK_M, axis=0) - (n_e + BLOCK_M - 1) // BLOCK_M
-        want = saved.to(tl.int64) * BLOCK_M * I > PACK_COST * n_e.to(tl.int64)
+        want = (n_e > 0) & (tl.sum((c2 + BLOCK_M - 1) // BLOCK_M, axis=0)
+                            >= 2 * ((n_e + BLOCK_M - 1) // BLOCK_M))
     fits = tl.cumsum(tl.where(want, n_e, 0), axis=0) <= cap  # (monotone: a prefix of `want`)
     packed = want & fits
     own = tl.where(packed, n_e, 0)
@@ -62,14 +58,14 @@ def expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M: tl.constexpr, BLOCK_SRC
 
 
 @triton.jit
-def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, I, cap, stride_xm,
+def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, stride_xm,
                      stride_xk, stride_pm, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
                      BLOCK_E: tl.constexpr, PACK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_H: tl.constexpr):
     """Copy the packed experts' rows (``expert_layout``) from ``x`` to ``p`` [cap, H], expert
     by expert and source by source inside an expert, and record each packed row's row of ``x``
     in ``row_map`` [cap]; ``BLOCK_R`` rows per step, the programs striding over them."""
-    c2, packed, pstart = expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M, BLOCK_SRC, BLOCK_E,
+    c2, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC, BLOCK_E,
                                        PACK)
     # per segment (q, e): where it starts in x (sources in order, experts inside a source) and
     # in p (experts in order, sources inside an expert), flattened to one lane per segment
@@ -116,7 +112,7 @@ def expert_swiglu_kernel(
     experts = tl.arange(0, BLOCK_E)
     packed_e = False
     if PACK:
-        c2, packed, pstart = expert_layout(counts_ptr, n_src, E, I, cap, BLOCK_M, BLOCK_SRC,
+        c2, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC,
                                            BLOCK_E, PACK)
         n_e = tl.sum(c2, axis=0)
         # an expert's row tiles: per source, or (packed) its rows' together
