@@ -88,10 +88,9 @@ def pack_rows(rows_per_segment: float, sources: int, block_m: int) -> bool:
 
 
 def split_steps(rows_per_segment: float) -> bool:
-    """Whether ``expert_swiglu`` may cut tiles in halves of their K steps by default (kernel.py,
-    ``SPLIT_NOTE``; the device decides from the tile count): at decode sizes (segments of 64
-    rows or fewer on average), where a few hundred long-K tiles take uneven rounds of the
-    grid."""
+    """Whether ``expert_swiglu`` cuts the tiles' K loops into one equal range per program
+    (kernel.py's stream-K) by default: at decode sizes (segments of 64 rows or fewer on
+    average), where a few hundred tiles take two or three uneven rounds of the grid."""
     return rows_per_segment <= 64
 
 
@@ -129,13 +128,12 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     dispatch buffer of the default capacity (every rank's tokens). ``gather``: whether row
     tiles may hold an expert's rows of all sources together (kernel.py's packed experts):
     None packs, where segments are small (``pack_rows``), the experts whose row tiles that
-    halves; True every expert with rows; False none. ``split``: whether tiles may be cut in
-    halves of their K steps where the tile count leaves the grid's last round nearly empty
-    (kernel.py; the device decides): None at decode sizes (``split_steps``), True, False.
-    Under ``torch.compile`` one opaque op,
+    halves; True every expert with rows; False none. ``split``: whether the tiles' K loops are
+    cut into one equal range of steps per program (kernel.py's stream-K): None where the
+    tiles are few (``split_steps``), True, False. Under ``torch.compile`` one opaque op,
     ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
-    (``out``, ``config``, ``programs``, ``gather`` and ``split`` make it a graph break).
-    Inference only (no autograd)."""
+    (``out``, ``config``, ``programs``, ``gather`` and ``split`` make it a graph break). Inference only (no
+    autograd)."""
     return EXPERT_SWIGLU((x, w_gate, w_up, counts, rows_per_segment), out=out, config=config,
                          programs=programs, gather=gather, split=split)
 
@@ -164,12 +162,10 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
     pack = (1 if pack_rows(m, W, cfg.block_m) else 0) if gather is None else (2 if gather else 0)
     split = split_steps(m) if split is None else bool(split)
     ws = flags = None
-    n_slots = 0
-    if split:  # a first half's partial tile and its flag per tile, for up to two rounds' tiles
-        n_slots = 2 * G
-        ws = torch.empty(n_slots * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32,
+    if split:  # a partial tile per program, and its flag (zero: the finishers leave it so)
+        ws = torch.empty(G * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32,
                          device=x.device)
-        flags = torch.zeros(n_slots, dtype=torch.int32, device=x.device)
+        flags = torch.zeros(G, dtype=torch.int32, device=x.device)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_SRC=1 << max(0, W - 1).bit_length(),
                   BLOCK_E=1 << max(0, E - 1).bit_length(), PACK=pack)
     packed = row_map = p_desc = None
@@ -189,7 +185,7 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
             BLOCK_H=min(PACK_BLOCK_H, triton.next_power_of_2(H)), **consts, num_warps=4)
     expert_swiglu_kernel[(G,)](
         x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, packed, p_desc, row_map, cap,
-        ws, flags, n_slots, I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+        ws, flags, I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
         w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
         EVEN_K=H % cfg.block_k == 0, PRECISION=dot_precision(x.dtype),

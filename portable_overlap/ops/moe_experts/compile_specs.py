@@ -1,12 +1,12 @@
 """Representative compile signatures of the experts' gated grouped GEMM, at the tiles and launch
 options of ``api.tile_config``: per-source row tiles through descriptors and by pointer loads
 (sm_90's, 8 warps), fp32, and the decode pick (64 x 256 through descriptors, 8 warps) with
-packed experts and tiles cut in halves of K, by descriptors and by pointer loads; 3 stages. And the launch that packs the
+packed experts and stream-K, by descriptors and by pointer loads; 3 stages. And the launch that packs the
 experts' rows (``pack_rows_kernel``)."""
 from .api import PACK_BLOCK_H, PACK_BLOCK_R
 from .kernel import expert_swiglu_kernel, pack_rows_kernel
 
-_ARGS = ("cap:i32 n_slots:i32 I:i32 H:i32 n_seg:i32 E:i32 stride_xm:i32 stride_xk:i32 stride_we:i32 "
+_ARGS = ("cap:i32 I:i32 H:i32 n_seg:i32 E:i32 stride_xm:i32 stride_xk:i32 stride_we:i32 "
          "stride_wk:i32 stride_wn:i32 stride_hm:i32 stride_pm:i32")
 
 
@@ -18,7 +18,7 @@ def specs():
                                               ("fp32", 64, 64, 32, 4, False, 0),
                                               ("bf16", 64, 256, 64, 8, True, 1),
                                               ("bf16", 64, 256, 64, 8, False, 1)):
-        split = bool(pack)  # the decode picks may cut tiles in halves (api.split_steps)
+        split = bool(pack)  # the decode picks cut the K loops (api.split_steps)
         sig = {n: f"*{dt}" for n in ("x_ptr", "wg_ptr", "wu_ptr", "h_ptr", "p_ptr")}
         sig.update(counts_ptr="*i32", map_ptr="*i32", ws_ptr="*fp32", flags_ptr="*i32")
         if desc:
@@ -37,7 +37,7 @@ def specs():
         aligned = ["x_ptr", "wg_ptr", "wu_ptr", "h_ptr", "p_ptr", "I", "H", "stride_xm",
                    "stride_we", "stride_wk", "stride_hm", "stride_pm"]
         name = (f"expert_swiglu[{dt}{', descriptors' if desc else ''}"
-                f"{', packed experts, split' if pack else ''}]")
+                f"{', packed experts, stream-K' if pack else ''}]")
         yield name, expert_swiglu_kernel, sig, consts, aligned
     sig = {"x_ptr": "*bf16", "counts_ptr": "*i32", "p_ptr": "*bf16", "map_ptr": "*i32",
            **dict(kv.split(":") for kv in "H:i32 n_src:i32 E:i32 cap:i32 stride_xm:i32 "

@@ -97,7 +97,7 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, stride
 def expert_swiglu_kernel(
     x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc,
     p_ptr, p_desc, map_ptr, cap,  # the packed rows and their rows in x (PACK only)
-    ws_ptr, flags_ptr, n_slots,  # float32 [n_slots, 2, BLOCK_M, BLOCK_N], int32 [n_slots] (SPLIT)
+    ws_ptr, flags_ptr,  # float32 [programs, 2, BLOCK_M, BLOCK_N] partials, int32 [programs] (SPLIT)
     I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -122,84 +122,139 @@ def expert_swiglu_kernel(
         total = tl.sum(tiles_e) * num_pid_n
     else:
         total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
-    # with SPLIT, each tile is cut in two halves of its K steps where that evens out the
-    # grid's rounds (``SPLIT_NOTE``), the halves run side by side as consecutive units
-    G = tl.num_programs(0)
-    S = 1
     if SPLIT:
-        halves = tl.cdiv(2 * total, G - G % 2) < 2 * tl.cdiv(total, G)
-        S = tl.where(halves & (total <= n_slots), 2, 1)
-    Gs = G - G % S  # (even with halves: a tile's halves run in one round, the first on the
-    #                 lower program, which the interpreter runs first)
-    KI = tl.cdiv(H, BLOCK_K)
-    part = tl.cdiv(KI, S) * BLOCK_K  # K elements of a half (all of K when whole)
+        _stream_k(x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc, p_ptr,
+                  p_desc, map_ptr, ws_ptr, flags_ptr, packed, pstart, experts, cnt, segs, total,
+                  pid, n_src, num_pid_n, I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
+                  stride_wn, stride_hm, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                  NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC, BLOCK_SRC, PACK)
+    else:
+        srcs = tl.arange(0, BLOCK_SRC)
+        # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all
+        # sources (per source, and their running sum), its tile count
+        e = 0
+        e_t0 = 0
+        c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
+        packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
+        mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
+        cum = tl.cumsum(mt_q, axis=0)
+        e_nt = tl.sum(mt_q) * num_pid_n
+        for t in range(pid, total, tl.num_programs(0)):
+            while t >= e_t0 + e_nt:  # `total` bounds t, so the walk stays inside the experts
+                e += 1
+                e_t0 += e_nt
+                c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
+                packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
+                mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
+                cum = tl.cumsum(mt_q, axis=0)
+                e_nt = tl.sum(mt_q) * num_pid_n
+            # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
+            # tiles per weight column block, so at decode sizes every source's rows of the
+            # expert read a column block of its weights together, from L2 after the first)
+            vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
+            g, u, rows, valid = _tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr,
+                                      p_desc, map_ptr, packed_e, pstart, experts, cnt, segs,
+                                      c_e, mt_q, cum, srcs, e, vm, pid_n, 0, H, I, H, E,
+                                      stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+                                      stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
+                                      PRECISION, UPCAST, USE_DESC, PACK)
+            store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), h_ptr, I,
+                         stride_hm)
+
+
+#: K steps a stream-K program takes at least, as a fraction of a tile's: a tile then has at most
+#: about this many contributors, whose partials its finisher sums alone
+SPLIT_PARTS = tl.constexpr(4)
+#: polls of a contributor's flag before the finisher gives up (poisoning its tile with NaN): the
+#: contributor is a program of the same launch, resident at once, that signals after at most a
+#: tile's K loop, so only a scheduling fault gets here
+SPLIT_POLLS = tl.constexpr(1 << 24)
+
+
+@triton.jit
+def _stream_k(x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc,
+              map_ptr, ws_ptr, flags_ptr, packed, pstart, experts, cnt, segs, total, pid, n_src,
+              num_pid_n, I, H, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+              stride_hm, stride_pm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+              EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              USE_DESC: tl.constexpr, BLOCK_SRC: tl.constexpr, PACK: tl.constexpr):
+    """The tiles' K steps laid end to end (tile by tile in the walk's order) and cut into one
+    equal range per program, so every program does the same work whatever the tile count (at
+    decode sizes a few hundred long-K tiles on 132 processors would take two or three uneven
+    rounds). A tile cut between programs is summed by the program holding its last K steps (the
+    finisher) from the others' float32 partials (``ws``, one slot per program: a program
+    holds at most one tile without its last step, the one its range ends in). Each program
+    walks its tiles last first: the tile it contributes to comes first and the one it finishes
+    last, so partials are ready when finishers want them, and a finisher waits only for
+    programs of lower ids (which the interpreter, running programs in order, has run)."""
     srcs = tl.arange(0, BLOCK_SRC)
-    # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all
-    # sources (per source, and their running sum), its tile count
+    KI = tl.cdiv(H, BLOCK_K)
+    steps = total * KI
+    per = tl.maximum(tl.cdiv(steps, tl.num_programs(0)), tl.cdiv(KI, SPLIT_PARTS))
+    s0 = pid * per
+    s1 = tl.minimum(s0 + per, steps)
+    n_t = tl.where(s0 < s1, (s1 - 1) // KI - s0 // KI + 1, 0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = offs_m[:, None] * BLOCK_N + offs_n[None, :]
+    for i in range(0, n_t):
+        t = (s1 - 1) // KI - i
+        k0 = tl.maximum(s0, t * KI) - t * KI
+        k1 = tl.minimum(s1, t * KI + KI) - t * KI
+        e, e_t0, c_e, mt_q, cum, packed_e = _locate(t, counts_ptr, packed, experts, srcs, n_src,
+                                                    E, num_pid_n, BLOCK_M, BLOCK_SRC)
+        vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
+        g, u, rows, valid = _tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc,
+                                  map_ptr, packed_e, pstart, experts, cnt, segs, c_e, mt_q, cum,
+                                  srcs, e, vm, pid_n, k0 * BLOCK_K,
+                                  tl.minimum(k1 * BLOCK_K, H), I, H, E, stride_xm, stride_xk,
+                                  stride_we, stride_wk, stride_wn, stride_pm, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC, PACK)
+        if k1 < KI:  # the tile goes on in the next program: this program's partial for it
+            mine = ws_ptr + pid.to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
+            tl.store(mine + slot, g)
+            tl.store(mine + BLOCK_M * BLOCK_N + slot, u)
+            tl.debug_barrier()  # every thread's stores before the (cumulative) release
+            tl.atomic_xchg(flags_ptr + pid, 1, sem="release", scope="gpu")
+        else:
+            if k0 > 0:  # the programs before this one hold the tile's first steps
+                ok = True
+                for q in range((t * KI) // per, pid):
+                    v = tl.atomic_add(flags_ptr + q, 0, sem="acquire", scope="gpu")
+                    polls = 0
+                    while (v == 0) & (polls < SPLIT_POLLS):
+                        v = tl.atomic_add(flags_ptr + q, 0, sem="acquire", scope="gpu")
+                        polls += 1
+                    tl.debug_barrier()  # the acquiring thread's view becomes the program's
+                    theirs = ws_ptr + tl.cast(q, tl.int64) * (2 * BLOCK_M * BLOCK_N)
+                    g += tl.load(theirs + slot)
+                    u += tl.load(theirs + BLOCK_M * BLOCK_N + slot)
+                    tl.atomic_xchg(flags_ptr + q, 0, sem="relaxed", scope="gpu")  # next call's
+                    ok = ok & (v != 0)
+                g = tl.where(ok, g, float("nan"))
+            store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + offs_n, h_ptr, I, stride_hm)
+
+
+@triton.jit
+def _locate(t, counts_ptr, packed, experts, srcs, n_src, E, num_pid_n, BLOCK_M: tl.constexpr,
+            BLOCK_SRC: tl.constexpr):
+    """The walk's cursor at tile ``t``, from the first expert on: ``(e, its first tile, its
+    sources' rows, their row tiles, their running sum, whether e is packed)``."""
     e = 0
     e_t0 = 0
     c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
     packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
     mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
-    cum = tl.cumsum(mt_q, axis=0)
     e_nt = tl.sum(mt_q) * num_pid_n
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + offs_n[None, :]
-    units = total * S
-    for w in range(tl.where(pid < Gs, pid, units), units, Gs):
-        t = w // S
-        half = w % S
-        while t >= e_t0 + e_nt:  # `total` bounds t, so the walk stays inside the experts
-            e += 1
-            e_t0 += e_nt
-            c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
-            packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
-            mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
-            cum = tl.cumsum(mt_q, axis=0)
-            e_nt = tl.sum(mt_q) * num_pid_n
-        # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
-        # tiles per weight column block, so at decode sizes every source's rows of the expert
-        # read a column block of its weights together, from L2 after the first)
-        vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
-        g, u, rows, valid = _tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr,
-                                  p_desc, map_ptr, packed_e, pstart, experts, cnt, segs, c_e,
-                                  mt_q, cum, srcs, e, vm, pid_n, half * part,
-                                  tl.minimum(half * part + part, H), I, H, E, stride_xm,
-                                  stride_xk, stride_we, stride_wk, stride_wn, stride_pm,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
-                                  UPCAST, USE_DESC, PACK)
-        if SPLIT:
-            mine = ws_ptr + t.to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
-            if half < S - 1:  # the first half: its partial for the program of the second
-                tl.store(mine + slot, g)
-                tl.store(mine + BLOCK_M * BLOCK_N + slot, u)
-                tl.debug_barrier()  # every thread's stores before the (cumulative) release
-                tl.atomic_xchg(flags_ptr + t, 1, sem="release", scope="gpu")
-            elif S > 1:
-                v = tl.atomic_add(flags_ptr + t, 0, sem="acquire", scope="gpu")
-                polls = 0
-                while (v == 0) & (polls < SPLIT_POLLS):
-                    v = tl.atomic_add(flags_ptr + t, 0, sem="acquire", scope="gpu")
-                    polls += 1
-                tl.debug_barrier()  # the acquiring thread's view becomes the program's
-                g = tl.where(v != 0, g + tl.load(mine + slot), float("nan"))
-                u += tl.load(mine + BLOCK_M * BLOCK_N + slot)
-        if half == S - 1:
-            store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + offs_n, h_ptr, I, stride_hm)
-
-
-#: polls of the first half's flag before the second gives up (poisoning its tile with NaN): the
-#: first half runs in the same round on a program resident at the same time and signals after
-#: half a K loop, so only a scheduling fault gets here
-SPLIT_POLLS = tl.constexpr(1 << 24)
-#: SPLIT_NOTE: a persistent grid runs its tiles in rounds, one per program, and at decode sizes
-#: each tile's K loop is long (H = 7168: 112 steps), so a last round with few tiles costs a
-#: whole tile's time: 144 tiles on 132 programs take two rounds. Cut in halves, 288 units take
-#: three rounds of half a tile. Halves run only where that takes fewer tile-times than whole
-#: tiles; units stay in the walk's order, so the programs of a round still share the weights'
-#: column blocks in L2 (a split into one contiguous range of K steps per program, stream-K,
-#: spreads a round's tiles over the whole walk and read each column block once per row tile:
-#: 0.89 against 0.33 ms at a Mixtral-like decode layout on one H200).
+    while t >= e_t0 + e_nt:
+        e += 1
+        e_t0 += e_nt
+        c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
+        packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
+        mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
+        e_nt = tl.sum(mt_q) * num_pid_n
+    return e, e_t0, c_e, mt_q, tl.cumsum(mt_q, axis=0), packed_e
 
 
 @triton.jit
