@@ -31,15 +31,12 @@ from portable_overlap.ops.moe_experts.api import default_config
 
 SHAPES = [(8192, 7168, 2048, 16, 8), (8192, 4096, 14336, 8, 2), (128, 7168, 2048, 16, 8),
           (128, 4096, 14336, 8, 2)]
-# (block_m, block_n, block_k, num_warps, num_stages, gather, split): the default first (its own
-# tiles, packing and split), then per-source row tiles (gather False), the experts the device's
-# rule packs (None) and every expert packed (True), each with the K loops cut into one range
-# per program or not (``expert_swiglu``'s ``gather`` and ``split``)
-CONFIGS = [None, (64, 256, 64, 8, 3, False, False), (64, 256, 64, 8, 3, False, True),
-           (64, 256, 64, 8, 3, None, True), (64, 256, 64, 8, 3, True, True),
-           (128, 128, 64, 8, 3, False, False), (128, 128, 64, 8, 3, False, True),
-           (128, 128, 64, 8, 3, True, True), (64, 128, 64, 4, 4, False, True),
-           (64, 128, 64, 4, 4, True, True)]
+# (block_m, block_n, block_k, num_warps, num_stages, gather): the default first (its own
+# tiles and packing), then per-source row tiles (False), the experts the device's rule packs
+# (None) and every expert packed (True): ``expert_swiglu``'s ``gather``
+CONFIGS = [None, (64, 128, 64, 4, 4, False), (64, 256, 64, 8, 3, False),
+           (128, 128, 64, 8, 3, False), (64, 128, 64, 4, 4, None), (64, 256, 64, 8, 3, None),
+           (128, 128, 64, 8, 3, None), (64, 256, 64, 8, 3, True), (128, 128, 64, 8, 3, True)]
 
 
 def routing_counts(S, E, k, W, kind, gen) -> torch.Tensor:
@@ -63,8 +60,8 @@ def main() -> int:
                          "BMxBNxBK/<warps>w<stages>s,...")
     ap.add_argument("--configs", default="",
                     help="the gated GEMM's tilings instead of CONFIGS' (after the default), as "
-                         "BMxBNxBK/<warps>w<stages>s[g|a][k|n],... (g: every expert packed, a: "
-                         "the experts the device's rule packs; k: K loops split, n: whole)")
+                         "BMxBNxBK/<warps>w<stages>s[g|a],... (g: every expert packed, a: "
+                         "the experts the device's rule packs)")
     ap.add_argument("--combine", action="store_true",
                     help="time the combine's weighted sum (its combine phase) per token block")
     ap.add_argument("--max-tokens", type=int, default=1 << 30,
@@ -133,29 +130,27 @@ def main() -> int:
                 # the default: what the layer picks for S tokens per rank (its tiles, and
                 # packed experts where the device finds that they pay)
                 m = S * k / E  # what the layer passes as rows_per_segment
-                gather, split = (None, None) if c is None else c[5:]
+                gather = None if c is None else c[5]
                 cfg = default_config(torch.bfloat16, dev, True, m) if c is None else \
                     MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3],
                                  num_stages=c[4])
                 name = ("default" if c is None else "x".join(map(str, c[:3]))
-                        + f"/{c[3]}w{c[4]}s") + PACKING[gather] + SPLITTING[split]
+                        + f"/{c[3]}w{c[4]}s") + PACKING[gather]
                 try:
                     out.fill_(float("nan"))
                     expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg, gather=gather,
-                                  split=split, rows_per_segment=m)
+                                  rows_per_segment=m)
                     torch.cuda.synchronize()
                     err = float(((out.float() - ref.float()).norm() / ref.float().norm()))
                     t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg,
-                                                      gather=gather, split=split,
-                                                      rows_per_segment=m),
+                                                      gather=gather, rows_per_segment=m),
                                 world, graph=True, iters=args.iters)
                 except Exception as exc:  # a config that does not fit (shared memory) is skipped
                     print(f"{S}x{H}x{I}x{E}x{k} {kind} {name}: {type(exc).__name__} "
                           f"{str(exc)[:120]}", flush=True)
                     continue
                 writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl="config",
-                             graph=True, config=dict(cfg.__dict__, gather=gather, split=split),
-                             rel_err=err,
+                             graph=True, config=dict(cfg.__dict__, gather=gather), rel_err=err,
                              vs_cublas_dense=base["cublas_dense"] / t["median_ms"],
                              weights_ms_at_hbm=weights_ms, **t)
                 line = (f"W{W} {S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {name:>25}: "
@@ -176,25 +171,20 @@ DOWN_CONFIGS = [("descriptors", None), ("pointers", None), ("config", (128, 256,
                 ("config", (64, 128, 64, 4, 4)), ("config", (64, 128, 128, 4, 3))]
 
 
-#: the tune's names of ``expert_swiglu``'s ``gather`` (a tiling's suffix: none, g, a) and
-#: ``split`` (k, n, none)
+#: the tune's names of ``expert_swiglu``'s ``gather`` (a tiling's suffix: none, g, a)
 PACKING = {False: "", True: " packed", None: " auto"}
-SPLITTING = {True: " split", False: " whole", None: ""}
 
 
 def parse_tilings(spec: str) -> list:
-    """``BMxBNxBK/<warps>w<stages>s[g|a][k|n],...`` as (block_m, block_n, block_k, num_warps,
-    num_stages, gather, split) tuples: per-source row tiles, or with ``g`` every expert packed,
-    with ``a`` the experts the device's rule packs; ``k`` the K loops cut into one range per
-    program, ``n`` not, neither the rule's choice."""
+    """``BMxBNxBK/<warps>w<stages>s[g|a],...`` as (block_m, block_n, block_k, num_warps,
+    num_stages, gather) tuples: per-source row tiles, or with ``g`` every expert packed, with
+    ``a`` the experts the device's rule packs."""
     out = []
     for item in spec.split(","):
-        blocks, rest = item.split("/")
-        warps, rest = rest.split("w")
-        stages, flags = rest.split("s")
-        gather = True if "g" in flags else None if "a" in flags else False
-        split = True if "k" in flags else False if "n" in flags else None
-        out.append((*map(int, blocks.split("x")), int(warps), int(stages), gather, split))
+        blocks, rest = item.rstrip("ga").split("/")
+        warps, stages = rest.rstrip("s").split("w")
+        gather = {"g": True, "a": None}.get(item[-1], False)
+        out.append((*map(int, blocks.split("x")), int(warps), int(stages), gather))
     return out
 
 

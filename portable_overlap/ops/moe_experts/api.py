@@ -87,13 +87,6 @@ def pack_rows(rows_per_segment: float, sources: int, block_m: int) -> bool:
     return sources >= 2 and rows_per_segment <= block_m / 2
 
 
-def split_steps(rows_per_segment: float) -> bool:
-    """Whether ``expert_swiglu`` cuts the tiles' K loops into one equal range per program
-    (kernel.py's stream-K) by default: at decode sizes (segments of 64 rows or fewer on
-    average), where a few hundred tiles take two or three uneven rounds of the grid."""
-    return rows_per_segment <= 64
-
-
 def pack_capacity(rows: int, rows_per_segment: float, segments: int, block_m: int) -> int:
     """Rows of the packed buffer: twice the rows the segments hold on average (experts that
     do not fit keep their per-source tiles), at most ``rows``."""
@@ -116,7 +109,7 @@ def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                   counts: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                   config: Optional[MatmulConfig] = None, programs: Optional[int] = None,
-                  gather: Optional[bool] = None, split: Optional[bool] = None,
+                  gather: Optional[bool] = None,
                   rows_per_segment: Optional[float] = None) -> torch.Tensor:
     """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
     [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``: the device checks
@@ -128,18 +121,16 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     dispatch buffer of the default capacity (every rank's tokens). ``gather``: whether row
     tiles may hold an expert's rows of all sources together (kernel.py's packed experts):
     None packs, where segments are small (``pack_rows``), the experts whose row tiles that
-    halves; True every expert with rows; False none. ``split``: whether the tiles' K loops are
-    cut into one equal range of steps per program (kernel.py's stream-K): None where the
-    tiles are few (``split_steps``), True, False. Under ``torch.compile`` one opaque op,
+    halves; True every expert with rows; False none. Under ``torch.compile`` one opaque op,
     ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
-    (``out``, ``config``, ``programs``, ``gather`` and ``split`` make it a graph break). Inference only (no
+    (``out``, ``config``, ``programs`` and ``gather`` make it a graph break). Inference only (no
     autograd)."""
     return EXPERT_SWIGLU((x, w_gate, w_up, counts, rows_per_segment), out=out, config=config,
-                         programs=programs, gather=gather, split=split)
+                         programs=programs, gather=gather)
 
 
 def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, programs=None,
-         gather=None, split=None) -> torch.Tensor:
+         gather=None) -> torch.Tensor:
     _validate(x, w_gate, w_up, counts, out)
     if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
                                              and 0 <= rows_per_segment < float("inf")):
@@ -160,12 +151,6 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
         cfg = default_config(x.dtype, x.device, False, m)
     use_desc = wu_desc is not None
     pack = (1 if pack_rows(m, W, cfg.block_m) else 0) if gather is None else (2 if gather else 0)
-    split = split_steps(m) if split is None else bool(split)
-    ws = flags = None
-    if split:  # a partial tile per program, and its flag (zero: the finishers leave it so)
-        ws = torch.empty(G * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32,
-                         device=x.device)
-        flags = torch.zeros(G, dtype=torch.int32, device=x.device)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_SRC=1 << max(0, W - 1).bit_length(),
                   BLOCK_E=1 << max(0, E - 1).bit_length(), PACK=pack)
     packed = row_map = p_desc = None
@@ -185,13 +170,12 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
             BLOCK_H=min(PACK_BLOCK_H, triton.next_power_of_2(H)), **consts, num_warps=4)
     expert_swiglu_kernel[(G,)](
         x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, packed, p_desc, row_map, cap,
-        ws, flags, I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+        I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
         w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
         EVEN_K=H % cfg.block_k == 0, PRECISION=dot_precision(x.dtype),
         UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
-        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), SPLIT=split, **consts,
-        num_warps=cfg.num_warps,
+        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), **consts, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 

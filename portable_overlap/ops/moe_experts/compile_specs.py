@@ -1,7 +1,7 @@
 """Representative compile signatures of the experts' gated grouped GEMM, at the tiles and launch
 options of ``api.tile_config``: per-source row tiles through descriptors and by pointer loads
 (sm_90's, 8 warps), fp32, and the decode pick (64 x 256 through descriptors, 8 warps) with
-packed experts and stream-K, by descriptors and by pointer loads; 3 stages. And the launch that packs the
+packed experts, by descriptors and by pointer loads; 3 stages. And the launch that packs the
 experts' rows (``pack_rows_kernel``)."""
 from .api import PACK_BLOCK_H, PACK_BLOCK_R
 from .kernel import expert_swiglu_kernel, pack_rows_kernel
@@ -18,9 +18,8 @@ def specs():
                                               ("fp32", 64, 64, 32, 4, False, 0),
                                               ("bf16", 64, 256, 64, 8, True, 1),
                                               ("bf16", 64, 256, 64, 8, False, 1)):
-        split = bool(pack)  # the decode picks cut the K loops (api.split_steps)
         sig = {n: f"*{dt}" for n in ("x_ptr", "wg_ptr", "wu_ptr", "h_ptr", "p_ptr")}
-        sig.update(counts_ptr="*i32", map_ptr="*i32", ws_ptr="*fp32", flags_ptr="*i32")
+        sig.update(counts_ptr="*i32", map_ptr="*i32")
         if desc:
             sig.update(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>",
                        wg_desc=f"tensordesc<{dt}[{bk}, {bn}]>",
@@ -29,7 +28,7 @@ def specs():
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
                       PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16,
-                      BLOCK_SRC=2, BLOCK_E=8, PACK=pack, SPLIT=split)
+                      BLOCK_SRC=2, BLOCK_E=8, PACK=pack)
         if not desc:
             consts.update(x_desc=None, wg_desc=None, wu_desc=None, p_desc=None)
         sig.update({k: "constexpr" for k in consts})
@@ -37,7 +36,7 @@ def specs():
         aligned = ["x_ptr", "wg_ptr", "wu_ptr", "h_ptr", "p_ptr", "I", "H", "stride_xm",
                    "stride_we", "stride_wk", "stride_hm", "stride_pm"]
         name = (f"expert_swiglu[{dt}{', descriptors' if desc else ''}"
-                f"{', packed experts, stream-K' if pack else ''}]")
+                f"{', packed experts' if pack else ''}]")
         yield name, expert_swiglu_kernel, sig, consts, aligned
     sig = {"x_ptr": "*bf16", "counts_ptr": "*i32", "p_ptr": "*bf16", "map_ptr": "*i32",
            **dict(kv.split(":") for kv in "H:i32 n_src:i32 E:i32 cap:i32 stride_xm:i32 "

@@ -97,21 +97,20 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, stride
 def expert_swiglu_kernel(
     x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc,
     p_ptr, p_desc, map_ptr, cap,  # the packed rows and their rows in x (PACK only)
-    ws_ptr, flags_ptr,  # float32 [programs, 2, BLOCK_M, BLOCK_N] partials, int32 [programs] (SPLIT)
     I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
-    BLOCK_SRC: tl.constexpr, BLOCK_E: tl.constexpr, PACK: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_SRC: tl.constexpr, BLOCK_E: tl.constexpr, PACK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_src = n_seg // E
     num_pid_n = tl.cdiv(I, BLOCK_N)
     segs = tl.arange(0, BLOCK_SEG)
     cnt = tl.load(counts_ptr + segs, mask=segs < n_seg, other=0)
+    srcs = tl.arange(0, BLOCK_SRC)
     experts = tl.arange(0, BLOCK_E)
-    packed = experts < 0
-    pstart = experts * 0
+    packed_e = False
     if PACK:
         c2, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC,
                                            BLOCK_E, PACK)
@@ -120,223 +119,93 @@ def expert_swiglu_kernel(
         tiles_e = tl.where(packed, (n_e + BLOCK_M - 1) // BLOCK_M,
                            tl.sum((c2 + BLOCK_M - 1) // BLOCK_M, axis=0))
         total = tl.sum(tiles_e) * num_pid_n
+        packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
     else:
         total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
-    if SPLIT:
-        _stream_k(x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc, p_ptr,
-                  p_desc, map_ptr, ws_ptr, flags_ptr, packed, pstart, experts, cnt, segs, total,
-                  pid, n_src, num_pid_n, I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
-                  stride_wn, stride_hm, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                  NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC, BLOCK_SRC, PACK)
-    else:
-        srcs = tl.arange(0, BLOCK_SRC)
-        # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all
-        # sources (per source, and their running sum), its tile count
-        e = 0
-        e_t0 = 0
-        c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
-        packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
-        mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
-        cum = tl.cumsum(mt_q, axis=0)
-        e_nt = tl.sum(mt_q) * num_pid_n
-        for t in range(pid, total, tl.num_programs(0)):
-            while t >= e_t0 + e_nt:  # `total` bounds t, so the walk stays inside the experts
-                e += 1
-                e_t0 += e_nt
-                c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
-                packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
-                mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
-                cum = tl.cumsum(mt_q, axis=0)
-                e_nt = tl.sum(mt_q) * num_pid_n
-            # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
-            # tiles per weight column block, so at decode sizes every source's rows of the
-            # expert read a column block of its weights together, from L2 after the first)
-            vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
-            g, u, rows, valid = _tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr,
-                                      p_desc, map_ptr, packed_e, pstart, experts, cnt, segs,
-                                      c_e, mt_q, cum, srcs, e, vm, pid_n, 0, H, I, H, E,
-                                      stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-                                      stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
-                                      PRECISION, UPCAST, USE_DESC, PACK)
-            store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), h_ptr, I,
-                         stride_hm)
-
-
-#: K steps a stream-K program takes at least, as a fraction of a tile's: a tile then has at most
-#: about this many contributors, whose partials its finisher sums alone
-SPLIT_PARTS = tl.constexpr(4)
-#: polls of a contributor's flag before the finisher gives up (poisoning its tile with NaN): the
-#: contributor is a program of the same launch, resident at once, that signals after at most a
-#: tile's K loop, so only a scheduling fault gets here
-SPLIT_POLLS = tl.constexpr(1 << 24)
-
-
-@triton.jit
-def _stream_k(x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc,
-              map_ptr, ws_ptr, flags_ptr, packed, pstart, experts, cnt, segs, total, pid, n_src,
-              num_pid_n, I, H, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-              stride_hm, stride_pm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-              EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-              USE_DESC: tl.constexpr, BLOCK_SRC: tl.constexpr, PACK: tl.constexpr):
-    """The tiles' K steps laid end to end (tile by tile in the walk's order) and cut into one
-    equal range per program, so every program does the same work whatever the tile count (at
-    decode sizes a few hundred long-K tiles on 132 processors would take two or three uneven
-    rounds). A tile cut between programs is summed by the program holding its last K steps (the
-    finisher) from the others' float32 partials (``ws``, one slot per program: a program
-    holds at most one tile without its last step, the one its range ends in). Each program
-    walks its tiles last first: the tile it contributes to comes first and the one it finishes
-    last, so partials are ready when finishers want them, and a finisher waits only for
-    programs of lower ids (which the interpreter, running programs in order, has run)."""
-    srcs = tl.arange(0, BLOCK_SRC)
-    KI = tl.cdiv(H, BLOCK_K)
-    steps = total * KI
-    per = tl.maximum(tl.cdiv(steps, tl.num_programs(0)), tl.cdiv(KI, SPLIT_PARTS))
-    s0 = pid * per
-    s1 = tl.minimum(s0 + per, steps)
-    n_t = tl.where(s0 < s1, (s1 - 1) // KI - s0 // KI + 1, 0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    slot = offs_m[:, None] * BLOCK_N + offs_n[None, :]
-    for i in range(0, n_t):
-        t = (s1 - 1) // KI - i
-        k0 = tl.maximum(s0, t * KI) - t * KI
-        k1 = tl.minimum(s1, t * KI + KI) - t * KI
-        e, e_t0, c_e, mt_q, cum, packed_e = _locate(t, counts_ptr, packed, experts, srcs, n_src,
-                                                    E, num_pid_n, BLOCK_M, BLOCK_SRC)
-        vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
-        g, u, rows, valid = _tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc,
-                                  map_ptr, packed_e, pstart, experts, cnt, segs, c_e, mt_q, cum,
-                                  srcs, e, vm, pid_n, k0 * BLOCK_K,
-                                  tl.minimum(k1 * BLOCK_K, H), I, H, E, stride_xm, stride_xk,
-                                  stride_we, stride_wk, stride_wn, stride_pm, BLOCK_M, BLOCK_N,
-                                  BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC, PACK)
-        if k1 < KI:  # the tile goes on in the next program: this program's partial for it
-            mine = ws_ptr + pid.to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
-            tl.store(mine + slot, g)
-            tl.store(mine + BLOCK_M * BLOCK_N + slot, u)
-            tl.debug_barrier()  # every thread's stores before the (cumulative) release
-            tl.atomic_xchg(flags_ptr + pid, 1, sem="release", scope="gpu")
-        else:
-            if k0 > 0:  # the programs before this one hold the tile's first steps
-                ok = True
-                for q in range((t * KI) // per, pid):
-                    v = tl.atomic_add(flags_ptr + q, 0, sem="acquire", scope="gpu")
-                    polls = 0
-                    while (v == 0) & (polls < SPLIT_POLLS):
-                        v = tl.atomic_add(flags_ptr + q, 0, sem="acquire", scope="gpu")
-                        polls += 1
-                    tl.debug_barrier()  # the acquiring thread's view becomes the program's
-                    theirs = ws_ptr + tl.cast(q, tl.int64) * (2 * BLOCK_M * BLOCK_N)
-                    g += tl.load(theirs + slot)
-                    u += tl.load(theirs + BLOCK_M * BLOCK_N + slot)
-                    tl.atomic_xchg(flags_ptr + q, 0, sem="relaxed", scope="gpu")  # next call's
-                    ok = ok & (v != 0)
-                g = tl.where(ok, g, float("nan"))
-            store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + offs_n, h_ptr, I, stride_hm)
-
-
-@triton.jit
-def _locate(t, counts_ptr, packed, experts, srcs, n_src, E, num_pid_n, BLOCK_M: tl.constexpr,
-            BLOCK_SRC: tl.constexpr):
-    """The walk's cursor at tile ``t``, from the first expert on: ``(e, its first tile, its
-    sources' rows, their row tiles, their running sum, whether e is packed)``."""
+    # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all sources
+    # (per source, and their running sum), its tile count
     e = 0
     e_t0 = 0
     c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
-    packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
     mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
+    cum = tl.cumsum(mt_q, axis=0)
     e_nt = tl.sum(mt_q) * num_pid_n
-    while t >= e_t0 + e_nt:
-        e += 1
-        e_t0 += e_nt
-        c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
-        packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
-        mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
-        e_nt = tl.sum(mt_q) * num_pid_n
-    return e, e_t0, c_e, mt_q, tl.cumsum(mt_q, axis=0), packed_e
-
-
-@triton.jit
-def _tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc, map_ptr, packed_e,
-          pstart, experts, cnt, segs, c_e, mt_q, cum, srcs, e, vm, pid_n, k_lo, k_hi, I, H, E,
-          stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_pm,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-          UPCAST: tl.constexpr, USE_DESC: tl.constexpr, PACK: tl.constexpr):
-    """Row tile ``vm`` (of expert ``e``'s walk) by column block ``pid_n``, the K range
-    ``k_lo .. k_hi``: ``(gate, up, the rows of h they go to, which of them are real)``. A
-    packed expert's tile reads the packed buffer and stores through the row map; otherwise the
-    tile of the source whose row tiles hold vm (``mt_q`` per source, ``cum`` their running
-    sum)."""
-    if PACK:
-        if packed_e:
-            offs = vm * BLOCK_M + tl.arange(0, BLOCK_M)
-            start = tl.sum(tl.where(experts == e, pstart, 0))
-            n = tl.sum(c_e)
-            g, u = segment_tile_pair(p_ptr, wg_ptr, wu_ptr, p_desc, wg_desc, wu_desc, start, n,
-                                     e, vm, pid_n, k_lo, k_hi, I, H, stride_pm, 1, stride_we,
-                                     stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                     EVEN_K, PRECISION, UPCAST, USE_DESC)
-            valid = offs < n
-            rows = tl.load(map_ptr + start + offs, mask=valid, other=0)
+    for t in range(pid, total, tl.num_programs(0)):
+        while t >= e_t0 + e_nt:  # `total` bounds t, so the walk stays inside the experts
+            e += 1
+            e_t0 += e_nt
+            c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
+            if PACK:
+                packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
+            mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
+            cum = tl.cumsum(mt_q, axis=0)
+            e_nt = tl.sum(mt_q) * num_pid_n
+        # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
+        # tiles per weight column block, so at decode sizes every source's rows of the expert
+        # read a column block of its weights together, from L2 after the first)
+        vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
+        if PACK:
+            if packed_e:
+                start = tl.sum(tl.where(experts == e, pstart, 0))
+                n = tl.sum(c_e)
+                g, u = segment_tile_pair(p_ptr, wg_ptr, wu_ptr, p_desc, wg_desc, wu_desc, start,
+                                         n, e, vm, pid_n, I, H, stride_pm, 1, stride_we,
+                                         stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                                         NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
+                offs = vm * BLOCK_M + tl.arange(0, BLOCK_M)
+                rows = tl.load(map_ptr + start + offs, mask=offs < n, other=0)
+                store_swiglu(g, u, rows, offs < n, pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
+                             h_ptr, I, stride_hm)
+            else:
+                _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs,
+                             c_e, mt_q, cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk,
+                             stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
+                             BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
         else:
-            g, u, rows, valid = _source_tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc,
-                                             cnt, segs, c_e, mt_q, cum, srcs, e, vm, pid_n,
-                                             k_lo, k_hi, I, H, E, stride_xm, stride_xk,
-                                             stride_we, stride_wk, stride_wn, BLOCK_M, BLOCK_N,
-                                             BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
-                                             USE_DESC)
-    else:
-        g, u, rows, valid = _source_tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, cnt,
-                                         segs, c_e, mt_q, cum, srcs, e, vm, pid_n, k_lo, k_hi, I,
-                                         H, E, stride_xm, stride_xk, stride_we, stride_wk,
-                                         stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                         EVEN_K, PRECISION, UPCAST, USE_DESC)
-    return g, u, rows, valid
+            _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e,
+                         mt_q, cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk, stride_we,
+                         stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                         EVEN_K, PRECISION, UPCAST, USE_DESC)
 
 
 @triton.jit
-def _source_tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e, mt_q, cum,
-                 srcs, e, vm, pid_n, k_lo, k_hi, I, H, E, stride_xm, stride_xk, stride_we,
-                 stride_wk, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e, mt_q,
+                 cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
+                 stride_wn, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
-    """``_tile`` of a per-source row tile: the source whose row tiles hold vm, its segment."""
-    q = tl.sum((cum <= vm).to(tl.int32))
+    """Row tile ``vm`` of expert ``e``'s per-source tiles (``mt_q`` per source, ``cum`` their
+    running sum): the tile of its source's segment, computed and stored."""
+    q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
     pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
     n = tl.sum(tl.where(srcs == q, c_e, 0))
     start = tl.sum(tl.where(segs < q * E + e, cnt, 0))  # rows of the segments before (q, e)
-    g, u = segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
-                             pid_n, k_lo, k_hi, I, H, stride_xm, stride_xk, stride_we,
-                             stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
-                             PRECISION, UPCAST, USE_DESC)
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    return g, u, start + offs, offs < n
+    swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n, e,
+                        pid_m, pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk,
+                        stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
+                        PRECISION, UPCAST, USE_DESC)
 
 
 @triton.jit
 def segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
-                      pid_n, k_lo, k_hi, I, H, stride_xm, stride_xk, stride_we, stride_wk,
-                      stride_wn,
+                      pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                       UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
     """The float32 gate and up tiles (pid_m, pid_n) of the rows ``start .. start + n`` of ``x``
-    (all of expert ``e``) over the K range ``k_lo .. k_hi`` (``k_lo`` a multiple of BLOCK_K;
-    0 .. H for the whole product). Pointer loads read no row outside them; descriptor loads may read
+    (all of expert ``e``). Pointer loads read no row outside them; descriptor loads may read
     rows past their end, whose products are never stored (so those rows need not be there
     yet)."""
     if USE_DESC:
         g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M, e * H,
-                                   pid_n * BLOCK_N, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
-                                   NUM_STAGES, PRECISION)
+                                   pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                                   PRECISION)
     else:
         g, u = gemm_tile_pair(x_ptr + start.to(tl.int64) * stride_xm,
                               wg_ptr + tl.cast(e, tl.int64) * stride_we,
-                              wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, k_lo, k_hi,
-                              stride_xm, stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M,
-                              BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+                              wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, H, stride_xm,
+                              stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N,
+                              BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
     return g, u
 
 
@@ -350,9 +219,9 @@ def swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, 
     the segment's rows ``start .. start + n`` of ``x`` (all of expert ``e``), computed
     (``segment_tile_pair``) and stored."""
     g, u = segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
-                             pid_n, 0, H, I, H, stride_xm, stride_xk, stride_we, stride_wk,
-                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
-                             UPCAST, USE_DESC)
+                             pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+                             USE_DESC)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     store_swiglu(g, u, start + offs, offs < n, cols, h_ptr, I, stride_hm)
