@@ -137,9 +137,9 @@ def _module(world):
                 staged.synchronize()
                 y_ref = ref(tokens)  # (collective: every rank, whatever its S)
                 # (recorded, not asserted here: a rank that raised would leave its peers in
-                # the next collective). Not bit for bit: from 4 ranks the staged gated GEMM
-                # packs an expert's rows of all sources in one tile (``gather_rows``), where
-                # the one launch keeps a tile per source
+                # the next collective). Not bit for bit: the staged gated GEMM packs experts
+                # (an expert's rows of all sources in its tiles, ``pack_rows``), where the
+                # one launch keeps a tile per source
                 errs.append(max(_rel(y, y_ref), _rel(y, y_staged)) if S
                             else float(y.numel()))
         for kw in ({"fused": False, "one_launch": True},

@@ -161,27 +161,28 @@ def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, 
 
 
 @triton.jit
-def gemm_pair_loop(a_ptrs, b_ptrs, c_ptrs, b_desc, c_desc, b_row0, col0, K, offs_k, stride_ak,
-                   stride_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def gemm_tile_pair(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                   pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, B_DESC: tl.constexpr):
-    """The K loop of the tile pairs: ``a`` by pointers (``a_ptrs``, the first K block of any
-    rows), ``b`` and ``c`` by pointers or, with ``B_DESC``, through descriptors from row
-    ``b_row0`` and column ``col0`` (then K must be a multiple of BLOCK_K)."""
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp32 tiles ``a[rows, :] @ b[:, cols]`` and ``a[rows, :] @ c[:, cols]`` (``b`` and
+    ``c`` of one shape and strides) in one pass over ``a``: a gated MLP's gate and up
+    projections, which read the same rows. Edges as in ``gemm_tile`` (clamped indices, masked
+    by the caller's store)."""
+    a_offs, b_offs, offs_k = tile_offsets(M, N, stride_am, stride_ak, stride_bk, stride_bn,
+                                          pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    a_ptrs = a_ptr + a_offs
+    b_ptrs = b_ptr + b_offs
+    c_ptrs = c_ptr + b_offs
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-        if B_DESC:
-            b = b_desc.load([b_row0 + k0, col0])
-            c = c_desc.load([b_row0 + k0, col0])
-        elif EVEN_K:
             b = tl.load(b_ptrs)
             c = tl.load(c_ptrs)
         else:
+            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
             b = tl.load(b_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
             c = tl.load(c_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
         if UPCAST:  # see tiles.gemv.dot_upcast
@@ -194,40 +195,6 @@ def gemm_pair_loop(a_ptrs, b_ptrs, c_ptrs, b_desc, c_desc, b_row0, col0, K, offs
         b_ptrs += BLOCK_K * stride_bk
         c_ptrs += BLOCK_K * stride_bk
     return acc_b, acc_c
-
-
-@triton.jit
-def gemm_tile_pair(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                   pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """The fp32 tiles ``a[rows, :] @ b[:, cols]`` and ``a[rows, :] @ c[:, cols]`` (``b`` and
-    ``c`` of one shape and strides) in one pass over ``a``: a gated MLP's gate and up
-    projections, which read the same rows. Edges as in ``gemm_tile`` (clamped indices, masked
-    by the caller's store)."""
-    a_offs, b_offs, offs_k = tile_offsets(M, N, stride_am, stride_ak, stride_bk, stride_bn,
-                                          pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
-    return gemm_pair_loop(a_ptr + a_offs, b_ptr + b_offs, c_ptr + b_offs, None, None, 0, 0, K,
-                          offs_k, stride_ak, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                          EVEN_K, PRECISION, UPCAST, False)
-
-
-@triton.jit
-def gemm_tile_pair_rows(a_ptr, rows, b_ptr, c_ptr, b_desc, c_desc, b_row0, N, K, stride_am,
-                        stride_ak, stride_bk, stride_bn, pid_n, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr, B_DESC: tl.constexpr):
-    """``gemm_tile_pair`` over gathered rows: tile row i is ``a[rows[i]]`` (``rows`` [BLOCK_M],
-    each a valid row; the caller masks the ones it does not store), so one tile can hold rows
-    from several places of ``a``. ``b`` / ``c`` by pointers, or with ``B_DESC`` through
-    descriptors from row ``b_row0`` (a stack of matrices described as one)."""
-    a0, b_offs, offs_k = tile_offsets(1, N, 0, stride_ak, stride_bk, stride_bn, 0, pid_n,
-                                      BLOCK_M, BLOCK_N, BLOCK_K)
-    a_offs = rows[:, None].to(tl.int64) * stride_am + a0
-    return gemm_pair_loop(a_ptr + a_offs, b_ptr + b_offs, c_ptr + b_offs, b_desc, c_desc,
-                          b_row0, pid_n * BLOCK_N, K, offs_k, stride_ak, stride_bk, BLOCK_M,
-                          BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST, B_DESC)
 
 
 @triton.jit
