@@ -43,6 +43,37 @@ def test_expert_swiglu_matches_reference(world2, dtype, gather):
         assert all(e < TOL[dtype] for e in errs), errs
 
 
+def _swiglu_packing(world):
+    """The device's choice of packed experts (``gather=None``): an expert with a few rows from
+    each of 4 sources (packing halves its tiles), one whose segments fill their tiles, one
+    with a single source; then a packed buffer too small for the first expert (it keeps its
+    per-source tiles). Every output row against the reference, poison past the counts."""
+    g = torch.Generator().manual_seed(5 + world.rank)
+    H, I = 40, 24
+    counts = torch.tensor([[5, 16, 0], [6, 16, 0], [4, 16, 5], [5, 16, 0]], dtype=torch.int32)
+    R = int(counts.sum())
+    x = torch.randn(R + 3, H, generator=g)
+    wg, wu = (torch.randn(3, H, I, generator=g) / H ** 0.5 for _ in range(2))
+    ref = expert_swiglu_reference(x, wg, wu, counts)
+    errs = []
+    for m in (4.0, 0.1):  # the second bounds the packed buffer at 16 rows: 20 do not fit
+        out = torch.full((R + 3, I), float("nan"))
+        expert_swiglu(x, wg, wu, counts, out, config=SMALL, rows_per_segment=m)
+        assert torch.isnan(out[R:]).all(), "rows past counts.sum() were written"
+        errs.append(((out[:R] - ref).norm() / ref.norm()).item())
+    return errs
+
+
+def test_expert_swiglu_packs_on_the_device(world2):
+    from portable_overlap.ops.moe_experts.api import pack_capacity, pack_rows
+
+    assert pack_rows(4, 4, 16) and pack_rows(32, 8, 64) and not pack_rows(64, 8, 64)
+    assert not pack_rows(4, 1, 16)  # one source: nothing to pack together
+    assert pack_capacity(500, 0.1, 12, 16) == 16 and pack_capacity(10, 4, 12, 16) == 10
+    for errs in world2.run(_swiglu_packing):
+        assert all(e < 1e-5 for e in errs), errs
+
+
 def _swiglu_bad(world):
     x, w, c = torch.randn(6, 8), torch.randn(2, 8, 4), torch.tensor([[3, 3]], dtype=torch.int32)
     msgs = []
