@@ -55,7 +55,7 @@ def main() -> int:
         res = {}
         for br, bh, grid, warps in PACK_TILINGS:
             def pack():
-                pack_rows_kernel[(grid,)](x, c, p, rmap, H, W, El, cap, x.stride(0), 1,
+                pack_rows_kernel[(grid,)](x, c, p, rmap, H, W, El, cap, R, x.stride(0), 1,
                                           p.stride(0), BLOCK_M=64, BLOCK_SRC=W,
                                           BLOCK_E=triton.next_power_of_2(El), PACK=2,
                                           BLOCK_R=br, BLOCK_H=bh, num_warps=warps)

@@ -165,7 +165,7 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
             if not use_desc:
                 x_desc = wg_desc = wu_desc = None
         pack_rows_kernel[(max(1, min(4 * G, triton.cdiv(cap, PACK_BLOCK_R))),)](
-            x, counts, packed, row_map, H, W, E, cap, x.stride(0), x.stride(1),
+            x, counts, packed, row_map, H, W, E, cap, x.shape[0], x.stride(0), x.stride(1),
             packed.stride(0), BLOCK_R=PACK_BLOCK_R,
             BLOCK_H=min(PACK_BLOCK_H, triton.next_power_of_2(H)), **consts, num_warps=4)
     expert_swiglu_kernel[(G,)](

@@ -39,7 +39,7 @@ def specs():
                 f"{', packed experts' if pack else ''}]")
         yield name, expert_swiglu_kernel, sig, consts, aligned
     sig = {"x_ptr": "*bf16", "counts_ptr": "*i32", "p_ptr": "*bf16", "map_ptr": "*i32",
-           **dict(kv.split(":") for kv in "H:i32 n_src:i32 E:i32 cap:i32 stride_xm:i32 "
+           **dict(kv.split(":") for kv in "H:i32 n_src:i32 E:i32 cap:i32 n_rows:i32 stride_xm:i32 "
                                           "stride_xk:i32 stride_pm:i32".split())}
     consts = dict(BLOCK_M=64, BLOCK_SRC=8, BLOCK_E=2, PACK=1, BLOCK_R=PACK_BLOCK_R,
                   BLOCK_H=PACK_BLOCK_H)

@@ -57,13 +57,15 @@ def expert_layout(counts_ptr, n_src, E, cap, BLOCK_M: tl.constexpr, BLOCK_SRC: t
 
 
 @triton.jit
-def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, stride_xm,
+def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, n_rows, stride_xm,
                      stride_xk, stride_pm, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
                      BLOCK_E: tl.constexpr, PACK: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_H: tl.constexpr):
     """Copy the packed experts' rows (``expert_layout``) from ``x`` to ``p`` [cap, H], expert
     by expert and source by source inside an expert, and record each packed row's row of ``x``
-    in ``row_map`` [cap]; ``BLOCK_R`` rows per step, the programs striding over them."""
+    in ``row_map`` [cap]; ``BLOCK_R`` rows per step, the programs striding over them. Rows of
+    ``x`` past its ``n_rows`` (counts that name more rows than ``x`` has: a caller's error) are
+    not read."""
     c2, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC, BLOCK_E,
                                        PACK)
     # per segment (q, e): where it starts in x (sources in order, experts inside a source) and
@@ -88,7 +90,7 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, stride
             h = h0 + offs_h
             m = live[:, None] & (h < H)[None, :]
             v = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xm + h[None, :] * stride_xk,
-                        mask=m)
+                        mask=m & (src < n_rows)[:, None], other=0.0)
             tl.store(p_ptr + r[:, None].to(tl.int64) * stride_pm + h[None, :], v, mask=m)
 
 
