@@ -66,8 +66,8 @@ def _dtype_of(signature: dict) -> str:
 
 def _gemm_picks():
     """Per GEMM kernel, the configs its planner picks (``tile_config`` on 32- and 64-lane
-    warps, per dtype; the experts' over descriptors or not, prefill
-    or decode; the combine's decode tile), keyed by dtype."""
+    warps, per dtype; the experts' over descriptors or not, prefill or decode, and their decode
+    variants; the combine's decode tile), keyed by dtype."""
     from types import SimpleNamespace
 
     import torch
@@ -81,6 +81,7 @@ def _gemm_picks():
     from portable_overlap.ops.moe_combine.api import decode_tile
     from portable_overlap.ops.moe_combine.kernel import moe_gemm_scatter_kernel
     from portable_overlap.ops.moe_dispatch.swiglu_kernel import dispatch_swiglu_kernel
+    from portable_overlap.ops.moe_experts.api import HEAVY_TILE, LIGHT_TILE
     from portable_overlap.ops.moe_experts.api import tile_config as experts_tile
     from portable_overlap.ops.moe_experts.kernel import expert_swiglu_kernel
     from portable_overlap.ops.moe_layer.kernel import moe_layer_kernel
@@ -90,7 +91,7 @@ def _gemm_picks():
     core = {dt: [matmul_tile(t, f) for f in devices] for dt, t in dtypes.items()}
     experts = {dt: [experts_tile(t, f, desc, rows) for f in devices
                     for desc in (True, False) for rows in (float("inf"), 32)]
-               for dt, t in dtypes.items()}
+               + [LIGHT_TILE, HEAVY_TILE] for dt, t in dtypes.items()}
     combine = {dt: core[dt] + [decode_tile(t, f) for f in devices] for dt, t in dtypes.items()}
     picks = {k: core for k in (persistent_matmul_kernel, gemm_signal_kernel, gemm_alltoall_kernel,
                                matmul_reduce_stores_kernel, allgather_gemm_kernel)}

@@ -1,6 +1,8 @@
 """The experts' gated grouped GEMM (expert_swiglu) and the whole expert-parallel MoE layer on
 CPU-emulated ranks: the fused layer (dispatch, gated GEMMs, GEMM + combine, no host sync)
 against the torch path with the same weights."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -71,6 +73,42 @@ def test_expert_swiglu_packs_on_the_device(world2):
     assert not pack_rows(4, 1, 16)  # one source: nothing to pack together
     assert pack_capacity(500, 0.1, 12, 16) == 16 and pack_capacity(10, 4, 12, 16) == 10
     for errs in world2.run(_swiglu_packing):
+        assert all(e < 1e-5 for e in errs), errs
+
+
+def _swiglu_variants(world):
+    """The tiles picked on the device (``api.decode_variants``: two launches, one runs): segments
+    of a few rows (the light tiles), of many (the heavy ones), one segment only, none. Every
+    output row against the reference, poison past the counts."""
+    g = torch.Generator().manual_seed(9 + world.rank)
+    H, I = 40, 24
+    wg, wu = (torch.randn(2, H, I, generator=g) / H ** 0.5 for _ in range(2))
+    errs = []
+    for counts in (torch.randint(3, 12, (3, 2), generator=g), torch.randint(100, 140, (3, 2),
+                                                                             generator=g),
+                   torch.tensor([[0, 0], [0, 97], [0, 0]]), torch.zeros(3, 2)):
+        counts = counts.to(torch.int32)
+        R = int(counts.sum())
+        x = torch.randn(R + 5, H, generator=g)
+        out = torch.full((R + 5, I), float("nan"))
+        expert_swiglu(x, wg, wu, counts, out, rows_per_segment=48)
+        assert torch.isnan(out[R:]).all(), "rows past counts.sum() were written"
+        ref = expert_swiglu_reference(x, wg, wu, counts)
+        errs.append(((out[:R] - ref).norm() / ref.norm()).item() if R else 0.0)
+    return errs
+
+
+def test_expert_swiglu_tiles_picked_on_the_device(world2):
+    from portable_overlap.ops.moe_experts.api import CPU_VARIANTS, decode_variants
+
+    facts = SimpleNamespace(warp_size=32)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert decode_variants(torch.float32, cpu, facts, False, 48) == CPU_VARIANTS
+    assert decode_variants(torch.bfloat16, gpu, facts, True, 64) is not None
+    assert decode_variants(torch.bfloat16, gpu, facts, True, 32) is None  # packing's sizes
+    assert decode_variants(torch.bfloat16, gpu, facts, False, 48) is None  # pointer loads
+    assert decode_variants(torch.bfloat16, gpu, SimpleNamespace(warp_size=64), True, 48) is None
+    for errs in world2.run(_swiglu_variants):
         assert all(e < 1e-5 for e in errs), errs
 
 

@@ -74,6 +74,43 @@ def tile_config(dtype: torch.dtype, facts, descriptors: bool,
                         num_warps=8, num_stages=3)
 
 
+#: the decode variants' light and heavy tiles (``decode_variants``), and the most rows per
+#: non-empty segment, on average over the call, that the light ones take
+LIGHT_TILE = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+HEAVY_TILE = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+LIGHT_ROWS = 96
+
+
+#: the same two on CPU-emulated ranks (the interpreter's small tiles)
+CPU_VARIANTS = (MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
+                             num_stages=1),
+                MatmulConfig(block_m=32, block_n=16, block_k=16, group_m=2, num_warps=1,
+                             num_stages=1))
+
+
+def decode_variants(dtype: torch.dtype, device: torch.device, facts, descriptors: bool,
+                    rows_per_segment: float) -> Optional[tuple]:
+    """Whether ``expert_swiglu`` picks its tiles on the device (kernel.py, ``VARIANT``): two
+    launches, ``LIGHT_TILE`` where the call's segments hold ``LIGHT_ROWS`` rows or fewer on
+    average and ``HEAVY_TILE`` past that, each running the call or nothing (the other costs a
+    launch). For 16-bit tiles through descriptors on 32-lane warps, where segments hold 33-64
+    rows on average by the host's estimate (decode sizes that packing does not serve). One
+    H200, 128 tokens per rank, DeepSeek-like experts laid out for 2, 4 and 8 ranks
+    (``benchmarks/tune_moe_experts.py``): 64 x 128 tiles 0.154 / 0.137 / 0.133 ms with
+    balanced routing against 0.172 / 0.161 / 0.159 for the 64 x 256 ones, and 128 x 128 tiles
+    0.176 / 0.162 / 0.157 with Zipf routing on the rank of the popular experts (twice the
+    rows) against 0.193 / 0.177 / 0.176 for 64 x 128; the host, which never reads the counts,
+    cannot tell the two apart. Returns the (light, heavy) tiles or None (on CPU-emulated ranks
+    ``CPU_VARIANTS``, at the same sizes)."""
+    if not 32 < rows_per_segment <= 64:
+        return None
+    if device.type == "cpu":
+        return CPU_VARIANTS
+    if dtype in (torch.bfloat16, torch.float16) and descriptors and facts.warp_size == 32:
+        return LIGHT_TILE, HEAVY_TILE
+    return None
+
+
 def pack_rows(rows_per_segment: float, sources: int, block_m: int) -> bool:
     """Whether ``expert_swiglu`` packs experts (kernel.py: an expert's rows of all sources
     copied end to end, so its row tiles are full): with 2 sources or more where a segment fills
@@ -151,7 +188,7 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
         cfg = default_config(x.dtype, x.device, False, m)
     use_desc = wu_desc is not None
     pack = (1 if pack_rows(m, W, cfg.block_m) else 0) if gather is None else (2 if gather else 0)
-    consts = dict(BLOCK_M=cfg.block_m, BLOCK_SRC=1 << max(0, W - 1).bit_length(),
+    consts = dict(BLOCK_SRC=1 << max(0, W - 1).bit_length(),
                   BLOCK_E=1 << max(0, E - 1).bit_length(), PACK=pack)
     packed = row_map = p_desc = None
     cap = 0
@@ -166,17 +203,24 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
                 x_desc = wg_desc = wu_desc = None
         pack_rows_kernel[(max(1, min(4 * G, triton.cdiv(cap, PACK_BLOCK_R))),)](
             x, counts, packed, row_map, H, W, E, cap, x.shape[0], x.stride(0), x.stride(1),
-            packed.stride(0), BLOCK_R=PACK_BLOCK_R,
+            packed.stride(0), BLOCK_M=cfg.block_m, BLOCK_R=PACK_BLOCK_R,
             BLOCK_H=min(PACK_BLOCK_H, triton.next_power_of_2(H)), **consts, num_warps=4)
-    expert_swiglu_kernel[(G,)](
-        x, w_gate, w_up, counts, out, x_desc, wg_desc, wu_desc, packed, p_desc, row_map, cap,
-        I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-        w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
-        EVEN_K=H % cfg.block_k == 0, PRECISION=dot_precision(x.dtype),
-        UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
-        BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), **consts, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    launches = [(cfg, 0, x_desc, wg_desc, wu_desc)]
+    variants = None if config or pack else decode_variants(x.dtype, x.device, facts, use_desc, m)
+    if variants:
+        launches = [(c, v + 1, *(_descriptors(x, w_gate, w_up, c, facts) if use_desc
+                                 else (None, None, None)))
+                    for v, c in enumerate(variants)]
+    for c, variant, xd, gd, ud in launches:
+        expert_swiglu_kernel[(G,)](
+            x, w_gate, w_up, counts, out, xd, gd, ud, packed, p_desc, row_map, cap, LIGHT_ROWS,
+            I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
+            w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0, BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, NUM_STAGES=c.num_stages,
+            EVEN_K=H % c.block_k == 0, PRECISION=dot_precision(x.dtype),
+            UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
+            BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), VARIANT=variant, **consts,
+            num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 

@@ -23,6 +23,12 @@ tiles, loaded as any segment's: through descriptors where the device has them); 
 stores each row back at its place in the dispatch layout (``row_map``). Which experts are
 packed is decided on the device by both launches alike (``expert_layout``): those whose row
 tiles packing halves.
+
+Tiles chosen on the device (``VARIANT``). At decode sizes the best tiles depend on how many
+rows the call's segments hold, which only the device knows: the host then launches the kernel
+twice, with light tiles (``VARIANT`` 1, few rows per segment) and heavy ones (2), and each
+launch computes the call's mean rows per non-empty segment and runs every tile or none
+(``api.decode_variants``).
 """
 import triton
 import triton.language as tl
@@ -98,11 +104,13 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, n_rows
 def expert_swiglu_kernel(
     x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc,
     p_ptr, p_desc, map_ptr, cap,  # the packed rows and their rows in x (PACK only)
+    light_rows,  # VARIANT: the most rows per segment of the call that the light tiles take
     I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
     BLOCK_SRC: tl.constexpr, BLOCK_E: tl.constexpr, PACK: tl.constexpr,
+    VARIANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_src = n_seg // E
@@ -123,6 +131,9 @@ def expert_swiglu_kernel(
         packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
     else:
         total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
+    if VARIANT:  # one of two launches with other tiles: this one runs the call or nothing
+        light = tl.sum(cnt) <= light_rows * tl.sum((cnt > 0).to(tl.int32))
+        total = tl.where(light == (VARIANT == 1), total, 0)
     # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all sources
     # (per source, and their running sum), its tile count
     e = 0
