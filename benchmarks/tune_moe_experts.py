@@ -138,12 +138,14 @@ def main() -> int:
                         + f"/{c[3]}w{c[4]}s") + PACKING[gather]
                 try:
                     out.fill_(float("nan"))
-                    expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg, gather=gather,
-                                  rows_per_segment=m)
+                    # (the default passes no config: it may pick its tiles on the device)
+                    expert_swiglu(x, wg, wu, counts_d, out=out, config=c and cfg,
+                                  gather=gather, rows_per_segment=m)
                     torch.cuda.synchronize()
                     err = float(((out.float() - ref.float()).norm() / ref.float().norm()))
-                    t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out, config=cfg,
-                                                      gather=gather, rows_per_segment=m),
+                    t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out,
+                                                      config=c and cfg, gather=gather,
+                                                      rows_per_segment=m),
                                 world, graph=True, iters=args.iters)
                 except Exception as exc:  # a config that does not fit (shared memory) is skipped
                     print(f"{S}x{H}x{I}x{E}x{k} {kind} {name}: {type(exc).__name__} "
