@@ -152,7 +152,8 @@ def main() -> int:
                           f"{str(exc)[:120]}", flush=True)
                     continue
                 writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl="config",
-                             graph=True, rel_err=err, config=dict(cfg.__dict__, gather=gather) if c else "default",
+                             graph=True, rel_err=err,
+                             config=dict(cfg.__dict__, gather=gather) if c else "default",
                              vs_cublas_dense=base["cublas_dense"] / t["median_ms"],
                              weights_ms_at_hbm=weights_ms, **t)
                 line = (f"W{W} {S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {name:>25}: "
