@@ -61,9 +61,10 @@ def tile_config(dtype: torch.dtype, facts, descriptors: bool,
     560 bytes of stack), 128 x 64 does not (249 registers). Where segments hold 64 rows or
     fewer (decode), 64 x 256 tiles: on one H200 at 128 tokens per rank they ran 0.48-0.70x the
     128 x 128 time on Mixtral-like experts and 0.97-1.03x on DeepSeek-like ones, balanced or
-    Zipf routing, 2- and 8-rank layouts (benchmarks/tune_moe_experts.py). On 64-lane
-    wavefronts: ``WAVE64_TILE`` (never timed on AMD hardware, so no decode variant there
-    yet)."""
+    Zipf routing, 2- and 8-rank layouts (benchmarks/tune_moe_experts.py); at 33-64 rows
+    through descriptors the op picks its tiles on the device instead (``decode_variants``). On
+    64-lane wavefronts: ``WAVE64_TILE`` (never timed on AMD hardware, so no decode variant
+    there yet)."""
     if dtype == torch.float32:
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     if facts.warp_size == 64:
