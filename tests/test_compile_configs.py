@@ -19,6 +19,7 @@ from portable_overlap.ops.gemv_allreduce.config import pick_config
 from portable_overlap.ops.gemv_allreduce.kernel import gemv_allreduce_kernel
 from portable_overlap.ops.matmul.api import MatmulConfig
 from portable_overlap.ops.matmul.api import tile_config as matmul_tile
+from portable_overlap.ops.moe_experts.api import HEAVY_TILE, LIGHT_TILE
 from portable_overlap.ops.moe_experts.api import tile_config as experts_tile
 
 #: per target: (arch name the planners key on, SMs / CUs, shared memory one program may take):
@@ -327,7 +328,8 @@ def test_gemm_tiles_on_sm90_are_the_h200_tiles():
 def test_gemm_tiles_fit_sm90_without_local_memory(target, capfd):
     """The bf16 picks on H200 (tensor descriptors where the kernel has them), as ptxas reports
     them: no spill stores to local memory, shared memory within 227 KiB. With the experts'
-    decode pick (64 x 256), per-source and with packed experts. Not the MoE grouped GEMM's
+    decode pick (64 x 256), per-source and with packed experts, and the two tilings it picks on
+    the device at other decode sizes. Not the MoE grouped GEMM's
     pointer-load form (used only where its descriptors cannot be): at the H200 tile it
     compiles to 255 registers and 804 bytes of spill stores."""
     facts = FACTS[target]
@@ -336,6 +338,8 @@ def test_gemm_tiles_fit_sm90_without_local_memory(target, capfd):
     for pack in (0, 1):  # 32 rows per segment: decode
         cfg = experts_tile(torch.bfloat16, facts, True, 32)
         picks.append(("expert_swiglu", cfg, True, {"PACK": pack}))
+    for variant, cfg in enumerate((LIGHT_TILE, HEAVY_TILE), 1):  # the tiles picked on the device
+        picks.append(("expert_swiglu", cfg, True, {"VARIANT": variant}))
     bad = []
     with _ptxas_reports():
         for kernel, cfg, desc, extra in picks:
