@@ -197,11 +197,8 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
         cap = x.shape[0] if pack == 2 else pack_capacity(x.shape[0], m, n_seg, cfg.block_m)
         packed = torch.empty((cap, H), dtype=x.dtype, device=x.device)
         row_map = torch.empty(cap, dtype=torch.int32, device=x.device)
-        if use_desc:
+        if use_desc:  # (x's descriptor held H in whole K blocks: so does a contiguous copy)
             p_desc = tile_descriptors(packed, w_gate.view(E * H, I), cfg, facts)[0]
-            use_desc = p_desc is not None
-            if not use_desc:
-                x_desc = wg_desc = wu_desc = None
         pack_rows_kernel[(max(1, min(4 * G, triton.cdiv(cap, PACK_BLOCK_R))),)](
             x, counts, packed, row_map, H, W, E, cap, x.shape[0], x.stride(0), x.stride(1),
             packed.stride(0), BLOCK_M=cfg.block_m, BLOCK_R=PACK_BLOCK_R,

@@ -40,13 +40,14 @@ from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, grouped_tile
 def expert_layout(counts_ptr, n_src, E, cap, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
                   BLOCK_E: tl.constexpr, PACK: tl.constexpr):
     """The rows of each (source, expert) segment and which experts are packed, as both launches
-    see them: ``(c2, packed, pstart)`` with ``c2`` [BLOCK_SRC, BLOCK_E] the counts, ``packed``
-    [BLOCK_E] whether the expert's rows go to the packed buffer and ``pstart`` [BLOCK_E] where
-    they start there. ``PACK`` 1: the experts whose per-source row tiles are at least twice
-    their packed ones; 2: every expert with rows. Fewer tiles by a third did not pay: at a
-    DeepSeek-like decode layout packing cut 256 tiles of 128 rows to 160 and the GEMM ran no
-    faster on one H200, with the copy on top (``api.pack_rows``). Experts are packed in order
-    while they fit in the buffer's ``cap`` rows; the rest keep their per-source tiles."""
+    see them: ``(c2, n_e, packed, pstart)`` with ``c2`` [BLOCK_SRC, BLOCK_E] the counts,
+    ``n_e`` [BLOCK_E] each expert's rows, ``packed`` [BLOCK_E] whether they go to the packed
+    buffer and ``pstart`` [BLOCK_E] where they start there. ``PACK`` 1: the experts whose
+    per-source row tiles are at least twice their packed ones; 2: every expert with rows.
+    Fewer tiles by a third did not pay: at a DeepSeek-like decode layout packing cut 256 tiles
+    of 128 rows to 160 and the GEMM ran no faster on one H200, with the copy on top
+    (``api.pack_rows``). Experts are packed in order while they fit in the buffer's ``cap``
+    rows; the rest keep their per-source tiles."""
     q = tl.arange(0, BLOCK_SRC)[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
     c2 = tl.load(counts_ptr + q * E + e, mask=(q < n_src) & (e < E), other=0)
@@ -59,7 +60,7 @@ def expert_layout(counts_ptr, n_src, E, cap, BLOCK_M: tl.constexpr, BLOCK_SRC: t
     fits = tl.cumsum(tl.where(want, n_e, 0), axis=0) <= cap  # (monotone: a prefix of `want`)
     packed = want & fits
     own = tl.where(packed, n_e, 0)
-    return c2, packed, tl.cumsum(own, axis=0) - own
+    return c2, n_e, packed, tl.cumsum(own, axis=0) - own
 
 
 @triton.jit
@@ -72,8 +73,8 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, n_rows
     in ``row_map`` [cap]; ``BLOCK_R`` rows per step, the programs striding over them. Rows of
     ``x`` past its ``n_rows`` (counts that name more rows than ``x`` has: a caller's error) are
     not read."""
-    c2, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC, BLOCK_E,
-                                       PACK)
+    c2, n_e, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC,
+                                            BLOCK_E, PACK)
     # per segment (q, e): where it starts in x (sources in order, experts inside a source) and
     # in p (experts in order, sources inside an expert), flattened to one lane per segment
     per_q = tl.sum(c2, axis=1)
@@ -84,7 +85,7 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, n_rows
     x0 = tl.reshape(x0, (n_seg,))
     p0 = tl.reshape(p0, (n_seg,))
     on = tl.reshape(packed[None, :] & (c2 > 0), (n_seg,))
-    total = tl.sum(tl.where(packed, tl.sum(c2, axis=0), 0))
+    total = tl.sum(tl.where(packed, n_e, 0))
     offs_h = tl.arange(0, BLOCK_H)
     for r0 in range(tl.program_id(0) * BLOCK_R, total, tl.num_programs(0) * BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -121,9 +122,8 @@ def expert_swiglu_kernel(
     experts = tl.arange(0, BLOCK_E)
     packed_e = False
     if PACK:
-        c2, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC,
-                                           BLOCK_E, PACK)
-        n_e = tl.sum(c2, axis=0)
+        c2, n_e, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC,
+                                                BLOCK_E, PACK)
         # an expert's row tiles: per source, or (packed) its rows' together
         tiles_e = tl.where(packed, (n_e + BLOCK_M - 1) // BLOCK_M,
                            tl.sum((c2 + BLOCK_M - 1) // BLOCK_M, axis=0))
