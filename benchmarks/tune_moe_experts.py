@@ -66,6 +66,9 @@ def main() -> int:
                     help="time the combine's weighted sum (its combine phase) per token block")
     ap.add_argument("--max-tokens", type=int, default=1 << 30,
                     help="only the shapes with at most this many tokens per rank")
+    ap.add_argument("--whole", action="store_true",
+                    help="time every tiling of the gated GEMM also with whole K loops (split "
+                         "off: the last round's tiles not cut in ranges of K steps)")
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
     world = World.from_env()
@@ -126,7 +129,8 @@ def main() -> int:
                 writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl=name,
                              graph=True, **t)
             out = torch.empty(R, I, device=dev, dtype=torch.bfloat16)
-            for c in gate_configs(args.configs):
+            for c, split in [(c, split) for c in gate_configs(args.configs)
+                             for split in ((True, False) if args.whole else (True,))]:
                 # the default: what the layer picks for S tokens per rank (its tiles, and
                 # packed experts where the device finds that they pay)
                 m = S * k / E  # what the layer passes as rows_per_segment
@@ -135,17 +139,17 @@ def main() -> int:
                     MatmulConfig(block_m=c[0], block_n=c[1], block_k=c[2], num_warps=c[3],
                                  num_stages=c[4])
                 name = ("default" if c is None else "x".join(map(str, c[:3]))
-                        + f"/{c[3]}w{c[4]}s") + PACKING[gather]
+                        + f"/{c[3]}w{c[4]}s") + PACKING[gather] + ("" if split else " whole")
                 try:
                     out.fill_(float("nan"))
                     # (the default passes no config: it may pick its tiles on the device)
                     expert_swiglu(x, wg, wu, counts_d, out=out, config=c and cfg,
-                                  gather=gather, rows_per_segment=m)
+                                  gather=gather, split=split, rows_per_segment=m)
                     torch.cuda.synchronize()
                     err = float(((out.float() - ref.float()).norm() / ref.float().norm()))
                     t = time_op(lambda: expert_swiglu(x, wg, wu, counts_d, out=out,
                                                       config=c and cfg, gather=gather,
-                                                      rows_per_segment=m),
+                                                      split=split, rows_per_segment=m),
                                 world, graph=True, iters=args.iters)
                 except Exception as exc:  # a config that does not fit (shared memory) is skipped
                     print(f"{S}x{H}x{I}x{E}x{k} {kind} {name}: {type(exc).__name__} "
@@ -153,7 +157,8 @@ def main() -> int:
                     continue
                 writer.write(op="moe_experts_tuning", shape=shape, dtype="bf16", impl="config",
                              graph=True, rel_err=err,
-                             config=dict(cfg.__dict__, gather=gather) if c else "default",
+                             config=dict(cfg.__dict__, gather=gather, split=split) if c
+                             else ("default" if split else "default, whole K"),
                              vs_cublas_dense=base["cublas_dense"] / t["median_ms"],
                              weights_ms_at_hbm=weights_ms, **t)
                 line = (f"W{W} {S:>5}x{H}x{I:>5}x{E:>2}x{k} {kind:>8} R={R:>6} {name:>25}: "

@@ -56,7 +56,7 @@ def _compare(world, dtype, cases, senders, H=24, I=20, El=2, k=2):
             # the two launches on the same context (the calls alternate on one epoch count)
             x, c2, _ = moe_dispatch(tokens, ids, ctx)
             h2 = expert_swiglu(x, wg, wu, c2, torch.full_like(h, float("nan")),
-                               gather=False)
+                               gather=False, split=False)
             ctx.synchronize()
             assert torch.equal(fused, h2[:R]), "fused and unfused differ"
             errs.append(_rel(fused, h_ref) if R else 0.0)

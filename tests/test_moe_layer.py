@@ -76,6 +76,48 @@ def test_expert_swiglu_packs_on_the_device(world2):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _swiglu_split(world):
+    """The last round's tiles cut into ranges of K steps (``split``, the default): layouts whose
+    tile count leaves a few tiles for the grid's last round, per source and packed, H a
+    multiple of the K block and not (the last range masked). Against the reference; two calls
+    give the same bits; the whole-K call differs by rounding only; the counts are left zero;
+    poison past the counts stays."""
+    from portable_overlap.ops.moe_experts.api import workspace
+
+    g = torch.Generator().manual_seed(21 + world.rank)
+    res = []
+    # (counts, H, I, programs, gather): 16-row tiles, 16-column blocks, K blocks of 16
+    for counts, H, I, programs, gather in (([[37, 0, 12], [5, 30, 1]], 72, 40, 7, False),
+                                           ([[3, 4], [5, 2], [6, 1]], 64, 48, 4, True),
+                                           ([[61]], 80, 40, 5, False)):
+        counts = torch.tensor(counts, dtype=torch.int32)
+        R, E = int(counts.sum()), counts.shape[1]
+        x = torch.randn(R + 4, H, generator=g)
+        wg, wu = (torch.randn(E, H, I, generator=g) / H ** 0.5 for _ in range(2))
+        ref = expert_swiglu_reference(x, wg, wu, counts)
+        outs = []
+        for split in (True, True, False):
+            out = torch.full((R + 4, I), float("nan"))
+            expert_swiglu(x, wg, wu, counts, out, config=SMALL, programs=programs, gather=gather,
+                          split=split)
+            assert torch.isnan(out[R:]).all(), "rows past counts.sum() were written"
+            outs.append(out[:R])
+        res.append(dict(err=((outs[0] - ref).norm() / ref.norm()).item(),
+                        same=torch.equal(outs[0], outs[1]),
+                        split_ran=not torch.equal(outs[0], outs[2]),
+                        vs_whole=(outs[0] - outs[2]).abs().max().item(),
+                        counts_zero=not workspace(x.device, "split_counts", programs,
+                                                  torch.int32).any()))
+    return res
+
+
+def test_expert_swiglu_splits_the_last_round(world2):
+    for res in world2.run(_swiglu_split):
+        for r in res:
+            assert r["err"] < 1e-5 and r["same"] and r["counts_zero"], r
+            assert r["split_ran"] and r["vs_whole"] < 1e-5, r
+
+
 def _swiglu_variants(world):
     """The tiles picked on the device (``api.decode_variants``: two launches, one runs): segments
     of a few rows (the light tiles), of many (the heavy ones), one segment only, none. Every

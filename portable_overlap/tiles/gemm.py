@@ -161,30 +161,31 @@ def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, 
 
 
 @triton.jit
-def gemm_tile_pair(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                   pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def gemm_tile_pair(a_ptr, b_ptr, c_ptr, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk,
+                   stride_bn, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """The fp32 tiles ``a[rows, :] @ b[:, cols]`` and ``a[rows, :] @ c[:, cols]`` (``b`` and
-    ``c`` of one shape and strides) in one pass over ``a``: a gated MLP's gate and up
-    projections, which read the same rows. Edges as in ``gemm_tile`` (clamped indices, masked
-    by the caller's store)."""
+    """The fp32 tiles ``a[rows, k_lo:k_hi] @ b[k_lo:k_hi, cols]`` and the same with ``c``
+    (``b`` and ``c`` of one shape and strides) in one pass over ``a``: a gated MLP's gate and
+    up projections, which read the same rows (``k_lo`` = 0, ``k_hi`` = K for the whole
+    product; ``k_lo`` a multiple of BLOCK_K, and ``k_hi`` too where EVEN_K). Edges as in
+    ``gemm_tile`` (clamped indices, masked by the caller's store)."""
     a_offs, b_offs, offs_k = tile_offsets(M, N, stride_am, stride_ak, stride_bk, stride_bn,
                                           pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
-    a_ptrs = a_ptr + a_offs
-    b_ptrs = b_ptr + b_offs
-    c_ptrs = c_ptr + b_offs
+    a_ptrs = a_ptr + a_offs + k_lo * stride_ak
+    b_ptrs = b_ptr + b_offs + k_lo * stride_bk
+    c_ptrs = c_ptr + b_offs + k_lo * stride_bk
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
             c = tl.load(c_ptrs)
         else:
-            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-            b = tl.load(b_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-            c = tl.load(c_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+            a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < k_hi, other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + offs_k)[:, None] < k_hi, other=0.0)
+            c = tl.load(c_ptrs, mask=(k0 + offs_k)[:, None] < k_hi, other=0.0)
         if UPCAST:  # see tiles.gemv.dot_upcast
             acc_b = tl.dot(a.to(tl.float32), b.to(tl.float32), acc_b, input_precision="ieee")
             acc_c = tl.dot(a.to(tl.float32), c.to(tl.float32), acc_c, input_precision="ieee")
@@ -198,16 +199,16 @@ def gemm_tile_pair(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk
 
 
 @triton.jit
-def gemm_tile_pair_desc(a_desc, b_desc, c_desc, row0, b_row0, col0, K, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        PRECISION: tl.constexpr):
+def gemm_tile_pair_desc(a_desc, b_desc, c_desc, row0, b_row0, col0, k_lo, k_hi,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """``gemm_tile_pair`` through tensor descriptors: ``a`` rows from ``row0``, ``b`` / ``c``
     rows from ``b_row0`` (a stack of matrices described as one: expert e's rows start at
-    e * K), columns from ``col0``. K must be a multiple of BLOCK_K where ``b`` is such a
-    stack, or a block would read the next matrix's rows."""
+    e * K), columns from ``col0``, the K steps from ``k_lo`` to ``k_hi``. K must be a multiple
+    of BLOCK_K where ``b`` is such a stack, or a block would read the next matrix's rows."""
     acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         a = a_desc.load([row0, k0])
         acc_b = tl.dot(a, b_desc.load([b_row0 + k0, col0]), acc_b, input_precision=PRECISION)
         acc_c = tl.dot(a, c_desc.load([b_row0 + k0, col0]), acc_c, input_precision=PRECISION)

@@ -646,9 +646,40 @@ def check_expert_swiglu(world: World, gen) -> None:
                 record(f"expert_swiglu W={W} E={El} H={H} I={I} {kind} {str(dt)[6:]} "
                        f"gather={gather}", err < TOL[dt] and bool(torch.isnan(out[R:]).all()),
                        f"rows={R} rel_err={err:.1e}")
+            for gather in (True, False):  # whole K loops: the tiles' own sums
+                outs[gather] = expert_swiglu(x, wg, wu, c_d, gather=gather, split=False,
+                                             rows_per_segment=per_seg)
+            torch.cuda.synchronize(dev)
             record(f"expert_swiglu W={W} E={El} H={H} I={I} {kind} {str(dt)[6:]} packed == "
                    f"per-source", torch.equal(outs[True][:R], outs[False][:R]),
-                   "(the same rows' products, other tiles)")
+                   "(the same rows' products, other tiles, none split)")
+    # the last round split (``split``): one segment of 128-row tiles and 16 column blocks,
+    # one row tile more than the programs hold in a round (on 132 processors: 144 tiles, 12
+    # in the last round, each cut in parts); against the reference, whole K loops, itself
+    from portable_overlap.ops.matmul import MatmulConfig
+    from portable_overlap.ops.moe_experts.api import workspace
+
+    cfg = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    H, I = 7168, 2048
+    R = (sms // 16) * 128 + 5
+    wg, wu = (rand((1, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
+    x = rand((R + 3, H), torch.bfloat16, dev, gen)
+    c_d = torch.tensor([[R]], dtype=torch.int32, device=dev)
+    ref = expert_swiglu_reference(x, wg, wu, c_d)
+    outs = []
+    for split in (True, True, False):
+        out = torch.full((R + 3, I), float("nan"), dtype=torch.bfloat16, device=dev)
+        expert_swiglu(x, wg, wu, c_d, out, config=cfg, split=split)
+        outs.append(out)
+    torch.cuda.synchronize(dev)
+    err, err_whole = rel_err(outs[0][:R], ref), rel_err(outs[0][:R], outs[2][:R])
+    zero = not workspace(dev, "split_counts", sms, torch.int32).any()
+    record(f"expert_swiglu last round split ({R} rows, one segment)",
+           err < TOL[torch.bfloat16] and torch.equal(outs[0], outs[1]) and zero
+           and bool(torch.isnan(outs[0][R:]).all()),
+           f"rel_err={err:.1e} vs whole K {err_whole:.1e} (bitwise: "
+           f"{torch.equal(outs[0], outs[2])}), counts left zero: {zero}")
     # graph replays: new counts (and rows) copied into the captured inputs before each
     W, El, H, I = 8, 2, 1024, 512
     wg, wu = (rand((El, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
@@ -710,7 +741,7 @@ def check_moe_dispatch_swiglu(world: World, gen) -> None:
                           and bool(torch.isnan(h[R:]).all()))
                 x, c2, _ = moe_dispatch(tokens, ids, ctx)
                 # the fused launch's tiles: per source, the default for the mean segment
-                h2 = expert_swiglu(x, wg, wu, c2, gather=False,
+                h2 = expert_swiglu(x, wg, wu, c2, gather=False, split=False,
                                    rows_per_segment=ctx.capacity / (W * W * El))
                 ctx.synchronize()
                 err_ref, err_unfused = rel_err(fused, h_ref), rel_err(fused, h2[:R])

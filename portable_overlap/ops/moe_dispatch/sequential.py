@@ -83,8 +83,8 @@ class SequentialMoeDispatch(ContextBase):
                         out: Optional[torch.Tensor] = None, *, senders: Optional[int] = None,
                         config=None, rows_per_segment: Optional[float] = None) -> tuple:
         """``moe_dispatch_swiglu`` on the torch path: the dispatch, then ``expert_swiglu`` on
-        the rows received (per-source row tiles, as the fused kernel's); ``senders`` is checked
-        and has nothing to set here."""
+        the rows received (per-source row tiles and whole K loops, as the fused kernel's);
+        ``senders`` is checked and has nothing to set here."""
         from . import swiglu
         from ..moe_experts import expert_swiglu
 
@@ -92,7 +92,7 @@ class SequentialMoeDispatch(ContextBase):
                                      rows_per_segment)
         self._refuse_capture()
         x, counts, slots = self._dispatch(tokens, topk_ids)
-        expert_swiglu(x, w_gate, w_up, counts, out, config=config, gather=False,
+        expert_swiglu(x, w_gate, w_up, counts, out, config=config, gather=False, split=False,
                       rows_per_segment=rows_per_segment)
         return out, counts, slots
 

@@ -147,7 +147,7 @@ def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                   counts: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                   config: Optional[MatmulConfig] = None, programs: Optional[int] = None,
-                  gather: Optional[bool] = None,
+                  gather: Optional[bool] = None, split: bool = True,
                   rows_per_segment: Optional[float] = None) -> torch.Tensor:
     """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
     [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``: the device checks
@@ -159,16 +159,42 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     dispatch buffer of the default capacity (every rank's tokens). ``gather``: whether row
     tiles may hold an expert's rows of all sources together (kernel.py's packed experts):
     None packs, where segments are small (``pack_rows``), the experts whose row tiles that
-    halves; True every expert with rows; False none. Under ``torch.compile`` one opaque op,
-    ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
-    (``out``, ``config``, ``programs`` and ``gather`` make it a graph break). Inference only (no
-    autograd)."""
+    halves; True every expert with rows; False none. ``split``: whether the tiles of the
+    grid's last, partial round may be cut into ranges of K steps run side by side
+    (kernel.py, ``SPLIT_NOTE``; the device decides from the tile count): each such tile's
+    float32 sum is then taken in parts, so its bits differ from an unsplit call's by rounding
+    (every call with the same counts gives the same bits). Under ``torch.compile`` one opaque
+    op, ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
+    (``out``, ``config``, ``programs``, ``gather`` and ``split`` make it a graph break).
+    Inference only (no autograd).
+
+    The op keeps two buffers per device and stream between calls (``workspace``): the split
+    tiles' partials and counts, and the packed experts' rows."""
     return EXPERT_SWIGLU((x, w_gate, w_up, counts, rows_per_segment), out=out, config=config,
-                         programs=programs, gather=gather)
+                         programs=programs, gather=gather, split=split)
+
+
+#: the op's buffers kept between calls, by (device, stream, name): see ``workspace``
+_WORKSPACES: dict = {}
+
+
+def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
+              zero: bool = False) -> torch.Tensor:
+    """``numel`` elements of the buffer ``name`` kept for ``device`` and its current stream,
+    grown (and zero-filled where ``zero``) when a call needs more. Calls on one stream run in
+    order, so they may share it; a buffer the kernel needs zeroed (the split tiles' counts) is
+    left zeroed by the kernel itself, so it is filled once, when made."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, name)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        make = torch.zeros if zero else torch.empty
+        buf = _WORKSPACES[key] = make(max(numel, 1), dtype=dtype, device=device)
+    return buf[:numel]
 
 
 def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, programs=None,
-         gather=None) -> torch.Tensor:
+         gather=None, split=True) -> torch.Tensor:
     _validate(x, w_gate, w_up, counts, out)
     if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
                                              and 0 <= rows_per_segment < float("inf")):
@@ -195,8 +221,8 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
     cap = 0
     if pack:
         cap = x.shape[0] if pack == 2 else pack_capacity(x.shape[0], m, n_seg, cfg.block_m)
-        packed = torch.empty((cap, H), dtype=x.dtype, device=x.device)
-        row_map = torch.empty(cap, dtype=torch.int32, device=x.device)
+        packed = workspace(x.device, "packed", cap * H, x.dtype).view(cap, H)
+        row_map = workspace(x.device, "row_map", cap, torch.int32)
         if use_desc:  # (x's descriptor held H in whole K blocks: so does a contiguous copy)
             p_desc = tile_descriptors(packed, w_gate.view(E * H, I), cfg, facts)[0]
         pack_rows_kernel[(max(1, min(4 * G, triton.cdiv(cap, PACK_BLOCK_R))),)](
@@ -209,16 +235,21 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
         launches = [(c, v + 1, *(_descriptors(x, w_gate, w_up, c, facts) if use_desc
                                  else (None, None, None)))
                     for v, c in enumerate(variants)]
+    ws = done = None
+    if split:  # a partial tile pair per program and a count per tile (zero between calls)
+        ws = workspace(x.device, "split_partials",
+                       G * 2 * max(c.block_m * c.block_n for c, *_ in launches), torch.float32)
+        done = workspace(x.device, "split_counts", G, torch.int32, zero=True)
     for c, variant, xd, gd, ud in launches:
         expert_swiglu_kernel[(G,)](
-            x, w_gate, w_up, counts, out, xd, gd, ud, packed, p_desc, row_map, cap, LIGHT_ROWS,
-            I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1),
-            w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0, BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, NUM_STAGES=c.num_stages,
-            EVEN_K=H % c.block_k == 0, PRECISION=dot_precision(x.dtype),
+            x, w_gate, w_up, counts, out, xd, gd, ud, packed, p_desc, row_map, cap, ws, done,
+            LIGHT_ROWS, I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0),
+            w_gate.stride(1), w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            NUM_STAGES=c.num_stages, EVEN_K=H % c.block_k == 0, PRECISION=dot_precision(x.dtype),
             UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
-            BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), VARIANT=variant, **consts,
-            num_warps=c.num_warps, num_stages=c.num_stages)
+            BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), VARIANT=variant, SPLIT=bool(split),
+            **consts, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 

@@ -2,13 +2,15 @@
 options of ``api.tile_config``: per-source row tiles through descriptors and by pointer loads
 (sm_90's, 8 warps), fp32, the decode pick (64 x 256 through descriptors, 8 warps) with
 packed experts, by descriptors and by pointer loads, and the decode variants' light (64 x 128,
-4 warps, 4 stages) and heavy (128 x 128) tiles; 3 stages unless said. And the launch that packs the
+4 warps, 4 stages) and heavy (128 x 128) tiles; 3 stages unless said, the last round's tiles
+split (the default). And the launch that packs the
 experts' rows (``pack_rows_kernel``)."""
 from .api import PACK_BLOCK_H, PACK_BLOCK_R
 from .kernel import expert_swiglu_kernel, pack_rows_kernel
 
-_ARGS = ("cap:i32 light_rows:i32 I:i32 H:i32 n_seg:i32 E:i32 stride_xm:i32 stride_xk:i32 "
-         "stride_we:i32 stride_wk:i32 stride_wn:i32 stride_hm:i32 stride_pm:i32")
+_ARGS = ("cap:i32 ws_ptr:*fp32 done_ptr:*i32 light_rows:i32 I:i32 H:i32 n_seg:i32 E:i32 "
+         "stride_xm:i32 stride_xk:i32 stride_we:i32 stride_wk:i32 stride_wn:i32 stride_hm:i32 "
+         "stride_pm:i32")
 
 
 def specs():
@@ -29,7 +31,8 @@ def specs():
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=stages,
                       EVEN_K=True, PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16,
-                      BLOCK_SRC=2, BLOCK_E=8, PACK=pack, VARIANT=variant)
+                      BLOCK_SRC=2, BLOCK_E=8, PACK=pack, VARIANT=variant,
+                      SPLIT=True)
         if not desc:
             consts.update(x_desc=None, wg_desc=None, wu_desc=None, p_desc=None)
         sig.update({k: "constexpr" for k in consts})

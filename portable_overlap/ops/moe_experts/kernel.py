@@ -105,22 +105,25 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, n_rows
 def expert_swiglu_kernel(
     x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc,
     p_ptr, p_desc, map_ptr, cap,  # the packed rows and their rows in x (PACK only)
+    ws_ptr, done_ptr,  # float32 [programs, 2, BLOCK_M, BLOCK_N] partials, int32 [programs] (SPLIT)
     light_rows,  # VARIANT: the most rows per segment of the call that the light tiles take
     I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
     BLOCK_SRC: tl.constexpr, BLOCK_E: tl.constexpr, PACK: tl.constexpr,
-    VARIANT: tl.constexpr,
+    VARIANT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    G = tl.num_programs(0)
     n_src = n_seg // E
     num_pid_n = tl.cdiv(I, BLOCK_N)
     segs = tl.arange(0, BLOCK_SEG)
     cnt = tl.load(counts_ptr + segs, mask=segs < n_seg, other=0)
     srcs = tl.arange(0, BLOCK_SRC)
     experts = tl.arange(0, BLOCK_E)
-    packed_e = False
+    packed = experts < 0  # (no expert packed unless PACK says)
+    pstart = experts * 0
     if PACK:
         c2, n_e, packed, pstart = expert_layout(counts_ptr, n_src, E, cap, BLOCK_M, BLOCK_SRC,
                                                 BLOCK_E, PACK)
@@ -128,96 +131,211 @@ def expert_swiglu_kernel(
         tiles_e = tl.where(packed, (n_e + BLOCK_M - 1) // BLOCK_M,
                            tl.sum((c2 + BLOCK_M - 1) // BLOCK_M, axis=0))
         total = tl.sum(tiles_e) * num_pid_n
-        packed_e = tl.sum(tl.where(experts == 0, packed.to(tl.int32), 0)) > 0
     else:
         total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M) * num_pid_n
     if VARIANT:  # one of two launches with other tiles: this one runs the call or nothing
         light = tl.sum(cnt) <= light_rows * tl.sum((cnt > 0).to(tl.int32))
         total = tl.where(light == (VARIANT == 1), total, 0)
+    # the tiles of the last, partial round of the grid, cut in `parts` ranges of K steps
+    # (SPLIT_NOTE); the rounds before run whole tiles
+    parts = 1
+    if SPLIT:
+        parts = split_parts(total % G, G, tl.cdiv(H, BLOCK_K), BLOCK_M, BLOCK_N, NUM_STAGES)
+    whole = tl.where(parts > 1, total - total % G, total)
     # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all sources
     # (per source, and their running sum), its tile count
-    e = 0
+    e = -1
     e_t0 = 0
-    c_e = tl.load(counts_ptr + srcs * E, mask=srcs < n_src, other=0)
-    mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
-    cum = tl.cumsum(mt_q, axis=0)
-    e_nt = tl.sum(mt_q) * num_pid_n
-    for t in range(pid, total, tl.num_programs(0)):
-        while t >= e_t0 + e_nt:  # `total` bounds t, so the walk stays inside the experts
-            e += 1
-            e_t0 += e_nt
-            c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
-            if PACK:
-                packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
-            mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
-            cum = tl.cumsum(mt_q, axis=0)
-            e_nt = tl.sum(mt_q) * num_pid_n
+    e_nt = 0
+    c_e = srcs * 0
+    mt_q = srcs * 0
+    cum = srcs * 0
+    packed_e = pid < 0
+    for t in range(pid, whole, G):
+        e, e_t0, e_nt, c_e, mt_q, cum, packed_e = _walk_to(
+            t, e, e_t0, e_nt, c_e, mt_q, cum, packed_e, counts_ptr, packed, experts, srcs, n_src,
+            E, num_pid_n, BLOCK_M, BLOCK_SRC, PACK)
         # row tile vm of the expert's sources laid end to end (grouped order: GROUP_M row
         # tiles per weight column block, so at decode sizes every source's rows of the expert
         # read a column block of its weights together, from L2 after the first)
         vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
-        if PACK:
-            if packed_e:
-                start = tl.sum(tl.where(experts == e, pstart, 0))
-                n = tl.sum(c_e)
-                g, u = segment_tile_pair(p_ptr, wg_ptr, wu_ptr, p_desc, wg_desc, wu_desc, start,
-                                         n, e, vm, pid_n, I, H, stride_pm, 1, stride_we,
-                                         stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
-                                         NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
-                offs = vm * BLOCK_M + tl.arange(0, BLOCK_M)
-                rows = tl.load(map_ptr + start + offs, mask=offs < n, other=0)
-                store_swiglu(g, u, rows, offs < n, pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
-                             h_ptr, I, stride_hm)
-            else:
-                _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs,
-                             c_e, mt_q, cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk,
-                             stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
-                             BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
-        else:
-            _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e,
-                         mt_q, cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk, stride_we,
-                         stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                         EVEN_K, PRECISION, UPCAST, USE_DESC)
+        g, u, rows, valid = _gated_tile(
+            x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc, map_ptr, packed_e,
+            pstart, experts, cnt, segs, c_e, mt_q, cum, srcs, e, vm, pid_n, 0, H, I, H, E,
+            stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_pm, BLOCK_M, BLOCK_N,
+            BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC, PACK)
+        store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), h_ptr, I,
+                     stride_hm)
+    if SPLIT:
+        if pid < (total - whole) * parts:  # this program's part of a last-round tile
+            j = pid // parts
+            t = whole + j
+            e, e_t0, e_nt, c_e, mt_q, cum, packed_e = _walk_to(
+                t, e, e_t0, e_nt, c_e, mt_q, cum, packed_e, counts_ptr, packed, experts, srcs,
+                n_src, E, num_pid_n, BLOCK_M, BLOCK_SRC, PACK)
+            vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
+            span = tl.cdiv(tl.cdiv(H, BLOCK_K), parts) * BLOCK_K
+            k_lo = (pid % parts) * span
+            g, u, rows, valid = _gated_tile(
+                x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc, map_ptr,
+                packed_e, pstart, experts, cnt, segs, c_e, mt_q, cum, srcs, e, vm, pid_n, k_lo,
+                tl.minimum(k_lo + span, H), I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
+                stride_wn, stride_pm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
+                UPCAST, USE_DESC, PACK)
+            _sum_parts(g, u, rows, valid, pid_n, ws_ptr, done_ptr, pid, j, parts, h_ptr, I,
+                       stride_hm, BLOCK_M, BLOCK_N)
+
+
+#: SPLIT_NOTE: a persistent grid runs its tiles in rounds, one tile per program, and at decode
+#: sizes each tile's K loop is long (H = 7168: 112 steps), so a last round of a few tiles costs
+#: a whole tile's time while most programs idle: on one H200 a DeepSeek-like decode layout's
+#: 160 packed 128 x 128 tiles took as long as 256 (two rounds each), and the tensor pipes were
+#: busy 48 % of the elapsed cycles against 92 % of the active ones (Nsight Compute,
+#: benchmarks/profile_decode_experts.py). The last round's tiles are cut into ``parts`` ranges
+#: of K steps, one per idle program; each stores its float32 partials, and the program that
+#: completes a tile's count sums them in the ranges' order (the same bits whichever finishes
+#: last) and applies the epilogue. Nothing waits for another program, so the interpreter runs
+#: it as it is.
+#: A part reads at least SPLIT_MIN_STEPS K steps (and the pipeline's depth), and the finisher
+#: reads ``parts`` partials of 8 * BLOCK_M * BLOCK_N bytes: at most SPLIT_BYTES in all.
+SPLIT_MIN_STEPS = tl.constexpr(2)
+SPLIT_BYTES = tl.constexpr(1 << 19)
 
 
 @triton.jit
-def _source_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e, mt_q,
-                 cum, srcs, e, vm, pid_n, I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
-                 stride_wn, stride_hm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def split_parts(tail, G, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                NUM_STAGES: tl.constexpr):
+    """How many ranges of K steps each of the ``tail`` tiles of the last round is cut into
+    (1: none): as many as the idle programs allow, each ``SPLIT_MIN_STEPS`` steps or more (and
+    the pipeline's depth), their partials together ``SPLIT_BYTES`` at most."""
+    most: tl.constexpr = max(2, SPLIT_BYTES // (8 * BLOCK_M * BLOCK_N))
+    min_steps: tl.constexpr = max(SPLIT_MIN_STEPS, NUM_STAGES)
+    parts = tl.minimum(G // tl.maximum(tail, 1), k_steps // min_steps)
+    return tl.where(tail > 0, tl.maximum(tl.minimum(parts, most), 1), 1)
+
+
+@triton.jit
+def _sum_parts(g, u, rows, valid, pid_n, ws_ptr, done_ptr, pid, j, parts, h_ptr, I, stride_hm,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Part ``pid % parts`` of last-round tile ``j``: store its float32 partials in slot
+    ``pid`` of ``ws``, count it in ``done[j]`` (acquire-release), and if it completes the
+    count, sum the tile's ``parts`` slots in order, store the epilogue and zero ``done[j]``
+    for the next call."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile: tl.constexpr = BLOCK_M * BLOCK_N
+    mine = ws_ptr + pid.to(tl.int64) * (2 * tile)
+    tl.store(mine + offs, g)
+    tl.store(mine + tile + offs, u)
+    tl.debug_barrier()  # every thread's stores before the (cumulative) release
+    n = tl.atomic_add(done_ptr + j, 1, sem="acq_rel", scope="gpu")
+    if n == parts - 1:
+        tl.debug_barrier()  # the acquiring thread's view becomes the program's
+        g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for p in range(0, parts):  # (partials written by other processors: past L1)
+            theirs = ws_ptr + (j * parts + p).to(tl.int64) * (2 * tile)
+            g += tl.load(theirs + offs, cache_modifier=".cg")
+            u += tl.load(theirs + tile + offs, cache_modifier=".cg")
+        store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), h_ptr, I,
+                     stride_hm)
+        tl.atomic_xchg(done_ptr + j, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _walk_to(t, e, e_t0, e_nt, c_e, mt_q, cum, packed_e, counts_ptr, packed, experts, srcs,
+             n_src, E, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_SRC: tl.constexpr,
+             PACK: tl.constexpr):
+    """The walk's cursor moved on to the expert of tile ``t`` (``t`` at or past the cursor's;
+    the caller's tile count bounds it, so the walk stays inside the experts): ``(e, its first
+    tile, its tile count, its sources' rows, their row tiles, their running sum, whether it
+    is packed)``. ``e`` = -1 with no tiles: before the first expert."""
+    while t >= e_t0 + e_nt:
+        e += 1
+        e_t0 += e_nt
+        c_e = tl.load(counts_ptr + srcs * E + e, mask=srcs < n_src, other=0)
+        if PACK:
+            packed_e = tl.sum(tl.where(experts == e, packed.to(tl.int32), 0)) > 0
+        mt_q = _row_tiles(c_e, packed_e, BLOCK_M, BLOCK_SRC)
+        cum = tl.cumsum(mt_q, axis=0)
+        e_nt = tl.sum(mt_q) * num_pid_n
+    return e, e_t0, e_nt, c_e, mt_q, cum, packed_e
+
+
+@triton.jit
+def _gated_tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc, map_ptr,
+                packed_e, pstart, experts, cnt, segs, c_e, mt_q, cum, srcs, e, vm, pid_n, k_lo,
+                k_hi, I, H, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_pm,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, USE_DESC: tl.constexpr, PACK: tl.constexpr):
+    """Row tile ``vm`` of expert ``e`` (its packed rows' tile, or its per-source tile), column
+    block ``pid_n``, over the K steps ``k_lo .. k_hi``: ``(gate, up, rows of h, valid)``."""
+    if PACK:
+        if packed_e:
+            start = tl.sum(tl.where(experts == e, pstart, 0))
+            n = tl.sum(c_e)
+            g, u = segment_tile_pair(p_ptr, wg_ptr, wu_ptr, p_desc, wg_desc, wu_desc, start, n,
+                                     e, vm, pid_n, k_lo, k_hi, I, H, stride_pm, 1, stride_we,
+                                     stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                                     NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC)
+            offs = vm * BLOCK_M + tl.arange(0, BLOCK_M)
+            valid = offs < n
+            rows = tl.load(map_ptr + start + offs, mask=valid, other=0)
+        else:
+            g, u, rows, valid = _source_tile(
+                x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e, mt_q, cum, srcs,
+                e, vm, pid_n, k_lo, k_hi, I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
+                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+                USE_DESC)
+    else:
+        g, u, rows, valid = _source_tile(
+            x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e, mt_q, cum, srcs, e,
+            vm, pid_n, k_lo, k_hi, I, H, E, stride_xm, stride_xk, stride_we, stride_wk,
+            stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
+            USE_DESC)
+    return g, u, rows, valid
+
+
+@triton.jit
+def _source_tile(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, cnt, segs, c_e, mt_q, cum,
+                 srcs, e, vm, pid_n, k_lo, k_hi, I, H, E, stride_xm, stride_xk, stride_we,
+                 stride_wk, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
     """Row tile ``vm`` of expert ``e``'s per-source tiles (``mt_q`` per source, ``cum`` their
-    running sum): the tile of its source's segment, computed and stored."""
+    running sum): the tile of its source's segment, ``(gate, up, rows of h, valid)``."""
     q = tl.sum((cum <= vm).to(tl.int32))  # the source whose row tiles hold vm
     pid_m = vm - tl.sum(tl.where(srcs == q, cum - mt_q, 0))
     n = tl.sum(tl.where(srcs == q, c_e, 0))
     start = tl.sum(tl.where(segs < q * E + e, cnt, 0))  # rows of the segments before (q, e)
-    swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, start, n, e,
-                        pid_m, pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk,
-                        stride_wn, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
-                        PRECISION, UPCAST, USE_DESC)
+    g, u = segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
+                             pid_n, k_lo, k_hi, I, H, stride_xm, stride_xk, stride_we, stride_wk,
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
+                             UPCAST, USE_DESC)
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return g, u, start + offs, offs < n
 
 
 @triton.jit
 def segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
-                      pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                      UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
+                      pid_n, k_lo, k_hi, I, H, stride_xm, stride_xk, stride_we, stride_wk,
+                      stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_DESC: tl.constexpr):
     """The float32 gate and up tiles (pid_m, pid_n) of the rows ``start .. start + n`` of ``x``
-    (all of expert ``e``). Pointer loads read no row outside them; descriptor loads may read
-    rows past their end, whose products are never stored (so those rows need not be there
-    yet)."""
+    (all of expert ``e``), over the K steps ``k_lo .. k_hi`` (0 .. H: the whole product).
+    Pointer loads read no row outside them; descriptor loads may read rows past their end,
+    whose products are never stored (so those rows need not be there yet)."""
     if USE_DESC:
         g, u = gemm_tile_pair_desc(x_desc, wg_desc, wu_desc, start + pid_m * BLOCK_M, e * H,
-                                   pid_n * BLOCK_N, H, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                   PRECISION)
+                                   pid_n * BLOCK_N, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
+                                   NUM_STAGES, PRECISION)
     else:
         g, u = gemm_tile_pair(x_ptr + start.to(tl.int64) * stride_xm,
                               wg_ptr + tl.cast(e, tl.int64) * stride_we,
-                              wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, H, stride_xm,
-                              stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M, BLOCK_N,
-                              BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
+                              wu_ptr + tl.cast(e, tl.int64) * stride_we, n, I, k_lo, k_hi,
+                              stride_xm, stride_xk, stride_wk, stride_wn, pid_m, pid_n, BLOCK_M,
+                              BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)
     return g, u
 
 
@@ -231,9 +349,9 @@ def swiglu_segment_tile(x_ptr, wg_ptr, wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, 
     the segment's rows ``start .. start + n`` of ``x`` (all of expert ``e``), computed
     (``segment_tile_pair``) and stored."""
     g, u = segment_tile_pair(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, start, n, e, pid_m,
-                             pid_n, I, H, stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST,
-                             USE_DESC)
+                             pid_n, 0, H, I, H, stride_xm, stride_xk, stride_we, stride_wk,
+                             stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
+                             UPCAST, USE_DESC)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     store_swiglu(g, u, start + offs, offs < n, cols, h_ptr, I, stride_hm)
