@@ -147,7 +147,7 @@ def _descriptors(x, w_gate, w_up, cfg, facts) -> tuple:
 def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                   counts: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                   config: Optional[MatmulConfig] = None, programs: Optional[int] = None,
-                  gather: Optional[bool] = None, split: bool = True,
+                  gather: Optional[bool] = None, split: Optional[bool] = None,
                   rows_per_segment: Optional[float] = None) -> torch.Tensor:
     """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
     [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``: the device checks
@@ -160,10 +160,11 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     tiles may hold an expert's rows of all sources together (kernel.py's packed experts):
     None packs, where segments are small (``pack_rows``), the experts whose row tiles that
     halves; True every expert with rows; False none. ``split``: whether the tiles of the
-    grid's last, partial round may be cut into ranges of K steps run side by side
-    (kernel.py, ``SPLIT_NOTE``; the device decides from the tile count): each such tile's
-    float32 sum is then taken in parts, so its bits differ from an unsplit call's by rounding
-    (every call with the same counts gives the same bits). Under ``torch.compile`` one opaque
+    grid's last, partial round may be cut into ranges of K steps that the idle programs run
+    side by side (kernel.py, ``SPLIT_NOTE``): None (the default) or True wherever that round
+    leaves at least half of the programs idle (the device decides from the tile count), False
+    never. A split tile's float32 sum is taken in parts, so its bits differ from an unsplit
+    call's by rounding (every call with the same counts gives the same bits). Under ``torch.compile`` one opaque
     op, ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
     (``out``, ``config``, ``programs``, ``gather`` and ``split`` make it a graph break).
     Inference only (no autograd).
@@ -194,7 +195,7 @@ def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
 
 
 def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, programs=None,
-         gather=None, split=True) -> torch.Tensor:
+         gather=None, split=None) -> torch.Tensor:
     _validate(x, w_gate, w_up, counts, out)
     if rows_per_segment is not None and not (isinstance(rows_per_segment, (int, float))
                                              and 0 <= rows_per_segment < float("inf")):
@@ -235,6 +236,7 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
         launches = [(c, v + 1, *(_descriptors(x, w_gate, w_up, c, facts) if use_desc
                                  else (None, None, None)))
                     for v, c in enumerate(variants)]
+    split = split is None or bool(split)
     ws = done = None
     if split:  # a partial tile pair per program and a count per tile (zero between calls)
         ws = workspace(x.device, "split_partials",
