@@ -29,6 +29,11 @@ rows the call's segments hold, which only the device knows: the host then launch
 twice, with light tiles (``VARIANT`` 1, few rows per segment) and heavy ones (2), and each
 launch computes the call's mean rows per non-empty segment and runs every tile or none
 (``api.decode_variants``).
+
+The last round split (``SPLIT``). Where the tile count leaves the grid's last round at most half
+full, that round's tiles are cut into ranges of K steps run by the idle programs; the program
+that completes a tile sums the ranges' float32 partials in order and applies the epilogue
+(``SPLIT_NOTE``).
 """
 import triton
 import triton.language as tl
