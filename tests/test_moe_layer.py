@@ -81,8 +81,8 @@ def _swiglu_split(world):
     tile count leaves a few tiles for the grid's last round, per source and packed, H a
     multiple of the K block and not (the last range masked). Against the reference; two calls
     give the same bits; the whole-K call differs by rounding only; the counts are left zero;
-    poison past the counts stays."""
-    from portable_overlap.ops.moe_experts.api import workspace
+    poison past the counts stays; a call after the kept buffers are dropped."""
+    from portable_overlap.ops.moe_experts.api import free_workspaces, workspace
 
     g = torch.Generator().manual_seed(21 + world.rank)
     res = []
@@ -108,6 +108,12 @@ def _swiglu_split(world):
                         vs_whole=(outs[0] - outs[2]).abs().max().item(),
                         counts_zero=not workspace(x.device, "split_counts", programs,
                                                   torch.int32).any()))
+    # the kept buffers dropped: the next call makes them again, zeroed counts included
+    free_workspaces()
+    out = torch.full((R + 4, I), float("nan"))
+    expert_swiglu(x, wg, wu, counts, out, config=SMALL, programs=programs, split=True)
+    res.append(dict(err=((out[:R] - ref).norm() / ref.norm()).item(), same=True, split_ran=True,
+                    vs_whole=0.0, counts_zero=True))
     return res
 
 

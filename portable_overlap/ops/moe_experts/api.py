@@ -169,8 +169,9 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     (``out``, ``config``, ``programs``, ``gather`` and ``split`` make it a graph break).
     Inference only (no autograd).
 
-    The op keeps two buffers per device and stream between calls (``workspace``): the split
-    tiles' partials and counts, and the packed experts' rows."""
+    The op keeps its buffers per device and stream between calls (``workspace``): the split
+    tiles' partials and counts, and the packed experts' rows (``free_workspaces`` drops
+    them)."""
     return EXPERT_SWIGLU((x, w_gate, w_up, counts, rows_per_segment), out=out, config=config,
                          programs=programs, gather=gather, split=split)
 
@@ -192,6 +193,13 @@ def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
         make = torch.zeros if zero else torch.empty
         buf = _WORKSPACES[key] = make(max(numel, 1), dtype=dtype, device=device)
     return buf[:numel]
+
+
+def free_workspaces(device: Optional[torch.device] = None) -> None:
+    """Drop the buffers ``expert_swiglu`` keeps between calls (``workspace``), on ``device`` or
+    on every device; the next call makes them again."""
+    for key in [k for k in _WORKSPACES if device is None or k[0] == torch.device(device)]:
+        del _WORKSPACES[key]
 
 
 def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, programs=None,

@@ -215,8 +215,12 @@ def split_parts(tail, G, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     the pipeline's depth), their partials together ``SPLIT_BYTES`` at most."""
     most: tl.constexpr = max(2, SPLIT_BYTES // (8 * BLOCK_M * BLOCK_N))
     min_steps: tl.constexpr = max(SPLIT_MIN_STEPS, NUM_STAGES)
-    parts = tl.minimum(G // tl.maximum(tail, 1), k_steps // min_steps)
-    return tl.where(tail > 0, tl.maximum(tl.minimum(parts, most), 1), 1)
+    parts = tl.maximum(tl.minimum(tl.minimum(G // tl.maximum(tail, 1), k_steps // min_steps),
+                                  most), 1)
+    # as many as ranges of cdiv(k_steps, parts) steps take: none left empty (9 steps in 4
+    # would leave the fourth range none)
+    parts = tl.cdiv(k_steps, tl.cdiv(k_steps, parts))
+    return tl.where(tail > 0, parts, 1)
 
 
 @triton.jit
