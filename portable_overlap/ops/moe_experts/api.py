@@ -164,10 +164,10 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     side by side (kernel.py, ``SPLIT_NOTE``): None (the default) or True wherever that round
     leaves at least half of the programs idle (the device decides from the tile count), False
     never. A split tile's float32 sum is taken in parts, so its bits differ from an unsplit
-    call's by rounding (every call with the same counts gives the same bits). Under ``torch.compile`` one opaque
-    op, ``torch.ops.portable_overlap.expert_swiglu(x, w_gate, w_up, counts, rows_per_segment)``
-    (``out``, ``config``, ``programs``, ``gather`` and ``split`` make it a graph break).
-    Inference only (no autograd).
+    call's by rounding (every call with the same counts gives the same bits). Under
+    ``torch.compile`` one opaque op, ``torch.ops.portable_overlap.expert_swiglu(x, w_gate,
+    w_up, counts, rows_per_segment)`` (``out``, ``config``, ``programs``, ``gather`` and
+    ``split`` make it a graph break). Inference only (no autograd).
 
     The op keeps its buffers per device and stream between calls (``workspace``): the split
     tiles' partials and counts, and the packed experts' rows (``free_workspaces`` drops
@@ -176,7 +176,7 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                          programs=programs, gather=gather, split=split)
 
 
-#: the op's buffers kept between calls, by (device, stream, name): see ``workspace``
+#: the op's buffers kept between calls, by (device, stream, name, dtype): see ``workspace``
 _WORKSPACES: dict = {}
 
 
@@ -187,9 +187,9 @@ def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
     order, so they may share it; a buffer the kernel needs zeroed (the split tiles' counts) is
     left zeroed by the kernel itself, so it is filled once, when made."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, name)
+    key = (device, stream, name, dtype)
     buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+    if buf is None or buf.numel() < numel:
         make = torch.zeros if zero else torch.empty
         buf = _WORKSPACES[key] = make(max(numel, 1), dtype=dtype, device=device)
     return buf[:numel]
