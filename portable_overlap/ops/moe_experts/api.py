@@ -186,7 +186,7 @@ def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
     grown (and zero-filled where ``zero``) when a call needs more. Calls on one stream run in
     order, so they may share it; a buffer the kernel needs zeroed (the split tiles' counts) is
     left zeroed by the kernel itself, so it is filled once, when made."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = getattr(torch.get_device_module(device).current_stream(device), "stream_id", 0)
     key = (device, stream, name, dtype)
     buf = _WORKSPACES.get(key)
     if buf is None or buf.numel() < numel:
@@ -258,7 +258,7 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             NUM_STAGES=c.num_stages, EVEN_K=H % c.block_k == 0, PRECISION=dot_precision(x.dtype),
             UPCAST=dot_upcast(x.dtype), USE_DESC=use_desc,
-            BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), VARIANT=variant, SPLIT=bool(split),
+            BLOCK_SEG=1 << max(0, n_seg - 1).bit_length(), VARIANT=variant, SPLIT=split,
             **consts, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 

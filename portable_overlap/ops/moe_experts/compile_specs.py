@@ -3,8 +3,7 @@ options of ``api.tile_config``: per-source row tiles through descriptors and by 
 (sm_90's, 8 warps), fp32, the decode pick (64 x 256 through descriptors, 8 warps) with
 packed experts, by descriptors and by pointer loads, and the decode variants' light (64 x 128,
 4 warps, 4 stages) and heavy (128 x 128) tiles; 3 stages unless said, the last round's tiles
-split (the default). And the launch that packs the
-experts' rows (``pack_rows_kernel``)."""
+split (the default). And the launch that packs the experts' rows (``pack_rows_kernel``)."""
 from .api import PACK_BLOCK_H, PACK_BLOCK_R
 from .kernel import expert_swiglu_kernel, pack_rows_kernel
 
@@ -31,8 +30,7 @@ def specs():
         sig.update(dict(kv.split(":") for kv in _ARGS.split()))
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=stages,
                       EVEN_K=True, PRECISION="ieee", UPCAST=False, USE_DESC=desc, BLOCK_SEG=16,
-                      BLOCK_SRC=2, BLOCK_E=8, PACK=pack, VARIANT=variant,
-                      SPLIT=True)
+                      BLOCK_SRC=2, BLOCK_E=8, PACK=pack, VARIANT=variant, SPLIT=True)
         if not desc:
             consts.update(x_desc=None, wg_desc=None, wu_desc=None, p_desc=None)
         sig.update({k: "constexpr" for k in consts})

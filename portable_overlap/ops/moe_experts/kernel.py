@@ -143,9 +143,10 @@ def expert_swiglu_kernel(
         total = tl.where(light == (VARIANT == 1), total, 0)
     # the tiles of the last, partial round of the grid, cut in `parts` ranges of K steps
     # (SPLIT_NOTE); the rounds before run whole tiles
+    k_steps = tl.cdiv(H, BLOCK_K)
     parts = 1
     if SPLIT:
-        parts = split_parts(total % G, G, tl.cdiv(H, BLOCK_K), BLOCK_M, BLOCK_N, NUM_STAGES)
+        parts = split_parts(total % G, G, k_steps, BLOCK_M, BLOCK_N, NUM_STAGES)
     whole = tl.where(parts > 1, total - total % G, total)
     # the walk's cursor (monotone in t): expert, its first tile, its row tiles over all sources
     # (per source, and their running sum), its tile count
@@ -179,7 +180,7 @@ def expert_swiglu_kernel(
                 t, e, e_t0, e_nt, c_e, mt_q, cum, packed_e, counts_ptr, packed, experts, srcs,
                 n_src, E, num_pid_n, BLOCK_M, BLOCK_SRC, PACK)
             vm, pid_n = grouped_tile(t - e_t0, tl.sum(mt_q), num_pid_n, GROUP_M)
-            span = tl.cdiv(tl.cdiv(H, BLOCK_K), parts) * BLOCK_K
+            span = tl.cdiv(k_steps, parts) * BLOCK_K
             k_lo = (pid % parts) * span
             g, u, rows, valid = _gated_tile(
                 x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, p_ptr, p_desc, map_ptr,
