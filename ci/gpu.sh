@@ -23,7 +23,8 @@
 #      and tutorials, tests/gpu/check_language.py), PO_SKIP_TUT_BENCH=1 / PO_TUT_ARGS (the
 #      tutorials' kernels beside the library's ops, benchmarks/bench_tutorials.py), PO_SKIP_AUTO=1 (transport="auto",
 #      tests/gpu/check_auto_transport.py), PO_SKIP_CAMPAIGN=1 / PO_CAMPAIGN_ARGS
-#      (the fault campaign, tests/gpu/check_campaign.py),
+#      (the fault campaign, tests/gpu/check_campaign.py), PO_SKIP_LAYOUTS=1 / PO_LAYOUT_PARTS
+#      (odd layouts and tensors past 2**31 elements, tests/gpu/check_layouts.py),
 #      PO_COMMIT (recorded with every result), PO_ARCHIVE=1 (logs packed into gpu-logs.tgz).
 set -uo pipefail
 out=${1:-${OUT:-out}}
@@ -110,6 +111,10 @@ if [ "${PO_SKIP_AUTO:-0}" != 1 ]; then  # transport="auto" (the planner)
 fi
 if [ "${PO_SKIP_CAMPAIGN:-0}" != 1 ]; then
   run 300 tests/gpu/check_campaign.py ${PO_CAMPAIGN_ARGS:-} 2>&1 | tee "$out/campaign.log" | grep -E "fault campaign|FAIL" | tail -44
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_LAYOUTS:-0}" != 1 ]; then  # one H200: 10-12 min with a cold Triton cache
+  run 900 tests/gpu/check_layouts.py ${PO_LAYOUT_PARTS:+--parts "$PO_LAYOUT_PARTS"} 2>&1 | tee "$out/check_layouts.log" | grep -E "FAIL|layout checks" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then

@@ -17,6 +17,7 @@ from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
 from portable_overlap.ops.moe_experts import expert_swiglu
 from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.layouts import LAYOUTS, ODD_GEMMS, laid_out
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
 
@@ -224,27 +225,23 @@ def test_misaligned_epilogue_operands_get_their_own_launch(world2):
 
 # --- odd shapes and strides: right results, or a clear error on every rank --------------------
 
-#: (name, (M, N, K), how a / b / residual are laid out); M is the GEMM's rows (AllGather: the
-#: shard's), divisible by 2 ranks
-SHAPES = [("1x1x1", (2, 1, 1), {}), ("primes", (14, 7, 3), {}), ("K 97", (2, 5, 97), {}),
-          ("N 97", (4, 97, 5), {}), ("a transposed", (6, 7, 9), {"a": "t"}),
-          ("b transposed", (6, 7, 9), {"b": "t"}), ("b every other column", (6, 7, 9),
-                                                    {"b": "cols"}),
-          ("b stride 0", (6, 7, 9), {"b": "expand"}), ("a storage offset", (6, 7, 9),
-                                                      {"a": "offset"}),
-          ("residual stride 0", (6, 7, 9), {"res": "expand"})]
-
-
-def _tensor(g, shape, how=None):
-    if how == "t":
-        return torch.randn(shape[::-1], generator=g).t()
-    if how == "cols":
-        return torch.randn(shape[0], 2 * shape[1], generator=g)[:, ::2]
-    if how == "expand":
-        return torch.randn(1, shape[1], generator=g).expand(shape)
-    if how == "offset":
-        return torch.randn(shape[0] * shape[1] + 3, generator=g)[3:].view(shape)
-    return torch.randn(shape, generator=g)
+def test_laid_out_makes_the_layouts_it_names():
+    """The layouts the odd-shape cases (and tests/gpu/check_layouts.py) rely on."""
+    g = torch.Generator().manual_seed(0)
+    got = {how: laid_out((5, 6), how, dtype=torch.float16, gen=g) for how in LAYOUTS}
+    assert all(t.shape == (5, 6) and t.dtype == torch.float16 for t in got.values())
+    assert got["contiguous"].is_contiguous()
+    assert got["transposed"].stride() == (1, 5)
+    assert got["every_other_column"].stride() == (12, 2)
+    assert got["stride_0"].stride() == (0, 1)
+    assert got["offset"].is_contiguous() and got["offset"].storage_offset() == 1
+    assert got["padded_rows"].stride() == (14, 1)
+    assert all(bool(t.abs().sum() > 0) for t in got.values())  # random values, not zeros
+    try:
+        laid_out((2, 2), "diagonal")
+        raise AssertionError("an unknown layout was accepted")
+    except ValueError as e:
+        assert "how must be one of" in str(e)
 
 
 def _odd_shapes(world):
@@ -260,12 +257,13 @@ def _odd_shapes(world):
             cls = {"all_reduce": po.MatmulAllReduce, "reduce_scatter": po.MatmulReduceScatter,
                    "all_to_all": po.MatmulAllToAll}[op]
             ctx = cls(world, 16, 128, transport=transport)
-        for name, (M, N, K), how in SHAPES:
+        for name, (M, N, K), how in ODD_GEMMS:
             if op == "all_gather" and ("a" in how or "res" in how):
                 continue  # a shard is copied whole (contiguous), there is no residual
-            a, b = _tensor(g, (M, K), how.get("a")), _tensor(g, (K, N), how.get("b"))
+            a = laid_out((M, K), how.get("a"), gen=g)
+            b = laid_out((K, N), how.get("b"), gen=g)
             rows = {"reduce_scatter": M // W, "all_gather": W * M}.get(op, M)
-            res = None if op == "all_gather" else _tensor(g, (rows, N), how.get("res"))
+            res = None if op == "all_gather" else laid_out((rows, N), how.get("res"), gen=g)
             out = torch.full((rows, N), float("nan"))
             if op == "all_gather":
                 ref = po.all_gather_matmul_reference(a, b, world.group)

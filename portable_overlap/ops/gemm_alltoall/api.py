@@ -158,7 +158,8 @@ class GemmAllToAll(OverlapContext):
     def _plan(self, a, b, out, config: Optional[MatmulConfig]):
         M, K = a.shape
         N = b.shape[1]
-        cfg = config or default_config(a.dtype, a.device)
+        # tiles by the product's shape, the same on every rank (``tile_config``)
+        cfg = config or default_config(a.dtype, a.device, M, N)
         n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
         use_desc = tile_descriptors(a, b, cfg, self.world.facts)[0] is not None
         consts = dict(USE_DESC=use_desc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -55,26 +55,78 @@ class MatmulConfig:
 WAVE64_TILE = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3)
 
 
-def default_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+def default_config(dtype: torch.dtype, device: torch.device, M: Optional[int] = None,
+                   N: Optional[int] = None, descriptors: bool = False) -> MatmulConfig:
     """The tiling of ``device`` (its ``DeviceFacts``, read once per process): ``tile_config``."""
     if device.type == "cpu":  # the interpreter: small tiles keep emulated runs short
         return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
                             num_stages=1)
     from ...backends import device_facts
 
-    return tile_config(dtype, device_facts(device))
+    return tile_config(dtype, device_facts(device), M, N, descriptors)
 
 
-def tile_config(dtype: torch.dtype, facts) -> MatmulConfig:
-    """The GEMM tiling for ``dtype`` on a device with ``facts``: the H200 tiles on 32-lane
-    warps, ``WAVE64_TILE`` for 16-bit operands on 64-lane wavefronts (the H200 tile spills
-    VGPRs there)."""
+#: where the full tile leaves many processors idle (``tile_config``): 128 x 128 tiles, and
+#: 64 x 128 ones where even those are few; over 4 warps and 4 stages through descriptors, over
+#: 8 warps and 3 stages with pointer loads (which the 4-warp tiles run at 0.06-0.45 of cuBLAS)
+MID_TILE = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
+MID_TILE_POINTERS = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8,
+                                 num_stages=3)
+SMALL_TILE = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+SMALL_TILE_POINTERS = MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=8,
+                                   num_stages=3)
+#: the full tile while its grid fills this fraction of the processors; 128 x 128 tiles while
+#: theirs fills ``MID_FILL``
+FULL_FILL, MID_FILL = 0.6, 1 / 3
+
+
+def tile_config(dtype: torch.dtype, facts, M: Optional[int] = None, N: Optional[int] = None,
+                descriptors: bool = False) -> MatmulConfig:
+    """The GEMM tiling for ``dtype`` on a device with ``facts``, for an [M, N] product (None:
+    a large one): the H200 tiles on 32-lane warps, ``WAVE64_TILE`` for 16-bit operands on
+    64-lane wavefronts (the H200 tile spills VGPRs there).
+
+    On 32-lane warps the full 128 x 256 tile is kept while its grid fills ``FULL_FILL`` of the
+    processors; below that, 128 x 128 tiles while their grid fills ``MID_FILL``, else 64 x 128
+    ones. The tiles depend on M and N only, so every rank of a call picks the same ones; the
+    warps on ``descriptors``, whether the operands take descriptors on every rank that runs
+    these tiles (``MID_TILE`` / ``SMALL_TILE``); where that is not known (the ranks of a fused
+    op may differ in K and alignment), ``MID_TILE_POINTERS`` / ``SMALL_TILE_POINTERS``, which
+    run either way. One H200, fraction of cuBLAS's speed, graph replay
+    (``benchmarks/tune_gemm_shapes.py``, M x N x K):
+
+    - 256 x 8192 x 3584 and 2048 x 1024 x 8192 (64 full tiles): full 0.61 / 0.57, 128 x 128
+      over 4 warps 0.88 / 0.94, over 8 warps 0.70 / 0.72;
+    - 384 x 8192 x 3584 (96 full tiles): full 0.81, 128 x 128 0.69;
+    - 128 x 3584 x 8192 and 64 x 1024 x 4096: full 0.30 / 0.21, 64 x 128 over 4 warps 0.57 /
+      0.56, over 8 warps 0.41 / 0.49;
+    - pointer loads (K odd): 64 x 128 and 128 x 128 over 8 warps 0.50-1.11 and 0.33-1.22 of
+      cuBLAS (which slows down there too), over 4 warps 0.06-0.46;
+    - from 512 x 8192 up the full tile's grid fills the device: 0.89-0.97."""
     if dtype == torch.float32:  # 0 spills, 32 KiB of LDS on gfx942 and gfx950 too
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     if facts.warp_size == 64:
         return WAVE64_TILE
     # the plain Triton GEMM measured at 655 TFLOP/s on H200 (see ../shared/DESIGN.md)
-    return MatmulConfig()
+    full = MatmulConfig()
+    if M is None or N is None:
+        return full
+    sms = facts.sm_count
+    if -(-M // full.block_m) * -(-N // full.block_n) >= FULL_FILL * sms:
+        return full
+    if -(-M // MID_TILE.block_m) * -(-N // MID_TILE.block_n) >= MID_FILL * sms:
+        return MID_TILE if descriptors else MID_TILE_POINTERS
+    return SMALL_TILE if descriptors else SMALL_TILE_POINTERS
+
+
+def shape_config(a: torch.Tensor, b: torch.Tensor, facts) -> MatmulConfig:
+    """``tile_config`` for ``a @ b`` on a device with ``facts``: the tiles by the product's
+    [M, N], the warps by whether descriptors can describe ``a`` and ``b`` (``tile_descriptors``'
+    rules; the tiles it picks from all describe the same rows). CPU: the interpreter's tiles."""
+    if a.device.type == "cpu":
+        return default_config(a.dtype, a.device)
+    desc = _rows_fit(a) and _rows_fit(b) and _boxes_fit(a, MID_TILE, facts)
+    return tile_config(a.dtype, facts, a.shape[0], b.shape[1], desc)
 
 
 def tile_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts) -> tuple:
@@ -181,14 +233,14 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
     check_operands(OP, a, b)
     M, K = a.shape
     N = b.shape[1]
-    cfg = config or default_config(a.dtype, a.device)
+    from ...backends import device_facts
+
+    facts = device_facts(a.device)  # read once per process, not per call
+    cfg = config or shape_config(a, b, facts)
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:
         raise ValueError(f"{OP}: out must be {a.dtype} [{M}, {N}] on {a.device}")
-    from ...backends import device_facts
-
-    facts = device_facts(a.device)  # read once per process, not per call
     if programs is None:  # one per SM / CU (the CPU backend reports a few emulated slots)
         programs = facts.sm_count
     n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)

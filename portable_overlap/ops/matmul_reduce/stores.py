@@ -110,7 +110,8 @@ class MatmulReduceStores(OverlapContext):
         M, K = a.shape
         N = b.shape[1]
         W, facts = self.world.world_size, self.world.facts
-        cfg = self.config or default_config(a.dtype, a.device)
+        # tiles by the product's shape, the same on every rank (``tile_config``)
+        cfg = self.config or default_config(a.dtype, a.device, M, N)
         block = -(-M // W)
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
         programs = min(W * tpb, facts.sm_count, G_MAX)
