@@ -86,9 +86,13 @@ def _gemm_picks():
     from portable_overlap.ops.moe_experts.kernel import expert_swiglu_kernel
     from portable_overlap.ops.moe_layer.kernel import moe_layer_kernel
 
-    devices = [SimpleNamespace(warp_size=w, shared_per_program=227 * 1024) for w in (32, 64)]
+    devices = [SimpleNamespace(warp_size=w, shared_per_program=227 * 1024, sm_count=132)
+               for w in (32, 64)]
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    core = {dt: [matmul_tile(t, f) for f in devices] for dt, t in dtypes.items()}
+    # the full tile, and the tiles of products too small for it (with descriptors or not)
+    core = {dt: [matmul_tile(t, f, M, N, desc) for f in devices
+                 for M, N in ((None, None), (256, 8192), (128, 1024))
+                 for desc in (True, False)] for dt, t in dtypes.items()}
     experts = {dt: [experts_tile(t, f, desc, rows) for f in devices
                     for desc in (True, False) for rows in (float("inf"), 32)]
                + [LIGHT_TILE, HEAVY_TILE] for dt, t in dtypes.items()}
@@ -117,7 +121,7 @@ def test_gemm_specs_compile_at_their_tiles_launch_options():
         got = (options.get("num_warps"), options.get("num_stages"))
         if got not in configs or consts["NUM_STAGES"] != got[1]:
             bad.append((name, tile, got, sorted(configs)))
-    assert seen == 43, seen
+    assert seen == 50, seen
     assert not bad, f"(spec, tile, its warps and stages, the planners' for that tile): {bad}"
 
 

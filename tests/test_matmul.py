@@ -66,3 +66,40 @@ def test_tile_descriptors_only_where_the_device_and_operands_allow():
     assert tile_descriptors(odd, torch.randn(7, 512).bfloat16(), cfg, tma) == (None, None)
     wide = MatmulConfig(block_m=128, block_n=512, block_k=64)  # a box over 256 elements
     assert tile_descriptors(a, b, wide, tma) == (None, None)
+
+
+def test_tiles_follow_the_products_shape():
+    """``tile_config``: the full 128 x 256 tile while its grid fills 60 % of the processors,
+    then 128 x 128, then 64 x 128; the warps by ``descriptors``; K plays no part (the ranks of a
+    reduction may each have their own); 64-lane wavefronts and fp32 keep their one tiling."""
+    import dataclasses
+
+    from portable_overlap.backends import get_backend
+    from portable_overlap.ops.matmul.api import (MID_TILE, MID_TILE_POINTERS, SMALL_TILE,
+                                                 SMALL_TILE_POINTERS, WAVE64_TILE, describable,
+                                                 shape_config, tile_config)
+
+    cpu = get_backend().device_facts(torch.device("cpu"))
+    h200 = dataclasses.replace(cpu, sm_count=132, warp_size=32, tensor_descriptors=True)
+    bf = torch.bfloat16
+    assert tile_config(bf, h200) == MatmulConfig()  # shape unknown: the full tile
+    for (M, N), desc, want in (((8192, 8192), True, MatmulConfig()),
+                               ((384, 8192), True, MatmulConfig()),  # 96 tiles: 0.73 full
+                               ((256, 8192), True, MID_TILE), ((256, 8192), False,
+                                                               MID_TILE_POINTERS),
+                               ((2048, 1024), True, MID_TILE),
+                               ((128, 3584), True, SMALL_TILE), ((64, 1024), False,
+                                                                 SMALL_TILE_POINTERS),
+                               ((1, 1), True, SMALL_TILE)):
+        assert tile_config(bf, h200, M, N, desc) == want, (M, N, desc)
+        assert tile_config(torch.float16, h200, M, N, desc) == want
+    amd = dataclasses.replace(h200, warp_size=64)
+    assert tile_config(bf, amd, 256, 8192, True) == WAVE64_TILE
+    assert tile_config(torch.float32, h200, 256, 8192, True).block_n == 64
+    # persistent_matmul's pick: the warps by whether descriptors describe a and b
+    a, b = torch.randn(256, 64).bfloat16(), torch.randn(64, 8192).bfloat16()
+    assert describable(a, b, h200) and not describable(a, b, cpu)
+    assert not describable(a, b.t().contiguous().t(), h200)
+    assert not describable(torch.randn(256, 7).bfloat16(), torch.randn(7, 64).bfloat16(), h200)
+    assert shape_config(a, b, h200) == MatmulConfig(block_m=16, block_n=16, block_k=16,
+                                                    group_m=2, num_warps=1, num_stages=1)

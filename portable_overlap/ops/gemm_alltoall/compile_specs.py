@@ -1,6 +1,7 @@
 """Representative compile signatures of the fused GEMM + All-to-All for the compile matrix, at
 the options of the launches of their tiles (``matmul.api.tile_config``): the H200 bf16 tile over
-8 warps (sm_90), fp32 over 4; 3 stages."""
+8 warps (sm_90), fp32 over 4; 3 stages; 64 x 128 bf16 tiles over 8 warps for products too
+small for it (``matmul.api.SMALL_TILE_POINTERS``)."""
 from ..matmul.compile_specs import descriptor_signature, tile_launch
 from .kernel import gemm_alltoall_kernel
 
@@ -11,7 +12,8 @@ _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_b
 def specs():
     for dt, prec, bm, bn, bk, desc in (("bf16", "ieee", 128, 256, 64, False),
                                        ("bf16", "ieee", 128, 256, 64, True),
-                                       ("fp32", "ieee", 64, 64, 32, False)):
+                                       ("fp32", "ieee", 64, 64, 32, False),
+                                       ("bf16", "ieee", 64, 128, 64, True)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "recv_ptr": f"*{dt}",
                "sent_ptr": "*i64", "consumed_ptr": "*i64", "ctl_ptr": "*i64",
                "clock_ptr": "*i64", "bases_ptr": "*i64"}
@@ -22,7 +24,9 @@ def specs():
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(tile_launch(bm, bn, bk))
+        consts.update(tile_launch(bm, bn, bk) if bn != 128 or dt == "fp32" else
+                      dict(num_warps=8, num_stages=3))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "K", "N", "stride_am", "stride_bk"]
-        yield (f"gemm_alltoall[{dt}{', descriptors' if desc else ''}]", gemm_alltoall_kernel,
+        yield (f"gemm_alltoall[{dt}{' 64x128' if bm == 64 and bn == 128 else ''}"
+               f"{', descriptors' if desc else ''}]", gemm_alltoall_kernel,
                sig, consts, aligned)

@@ -68,7 +68,8 @@ def default_config(dtype: torch.dtype, device: torch.device, M: Optional[int] = 
 
 #: where the full tile leaves many processors idle (``tile_config``): 128 x 128 tiles, and
 #: 64 x 128 ones where even those are few; over 4 warps and 4 stages through descriptors, over
-#: 8 warps and 3 stages with pointer loads (which the 4-warp tiles run at 0.06-0.45 of cuBLAS)
+#: 8 warps and 3 stages with pointer loads (where 128 x 128 tiles over 4 warps ran at 0.06-0.24
+#: of cuBLAS)
 MID_TILE = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4)
 MID_TILE_POINTERS = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8,
                                  num_stages=3)
@@ -95,14 +96,14 @@ def tile_config(dtype: torch.dtype, facts, M: Optional[int] = None, N: Optional[
     run either way. One H200, fraction of cuBLAS's speed, graph replay
     (``benchmarks/tune_gemm_shapes.py``, M x N x K):
 
-    - 256 x 8192 x 3584 and 2048 x 1024 x 8192 (64 full tiles): full 0.61 / 0.57, 128 x 128
-      over 4 warps 0.88 / 0.94, over 8 warps 0.70 / 0.72;
-    - 384 x 8192 x 3584 (96 full tiles): full 0.81, 128 x 128 0.69;
-    - 128 x 3584 x 8192 and 64 x 1024 x 4096: full 0.30 / 0.21, 64 x 128 over 4 warps 0.57 /
-      0.56, over 8 warps 0.41 / 0.49;
-    - pointer loads (K odd): 64 x 128 and 128 x 128 over 8 warps 0.50-1.11 and 0.33-1.22 of
-      cuBLAS (which slows down there too), over 4 warps 0.06-0.46;
-    - from 512 x 8192 up the full tile's grid fills the device: 0.89-0.97."""
+    - 256 x 8192 x 3584 and 2048 x 1024 x 8192 (64 full tiles): full 0.60 / 0.56, 128 x 128
+      over 4 warps 0.88 / 0.92, over 8 warps 0.69 / 0.71;
+    - 384 x 8192 x 3584 (96 full tiles): full 0.80, 128 x 128 0.69;
+    - 128 x 3584 x 8192 and 64 x 1024 x 4096: full 0.30 / 0.20, 64 x 128 over 4 warps 0.56 /
+      0.55, over 8 warps 0.40 / 0.48;
+    - pointer loads (K not a multiple of 8): 64 x 128 and 128 x 128 over 8 warps 0.50-1.05
+      and 0.33-1.19 of cuBLAS (which slows down there too), 128 x 128 over 4 warps 0.06-0.24;
+    - where the full tile's grid fills the device (512 x 8192 x 3584 and up): 0.89-0.98."""
     if dtype == torch.float32:  # 0 spills, 32 KiB of LDS on gfx942 and gfx950 too
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     if facts.warp_size == 64:
@@ -121,12 +122,16 @@ def tile_config(dtype: torch.dtype, facts, M: Optional[int] = None, N: Optional[
 
 def shape_config(a: torch.Tensor, b: torch.Tensor, facts) -> MatmulConfig:
     """``tile_config`` for ``a @ b`` on a device with ``facts``: the tiles by the product's
-    [M, N], the warps by whether descriptors can describe ``a`` and ``b`` (``tile_descriptors``'
-    rules; the tiles it picks from all describe the same rows). CPU: the interpreter's tiles."""
+    [M, N], the warps by ``describable(a, b, facts)``. CPU: the interpreter's tiles."""
     if a.device.type == "cpu":
         return default_config(a.dtype, a.device)
-    desc = _rows_fit(a) and _rows_fit(b) and _boxes_fit(a, MID_TILE, facts)
-    return tile_config(a.dtype, facts, a.shape[0], b.shape[1], desc)
+    return tile_config(a.dtype, facts, a.shape[0], b.shape[1], describable(a, b, facts))
+
+
+def describable(a: torch.Tensor, b: torch.Tensor, facts) -> bool:
+    """Whether ``tile_descriptors`` gives descriptors of ``a`` and ``b`` in any of the tiles
+    ``tile_config`` picks (their boxes all fit where one does)."""
+    return _boxes_fit(a, MID_TILE, facts) and _rows_fit(a) and _rows_fit(b)
 
 
 def tile_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts) -> tuple:

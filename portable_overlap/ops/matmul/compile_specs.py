@@ -1,7 +1,8 @@
 """Representative compile signatures of the persistent matmul for the compile matrix, at the
 warps and stages of the launch that picks each tile (``api.tile_config``): bf16 at the H200 tile
 (8 warps; sm_90), fp16 at the 64-lane-wavefront tile (``WAVE64_TILE``, 4 warps; gfx942 /
-gfx950), fp32 at 4 warps (every device); 3 stages."""
+gfx950), fp32 at 4 warps (every device); 3 stages. Then bf16 at the tiles of products too small
+for the full one (``MID_TILE`` ... ``SMALL_TILE_POINTERS``), at their own warps and stages."""
 from .kernel import persistent_matmul_kernel
 
 _ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
@@ -24,6 +25,24 @@ def specs():
             aligned = ["a_ptr", "b_ptr", "c_ptr", "K", "N", "stride_am", "stride_bk", "stride_cm"]
             name = f"persistent_matmul[{dt}{', descriptors' if desc else ''}]"
             yield name, persistent_matmul_kernel, sig, consts, aligned
+    from .api import MID_TILE, MID_TILE_POINTERS, SMALL_TILE, SMALL_TILE_POINTERS
+
+    for cfg, desc in ((MID_TILE, True), (SMALL_TILE, True), (MID_TILE_POINTERS, False),
+                      (SMALL_TILE_POINTERS, False)):
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
+        sig.update(dict(kv.split(":") for kv in _ARGS.split()))
+        sig.update(descriptor_signature("bf16", bm, bn, bk, desc))
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=cfg.num_stages,
+                      EVEN_K=desc, PRECISION="ieee", UPCAST=False, USE_DESC=desc)
+        if not desc:
+            consts.update(a_desc=None, b_desc=None)
+        sig.update({k: "constexpr" for k in consts})
+        consts.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        aligned = ["a_ptr", "b_ptr", "c_ptr", "N", "stride_bk", "stride_cm"]
+        yield (f"persistent_matmul[bf16 {bm}x{bn}, {cfg.num_warps} warps"
+               f"{', descriptors' if desc else ''}]", persistent_matmul_kernel, sig, consts,
+               aligned)
 
 
 def tile_launch(bm: int, bn: int, bk: int) -> dict:

@@ -1,7 +1,9 @@
 """Representative compile signatures of the ``"stores"`` GEMM + ReduceScatter / AllReduce kernel
 for the compile matrix: both modes, the device's bf16 tiles with and without descriptors, with
 the epilogue's bias and residual, and fp32. At the options of the launches of their tiles
-(``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4; 3 stages."""
+(``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4; 3 stages;
+the tiles of products too small for it, over 8 warps (``MID_TILE_POINTERS``,
+``SMALL_TILE_POINTERS``: the fused ops' picks, with or without descriptors)."""
 from ..matmul.compile_specs import descriptor_signature, tile_launch
 from .kernel import matmul_reduce_stores_kernel
 
@@ -15,7 +17,9 @@ def specs():
             ("bf16", "ieee", 128, 256, 64, True, False, False, True),
             ("bf16", "ieee", 128, 256, 64, True, True, False, False),
             ("bf16", "ieee", 128, 256, 64, True, True, True, True),
-            ("fp32", "ieee", 64, 64, 32, False, False, True, False)):
+            ("fp32", "ieee", 64, 64, 32, False, False, True, False),
+            ("bf16", "ieee", 128, 128, 64, True, False, False, True),
+            ("bf16", "ieee", 64, 128, 64, False, False, True, False)):
         sig = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr",
                                      "recv_ptr", "gathered_ptr")}
         sig.update({n: "*i64" for n in ("sent_ptr", "reduced_ptr", "consumed_ptr", "ctx")})
@@ -30,10 +34,12 @@ def specs():
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(tile_launch(bm, bn, bk))
+        consts.update(tile_launch(bm, bn, bk) if bn == 256 or dt == "fp32" else
+                      dict(num_warps=8, num_stages=3))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "gathered_ptr", "K", "N",
                    "stride_am", "stride_bk"]
         yield (f"matmul_reduce_stores[{'all_reduce' if ar else 'reduce_scatter'}, {dt}"
+               f"{'' if bn == 256 or dt == 'fp32' else f' {bm}x{bn}'}"
                f"{', descriptors' if desc else ''}{' of b.t()' if bt else ''}"
                f"{', bias+residual' if extra else ''}]",
                matmul_reduce_stores_kernel, sig, consts, aligned)
