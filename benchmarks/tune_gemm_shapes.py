@@ -18,8 +18,8 @@ import torch
 from benchmarks.harness import time_op
 from benchmarks.rows import ResultWriter
 from portable_overlap import World
-from portable_overlap.ops.matmul import MatmulConfig, persistent_matmul
 from portable_overlap.backends import device_facts
+from portable_overlap.ops.matmul import MatmulConfig, persistent_matmul
 from portable_overlap.ops.matmul.api import default_config, shape_config
 
 #: (M, N, K): Llama-3-70B's MLP and attention projections per rank at 8 and 4 ranks with 128 to

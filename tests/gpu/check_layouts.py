@@ -44,6 +44,11 @@ def _short(dt) -> str:
     return str(dt)[6:]
 
 
+def _named(how: dict) -> str:
+    """A case's layouts as its name says them: "a offset b transposed", or "contiguous"."""
+    return " ".join(f"{k} {v}" for k, v in how.items()) or "contiguous"
+
+
 def _outcome(name: str, call, ref, out, tol: float, rows=None) -> None:
     """Run ``call()`` (which fills the poisoned ``out``): PASS when ``out`` (its first ``rows``
     rows, the others left poisoned) matches ``ref()`` within ``tol``, or when the call refuses
@@ -75,7 +80,7 @@ def _gemm_cases(W: int) -> list:
     cases = [(n, (M // 2 * W, N, K), how, (torch.bfloat16,)) for n, (M, N, K), how in ODD_GEMMS]
     for how in ({}, {"a": "offset"}, {"b": "transposed"}, {"b": "padded_rows"},
                 {"out": "offset"}, {"a": "padded_rows", "res": "offset"}):
-        name = "1000x777x4099 " + (" ".join(f"{k} {v}" for k, v in how.items()) or "contiguous")
+        name = "1000x777x4099 " + _named(how)
         cases.append((name, (500 * W, 777, 4099), how, DTYPES if not how else (torch.bfloat16,)))
     return cases
 
@@ -149,7 +154,7 @@ def check_gemv(world: World, gen) -> None:
                         x = laid_out((M, K), how.get("x"), dtype=dt, device=dev, gen=gen)
                         w = laid_out((N, K), how.get("w"), dtype=dt, device=dev, gen=gen)
                         out = torch.full((M, N), float("nan"), dtype=dt, device=dev)
-                        lay = " ".join(f"{k} {v}" for k, v in how.items()) or "contiguous"
+                        lay = _named(how)
                         _outcome(f"gemv_all_reduce[{transport}] {M}x{N}x{K} {lay} {_short(dt)}",
                                  lambda: po.gemv_all_reduce(x, w, ctx, out),
                                  lambda: po.gemv_all_reduce_reference(x, w, world.group), out,
@@ -188,7 +193,7 @@ def check_moe(world: World, gen) -> None:
                 wg, wu = (_experts(El, H, I, how.get("w"), dt, dev, gen) for _ in range(2))
                 out = laid_out((R + 5, I), how.get("out"), dtype=dt, device=dev,
                                gen=gen).fill_(float("nan"))
-                lay = " ".join(f"{k_} {v}" for k_, v in how.items()) or "contiguous"
+                lay = _named(how)
                 _outcome(f"expert_swiglu H={H} I={I} {lay} {_short(dt)}",
                          lambda: expert_swiglu(x, wg, wu, counts, out),
                          lambda: expert_swiglu_reference(x, wg, wu, counts), out, TOL[dt], R)
@@ -201,7 +206,7 @@ def check_moe(world: World, gen) -> None:
         for how in ({}, {"tokens": "offset"}, {"tokens": "padded_rows"}, {"ids": "transposed"},
                     {"x": "offset"}, {"w": "transposed"}, {"w": "offset"},
                     {"weights": "transposed"}, {"weights": "every_other_column"}):
-            lay = " ".join(f"{k_} {v}" for k_, v in how.items()) or "contiguous"
+            lay = _named(how)
             ids = torch.rand(S, El * W, generator=g).topk(k, 1).indices
             if how.get("ids") == "transposed":
                 ids = ids.t().contiguous().t()
@@ -261,7 +266,7 @@ def check_embedding(world: World, gen) -> None:
                 if how.get("weights"):
                     psw = torch.rand(2 * indices.numel(), generator=gen, device=dev)[::2]
                 out = torch.full(ctx.output_shape(splits), float("nan"), dtype=dt, device=dev)
-                lay = " ".join(f"{k} {v}" for k, v in how.items()) or "contiguous"
+                lay = _named(how)
                 _outcome(f"embedding_all_to_all {lay} {_short(dt)}",
                          lambda: ctx(weight, lengths, indices, psw, batch_splits=splits,
                                      out=out),

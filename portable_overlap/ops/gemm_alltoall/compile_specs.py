@@ -2,7 +2,7 @@
 the options of the launches of their tiles (``matmul.api.tile_config``): the H200 bf16 tile over
 8 warps (sm_90), fp32 over 4; 3 stages; 64 x 128 bf16 tiles over 8 warps for products too
 small for it (``matmul.api.SMALL_TILE_POINTERS``)."""
-from ..matmul.compile_specs import descriptor_signature, tile_launch
+from ..matmul.compile_specs import descriptor_signature, fused_tile_launch, tile_launch
 from .kernel import gemm_alltoall_kernel
 
 _ARGS = ("status_addr:i64 M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 "
@@ -24,9 +24,9 @@ def specs():
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(tile_launch(bm, bn, bk) if bn != 128 or dt == "fp32" else
-                      dict(num_warps=8, num_stages=3))
+        small = bn == 128 and dt == "bf16"  # a product too small for the full tile
+        consts.update(fused_tile_launch(bm, bn, bk) if small else tile_launch(bm, bn, bk))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "K", "N", "stride_am", "stride_bk"]
-        yield (f"gemm_alltoall[{dt}{' 64x128' if bm == 64 and bn == 128 else ''}"
+        yield (f"gemm_alltoall[{dt}{f' {bm}x{bn}' if small else ''}"
                f"{', descriptors' if desc else ''}]", gemm_alltoall_kernel,
                sig, consts, aligned)

@@ -128,10 +128,10 @@ def shape_config(a: torch.Tensor, b: torch.Tensor, facts) -> MatmulConfig:
     return tile_config(a.dtype, facts, a.shape[0], b.shape[1], describable(a, b, facts))
 
 
-def describable(a: torch.Tensor, b: torch.Tensor, facts) -> bool:
-    """Whether ``tile_descriptors`` gives descriptors of ``a`` and ``b`` in any of the tiles
-    ``tile_config`` picks (their boxes all fit where one does)."""
-    return _boxes_fit(a, MID_TILE, facts) and _rows_fit(a) and _rows_fit(b)
+def describable(a: torch.Tensor, b: torch.Tensor, facts, cfg: MatmulConfig = MID_TILE) -> bool:
+    """Whether ``tile_descriptors`` gives descriptors of ``a`` and ``b`` in ``cfg``'s tiles
+    (by default any of those ``tile_config`` picks: their boxes all fit where one does)."""
+    return _boxes_fit(a, cfg, facts) and _rows_fit(a) and _rows_fit(b)
 
 
 def tile_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts) -> tuple:
@@ -142,7 +142,7 @@ def tile_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts)
     contiguous, row strides or base addresses not multiples of 16 bytes, e.g. a transposed
     weight view: see ``operand_descriptors``). Build them per call: they hold the tensors'
     addresses."""
-    if not _boxes_fit(a, cfg, facts) or not (_rows_fit(a) and _rows_fit(b)):
+    if not describable(a, b, facts, cfg):
         return None, None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

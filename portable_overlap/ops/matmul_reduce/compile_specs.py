@@ -4,7 +4,7 @@ the epilogue's bias and residual, and fp32. At the options of the launches of th
 (``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4; 3 stages;
 the tiles of products too small for it, over 8 warps (``MID_TILE_POINTERS``,
 ``SMALL_TILE_POINTERS``: the fused ops' picks, with or without descriptors)."""
-from ..matmul.compile_specs import descriptor_signature, tile_launch
+from ..matmul.compile_specs import descriptor_signature, fused_tile_launch, tile_launch
 from .kernel import matmul_reduce_stores_kernel
 
 _ARGS = ("M:i32 N:i32 K:i32 stride_am:i32 stride_ak:i32 stride_bk:i32 stride_bn:i32 "
@@ -34,12 +34,12 @@ def specs():
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(tile_launch(bm, bn, bk) if bn == 256 or dt == "fp32" else
-                      dict(num_warps=8, num_stages=3))
+        small = bn == 128 and dt == "bf16"  # a product too small for the full tile
+        consts.update(fused_tile_launch(bm, bn, bk) if small else tile_launch(bm, bn, bk))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "gathered_ptr", "K", "N",
                    "stride_am", "stride_bk"]
         yield (f"matmul_reduce_stores[{'all_reduce' if ar else 'reduce_scatter'}, {dt}"
-               f"{'' if bn == 256 or dt == 'fp32' else f' {bm}x{bn}'}"
+               f"{f' {bm}x{bn}' if small else ''}"
                f"{', descriptors' if desc else ''}{' of b.t()' if bt else ''}"
                f"{', bias+residual' if extra else ''}]",
                matmul_reduce_stores_kernel, sig, consts, aligned)
