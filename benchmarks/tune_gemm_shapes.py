@@ -4,9 +4,12 @@ M to prefill, and odd sizes. For each shape, the library's pick (``matmul.api.sh
 the fused ops' pick where it differs (``default_config``: warps that run with or without
 descriptors), fixed alternatives (``TILES``) and cuBLAS, graph replay; prints one line per shape,
 each tiling's speed as a fraction of cuBLAS's (above 1: faster), and writes rows to ``--out``.
+With ``--fused``, also the fused ops whose GEMM takes these tiles (GEMM + All-to-All, GEMM +
+ReduceScatter over ``"stores"``) on this world of one, at their default tiling and at the same
+tiles over the warps of pointer loads (``tile_config(..., descriptors=False)``).
 
     python benchmarks/tune_gemm_shapes.py --out rows.jsonl --device-kind nvidia-h200 \\
-        [--shapes 256x8192x3584,...] [--dtype bf16]
+        [--shapes 256x8192x3584,...] [--dtype bf16] [--fused]
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ import torch
 
 from benchmarks.harness import time_op
 from benchmarks.rows import ResultWriter
+import portable_overlap as po
 from portable_overlap import World
 from portable_overlap.backends import device_facts
 from portable_overlap.ops.matmul import MatmulConfig, persistent_matmul
-from portable_overlap.ops.matmul.api import default_config, shape_config
+from portable_overlap.ops.matmul.api import default_config, shape_config, tile_config
 
 #: (M, N, K): Llama-3-70B's MLP and attention projections per rank at 8 and 4 ranks with 128 to
 #: 16384 rows, and odd sizes
@@ -42,6 +46,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--fused", action="store_true",
+                    help="also time the fused ops whose GEMM takes these tiles (world of one)")
     args = ap.parse_args()
     world = World.from_env()
     dev, dt = world.device, DTYPES[args.dtype]
@@ -74,8 +80,40 @@ def main() -> int:
             writer.write(op="gemm_core_shapes", shape={"M": M, "N": N, "K": K},
                          dtype=args.dtype, impl=name, graph=True, median_ms=t,
                          cublas_ms=t_cublas, config=cfg.__dict__, rel_err=err)
+        if args.fused:
+            parts += _fused(world, a, b, ref, t_cublas, writer, args)
         print("  ".join(parts), flush=True)
     return 0
+
+
+def _fused(world, a, b, ref, t_cublas, writer, args) -> list:
+    """GEMM + All-to-All and GEMM + ReduceScatter (``"stores"``) at their default tiling and at
+    the pointer loads' warps of the same tiles: each op's speed as a fraction of cuBLAS's."""
+    M, K = a.shape
+    N = b.shape[1]
+    pointers = tile_config(a.dtype, device_facts(a.device), M, N, descriptors=False)
+    parts = []
+    for op in ("gemm_alltoall", "matmul_reduce_scatter"):
+        for variant, cfg in (("default", None), ("pointers", pointers)):
+            if op == "gemm_alltoall":
+                ctx = po.GemmAllToAll(world, max_elems=M * N, config=cfg)
+            else:
+                ctx = po.MatmulReduceScatter(world, M, N, transport="stores", config=cfg)
+            out = torch.full((M, N), float("nan"), device=a.device, dtype=a.dtype)
+            try:
+                ctx(a, b, out=out)
+                torch.cuda.synchronize()
+                err = float((out.float() - ref).norm() / ref.norm())
+                t = time_op(lambda: ctx(a, b, out=out), world, graph=True,
+                            iters=args.iters)["median_ms"]
+            finally:
+                ctx.close()
+            parts.append(f"{op}/{variant} {t_cublas / t:.2f}"
+                         + ("" if err < 1e-2 else f" ERR {err:.1e}"))
+            writer.write(op="gemm_core_shapes", shape={"M": M, "N": N, "K": K},
+                         dtype=args.dtype, impl=f"{op}_{variant}", graph=True, median_ms=t,
+                         cublas_ms=t_cublas, config=cfg and cfg.__dict__, rel_err=err)
+    return parts
 
 
 if __name__ == "__main__":

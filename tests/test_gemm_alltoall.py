@@ -185,3 +185,21 @@ def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4, transport
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] < 1e-5, (rank, found)
+
+
+def _own_warps(world, block_n):
+    """Each rank compiles the tiles with warps and stages of its own (as ranks whose operands
+    differ in descriptors do); ``block_n`` per rank: the tiling itself."""
+    cfg = MatmulConfig(block_m=16, block_n=block_n[world.rank], block_k=16, group_m=2,
+                       num_warps=1 + world.rank, num_stages=1 + world.rank)
+    try:
+        return _cases(world, torch.float32, [(8, 20, 12, False), (24, 33, 17, True)], cfg)
+    except PortableOverlapError as e:
+        return type(e).__name__
+
+
+def test_ranks_agree_on_the_tiling_not_the_warps(world2):
+    for errs in world2.run(_own_warps, (16, 16)):
+        assert all(e < TOL[torch.float32] for e in errs), errs
+    for r in world2.run(_own_warps, (16, 32), timeout=120):
+        assert r == "RankMismatchError", r

@@ -100,6 +100,12 @@ def test_tiles_follow_the_products_shape():
     a, b = torch.randn(256, 64).bfloat16(), torch.randn(64, 8192).bfloat16()
     assert describable(a, b, h200) and not describable(a, b, cpu)
     assert not describable(a, b.t().contiguous().t(), h200)
+    # a row-parallel weight (weight.t()): described through its transpose where the op can
+    assert describable(a, b.t().contiguous().t(), h200, b_trans=True)
+    assert not describable(a, b[:, 1:], h200, b_trans=True)
+    # what the ranks of a fused op agree on: the tiles, not the warps each rank compiles with
+    assert MID_TILE.tiling == MID_TILE_POINTERS.tiling != SMALL_TILE.tiling
+    assert SMALL_TILE.tiling == SMALL_TILE_POINTERS.tiling
     assert not describable(torch.randn(256, 7).bfloat16(), torch.randn(7, 64).bfloat16(), h200)
     assert shape_config(a, b, h200) == MatmulConfig(block_m=16, block_n=16, block_k=16,
                                                     group_m=2, num_warps=1, num_stages=1)

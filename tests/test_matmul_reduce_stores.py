@@ -8,6 +8,7 @@ import torch.distributed as dist
 import portable_overlap as po
 from portable_overlap.testing import (call_while_peers_skip, error_of_one_call,
                                       not_refused_together, outcomes)
+from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.testing.compare import rel_err
 
 # bf16: a 1-ulp difference in one of the 3 elements of the smallest case is 1 % of its norm
@@ -216,3 +217,30 @@ def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4, mode):
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] < 1e-5, (rank, found)
+
+
+def _own_warps(world, mode, block_n):
+    """Each rank compiles the tiles with warps and stages of its own (as ranks whose operands
+    differ in descriptors do); ``block_n`` per rank: the tiling itself."""
+    W, r = world.world_size, world.rank
+    cfg = MatmulConfig(block_m=16, block_n=block_n[r], block_k=16, group_m=2,
+                       num_warps=1 + r, num_stages=1 + r)
+    make = po.MatmulReduceScatter if mode == "reduce_scatter" else po.MatmulAllReduce
+    try:
+        ctx = make(world, 8 * W, 40, transport="stores", config=cfg, timeout_s=5.0)
+    except po.PortableOverlapError as e:
+        return type(e).__name__
+    try:
+        g = torch.Generator().manual_seed(r)
+        a, b = torch.randn(8 * W, 24 + r, generator=g), torch.randn(24 + r, 40, generator=g)
+        return rel_err(ctx(a, b), _truth(a, b, world.group, mode, None, None))
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+def test_ranks_agree_on_the_tiling_not_the_warps(world2, mode):
+    for err in world2.run(_own_warps, mode, (16, 16)):
+        assert err < TOL[torch.float32], err
+    for r in world2.run(_own_warps, mode, (16, 32), timeout=120):
+        assert r == "RankMismatchError", r

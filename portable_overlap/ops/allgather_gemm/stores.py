@@ -141,10 +141,11 @@ class AllGatherMatmulStores(OverlapContext):
             raise TypeError(f"{OP}: bulk_copies must be a bool, got {type(bulk_copies).__name__}")
         if W > 64:  # the senders keep one bit per peer ("its buffer is free") in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
-        world.check_same(f"{OP} context arguments (max_shard_elems, config, senders, "
+        # the tiling, not the warps and stages: each rank compiles with its own
+        world.check_same(f"{OP} context arguments (max_shard_elems, config's tiling, senders, "
                          f"copy_block, join, pull_share, pull_pieces, bulk_copies)",
-                         (max_shard_elems, config, senders, copy_block, join, float(pull_share),
-                          pull_pieces, bulk_copies))
+                         (max_shard_elems, getattr(config, "tiling", None), senders, copy_block,
+                          join, float(pull_share), pull_pieces, bulk_copies))
         pulls = float(pull_share) > 0 and W > 1
         super().__init__(world, [
             ("_gather_raw", (W * max_shard_elems,), torch.float32),  # viewed per dtype
@@ -301,7 +302,7 @@ class AllGatherMatmulStores(OverlapContext):
                                 dtype=torch.int32, device=a.device))
 
         def tag_of(g):  # shapes, tiling, grid, senders: a rank planned otherwise is caught
-            return shape_tag(m=m, N=N, K=K, dtype=str(a.dtype), config=cfg, programs=g,
+            return shape_tag(m=m, N=N, K=K, dtype=str(a.dtype), tiling=cfg.tiling, programs=g,
                              senders=senders, chunk_rows=chunk_rows, n_pull=n_pull)
 
         consts = dict(USE_DESC=use_desc, B_TRANS=b_trans, COPY_OWN=copy_own, JOIN=self.join,

@@ -28,7 +28,7 @@ from ..context import (align_key, collective_call, G_MAX, output_tensor, Overlap
                        shape_tag)
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..matmul.api import (DTYPES, MatmulConfig, add_epilogue, check_operands, default_config,
-                          tile_descriptors, vector_checks)
+                          describable, tile_descriptors, vector_checks)
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
 
 TRANSPORTS = ("stores", "copy_engine")
@@ -54,8 +54,10 @@ class GemmAllToAll(OverlapContext):
         if not 1 <= pieces <= G_MAX // world.world_size:
             raise ValueError(f"{OP}: pieces must be in [1, {G_MAX // world.world_size}], "
                              f"got {pieces}")
-        world.check_same(f"{OP} context arguments (max_elems, config, transport, pieces)",
-                         (max_elems, config, transport, pieces))
+        # the tiling, not the warps and stages: each rank compiles with its own
+        world.check_same(f"{OP} context arguments (max_elems, config's tiling, transport, "
+                         f"pieces)", (max_elems, getattr(config, "tiling", None), transport,
+                                      pieces))
         W = world.world_size
         if W > 64:  # the kernel keeps one bit per peer ("its receive buffer is free") in an int64
             raise ValueError(f"{OP}: at most 64 ranks, got {W}")
@@ -158,8 +160,10 @@ class GemmAllToAll(OverlapContext):
     def _plan(self, a, b, out, config: Optional[MatmulConfig]):
         M, K = a.shape
         N = b.shape[1]
-        # tiles by the product's shape, the same on every rank (``tile_config``)
-        cfg = config or default_config(a.dtype, a.device, M, N)
+        # tiles by the product's shape, the same on every rank; warps by whether this rank's
+        # operands take descriptors (``tile_config``)
+        cfg = config or default_config(a.dtype, a.device, M, N,
+                                       describable(a, b, self.world.facts))
         n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
         use_desc = tile_descriptors(a, b, cfg, self.world.facts)[0] is not None
         consts = dict(USE_DESC=use_desc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -171,7 +175,7 @@ class GemmAllToAll(OverlapContext):
         programs = min(n_tiles, self.world.facts.sm_count, G_MAX)
 
         def tag_of(g):  # shapes, tiling and grid: a rank planned differently is caught
-            return shape_tag(M=M, N=N, K=K, dtype=str(a.dtype), config=cfg, programs=g)
+            return shape_tag(M=M, N=N, K=K, dtype=str(a.dtype), tiling=cfg.tiling, programs=g)
 
         plan = self._compile(gemm_alltoall_kernel, programs, consts,
                              lambda g: self._args(a, b, out, tag_of(g), g, cfg))

@@ -40,6 +40,13 @@ class MatmulConfig:
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad config {self}")
 
+    @property
+    def tiling(self) -> tuple:
+        """What the ranks of a fused op must agree on: the tiles' shape and order, which fix the
+        rows and columns every tile stores to a peer. Warps and stages are each rank's own
+        compile choice: they change how fast a tile is computed, not where it goes."""
+        return (self.block_m, self.block_n, self.block_k, self.group_m)
+
 
 #: 16-bit tiles where a warp is a 64-lane wavefront (AMD CDNA). A wavefront gets 512 VGPRs per
 #: lane only when it runs alone on its SIMD, i.e. 4 wavefronts per program on a 4-SIMD CU; with 8
@@ -89,11 +96,11 @@ def tile_config(dtype: torch.dtype, facts, M: Optional[int] = None, N: Optional[
 
     On 32-lane warps the full 128 x 256 tile is kept while its grid fills ``FULL_FILL`` of the
     processors; below that, 128 x 128 tiles while their grid fills ``MID_FILL``, else 64 x 128
-    ones. The tiles depend on M and N only, so every rank of a call picks the same ones; the
-    warps on ``descriptors``, whether the operands take descriptors on every rank that runs
-    these tiles (``MID_TILE`` / ``SMALL_TILE``); where that is not known (the ranks of a fused
-    op may differ in K and alignment), ``MID_TILE_POINTERS`` / ``SMALL_TILE_POINTERS``, which
-    run either way. One H200, fraction of cuBLAS's speed, graph replay
+    ones. The tiles depend on M and N only, so every rank of a call picks the same ones
+    (``MatmulConfig.tiling``); the warps on ``descriptors``, whether this rank's operands take
+    descriptors: ``MID_TILE`` / ``SMALL_TILE`` if so, else ``MID_TILE_POINTERS`` /
+    ``SMALL_TILE_POINTERS``. The ranks of a fused op may differ there (in K, in alignment) and
+    still agree on the tiling. One H200, fraction of cuBLAS's speed, graph replay
     (``benchmarks/tune_gemm_shapes.py``, M x N x K):
 
     - 256 x 8192 x 3584 and 2048 x 1024 x 8192 (64 full tiles): full 0.60 / 0.56, 128 x 128
@@ -128,10 +135,14 @@ def shape_config(a: torch.Tensor, b: torch.Tensor, facts) -> MatmulConfig:
     return tile_config(a.dtype, facts, a.shape[0], b.shape[1], describable(a, b, facts))
 
 
-def describable(a: torch.Tensor, b: torch.Tensor, facts, cfg: MatmulConfig = MID_TILE) -> bool:
+def describable(a: torch.Tensor, b: torch.Tensor, facts, cfg: MatmulConfig = MID_TILE,
+                b_trans: bool = False) -> bool:
     """Whether ``tile_descriptors`` gives descriptors of ``a`` and ``b`` in ``cfg``'s tiles
-    (by default any of those ``tile_config`` picks: their boxes all fit where one does)."""
-    return _boxes_fit(a, cfg, facts) and _rows_fit(a) and _rows_fit(b)
+    (by default any of those ``tile_config`` picks: their boxes all fit where one does); with
+    ``b_trans``, whether ``operand_descriptors`` does (``b`` may be a transposed weight)."""
+    if not (_boxes_fit(a, cfg, facts) and _rows_fit(a)):
+        return False
+    return _rows_fit(b) or (b_trans and _rows_fit(b.t()))
 
 
 def tile_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, facts) -> tuple:
@@ -158,7 +169,7 @@ def operand_descriptors(a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig, fac
     a_desc, b_desc = tile_descriptors(a, b, cfg, facts)
     if a_desc is not None:
         return a_desc, b_desc, False
-    if b.dim() == 2 and _boxes_fit(a, cfg, facts) and _rows_fit(a) and _rows_fit(b.t()):
+    if describable(a, b, facts, cfg, b_trans=True):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),

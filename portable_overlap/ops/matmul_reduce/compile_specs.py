@@ -2,8 +2,9 @@
 for the compile matrix: both modes, the device's bf16 tiles with and without descriptors, with
 the epilogue's bias and residual, and fp32. At the options of the launches of their tiles
 (``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4; 3 stages;
-the tiles of products too small for it, over 8 warps (``MID_TILE_POINTERS``,
-``SMALL_TILE_POINTERS``: the fused ops' picks, with or without descriptors)."""
+the tiles of products too small for it, over 4 warps and 4 stages through descriptors
+(``MID_TILE``, ``SMALL_TILE``), over 8 warps and 3 stages by pointer loads
+(``SMALL_TILE_POINTERS``)."""
 from ..matmul.compile_specs import descriptor_signature, fused_tile_launch, tile_launch
 from .kernel import matmul_reduce_stores_kernel
 
@@ -19,6 +20,7 @@ def specs():
             ("bf16", "ieee", 128, 256, 64, True, True, True, True),
             ("fp32", "ieee", 64, 64, 32, False, False, True, False),
             ("bf16", "ieee", 128, 128, 64, True, False, False, True),
+            ("bf16", "ieee", 64, 128, 64, True, True, True, False),
             ("bf16", "ieee", 64, 128, 64, False, False, True, False)):
         sig = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr",
                                      "recv_ptr", "gathered_ptr")}
@@ -35,7 +37,7 @@ def specs():
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
         small = bn == 128 and dt == "bf16"  # a product too small for the full tile
-        consts.update(fused_tile_launch(bm, bn, bk) if small else tile_launch(bm, bn, bk))
+        consts.update(fused_tile_launch(bm, bn, bk, desc) if small else tile_launch(bm, bn, bk))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "recv_ptr", "gathered_ptr", "K", "N",
                    "stride_am", "stride_bk"]
         yield (f"matmul_reduce_stores[{'all_reduce' if ar else 'reduce_scatter'}, {dt}"

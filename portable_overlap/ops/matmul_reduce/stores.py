@@ -14,7 +14,7 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
-from ..matmul.api import (DTYPES, MatmulConfig, check_operands, default_config,
+from ..matmul.api import (DTYPES, MatmulConfig, check_operands, default_config, describable,
                           operand_descriptors, vector_checks)
 from .kernel import FLAG_LABELS, matmul_reduce_stores_kernel
 
@@ -40,8 +40,9 @@ class MatmulReduceStores(OverlapContext):
             raise TypeError(f"{op}: config must be a MatmulConfig, got {type(config).__name__}")
         if W > 64:  # the kernel keeps one bit per peer ("its buffers are free") in an int64
             raise ValueError(f"{op}: at most 64 ranks, got {W}")
-        world.check_same(f"{op} context arguments (max_m, max_n, config)",
-                         (max_m, max_n, config))
+        # the tiling, not the warps and stages: each rank compiles with its own
+        world.check_same(f"{op} context arguments (max_m, max_n, config's tiling)",
+                         (max_m, max_n, getattr(config, "tiling", None)))
         block = -(-max_m // W)
         super().__init__(world, [
             ("_recv_raw", (W * block * max_n,), torch.float32),  # viewed per dtype
@@ -110,8 +111,10 @@ class MatmulReduceStores(OverlapContext):
         M, K = a.shape
         N = b.shape[1]
         W, facts = self.world.world_size, self.world.facts
-        # tiles by the product's shape, the same on every rank (``tile_config``)
-        cfg = self.config or default_config(a.dtype, a.device, M, N)
+        # tiles by the product's shape, the same on every rank; warps by whether this rank's
+        # operands take descriptors (``tile_config``)
+        cfg = self.config or default_config(a.dtype, a.device, M, N,
+                                            describable(a, b, facts, b_trans=True))
         block = -(-M // W)
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
         programs = min(W * tpb, facts.sm_count, G_MAX)
@@ -123,7 +126,7 @@ class MatmulReduceStores(OverlapContext):
 
         # shapes (K is each rank's own), tiling, grid: a rank planned otherwise is caught
         def tag_of(g):
-            return shape_tag(mode=self.mode, M=M, N=N, dtype=str(a.dtype), config=cfg,
+            return shape_tag(mode=self.mode, M=M, N=N, dtype=str(a.dtype), tiling=cfg.tiling,
                              programs=g)
 
         consts = dict(ALL_REDUCE=self.mode == "all_reduce", HAS_BIAS=bias is not None,
