@@ -23,6 +23,7 @@ from benchmarks.rows import ResultWriter
 import portable_overlap as po
 from portable_overlap import World
 from portable_overlap.backends import device_facts
+from portable_overlap.ops.gemm_alltoall import GemmAllToAll
 from portable_overlap.ops.matmul import MatmulConfig, persistent_matmul
 from portable_overlap.ops.matmul.api import default_config, shape_config, tile_config
 
@@ -96,7 +97,7 @@ def _fused(world, a, b, ref, t_cublas, writer, args) -> list:
     for op in ("gemm_alltoall", "matmul_reduce_scatter"):
         for variant, cfg in (("default", None), ("pointers", pointers)):
             if op == "gemm_alltoall":
-                ctx = po.GemmAllToAll(world, max_elems=M * N, config=cfg)
+                ctx = GemmAllToAll(world, max_elems=M * N, config=cfg)
             else:
                 ctx = po.MatmulReduceScatter(world, M, N, transport="stores", config=cfg)
             out = torch.full((M, N), float("nan"), device=a.device, dtype=a.dtype)
