@@ -5,8 +5,8 @@ the fused ops' pick where it differs (``default_config``: warps that run with or
 descriptors), fixed alternatives (``TILES``) and cuBLAS, graph replay; prints one line per shape,
 each tiling's speed as a fraction of cuBLAS's (above 1: faster), and writes rows to ``--out``.
 With ``--fused``, also the fused ops whose GEMM takes these tiles (GEMM + All-to-All, GEMM +
-ReduceScatter over ``"stores"``) on this world of one, at their default tiling and at the same
-tiles over the warps of pointer loads (``tile_config(..., descriptors=False)``).
+ReduceScatter, AllGather + GEMM over ``"stores"``) on this world of one, at their default
+tiling and at one alternative each (``_fused``).
 
     python benchmarks/tune_gemm_shapes.py --out rows.jsonl --device-kind nvidia-h200 \\
         [--shapes 256x8192x3584,...] [--dtype bf16] [--fused]
@@ -88,18 +88,24 @@ def main() -> int:
 
 
 def _fused(world, a, b, ref, t_cublas, writer, args) -> list:
-    """GEMM + All-to-All and GEMM + ReduceScatter (``"stores"``) at their default tiling and at
-    the pointer loads' warps of the same tiles: each op's speed as a fraction of cuBLAS's."""
+    """The fused ops over ``"stores"`` at their default tiling and at one alternative each:
+    GEMM + All-to-All and GEMM + ReduceScatter at the pointer loads' warps of the same tiles,
+    AllGather + GEMM at the full tile. Each one's speed as a fraction of cuBLAS's."""
     M, K = a.shape
     N = b.shape[1]
     pointers = tile_config(a.dtype, device_facts(a.device), M, N, descriptors=False)
+    makers = {
+        "gemm_alltoall": lambda cfg: GemmAllToAll(world, max_elems=M * N, config=cfg),
+        "matmul_reduce_scatter": lambda cfg: po.MatmulReduceScatter(
+            world, M, N, transport="stores", config=cfg),
+        "all_gather_matmul": lambda cfg: po.AllGatherMatmul(
+            world, max_shard_elems=M * K, transport="stores", config=cfg),
+    }
     parts = []
-    for op in ("gemm_alltoall", "matmul_reduce_scatter"):
-        for variant, cfg in (("default", None), ("pointers", pointers)):
-            if op == "gemm_alltoall":
-                ctx = GemmAllToAll(world, max_elems=M * N, config=cfg)
-            else:
-                ctx = po.MatmulReduceScatter(world, M, N, transport="stores", config=cfg)
+    for op, make in makers.items():
+        other = ("full", MatmulConfig()) if op == "all_gather_matmul" else ("pointers", pointers)
+        for variant, cfg in (("default", None), other):
+            ctx = make(cfg)
             out = torch.full((M, N), float("nan"), device=a.device, dtype=a.dtype)
             try:
                 ctx(a, b, out=out)

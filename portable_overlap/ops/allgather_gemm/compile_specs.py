@@ -4,8 +4,10 @@ transposed weight), with and without the own shard's copy (a shard height off th
 and without joined senders and copy-engine pulls, two copy blocks, bulk copies (tensor
 descriptors of boxes of a and of the peer's rows), and fp32. At the options of the launches of
 their tiles (``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4;
-3 stages."""
-from ..matmul.compile_specs import descriptor_signature, tile_launch
+3 stages; the 64 x 128 tile of products too small for the full one over 8 warps, with or
+without descriptors (``matmul.api.SMALL_TILE_POINTERS``: the senders share the launch's
+warps)."""
+from ..matmul.compile_specs import descriptor_signature, fused_tile_launch, tile_launch
 from .kernel import allgather_gemm_kernel
 
 _ARGS = ("m:i32 N:i32 K:i32 stride_bk:i32 stride_bn:i32 chunk_rows:i32 n_chunks:i32 "
@@ -19,7 +21,8 @@ def specs():
             ("bf16", "ieee", 128, 256, 64, True, False, False, True, 8192, False, True),
             ("bf16", "ieee", 128, 256, 64, True, False, False, True, 8192, True, False),
             ("bf16", "ieee", 128, 256, 64, True, True, True, True, 32768, True, True),
-            ("fp32", "ieee", 64, 64, 32, False, False, True, True, 8192, False, False)):
+            ("fp32", "ieee", 64, 64, 32, False, False, True, True, 8192, False, False),
+            ("bf16", "ieee", 64, 128, 64, True, False, True, True, 8192, False, True)):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}",
                "gather_ptr": f"*{dt}", "ready_ptr": "*i64", "consumed_ptr": "*i64",
                "tile_ptr": "*i64", "ctx": "*i64", "order_ptr": "*i32"}
@@ -37,9 +40,12 @@ def specs():
         if not desc:
             consts.update(a_desc=None, g_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
-        consts.update(tile_launch(bm, bn, bk))
+        small = bn == 128 and dt == "bf16"  # a product too small for the full tile
+        consts.update(fused_tile_launch(bm, bn, bk, descriptors=False) if small
+                      else tile_launch(bm, bn, bk))
         aligned = ["a_ptr", "b_ptr", "out_ptr", "gather_ptr", "K", "N", "stride_bk"]
-        yield (f"allgather_gemm[{dt}{', descriptors' if desc else ''}"
+        yield (f"allgather_gemm[{dt}{f' {bm}x{bn}' if small else ''}"
+               f"{', descriptors' if desc else ''}"
                f"{' of b.t()' if bt else ''}"
                f"{', own copy' if copy_own else ''}{', joined' if join else ''}"
                f"{f', copy {copy}' if copy != 8192 else ''}{', pulls' if pulls else ''}"

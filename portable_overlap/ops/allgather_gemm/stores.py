@@ -258,7 +258,10 @@ class AllGatherMatmulStores(OverlapContext):
         m, K = a.shape
         N = b.shape[1]
         W, facts = self.world.world_size, self.world.facts
-        cfg = self.config or default_config(a.dtype, a.device)
+        # tiles by the gathered product's shape, the same on every rank (``tile_config``); over
+        # 8 warps at any tile, since the senders are programs of this launch and move their
+        # chunks over its warps
+        cfg = self.config or default_config(a.dtype, a.device, W * m, N)
         chunk_rows = chunk_rows_for(m, cfg.block_m)
         n_chunks = -(-m // chunk_rows)
         copy_own = W > 1 and m % cfg.block_m != 0

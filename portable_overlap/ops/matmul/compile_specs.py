@@ -62,14 +62,15 @@ def tile_launch(bm: int, bn: int, bk: int) -> dict:
     raise ValueError(f"no device's GEMM tiling picks the tile {bm} x {bn} x {bk}")
 
 
-def fused_tile_launch(bm: int, bn: int, bk: int, desc: bool) -> dict:
+def fused_tile_launch(bm: int, bn: int, bk: int, descriptors: bool) -> dict:
     """The warps and stages (``num_warps``, ``num_stages``, and the kernel's ``NUM_STAGES``)
-    the fused ops launch a tile of products too small for the full one with: ``api.MID_TILE``
-    / ``api.SMALL_TILE`` through descriptors (``desc``), else ``api.MID_TILE_POINTERS`` /
-    ``api.SMALL_TILE_POINTERS``."""
+    a fused op launches a tile of products too small for the full one with, where it picks them
+    by ``descriptors`` (``api.tile_config``): ``api.MID_TILE`` / ``api.SMALL_TILE`` if true,
+    else ``api.MID_TILE_POINTERS`` / ``api.SMALL_TILE_POINTERS``."""
     from .api import MID_TILE, MID_TILE_POINTERS, SMALL_TILE, SMALL_TILE_POINTERS
 
-    for c in (MID_TILE, SMALL_TILE) if desc else (MID_TILE_POINTERS, SMALL_TILE_POINTERS):
+    for c in ((MID_TILE, SMALL_TILE) if descriptors
+              else (MID_TILE_POINTERS, SMALL_TILE_POINTERS)):
         if (c.block_m, c.block_n, c.block_k) == (bm, bn, bk):
             return {"num_warps": c.num_warps, "num_stages": c.num_stages,
                     "NUM_STAGES": c.num_stages}
