@@ -147,7 +147,7 @@ def _forced_picks(world):
 
 
 def test_every_pick_is_correct_and_reused(world):
-    per_rank = world.run(_forced_picks, timeout=600)
+    per_rank = world.run(_forced_picks, timeout=540)
     transports = per_rank[0][2]
     assert set(transports) == {c[0] for c in _cases(2)}
     for found, decisions, _ in per_rank:

@@ -162,5 +162,5 @@ N_CHECKS = 22 + len(SCHEDULES)
 
 
 def test_every_op_on_eight_ranks(world8):
-    for errs in world8.run(_every_op, timeout=900):
+    for errs in world8.run(_every_op, timeout=540):
         assert len(errs) == N_CHECKS and all(e < 1e-5 for e in errs.values()), errs

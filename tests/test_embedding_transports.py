@@ -177,7 +177,7 @@ def _auto(world):
 
 
 def test_auto_picks_and_keeps_a_transport(world2):
-    results = world2.run(_auto, timeout=600)
+    results = world2.run(_auto, timeout=540)
     for res in results:
         assert res["candidates"] == ("stores", "sequential"), res
         assert all(e < 1e-5 for e in res["errs"]), res

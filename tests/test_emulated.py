@@ -1,5 +1,7 @@
 """The CPU-emulated world harness: remote errors carry the rank's traceback, a crashed rank is
-reported at once instead of after the timeout, with what the surviving ranks answered."""
+reported at once instead of after the timeout, with what the surviving ranks answered; a rank
+that raised before a collective does not leave its peers hanging there, and a hang says where
+each rank waited."""
 import os
 import time
 
@@ -54,3 +56,90 @@ def test_a_task_the_ranks_cannot_receive_fails_at_once():
 
 def lambda_free_rank(world):
     return world.rank
+
+
+def _raise_before_barrier(world):
+    """Rank 1 raises where rank 0 enters a collective: rank 0 would wait in gloo's barrier for
+    half an hour."""
+    import torch.distributed as dist
+
+    if world.rank == 1:
+        raise ValueError("refused before the barrier")
+    dist.barrier(group=world.group)
+    return world.rank
+
+
+def _sleep_in_rank_0(world):
+    if world.rank == 0:
+        _wait_here_forever()
+    return world.rank
+
+
+def _wait_here_forever():
+    while True:
+        time.sleep(0.05)
+
+
+@pytest.mark.emulated(ranks=2)
+def test_a_rank_left_in_a_collective_by_a_peers_error():
+    """The error of the rank that raised comes back after ``ERROR_GRACE_S``, naming the rank
+    left behind and where it waited; the pool is shut down (a task sent to it now would reach
+    rank 0 while it still waits in the barrier)."""
+    ew = EmulatedWorld(2)
+    ew.ERROR_GRACE_S = 3.0
+    try:
+        t = time.monotonic()
+        with pytest.raises(RemoteError, match="rank 1 raised ValueError: refused before") as info:
+            ew.run(_raise_before_barrier, timeout=120)
+        assert time.monotonic() - t < 60
+        text = str(info.value)
+        assert "ranks [0] did not answer within 3 s after it" in text
+        assert "_raise_before_barrier" in text  # rank 0's stack: where it waited
+        assert not ew.alive
+        with pytest.raises(WorkerHang, match="shut down"):
+            ew.run(lambda_free_rank)
+    finally:
+        ew.close(force=True)
+
+
+@pytest.mark.emulated(ranks=2)
+def test_a_hang_says_where_each_rank_waited():
+    ew = EmulatedWorld(2)
+    try:
+        with pytest.raises(WorkerHang, match=r"ranks \[0\] did not answer within 4 s") as info:
+            ew.run(_sleep_in_rank_0, timeout=4)
+        text = str(info.value)
+        assert "--- rank 0 did not answer; its stacks ---" in text
+        assert "_wait_here_forever" in text and "_sleep_in_rank_0" in text
+        assert "_feed" not in text  # the queues' feeder threads are left out
+        assert info.value.answers == {1: ("ok", 1)}
+    finally:
+        ew.close(force=True)
+
+
+class _Interrupted(BaseException):  # (as pytest-timeout's and Ctrl-C's are: not an Exception)
+    pass
+
+
+def _interrupt(signum, frame):
+    raise _Interrupted()
+
+
+@pytest.mark.emulated(ranks=2)
+def test_an_interrupted_wait_shuts_the_pool_down(capsys):
+    """pytest-timeout firing while ``run`` waits: the pool is killed (rank 0 still runs the task;
+    the next one would queue behind it), and the ranks' stacks are printed."""
+    import signal
+
+    ew = EmulatedWorld(2)
+    old = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        signal.alarm(3)
+        with pytest.raises(_Interrupted):
+            ew.run(_sleep_in_rank_0, timeout=120)
+        assert not ew.alive
+        assert "_wait_here_forever" in capsys.readouterr().err
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        ew.close(force=True)

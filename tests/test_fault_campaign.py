@@ -23,7 +23,7 @@ def test_fault_campaign(world, request):
     seed = int(os.environ.get("PO_CAMPAIGN_SEED", 0)) or int.from_bytes(os.urandom(3), "little")
     steps = STEPS[world.size]
     print(f"fault campaign: {world.size} ranks, seed {seed}, {steps} steps")
-    tallies = world.run(_campaign, seed, steps, timeout=1500)
+    tallies = world.run(_campaign, seed, steps, timeout=540)
     faulted = tallies[0]["faulted"]
     print(f"fault campaign: seed {seed}: {faulted} faulted of {tallies[0]['calls']} calls per "
           f"rank, by fault {tallies[0]['by_fault']}")

@@ -55,7 +55,7 @@ def test_a_kernel_that_skips_end_call_is_caught(world2):
 
 
 def test_every_call_on_eight_ranks(world8):
-    assert not calls.check_every_call(world8.run(calls.every_call, timeout=600))
+    assert not calls.check_every_call(world8.run(calls.every_call, timeout=540))
 
 
 def test_every_peer_and_consumed_buffers_over_back_to_back_calls(world):

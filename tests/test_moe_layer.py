@@ -298,9 +298,9 @@ def test_layer_backward_without_token_gradients(world2):
 def test_layer_on_eight_ranks(world8):
     """The fused layer against the torch path, and its backward against dense autograd, on 8
     ranks (16 experts, 2 per rank; a rank without tokens in a call)."""
-    for errs in world8.run(_layer, None, timeout=900):
+    for errs in world8.run(_layer, None, timeout=540):
         assert all(e < 1e-5 for e in errs), errs
-    for errs in world8.run(_grads, True, True, timeout=900):
+    for errs in world8.run(_grads, True, True, timeout=540):
         assert all(e < 1e-4 for e in errs), errs
 
 

@@ -158,7 +158,7 @@ def test_layer_in_one_launch(world):
 
 
 def test_layer_in_one_launch_on_eight_ranks(world8):
-    for errs in world8.run(_module, timeout=900):
+    for errs in world8.run(_module, timeout=540):
         assert all(e < 1e-5 for e in errs), errs
 
 

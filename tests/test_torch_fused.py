@@ -466,7 +466,7 @@ def _bad_out_then_right(world, call, out, bad, ref):
 
 
 def test_auto_picks_it_where_it_runs(world2):
-    for rank, found in enumerate(world2.run(_auto, timeout=600)):
+    for rank, found in enumerate(world2.run(_auto, timeout=540)):
         assert found["rs candidates"] == po.MatmulReduceScatter.TRANSPORTS
         assert found["ag candidates"] == po.AllGatherMatmul.TRANSPORTS
         assert found["rs pick"] == "torch_fused" and found["rs err"] < 1e-5
