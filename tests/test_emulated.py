@@ -143,3 +143,29 @@ def test_an_interrupted_wait_shuts_the_pool_down(capsys):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         ew.close(force=True)
+
+
+def test_stacks_keep_where_a_rank_waits_and_how_it_got_there():
+    """A rank waiting deep in the Triton interpreter: its innermost frames, then the test's and
+    the library's frames below the interpreter's; the queues' feeder threads left out."""
+    from portable_overlap.testing.emulated import _STACK_LINES, _task_stacks
+
+    lib = "/venv/lib/python3.11/site-packages"
+    dump = ("Thread 0x1 (most recent call first):\n"
+            "  File \"/usr/lib/python3.11/multiprocessing/queues.py\", line 231 in _feed\n\n"
+            "Current thread 0x2 (most recent call first):\n"
+            + "".join(f"  File \"{lib}/triton/interpreter.py\", line {i} in step{i}\n"
+                      for i in range(40))
+            + f"  File \"{lib}/portable_overlap/ops/moe_dispatch/swiglu.py\", line 9 in run\n"
+            "  File \"/src/tests/test_moe.py\", line 5 in _layer\n"
+            "  File \"/usr/lib/python3.11/multiprocessing/process.py\", line 108 in run\n")
+    text = _task_stacks(dump)
+    lines = text.splitlines()
+    assert lines[0].startswith("Current thread 0x2")
+    assert [f"step{i}" in ln for i, ln in enumerate(lines[1:_STACK_LINES + 1])] == \
+        [True] * _STACK_LINES
+    # the rest of the interpreter's frames and Python's process.py
+    assert f"... ({40 - _STACK_LINES + 1} library frames)" in text
+    assert lines[-2:] == [f"  File \"{lib}/portable_overlap/ops/moe_dispatch/swiglu.py\", "
+                          "line 9 in run", "  File \"/src/tests/test_moe.py\", line 5 in _layer"]
+    assert "_feed" not in text

@@ -57,8 +57,10 @@ class WorkerHang(RuntimeError):
 
 
 def _task_stacks(dump: str) -> str:
-    """The threads of a ``faulthandler`` dump that run the task: the queues' feeder threads
-    (always parked in ``_feed``) left out, each thread's first ``_STACK_LINES`` lines."""
+    """The threads of a ``faulthandler`` dump that run the task, the queues' feeder threads
+    (always parked in ``_feed``) left out. Of each thread: its innermost ``_STACK_LINES``
+    frames (where it waits), then only the test's and this library's frames (the calls that
+    led there, below the many frames of the Triton interpreter and of Python's library)."""
     blocks, cur = [], []
     for line in dump.splitlines():
         if line.startswith(("Thread 0x", "Current thread 0x")) and cur:
@@ -67,8 +69,17 @@ def _task_stacks(dump: str) -> str:
         if line.strip():
             cur.append(line)
     blocks.append(cur)
-    kept = [b for b in blocks if b and not any("in _feed" in ln for ln in b)]
-    return "\n".join("\n".join(b[:_STACK_LINES]) for b in kept)
+    kept = []
+    for b in blocks:
+        if not b or any("in _feed" in ln for ln in b):
+            continue
+        head, rest = b[:_STACK_LINES + 1], b[_STACK_LINES + 1:]
+        outer = [ln for ln in rest if "portable_overlap" in ln
+                 or ("site-packages" not in ln and "/lib/python" not in ln)]
+        skipped = len(rest) - len(outer)
+        kept.append("\n".join(head + ([f"  ... ({skipped} library frames)"] if skipped else [])
+                              + outer))
+    return "\n".join(kept)
 
 
 def _free_port() -> int:
@@ -79,8 +90,8 @@ def _free_port() -> int:
 
 #: SIGUSR1 where the platform has it: the signal that makes a rank write its stacks
 _DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
-#: lines of a rank's stack dump kept in an error message (innermost frames first)
-_STACK_LINES = 24
+#: innermost frames of each thread kept whole in an error message
+_STACK_LINES = 12
 
 
 def _worker(rank: int, size: int, port: int, inbox, outbox, env: dict,
@@ -251,7 +262,7 @@ class EmulatedWorld:
 
     def _kill(self, ranks, what: str) -> str:
         """Shut the pool down after ``ranks`` ``what``: their stacks first, as text for an
-        error message (each thread's innermost ``_STACK_LINES`` lines)."""
+        error message (``_task_stacks``)."""
         found = self.stacks(ranks) if self.alive else {}
         self.close(force=True)
         return "\n".join(f"--- rank {r} {what}; its stacks ---\n" + _task_stacks(text)
