@@ -671,6 +671,23 @@ def test_dedup_matches_reference(world, dtype):
         assert len(rows) == len(DEDUP_CASES)
 
 
+# more slot blocks than the scatter has programs (16-slot blocks and 4 programs on the CPU
+# backend), with k that does not divide a block: tokens whose choices straddle two blocks sent
+# by different programs, among them a block a program takes before the program of the
+# block before it runs (the interpreter runs a rank's programs in order)
+DEDUP_STRADDLE_CASES = [((40, 33), 12, 4, 3, "uniform"), ((37, 40), 12, 4, 3, "zipf"),
+                        ((40, 29), 12, 4, 3, "uniform")]
+
+
+def test_dedup_tokens_straddling_blocks_of_two_programs(world):
+    """A row copied on the receiving side for a token's later slots must have been written by
+    a program that side waited for: a token is sent once per slot block it spans."""
+    for rows in world.run(_cases, torch.float32, DEDUP_STRADDLE_CASES, dedup=True):
+        assert len(rows) == len(DEDUP_STRADDLE_CASES)
+    world.run(_cases, torch.float32, [((20, 17), 12, 3, 5, "uniform"),
+                                      ((19, 20), 12, 3, 5, "zipf")], dedup=True)
+
+
 def _rows_sent_once(world):
     """Each peer's tokens land in this rank's ``rows_once`` once each (the rows there that were
     written), fewer than the rows routed here, and the call still matches the reference."""

@@ -310,11 +310,13 @@ def scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, r
                       once_ptr, place_ptr, bases_ptr, pid, step, epoch, n_slots, k, H,
                       stride_ts, E, capacity, max_tokens, rank, world, BLOCK_T: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``scatter_rows`` that sends a token to a peer once, whatever the number of its experts
-    there: the slot ids to their places as there; each slot's place, stamped with the call
-    (``epoch << 32 | place``), at the slot's index in the peer's ``place`` map (``[W - 1,
-    max_tokens * k]``); and the row only from the token's first slot routed to that peer, into
-    the peer's ``once`` buffer (``[W - 1, max_tokens, H]``, token s at row s). In both of rank
+    """``scatter_rows`` that sends a token to a peer once per slot block, whatever the number
+    of its experts there: the slot ids to their places as there; each slot's place, stamped
+    with the call (``epoch << 32 | place``), at the slot's index in the peer's ``place`` map
+    (``[W - 1, max_tokens * k]``); and the row only from the token's first slot of the block
+    routed to that peer, into the peer's ``once`` buffer (``[W - 1, max_tokens, H]``, token s
+    at row s; a token whose k slots straddle two blocks is stored there from both, the same
+    bytes). In both of rank
     q's buffers source ``r`` is index ``r - (r > q)``. The peer's ``expand_rows`` fills every
     place from them. This rank's own rows are stored at their places directly."""
     for b in range(pid, tl.cdiv(n_slots, BLOCK_T), step):
@@ -322,12 +324,16 @@ def scatter_rows_once(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, r
                                          capacity, world, BLOCK_T, BLOCK_E)
         tok = (i // k).to(tl.int64)
         j = i % k
-        # a slot leads its token's rows for its rank unless an earlier choice goes there too
-        # (bad ids go nowhere; a row past a rank's capacity may then go unsent, but that call
-        # fails on every rank and the rank's counts are zeros)
+        # a slot leads its token's rows for its rank unless an earlier choice of this block
+        # goes there too (bad ids go nowhere; a row past a rank's capacity may then go unsent,
+        # but that call fails on every rank and the rank's counts are zeros). Of this block
+        # only: the receiving side copies a block's rows once the program that sent that
+        # block has signalled, and the block before may be another program's, still running;
+        # a token whose choices straddle two blocks is sent once from each
+        first = j - (i - b * BLOCK_T)  # the choice of the block's first slot (<= 0 when none)
         dup = tl.zeros((BLOCK_T,), tl.int1)
         for jj in range(0, k):
-            m = keep & (jj < j)
+            m = keep & (jj < j) & (jj >= first)
             g2 = tl.load(ids_ptr + tok * k + jj, mask=m, other=-1)
             dup = dup | (m & (g2 >= 0) & (g2 < world * E) & (g2 // E == dest))
         for q in range(0, world):
