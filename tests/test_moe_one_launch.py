@@ -116,6 +116,45 @@ def test_wide_top_k_and_one_expert_per_rank(world2):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _two_dispatch_contexts(world):
+    """Two layers' dispatch contexts (other capacities) sharing one combine context, as
+    ``ExpertParallelMoE(one_launch=True, ctx=shared)`` makes them: each call runs on its own
+    dispatch context's buffers (the plan cached on the combine context is per dispatch
+    context), and matches the reference."""
+    W, r, H, I, El, k = world.world_size, world.rank, 24, 20, 2, 2
+    d1 = MoeDispatch(world, max_tokens=12, top_k=k, hidden=H, experts_per_rank=El,
+                     dtype=torch.float32, capacity=W * 3 * k)
+    d2 = MoeDispatch(world, max_tokens=12, top_k=k, hidden=H, experts_per_rank=El,
+                     dtype=torch.float32)
+    c = MoeGemmCombine(world, max_tokens=12, top_k=k, hidden=H, experts_per_rank=El,
+                       timeout_s=d1.timeout_s)
+    wg, wu, wd = _weights(world, El, H, I, torch.float32)
+    errs = []
+    try:
+        for i, (d, S) in enumerate([(d1, 3), (d2, 12), (d1, 2), (d2, 11)]):
+            g = torch.Generator().manual_seed(50 * i + r)
+            tokens = torch.randn(S, H, generator=g)
+            ids = route("one_rank" if d is d2 else "uniform", S, El * W, k, W, g)
+            w = torch.rand(S, k, generator=g)
+            out = torch.full((S, H), float("nan"))
+            moe_layer(tokens, ids, w, wg, wu, wd, d, c, out)
+            d.synchronize()
+            c.synchronize()
+            errs.append(_rel(out, moe_layer_reference(tokens, ids, w, wg, wu, wd, El,
+                                                      world.group)))
+        plans = [p for key, p in c.kernel()._plans.items() if key[0] == "layer"]
+        assert len(plans) == 2, "one plan for both dispatch contexts"
+    finally:
+        for x in (d1, d2, c):
+            x.close()
+    return errs
+
+
+def test_dispatch_contexts_sharing_a_combine_context(world2):
+    for errs in world2.run(_two_dispatch_contexts):
+        assert all(e < 1e-5 for e in errs), errs
+
+
 def _module(world):
     """``ExpertParallelMoE(one_launch=True)`` against the staged layer (to float32 rounding)
     and the torch path, three calls with different token counts (a rank with none in one)."""

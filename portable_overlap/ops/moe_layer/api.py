@@ -189,9 +189,12 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
     cfg1 = default_config(tokens.dtype, tokens.device, True, m)
     cfg2 = down_config(cfg1, cctx._gemm_config(h, decode))
     cc = cctx._combine_config(tokens.device, topk_weights.shape[0])
-    key = ("layer", tokens.dtype, tokens.stride(0), topk_ids.dtype, tuple(w_gate.shape),
-           w_gate.stride(), w_down.stride(), topk_weights.dtype, topk_weights.stride(), senders,
-           cfg1, cfg2, cc, expert_major,
+    # per dispatch context too (its handle, never reused): the plan holds descriptors over
+    # its receive and activation buffers and ready counters sized by its capacity, and
+    # several layers' dispatch contexts may share one combine context
+    key = ("layer", dctx.handle, tokens.dtype, tokens.stride(0), topk_ids.dtype,
+           tuple(w_gate.shape), w_gate.stride(), w_down.stride(), topk_weights.dtype,
+           topk_weights.stride(), senders, cfg1, cfg2, cc, expert_major,
            align_key(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out))
     plan = cctx._plans.get(key)
     if plan is not None:
