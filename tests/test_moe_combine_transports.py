@@ -117,6 +117,45 @@ def test_sequential_refuses_counts_that_are_not_the_rows_on_every_rank(world, fa
         assert err < 1e-5, err
 
 
+def _refused_input(world):
+    """Rank 1 refuses its input (more tokens than max_tokens, or an out of the wrong shape)
+    before the sizes exchange: it raises ValueError, its peers PeerTimeoutError in that same
+    call instead of waiting in the exchange, and the next call is right on every rank."""
+    from portable_overlap import PeerTimeoutError
+
+    S, H, I, El, k = 5, 12, 8, 2, 2
+    ctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                         transport="sequential")
+    got = []
+    try:
+        x, w, counts, slots, tw = _inputs(world, S, H, I, El, k, "uniform", torch.float32, 7)
+        for bad in ("too_many_tokens", "out"):
+            args, out = (x, w, counts, slots, tw), None
+            if world.rank == 1 and bad == "too_many_tokens":
+                args = (x, w, counts, slots, torch.cat([tw, tw[:2]]))
+            if world.rank == 1 and bad == "out":
+                out = torch.empty(S + 1, H)
+            try:
+                ctx(*args, out=out)
+                got.append("no error")
+            except (ValueError, PeerTimeoutError) as e:
+                got.append(type(e).__name__)
+        out = ctx(x, w, counts, slots, tw)
+        ctx.synchronize()
+        got.append(rel_err(out, moe_gemm_combine_reference(x, w, counts, slots, tw,
+                                                           world.group)))
+    finally:
+        ctx.close()
+    return got
+
+
+def test_sequential_input_refused_on_one_rank_fails_its_peers(world):
+    for rank, (a, b, err) in enumerate(world.run(_refused_input, timeout=120)):
+        want = "ValueError" if rank == 1 else "PeerTimeoutError"
+        assert (a, b) == (want, want), (rank, a, b)
+        assert err < 1e-5, err
+
+
 def _bad_slots(world, fault):
     """Rank 0 sends the second of its own rows back to itself with a slot outside its slots
     (or onto the first row's slot): its tokens of the slots left without exactly one row are

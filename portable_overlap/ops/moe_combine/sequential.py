@@ -15,7 +15,9 @@ in the collective until the process group's timeout (``timeout_s`` is checked bu
 under ``transport="auto"`` a call first agrees with its peers, with a deadline
 (``ops/planner.py``). The row counts are exchanged with a flag, so where a rank's counts are
 not its rows' (a negative count, more rows counted than ``x`` holds) every rank raises
-``ValueError`` in that call, without a hang. The slots are data the host does not read: a row
+``ValueError`` in that call, without a hang; a rank that refuses its input before that
+exchange (bad shapes, dtypes, ``out``) still takes part in it with a refusal, and its peers
+raise :class:`~portable_overlap.errors.PeerTimeoutError` for that call. The slots are data the host does not read: a row
 whose slot is outside its source rank's ``S * top_k`` is dropped, a slot of ``[0, S * k)`` that
 gets no row or more than one makes its token NaN, as the fused transports do, and both are
 raised as :class:`~portable_overlap.errors.InvalidInputError` at the next :meth:`synchronize`.
@@ -27,9 +29,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, PeerTimeoutError
 from ..context import collective_call, ContextBase, output_tensor, refuse_grad
 from .api import check_inputs, OP
+
+
+#: the flag of the sizes exchange: this rank's counts are not its rows of x; it refused the
+#: call before the exchange (``_abandon_call``)
+BAD_COUNTS, REFUSED = 1, 2
 
 
 class SequentialMoeGemmCombine(ContextBase):
@@ -50,6 +57,7 @@ class SequentialMoeGemmCombine(ContextBase):
         self.max_slots = max_tokens * top_k
         # [rows whose slot is outside their source's slots, slots without exactly one row]
         self._faults = torch.zeros(2, dtype=torch.int64, device=world.device)
+        self._exchanging = False
         self.register()
 
     def synchronize(self) -> None:
@@ -64,6 +72,27 @@ class SequentialMoeGemmCombine(ContextBase):
                 f"{outside} rows came back with a slot outside this rank's S * top_k slots "
                 f"(dropped), {unmatched} slots got no row or more than one (their tokens are "
                 f"NaN)")
+
+    # -- the call's guards -----------------------------------------------------------------------
+    def _before_call(self) -> None:
+        super()._before_call()
+        self._exchanging = False
+
+    def _abandon_call(self, error: BaseException) -> None:
+        """A call refused before its sizes exchange takes part in that exchange with a refusal
+        instead, so the peers raise for it too and stay in step; not where ``"auto"`` only
+        checks the input (``checking_only``: the planner's agreement tells the peers)."""
+        if self._exchanging or self.checking_only or self.world.world_size == 1:
+            return
+        try:
+            self._exchange_sizes([0] * self.world.world_size, REFUSED)
+        except PeerTimeoutError:
+            pass  # (a peer refused the same call)
+        except ValueError:
+            pass  # (a peer's counts were not its rows: that peer raises for it)
+        except Exception as e:
+            self._broken = (f"{OP}: rank {self.rank} could not tell its peers it refused a call "
+                            f"({type(e).__name__}: {e})")
 
     @collective_call
     def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
@@ -86,7 +115,8 @@ class SequentialMoeGemmCombine(ContextBase):
         total = sum(per_segment)
         bad = min(per_segment) < 0 or total > R
         send_rows = [0] * W if bad else [sum(per_segment[q * E:(q + 1) * E]) for q in range(W)]
-        recv_rows = self._exchange_sizes(send_rows, bad)
+        self._exchanging = True  # (from here on the peers hear of this call through it)
+        recv_rows = self._exchange_sizes(send_rows, BAD_COUNTS if bad else 0)
         y = x.new_empty((total, self.hidden))
         at = 0
         for s, n in enumerate(per_segment):
@@ -104,19 +134,25 @@ class SequentialMoeGemmCombine(ContextBase):
         self._place_and_sum(rows, got, topk_weights, out)
         return out
 
-    def _exchange_sizes(self, send_rows: list, bad: bool) -> list:
-        """The rows each source sends here, exchanged with every rank's flag of counts that are
-        not its rows': where any rank's are not, every rank raises in this call."""
+    def _exchange_sizes(self, send_rows: list, flag: int) -> list:
+        """The rows each source sends here, exchanged with every rank's flag: ``BAD_COUNTS``
+        (its counts are not its rows': every rank raises ``ValueError`` in this call) or
+        ``REFUSED`` (it refused the call before: the others raise ``PeerTimeoutError``)."""
         W = self.world.world_size
         if W == 1:
-            recv = [[send_rows[0], int(bad)]]
+            recv = [[send_rows[0], flag]]
         else:
-            mine = torch.tensor([[n, int(bad)] for n in send_rows], dtype=torch.int64,
+            mine = torch.tensor([[n, flag] for n in send_rows], dtype=torch.int64,
                                 device=self.world.device)
             theirs = torch.empty_like(mine)
             dist.all_to_all_single(theirs, mine, group=self.world.group)
             recv = theirs.tolist()
-        flagged = [q for q, (_, f) in enumerate(recv) if f]
+        refused = [q for q, (_, f) in enumerate(recv) if f == REFUSED]
+        if refused:
+            raise PeerTimeoutError(f"{OP}: rank(s) {refused} gave up on this call (they raise "
+                                   f"their own error); this rank's output of that call is not "
+                                   f"valid")
+        flagged = [q for q, (_, f) in enumerate(recv) if f == BAD_COUNTS]
         if flagged:
             raise ValueError(f"{OP}: the routing counts of rank(s) {flagged} are not their rows "
                              f"of x (a negative count, or more rows counted than x has); "
