@@ -487,3 +487,25 @@ def test_ranks_that_disagree_on_shapes_raise_on_every_rank(world2):
         for name, (first, after) in got.items():
             assert first.startswith(f"RankMismatchError: {name}: ranks 0 and 1 called it"), first
             assert after < 1e-5, (name, after)
+
+
+# --- which rank's bias an All-to-All adds -------------------------------------------------------
+
+def _all_to_all_bias(world):
+    """Each rank passes its own bias: every transport adds the receiving rank's bias to all the
+    rows it received, after the exchange (the documented contract)."""
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    bias = torch.full((5,), 100.0 * (world.rank + 1))
+    exchanged = po.matmul_all_to_all_reference(a, b, world.group)
+    errs = {}
+    for transport in ("stores", "copy_engine", "signal_collective", "sequential"):
+        ctx = po.MatmulAllToAll(world, 8, 8, transport=transport)
+        errs[transport] = rel_err(po.matmul_all_to_all(a, b, ctx, bias=bias), exchanged + bias)
+        ctx.close()
+    return errs
+
+
+def test_all_to_all_adds_the_receiving_ranks_bias(world2):
+    for errs in world2.run(_all_to_all_bias):
+        assert all(e < 1e-5 for e in errs.values()), errs
