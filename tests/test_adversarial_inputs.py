@@ -401,6 +401,58 @@ def test_an_input_that_requires_grad_is_not_dropped_silently(world2):
         assert not requires_grad
 
 
+def _grad_into_options_and_out(world):
+    """A trainable RMSNorm weight passed as ``rms_weight`` (its gradient would be lost) and an
+    ``out`` that requires grad (torch refuses it for its own out= ops; here the copy-engine call
+    raised in torch.matmul(out=) after its first launch and broke the context on every rank):
+    both refused on every rank before anything runs, and the context serves the next call."""
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    got = {}
+    sig = po.MatmulAllReduce(world, 8, 8, transport="signal_collective")
+    try:
+        po.matmul_all_reduce(a, b, sig, rms_weight=torch.ones(5, requires_grad=True), eps=1e-6)
+        got["rms_weight"] = "no error"
+    except RuntimeError as e:
+        got["rms_weight"] = str(e)
+    sig.close()
+    ar = po.MatmulAllReduce(world, 8, 8, transport="copy_engine")
+    got["out"] = _error(lambda: po.matmul_all_reduce(
+        a, b, ar, out=torch.empty(4, 5, requires_grad=True)))
+    y = po.matmul_all_reduce(a, b, ar)  # not broken: the ranks are still in step
+    got["next call ok"] = rel_err(y, po.matmul_all_reduce_reference(a, b, world.group)) < 1e-5
+    with torch.no_grad():  # as torch's out= ops: fine where autograd records nothing
+        out = torch.empty(4, 5, requires_grad=True)
+        po.matmul_all_reduce(a, b, ar, out=out)
+        got["no_grad out ok"] = rel_err(out, y) < 1e-6
+    ar.close()
+    return got
+
+
+def test_options_and_out_that_require_grad_are_refused(world2):
+    for got in world2.run(_grad_into_options_and_out):
+        assert got["rms_weight"].startswith("matmul_all_reduce has no backward") \
+            and "no_grad" in got["rms_weight"], got["rms_weight"]
+        assert got["out"].startswith("ValueError: matmul_all_reduce has no backward") \
+            and "out requires grad" in got["out"], got["out"]
+        assert got["next call ok"] and got["no_grad out ok"], got
+
+
+def test_out_that_requires_grad_or_overlaps_itself_is_refused_by_the_shared_check():
+    """``output_tensor``, which every op's out= goes through: an out whose rows overlap (an
+    expanded tensor, stride(0) < N) and one that requires grad in grad mode."""
+    from portable_overlap.ops.context import output_tensor
+    a = torch.randn(4, 3)
+    overlapping = _error(lambda: output_tensor("op", torch.empty(1, 3).expand(4, 3), (4, 3), a))
+    assert "op: out must be a contiguous" in overlapping and "(0, 1)" in overlapping, overlapping
+    grad = _error(lambda: output_tensor("op", torch.empty(4, 3, requires_grad=True), (4, 3), a,
+                                        name="normed"))
+    assert grad.startswith("ValueError: op has no backward, and normed requires grad"), grad
+    with torch.no_grad():
+        out = torch.empty(4, 3, requires_grad=True)
+        assert output_tensor("op", out, (4, 3), a) is out
+
+
 # --- ranks that disagree on the shapes of one call ----------------------------------------------
 
 def _disagree(world):
@@ -435,3 +487,25 @@ def test_ranks_that_disagree_on_shapes_raise_on_every_rank(world2):
         for name, (first, after) in got.items():
             assert first.startswith(f"RankMismatchError: {name}: ranks 0 and 1 called it"), first
             assert after < 1e-5, (name, after)
+
+
+# --- which rank's bias an All-to-All adds -------------------------------------------------------
+
+def _all_to_all_bias(world):
+    """Each rank passes its own bias: every transport adds the receiving rank's bias to all the
+    rows it received, after the exchange (the documented contract)."""
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    bias = torch.full((5,), 100.0 * (world.rank + 1))
+    exchanged = po.matmul_all_to_all_reference(a, b, world.group)
+    errs = {}
+    for transport in ("stores", "copy_engine", "signal_collective", "sequential"):
+        ctx = po.MatmulAllToAll(world, 8, 8, transport=transport)
+        errs[transport] = rel_err(po.matmul_all_to_all(a, b, ctx, bias=bias), exchanged + bias)
+        ctx.close()
+    return errs
+
+
+def test_all_to_all_adds_the_receiving_ranks_bias(world2):
+    for errs in world2.run(_all_to_all_bias):
+        assert all(e < 1e-5 for e in errs.values()), errs

@@ -251,7 +251,12 @@ def _bad(world):
            (gemm_all_reduce, a, b, {"normed": torch.empty(8, 20)}),  # normed without weight
            (gemm_all_reduce, a, b, {"rms_weight": torch.randn(3)}),
            (gemm_all_reduce, a, b, {"rms_weight": torch.randn(20), "eps": 0.0}),
-           (gemm_all_reduce, a, b, {"config": "gate"})]
+           (gemm_all_reduce, a, b, {"config": "gate"}),
+           # rows that overlap: every row would be written into the same memory
+           (gemm_all_reduce, a, b, {"out": torch.empty(1, 20).expand(8, 20)}),
+           (gemm_all_to_all_signal, a, b, {"out": torch.empty(90).as_strided((8, 20), (10, 1))}),
+           (gemm_all_reduce, a, b, {"rms_weight": torch.randn(20),
+                                    "normed": torch.empty(1, 20).expand(8, 20)})]
     for fn, x, y, kw in bad:
         try:
             if kw.get("config") == "gate":
@@ -273,6 +278,9 @@ def test_bad_input(world2):
         assert "split evenly" in msgs[0] and "partition" in msgs[6] and "multiples" in msgs[7]
         assert "reserve_sms" in msgs[8] and "rms_weight" in msgs[9] and "rms_weight" in msgs[10]
         assert "eps" in msgs[11] and "gate" in msgs[12]
+        assert all("out must be a contiguous" in m and "not contiguous" in m
+                   for m in msgs[13:15]), msgs[13:15]
+        assert "normed must be a contiguous" in msgs[15], msgs[15]
 
 
 def _disagree(world, what):

@@ -489,21 +489,33 @@ def get_context(handle: int) -> OverlapContext:
 
 
 def output_tensor(op: str, out: Optional[torch.Tensor], shape: Sequence[int],
-                  like: torch.Tensor, inputs: Optional[dict] = None) -> torch.Tensor:
-    """The op's result tensor: ``out`` after checking it is a contiguous tensor of ``shape`` with
-    ``like``'s dtype and device that shares no memory with ``inputs`` (name -> tensor or None,
-    ``check_no_overlap``), or a new one when ``out`` is None."""
+                  like: torch.Tensor, inputs: Optional[dict] = None,
+                  name: str = "out") -> torch.Tensor:
+    """The op's result tensor: ``out`` (the tensor the op writes, called ``name``) after checking
+    it is a contiguous tensor of ``shape`` with ``like``'s dtype and device that shares no memory
+    with ``inputs`` (name -> tensor or None, ``check_no_overlap``) and, in grad mode, does not
+    require grad; or a new one when ``out`` is None.
+
+    Contiguous, not merely with contiguous rows: a tensor whose rows overlap (an expanded one,
+    stride(0) < its row length) would have every row written into the same memory. Requiring
+    grad is refused as torch refuses it for its own ``out=`` ops: the written tensor would carry
+    no gradient, and an in-place epilogue on a leaf that requires grad would raise only after the
+    call's first launch, leaving its peers waiting."""
     shape = tuple(shape)
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{op}: out must be a tensor or None, got {type(out).__name__}")
+        raise TypeError(f"{op}: {name} must be a tensor or None, got {type(out).__name__}")
     if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device \
             or not out.is_contiguous():
-        raise ValueError(f"{op}: out must be a contiguous {like.dtype} {list(shape)} tensor on "
-                         f"{like.device}; got {out.dtype} {list(out.shape)} on {out.device}"
-                         + ("" if out.is_contiguous() else " (not contiguous)"))
-    check_no_overlap(op, out, inputs or {})
+        raise ValueError(f"{op}: {name} must be a contiguous {like.dtype} {list(shape)} tensor "
+                         f"on {like.device}; got {out.dtype} {list(out.shape)} on {out.device}"
+                         + ("" if out.is_contiguous() else
+                            f" (not contiguous: strides {tuple(out.stride())})"))
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op} has no backward, and {name} requires grad: pass an {name} tensor "
+                         f"that does not require grad, or call it under torch.no_grad()")
+    check_no_overlap(op, out, inputs or {}, name=name)
     return out
 
 

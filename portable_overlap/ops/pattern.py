@@ -199,15 +199,20 @@ class PatternContext:
         (``refuse_grad_as_call``), so its peers fail this same call at once instead of waiting for
         this rank until their timeout; with ``"auto"``, where the call's key is not decided or its
         transport's waits have no deadline, through the call's agreement
-        (``TransportPlanner.refuse``)."""
-        if not any(getattr(t, "requires_grad", False) for t in inputs.values()):
+        (``TransportPlanner.refuse``). A tensor option the op reads (an RMSNorm's
+        ``rms_weight``, any option not in ``OUTPUT_OPTIONS``) is an input here too: its gradient
+        would be lost the same way."""
+        tensors = [*inputs.values(), *(v for k, v in options.items()
+                                       if k not in self.OUTPUT_OPTIONS
+                                       and isinstance(v, torch.Tensor))]
+        if not any(getattr(t, "requires_grad", False) for t in tensors):
             return  # (the common case: no workspace lookup)
         planner = getattr(self, "planner", None)  # (none on a context not made in full)
         if planner is None:
-            refuse_grad_as_call(self.OP, inputs.values(), (getattr(self, "impl", None),))
+            refuse_grad_as_call(self.OP, tensors, (getattr(self, "impl", None),))
             return
         try:
-            refuse_grad(self.OP, *inputs.values())
+            refuse_grad(self.OP, *tensors)
         except RuntimeError as e:
             planner.refuse(inputs, options, e)
 

@@ -90,7 +90,8 @@ class GemmAllToAll(OverlapContext):
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
                  *, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
                  config: Optional[MatmulConfig] = None) -> torch.Tensor:
-        """``all_to_all_single(a @ b)`` (+ bias [N] + residual [M, N]): module docstring."""
+        """``all_to_all_single(a @ b)``, then + this rank's bias [N] + residual [M, N] on the
+        rows it received: module docstring."""
         _validate(a, b, self.world, self.max_elems)
         M, K = a.shape
         N = b.shape[1]

@@ -2,10 +2,16 @@
 
 What it computes, with ``a_r`` [M, K] and ``b_r`` [K, N] the tensors rank r passes::
 
-    c_r = a_r @ b_r (+ bias [N])                              # [M, N] on rank r
-    out_d[r*M/W:(r+1)*M/W] = c_r[d*M/W:(d+1)*M/W] (+ residual rows)   # on rank d, every r
+    c_r = a_r @ b_r                                           # [M, N] on rank r
+    out_d[r*M/W:(r+1)*M/W] = c_r[d*M/W:(d+1)*M/W]             # on rank d, every r
+    out_d += bias_d (+ residual_d)                            # rank d's own, after the exchange
 
-i.e. ``torch.distributed.all_to_all_single(out, a @ b)``. Transports (``transport=``):
+i.e. ``torch.distributed.all_to_all_single(out, a @ b); out += bias (+ residual)``: the bias
+[N] and the residual [M, N] are those of the rank that receives the rows, so every row on rank
+d gets ``bias_d``, whichever rank computed it, not the bias of the rank whose ``b_r`` made it
+(a bias that belongs with ``b_r``, such as an expert's, is not what this op adds). Every
+transport computes the same.
+Transports (``transport=``):
 
 - ``"stores"`` (default): one persistent Triton kernel computes the rows for the peers first and
   stores each finished tile straight into the destination's buffer (``gemm_alltoall.api``;
@@ -88,9 +94,10 @@ ALL_TO_ALL = define(OpSpec(
 def matmul_all_to_all(a: torch.Tensor, b: torch.Tensor, ctx: MatmulAllToAll,
                       out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None,
                       residual: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
-    """``all_to_all_single(a @ b + bias) (+ residual)`` with equal splits: on rank d, rows
-    ``[r*M/W, (r+1)*M/W)`` of the result are rows ``[d*M/W, (d+1)*M/W)`` of rank r's
-    ``a_r @ b_r`` (M divisible by W). ``options``: the transport's per-call options (module
+    """``all_to_all_single(out, a @ b); out += bias (+ residual)`` with equal splits: on rank
+    d, rows ``[r*M/W, (r+1)*M/W)`` of the result are rows ``[d*M/W, (d+1)*M/W)`` of rank r's
+    ``a_r @ b_r`` (M divisible by W), plus rank d's own ``bias`` and ``residual``, added after
+    the exchange. ``options``: the transport's per-call options (module
     docstring). Under ``torch.compile`` one opaque op,
     ``torch.ops.portable_overlap.matmul_all_to_all(a, b, ctx.handle, bias, residual)``."""
     return ALL_TO_ALL(ctx, (a, b, bias, residual), out=out, **options)

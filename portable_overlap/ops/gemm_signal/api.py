@@ -61,7 +61,7 @@ from ...errors import PeerTimeoutError, RankMismatchError
 from ...schedule import WaveGroups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.gate import wait_counter
-from ..context import ContextBase, align_key, check_no_overlap, collective_call, shape_tag
+from ..context import ContextBase, align_key, collective_call, output_tensor, shape_tag
 from ..launch import PlannedLaunch, resident_programs
 from ..matmul.api import (check_2d, check_operands, default_config,
                           tile_descriptors, vector_checks)
@@ -231,19 +231,16 @@ class GemmSignal(ContextBase):
         op, cfg, M, N, K, out_rows = self.check_call(kind, a, b, config)
         # the caller's stream: the comm stream forks from it and it joins the comm stream
         self._caller = self._mod.current_stream(self.device) if self._mod else None
-        if out is None:
-            out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
-        check_2d(op, "out", out, (out_rows, N), a)
-        vector_checks(op, a, N, out_rows, bias=bias, residual=residual, rms_weight=rms_weight)
+        # out and normed as every transport's out= (output_tensor): contiguous, so no two rows
+        # of the reorder's writes land in the same memory
         inputs = dict(a=a, b=b, bias=bias, residual=residual, rms_weight=rms_weight)
-        check_no_overlap(op, out, inputs)
+        out = output_tensor(op, out, (out_rows, N), a, inputs)
+        vector_checks(op, a, N, out_rows, bias=bias, residual=residual, rms_weight=rms_weight)
         if rms_weight is not None:
             if not eps > 0:
                 raise ValueError(f"{op}: eps must be > 0, got {eps}")
-            if normed is None:
-                normed = torch.empty_like(out)
-            check_2d(op, "normed", normed, (out_rows, N), a)
-            check_no_overlap(op, normed, dict(inputs, out=out), name="normed")
+            normed = output_tensor(op, normed, (out_rows, N), a, dict(inputs, out=out),
+                                   name="normed")
         elif normed is not None:
             raise ValueError(f"{op}: normed is written only with rms_weight")
         plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)
