@@ -266,6 +266,40 @@ def test_index_out_of_range_found_on_device_without_validation(world2, value):
         assert err0 < 1e-5 and err1 < 1e-5, (where, results)
 
 
+def _int32_unvalidated(world):
+    """int32 lengths and indices (TorchRec's usual dtype) with the host data check skipped
+    (``validate=False``, the path graph capture takes), on each transport, forward and
+    backward, against the reference: (case, relative error)."""
+    res = []
+    gen = torch.Generator().manual_seed(40 + world.rank)
+    splits = [3, 5]
+    for transport in ("stores", "sequential"):
+        ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, transport=transport)
+        try:
+            w, lengths, idx, psw = _input(ctx, splits, gen, torch.float32, True, torch.int32)
+            assert lengths.dtype == idx.dtype == torch.int32
+            out = ctx(w, lengths, idx, psw, batch_splits=splits, validate=False)
+            ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan, world.rank,
+                                                 splits, "sum", world.group)
+            res.append((transport, rel_err(out, ref)))
+            ctx.validate = False
+            w1 = w.clone().requires_grad_()
+            y = embedding_all_to_all(w1, lengths, idx, ctx, psw, batch_splits=splits)
+            y.sum().backward()
+            w2 = w.clone().requires_grad_()
+            embedding_all_to_all_reference(w2, lengths, idx, psw, ctx.plan, world.rank,
+                                           splits, "sum", world.group).sum().backward()
+            res.append((transport + " grad", rel_err(w1.grad, w2.grad)))
+        finally:
+            ctx.close()
+    return res
+
+
+def test_int32_lengths_without_validation(world2):
+    for res in world2.run(_int32_unvalidated, timeout=180):
+        assert len(res) == 4 and all(err < 1e-5 for _, err in res), res
+
+
 def test_measured_tiles_are_per_weight_element_size():
     """The tile defaults are keyed by D and the bytes per weight element (fp16 rows are half
     the bytes: twice the bags per tile measured faster); other devices and D fall back to

@@ -218,7 +218,9 @@ class BagOffsets:
             self._lengths = torch.empty(n, dtype=torch.int64, device=lengths.device)
         offsets = self._offsets[:n + 1]
         if not checked:
-            lengths = torch.clamp(lengths, min=0, out=self._lengths[:n])
+            # copy_ casts int32 lengths to the int64 buffer (clamp's out= must match its input's
+            # dtype); the prefix sum then runs in int64 whatever the input's dtype
+            lengths = self._lengths[:n].copy_(lengths).clamp_(min=0)
         torch.cumsum(lengths, 0, out=offsets[1:])
         if not checked:
             offsets.clamp_(max=n_indices)
