@@ -300,6 +300,63 @@ def test_int32_lengths_without_validation(world2):
         assert len(res) == 4 and all(err < 1e-5 for _, err in res), res
 
 
+def _module_default_split(world):
+    """``ShardedEmbeddingBagCollection`` on both paths with no ``batch_splits``: (case, path,
+    outcome) per call, and the relative error of the reference path against the fused one for
+    a batch that splits evenly."""
+    from portable_overlap.modules.embedding import ShardedEmbeddingBagCollection
+
+    def features(m, B):
+        n_loc = len(m.local_tables)
+        lengths = torch.randint(0, 3, (n_loc * B,), generator=gen)
+        idx = [torch.randint(0, m.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
+                             generator=gen) for j, t in enumerate(m.local_tables)]
+        return lengths, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+
+    def outcome(m, lengths, idx):
+        try:
+            m(lengths, idx)
+            return "ok"
+        except (ValueError, PortableOverlapError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    gen = torch.Generator().manual_seed(50 + world.rank)
+    res, errs = [], []
+    for table_ranks in (None, [0] * len(ROWS)):
+        mods = [ShardedEmbeddingBagCollection(world, ROWS, 8, max_local_batch=5,
+                                              table_ranks=table_ranks, fused=f)
+                for f in (True, False)]
+        try:
+            for B in (3, 4):  # 3 does not split over 2 ranks
+                if table_ranks is None and B == 4:
+                    lengths, idx = features(mods[0], B)
+                    ys = [m(lengths, idx) for m in mods]
+                    errs.append(rel_err(ys[1], ys[0]))
+                    continue
+                lengths, idx = features(mods[0], B)
+                for m in mods:
+                    res.append((f"table_ranks={table_ranks} B={B}", m.fused,
+                                outcome(m, lengths, idx)))
+        finally:
+            for m in mods:
+                m.close()
+    return res, errs
+
+
+def test_module_default_split_refused_on_both_paths(world2):
+    """An uneven global batch, or a rank without tables, refused on every rank by the reference
+    path (before its all-to-all) as by the fused one, instead of dropping samples or sending
+    mismatched sizes."""
+    for res, errs in world2.run(_module_default_split, timeout=180):
+        assert len(res) == 6 and errs and all(e < 1e-5 for e in errs), (res, errs)
+        for case, fused, r in res:
+            if not fused or "holds no tables" in r or "splits evenly" in r:
+                assert "pass batch_splits" in r, (case, fused, r)
+                continue
+            # the fused path's peers of the rank that refused hear of the refusal
+            assert r != "ok", (case, fused, r)
+
+
 def test_measured_tiles_are_per_weight_element_size():
     """The tile defaults are keyed by D and the bytes per weight element (fp16 rows are half
     the bytes: twice the bags per tile measured faster); other devices and D fall back to
