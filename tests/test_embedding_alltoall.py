@@ -266,6 +266,97 @@ def test_index_out_of_range_found_on_device_without_validation(world2, value):
         assert err0 < 1e-5 and err1 < 1e-5, (where, results)
 
 
+def _int32_unvalidated(world):
+    """int32 lengths and indices (TorchRec's usual dtype) with the host data check skipped
+    (``validate=False``, the path graph capture takes), on each transport, forward and
+    backward, against the reference: (case, relative error)."""
+    res = []
+    gen = torch.Generator().manual_seed(40 + world.rank)
+    splits = [3, 5]
+    for transport in ("stores", "sequential"):
+        ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, transport=transport)
+        try:
+            w, lengths, idx, psw = _input(ctx, splits, gen, torch.float32, True, torch.int32)
+            assert lengths.dtype == idx.dtype == torch.int32
+            out = ctx(w, lengths, idx, psw, batch_splits=splits, validate=False)
+            ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan, world.rank,
+                                                 splits, "sum", world.group)
+            res.append((transport, rel_err(out, ref)))
+            ctx.validate = False
+            w1 = w.clone().requires_grad_()
+            y = embedding_all_to_all(w1, lengths, idx, ctx, psw, batch_splits=splits)
+            y.sum().backward()
+            w2 = w.clone().requires_grad_()
+            embedding_all_to_all_reference(w2, lengths, idx, psw, ctx.plan, world.rank,
+                                           splits, "sum", world.group).sum().backward()
+            res.append((transport + " grad", rel_err(w1.grad, w2.grad)))
+        finally:
+            ctx.close()
+    return res
+
+
+def test_int32_lengths_without_validation(world2):
+    for res in world2.run(_int32_unvalidated, timeout=180):
+        assert len(res) == 4 and all(err < 1e-5 for _, err in res), res
+
+
+def _module_default_split(world):
+    """``ShardedEmbeddingBagCollection`` on both paths with no ``batch_splits``: (case, path,
+    outcome) per call, and the relative error of the reference path against the fused one for
+    a batch that splits evenly."""
+    from portable_overlap.modules.embedding import ShardedEmbeddingBagCollection
+
+    def features(m, B):
+        n_loc = len(m.local_tables)
+        lengths = torch.randint(0, 3, (n_loc * B,), generator=gen)
+        idx = [torch.randint(0, m.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
+                             generator=gen) for j, t in enumerate(m.local_tables)]
+        return lengths, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+
+    def outcome(m, lengths, idx):
+        try:
+            m(lengths, idx)
+            return "ok"
+        except (ValueError, PortableOverlapError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    gen = torch.Generator().manual_seed(50 + world.rank)
+    res, errs = [], []
+    for table_ranks in (None, [0] * len(ROWS)):
+        mods = [ShardedEmbeddingBagCollection(world, ROWS, 8, max_local_batch=5,
+                                              table_ranks=table_ranks, fused=f)
+                for f in (True, False)]
+        try:
+            for B in (3, 4):  # 3 does not split over 2 ranks
+                if table_ranks is None and B == 4:
+                    lengths, idx = features(mods[0], B)
+                    ys = [m(lengths, idx) for m in mods]
+                    errs.append(rel_err(ys[1], ys[0]))
+                    continue
+                lengths, idx = features(mods[0], B)
+                for m in mods:
+                    res.append((f"table_ranks={table_ranks} B={B}", m.fused,
+                                outcome(m, lengths, idx)))
+        finally:
+            for m in mods:
+                m.close()
+    return res, errs
+
+
+def test_module_default_split_refused_on_both_paths(world2):
+    """An uneven global batch, or a rank without tables, refused on every rank by the reference
+    path (before its all-to-all) as by the fused one, instead of dropping samples or sending
+    mismatched sizes."""
+    for res, errs in world2.run(_module_default_split, timeout=180):
+        assert len(res) == 6 and errs and all(e < 1e-5 for e in errs), (res, errs)
+        for case, fused, r in res:
+            if not fused or "holds no tables" in r or "splits evenly" in r:
+                assert "pass batch_splits" in r, (case, fused, r)
+                continue
+            # the fused path's peers of the rank that refused hear of the refusal
+            assert r != "ok", (case, fused, r)
+
+
 def test_measured_tiles_are_per_weight_element_size():
     """The tile defaults are keyed by D and the bytes per weight element (fp16 rows are half
     the bytes: twice the bags per tile measured faster); other devices and D fall back to

@@ -233,7 +233,9 @@ def _grads(world, reduce, S, fused):
         gx_exact = up.double() @ full_w.double()
         errs = [rel_err(lin.weight.grad, gw_exact[:, r * k:(r + 1) * k]),
                 rel_err(x.grad, gx_exact[:, r * k:(r + 1) * k]),
-                rel_err(lin.bias.grad, up[rows].double().sum(0))]
+                # the replicated bias is in every row of the (global) loss: the same on
+                # every rank with either reduce
+                rel_err(lin.bias.grad, up.double().sum(0))]
         # column-parallel: this rank's rows in, all rows of its columns out
         xs = x_full[r * S // W:(r + 1) * S // W].clone().requires_grad_()
         (col(xs) * up).sum().backward()

@@ -9,6 +9,9 @@ from torch import nn
 
 from ..ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                       embedding_all_to_all_reference)
+from ..ops.embedding_alltoall.tables import even_splits
+
+NAME = "ShardedEmbeddingBagCollection"
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -24,8 +27,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
     context's, ``"auto"`` on a GPU world: the fused kernel or the plain path, whichever measured
     faster for the batch; ``"stores"`` on CPU-emulated ranks); ``fused=False`` the reference
     (``F.embedding_bag`` per table + ``all_to_all_single``), for comparison. Both are
-    differentiable in ``weight`` (dense gradient). Collective to construct (every rank, same
-    arguments); call :meth:`close` (collective) when done.
+    differentiable in ``weight`` (dense gradient). Without ``batch_splits`` both paths split
+    the global batch evenly over the ranks; a batch that does not split evenly, or a plan with
+    a rank that holds no tables, fails the call on every rank (the reference path raises
+    ``ValueError`` before its all-to-all): pass ``batch_splits`` then. Collective to construct
+    (every rank, same arguments); call :meth:`close` (collective) when done.
 
     Tables are initialized uniform(-1/sqrt(rows), 1/sqrt(rows)) from a generator seeded by
     ``(seed, t)``, so the model does not depend on the sharding.
@@ -64,14 +70,24 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return embedding_all_to_all(self.weight, lengths, indices, self.ctx,
                                         per_sample_weights, batch_splits=batch_splits,
                                         pooling=self.pooling)
-        W = self.world.world_size
         if batch_splits is None:
-            B = lengths.numel() // max(1, len(self.local_tables))
-            batch_splits = [B // W] * W
+            batch_splits = self._default_splits(lengths)
         return embedding_all_to_all_reference(self.weight, lengths, indices, per_sample_weights,
                                               self.plan, self.world.rank, list(batch_splits),
                                               self.pooling, self.world.group,
                                               accumulate_fp32=False)
+
+    def _default_splits(self, lengths) -> tuple:
+        """The reference path's default split, refused where the fused op refuses it. Decided
+        from the plan and the global batch alone (the same on every rank), before the
+        reference's all-to-all, so every rank raises rather than one entering the exchange: a
+        rank that holds no tables refuses on every rank, not only on itself."""
+        W = self.world.world_size
+        empty = [q for q in range(W) if not self.plan.tables_of(q)]
+        if empty:
+            raise ValueError(f"{NAME}: rank {empty[0]} holds no tables, so the global batch "
+                             f"cannot be read off lengths: pass batch_splits")
+        return even_splits(NAME, lengths, len(self.local_tables), W, self.world.rank)
 
     def close(self) -> None:
         if self.ctx is not None:

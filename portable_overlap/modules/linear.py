@@ -107,6 +107,29 @@ class _GatherRows(torch.autograd.Function):
         return _scatter_rows(grad, ctx.group, ctx.W), None, None
 
 
+class _AddReplicatedBias(torch.autograd.Function):
+    """``y + bias`` where ``y`` is this rank's row block of a sequence-parallel output and
+    ``bias`` is replicated: the loss is the sum of every rank's rows, so the bias gradient is
+    the sum of ``dy`` over all ranks' rows (an all-reduce of the local sums, as Megatron does
+    for sequence-parallel parameters). The weight's gradient is taken against that same global
+    loss (its backward all-gathers ``dy``); with only the local sum, the bias replicas would
+    get different gradients and drift apart after an optimizer step."""
+
+    @staticmethod
+    def forward(ctx, y, bias, group, W):
+        ctx.group, ctx.W = group, W
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        db = None
+        if ctx.needs_input_grad[1]:
+            db = dy.sum(0)
+            if ctx.W > 1:
+                dist.all_reduce(db, group=ctx.group)
+        return dy if ctx.needs_input_grad[0] else None, db, None, None
+
+
 class _RowFused(torch.autograd.Function):
     """A fused row-parallel product ``run(x, weight)`` (``x [rows, in/W]``, ``weight
     [out, in/W]``) with the row-parallel backward. All-reduce (``scattered`` False): every rank
@@ -192,8 +215,9 @@ class RowParallelLinear(nn.Module):
     Gradients: every path is differentiable in ``x`` and the parameters, with the row-parallel
     backward. With ``all_reduce`` the output gradient is taken to be the same on every rank (each
     rank holds the whole loss, as in Megatron): ``dx_r = dy @ W_r``, ``dW_r = dyᵀ @ x_r``, no
-    collective. With ``reduce_scatter`` the row blocks' gradients are all-gathered first (one
-    collective per backward, on every rank).
+    collective. With ``reduce_scatter`` the loss is the sum of every rank's rows: the row
+    blocks' gradients are all-gathered for the weight and input gradients, and the replicated
+    bias gets the sum of ``dy`` over all ranks' rows (an all-reduce), the same on every rank.
 
     ``dtype`` and ``device`` follow ``nn.Linear``: ``None`` means torch's default dtype
     (``torch.get_default_dtype()``) and the world's device. The fused kernels take bfloat16,
@@ -301,7 +325,11 @@ class RowParallelLinear(nn.Module):
             y = x @ self.weight.T
             if W > 1:
                 y = _ScatterRows.apply(y, self.world.group, W)
-        return y + self.bias if self.bias is not None else y
+        if self.bias is None:
+            return y
+        if torch.is_grad_enabled() and self.bias.requires_grad:
+            return _AddReplicatedBias.apply(y, self.bias, self.world.group, W)
+        return y + self.bias
 
     def _check_rows(self, x: torch.Tensor, rows: int) -> None:
         if self.max_rows is not None and rows > self.max_rows:

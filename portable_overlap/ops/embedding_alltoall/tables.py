@@ -17,6 +17,24 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 POOLINGS = ("sum", "mean")
 
 
+def even_splits(name: str, lengths, n_loc: int, world_size: int, rank: int) -> tuple:
+    """The default batch split: the global batch ``lengths.numel() / n_loc`` (``n_loc`` local
+    tables) split evenly over the ranks. Refuses (``name`` is the caller) a rank without tables
+    (its global batch cannot be read off its lengths) and a batch that does not split evenly
+    (cutting it would drop or mix samples)."""
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"{name}: lengths must be a tensor, got {type(lengths).__name__}")
+    if n_loc == 0:
+        raise ValueError(f"{name}: rank {rank} holds no tables, so the global batch cannot be "
+                         f"read off lengths: pass batch_splits")
+    B, rem = divmod(lengths.numel(), n_loc)
+    if rem or B % world_size:
+        raise ValueError(f"{name}: lengths has {lengths.numel()} entries: not {n_loc} local "
+                         f"tables × a batch that splits evenly over {world_size} ranks; pass "
+                         f"batch_splits")
+    return (B // world_size,) * world_size
+
+
 class RankTables:
     """Rank ``world.rank``'s share of ``plan``: its tables (``local_tables``, ``n_loc`` of them,
     packed in a weight of ``weight_rows`` rows), each table's first row in that weight
@@ -47,17 +65,7 @@ class RankTables:
         split evenly over the ranks."""
         W = self.world.world_size
         if batch_splits is None:
-            if not isinstance(lengths, torch.Tensor):
-                raise TypeError(f"{OP}: lengths must be a tensor, got {type(lengths).__name__}")
-            if self.n_loc == 0:
-                raise ValueError(f"{OP}: rank {self.rank} holds no tables, so the global batch "
-                                 f"cannot be read off lengths: pass batch_splits")
-            B, rem = divmod(lengths.numel(), self.n_loc)
-            if rem or B % W:
-                raise ValueError(f"{OP}: lengths has {lengths.numel()} entries: not "
-                                 f"{self.n_loc} local tables × a batch that splits evenly over "
-                                 f"{W} ranks; pass batch_splits")
-            return (B // W,) * W
+            return even_splits(OP, lengths, self.n_loc, W, self.rank)
         try:
             splits = tuple(int(n) for n in batch_splits)
         except (TypeError, ValueError):
@@ -218,7 +226,9 @@ class BagOffsets:
             self._lengths = torch.empty(n, dtype=torch.int64, device=lengths.device)
         offsets = self._offsets[:n + 1]
         if not checked:
-            lengths = torch.clamp(lengths, min=0, out=self._lengths[:n])
+            # copy_ casts int32 lengths to the int64 buffer (clamp's out= must match its input's
+            # dtype); the prefix sum then runs in int64 whatever the input's dtype
+            lengths = self._lengths[:n].copy_(lengths).clamp_(min=0)
         torch.cumsum(lengths, 0, out=offsets[1:])
         if not checked:
             offsets.clamp_(max=n_indices)
