@@ -378,3 +378,33 @@ def test_a_failed_call_leaves_no_late_rows_for_the_next_call(world4, first):
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] < 1e-5, (rank, found)
+
+
+def test_a_grown_workspace_keeps_the_buffer_a_graph_may_hold():
+    """``expert_swiglu``'s kept buffers: a call that needs more replaces the buffer, at least
+    doubled, but keeps the old one alive (a CUDA graph captured with it replays into its
+    addresses) until ``free_workspaces``; a call that needs no more gets the same memory."""
+    import gc
+    import weakref
+
+    from portable_overlap.ops.moe_experts import api
+
+    dev = torch.device("cpu")
+    api.free_workspaces(dev)
+    try:
+        small = api.workspace(dev, "probe", 100, torch.float32)
+        held = weakref.ref(small._base if small._base is not None else small)
+        ptr = small.data_ptr()
+        del small
+        assert api.workspace(dev, "probe", 60, torch.float32).data_ptr() == ptr
+        grown = api.workspace(dev, "probe", 150, torch.float32)
+        assert grown.numel() == 150 and grown.data_ptr() != ptr
+        assert grown._base.numel() == 200  # doubled: what is kept stays below what is in use
+        gc.collect()
+        assert held() is not None, "the replaced buffer was freed"
+        api.free_workspaces(dev)
+        del grown
+        gc.collect()
+        assert held() is None, "free_workspaces kept the replaced buffer"
+    finally:
+        api.free_workspaces(dev)
