@@ -201,6 +201,53 @@ def test_bad_routing_found_on_device(world2, fault):
         assert any("row count" in r for r in res), res
 
 
+def _counts_not_rows(world, fault):
+    """Rank 1's counts are not its rows of x (more rows counted than x has, or a negative
+    count): its GEMM computes and sends nothing (no read past x or slots) and reports the
+    counts, rank 0 misses rank 1's rows and reports that; the next call is right on both."""
+    from portable_overlap.testing.compare import rel_err
+
+    S, H, I, El, k = 6, 16, 8, 2, 2
+    ctx = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                         config=SMALL, timeout_s=5.0)
+    g = torch.Generator().manual_seed(30 + world.rank)
+    tokens = torch.randn(S, I, generator=g)
+    ids = torch.rand(S, El * world.world_size, generator=g).topk(k, dim=1).indices
+    x, counts, slots = moe_dispatch_reference(tokens, ids, El, world.group)
+    w = torch.randn(El, I, H, generator=g)
+    tw = torch.rand(S, k, generator=g)
+    bad = counts.clone()
+    if world.rank == 1:
+        if fault == "too_many":
+            bad[0, 0] += x.shape[0] + 40
+        else:
+            bad[0, 0], bad[-1, -1] = -3, bad[-1, -1] + 3 + bad[0, 0]
+    got = []
+    try:
+        try:
+            ctx(x, w, bad, slots, tw)
+            ctx.synchronize()
+            got.append("ok")
+        except InvalidInputError as e:
+            got.append(str(e))
+        out = ctx(x, w, counts, slots, tw)
+        ctx.synchronize()
+        got.append(rel_err(out, moe_gemm_combine_reference(x, w, counts, slots, tw,
+                                                           world.group)))
+    finally:
+        ctx.close()
+    return got
+
+
+@pytest.mark.parametrize("fault", ["too_many", "negative"])
+def test_counts_that_are_not_the_rows_of_x(world2, fault):
+    (msg0, err0), (msg1, err1) = world2.run(_counts_not_rows, fault, timeout=120)
+    assert "routing counts" in msg1 and "nothing was computed" in msg1, msg1
+    assert ("[1]: got -3" if fault == "negative" else "[0]: got") in msg1, msg1
+    assert "row count" in msg0, msg0
+    assert err0 < 1e-5 and err1 < 1e-5, (err0, err1)
+
+
 def _skip(world):
     return call_while_peers_skip(
         world, lambda: MoeGemmCombine(world, max_tokens=8, top_k=1, hidden=16,

@@ -302,6 +302,16 @@ def report(status_addr, pid, code, peer, what, expected):
 
 
 @triton.jit
+def report_first(status_addr, pid, code, peer, what, expected):
+    """``report``, unless program ``pid``'s slot already holds a report: where a later kernel
+    of the call only finds the consequence of what an earlier one reported in that slot (rows
+    missing because a sender found its input bad), the cause is kept."""
+    board = status_addr.to(tl.pointer_type(tl.int64))
+    if tl.load(board + (pid + 1) * 4, volatile=True) == 0:
+        report(status_addr, pid, code, peer, what, expected)
+
+
+@triton.jit
 def begin_call(ctl_ptr):
     """The epoch of this call: one more than the last finished call's (read by every program
     before any of them can finish, see ``end_call``)."""

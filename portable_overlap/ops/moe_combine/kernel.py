@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free_once, begin_call,
                              call_flag, end_call, end_call_free, live, peer_buffer, peer_ptr,
-                             report, signal_peers)
+                             report, report_first, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
 from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
@@ -49,13 +49,17 @@ CHECK_SLOT = tl.constexpr(3)
 CHECK_ROWS = tl.constexpr(4)
 CHECK_SLOT_MISSING = tl.constexpr(5)
 FLAG_READY = tl.constexpr(6)  # (the one-launch layer's, ops/moe_layer/kernel.py)
+CHECK_COUNTS = tl.constexpr(7)
 FLAG_BLOCK = tl.constexpr(128)  # flags polled (and row counts summed) per vector load
 FLAG_NAMES = {1: "rows-sent", 2: "combine-consumed", 3: "routing slot of dispatched row",
               4: "row count arriving (expected S*top_k)",
               5: "routing slot with no row in this call (duplicate or out-of-range slot on a "
                  "sender; the value: the call that last filled it, 0 for none)",
               6: "gated activations of a row tile (the gated GEMM tiles of the same launch; a "
-                 "peer-failed report: a tile of it was given up on, see the dispatch's error)"}
+                 "peer-failed report: a tile of it was given up on, see the dispatch's error)",
+              7: "routing counts: not this rank's rows of x (index 0: their sum, past x's "
+                 "rows; index 1: a negative count; the value: the sum or the count); nothing "
+                 "was computed or sent"}
 
 
 @triton.jit
@@ -261,6 +265,21 @@ def _grouped_gemm_scatter(
     ok = live(clock_ptr)
     cleared = tl.zeros((), tl.int64)  # bit q: rank q's combine buffer is free for this call
     begin_down(rows_mine_ptr, pid, world, G_MAX)
+    # counts that are not rows of x (a negative count, more rows than x has) would have the
+    # tiles read x and slots past their ends: then every segment is taken as empty, nothing is
+    # stored, this rank reports it and the sources, missing its rows, report theirs
+    total = tl.zeros((), tl.int64)
+    lowest = tl.zeros((), tl.int32)
+    lanes = tl.arange(0, FLAG_BLOCK)
+    for c0 in range(0, n_seg, FLAG_BLOCK):
+        cnt = tl.load(counts_ptr + c0 + lanes, mask=c0 + lanes < n_seg, other=0)
+        total += tl.sum(cnt.to(tl.int64))
+        lowest = tl.minimum(lowest, tl.min(cnt))
+    counts_ok = (lowest >= 0) & (total <= R)
+    if (pid == 0) & ~counts_ok:
+        report(status_addr, pid, STATUS_BAD_INPUT, -1,
+               (CHECK_COUNTS << 32) + tl.where(lowest < 0, 1, 0).to(tl.int64),
+               tl.where(lowest < 0, lowest.to(tl.int64), total))
 
     # the walk's cursors (monotone in t). Source-major: segment index, its first tile, its tile
     # count. Expert-major: expert, its first tile, its row tiles per source (in walk order,
@@ -268,11 +287,12 @@ def _grouped_gemm_scatter(
     seg = 0
     seg_t0 = 0
     src, e = _segment(seg, rank, world, E)
-    n = tl.load(counts_ptr + src * E + e)
+    n = tl.where(counts_ok, tl.load(counts_ptr + src * E + e), 0)
     seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
     qs = tl.arange(0, BLOCK_SRC)  # a source's place in the walk
     q_src = (rank + 1 + qs) % world
-    c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, 0, E, world, BLOCK_M)
+    c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, tl.where(counts_ok, 0, E), E, world,
+                                 BLOCK_M)
     seg_nt_e = tl.sum(mt_q) * num_pid_n
     for i in range(0, tl.cdiv(t_max, G)):
         t = pid + i * G
@@ -283,7 +303,8 @@ def _grouped_gemm_scatter(
             while (t >= seg_t0 + seg_nt_e) & (seg < E):
                 seg += 1
                 seg_t0 += seg_nt_e
-                c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, seg, E, world, BLOCK_M)
+                c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs,
+                                             tl.where(counts_ok, seg, E), E, world, BLOCK_M)
                 seg_nt_e = tl.sum(mt_q) * num_pid_n
             walking = seg < E
             # (past the walk's end the tile is not used)
@@ -295,7 +316,8 @@ def _grouped_gemm_scatter(
                 seg += 1
                 seg_t0 += seg_nt
                 src, e = _segment(seg, rank, world, E)
-                n = tl.load(counts_ptr + src * E + e, mask=seg < n_seg, other=0)
+                n = tl.load(counts_ptr + src * E + e, mask=(seg < n_seg) & counts_ok,
+                            other=0)
                 seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
             walking = seg < n_seg
             pid_m, pid_n = grouped_tile(t - seg_t0, tl.maximum(tl.cdiv(n, BLOCK_M), 1),
@@ -343,8 +365,9 @@ def moe_combine_kernel(
                 total += tl.sum(tl.load(rows_in_ptr + q * G_MAX + c + lanes,
                                         mask=c + lanes < G_src, other=0, volatile=True))
         if total != tl.cast(S, tl.int64) * k:
-            report(status_addr, pid, STATUS_BAD_INPUT, -1,
-                   tl.cast(rank, tl.int64) + (CHECK_ROWS << 32), total)
+            # (first: where this rank's own GEMM found its counts bad, that is the cause)
+            report_first(status_addr, pid, STATUS_BAD_INPUT, -1,
+                         tl.cast(rank, tl.int64) + (CHECK_ROWS << 32), total)
             rows_ok = False  # program 0's report names the count, not a slot it implies
     # 3. every slot of this program's tokens got a row in this call. With the total of
     #    step 2 equal to S*k this proves the rows are exactly one per slot of [0, S*k): a
@@ -366,8 +389,9 @@ def moe_combine_kernel(
             missing += miss.to(tl.int32)
         if (tl.sum(missing) > 0) & rows_ok:
             lowest = tl.min(tl.where(first >= 0, first, 0x7FFFFFFFFFFFFFFF))
-            report(status_addr, pid, STATUS_BAD_INPUT, -1, (CHECK_SLOT_MISSING << 32) + lowest,
-                   tl.sum(tl.where(first == lowest, stamp, 0)))
+            report_first(status_addr, pid, STATUS_BAD_INPUT, -1,
+                         (CHECK_SLOT_MISSING << 32) + lowest,
+                         tl.sum(tl.where(first == lowest, stamp, 0)))
         filled = missing == 0
         # 4. weighted sum over each token's k slots; a token with a slot that got no row gets
         #    NaN (the call raises; the sum would mix in another call's row)
