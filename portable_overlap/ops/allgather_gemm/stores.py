@@ -193,7 +193,8 @@ class AllGatherMatmulStores(OverlapContext):
         refuse_schedule("stores", schedule)
         out = check_call(a, b, out, self.world, self.max_shard_elems)
         m, K = a.shape
-        key = (m, K, b.shape[1], a.dtype, b.stride(), align_key(a, b, out))
+        # (a.stride(): whether the shard takes a descriptor, fixed in the plan, depends on it)
+        key = (m, K, b.shape[1], a.dtype, a.stride(), b.stride(), align_key(a, b, out))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(a, b, out)
