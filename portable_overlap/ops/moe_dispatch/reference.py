@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...errors import PeerTimeoutError
+from ...errors import InvalidInputError, PeerTimeoutError
 
 #: the flag column of the counts exchange: this source found an expert id out of range, or
 #: refused the call before sending anything (``refuse_dispatch``)
@@ -51,8 +51,9 @@ def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts
                                f"their own error); this rank's output of that call is not valid")
     flagged = (counts[:, -1] == BAD_IDS).nonzero().flatten().tolist()
     if flagged:
-        raise ValueError(f"moe_dispatch: expert ids must be in [0, {E}); rank(s) {flagged} "
-                         f"passed others")
+        # (InvalidInputError, as the "stores" kernels raise it: under "auto" either may run)
+        raise InvalidInputError(f"moe_dispatch: expert ids must be in [0, {E}); rank(s) "
+                                f"{flagged} passed others")
     send_counts, counts = send_counts[:, :-1].contiguous(), counts[:, :-1].contiguous()
     if W == 1:
         return send_rows.contiguous(), counts, send_slots

@@ -11,7 +11,8 @@ The host reads the splits at every call, so a call cannot be captured in a CUDA 
 transport) and named, it raises under capture before it moves anything.
 
 Faults, each raised in the call that meets it: an expert id out of range on any rank raises
-``ValueError`` on every rank (the counts exchange carries a flag); a call a rank refuses before
+:class:`~portable_overlap.errors.InvalidInputError` (the class the ``"stores"`` kernels raise
+it with, at their next check) on every rank (the counts exchange carries a flag); a call a rank refuses before
 the exchange (bad input) raises on every rank, the refusing rank taking part in the exchange
 with a refusal flag (``reference.refuse_dispatch``); more rows for a rank than its ``capacity``
 raise :class:`~portable_overlap.errors.InvalidInputError` on that rank, whose buffers then hold
