@@ -63,6 +63,34 @@ def test_copy_engine_matches_matmul_plus_all_to_all(world, dtype):
             assert all(e < TOL[dtype] for e in errs), (pieces, errs)
 
 
+def _ce_config(world):
+    """A config passed to the copy engines' transport (whose GEMM is torch.matmul) is refused
+    on every rank instead of ignored, and the next call is right."""
+    import torch.distributed as dist
+
+    ctx = GemmAllToAll(world, max_elems=256, transport="copy_engine", pieces=2)
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(8, 8, generator=g), torch.randn(8, 16, generator=g)
+    try:
+        try:
+            ctx(a, b, config=SMALL)
+            got = "no error"
+        except TypeError as e:
+            got = str(e)
+        out = ctx(a, b)
+        ctx.synchronize()
+        ref = torch.empty_like(out)
+        dist.all_to_all_single(ref, a @ b, group=world.group)
+        return got, torch.allclose(out, ref, atol=1e-5)
+    finally:
+        ctx.close()
+
+
+def test_copy_engine_refuses_a_config(world2):
+    for got, right in world2.run(_ce_config):
+        assert "takes no config" in got and right, (got, right)
+
+
 def _ce_skip(world):
     ctx = GemmAllToAll(world, max_elems=256, transport="copy_engine", pieces=2, timeout_s=1.0)
     r = "ok"

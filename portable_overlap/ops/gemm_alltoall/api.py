@@ -98,6 +98,9 @@ class GemmAllToAll(OverlapContext):
         out = output_tensor(OP, out, (M, N), a, dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(OP, a, N, M, bias=bias, residual=residual)
         if self._links is not None:
+            if config is not None:  # (its GEMM is the vendor BLAS's: no tiles to choose)
+                raise TypeError(f"{OP}: transport 'copy_engine' takes no config (its GEMM is "
+                                f"torch.matmul); pass config to transport 'stores'")
             self._call_copy_engine(a, b, out)
             add_epilogue(out, bias, residual)
             return out
