@@ -10,17 +10,18 @@ device syncs), so a call cannot be captured in a CUDA graph (:attr:`capturable` 
 ``"auto"`` the calls made under capture run the fastest fused transport) and named, it raises
 under capture before it reads anything.
 
-Calls are matched the way the collective library matches them: a rank that skips a call waits
-in the collective until the process group's timeout (``timeout_s`` is checked but not used);
-under ``transport="auto"`` a call first agrees with its peers, with a deadline
-(``ops/planner.py``). The row counts are exchanged with a flag, so where a rank's counts are
-not its rows' (a negative count, more rows counted than ``x`` holds) every rank raises
-``ValueError`` in that call, without a hang; a rank that refuses its input before that
-exchange (bad shapes, dtypes, ``out``) still takes part in it with a refusal, and its peers
-raise :class:`~portable_overlap.errors.PeerTimeoutError` for that call. The slots are data the host does not read: a row
-whose slot is outside its source rank's ``S * top_k`` is dropped, a slot of ``[0, S * k)`` that
-gets no row or more than one makes its token NaN, as the fused transports do, and both are
-raised as :class:`~portable_overlap.errors.InvalidInputError` at the next :meth:`synchronize`.
+Calls are matched the way the collective library matches them: a rank that skips a call waits in
+the collective until the process group's timeout (``timeout_s`` is checked but not used); under
+``transport="auto"`` a call first agrees with its peers, with a deadline (``ops/planner.py``).
+The row counts are exchanged with a flag, so where a rank's counts are not its rows' (a negative
+count, more rows counted than ``x`` holds) every rank raises ``ValueError`` in that call,
+without a hang; a rank that refuses its input before that exchange (bad shapes, dtypes, ``out``)
+still takes part in it with a refusal, and its peers raise
+:class:`~portable_overlap.errors.PeerTimeoutError` for that call. The slots are data the host
+does not read: a row whose slot is outside its source rank's ``S * top_k`` is dropped, a slot of
+``[0, S * k)`` that gets no row or more than one makes its token NaN, as the fused transports
+do, and both are raised as :class:`~portable_overlap.errors.InvalidInputError` at the next
+:meth:`synchronize`.
 """
 from __future__ import annotations
 

@@ -11,15 +11,15 @@ The host reads the splits at every call, so a call cannot be captured in a CUDA 
 transport) and named, it raises under capture before it moves anything.
 
 Faults, each raised in the call that meets it: an expert id out of range on any rank raises
-:class:`~portable_overlap.errors.InvalidInputError` (the class the ``"stores"`` kernels raise
-it with, at their next check) on every rank (the counts exchange carries a flag); a call a rank refuses before
-the exchange (bad input) raises on every rank, the refusing rank taking part in the exchange
-with a refusal flag (``reference.refuse_dispatch``); more rows for a rank than its ``capacity``
-raise :class:`~portable_overlap.errors.InvalidInputError` on that rank, whose buffers then hold
-nothing of the call (its peers return normally). A rank that skips a call leaves its peers in
-the collective library's wait (the process group's timeout; ``timeout_s`` is checked but not
-used); under ``transport="auto"`` a call first agrees with its peers, with a deadline
-(``ops/planner.py``).
+:class:`~portable_overlap.errors.InvalidInputError` (the class the ``"stores"`` kernels raise it
+with, at their next check) on every rank (the counts exchange carries a flag); a call a rank
+refuses before the exchange (bad input) raises on every rank, the refusing rank taking part in
+the exchange with a refusal flag (``reference.refuse_dispatch``); more rows for a rank than its
+``capacity`` raise :class:`~portable_overlap.errors.InvalidInputError` on that rank, whose
+buffers then hold nothing of the call (its peers return normally). A rank that skips a call
+leaves its peers in the collective library's wait (the process group's timeout; ``timeout_s`` is
+checked but not used); under ``transport="auto"`` a call first agrees with its peers, with a
+deadline (``ops/planner.py``).
 """
 from __future__ import annotations
 
