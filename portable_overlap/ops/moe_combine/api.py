@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import triton
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
@@ -44,7 +45,8 @@ from ..context import (align_key, collective_call, G_MAX, output_tensor, Overlap
 from ..launch import PlannedLaunch
 from ...shmem.providers import agreed_put_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_config, tile_descriptors
-from .kernel import FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel, moe_gemm_scatter_kernel
+from .kernel import (FLAG_NAMES, moe_combine_kernel, moe_gemm_put_kernel,
+                     moe_gemm_scatter_kernel, segment_starts_kernel)
 
 #: the transports this module runs (``pattern.py`` adds ``"sequential"`` and ``"auto"``)
 FUSED_TRANSPORTS = ("stores", "shmem")
@@ -194,6 +196,10 @@ class MoeGemmCombineKernel(OverlapContext):
                          .view(self.max_slots, hidden) for dt in DTYPES}
         self._stage = self._combine  # the zero-copy transport stages nothing
         self._sym = self._put_kernel = None
+        # the segments' counts as the GEMM reads them, and their first rows in x
+        # (``segment_starts_kernel``)
+        self._safe_counts = torch.empty(W * experts_per_rank, dtype=torch.int32,
+                                        device=world.device)
         self._starts = torch.empty(W * experts_per_rank, dtype=torch.int32, device=world.device)
         if self._provider is not None:
             # the library's symmetric memory: combine rows, then one staging tile per program
@@ -246,10 +252,19 @@ class MoeGemmCombineKernel(OverlapContext):
         """(gemm, combine, the GEMM's PlannedLaunch): the call's two launches, planned on first
         use, as callables."""
         S = topk_weights.shape[0]
-        # row starts of the segments, in the context's buffer: device ops, no host sync, no
-        # allocation (the previous call's kernels read it earlier in stream order)
-        flat = counts.reshape(-1)
-        starts = torch.cumsum(flat, 0, dtype=torch.int32, out=self._starts).sub_(flat)
+        # the counts checked against x's rows and the segments' row starts, in the context's
+        # buffers: one launch, no host sync, no allocation (the previous call's kernels read
+        # them earlier in stream order)
+        n_seg = counts.numel()
+        block = triton.next_power_of_2(n_seg)
+        starts_launch = self._plans.get(("starts", block))
+        if starts_launch is None:
+            starts_launch = self._plans[("starts", block)] = self._compile(
+                segment_starts_kernel, 1, dict(BLOCK=block, num_warps=4),
+                lambda g: self._starts_args(counts, x))
+        # (untracked: it sends nothing, so a call refused after it is still a refusal)
+        starts_launch.run_untracked(self._starts_args(counts, x))
+        counts, starts = self._safe_counts.view(counts.shape), self._starts
         # R and S are data-dependent and never specialized on (kernel.py), so plans depend only
         # on what is fixed for a model (dtype, I, strides, pointer alignment) and on whether
         # S is a decode size (``decode_walk``: two plans at most)
@@ -316,6 +331,10 @@ class MoeGemmCombineKernel(OverlapContext):
                 self.status.address, x.shape[0], self.hidden, x.shape[1], self.experts_per_rank,
                 self.max_slots, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
                 programs, self.rank, W, tag, self.timeout_us, *descs)
+
+    def _starts_args(self, counts, x):
+        return (counts, self._safe_counts, self._starts, self.status.address, counts.numel(),
+                x.shape[0])
 
     def _comb_args(self, topk_weights, out, dtype, tag, gemm_programs):
         S, k = topk_weights.shape

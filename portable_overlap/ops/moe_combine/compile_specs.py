@@ -1,8 +1,9 @@
 """Representative compile signatures of the MoE expert GEMM + combine kernels, at their launches'
 options (``api._plan``, ``_plan_combine``): the GEMM at its tile's config (the H200 bf16 tile,
 ``matmul.api.tile_config``, over 8 warps with 3 stages; the decode tile, ``decode_tile``, over 8
-with 4; fp32 over 4 with 3), the weighted sum over ``CombineConfig``'s 4 warps with 1 stage."""
-from .kernel import moe_combine_kernel, moe_gemm_scatter_kernel
+with 4; fp32 over 4 with 3), the weighted sum over ``CombineConfig``'s 4 warps with 1 stage,
+and the one-program launch of the counts' check and the segments' starts before the GEMM."""
+from .kernel import moe_combine_kernel, moe_gemm_scatter_kernel, segment_starts_kernel
 
 _GEMM_ARGS = ("status_addr:i64 R:i32 H:i32 I:i32 E:i32 max_slots:i32 stride_xm:i32 stride_xk:i32 "
               "stride_we:i32 stride_wk:i32 stride_wn:i32 G:i32 rank:i32 world:i32 tag:i32 "
@@ -12,6 +13,11 @@ _COMB_ARGS = ("status_addr:i64 S:i32 H:i32 k:i32 stride_ts:i32 stride_tk:i32 G_s
 
 
 def specs():
+    # the counts' check and the segments' starts: 8 ranks x 32 experts
+    sig = {"counts_ptr": "*i32", "safe_ptr": "*i32", "starts_ptr": "*i32", "status_addr": "i64",
+           "n_seg": "i32", "R": "i32", "BLOCK": "constexpr"}
+    yield ("moe_gemm_combine segment_starts", segment_starts_kernel, sig,
+           dict(BLOCK=256, num_warps=4, num_stages=1), [])
     # the default tiles (source-major walk) and the decode tiles (expert-major walk)
     for dt, prec, bm, bn, bk, desc, experts in (("bf16", "ieee", 128, 256, 64, True, False),
                                                 ("bf16", "ieee", 128, 256, 64, False, False),

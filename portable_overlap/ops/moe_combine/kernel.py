@@ -243,6 +243,31 @@ def moe_gemm_put_kernel(
         shmem_put_rows, shmem_flush)
 
 
+@triton.jit(do_not_specialize=["R"])
+def segment_starts_kernel(counts_ptr, safe_ptr, starts_ptr, status_addr, n_seg, R,
+                          BLOCK: tl.constexpr):
+    """One program, before the GEMM: the segments' row counts as the GEMM reads them
+    (``safe``) and their first rows in ``x`` (``starts``, the exclusive prefix sum). Counts that
+    are not rows of x (a negative count, more rows than x's R) would have the tiles read x and
+    the slots past their ends: then every segment is empty, nothing is computed or stored, and
+    the fault is reported here (``CHECK_COUNTS``); the sources, missing this rank's rows,
+    report theirs. Here and not in the GEMM: a check kept through the GEMM's walk took a
+    register its 128 x 256 tile (at 255) does not have, and spilled."""
+    lanes = tl.arange(0, BLOCK)
+    inside = lanes < n_seg
+    c = tl.load(counts_ptr + lanes, mask=inside, other=0)
+    lowest = tl.min(c)
+    total = tl.sum(c.to(tl.int64))
+    ok = (lowest >= 0) & (total <= R)
+    c = tl.where(ok, c, 0)
+    tl.store(safe_ptr + lanes, c, mask=inside)
+    tl.store(starts_ptr + lanes, tl.cumsum(c, 0) - c, mask=inside)
+    if not ok:
+        report(status_addr, 0, STATUS_BAD_INPUT, -1,
+               (CHECK_COUNTS << 32) + tl.where(lowest < 0, 1, 0).to(tl.int64),
+               tl.where(lowest < 0, lowest.to(tl.int64), total))
+
+
 @triton.jit
 def _grouped_gemm_scatter(
     x_ptr, w_ptr, counts_ptr, starts_ptr, slots_ptr, combine_ptr, stage_ptr, slot_epoch_ptr,
@@ -265,21 +290,6 @@ def _grouped_gemm_scatter(
     ok = live(clock_ptr)
     cleared = tl.zeros((), tl.int64)  # bit q: rank q's combine buffer is free for this call
     begin_down(rows_mine_ptr, pid, world, G_MAX)
-    # counts that are not rows of x (a negative count, more rows than x has) would have the
-    # tiles read x and slots past their ends: then every segment is taken as empty, nothing is
-    # stored, this rank reports it and the sources, missing its rows, report theirs
-    total = tl.zeros((), tl.int64)
-    lowest = tl.zeros((), tl.int32)
-    lanes = tl.arange(0, FLAG_BLOCK)
-    for c0 in range(0, n_seg, FLAG_BLOCK):
-        cnt = tl.load(counts_ptr + c0 + lanes, mask=c0 + lanes < n_seg, other=0)
-        total += tl.sum(cnt.to(tl.int64))
-        lowest = tl.minimum(lowest, tl.min(cnt))
-    counts_ok = (lowest >= 0) & (total <= R)
-    if (pid == 0) & ~counts_ok:
-        report(status_addr, pid, STATUS_BAD_INPUT, -1,
-               (CHECK_COUNTS << 32) + tl.where(lowest < 0, 1, 0).to(tl.int64),
-               tl.where(lowest < 0, lowest.to(tl.int64), total))
 
     # the walk's cursors (monotone in t). Source-major: segment index, its first tile, its tile
     # count. Expert-major: expert, its first tile, its row tiles per source (in walk order,
@@ -287,12 +297,11 @@ def _grouped_gemm_scatter(
     seg = 0
     seg_t0 = 0
     src, e = _segment(seg, rank, world, E)
-    n = tl.where(counts_ok, tl.load(counts_ptr + src * E + e), 0)
+    n = tl.load(counts_ptr + src * E + e)
     seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
     qs = tl.arange(0, BLOCK_SRC)  # a source's place in the walk
     q_src = (rank + 1 + qs) % world
-    c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, tl.where(counts_ok, 0, E), E, world,
-                                 BLOCK_M)
+    c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, 0, E, world, BLOCK_M)
     seg_nt_e = tl.sum(mt_q) * num_pid_n
     for i in range(0, tl.cdiv(t_max, G)):
         t = pid + i * G
@@ -303,8 +312,7 @@ def _grouped_gemm_scatter(
             while (t >= seg_t0 + seg_nt_e) & (seg < E):
                 seg += 1
                 seg_t0 += seg_nt_e
-                c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs,
-                                             tl.where(counts_ok, seg, E), E, world, BLOCK_M)
+                c_e, mt_q, cum = expert_rows(counts_ptr, q_src, qs, seg, E, world, BLOCK_M)
                 seg_nt_e = tl.sum(mt_q) * num_pid_n
             walking = seg < E
             # (past the walk's end the tile is not used)
@@ -316,8 +324,7 @@ def _grouped_gemm_scatter(
                 seg += 1
                 seg_t0 += seg_nt
                 src, e = _segment(seg, rank, world, E)
-                n = tl.load(counts_ptr + src * E + e, mask=(seg < n_seg) & counts_ok,
-                            other=0)
+                n = tl.load(counts_ptr + src * E + e, mask=seg < n_seg, other=0)
                 seg_nt = tl.cdiv(n, BLOCK_M) * num_pid_n
             walking = seg < n_seg
             pid_m, pid_n = grouped_tile(t - seg_t0, tl.maximum(tl.cdiv(n, BLOCK_M), 1),
