@@ -11,10 +11,14 @@ from portable_overlap.testing.campaign import leftovers, run_campaign
 #: steps per world size: about 250 faulted calls per run together (fault rate 0.65), so that no
 #: run falls short of 200 (the draw varies by about 10)
 STEPS = {2: 220, 4: 160}
+#: the contexts' timeout per world size: under the interpreter a valid call takes up to 0.5 s
+#: of a rank's CPU time on 4 ranks (0.9 s of wall time with four ranks on two cores), and a
+#: wait must outlast a peer's whole call; with 1 s a busy peer was taken for a lost one
+TIMEOUT_S = {1: 1.0, 2: 1.5, 4: 3.0}
 
 
 def _campaign(world, seed, steps):
-    tally = run_campaign(world, seed, steps)
+    tally = run_campaign(world, seed, steps, timeout_s=TIMEOUT_S[world.world_size])
     tally["leftovers"] = leftovers()
     return tally
 

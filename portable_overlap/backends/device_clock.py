@@ -1,5 +1,6 @@
-"""A wall clock that Triton kernels can read, for bounded waits: ``now_ns()`` in a kernel gives
-nanoseconds from a clock that runs at a constant rate whatever the SM clocks do.
+"""A clock that Triton kernels can read, for bounded waits: ``now_ns()`` in a kernel gives
+nanoseconds from a clock that runs at a constant rate whatever the SM clocks do (on GPUs a wall
+clock; under the interpreter the rank's CPU time, below).
 
 - NVIDIA: the ``%globaltimer`` register (ns since the epoch; it ticks about every microsecond);
 - AMD CDNA (gfx9): ``s_memrealtime``, the constant 100 MHz real-time counter, scaled to ns
