@@ -257,9 +257,11 @@ class MoeGemmCombineKernel(OverlapContext):
         # them earlier in stream order)
         n_seg = counts.numel()
         block = triton.next_power_of_2(n_seg)
-        starts_launch = self._plans.get(("starts", block))
+        # (the counts' alignment too: the planned launch skips the JIT, which specializes on it)
+        starts_key = ("starts", block, align_key(counts))
+        starts_launch = self._plans.get(starts_key)
         if starts_launch is None:
-            starts_launch = self._plans[("starts", block)] = self._compile(
+            starts_launch = self._plans[starts_key] = self._compile(
                 segment_starts_kernel, 1, dict(BLOCK=block, num_warps=4),
                 lambda g: self._starts_args(counts, x))
         # (untracked: it sends nothing, so a call refused after it is still a refusal)
