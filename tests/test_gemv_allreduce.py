@@ -137,6 +137,26 @@ def test_bad_input_raises_clear_errors(world2):
         assert "contiguous" in msgs["noncontig"] and "device" in msgs["device"]
 
 
+def _oversized_partials(world):
+    """Contexts whose partials would pass 2**31 elements (the kernel's int32 offsets)."""
+    msgs = {}
+    for transport, max_n in (("stores", 2 ** 24), ("one_shot", 2 ** 23)):
+        try:
+            GemvAllReduce(world, max_n=max_n, transport=transport).close()
+            msgs[transport] = None
+        except ValueError as e:
+            msgs[transport] = str(e)
+    return msgs
+
+
+def test_partials_past_int32_offsets_are_refused_at_construction(world2):
+    """2 ranks x 64 rows x max_n floats (twice for one-shot) reach 2**31: a clear error on
+    every rank before anything is allocated, not offsets that wrap in the kernel."""
+    for msgs in world2.run(_oversized_partials):
+        for transport, msg in msgs.items():
+            assert msg is not None and "2**31" in msg and "max_n <" in msg, (transport, msg)
+
+
 def _disagree_on_shape(world):
     ctx = GemvAllReduce(world, max_n=64, timeout_s=2.0)
     N = 48 if world.rank == 0 else 40

@@ -42,6 +42,20 @@ def test_bad_input():
         MatmulConfig(block_m=48)
 
 
+def test_k_strides_that_would_wrap_the_tiles_int32_steps_are_refused():
+    """The tile GEMM steps through K in int32 (tiles.gemm): a column-major ``a`` of 2**25
+    rows (K stride 2**25, times the 64-wide K block = 2**31) or a ``b`` as wide is refused
+    with a clear error, before anything is launched."""
+    store = torch.randn(2 ** 25 + 16).bfloat16()
+    wide = store.as_strided((4, 2), (1, 2 ** 25))  # a [4, 2] whose K stride is 2**25
+    b = torch.randn(2, 3).bfloat16()
+    cfg = MatmulConfig(block_k=64)
+    with pytest.raises(ValueError, match="a's K stride 33554432"):
+        persistent_matmul(wide, b, config=cfg)
+    with pytest.raises(ValueError, match="b's K stride 33554432"):
+        persistent_matmul(b.t().contiguous()[:, :2], wide.t(), config=cfg)
+
+
 def test_tile_descriptors_only_where_the_device_and_operands_allow():
     """The TMA main loop is chosen only on a device with bulk tensor copies, for bf16 / fp16
     operands whose rows are contiguous with 16-byte row strides and bases (the GPU checks run

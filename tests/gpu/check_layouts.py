@@ -311,6 +311,26 @@ def _big_gemms(world: World, gen) -> None:
             ctx.close()
 
 
+def _big_k_stride(world: World, gen) -> None:
+    """The GEMM patterns with a column-major a [M, K] of 36 M rows (K 128, bf16: 9.2 GB): its K
+    stride times a K block is past 2**31, where the tiles' int32 K step would wrap (such an
+    ``a`` takes the pointer loads: no descriptor for a column-major operand). The fused
+    transports refuse it (``matmul.api.check_k_steps``)."""
+    W, dev, bf = world.world_size, world.device, torch.bfloat16
+    M, K, N = 36_000_000 // W * W, 128, 48
+    a = laid_out((M, K), "transposed", dtype=bf, device=dev, gen=gen)
+    b = laid_out((K, N), dtype=bf, device=dev, gen=gen)
+    for op, (make, ref_fn, rows_of) in GEMM_PATTERNS.items():
+        ctx = make(world, M, N, transport="stores")
+        try:
+            out = torch.full((rows_of(M, W), N), float("nan"), dtype=bf, device=dev)
+            _outcome(f"{op}[stores] column-major a {M}x{K}, K stride x block past 2**31",
+                     lambda: getattr(po, op)(a, b, ctx, out),
+                     lambda: ref_fn(a, b, world.group, None, None), out, TOL[bf])
+        finally:
+            ctx.close()
+
+
 def _big_gemv(world: World, gen) -> None:
     """GEMV + AllReduce with w [N, K] past 2**31 elements (a vocabulary-sized projection)."""
     dev, bf = world.device, torch.bfloat16
@@ -406,7 +426,8 @@ def check_big(world: World, gen) -> None:
     """Each op once with its largest operand past 2**31 elements (bf16: 4.3 GB), its other
     operands small, so the products stay short; the rows past 2**31 elements are the ones an
     int32 offset would get wrong. One op at a time, its memory freed before the next."""
-    for part in (_big_gemms, _big_gemv, _big_experts, _big_moe_buffers, _big_embedding):
+    for part in (_big_gemms, _big_k_stride, _big_gemv, _big_experts, _big_moe_buffers,
+                 _big_embedding):
         try:
             part(world, gen)
         except Exception as e:  # noqa: BLE001  (one op's failure; the next op runs)

@@ -16,7 +16,8 @@ import torch
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.copy_engine import KIND_CONSUMED, KIND_READY, CopyEngineLinks
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
-from ..matmul.api import DTYPES, MatmulConfig, default_config, operand_descriptors
+from ..matmul.api import (DTYPES, MatmulConfig, check_k_steps, default_config,
+                          operand_descriptors)
 from .kernel import FLAG_LABELS, allgather_gemm_kernel
 
 OP = "all_gather_matmul"
@@ -263,6 +264,7 @@ class AllGatherMatmulStores(OverlapContext):
         # 8 warps at any tile, since the senders are programs of this launch and move their
         # chunks over its warps
         cfg = self.config or default_config(a.dtype, a.device, W * m, N)
+        check_k_steps(self.OP, a, b, cfg)
         chunk_rows = chunk_rows_for(m, cfg.block_m)
         n_chunks = -(-m // chunk_rows)
         copy_own = W > 1 and m % cfg.block_m != 0

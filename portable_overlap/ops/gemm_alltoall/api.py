@@ -27,8 +27,8 @@ from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
                        shape_tag)
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..matmul.api import (DTYPES, MatmulConfig, add_epilogue, check_operands, default_config,
-                          describable, tile_descriptors, vector_checks)
+from ..matmul.api import (DTYPES, MatmulConfig, add_epilogue, check_k_steps, check_operands,
+                          default_config, describable, tile_descriptors, vector_checks)
 from .kernel import FLAG_NAMES, gemm_alltoall_kernel
 
 TRANSPORTS = ("stores", "copy_engine")
@@ -168,6 +168,7 @@ class GemmAllToAll(OverlapContext):
         # operands take descriptors (``tile_config``)
         cfg = config or default_config(a.dtype, a.device, M, N,
                                        describable(a, b, self.world.facts))
+        check_k_steps(OP, a, b, cfg)
         n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
         use_desc = tile_descriptors(a, b, cfg, self.world.facts)[0] is not None
         consts = dict(USE_DESC=use_desc, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -63,7 +63,7 @@ from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.gate import wait_counter
 from ..context import ContextBase, align_key, collective_call, output_tensor, shape_tag
 from ..launch import PlannedLaunch, resident_programs
-from ..matmul.api import (check_2d, check_operands, default_config,
+from ..matmul.api import (check_2d, check_k_steps, check_operands, default_config,
                           tile_descriptors, vector_checks)
 from .config import KINDS, MAX_GROUPS, OP, RESERVE_PER_132, SignalConfig  # noqa: F401
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
@@ -205,6 +205,7 @@ class GemmSignal(ContextBase):
         if kind != "all_reduce" and M % self.size:
             raise ValueError(f"{op}: M={M} rows must split evenly over {self.size} ranks")
         cfg = self._resolve(kind, a, b, config or self.config)
+        check_k_steps(op, a, b, cfg.matmul or default_config(a.dtype, self.device))
         return op, cfg, M, N, K, M // self.size if kind == "reduce_scatter" else M
 
     def _resolve(self, kind, a, b, cfg: SignalConfig) -> SignalConfig:

@@ -48,6 +48,7 @@ class GemvAllReduceKernel(OverlapContext):
         config: force one launch configuration (else tuned table, else heuristic).
         transport: ``"stores"`` (two-shot) or ``"one_shot"`` (``KERNEL_TRANSPORTS``). The
             one-shot form keeps two calls' partials (``2 * world * 64 * max_n`` floats).
+            The partials must stay under 2**31 elements (``ValueError`` otherwise).
     """
 
     OP = OP
@@ -62,9 +63,15 @@ class GemvAllReduceKernel(OverlapContext):
                          (max_n, config, transport))
         W = world.world_size
         one_shot = transport == "one_shot"
+        partials = (2 if one_shot else 1) * W * MAX_M * max_n
+        if partials >= 2 ** 31:  # the kernel offsets into them in int32 (kernel.py)
+            raise ValueError(f"{OP}: max_n={max_n} on {W} ranks needs {partials} partial "
+                             f"elements ({'2 x ' if one_shot else ''}world x {MAX_M} x max_n), "
+                             f"past the kernel's 2**31; use max_n < "
+                             f"{-(-2 ** 31 // ((2 if one_shot else 1) * W * MAX_M))}")
         super().__init__(world, [
             # fp32 partials [src, M, N]; the one-shot form keeps two calls' (kernel.py)
-            ("partial", ((2 if one_shot else 1) * W * MAX_M * max_n,), torch.float32),
+            ("partial", (partials,), torch.float32),
             # reduced tiles, viewed per dtype (the two-shot form's broadcast)
             ("_result_raw", (1 if one_shot else MAX_M * max_n,), torch.float32),
             ("ready", (W, G_MAX), torch.int64), ("bcast", (W, G_MAX), torch.int64),

@@ -212,6 +212,18 @@ def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None
         raise ValueError(f"{op}: empty operand {tuple(a.shape)} @ {tuple(b.shape)}")
 
 
+def check_k_steps(op: str, a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig) -> None:
+    """The shared tile GEMM (``tiles.gemm``) steps its pointers through K by ``block_k`` times
+    a K stride in int32 (an int64 step costs the 128 x 128 pointer-load tile 288 bytes of
+    spills on sm_90): refuse an ``a`` whose K stride (a column-major ``a`` of 2**31 / block_k
+    rows or more) or a ``b`` whose K stride (a row-major ``b`` that wide) would wrap it."""
+    for name, stride in (("a", a.stride(1)), ("b", b.stride(0))):
+        if abs(stride) * cfg.block_k >= 2 ** 31:
+            raise ValueError(f"{op}: {name}'s K stride {stride} times the tile's K block "
+                             f"{cfg.block_k} passes 2**31 (the tiles' int32 K steps); pass "
+                             f"{'a row-major a' if name == 'a' else 'a b with a smaller K stride'}")
+
+
 def vector_checks(op, a, N, rows, *, bias=None, residual=None, rms_weight=None) -> None:
     """The epilogue operands' checks: ``residual`` [rows, N] with contiguous rows, ``bias`` and
     ``rms_weight`` contiguous [N]; all of ``a``'s dtype and device."""
@@ -253,6 +265,7 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
 
     facts = device_facts(a.device)  # read once per process, not per call
     cfg = config or shape_config(a, b, facts)
+    check_k_steps(OP, a, b, cfg)
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:

@@ -48,6 +48,13 @@ def _first_tile(pid, d, tpb, G):
 
 
 @triton.jit
+def _block_start(M, d, world):
+    """Row ``M * d // world``, where rank d's block starts, through int64: ``M * d`` wraps in
+    int32 from M * (world - 1) >= 2**31 rows."""
+    return ((tl.zeros((), tl.int64) + M) * d // world).to(tl.int32)
+
+
+@triton.jit
 def _finish_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_ptr,
                 bias_ptr, res_ptr, stride_res, recv_ptr, gathered_ptr, consumed_ptr, call, ok,
                 waited, ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -115,8 +122,8 @@ def matmul_reduce_stores_kernel(
                 ok = pol.wait_peers(ctx, sent_ptr + pid, G_MAX, call, tag)
         d = (rank + 1 + i) % world
         T = _first_tile(pid, d, tpb, G) + (idx % per) * G
-        lo_d = M * d // world
-        rows_d = M * (d + 1) // world - lo_d
+        lo_d = _block_start(M, d, world)
+        rows_d = _block_start(M, d + 1, world) - lo_d
         tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
         row0 = tm * BLOCK_M  # in the block
         if (T < tpb) & (row0 < rows_d) & ok:
@@ -161,8 +168,8 @@ def matmul_reduce_stores_kernel(
         if ok:
             for i in range(1, world):
                 q = (rank + i) % world
-                lo_q = M * q // world
-                rows_q = M * (q + 1) // world - lo_q
+                lo_q = _block_start(M, q, world)
+                rows_q = _block_start(M, q + 1, world) - lo_q
                 for j in range(0, per):
                     T = _first_tile(pid, q, tpb, G) + j * G
                     tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)

@@ -14,8 +14,8 @@ import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
-from ..matmul.api import (DTYPES, MatmulConfig, check_operands, default_config, describable,
-                          operand_descriptors, vector_checks)
+from ..matmul.api import (DTYPES, MatmulConfig, check_k_steps, check_operands, default_config,
+                          describable, operand_descriptors, vector_checks)
 from .kernel import FLAG_LABELS, matmul_reduce_stores_kernel
 
 MODES = ("reduce_scatter", "all_reduce")
@@ -115,6 +115,7 @@ class MatmulReduceStores(OverlapContext):
         # operands take descriptors (``tile_config``)
         cfg = self.config or default_config(a.dtype, a.device, M, N,
                                             describable(a, b, facts, b_trans=True))
+        check_k_steps(self.OP, a, b, cfg)
         block = -(-M // W)
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
         programs = min(W * tpb, facts.sm_count, G_MAX)
