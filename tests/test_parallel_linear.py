@@ -100,6 +100,68 @@ def test_row_parallel_bad_input(world2):
         assert all(m and "RowParallelLinear" in m for m in msgs), msgs
 
 
+def _bad_on_one_rank(world):
+    """Rank 1 passes each module an input of the wrong dtype, rank 0 a good one: (module,
+    error type, message, seconds) per call on this rank, then the relative error of a good
+    call on every module after it. The contexts wait 60 s for a peer."""
+    import time
+
+    from portable_overlap import (AllGatherMatmul, GemvAllReduce, MatmulAllReduce,
+                                  MatmulReduceScatter)
+
+    W, r = world.world_size, world.rank
+    k = K // W
+    ctxs = [GemvAllReduce(world, max_n=N, timeout_s=60.0),
+            MatmulAllReduce(world, 80, N, timeout_s=60.0),
+            MatmulReduceScatter(world, 8, N, timeout_s=60.0),
+            AllGatherMatmul(world, max_shard_elems=8 * K, timeout_s=60.0)]
+    mods = {
+        "row, decode": RowParallelLinear(K, N, world, dtype=torch.float32, ctx=ctxs[0]),
+        "row, prefill": RowParallelLinear(K, N, world, dtype=torch.float32, reduce_ctx=ctxs[1]),
+        "row, reduce_scatter": RowParallelLinear(K, N, world, dtype=torch.float32,
+                                                 reduce="reduce_scatter", reduce_ctx=ctxs[2]),
+        "column": ColumnParallelLinear(K, N * W, world, max_rows=8, dtype=torch.float32,
+                                       ctx=ctxs[3]),
+    }
+    g = torch.Generator().manual_seed(11)
+    inputs = {"row, decode": torch.randn(3, k, generator=g),
+              "row, prefill": torch.randn(70, k, generator=g),
+              "row, reduce_scatter": torch.randn(8, k, generator=g),
+              "column": torch.randn(4, K, generator=g)}
+    found = {}
+    with torch.no_grad():
+        for name, m in mods.items():
+            x = inputs[name].double() if r == 1 else inputs[name]
+            t0 = time.monotonic()
+            try:
+                m(x)
+                found[name] = ("no error", "", 0.0)
+            except Exception as e:
+                found[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+        ref = {name: RowParallelLinear(K, N, world, dtype=torch.float32, fused=False,
+                                       reduce=m.reduce) if name.startswith("row") else
+               ColumnParallelLinear(K, N * W, world, max_rows=8, dtype=torch.float32,
+                                    fused=False) for name, m in mods.items()}
+        for name, m in mods.items():
+            ref[name].weight.copy_(m.weight)
+            found[name + " next"] = rel_err(m(inputs[name]), ref[name](inputs[name]))
+    for m in (*mods.values(), *ref.values(), *ctxs):
+        m.close()
+    return found
+
+
+def test_a_module_check_failing_on_one_rank_fails_the_call_on_every_rank(world2):
+    """A module's own input check that fails on one rank refuses the fused op's call there:
+    the peer fails the same call at once ("rank 1 gave up") instead of waiting out its 60 s,
+    which would break the context, and the next call works on every rank."""
+    mine, peer = world2.run(_bad_on_one_rank, timeout=300)
+    for name in ("row, decode", "row, prefill", "row, reduce_scatter", "column"):
+        assert peer[name][0] == "TypeError" and "dtype" in peer[name][1], peer[name]
+        assert mine[name][0] == "PeerTimeoutError" and "gave up" in mine[name][1], mine[name]
+        assert mine[name][2] < 30.0, mine[name]
+        assert mine[name + " next"] < 1e-5 and peer[name + " next"] < 1e-5, (mine, peer)
+
+
 def _factory_defaults(world):
     """dtype / device as nn.Linear's factory arguments: None is torch's default dtype and the
     world's device."""

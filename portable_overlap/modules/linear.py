@@ -2,6 +2,7 @@
 (all-reduce or reduce-scatter after the GEMM) and column-parallel (all-gather before it)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -65,6 +66,24 @@ def _op_call(name: str, x, fn, *args):
         except Exception:  # an error class that is not built from one message: keep it as is
             raise e from None
         raise renamed from e
+
+
+def _refuse_with_peers(call, error: BaseException) -> None:
+    """A module's own check of a call failed on this rank, before the fused op it would call:
+    ``call`` is ``(context, args)``, the op's context (the one the peers are calling now) and
+    the arguments the module would give it, or None where the module cannot tell or runs no
+    fused op. The op's call is refused (``PatternContext.refuse``), so that the peers fail it
+    at once ("rank r gave up") and stay in step, instead of waiting for this rank until their
+    timeout, which breaks the context. The caller raises ``error`` then."""
+    if call is None:
+        return
+    ctx, args = call
+    try:
+        ctx.refuse(error, *args)
+    except BaseException:  # noqa: BLE001
+        # the refusal raises ``error``, or the context's own error where it is closed or
+        # broken: the caller raises ``error`` either way
+        pass
 
 
 def _scatter_rows(full, group, W):
@@ -275,22 +294,20 @@ class RowParallelLinear(nn.Module):
             self.weight.normal_(0.0, (in_features ** -0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.weight.shape[1]
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"RowParallelLinear: input must be a tensor, got {_describe(x)}")
-        if x.dim() < 1 or x.shape[-1] != k:
-            raise ValueError(f"RowParallelLinear: input must be [..., {k}] (this rank's slice of "
-                             f"in_features={self.in_features}), got {_describe(x)}")
-        _check_input(self.NAME, x, self.weight)
+        try:
+            self._check(x)
+        except (TypeError, ValueError) as e:
+            _refuse_with_peers(self._op_call_of(x), e)
+            raise
         if self.reduce == "reduce_scatter":
             return self._reduce_scatter(x)
+        k = self.weight.shape[1]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         rows = x2.shape[0]
         if self.fused and rows <= MAX_M:
             y = self._fused(x, x2, lambda a, w: gemv_all_reduce(a.contiguous(), w, self.ctx))
         elif self.fused and self.reduce_ctx is not None:
-            self._check_rows(x, rows)
             y = self._fused(x, x2, lambda a, w: matmul_all_reduce(a.contiguous(), w.T,
                                                                   self.reduce_ctx))
         else:
@@ -303,6 +320,40 @@ class RowParallelLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
+    def _check(self, x) -> None:
+        """The module's own checks of an input, before any op runs."""
+        k = self.weight.shape[1]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"RowParallelLinear: input must be a tensor, got {_describe(x)}")
+        if x.dim() < 1 or x.shape[-1] != k:
+            raise ValueError(f"RowParallelLinear: input must be [..., {k}] (this rank's slice of "
+                             f"in_features={self.in_features}), got {_describe(x)}")
+        _check_input(self.NAME, x, self.weight)
+        if self.reduce == "reduce_scatter":
+            W = self.world.world_size
+            if x.dim() != 2 or x.shape[0] % W:
+                raise ValueError(f"RowParallelLinear(reduce='reduce_scatter'): input must be "
+                                 f"[S, {k}] with S a multiple of the world size {W} (rank r "
+                                 f"keeps rows [r*S/W, (r+1)*S/W)), got {_describe(x)}")
+            if self.fused:
+                self._check_rows(x, x.shape[0])
+        elif self.fused and self.reduce_ctx is not None and x.numel() // k > MAX_M:
+            self._check_rows(x, x.numel() // k)
+
+    def _op_call_of(self, x):
+        """``(context, args)`` of the fused op a call with input ``x`` runs (the peers' call,
+        where their inputs have ``x``'s rows), or None: the reference path, or no rows to tell
+        by."""
+        if not self.fused:
+            return None
+        if self.reduce == "reduce_scatter":
+            return self.reduce_ctx, (x, self.weight.T)
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            return None
+        if math.prod(x.shape[:-1]) <= MAX_M:
+            return self.ctx, (x, self.weight)
+        return None if self.reduce_ctx is None else (self.reduce_ctx, (x, self.weight.T))
+
     def _fused(self, x, x2, run, scattered=False):
         """``run(x2, weight)`` (a fused op), inside :class:`_RowFused` when autograd records."""
         if _recording(self, x):
@@ -312,12 +363,7 @@ class RowParallelLinear(nn.Module):
 
     def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         W = self.world.world_size
-        if x.dim() != 2 or x.shape[0] % W:
-            raise ValueError(f"RowParallelLinear(reduce='reduce_scatter'): input must be [S, "
-                             f"{self.weight.shape[1]}] with S a multiple of the world size {W} "
-                             f"(rank r keeps rows [r*S/W, (r+1)*S/W)), got {_describe(x)}")
         if self.fused:
-            self._check_rows(x, x.shape[0])
             y = self._fused(x, x, lambda a, w: matmul_reduce_scatter(a.contiguous(), w.T,
                                                                      self.reduce_ctx),
                             scattered=True)
@@ -398,12 +444,17 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..ops.allgather_gemm import all_gather_matmul
 
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"ColumnParallelLinear: input must be a tensor, got {_describe(x)}")
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"ColumnParallelLinear: input must be [rows, {self.in_features}], "
-                             f"got {_describe(x)}")
-        _check_input(self.NAME, x, self.weight)
+        try:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"ColumnParallelLinear: input must be a tensor, got "
+                                f"{_describe(x)}")
+            if x.dim() != 2 or x.shape[1] != self.in_features:
+                raise ValueError(f"ColumnParallelLinear: input must be [rows, "
+                                 f"{self.in_features}], got {_describe(x)}")
+            _check_input(self.NAME, x, self.weight)
+        except (TypeError, ValueError) as e:
+            _refuse_with_peers((self.ctx, (x, self.weight.T)) if self.fused else None, e)
+            raise
         W = self.world.world_size
         if self.fused:
             run = lambda a, w: all_gather_matmul(a.contiguous(), w.T, self.ctx)  # noqa: E731

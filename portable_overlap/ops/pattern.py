@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..errors import BackendUnavailable
-from .context import (check_timeout, refuse_grad, refuse_grad_as_call, register_context,
-                      unregister_context)
+from .context import (check_timeout, refuse_call, refuse_grad, refuse_grad_as_call,
+                      register_context, unregister_context)
 from .planner import AUTO, PLANNER_OPTIONS, TransportPlanner
 
 
@@ -215,6 +215,20 @@ class PatternContext:
             refuse_grad(self.OP, *tensors)
         except RuntimeError as e:
             planner.refuse(inputs, options, e)
+
+    def refuse(self, error: BaseException, *args, **kwargs) -> None:
+        """Raise ``error``, found by a caller's own check of a call of this op with these
+        arguments (a module checking its input before it calls the op), as that call's
+        refusal, which the peers hear of: a refused call of the named transport's workspace
+        (``refuse_call``), or ``"auto"``'s refusal (``TransportPlanner.refuse``). The peers
+        then fail the same call at once instead of waiting for this rank until their timeout,
+        which would break the context. Raises ``error``, or the context's own error where it
+        is closed or broken."""
+        if self.planner is None:
+            refuse_call([self.impl], error)
+        inputs, _, options = self._bind(*args, **kwargs)
+        self.planner.refuse(inputs, options, error)
+        raise error
 
     def choice(self, *args, **kwargs) -> Optional[str]:
         """The transport that runs a call with these arguments (the call's own) made now: the
