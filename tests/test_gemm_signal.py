@@ -133,6 +133,35 @@ def _separate_gate_words(world, cases, repeat):
     return errs, zero, words.indirect and apart, made[1:] == ["freed"], zeroed
 
 
+def _k_shards_of_their_own(world):
+    """Each rank's K is its own (a reduction's K shards of different widths): rel. errors of
+    the three kinds against their references, twice each (the first call of a plan and a
+    guarded one)."""
+    ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
+    K = 24 + 8 * world.rank
+    errs = []
+    try:
+        for i, kind in enumerate(("all_reduce", "reduce_scatter", "all_to_all") * 2):
+            fn, ref_fn = OPS[kind]
+            g = torch.Generator().manual_seed(77 * i + world.rank)
+            a, b = torch.randn(32, K, generator=g), torch.randn(K, 20, generator=g)
+            rows = 32 // world.world_size if kind == "reduce_scatter" else 32
+            out = torch.full((rows, 20), float("nan"))
+            fn(a, b, ctx, out)
+            ref = ref_fn(a, b, world.group)
+            errs.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
+    finally:
+        ctx.close()
+    return errs
+
+
+def test_k_shards_of_different_widths(world2):
+    """The ranks compare the product's M, N, dtype and tiling, not K: uneven K shards of a
+    reduction (and each rank's own K in the All-to-All) run; they were refused as a mismatch."""
+    for errs in world2.run(_k_shards_of_their_own):
+        assert len(errs) == 6 and all(e < TOL[torch.float32] for e in errs), errs
+
+
 def test_counters_through_the_address_table(world2):
     """The signal GEMM counts into gate words that are separate allocations (ROCm's signal
     memory, where the command processor waits) through their address table: every kind,

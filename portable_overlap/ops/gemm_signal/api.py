@@ -430,9 +430,11 @@ class GemmSignal(ContextBase):
         if groups.n_groups > MAX_GROUPS:
             raise ValueError(f"{op}: at most {MAX_GROUPS} wave groups, got {groups.n_groups}")
         # every rank must run the same collectives on the same chunks: a rank planning another
-        # partition or tiling would make the collectives mismatch (a hang or garbage)
-        self.world.check_same(f"{op} plan (M, N, K, dtype, tiling, partition)",
-                              (kind, M, N, K, str(dtype), mm, groups.sizes))
+        # partition or tiling would make the collectives mismatch (a hang or garbage). Not K:
+        # each rank's product has its own (a reduction's K shards may differ in width), and
+        # the collectives move [M, N] tiles whatever it is
+        self.world.check_same(f"{op} plan (M, N, dtype, tiling, partition)",
+                              (kind, M, N, str(dtype), mm, groups.sizes))
         lay = tile_layout(groups, dests)
         tile = mm.block_m * mm.block_n
         if kind == "all_reduce":  # reordered from staging: slot s holds tile t = inverse[s]
@@ -467,7 +469,7 @@ class GemmSignal(ContextBase):
         self.stage_raw = self._grow(self.stage_raw, plan.stage_bytes)
         self._recv_raw = self._grow(self._recv_raw, plan.recv_bytes)
         # what the ranks must agree on, compared by every call under gloo (``_check_stamp``)
-        plan.tag = shape_tag(OP, kind, M=M, N=N, K=K, dtype=str(dtype), config=repr(cfg),
+        plan.tag = shape_tag(OP, kind, M=M, N=N, dtype=str(dtype), config=repr(cfg),
                              groups=tuple(plan.groups.sizes))
         self._plans[key] = plan
         return plan
