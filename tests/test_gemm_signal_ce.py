@@ -80,6 +80,7 @@ def _bad(world):
                               config=SignalConfig(matmul=SMALL))
     try:
         a, b = torch.randn(32, 8), torch.randn(8, 32)
+        staged = ctx.sig.stage_raw.numel()
         for call in (lambda: ctx.reduce_scatter(a[:W * 8 + 1], b),  # M % W
                      lambda: ctx.reduce_scatter(torch.randn(64, 8), torch.randn(8, 64)),  # room
                      lambda: ctx.reduce_scatter(a, b, bias=torch.randn(31)),
@@ -90,10 +91,12 @@ def _bad(world):
                 msgs.append(None)
             except (ValueError, TypeError) as e:
                 msgs.append(str(e))
+        # a refused call leaves no staging grown for it
+        kept = ctx.sig.stage_raw.numel() == staged
         # the context still works after refused calls
         out = ctx.reduce_scatter(a, b)
         ref = gemm_reduce_scatter_reference(a, b, world.group)
-        ok = torch.allclose(out, ref, rtol=1e-5, atol=1e-4)
+        ok = torch.allclose(out, ref, rtol=1e-5, atol=1e-4) and kept
         return msgs, ok
     finally:
         ctx.close()
@@ -104,6 +107,32 @@ def test_bad_input(world2):
         assert all(msgs) and ok, msgs
         assert "max_elems" in msgs[0] and "tune" in msgs[1] and "split evenly" in msgs[2]
         assert "receive room" in msgs[3] and "bias" in msgs[4] and "tune" in msgs[5]
+
+
+def _uneven_k(world):
+    """Each rank's K shard its own width: rel. errors of two calls."""
+    W = world.world_size
+    ctx = GemmReduceScatterCE(world, GemmReduceScatterCE.elems_needed(32, 40, W, 16, 16),
+                              config=SignalConfig(matmul=SMALL))
+    errs = []
+    try:
+        for i in range(2):
+            g = torch.Generator().manual_seed(31 * i + world.rank)
+            K = 16 + 8 * world.rank
+            a, b = torch.randn(32, K, generator=g), torch.randn(K, 40, generator=g)
+            out = ctx.reduce_scatter(a, b)
+            ref = gemm_reduce_scatter_reference(a, b, world.group).double()
+            errs.append(((out.double() - ref).norm() / ref.norm()).item())
+        return errs
+    finally:
+        ctx.close()
+
+
+def test_k_shards_of_different_widths(world2):
+    """The flags' tags hold M, N, dtype and the groups, not K: uneven K shards run (they were
+    refused as a mismatch)."""
+    for errs in world2.run(_uneven_k):
+        assert len(errs) == 2 and all(e < 1e-5 for e in errs), errs
 
 
 def _library_op(world):

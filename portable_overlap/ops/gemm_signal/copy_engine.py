@@ -38,8 +38,7 @@ import torch
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ...transports.gate import wait_counter
 from ..context import align_key, collective_call, OverlapContext, output_tensor, shape_tag
-from ..matmul.api import DTYPES
-from ..matmul.api import vector_checks
+from ..matmul.api import DTYPES, default_config, vector_checks
 from .api import GemmSignal, signal_gemm_args
 from .config import MAX_GROUPS, SignalConfig
 from .kernel import signal_reduce_kernel
@@ -116,14 +115,17 @@ class GemmReduceScatterCE(OverlapContext):
         op, cfg, M, N, K, rows = sig.check_call("reduce_scatter", a, b, cfg)
         out = output_tensor(OP, out, (rows, N), a, dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(OP, a, N, rows, bias=bias, residual=residual)
-        plan = sig.plan_call("reduce_scatter", op, M, N, K, a.dtype, cfg)
-        mm, T, pd = plan.mm, plan.tile_elems, plan.groups.n_tiles // W
+        # the receive room first: planning grows the staging buffer, which a refused call
+        # must not leave grown
+        mm = cfg.matmul or default_config(a.dtype, self.world.device)
         need = self.elems_needed(M, N, W, mm.block_m, mm.block_n)
         if need > self.max_elems:
             raise ValueError(f"{OP}: an [{M}, {N}] result on {W} ranks with {mm.block_m}x"
                              f"{mm.block_n} tiles needs {need} elements of receive room; this "
                              f"context has max_elems={self.max_elems} (size it with "
                              f"GemmReduceScatterCE.elems_needed)")
+        plan = sig.plan_call("reduce_scatter", op, M, N, K, a.dtype, cfg)
+        T, pd = plan.tile_elems, plan.groups.n_tiles // W
         first = id(plan) not in self._own
         if first and sig.capturing():
             raise RuntimeError(f"{OP}: call it once with these shapes outside graph capture "
@@ -134,7 +136,8 @@ class GemmReduceScatterCE(OverlapContext):
         stage = sig.stage_raw[:plan.stage_bytes].view(a.dtype)
         recv = self._recv[a.dtype]
         reduce, reduce_args = self._reduce_launch(plan, stage, recv, out, bias, residual, a)
-        tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), groups=plan.groups.sizes)
+        # not K: each rank's K shard may have its own width
+        tag = shape_tag(OP, M=M, N=N, dtype=str(a.dtype), groups=plan.groups.sizes)
         be, counters = self.world.backend, sig.counters
 
         links.begin()
