@@ -70,25 +70,39 @@ def test_auto_matches_reference_with_one_decision_per_dtype(world2):
 
 def _shared(world):
     """``"auto"``'s candidates fill one set of buffers, the stores workspace's; a context
-    whose only candidate is ``"sequential"`` has its own, and no stores workspace."""
+    whose only candidate is ``"sequential"`` has its own, and no stores workspace. Then the
+    buffers the context shows after a call of a candidate with its own."""
     kw = dict(max_tokens=4, top_k=2, hidden=8, experts_per_rank=2, dtype=torch.float32)
     both = MoeDispatch(world, transport="auto", **kw, **QUICK)
     alone = MoeDispatch(world, transport="auto", candidates=("sequential",), **kw, **QUICK)
     try:
         impls = both.planner.impls
-        return (set(impls) == {"stores", "sequential"},
-                all(getattr(impls["sequential"], n) is getattr(impls["stores"], n)
-                    for n in ("recv", "recv_slots", "counts")),
-                both.kernel() is impls["stores"] and both.recv is impls["stores"].recv,
-                alone.kernel() is None and alone.recv.shape == (2 * 4 * 2, 8))
+        shared = (set(impls) == {"stores", "sequential"},
+                  all(getattr(impls["sequential"], n) is getattr(impls["stores"], n)
+                      for n in ("recv", "recv_slots", "counts")),
+                  both.kernel() is impls["stores"] and both.recv is impls["stores"].recv,
+                  alone.kernel() is None and alone.recv.shape == (2 * 4 * 2, 8))
+
+        class Own:  # a candidate with buffers of its own ("shmem", on GPUs)
+            recv, recv_slots, counts = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+
+            def __call__(self, tokens, topk_ids):
+                return None
+
+        own = Own()
+        both._run("shmem", own, {"tokens": None, "topk_ids": None}, None, {})
+        return (*shared, all(getattr(both, n) is getattr(own, n)
+                             for n in ("recv", "recv_slots", "counts")))
     finally:
         alone.close()
         both.close()
 
 
 def test_auto_candidates_share_one_set_of_buffers(world2):
+    """... and the context's ``recv`` / ``recv_slots`` / ``counts`` are those of the workspace
+    that ran the last call (a candidate with its own buffers: ``"shmem"``)."""
     for got in world2.run(_shared):
-        assert got == (True, True, True, True), got
+        assert got == (True, True, True, True, True), got
 
 
 def _swiglu(world, candidates):

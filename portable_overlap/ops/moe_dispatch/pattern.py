@@ -94,6 +94,7 @@ class MoeDispatch(PatternContext):
         self._dedup = dedup
         # the first workspace made: the one whose buffers "auto"'s "sequential" candidate fills
         self._first = None
+        self._last = None  # the workspace of the last call: its buffers hold that call's data
         world.check_same(f"{OP} context arguments", (max_tokens, top_k, hidden, experts_per_rank,
                                                      str(dtype), capacity, dedup))
         super().__init__(world, transport, timeout_s, options)
@@ -124,6 +125,7 @@ class MoeDispatch(PatternContext):
         return {"tokens": tokens, "topk_ids": topk_ids}, None, {}
 
     def _run(self, transport, impl, inputs, out, options):
+        self._last = impl
         return impl(inputs["tokens"], inputs["topk_ids"])
 
     def _key_inputs(self, inputs: dict) -> dict:
@@ -142,18 +144,19 @@ class MoeDispatch(PatternContext):
     # -- the buffers, and the fused kernels' workspace ---------------------------------------------
     @property
     def recv(self) -> torch.Tensor:
-        """The receive buffer [capacity, hidden] a call's ``x`` is."""
-        return self._first.recv
+        """The receive buffer [capacity, hidden] the last call's ``x`` is (before any call, the
+        first workspace's; with ``"auto"`` each transport has its own)."""
+        return (self._last or self._first).recv
 
     @property
     def recv_slots(self) -> torch.Tensor:
-        """The slots [capacity] of the received rows (a call's ``slots``)."""
-        return self._first.recv_slots
+        """The slots [capacity] of the last call's received rows (its ``slots``)."""
+        return (self._last or self._first).recv_slots
 
     @property
     def counts(self) -> torch.Tensor:
         """The routing counts [world, experts_per_rank] of the last call (its ``counts``)."""
-        return self._first.counts
+        return (self._last or self._first).counts
 
     @property
     def dedup(self) -> bool:
