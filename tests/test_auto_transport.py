@@ -399,7 +399,7 @@ def _failing(world, only_rank0):
         if not only_rank0:  # (on one rank only, its peer's collectives would wait for it)
             broken.update(ctx.TRANSPORTS)  # now every candidate raises
             try:
-                po.matmul_all_reduce(torch.randn(M + 1, K), torch.randn(K, N), ctx)
+                po.matmul_all_reduce(torch.randn(M - 1, K), torch.randn(K, N), ctx)  # new key
                 found["all fail"] = None
             except RuntimeError as e:
                 found["all fail"] = str(e)

@@ -106,6 +106,54 @@ def test_every_transport_of_every_pattern(world, dtype):
             assert fake_ok and f"transport={transport!r}" in text, (name, transport, text)
 
 
+def _oversized(world):
+    """A result with more rows than ``max_m`` but fewer elements than ``max_m * max_n``: every
+    transport refuses it alike (some size their buffers by element count), on every rank
+    (rank 1 alone in the second call, where the waits are bounded), and the next call works."""
+    W, r = world.world_size, world.rank
+    max_m, max_n, K = 4 * W, 12, 8
+    found = []
+    for name, (make, ref_fn, rows) in PATTERNS.items():
+        fn = getattr(po, name)
+        for transport in make.available(world):
+            ctx = make(world, max_m, max_n, transport=transport, timeout_s=60.0)
+            g = torch.Generator().manual_seed(5 + r)
+            try:
+                big = pattern_inputs(g, 2 * max_m, max_n // 2, K, rows(2 * max_m, W),
+                                     torch.float32)
+                fine = pattern_inputs(g, max_m, max_n, K, rows(max_m, W), torch.float32)
+                got = []
+                # one rank alone only where the waits are bounded: a collective library's
+                # peer of a refusing rank waits until the group's timeout
+                alone = transport in ("stores", "copy_engine")
+                for x in (big, big if r == 1 or not alone else fine):
+                    try:
+                        fn(x[0], x[1], ctx)
+                        ctx.synchronize()
+                        got.append(("no error", ""))
+                    except Exception as e:
+                        got.append((type(e).__name__, str(e)))
+                ref = ref_fn(fine[0], fine[1], world.group, None, None).double()
+                out = fn(fine[0], fine[1], ctx).double()
+                found.append((name, transport, got, ((out - ref).norm() / ref.norm()).item()))
+            finally:
+                ctx.close()
+    return found
+
+
+def test_a_result_past_max_m_or_max_n_is_refused_by_every_transport(world2):
+    mine, peer = world2.run(_oversized, timeout=400)
+    assert mine and len(mine) == len(peer)
+    for (name, transport, got, err), (_, _, got1, err1) in zip(mine, peer):
+        for g in (got[0], got1[0], got1[1]):
+            assert g[0] == "ValueError" and "exceeds this context's max_m x max_n" in g[1], \
+                (name, transport, got, got1)
+        if transport in ("stores", "copy_engine"):  # rank 0's valid call fails at once
+            assert got[1][0] == "PeerTimeoutError" and "gave up" in got[1][1], \
+                (name, transport, got)
+        assert err < 1e-5 and err1 < 1e-5, (name, transport, err, err1)
+
+
 def _bad_contexts(world):
     msgs = []
     for make in (lambda: po.MatmulAllReduce(world, 8, 8, transport="nccl"),

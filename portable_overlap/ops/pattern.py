@@ -189,9 +189,14 @@ class PatternContext:
         transport ``"auto"`` picked for the call's key. An input that requires grad is refused
         (``check_grad``): the ops of these patterns have no backward."""
         self.check_grad(inputs, options)
+        self.check_sizes(inputs, options)
         if self.planner is None:
             return self._run(self.transport, self.impl, inputs, out, options)
         return self.planner(inputs, out, options)
+
+    def check_sizes(self, inputs: dict, options: dict) -> None:
+        """The context's own limits on a call, checked after :meth:`check_grad` and refused
+        the same way (:meth:`refuse`); none here."""
 
     def check_grad(self, inputs: dict, options: dict) -> None:
         """``refuse_grad`` of the call's tensors (the result would carry no gradient: a silent
@@ -224,9 +229,13 @@ class PatternContext:
         then fail the same call at once instead of waiting for this rank until their timeout,
         which would break the context. Raises ``error``, or the context's own error where it
         is closed or broken."""
+        inputs, _, options = self._bind(*args, **kwargs)
+        self._refuse(inputs, options, error)
+
+    def _refuse(self, inputs: dict, options: dict, error: BaseException) -> None:
+        """:meth:`refuse` of a call's bound inputs and options."""
         if self.planner is None:
             refuse_call([self.impl], error)
-        inputs, _, options = self._bind(*args, **kwargs)
         self.planner.refuse(inputs, options, error)
         raise error
 
@@ -298,6 +307,17 @@ class MatmulPattern(PatternContext):
                 raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
         self.max_m, self.max_n = max_m, max_n
         super().__init__(world, transport, timeout_s, options)
+
+    def check_sizes(self, inputs: dict, options: dict) -> None:
+        """A result larger than ``max_m`` x ``max_n`` in either dimension is refused before
+        any transport sees it, as this call's refusal on every rank (:meth:`refuse`): each
+        transport sizes its buffers its own way (some by element count), and the context's
+        limit must not depend on which one runs."""
+        sizes = self._matched(inputs)
+        if sizes is not None and (sizes["M"] > self.max_m or sizes["N"] > self.max_n):
+            self._refuse(inputs, options, ValueError(
+                f"{self.OP}: an [{sizes['M']}, {sizes['N']}] result exceeds this context's "
+                f"max_m x max_n = {self.max_m} x {self.max_n}"))
 
     def _matched(self, inputs: dict) -> Optional[dict]:
         """The product's rows and columns and the dtype: what the collective moves (each
