@@ -162,6 +162,49 @@ def test_a_module_check_failing_on_one_rank_fails_the_call_on_every_rank(world2)
         assert mine[name + " next"] < 1e-5 and peer[name + " next"] < 1e-5, (mine, peer)
 
 
+def _bad_on_one_rank_auto(world):
+    """The same with ``transport="auto"`` contexts: rank 1's bad input at the key's first call
+    (undecided: the agreement) and again once the key is decided (the decided transport's
+    refusal). (error type, message, seconds) on this rank, then a good call's rel. error."""
+    import time
+
+    from portable_overlap import GemvAllReduce
+
+    W, r = world.world_size, world.rank
+    k = K // W
+    ctx = GemvAllReduce(world, max_n=N, transport="auto", iters=1, warmup=0, timeout_s=60.0)
+    mod = RowParallelLinear(K, N, world, dtype=torch.float32, ctx=ctx)
+    ref = RowParallelLinear(K, N, world, dtype=torch.float32, fused=False)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4 + r))
+    found = {}
+    with torch.no_grad():
+        ref.weight.copy_(mod.weight)
+        for name in ("undecided", "decided"):
+            if name == "decided":
+                mod(x)  # decides the key on every rank
+            t0 = time.monotonic()
+            try:
+                mod(x.double() if r == 1 else x)
+                found[name] = ("no error", "", 0.0)
+            except Exception as e:
+                found[name] = (type(e).__name__, str(e), time.monotonic() - t0)
+        found["next"] = rel_err(mod(x), ref(x))
+    for m in (mod, ref, ctx):
+        m.close()
+    return found
+
+
+def test_a_module_check_failing_on_one_rank_under_auto(world2):
+    mine, peer = world2.run(_bad_on_one_rank_auto, timeout=300)
+    for name in ("undecided", "decided"):
+        assert peer[name][0] == "TypeError", peer[name]
+        assert mine[name][0] != "no error" and mine[name][2] < 30.0, mine[name]
+        # the decided transport's refusal (bounded waits), or the agreement's (unbounded)
+        assert (mine[name][0] == "PeerTimeoutError" and "gave up" in mine[name][1]) or \
+            (mine[name][0] == "RankMismatchError" and "rank 1 refused" in mine[name][1]), mine
+    assert mine["next"] < 1e-5 and peer["next"] < 1e-5, (mine, peer)
+
+
 def _factory_defaults(world):
     """dtype / device as nn.Linear's factory arguments: None is torch's default dtype and the
     world's device."""

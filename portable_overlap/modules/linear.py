@@ -86,6 +86,14 @@ def _refuse_with_peers(call, error: BaseException) -> None:
         pass
 
 
+def _stand_in(rows: int, cols: int, weight: torch.Tensor) -> torch.Tensor:
+    """What a peer with a good input passes the op for a call of ``rows`` rows (a contiguous
+    [rows, cols] of the layer's dtype; on the meta device, nothing allocated): the refusal of a
+    rank whose input failed the module's check carries it, so that ``"auto"`` finds the call
+    key its peers run and refuses that transport's call (``TransportPlanner.refuse``)."""
+    return torch.empty((rows, cols), dtype=weight.dtype, device="meta")
+
+
 def _scatter_rows(full, group, W):
     out = full.new_empty((full.shape[0] // W, full.shape[1]))
     dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
@@ -341,18 +349,18 @@ class RowParallelLinear(nn.Module):
             self._check_rows(x, x.numel() // k)
 
     def _op_call_of(self, x):
-        """``(context, args)`` of the fused op a call with input ``x`` runs (the peers' call,
-        where their inputs have ``x``'s rows), or None: the reference path, or no rows to tell
-        by."""
-        if not self.fused:
+        """``(context, args)`` of the fused op a call with input ``x`` runs, as the peers make
+        it where their inputs have ``x``'s rows (``_stand_in``), or None: the reference path,
+        or no rows to tell by."""
+        if not self.fused or not isinstance(x, torch.Tensor) or x.dim() < 1:
             return None
+        rows = math.prod(x.shape[:-1])
+        a = _stand_in(rows, self.weight.shape[1], self.weight)
         if self.reduce == "reduce_scatter":
-            return self.reduce_ctx, (x, self.weight.T)
-        if not isinstance(x, torch.Tensor) or x.dim() < 1:
-            return None
-        if math.prod(x.shape[:-1]) <= MAX_M:
-            return self.ctx, (x, self.weight)
-        return None if self.reduce_ctx is None else (self.reduce_ctx, (x, self.weight.T))
+            return self.reduce_ctx, (a, self.weight.T)
+        if rows <= MAX_M:
+            return self.ctx, (a, self.weight)
+        return None if self.reduce_ctx is None else (self.reduce_ctx, (a, self.weight.T))
 
     def _fused(self, x, x2, run, scattered=False):
         """``run(x2, weight)`` (a fused op), inside :class:`_RowFused` when autograd records."""
@@ -453,7 +461,11 @@ class ColumnParallelLinear(nn.Module):
                                  f"{self.in_features}], got {_describe(x)}")
             _check_input(self.NAME, x, self.weight)
         except (TypeError, ValueError) as e:
-            _refuse_with_peers((self.ctx, (x, self.weight.T)) if self.fused else None, e)
+            call = None
+            if self.fused and isinstance(x, torch.Tensor) and x.dim() >= 1:
+                call = self.ctx, (_stand_in(math.prod(x.shape[:-1]), self.in_features,
+                                            self.weight), self.weight.T)
+            _refuse_with_peers(call, e)
             raise
         W = self.world.world_size
         if self.fused:
