@@ -80,7 +80,7 @@ def _refuse_with_peers(call, error: BaseException) -> None:
     ctx, args = call
     try:
         ctx.refuse(error, *args)
-    except BaseException:  # noqa: BLE001
+    except Exception:  # noqa: BLE001  (an interrupt still propagates)
         # the refusal raises ``error``, or the context's own error where it is closed or
         # broken: the caller raises ``error`` either way
         pass
