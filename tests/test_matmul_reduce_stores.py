@@ -244,3 +244,69 @@ def test_ranks_agree_on_the_tiling_not_the_warps(world2, mode):
         assert err < TOL[torch.float32], err
     for r in world2.run(_own_warps, mode, (16, 32), timeout=120):
         assert r == "RankMismatchError", r
+
+
+def test_tile_parts_keep_every_program_busy_once():
+    """The split rule (stores.tile_parts), from the shapes alone: parts that keep W x tiles x
+    parts within the programs, at most MAX_PARTS, none for AllReduce or the full tile, and no
+    more than the receive buffer holds."""
+    from portable_overlap.ops.matmul_reduce.stores import MAX_PARTS, tile_parts
+
+    small, mid = MatmulConfig(64, 128, 64), MatmulConfig(128, 128, 64)
+    room = 132 * 64 * 128
+    # 2 ranks, 128 x 3584: 28 tiles of 64 x 128 per block, 56 in all -> 2 per tile
+    assert tile_parts("reduce_scatter", 2, 128, 3584, small, 132, room) == 2
+    # a world of one, 64 x 1024: 8 tiles -> capped
+    assert tile_parts("reduce_scatter", 1, 64, 1024, small, 132, room) == MAX_PARTS
+    # 4 ranks, 256 x 8192 in 64 x 128 tiles: 4 x 1 x 64 tiles fill the grid
+    assert tile_parts("reduce_scatter", 4, 256, 8192, small, 132, room) == 1
+    # 128 x 128 tiles stay whole
+    assert tile_parts("reduce_scatter", 1, 128, 1024, mid, 132, room) == 1
+    assert tile_parts("all_reduce", 2, 128, 3584, small, 132, room) == 1
+    assert tile_parts("reduce_scatter", 1, 64, 1024, MatmulConfig(), 132, room) == 1
+    # a receive buffer with room for 3 ranges of the peers' float32 partials, not 8
+    assert tile_parts("reduce_scatter", 1, 64, 1024, small, 132, 3 * 64 * 1024) == 3
+
+
+def _split(world, dtype, parts):
+    """ReduceScatter with every tile cut into ``parts`` K ranges (the rule forced, as where
+    the device has many programs for few tiles), each rank with a K of its own (one with
+    fewer K steps than parts: empty ranges), every shape three times (the tiles' counts are
+    left zeroed for the next call), outputs poisoned."""
+    from portable_overlap.ops.matmul_reduce import stores
+
+    W, r = world.world_size, world.rank
+    rule = stores.tile_parts
+    stores.tile_parts = lambda mode, *_: parts if mode == "reduce_scatter" else 1
+    # (M, N, K): 16-row blocks of the interpreter's tiles; with 4 programs, tiles x parts <= 4
+    shapes = [(16 * W, 16, 40), (2 * W, 7, 5), (16 * W, 20 if parts == 2 else 9, 33)]
+    ctx = po.MatmulReduceScatter(world, 16 * W, 20, transport="stores")
+    found = []
+    try:
+        for i, (M, N, K) in enumerate(shapes):
+            for rep in range(3):
+                g = torch.Generator().manual_seed(100 * i + 10 * rep + r)
+                a = torch.randn(M, K + 3 * r, generator=g).to(dtype)
+                b = torch.randn(K + 3 * r, N, generator=g).to(dtype)
+                bias = torch.randn(N, generator=g).to(dtype)
+                res = torch.randn(M // W, N, generator=g).to(dtype)
+                out = torch.full((M // W, N), float("nan"), dtype=dtype)
+                po.matmul_reduce_scatter(a, b, ctx, out, bias=bias, residual=res)
+                ctx.synchronize()
+                found.append(((M, N, K), rel_err(out, _truth(a, b, world.group,
+                                                             "reduce_scatter", bias, res))))
+        split = {p.parts for p in ctx.workspace("stores")._plans.values()}
+    finally:
+        stores.tile_parts = rule
+        ctx.close()
+    return found, split
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+def test_split_tiles_match_the_sum_of_products(world, dtype, parts):
+    for found, split in world.run(_split, dtype, parts):
+        assert split == {parts}, split
+        bad = [f for f in found if not f[1] < TOL[dtype]]
+        assert not bad, bad

@@ -60,7 +60,7 @@ def gemm_reduce_scatter_kernel(ctx, a_ptr, b_ptr, out_ptr, recv_ptr, ready_ptr, 
             row0 = tm * BLOCK_M
             if row0 < rows:
                 if USE_DESC:  # rows past the block are zeros or the next block's: not stored
-                    acc = gemm_tile_desc(a_desc, b_desc, lo + row0, 0, tn * BLOCK_N, K, BLOCK_M,
+                    acc = gemm_tile_desc(a_desc, b_desc, lo + row0, 0, tn * BLOCK_N, 0, K, BLOCK_M,
                                          BLOCK_N, BLOCK_K, STAGES, "ieee")
                 else:
                     acc = gemm_tile(a_ptr + (lo + row0).to(tl.int64) * K, b_ptr, rows - row0, N,

@@ -71,7 +71,7 @@ def allgather_rmsnorm_gemm_kernel(
                 pol.fence_bulk_reads()  # the wait's acquire, then the tile's bulk copies
                 src, desc, row0 = gathered_ptr, g_desc, q * m + lo
             if USE_DESC:
-                acc = gemm_tile_desc(desc, w_desc, row0, 0, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                acc = gemm_tile_desc(desc, w_desc, row0, 0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
                                      BLOCK_K, STAGES, "ieee")
             else:
                 acc = gemm_tile(src + row0.to(tl.int64) * K, w_ptr, rows, N, K, K, 1, N, 1, 0,

@@ -74,20 +74,22 @@ def gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
 
 
 @triton.jit
-def gemm_tile_desc(a_desc, b_desc, row0, b_row0, col0, K, BLOCK_M: tl.constexpr,
+def gemm_tile_desc(a_desc, b_desc, row0, b_row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                    PRECISION: tl.constexpr):
-    """The fp32 tile ``a[row0:row0+BLOCK_M, :] @ b[b_row0:b_row0+K, col0:col0+BLOCK_N]`` with
-    ``a_desc`` ([M, K] blocks [BLOCK_M, BLOCK_K]) and ``b_desc`` (blocks [BLOCK_K, BLOCK_N];
-    ``b_row0`` > 0 where ``b`` is a stack of [K, N] matrices described as one, and then K must
-    be a multiple of BLOCK_K, or a block would read the next matrix's rows).
+    """The fp32 tile ``a[row0:row0+BLOCK_M, k_lo:k_hi] @ b[b_row0+k_lo:b_row0+k_hi,
+    col0:col0+BLOCK_N]`` with ``a_desc`` ([M, K] blocks [BLOCK_M, BLOCK_K]) and ``b_desc``
+    (blocks [BLOCK_K, BLOCK_N]; ``b_row0`` > 0 where ``b`` is a stack of [K, N] matrices
+    described as one, and then K must be a multiple of BLOCK_K, or a block would read the next
+    matrix's rows). The whole product: ``k_lo`` = 0, ``k_hi`` = K; a range of K steps (a split
+    tile): ``k_lo`` a multiple of BLOCK_K, ``k_hi`` one too or K.
     Reads past the tensors' ends are zeros; rows past a caller's own edge inside the tensor are
     real data and must be masked by the caller's store. On H200 this main loop ran within
     1-5 % of cuBLAS at 132 programs where the pointer loads of ``gemm_tile`` ran 9-21 % behind
     (benchmarks/probe_gemm_tma.py): the copies bypass the register file and
     the address arithmetic."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         a = a_desc.load([row0, k0])
         b = b_desc.load([b_row0 + k0, col0])
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -95,15 +97,16 @@ def gemm_tile_desc(a_desc, b_desc, row0, b_row0, col0, K, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def gemm_tile_desc_bt(a_desc, bt_desc, row0, col0, K, BLOCK_M: tl.constexpr,
+def gemm_tile_desc_bt(a_desc, bt_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                       PRECISION: tl.constexpr):
     """``gemm_tile_desc`` where ``b`` is the transpose of a row-major [N, K] matrix (an
     ``nn.Linear`` weight, ``weight.t()``): ``bt_desc`` describes that matrix in [BLOCK_N,
     BLOCK_K] blocks and the dot takes each block transposed, which the tensor cores read from
-    shared memory as it lies. Pointer loads of such a ``b`` read it column by column."""
+    shared memory as it lies. Pointer loads of such a ``b`` read it column by column. K steps
+    from ``k_lo`` to ``k_hi`` as in ``gemm_tile_desc``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         a = a_desc.load([row0, k0])
         bt = bt_desc.load([col0, k0])
         acc = tl.dot(a, bt.T, acc, input_precision=PRECISION)
@@ -111,18 +114,19 @@ def gemm_tile_desc_bt(a_desc, bt_desc, row0, col0, K, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def gemm_tile_desc_of(a_desc, b_desc, row0, col0, K, BLOCK_M: tl.constexpr,
+def gemm_tile_desc_of(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                       PRECISION: tl.constexpr, B_TRANS: tl.constexpr):
-    """The tile ``a[row0:, :] @ b[:, col0:]`` through descriptors: ``b_desc`` describes ``b``
-    (``gemm_tile_desc``) or, with ``B_TRANS``, the row-major matrix ``b`` is the transpose of
-    (``gemm_tile_desc_bt``), as ``ops.matmul.api.operand_descriptors`` built it."""
+    """The tile ``a[row0:, k_lo:k_hi] @ b[k_lo:k_hi, col0:]`` through descriptors: ``b_desc``
+    describes ``b`` (``gemm_tile_desc``) or, with ``B_TRANS``, the row-major matrix ``b`` is
+    the transpose of (``gemm_tile_desc_bt``), as ``ops.matmul.api.operand_descriptors`` built
+    it."""
     if B_TRANS:
-        acc = gemm_tile_desc_bt(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                NUM_STAGES, PRECISION)
+        acc = gemm_tile_desc_bt(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M, BLOCK_N,
+                                BLOCK_K, NUM_STAGES, PRECISION)
     else:
-        acc = gemm_tile_desc(a_desc, b_desc, row0, 0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                             NUM_STAGES, PRECISION)
+        acc = gemm_tile_desc(a_desc, b_desc, row0, 0, col0, k_lo, k_hi, BLOCK_M, BLOCK_N,
+                             BLOCK_K, NUM_STAGES, PRECISION)
     return acc
 
 
@@ -152,8 +156,8 @@ def gemm_tile_auto(a_ptr, b_ptr, a_desc, b_desc, M, N, K, stride_am, stride_ak, 
     """Tile ``(pid_m, pid_n)`` of ``a @ b`` through the descriptors when USE_DESC (the host's
     ``tile_descriptors`` allowed them), else through ``gemm_tile``'s pointer loads."""
     if USE_DESC:
-        acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, 0, pid_n * BLOCK_N, K, BLOCK_M,
-                             BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+        acc = gemm_tile_desc(a_desc, b_desc, pid_m * BLOCK_M, 0, pid_n * BLOCK_N, 0, K,
+                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
     else:
         acc = gemm_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, pid_m,
                         pid_n, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION, UPCAST)

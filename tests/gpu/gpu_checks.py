@@ -957,7 +957,9 @@ def check_matmul_reduce(world: World, gen) -> None:
                        ("all_reduce", po.MatmulAllReduce)):
         st = make(world, 8192, 8192, transport="stores")
         try:
-            for M, N, K in ((8192, 8192, 4096), (1000, 777, 333), (3 * W, 5, 7 + world.rank)):
+            # the last two: few tiles over a long K, which ReduceScatter splits into K ranges
+            for M, N, K in ((8192, 8192, 4096), (1000, 777, 333), (3 * W, 5, 7 + world.rank),
+                            (64 * W, 1024, 4096 + 8 * world.rank), (128 * W, 3584, 8191)):
                 for dt in (torch.bfloat16, torch.float32):
                     a = rand((M, K), dt, dev, gen)
                     for b in (rand((K, N), dt, dev, gen), rand((N, K), dt, dev, gen).t()):
@@ -972,6 +974,25 @@ def check_matmul_reduce(world: World, gen) -> None:
                                err < TOL[dt] * 2, f"rel_err={err:.2e}")
         finally:
             st.close()
+    # split tiles in a context sized for the call (the peers' float32 ranges in the room the
+    # context keeps for them), with bias and residual, replayed from a CUDA graph
+    M, N, K = 128 * W, 3584, 8192
+    st = po.MatmulReduceScatter(world, M, N, transport="stores")
+    try:
+        a = rand((M, K), torch.bfloat16, dev, gen)
+        b = rand((N, K), torch.bfloat16, dev, gen).t()
+        bias = rand((N,), torch.bfloat16, dev, gen)
+        res = rand((M // W, N), torch.bfloat16, dev, gen)
+        out = st(a, b, bias=bias, residual=res)
+        parts = next(iter(st.workspace("stores")._plans.values())).parts
+        worst = worst_over_graph_replays(
+            st, lambda: st(a, b, out=out, bias=bias, residual=res), a, out,
+            lambda: refs["reduce_scatter"](a, b, world.group) + bias + res, gen, 5)
+        record(f"matmul+reduce_scatter stores {M}x{N}x{K} split in {parts}, bias+residual, "
+               f"5 graph replays", parts > 1 and worst < TOL[torch.bfloat16] * 2,
+               f"worst rel_err={worst:.2e}")
+    finally:
+        st.close()
 
 
 def check_patterns(world: World, gen, replays: int = 5) -> None:

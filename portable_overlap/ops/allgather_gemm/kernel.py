@@ -167,7 +167,7 @@ def _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_
                 pol.fence_bulk_reads()  # the acquire above, before the bulk copies
                 src_desc = g_desc
                 src_row = row_lo
-            acc = gemm_tile_desc_of(src_desc, b_desc, src_row, pid_n * BLOCK_N, K, BLOCK_M,
+            acc = gemm_tile_desc_of(src_desc, b_desc, src_row, pid_n * BLOCK_N, 0, K, BLOCK_M,
                                     BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION, B_TRANS)
         else:
             if own:

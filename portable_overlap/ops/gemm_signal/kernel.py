@@ -55,8 +55,8 @@ def gemm_signal_kernel(
             pid_m, pid_n = grouped_tile(t // dests, num_pid_m, num_pid_n, GROUP_M)
             if USE_DESC:  # rows past M_dest in row block d are block d+1's: masked below
                 acc = gemm_tile_desc(a_desc, b_desc, d * M_dest + pid_m * BLOCK_M, 0,
-                                     pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                                     PRECISION)
+                                     pid_n * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                     NUM_STAGES, PRECISION)
             else:
                 a_d = a_ptr + (d * M_dest).to(tl.int64) * stride_am
                 acc = gemm_tile(a_d, b_ptr, M_dest, N, K, stride_am, stride_ak, stride_bk,

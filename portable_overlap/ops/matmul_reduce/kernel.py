@@ -23,6 +23,16 @@ Program pid of rank r:
    the peers' blocks that their program pid reduced from ``gathered`` into ``out`` (adding this
    rank's bias and residual).
 
+Split tiles (``SPLIT``, ReduceScatter only). Where the W * tpb tiles would leave most of the
+grid idle (a small M x N over a long K), each tile is cut into ``parts`` ranges of K steps and
+the items of a block are its tiles' ranges (item ``T * parts + s``: range s of tile T), mapped
+to programs as the tiles are above, so a program still waits only for its own counterpart. A
+peer's range travels in float32 into ``recv[r][s]``; the owner adds the peers' ranges s to its
+own range s and finishes the tile as ``tiles.split`` does (a slot per range, a count per tile,
+the part that completes it sums the slots in order and applies the epilogue): no program waits
+for another of its launch. AllReduce keeps whole tiles: its step 4 copies the tiles that the
+peers' counterpart program reduced, which a split tile's finisher need not be.
+
 Before its first store into rank d in a call a program waits until d has read the previous
 call's data (``pol.wait_consumed_once`` on ``consumed[d]``); the last program of a launch tells
 every peer that this rank's buffers are read (``pol.end_call_consumed``).
@@ -36,6 +46,7 @@ import triton.language as tl
 
 from ... import language as pol
 from ...tiles.gemm import gemm_tile, gemm_tile_desc_of, grouped_tile, store_tile_epilogue
+from ...tiles.split import clear_count, count_part, store_part, sum_parts
 
 #: the flags' names in timeout reports (the reports name a flag by its heap buffer)
 FLAG_LABELS = {"sent": "partials-sent", "consumed": "recv-consumed", "reduced": "block-reduced"}
@@ -55,6 +66,18 @@ def _block_start(M, d, world):
 
 
 @triton.jit
+def _add_peers(acc, r, cols, rows_d, rank, world, block_rows, N, recv_ptr, s, parts):
+    """``acc`` (rows ``r`` of this rank's block, columns ``cols``) plus the peers' partials of
+    it from ``recv`` (of K range ``s`` of ``parts``; 0 of 1 unsplit), in float32."""
+    mask = (r < rows_d)[:, None] & (cols < N)[None, :]
+    for q in range(0, world):
+        if q != rank:
+            offs = ((q * parts + s) * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
+            acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _finish_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, out_ptr,
                 bias_ptr, res_ptr, stride_res, recv_ptr, gathered_ptr, consumed_ptr, call, ok,
                 waited, ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -62,12 +85,21 @@ def _finish_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, 
     """Step 3 for columns ``col0 + c`` of one tile of this rank's block (rows ``r`` counted in
     the block, which starts at row ``lo_d`` and has ``rows_d`` rows): add the peers' partials
     to ``acc`` and store the result (module docstring). Returns ``(ok, waited)``."""
+    acc = _add_peers(acc, r, col0 + c, rows_d, rank, world, block_rows, N, recv_ptr, 0, 1)
+    ok, waited = _store_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, N, out_ptr,
+                            bias_ptr, res_ptr, stride_res, gathered_ptr, consumed_ptr, call, ok,
+                            waited, ALL_REDUCE, HAS_BIAS, HAS_RES)
+    return ok, waited
+
+
+@triton.jit
+def _store_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, N, out_ptr, bias_ptr, res_ptr,
+               stride_res, gathered_ptr, consumed_ptr, call, ok, waited,
+               ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """The reduced columns ``col0 + c`` of one tile of this rank's block, stored (step 3 of
+    the module docstring). Returns ``(ok, waited)``."""
     cols = col0 + c
     mask = (r < rows_d)[:, None] & (cols < N)[None, :]
-    for q in range(0, world):
-        if q != rank:
-            offs = (q * block_rows + r)[:, None].to(tl.int64) * N + cols[None, :]
-            acc += tl.load(recv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ALL_REDUCE:
         y = acc.to(out_ptr.dtype.element_ty)  # the reduced block every rank gets
         goffs = (lo_d + r)[:, None].to(tl.int64) * N + cols[None, :]
@@ -85,18 +117,52 @@ def _finish_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, block_rows, N, 
 
 
 @triton.jit
+def _finish_own_part(acc, r, tn, rows_d, rank, world, block_rows, N, out_ptr, bias_ptr,
+                     res_ptr, stride_res, recv_ptr, ws_ptr, done_ptr, T, s, parts,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_RES: tl.constexpr):
+    """Step 3 of a split tile (ReduceScatter): K range ``s`` of own tile ``T`` plus the peers'
+    partials of that range, into slot ``T * parts + s`` of ``ws`` (``tiles.split``); the part
+    that completes the tile sums the slots in order and stores the result, half a tile at a
+    time (as ``_finish_own``)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    c = tl.arange(0, HALF)
+    col0 = tn * BLOCK_N
+    slot = T * parts + s
+    # each half summed and stored before the next (both halves' peer partials at once beside
+    # the accumulator spilled 112 bytes on sm_90 at 128 x 128 over 4 warps)
+    left = _add_peers(left, r, col0 + c, rows_d, rank, world, block_rows, N, recv_ptr, s, parts)
+    store_part(ws_ptr, slot, left, BLOCK_M * BLOCK_N, 0, BLOCK_M, HALF)
+    right = _add_peers(right, r, col0 + HALF + c, rows_d, rank, world, block_rows, N, recv_ptr,
+                       s, parts)
+    store_part(ws_ptr, slot, right, BLOCK_M * BLOCK_N, BLOCK_M * HALF, BLOCK_M, HALF)
+    if count_part(done_ptr, T, parts):
+        for h in range(0, 2):
+            total = sum_parts(ws_ptr, T * parts, parts, BLOCK_M * BLOCK_N, h * BLOCK_M * HALF,
+                              BLOCK_M, HALF)
+            store_tile_epilogue(total, r, c, 0, rows_d, col0 + h * HALF, N, out_ptr, bias_ptr,
+                                res_ptr, N, stride_res, HAS_BIAS, HAS_RES)
+        clear_count(done_ptr, T)
+
+
+@triton.jit
 def matmul_reduce_stores_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, res_ptr,  # a [M, K_r], b [K_r, N]; out, residual by mode
-    recv_ptr, gathered_ptr,  # heap: [W, block_rows, N] partials by source; [M, N] (AllReduce)
+    recv_ptr, gathered_ptr,  # heap: [W, parts, block_rows, N] partials by source (float32
+    #                          when split, else the input dtype); [M, N] (AllReduce)
     sent_ptr, reduced_ptr, consumed_ptr,  # heap: int64 flags [W, G_MAX] x2, [W]
     ctx,  # the device API's descriptor
-    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_res, block_rows, G, tag,
+    ws_ptr, done_ptr,  # SPLIT: float32 [tiles * parts, BLOCK_M * BLOCK_N] slots, int32 [tiles]
+    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_res, block_rows, G, tag, parts,
     a_desc, b_desc,  # tensor descriptors of a and b (of b.t() when B_TRANS) when USE_DESC
     ALL_REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DESC: tl.constexpr, B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    tl.static_assert(not (SPLIT and ALL_REDUCE), "split tiles: ReduceScatter only")
     pid = tl.program_id(0)
     call = pol.begin_call(ctx)
     rank = pol.rank(ctx)
@@ -105,7 +171,10 @@ def matmul_reduce_stores_kernel(
     n_tm = tl.cdiv(block_rows, BLOCK_M)
     n_tn = tl.cdiv(N, BLOCK_N)
     tpb = n_tm * n_tn
-    per = tl.cdiv(tpb, G)  # most tiles of one block a program takes
+    if SPLIT:  # a block's work: its tiles' K ranges (tile T's range s is item T * parts + s)
+        tpb = tpb * parts
+        span = tl.cdiv(tl.cdiv(K, BLOCK_K), parts) * BLOCK_K  # K elements per range
+    per = tl.cdiv(tpb, G)  # most items of one block a program takes
     waited = tl.zeros((), tl.int64)  # bit d: rank d's buffers are free for this call
     # One loop over the blocks in order r+1, ..., r-1, r, with one tile-GEMM call site: a
     # second call site would hold a second set of pipeline buffers (shared memory).
@@ -121,19 +190,31 @@ def matmul_reduce_stores_kernel(
             if ok:
                 ok = pol.wait_peers(ctx, sent_ptr + pid, G_MAX, call, tag)
         d = (rank + 1 + i) % world
-        T = _first_tile(pid, d, tpb, G) + (idx % per) * G
+        item = _first_tile(pid, d, tpb, G) + (idx % per) * G
+        T = item
+        s = 0
+        k_lo = 0
+        k_hi = K
+        if SPLIT:
+            T = item // parts
+            s = item % parts
+            k_lo = s * span
+            k_hi = tl.minimum(K, k_lo + span)
         lo_d = _block_start(M, d, world)
         rows_d = _block_start(M, d + 1, world) - lo_d
         tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
         row0 = tm * BLOCK_M  # in the block
-        if (T < tpb) & (row0 < rows_d) & ok:
+        if (item < tpb) & (row0 < rows_d) & ok:
             if USE_DESC:
-                acc = gemm_tile_desc_of(a_desc, b_desc, lo_d + row0, tn * BLOCK_N, K, BLOCK_M,
-                                        BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION, B_TRANS)
-            else:
-                acc = gemm_tile(a_ptr + (lo_d + row0).to(tl.int64) * stride_am, b_ptr,
-                                rows_d - row0, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                                0, tn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
+                acc = gemm_tile_desc_of(a_desc, b_desc, lo_d + row0, tn * BLOCK_N, k_lo, k_hi,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION,
+                                        B_TRANS)
+            else:  # (a range starts on a K block: EVEN_K holds for every range where it does)
+                acc = gemm_tile(a_ptr + (lo_d + row0).to(tl.int64) * stride_am
+                                + tl.cast(k_lo, tl.int64) * stride_ak,
+                                b_ptr + tl.cast(k_lo, tl.int64) * stride_bk, rows_d - row0, N,
+                                k_hi - k_lo, stride_am, stride_ak, stride_bk, stride_bn, 0, tn,
+                                BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, PRECISION,
                                 UPCAST)
             if d != rank:  # 1. a peer's partial, into its heap at this rank's slot
                 ok, waited = pol.wait_consumed_once(ctx, consumed_ptr, d, call, waited, ok)
@@ -142,8 +223,14 @@ def matmul_reduce_stores_kernel(
                     cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
                     mask = (rows < rows_d)[:, None] & (cols < N)[None, :]
                     dst = pol.remote_ptr(ctx, recv_ptr, d)
-                    offs = (rank * block_rows + rows)[:, None].to(tl.int64) * N + cols[None, :]
-                    tl.store(dst + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                    offs = ((rank * parts + s) * block_rows + rows)[:, None].to(tl.int64) * N \
+                        + cols[None, :]
+                    tl.store(dst + offs, acc.to(recv_ptr.dtype.element_ty), mask=mask)
+            elif SPLIT:  # 3. a range of this rank's own tile (ReduceScatter only)
+                _finish_own_part(acc, row0 + tl.arange(0, BLOCK_M), tn, rows_d, rank, world,
+                                 block_rows, N, out_ptr, bias_ptr, res_ptr, stride_res, recv_ptr,
+                                 ws_ptr, done_ptr, T, s, parts, BLOCK_M, BLOCK_N, HAS_BIAS,
+                                 HAS_RES)
             else:  # 3. this rank's block: its partial plus the peers', half a tile at a time
                 # (a whole tile's peer partials, residual and bias beside the float32
                 # accumulator spilled 768 bytes of registers on sm_90 at 128 x 256)

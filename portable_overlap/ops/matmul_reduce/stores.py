@@ -44,8 +44,11 @@ class MatmulReduceStores(OverlapContext):
         world.check_same(f"{op} context arguments (max_m, max_n, config's tiling)",
                          (max_m, max_n, getattr(config, "tiling", None)))
         block = -(-max_m // W)
+        split = mode == "reduce_scatter"
+        # room for split tiles' float32 ranges (tile_parts): at most a tile per program
+        room = max(W * block * max_n, world.facts.sm_count * SPLIT_TILE if split else 0)
         super().__init__(world, [
-            ("_recv_raw", (W * block * max_n,), torch.float32),  # viewed per dtype
+            ("_recv_raw", (room,), torch.float32),  # viewed per dtype
             ("_gathered_raw", (max_m * max_n if mode == "all_reduce" else 1,), torch.float32),
             ("sent", (W, G_MAX), torch.int64), ("reduced", (W, G_MAX), torch.int64),
             ("consumed", (W,), torch.int64),
@@ -55,6 +58,12 @@ class MatmulReduceStores(OverlapContext):
         # after a call this rank refused or failed, the peers' late stores of it land first
         self.late_stores_guard(self.consumed, "recv-consumed")
         self.mode, self.max_m, self.max_n, self.config = mode, max_m, max_n, config
+        # the owner's slots and counts of split tiles (a slot per program at most; the counts
+        # are left zeroed by the kernel)
+        n_slots = world.facts.sm_count if split else 1
+        self._split_ws = torch.empty(n_slots * SPLIT_TILE if split else 1, dtype=torch.float32,
+                                     device=world.device)
+        self._split_done = torch.zeros(n_slots, dtype=torch.int32, device=world.device)
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._gathered = {dt: self._gathered_raw.view(torch.uint8).view(dt) for dt in DTYPES}
 
@@ -101,11 +110,12 @@ class MatmulReduceStores(OverlapContext):
         if plan.use_desc:
             a_desc, b_desc, _ = operand_descriptors(a, b, plan.cfg, self.world.facts)
         return (a, b, out, out if bias is None else bias, out if residual is None else residual,
-                self._recv[a.dtype], self._gathered[a.dtype], self.sent, self.reduced,
-                self.consumed, self.ctx, M, b.shape[1], K, a.stride(0), a.stride(1),
-                b.stride(0), b.stride(1), 0 if residual is None else residual.stride(0),
-                -(-M // W), plan.programs if programs is None else programs,
-                plan.tag if tag is None else tag, a_desc, b_desc)
+                self._recv[torch.float32 if plan.parts > 1 else a.dtype], self._gathered[a.dtype],
+                self.sent, self.reduced, self.consumed, self.ctx, self._split_ws,
+                self._split_done, M, b.shape[1], K, a.stride(0), a.stride(1), b.stride(0),
+                b.stride(1), 0 if residual is None else residual.stride(0), -(-M // W),
+                plan.programs if programs is None else programs, plan.tag if tag is None else tag,
+                plan.parts, a_desc, b_desc)
 
     def _plan(self, a, b, out, bias, residual):
         M, K = a.shape
@@ -118,17 +128,19 @@ class MatmulReduceStores(OverlapContext):
         check_k_steps(self.OP, a, b, cfg)
         block = -(-M // W)
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
-        programs = min(W * tpb, facts.sm_count, G_MAX)
+        parts = tile_parts(self.mode, W, M, N, cfg, min(facts.sm_count, G_MAX),
+                           self._recv_raw.numel())
+        programs = min(W * tpb * parts, facts.sm_count, G_MAX)
         # descriptors where the device and operands allow, b's transpose where b is one (a
         # row-parallel weight, weight.t()); the plan's key (strides, alignment) fixes the choice
         a_desc, _, b_trans = operand_descriptors(a, b, cfg, facts)
         use_desc = a_desc is not None
-        p = SimpleNamespace(cfg=cfg, use_desc=use_desc)
+        p = SimpleNamespace(cfg=cfg, use_desc=use_desc, parts=parts)
 
-        # shapes (K is each rank's own), tiling, grid: a rank planned otherwise is caught
+        # shapes (K is each rank's own), tiling, split, grid: a rank planned otherwise is caught
         def tag_of(g):
             return shape_tag(mode=self.mode, M=M, N=N, dtype=str(a.dtype), tiling=cfg.tiling,
-                             programs=g)
+                             parts=parts, programs=g)
 
         consts = dict(ALL_REDUCE=self.mode == "all_reduce", HAS_BIAS=bias is not None,
                       HAS_RES=residual is not None, USE_DESC=use_desc, B_TRANS=b_trans,
@@ -136,8 +148,36 @@ class MatmulReduceStores(OverlapContext):
                       GROUP_M=cfg.group_m,
                       NUM_STAGES=cfg.num_stages, EVEN_K=K % cfg.block_k == 0,
                       PRECISION=dot_precision(a.dtype), UPCAST=dot_upcast(a.dtype), G_MAX=G_MAX,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                      SPLIT=parts > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         plan = self._compile(matmul_reduce_stores_kernel, programs, consts,
                              lambda g: self._args(a, b, out, bias, residual, p, g, tag_of(g)))
         plan.cfg, plan.use_desc, plan.tag = cfg, use_desc, tag_of(plan.programs)
+        plan.parts = parts
         return plan
+
+
+#: the largest tile (elements) that ``tile_parts`` splits, and the most ranges a tile is cut
+#: into: a range's float32 partial is written and read once more, and the part that completes
+#: a tile reads every range's (8 of 64 x 128: 256 KiB). Not 128 x 128 (``MID_TILE``): over its
+#: 4 warps the split epilogue spilled 112 bytes of registers on sm_90 (the whole tile's, 12).
+SPLIT_TILE = 64 * 128
+MAX_PARTS = 8
+
+
+def tile_parts(mode: str, W: int, M: int, N: int, cfg: MatmulConfig, programs: int,
+               room: int) -> int:
+    """How many ranges of K steps the ReduceScatter kernel cuts each tile into (1: none): as
+    many as keep every program busy once (W x tiles x parts <= ``programs``), at most
+    ``MAX_PARTS``, while the peers' float32 ranges fit the receive buffer (``room`` float32
+    elements). From M and N only, so every rank of a call cuts the same way whatever its own K
+    (which may differ between ranks): a rank with fewer K steps than parts computes some
+    empty ranges. AllReduce, and tiles larger than ``SPLIT_TILE``, stay whole: ``tile_config``
+    picks those only where their grid fills a third of the device or more."""
+    if mode != "reduce_scatter" or cfg.block_m * cfg.block_n > SPLIT_TILE:
+        return 1
+    block = -(-M // W)
+    tiles = W * -(-block // cfg.block_m) * -(-N // cfg.block_n)
+    parts = min(MAX_PARTS, programs // tiles)
+    while parts > 1 and W * parts * block * N > room:
+        parts -= 1
+    return max(parts, 1)

@@ -129,8 +129,8 @@ def down_tile(x_ptr, w_ptr, x_desc, w_desc, slots_ptr, combine_ptr, stage_ptr, s
     first store into a peer in a call (bit src of ``cleared``), waits until that peer has read
     the previous call's rows. Returns ``(ok, cleared)``."""
     if USE_DESC:  # rows past the segment's end are the next one's: masked below
-        acc = gemm_tile_desc(x_desc, w_desc, start + pid_m * BLOCK_M, e * I, pid_n * BLOCK_N, I,
-                             BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
+        acc = gemm_tile_desc(x_desc, w_desc, start + pid_m * BLOCK_M, e * I, pid_n * BLOCK_N, 0,
+                             I, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION)
     else:
         acc = gemm_tile(x_ptr + start.to(tl.int64) * stride_xm,
                         w_ptr + tl.cast(e, tl.int64) * stride_we, n, H, I, stride_xm,

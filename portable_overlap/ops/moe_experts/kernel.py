@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ...tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc, grouped_tile
+from ...tiles.split import clear_count, count_part, store_part, sum_parts
 
 
 @triton.jit
@@ -227,28 +228,18 @@ def split_parts(tail, G, k_steps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 @triton.jit
 def _sum_parts(g, u, rows, valid, pid_n, ws_ptr, done_ptr, pid, j, parts, h_ptr, I, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Part ``pid % parts`` of last-round tile ``j``: store its float32 partials in slot
-    ``pid`` of ``ws``, count it in ``done[j]`` (acquire-release), and if it completes the
-    count, sum the tile's ``parts`` slots in order, store the epilogue and zero ``done[j]``
-    for the next call."""
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    """Part ``pid % parts`` of last-round tile ``j``: its float32 gate and up partials into
+    slot ``pid`` of ``ws``, and if it completes the tile, the slots' sum in order through the
+    epilogue (``tiles.split``)."""
     tile: tl.constexpr = BLOCK_M * BLOCK_N
-    mine = ws_ptr + pid.to(tl.int64) * (2 * tile)
-    tl.store(mine + offs, g)
-    tl.store(mine + tile + offs, u)
-    tl.debug_barrier()  # every thread's stores before the (cumulative) release
-    n = tl.atomic_add(done_ptr + j, 1, sem="acq_rel", scope="gpu")
-    if n == parts - 1:
-        tl.debug_barrier()  # the acquiring thread's view becomes the program's
-        g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for p in range(0, parts):  # (partials written by other processors: past L1)
-            theirs = ws_ptr + (j * parts + p).to(tl.int64) * (2 * tile)
-            g += tl.load(theirs + offs, cache_modifier=".cg")
-            u += tl.load(theirs + tile + offs, cache_modifier=".cg")
+    store_part(ws_ptr, pid, g, 2 * tile, 0, BLOCK_M, BLOCK_N)
+    store_part(ws_ptr, pid, u, 2 * tile, tile, BLOCK_M, BLOCK_N)
+    if count_part(done_ptr, j, parts):
+        g = sum_parts(ws_ptr, j * parts, parts, 2 * tile, 0, BLOCK_M, BLOCK_N)
+        u = sum_parts(ws_ptr, j * parts, parts, 2 * tile, tile, BLOCK_M, BLOCK_N)
         store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), h_ptr, I,
                      stride_hm)
-        tl.atomic_xchg(done_ptr + j, 0, sem="relaxed", scope="gpu")
+        clear_count(done_ptr, j)
 
 
 @triton.jit
