@@ -46,8 +46,7 @@ class MatmulReduceStores(OverlapContext):
         block = -(-max_m // W)
         split = mode == "reduce_scatter"
         # room for split tiles' float32 ranges (tile_parts): at most a tile per program
-        slots = SPLIT_PROGRAMS_PER_SM * world.facts.sm_count if split else 1
-        room = max(W * block * max_n, slots * SPLIT_TILE if split else 0)
+        room = max(W * block * max_n, world.facts.sm_count * SPLIT_TILE if split else 0)
         super().__init__(world, [
             ("_recv_raw", (room,), torch.float32),  # viewed per dtype
             ("_gathered_raw", (max_m * max_n if mode == "all_reduce" else 1,), torch.float32),
@@ -61,9 +60,10 @@ class MatmulReduceStores(OverlapContext):
         self.mode, self.max_m, self.max_n, self.config = mode, max_m, max_n, config
         # the owner's slots and counts of split tiles (a slot per program at most; the counts
         # are left zeroed by the kernel)
-        self._split_ws = torch.empty(slots * SPLIT_TILE if split else 1, dtype=torch.float32,
+        n_slots = world.facts.sm_count if split else 1
+        self._split_ws = torch.empty(n_slots * SPLIT_TILE if split else 1, dtype=torch.float32,
                                      device=world.device)
-        self._split_done = torch.zeros(slots, dtype=torch.int32, device=world.device)
+        self._split_done = torch.zeros(n_slots, dtype=torch.int32, device=world.device)
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         self._gathered = {dt: self._gathered_raw.view(torch.uint8).view(dt) for dt in DTYPES}
 
@@ -128,9 +128,9 @@ class MatmulReduceStores(OverlapContext):
         check_k_steps(self.OP, a, b, cfg)
         block = -(-M // W)
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
-        most = min(SPLIT_PROGRAMS_PER_SM * facts.sm_count, G_MAX)
-        parts = tile_parts(self.mode, W, M, N, cfg, most, self._recv_raw.numel())
-        programs = min(W * tpb * parts, most if parts > 1 else facts.sm_count, G_MAX)
+        parts = tile_parts(self.mode, W, M, N, cfg, min(facts.sm_count, G_MAX),
+                           self._recv_raw.numel())
+        programs = min(W * tpb * parts, facts.sm_count, G_MAX)
         # descriptors where the device and operands allow, b's transpose where b is one (a
         # row-parallel weight, weight.t()); the plan's key (strides, alignment) fixes the choice
         a_desc, _, b_trans = operand_descriptors(a, b, cfg, facts)
@@ -158,14 +158,10 @@ class MatmulReduceStores(OverlapContext):
 
 #: the largest tile (elements) that ``tile_parts`` splits, and the most ranges a tile is cut
 #: into: a range's float32 partial is written and read once more, and the part that completes
-#: a tile reads every range's (16 of 64 x 128: 512 KiB). Not 128 x 128 (``MID_TILE``): over its
+#: a tile reads every range's (8 of 64 x 128: 256 KiB). Not 128 x 128 (``MID_TILE``): over its
 #: 4 warps the split epilogue spilled 112 bytes of registers on sm_90 (the whole tile's, 12).
 SPLIT_TILE = 64 * 128
-MAX_PARTS = 16
-#: split tiles run on up to this many programs per SM (as many as are resident): a 64 x 128
-#: tile's pipeline takes 96 KiB of shared memory through descriptors, so two fit on an H200,
-#: with twice the loads in flight per SM
-SPLIT_PROGRAMS_PER_SM = 2
+MAX_PARTS = 8
 
 
 def tile_parts(mode: str, W: int, M: int, N: int, cfg: MatmulConfig, programs: int,
