@@ -3,12 +3,14 @@
 whose tiles leave most of the grid idle (decode-sized M, small N, long K). Per shape (bf16,
 graph replay, each impl checked against a float32 reference before it is timed, ``--rounds``
 rounds in rotated order, each impl's median round): cuBLAS's GEMM alone, the op with whole
-tiles (the rule forced to one part), the op as it plans (``split``), and on several ranks the
-``"sequential"`` transport (cuBLAS then NCCL's reduce-scatter). Rows to --out (op
-``matmul_reduce_scatter_split``, the parts in each row); one line per shape.
+tiles (the rule forced to one part), the op as it plans (``split``), with ``--parts`` the op
+with each of those part counts forced (``parts<n>``, where the grid has room for them), and
+on several ranks the ``"sequential"`` transport (cuBLAS then NCCL's reduce-scatter). Rows to
+--out (op ``matmul_reduce_scatter_split``, the parts in each row); one line per shape.
 
     torchrun --nproc-per-node 1 benchmarks/probe_split_tiles.py --out rows.jsonl \\
-        --device-kind nvidia-h200 [--shapes 64x1024x4096,128x3584x8192] [--rounds 2]
+        --device-kind nvidia-h200 [--shapes 64x1024x4096,128x3584x8192] [--rounds 2] \\
+        [--parts 2,4,8]
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--parts", default="", help="part counts to force, beside the rule's")
     args = ap.parse_args()
     world = World.from_env()
     W, r, dev = world.world_size, world.rank, world.device
@@ -53,9 +56,14 @@ def main() -> int:
         out = torch.empty(M // W, N, device=dev, dtype=torch.bfloat16)
         c = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         ctxs = {}
-        stores.tile_parts = lambda *_: 1
-        ctxs["whole"] = po.MatmulReduceScatter(world, M, N, transport="stores")
-        ctxs["whole"](a, b, out=out)  # planned with the rule forced
+        sms = world.facts.sm_count
+        tiles = W * -(-(M // W) // 64) * -(-N // 128)  # the split tiles' grid (64 x 128)
+        forced = [("whole", 1)] + [(f"parts{n}", int(n)) for n in filter(None, args.parts.split(
+            ",")) if tiles * int(n) <= sms]
+        for name, n in forced:  # each planned (at its first call) with the rule forced
+            stores.tile_parts = lambda *_, n=n: n
+            ctxs[name] = po.MatmulReduceScatter(world, M, N, transport="stores")
+            ctxs[name](a, b, out=out)
         stores.tile_parts = rule
         ctxs["split"] = po.MatmulReduceScatter(world, M, N, transport="stores")
         if W > 1:

@@ -130,6 +130,10 @@ class MatmulReduceStores(OverlapContext):
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
         parts = tile_parts(self.mode, W, M, N, cfg, min(facts.sm_count, G_MAX),
                            self._recv_raw.numel())
+        if parts > 1 and (tpb * parts > self._split_done.numel()
+                          or W * parts * block * N > self._recv_raw.numel()):
+            raise RuntimeError(f"{self.OP}: {parts} ranges of {tpb} tiles pass the split "
+                               f"tiles' slots or receive buffer (tile_parts)")
         programs = min(W * tpb * parts, facts.sm_count, G_MAX)
         # descriptors where the device and operands allow, b's transpose where b is one (a
         # row-parallel weight, weight.t()); the plan's key (strides, alignment) fixes the choice
