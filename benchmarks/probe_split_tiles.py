@@ -1,16 +1,16 @@
-"""Probe: GEMM + ReduceScatter over ``"stores"`` with split tiles (K ranges run side by side,
-``ops/matmul_reduce/stores.py:tile_parts``) against the same op with whole tiles, at products
+"""Probe: GEMM + ReduceScatter (or AllReduce, ``--mode``) over ``"stores"`` with split tiles
+(K ranges run side by side, ``ops/matmul_reduce/stores.py:tile_parts``) against the same op with whole tiles, at products
 whose tiles leave most of the grid idle (decode-sized M, small N, long K). Per shape (bf16,
 graph replay, each impl checked against a float32 reference before it is timed, ``--rounds``
 rounds in rotated order, each impl's median round): cuBLAS's GEMM alone, the op with whole
 tiles (the rule forced to one part), the op as it plans (``split``), with ``--parts`` the op
 with each of those part counts forced (``parts<n>``, where the grid has room for them), and
 on several ranks the ``"sequential"`` transport (cuBLAS then NCCL's reduce-scatter). Rows to
---out (op ``matmul_reduce_scatter_split``, the parts in each row); one line per shape.
+--out (op ``matmul_<mode>_split``, the parts in each row); one line per shape.
 
     torchrun --nproc-per-node 1 benchmarks/probe_split_tiles.py --out rows.jsonl \\
         --device-kind nvidia-h200 [--shapes 64x1024x4096,128x3584x8192] [--rounds 2] \\
-        [--parts 2,4,8]
+        [--parts 2,4,8] [--mode all_reduce]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--parts", default="", help="part counts to force, beside the rule's")
+    ap.add_argument("--mode", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
     args = ap.parse_args()
     world = World.from_env()
     W, r, dev = world.world_size, world.rank, world.device
@@ -52,8 +53,10 @@ def main() -> int:
         full = a.float() @ b.float()
         if W > 1:
             torch.distributed.all_reduce(full, group=world.group)
-        ref = full[M // W * r: M // W * (r + 1)]
-        out = torch.empty(M // W, N, device=dev, dtype=torch.bfloat16)
+        rs = args.mode == "reduce_scatter"
+        ref = full[M // W * r: M // W * (r + 1)] if rs else full
+        out = torch.empty(M // W if rs else M, N, device=dev, dtype=torch.bfloat16)
+        make = po.MatmulReduceScatter if rs else po.MatmulAllReduce
         c = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         ctxs = {}
         sms = world.facts.sm_count
@@ -62,12 +65,12 @@ def main() -> int:
             ",")) if tiles * int(n) <= sms]
         for name, n in forced:  # each planned (at its first call) with the rule forced
             stores.tile_parts = lambda *_, n=n: n
-            ctxs[name] = po.MatmulReduceScatter(world, M, N, transport="stores")
+            ctxs[name] = make(world, M, N, transport="stores")
             ctxs[name](a, b, out=out)
         stores.tile_parts = rule
-        ctxs["split"] = po.MatmulReduceScatter(world, M, N, transport="stores")
+        ctxs["split"] = make(world, M, N, transport="stores")
         if W > 1:
-            ctxs["sequential"] = po.MatmulReduceScatter(world, M, N, transport="sequential")
+            ctxs["sequential"] = make(world, M, N, transport="sequential")
         runs = {name: (lambda ctx=ctx: ctx(a, b, out=out)) for name, ctx in ctxs.items()}
         impls = ["cublas"] + list(runs)
         times = {name: [] for name in impls}
@@ -86,7 +89,7 @@ def main() -> int:
         line = [f"{spec:>16s}"]
         for name in impls:
             t = sorted(times[name], key=lambda x: x["median_ms"])[len(times[name]) // 2]
-            writer.write(op="matmul_reduce_scatter_split", shape={"M": M, "N": N, "K": K},
+            writer.write(op=f"matmul_{args.mode}_split", shape={"M": M, "N": N, "K": K},
                          dtype="bf16", impl=name, graph=True, parts=parts.get(name),
                          rel_err=errs[name], rounds=[x["median_ms"] for x in times[name]],
                          **{k: t[k] for k in ("median_ms", "p10_ms", "p90_ms")})

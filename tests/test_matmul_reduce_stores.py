@@ -248,65 +248,119 @@ def test_ranks_agree_on_the_tiling_not_the_warps(world2, mode):
 
 def test_tile_parts_keep_every_program_busy_once():
     """The split rule (stores.tile_parts), from the shapes alone: parts that keep W x tiles x
-    parts within the programs, at most MAX_PARTS, none for AllReduce or the full tile, and no
-    more than the receive buffer holds."""
+    parts within the programs, at most MAX_PARTS, none for tiles past 64 x 128, and no more
+    than the receive buffer holds."""
     from portable_overlap.ops.matmul_reduce.stores import MAX_PARTS, tile_parts
 
     small, mid = MatmulConfig(64, 128, 64), MatmulConfig(128, 128, 64)
     room = 132 * 64 * 128
     # 2 ranks, 128 x 3584: 28 tiles of 64 x 128 per block, 56 in all -> 2 per tile
-    assert tile_parts("reduce_scatter", 2, 128, 3584, small, 132, room) == 2
+    assert tile_parts(2, 128, 3584, small, 132, room) == 2
     # a world of one, 64 x 1024: 8 tiles -> capped
-    assert tile_parts("reduce_scatter", 1, 64, 1024, small, 132, room) == MAX_PARTS
+    assert tile_parts(1, 64, 1024, small, 132, room) == MAX_PARTS
     # 4 ranks, 256 x 8192 in 64 x 128 tiles: 4 x 1 x 64 tiles fill the grid
-    assert tile_parts("reduce_scatter", 4, 256, 8192, small, 132, room) == 1
-    # 128 x 128 tiles stay whole
-    assert tile_parts("reduce_scatter", 1, 128, 1024, mid, 132, room) == 1
-    assert tile_parts("all_reduce", 2, 128, 3584, small, 132, room) == 1
-    assert tile_parts("reduce_scatter", 1, 64, 1024, MatmulConfig(), 132, room) == 1
+    assert tile_parts(4, 256, 8192, small, 132, room) == 1
+    # 128 x 128 tiles and the full tile stay whole
+    assert tile_parts(1, 128, 1024, mid, 132, room) == 1
+    assert tile_parts(1, 64, 1024, MatmulConfig(), 132, room) == 1
     # a receive buffer with room for 3 ranges of the peers' float32 partials, not 8
-    assert tile_parts("reduce_scatter", 1, 64, 1024, small, 132, 3 * 64 * 1024) == 3
+    assert tile_parts(1, 64, 1024, small, 132, 3 * 64 * 1024) == 3
 
 
-def _split(world, dtype, parts):
-    """ReduceScatter with every tile cut into ``parts`` K ranges (the rule forced, as where
-    the device has many programs for few tiles), each rank with a K of its own (one with
-    fewer K steps than parts: empty ranges), every shape three times (the tiles' counts are
-    left zeroed for the next call), outputs poisoned."""
+def _forced_parts(parts):
+    """``stores.tile_parts`` forced to ``parts`` in this rank's process (as where the device
+    has many programs for few tiles); returns the rule to put back."""
     from portable_overlap.ops.matmul_reduce import stores
 
-    W, r = world.world_size, world.rank
     rule = stores.tile_parts
-    stores.tile_parts = lambda mode, *_: parts if mode == "reduce_scatter" else 1
-    # (M, N, K): 16-row blocks of the interpreter's tiles; with 4 programs, tiles x parts <= 4
+    stores.tile_parts = lambda *_: parts
+    return rule
+
+
+def _put_back(rule):
+    from portable_overlap.ops.matmul_reduce import stores
+
+    stores.tile_parts = rule
+
+
+def _split(world, dtype, mode, parts):
+    """Every tile cut into ``parts`` K ranges, each rank with a K of its own (one with fewer
+    K steps than parts: empty ranges), every shape three times (the tiles' counts are left
+    zeroed for the next call), bias and residual, outputs poisoned."""
+    W, r = world.world_size, world.rank
+    rule = _forced_parts(parts)
+    # (M, N, K): 16-row blocks of the interpreter's tiles; with 4 programs, tiles x parts <= 4;
+    # the all-reduce also at M not divisible by W and M < W (ranks with empty blocks)
     shapes = [(16 * W, 16, 40), (2 * W, 7, 5), (16 * W, 20 if parts == 2 else 9, 33)]
-    ctx = po.MatmulReduceScatter(world, 16 * W, 20, transport="stores")
+    if mode == "all_reduce":
+        shapes += [(5, 9, 20), (1, 3, 5)]
+    make = po.MatmulReduceScatter if mode == "reduce_scatter" else po.MatmulAllReduce
+    fn = po.matmul_reduce_scatter if mode == "reduce_scatter" else po.matmul_all_reduce
+    ctx = make(world, 16 * W, 20, transport="stores")
     found = []
     try:
         for i, (M, N, K) in enumerate(shapes):
+            rows = M // W if mode == "reduce_scatter" else M
             for rep in range(3):
                 g = torch.Generator().manual_seed(100 * i + 10 * rep + r)
                 a = torch.randn(M, K + 3 * r, generator=g).to(dtype)
                 b = torch.randn(K + 3 * r, N, generator=g).to(dtype)
                 bias = torch.randn(N, generator=g).to(dtype)
-                res = torch.randn(M // W, N, generator=g).to(dtype)
-                out = torch.full((M // W, N), float("nan"), dtype=dtype)
-                po.matmul_reduce_scatter(a, b, ctx, out, bias=bias, residual=res)
+                res = torch.randn(rows, N, generator=g).to(dtype)
+                out = torch.full((rows, N), float("nan"), dtype=dtype)
+                fn(a, b, ctx, out, bias=bias, residual=res)
                 ctx.synchronize()
-                found.append(((M, N, K), rel_err(out, _truth(a, b, world.group,
-                                                             "reduce_scatter", bias, res))))
+                found.append(((M, N, K), rel_err(out, _truth(a, b, world.group, mode, bias,
+                                                             res))))
         split = {p.parts for p in ctx.workspace("stores")._plans.values()}
     finally:
-        stores.tile_parts = rule
+        _put_back(rule)
         ctx.close()
     return found, split
 
 
 @pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=lambda d: str(d)[6:])
-def test_split_tiles_match_the_sum_of_products(world, dtype, parts):
-    for found, split in world.run(_split, dtype, parts):
+def test_split_tiles_match_the_sum_of_products(world, dtype, mode, parts):
+    for found, split in world.run(_split, dtype, mode, parts):
         assert split == {parts}, split
         bad = [f for f in found if not f[1] < TOL[dtype]]
         assert not bad, bad
+
+
+def _split_refused(world, mode):
+    """Split tiles in 2 ranges; rank 1 refuses the second call (an ``out`` of another shape),
+    so its peers give up on that call in every program, their own tiles' ranges uncomputed.
+    The counts must still be whole for the calls after it."""
+    W, r = world.world_size, world.rank
+    rule = _forced_parts(2)
+    make = po.MatmulReduceScatter if mode == "reduce_scatter" else po.MatmulAllReduce
+    ctx = make(world, 16 * W, 20, transport="stores", timeout_s=5.0)
+    M, N = 16 * W, 20
+    rows = M // W if mode == "reduce_scatter" else M
+    found = []
+    try:
+        for i, bad in enumerate((False, r == 1, False, False)):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(M, 24 + r, generator=g), torch.randn(24 + r, N, generator=g)
+            out = torch.full((rows, N), float("nan"))
+            try:
+                ctx(a, b, out=torch.empty(1, N) if bad else out)
+                ctx.synchronize()
+                found.append(rel_err(out, _truth(a, b, world.group, mode, None, None)))
+            except (ValueError, po.PortableOverlapError) as e:
+                found.append(type(e).__name__)
+    finally:
+        _put_back(rule)
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+def test_a_refused_split_call_leaves_the_counts_whole(world, mode):
+    for rank, found in enumerate(world.run(_split_refused, mode, timeout=120)):
+        assert isinstance(found[1], str), (rank, found)  # every rank fails the refused call
+        assert all(isinstance(e, float) and e < TOL[torch.float32]
+                   for e in (found[0], found[2], found[3])), (rank, found)

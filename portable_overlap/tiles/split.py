@@ -9,11 +9,17 @@ own slot (``store_part``) and counts itself done on the tile (``count_part``: ac
 at GPU scope, after a CTA barrier, so the count's release carries every thread's stores); the
 part that completes the count reads the tile's slots in the ranges' order (``sum_parts``), so
 the bits do not depend on which part finished last, and zeroes the count for the next call.
+A part that gives up on a call (a peer failed) still counts itself, marked, so the count is
+whole for the next call and the part that completes it knows the sum is not.
 No program waits for another, so the CPU interpreter, which runs programs one after another,
 runs it as it is.
 """
 import triton
 import triton.language as tl
+
+
+#: what a part that did not compute its range adds to the count beside its 1
+_FAILED = tl.constexpr(1 << 16)
 
 
 @triton.jit
@@ -26,16 +32,18 @@ def store_part(ws_ptr, slot, x, SLOT: tl.constexpr, OFFSET,
 
 
 @triton.jit
-def count_part(done_ptr, j, parts):
-    """Count one part of tile ``j`` done (``done[j]``); returns whether it was the last. Call
-    it after the part's ``store_part`` calls; the last part must call ``clear_count`` once it
-    has read the slots."""
+def count_part(done_ptr, j, parts, ok):
+    """Count one part of tile ``j`` done (``done[j]``), ``ok`` whether it computed its range
+    (a part that gave up on the call counts too, so the count is whole for the next call).
+    Returns ``(last, whole)``: whether this part completed the tile, and whether every part
+    of it computed its range. Call it after the part's ``store_part`` calls; the last part
+    must call ``clear_count`` once it has read the slots."""
     tl.debug_barrier()  # every thread's stores before the (cumulative) release
-    n = tl.atomic_add(done_ptr + j, 1, sem="acq_rel", scope="gpu")
-    last = n == parts - 1
+    n = tl.atomic_add(done_ptr + j, tl.where(ok, 1, 1 + _FAILED), sem="acq_rel", scope="gpu")
+    last = (n & (_FAILED - 1)) == parts - 1
     if last:
         tl.debug_barrier()  # the acquiring thread's view becomes the program's
-    return last
+    return last, ok & (n < _FAILED)
 
 
 @triton.jit

@@ -4,8 +4,8 @@ the epilogue's bias and residual, and fp32. At the options of the launches of th
 (``matmul.api.tile_config``): the H200 bf16 tile over 8 warps (sm_90), fp32 over 4; 3 stages;
 the tiles of products too small for it, over 4 warps and 4 stages through descriptors
 (``MID_TILE``, ``SMALL_TILE``), over 8 warps and 3 stages by pointer loads
-(``SMALL_TILE_POINTERS``); and ReduceScatter's split tiles in both (``SPLIT``: the
-peers' float32 ranges, ``tiles.split``)."""
+(``SMALL_TILE_POINTERS``); and split tiles in both modes (``SPLIT``: the peers' float32
+ranges, ``tiles.split``)."""
 from ..matmul.compile_specs import descriptor_signature, fused_tile_launch, tile_launch
 from .kernel import matmul_reduce_stores_kernel
 
@@ -26,7 +26,9 @@ def specs():
             ("bf16", "ieee", 64, 128, 64, True, True, False, True, True),
             ("bf16", "ieee", 64, 128, 64, True, False, False, True, True),
             ("bf16", "ieee", 64, 128, 64, False, False, False, True, True),
-            ("fp32", "ieee", 64, 64, 32, False, False, False, True, True)):
+            ("fp32", "ieee", 64, 64, 32, False, False, False, True, True),
+            ("bf16", "ieee", 64, 128, 64, True, True, True, True, True),
+            ("bf16", "ieee", 64, 128, 64, False, False, True, True, True)):
         sig = {n: f"*{dt}" for n in ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "res_ptr",
                                      "recv_ptr", "gathered_ptr")}
         if split:  # the peers' ranges travel in float32

@@ -23,15 +23,19 @@ Program pid of rank r:
    the peers' blocks that their program pid reduced from ``gathered`` into ``out`` (adding this
    rank's bias and residual).
 
-Split tiles (``SPLIT``, ReduceScatter only). Where the W * tpb tiles would leave most of the
-grid idle (a small M x N over a long K), each tile is cut into ``parts`` ranges of K steps and
-the items of a block are its tiles' ranges (item ``T * parts + s``: range s of tile T), mapped
-to programs as the tiles are above, so a program still waits only for its own counterpart. A
-peer's range travels in float32 into ``recv[r][s]``; the owner adds the peers' ranges s to its
-own range s and finishes the tile as ``tiles.split`` does (a slot per range, a count per tile,
-the part that completes it sums the slots in order and applies the epilogue): no program waits
-for another of its launch. AllReduce keeps whole tiles: its step 4 copies the tiles that the
-peers' counterpart program reduced, which a split tile's finisher need not be.
+Split tiles (``SPLIT``). Where the W * tpb tiles would leave most of the grid idle (a small
+M x N over a long K), each tile is cut into ``parts`` ranges of K steps and the items of a
+block are its tiles' ranges (item ``T * parts + s``: range s of tile T), mapped to programs as
+the tiles are above, so steps 1-2 still wait only for the counterpart program. A peer's range
+travels in float32 into ``recv[r][s]``; the owner adds the peers' ranges s to its own range s
+and finishes the tile as ``tiles.split`` does (a slot per range, a count per tile, the part
+that completes it sums the slots in order and applies step 3's epilogue): no program waits for
+another of its launch. A range a program gave up on is counted too, marked, so the counts are
+whole for the next call. AllReduce: the part that completes tile T signals ``reduced[r][T]``
+(one flag per tile, not per program) on every peer, and step 4 copies a peer's tile T in the
+program with the highest index among those that ran T's ranges (``_copier``), after that
+tile's flag. Under the interpreter (programs in order) that program is the one that completed
+the tile on the peer, whose own steps 1-3 wait only for programs that ran before.
 
 Before its first store into rank d in a call a program waits until d has read the previous
 call's data (``pol.wait_consumed_once`` on ``consumed[d]``); the last program of a launch tells
@@ -117,14 +121,16 @@ def _store_own(ctx, acc, r, c, col0, lo_d, rows_d, rank, world, N, out_ptr, bias
 
 
 @triton.jit
-def _finish_own_part(acc, r, tn, rows_d, rank, world, block_rows, N, out_ptr, bias_ptr,
-                     res_ptr, stride_res, recv_ptr, ws_ptr, done_ptr, T, s, parts,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_RES: tl.constexpr):
-    """Step 3 of a split tile (ReduceScatter): K range ``s`` of own tile ``T`` plus the peers'
-    partials of that range, into slot ``T * parts + s`` of ``ws`` (``tiles.split``); the part
-    that completes the tile sums the slots in order and stores the result, half a tile at a
-    time (as ``_finish_own``)."""
+def _finish_own_part(ctx, acc, r, tn, lo_d, rows_d, rank, world, block_rows, N, out_ptr,
+                     bias_ptr, res_ptr, stride_res, recv_ptr, gathered_ptr, reduced_ptr,
+                     consumed_ptr, ws_ptr, done_ptr, T, s, parts, call, tag, ok, waited,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALL_REDUCE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, G_MAX: tl.constexpr):
+    """Step 3 of a split tile: K range ``s`` of own tile ``T`` plus the peers' partials of that
+    range, into slot ``T * parts + s`` of ``ws`` (``tiles.split``); the part that completes the
+    tile sums the slots in order and stores the result half a tile at a time (as
+    ``_finish_own``), and under AllReduce signals ``reduced[rank][T]`` on every peer, failed
+    where a range of the tile was not computed (``_drop_part``). Returns ``(ok, waited)``."""
     HALF: tl.constexpr = BLOCK_N // 2
     left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
     c = tl.arange(0, HALF)
@@ -137,13 +143,59 @@ def _finish_own_part(acc, r, tn, rows_d, rank, world, block_rows, N, out_ptr, bi
     right = _add_peers(right, r, col0 + HALF + c, rows_d, rank, world, block_rows, N, recv_ptr,
                        s, parts)
     store_part(ws_ptr, slot, right, BLOCK_M * BLOCK_N, BLOCK_M * HALF, BLOCK_M, HALF)
-    if count_part(done_ptr, T, parts):
-        for h in range(0, 2):
-            total = sum_parts(ws_ptr, T * parts, parts, BLOCK_M * BLOCK_N, h * BLOCK_M * HALF,
-                              BLOCK_M, HALF)
-            store_tile_epilogue(total, r, c, 0, rows_d, col0 + h * HALF, N, out_ptr, bias_ptr,
-                                res_ptr, N, stride_res, HAS_BIAS, HAS_RES)
+    last, whole = count_part(done_ptr, T, parts, ok)
+    if last:
+        if whole:  # (else the call fails on this rank: a range's wait failed and reported)
+            for h in range(0, 2):
+                total = sum_parts(ws_ptr, T * parts, parts, BLOCK_M * BLOCK_N,
+                                  h * BLOCK_M * HALF, BLOCK_M, HALF)
+                ok, waited = _store_own(ctx, total, r, c, col0 + h * HALF, lo_d, rows_d, rank,
+                                        world, N, out_ptr, bias_ptr, res_ptr, stride_res,
+                                        gathered_ptr, consumed_ptr, call, ok, waited,
+                                        ALL_REDUCE, HAS_BIAS, HAS_RES)
         clear_count(done_ptr, T)
+        if ALL_REDUCE:
+            pol.signal_all(ctx, reduced_ptr + rank * G_MAX + T, call, ok & whole, tag)
+    return ok, waited
+
+
+@triton.jit
+def _drop_part(ctx, reduced_ptr, done_ptr, T, parts, call, tag, rank, ALL_REDUCE: tl.constexpr,
+               G_MAX: tl.constexpr):
+    """A range of own tile ``T`` this program does not compute (it gave up on the call): count
+    it, failed, so the count is whole again for the next call; if it completes the tile, clear
+    the count and (AllReduce) tell the peers the tile failed."""
+    last, whole = count_part(done_ptr, T, parts, False)
+    if last:
+        clear_count(done_ptr, T)
+        if ALL_REDUCE:
+            pol.signal_all(ctx, reduced_ptr + rank * G_MAX + T, call, False, tag)
+
+
+@triton.jit
+def _copier(T, q, parts, tpb, G):
+    """The program that copies block ``q``'s reduced split tile ``T`` on the peers: the one
+    with the highest index among those that ran its ranges. Under the interpreter (programs in
+    order) that one finishes the tile, so its counterpart waits only for programs that ran."""
+    top = 0
+    for s in range(0, parts):
+        top = tl.maximum(top, (T * parts + s + q * tpb) % G)
+    return top
+
+
+@triton.jit
+def _copy_reduced(gathered_ptr, row0, tn, lo_q, rows_q, N, out_ptr, bias_ptr, res_ptr,
+                  stride_res, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """Step 4 for one tile of peer block q (rows ``row0 + ...`` of it, column tile ``tn``): its
+    reduced values from ``gathered`` into ``out``, with this rank's bias and residual."""
+    r = row0 + tl.arange(0, BLOCK_M)  # in block q
+    c = tl.arange(0, BLOCK_N)
+    mask = (r < rows_q)[:, None] & (tn * BLOCK_N + c < N)[None, :]
+    y = tl.load(gathered_ptr + (lo_q + r)[:, None].to(tl.int64) * N
+                + (tn * BLOCK_N + c)[None, :], mask=mask, other=0.0)
+    store_tile_epilogue(y.to(tl.float32), r, c, lo_q, rows_q, tn * BLOCK_N, N, out_ptr,
+                        bias_ptr, res_ptr, N, stride_res, HAS_BIAS, HAS_RES)
 
 
 @triton.jit
@@ -162,7 +214,6 @@ def matmul_reduce_stores_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    tl.static_assert(not (SPLIT and ALL_REDUCE), "split tiles: ReduceScatter only")
     pid = tl.program_id(0)
     call = pol.begin_call(ctx)
     rank = pol.rank(ctx)
@@ -204,7 +255,8 @@ def matmul_reduce_stores_kernel(
         rows_d = _block_start(M, d + 1, world) - lo_d
         tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
         row0 = tm * BLOCK_M  # in the block
-        if (item < tpb) & (row0 < rows_d) & ok:
+        mine = (item < tpb) & (row0 < rows_d)
+        if mine & ok:
             if USE_DESC:
                 acc = gemm_tile_desc_of(a_desc, b_desc, lo_d + row0, tn * BLOCK_N, k_lo, k_hi,
                                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, PRECISION,
@@ -226,11 +278,13 @@ def matmul_reduce_stores_kernel(
                     offs = ((rank * parts + s) * block_rows + rows)[:, None].to(tl.int64) * N \
                         + cols[None, :]
                     tl.store(dst + offs, acc.to(recv_ptr.dtype.element_ty), mask=mask)
-            elif SPLIT:  # 3. a range of this rank's own tile (ReduceScatter only)
-                _finish_own_part(acc, row0 + tl.arange(0, BLOCK_M), tn, rows_d, rank, world,
-                                 block_rows, N, out_ptr, bias_ptr, res_ptr, stride_res, recv_ptr,
-                                 ws_ptr, done_ptr, T, s, parts, BLOCK_M, BLOCK_N, HAS_BIAS,
-                                 HAS_RES)
+            elif SPLIT:  # 3. a range of this rank's own tile
+                ok, waited = _finish_own_part(
+                    ctx, acc, row0 + tl.arange(0, BLOCK_M), tn, lo_d, rows_d, rank, world,
+                    block_rows, N, out_ptr, bias_ptr, res_ptr, stride_res, recv_ptr,
+                    gathered_ptr, reduced_ptr, consumed_ptr, ws_ptr, done_ptr, T, s, parts,
+                    call, tag, ok, waited, BLOCK_M, BLOCK_N, ALL_REDUCE, HAS_BIAS, HAS_RES,
+                    G_MAX)
             else:  # 3. this rank's block: its partial plus the peers', half a tile at a time
                 # (a whole tile's peer partials, residual and bias beside the float32
                 # accumulator spilled 768 bytes of registers on sm_90 at 128 x 256)
@@ -247,8 +301,30 @@ def matmul_reduce_stores_kernel(
                                          rank, world, block_rows, N, out_ptr, bias_ptr, res_ptr,
                                          stride_res, recv_ptr, gathered_ptr, consumed_ptr, call,
                                          ok, waited, ALL_REDUCE, HAS_BIAS, HAS_RES)
+        elif SPLIT:
+            if mine & (d == rank):  # still counted: the next call's counts start at zero
+                _drop_part(ctx, reduced_ptr, done_ptr, T, parts, call, tag, rank, ALL_REDUCE,
+                           G_MAX)
 
-    if ALL_REDUCE:  # 4. the peers' reduced blocks, the tiles their program pid reduced
+    if ALL_REDUCE & SPLIT:  # 4. the peers' reduced split tiles, each once its flag is set
+        for i in range(1, world):
+            q = (rank + i) % world
+            lo_q = _block_start(M, q, world)
+            rows_q = _block_start(M, q + 1, world) - lo_q
+            for j in range(0, per):
+                item = _first_tile(pid, q, tpb, G) + j * G
+                T = item // parts
+                tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
+                row0 = tm * BLOCK_M
+                if (item < tpb) & (row0 < rows_q):
+                    if _copier(T, q, parts, tpb, G) == pid:
+                        if ok:
+                            ok = pol.wait(ctx, reduced_ptr + q * G_MAX + T, call, q, tag)
+                        if ok:
+                            _copy_reduced(gathered_ptr, row0, tn, lo_q, rows_q, N, out_ptr,
+                                          bias_ptr, res_ptr, stride_res, BLOCK_M, BLOCK_N,
+                                          HAS_BIAS, HAS_RES)
+    elif ALL_REDUCE:  # 4. the peers' reduced blocks, the tiles their program pid reduced
         pol.signal_all(ctx, reduced_ptr + rank * G_MAX + pid, call, ok, tag)
         if ok:
             ok = pol.wait_peers(ctx, reduced_ptr + pid, G_MAX, call, tag)
@@ -262,14 +338,9 @@ def matmul_reduce_stores_kernel(
                     tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
                     row0 = tm * BLOCK_M
                     if (T < tpb) & (row0 < rows_q):
-                        r = row0 + tl.arange(0, BLOCK_M)  # in block q
-                        c = tl.arange(0, BLOCK_N)
-                        mask = (r < rows_q)[:, None] & (tn * BLOCK_N + c < N)[None, :]
-                        y = tl.load(gathered_ptr + (lo_q + r)[:, None].to(tl.int64) * N
-                                    + (tn * BLOCK_N + c)[None, :], mask=mask, other=0.0)
-                        store_tile_epilogue(y.to(tl.float32), r, c, lo_q, rows_q, tn * BLOCK_N,
-                                            N, out_ptr, bias_ptr, res_ptr, N, stride_res,
-                                            HAS_BIAS, HAS_RES)
+                        _copy_reduced(gathered_ptr, row0, tn, lo_q, rows_q, N, out_ptr,
+                                      bias_ptr, res_ptr, stride_res, BLOCK_M, BLOCK_N, HAS_BIAS,
+                                      HAS_RES)
 
     # the last program out: every read of this rank's buffers is done; tell the peers
     pol.end_call_consumed(ctx, call, consumed_ptr)

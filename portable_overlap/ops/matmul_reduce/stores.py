@@ -44,9 +44,8 @@ class MatmulReduceStores(OverlapContext):
         world.check_same(f"{op} context arguments (max_m, max_n, config's tiling)",
                          (max_m, max_n, getattr(config, "tiling", None)))
         block = -(-max_m // W)
-        split = mode == "reduce_scatter"
         # room for split tiles' float32 ranges (tile_parts): at most a tile per program
-        room = max(W * block * max_n, world.facts.sm_count * SPLIT_TILE if split else 0)
+        room = max(W * block * max_n, world.facts.sm_count * SPLIT_TILE)
         super().__init__(world, [
             ("_recv_raw", (room,), torch.float32),  # viewed per dtype
             ("_gathered_raw", (max_m * max_n if mode == "all_reduce" else 1,), torch.float32),
@@ -60,8 +59,8 @@ class MatmulReduceStores(OverlapContext):
         self.mode, self.max_m, self.max_n, self.config = mode, max_m, max_n, config
         # the owner's slots and counts of split tiles (a slot per program at most; the counts
         # are left zeroed by the kernel)
-        n_slots = world.facts.sm_count if split else 1
-        self._split_ws = torch.empty(n_slots * SPLIT_TILE if split else 1, dtype=torch.float32,
+        n_slots = world.facts.sm_count
+        self._split_ws = torch.empty(n_slots * SPLIT_TILE, dtype=torch.float32,
                                      device=world.device)
         self._split_done = torch.zeros(n_slots, dtype=torch.int32, device=world.device)
         self._recv = {dt: self._recv_raw.view(torch.uint8).view(dt) for dt in DTYPES}
@@ -128,8 +127,7 @@ class MatmulReduceStores(OverlapContext):
         check_k_steps(self.OP, a, b, cfg)
         block = -(-M // W)
         tpb = -(-block // cfg.block_m) * -(-N // cfg.block_n)
-        parts = tile_parts(self.mode, W, M, N, cfg, min(facts.sm_count, G_MAX),
-                           self._recv_raw.numel())
+        parts = tile_parts(W, M, N, cfg, min(facts.sm_count, G_MAX), self._recv_raw.numel())
         if parts > 1 and (tpb * parts > self._split_done.numel()
                           or W * parts * block * N > self._recv_raw.numel()):
             raise RuntimeError(f"{self.OP}: {parts} ranges of {tpb} tiles pass the split "
@@ -168,16 +166,15 @@ SPLIT_TILE = 64 * 128
 MAX_PARTS = 8
 
 
-def tile_parts(mode: str, W: int, M: int, N: int, cfg: MatmulConfig, programs: int,
-               room: int) -> int:
-    """How many ranges of K steps the ReduceScatter kernel cuts each tile into (1: none): as
+def tile_parts(W: int, M: int, N: int, cfg: MatmulConfig, programs: int, room: int) -> int:
+    """How many ranges of K steps the kernel cuts each tile into (1: none): as
     many as keep every program busy once (W x tiles x parts <= ``programs``), at most
     ``MAX_PARTS``, while the peers' float32 ranges fit the receive buffer (``room`` float32
     elements). From M and N only, so every rank of a call cuts the same way whatever its own K
     (which may differ between ranks): a rank with fewer K steps than parts computes some
-    empty ranges. AllReduce, and tiles larger than ``SPLIT_TILE``, stay whole: ``tile_config``
-    picks those only where their grid fills a third of the device or more."""
-    if mode != "reduce_scatter" or cfg.block_m * cfg.block_n > SPLIT_TILE:
+    empty ranges. Tiles larger than ``SPLIT_TILE`` stay whole: ``tile_config`` picks those
+    only where their grid fills a third of the device or more."""
+    if cfg.block_m * cfg.block_n > SPLIT_TILE:
         return 1
     block = -(-M // W)
     tiles = W * -(-block // cfg.block_m) * -(-N // cfg.block_n)

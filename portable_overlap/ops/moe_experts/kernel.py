@@ -234,7 +234,8 @@ def _sum_parts(g, u, rows, valid, pid_n, ws_ptr, done_ptr, pid, j, parts, h_ptr,
     tile: tl.constexpr = BLOCK_M * BLOCK_N
     store_part(ws_ptr, pid, g, 2 * tile, 0, BLOCK_M, BLOCK_N)
     store_part(ws_ptr, pid, u, 2 * tile, tile, BLOCK_M, BLOCK_N)
-    if count_part(done_ptr, j, parts):
+    last, _ = count_part(done_ptr, j, parts, True)
+    if last:
         g = sum_parts(ws_ptr, j * parts, parts, 2 * tile, 0, BLOCK_M, BLOCK_N)
         u = sum_parts(ws_ptr, j * parts, parts, 2 * tile, tile, BLOCK_M, BLOCK_N)
         store_swiglu(g, u, rows, valid, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), h_ptr, I,
