@@ -1,11 +1,12 @@
 """Probe: GEMM + ReduceScatter (or AllReduce, ``--mode``) over ``"stores"`` with split tiles
-(K ranges run side by side, ``ops/matmul_reduce/stores.py:tile_parts``) against the same op with whole tiles, at products
-whose tiles leave most of the grid idle (decode-sized M, small N, long K). Per shape (bf16,
+(K ranges run side by side, ``ops/matmul_reduce/stores.py:tile_parts``) against the same op
+with whole tiles, at products whose tiles leave most of the grid idle (decode-sized M, small
+N, long K). Per shape (bf16,
 graph replay, each impl checked against a float32 reference before it is timed, ``--rounds``
 rounds in rotated order, each impl's median round): cuBLAS's GEMM alone, the op with whole
 tiles (the rule forced to one part), the op as it plans (``split``), with ``--parts`` the op
 with each of those part counts forced (``parts<n>``, where the grid has room for them), and
-on several ranks the ``"sequential"`` transport (cuBLAS then NCCL's reduce-scatter). Rows to
+on several ranks the ``"sequential"`` transport (cuBLAS then NCCL's collective). Rows to
 --out (op ``matmul_<mode>_split``, the parts in each row); one line per shape.
 
     torchrun --nproc-per-node 1 benchmarks/probe_split_tiles.py --out rows.jsonl \\

@@ -977,22 +977,24 @@ def check_matmul_reduce(world: World, gen) -> None:
     # split tiles in a context sized for the call (the peers' float32 ranges in the room the
     # context keeps for them), with bias and residual, replayed from a CUDA graph
     M, N, K = 128 * W, 3584, 8192
-    st = po.MatmulReduceScatter(world, M, N, transport="stores")
-    try:
-        a = rand((M, K), torch.bfloat16, dev, gen)
-        b = rand((N, K), torch.bfloat16, dev, gen).t()
-        bias = rand((N,), torch.bfloat16, dev, gen)
-        res = rand((M // W, N), torch.bfloat16, dev, gen)
-        out = st(a, b, bias=bias, residual=res)
-        parts = next(iter(st.workspace("stores")._plans.values())).parts
-        worst = worst_over_graph_replays(
-            st, lambda: st(a, b, out=out, bias=bias, residual=res), a, out,
-            lambda: refs["reduce_scatter"](a, b, world.group) + bias + res, gen, 5)
-        record(f"matmul+reduce_scatter stores {M}x{N}x{K} split in {parts}, bias+residual, "
-               f"5 graph replays", parts > 1 and worst < TOL[torch.bfloat16] * 2,
-               f"worst rel_err={worst:.2e}")
-    finally:
-        st.close()
+    for mode, make in (("reduce_scatter", po.MatmulReduceScatter),
+                       ("all_reduce", po.MatmulAllReduce)):
+        st = make(world, M, N, transport="stores")
+        try:
+            a = rand((M, K), torch.bfloat16, dev, gen)
+            b = rand((N, K), torch.bfloat16, dev, gen).t()
+            bias = rand((N,), torch.bfloat16, dev, gen)
+            res = rand((M // W if mode == "reduce_scatter" else M, N), torch.bfloat16, dev, gen)
+            out = st(a, b, bias=bias, residual=res)
+            parts = next(iter(st.workspace("stores")._plans.values())).parts
+            worst = worst_over_graph_replays(
+                st, lambda: st(a, b, out=out, bias=bias, residual=res), a, out,
+                lambda: refs[mode](a, b, world.group) + bias + res, gen, 5)
+            record(f"matmul+{mode} stores {M}x{N}x{K} split in {parts}, bias+residual, "
+                   f"5 graph replays", parts > 1 and worst < TOL[torch.bfloat16] * 2,
+                   f"worst rel_err={worst:.2e}")
+        finally:
+            st.close()
 
 
 def check_patterns(world: World, gen, replays: int = 5) -> None:
