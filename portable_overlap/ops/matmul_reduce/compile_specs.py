@@ -43,6 +43,8 @@ def specs():
                       BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_STAGES=3, EVEN_K=True,
                       PRECISION=prec, UPCAST=False, G_MAX=1024, SPLIT=split)
+        if not split:  # the launch passes parts = 1, which the JIT specializes as a constant
+            consts["parts"] = 1
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         sig.update({k: "constexpr" for k in consts})
