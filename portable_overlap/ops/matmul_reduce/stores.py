@@ -24,9 +24,11 @@ MODES = ("reduce_scatter", "all_reduce")
 class MatmulReduceStores(OverlapContext):
     """The ``"stores"`` transport's workspace for one mode (``"reduce_scatter"`` or
     ``"all_reduce"``) and results of at most ``max_m`` x ``max_n``: the peers' partials of this
-    rank's block (W x ceil(max_m / W) x max_n elements) and, for AllReduce, every rank's
-    reduced block (max_m x max_n) in the symmetric heap; flags. Option ``config``: the GEMM
-    tiling (default: the device's)."""
+    rank's block (W x ceil(max_m / W) x max_n elements, and at least a float32 64 x 128 tile
+    per SM for split tiles' ranges) and, for AllReduce, every rank's reduced block (max_m x
+    max_n) in the symmetric heap; flags; a float32 64 x 128 slot and a count per SM for the
+    split tiles (``tile_parts``). Option ``config``: the GEMM tiling (default: the
+    device's)."""
 
     FLAG_LABELS = FLAG_LABELS
 
