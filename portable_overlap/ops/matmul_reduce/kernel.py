@@ -160,9 +160,8 @@ def _finish_own_part(ctx, acc, r, tn, lo_d, rows_d, rank, world, block_rows, N, 
                                         world, N, out_ptr, bias_ptr, res_ptr, stride_res,
                                         gathered_ptr, consumed_ptr, call, ok, waited,
                                         ALL_REDUCE, HAS_BIAS, HAS_RES)
-        clear_count(done_ptr, T)
-        if ALL_REDUCE:
-            pol.signal_all(ctx, reduced_ptr + rank * G_MAX + T, call, ok & whole, tag)
+        _close_tile(ctx, reduced_ptr, done_ptr, T, call, ok & whole, tag, rank, ALL_REDUCE,
+                    G_MAX)
     return ok, waited
 
 
@@ -172,11 +171,19 @@ def _drop_part(ctx, reduced_ptr, done_ptr, T, parts, call, tag, rank, ALL_REDUCE
     """A range of own tile ``T`` this program does not compute (it gave up on the call): count
     it, failed, so the count is whole again for the next call; if it completes the tile, clear
     the count and (AllReduce) tell the peers the tile failed."""
-    last, whole = count_part(done_ptr, T, parts, False)
+    last, _ = count_part(done_ptr, T, parts, False)
     if last:
-        clear_count(done_ptr, T)
-        if ALL_REDUCE:
-            pol.signal_all(ctx, reduced_ptr + rank * G_MAX + T, call, False, tag)
+        _close_tile(ctx, reduced_ptr, done_ptr, T, call, False, tag, rank, ALL_REDUCE, G_MAX)
+
+
+@triton.jit
+def _close_tile(ctx, reduced_ptr, done_ptr, T, call, ok, tag, rank, ALL_REDUCE: tl.constexpr,
+                G_MAX: tl.constexpr):
+    """The last part of own split tile ``T``: zero its count for the next call and, under
+    AllReduce, signal ``reduced[rank][T]`` on every peer (failed unless ``ok``)."""
+    clear_count(done_ptr, T)
+    if ALL_REDUCE:
+        pol.signal_all(ctx, reduced_ptr + rank * G_MAX + T, call, ok, tag)
 
 
 @triton.jit
