@@ -6,19 +6,14 @@ on a machine without a GPU (CI, the demo): the peer pointer table holds each pee
 mapped in *this* process, so the kernels' pointer translation and remote stores run unchanged.
 Copies and stream operations are synchronous (the interpreter has no streams).
 
-Segments have no name in any file system: the owner keeps the memfd open while the allocation
-lives and peers open it through ``/proc/<owner pid>/fd/<fd>``. The memory goes away with the last
-fd or mapping, so a rank killed at any moment (SIGKILL included) leaves nothing in /dev/shm or
-/tmp. Peers must run as the same user as the owner (the kernel checks that on the /proc open).
+Segments are ``backends.host_segment.HostSegment``s: no name in any file system, the owner's
+memfd opened by peers through ``/proc/<owner pid>/fd/<fd>``, nothing left behind by a rank
+killed at any moment (SIGKILL included). Peers must run as the same user as the owner.
 """
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
-import re
-import secrets
-import stat
 import time
 from typing import Optional
 
@@ -27,107 +22,12 @@ import torch
 from ...envvars import env_float, env_int
 from ...errors import PeerTimeoutError
 from ..base import Allocation, Backend, DeviceFacts, GateWords, HostMapped, PeerMapping
+from ..host_segment import HostSegment
 
 SLOTS_VAR = "PORTABLE_OVERLAP_CPU_SLOTS"
 WAIT_TIMEOUT_VAR = "PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT"
 #: most emulated SMs: one launch has at most this many programs (``ops.context.G_MAX`` flag slots)
 MAX_SLOTS = 1024
-
-_PREFIX = "portable_overlap_"
-#: the names :func:`_Segment.create` gives: prefix, owner pid, 12 random hex digits
-_NAME = re.compile(re.escape(_PREFIX) + r"[0-9]+_[0-9a-f]{12}")
-
-
-class _Segment:
-    """One memfd mapped into this process; ``tensor`` is a uint8 view whose data_ptr is the
-    mapping's address. ``fd`` is the memfd the owner keeps open so that peers can open it (None in
-    a peer's mapping: the mapping alone keeps the memory alive)."""
-
-    def __init__(self, fd: int, name: str, nbytes: int, own: bool):
-        self.mm = mmap.mmap(fd, nbytes)
-        self.fd = fd if own else None
-        self.name = name
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.address = self.tensor.data_ptr()
-
-    @classmethod
-    def create(cls, nbytes: int) -> "_Segment":
-        name = f"{_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)  # CLOEXEC: a child must not pin the memory
-        try:
-            os.ftruncate(fd, nbytes)
-            return cls(fd, name, nbytes, own=True)
-        except BaseException:
-            os.close(fd)
-            raise
-
-    @classmethod
-    def open(cls, handle, nbytes: int) -> "_Segment":
-        """Map the peer segment ``handle`` names, after checking that it is one: a handle comes
-        from another process and must never make this one open an arbitrary file."""
-        pid, fd, name = _parse_handle(handle)
-        path = f"/proc/{pid}/fd/{fd}"
-        # checked before the open, so that a forged handle never opens a FIFO or a device
-        _check_target(handle, path, name)
-        try:
-            mine = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-        except OSError as e:
-            raise _not_ours(handle, f"{path} cannot be opened ({e.strerror})") from None
-        try:
-            # checked again on what was opened: the peer may have closed and reused the fd since
-            _check_target(handle, f"/proc/self/fd/{mine}", name)
-            st = os.fstat(mine)
-            if not stat.S_ISREG(st.st_mode):
-                raise _not_ours(handle, f"{path} is not a memory segment")
-            if st.st_size < nbytes:
-                raise ValueError(f"cpu backend: peer segment {name} holds {st.st_size} bytes, "
-                                 f"fewer than the {nbytes} bytes asked for; the ranks disagree "
-                                 f"on the allocation's size")
-            return cls(mine, name, nbytes, own=False)
-        finally:
-            os.close(mine)  # the mapping keeps the memory
-
-    def handle(self) -> tuple:
-        return (os.getpid(), self.fd, self.name)
-
-    def close(self) -> None:
-        self.tensor = None
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive: the mapping goes when the last view does
-            pass
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _not_ours(handle, why: str) -> ValueError:
-    return ValueError(f"cpu backend: handle {handle!r} is not a segment of the cpu backend: {why}. "
-                      f"Handles come from CpuBackend.export_handle in a live process of the "
-                      f"same user on this machine")
-
-
-def _parse_handle(handle) -> tuple:
-    """``(pid, fd, name)`` of a handle made by :meth:`_Segment.handle`, checked field by field."""
-    if not (isinstance(handle, tuple) and len(handle) == 3):
-        raise _not_ours(handle, "expected a tuple (pid, fd, name)")
-    pid, fd, name = handle
-    if type(pid) is not int or pid <= 0 or type(fd) is not int or fd < 0:
-        raise _not_ours(handle, "pid must be an int > 0 and fd an int >= 0")
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
-        raise _not_ours(handle, f"the name must look like {_PREFIX}<pid>_<12 hex digits>")
-    return pid, fd, name
-
-
-def _check_target(handle, path: str, name: str) -> None:
-    """Refuse unless ``path`` (a /proc fd link) is the memfd called ``name``."""
-    try:
-        target = os.readlink(path)
-    except OSError as e:
-        raise _not_ours(handle, f"{path} cannot be read ({e.strerror}: the process exited, "
-                                f"freed the segment, or belongs to another user)") from None
-    if target != f"/memfd:{name} (deleted)":
-        raise _not_ours(handle, f"{path} is {target!r}, not the memfd {name!r}")
 
 
 def require_interpreter(what: str) -> None:
@@ -192,7 +92,7 @@ class CpuBackend(Backend):
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
-        seg = _Segment.create(nbytes)
+        seg = HostSegment.create(nbytes)
         return Allocation(seg.address, nbytes, seg.tensor, torch.device("cpu"), native=seg)
 
     def export_handle(self, alloc: Allocation) -> tuple:
@@ -204,7 +104,7 @@ class CpuBackend(Backend):
         """Map a peer's segment. Raises ValueError for a handle that is not a live segment of
         this backend (malformed, another file, another memfd, a process that exited) and for a
         segment smaller than ``nbytes``."""
-        seg = _Segment.open(handle, nbytes)
+        seg = HostSegment.open(handle, nbytes, "cpu backend")
         return PeerMapping(seg.address, nbytes, native=seg)
 
     def close_handle(self, mapping: PeerMapping) -> None:
