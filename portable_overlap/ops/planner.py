@@ -14,9 +14,10 @@ What the first call of a key does (collective; the same on every rank):
    per-call option given, by name and type (the pattern's ``CALL_OPTIONS``; a transport not
    listed there takes none). One candidate runs at once, untimed; none is a ``ValueError``.
 2. **The agreement and the decision's key**: every rank's call (its key, its candidates, or
-   the error it refused the call with) exchanged through the process group's store with a
-   deadline (``_agree``; one key for every rank, also where the shapes differ across ranks, as
-   the reduction patterns' K shards may), then ``schedule.tuning.decide``: a decision every
+   the error it refused the call with) exchanged with a deadline (on the call board where
+   every rank runs on one machine, else through the process group's store: ``_agree``; one
+   key for every rank, also where the shapes differ across ranks, as the reduction patterns'
+   K shards may), then ``schedule.tuning.decide``: a decision every
    rank's cache holds is used as it is (no timing); otherwise every rank measures.
 3. **Measuring**: each candidate in ``TRANSPORTS`` order runs once on the call's own inputs,
    into an output of its own (the user's ``out`` is written only by the chosen transport, after
@@ -84,13 +85,14 @@ on every rank in the same call, without a hang:
   agreement at once.
 
 The trade-off: an eager call of a decided ``"sequential"`` or ``"torch_fused"`` key makes the
-agreement's four store round trips (about 0.26 ms on the emulated ranks of a 2-core host),
-which a call of the named transport does not; a CUDA-graph replay runs none of it (the check
-ran when the call was captured). The plain calls' timing counts it, and the host's time to
-issue a call where that is longer than the device's (``_measure``), so eager calls pick a
-fused transport, whose waits have deadlines and need no agreement, wherever the agreement
-costs more than the fused transport loses. Where even that matters, name the transport, or
-capture the calls.
+agreement, which a call of the named transport does not: on the call board 0.115-0.194 ms of
+host time per call over the named transport on 2-8 emulated ranks of 16 idle cores, against
+0.197-0.389 ms through the store's four round trips (``docs/scaling.md``); a CUDA-graph
+replay runs none of it (the check ran when the call was captured). The plain calls' timing
+counts it, and the host's time to issue a call where that is longer than the device's
+(``_measure``), so eager calls pick a fused transport, whose waits have deadlines and need no
+agreement, wherever the agreement costs more than the fused transport loses. Where even that
+matters, name the transport, or capture the calls.
 
 Graph capture: timing needs host syncs, which capture forbids, so a call under capture whose key
 is not decided yet raises ``RuntimeError`` (on every rank: the refusal goes through the
@@ -739,8 +741,8 @@ class TransportPlanner:
         else making its result as the call will: a transport may return a result of its own
         faster than it fills a given tensor (torch's fused ops copy theirs into ``out``). A
         plain call of an ``UNBOUNDED`` candidate is timed with what its decided calls will do
-        before they run (``_settle_decided``: the input checks and the agreement's store round
-        trips), which its graph replays do not: on 4 H200s that agreement added 0.275 ms to an
+        before they run (``_settle_decided``: the input checks and the agreement), which its
+        graph replays do not: on 4 H200s the agreement through the store added 0.275 ms to an
         eager ``"sequential"`` GEMV + AllReduce call of 0.081 ms, and without it eager decode
         picked torch's path and ran at 0.57× the unfused layer (``docs/scaling.md``). Plain
         calls are timed host-bound (``tuning.time_call(host_bound=True)``): the stream's hold

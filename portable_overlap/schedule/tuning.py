@@ -187,7 +187,7 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
     ``host_bound`` (plain runs on a GPU): the larger of the device's median and the median
     host time to issue one run, what a caller that issues runs one after another gets. The hold
     hides up to 2 ms of host work per :data:`AHEAD` runs from the device's events: on 2 H200s a
-    GEMV + AllReduce whose eager calls first agree with their peers through the store (0.5 ms
+    GEMV + AllReduce whose eager calls first agreed with their peers through the store (0.5 ms
     of host time) timed 0.072 ms by the events alone, as fast as the kernel that needs no
     agreement, and ran at 0.62 ms per call when picked."""
     dev = world.device
