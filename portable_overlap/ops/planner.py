@@ -240,20 +240,26 @@ class Jagged:
 
 
 def _layout(t) -> tuple:
-    """What a tensor brings to the call key: shape, dtype, strides (0 for size-1 dimensions)."""
+    """What a tensor brings to the call key: shape, dtype, strides (0 for size-1 dimensions).
+    Every decided call computes its key: this runs per input per call, so the common case (a
+    tensor with no size-1 dimension) builds nothing it does not need."""
+    if isinstance(t, torch.Tensor):
+        shape, stride = t.shape, t.stride()
+        if 1 in shape:
+            stride = tuple([0 if n == 1 else s for n, s in zip(shape, stride)])
+        return (tuple(shape), t.dtype, stride)
     if isinstance(t, Jagged):
         return ("jagged", t.dtype)
-    if not isinstance(t, torch.Tensor):
-        return (type(t).__name__,)  # refused by every transport: it still needs a key
-    return (tuple(t.shape), t.dtype,
-            tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride())))
+    return (type(t).__name__,)  # refused by every transport: it still needs a key
 
 
 def _call_key(inputs: dict, given: dict) -> tuple:
     """The call key of a call (module docstring), as a tuple: the per-call lookup's key."""
-    return (tuple(None if v is None else _layout(v) for v in inputs.values()),
-            tuple(sorted((k, _layout(v) if isinstance(v, torch.Tensor) else repr(v))
-                         for k, v in given.items())))
+    key = tuple([None if v is None else _layout(v) for v in inputs.values()])
+    if not given:
+        return (key, ())
+    return (key, tuple(sorted((k, _layout(v) if isinstance(v, torch.Tensor) else repr(v))
+                              for k, v in given.items())))
 
 
 def _describe(v):
@@ -403,15 +409,20 @@ class TransportPlanner:
     def __call__(self, inputs: dict, out, options: dict):
         """Run the call (``inputs`` by name in the op's schema order, ``out``, the per-call
         ``options``, None meaning not given) on its key's transport, deciding it first."""
-        with self._call(inputs, options) as (given, fast):
+        # (the body of ``_call`` inline: a decided call's own cost on the host is what an eager
+        # decode step waits for, and the generator of a context manager adds a few µs to it)
+        given, fast = self._open_call(inputs, options)
+        try:
             chosen = self._chosen.get(fast)
             if chosen is None:
                 transport = self._decide(fast, inputs, out, given)
             else:
                 transport = self._now(chosen)
-                if transport in UNBOUNDED:
+                if transport in UNBOUNDED and self.ctx.world.world_size > 1:
                     self._settle_decided(transport, chosen[1], chosen[2], inputs, out, given)
             return self.ctx._run(transport, self.impls[transport], inputs, out, given)
+        finally:
+            self._lock.release()
 
     def _settle_decided(self, transport: str, decision: int, text: str, inputs: dict, out,
                         given: dict) -> None:
@@ -459,16 +470,27 @@ class TransportPlanner:
                 return None
         return None
 
-    @contextlib.contextmanager
-    def _call(self, inputs: dict, options: dict):
-        """One call of the planner: its given options and call key, under the planner's lock
-        (a second thread's concurrent call raises), on an open, unbroken planner."""
-        given = {k: v for k, v in options.items() if v is not None}
+    def _open_call(self, inputs: dict, options: dict) -> tuple:
+        """The start of one call of the planner: its given options and call key, with the
+        planner's lock taken (a second thread's concurrent call raises) on an open, unbroken
+        planner. The caller releases the lock."""
+        given = {k: v for k, v in options.items() if v is not None} if options else {}
         fast = _call_key(self.ctx._key_inputs(inputs), given)
         if not self._lock.acquire(blocking=False):
             raise concurrent_use(self.ctx.OP, self.ctx.rank)
         try:
             self._check_call()
+        except BaseException:
+            self._lock.release()
+            raise
+        return given, fast
+
+    @contextlib.contextmanager
+    def _call(self, inputs: dict, options: dict):
+        """:meth:`_open_call` as a context manager: ``(given, fast)``, the lock released at
+        the end."""
+        given, fast = self._open_call(inputs, options)
+        try:
             yield given, fast
         finally:
             self._lock.release()
