@@ -16,8 +16,8 @@ w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
 ref = (x.float() @ w.float().t())
 for t in ("stores", "sequential"):
     for kind in ("named", "auto"):
-        kw = dict(transport=t) if kind == "named" else dict(transport="auto", candidates=(t,),
-                                                             iters=5, warmup=1)
+        kw = (dict(transport=t) if kind == "named"
+              else dict(transport="auto", candidates=(t,), iters=5, warmup=1))
         ctx = po.GemvAllReduce(world, N, **kw)
         y = ctx(x, w)
         torch.cuda.synchronize()
