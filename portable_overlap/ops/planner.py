@@ -656,6 +656,10 @@ class TransportPlanner:
         got = self._post(store, n, world.rank, payload)
         if got != payload:
             late = pickle.loads(got)
+            if late.get("kind") != "gave up":  # (the board: this slot went past this call)
+                self._broken = f"{op}: transport='auto' is out of step with its peers"
+                raise ContextBrokenError(f"{self._broken} ({late.get('why')}); close it and "
+                                         f"create a new one")
             self._broken = (f"{op}: transport='auto' is out of step with its peers: rank "
                             f"{late['by']} stopped waiting for this rank at a call")
             raise PeerTimeoutError(
