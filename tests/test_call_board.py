@@ -12,7 +12,7 @@ import torch
 
 import portable_overlap as po
 from portable_overlap.backends.host_segment import HostSegment
-from portable_overlap.ops import planner
+from portable_overlap.ops import call_board, planner
 from portable_overlap.ops.call_board import RECORD_BYTES, CallBoard
 from portable_overlap.testing.compare import rel_err
 
@@ -131,21 +131,24 @@ def test_processes_racing_for_one_slot_see_one_winner():
 
 # -- the planner on emulated ranks ---------------------------------------------------------------
 
-def _decided_calls(world, block_rank):
+def _decided_calls(world, block):
     """A context of ``transport="auto"`` (only ``"sequential"``: every decided call agrees
-    first). ``block_rank``: that rank cannot map the board. Returns whether the planner has a
-    board, whether the store holds records of this rank's decided calls, and the error of
-    three decided calls."""
-    real = HostSegment.open
-    if world.rank == block_rank:
-        def refuse(*args, **kwargs):
-            raise OSError("injected: /proc is hidden here")
+    first). ``block``: rank 1 cannot map the board (``"map"``) or lock its slots
+    (``"lock"``). Returns whether the planner has a board, whether the store holds records of
+    this rank's decided calls, and the error of four decided calls."""
+    real_open, real_lock = HostSegment.open, call_board.fcntl.lockf
+
+    def refuse(*args, **kwargs):
+        raise OSError(f"injected: cannot {block}")
+    if world.rank == 1 and block == "map":
         HostSegment.open = refuse
+    if world.rank == 1 and block == "lock":
+        call_board.fcntl.lockf = refuse
     try:
         ctx = po.GemvAllReduce(world, 16, transport="auto", candidates=("sequential",),
                                iters=1, warmup=0)
     finally:
-        HostSegment.open = real
+        HostSegment.open, call_board.fcntl.lockf = real_open, real_lock
     try:
         g = torch.Generator().manual_seed(world.rank)
         err = 0.0
@@ -163,11 +166,12 @@ def _decided_calls(world, block_rank):
         ctx.close()
 
 
-@pytest.mark.parametrize("block_rank", [None, 1], ids=["board", "one-rank-without"])
-def test_the_planner_agrees_on_the_board_or_on_every_rank_through_the_store(world4, block_rank):
-    for has_board, in_store, err in world4.run(_decided_calls, block_rank):
-        assert has_board == (block_rank is None)
-        assert in_store == (block_rank is not None)  # the store's last key stays till the next
+@pytest.mark.parametrize("block", [None, "map", "lock"],
+                         ids=["board", "one-rank-cannot-map", "one-rank-cannot-lock"])
+def test_the_planner_agrees_on_the_board_or_on_every_rank_through_the_store(world4, block):
+    for has_board, in_store, err in world4.run(_decided_calls, block):
+        assert has_board == (block is None)
+        assert in_store == (block is not None)  # the store's last key stays till the next
         assert err < 1e-5
 
 

@@ -66,7 +66,7 @@ class CallBoard:
     def make(cls, world, store_key) -> Optional["CallBoard"]:
         """Collective: the board of ``world`` (rank 0 makes the segment, the others map it), or
         None on every rank where the ranks do not all run on one machine or a rank could not
-        map it (their agreements then go through the store)."""
+        map it or lock its slots (their agreements then go through the store)."""
         if world.world_size == 1 or world.local_world_size != world.world_size:
             return None
         nbytes = 2 * world.world_size * _SLOT
@@ -83,6 +83,13 @@ class CallBoard:
                 # the lock needs an open descriptor of the segment in this process
                 segment = HostSegment.open(handle, nbytes, "call board", keep_fd=True)
             except (OSError, ValueError):  # another user, /proc hidden, another machine
+                segment = None
+        if segment is not None:
+            try:  # the slots' record locks, tried once here rather than met at a call
+                fcntl.lockf(segment.fd, fcntl.LOCK_EX, _SLOT, 2 * world.rank * _SLOT)
+                fcntl.lockf(segment.fd, fcntl.LOCK_UN, _SLOT, 2 * world.rank * _SLOT)
+            except OSError:
+                segment.close()
                 segment = None
         if not all(world.all_gather_object(segment is not None)):
             if segment is not None:
