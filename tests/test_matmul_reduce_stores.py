@@ -364,3 +364,59 @@ def test_a_refused_split_call_leaves_the_counts_whole(world, mode):
         assert isinstance(found[1], str), (rank, found)  # every rank fails the refused call
         assert all(isinstance(e, float) and e < TOL[torch.float32]
                    for e in (found[0], found[2], found[3])), (rank, found)
+
+
+def _split_attack(world):
+    """One ReduceScatter and one AllReduce context, calls alternating between them and between
+    split and whole tiles (the rule forced by N: 16 columns whole, an odd N in 3 ranges, an
+    even one in 2), K changing at every call and differing across ranks: K = 1 on every rank
+    (fewer K steps than ranges), K off the 16-wide K block, one rank with 40 steps where
+    another has 2; M of one row per rank, N = 1, M < W and M not divisible by W (AllReduce),
+    bias and residual on and off. Fresh inputs, outputs poisoned."""
+    from portable_overlap.ops.matmul_reduce import stores
+
+    W, r = world.world_size, world.rank
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    calls = [  # (mode, M, N, K of each rank, dtype, bias, residual)
+        ("reduce_scatter", W, 1, [1] * W, f32, True, True),
+        ("all_reduce", 1, 1, [1] * W, f32, True, True),
+        ("reduce_scatter", 2 * W, 16, [20 + q for q in range(W)], bf16, False, True),
+        ("all_reduce", W + 1, 7, [1 + 5 * q for q in range(W)], bf16, True, False),
+        ("reduce_scatter", W, 3, [3, 40, 2, 17][:W], f16, False, True),
+        ("all_reduce", 2 * W, 16, [33] * W, f16, True, True),
+        ("all_reduce", 3, 2, [2, 5, 1, 9][:W], f32, False, False),
+        ("reduce_scatter", 2 * W, 5, [17 - q for q in range(W)], f32, True, False),
+    ]
+    rule = stores.tile_parts
+    stores.tile_parts = lambda W_, M, N, *_: 1 if N == 16 else 3 if N % 2 else 2
+    ctxs = {mode: make(world, 2 * W, 16, transport="stores", timeout_s=30.0)
+            for mode, make in (("reduce_scatter", po.MatmulReduceScatter),
+                               ("all_reduce", po.MatmulAllReduce))}
+    found = []
+    try:
+        for i, (mode, M, N, Ks, dtype, has_bias, has_res) in enumerate(calls):
+            g = torch.Generator().manual_seed(100 * i + r)
+            a = torch.randn(M, Ks[r], generator=g).to(dtype)
+            b = torch.randn(Ks[r], N, generator=g).to(dtype)
+            rows = M // W if mode == "reduce_scatter" else M
+            bias = torch.randn(N, generator=g).to(dtype) if has_bias else None
+            res = torch.randn(rows, N, generator=g).to(dtype) if has_res else None
+            out = torch.full((rows, N), float("nan"), dtype=dtype)
+            fn = po.matmul_reduce_scatter if mode == "reduce_scatter" else po.matmul_all_reduce
+            fn(a, b, ctxs[mode], out, bias=bias, residual=res)
+            ctxs[mode].synchronize()
+            found.append(((mode, M, N, Ks[r], str(dtype)),
+                          rel_err(out, _truth(a, b, world.group, mode, bias, res)) / TOL[dtype]))
+        parts = {p.parts for c in ctxs.values() for p in c.workspace("stores")._plans.values()}
+    finally:
+        stores.tile_parts = rule
+        for c in ctxs.values():
+            c.close()
+    return found, parts
+
+
+def test_split_tiles_under_odd_shapes_and_alternating_calls(world):
+    for found, parts in world.run(_split_attack, timeout=300):
+        assert parts == {1, 2, 3}, parts
+        bad = [f for f in found if not f[1] < 1]
+        assert not bad, bad

@@ -133,19 +133,22 @@ class GemvAllReduceKernel(OverlapContext):
             UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, ONE_SHOT=self.transport == "one_shot",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX)
-        tag_of = lambda g: _tag(M, N, K, x.dtype, cfg, g, self.transport)  # noqa: E731
+        tag_of = lambda g: _tag(M, N, x.dtype, cfg, g, self.transport)  # noqa: E731
         plan = self._compile(gemv_allreduce_kernel, programs, consts,
                              lambda g: self._args(x, w, out, tag_of(g), n_blocks, g))
         plan.tag, plan.n_blocks = tag_of(plan.programs), n_blocks
         return plan
 
 
-def _tag(M, N, K, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
+def _tag(M, N, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
     """What the flags carry besides the epoch: ranks run the same code, so a rank called with
     other shapes, or planned with another tiling or grid (a per-call config on one rank only), is
-    caught by the first flag it sends instead of mixing up column blocks."""
-    return shape_tag(x=(M, K), w=(N, K), dtype=str(dtype), block_n=cfg.block_n,
-                     programs=programs, transport=transport)
+    caught by the first flag it sends instead of mixing up column blocks. Not K: each rank
+    passes its own K shard (``x_r`` [M, K_r]), which only its own K loop reads; the partials
+    that travel are [M, N] whatever K_r. (``config.TUNED`` is looked up by K too: ranks whose
+    K shards pick configs of other ``block_n`` or grids raise ``RankMismatchError`` here.)"""
+    return shape_tag(M=M, N=N, dtype=str(dtype), block_n=cfg.block_n, programs=programs,
+                     transport=transport)
 
 
 def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:
