@@ -21,9 +21,13 @@ from .planner import AUTO, PLANNER_OPTIONS, TransportPlanner
 
 def transport_unavailable(world, transport: str, op: Optional[str] = None) -> Optional[str]:
     """Why ``transport`` of the public op ``op`` (None: of any op) cannot run on ``world``, None
-    where it can: the one place that decides it. Only ``"torch_fused"`` depends on more than
-    the backend (``ops/torch_fused.py``: GPU worlds of one host, a torch with the op's torch
-    ops); every other transport runs wherever the world's backend does."""
+    where it can: the one place that decides it from this rank alone. Only ``"torch_fused"``
+    depends on more than the backend (``ops/torch_fused.py``: GPU worlds of one host, a torch
+    with the op's torch ops). ``"shmem"`` is listed as able to run: whether a SHMEM library is
+    usable is found by its constructor on every rank together (``shmem.providers.
+    agreed_put_provider``: ``ShmemUnavailable`` on every rank), since a rank that decided alone
+    could leave its peers in the library's collective allocation; ``"auto"`` of the ops that
+    have it takes it only when named (``AUTO_CANDIDATES``)."""
     if transport == "torch_fused":
         from .torch_fused import unavailable_reason
 
