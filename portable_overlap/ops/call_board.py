@@ -36,8 +36,9 @@ from typing import Optional
 from ..backends.host_segment import HostSegment
 
 #: the largest record a slot holds (a pickled dict: the call's inputs in words, a few hundred
-#: bytes for most calls); a larger one goes through the store
-RECORD_BYTES = 16384 - 24
+#: bytes for most calls); a larger one goes through the store. A board takes 8 KiB per rank,
+#: 64 KiB on 8 ranks, for each context of ``transport="auto"``
+RECORD_BYTES = 4096 - 24
 _HEADER = struct.Struct("<qqq")  # tag (agreement + 1), record length, checksum
 _TAG = struct.Struct("<q")
 _BODY = struct.Struct("<qq")
@@ -65,9 +66,12 @@ class CallBoard:
     @classmethod
     def make(cls, world, store_key) -> Optional["CallBoard"]:
         """Collective: the board of ``world`` (rank 0 makes the segment, the others map it), or
-        None on every rank where the ranks do not all run on one machine or a rank could not
-        map it or lock its slots (their agreements then go through the store)."""
-        if world.world_size == 1 or world.local_world_size != world.world_size:
+        None on every rank where a rank could not map it or lock its slots (their agreements
+        then go through the store). Ranks on another machine than rank 0 cannot: they find no
+        such segment at the handle's ``/proc`` path (``HostSegment.open`` checks the random
+        name it carries), so no count of the ranks per machine is needed, which a world made
+        of a process group's subset does not know."""
+        if world.world_size == 1:
             return None
         nbytes = 2 * world.world_size * _SLOT
         segment, handle = None, None
