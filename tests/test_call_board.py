@@ -134,44 +134,56 @@ def test_processes_racing_for_one_slot_see_one_winner():
 def _decided_calls(world, block):
     """A context of ``transport="auto"`` (only ``"sequential"``: every decided call agrees
     first). ``block``: rank 1 cannot map the board (``"map"``) or lock its slots
-    (``"lock"``). Returns whether the planner has a board, whether the store holds records of
-    this rank's decided calls, and the error of four decided calls."""
+    (``"lock"``), or every record is larger than a slot (``"large"``). Returns whether the
+    agreements went on the board alone, which of this rank's agreements the store still holds
+    a record of, and the error of four decided calls."""
     real_open, real_lock = HostSegment.open, call_board.fcntl.lockf
+    real_bytes = call_board.RECORD_BYTES
 
     def refuse(*args, **kwargs):
         raise OSError(f"injected: cannot {block}")
+    if block == "large":
+        call_board.RECORD_BYTES = 16
     if world.rank == 1 and block == "map":
         HostSegment.open = refuse
     if world.rank == 1 and block == "lock":
         call_board.fcntl.lockf = refuse
     try:
-        ctx = po.GemvAllReduce(world, 16, transport="auto", candidates=("sequential",),
-                               iters=1, warmup=0)
+        try:
+            ctx = po.GemvAllReduce(world, 16, transport="auto", candidates=("sequential",),
+                                   iters=1, warmup=0)
+        finally:
+            HostSegment.open, call_board.fcntl.lockf = real_open, real_lock
+        try:
+            g = torch.Generator().manual_seed(world.rank)
+            err = 0.0
+            for _ in range(4):
+                x, w = torch.randn(3, 7, generator=g), torch.randn(16, 7, generator=g)
+                y = ctx(x, w)
+                ref = x @ w.t()
+                torch.distributed.all_reduce(ref, group=world.group)
+                err = max(err, rel_err(y, ref))
+            store = torch.distributed.distributed_c10d._get_default_store()
+            p = ctx.planner
+            in_store = [store.check([p._store_key(n, world.rank)]) for n in range(p._begun)]
+            board_only = p._board is not None and block != "large"
+            return board_only, block != "large" or p._board is not None, in_store, err
+        finally:
+            ctx.close()
     finally:
-        HostSegment.open, call_board.fcntl.lockf = real_open, real_lock
-    try:
-        g = torch.Generator().manual_seed(world.rank)
-        err = 0.0
-        for _ in range(4):
-            x, w = torch.randn(3, 7, generator=g), torch.randn(16, 7, generator=g)
-            y = ctx(x, w)
-            ref = x @ w.t()
-            torch.distributed.all_reduce(ref, group=world.group)
-            err = max(err, rel_err(y, ref))
-        store = torch.distributed.distributed_c10d._get_default_store()
-        p = ctx.planner
-        in_store = store.check([p._store_key(p._begun - 1, world.rank)])
-        return p._board is not None, in_store, err
-    finally:
-        ctx.close()
+        call_board.RECORD_BYTES = real_bytes
 
 
-@pytest.mark.parametrize("block", [None, "map", "lock"],
-                         ids=["board", "one-rank-cannot-map", "one-rank-cannot-lock"])
+@pytest.mark.parametrize("block", [None, "map", "lock", "large"],
+                         ids=["board", "one-rank-cannot-map", "one-rank-cannot-lock",
+                              "records-larger-than-a-slot"])
 def test_the_planner_agrees_on_the_board_or_on_every_rank_through_the_store(world4, block):
-    for has_board, in_store, err in world4.run(_decided_calls, block):
-        assert has_board == (block is None)
-        assert in_store == (block is not None)  # the store's last key stays till the next
+    for on_board, has_board, in_store, err in world4.run(_decided_calls, block):
+        assert on_board == (block is None) and has_board
+        if block is None:
+            assert not any(in_store)
+        else:  # only the last agreement's record is left in the store
+            assert in_store == [False] * (len(in_store) - 1) + [True], in_store
         assert err < 1e-5
 
 

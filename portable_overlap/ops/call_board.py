@@ -61,6 +61,7 @@ class CallBoard:
         self.world_size = world_size
         self.store_key = store_key
         self._mm = segment.mm
+        self._stored = []  # (n, q) of the records this process posted through the store
 
     # -- set-up ---------------------------------------------------------------------------------
     @classmethod
@@ -117,7 +118,7 @@ class CallBoard:
         if tag <= n:
             return tag, None
         length, check = _BODY.unpack_from(self._mm, off + _TAG.size)
-        if not 0 <= length <= RECORD_BYTES:
+        if not 0 <= length <= _SLOT - _HEADER.size:
             return tag, None
         record = bytes(self._mm[off + _HEADER.size:off + _HEADER.size + length])
         if _TAG.unpack_from(self._mm, off)[0] != tag or _checksum(tag - 1, record) != check:
@@ -153,6 +154,7 @@ class CallBoard:
             body = record
             if len(record) > RECORD_BYTES:
                 store.set(self.store_key(n, q), record)
+                self._stored.append((n, q))
                 body = IN_STORE
             # the record first, the tag last: a reader that sees the tag reads a whole record
             # (and the checksum catches one whose words it saw out of order)
@@ -162,3 +164,14 @@ class CallBoard:
             return "here", record
         finally:
             fcntl.lockf(fd, fcntl.LOCK_UN, _SLOT, off)
+
+    def release(self, n: int, store) -> None:
+        """Delete from the store the records this process posted there for agreements before
+        ``n``: once every rank posted ``n``, every rank has read them."""
+        keep = []
+        for m, q in self._stored:
+            if m < n:
+                store.delete_key(self.store_key(m, q))
+            else:
+                keep.append((m, q))
+        self._stored = keep

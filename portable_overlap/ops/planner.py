@@ -692,9 +692,12 @@ class TransportPlanner:
                 f"{op}: rank {world.rank}: rank(s) {sorted(set(gave_up))} stopped waiting for a "
                 f"peer to agree on this call ({here}): the ranks' calls were not matched. Close "
                 f"the context and make a new one.")
-        if n and self._board is None:
-            # every peer posted step n, so it has read step n - 1: this rank's key is free
-            store.delete_key(self._store_key(n - 1, world.rank))
+        # every peer posted step n, so it has read step n - 1: this rank's key is free
+        if self._board is None:
+            if n:
+                store.delete_key(self._store_key(n - 1, world.rank))
+        else:
+            self._board.release(n, store)
         return n, records
 
     def _store_key(self, n: int, q: int) -> str:
