@@ -23,7 +23,8 @@ read every record of ``n``.
   it was being written (or whose words became visible out of order), and the reader reads again.
   A record of agreement ``n`` is never written again in that agreement.
 - **A record larger than a slot** goes to the process group's store under its agreement's key,
-  and the slot holds a note saying so.
+  and the slot holds a note saying so; its poster deletes it at its next agreement
+  (:meth:`CallBoard.release`), by when every rank has read it.
 """
 from __future__ import annotations
 
