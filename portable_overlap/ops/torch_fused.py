@@ -28,7 +28,8 @@ Calls are matched by torch's barriers, which wait without a deadline: named as t
 a rank that skips a call, refuses one (bad input) or calls with other shapes leaves its peers
 waiting inside torch's op (``timeout_s`` is checked and kept, but torch's waits do not use it).
 Under ``transport="auto"`` every call of it first agrees with the peers with a deadline
-(``planner.TransportPlanner._agree``), its input checked before (``planner.UNBOUNDED``, ``ContextBase.checking_only``): a
+(``planner.TransportPlanner._agree``), its input checked before (``planner.UNBOUNDED``,
+``ContextBase.checking_only``): a
 refused or skipped call raises on every rank instead, and so does a key's first call whose
 sizes the collective moves differ across ranks (``PatternContext._matched``)."""
 from __future__ import annotations
