@@ -32,7 +32,7 @@ class _DictStore:
 
 def _board(world_size=2):
     seg = HostSegment.create(2 * world_size * (RECORD_BYTES + 24))
-    return CallBoard(seg, world_size, lambda n, q: f"rec/{n}/{q}")
+    return CallBoard(seg, lambda n, q: f"rec/{n}/{q}")
 
 
 def test_a_slot_keeps_the_first_record_of_an_agreement():
@@ -97,7 +97,7 @@ _RACE_SLOTS = 1000
 def _race(handle, me, start, out):
     seg = HostSegment.open(handle, 2 * _RACE_SLOTS * (RECORD_BYTES + 24), "call board",
                            keep_fd=True)
-    b = CallBoard(seg, _RACE_SLOTS, lambda n, q: f"rec/{n}/{q}")
+    b = CallBoard(seg, lambda n, q: f"rec/{n}/{q}")
     start.wait()
     # each process tries to post its record into every slot (agreement 0 of "rank" q), as
     # ranks claiming a slot at once with its owner posting there, all in the same order (the
@@ -108,7 +108,7 @@ def _race(handle, me, start, out):
 
 def test_processes_racing_for_one_slot_see_one_winner():
     seg = HostSegment.create(2 * _RACE_SLOTS * (RECORD_BYTES + 24))
-    b = CallBoard(seg, _RACE_SLOTS, lambda n, q: f"rec/{n}/{q}")
+    b = CallBoard(seg, lambda n, q: f"rec/{n}/{q}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     start = ctx.Barrier(3)

@@ -68,6 +68,24 @@ def _case(name, op, args, again=None) -> tuple:
     return name, "ok"
 
 
+def _over_contexts(world, op, transports, make, cases, name, args) -> list:
+    """``_case`` of every case on a context of every transport (``make(transport)``, one
+    context at a time): ``name(case)`` names it, ``args(ctx, case, seed)`` makes a call's
+    arguments; each case runs twice, with fresh inputs the second time."""
+    r = world.rank
+    found = []
+    for transport in transports:
+        ctx = make(transport)
+        try:
+            for i, case in enumerate(cases):
+                found.append(_case(f"{transport} {name(case)}", op, args(ctx, case, 10 * i + r),
+                                   args(ctx, case, 10 * i + r + 5)))
+                ctx.synchronize()
+        finally:
+            ctx.close()
+    return found
+
+
 def _gemm_pattern(world, op_name):
     W, r = world.world_size, world.rank
     make, _, rows_of = GEMM_PATTERNS[op_name]
@@ -81,48 +99,37 @@ def _gemm_pattern(world, op_name):
              (2 * W, 13, 3 + own_k, torch.bfloat16, {"b": "transposed"}, False, True)]
     if op_name == "matmul_all_reduce":
         cases.append((W + 1, 3, 2, torch.float32, {}, True, True))
-    found = []
-    for transport in make.available(world):
-        ctx = make(world, 4 * W, 16, transport=transport, timeout_s=30.0)
-        try:
-            for i, (M, N, K, dt, how, has_bias, has_res) in enumerate(cases):
-                def args(seed):
-                    g = torch.Generator().manual_seed(seed)
-                    a = laid_out((M, K), how.get("a"), dtype=dt, gen=g)
-                    b = laid_out((K, N), how.get("b"), dtype=dt, gen=g)
-                    bias = laid_out((1, N), dtype=dt, gen=g)[0] if has_bias else None
-                    res = laid_out((rows_of(M, W), N), dtype=dt, gen=g) if has_res else None
-                    return (a, b, ctx.handle, bias, res)
 
-                found.append(_case(f"{transport} {M}x{N}x{K} {dt} {how}", op,
-                                   args(10 * i + r), args(10 * i + r + 5)))
-                ctx.synchronize()
-        finally:
-            ctx.close()
-    return found
+    def args(ctx, case, seed):
+        M, N, K, dt, how, has_bias, has_res = case
+        g = torch.Generator().manual_seed(seed)
+        a = laid_out((M, K), how.get("a"), dtype=dt, gen=g)
+        b = laid_out((K, N), how.get("b"), dtype=dt, gen=g)
+        bias = laid_out((1, N), dtype=dt, gen=g)[0] if has_bias else None
+        res = laid_out((rows_of(M, W), N), dtype=dt, gen=g) if has_res else None
+        return (a, b, ctx.handle, bias, res)
+
+    return _over_contexts(
+        world, op, make.available(world),
+        lambda t: make(world, 4 * W, 16, transport=t, timeout_s=30.0), cases,
+        lambda c: f"{c[0]}x{c[1]}x{c[2]} {c[3]} {c[4]}", args)
 
 
 def _all_gather_matmul(world):
-    r = world.rank
     op = torch.ops.portable_overlap.all_gather_matmul.default
     cases = [((1, 1, 1), torch.float32, {}), ((3, 7, 5), torch.float16, {"b": "transposed"}),
              ((2, 13, 3), torch.bfloat16, {"a": "transposed"})]
-    found = []
-    for transport in po.AllGatherMatmul.available(world):
-        ctx = po.AllGatherMatmul(world, 64, transport=transport, timeout_s=30.0)
-        try:
-            for i, ((m, N, K), dt, how) in enumerate(cases):
-                def args(seed):
-                    g = torch.Generator().manual_seed(seed)
-                    return (laid_out((m, K), how.get("a"), dtype=dt, gen=g),
-                            laid_out((K, N), how.get("b"), dtype=dt, gen=g), ctx.handle)
 
-                found.append(_case(f"{transport} {m}x{N}x{K} {dt} {how}", op,
-                                   args(10 * i + r), args(10 * i + r + 5)))
-                ctx.synchronize()
-        finally:
-            ctx.close()
-    return found
+    def args(ctx, case, seed):
+        (m, N, K), dt, how = case
+        g = torch.Generator().manual_seed(seed)
+        return (laid_out((m, K), how.get("a"), dtype=dt, gen=g),
+                laid_out((K, N), how.get("b"), dtype=dt, gen=g), ctx.handle)
+
+    return _over_contexts(
+        world, op, po.AllGatherMatmul.available(world),
+        lambda t: po.AllGatherMatmul(world, 64, transport=t, timeout_s=30.0), cases,
+        lambda c: f"{c[0][0]}x{c[0][1]}x{c[0][2]} {c[1]} {c[2]}", args)
 
 
 def _gemv_all_reduce(world):
@@ -130,55 +137,44 @@ def _gemv_all_reduce(world):
     op = torch.ops.portable_overlap.gemv_all_reduce.default
     cases = [((1, 1, 1), torch.float32), ((3, 7, 5 + r), torch.float16),
              ((2, 13, 3), torch.bfloat16)]
-    found = []
-    for transport in po.GemvAllReduce.available(world):
-        ctx = po.GemvAllReduce(world, max_n=16, transport=transport, timeout_s=30.0)
-        try:
-            for i, ((M, N, K), dt) in enumerate(cases):
-                def args(seed):
-                    g = torch.Generator().manual_seed(seed)
-                    return (laid_out((M, K), dtype=dt, gen=g), laid_out((N, K), dtype=dt, gen=g),
-                            ctx.handle)
 
-                found.append(_case(f"{transport} {M}x{N}x{K} {dt}", op, args(10 * i + r),
-                                   args(10 * i + r + 5)))
-                ctx.synchronize()
-        finally:
-            ctx.close()
-    return found
+    def args(ctx, case, seed):
+        (M, N, K), dt = case
+        g = torch.Generator().manual_seed(seed)
+        return (laid_out((M, K), dtype=dt, gen=g), laid_out((N, K), dtype=dt, gen=g),
+                ctx.handle)
+
+    return _over_contexts(
+        world, op, po.GemvAllReduce.available(world),
+        lambda t: po.GemvAllReduce(world, max_n=16, transport=t, timeout_s=30.0), cases,
+        lambda c: f"{c[0][0]}x{c[0][1]}x{c[0][2]} {c[1]}", args)
 
 
 def _embedding_all_to_all(world):
-    W, r = world.world_size, world.rank
+    W = world.world_size
     op = torch.ops.portable_overlap.embedding_all_to_all.default
     rows, D, B = [7, 5, 3], 5, 3
-    found = []
-    for transport in ("stores", "sequential"):  # ("shmem" needs a SHMEM library)
-        ctx = po.EmbeddingAllToAll(world, rows, D, B, transport=transport, timeout_s=30.0)
-        try:
-            for i, (dt, pooling, weighted) in enumerate(((torch.float32, "sum", True),
-                                                         (torch.float16, "mean", False),
-                                                         (torch.bfloat16, "sum", False))):
-                splits = [1 + q % 2 for q in range(W)]  # uneven, one sample on some ranks
+    cases = [(torch.float32, "sum", True), (torch.float16, "mean", False),
+             (torch.bfloat16, "sum", False)]
+    splits = [1 + q % 2 for q in range(W)]  # uneven, one sample on some ranks
 
-                def args(seed):
-                    g = torch.Generator().manual_seed(seed)
-                    n = sum(splits)
-                    weight = torch.randn(ctx.weight_rows, D, generator=g).to(dt)
-                    lengths = torch.randint(0, 3, (ctx.n_loc * n,), generator=g)
-                    idx = [torch.randint(0, ctx.plan.table_rows[t],
-                                         (int(lengths[j * n:(j + 1) * n].sum()),), generator=g)
-                           for j, t in enumerate(ctx.local_tables)]
-                    indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
-                    psw = torch.rand(indices.numel(), generator=g).to(dt) if weighted else None
-                    return (weight, lengths, indices, psw, splits, pooling, ctx.handle)
+    def args(ctx, case, seed):
+        dt, pooling, weighted = case
+        g = torch.Generator().manual_seed(seed)
+        n = sum(splits)
+        weight = torch.randn(ctx.weight_rows, D, generator=g).to(dt)
+        lengths = torch.randint(0, 3, (ctx.n_loc * n,), generator=g)
+        idx = [torch.randint(0, ctx.plan.table_rows[t],
+                             (int(lengths[j * n:(j + 1) * n].sum()),), generator=g)
+               for j, t in enumerate(ctx.local_tables)]
+        indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+        psw = torch.rand(indices.numel(), generator=g).to(dt) if weighted else None
+        return (weight, lengths, indices, psw, splits, pooling, ctx.handle)
 
-                found.append(_case(f"{transport} {dt} {pooling} weighted={weighted}", op,
-                                   args(10 * i + r), args(10 * i + r + 5)))
-                ctx.synchronize()
-        finally:
-            ctx.close()
-    return found
+    return _over_contexts(
+        world, op, ("stores", "sequential"),  # ("shmem" needs a SHMEM library)
+        lambda t: po.EmbeddingAllToAll(world, rows, D, B, transport=t, timeout_s=30.0), cases,
+        lambda c: f"{c[0]} {c[1]} weighted={c[2]}", args)
 
 
 _EL, _K, _H, _I, _S = 2, 2, 12, 7, 5  # experts per rank, top-k, hidden, intermediate, tokens

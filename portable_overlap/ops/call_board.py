@@ -57,9 +57,8 @@ class CallBoard:
     ``store_key(n, q)`` names the store key of rank ``q``'s record of agreement ``n`` where it
     is larger than a slot."""
 
-    def __init__(self, segment: HostSegment, world_size: int, store_key):
+    def __init__(self, segment: HostSegment, store_key):
         self.segment = segment
-        self.world_size = world_size
         self.store_key = store_key
         self._mm = segment.mm
         self._stored = []  # (n, q) of the records this process posted through the store
@@ -101,7 +100,7 @@ class CallBoard:
             if segment is not None:
                 segment.close()
             return None
-        return cls(segment, world.world_size, store_key)
+        return cls(segment, store_key)
 
     def close(self) -> None:
         self._mm = None
