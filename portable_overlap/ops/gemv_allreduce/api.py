@@ -145,8 +145,7 @@ def _tag(M, N, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
     other shapes, or planned with another tiling or grid (a per-call config on one rank only), is
     caught by the first flag it sends instead of mixing up column blocks. Not K: each rank
     passes its own K shard (``x_r`` [M, K_r]), which only its own K loop reads; the partials
-    that travel are [M, N] whatever K_r. (``config.TUNED`` is looked up by K too: ranks whose
-    K shards pick configs of other ``block_n`` or grids raise ``RankMismatchError`` here.)"""
+    that travel are [M, N] whatever K_r (``pick_config`` does not choose by K either)."""
     return shape_tag(M=M, N=N, dtype=str(dtype), block_n=cfg.block_n, programs=programs,
                      transport=transport)
 

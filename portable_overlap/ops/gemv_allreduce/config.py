@@ -26,15 +26,18 @@ class GemvConfig:
             raise ValueError(f"num_stages in 1..8 and programs_per_sm in 1..8: {self}")
 
 
-#: Best configurations measured on a device kind, keyed by (arch, world, M bucket, N, K_local).
-#: Filled from the tuning sweep of ci/gpu.sh; anything missing uses the heuristic below.
-#: Measured 2026-11-22 on nvidia-h200-x2 (benchmarks/results/nvidia-h200-x2.jsonl, op
-#: "gemv_allreduce_tuning"): bf16, graph replay, fastest of the sweep in bench_gemv_allreduce.py.
+#: Best configurations measured on a device kind, keyed by (arch, world, M bucket, N); the
+#: comment names the K_local each was measured at. Not keyed by K: each rank passes its own K
+#: shard, and ranks whose shards differ must still pick the same column blocks and grid (the
+#: flags' tag carries them), which a choice by K would split. Filled from the tuning sweep of
+#: ci/gpu.sh; anything missing uses the heuristic below. Measured on nvidia-h200-x2
+#: (benchmarks/results/nvidia-h200-x2.jsonl, op "gemv_allreduce_tuning"): bf16, graph replay,
+#: fastest of the sweep in bench_gemv_allreduce.py; taken for 16-bit dtypes.
 TUNED: dict = {
-    ("sm_90", 2, 16, 8192, 14336): GemvConfig(64, 128, 4, 6, 1),  # M=1: 68.4 us, M=8: 69.1 us
-    ("sm_90", 2, 32, 8192, 14336): GemvConfig(64, 128, 4, 6, 1),  # 73.1 us
-    ("sm_90", 2, 16, 16384, 26624): GemvConfig(128, 128, 4, 4, 1),  # 208.5 us
-    ("sm_90", 2, 16, 4096, 7168): GemvConfig(32, 256, 4, 4, 2),  # 33.5 us
+    ("sm_90", 2, 16, 8192): GemvConfig(64, 128, 4, 6, 1),  # K 14336; M=1: 68.4 us, M=8: 69.1
+    ("sm_90", 2, 32, 8192): GemvConfig(64, 128, 4, 6, 1),  # K 14336; 73.1 us
+    ("sm_90", 2, 16, 16384): GemvConfig(128, 128, 4, 4, 1),  # K 26624; 208.5 us
+    ("sm_90", 2, 16, 4096): GemvConfig(32, 256, 4, 4, 2),  # K 7168; 33.5 us
 }
 
 
@@ -69,14 +72,18 @@ def fit_shared(cfg: GemvConfig, m: int, dtype: torch.dtype, limit: int) -> GemvC
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
                 world: int, shared_limit: int = 0) -> GemvConfig:
     """The measured config for this device and shape, else the heuristic below; with
-    ``shared_limit`` (bytes one program may take), made to fit it (``fit_shared``)."""
+    ``shared_limit`` (bytes one program may take), made to fit it (``fit_shared``). ``k``
+    (this rank's K shard) does not move the choice: every rank of a call picks the same
+    config whatever its shard (``TUNED``)."""
     cfg = _pick(m, n, k, dtype, arch, sm_count, world)
     return fit_shared(cfg, m, dtype, shared_limit) if shared_limit else cfg
 
 
 def _pick(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
           world: int) -> GemvConfig:
-    hit = TUNED.get((arch, world, m_bucket(m), n, k))
+    # measured for bf16: a 16-bit dtype's stream (fp32 moves twice the bytes per column and
+    # spilled registers in the 128-wide tiles on sm_90)
+    hit = TUNED.get((arch, world, m_bucket(m), n)) if dtype.itemsize == 2 else None
     if hit is not None:
         return hit
     if arch == "cpu":  # the interpreter: few, small programs keep the emulated run short
