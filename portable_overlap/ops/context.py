@@ -86,7 +86,20 @@ def collective_call(method):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        return run_collective((self,), method, (self, *args), kwargs)
+        # ``run_collective`` for one context, unrolled: the decode path calls it every step
+        self._enter_call()
+        try:
+            out = method(self, *args, **kwargs)
+        except BaseException as e:
+            self._abandon_call(e)
+            self._delivered = False
+            raise
+        finally:
+            self._guard.release()
+        if self._sync_errors:  # the interpreter ran the call already: raise with this call
+            self.check()
+        self._delivered = True
+        return out
 
     return call
 

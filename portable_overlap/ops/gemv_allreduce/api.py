@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ...tiles.gemv import dot_precision, dot_upcast
-from ..context import (align_key, check_no_overlap, check_transport, collective_call, G_MAX,
+from ..context import (check_no_overlap, check_transport, collective_call, G_MAX,
                        OverlapContext, shape_tag)
 from .config import GemvConfig, pick_config
 from .kernel import FLAG_LABELS, gemv_allreduce_kernel
@@ -84,6 +84,11 @@ class GemvAllReduceKernel(OverlapContext):
         self.max_n = max_n
         self.config = config
         self._result = {dt: self._result_raw.view(torch.uint8).view(dt) for dt in DTYPES}
+        # the heap buffers' addresses, fixed for the context's life, per output dtype: a
+        # compiled launch takes them as integers (``_direct_args``)
+        self._heap_ptrs = {dt: tuple(t.data_ptr() for t in (
+            self.partial, self._result[dt], self.ready, self.bcast, self.ctx, self.consumed))
+            for dt in DTYPES}
 
     # -- the call ------------------------------------------------------------------------------
     @collective_call
@@ -93,7 +98,7 @@ class GemvAllReduceKernel(OverlapContext):
         overrides the launch configuration for this call (tuning sweeps)."""
         # This path runs on every decode step: no torch op beyond the output allocation, the
         # status board read from host memory, the compiled kernel launched without the JIT's
-        # argument binding.
+        # argument binding and with its pointers as integers (``_direct_args``).
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) \
                 or x.dim() != 2 or w.dim() != 2:
             validate(x, w, self.world.device, self.max_n)  # raises with the reason
@@ -103,15 +108,26 @@ class GemvAllReduceKernel(OverlapContext):
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         else:
             check_out(out, M, N, x, w)
+        xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
+        sx, sw = x.stride(0), w.stride(0)
+        # alignment to 16 bytes: what the compiled kernel assumes of each pointer
         key = (M, K, N, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
-               w.is_contiguous(), x.stride(0), w.stride(0), align_key(x, w, out), config)
+               w.is_contiguous(), sx, sw, xp % 16, wp % 16, op % 16, config)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(x, w, out, config or self.config)
-        plan(self._args(x, w, out, plan.tag, plan.n_blocks, plan.programs))
+        if plan.compiled is None:  # the interpreter maps tensors, not addresses
+            plan(self._args(x, w, out, plan.tag, plan.n_blocks, plan.programs))
+        else:
+            plan((xp, wp, op, *self._heap_ptrs[x.dtype], M, N, K, sx, sw, plan.n_blocks,
+                  plan.programs, plan.tag))
         return out
 
     def _args(self, x, w, out, tag, n_blocks, programs):
+        """The kernel's arguments with tensors (its compile, the interpreter). A compiled
+        launch takes the same with every pointer an integer (``__call__``): Triton's launcher
+        then skips each tensor's ``data_ptr()`` call and the driver's query of its address
+        (``cuPointerGetAttribute``), nine pointers per call."""
         M, K = x.shape
         return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctx,
                 self.consumed, M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag)
