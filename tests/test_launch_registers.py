@@ -1,7 +1,8 @@
 """``ops.launch.fewer_registers``: the register cap that fits one more resident program per SM,
 taken step by step while the compiler needs no spill for it. The compiler is stood in for by a
 table of what it would allocate under each cap (the decisions are arithmetic on the device
-facts; the real compile runs in the GPU checks)."""
+facts; the real compile runs in the GPU checks). And the launch hooks a planned launch hands
+Triton's launcher."""
 import dataclasses
 
 from portable_overlap.backends.base import DeviceFacts
@@ -63,3 +64,26 @@ def test_no_cap_where_warps_bound_the_residency_or_the_backend_takes_none():
     amd = dataclasses.replace(H200, vendor="amd", register_cap=False)
     assert fewer_registers(compile_capped, Compiled(64), 8, amd)[1] is None
     assert asked == []
+
+
+def test_launch_hooks_skipped_only_when_none_would_run():
+    """A planned launch hands Triton's launcher its launch hooks only where one would run: an
+    empty ``knobs.HookChain`` (Triton's default) is dropped, a chain with a hook or a plain
+    callable is kept, so a profiler's hook still sees every launch."""
+    from triton import knobs
+
+    from portable_overlap.ops.launch import _hook
+
+    chain = knobs.HookChain()
+    assert _hook(None) is None
+    assert _hook(chain) is None
+    seen = []
+    chain.add(seen.append)
+    assert _hook(chain) is chain
+    _hook(chain)("meta")
+    assert seen == ["meta"]
+
+    def plain(meta):
+        return meta
+
+    assert _hook(plain) is plain

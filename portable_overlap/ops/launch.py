@@ -76,11 +76,11 @@ class PlannedLaunch:
         if k is None:
             self.kernel[(self.programs,)](*args, **self.consts)
             return
-        from triton import knobs
-
         stream = self.stream_fn()
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        meta = k.launch_metadata((self.programs, 1, 1), stream, *args) if enter else None
+        runtime = _triton_runtime()
+        enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
+        meta = (k.launch_metadata((self.programs, 1, 1), stream, *args) if enter is not None
+                else None)
         if self._scratch is None:
             k.run(self.programs, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave,
                   *args, *self.const_args)
@@ -96,6 +96,29 @@ class PlannedLaunch:
                   *args, *self.const_args)
         finally:
             _allocation._allocator.reset(token)
+
+
+_RUNTIME = None
+
+
+def _triton_runtime():
+    """``triton.knobs.runtime`` (imported on the first launch, not with this module)."""
+    global _RUNTIME
+    if _RUNTIME is None:
+        from triton import knobs
+
+        _RUNTIME = knobs.runtime
+    return _RUNTIME
+
+
+def _hook(hook):
+    """``hook``, or None where calling it would run nothing: Triton keeps the launch hooks as
+    chains (``knobs.HookChain``) that are never None, and for a chain the launcher calls back
+    into Python twice per launch and the kernel builds its launch metadata, about 3 µs of
+    a decode step's host time, for no hook at all."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
 
 
 class _Scratch:
