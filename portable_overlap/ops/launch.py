@@ -79,8 +79,8 @@ class PlannedLaunch:
         stream = self.stream_fn()
         runtime = _triton_runtime()
         enter, leave = _hook(runtime.launch_enter_hook), _hook(runtime.launch_exit_hook)
-        meta = (k.launch_metadata((self.programs, 1, 1), stream, *args) if enter is not None
-                else None)
+        meta = (None if enter is None and leave is None
+                else k.launch_metadata((self.programs, 1, 1), stream, *args))
         if self._scratch is None:
             k.run(self.programs, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave,
                   *args, *self.const_args)

@@ -85,7 +85,7 @@ class GemvAllReduceKernel(OverlapContext):
         self.config = config
         self._result = {dt: self._result_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         # the heap buffers' addresses, fixed for the context's life, per output dtype: a
-        # compiled launch takes them as integers (``_direct_args``)
+        # compiled launch takes them as integers (``_args``)
         self._heap_ptrs = {dt: tuple(t.data_ptr() for t in (
             self.partial, self._result[dt], self.ready, self.bcast, self.ctx, self.consumed))
             for dt in DTYPES}
@@ -98,7 +98,7 @@ class GemvAllReduceKernel(OverlapContext):
         overrides the launch configuration for this call (tuning sweeps)."""
         # This path runs on every decode step: no torch op beyond the output allocation, the
         # status board read from host memory, the compiled kernel launched without the JIT's
-        # argument binding and with its pointers as integers (``_direct_args``).
+        # argument binding and with its pointers as integers (``_args``).
         if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) \
                 or x.dim() != 2 or w.dim() != 2:
             validate(x, w, self.world.device, self.max_n)  # raises with the reason
