@@ -211,11 +211,17 @@ class PatternContext:
         (``TransportPlanner.refuse``). A tensor option the op reads (an RMSNorm's
         ``rms_weight``, any option not in ``OUTPUT_OPTIONS``) is an input here too: its gradient
         would be lost the same way."""
+        for t in inputs.values():  # (the common case first, building nothing: every call)
+            if getattr(t, "requires_grad", False):
+                break
+        else:
+            if not options:
+                return
         tensors = [*inputs.values(), *(v for k, v in options.items()
                                        if k not in self.OUTPUT_OPTIONS
                                        and isinstance(v, torch.Tensor))]
         if not any(getattr(t, "requires_grad", False) for t in tensors):
-            return  # (the common case: no workspace lookup)
+            return  # (no workspace lookup)
         planner = getattr(self, "planner", None)  # (none on a context not made in full)
         if planner is None:
             refuse_grad_as_call(self.OP, tensors, (getattr(self, "impl", None),))
