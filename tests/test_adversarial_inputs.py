@@ -509,3 +509,30 @@ def _all_to_all_bias(world):
 def test_all_to_all_adds_the_receiving_ranks_bias(world2):
     for errs in world2.run(_all_to_all_bias):
         assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def _k_per_rank_then_agreeing(world):
+    """A reduction's K shards may differ between ranks. A call where they do (rank 0 K=5,
+    rank 1 K=29), then one with K=5 on both: the signal transports cached their call plans by
+    K too, so rank 0 reused its plan while rank 1 made a new one and waited alone in the
+    plan's host check of the ranks (a hang until gloo's half-hour timeout)."""
+    r = world.rank
+    g = torch.Generator().manual_seed(r)
+    errs = {}
+    for name, ctx, ref in (
+            ("all_reduce signal_collective",
+             po.MatmulAllReduce(world, 8, 8, transport="signal_collective"),
+             po.matmul_all_reduce_reference),
+            ("reduce_scatter signal_copy_engine",
+             po.MatmulReduceScatter(world, 8, 8, transport="signal_copy_engine"),
+             po.matmul_reduce_scatter_reference)):
+        for K in (5 if r == 0 else 29, 5, 29 if r == 0 else 5):
+            a, b = torch.randn(4, K, generator=g), torch.randn(K, 7, generator=g)
+            errs[f"{name} K={K}"] = rel_err(ctx(a, b), ref(a, b, world.group))
+        ctx.close()
+    return errs
+
+
+def test_reduction_k_per_rank_keeps_the_signal_transports_in_step(world2):
+    for errs in world2.run(_k_per_rank_then_agreeing, timeout=120):
+        assert all(e < 1e-5 for e in errs.values()), errs

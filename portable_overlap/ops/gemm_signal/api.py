@@ -410,8 +410,11 @@ class GemmSignal(ContextBase):
 
     def plan_call(self, kind, op, M, N, K, dtype, cfg: SignalConfig) -> _Plan:
         """The plan of one (kind, shape, dtype, config): tiling, wave groups, buffer sizes;
-        made once and cached (the first ``run`` of it checks that every rank made the same)."""
-        key = (kind, M, N, K, dtype, cfg)
+        made once and cached (the first ``run`` of it checks that every rank made the same).
+        Not keyed by K, which the plan does not use: a reduction's K shards may differ between
+        ranks, and a K in the key would make one rank reuse a plan while another makes one and
+        waits alone in the plan's host check of the ranks."""
+        key = (kind, M, N, dtype, cfg)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
