@@ -536,3 +536,44 @@ def _k_per_rank_then_agreeing(world):
 def test_reduction_k_per_rank_keeps_the_signal_transports_in_step(world2):
     for errs in world2.run(_k_per_rank_then_agreeing, timeout=120):
         assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def _signal_collective_refused_on_one_rank(world):
+    """``transport="auto"`` decided for ``signal_collective``, then a call rank 0 refuses on
+    the host (an empty ``a``) while rank 1 calls as usual, then a good call. The transport's
+    data moves only in matched collectives: without the agreement before each call rank 1's
+    collectives of the refused call paired with rank 0's next call's (rank 1 returned a wrong
+    result without an error, rank 0's next call too, relative errors 0.8-0.9)."""
+    r, W = world.rank, world.world_size
+
+    def inputs(i, q):
+        g = torch.Generator().manual_seed(100 * i + q)
+        return torch.randn(4, 5, generator=g), torch.randn(5, 7, generator=g)
+
+    out = []
+    for cls, want_of in ((po.MatmulAllReduce, lambda y, i: y),
+                         (po.MatmulReduceScatter, lambda y, i: y.chunk(W)[r])):
+        ctx = cls(world, 8, 8, transport="auto", candidates=("signal_collective",), iters=1,
+                  warmup=0, timeout_s=20)
+        for i in range(3):
+            a, b = inputs(i, r)
+            if i == 1 and r == 0:
+                a = a[:, :0]
+            try:
+                y = ctx(a, b)
+            except Exception as e:
+                out.append((cls.__name__, i, type(e).__name__))
+                continue
+            want = want_of(sum(x @ w for x, w in (inputs(i, q) for q in range(W))), i)
+            out.append((cls.__name__, i, rel_err(y, want)))
+        ctx.close()
+    return out
+
+
+def test_auto_signal_collective_refused_on_one_rank_raises_on_every_rank(world2):
+    for r, got in enumerate(world2.run(_signal_collective_refused_on_one_rank, timeout=300)):
+        for name, i, res in got:
+            if i == 1:  # refused on rank 0: raised on every rank, nothing returned
+                assert isinstance(res, str), (r, name, got)
+            else:
+                assert not isinstance(res, str) and res < 1e-5, (r, name, got)

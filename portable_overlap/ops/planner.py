@@ -63,7 +63,8 @@ on every rank in the same call, without a hang:
 
 - **The agreement** (``_settle``): every call whose key is new on this rank, and every call of a
   decided key whose transport (for its capture mode) waits without a deadline (``UNBOUNDED``:
-  ``"sequential"``'s NCCL / RCCL / gloo collective, torch's fused ops' barriers), first posts a
+  ``"sequential"``'s NCCL / RCCL / gloo collective, torch's fused ops' barriers, and
+  ``"signal_collective"``, whose data moves only in matched collectives), first posts a
   record to the store: new, decided (with the number of its decision), or refused on the host (a
   check before the call: an input that requires grad, per-call options no candidate takes,
   capture of an undecided key, or the input checks of an ``UNBOUNDED`` candidate, run with
@@ -139,11 +140,14 @@ ROUNDS = 3
 #: (``TransportPlanner._agree``): at a key's first call the peers may still compile their kernels
 #: for the call before
 EXCHANGE_MIN_S = 60.0
-#: transports whose waits have no deadline (the collective library's, torch's barriers): a
-#: decided call of one of them first agrees with its peers (``TransportPlanner._agree``), since a
-#: peer in another call would leave it waiting for ever; the other transports' waits are bounded
-#: and raise ``PeerTimeoutError`` where a peer stays away
-UNBOUNDED = (SEQUENTIAL, "torch_fused")
+#: transports whose waits have no deadline (the collective library's, torch's barriers), or
+#: whose data moves only in the collective library's matched calls (``signal_collective``: a
+#: rank that refused a call on the host runs none of its collectives, and its peers' calls
+#: pair with its next call's, a wrong result before any timeout): a decided call of one of
+#: them first agrees with its peers (``TransportPlanner._agree``), since a peer in another
+#: call would leave it waiting for ever or pair with the wrong call; the other transports'
+#: waits are bounded and raise ``PeerTimeoutError`` where a peer stays away
+UNBOUNDED = (SEQUENTIAL, "torch_fused", "signal_collective")
 #: the keyword arguments ``transport="auto"`` takes (besides ``timeout_s``)
 PLANNER_OPTIONS = ("candidates", "options", "cache_path", "iters", "warmup", "graph")
 
@@ -455,7 +459,10 @@ class TransportPlanner:
         rank's refusal there: the peers raise in the same call instead of waiting in the
         collective library for a rank that never comes (timing those candidates at a key's
         first call would wait so too)."""
-        for t in transports:
+        # ``signal_collective``'s checks last: they are its GEMM's (a K stride that fits its
+        # tiles), stricter than the library's or torch's own, and would refuse for every
+        # candidate a call only it cannot take
+        for t in sorted(transports, key=lambda t: t == "signal_collective"):
             if t in UNBOUNDED:
                 impl = self.impls[t]
                 impl.checking_only = True

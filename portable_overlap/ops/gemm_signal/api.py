@@ -204,7 +204,9 @@ class GemmSignal(ContextBase):
         N = b.shape[1]
         if kind != "all_reduce" and M % self.size:
             raise ValueError(f"{op}: M={M} rows must split evenly over {self.size} ranks")
-        cfg = self._resolve(kind, a, b, config or self.config)
+        cfg = config or self.config
+        if not self.checking_only:  # (a check runs no tuner: its calls are collective)
+            cfg = self._resolve(kind, a, b, cfg)
         check_k_steps(op, a, b, cfg.matmul or default_config(a.dtype, self.device))
         return op, cfg, M, N, K, M // self.size if kind == "reduce_scatter" else M
 
@@ -244,6 +246,8 @@ class GemmSignal(ContextBase):
                                    name="normed")
         elif normed is not None:
             raise ValueError(f"{op}: normed is written only with rms_weight")
+        if self.checking_only:  # ``transport="auto"``'s check before its agreement: no more
+            return out if rms_weight is None else (out, normed)
         plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)
         gemm, reorder = self.launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
         stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)
