@@ -237,16 +237,19 @@ class GemmSignal(ContextBase):
         # out and normed as every transport's out= (output_tensor): contiguous, so no two rows
         # of the reorder's writes land in the same memory
         inputs = dict(a=a, b=b, bias=bias, residual=residual, rms_weight=rms_weight)
-        out = output_tensor(op, out, (out_rows, N), a, inputs)
+        checking = self.checking_only  # (a check makes no output: the call that follows does)
+        if out is not None or not checking:
+            out = output_tensor(op, out, (out_rows, N), a, inputs)
         vector_checks(op, a, N, out_rows, bias=bias, residual=residual, rms_weight=rms_weight)
         if rms_weight is not None:
             if not eps > 0:
                 raise ValueError(f"{op}: eps must be > 0, got {eps}")
-            normed = output_tensor(op, normed, (out_rows, N), a, dict(inputs, out=out),
-                                   name="normed")
+            if normed is not None or not checking:
+                normed = output_tensor(op, normed, (out_rows, N), a, dict(inputs, out=out),
+                                       name="normed")
         elif normed is not None:
             raise ValueError(f"{op}: normed is written only with rms_weight")
-        if self.checking_only:  # ``transport="auto"``'s check before its agreement: no more
+        if checking:  # ``transport="auto"``'s check before its agreement: no more
             return out if rms_weight is None else (out, normed)
         plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)
         gemm, reorder = self.launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)

@@ -84,11 +84,10 @@ class GemvAllReduceKernel(OverlapContext):
         self.max_n = max_n
         self.config = config
         self._result = {dt: self._result_raw.view(torch.uint8).view(dt) for dt in DTYPES}
-        # the heap buffers' addresses, fixed for the context's life, per output dtype: a
-        # compiled launch takes them as integers (``_args``)
-        self._heap_ptrs = {dt: tuple(t.data_ptr() for t in (
-            self.partial, self._result[dt], self.ready, self.bcast, self.ctx, self.consumed))
-            for dt in DTYPES}
+        # the heap buffers' addresses, fixed for the context's life (``_result``'s views share
+        # one): a compiled launch takes them as integers (``_args``)
+        self._heap_ptrs = tuple(t.data_ptr() for t in (
+            self.partial, self._result_raw, self.ready, self.bcast, self.ctx, self.consumed))
 
     # -- the call ------------------------------------------------------------------------------
     @collective_call
@@ -119,7 +118,7 @@ class GemvAllReduceKernel(OverlapContext):
         if plan.compiled is None:  # the interpreter maps tensors, not addresses
             plan(self._args(x, w, out, plan.tag, plan.n_blocks, plan.programs))
         else:
-            plan((xp, wp, op, *self._heap_ptrs[x.dtype], M, N, K, sx, sw, plan.n_blocks,
+            plan((xp, wp, op, *self._heap_ptrs, M, N, K, sx, sw, plan.n_blocks,
                   plan.programs, plan.tag))
         return out
 
