@@ -570,6 +570,54 @@ def _signal_collective_refused_on_one_rank(world):
     return out
 
 
+def _named_signal_refused_on_one_rank(world):
+    """The named signal transports (``PatternContext.AGREED``), three calls each, rank 0
+    refusing one on the host (an empty ``a``) while its peers call as usual: the first call of
+    the shape, or a later one. Named ``signal_collective`` without an agreement paired the
+    peers' collectives of a refused call with rank 0's next call's (a wrong result without an
+    error on both); named ``signal_copy_engine`` refusing a shape's first call left the peers
+    in that call's host check of the plan, paired with rank 0's next call, which then timed
+    out and broke the context. Rank 0's ``a`` is empty (K = 0), or a vector at a planned
+    shape."""
+    r, W = world.rank, world.world_size
+
+    def inputs(i, q):
+        g = torch.Generator().manual_seed(100 * i + q)
+        return torch.randn(4, 5, generator=g), torch.randn(5, 7, generator=g)
+
+    out = []
+    for cls, transport, want_of in (
+            (po.MatmulAllReduce, "signal_collective", lambda y: y),
+            (po.MatmulReduceScatter, "signal_collective", lambda y: y.chunk(W)[r]),
+            (po.MatmulReduceScatter, "signal_copy_engine", lambda y: y.chunk(W)[r])):
+        # (a vector ``a`` has no sizes to key a plan by: refused as a call of a planned shape)
+        bad = (("empty", 0), ("empty", 1)) + ((("vector", 1),) if "copy" in transport else ())
+        for how, refused in bad:
+            ctx = cls(world, 8, 8, transport=transport, timeout_s=20)
+            for i in range(3):
+                a, b = inputs(i, r)
+                if i == refused and r == 0:
+                    a = a[:, :0] if how == "empty" else a[0]
+                try:
+                    y = ctx(a, b)
+                except Exception as e:
+                    out.append((transport, refused, i, type(e).__name__))
+                    continue
+                want = want_of(sum(x @ w for x, w in (inputs(i, q) for q in range(W))))
+                out.append((transport, refused, i, rel_err(y, want)))
+            ctx.close()
+    return out
+
+
+def test_named_signal_transports_refused_on_one_rank_raise_on_every_rank(world2):
+    for r, got in enumerate(world2.run(_named_signal_refused_on_one_rank, timeout=300)):
+        for transport, refused, i, res in got:
+            if i == refused:  # refused on rank 0: raised on every rank, nothing returned
+                assert isinstance(res, str), (r, transport, refused, got)
+            else:
+                assert not isinstance(res, str) and res < 1e-5, (r, transport, refused, got)
+
+
 def test_auto_signal_collective_refused_on_one_rank_raises_on_every_rank(world2):
     for r, got in enumerate(world2.run(_signal_collective_refused_on_one_rank, timeout=300)):
         for name, i, res in got:

@@ -86,6 +86,8 @@ def collective_call(method):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
+        if self.checking_only:  # a planner's input check before its agreement (``checking_only``):
+            return method(self, *args, **kwargs)  # nothing launched, counted or told to peers
         # ``run_collective`` for one context, unrolled: the decode path calls it every step
         self._enter_call()
         try:
@@ -178,10 +180,12 @@ class ContextBase:
     orders). A subclass calls ``super().__init__`` first and :meth:`register` last."""
 
     OP = "op"
-    #: set by ``transport="auto"`` around a call of a transport whose waits have no deadline
-    #: (``planner.UNBOUNDED``): the call checks its input, raising as it would, and returns
-    #: before its first collective, so this rank's refusal reaches its peers through the
-    #: planner's agreement before any of them waits in the collective library
+    #: set by the planner (``transport="auto"``, ``planner.NamedAgreement``) around a call of a
+    #: transport whose waits have no deadline (``planner.UNBOUNDED``), or of the first call of
+    #: a shape that agrees on its plan (``planner.PLAN_CHECKED``): the call checks its input,
+    #: raising as it would, and returns before its first collective (``collective_call`` takes
+    #: no guard and tells the peers nothing), so this rank's refusal reaches its peers through
+    #: the planner's agreement before any of them waits in the collective library
     checking_only = False
     #: whether a call can be captured in a CUDA graph: False for a transport that reads data on
     #: the host at every call, which ``transport="auto"`` then times in plain calls only

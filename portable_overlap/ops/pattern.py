@@ -16,7 +16,7 @@ import torch
 from ..errors import BackendUnavailable
 from .context import (check_timeout, refuse_call, refuse_grad, refuse_grad_as_call,
                       register_context, unregister_context)
-from .planner import AUTO, PLANNER_OPTIONS, TransportPlanner
+from .planner import AUTO, PLANNER_OPTIONS, NamedAgreement, TransportPlanner
 
 
 def transport_unavailable(world, transport: str, op: Optional[str] = None) -> Optional[str]:
@@ -33,6 +33,17 @@ def transport_unavailable(world, transport: str, op: Optional[str] = None) -> Op
 
         return unavailable_reason(world, op)
     return None
+
+
+#: named transports whose calls agree as ``"auto"``'s do (``planner.NamedAgreement``) on a world
+#: of more than one rank: their data moves only in the collective library's matched calls
+#: (``"signal_collective"``: a rank that refused a call on the host would leave its peers'
+#: collectives to pair with its next call's, a wrong result without an error), or their first
+#: call of a shape agrees on its plan in a host collective (``"signal_copy_engine"``: a rank
+#: refusing that call would leave its peers in it). The costs: an agreement per eager call of
+#: ``"signal_collective"`` (host time only, none in a graph replay), and per new shape of
+#: ``"signal_copy_engine"``
+AGREED = ("signal_collective", "signal_copy_engine")
 
 
 class PatternContext:
@@ -112,7 +123,11 @@ class PatternContext:
                 what = "is an option" if len(misplaced) == 1 else "are options"
                 raise ValueError(f"{self.OP}: {', '.join(misplaced)} {what} of "
                                  f"transport={AUTO!r}, not of transport={transport!r}")
-            self.impl = self._make(world, transport, timeout_s, **options)
+            if transport in AGREED and world.world_size > 1:
+                self.planner = NamedAgreement(self, timeout_s, unavailable, transport, options)
+                self.impl = self.planner.impls[transport]
+            else:
+                self.impl = self._make(world, transport, timeout_s, **options)
         self.handle = register_context(self)
 
     @classmethod
@@ -301,7 +316,7 @@ class PatternContext:
         self.close()
 
     def __repr__(self) -> str:
-        more = "" if self.planner is None else f", candidates={self.planner.candidates}"
+        more = f", candidates={self.planner.candidates}" if self.transport == AUTO else ""
         return (f"{type(self).__name__}(rank={self.rank}/{self.world.world_size}, "
                 f"transport={self.transport!r}{more})")
 

@@ -148,6 +148,11 @@ EXCHANGE_MIN_S = 60.0
 #: call would leave it waiting for ever or pair with the wrong call; the other transports'
 #: waits are bounded and raise ``PeerTimeoutError`` where a peer stays away
 UNBOUNDED = (SEQUENTIAL, "torch_fused", "signal_collective")
+#: transports whose first call of a shape checks that the ranks agree on its plan in a host
+#: collective before any of its bounded waits (``signal_copy_engine``): a rank whose input they
+#: refuse before that check would leave its peers there, paired with its next call. As the one
+#: candidate (``NamedAgreement``) their input checks run before a key's first agreement
+PLAN_CHECKED = ("signal_copy_engine",)
 #: the keyword arguments ``transport="auto"`` takes (besides ``timeout_s``)
 PLANNER_OPTIONS = ("candidates", "options", "cache_path", "iters", "warmup", "graph")
 
@@ -363,6 +368,10 @@ class TransportPlanner:
     ``_run(transport, workspace, inputs, out, options)``; ``unavailable`` is
     ``{transport: why it cannot run on this world}`` (``PatternContext.unavailable``)."""
 
+    #: whether it chooses by timing (a tuning cache file); the errors name it by ``_label``
+    TIMES = True
+    _label = f"transport={AUTO!r}"
+
     def __init__(self, ctx, timeout_s: Optional[float], unavailable: dict, *, candidates=None,
                  options=None, cache_path=None, iters: int = 10, warmup: int = 2,
                  graph: Optional[bool] = None, **rest):
@@ -381,7 +390,8 @@ class TransportPlanner:
             raise ValueError(f"{op}: graph must be None (time plain calls and graph replays, "
                              f"each picking for its own calls), True or False, got {graph!r}")
         self.graph = graph
-        path = _check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
+        path = (_check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
+                if self.TIMES else None)
         world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph)",
                          (self.candidates, self.iters, self.warmup, self.graph))
         # the name of this planner's decisions in the process group's store, the same on every
@@ -452,18 +462,20 @@ class TransportPlanner:
             self._settle({"kind": "refused", "why": f"{type(error).__name__}: {error}",
                           "call": text}, error)
 
-    def _refusal(self, transports: tuple, inputs: dict, out, given: dict):
+    def _refusal(self, transports: tuple, inputs: dict, out, given: dict, first: bool = False):
         """The error this rank's input meets in the first of ``transports`` whose waits have no
-        deadline (``UNBOUNDED``), found by that transport's own checks with nothing run
+        deadline (``UNBOUNDED``; at a key's ``first`` call also the one candidate of
+        ``PLAN_CHECKED``), found by that transport's own checks with nothing run
         (``ContextBase.checking_only``), or None. Found before the call's agreement, it is this
         rank's refusal there: the peers raise in the same call instead of waiting in the
         collective library for a rank that never comes (timing those candidates at a key's
         first call would wait so too)."""
+        checked = UNBOUNDED + (PLAN_CHECKED if first and len(transports) == 1 else ())
         # ``signal_collective``'s checks last: they are its GEMM's (a K stride that fits its
         # tiles), stricter than the library's or torch's own, and would refuse for every
         # candidate a call only it cannot take
         for t in sorted(transports, key=lambda t: t == "signal_collective"):
-            if t in UNBOUNDED:
+            if t in checked:
                 impl = self.impls[t]
                 impl.checking_only = True
                 try:
@@ -482,7 +494,7 @@ class TransportPlanner:
         planner's lock taken (a second thread's concurrent call raises) on an open, unbroken
         planner. The caller releases the lock."""
         given = {k: v for k, v in options.items() if v is not None} if options else {}
-        fast = _call_key(self.ctx._key_inputs(inputs), given)
+        fast = self._key(inputs, given)
         if not self._lock.acquire(blocking=False):
             raise concurrent_use(self.ctx.OP, self.ctx.rank)
         try:
@@ -515,8 +527,12 @@ class TransportPlanner:
         return None if chosen is None else {"plain": chosen[0], "captured": chosen[3]}
 
     def _lookup(self, inputs: dict, options: dict) -> Optional[tuple]:
-        return self._chosen.get(_call_key(self.ctx._key_inputs(inputs),
-                                          {k: v for k, v in options.items() if v is not None}))
+        return self._chosen.get(self._key(inputs, {k: v for k, v in options.items()
+                                                   if v is not None}))
+
+    def _key(self, inputs: dict, given: dict) -> tuple:
+        """The per-call lookup's key of a call with these inputs and given options."""
+        return _call_key(self.ctx._key_inputs(inputs), given)
 
     def _now(self, chosen: tuple) -> str:
         """The transport of a decided call made now: ``chosen`` is (plain calls' pick, decision,
@@ -558,7 +574,7 @@ class TransportPlanner:
         call = self._describe_call(inputs, given)
         cands, refusal = _attempt(lambda: self._candidates_for(given))
         if refusal is None:  # what would refuse it inside a candidate without a deadline
-            refusal = self._refusal(cands, inputs, out, given)
+            refusal = self._refusal(cands, inputs, out, given, first=True)
         mine = ({"kind": "refused", "why": f"{type(refusal).__name__}: {refusal}",
                  "call": _text(call)} if refusal is not None
                 else {"kind": "new", "call": call, "candidates": cands,
@@ -620,7 +636,7 @@ class TransportPlanner:
             raise error
         broken = [(q, r) for q, r in enumerate(records) if r["kind"] == "broken"]
         if broken:
-            self._broken = (f"{op}: transport='auto' is out of step with its peers: rank(s) "
+            self._broken = (f"{op}: {self._label} is out of step with its peers: rank(s) "
                             f"{[q for q, _ in broken]} refused this call, being out of step "
                             f"already (" + "; ".join(r["why"] for _, r in broken) + ")")
             raise ContextBrokenError(self._broken + "; close it and create a new one")
@@ -632,7 +648,7 @@ class TransportPlanner:
         if len({(r["kind"], r.get("decision"), r.get("transport")) for r in records}) > 1:
             calls = "; ".join(f"rank {q}: {_what(r)}" for q, r in enumerate(records))
             raise RankMismatchError(
-                f"{op}: the ranks' calls of transport='auto' do not match: {calls}. A call key "
+                f"{op}: the ranks' calls of {self._label} do not match: {calls}. A call key "
                 f"(shapes, dtypes, strides, optional inputs, per-call options) must be new on "
                 f"every rank or on none, and a decided one must come with its peers' keys of "
                 f"the same decision (nothing ran; the context stays usable)")
@@ -664,10 +680,10 @@ class TransportPlanner:
         if got != payload:
             late = pickle.loads(got)
             if late.get("kind") != "gave up":  # (the board: this slot went past this call)
-                self._broken = f"{op}: transport='auto' is out of step with its peers"
+                self._broken = f"{op}: {self._label} is out of step with its peers"
                 raise ContextBrokenError(f"{self._broken} ({late.get('why')}); close it and "
                                          f"create a new one")
-            self._broken = (f"{op}: transport='auto' is out of step with its peers: rank "
+            self._broken = (f"{op}: {self._label} is out of step with its peers: rank "
                             f"{late['by']} stopped waiting for this rank at a call")
             raise PeerTimeoutError(
                 f"{op}: rank {world.rank}: rank {late['by']} stopped waiting for this rank to "
@@ -678,7 +694,7 @@ class TransportPlanner:
         values, missing, why = self._collect(store, n, wait_s)
         if missing:
             self._broken = (
-                f"{op}: transport='auto' is out of step with its peers: rank(s) {missing} "
+                f"{op}: {self._label} is out of step with its peers: rank(s) {missing} "
                 f"did not join the agreement of a call on rank {world.rank}")
             raise PeerTimeoutError(
                 f"{op}: rank {world.rank}: rank(s) {missing} did not join this call's "
@@ -693,7 +709,7 @@ class TransportPlanner:
         records = [mine if v == payload else pickle.loads(v) for v in values]
         gave_up = [r["by"] for r in records if r["kind"] == "gave up"]
         if gave_up:
-            self._broken = (f"{op}: transport='auto' is out of step with its peers: rank(s) "
+            self._broken = (f"{op}: {self._label} is out of step with its peers: rank(s) "
                             f"{sorted(set(gave_up))} stopped waiting at a call")
             raise PeerTimeoutError(
                 f"{op}: rank {world.rank}: rank(s) {sorted(set(gave_up))} stopped waiting for a "
@@ -937,3 +953,37 @@ class TransportPlanner:
                 first = first or e
         if first is not None:
             raise first
+
+
+class NamedAgreement(TransportPlanner):
+    """The calls of one named transport made through the agreement of ``"auto"``'s calls
+    (``PatternContext.AGREED``), with that transport as the one candidate: nothing is timed or
+    cached. A key's first call agrees (a refusal on the host, this transport's input checks
+    included, raises on every rank in that call), and so does every call where the transport
+    waits without a deadline (``UNBOUNDED``)."""
+
+    TIMES = False
+
+    def __init__(self, ctx, timeout_s: Optional[float], unavailable: dict, transport: str,
+                 options: dict):
+        self._label = f"transport={transport!r}"
+        super().__init__(ctx, timeout_s, unavailable, candidates=(transport,),
+                         options={transport: options} if options else None)
+
+    def _key(self, inputs: dict, given: dict) -> tuple:
+        """Calls are keyed as the transports' plans are: by the sizes every rank's call shares
+        (``_matched_call``: not a reduction's K shard, which may differ across ranks) and the
+        per-call options. A call is then new where its plan is, on every rank at once, also
+        where one rank's input is refused by a check of its own (an empty K, a bad ``out``):
+        that rank agrees where its peers do (the plan's first call, and every call of an
+        ``UNBOUNDED`` transport) and refuses on the device where they run a planned call of a
+        transport with bounded waits. An input that is not the op's (no sizes to key by) takes
+        the key decided last, so its refusal goes the same way: at a planned shape its peers'
+        calls fail at once (at a shape's first call of ``PLAN_CHECKED`` transport, they wait
+        in the agreement while it refuses on the device, and both sides time out:
+        ``docs/reliability.md``)."""
+        matched = self.ctx._matched_call(inputs, given)
+        if matched is None and self._chosen:
+            return next(reversed(self._chosen))
+        return (None if matched is None else tuple(sorted(matched.items())),
+                _call_key({}, given)[1])

@@ -113,7 +113,10 @@ class GemmReduceScatterCE(OverlapContext):
         cfg = config or self.config
         _check_partition(cfg)
         op, cfg, M, N, K, rows = sig.check_call("reduce_scatter", a, b, cfg)
-        out = output_tensor(OP, out, (rows, N), a, dict(a=a, b=b, bias=bias, residual=residual))
+        checking = self.checking_only  # (a check makes no output: the call that follows does)
+        if out is not None or not checking:
+            out = output_tensor(OP, out, (rows, N), a,
+                                dict(a=a, b=b, bias=bias, residual=residual))
         vector_checks(OP, a, N, rows, bias=bias, residual=residual)
         # the receive room first: planning grows the staging buffer, which a refused call
         # must not leave grown
@@ -124,6 +127,8 @@ class GemmReduceScatterCE(OverlapContext):
                              f"{mm.block_n} tiles needs {need} elements of receive room; this "
                              f"context has max_elems={self.max_elems} (size it with "
                              f"GemmReduceScatterCE.elems_needed)")
+        if checking:  # a planner's check before the first call's agreement: no more
+            return out
         plan = sig.plan_call("reduce_scatter", op, M, N, K, a.dtype, cfg)
         T, pd = plan.tile_elems, plan.groups.n_tiles // W
         first = id(plan) not in self._own
