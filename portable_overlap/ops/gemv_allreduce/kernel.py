@@ -33,6 +33,21 @@ rank waits for before call c + 2 writes that half again (in call c + 1, or at th
 c + 2 where this rank refused call c + 1 on the host). A peer's refusal is read from ``bcast``,
 which no one-shot call writes (``_refusals``).
 
+The one-shot form can also split K (``SPLIT_K`` = ``GemvConfig.split_k`` > 1): where N has
+fewer column blocks than the device has SMs, the K loop of each block is cut into ``SPLIT_K``
+slices of whole ``BLOCK_K`` steps, one program each, so the grid is exactly ``n_blocks *
+SPLIT_K`` programs (no persistent loop). Program pid computes slice ``s = pid % SPLIT_K`` of
+block ``b = pid // SPLIT_K`` (a short K leaves the last slices empty: partials of zeros) and
+stores it as slice s of ``partial[r]``, now ``[SPLIT_K, M, N]``, in every rank's heap; it
+signals ``ready[r][pid]`` on every peer, and the block's other slices also set this rank's own
+word ``ready[r][pid]``. The last program of the group, pid ``b * SPLIT_K + SPLIT_K - 1``, reduces
+the block: it waits for the peers' flags of the group's programs and for the local flags of
+its own rank's other slices (programs of its own launch: the plan only splits where the whole
+grid is resident at once, and the interpreter runs programs in pid order, so the waiting
+program runs last), then sums the ``world * SPLIT_K`` partials rank-major, slice after slice
+(the same order, and bits, on every rank). The start-of-call wait on program 0's flag, the
+refusal check and the end-of-call ticket are the one-shot form's.
+
 Written on the public device API (``portable_overlap.language``): flags carry the call number
 (counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
 bounded and reported by the flag it waited for.
