@@ -719,3 +719,23 @@ def test_the_rule_splits_k_for_narrow_n_on_the_one_shot_form_only():
     assert pick(1, 1024, arch="cpu").split_k == 1
     assert pick(64, 1024, room=64 * 1024).split_k == 1  # no room for a second slice
     assert pick(32, 1024, room=64 * 1024).split_k == 2
+
+
+def _disagree_on_split(world):
+    """Rank 0 splits K in two, rank 1 does not: the same shapes and column blocks, other grids
+    and partial layouts. The flags' tag carries the split; neither rank may return a sum."""
+    ctx = GemvAllReduce(world, max_n=32, transport="one_shot", timeout_s=2.0)
+    x, w = _inputs(world, 2, 32, 40, torch.float32, seed=9)
+    try:
+        ctx(x, w, config=_split_cfg(2 if world.rank == 0 else 1))
+        ctx.synchronize()
+        return "no error"
+    except PortableOverlapError as e:
+        return type(e).__name__
+    finally:
+        ctx.close()
+
+
+def test_ranks_disagreeing_on_the_k_split_are_caught(world2):
+    for kind in world2.run(_disagree_on_split, timeout=120):
+        assert kind in ("RankMismatchError", "PeerTimeoutError"), kind
