@@ -37,12 +37,13 @@ GEMV_SHAPES += [(1, 8192, 14336), (8, 8192, 14336), (32, 8192, 14336), (1, 16384
                 (1, 16384, 14336)]
 
 
-def _gemv_compile(target, dt: str, m: int, cfg):
+def _gemv_compile(target, dt: str, m: int, cfg, one_shot: bool = False):
     sig = {k: v.format(dt=dt) for k, v in _PTRS.items()}
     sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
     consts = dict(BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, EVEN_K=True, EVEN_N=True,
-                  PRECISION="ieee", UPCAST=False, G_MAX=1024)
+                  PRECISION="ieee", UPCAST=False, G_MAX=1024, ONE_SHOT=one_shot,
+                  SPLIT_K=cfg.split_k)
     sig.update({k: "constexpr" for k in consts})
     return compile_spec(gemv_allreduce_kernel, sig, consts,
                         [*_PTRS, "K", "stride_xm", "stride_wn"], target,
@@ -94,6 +95,32 @@ def test_gemv_configs_fit_the_device(target, capfd):
                     over.append((dt, m, n, cfg, shared, spills))
     assert seen and not over, f"configs over {limit} bytes of shared memory or spilling on " \
                               f"{arch} (dtype, M, N, config, shared, spills): {over}"
+
+
+#: narrow decode shapes (fewer 16-column blocks than SMs), where the one-shot form splits K
+GEMV_NARROW = [(m, n) for m in (1, 8, 32) for n in (1024, 1536)]
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def test_gemv_k_split_configs_fit_the_device(target, capfd):
+    """The one-shot form's K-split configs (``pick_config`` with a partial slot of 64 x N)
+    compile within the target's shared memory and without register spills, as above."""
+    arch, units, limit = DEVICES[target]
+    seen, over = set(), []
+    with _ptxas_reports() if target[0] == "cuda" else contextlib.nullcontext():
+        for m, n in GEMV_NARROW:
+            cfg = pick_config(m, n, 7168, torch.bfloat16, arch, units, 2, limit, 64 * n)
+            key = (max(16, 1 << (m - 1).bit_length()), cfg)
+            if cfg.split_k == 1 or key in seen:
+                continue
+            seen.add(key)
+            capfd.readouterr()
+            compiled = _gemv_compile(target, "bf16", m, cfg, one_shot=True)
+            spills = (_spill_stores(capfd.readouterr().out) if target[0] == "cuda"
+                      else _vgpr_spills(compiled))
+            if compiled.metadata.shared > limit or spills:
+                over.append((m, n, cfg, compiled.metadata.shared, spills))
+    assert seen and not over, f"split configs over {limit} bytes or spilling on {arch}: {over}"
 
 
 def test_gemv_pick_ignores_the_k_shard():

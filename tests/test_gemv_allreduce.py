@@ -1,5 +1,7 @@
 """Fused GEMV + AllReduce on CPU-emulated ranks (the real Triton kernel under the interpreter)
 against the torch reference (fp32 product + gloo all_reduce)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -581,3 +583,159 @@ def _own_k(world, transport):
 def test_ranks_may_pass_k_shards_of_their_own_width(world, transport):
     for errs in world.run(_own_k, transport, timeout=120):
         assert all(e < 1 for e in errs), errs
+
+
+# -- the one-shot form's K split -----------------------------------------------------------------
+def _split_cfg(split, block_n=16, block_k=16):
+    # 8 programs per emulated SM: the split's grid (n_blocks x split) must be resident at once
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=1, num_stages=1,
+                      programs_per_sm=8, split_k=split)
+
+
+#: (M, N, K, split): N not a multiple of the 16-column block, K not a multiple of the 16-wide K
+#: step, K shorter than split x 16 (the last slices empty: K 20 in 4 slices of 16 is 16 + 4 +
+#: 0 + 0, K 9 in 3 is 9 + 0 + 0), M of 1 and 5, K a multiple of the step in every slice
+SPLIT_CASES = [(1, 40, 70, 2), (5, 37, 20, 4), (1, 16, 9, 3), (5, 64, 96, 3), (3, 50, 33, 4)]
+
+
+def _split_calls(world, dtype, cases):
+    """Every case twice back to back on one one-shot context (both halves of its partials),
+    fresh inputs each call, outputs poisoned; (rel error / tolerance, output bytes) per call."""
+    ctx = GemvAllReduce(world, max_n=64, transport="one_shot", timeout_s=30.0)
+    found = []
+    try:
+        for i, (M, N, K, split) in enumerate(c for c in cases for _ in range(2)):
+            x, w = _inputs(world, M, N, K, dtype, seed=200 + i)
+            y = torch.full((M, N), float("nan"), dtype=dtype)
+            ctx(x, w, out=y, config=_split_cfg(split))
+            assert not torch.isnan(y).any(), "output not fully written"
+            err = rel_err(y, gemv_all_reduce_reference(x, w, world.group)) / TOL[dtype]
+            found.append((err, y.view(torch.uint8).clone()))
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_one_shot_k_split_matches_reference_and_is_identical_on_ranks(world, dtype):
+    cases = SPLIT_CASES if dtype == torch.float32 else SPLIT_CASES[:3]
+    results = world.run(_split_calls, dtype, cases, timeout=600)
+    calls = [c for c in cases for _ in range(2)]
+    for rank_results in results:
+        for (err, _), case in zip(rank_results, calls):
+            assert err < 1, (case, err)
+    for i, case in enumerate(calls):  # bitwise identical on every rank
+        assert all(torch.equal(r[i][1], results[0][i][1]) for r in results), case
+
+
+def _split_context_config(world):
+    """A split given as the context's config (every call), mixed with calls of another split
+    and of none, changing shapes each call."""
+    ctx = GemvAllReduce(world, max_n=48, transport="one_shot", config=_split_cfg(2, 16, 32))
+    worst = 0.0
+    try:
+        for i, (M, N, K, cfg) in enumerate(((2, 48, 100, None), (1, 30, 64, _split_cfg(4)),
+                                            (4, 17, 40, None), (1, 48, 7, _split_cfg(1)),
+                                            (3, 33, 50, None))):
+            x, w = _inputs(world, M, N, K, torch.float32, seed=300 + i)
+            y = ctx(x, w, config=cfg)
+            worst = max(worst, rel_err(y, gemv_all_reduce_reference(x, w, world.group)))
+    finally:
+        ctx.close()
+    return worst
+
+
+def test_one_shot_k_split_as_the_context_config_and_mixed_with_other_splits(world2):
+    assert all(worst < 1e-5 for worst in world2.run(_split_context_config, timeout=300))
+
+
+def _split_refusals(world):
+    msgs = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+
+    for split in (0, 9):
+        attempt(f"split {split}", lambda: _split_cfg(split))
+    attempt("stores context", lambda: GemvAllReduce(world, max_n=32, transport="stores",
+                                                    config=_split_cfg(2)).close())
+    stores = GemvAllReduce(world, max_n=32, transport="stores")
+    one_shot = GemvAllReduce(world, max_n=32, transport="one_shot")
+    try:
+        x, w = _inputs(world, 2, 32, 24, torch.float32, seed=5)
+        attempt("stores call", lambda: stores(x, w, config=_split_cfg(2)))
+        # 64 x 32 floats per rank's slot: M = 64 at N = 32 leaves room for no split
+        xb, wb = _inputs(world, 64, 32, 24, torch.float32, seed=6)
+        attempt("room", lambda: one_shot(xb, wb, config=_split_cfg(2)))
+        # 2 blocks x 4 slices > 4 emulated SMs x 1 program each
+        attempt("grid", lambda: one_shot(x, w, config=dataclasses.replace(
+            _split_cfg(4), programs_per_sm=1)))
+        # both contexts still work after the refused calls
+        ref = gemv_all_reduce_reference(x, w, world.group)
+        ok = rel_err(stores(x, w), ref) < 1e-5 and rel_err(one_shot(
+            x, w, config=_split_cfg(2)), ref) < 1e-5
+    finally:
+        stores.close()
+        one_shot.close()
+    return msgs, ok
+
+
+def test_bad_k_splits_raise_clear_errors(world2):
+    for msgs, still_works in world2.run(_split_refusals, timeout=300):
+        assert still_works
+        for name, msg in msgs.items():
+            assert msg is not None and "split_k" in msg, (name, msg)
+        assert "1..8" in msgs["split 0"] and "1..8" in msgs["split 9"]
+        assert "one_shot" in msgs["stores context"] and "one_shot" in msgs["stores call"]
+        assert "partial" in msgs["room"] and "max_n" in msgs["room"], msgs["room"]
+        assert "programs" in msgs["grid"], msgs["grid"]
+
+
+def test_the_rule_splits_k_for_narrow_n_on_the_one_shot_form_only():
+    """``pick_config`` on sm_90 with 132 SMs: narrow N (fewer column blocks than 3/4 of the
+    SMs) gets a split of 2 or 4 on the one-shot form, whatever K; wide N, the two-shot form,
+    fp32, the interpreter and a full partial slot get none."""
+    from portable_overlap.ops.gemv_allreduce.config import pick_config
+
+    def pick(m, n, k=8192, dtype=torch.bfloat16, arch="sm_90", room=None):
+        return pick_config(m, n, k, dtype, arch, 132, 2, 227 * 1024,
+                           64 * 8192 if room is None else room)
+
+    for m, n in ((1, 1024), (8, 1024), (32, 1024), (1, 1536)):
+        picks = {pick(m, n, k) for k in (512, 1000, 4096, 8192, 28672)}
+        assert len(picks) == 1, picks  # not by K
+        cfg = picks.pop()
+        assert cfg.split_k in (2, 4), (m, n, cfg)
+        n_blocks = -(-n // cfg.block_n)
+        assert 0.9 * 132 <= n_blocks * cfg.split_k <= 132 * cfg.programs_per_sm, (m, n, cfg)
+    for m, n in ((1, 8192), (8, 8192), (1, 3584), (32, 4096)):
+        assert pick(m, n).split_k == 1, (m, n)
+    assert pick(1, 1024, room=0).split_k == 1  # the two-shot form
+    assert pick(1, 1024, dtype=torch.float32).split_k == 1
+    assert pick(1, 1024, arch="cpu").split_k == 1
+    assert pick(64, 1024, room=64 * 1024).split_k == 1  # no room for a second slice
+    assert pick(32, 1024, room=64 * 1024).split_k == 2
+
+
+def _disagree_on_split(world):
+    """Rank 0 splits K in two, rank 1 does not: the same shapes and column blocks, other grids
+    and partial layouts. The flags' tag carries the split; neither rank may return a sum."""
+    ctx = GemvAllReduce(world, max_n=32, transport="one_shot", timeout_s=2.0)
+    x, w = _inputs(world, 2, 32, 40, torch.float32, seed=9)
+    try:
+        ctx(x, w, config=_split_cfg(2 if world.rank == 0 else 1))
+        ctx.synchronize()
+        return "no error"
+    except PortableOverlapError as e:
+        return type(e).__name__
+    finally:
+        ctx.close()
+
+
+def test_ranks_disagreeing_on_the_k_split_are_caught(world2):
+    for kind in world2.run(_disagree_on_split, timeout=120):
+        assert kind in ("RankMismatchError", "PeerTimeoutError"), kind

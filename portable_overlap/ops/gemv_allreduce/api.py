@@ -45,7 +45,8 @@ class GemvAllReduceKernel(OverlapContext):
         timeout_s: how long a call's waits for its peers may take in all before the kernel
             gives up and reports (one wall-clock deadline per call, from its first wait that
             had to spin).
-        config: force one launch configuration (else tuned table, else heuristic).
+        config: force one launch configuration (else tuned table, else heuristic). Its
+            ``split_k`` > 1 (K slices per column block) needs ``"one_shot"``.
         transport: ``"stores"`` (two-shot) or ``"one_shot"`` (``KERNEL_TRANSPORTS``). The
             one-shot form keeps two calls' partials (``2 * world * 64 * max_n`` floats).
             The partials must stay under 2**31 elements (``ValueError`` otherwise).
@@ -63,6 +64,8 @@ class GemvAllReduceKernel(OverlapContext):
                          (max_n, config, transport))
         W = world.world_size
         one_shot = transport == "one_shot"
+        if config is not None:
+            check_split(config, transport)
         partials = (2 if one_shot else 1) * W * MAX_M * max_n
         if partials >= 2 ** 31:  # the kernel offsets into them in int32 (kernel.py)
             raise ValueError(f"{OP}: max_n={max_n} on {W} ranks needs {partials} partial "
@@ -137,8 +140,44 @@ class GemvAllReduceKernel(OverlapContext):
         M, K = x.shape
         N = w.shape[0]
         facts = self.world.facts
-        cfg = config or pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
-                                    self.world.world_size, facts.shared_per_program)
+        one_shot = self.transport == "one_shot"
+        room = MAX_M * self.max_n  # one rank's slot of the one-shot partials (kernel.py)
+        if config is not None:
+            check_split(config, self.transport)
+            split = config.split_k
+            if split > 1:
+                n_blocks = -(-N // config.block_n)
+                if split * M * N > room:
+                    raise ValueError(
+                        f"{OP}: split_k={split} at M={M}, N={N} needs {split * M * N} partial "
+                        f"elements per rank, past the context's {room} ({MAX_M} x max_n); use "
+                        f"split_k <= {max(1, room // (M * N))}")
+                cap = min(facts.sm_count * config.programs_per_sm, G_MAX)
+                if n_blocks * split > cap:
+                    raise ValueError(
+                        f"{OP}: split_k={split} needs {n_blocks * split} programs ({n_blocks} "
+                        f"column blocks x {split}), past the {cap} of a persistent grid here "
+                        f"(programs_per_sm x SMs, at most {G_MAX}); use a smaller split_k")
+        plan = self._plan_with(x, w, out, config or pick_config(
+            M, N, K, x.dtype, facts.arch, facts.sm_count, self.world.world_size,
+            facts.shared_per_program, room if one_shot else 0))
+        if plan is None and config is not None:
+            raise ValueError(f"{OP}: split_k={config.split_k} needs all of its "
+                             f"{-(-N // config.block_n) * config.split_k} programs resident at "
+                             f"once, more than fit on this device with {config}; use a smaller "
+                             f"split_k or fewer warps or stages")
+        if plan is None:  # the rule's split does not fit the device's residency: none
+            cfg = pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
+                              self.world.world_size, facts.shared_per_program)
+            plan = self._plan_with(x, w, out, cfg)
+        return plan
+
+    def _plan_with(self, x, w, out, cfg: GemvConfig):
+        """The compiled launch of ``cfg``, or None where its K split's grid (every program of
+        which must be resident at once: kernel.py) is more than fits on the device."""
+        M, K = x.shape
+        N = w.shape[0]
+        facts = self.world.facts
         n_blocks = -(-N // cfg.block_n)
         consts = dict(
             BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=cfg.block_n,
@@ -146,11 +185,16 @@ class GemvAllReduceKernel(OverlapContext):
             EVEN_N=N % cfg.block_n == 0,
             PRECISION=dot_precision(x.dtype),
             UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, ONE_SHOT=self.transport == "one_shot",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX)
+            SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.split_k > 1:  # one program per (column block, K slice)
+            programs = n_blocks * cfg.split_k
+        else:
+            programs = min(n_blocks, facts.sm_count * cfg.programs_per_sm, G_MAX)
         tag_of = lambda g: _tag(M, N, x.dtype, cfg, g, self.transport)  # noqa: E731
         plan = self._compile(gemv_allreduce_kernel, programs, consts,
                              lambda g: self._args(x, w, out, tag_of(g), n_blocks, g))
+        if plan.programs != programs and cfg.split_k > 1:
+            return None
         plan.tag, plan.n_blocks = tag_of(plan.programs), n_blocks
         return plan
 
@@ -162,7 +206,16 @@ def _tag(M, N, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
     passes its own K shard (``x_r`` [M, K_r]), which only its own K loop reads; the partials
     that travel are [M, N] whatever K_r (``pick_config`` does not choose by K either)."""
     return shape_tag(M=M, N=N, dtype=str(dtype), block_n=cfg.block_n, programs=programs,
-                     transport=transport)
+                     transport=transport, split_k=cfg.split_k)
+
+
+def check_split(cfg: GemvConfig, transport: str) -> None:
+    """A K split (``split_k`` > 1) runs on the one-shot transport only: the two-shot form's
+    owners reduce blocks whose partials come from one program per rank."""
+    if cfg.split_k > 1 and transport != "one_shot":
+        raise ValueError(f"{OP}: config split_k={cfg.split_k} needs transport=\"one_shot\" "
+                         f"(the {transport!r} transport computes each column block in one "
+                         f"program: split_k=1)")
 
 
 def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int) -> None:

@@ -6,7 +6,12 @@ import dataclasses
 
 import torch
 
+from ..context import G_MAX
+
 _POW2 = (16, 32, 64, 128, 256, 512)
+#: the most K slices per column block (``GemvConfig.split_k``): past a few the reducer's sum of
+#: ``world * split_k`` partials and the partial stores cost more than the fuller grid gains
+MAX_SPLIT_K = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +21,8 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 4  # loads in flight in the K loop
     programs_per_sm: int = 2  # persistent programs per SM (clamped to what fits)
+    # K slices per column block, one program each (the one-shot transport only; kernel.py)
+    split_k: int = 1
 
     def __post_init__(self):
         if self.block_n not in _POW2 or self.block_k not in _POW2:
@@ -24,6 +31,8 @@ class GemvConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16: {self}")
         if not 1 <= self.num_stages <= 8 or not 1 <= self.programs_per_sm <= 8:
             raise ValueError(f"num_stages in 1..8 and programs_per_sm in 1..8: {self}")
+        if not isinstance(self.split_k, int) or not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"split_k must be an int in 1..{MAX_SPLIT_K}: {self}")
 
 
 #: Best configurations measured on a device kind, keyed by (arch, world, M bucket, N); the
@@ -70,13 +79,41 @@ def fit_shared(cfg: GemvConfig, m: int, dtype: torch.dtype, limit: int) -> GemvC
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,
-                world: int, shared_limit: int = 0) -> GemvConfig:
+                world: int, shared_limit: int = 0, partial_room: int = 0) -> GemvConfig:
     """The measured config for this device and shape, else the heuristic below; with
     ``shared_limit`` (bytes one program may take), made to fit it (``fit_shared``). ``k``
     (this rank's K shard) does not move the choice: every rank of a call picks the same
-    config whatever its shard (``TUNED``)."""
+    config whatever its shard (``TUNED``). ``partial_room``: the elements of one rank's slot
+    of the one-shot transport's partials (64 x ``max_n``), where a K split may be picked
+    (``split_for``); 0 (the two-shot transport): never."""
     cfg = _pick(m, n, k, dtype, arch, sm_count, world)
-    return fit_shared(cfg, m, dtype, shared_limit) if shared_limit else cfg
+    if shared_limit:
+        cfg = fit_shared(cfg, m, dtype, shared_limit)
+    if partial_room:
+        cfg = dataclasses.replace(cfg, split_k=split_for(cfg, m, n, dtype, arch, sm_count,
+                                                         partial_room))
+    return cfg
+
+
+def split_for(cfg: GemvConfig, m: int, n: int, dtype: torch.dtype, arch: str, sm_count: int,
+              partial_room: int) -> int:
+    """The K split of the one-shot transport for ``cfg``'s column blocks: where they leave a
+    quarter of the SMs or more without a program (narrow N), the smallest of 2 and 4 that
+    brings the programs to about one per SM (else 4), if the ``n_blocks * split`` programs fit
+    the persistent grid (``programs_per_sm`` per SM, ``G_MAX``) and the split's partials fit
+    the rank's slot (``split * m * n <= partial_room``). 1 for fp32 (it streams twice the bytes
+    per column: not measured split) and under the interpreter (its programs run one after
+    another). Like the rest of the choice, not by K: ranks whose shards differ must split
+    alike (the flags' tag carries the split)."""
+    n_blocks = -(-n // cfg.block_n)
+    if arch == "cpu" or dtype.itemsize != 2 or n_blocks >= 0.75 * sm_count:
+        return 1
+    cap = min(sm_count * cfg.programs_per_sm, G_MAX)
+    fits = [s for s in (2, 4) if n_blocks * s <= cap and s * m * n <= partial_room]
+    for s in fits:
+        if n_blocks * s >= 0.9 * sm_count:
+            return s
+    return fits[-1] if fits else 1
 
 
 def _pick(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,

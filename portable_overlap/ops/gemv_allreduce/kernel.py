@@ -33,6 +33,21 @@ rank waits for before call c + 2 writes that half again (in call c + 1, or at th
 c + 2 where this rank refused call c + 1 on the host). A peer's refusal is read from ``bcast``,
 which no one-shot call writes (``_refusals``).
 
+The one-shot form can also split K (``SPLIT_K`` = ``GemvConfig.split_k`` > 1): where N has
+fewer column blocks than the device has SMs, the K loop of each block is cut into ``SPLIT_K``
+slices of whole ``BLOCK_K`` steps, one program each, so the grid is exactly ``n_blocks *
+SPLIT_K`` programs (no persistent loop). Program pid computes slice ``s = pid % SPLIT_K`` of
+block ``b = pid // SPLIT_K`` (a short K leaves the last slices empty: partials of zeros) and
+stores it as slice s of ``partial[r]``, now ``[SPLIT_K, M, N]``, in every rank's heap; it
+signals ``ready[r][pid]`` on every peer, and the block's other slices also set this rank's own
+word ``ready[r][pid]``. The last program of the group, pid ``b * SPLIT_K + SPLIT_K - 1``, reduces
+the block: it waits for the peers' flags of the group's programs and for the local flags of
+its own rank's other slices (programs of its own launch: the plan only splits where the whole
+grid is resident at once, and the interpreter runs programs in pid order, so the waiting
+program runs last), then sums the ``world * SPLIT_K`` partials rank-major, slice after slice
+(the same order, and bits, on every rank). The start-of-call wait on program 0's flag, the
+refusal check and the end-of-call ticket are the one-shot form's.
+
 Written on the public device API (``portable_overlap.language``): flags carry the call number
 (counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
 bounded and reported by the flag it waited for.
@@ -73,7 +88,7 @@ def gemv_allreduce_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
-    ONE_SHOT: tl.constexpr,
+    ONE_SHOT: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)  # G == the grid size (an argument: loop bounds must not depend on
     #                         program_id, which the interpreter keeps as a 1-element array)
@@ -88,7 +103,12 @@ def gemv_allreduce_kernel(
     MN = M * N
     tile_off = offs_m[:, None] * N + offs_nb[None, :]
 
-    if ONE_SHOT:
+    if SPLIT_K > 1:  # one-shot only (api._plan): one (column block, K slice) per program
+        _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
+                        stride_xm, stride_wn, tag, pid, call, rank, world, ok, offs_nb, m_mask,
+                        MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N,
+                        PRECISION, UPCAST, G_MAX, SPLIT_K)
+    elif ONE_SHOT:
         _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
                   stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds,
                   offs_nb, m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
@@ -221,3 +241,61 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
                 for q in range(0, world):
                     total += tl.load(half + q * MN + n0 + tile_off, mask=mask, other=0.0)
                 tl.store(out_ptr + n0 + tile_off, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
+                    stride_xm, stride_wn, tag, pid, call, rank, world, ok, offs_nb, m_mask, MN,
+                    tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+                    EVEN_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    G_MAX: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The one-shot all-reduce with K split ``SPLIT_K`` ways (module docstring): the grid is
+    ``n_blocks * SPLIT_K`` programs, program pid computes K slice ``pid % SPLIT_K`` of column
+    block ``pid // SPLIT_K``, and the last program of each block's group reduces the block."""
+    S_MN = SPLIT_K * MN  # a rank's slot: [SPLIT_K, M, N]
+    half = partial_ptr + (call % 2) * world * S_MN  # this call's half of the partials
+    # call - 2 used this half: as in _one_shot (program 0's flag, which every grid has)
+    if ok:
+        ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
+    b = pid // SPLIT_K
+    s = pid % SPLIT_K
+    n0 = b * BLOCK_N
+    mask = m_mask & ((n0 + offs_nb)[None, :] < N)
+    # K slices of whole BLOCK_K steps: slice s is [s * kc, min(K, (s + 1) * kc)), empty for the
+    # last slices of a short K (a partial of zeros). Every slice but the last non-empty one is
+    # a multiple of BLOCK_K long, and that one is where K is, so EVEN_K (K % BLOCK_K == 0)
+    # holds for every slice
+    kc = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k0 = s * kc
+    k_len = tl.maximum(tl.minimum(K - k0, kc), 0)
+    acc = gemv_tile(x_ptr + k0, w_ptr + k0, M, N, k_len, stride_xm, stride_wn, n0, BLOCK_M,
+                    BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
+    dst = half + rank * S_MN + s * MN + n0 + tile_off
+    tl.store(dst, acc, mask=mask)
+    for step in range(1, world):  # peers in rotated order: every link busy at once
+        pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
+    _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
+    first = b * SPLIT_K
+    if s < SPLIT_K - 1:
+        # the block's reducer of this rank reads this partial too: this rank's own word of the
+        # flag array, which no peer and no refusal writes
+        pol.signal(ctx, ready_ptr + rank * G_MAX + pid, rank, call, ok, tag)
+    else:
+        # The reducer waits for programs of its own launch (the block's other K slices). It
+        # may: the grid is no larger than what is resident on the device at once (api._plan
+        # refuses the split otherwise), and the interpreter runs programs one after another in
+        # pid order, so this program, the highest of its group, runs after the ones it waits for
+        for j in range(0, SPLIT_K):
+            ok = _wait_peers(ctx, ready_ptr, first + j, call, ok, tag, G_MAX)
+        for j in range(0, SPLIT_K - 1):
+            if ok:
+                ok = pol.wait(ctx, ready_ptr + rank * G_MAX + first + j, call, rank, tag)
+        ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
+        if ok:  # rank-major, then K slice: the same order, and so the same bits, on every rank
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for q in range(0, world):
+                for j in range(0, SPLIT_K):
+                    total += tl.load(half + q * S_MN + j * MN + n0 + tile_off, mask=mask,
+                                     other=0.0)
+            tl.store(out_ptr + n0 + tile_off, total.to(out_ptr.dtype.element_ty), mask=mask)

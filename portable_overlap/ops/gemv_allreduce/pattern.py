@@ -13,7 +13,9 @@ Transports (``transport=``):
   rank (two flag rounds; ``api.GemvAllReduceKernel``, kernel.py; options ``config``, per call
   ``config``);
 - ``"one_shot"``: the same kernel storing every partial into every rank, each rank reducing all
-  of them (one flag round; for latency-bound steps on many ranks; same options);
+  of them (one flag round; for latency-bound steps on many ranks; same options, and the only
+  one that takes a ``config`` with ``split_k`` > 1: K slices per column block, which the
+  default config picks at narrow N on a GPU);
 - ``"torch_fused"``: torch's path: ``torch.mm`` in the input dtype into a torch
   symmetric-memory buffer, then torch's ``one_shot_all_reduce_out`` of it (``ops/torch_fused.py``;
   no options; GPU worlds of one host only, elsewhere it raises ``BackendUnavailable`` and
