@@ -739,3 +739,40 @@ def _disagree_on_split(world):
 def test_ranks_disagreeing_on_the_k_split_are_caught(world2):
     for kind in world2.run(_disagree_on_split, timeout=120):
         assert kind in ("RankMismatchError", "PeerTimeoutError"), kind
+
+
+def _one_shot_halves(world, split):
+    """Two one-shot calls, the second with fewer partials ([8, 16] then [1, 16], or [2, 16] in
+    K slices): the second call's partials go to the other half of ``partial`` and leave the
+    first call's where they are, where a slower peer may still be reading them. Halves sized
+    by each call's own partials put the second call's half inside the first call's partials."""
+    cfg = GemvConfig(block_n=16, block_k=32, num_warps=1, num_stages=1, programs_per_sm=1,
+                     split_k=split)
+    ctx = GemvAllReduce(world, max_n=16, transport="one_shot", config=cfg)
+    try:
+        errs, impl = [], ctx.impl
+        half = impl._half
+        impl.partial.fill_(float("nan"))
+        for i, (M, K) in enumerate(((8, 40), (1 if split == 1 else 2, 72))):
+            x, w = _inputs(world, M, 16, K, torch.float32, seed=70 + i)
+            y = torch.full((M, 16), float("nan"))
+            ctx(x, w, out=y)
+            ctx.synchronize()
+            errs.append(rel_err(y, gemv_all_reduce_reference(x, w, world.group)))
+            if i == 0:
+                first = impl.partial.clone()
+        # the half the first call wrote (the other is still NaN) is left as it was
+        used = [h for h in (0, 1) if not first[h * half:(h + 1) * half].isnan().all()]
+        kept = len(used) == 1 and torch.allclose(
+            impl.partial[used[0] * half:][:half], first[used[0] * half:][:half], rtol=0, atol=0,
+            equal_nan=True)
+        return errs, kept
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_one_shot_calls_of_fewer_partials_keep_the_last_calls_half(world2, split):
+    for errs, kept in world2.run(_one_shot_halves, split, timeout=120):
+        assert all(e < TOL[torch.float32] for e in errs), errs
+        assert kept

@@ -91,6 +91,8 @@ class GemvAllReduceKernel(OverlapContext):
         # one): a compiled launch takes them as integers (``_args``)
         self._heap_ptrs = tuple(t.data_ptr() for t in (
             self.partial, self._result_raw, self.ready, self.bcast, self.ctx, self.consumed))
+        # one half of the one-shot partials (kernel.py: a call's half is at a fixed offset)
+        self._half = W * MAX_M * max_n if one_shot else 0
 
     # -- the call ------------------------------------------------------------------------------
     @collective_call
@@ -122,7 +124,7 @@ class GemvAllReduceKernel(OverlapContext):
             plan(self._args(x, w, out, plan.tag, plan.n_blocks, plan.programs))
         else:
             plan((xp, wp, op, *self._heap_ptrs, M, N, K, sx, sw, plan.n_blocks,
-                  plan.programs, plan.tag))
+                  plan.programs, plan.tag, self._half))
         return out
 
     def _args(self, x, w, out, tag, n_blocks, programs):
@@ -132,7 +134,8 @@ class GemvAllReduceKernel(OverlapContext):
         (``cuPointerGetAttribute``), nine pointers per call."""
         M, K = x.shape
         return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctx,
-                self.consumed, M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag)
+                self.consumed, M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag,
+                self._half)
 
     # -- planning (once per shape) -------------------------------------------------------------
     def _plan(self, x, w, out, config: Optional[GemvConfig]):

@@ -85,6 +85,7 @@ def gemv_allreduce_kernel(
     ready_ptr, bcast_ptr, ctx,  # heap: int64 flags [world, G_MAX] x2; the device API's ctx
     consumed_ptr,  # heap: int64 [world], each peer's "my call ended" word (pol.end_call_consumed)
     M, N, K, stride_xm, stride_wn, n_blocks, G, tag,
+    half_elems,  # the one-shot form's half of ``partial``: world x 64 x max_n, fixed per context
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr,
@@ -105,14 +106,14 @@ def gemv_allreduce_kernel(
 
     if SPLIT_K > 1:  # one-shot only (api._plan): one (column block, K slice) per program
         _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
-                        stride_xm, stride_wn, tag, pid, call, rank, world, ok, offs_nb, m_mask,
-                        MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N,
-                        PRECISION, UPCAST, G_MAX, SPLIT_K)
+                        stride_xm, stride_wn, tag, half_elems, pid, call, rank, world, ok,
+                        offs_nb, m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                        EVEN_K, EVEN_N, PRECISION, UPCAST, G_MAX, SPLIT_K)
     elif ONE_SHOT:
         _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
-                  stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds,
-                  offs_nb, m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K,
-                  EVEN_N, PRECISION, UPCAST, G_MAX)
+                  stride_xm, stride_wn, n_blocks, G, tag, half_elems, pid, call, rank, world, ok,
+                  n_rounds, offs_nb, m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                  EVEN_K, EVEN_N, PRECISION, UPCAST, G_MAX)
     else:
         _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_ptr, ctx, M,
                   N, K, stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok,
@@ -204,13 +205,17 @@ def _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
 
 @triton.jit
 def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K, stride_xm,
-              stride_wn, n_blocks, G, tag, pid, call, rank, world, ok, n_rounds, offs_nb, m_mask,
-              MN, tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-              PRECISION: tl.constexpr, UPCAST: tl.constexpr, G_MAX: tl.constexpr):
+              stride_wn, n_blocks, G, tag, half_elems, pid, call, rank, world, ok, n_rounds,
+              offs_nb, m_mask, MN, tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+              EVEN_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              G_MAX: tl.constexpr):
     """The one-shot all-reduce of the module docstring: every partial to every rank, one flag
     round, every rank reduces all of its program's blocks."""
-    half = partial_ptr + (call % 2) * world * MN  # this call's half of the partials
+    # this call's half of the partials: halves of a fixed size, not of this call's, which
+    # would let a call of fewer partials write into the last call's half, where a peer may
+    # still be reading them
+    half = partial_ptr + (call % 2) * half_elems
     # call - 2 used this half: every peer must be done reading it. A peer's ready flag of call
     # - 1 says so: its launch of call - 1 began after its launch of call - 2 ended (one
     # stream). Program 0's flag, which every grid has (the grids of calls may differ). Waited
@@ -245,8 +250,8 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
 
 @triton.jit
 def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K,
-                    stride_xm, stride_wn, tag, pid, call, rank, world, ok, offs_nb, m_mask, MN,
-                    tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    stride_xm, stride_wn, tag, half_elems, pid, call, rank, world, ok, offs_nb,
+                    m_mask, MN, tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
                     EVEN_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                     G_MAX: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -254,7 +259,7 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
     ``n_blocks * SPLIT_K`` programs, program pid computes K slice ``pid % SPLIT_K`` of column
     block ``pid // SPLIT_K``, and the last program of each block's group reduces the block."""
     S_MN = SPLIT_K * MN  # a rank's slot: [SPLIT_K, M, N]
-    half = partial_ptr + (call % 2) * world * S_MN  # this call's half of the partials
+    half = partial_ptr + (call % 2) * half_elems  # this call's half (fixed size: _one_shot)
     # call - 2 used this half: as in _one_shot (program 0's flag, which every grid has)
     if ok:
         ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
