@@ -97,16 +97,22 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count:
 
 def split_for(cfg: GemvConfig, m: int, n: int, dtype: torch.dtype, arch: str, sm_count: int,
               partial_room: int) -> int:
-    """The K split of the one-shot transport for ``cfg``'s column blocks: where they leave a
-    quarter of the SMs or more without a program (narrow N), the smallest of 2 and 4 that
-    brings the programs to about one per SM (else 4), if the ``n_blocks * split`` programs fit
+    """The K split of the one-shot transport for ``cfg``'s column blocks: where they are fewer
+    than 0.6 of the SMs (narrow N), the smallest of 2 and 4 that brings the programs to about
+    one per SM (else 4), if the ``n_blocks * split`` programs fit
     the persistent grid (``programs_per_sm`` per SM, ``G_MAX``) and the split's partials fit
     the rank's slot (``split * m * n <= partial_room``). 1 for fp32 (it streams twice the bytes
     per column: not measured split) and under the interpreter (its programs run one after
     another). Like the rest of the choice, not by K: ranks whose shards differ must split
-    alike (the flags' tag carries the split)."""
+    alike (the flags' tag carries the split).
+
+    The 0.6, from five shapes on one H200 (a world of one, bf16, graph replay;
+    ``benchmarks/results/logs/2026-12-04-h200-gemv-split-k/``): at N = 1024 (64 blocks, 0.48
+    of the SMs) a split of 2 ran 1.08-1.61x the unsplit kernel (M = 1, 8, 32); at N = 1536 (96
+    blocks, 0.73) 0.90x, the partials' stores and their reduction costing more than the
+    fuller grid gains."""
     n_blocks = -(-n // cfg.block_n)
-    if arch == "cpu" or dtype.itemsize != 2 or n_blocks >= 0.75 * sm_count:
+    if arch == "cpu" or dtype.itemsize != 2 or n_blocks >= 0.6 * sm_count:
         return 1
     cap = min(sm_count * cfg.programs_per_sm, G_MAX)
     fits = [s for s in (2, 4) if n_blocks * s <= cap and s * m * n <= partial_room]
