@@ -56,6 +56,28 @@ def end_call_relaxed(ctx, call):
     tl.atomic_xchg(ctx + pol.CTX_EPOCH, call.to(tl.int64), mask=last, sem="release", scope="gpu")
 
 
+#: a call's weight in ``end_call_weighted``'s counter: more than any grid's programs
+WEIGHT_SHIFT = 20
+
+
+@triton.jit
+def begin_call_weighted(counter_ptr):
+    """The call number from a counter that every program of each launch adds to without reading
+    it back (``end_call_weighted``): a whole launch adds ``1 << WEIGHT_SHIFT``, any part of one
+    less, so every program of a launch reads the number of the launches before it."""
+    return (tl.atomic_add(counter_ptr, 0, sem="relaxed", scope="gpu") >> WEIGHT_SHIFT) + 1
+
+
+@triton.jit
+def end_call_weighted(counter_ptr, G):
+    """Count this program out with an add whose result nobody reads (a reduction the program
+    does not wait for, instead of the ticket's round trip on one contended word): program 0
+    adds ``(1 << WEIGHT_SHIFT) - (G - 1)``, the others 1."""
+    pid = tl.program_id(0)
+    weight = tl.where(pid == 0, (1 << WEIGHT_SHIFT) - (G - 1), 1).to(tl.int64)
+    tl.atomic_add(counter_ptr, weight, sem="release", scope="gpu")
+
+
 @triton.jit
 def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_ptr, M, N, K,
                   stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -67,7 +89,10 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
     pid = tl.program_id(0)
     call = 0
     ok = True
-    if LEVEL >= 1:
+    if LEVEL >= 8:  # the counter: this rank's own "consumed" word, which no level here sets
+        call = begin_call_weighted(consumed_ptr)
+        ok = pol.is_live(ctx)
+    elif LEVEL >= 1:
         call = pol.begin_call(ctx)
         ok = pol.is_live(ctx)
     n0 = pid * BLOCK_N
@@ -77,8 +102,8 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tile = offs_m[:, None] * N + offs_n[None, :]
-    if LEVEL >= 3 and LEVEL != 5:  # the partial through the heap, one flag round (no peer)
-        tl.store(partial_ptr + tile, acc, mask=mask)
+    if LEVEL >= 3 and LEVEL != 5 and LEVEL != 8:  # the partial through the heap, one flag
+        tl.store(partial_ptr + tile, acc, mask=mask)  # round (no peer)
         pol.signal_all(ctx, ready_ptr + pid, call, ok)
         if LEVEL >= 6:  # the one-shot kernel's two other waits (each reads is_live first)
             ok = ok & pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
@@ -87,7 +112,9 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
             ok = ok & pol.wait_peers(ctx, ready_ptr + pid, G_MAX, call, ARRIVED_ONLY=True)
         acc = tl.load(partial_ptr + tile, mask=mask & ok, other=0.0)
     tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if LEVEL == 5 or LEVEL == 7:
+    if LEVEL >= 8:
+        end_call_weighted(consumed_ptr, tl.num_programs(0))
+    elif LEVEL == 5 or LEVEL == 7:
         end_call_relaxed(ctx, call)
     elif LEVEL >= 4:
         pol.end_call_consumed(ctx, call, consumed_ptr)
@@ -99,7 +126,9 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
 LEVELS = {1: "begin_call + is_live", 2: "+ end_call", 3: "+ partial round trip, flag round",
           4: "end_call_consumed for end_call", 5: "level 2 with a relaxed ticket",
           6: "level 4 + the one-shot kernel's two other waits",
-          7: "level 6 with a relaxed ticket (no consumed signal)"}
+          7: "level 6 with a relaxed ticket (no consumed signal)",
+          8: "level 1, then end_call_weighted for end_call (no ticket)",
+          9: "level 6 with begin/end_call_weighted (no ticket, no consumed signal)"}
 
 
 def pieces_gemv(x, w, out, cfg, ws, level):
@@ -142,7 +171,13 @@ def main() -> int:
     ap.add_argument("--device-kind", default="unknown")
     ap.add_argument("--cols", type=int, default=8192, help="N")
     ap.add_argument("--rows", type=int, default=1, help="M")
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)),
+                    help="the pieces' levels to time (comma-separated)")
+    ap.add_argument("--configs", type=int, default=len(CONFIGS),
+                    help="time the first this many of CONFIGS")
     args = ap.parse_args()
+    levels = [int(v) for v in args.levels.split(",") if v]
+    configs = CONFIGS[:args.configs]
     world = World.from_env()
     dev, N, M = world.device, args.cols, args.rows
     writer = ResultWriter(args.out, args.device_kind, 1)
@@ -159,9 +194,9 @@ def main() -> int:
             out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ w.float().t()
             impls = {"cublas": lambda: torch.mm(x, w.t(), out=out)}
-            for cfg in CONFIGS:
+            for cfg in configs:
                 impls[f"plain {cfg}"] = lambda cfg=cfg: plain_gemv(x, w, out, cfg)
-                for level in LEVELS:
+                for level in levels:
                     impls[f"level{level} {cfg}"] = (
                         lambda cfg=cfg, level=level: pieces_gemv(x, w, out, cfg,
                                                                  pieces_ws.impl, level))
@@ -187,13 +222,13 @@ def main() -> int:
         for ctx in ctxs.values():
             ctx.close()
     print(f"\nM={M} N={N} bf16, graph replay: the fastest config per K, µs")
-    kinds = ("cublas", "plain", *(f"level{v}" for v in LEVELS), "stores", "one_shot")
+    kinds = ("cublas", "plain", *(f"level{v}" for v in levels), "stores", "one_shot")
     print(f"{'':>8} " + " ".join(f"{K:>7}" for K in KS))
     for k in kinds:
         print(f"{k:>8} " + " ".join(f"{best.get((k, K), (float('nan'),))[0] * 1e3:7.1f}"
                                     for K in KS))
-    for v, what in LEVELS.items():
-        print(f"  level{v}: {what}")
+    for v in levels:
+        print(f"  level{v}: {LEVELS[v]}")
     print("\nfit t = fixed + bytes / rate over the K above")
     for k in kinds:
         pts = [(2 * N * K, best[(k, K)][0]) for K in KS if (k, K) in best]
