@@ -57,7 +57,7 @@ def end_call_relaxed(ctx, call):
 
 
 #: a call's weight in ``end_call_weighted``'s counter: more than any grid's programs
-WEIGHT_SHIFT = 20
+WEIGHT_SHIFT = tl.constexpr(20)
 
 
 @triton.jit
