@@ -79,6 +79,27 @@ def end_call_weighted(counter_ptr, G):
 
 
 @triton.jit
+def end_call_tree(ctx, call, counters_ptr, FAN: tl.constexpr):
+    """``pol.end_call`` with its ticket in two levels: program pid counts itself out on counter
+    ``pid % FAN`` of ``counters_ptr`` (``FAN`` words, then the top one), the last of each such
+    group on the top counter, and the last there is the launch's last: each word takes about
+    ``G / FAN`` or ``FAN`` atomics instead of all ``G`` (whether the ticket's cost is the
+    contention on one word or each program's round trip)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    j = pid % FAN
+    size = (G - j + FAN - 1) // FAN  # programs j, j + FAN, ... < G
+    ticket = tl.atomic_add(counters_ptr + j, 1, sem="acq_rel", scope="gpu")
+    sub_last = ticket == size - 1
+    tl.atomic_xchg(counters_ptr + j, 0, mask=sub_last, sem="relaxed", scope="gpu")
+    groups = tl.minimum(G, FAN)
+    top = tl.atomic_add(counters_ptr + FAN, 1, mask=sub_last, sem="acq_rel", scope="gpu")
+    last = sub_last & (top == groups - 1)
+    tl.atomic_xchg(counters_ptr + FAN, 0, mask=last, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctx + pol.CTX_EPOCH, call.to(tl.int64), mask=last, sem="release", scope="gpu")
+
+
+@triton.jit
 def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_ptr, M, N, K,
                   stride_xm, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
@@ -89,8 +110,8 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
     pid = tl.program_id(0)
     call = 0
     ok = True
-    if LEVEL >= 8:  # the counter: this rank's own "consumed" word, which no level here sets
-        call = begin_call_weighted(consumed_ptr)
+    if LEVEL == 8 or LEVEL == 9:  # the counter: this rank's own "consumed" word, which no
+        call = begin_call_weighted(consumed_ptr)  # level here sets
         ok = pol.is_live(ctx)
     elif LEVEL >= 1:
         call = pol.begin_call(ctx)
@@ -102,8 +123,9 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tile = offs_m[:, None] * N + offs_n[None, :]
-    if LEVEL >= 3 and LEVEL != 5 and LEVEL != 8:  # the partial through the heap, one flag
-        tl.store(partial_ptr + tile, acc, mask=mask)  # round (no peer)
+    if LEVEL >= 3 and LEVEL != 5 and LEVEL != 8 and LEVEL < 10:  # the partial through the
+        # heap, one flag round (no peer)
+        tl.store(partial_ptr + tile, acc, mask=mask)
         pol.signal_all(ctx, ready_ptr + pid, call, ok)
         if LEVEL >= 6:  # the one-shot kernel's two other waits (each reads is_live first)
             ok = ok & pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
@@ -112,7 +134,9 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
             ok = ok & pol.wait_peers(ctx, ready_ptr + pid, G_MAX, call, ARRIVED_ONLY=True)
         acc = tl.load(partial_ptr + tile, mask=mask & ok, other=0.0)
     tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if LEVEL >= 8:
+    if LEVEL >= 10:  # the tree's counters: flag words of programs no grid here has
+        end_call_tree(ctx, call, ready_ptr + G_MAX - 32, 8 if LEVEL == 10 else 16)
+    elif LEVEL >= 8:
         end_call_weighted(consumed_ptr, tl.num_programs(0))
     elif LEVEL == 5 or LEVEL == 7:
         end_call_relaxed(ctx, call)
@@ -128,7 +152,9 @@ LEVELS = {1: "begin_call + is_live", 2: "+ end_call", 3: "+ partial round trip, 
           6: "level 4 + the one-shot kernel's two other waits",
           7: "level 6 with a relaxed ticket (no consumed signal)",
           8: "level 1, then end_call_weighted for end_call (no ticket)",
-          9: "level 6 with begin/end_call_weighted (no ticket, no consumed signal)"}
+          9: "level 6 with begin/end_call_weighted (no ticket, no consumed signal)",
+          10: "level 2 with the ticket in two levels of 8 (end_call_tree)",
+          11: "level 2 with the ticket in two levels of 16"}
 
 
 def pieces_gemv(x, w, out, cfg, ws, level):
