@@ -625,3 +625,44 @@ def test_auto_signal_collective_refused_on_one_rank_raises_on_every_rank(world2)
                 assert isinstance(res, str), (r, name, got)
             else:
                 assert not isinstance(res, str) and res < 1e-5, (r, name, got)
+
+
+def _named_signal_option_not_taken_on_one_rank(world):
+    """Rank 0 passes a per-call option its named transport does not take (``pieces=``, a
+    ``config`` of another type) at a planned shape while its peers call as usual. Keyed by that
+    option, rank 0's call was new there and waited in an agreement its peers never joined (a
+    planned ``signal_copy_engine`` call agrees with no one): both sides timed out and the
+    context broke. ``choice`` of a named transport is that transport, also before its first
+    call."""
+    r, W = world.rank, world.world_size
+
+    def inputs(i, q):
+        g = torch.Generator().manual_seed(100 * i + q)
+        return torch.randn(4, 5, generator=g), torch.randn(5, 7, generator=g)
+
+    out = []
+    for transport in ("signal_copy_engine", "signal_collective"):
+        ctx = po.MatmulReduceScatter(world, 8, 8, transport=transport, timeout_s=20)
+        out.append(ctx.choice(*inputs(0, r)))
+        for i, bad in enumerate((None, {"pieces": 2}, None, {"config": SMALL}, None)):
+            a, b = inputs(i, r)
+            try:
+                y = ctx(a, b, **(bad if bad is not None and r == 0 else {}))
+            except Exception as e:
+                out.append((transport, i, type(e).__name__))
+                continue
+            want = sum(x @ w for x, w in (inputs(i, q) for q in range(W))).chunk(W)[r]
+            out.append((transport, i, rel_err(y, want)))
+        ctx.close()
+    return out
+
+
+def test_named_signal_option_not_taken_on_one_rank_raises_on_every_rank(world2):
+    for r, got in enumerate(world2.run(_named_signal_option_not_taken_on_one_rank,
+                                       timeout=300)):
+        assert got[0] == "signal_copy_engine" and got[6] == "signal_collective", got
+        for transport, i, res in got[1:6] + got[7:]:
+            if i in (1, 3):  # refused on rank 0: raised on every rank, nothing returned
+                assert isinstance(res, str), (r, got)
+            else:
+                assert not isinstance(res, str) and res < 1e-5, (r, got)

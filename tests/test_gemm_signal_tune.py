@@ -182,3 +182,36 @@ def test_partition_config_validation():
         SignalConfig(partition="fast")
     assert SignalConfig(partition="tune").partition == "tune"
     assert SignalConfig().max_groups == 2
+
+
+def _tune_k_shard_changes_on_one_rank(world, tmp):
+    """A named ``signal_collective`` context with ``partition="tune"``, one rank's K shard
+    changing while its peer's stays: the tuned pick was keyed by the whole shape of ``a``, so
+    that rank tuned again (collective) alone and waited in the tuner's exchange for ever, its
+    peer's call paired with the tuner's collectives."""
+    import os
+
+    from portable_overlap import MatmulAllReduce, matmul_all_reduce_reference
+    from portable_overlap.ops.matmul import MatmulConfig
+
+    os.environ["PORTABLE_OVERLAP_TUNING_CACHE"] = f"{tmp}/rank{world.rank}.json"
+    ctx = MatmulAllReduce(world, 32, 32, transport="signal_collective", timeout_s=20,
+                          config=SignalConfig(matmul=MatmulConfig(**SMALL), partition="tune"))
+    errs = []
+    try:
+        for i, k0 in enumerate((16, 32, 16)):  # rank 0's K shard; its peers keep 16
+            g = torch.Generator().manual_seed(10 * i + world.rank)
+            K = k0 if world.rank == 0 else 16
+            a, b = torch.randn(32, K, generator=g), torch.randn(K, 16, generator=g)
+            y = ctx(a, b)
+            ref = matmul_all_reduce_reference(a, b, world.group)
+            errs.append(((y - ref).norm() / ref.norm()).item())
+    finally:
+        os.environ.pop("PORTABLE_OVERLAP_TUNING_CACHE", None)
+        ctx.close()
+    return errs
+
+
+def test_partition_tune_with_k_shards_changing_on_one_rank(world2, tmp_path):
+    for errs in world2.run(_tune_k_shard_changes_on_one_rank, str(tmp_path), timeout=120):
+        assert len(errs) == 3 and max(errs) < 1e-5, errs

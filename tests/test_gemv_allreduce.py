@@ -741,6 +741,33 @@ def test_ranks_disagreeing_on_the_k_split_are_caught(world2):
         assert kind in ("RankMismatchError", "PeerTimeoutError"), kind
 
 
+def _split_on_one_rank_then_agree(world, splits):
+    """A per-call split on one rank only (``splits``: rank 0's, its peers'), then the same call
+    on every rank. The split rank's reducers waited for peer words of programs past the peer's
+    grid, which no one sets: they timed out, so the disagreement broke the context instead of
+    failing that call alone."""
+    ctx = GemvAllReduce(world, max_n=48, transport="one_shot", timeout_s=5.0)
+    got = []
+    try:
+        for i in range(2):
+            x, w = _inputs(world, 2, 40, 64, torch.float32, seed=20 + i)
+            split = splits[0] if world.rank == 0 or i == 1 else splits[1]
+            try:
+                y = ctx(x, w, config=_split_cfg(split))
+                got.append(rel_err(y, gemv_all_reduce_reference(x, w, world.group)))
+            except PortableOverlapError as e:
+                got.append(type(e).__name__)
+        return got
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("splits", [(2, 1), (1, 2), (2, 4)])
+def test_ranks_disagreeing_on_the_k_split_leave_the_context_usable(world2, splits):
+    for got in world2.run(_split_on_one_rank_then_agree, splits, timeout=120):
+        assert got[0] == "RankMismatchError" and got[1] < 1e-5, got
+
+
 def _one_shot_halves(world, split):
     """Two one-shot calls, the second with fewer partials ([8, 16] then [1, 16], or [2, 16] in
     K slices): the second call's partials go to the other half of ``partial`` and leave the

@@ -267,8 +267,9 @@ class PatternContext:
     def choice(self, *args, **kwargs) -> Optional[str]:
         """The transport that runs a call with these arguments (the call's own) made now: the
         named one, or ``"auto"``'s pick (under graph capture, the pick for captured calls),
-        None while that is not decided (before the key's first call)."""
-        if self.planner is None:
+        None while that is not decided (before the key's first call). A named transport is
+        its own choice, also where its calls agree first (``AGREED``)."""
+        if self.transport != AUTO:
             return self.transport
         return self.planner.choice(*self._bind(*args, **kwargs))
 
@@ -276,7 +277,7 @@ class PatternContext:
         """``{"plain": transport, "captured": transport}``: what runs a call with these
         arguments made eagerly and under graph capture (the named transport for both, or
         ``"auto"``'s two picks; None while they are not decided)."""
-        if self.planner is None:
+        if self.transport != AUTO:
             return {"plain": self.transport, "captured": self.transport}
         return self.planner.choices(*self._bind(*args, **kwargs))
 

@@ -985,5 +985,21 @@ class NamedAgreement(TransportPlanner):
         matched = self.ctx._matched_call(inputs, given)
         if matched is None and self._chosen:
             return next(reversed(self._chosen))
+        # a per-call option the transport does not take (by name or type) is keyed as if not
+        # given: the call is refused (``__call__``) as its peers' call of that key
+        named = self.candidates[0] if self.candidates else None
+        taken = {k: v for k, v in given.items() if self._takes(named, {k: v})}
         return (None if matched is None else tuple(sorted(matched.items())),
-                _call_key({}, given)[1])
+                _call_key({}, taken)[1])
+
+    def __call__(self, inputs: dict, out, options: dict):
+        """The call; one with a per-call option the transport does not take is refused as a
+        call of the key its peers' call has (``refuse``): on the device where the transport's
+        waits are bounded and the key is planned, else through the agreement. Keyed by that
+        option, it was new on this rank alone while its peers ran a planned call of
+        ``signal_copy_engine`` without an agreement: both sides timed out and broke."""
+        given = {k: v for k, v in options.items() if v is not None} if options else {}
+        if given and self.candidates and not self._takes(self.candidates[0], given):
+            _, error = _attempt(lambda: self._candidates_for(given))
+            self.refuse(inputs, options, error)
+        return super().__call__(inputs, out, options)

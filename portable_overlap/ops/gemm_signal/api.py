@@ -212,10 +212,13 @@ class GemmSignal(ContextBase):
 
     def _resolve(self, kind, a, b, cfg: SignalConfig) -> SignalConfig:
         """``cfg`` with a ``"tune"`` partition replaced by the tuner's pick for this shape (tuned
-        at the shape's first call, then remembered: no collective in later calls)."""
+        at the shape's first call, then remembered: no collective in later calls). Keyed as the
+        plans are, not by K (``plan_call``): a reduction's K shard may change on one rank
+        while its peers' stays, and a key holding it would tune (collective) on that rank
+        alone, its collectives paired with its peers' call."""
         if cfg.partition != "tune":
             return cfg
-        key = (kind, tuple(a.shape), b.shape[1], a.dtype, cfg)
+        key = (kind, a.shape[0], b.shape[1], a.dtype, cfg)
         got = self._tuned.get(key)
         if got is None:
             if self.capturing():

@@ -291,6 +291,12 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
         # may: the grid is no larger than what is resident on the device at once (api._plan
         # refuses the split otherwise), and the interpreter runs programs one after another in
         # pid order, so this program, the highest of its group, runs after the ones it waits for
+        if first > 0:
+            # the peers' program 0 first, which every grid has and whose word carries the
+            # peer's tag: a peer planned with another grid (another split, a per-call config on
+            # one rank only) never sets the words of programs past its own, where the waits
+            # below would end only at the deadline and break the context
+            ok = _wait_peers(ctx, ready_ptr, 0, call, ok, tag, G_MAX)
         for j in range(0, SPLIT_K):
             ok = _wait_peers(ctx, ready_ptr, first + j, call, ok, tag, G_MAX)
         for j in range(0, SPLIT_K - 1):
