@@ -445,7 +445,8 @@ class TransportPlanner:
         refusal = self._refusal((transport,), inputs, out, given)
         self._settle({"kind": "decided", "decision": decision, "transport": transport,
                       "call": text} if refusal is None
-                     else {"kind": "refused", "call": text,
+                     else {"kind": "refused",  # (the refused call's own words)
+                           "call": _text(self._describe_call(inputs, given)),
                            "why": f"{type(refusal).__name__}: {refusal}"}, refusal)
 
     def refuse(self, inputs: dict, options: dict, error: BaseException) -> None:
@@ -458,7 +459,7 @@ class TransportPlanner:
             chosen = self._chosen.get(fast)
             if chosen is not None and self._now(chosen) not in UNBOUNDED:
                 refuse_call([self.impls[self._now(chosen)]], error)
-            text = chosen[2] if chosen is not None else _text(self._describe_call(inputs, given))
+            text = _text(self._describe_call(inputs, given))  # (this call, not its key's first)
             self._settle({"kind": "refused", "why": f"{type(error).__name__}: {error}",
                           "call": text}, error)
 
