@@ -538,6 +538,13 @@ def test_reduction_k_per_rank_keeps_the_signal_transports_in_step(world2):
         assert all(e < 1e-5 for e in errs.values()), errs
 
 
+def _signal_inputs(i: int, q: int) -> tuple:
+    """Rank q's ``a`` [4, 5] and ``b`` [5, 7] of call i (fresh, and the same on every rank that
+    asks for them: each rank builds its peers' to make the reference)."""
+    g = torch.Generator().manual_seed(100 * i + q)
+    return torch.randn(4, 5, generator=g), torch.randn(5, 7, generator=g)
+
+
 def _signal_collective_refused_on_one_rank(world):
     """``transport="auto"`` decided for ``signal_collective``, then a call rank 0 refuses on
     the host (an empty ``a``) while rank 1 calls as usual, then a good call. The transport's
@@ -546,17 +553,13 @@ def _signal_collective_refused_on_one_rank(world):
     result without an error, rank 0's next call too, relative errors 0.8-0.9)."""
     r, W = world.rank, world.world_size
 
-    def inputs(i, q):
-        g = torch.Generator().manual_seed(100 * i + q)
-        return torch.randn(4, 5, generator=g), torch.randn(5, 7, generator=g)
-
     out = []
     for cls, want_of in ((po.MatmulAllReduce, lambda y, i: y),
                          (po.MatmulReduceScatter, lambda y, i: y.chunk(W)[r])):
         ctx = cls(world, 8, 8, transport="auto", candidates=("signal_collective",), iters=1,
                   warmup=0, timeout_s=20)
         for i in range(3):
-            a, b = inputs(i, r)
+            a, b = _signal_inputs(i, r)
             if i == 1 and r == 0:
                 a = a[:, :0]
             try:
@@ -564,7 +567,7 @@ def _signal_collective_refused_on_one_rank(world):
             except Exception as e:
                 out.append((cls.__name__, i, type(e).__name__))
                 continue
-            want = want_of(sum(x @ w for x, w in (inputs(i, q) for q in range(W))), i)
+            want = want_of(sum(x @ w for x, w in (_signal_inputs(i, q) for q in range(W))), i)
             out.append((cls.__name__, i, rel_err(y, want)))
         ctx.close()
     return out
@@ -581,10 +584,6 @@ def _named_signal_refused_on_one_rank(world):
     shape."""
     r, W = world.rank, world.world_size
 
-    def inputs(i, q):
-        g = torch.Generator().manual_seed(100 * i + q)
-        return torch.randn(4, 5, generator=g), torch.randn(5, 7, generator=g)
-
     out = []
     for cls, transport, want_of in (
             (po.MatmulAllReduce, "signal_collective", lambda y: y),
@@ -595,7 +594,7 @@ def _named_signal_refused_on_one_rank(world):
         for how, refused in bad:
             ctx = cls(world, 8, 8, transport=transport, timeout_s=20)
             for i in range(3):
-                a, b = inputs(i, r)
+                a, b = _signal_inputs(i, r)
                 if i == refused and r == 0:
                     a = a[:, :0] if how == "empty" else a[0]
                 try:
@@ -604,7 +603,7 @@ def _named_signal_refused_on_one_rank(world):
                     named = ("[4, 0]" if how == "empty" else "a [5]") in str(e)
                     out.append((transport, refused, i, type(e).__name__ + " naming it" * named))
                     continue
-                want = want_of(sum(x @ w for x, w in (inputs(i, q) for q in range(W))))
+                want = want_of(sum(x @ w for x, w in (_signal_inputs(i, q) for q in range(W))))
                 out.append((transport, refused, i, rel_err(y, want)))
             ctx.close()
     return out
@@ -639,22 +638,18 @@ def _named_signal_option_not_taken_on_one_rank(world):
     call."""
     r, W = world.rank, world.world_size
 
-    def inputs(i, q):
-        g = torch.Generator().manual_seed(100 * i + q)
-        return torch.randn(4, 5, generator=g), torch.randn(5, 7, generator=g)
-
     out = []
     for transport in ("signal_copy_engine", "signal_collective"):
         ctx = po.MatmulReduceScatter(world, 8, 8, transport=transport, timeout_s=20)
-        out.append(ctx.choice(*inputs(0, r)))
+        out.append(ctx.choice(*_signal_inputs(0, r)))
         for i, bad in enumerate((None, {"pieces": 2}, None, {"config": SMALL}, None)):
-            a, b = inputs(i, r)
+            a, b = _signal_inputs(i, r)
             try:
                 y = ctx(a, b, **(bad if bad is not None and r == 0 else {}))
             except Exception as e:
                 out.append((transport, i, type(e).__name__))
                 continue
-            want = sum(x @ w for x, w in (inputs(i, q) for q in range(W))).chunk(W)[r]
+            want = sum(x @ w for x, w in (_signal_inputs(i, q) for q in range(W))).chunk(W)[r]
             out.append((transport, i, rel_err(y, want)))
         ctx.close()
     return out

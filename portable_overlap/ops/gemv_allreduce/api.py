@@ -11,6 +11,7 @@ same bits (each column block is summed once, by its owner, in rank order).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from ...tiles.gemv import dot_precision, dot_upcast
 from ..context import (check_no_overlap, check_transport, collective_call, G_MAX,
                        OverlapContext, shape_tag)
-from .config import GemvConfig, pick_config
+from .config import GemvConfig, pick_config, split_misfit
 from .kernel import FLAG_LABELS, gemv_allreduce_kernel
 
 OP = "gemv_all_reduce"
@@ -147,32 +148,21 @@ class GemvAllReduceKernel(OverlapContext):
         room = MAX_M * self.max_n  # one rank's slot of the one-shot partials (kernel.py)
         if config is not None:
             check_split(config, self.transport)
-            split = config.split_k
-            if split > 1:
-                n_blocks = -(-N // config.block_n)
-                if split * M * N > room:
-                    raise ValueError(
-                        f"{OP}: split_k={split} at M={M}, N={N} needs {split * M * N} partial "
-                        f"elements per rank, past the context's {room} ({MAX_M} x max_n); use "
-                        f"split_k <= {max(1, room // (M * N))}")
-                cap = min(facts.sm_count * config.programs_per_sm, G_MAX)
-                if n_blocks * split > cap:
-                    raise ValueError(
-                        f"{OP}: split_k={split} needs {n_blocks * split} programs ({n_blocks} "
-                        f"column blocks x {split}), past the {cap} of a persistent grid here "
-                        f"(programs_per_sm x SMs, at most {G_MAX}); use a smaller split_k")
-        plan = self._plan_with(x, w, out, config or pick_config(
-            M, N, K, x.dtype, facts.arch, facts.sm_count, self.world.world_size,
-            facts.shared_per_program, room if one_shot else 0))
+            why = split_misfit(config, M, N, facts.sm_count, room) if config.split_k > 1 \
+                else None
+            if why is not None:
+                raise ValueError(f"{OP}: {why}")
+        cfg = config or pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
+                                    self.world.world_size, facts.shared_per_program,
+                                    room if one_shot else 0)
+        plan = self._plan_with(x, w, out, cfg)
         if plan is None and config is not None:
             raise ValueError(f"{OP}: split_k={config.split_k} needs all of its "
                              f"{-(-N // config.block_n) * config.split_k} programs resident at "
                              f"once, more than fit on this device with {config}; use a smaller "
                              f"split_k or fewer warps or stages")
         if plan is None:  # the rule's split does not fit the device's residency: none
-            cfg = pick_config(M, N, K, x.dtype, facts.arch, facts.sm_count,
-                              self.world.world_size, facts.shared_per_program)
-            plan = self._plan_with(x, w, out, cfg)
+            plan = self._plan_with(x, w, out, dataclasses.replace(cfg, split_k=1))
         return plan
 
     def _plan_with(self, x, w, out, cfg: GemvConfig):

@@ -3,6 +3,7 @@ default, and the table of configurations measured best on a device (see benchmar
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -114,12 +115,33 @@ def split_for(cfg: GemvConfig, m: int, n: int, dtype: torch.dtype, arch: str, sm
     n_blocks = -(-n // cfg.block_n)
     if arch == "cpu" or dtype.itemsize != 2 or n_blocks >= 0.6 * sm_count:
         return 1
-    cap = min(sm_count * cfg.programs_per_sm, G_MAX)
-    fits = [s for s in (2, 4) if n_blocks * s <= cap and s * m * n <= partial_room]
+    fits = [s for s in (2, 4)
+            if split_misfit(dataclasses.replace(cfg, split_k=s), m, n, sm_count,
+                            partial_room) is None]
     for s in fits:
         if n_blocks * s >= 0.9 * sm_count:
             return s
     return fits[-1] if fits else 1
+
+
+def split_misfit(cfg: GemvConfig, m: int, n: int, sm_count: int,
+                 partial_room: int) -> Optional[str]:
+    """Why ``cfg``'s K split does not fit (None where it does): its partials past the rank's
+    slot of ``partial_room`` elements, or its ``n_blocks * split_k`` programs past a
+    persistent grid (``programs_per_sm`` per SM, at most ``G_MAX``), all of which must run at
+    once (kernel.py). The rule (``split_for``) picks only splits that fit; a config given with
+    one that does not is refused with this reason."""
+    split, n_blocks = cfg.split_k, -(-n // cfg.block_n)
+    if split * m * n > partial_room:
+        return (f"split_k={split} at M={m}, N={n} needs {split * m * n} partial elements per "
+                f"rank, past the context's {partial_room} (64 x max_n); use split_k <= "
+                f"{max(1, partial_room // (m * n))}")
+    cap = min(sm_count * cfg.programs_per_sm, G_MAX)
+    if n_blocks * split > cap:
+        return (f"split_k={split} needs {n_blocks * split} programs ({n_blocks} column blocks "
+                f"x {split}), past the {cap} of a persistent grid here (programs_per_sm x SMs, "
+                f"at most {G_MAX}); use a smaller split_k")
+    return None
 
 
 def _pick(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count: int,

@@ -204,6 +204,28 @@ def _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
 
 
 @triton.jit
+def _push_partial(ctx, dst, acc, rank, world, mask, ok):
+    """Store a partial tile at ``dst`` of this rank's heap and of every peer's (peers in
+    rotated order: every link busy at once); the peers' stores only while ``ok``."""
+    tl.store(dst, acc, mask=mask)
+    for step in range(1, world):
+        pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
+
+
+@triton.jit
+def _sum_partials(tile_ptr, slot, MN, world, mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """The float32 sum of a block's ``world * SPLIT_K`` partials, ``tile_ptr`` pointing at
+    rank 0's first (rank q's slice j at ``q * slot + j * MN``): rank-major, then K slice, the
+    same order, and so the same bits, on every rank."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for q in range(0, world):
+        for j in range(0, SPLIT_K):
+            total += tl.load(tile_ptr + q * slot + j * MN, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
 def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, N, K, stride_xm,
               stride_wn, n_blocks, G, tag, half_elems, pid, call, rank, world, ok, n_rounds,
               offs_nb, m_mask, MN, tile_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -230,10 +252,7 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
             mask = m_mask & ((n0 + offs_nb)[None, :] < N)
             acc = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0, BLOCK_M, BLOCK_N,
                             BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
-            dst = half + rank * MN + n0 + tile_off
-            tl.store(dst, acc, mask=mask)
-            for step in range(1, world):  # peers in rotated order: every link busy at once
-                pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
+            _push_partial(ctx, half + rank * MN + n0 + tile_off, acc, rank, world, mask, ok)
     _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
     ok = _wait_peers(ctx, ready_ptr, pid, call, ok, tag, G_MAX)
     ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
@@ -242,9 +261,8 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
             if pid + i * G < n_blocks:
                 n0 = (pid + i * G) * BLOCK_N
                 mask = m_mask & ((n0 + offs_nb)[None, :] < N)
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for q in range(0, world):
-                    total += tl.load(half + q * MN + n0 + tile_off, mask=mask, other=0.0)
+                total = _sum_partials(half + n0 + tile_off, MN, MN, world, mask, BLOCK_M,
+                                      BLOCK_N, 1)
                 tl.store(out_ptr + n0 + tile_off, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -276,10 +294,7 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
     k_len = tl.maximum(tl.minimum(K - k0, kc), 0)
     acc = gemv_tile(x_ptr + k0, w_ptr + k0, M, N, k_len, stride_xm, stride_wn, n0, BLOCK_M,
                     BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
-    dst = half + rank * S_MN + s * MN + n0 + tile_off
-    tl.store(dst, acc, mask=mask)
-    for step in range(1, world):  # peers in rotated order: every link busy at once
-        pol.store_remote(ctx, dst, acc, pol.peer_at(step, rank, world), mask & ok)
+    _push_partial(ctx, half + rank * S_MN + s * MN + n0 + tile_off, acc, rank, world, mask, ok)
     _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
     first = b * SPLIT_K
     if s < SPLIT_K - 1:
@@ -303,10 +318,7 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
             if ok:
                 ok = pol.wait(ctx, ready_ptr + rank * G_MAX + first + j, call, rank, tag)
         ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
-        if ok:  # rank-major, then K slice: the same order, and so the same bits, on every rank
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for q in range(0, world):
-                for j in range(0, SPLIT_K):
-                    total += tl.load(half + q * S_MN + j * MN + n0 + tile_off, mask=mask,
-                                     other=0.0)
+        if ok:
+            total = _sum_partials(half + n0 + tile_off, S_MN, MN, world, mask, BLOCK_M, BLOCK_N,
+                                  SPLIT_K)
             tl.store(out_ptr + n0 + tile_off, total.to(out_ptr.dtype.element_ty), mask=mask)
