@@ -34,7 +34,8 @@ from .shmem.providers import ShmemUnavailable, provider_or_reason
 from .shmem.providers import device as _provider_device
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
-from .language.host import descriptor_words, fill_descriptor, name_offset_reports
+from .language.host import (calls_counted, descriptor_words, fill_descriptor,
+                            name_offset_reports)
 
 _ALIGN = 256  # bytes: every tensor starts 16-byte aligned for vector stores and TMA
 
@@ -238,7 +239,7 @@ class Workspace(ContextBase):
     def _check_call_count(self) -> None:
         if self._calls is None:
             return
-        done = int(self.ctx[int(_lang.CTX_EPOCH.value)])
+        done = calls_counted(self.ctx[int(_lang.CTX_EPOCH.value):])
         if done != self._calls:
             self._broken = (f"{self.OP}: {self._calls} launches made, {done} finished on the "
                             f"device")

@@ -48,7 +48,7 @@ _SCRIPT = textwrap.dedent("""
         status[0] = header  # a kernel of this rank gave up: the header word went to 1
         flag = torch.zeros(1, dtype=torch.int64)
         bases = torch.tensor([flag.data_ptr()], dtype=torch.int64)  # one rank: its own heap
-        ctl = torch.tensor([5], dtype=torch.int64)  # the call's epoch
+        ctl = torch.tensor([5 << 20], dtype=torch.int64)  # the call's epoch (CALL_SHIFT up)
         clock = torch.zeros(2, dtype=torch.int64)  # no wait timed out
         signal_kernel[(1,)](flag, bases, 0, 0, ctl, 0, 7, clock, status.data_ptr())
         tag, epoch = int(flag[0]) >> 32, int(flag[0]) & 0xFFFFFFFF

@@ -80,7 +80,7 @@ def allgather_gemm_kernel(ctx, a_ptr, b_ptr, out_ptr, gathered_ptr, ready_ptr, f
                      acc.to(out_ptr.dtype.element_ty),
                      mask=(r < rows)[:, None] & (cols < N)[None, :])  # not the next shard's
             t = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu").to(tl.int32)
-    if pol.end_call(ctx, call):  # every claim of this call is made: the next counts from 0
+    if pol.end_call_last(ctx, call):  # every claim of this call is made: the next counts from 0
         tl.atomic_xchg(claim_ptr, 0, sem="relaxed", scope="gpu")
 
 

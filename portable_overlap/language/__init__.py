@@ -59,8 +59,9 @@ from ..backends.proxy_fence import async_proxy_fence
 from ..shmem import device as _shmem
 from ..shmem.providers import device as _provider
 
-# Layout of the descriptor (``ws.ctx``), int64 words. The first two are the call counter and
-# the ticket of the programs that finished the current call, the next two the call's deadline
+# Layout of the descriptor (``ws.ctx``), int64 words. The first two are the call counter (the
+# finished calls from bit ``shmem.device.CALL_SHIFT`` up, the current call's programs counted
+# out below it: ``end_call``) and ``end_call_last``'s ticket, the next two the call's deadline
 # stamp and the epoch of a call that timed out (``shmem.device.call_deadline`` / ``live``).
 CTX_EPOCH = tl.constexpr(0)
 CTX_CLOCK = tl.constexpr(2)
@@ -75,7 +76,8 @@ STATUS_SLOTS = tl.constexpr(1024)
 #: a report's flag is ``heap offset | 1 << REPORT_OFFSET`` (the host names it, ``host.py``)
 REPORT_OFFSET = tl.constexpr(62)
 
-__all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "is_live",
+__all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "end_call_last",
+           "is_live",
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
            "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
@@ -127,24 +129,34 @@ def begin_call(ctx, COUNTED: tl.constexpr = False):
     call, whose flag kernels carry the count, advance it first): the count is this call's
     number, and :func:`end_call` must not advance it again."""
     if COUNTED:
-        call = tl.atomic_add(ctx + CTX_EPOCH, 0, sem="acquire", scope="gpu")
+        call = _shmem.calls_done(ctx + CTX_EPOCH)
     else:
-        call = tl.atomic_add(ctx + CTX_EPOCH, 0, sem="relaxed", scope="gpu") + 1
+        call = _shmem.begin_call(ctx + CTX_EPOCH)
     return call
 
 
 @triton.jit
 def end_call(ctx, call, COUNTED: tl.constexpr = False):
-    """Count this program out of call ``call``; the last program of the launch advances the
-    workspace's call counter for the next launch (not when ``COUNTED``: see
-    :func:`begin_call`). Every program calls it once, as its last step. Returns whether this
-    program was the last."""
+    """Count this program out of call ``call``: when every program of the launch has, the
+    workspace's call counter stands at ``call`` for the next launch (``COUNTED``: it already
+    does, see :func:`begin_call`). Every program calls it once, as its last step. No program
+    learns whether it was the last, so none waits for the counter's reply: where the last
+    program has something left to do, use :func:`end_call_last`."""
+    if not COUNTED:
+        _shmem.count_out(ctx + CTX_EPOCH, program(), num_programs())
+
+
+@triton.jit
+def end_call_last(ctx, call, COUNTED: tl.constexpr = False):
+    """:func:`end_call` that returns whether this program was the launch's last, from a ticket
+    every program takes and waits for (a round trip to one word at each program's end, about
+    a microsecond of a short call on an H200). The last program advances the counter."""
     ticket = tl.atomic_add(ctx + CTX_EPOCH + 1, 1, sem="acq_rel", scope="gpu")
     last = ticket == num_programs() - 1
     tl.atomic_xchg(ctx + CTX_EPOCH + 1, 0, mask=last, sem="relaxed", scope="gpu")
     if not COUNTED:
-        tl.atomic_xchg(ctx + CTX_EPOCH, call.to(tl.int64), mask=last, sem="release",
-                       scope="gpu")
+        tl.atomic_xchg(ctx + CTX_EPOCH, call.to(tl.int64) << _shmem.CALL_SHIFT, mask=last,
+                       sem="release", scope="gpu")
     return last
 
 
@@ -516,7 +528,7 @@ def end_call_consumed(ctx, call, consumed_ptr, COUNTED: tl.constexpr = False):
     of the launch reads the buffers any more. Every program calls it once, as its last step;
     returns whether this program was the last. ``COUNTED`` as in :func:`begin_call`."""
     tl.debug_barrier()
-    last = end_call(ctx, call, COUNTED)
+    last = end_call_last(ctx, call, COUNTED)
     if last:
         signal_all(ctx, consumed_ptr + rank(ctx), call)
     return last

@@ -9,6 +9,7 @@ import torch
 from . import (CTX_BASES, CTX_HEAP, CTX_RANK, CTX_STATUS, CTX_TIMEOUT_US, CTX_WORLD,
                REPORT_OFFSET)
 from . import CTX_CLOCK as _CLOCK
+from ..shmem.device import CALL_SHIFT as _SHIFT
 
 #: words before the per-rank heap bases
 CTX_WORDS = int(CTX_BASES.value)
@@ -17,6 +18,15 @@ CTX_CLOCK = int(_CLOCK.value)
 _OFFSET_BIT = int(REPORT_OFFSET.value)
 #: report kinds given to the flag arrays named from offsets (above any op's own flag kinds)
 FIRST_OFFSET_KIND = 1000
+#: the bit from which a call counter word counts finished calls (``shmem.device.CALL_SHIFT``)
+CALL_SHIFT = int(_SHIFT.value)
+
+
+def calls_counted(counter: torch.Tensor) -> int:
+    """The finished calls a call counter word holds (``ctx[0]`` of a descriptor, ``ctl[0]``
+    of an op's context), read on the host: the word's bits from ``CALL_SHIFT`` up. The bits
+    below count the programs of a call still running; they are 0 between calls."""
+    return int(counter.reshape(-1)[0]) >> CALL_SHIFT
 
 
 def descriptor_words(world_size: int) -> int:

@@ -350,16 +350,19 @@ class OverlapContext(ContextBase):
                                            num_stages=1), lambda g, a=args: (*a, 1))
             self._refusal.append((plan, args))
 
-    def late_stores_guard(self, consumed: torch.Tensor, name: str,
+    def late_stores_guard(self, consumed: Optional[torch.Tensor], name: str,
                           epoch: Optional[torch.Tensor] = None) -> None:
-        """Declare ``consumed``, the ``[world]`` words each peer sets in this rank's heap at the
-        end of its last kernel of a call (its last program, after every store of that call into
-        this rank's heap; ``pol.end_call_consumed``, ``shmem.device.end_call_free``), for
-        :meth:`settle_late_stores`; ``name`` names them in a timeout report. ``epoch``: the heap
+        """Declare how a peer tells this rank that its stores of a call into this rank's heap
+        have landed, for :meth:`settle_late_stores`; ``name`` names it in a timeout report.
+        ``consumed``: the ``[world]`` words each peer sets in this rank's heap at the end of its
+        last kernel of a call (its last program, after every store of that call into this
+        rank's heap; ``pol.end_call_consumed``, ``shmem.device.end_call_free``); ``None``: the
+        peers' call counters themselves, read through the heap (kernels that end with
+        ``pol.end_call``, whose programs count out after their stores). ``epoch``: the heap
         word whose first element counts the calls, as given to :meth:`call_protocol` (default:
         the descriptor's, ``self.ctx``). The wait's kernel is compiled here, as the refusal's
         are."""
-        from ..transports.flag_kernels import wait_kernel
+        from ..transports.flag_kernels import counter_wait_kernel, wait_kernel
 
         if KIND_SETTLED in self.FLAG_NAMES:  # a report of the op's own would be misnamed
             raise RuntimeError(f"{self.OP}: report kind {KIND_SETTLED} is taken by "
@@ -367,10 +370,16 @@ class OverlapContext(ContextBase):
         self._late_words = consumed
         self._late_epoch = self.ctx if epoch is None else epoch
         self.FLAG_NAMES = {**self.FLAG_NAMES, KIND_SETTLED: name}
-        self._late_plan = self._compile(
-            wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
-            lambda g: (consumed, 0, self._late_epoch, 0, 0, self.call_clock, self.timeout_us,
-                       self.status.address, 0, 1 << 33))
+        if consumed is None:
+            self._late_plan = self._compile(
+                counter_wait_kernel, 1, dict(num_warps=1, num_stages=1),
+                lambda g: (self._late_epoch, self.heap.bases, self.rank, 0, self.call_clock,
+                           self.timeout_us, self.status.address, 0, 1 << 33))
+        else:
+            self._late_plan = self._compile(
+                wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
+                lambda g: (consumed, 0, self._late_epoch, 0, 0, self.call_clock,
+                           self.timeout_us, self.status.address, 0, 1 << 33))
 
     def settle_late_stores(self) -> None:
         """At the start of a call (``_before_call``, before anything of the call is queued)
@@ -386,10 +395,17 @@ class OverlapContext(ContextBase):
         if self._delivered:
             return
         for q in range(self.world.world_size):
-            if q != self.rank:  # the word of the call the counter stands at: the undelivered one
+            if q == self.rank:
+                continue
+            what = (KIND_SETTLED << 32) | q
+            if self._late_words is None:  # the peer's counter reached the call this one stands at
+                self._late_plan.run_untracked((self._late_epoch, self.heap.bases, self.rank, q,
+                                               self.call_clock, self.timeout_us,
+                                               self.status.address, q, what))
+            else:  # the word of the call the counter stands at: the undelivered one
                 self._late_plan.run_untracked((self._late_words[q:], q, self._late_epoch, 0,
                                                0, self.call_clock, self.timeout_us,
-                                               self.status.address, q, (KIND_SETTLED << 32) | q))
+                                               self.status.address, q, what))
 
     # -- errors ----------------------------------------------------------------------------------
     def check(self) -> None:

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from portable_overlap import ContextBrokenError, GemvAllReduce, PeerTimeoutError, World
 from portable_overlap.backends.device_clock import now_ns
-from portable_overlap.shmem.device import wait_flag
+from portable_overlap.language.host import CALL_SHIFT
+from portable_overlap.shmem.device import calls_done, wait_flag
 from portable_overlap.transports.flag_kernels import wait_kernel
 
 failures = []
@@ -45,7 +46,7 @@ def _clock_span(out_ptr, spins):
 
 @triton.jit
 def _many_waiters(flag_ptr, clock_ptr, ctl_ptr, timeout_us, out_ptr):
-    epoch = tl.atomic_add(ctl_ptr, 0) + 1
+    epoch = calls_done(ctl_ptr) + 1
     v, arrived = wait_flag(flag_ptr, epoch, epoch, clock_ptr, timeout_us)
     tl.atomic_add(out_ptr, arrived.to(tl.int64))
 
@@ -70,7 +71,7 @@ def main():
     pattern = GemvAllReduce(world, max_n=64, transport="stores", timeout_s=0.3)
     ctx = pattern.impl  # the fused transport's workspace
     flag = torch.zeros(8, dtype=torch.int64, device=dev)
-    ctl = torch.ones(1, dtype=torch.int64, device=dev)
+    ctl = torch.full((1,), 1 << CALL_SHIFT, dtype=torch.int64, device=dev)  # call 1
 
     def wait(expect_tag):  # for flag[3] to hold epoch ctl[0] and the tag
         wait_kernel[(1,)](flag[3:], 1, ctl, 0, expect_tag, ctx.call_clock, ctx.timeout_us,
@@ -80,7 +81,7 @@ def main():
     wait(7)
     torch.cuda.synchronize()
     check("a flag that is there is taken", not ctx.status.failed())
-    ctl.fill_(2)  # call 2: its flag never comes
+    ctl.fill_(2 << CALL_SHIFT)  # call 2: its flag never comes
     t0 = time.monotonic()
     wait(7)
     torch.cuda.synchronize()

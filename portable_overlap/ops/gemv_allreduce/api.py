@@ -79,19 +79,18 @@ class GemvAllReduceKernel(OverlapContext):
             # reduced tiles, viewed per dtype (the two-shot form's broadcast)
             ("_result_raw", (1 if one_shot else MAX_M * max_n,), torch.float32),
             ("ready", (W, G_MAX), torch.int64), ("bcast", (W, G_MAX), torch.int64),
-            ("consumed", (W,), torch.int64),
         ], timeout_s)
-        self.call_protocol(self.ctx, call_flags=(self.ready, self.bcast),
-                           free_flags=(self.consumed,))
-        # after a call this rank refused or failed, the peers' late partials of it land first
-        self.late_stores_guard(self.consumed, "call-ended")
+        self.call_protocol(self.ctx, call_flags=(self.ready, self.bcast))
+        # after a call this rank refused or failed, the peers' late partials of it land first:
+        # their call counters (pol.end_call, after each program's stores) say when
+        self.late_stores_guard(None, "call-counter")
         self.max_n = max_n
         self.config = config
         self._result = {dt: self._result_raw.view(torch.uint8).view(dt) for dt in DTYPES}
         # the heap buffers' addresses, fixed for the context's life (``_result``'s views share
         # one): a compiled launch takes them as integers (``_args``)
         self._heap_ptrs = tuple(t.data_ptr() for t in (
-            self.partial, self._result_raw, self.ready, self.bcast, self.ctx, self.consumed))
+            self.partial, self._result_raw, self.ready, self.bcast, self.ctx))
         # one half of the one-shot partials (kernel.py: a call's half is at a fixed offset)
         self._half = W * MAX_M * max_n if one_shot else 0
 
@@ -135,8 +134,7 @@ class GemvAllReduceKernel(OverlapContext):
         (``cuPointerGetAttribute``), nine pointers per call."""
         M, K = x.shape
         return (x, w, out, self.partial, self._result[x.dtype], self.ready, self.bcast, self.ctx,
-                self.consumed, M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag,
-                self._half)
+                M, w.shape[0], K, x.stride(0), w.stride(0), n_blocks, programs, tag, self._half)
 
     # -- planning (once per shape) -------------------------------------------------------------
     def _plan(self, x, w, out, config: Optional[GemvConfig]):

@@ -5,8 +5,7 @@ the 64 x 128 tile of ``config.pick_config``'s widest band, launched over 4 warps
 from .kernel import gemv_allreduce_kernel
 
 _PTRS = {"x_ptr": "*{dt}", "w_ptr": "*{dt}", "out_ptr": "*{dt}", "partial_ptr": "*fp32",
-         "result_ptr": "*{dt}", "ready_ptr": "*i64", "bcast_ptr": "*i64", "ctx": "*i64",
-         "consumed_ptr": "*i64"}
+         "result_ptr": "*{dt}", "ready_ptr": "*i64", "bcast_ptr": "*i64", "ctx": "*i64"}
 _SCALARS = ("M:i32 N:i32 K:i32 stride_xm:i32 stride_wn:i32 n_blocks:i32 G:i32 tag:i32 "
             "half_elems:i32")
 

@@ -83,7 +83,6 @@ def gemv_allreduce_kernel(
     x_ptr, w_ptr, out_ptr,  # user tensors: x [M, K], w [N, K], out [M, N]
     partial_ptr, result_ptr,  # heap: fp32 [world, M, N] partials, [M, N] results (out dtype)
     ready_ptr, bcast_ptr, ctx,  # heap: int64 flags [world, G_MAX] x2; the device API's ctx
-    consumed_ptr,  # heap: int64 [world], each peer's "my call ended" word (pol.end_call_consumed)
     M, N, K, stride_xm, stride_wn, n_blocks, G, tag,
     half_elems,  # the one-shot form's half of ``partial``: world x 64 x max_n, fixed per context
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -119,10 +118,10 @@ def gemv_allreduce_kernel(
                   N, K, stride_xm, stride_wn, n_blocks, G, tag, pid, call, rank, world, ok,
                   n_rounds, offs_nb, m_mask, MN, tile_off, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
                   EVEN_K, EVEN_N, PRECISION, UPCAST, G_MAX)
-    # the last program out tells every peer that this rank's stores of the call have landed:
-    # what a peer that did not deliver the call waits for before its next call reuses the
-    # buffers (OverlapContext.settle_late_stores)
-    pol.end_call_consumed(ctx, call, consumed_ptr)
+    # the call counter, which each program advances after its stores (release at system scope)
+    # and no program waits on: a peer that did not deliver the call reads it through the heap
+    # before its next call reuses the buffers (OverlapContext.settle_late_stores)
+    pol.end_call(ctx, call)
 
 
 @triton.jit

@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free_once, begin_call,
-                             call_flag, end_call, end_call_free, live, peer_buffer, peer_ptr,
-                             report, report_first, signal_peers)
+                             call_flag, calls_done, end_call, end_call_free, live, peer_buffer,
+                             peer_ptr, report, report_first, signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
 from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
@@ -352,7 +352,7 @@ def moe_combine_kernel(
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, G_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the GEMM
+    epoch = calls_done(ctl_ptr)  # published by the GEMM
     ok = live(clock_ptr)
     # 1. every peer program's rows have landed (this rank's own came before, in stream order):
     #    the G_src flags of a peer polled FLAG_BLOCK at a time, not one after another

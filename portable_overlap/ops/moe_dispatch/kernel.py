@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from ...shmem.device import (STATUS_BAD_INPUT, await_flag, await_free, begin_call, call_flag,
-                             end_call, flag_value, live, peer_buffer, report, signal_peer,
-                             signal_peers, wait_peers)
+                             calls_done, end_call, flag_value, live, peer_buffer, report,
+                             signal_peer, signal_peers, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put as shmem_put
 
 FLAG_COUNTS = tl.constexpr(1)
@@ -438,7 +438,7 @@ def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots
              G_MAX: tl.constexpr, STORE: tl.constexpr, FLUSH: tl.constexpr,
              ONCE: tl.constexpr):
     pid = tl.program_id(0)
-    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
+    epoch = calls_done(ctl_ptr)  # published by the exchange
     ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
     if ok:
         if ONCE:

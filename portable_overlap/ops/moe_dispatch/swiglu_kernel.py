@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ...backends.proxy_fence import async_proxy_fence
-from ...shmem.device import await_flags, call_flag, live, signal_peer
+from ...shmem.device import await_flags, call_flag, calls_done, live, signal_peer
 from ...tiles.gemm import grouped_tile
 from ..moe_experts.kernel import swiglu_segment_tile
 from .kernel import FLAG_SENT, scatter_rows, store_rows
@@ -157,7 +157,7 @@ def dispatch_and_gate(
     then the tiles it claims from the two queues (``take_tiles``; ``NOTIFY``: each counted in
     ``ready_ptr``). Returns whether the program stayed on track (the dispatch's ``ok``)."""
     pid = tl.program_id(0)
-    epoch = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")  # published by the exchange
+    epoch = calls_done(ctl_ptr)  # published by the exchange
     ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
     # the tile lists, from the counts on the device
     num_pid_n = tl.cdiv(I, BLOCK_N)
