@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ...shmem.device import (STATUS_BAD_INPUT, await_flag, await_free, begin_call, call_flag,
-                             calls_done, end_call, flag_value, live, peer_buffer, report,
+                             calls_done, count_out, flag_value, live, peer_buffer, report,
                              signal_peer, signal_peers, wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put as shmem_put
 
@@ -181,7 +181,7 @@ def route_exchange_kernel(
                  mask=m2)
     # the scatter goes ahead only on a call whose counts all arrived (ctl[3] = epoch)
     tl.atomic_xchg(ctl_ptr + 3, tl.where(ok, epoch.to(tl.int64), 0), sem="relaxed", scope="gpu")
-    end_call(ctl_ptr, epoch)
+    count_out(ctl_ptr, tl.program_id(0), tl.num_programs(0))  # no one waits for the last
 
 
 @triton.jit
