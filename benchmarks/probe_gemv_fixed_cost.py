@@ -25,6 +25,8 @@ from benchmarks.rows import ResultWriter
 from portable_overlap import GemvAllReduce, GemvConfig, World
 from portable_overlap import language as pol
 from portable_overlap.ops.context import G_MAX
+from portable_overlap.shmem import device as _shmem
+from portable_overlap.shmem.device import CALL_SHIFT
 from portable_overlap.tiles.gemv import dot_precision, dot_upcast, gemv_tile
 
 KS = (1792, 3584, 7168, 14336, 28672)
@@ -53,7 +55,8 @@ def end_call_relaxed(ctx, call):
     ticket = tl.atomic_add(ctx + pol.CTX_EPOCH + 1, 1, sem="relaxed", scope="gpu")
     last = ticket == pol.num_programs() - 1
     tl.atomic_xchg(ctx + pol.CTX_EPOCH + 1, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctx + pol.CTX_EPOCH, call.to(tl.int64), mask=last, sem="release", scope="gpu")
+    tl.atomic_xchg(ctx + pol.CTX_EPOCH, call.to(tl.int64) << CALL_SHIFT, mask=last, sem="release",
+                   scope="gpu")
 
 
 #: a call's weight in ``end_call_weighted``'s counter: more than any grid's programs
@@ -96,7 +99,8 @@ def end_call_tree(ctx, call, counters_ptr, FAN: tl.constexpr):
     top = tl.atomic_add(counters_ptr + FAN, 1, mask=sub_last, sem="acq_rel", scope="gpu")
     last = sub_last & (top == groups - 1)
     tl.atomic_xchg(counters_ptr + FAN, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctx + pol.CTX_EPOCH, call.to(tl.int64), mask=last, sem="release", scope="gpu")
+    tl.atomic_xchg(ctx + pol.CTX_EPOCH, call.to(tl.int64) << CALL_SHIFT, mask=last, sem="release",
+                   scope="gpu")
 
 
 @triton.jit
@@ -134,7 +138,11 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
             ok = ok & pol.wait_peers(ctx, ready_ptr + pid, G_MAX, call, ARRIVED_ONLY=True)
         acc = tl.load(partial_ptr + tile, mask=mask & ok, other=0.0)
     tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if LEVEL >= 10:  # the tree's counters: flag words of programs no grid here has
+    if LEVEL == 12:
+        pol.end_call_last(ctx, call)
+    elif LEVEL == 13:
+        _shmem.count_out(ctx + pol.CTX_EPOCH, pid, tl.num_programs(0), "gpu")
+    elif LEVEL >= 10:  # the tree's counters: flag words of programs no grid here has
         end_call_tree(ctx, call, ready_ptr + G_MAX - 32, 8 if LEVEL == 10 else 16)
     elif LEVEL >= 8:
         end_call_weighted(consumed_ptr, tl.num_programs(0))
@@ -147,14 +155,24 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
 
 
 #: what each level of ``pieces_kernel`` adds to the one before
-LEVELS = {1: "begin_call + is_live", 2: "+ end_call", 3: "+ partial round trip, flag round",
+LEVELS = {1: "begin_call + is_live", 2: "+ end_call (the counter's add, no ticket)", 3: "+ partial round trip, flag round",
           4: "end_call_consumed for end_call", 5: "level 2 with a relaxed ticket",
           6: "level 4 + the one-shot kernel's two other waits",
           7: "level 6 with a relaxed ticket (no consumed signal)",
           8: "level 1, then end_call_weighted for end_call (no ticket)",
           9: "level 6 with begin/end_call_weighted (no ticket, no consumed signal)",
           10: "level 2 with the ticket in two levels of 8 (end_call_tree)",
-          11: "level 2 with the ticket in two levels of 16"}
+          11: "level 2 with the ticket in two levels of 16",
+          12: "level 2 with the ticket (end_call_last)",
+          13: "level 2 with the counter's add released at device scope, not system"}
+
+
+def _words(ws):
+    """A word for the levels' own counters and "consumed" signals (a world of one signals no
+    peer), one per workspace."""
+    if not hasattr(ws, "_probe_words"):
+        ws._probe_words = torch.zeros(8, dtype=torch.int64, device=ws.ctx.device)
+    return ws._probe_words
 
 
 def pieces_gemv(x, w, out, cfg, ws, level):
@@ -162,7 +180,7 @@ def pieces_gemv(x, w, out, cfg, ws, level):
     M, K = x.shape
     N = w.shape[0]
     pieces_kernel[(triton.cdiv(N, bn),)](
-        x, w, out, ws.partial, ws.ready, ws.ctx, ws.consumed, M, N, K, x.stride(0), w.stride(0),
+        x, w, out, ws.partial, ws.ready, ws.ctx, _words(ws), M, N, K, x.stride(0), w.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
         EVEN_K=K % bk == 0, EVEN_N=N % bn == 0, PRECISION=dot_precision(x.dtype),
         UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, LEVEL=level, num_warps=warps,

@@ -339,7 +339,7 @@ def begin_call(ctl_ptr):
 
 
 @triton.jit
-def count_out(ctl_ptr, pid, G):
+def count_out(ctl_ptr, pid, G, SCOPE: tl.constexpr = "sys"):
     """Count program ``pid`` of a grid of ``G`` out of the current call, with an add whose
     result it does not wait for: program 0 adds ``2**CALL_SHIFT - (G - 1)``, every other one
     1, so the word reaches the next multiple of ``2**CALL_SHIFT`` when the last of them is
@@ -349,7 +349,7 @@ def count_out(ctl_ptr, pid, G):
     Release at system scope, after this program's stores: a peer that reads the word through
     the heap (``flag_kernels.counter_wait_kernel``) sees them once it sees the count."""
     weight = tl.where(pid == 0, CALL_ONE - (G - 1), 1).to(tl.int64)
-    tl.atomic_add(ctl_ptr, weight, sem="release", scope="sys")
+    tl.atomic_add(ctl_ptr, weight, sem="release", scope=SCOPE)
 
 
 @triton.jit
