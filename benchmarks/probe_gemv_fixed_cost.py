@@ -141,7 +141,7 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
     if LEVEL == 12:
         pol.end_call_last(ctx, call)
     elif LEVEL == 13:
-        _shmem.count_out(ctx + pol.CTX_EPOCH, pid, tl.num_programs(0), "gpu")
+        _shmem.count_out(ctx + pol.CTX_EPOCH, pid, tl.num_programs(0), False)
     elif LEVEL >= 10:  # the tree's counters: flag words of programs no grid here has
         end_call_tree(ctx, call, ready_ptr + G_MAX - 32, 8 if LEVEL == 10 else 16)
     elif LEVEL >= 8:

@@ -339,17 +339,21 @@ def begin_call(ctl_ptr):
 
 
 @triton.jit
-def count_out(ctl_ptr, pid, G, SCOPE: tl.constexpr = "sys"):
+def count_out(ctl_ptr, pid, G, SYSTEM: tl.constexpr = True):
     """Count program ``pid`` of a grid of ``G`` out of the current call, with an add whose
     result it does not wait for: program 0 adds ``2**CALL_SHIFT - (G - 1)``, every other one
     1, so the word reaches the next multiple of ``2**CALL_SHIFT`` when the last of them is
     out, and until then every program still reads the call's number (``begin_call``). A
     ticket whose reply decides who is last costs each program that round trip to the word at
     its very end (1.2-1.3 us of a GEMV call on an H200, where this costs none measurable).
-    Release at system scope, after this program's stores: a peer that reads the word through
-    the heap (``flag_kernels.counter_wait_kernel``) sees them once it sees the count."""
+    Release after this program's stores, at system scope (``SYSTEM``, the default: a peer that
+    reads the word through the heap, ``flag_kernels.counter_wait_kernel``, sees them once it
+    sees the count) or at device scope."""
     weight = tl.where(pid == 0, CALL_ONE - (G - 1), 1).to(tl.int64)
-    tl.atomic_add(ctl_ptr, weight, sem="release", scope=SCOPE)
+    if SYSTEM:
+        tl.atomic_add(ctl_ptr, weight, sem="release", scope="sys")
+    else:
+        tl.atomic_add(ctl_ptr, weight, sem="release", scope="gpu")
 
 
 @triton.jit
