@@ -1,7 +1,8 @@
 """Compile signatures of the copy-engine transport's one-program flag kernels, at their launches'
-options: one warp and one stage (``copy_engine``; the context's wait, ``ops.context``), the
+options: one warp and one stage (``copy_engine``; the context's waits, ``ops.context``), the
 refusal over 4 warps with one stage (``ops.context``)."""
-from .flag_kernels import epoch_kernel, landed_kernel, refuse_kernel, signal_kernel, wait_kernel
+from .flag_kernels import (counter_wait_kernel, epoch_kernel, landed_kernel, refuse_kernel,
+                           signal_kernel, wait_kernel)
 
 
 def specs():
@@ -19,6 +20,10 @@ def specs():
                {"flag_ptr": "*i64", "peer": "i32", "ctl_ptr": "*i64", "back": "i32", "tag": "i32",
                 "clock_ptr": "*i64", "timeout_us": "i32", "status_addr": "i64", "slot": "i32",
                 "what": "i64", "CHECK_TAG": "constexpr"}, {"CHECK_TAG": check, **one}, [])
+    yield ("counter_wait", counter_wait_kernel,
+           {"ctl_ptr": "*i64", "bases_ptr": "*i64", "rank": "i32", "peer": "i32",
+            "clock_ptr": "*i64", "timeout_us": "i32", "status_addr": "i64", "slot": "i32",
+            "what": "i64"}, dict(one), [])
     for advance, free in ((True, False), (False, False), (False, True)):
         yield (f"refuse[advance={advance},free={free}]", refuse_kernel,
                {"ctl_ptr": "*i64", "flags_ptr": "*i64", "n_slots": "i32", "bases_ptr": "*i64",
