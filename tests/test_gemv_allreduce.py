@@ -273,6 +273,35 @@ def test_a_rank_that_skips_a_call_is_named_and_nobody_hangs(world, transport):
         assert f"rank {rank} program" in msg
 
 
+def _refused_then_a_peer_that_never_came(world, transport):
+    """Rank 0 refuses a call (a bad ``out``) that rank 1 never makes, then makes a good call:
+    before it, rank 0 waits for rank 1's call counter to count the refused call (rank 1's
+    late partials of it would land in this call's buffers), which it never does."""
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=1.0, transport=transport)
+    x, w = _inputs(world, 2, 40, 16, torch.float32, seed=23)
+    found = []
+    if world.rank == 0:
+        for out in (torch.empty(1, 1), None):
+            try:
+                ctx(x, w, out=out)
+                ctx.synchronize()
+                found.append("no error")
+            except PortableOverlapError as e:
+                found.append(str(e))
+            except ValueError as e:
+                found.append(type(e).__name__)
+    ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport", KERNEL_TRANSPORTS)
+def test_a_refusing_rank_waits_for_its_peers_call_counters(world2, transport):
+    refused, waited = world2.run(_refused_then_a_peer_that_never_came, transport,
+                                 timeout=120)[0]
+    assert refused == "ValueError", refused
+    assert "timed out" in waited and "rank 1" in waited and "call-counter" in waited, waited
+
+
 def _late_rank(world):
     # rank 1 arrives after rank 0 gave up: rank 0 reports the timeout, and rank 1, which does
     # get rank 0's partials, must not take the never-written broadcast for results
