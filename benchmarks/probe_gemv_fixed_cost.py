@@ -155,7 +155,8 @@ def pieces_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, ctx, consumed_p
 
 
 #: what each level of ``pieces_kernel`` adds to the one before
-LEVELS = {1: "begin_call + is_live", 2: "+ end_call (the counter's add, no ticket)", 3: "+ partial round trip, flag round",
+LEVELS = {1: "begin_call + is_live", 2: "+ end_call (the counter's add, no ticket)",
+          3: "+ partial round trip, flag round",
           4: "end_call_consumed for end_call", 5: "level 2 with a relaxed ticket",
           6: "level 4 + the one-shot kernel's two other waits",
           7: "level 6 with a relaxed ticket (no consumed signal)",

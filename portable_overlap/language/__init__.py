@@ -76,8 +76,8 @@ STATUS_SLOTS = tl.constexpr(1024)
 #: a report's flag is ``heap offset | 1 << REPORT_OFFSET`` (the host names it, ``host.py``)
 REPORT_OFFSET = tl.constexpr(62)
 
-__all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call", "end_call_last",
-           "is_live",
+__all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call",
+           "end_call_last", "is_live",
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
            "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
