@@ -45,8 +45,9 @@ the block: it waits for the peers' flags of the group's programs and for the loc
 its own rank's other slices (programs of its own launch: the plan only splits where the whole
 grid is resident at once, and the interpreter runs programs in pid order, so the waiting
 program runs last), then sums the ``world * SPLIT_K`` partials rank-major, slice after slice
-(the same order, and bits, on every rank). The start-of-call wait on program 0's flag, the
-refusal check and the end-of-call ticket are the one-shot form's.
+(the same order, and bits, on every rank). The wait on the peers' program 0 flags before the
+first store (``_half_free``), the refusal check and the end of the call are the one-shot
+form's.
 
 Written on the public device API (``portable_overlap.language``): flags carry the call number
 (counted on the device, so a CUDA graph replays unchanged) and the shape tag, and every wait is
@@ -203,6 +204,19 @@ def _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
 
 
 @triton.jit
+def _half_free(ctx, ready_ptr, call, ok, G_MAX: tl.constexpr):
+    """Wait until every peer is done reading this call's half of the one-shot partials, which
+    call - 2 used: a peer's ready flag of call - 1 says so (its launch of call - 1 began after
+    its launch of call - 2 ended: one stream). Program 0's flag, which every grid has (the
+    grids of calls may differ). Waited for in call - 1 already, unless this rank refused call
+    - 1 on the host, which waits for nothing (a late peer then summed this call's partials as
+    call - 2's, with no error: seen on emulated ranks). ``ok`` and-ed with the outcome."""
+    if ok:
+        ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
+    return ok
+
+
+@triton.jit
 def _push_partial(ctx, dst, acc, rank, world, mask, ok):
     """Store a partial tile at ``dst`` of this rank's heap and of every peer's (peers in
     rotated order: every link busy at once); the peers' stores only while ``ok``."""
@@ -237,20 +251,16 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
     # would let a call of fewer partials write into the last call's half, where a peer may
     # still be reading them
     half = partial_ptr + (call % 2) * half_elems
-    # call - 2 used this half: every peer must be done reading it. A peer's ready flag of call
-    # - 1 says so: its launch of call - 1 began after its launch of call - 2 ended (one
-    # stream). Program 0's flag, which every grid has (the grids of calls may differ). Waited
-    # for in call - 1 already, unless this rank refused call - 1 on the host, which waits for
-    # nothing (a late peer then summed this call's partials as call - 2's, with no error: seen
-    # on emulated ranks)
-    if ok:
-        ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
     for i in range(0, n_rounds):
         if pid + i * G < n_blocks:
             n0 = (pid + i * G) * BLOCK_N
             mask = m_mask & ((n0 + offs_nb)[None, :] < N)
             acc = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0, BLOCK_M, BLOCK_N,
                             BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
+            if i == 0:  # before the first store into this call's half (every program has a
+                #         block: G <= n_blocks), after the first tile's W stream, which the
+                #         wait's round trips then overlap instead of delaying
+                ok = _half_free(ctx, ready_ptr, call, ok, G_MAX)
             _push_partial(ctx, half + rank * MN + n0 + tile_off, acc, rank, world, mask, ok)
     _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
     ok = _wait_peers(ctx, ready_ptr, pid, call, ok, tag, G_MAX)
@@ -277,9 +287,6 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
     block ``pid // SPLIT_K``, and the last program of each block's group reduces the block."""
     S_MN = SPLIT_K * MN  # a rank's slot: [SPLIT_K, M, N]
     half = partial_ptr + (call % 2) * half_elems  # this call's half (fixed size: _one_shot)
-    # call - 2 used this half: as in _one_shot (program 0's flag, which every grid has)
-    if ok:
-        ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
     b = pid // SPLIT_K
     s = pid % SPLIT_K
     n0 = b * BLOCK_N
@@ -293,6 +300,7 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
     k_len = tl.maximum(tl.minimum(K - k0, kc), 0)
     acc = gemv_tile(x_ptr + k0, w_ptr + k0, M, N, k_len, stride_xm, stride_wn, n0, BLOCK_M,
                     BLOCK_N, BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
+    ok = _half_free(ctx, ready_ptr, call, ok, G_MAX)  # after the tile, as in _one_shot
     _push_partial(ctx, half + rank * S_MN + s * MN + n0 + tile_off, acc, rank, world, mask, ok)
     _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
     first = b * SPLIT_K
