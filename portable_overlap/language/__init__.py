@@ -411,7 +411,8 @@ def fence_bulk_reads():
 
 # -- every peer's flag; buffers read until the end of a call -----------------------------------
 @triton.jit
-def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr = False):
+def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr = False,
+               LIVE_READ: tl.constexpr = False):
     """:func:`wait` for one flag of every peer q, at ``flags_ptr + q * stride``: the flag
     that q's ``signal_all(ctx, flags_ptr + q * stride, call, ok, tag)`` set here (e.g.
     ``flags[q][program]`` of a ``[num_ranks, slots]`` array: ``flags_ptr = flags + program``,
@@ -423,26 +424,34 @@ def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr 
     up or called with other shapes, else the first whose flag did not come; polling stops at the
     first peer that gave up, and missing peers cost one timeout in all. ``ARRIVED_ONLY``: no
     waiting; only the peers whose flag already holds ``call`` or a later one are judged (flags a
-    peer sets for a call only when it gives up on it).
+    peer sets for a call only when it gives up on it). ``LIVE_READ``: the program read
+    :func:`is_live` in this launch and waits only while it was true, so this wait does not read
+    it again (one round trip to the device's memory before the first poll, on the critical
+    path of a short call; a wait of the same call that timed out meanwhile has passed the
+    call's one deadline, so the first poll is the last).
     Returns whether every flag arrived, no peer gave up and the tags agree."""
-    return _wait_all(ctx, flags_ptr, stride, call, call, tag, False, ARRIVED_ONLY)
+    return _wait_all(ctx, flags_ptr, stride, call, call, tag, False, ARRIVED_ONLY, LIVE_READ)
 
 
 @triton.jit
-def wait_peers_reached(ctx, flags_ptr, stride, epoch, call):
+def wait_peers_reached(ctx, flags_ptr, stride, epoch, call, LIVE_READ: tl.constexpr = False):
     """:func:`wait_reached` for one flag of every peer at once (the flags as in
     :func:`wait_peers`): every peer got to call ``epoch`` or a later one, whatever its flags
     say of that call (e.g. it is done reading a buffer it signalled for). Bounded by call
-    ``call``'s deadline; returns whether every flag arrived."""
-    return _wait_all(ctx, flags_ptr, stride, epoch, call, -1, True, False)
+    ``call``'s deadline; returns whether every flag arrived. ``LIVE_READ`` as in
+    :func:`wait_peers`."""
+    return _wait_all(ctx, flags_ptr, stride, epoch, call, -1, True, False, LIVE_READ)
 
 
 @triton.jit
 def _wait_all(ctx, flag_ptr, stride, want, call, tag, REACHED_ONLY: tl.constexpr,
-              ARRIVED_ONLY: tl.constexpr):
+              ARRIVED_ONLY: tl.constexpr, LIVE_READ: tl.constexpr):
     me = rank(ctx)
     world = num_ranks(ctx)
-    ok = is_live(ctx)
+    if LIVE_READ:
+        ok = me >= 0  # true, as a value the loop below may set to false
+    else:
+        ok = is_live(ctx)
     for first in range(1, world, _SIGNAL_LANES):
         if ok:
             steps = first + tl.arange(0, _SIGNAL_LANES)

@@ -75,7 +75,7 @@ def _wait_peers(ctx, flags_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
     """Wait for ``flags[q][pid]`` of every peer q, all at once (``pol.wait_peers``); ``ok``
     and-ed with the outcome. Nothing is waited for once ``ok`` is false."""
     if ok:
-        ok = pol.wait_peers(ctx, flags_ptr + pid, G_MAX, call, tag)
+        ok = pol.wait_peers(ctx, flags_ptr + pid, G_MAX, call, tag, LIVE_READ=True)
     return ok
 
 
@@ -96,6 +96,8 @@ def gemv_allreduce_kernel(
     call = pol.begin_call(ctx)
     rank = pol.rank(ctx)
     world = pol.num_ranks(ctx)
+    # read once per launch: every wait below runs only while it holds (``LIVE_READ``: they do
+    # not read it again)
     ok = pol.is_live(ctx)
     n_rounds = tl.cdiv(n_blocks, G)  # program pid takes blocks pid, pid + G, ... < n_blocks
     offs_m = tl.arange(0, BLOCK_M)
@@ -199,7 +201,8 @@ def _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
     flag of it; an older word (no refusal) is passed over (``ARRIVED_ONLY``: every peer's word
     read at once). ``ok`` and-ed with the outcome."""
     if ok:
-        ok = pol.wait_peers(ctx, bcast_ptr + pid, G_MAX, call, tag, ARRIVED_ONLY=True)
+        ok = pol.wait_peers(ctx, bcast_ptr + pid, G_MAX, call, tag, ARRIVED_ONLY=True,
+                            LIVE_READ=True)
     return ok
 
 
@@ -212,7 +215,7 @@ def _half_free(ctx, ready_ptr, call, ok, G_MAX: tl.constexpr):
     - 1 on the host, which waits for nothing (a late peer then summed this call's partials as
     call - 2's, with no error: seen on emulated ranks). ``ok`` and-ed with the outcome."""
     if ok:
-        ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call)
+        ok = pol.wait_peers_reached(ctx, ready_ptr, G_MAX, call - 1, call, LIVE_READ=True)
     return ok
 
 
