@@ -34,7 +34,7 @@ from .shmem.providers import ShmemUnavailable, provider_or_reason
 from .shmem.providers import device as _provider_device
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
-from .language.host import (calls_counted, descriptor_words, fill_descriptor,
+from .language.host import (CALL_SHIFT, calls_counted, descriptor_words, fill_descriptor,
                             name_offset_reports)
 
 _ALIGN = 256  # bytes: every tensor starts 16-byte aligned for vector stores and TMA
@@ -182,6 +182,7 @@ class Workspace(ContextBase):
         module; other kernels launch as usual (the library's module set-up fails for a module
         that does not link it)."""
         self._check_open()
+        self._check_grid(kernel, grid)
         if not self._guard.acquire(blocking=False):
             raise concurrent_use(self.OP, self.rank)
         try:
@@ -200,6 +201,24 @@ class Workspace(ContextBase):
             self.check()
             self._check_call_count()
         return out
+
+    def _check_grid(self, kernel, grid) -> None:
+        """Refuse a grid (sizes; a callable is Triton's to evaluate) of ``2**CALL_SHIFT``
+        programs or more for a kernel that calls ``pol.end_call``: its programs count out below
+        that bit of the call counter (``shmem.device.count_out``), so with more of them the
+        call number would move in the middle of the call, and programs of one launch would
+        signal and wait with different numbers."""
+        if callable(grid):
+            return
+        programs = 1
+        for size in grid:
+            programs *= int(size)
+        if programs >= 1 << CALL_SHIFT and _reaches(kernel, {_lang.end_call}, set()):
+            raise ValueError(
+                f"{self.OP}: a grid of {programs} programs ({tuple(grid)}) for a kernel that "
+                f"calls pol.end_call: it counts a call's programs below bit {CALL_SHIFT} of the "
+                f"call counter, so a launch takes fewer than 2**{CALL_SHIFT}; use fewer "
+                f"programs (a persistent grid), or pol.end_call_last")
 
     def _linked_kernel(self, kernel):
         """``kernel`` through the provider's launcher if it calls the library, else itself."""

@@ -391,6 +391,30 @@ def no_end(world):
     return err, again
 
 
+@triton.jit
+def _counted_kernel(ctx):
+    call = pol.begin_call(ctx)
+    pol.end_call(ctx, call)
+
+
+def oversized_grid(world):
+    """Launches of a kernel that ends with ``pol.end_call`` over grids of ``2**20`` programs
+    and more (1-D, 3-D), whose programs the call counter cannot count out below its call
+    bits, then one of 3 programs: the errors and the device's call count after them."""
+    with Workspace(world, 256, name="grid") as ws:
+        errors = [error_of_one_call(lambda g=g: ws.launch(_counted_kernel, g))
+                  for g in ((1 << 20,), (64, 128, 128))]
+        ws.launch(_counted_kernel, (3,))
+        ws.synchronize()
+        return errors, calls_counted(ws.ctx)
+
+
+def check_oversized_grid(out):
+    return [f"rank {r}: {errors}, {done} calls" for r, (errors, done) in enumerate(out)
+            if done != 1 or not all(e and e[0] == "ValueError" and "2**20" in e[1]
+                                    for e in errors)]
+
+
 def bad_host(world):
     """Host input a Workspace refuses: each case's error."""
     errors = {}
