@@ -258,16 +258,23 @@ class Workspace(ContextBase):
     def _check_call_count(self) -> None:
         if self._calls is None:
             return
-        done = calls_counted(self.ctx[int(_lang.CTX_EPOCH.value):])
-        if done != self._calls:
+        word = self.ctx[int(_lang.CTX_EPOCH.value):]
+        done = calls_counted(word)
+        # the programs counted out of no finished call: 0 between calls, unless a program
+        # counted itself out twice (or a launch stopped part way), and then the programs of
+        # every later launch read different call numbers
+        part = int(word[0]) & ((1 << CALL_SHIFT) - 1)
+        if done != self._calls or part:
+            more = " and part of another (programs counted out of no finished call)" \
+                if part else ""
             self._broken = (f"{self.OP}: {self._calls} launches made, {done} finished on the "
-                            f"device")
+                            f"device{more}")
             raise ContextBrokenError(
                 f"{self.OP} on rank {self.rank}: {self._calls} launches made but the device "
-                f"counted {done} finished calls: every program of a launch must call "
-                f"pol.begin_call(ctx) first and pol.end_call(ctx, call) last (a kernel that "
-                f"skips them reuses the previous call's number, and its waits would take old "
-                f"flags for new ones). Close this workspace and make a new one")
+                f"counted {done} finished calls{more}: every program of a launch must call "
+                f"pol.begin_call(ctx) first and pol.end_call(ctx, call) last, once (a kernel "
+                f"that skips them reuses the previous call's number, and its waits would take "
+                f"old flags for new ones). Close this workspace and make a new one")
 
     def _name_reports(self) -> dict:
         """The reports' flags named by the arrays of :meth:`flags` (the index printed is the

@@ -415,6 +415,37 @@ def check_oversized_grid(out):
                                     for e in errors)]
 
 
+@triton.jit
+def _double_end_kernel(ctx, out_ptr, TWICE: tl.constexpr):
+    call = pol.begin_call(ctx)
+    tl.store(out_ptr + pol.program(), call)
+    pol.end_call(ctx, call)
+    if TWICE:
+        if pol.program() == 1:
+            pol.end_call(ctx, call)
+
+
+def double_end(world):
+    """A kernel whose program 1 calls ``pol.end_call`` twice (its launch still counts one
+    call in the counter's call bits), then a kernel that calls it once: the first launch's
+    error, and the call numbers the second launch's programs read (None where it raised)."""
+    with Workspace(world, 256, name="double_end") as ws:
+        out = torch.zeros(2, dtype=torch.int64, device=world.device)
+        err = error_of_one_call(lambda: ws.launch(_double_end_kernel, (2,), out, TWICE=True))
+        numbers = None
+        try:
+            ws.launch(_double_end_kernel, (2,), out, TWICE=False)
+            numbers = out.tolist()
+        except Exception:
+            pass
+        return err, numbers
+
+
+def check_double_end(out):
+    return [f"rank {r}: {err}, then {numbers}" for r, (err, numbers) in enumerate(out)
+            if not (err and err[0] == "ContextBrokenError" and "pol.end_call" in err[1])]
+
+
 def bad_host(world):
     """Host input a Workspace refuses: each case's error."""
     errors = {}
