@@ -34,7 +34,7 @@ from .shmem.providers import ShmemUnavailable, provider_or_reason
 from .shmem.providers import device as _provider_device
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
-from .language.host import (calls_counted, descriptor_words, fill_descriptor,
+from .language.host import (CALL_SHIFT, calls_counted, descriptor_words, fill_descriptor,
                             name_offset_reports)
 
 _ALIGN = 256  # bytes: every tensor starts 16-byte aligned for vector stores and TMA
@@ -182,6 +182,7 @@ class Workspace(ContextBase):
         module; other kernels launch as usual (the library's module set-up fails for a module
         that does not link it)."""
         self._check_open()
+        self._check_grid(kernel, grid)
         if not self._guard.acquire(blocking=False):
             raise concurrent_use(self.OP, self.rank)
         try:
@@ -200,6 +201,24 @@ class Workspace(ContextBase):
             self.check()
             self._check_call_count()
         return out
+
+    def _check_grid(self, kernel, grid) -> None:
+        """Refuse a grid (sizes; a callable is Triton's to evaluate) of ``2**CALL_SHIFT``
+        programs or more for a kernel that calls ``pol.end_call``: its programs count out below
+        that bit of the call counter (``shmem.device.count_out``), so with more of them the
+        call number would move in the middle of the call, and programs of one launch would
+        signal and wait with different numbers."""
+        if callable(grid):
+            return
+        programs = 1
+        for size in grid:
+            programs *= int(size)
+        if programs >= 1 << CALL_SHIFT and _reaches(kernel, {_lang.end_call}, set()):
+            raise ValueError(
+                f"{self.OP}: a grid of {programs} programs ({tuple(grid)}) for a kernel that "
+                f"calls pol.end_call: it counts a call's programs below bit {CALL_SHIFT} of the "
+                f"call counter, so a launch takes fewer than 2**{CALL_SHIFT}; use fewer "
+                f"programs (a persistent grid), or pol.end_call_last")
 
     def _linked_kernel(self, kernel):
         """``kernel`` through the provider's launcher if it calls the library, else itself."""
@@ -239,16 +258,23 @@ class Workspace(ContextBase):
     def _check_call_count(self) -> None:
         if self._calls is None:
             return
-        done = calls_counted(self.ctx[int(_lang.CTX_EPOCH.value):])
-        if done != self._calls:
+        word = self.ctx[int(_lang.CTX_EPOCH.value):]
+        done = calls_counted(word)
+        # the programs counted out of no finished call: 0 between calls, unless a program
+        # counted itself out twice (or a launch stopped part way), and then the programs of
+        # every later launch read different call numbers
+        part = int(word[0]) & ((1 << CALL_SHIFT) - 1)
+        if done != self._calls or part:
+            more = " and part of another (programs counted out of no finished call)" \
+                if part else ""
             self._broken = (f"{self.OP}: {self._calls} launches made, {done} finished on the "
-                            f"device")
+                            f"device{more}")
             raise ContextBrokenError(
                 f"{self.OP} on rank {self.rank}: {self._calls} launches made but the device "
-                f"counted {done} finished calls: every program of a launch must call "
-                f"pol.begin_call(ctx) first and pol.end_call(ctx, call) last (a kernel that "
-                f"skips them reuses the previous call's number, and its waits would take old "
-                f"flags for new ones). Close this workspace and make a new one")
+                f"counted {done} finished calls{more}: every program of a launch must call "
+                f"pol.begin_call(ctx) first and pol.end_call(ctx, call) last, once (a kernel "
+                f"that skips them reuses the previous call's number, and its waits would take "
+                f"old flags for new ones). Close this workspace and make a new one")
 
     def _name_reports(self) -> dict:
         """The reports' flags named by the arrays of :meth:`flags` (the index printed is the

@@ -54,6 +54,18 @@ def test_a_kernel_that_skips_end_call_is_caught(world2):
     assert not calls.check_no_end(world2.run(calls.no_end))
 
 
+def test_a_kernel_that_counts_a_program_out_twice_is_caught(world2):
+    """The launch still counts one call in the counter's call bits, but leaves a program's
+    count below them: every later launch's programs would read different call numbers."""
+    assert not calls.check_double_end(world2.run(calls.double_end))
+
+
+def test_a_grid_the_call_counter_cannot_count_out_is_refused(world2):
+    """pol.end_call counts programs below bit 20 of the call counter: a launch of 2**20
+    programs or more would move the call number in the middle of the call."""
+    assert not calls.check_oversized_grid(world2.run(calls.oversized_grid, timeout=60))
+
+
 def test_every_call_on_eight_ranks(world8):
     assert not calls.check_every_call(world8.run(calls.every_call, timeout=540))
 

@@ -391,6 +391,61 @@ def no_end(world):
     return err, again
 
 
+@triton.jit
+def _counted_kernel(ctx):
+    call = pol.begin_call(ctx)
+    pol.end_call(ctx, call)
+
+
+def oversized_grid(world):
+    """Launches of a kernel that ends with ``pol.end_call`` over grids of ``2**20`` programs
+    and more (1-D, 3-D), whose programs the call counter cannot count out below its call
+    bits, then one of 3 programs: the errors and the device's call count after them."""
+    with Workspace(world, 256, name="grid") as ws:
+        errors = [error_of_one_call(lambda g=g: ws.launch(_counted_kernel, g))
+                  for g in ((1 << 20,), (64, 128, 128))]
+        ws.launch(_counted_kernel, (3,))
+        ws.synchronize()
+        return errors, calls_counted(ws.ctx)
+
+
+def check_oversized_grid(out):
+    return [f"rank {r}: {errors}, {done} calls" for r, (errors, done) in enumerate(out)
+            if done != 1 or not all(e and e[0] == "ValueError" and "2**20" in e[1]
+                                    for e in errors)]
+
+
+@triton.jit
+def _double_end_kernel(ctx, out_ptr, TWICE: tl.constexpr):
+    call = pol.begin_call(ctx)
+    tl.store(out_ptr + pol.program(), call)
+    pol.end_call(ctx, call)
+    if TWICE:
+        if pol.program() == 1:
+            pol.end_call(ctx, call)
+
+
+def double_end(world):
+    """A kernel whose program 1 calls ``pol.end_call`` twice (its launch still counts one
+    call in the counter's call bits), then a kernel that calls it once: the first launch's
+    error, and the call numbers the second launch's programs read (None where it raised)."""
+    with Workspace(world, 256, name="double_end") as ws:
+        out = torch.zeros(2, dtype=torch.int64, device=world.device)
+        err = error_of_one_call(lambda: ws.launch(_double_end_kernel, (2,), out, TWICE=True))
+        numbers = None
+        try:
+            ws.launch(_double_end_kernel, (2,), out, TWICE=False)
+            numbers = out.tolist()
+        except Exception:
+            pass
+        return err, numbers
+
+
+def check_double_end(out):
+    return [f"rank {r}: {err}, then {numbers}" for r, (err, numbers) in enumerate(out)
+            if not (err and err[0] == "ContextBrokenError" and "pol.end_call" in err[1])]
+
+
 def bad_host(world):
     """Host input a Workspace refuses: each case's error."""
     errors = {}
