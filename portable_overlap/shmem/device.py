@@ -346,10 +346,12 @@ def count_out(ctl_ptr, pid, G, SYSTEM: tl.constexpr = True):
     out, and until then every program still reads the call's number (``begin_call``). A
     ticket whose reply decides who is last costs each program that round trip to the word at
     its very end (1.2-1.3 us of a GEMV call on an H200, where this costs none measurable).
-    Release after this program's stores, at system scope (``SYSTEM``, the default: a peer that
+    Release after the stores of every thread of the program, at system scope (``SYSTEM``, the default: a peer that
     reads the word through the heap, ``flag_kernels.counter_wait_kernel``, sees them once it
     sees the count) or at device scope."""
     weight = tl.where(pid == 0, CALL_ONE - (G - 1), 1).to(tl.int64)
+    # one thread adds: the barrier puts every thread's stores before its (cumulative) release
+    tl.debug_barrier()
     if SYSTEM:
         tl.atomic_add(ctl_ptr, weight, sem="release", scope="sys")
     else:
