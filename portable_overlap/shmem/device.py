@@ -345,10 +345,11 @@ def count_out(ctl_ptr, pid, G, SYSTEM: tl.constexpr = True):
     1, so the word reaches the next multiple of ``2**CALL_SHIFT`` when the last of them is
     out, and until then every program still reads the call's number (``begin_call``). A
     ticket whose reply decides who is last costs each program that round trip to the word at
-    its very end (1.2-1.3 us of a GEMV call on an H200, where this costs none measurable).
-    Release after the stores of every thread of the program, at system scope (``SYSTEM``, the default: a peer that
-    reads the word through the heap, ``flag_kernels.counter_wait_kernel``, sees them once it
-    sees the count) or at device scope."""
+    its very end (1.2-1.5 us of a bare GEMV tile's call on an H200, where this add costs
+    0.0-0.3). Release after the stores of every thread of the program, at system scope
+    (``SYSTEM``, the default: a peer that reads the word through the heap,
+    ``flag_kernels.counter_wait_kernel``, sees them once it sees the count) or at device
+    scope."""
     weight = tl.where(pid == 0, CALL_ONE - (G - 1), 1).to(tl.int64)
     # one thread adds: the barrier puts every thread's stores before its (cumulative) release
     tl.debug_barrier()
