@@ -105,6 +105,7 @@ class Workspace(ContextBase):
         self.sm_count = world.facts.sm_count
         self._data = data  # the tensors' pool: the library's symmetric memory, or None
         self._linked: dict = {}  # kernel -> the provider's launcher of it
+        self._source_checked: set = set()  # kernels whose use of pol.end_call was checked
         self._top = 0
         self._arrays: list = []  # (heap offset, nbytes, name, shape) of every flag array
         self._calls = 0  # launches made, for the end_call check; None once one was captured
@@ -183,6 +184,7 @@ class Workspace(ContextBase):
         that does not link it)."""
         self._check_open()
         self._check_grid(kernel, grid)
+        self._check_source(kernel)
         if not self._guard.acquire(blocking=False):
             raise concurrent_use(self.OP, self.rank)
         try:
@@ -201,6 +203,21 @@ class Workspace(ContextBase):
             self.check()
             self._check_call_count()
         return out
+
+    def _check_source(self, kernel) -> None:
+        """Refuse, at a kernel's first launch, a kernel that uses the value of
+        ``pol.end_call`` (itself or in a jit function it calls): it returns nothing, so a
+        branch on it (``if pol.end_call(...)``, the last program's work) never runs, with no
+        error. ``pol.end_call_last`` returns whether the program was the last."""
+        if kernel in self._source_checked:
+            return
+        where = _value_used(kernel, _lang.end_call, set())
+        if where is not None:
+            raise TypeError(
+                f"{self.OP}: {where} uses the value of pol.end_call, which returns nothing "
+                f"(no program learns whether it was the last, so none waits for the counter's "
+                f"reply); use pol.end_call_last(ctx, call), which returns it")
+        self._source_checked.add(kernel)
 
     def _check_grid(self, kernel, grid) -> None:
         """Refuse a grid (sizes; a callable is Triton's to evaluate) of ``2**CALL_SHIFT``
@@ -327,6 +344,29 @@ def _reaches(fn, targets: set, seen: set) -> bool:
             if _reaches(_resolve(node, fn.fn.__globals__), targets, seen):
                 return True
     return False
+
+
+def _value_used(fn, target, seen: set) -> Optional[str]:
+    """The name of the jit function, ``fn`` or one it calls, in which a call of ``target`` is
+    not a statement of its own (its value is assigned, tested or passed on), or None."""
+    if not isinstance(fn, (JITFunction, InterpretedFunction)) or fn in seen:
+        return None
+    seen.add(fn)
+    body = ast.parse(textwrap.dedent(getattr(fn, "src", None) or inspect.getsource(fn.fn)))
+    scope = fn.fn.__globals__
+    statements = {id(node.value) for node in ast.walk(body) if isinstance(node, ast.Expr)}
+    for node in ast.walk(body):
+        if isinstance(node, ast.Call) and _resolve(node.func, scope) is target \
+                and id(node) not in statements:
+            return fn.fn.__name__
+    for node in ast.walk(body):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            callee = _resolve(node, scope)
+            if callee is not target:
+                found = _value_used(callee, target, seen)
+                if found is not None:
+                    return found
+    return None
 
 
 def _resolve(node, scope: dict):

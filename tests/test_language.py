@@ -66,6 +66,12 @@ def test_a_grid_the_call_counter_cannot_count_out_is_refused(world2):
     assert not calls.check_oversized_grid(world2.run(calls.oversized_grid, timeout=60))
 
 
+def test_a_branch_on_end_call_is_refused_and_end_call_last_tells_the_last(world2):
+    """pol.end_call returns nothing (no program waits to learn whether it was the last): a
+    kernel that branches on it would skip the branch without an error."""
+    assert not calls.check_end_call_value(world2.run(calls.end_call_value, timeout=60))
+
+
 def test_every_call_on_eight_ranks(world8):
     assert not calls.check_every_call(world8.run(calls.every_call, timeout=540))
 

@@ -446,6 +446,45 @@ def check_double_end(out):
             if not (err and err[0] == "ContextBrokenError" and "pol.end_call" in err[1])]
 
 
+@triton.jit
+def _last_counts(ctx, out_ptr, call):
+    if pol.end_call(ctx, call):  # nothing to branch on: pol.end_call returns nothing
+        tl.atomic_add(out_ptr, 1)
+
+
+@triton.jit
+def _branch_on_end_call_kernel(ctx, out_ptr):
+    call = pol.begin_call(ctx)
+    _last_counts(ctx, out_ptr, call)  # in a callee: the check follows the calls
+
+
+@triton.jit
+def _last_kernel(ctx, out_ptr):
+    call = pol.begin_call(ctx)
+    if pol.end_call_last(ctx, call):
+        tl.atomic_add(out_ptr, 1)
+
+
+def end_call_value(world):
+    """A kernel that branches on ``pol.end_call`` (in a jit function it calls) and one that
+    branches on ``pol.end_call_last``, each launched over 3 programs: the first's error, the
+    second's count of last programs over two launches, and the device's call count."""
+    with Workspace(world, 256, name="end_value") as ws:
+        out = torch.zeros(1, dtype=torch.int64, device=world.device)
+        err = error_of_one_call(lambda: ws.launch(_branch_on_end_call_kernel, (3,), out))
+        for _ in range(2):
+            ws.launch(_last_kernel, (3,), out)
+        ws.synchronize()
+        return err, int(out), calls_counted(ws.ctx)
+
+
+def check_end_call_value(out):
+    return [f"rank {r}: {err}, {lasts} last programs, {done} calls"
+            for r, (err, lasts, done) in enumerate(out)
+            if not (err and err[0] == "TypeError" and "_last_counts" in err[1]
+                    and "pol.end_call_last" in err[1]) or lasts != 2 or done != 2]
+
+
 def bad_host(world):
     """Host input a Workspace refuses: each case's error."""
     errors = {}
