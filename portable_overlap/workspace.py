@@ -348,11 +348,16 @@ def _reaches(fn, targets: set, seen: set) -> bool:
 
 def _value_used(fn, target, seen: set) -> Optional[str]:
     """The name of the jit function, ``fn`` or one it calls, in which a call of ``target`` is
-    not a statement of its own (its value is assigned, tested or passed on), or None."""
+    not a statement of its own (its value is assigned, tested or passed on), or None. A
+    function whose source Python cannot find (defined in ``python -c`` under the interpreter)
+    is passed over."""
     if not isinstance(fn, (JITFunction, InterpretedFunction)) or fn in seen:
         return None
     seen.add(fn)
-    body = ast.parse(textwrap.dedent(getattr(fn, "src", None) or inspect.getsource(fn.fn)))
+    try:
+        body = ast.parse(textwrap.dedent(getattr(fn, "src", None) or inspect.getsource(fn.fn)))
+    except (OSError, TypeError):
+        return None
     scope = fn.fn.__globals__
     statements = {id(node.value) for node in ast.walk(body) if isinstance(node, ast.Expr)}
     for node in ast.walk(body):

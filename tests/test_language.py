@@ -72,6 +72,33 @@ def test_a_branch_on_end_call_is_refused_and_end_call_last_tells_the_last(world2
     assert not calls.check_end_call_value(world2.run(calls.end_call_value, timeout=60))
 
 
+_NO_SOURCE = """
+import triton
+import portable_overlap.language as pol
+from portable_overlap.workspace import _value_used
+
+@triton.jit
+def branches(ctx):
+    call = pol.begin_call(ctx)
+    if pol.end_call(ctx, call):
+        pass
+
+print("checked:", _value_used(branches, pol.end_call, set()))
+"""
+
+
+def test_the_end_call_check_passes_over_a_kernel_without_source():
+    """Under the interpreter a kernel defined in ``python -c`` has no source Python can find:
+    the launch's check of ``pol.end_call``'s value passes it over instead of failing."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NO_SOURCE], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("checked: None"), out.stderr
+
+
 def test_every_call_on_eight_ranks(world8):
     assert not calls.check_every_call(world8.run(calls.every_call, timeout=540))
 
