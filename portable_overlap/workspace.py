@@ -34,7 +34,7 @@ from .shmem.providers import ShmemUnavailable, provider_or_reason
 from .shmem.providers import device as _provider_device
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
-from .language.host import (CALL_SHIFT, calls_counted, descriptor_words, fill_descriptor,
+from .language.host import (CALL_SHIFT, descriptor_words, fill_descriptor,
                             name_offset_reports)
 
 _ALIGN = 256  # bytes: every tensor starts 16-byte aligned for vector stores and TMA
@@ -211,7 +211,7 @@ class Workspace(ContextBase):
         error. ``pol.end_call_last`` returns whether the program was the last."""
         if kernel in self._source_checked:
             return
-        where = _value_used(kernel, _lang.end_call, set())
+        where = _value_used(kernel, _lang.end_call)
         if where is not None:
             raise TypeError(
                 f"{self.OP}: {where} uses the value of pol.end_call, which returns nothing "
@@ -230,7 +230,7 @@ class Workspace(ContextBase):
         programs = 1
         for size in grid:
             programs *= int(size)
-        if programs >= 1 << CALL_SHIFT and _reaches(kernel, {_lang.end_call}, set()):
+        if programs >= 1 << CALL_SHIFT and _reaches(kernel, {_lang.end_call}):
             raise ValueError(
                 f"{self.OP}: a grid of {programs} programs ({tuple(grid)}) for a kernel that "
                 f"calls pol.end_call: it counts a call's programs below bit {CALL_SHIFT} of the "
@@ -241,7 +241,7 @@ class Workspace(ContextBase):
         """``kernel`` through the provider's launcher if it calls the library, else itself."""
         linked = self._linked.get(kernel)
         if linked is None:
-            calls = _reaches(kernel, _library_functions(), set())
+            calls = _reaches(kernel, _library_functions())
             linked = self._linked[kernel] = self._provider.wrap(kernel) if calls else kernel
         return linked
 
@@ -275,12 +275,12 @@ class Workspace(ContextBase):
     def _check_call_count(self) -> None:
         if self._calls is None:
             return
-        word = self.ctx[int(_lang.CTX_EPOCH.value):]
-        done = calls_counted(word)
+        word = int(self.ctx[int(_lang.CTX_EPOCH.value)])  # one read of the device's memory
+        done = word >> CALL_SHIFT
         # the programs counted out of no finished call: 0 between calls, unless a program
         # counted itself out twice (or a launch stopped part way), and then the programs of
         # every later launch read different call numbers
-        part = int(word[0]) & ((1 << CALL_SHIFT) - 1)
+        part = word & ((1 << CALL_SHIFT) - 1)
         if done != self._calls or part:
             more = " and part of another (programs counted out of no finished call)" \
                 if part else ""
@@ -328,49 +328,46 @@ def _library_functions() -> set:
         f for f in (getattr(_provider_device, n) for n in names) if f is not None}
 
 
-def _reaches(fn, targets: set, seen: set) -> bool:
+def _jit_bodies(fn, strict: bool = True):
+    """``(function, parsed body)`` of ``fn`` and of every jit function it names, itself or
+    through the jit functions those name (globals and module attributes: what Triton resolves
+    when it compiles; a name in a branch the compile skips counts too), each once. A function
+    whose source Python cannot find (defined in ``python -c`` under the interpreter) raises,
+    or with ``strict=False`` is passed over."""
+    seen, stack = set(), [fn]
+    while stack:
+        f = stack.pop()
+        if not isinstance(f, (JITFunction, InterpretedFunction)) or f in seen:
+            continue
+        seen.add(f)
+        try:  # a JITFunction keeps the source it compiles; the interpreter's wrapper does not
+            body = ast.parse(textwrap.dedent(getattr(f, "src", None) or inspect.getsource(f.fn)))
+        except (OSError, TypeError):
+            if strict:
+                raise
+            continue
+        yield f, body
+        stack.extend(_resolve(node, f.fn.__globals__) for node in ast.walk(body)
+                     if isinstance(node, (ast.Name, ast.Attribute)))
+
+
+def _reaches(fn, targets: set) -> bool:
     """Whether the jit function ``fn`` (compiled or interpreted) is one of ``targets`` or names
-    one, itself or through the jit functions it names (globals and module attributes: what
-    Triton resolves when it compiles). A name in a branch the compile skips counts too."""
-    if fn in targets:
-        return True
-    if not isinstance(fn, (JITFunction, InterpretedFunction)) or fn in seen:
-        return False
-    seen.add(fn)
-    # a JITFunction keeps the source it compiles; the interpreter's wrapper does not
-    body = ast.parse(textwrap.dedent(getattr(fn, "src", None) or inspect.getsource(fn.fn)))
-    for node in ast.walk(body):
-        if isinstance(node, (ast.Name, ast.Attribute)):
-            if _reaches(_resolve(node, fn.fn.__globals__), targets, seen):
-                return True
-    return False
+    one, itself or through the jit functions it names (:func:`_jit_bodies`)."""
+    return fn in targets or any(
+        _resolve(node, f.fn.__globals__) in targets for f, body in _jit_bodies(fn)
+        for node in ast.walk(body) if isinstance(node, (ast.Name, ast.Attribute)))
 
 
-def _value_used(fn, target, seen: set) -> Optional[str]:
+def _value_used(fn, target) -> Optional[str]:
     """The name of the jit function, ``fn`` or one it calls, in which a call of ``target`` is
-    not a statement of its own (its value is assigned, tested or passed on), or None. A
-    function whose source Python cannot find (defined in ``python -c`` under the interpreter)
-    is passed over."""
-    if not isinstance(fn, (JITFunction, InterpretedFunction)) or fn in seen:
-        return None
-    seen.add(fn)
-    try:
-        body = ast.parse(textwrap.dedent(getattr(fn, "src", None) or inspect.getsource(fn.fn)))
-    except (OSError, TypeError):
-        return None
-    scope = fn.fn.__globals__
-    statements = {id(node.value) for node in ast.walk(body) if isinstance(node, ast.Expr)}
-    for node in ast.walk(body):
-        if isinstance(node, ast.Call) and _resolve(node.func, scope) is target \
-                and id(node) not in statements:
-            return fn.fn.__name__
-    for node in ast.walk(body):
-        if isinstance(node, (ast.Name, ast.Attribute)):
-            callee = _resolve(node, scope)
-            if callee is not target:
-                found = _value_used(callee, target, seen)
-                if found is not None:
-                    return found
+    not a statement of its own (its value is assigned, tested or passed on), or None.
+    Functions without a source Python can find are passed over."""
+    for f, body in _jit_bodies(fn, strict=False):
+        statements = {id(node.value) for node in ast.walk(body) if isinstance(node, ast.Expr)}
+        if any(isinstance(node, ast.Call) and id(node) not in statements
+               and _resolve(node.func, f.fn.__globals__) is target for node in ast.walk(body)):
+            return f.fn.__name__
     return None
 
 

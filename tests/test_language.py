@@ -83,7 +83,7 @@ def branches(ctx):
     if pol.end_call(ctx, call):
         pass
 
-print("checked:", _value_used(branches, pol.end_call, set()))
+print("checked:", _value_used(branches, pol.end_call))
 """
 
 

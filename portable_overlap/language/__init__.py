@@ -151,13 +151,7 @@ def end_call_last(ctx, call, COUNTED: tl.constexpr = False):
     """:func:`end_call` that returns whether this program was the launch's last, from a ticket
     every program takes and waits for (a round trip to one word at each program's end, about
     a microsecond of a short call on an H200). The last program advances the counter."""
-    ticket = tl.atomic_add(ctx + CTX_EPOCH + 1, 1, sem="acq_rel", scope="gpu")
-    last = ticket == num_programs() - 1
-    tl.atomic_xchg(ctx + CTX_EPOCH + 1, 0, mask=last, sem="relaxed", scope="gpu")
-    if not COUNTED:
-        tl.atomic_xchg(ctx + CTX_EPOCH, call.to(tl.int64) << _shmem.CALL_SHIFT, mask=last,
-                       sem="release", scope="gpu")
-    return last
+    return _shmem.take_ticket(ctx + CTX_EPOCH, call, num_programs(), not COUNTED)
 
 
 @triton.jit

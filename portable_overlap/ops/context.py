@@ -367,19 +367,19 @@ class OverlapContext(ContextBase):
         if KIND_SETTLED in self.FLAG_NAMES:  # a report of the op's own would be misnamed
             raise RuntimeError(f"{self.OP}: report kind {KIND_SETTLED} is taken by "
                                f"{self.FLAG_NAMES[KIND_SETTLED]!r}; move KIND_SETTLED")
-        self._late_words = consumed
-        self._late_epoch = self.ctx if epoch is None else epoch
+        ctl = self.ctx if epoch is None else epoch
         self.FLAG_NAMES = {**self.FLAG_NAMES, KIND_SETTLED: name}
-        if consumed is None:
-            self._late_plan = self._compile(
-                counter_wait_kernel, 1, dict(num_warps=1, num_stages=1),
-                lambda g: (self._late_epoch, self.heap.bases, self.rank, 0, self.call_clock,
-                           self.timeout_us, self.status.address, 0, 1 << 33))
-        else:
-            self._late_plan = self._compile(
-                wait_kernel, 1, dict(num_warps=1, num_stages=1, CHECK_TAG=False),
-                lambda g: (consumed, 0, self._late_epoch, 0, 0, self.call_clock,
-                           self.timeout_us, self.status.address, 0, 1 << 33))
+        if consumed is None:  # peer q's counter reached the call this rank's stands at
+            kernel, consts = counter_wait_kernel, {}
+            self._late_args = lambda q, what: (ctl, self.heap.bases, self.rank, q,
+                                               self.call_clock, self.timeout_us,
+                                               self.status.address, q, what)
+        else:  # q's word holds the call the counter stands at: the undelivered one
+            kernel, consts = wait_kernel, dict(CHECK_TAG=False)
+            self._late_args = lambda q, what: (consumed[q:], q, ctl, 0, 0, self.call_clock,
+                                               self.timeout_us, self.status.address, q, what)
+        self._late_plan = self._compile(kernel, 1, dict(num_warps=1, num_stages=1, **consts),
+                                        lambda g: self._late_args(0, 1 << 33))
 
     def settle_late_stores(self) -> None:
         """At the start of a call (``_before_call``, before anything of the call is queued)
@@ -395,17 +395,8 @@ class OverlapContext(ContextBase):
         if self._delivered:
             return
         for q in range(self.world.world_size):
-            if q == self.rank:
-                continue
-            what = (KIND_SETTLED << 32) | q
-            if self._late_words is None:  # the peer's counter reached the call this one stands at
-                self._late_plan.run_untracked((self._late_epoch, self.heap.bases, self.rank, q,
-                                               self.call_clock, self.timeout_us,
-                                               self.status.address, q, what))
-            else:  # the word of the call the counter stands at: the undelivered one
-                self._late_plan.run_untracked((self._late_words[q:], q, self._late_epoch, 0,
-                                               0, self.call_clock, self.timeout_us,
-                                               self.status.address, q, what))
+            if q != self.rank:
+                self._late_plan.run_untracked(self._late_args(q, (KIND_SETTLED << 32) | q))
 
     # -- errors ----------------------------------------------------------------------------------
     def check(self) -> None:

@@ -360,16 +360,26 @@ def count_out(ctl_ptr, pid, G, SYSTEM: tl.constexpr = True):
 
 
 @triton.jit
-def end_call(ctl_ptr, epoch):
-    """Count this program out; the last one of the launch publishes ``epoch`` for the next call.
-    Safe because every program read the epoch before taking its ticket. Returns whether this
-    program was the last (what ``count_out`` does not tell, for its price)."""
+def take_ticket(ctl_ptr, epoch, G, ADVANCE: tl.constexpr):
+    """Count this program of a grid of ``G`` out on the ticket ``ctl[1]`` and wait for the
+    reply; the last one resets it and (``ADVANCE``) publishes ``epoch`` on the counter
+    ``ctl[0]`` for the next call. Safe because every program read the epoch before taking its
+    ticket. Returns whether this program was the last (what ``count_out`` does not tell, for
+    its price)."""
     ticket = tl.atomic_add(ctl_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    last = ticket == tl.num_programs(0) - 1
+    last = ticket == G - 1
     tl.atomic_xchg(ctl_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(ctl_ptr, epoch.to(tl.int64) << CALL_SHIFT, mask=last, sem="release",
-                   scope="gpu")
+    if ADVANCE:
+        tl.atomic_xchg(ctl_ptr, epoch.to(tl.int64) << CALL_SHIFT, mask=last, sem="release",
+                       scope="gpu")
     return last
+
+
+@triton.jit
+def end_call(ctl_ptr, epoch):
+    """Count this program out; the last one of the launch (a 1-D grid) publishes ``epoch`` for
+    the next call (``take_ticket``). Returns whether this program was the last."""
+    return take_ticket(ctl_ptr, epoch, tl.num_programs(0), True)
 
 
 @triton.jit

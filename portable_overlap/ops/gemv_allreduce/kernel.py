@@ -260,9 +260,10 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
             mask = m_mask & ((n0 + offs_nb)[None, :] < N)
             acc = gemv_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, n0, BLOCK_M, BLOCK_N,
                             BLOCK_K, NUM_STAGES, EVEN_K, EVEN_N, PRECISION, UPCAST)
-            if i == 0:  # before the first store into this call's half (every program has a
-                #         block: G <= n_blocks), after the first tile's W stream, which the
-                #         wait's round trips then overlap instead of delaying
+            # before the first store into this call's half (every program has a block: G <=
+            # n_blocks), after the first tile's W stream, which the wait's round trips then
+            # overlap instead of delaying
+            if i == 0:
                 ok = _half_free(ctx, ready_ptr, call, ok, G_MAX)
             _push_partial(ctx, half + rank * MN + n0 + tile_off, acc, rank, world, mask, ok)
     _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
