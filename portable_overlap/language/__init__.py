@@ -81,7 +81,7 @@ __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_ca
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
            "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
-           "wait_peers_reached",
+           "wait_peers_reached", "wait_program_peers",
            "wait_consumed", "wait_consumed_once", "end_call_consumed", "shmem_put", "shmem_get",
            "shmem_quiet"]
 
@@ -424,7 +424,8 @@ def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr 
     path of a short call; a wait of the same call that timed out meanwhile has passed the
     call's one deadline, so the first poll is the last).
     Returns whether every flag arrived, no peer gave up and the tags agree."""
-    return _wait_all(ctx, flags_ptr, stride, call, call, tag, False, ARRIVED_ONLY, LIVE_READ)
+    return _wait_all(ctx, flags_ptr, flags_ptr, stride, call, call, tag, False, ARRIVED_ONLY,
+                     LIVE_READ, False)
 
 
 @triton.jit
@@ -434,12 +435,29 @@ def wait_peers_reached(ctx, flags_ptr, stride, epoch, call, LIVE_READ: tl.conste
     say of that call (e.g. it is done reading a buffer it signalled for). Bounded by call
     ``call``'s deadline; returns whether every flag arrived. ``LIVE_READ`` as in
     :func:`wait_peers`."""
-    return _wait_all(ctx, flags_ptr, stride, epoch, call, -1, True, False, LIVE_READ)
+    return _wait_all(ctx, flags_ptr, flags_ptr, stride, epoch, call, -1, True, False,
+                     LIVE_READ, False)
 
 
 @triton.jit
-def _wait_all(ctx, flag_ptr, stride, want, call, tag, REACHED_ONLY: tl.constexpr,
-              ARRIVED_ONLY: tl.constexpr, LIVE_READ: tl.constexpr):
+def wait_program_peers(ctx, flags_ptr, program, stride, call, tag,
+                       LIVE_READ: tl.constexpr = False):
+    """:func:`wait_peers` for program ``program``'s flag of every peer, in a launch whose grid
+    follows the call's shape (so ranks called with other shapes run other grids): ``flags_ptr``
+    is a ``[num_ranks, stride]`` array with one word per program (peer q's program p sets
+    ``flags[q][p]`` with ``signal_all``), and ``tag`` (>= 0) carries the grid. A peer whose
+    launch has no program ``program`` never sets the awaited word; its program 0's word, which
+    every grid has, then holds this call with another tag (or a later call): the wait stops
+    there and reports a mismatch (``RankMismatchError``, the ranks still in step) instead of
+    waiting until the deadline and leaving the workspace out of step. That word is read only
+    while the wait spins, beside the awaited ones. ``LIVE_READ`` as in :func:`wait_peers`."""
+    return _wait_all(ctx, flags_ptr + program, flags_ptr, stride, call, call, tag, False, False,
+                     LIVE_READ, True)
+
+
+@triton.jit
+def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, REACHED_ONLY: tl.constexpr,
+              ARRIVED_ONLY: tl.constexpr, LIVE_READ: tl.constexpr, GRID: tl.constexpr):
     me = rank(ctx)
     world = num_ranks(ctx)
     if LIVE_READ:
@@ -456,16 +474,24 @@ def _wait_all(ctx, flag_ptr, stride, want, call, tag, REACHED_ONLY: tl.constexpr
                 seen = tl.atomic_add(ptrs, tl.zeros((_SIGNAL_LANES,), tl.int64), mask=lanes,
                                      sem="acquire", scope="sys")
                 lanes = lanes & _shmem.reached(tl.where(lanes, seen, 0), want)
-            v, arrived = _shmem.wait_flags(ptrs, lanes, want, call, ctx + CTX_CLOCK,
-                                           tl.load(ctx + CTX_TIMEOUT_US), not REACHED_ONLY)
-            missing = lanes & ~arrived
+            if GRID:  # a peer whose launch has no such program is a mismatch, found early
+                v, arrived, gone, g = _shmem.wait_flags_grid(
+                    ptrs, first_ptr + peers.to(tl.int64) * stride, lanes, want, call, tag,
+                    ctx + CTX_CLOCK, tl.load(ctx + CTX_TIMEOUT_US))
+            else:
+                v, arrived = _shmem.wait_flags(ptrs, lanes, want, call, ctx + CTX_CLOCK,
+                                               tl.load(ctx + CTX_TIMEOUT_US), not REACHED_ONLY)
+                gone = arrived & ~arrived
+                g = v
+            missing = lanes & ~arrived & ~gone
             this_call = (v & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)
             if REACHED_ONLY:  # nothing judged but the arrival
                 failed = arrived & ~arrived
                 other = failed
             else:
                 failed = arrived & _shmem.peer_failed(v, this_call)
-                other = arrived & (tag >= 0) & this_call & ((v >> 32) != tag)
+                other = (arrived & (tag >= 0) & this_call & ((v >> 32) != tag)) | gone
+                v = tl.where(gone, g, v)  # (the report of such a peer: its program 0's tag)
             bad = missing | failed | other
             if tl.sum(bad.to(tl.int32)) > 0:
                 # the first peer in rotated order that gave up or called with other shapes,

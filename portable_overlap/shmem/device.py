@@ -152,6 +152,14 @@ def _pending(v, lanes, want, STOP_ON_FAILURE: tl.constexpr):
 
 
 @triton.jit
+def _poll(flag_ptrs, lanes):
+    """One acquire load (system scope) of every lane's local flag word; 0 where no lane."""
+    zero = tl.zeros(flag_ptrs.shape, tl.int64)
+    return tl.where(lanes, tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="acquire", scope="sys"),
+                    0)
+
+
+@triton.jit
 def wait_flags(flag_ptrs, lanes, want, call, clock_ptr, timeout_us, STOP_ON_FAILURE: tl.constexpr):
     """``wait_flag`` of a block of local flags at once (``lanes``: which of ``flag_ptrs`` to
     wait for), one acquire load of every lane per poll: a wait for several peers then takes one
@@ -159,17 +167,53 @@ def wait_flags(flag_ptrs, lanes, want, call, clock_ptr, timeout_us, STOP_ON_FAIL
     as soon as a lane's word says its peer will not deliver call ``want`` (``peer_failed``), as
     a wait for the peers one by one would stop at that peer. Returns (the words last read,
     0 where no lane; which lanes arrived)."""
-    zero = tl.zeros(flag_ptrs.shape, tl.int64)
-    v = tl.where(lanes, tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="acquire", scope="sys"),
-                 0)
+    v = _poll(flag_ptrs, lanes)
     pending = _pending(v, lanes, want, STOP_ON_FAILURE)
     if pending > 0:
         deadline = call_deadline(clock_ptr, call, timeout_us)
         while (pending > 0) & (now_ns() < deadline):
-            v = tl.where(lanes, tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="acquire",
-                                              scope="sys"), 0)
+            v = _poll(flag_ptrs, lanes)
             pending = _pending(v, lanes, want, STOP_ON_FAILURE)
     return v, lanes & reached(v, want)
+
+
+@triton.jit
+def outside_grid(v, g, lanes, want, tag):
+    """The lanes whose flag word ``v`` (a program's word of call ``want``) has not come while
+    the same peer's program-0 word ``g`` shows that it never will: ``g`` holds call ``want``
+    with a shape tag other than ``tag`` (its launch of the call was planned otherwise; a
+    failure or a refusal is not judged here: it comes to every word the peer's launch writes),
+    or a later call (its launch of ``want`` ended without writing ``v``). Either way the peer's
+    grid in that call has no such program: a mismatch of the call, not a peer gone missing."""
+    this_call = (g & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)
+    g_tag = g >> 32
+    shape = (g_tag != FAILED_TAG) & (g_tag != REFUSED_TAG) & (g_tag != tag)
+    return lanes & ~reached(v, want) & reached(g, want) & (~this_call | shape)
+
+
+@triton.jit
+def wait_flags_grid(flag_ptrs, first_ptrs, lanes, want, call, tag, clock_ptr, timeout_us):
+    """``wait_flags`` (stopping at a peer that gave up) of one program's flag of every peer
+    (``flag_ptrs``) in a launch whose grid may differ from rank to rank (it follows the call's
+    shape): while it spins it also reads the same peers' program-0 flags (``first_ptrs``,
+    every grid has a program 0) and stops at a peer whose launch has no such program
+    (``outside_grid``), instead of waiting until the deadline for a flag no one writes. The
+    first poll reads the awaited flags alone, so a wait that finds them set costs what
+    ``wait_flags`` costs; in the spin the two loads are in flight together. Returns (the
+    words last read, which lanes arrived, which lanes are outside the peer's grid, the
+    program-0 words last read)."""
+    v = _poll(flag_ptrs, lanes)
+    g = v
+    gone = lanes & (v != v)
+    pending = _pending(v, lanes, want, True)
+    if pending > 0:
+        deadline = call_deadline(clock_ptr, call, timeout_us)
+        while (pending > 0) & (now_ns() < deadline):
+            v = _poll(flag_ptrs, lanes)
+            g = _poll(first_ptrs, lanes)
+            gone = outside_grid(v, g, lanes, want, tag)
+            pending = tl.where(tl.sum(gone.to(tl.int32)) > 0, 0, _pending(v, lanes, want, True))
+    return v, lanes & reached(v, want), gone, g
 
 
 @triton.jit

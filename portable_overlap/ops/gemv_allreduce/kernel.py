@@ -72,10 +72,13 @@ def _signal_peers(ctx, flags_ptr, pid, rank, call, ok, tag, G_MAX: tl.constexpr)
 
 @triton.jit
 def _wait_peers(ctx, flags_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
-    """Wait for ``flags[q][pid]`` of every peer q, all at once (``pol.wait_peers``); ``ok``
-    and-ed with the outcome. Nothing is waited for once ``ok`` is false."""
+    """Wait for ``flags[q][pid]`` of every peer q, all at once; ``ok`` and-ed with the outcome.
+    Nothing is waited for once ``ok`` is false. The grid follows N (and the tiling), so a peer
+    called with another N may have no program pid: ``pol.wait_program_peers`` then reports the
+    mismatch from the peer's program 0 flag instead of timing out, and the context stays
+    usable."""
     if ok:
-        ok = pol.wait_peers(ctx, flags_ptr + pid, G_MAX, call, tag, LIVE_READ=True)
+        ok = pol.wait_program_peers(ctx, flags_ptr, pid, G_MAX, call, tag, LIVE_READ=True)
     return ok
 
 
@@ -316,13 +319,10 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
         # The reducer waits for programs of its own launch (the block's other K slices). It
         # may: the grid is no larger than what is resident on the device at once (api._plan
         # refuses the split otherwise), and the interpreter runs programs one after another in
-        # pid order, so this program, the highest of its group, runs after the ones it waits for
-        if first > 0:
-            # the peers' program 0 first, which every grid has and whose word carries the
-            # peer's tag: a peer planned with another grid (another split, a per-call config on
-            # one rank only) never sets the words of programs past its own, where the waits
-            # below would end only at the deadline and break the context
-            ok = _wait_peers(ctx, ready_ptr, 0, call, ok, tag, G_MAX)
+        # pid order, so this program, the highest of its group, runs after the ones it waits for.
+        # A peer planned with another grid (another split, a per-call config on one rank only)
+        # never sets the words of programs past its own: _wait_peers tells that from its
+        # program 0 word
         for j in range(0, SPLIT_K):
             ok = _wait_peers(ctx, ready_ptr, first + j, call, ok, tag, G_MAX)
         for j in range(0, SPLIT_K - 1):
