@@ -424,8 +424,8 @@ def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr 
     path of a short call; a wait of the same call that timed out meanwhile has passed the
     call's one deadline, so the first poll is the last).
     Returns whether every flag arrived, no peer gave up and the tags agree."""
-    return _wait_all(ctx, flags_ptr, flags_ptr, stride, call, call, tag, False, ARRIVED_ONLY,
-                     LIVE_READ, False)
+    return _wait_all(ctx, flags_ptr, flags_ptr, stride, call, call, tag, 0, False, ARRIVED_ONLY,
+                     LIVE_READ, False, 1, False)
 
 
 @triton.jit
@@ -435,43 +435,63 @@ def wait_peers_reached(ctx, flags_ptr, stride, epoch, call, LIVE_READ: tl.conste
     say of that call (e.g. it is done reading a buffer it signalled for). Bounded by call
     ``call``'s deadline; returns whether every flag arrived. ``LIVE_READ`` as in
     :func:`wait_peers`."""
-    return _wait_all(ctx, flags_ptr, flags_ptr, stride, epoch, call, -1, True, False,
-                     LIVE_READ, False)
+    return _wait_all(ctx, flags_ptr, flags_ptr, stride, epoch, call, -1, 0, True, False,
+                     LIVE_READ, False, 1, False)
 
 
 @triton.jit
-def wait_program_peers(ctx, flags_ptr, program, stride, call, tag,
+def wait_program_peers(ctx, flags_ptr, first, stride, call, tag,
+                       PROGRAMS: tl.constexpr = 1, OWN: tl.constexpr = False,
                        LIVE_READ: tl.constexpr = False):
-    """:func:`wait_peers` for program ``program``'s flag of every peer, in a launch whose grid
-    follows the call's shape (so ranks called with other shapes run other grids): ``flags_ptr``
-    is a ``[num_ranks, stride]`` array with one word per program (peer q's program p sets
-    ``flags[q][p]`` with ``signal_all``), and ``tag`` (>= 0) carries the grid. A peer whose
-    launch has no program ``program`` never sets the awaited word; its program 0's word, which
-    every grid has, then holds this call with another tag (or a later call): the wait stops
-    there and reports a mismatch (``RankMismatchError``, the ranks still in step) instead of
-    waiting until the deadline and leaving the workspace out of step. That word is read only
-    while the wait spins, beside the awaited ones. ``LIVE_READ`` as in :func:`wait_peers`."""
-    return _wait_all(ctx, flags_ptr + program, flags_ptr, stride, call, call, tag, False, False,
-                     LIVE_READ, True)
+    """:func:`wait_peers` for the flags of programs ``first`` to ``first + PROGRAMS - 1``
+    of every peer, in a launch whose grid follows the call's shape (so ranks called with other
+    shapes run other grids): ``flags_ptr`` is a ``[num_ranks, stride]`` array with one word per
+    program (peer q's program p sets ``flags[q][p]`` with ``signal_all``), and ``tag`` (>= 0)
+    carries the grid. With ``OWN`` this rank's own words of those programs too (set with
+    :func:`signal` by programs of this launch: the caller must be persistent, with a resident
+    grid), but for the calling program's own (:func:`program`). Every word is polled at once, one load round
+    trip per poll for up to 8 ranks, where a wait per program and rank makes a chain of them.
+    A peer whose launch has no such program never sets the awaited word; its program 0's word,
+    which every grid has, then holds this call with another tag (or a later call): the wait
+    stops there and reports a mismatch (``RankMismatchError``, the ranks still in step)
+    instead of waiting until the deadline and leaving the workspace out of step. That word is
+    read only while the wait spins, beside the awaited ones. ``LIVE_READ`` as in
+    :func:`wait_peers`."""
+    return _wait_all(ctx, flags_ptr + first, flags_ptr, stride, call, call, tag,
+                     program() - first, False, False, LIVE_READ, True, PROGRAMS, OWN)
+
+
+@triton.constexpr_function
+def _pow2_at_least(n):
+    return triton.next_power_of_2(n)
 
 
 @triton.jit
-def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, REACHED_ONLY: tl.constexpr,
-              ARRIVED_ONLY: tl.constexpr, LIVE_READ: tl.constexpr, GRID: tl.constexpr):
+def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, skip, REACHED_ONLY: tl.constexpr,
+              ARRIVED_ONLY: tl.constexpr, LIVE_READ: tl.constexpr, GRID: tl.constexpr,
+              PROGRAMS: tl.constexpr, OWN: tl.constexpr):
+    """The waits on every peer's flag words, ``PROGRAMS`` consecutive words per peer from
+    ``flag_ptr + q * stride`` (with ``OWN`` this rank's too, but for its word ``skip``), polled
+    together: one load round trip per poll for up to ``_SIGNAL_LANES`` ranks."""
     me = rank(ctx)
     world = num_ranks(ctx)
     if LIVE_READ:
         ok = me >= 0  # true, as a value the loop below may set to false
     else:
         ok = is_live(ctx)
-    for first in range(1, world, _SIGNAL_LANES):
+    PER_RANK: tl.constexpr = _pow2_at_least(PROGRAMS)  # (a block's lanes: a power of two)
+    idx = tl.arange(0, _SIGNAL_LANES * PER_RANK)
+    offs = idx % PER_RANK  # a lane's word of its rank's PROGRAMS
+    for first in range(0 if OWN else 1, world, _SIGNAL_LANES):
         if ok:
-            steps = first + tl.arange(0, _SIGNAL_LANES)
+            steps = first + idx // PER_RANK
             peers = (me + steps) % world
-            ptrs = flag_ptr + peers.to(tl.int64) * stride
-            lanes = steps < world
+            ptrs = flag_ptr + peers.to(tl.int64) * stride + offs
+            lanes = (steps < world) & (offs < PROGRAMS)
+            if OWN:
+                lanes = lanes & ((steps != 0) | (offs != skip))
             if ARRIVED_ONLY:
-                seen = tl.atomic_add(ptrs, tl.zeros((_SIGNAL_LANES,), tl.int64), mask=lanes,
+                seen = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=lanes,
                                      sem="acquire", scope="sys")
                 lanes = lanes & _shmem.reached(tl.where(lanes, seen, 0), want)
             if GRID:  # a peer whose launch has no such program is a mismatch, found early
@@ -501,11 +521,11 @@ def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, REACHED_ONLY: t
                 given_up = failed | other
                 if tl.sum(given_up.to(tl.int32)) > 0:
                     bad = given_up
-                step = tl.min(tl.where(bad, steps, world))
-                pick = steps == step
+                order = steps * PER_RANK + offs  # one lane: the first bad one in that order
+                pick = order == tl.min(tl.where(bad, order, world * PER_RANK))
                 peer = tl.sum(tl.where(pick, peers, 0))
                 word = tl.sum(tl.where(pick, v, 0))
-                ptr = flag_ptr + peer.to(tl.int64) * stride
+                ptr = flag_ptr + peer.to(tl.int64) * stride + tl.sum(tl.where(pick, offs, 0))
                 if tl.sum((pick & missing).to(tl.int32)) > 0:
                     _timed_out(ctx, peer, ptr, want, call)
                 else:

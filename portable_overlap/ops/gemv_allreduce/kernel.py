@@ -320,14 +320,14 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
         # may: the grid is no larger than what is resident on the device at once (api._plan
         # refuses the split otherwise), and the interpreter runs programs one after another in
         # pid order, so this program, the highest of its group, runs after the ones it waits for.
-        # A peer planned with another grid (another split, a per-call config on one rank only)
-        # never sets the words of programs past its own: _wait_peers tells that from its
-        # program 0 word
-        for j in range(0, SPLIT_K):
-            ok = _wait_peers(ctx, ready_ptr, first + j, call, ok, tag, G_MAX)
-        for j in range(0, SPLIT_K - 1):
-            if ok:
-                ok = pol.wait(ctx, ready_ptr + rank * G_MAX + first + j, call, rank, tag)
+        # Every word of the group, the peers' and this rank's other slices', polled at once:
+        # one round trip per poll, not a chain of 2 * SPLIT_K - 1 waits (one per slice and
+        # rank) on the critical path of the call's end. A peer planned with another grid (another split, a per-call config on
+        # one rank only) never sets the words of programs past its own: the wait tells that
+        # from its program 0 word.
+        if ok:
+            ok = pol.wait_program_peers(ctx, ready_ptr, first, G_MAX, call, tag,
+                                        PROGRAMS=SPLIT_K, OWN=True, LIVE_READ=True)
         ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
         if ok:
             total = _sum_partials(half + n0 + tile_off, S_MN, MN, world, mask, BLOCK_M, BLOCK_N,
