@@ -531,6 +531,65 @@ def test_one_shot_refusal_is_not_read_as_delivered_by_a_late_peer(world2):
     assert mine["call 2"] < 1e-5 and peer["call 2"] < 1e-5
 
 
+def _refusal_overtaken_before_the_read(world, split):
+    """One-shot: rank 0 refuses call #1 (bad ``out``) and makes call #2 at once; rank 1 makes
+    call #1 and, after its signal, is slow to read the flags (its flag wait sleeps under the
+    interpreter), so rank 0's call #2, which waits only for rank 1's signal of call #1, sets
+    rank 0's ``ready`` words to call #2 before rank 1 reads them. Read as "call #1 delivered",
+    rank 1 would sum partials rank 0 never stored, without an error: it must read the refusal
+    (``bcast``) and fail call #1, and both ranks must agree on call #2. Rank 0's wait for its
+    peers' call counters before the call after a refusal (``settle_late_stores``) keeps its
+    call #2 behind rank 1's call #1 as well: it is left out here, so that the device's own
+    guard is what is tested."""
+    import time
+
+    from portable_overlap import language as pol
+
+    r = world.rank
+    cfg = GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, programs_per_sm=8,
+                     split_k=split)
+    ctx = GemvAllReduce(world, max_n=16, transport="one_shot", timeout_s=20.0, config=cfg)
+    g = torch.Generator().manual_seed(r)
+    (x1, w1), (x2, w2) = [(torch.randn(2, 40, generator=g), torch.randn(16, 40, generator=g))
+                          for _ in range(2)]
+    real_wait = pol.wait_program_peers
+
+    def slow_wait(*args, **kwargs):
+        if int(args[4]) == 1:  # (the call)
+            time.sleep(2.0)
+        return real_wait(*args, **kwargs)
+
+    found = {}
+    if r == 1:
+        pol.wait_program_peers = slow_wait
+    else:
+        ctx.impl.settle_late_stores = lambda: None
+    try:
+        try:
+            y = ctx(x1, w1, out=torch.empty(3, 3) if r == 0 else None)
+            ctx.synchronize()
+            found["call 1"] = rel_err(y, gemv_all_reduce_reference(x1, w1, world.group))
+        except Exception as e:
+            found["call 1"] = f"{type(e).__name__}: {e}"
+        pol.wait_program_peers = real_wait
+        y = ctx(x2, w2)
+        ctx.synchronize()
+        found["call 2"] = rel_err(y, gemv_all_reduce_reference(x2, w2, world.group))
+    finally:
+        pol.wait_program_peers = real_wait
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_one_shot_refusal_overtaken_before_the_read_is_not_read_as_delivered(world2, split):
+    mine, peer = world2.run(_refusal_overtaken_before_the_read, split, timeout=120)
+    assert mine["call 1"].startswith("ValueError"), mine
+    assert isinstance(peer["call 1"], str) and peer["call 1"].startswith("PeerTimeoutError") \
+        and "gave up" in peer["call 1"], peer
+    assert mine["call 2"] < 1e-5 and peer["call 2"] < 1e-5
+
+
 def _slow_reader_past_a_refusal(world):
     """One-shot: rank 1 is slow between its flag waits and its sum in call #2 (its ``pol.wait``
     sleeps under the interpreter); meanwhile rank 0 finishes call #2, refuses call #3 (bad

@@ -424,8 +424,9 @@ def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr 
     path of a short call; a wait of the same call that timed out meanwhile has passed the
     call's one deadline, so the first poll is the last).
     Returns whether every flag arrived, no peer gave up and the tags agree."""
-    return _wait_all(ctx, flags_ptr, flags_ptr, stride, call, call, tag, 0, False, ARRIVED_ONLY,
-                     LIVE_READ, False, 1, False)
+    ok, _ = _wait_all(ctx, flags_ptr, flags_ptr, stride, call, call, tag, 0, False,
+                      ARRIVED_ONLY, LIVE_READ, False, 1, False)
+    return ok
 
 
 @triton.jit
@@ -435,12 +436,13 @@ def wait_peers_reached(ctx, flags_ptr, stride, epoch, call, LIVE_READ: tl.conste
     say of that call (e.g. it is done reading a buffer it signalled for). Bounded by call
     ``call``'s deadline; returns whether every flag arrived. ``LIVE_READ`` as in
     :func:`wait_peers`."""
-    return _wait_all(ctx, flags_ptr, flags_ptr, stride, epoch, call, -1, 0, True, False,
-                     LIVE_READ, False, 1, False)
+    ok, _ = _wait_all(ctx, flags_ptr, flags_ptr, stride, epoch, call, -1, 0, True, False,
+                      LIVE_READ, False, 1, False)
+    return ok
 
 
 @triton.jit
-def wait_program_peers(ctx, flags_ptr, first, stride, call, tag,
+def wait_program_peers(ctx, flags_ptr, first, stride, call, tag, refusals_ptr=None,
                        PROGRAMS: tl.constexpr = 1, OWN: tl.constexpr = False,
                        LIVE_READ: tl.constexpr = False):
     """:func:`wait_peers` for the flags of programs ``first`` to ``first + PROGRAMS - 1``
@@ -449,16 +451,29 @@ def wait_program_peers(ctx, flags_ptr, first, stride, call, tag,
     program (peer q's program p sets ``flags[q][p]`` with ``signal_all``), and ``tag`` (>= 0)
     carries the grid. With ``OWN`` this rank's own words of those programs too (set with
     :func:`signal` by programs of this launch: the caller must be persistent, with a resident
-    grid), but for the calling program's own (:func:`program`). Every word is polled at once, one load round
-    trip per poll for up to 8 ranks, where a wait per program and rank makes a chain of them.
+    grid), but for the calling program's own (:func:`program`). Every word is polled at once,
+    one load round trip per poll for up to 8 ranks, where a wait per program and rank makes a
+    chain of them.
+
     A peer whose launch has no such program never sets the awaited word; its program 0's word,
     which every grid has, then holds this call with another tag (or a later call): the wait
     stops there and reports a mismatch (``RankMismatchError``, the ranks still in step)
     instead of waiting until the deadline and leaving the workspace out of step. That word is
-    read only while the wait spins, beside the awaited ones. ``LIVE_READ`` as in
-    :func:`wait_peers`."""
-    return _wait_all(ctx, flags_ptr + first, flags_ptr, stride, call, call, tag,
-                     program() - first, False, False, LIVE_READ, True, PROGRAMS, OWN)
+    read only while the wait spins, beside the awaited ones.
+
+    ``refusals_ptr``: a flag array of the same layout that no call of the protocol writes and a
+    refusal on the host does (``refuse_kernel`` writes every flag array of the workspace). A
+    peer that refused this call waited for nothing and may already have set the awaited word
+    to its next call, which reads as "this call delivered"; where a word is past ``call`` the
+    same peers' words there are judged too (:func:`wait_peers` with ``ARRIVED_ONLY``): one
+    more load round trip, only then. ``LIVE_READ`` as in :func:`wait_peers`."""
+    ok, later = _wait_all(ctx, flags_ptr + first, flags_ptr, stride, call, call, tag,
+                          program() - first, False, False, LIVE_READ, True, PROGRAMS, OWN)
+    if refusals_ptr is not None:
+        if ok & later:
+            ok, _ = _wait_all(ctx, refusals_ptr + first, refusals_ptr, stride, call, call, tag, 0,
+                              False, True, True, False, PROGRAMS, False)
+    return ok
 
 
 @triton.constexpr_function
@@ -472,13 +487,15 @@ def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, skip, REACHED_O
               PROGRAMS: tl.constexpr, OWN: tl.constexpr):
     """The waits on every peer's flag words, ``PROGRAMS`` consecutive words per peer from
     ``flag_ptr + q * stride`` (with ``OWN`` this rank's too, but for its word ``skip``), polled
-    together: one load round trip per poll for up to ``_SIGNAL_LANES`` ranks."""
+    together: one load round trip per poll for up to ``_SIGNAL_LANES`` ranks. Returns (whether
+    every word arrived and was judged good, whether one held a later call than ``want``)."""
     me = rank(ctx)
     world = num_ranks(ctx)
     if LIVE_READ:
         ok = me >= 0  # true, as a value the loop below may set to false
     else:
         ok = is_live(ctx)
+    later = me < 0  # false: whether an awaited word was past ``want`` (a later call's)
     PER_RANK: tl.constexpr = _pow2_at_least(PROGRAMS)  # (a block's lanes: a power of two)
     idx = tl.arange(0, _SIGNAL_LANES * PER_RANK)
     offs = idx % PER_RANK  # a lane's word of its rank's PROGRAMS
@@ -512,6 +529,7 @@ def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, skip, REACHED_O
                 failed = arrived & _shmem.peer_failed(v, this_call)
                 other = (arrived & (tag >= 0) & this_call & ((v >> 32) != tag)) | gone
                 v = tl.where(gone, g, v)  # (the report of such a peer: its program 0's tag)
+            later = later | (tl.sum((arrived & ~this_call).to(tl.int32)) > 0)
             bad = missing | failed | other
             if tl.sum(bad.to(tl.int32)) > 0:
                 # the first peer in rotated order that gave up or called with other shapes,
@@ -533,7 +551,7 @@ def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, skip, REACHED_O
                                   tl.sum((pick & failed).to(tl.int32)) > 0)
                 ok = False
     tl.debug_barrier()  # the acquiring lanes' view becomes the whole program's
-    return ok
+    return ok, later
 
 
 @triton.jit

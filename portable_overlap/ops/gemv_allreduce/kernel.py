@@ -31,7 +31,7 @@ the two halves of ``partial`` by the call's parity: a peer may still be reducing
 this rank starts call c + 1, but it has finished call c before it signals call c + 1, which this
 rank waits for before call c + 2 writes that half again (in call c + 1, or at the start of call
 c + 2 where this rank refused call c + 1 on the host). A peer's refusal is read from ``bcast``,
-which no one-shot call writes (``_refusals``).
+which no one-shot call writes (``_wait_ready``).
 
 The one-shot form can also split K (``SPLIT_K`` = ``GemvConfig.split_k`` > 1): where N has
 fewer column blocks than the device has SMs, the K loop of each block is cut into ``SPLIT_K``
@@ -194,18 +194,21 @@ def _two_shot(x_ptr, w_ptr, out_ptr, partial_ptr, result_ptr, ready_ptr, bcast_p
 
 
 @triton.jit
-def _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX: tl.constexpr):
-    """The one-shot form's check that no peer gave up on call ``call`` on the host. A refused
-    call sets the peer's words of both flag arrays here (``refuse_kernel``) and waits for
-    nothing, so the peer's next call may set its ``ready`` word before this rank read the
-    refusal there: a later call's flag, which reads as "call delivered", and this rank would sum
-    partials the peer never stored, with no error (seen on emulated ranks). No one-shot call
-    writes ``bcast``: a refusal stays there, and a word that reached this call is judged as a
-    flag of it; an older word (no refusal) is passed over (``ARRIVED_ONLY``: every peer's word
-    read at once). ``ok`` and-ed with the outcome."""
+def _wait_ready(ctx, ready_ptr, bcast_ptr, first, call, ok, tag, G_MAX: tl.constexpr,
+                PROGRAMS: tl.constexpr, OWN: tl.constexpr):
+    """The one-shot form's wait for the partials of programs ``first`` to ``first + PROGRAMS
+    - 1`` of every peer (with ``OWN``, of this rank's other programs of them too: the K split's
+    slices), ``ok`` and-ed with the outcome. A peer that refused the call on the host set its
+    words of both flag arrays (``refuse_kernel``) and waited for nothing, so its next call may
+    set the ``ready`` word before this rank read the refusal there: a later call's flag, which
+    reads as "call delivered", and this rank would sum partials the peer never stored, with no
+    error (seen on emulated ranks). No one-shot call writes ``bcast``: a refusal stays there,
+    and where a ``ready`` word is past the call the wait judges the peers' ``bcast`` words too
+    (``refusals_ptr``; one more load round trip, only then: a word that holds the call itself
+    was set by the peer's launch of it)."""
     if ok:
-        ok = pol.wait_peers(ctx, bcast_ptr + pid, G_MAX, call, tag, ARRIVED_ONLY=True,
-                            LIVE_READ=True)
+        ok = pol.wait_program_peers(ctx, ready_ptr, first, G_MAX, call, tag, bcast_ptr,
+                                    PROGRAMS=PROGRAMS, OWN=OWN, LIVE_READ=True)
     return ok
 
 
@@ -270,8 +273,7 @@ def _one_shot(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ctx, M, 
                 ok = _half_free(ctx, ready_ptr, call, ok, G_MAX)
             _push_partial(ctx, half + rank * MN + n0 + tile_off, acc, rank, world, mask, ok)
     _signal_peers(ctx, ready_ptr, pid, rank, call, ok, tag, G_MAX)
-    ok = _wait_peers(ctx, ready_ptr, pid, call, ok, tag, G_MAX)
-    ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
+    ok = _wait_ready(ctx, ready_ptr, bcast_ptr, pid, call, ok, tag, G_MAX, 1, False)
     if ok:
         for i in range(0, n_rounds):
             if pid + i * G < n_blocks:
@@ -325,10 +327,7 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
         # rank) on the critical path of the call's end. A peer planned with another grid (another split, a per-call config on
         # one rank only) never sets the words of programs past its own: the wait tells that
         # from its program 0 word.
-        if ok:
-            ok = pol.wait_program_peers(ctx, ready_ptr, first, G_MAX, call, tag,
-                                        PROGRAMS=SPLIT_K, OWN=True, LIVE_READ=True)
-        ok = _refusals(ctx, bcast_ptr, pid, call, ok, tag, G_MAX)
+        ok = _wait_ready(ctx, ready_ptr, bcast_ptr, first, call, ok, tag, G_MAX, SPLIT_K, True)
         if ok:
             total = _sum_partials(half + n0 + tile_off, S_MN, MN, world, mask, BLOCK_M, BLOCK_N,
                                   SPLIT_K)
