@@ -224,12 +224,18 @@ class Workspace(ContextBase):
         programs or more for a kernel that calls ``pol.end_call``: its programs count out below
         that bit of the call counter (``shmem.device.count_out``), so with more of them the
         call number would move in the middle of the call, and programs of one launch would
-        signal and wait with different numbers."""
+        signal and wait with different numbers. Also refuse an empty grid (a size below 1,
+        e.g. ``triton.cdiv(n, BLOCK)`` of an ``n`` of 0): no program would count the call out,
+        and the call-count check would then break the workspace for a kernel that is right."""
         if callable(grid):
             return
         programs = 1
         for size in grid:
             programs *= int(size)
+        if any(int(size) < 1 for size in grid):
+            raise ValueError(f"{self.OP}: an empty grid {tuple(grid)}: a launch is one call of "
+                             f"the workspace, and its programs count it out (pol.end_call); "
+                             f"launch at least one program, or make no launch")
         if programs >= 1 << CALL_SHIFT and _reaches(kernel, {_lang.end_call}):
             raise ValueError(
                 f"{self.OP}: a grid of {programs} programs ({tuple(grid)}) for a kernel that "

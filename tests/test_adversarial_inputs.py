@@ -664,3 +664,34 @@ def test_named_signal_option_not_taken_on_one_rank_raises_on_every_rank(world2):
                 assert isinstance(res, str), (r, got)
             else:
                 assert not isinstance(res, str) and res < 1e-5, (r, got)
+
+
+# --- a K that changes while a's strides do not ------------------------------------------------
+
+def _k_changes_under_fixed_strides(world):
+    """Calls of one [M, N] with K = 32, then 20, then 7, ``a`` transposed or stride 0: its
+    strides ((1, M), (0, 1)) do not change with K. The signal transports keyed their compiled
+    GEMM by the plan (not keyed by K) and the strides, so the K = 20 call ran the launch made for
+    K = 32, whose K loop is unmasked (EVEN_K): it read past the end of ``a`` and ``b`` and
+    returned garbage (relative errors 1e35 to inf) without an error."""
+    g = torch.Generator().manual_seed(world.rank)
+    errs = {}
+    for name, ctx, ref in (
+            ("all_reduce signal_collective",
+             po.MatmulAllReduce(world, 8, 8, transport="signal_collective"),
+             po.matmul_all_reduce_reference),
+            ("reduce_scatter signal_copy_engine",
+             po.MatmulReduceScatter(world, 8, 8, transport="signal_copy_engine"),
+             po.matmul_reduce_scatter_reference)):
+        for how in ("transposed", "stride_0"):
+            for K in (32, 20, 7):
+                a = laid_out((4, K), how, gen=g)
+                b = torch.randn(K, 8, generator=g)
+                errs[f"{name} {how} K={K}"] = rel_err(ctx(a, b), ref(a, b, world.group))
+        ctx.close()
+    return errs
+
+
+def test_signal_transports_replan_when_k_changes_under_fixed_strides(world2):
+    for errs in world2.run(_k_changes_under_fixed_strides, timeout=120):
+        assert all(e < 1e-5 for e in errs.values()), errs

@@ -17,6 +17,7 @@ import torch
 
 import portable_overlap as po
 from portable_overlap.ops.registry import PARTS, SPECS
+from portable_overlap.testing.compare import rel_err
 from portable_overlap.testing.layouts import laid_out
 from portable_overlap.testing.patterns import GEMM_PATTERNS
 from portable_overlap.testing.routing import route
@@ -329,3 +330,44 @@ def test_fake_matches_the_real_op(world2, name):
         assert not bad, (rank, bad)
         # the odd shapes are for the op to compute, not to refuse: most cases ran
         assert sum(what == "ok" for _, what in found) >= len(found) * 2 // 3, (rank, found)
+
+
+def _another_ops_handle(world):
+    """The torch ops given the handle of another op's context: the real op and the fake each
+    raise ``TypeError`` naming the context it needs. The real op used to run the other op
+    (``matmul_reduce_scatter`` with a ``MatmulAllReduce``'s handle returned the [M, N]
+    all-reduce where its fake says [M / W, N]; ``matmul_all_to_all`` an all-reduce), a wrong
+    result without an error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = torch.ops.portable_overlap
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    ar = po.MatmulAllReduce(world, 8, 8, transport="stores")
+    rs = po.MatmulReduceScatter(world, 8, 8, transport="stores")
+    found = {}
+    for name, call in (("reduce_scatter", lambda x, y: ops.matmul_reduce_scatter(x, y, ar.handle)),
+                       ("all_reduce", lambda x, y: ops.matmul_all_reduce(x, y, rs.handle)),
+                       ("all_to_all", lambda x, y: ops.matmul_all_to_all(x, y, ar.handle))):
+        for how in ("real", "fake"):
+            try:
+                if how == "real":
+                    call(a, b)
+                else:
+                    with FakeTensorMode() as mode:
+                        call(mode.from_tensor(a), mode.from_tensor(b))
+                found[f"{name} {how}"] = "no error"
+            except TypeError as e:
+                found[f"{name} {how}"] = str(e)
+    # the ranks are still in step: nothing ran
+    ok = rel_err(ops.matmul_all_reduce(a, b, ar.handle),
+                 po.matmul_all_reduce_reference(a, b, world.group)) < 1e-5
+    ar.close()
+    rs.close()
+    return found, ok
+
+
+def test_a_torch_op_refuses_another_ops_context(world2):
+    for found, ok in world2.run(_another_ops_handle):
+        assert ok
+        for case, msg in found.items():
+            assert "ctx must be a Matmul" in msg, (case, msg)

@@ -925,3 +925,34 @@ def test_one_shot_calls_of_fewer_partials_keep_the_last_calls_half(world2, split
     for errs, kept in world2.run(_one_shot_halves, split, timeout=120):
         assert all(e < TOL[torch.float32] for e in errs), errs
         assert kept
+
+
+def _one_row_w_narrower_than_x(world):
+    """x [2, 8] and a one-row w [1, 8], then the same x with w [1, 5] cut from a [1, 8] tensor
+    (row stride 8, contiguous: a one-row tensor is whatever its row stride). The fused
+    transports' plans were keyed by x's K and w's row stride, not w's own K: the second call
+    reused the first's plan, skipped the check, and read 8 columns of the 5-column w (the 3
+    past its end) without an error. Then a good call: the ranks stayed in step."""
+    g = torch.Generator().manual_seed(world.rank)
+    got = {}
+    for transport in KERNEL_TRANSPORTS:
+        ctx = GemvAllReduce(world, max_n=8, transport=transport)
+        x, w = torch.randn(2, 8, generator=g), torch.randn(1, 8, generator=g)
+        ctx(x, w)
+        try:
+            ctx(x, torch.randn(1, 8, generator=g)[:, :5])
+            got[transport] = "no error"
+        except ValueError as e:
+            got[transport] = str(e)
+        w = torch.randn(1, 8, generator=g)
+        got[f"{transport} after"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w,
+                                                                                world.group))
+        ctx.close()
+    return got
+
+
+def test_a_w_narrower_than_x_is_refused_after_a_planned_call(world2):
+    for got in world2.run(_one_row_w_narrower_than_x):
+        for transport in KERNEL_TRANSPORTS:
+            assert "x has K=8 columns but w has K=5" in got[transport], got
+            assert got[f"{transport} after"] < TOL[torch.float32], got

@@ -66,6 +66,12 @@ def test_a_grid_the_call_counter_cannot_count_out_is_refused(world2):
     assert not calls.check_oversized_grid(world2.run(calls.oversized_grid, timeout=60))
 
 
+def test_an_empty_grid_is_refused_and_the_workspace_goes_on(world2):
+    """A grid with a size of 0 launches no program, so none counts the call out: refused
+    before the launch, and the next launch runs."""
+    assert not calls.check_empty_grid(world2.run(calls.empty_grid, timeout=60))
+
+
 def test_a_branch_on_end_call_is_refused_and_end_call_last_tells_the_last(world2):
     """pol.end_call returns nothing (no program waits to learn whether it was the last): a
     kernel that branches on it would skip the branch without an error."""

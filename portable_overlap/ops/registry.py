@@ -129,7 +129,12 @@ def define(spec: OpSpec) -> OpSpec:
 
     def _split(args, kwargs):
         args = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
-        return get_context(args[h]), args[:h] + args[h + 1:]
+        ctx = get_context(args[h])
+        # the handle of another op's context would run that op (an all-reduce for a
+        # reduce-scatter, with the fake's shape the reduce-scatter's): refused, as the op's
+        # Python function refuses that context
+        check_context(spec, ctx)
+        return ctx, args[:h] + args[h + 1:]
 
     def kernel(*args, **kwargs):
         ctx, rest = _split(args, kwargs)

@@ -415,6 +415,25 @@ def check_oversized_grid(out):
                                     for e in errors)]
 
 
+def empty_grid(world):
+    """Launches over empty grids (``(0,)``, ``(3, 0)``: ``triton.cdiv(n, BLOCK)`` of an
+    ``n`` of 0), then one of 3 programs: the errors and the device's call count after them.
+    An empty launch counted as a call that no program counted out, and the call-count check
+    broke the workspace, blaming the kernel for skipping ``pol.end_call``."""
+    with Workspace(world, 256, name="grid") as ws:
+        errors = [error_of_one_call(lambda g=g: ws.launch(_counted_kernel, g))
+                  for g in ((0,), (3, 0))]
+        ws.launch(_counted_kernel, (3,))
+        ws.synchronize()
+        return errors, calls_counted(ws.ctx)
+
+
+def check_empty_grid(out):
+    return [f"rank {r}: {errors}, {done} calls" for r, (errors, done) in enumerate(out)
+            if done != 1 or not all(e and e[0] == "ValueError" and "empty grid" in e[1]
+                                    for e in errors)]
+
+
 @triton.jit
 def _double_end_kernel(ctx, out_ptr, TWICE: tl.constexpr):
     call = pol.begin_call(ctx)

@@ -497,11 +497,15 @@ class GemmSignal(ContextBase):
     def launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed, *,
                     with_reorder: bool = True):
         """The compiled GEMM and reorder launches for these tensors (the JIT specializes on
-        strides and 16-byte alignment, so those are part of the key). ``with_reorder=False``:
-        the GEMM alone (``None`` for the reorder), for transports that consume staging in their
-        own kernel (copy_engine.py)."""
+        strides and 16-byte alignment, so those are part of the key, and the GEMM on whether K
+        fills whole K blocks: the plan is not keyed by K, and an ``a`` whose strides do not
+        change with K, a transposed or a stride-0 one, would otherwise run a launch made for
+        another K, its K loop unmasked past the end). ``with_reorder=False``: the GEMM alone
+        (``None`` for the reorder), for transports that consume staging in their own kernel
+        (copy_engine.py)."""
         extra = [t for t in (bias, residual, rms_weight, normed) if t is not None]
-        key = (id(plan), with_reorder, a.stride(), b.stride(), out.stride(0),
+        even_k = a.shape[1] % plan.mm.block_k == 0  # the GEMM's EVEN_K
+        key = (id(plan), with_reorder, even_k, a.stride(), b.stride(), out.stride(0),
                residual.stride(0) if residual is not None else None,
                normed.stride(0) if normed is not None else None,
                bias is not None, align_key(a, b, out, *extra))
@@ -513,7 +517,7 @@ class GemmSignal(ContextBase):
         gemm_consts = dict(USE_DESC=use_desc, BLOCK_M=mm.block_m, BLOCK_N=mm.block_n,
                            BLOCK_K=mm.block_k,
                            GROUP_M=mm.group_m, NUM_STAGES=mm.num_stages,
-                           EVEN_K=K % mm.block_k == 0,
+                           EVEN_K=even_k,
                            PRECISION=dot_precision(a.dtype),
                            UPCAST=dot_upcast(a.dtype), GATE_TABLE=self.counters.indirect,
                            num_warps=mm.num_warps, num_stages=mm.num_stages)

@@ -114,8 +114,10 @@ class GemvAllReduceKernel(OverlapContext):
             check_out(out, M, N, x, w)
         xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
         sx, sw = x.stride(0), w.stride(0)
-        # alignment to 16 bytes: what the compiled kernel assumes of each pointer
-        key = (M, K, N, x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
+        # alignment to 16 bytes: what the compiled kernel assumes of each pointer; w's own K,
+        # as the plan validated it (a one-row w [1, K_w] is contiguous whatever its row stride,
+        # so sw need not tell a w narrower than x)
+        key = (M, K, N, w.shape[1], x.dtype, w.dtype, x.device, w.device, x.is_contiguous(),
                w.is_contiguous(), sx, sw, xp % 16, wp % 16, op % 16, config)
         plan = self._plans.get(key)
         if plan is None:
