@@ -8,6 +8,7 @@ the context serves the next call. Tiny shapes: the whole file runs in under a mi
 cores."""
 import time
 
+import pytest
 import torch
 
 import portable_overlap as po
@@ -695,3 +696,18 @@ def _k_changes_under_fixed_strides(world):
 def test_signal_transports_replan_when_k_changes_under_fixed_strides(world2):
     for errs in world2.run(_k_changes_under_fixed_strides, timeout=120):
         assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def test_context_sizes_must_be_ints_not_bools():
+    """A context's bounds are ints >= 1: ``True`` is an int to Python and would size a context
+    for one row; every context refuses it (and 0, a float, a numpy int) before it allocates
+    anything (the checks run before the world is used)."""
+    import numpy as np
+
+    for bad in (True, 0, 2.0, np.int64(4)):
+        for make in (lambda v: po.MatmulReduceScatter(None, v, 8),
+                     lambda v: po.MatmulAllReduce(None, 8, v),
+                     lambda v: po.GemvAllReduce(None, v),
+                     lambda v: po.AllGatherMatmul(None, v)):
+            with pytest.raises(ValueError, match="must be an int >= 1"):
+                make(bad)

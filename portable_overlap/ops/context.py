@@ -53,6 +53,14 @@ def stream_capturing(device: torch.device) -> bool:
     return bool(torch.get_device_module(device).is_current_stream_capturing())
 
 
+def check_sizes(op: str, **sizes) -> None:
+    """Each of ``sizes`` (a context's bounds: ``max_n=...``) must be an int >= 1, not a bool
+    (``True`` would pass for 1): else a ``ValueError`` naming it."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+
+
 def check_transport(op: str, transport, transports: Sequence[str]) -> str:
     """``transport`` if it is one of ``transports``, else a clear error."""
     if transport not in transports:

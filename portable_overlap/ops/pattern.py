@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ..errors import BackendUnavailable
-from .context import (check_timeout, refuse_call, refuse_grad, refuse_grad_as_call,
-                      register_context, unregister_context)
+from .context import (check_sizes, check_timeout, refuse_call, refuse_grad,
+                      refuse_grad_as_call, register_context, unregister_context)
 from .planner import AUTO, PLANNER_OPTIONS, NamedAgreement, TransportPlanner
 
 
@@ -328,9 +328,7 @@ class MatmulPattern(PatternContext):
 
     def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):
-        for name, v in (("max_m", max_m), ("max_n", max_n)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{self.OP}: {name} must be an int >= 1, got {v!r}")
+        check_sizes(self.OP, max_m=max_m, max_n=max_n)
         self.max_m, self.max_n = max_m, max_n
         super().__init__(world, transport, timeout_s, options)
 

@@ -63,7 +63,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import collective_call, OverlapContext, output_tensor, shape_tag
+from ..context import check_sizes, collective_call, OverlapContext, output_tensor, shape_tag
 from ..pattern import PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
@@ -148,9 +148,7 @@ class AllGatherMatmul(PatternContext):
 
     def __init__(self, world, max_shard_elems: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):
-        if not isinstance(max_shard_elems, int) or max_shard_elems < 1:
-            raise ValueError(f"{OP}: max_shard_elems must be an int >= 1, got "
-                             f"{max_shard_elems!r}")
+        check_sizes(OP, max_shard_elems=max_shard_elems)
         self.max_shard_elems = max_shard_elems
         super().__init__(world, transport, timeout_s, options)
 

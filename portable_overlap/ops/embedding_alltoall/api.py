@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..context import get_context
+from ..context import check_sizes, get_context
 from ..pattern import PatternContext, timeout_kw
 from ..planner import Jagged
 from ..registry import OpSpec, check_context, define
@@ -100,10 +100,7 @@ class EmbeddingAllToAll(PatternContext):
                  num_warps: Optional[int] = None, max_programs: Optional[int] = None,
                  **options):
         plan = ShardingPlan.make(table_rows, dim, world.world_size, table_ranks)
-        if isinstance(max_local_batch, bool) or not isinstance(max_local_batch, int) \
-                or max_local_batch < 1:
-            raise ValueError(f"{OP}: max_local_batch must be an int >= 1, got "
-                             f"{max_local_batch!r}")
+        check_sizes(OP, max_local_batch=max_local_batch)
         check_tiling(block_b, num_warps, max_programs)
         world.check_same(f"{OP} context arguments (plan, max_local_batch)",
                          (plan, max_local_batch))

@@ -324,9 +324,9 @@ def _one_shot_split(x_ptr, w_ptr, out_ptr, partial_ptr, ready_ptr, bcast_ptr, ct
         # pid order, so this program, the highest of its group, runs after the ones it waits for.
         # Every word of the group, the peers' and this rank's other slices', polled at once:
         # one round trip per poll, not a chain of 2 * SPLIT_K - 1 waits (one per slice and
-        # rank) on the critical path of the call's end. A peer planned with another grid (another split, a per-call config on
-        # one rank only) never sets the words of programs past its own: the wait tells that
-        # from its program 0 word.
+        # rank) on the critical path of the call's end. A peer planned with another grid
+        # (another split, a per-call config on one rank only) never sets the words of
+        # programs past its own: the wait tells that from its program 0 word.
         ok = _wait_ready(ctx, ready_ptr, bcast_ptr, first, call, ok, tag, G_MAX, SPLIT_K, True)
         if ok:
             total = _sum_partials(half + n0 + tile_off, S_MN, MN, world, mask, BLOCK_M, BLOCK_N,

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from ..context import check_sizes
 from ..pattern import PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from .config import GemvConfig
@@ -60,8 +61,7 @@ class GemvAllReduce(PatternContext):
 
     def __init__(self, world, max_n: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):
-        if not isinstance(max_n, int) or max_n < 1:
-            raise ValueError(f"{OP}: max_n must be an int >= 1, got {max_n!r}")
+        check_sizes(OP, max_n=max_n)
         self.max_n = max_n
         super().__init__(world, transport, timeout_s, options)
 

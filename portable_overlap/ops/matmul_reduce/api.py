@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
-from ..context import collective_call, OverlapContext, output_tensor, shape_tag
+from ..context import check_sizes, collective_call, OverlapContext, output_tensor, shape_tag
 from ..matmul.api import DTYPES, add_epilogue, check_operands, vector_checks
 
 OP = "matmul_reduce"
@@ -70,8 +70,7 @@ class MatmulReduce(OverlapContext):
         # flag waits and signals do not hold back the copies queued for the other peers.
         if put_lanes is None:
             put_lanes = max(1, W - 1)
-        if not isinstance(put_lanes, int) or put_lanes < 1:
-            raise ValueError(f"{OP}: put_lanes must be an int >= 1, got {put_lanes!r}")
+        check_sizes(OP, put_lanes=put_lanes)
         # more lanes than peers would stay idle
         put_lanes = min(put_lanes, max(1, W - 1))
         world.check_same(f"{OP} context arguments (max_elems, pieces, put_lanes)",
