@@ -152,11 +152,15 @@ def _pending(v, lanes, want, STOP_ON_FAILURE: tl.constexpr):
 
 
 @triton.jit
-def _poll(flag_ptrs, lanes):
-    """One acquire load (system scope) of every lane's local flag word; 0 where no lane."""
+def _poll(flag_ptrs, lanes, ACQUIRE: tl.constexpr = True):
+    """One load (system scope; acquire, else relaxed) of every lane's local flag word; 0 where
+    no lane."""
     zero = tl.zeros(flag_ptrs.shape, tl.int64)
-    return tl.where(lanes, tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="acquire", scope="sys"),
-                    0)
+    if ACQUIRE:
+        v = tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="acquire", scope="sys")
+    else:
+        v = tl.atomic_add(flag_ptrs, zero, mask=lanes, sem="relaxed", scope="sys")
+    return tl.where(lanes, v, 0)
 
 
 @triton.jit
@@ -197,11 +201,16 @@ def wait_flags_grid(flag_ptrs, first_ptrs, lanes, want, call, tag, clock_ptr, ti
     (``flag_ptrs``) in a launch whose grid may differ from rank to rank (it follows the call's
     shape): while it spins it also reads the same peers' program-0 flags (``first_ptrs``,
     every grid has a program 0) and stops at a peer whose launch has no such program
-    (``outside_grid``), instead of waiting until the deadline for a flag no one writes. The
-    first poll reads the awaited flags alone, so a wait that finds them set costs what
-    ``wait_flags`` costs; in the spin the two loads are in flight together. Returns (the
-    words last read, which lanes arrived, which lanes are outside the peer's grid, the
-    program-0 words last read)."""
+    (``outside_grid``), instead of waiting until the deadline for a flag no one writes.
+
+    The first poll reads the awaited flags alone, so a wait that finds them set costs what
+    ``wait_flags`` costs. In the spin the program-0 words are read relaxed, before the awaited
+    ones, so the two loads are in flight together; a verdict from that pair is read again in
+    order (the program-0 words acquired, then the awaited ones) before it stands: a later
+    call's program-0 word proves the awaited word absent only for a load of it made after that
+    word was seen, since the peer wrote the awaited word first. Returns (the words last read,
+    which lanes arrived, which lanes are outside the peer's grid, the program-0 words last
+    read)."""
     v = _poll(flag_ptrs, lanes)
     g = v
     gone = lanes & (v != v)
@@ -209,10 +218,15 @@ def wait_flags_grid(flag_ptrs, first_ptrs, lanes, want, call, tag, clock_ptr, ti
     if pending > 0:
         deadline = call_deadline(clock_ptr, call, timeout_us)
         while (pending > 0) & (now_ns() < deadline):
+            g = _poll(first_ptrs, lanes, False)
             v = _poll(flag_ptrs, lanes)
-            g = _poll(first_ptrs, lanes)
-            gone = outside_grid(v, g, lanes, want, tag)
-            pending = tl.where(tl.sum(gone.to(tl.int32)) > 0, 0, _pending(v, lanes, want, True))
+            pending = _pending(v, lanes, want, True)
+            if tl.sum(outside_grid(v, g, lanes, want, tag).to(tl.int32)) > 0:
+                g = _poll(first_ptrs, lanes)
+                v = _poll(flag_ptrs, lanes)
+                gone = outside_grid(v, g, lanes, want, tag)
+                pending = tl.where(tl.sum(gone.to(tl.int32)) > 0, 0,
+                                  _pending(v, lanes, want, True))
     return v, lanes & reached(v, want), gone, g
 
 
