@@ -46,6 +46,14 @@ def test_wait_peers_reports_the_peer_that_gave_up_not_the_late_one(world4):
     assert not calls.check_quitter_among_late(world4.run(calls.quitter_among_late))
 
 
+@pytest.mark.parametrize("programs", [2, 3])
+def test_wait_program_peers_waits_for_a_group_and_tells_other_grids(world, programs):
+    """Groups of 2 or 3 programs (lanes of a block padded to a power of two), every rank's
+    words of a group polled at once, this rank's included; ranks whose grids differ raise a
+    mismatch at once and the workspace goes on."""
+    assert not calls.check_program_groups(world.run(calls.program_groups, programs))
+
+
 def test_flags_of_another_tag_raise_a_mismatch(world):
     assert not calls.check_tagged(world.run(calls.tagged))
 

@@ -435,6 +435,57 @@ def check_empty_grid(out):
 
 
 @triton.jit
+def _group_kernel(ctx, flags_ptr, out_ptr, P: tl.constexpr, STRIDE: tl.constexpr):
+    """Groups of P programs (a grid of whole groups, its size in the tag): every program sets
+    its word of a ``[num_ranks, STRIDE]`` flag array in every peer's heap, and in this rank's
+    but for the group's last, which waits for every rank's words of its group at once
+    (``pol.wait_program_peers`` with ``OWN``) and stores whether they came."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    pid = tl.program_id(0)
+    tag = tl.num_programs(0) * 2
+    pol.signal_all(ctx, flags_ptr + me * STRIDE + pid, call, True, tag)
+    first = pid // P * P
+    if pid < first + P - 1:
+        pol.signal(ctx, flags_ptr + me * STRIDE + pid, me, call, True, tag)
+    else:
+        ok = pol.wait_program_peers(ctx, flags_ptr, first, STRIDE, call, tag, PROGRAMS=P,
+                                    OWN=True)
+        tl.store(out_ptr + pid, ok.to(tl.int32))
+    pol.end_call(ctx, call)
+
+
+def program_groups(world, P: int):
+    """``_group_kernel`` over 2 groups on every rank, then rank 0 over 3 groups against 1 on
+    the others (the grids differ: rank 0's last group waits for words no peer sets), then 2
+    groups again: each call's error, its time and the groups' verdicts."""
+    stride = 16
+    ws = Workspace(world, 4096, timeout_s=20.0, name="groups")
+    flags = ws.flags((world.world_size, stride), "group")
+    got = []
+    for groups in (2, 3 if world.rank == 0 else 1, 2):
+        out = torch.full((stride,), -1, dtype=torch.int32, device=world.device)
+        t0 = time.monotonic()
+        err = error_of_one_call(lambda: (ws.launch(_group_kernel, (groups * P,), flags, out,
+                                                   P=P, STRIDE=stride), ws.synchronize()))
+        got.append((err, time.monotonic() - t0, out[P - 1::P].tolist()[:groups]))
+        world.barrier()  # (the next call's flags must not stand for this one's: see quitter)
+    ws.close()
+    return got
+
+
+def check_program_groups(out):
+    bad = []
+    for r, ((e1, _, ok1), (e2, s2, ok2), (e3, _, ok3)) in enumerate(out):
+        if e1 is not None or ok1 != [1, 1] or e3 is not None or ok3 != [1, 1]:
+            bad.append(f"rank {r}: agreeing calls {e1} {ok1}, {e3} {ok3}")
+        # the disagreeing grids: a mismatch on every rank, well before the 20 s deadline
+        if e2 is None or e2[0] != "RankMismatchError" or s2 > 10 or 1 in ok2:
+            bad.append(f"rank {r}: other grids {e2} after {s2:.1f} s, {ok2}")
+    return bad
+
+
+@triton.jit
 def _double_end_kernel(ctx, out_ptr, TWICE: tl.constexpr):
     call = pol.begin_call(ctx)
     tl.store(out_ptr + pol.program(), call)
