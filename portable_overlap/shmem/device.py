@@ -225,8 +225,8 @@ def wait_flags_grid(flag_ptrs, first_ptrs, lanes, want, call, tag, clock_ptr, ti
                 g = _poll(first_ptrs, lanes)
                 v = _poll(flag_ptrs, lanes)
                 gone = outside_grid(v, g, lanes, want, tag)
-                pending = tl.where(tl.sum(gone.to(tl.int32)) > 0, 0,
-                                  _pending(v, lanes, want, True))
+                n_gone = tl.sum(gone.to(tl.int32))
+                pending = tl.where(n_gone > 0, 0, _pending(v, lanes, want, True))
     return v, lanes & reached(v, want), gone, g
 
 
