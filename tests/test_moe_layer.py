@@ -214,6 +214,42 @@ def test_fused_layer_matches_torch_path(world, capacity, dedup):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _bad_tokens(world, fused):
+    """Tokens the layer cannot take (a [B, T, H] batch, the wrong width, the wrong dtype), on
+    every rank: each raises an error that names the layer, before any collective, and the next
+    call is right."""
+    from portable_overlap import ExpertParallelMoE
+
+    H = 8
+    layer = ExpertParallelMoE(world, H, 8, 2 * world.world_size, 2, max_tokens=6,
+                              dtype=torch.float32, fused=fused)
+    ref = ExpertParallelMoE(world, H, 8, 2 * world.world_size, 2, max_tokens=6,
+                            dtype=torch.float32, fused=False)
+    msgs = []
+    try:
+        with torch.no_grad():
+            for t in (torch.randn(2, 3, H), torch.randn(3, H + 1), torch.randn(3, H).double()):
+                try:
+                    layer(t)
+                    msgs.append(None)
+                except (TypeError, ValueError) as e:
+                    msgs.append(str(e))
+            tokens = torch.randn(5, H, generator=torch.Generator().manual_seed(world.rank))
+            y = layer(tokens)
+            layer.synchronize()
+            err = ((y - ref(tokens)).norm() / ref(tokens).norm()).item()
+    finally:
+        layer.close()
+    return msgs, err
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_path"])
+def test_tokens_the_layer_cannot_take_are_refused(world2, fused):
+    for msgs, err in world2.run(_bad_tokens, fused):
+        assert all(m and m.startswith("ExpertParallelMoE: tokens") for m in msgs), msgs
+        assert err < 1e-5, err
+
+
 def _dedup_refused(world):
     from portable_overlap import ExpertParallelMoE
 
