@@ -160,6 +160,30 @@ def test_expert_swiglu_tiles_picked_on_the_device(world2):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _swiglu_counts_past_x(world):
+    """Counts that are not rows of x (more rows than x has, a negative count), per source and
+    gathered, split and whole: nothing is computed, out stays poisoned, and the memory past x
+    and out (both views of larger buffers, here) is untouched."""
+    g = torch.Generator().manual_seed(3 + world.rank)
+    H, I, R = 24, 20, 10
+    xs = torch.randn(R + 8, H, generator=g)
+    wg, wu = (torch.randn(2, H, I, generator=g) / H ** 0.5 for _ in range(2))
+    found = []
+    for counts in ([[6, 9]], [[12, -2]], [[4, 3], [-40, 2]]):
+        counts = torch.tensor(counts, dtype=torch.int32)
+        for gather, split in ((False, True), (True, False)):
+            outs = torch.full((R + 8, I), float("nan"))
+            x, out = xs[:R], outs[:R]
+            expert_swiglu(x, wg, wu, counts, out, config=SMALL, gather=gather, split=split)
+            found.append(bool(torch.isnan(outs).all()))
+    return found
+
+
+def test_expert_swiglu_counts_that_are_not_rows_of_x(world2):
+    for found in world2.run(_swiglu_counts_past_x):
+        assert all(found), found
+
+
 def _swiglu_bad(world):
     x, w, c = torch.randn(6, 8), torch.randn(2, 8, 4), torch.tensor([[3, 3]], dtype=torch.int32)
     msgs = []
