@@ -251,6 +251,45 @@ def test_overflowing_rank_reports_zero_counts(world2):
     assert int(counts[0].sum()) == 0 and int(counts[1].sum()) == 0, counts
 
 
+def _sequential_overflow_then_combine(world):
+    """The "sequential" dispatch feeding the combine, three calls; in the second every token
+    goes to rank 0's expert, past its capacity. Every rank raises in that dispatch call (so
+    none goes on to the combine alone, where its peers never come), and the next call, within
+    capacity, is right on both contexts."""
+    W, r, S, H, I, El, k = world.world_size, world.rank, 4, 8, 8, 1, 1
+    disp = MoeDispatch(world, max_tokens=S, top_k=k, hidden=I, experts_per_rank=El,
+                       dtype=torch.float32, transport="sequential", capacity=S + 1)
+    comb = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
+                          config=SMALL, timeout_s=3.0)
+    res = []
+    try:
+        for call in range(3):
+            g = torch.Generator().manual_seed(31 * call + r)
+            tokens = torch.randn(S, I, generator=g)
+            ids = torch.full((S, k), 0 if call == 1 else r)
+            w = torch.randn(El, I, H, generator=g) / I ** 0.5
+            tw = torch.rand(S, k, generator=g)
+            xr, cr, sr = moe_dispatch_reference(tokens, ids, El, world.group)
+            ref = moe_gemm_combine_reference(xr, w, cr, sr, tw, world.group)
+            try:
+                x, counts, slots = moe_dispatch(tokens, ids, disp)
+                out = comb(x, w, counts, slots, tw)
+                comb.synchronize()
+                res.append(((out - ref).norm() / ref.norm()).item())
+            except Exception as e:
+                res.append(type(e).__name__ + (": capacity" if "capacity" in str(e) else ""))
+    finally:
+        comb.close()
+        disp.close()
+    return res
+
+
+def test_sequential_capacity_overflow_raises_on_every_rank(world2):
+    for res in world2.run(_sequential_overflow_then_combine, timeout=120):
+        assert res[1] == "InvalidInputError: capacity", res
+        assert res[0] < 1e-5 and res[2] < 1e-5, res
+
+
 def _bad_host(world):
     ctx = MoeDispatch(world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2,
                       dtype=torch.float32)

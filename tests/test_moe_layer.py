@@ -160,6 +160,30 @@ def test_expert_swiglu_tiles_picked_on_the_device(world2):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _swiglu_counts_past_x(world):
+    """Counts that are not rows of x (more rows than x has, a negative count), per source and
+    gathered, split and whole: nothing is computed, out stays poisoned, and the memory past x
+    and out (both views of larger buffers, here) is untouched."""
+    g = torch.Generator().manual_seed(3 + world.rank)
+    H, I, R = 24, 20, 10
+    xs = torch.randn(R + 8, H, generator=g)
+    wg, wu = (torch.randn(2, H, I, generator=g) / H ** 0.5 for _ in range(2))
+    found = []
+    for counts in ([[6, 9]], [[12, -2]], [[4, 3], [-40, 2]]):
+        counts = torch.tensor(counts, dtype=torch.int32)
+        for gather, split in ((False, True), (True, False)):
+            outs = torch.full((R + 8, I), float("nan"))
+            x, out = xs[:R], outs[:R]
+            expert_swiglu(x, wg, wu, counts, out, config=SMALL, gather=gather, split=split)
+            found.append(bool(torch.isnan(outs).all()))
+    return found
+
+
+def test_expert_swiglu_counts_that_are_not_rows_of_x(world2):
+    for found in world2.run(_swiglu_counts_past_x):
+        assert all(found), found
+
+
 def _swiglu_bad(world):
     x, w, c = torch.randn(6, 8), torch.randn(2, 8, 4), torch.tensor([[3, 3]], dtype=torch.int32)
     msgs = []
@@ -212,6 +236,42 @@ def _layer(world, capacity, dedup=None):
 def test_fused_layer_matches_torch_path(world, capacity, dedup):
     for errs in world.run(_layer, capacity, dedup):
         assert all(e < 1e-5 for e in errs), errs
+
+
+def _bad_tokens(world, fused):
+    """Tokens the layer cannot take (a [B, T, H] batch, the wrong width, the wrong dtype), on
+    every rank: each raises an error that names the layer, before any collective, and the next
+    call is right."""
+    from portable_overlap import ExpertParallelMoE
+
+    H = 8
+    layer = ExpertParallelMoE(world, H, 8, 2 * world.world_size, 2, max_tokens=6,
+                              dtype=torch.float32, fused=fused)
+    ref = ExpertParallelMoE(world, H, 8, 2 * world.world_size, 2, max_tokens=6,
+                            dtype=torch.float32, fused=False)
+    msgs = []
+    try:
+        with torch.no_grad():
+            for t in (torch.randn(2, 3, H), torch.randn(3, H + 1), torch.randn(3, H).double()):
+                try:
+                    layer(t)
+                    msgs.append(None)
+                except (TypeError, ValueError) as e:
+                    msgs.append(str(e))
+            tokens = torch.randn(5, H, generator=torch.Generator().manual_seed(world.rank))
+            y = layer(tokens)
+            layer.synchronize()
+            err = ((y - ref(tokens)).norm() / ref(tokens).norm()).item()
+    finally:
+        layer.close()
+    return msgs, err
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_path"])
+def test_tokens_the_layer_cannot_take_are_refused(world2, fused):
+    for msgs, err in world2.run(_bad_tokens, fused):
+        assert all(m and m.startswith("ExpertParallelMoE: tokens") for m in msgs), msgs
+        assert err < 1e-5, err
 
 
 def _dedup_refused(world):

@@ -105,6 +105,27 @@ def test_three_senders_and_down_tiles_walked_source_by_source(world4):
         assert all(e < TOL[torch.float32] for e in errs), errs
 
 
+def _one_program(world):
+    """``_compare`` on ranks whose device runs one program of the fused launch at a time (the
+    CPU backend with ``PORTABLE_OVERLAP_CPU_SLOTS=1``): the grid is its one sender."""
+    import dataclasses
+
+    facts = world.facts
+    world._facts = dataclasses.replace(facts, sm_count=1)
+    try:
+        return _compare(world, torch.float32, CASES[:2], None)
+    finally:
+        world._facts = facts
+
+
+def test_a_grid_of_one_program(world2):
+    """The one program both sends and computes every tile, the down tiles too: under the
+    interpreter senders otherwise leave the down tiles to a later program, and with none the
+    rows never reached the combine (every rank raised about the row counts)."""
+    for errs in world2.run(_one_program, timeout=300):
+        assert all(e < TOL[torch.float32] for e in errs), errs
+
+
 def test_wide_top_k_and_one_expert_per_rank(world2):
     """Top-7 of 10 experts (several row tiles per segment at the interpreter's 16-row tiles)
     and top-1 of one expert per rank, with H and I not multiples of a tile."""

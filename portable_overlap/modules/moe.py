@@ -112,6 +112,7 @@ class ExpertParallelMoE(nn.Module):
         return w / w.sum(-1, keepdim=True), ids
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._check_tokens(tokens)
         weights, ids = self.route(tokens)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (
                 tokens, weights, self.w_gate, self.w_up, self.w_down)):
@@ -119,6 +120,19 @@ class ExpertParallelMoE(nn.Module):
                                           self.w_down, self._forward, self.experts_per_rank,
                                           self.world.group)
         return self._forward(tokens, weights, ids)
+
+    def _check_tokens(self, tokens) -> None:
+        """``tokens`` against the layer (before the router): a [S, hidden] tensor of its dtype
+        and device. A batch of sequences is flattened by the caller (``x.view(-1, hidden)``)."""
+        r = self.router
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
+                or tokens.shape[1] != r.shape[1]:
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
+            raise ValueError(f"ExpertParallelMoE: tokens must be a [S, {r.shape[1]}] tensor "
+                             f"(flatten the batch first); got {got}")
+        if tokens.dtype != r.dtype or tokens.device != r.device:
+            raise TypeError(f"ExpertParallelMoE: tokens must be {r.dtype} on {r.device} (the "
+                            f"layer's); got {tokens.dtype} on {tokens.device}")
 
     def _forward(self, tokens, weights, ids) -> torch.Tensor:
         if self.fused:

@@ -15,17 +15,18 @@ Faults, each raised in the call that meets it: an expert id out of range on any 
 with, at their next check) on every rank (the counts exchange carries a flag); a call a rank
 refuses before the exchange (bad input) raises on every rank, the refusing rank taking part in
 the exchange with a refusal flag (``reference.refuse_dispatch``); more rows for a rank than its
-``capacity`` raise :class:`~portable_overlap.errors.InvalidInputError` on that rank, whose
-buffers then hold nothing of the call (its peers return normally). A rank that skips a call
-leaves its peers in the collective library's wait (the process group's timeout; ``timeout_s`` is
-checked but not used); under ``transport="auto"`` a call first agrees with its peers, with a
-deadline (``ops/planner.py``).
+``capacity`` raise :class:`~portable_overlap.errors.InvalidInputError` on every rank (one
+``all_reduce`` of a flag per rank tells them), the overflowing rank's buffers then holding
+nothing of the call. A rank that skips a call leaves its peers in the collective library's
+wait (the process group's timeout; ``timeout_s`` is checked but not used); under
+``transport="auto"`` a call first agrees with its peers, with a deadline (``ops/planner.py``).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ...errors import InvalidInputError
 from ..context import collective_call, ContextBase, refuse_grad
@@ -108,14 +109,30 @@ class SequentialMoeDispatch(ContextBase):
         x, counts, slots = moe_dispatch_reference(tokens, topk_ids, self.experts_per_rank,
                                                   self.world.group)
         R = x.shape[0]
+        over = self._overflowing(R)
         if R > self.capacity:
             self.counts.zero_()  # (no consumer reads rows this call did not store)
-            raise InvalidInputError(f"{OP}: rank {self.rank} receives {R} rows in this call, "
-                                    f"past its capacity of {self.capacity}")
-        self.recv[:R].copy_(x)
-        self.recv_slots[:R].copy_(slots)
-        self.counts.copy_(counts)
+        else:
+            self.recv[:R].copy_(x)
+            self.recv_slots[:R].copy_(slots)
+            self.counts.copy_(counts)
+        if over:
+            raise InvalidInputError(f"{OP}: rank(s) {over} receive more rows in this call than "
+                                    f"their capacity of {self.capacity}"
+                                    + (f" (this rank: {R})" if self.rank in over else ""))
         return self.recv, self.counts, self.recv_slots
+
+    def _overflowing(self, rows: int) -> list:
+        """The ranks that receive more than ``capacity`` rows in this call (this one's
+        ``rows``), told to every rank by one ``all_reduce``: all of them raise for the call, as
+        the fused transports do. Were the overflowing rank alone to raise, its peers would go
+        on to the call's next op (the combine, in a layer), which it never makes."""
+        W = self.world.world_size
+        flags = torch.zeros(W, dtype=torch.int32, device=self.world.device)
+        flags[self.rank] = int(rows > self.capacity)
+        if W > 1:
+            dist.all_reduce(flags, group=self.world.group)
+        return flags.nonzero().flatten().tolist()
 
     # -- the call's guards -----------------------------------------------------------------------
     def _before_call(self) -> None:

@@ -150,8 +150,10 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                   gather: Optional[bool] = None, split: Optional[bool] = None,
                   rows_per_segment: Optional[float] = None) -> torch.Tensor:
     """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
-    [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``: the device checks
-    nothing past it and the rows past the sum are left as they are in ``out``).
+    [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``; the rows past the sum are
+    left as they are in ``out``). Counts that are not rows of ``x`` (a negative one, or more
+    rows than it has: read on the device, never by the host) compute nothing and leave all of
+    ``out`` as it is.
 
     ``rows_per_segment``: how many rows a (source, expert) segment holds on average, which picks
     the tiles (``default_config``) and whether experts may be packed (``pack_rows``); the host
@@ -269,7 +271,7 @@ def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, 
     for c, variant, xd, gd, ud in launches:
         expert_swiglu_kernel[(G,)](
             x, w_gate, w_up, counts, out, xd, gd, ud, packed, p_desc, row_map, cap, ws, done,
-            LIGHT_ROWS, I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0),
+            LIGHT_ROWS, x.shape[0], I, H, n_seg, E, x.stride(0), x.stride(1), w_gate.stride(0),
             w_gate.stride(1), w_gate.stride(2), out.stride(0), packed.stride(0) if pack else 0,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             NUM_STAGES=c.num_stages, EVEN_K=H % c.block_k == 0, PRECISION=dot_precision(x.dtype),

@@ -7,9 +7,9 @@ split (the default). And the launch that packs the experts' rows (``pack_rows_ke
 from .api import PACK_BLOCK_H, PACK_BLOCK_R
 from .kernel import expert_swiglu_kernel, pack_rows_kernel
 
-_ARGS = ("cap:i32 ws_ptr:*fp32 done_ptr:*i32 light_rows:i32 I:i32 H:i32 n_seg:i32 E:i32 "
-         "stride_xm:i32 stride_xk:i32 stride_we:i32 stride_wk:i32 stride_wn:i32 stride_hm:i32 "
-         "stride_pm:i32")
+_ARGS = ("cap:i32 ws_ptr:*fp32 done_ptr:*i32 light_rows:i32 n_rows:i32 I:i32 H:i32 n_seg:i32 "
+         "E:i32 stride_xm:i32 stride_xk:i32 stride_we:i32 stride_wk:i32 stride_wn:i32 "
+         "stride_hm:i32 stride_pm:i32")
 
 
 def specs():

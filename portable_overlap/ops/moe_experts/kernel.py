@@ -107,12 +107,15 @@ def pack_rows_kernel(x_ptr, counts_ptr, p_ptr, map_ptr, H, n_src, E, cap, n_rows
             tl.store(p_ptr + r[:, None].to(tl.int64) * stride_pm + h[None, :], v, mask=m)
 
 
-@triton.jit
+# (the rows of x are the caller's buffer's, fixed from call to call: not specialized on, so a
+# buffer of one row compiles the same code)
+@triton.jit(do_not_specialize=["n_rows"])
 def expert_swiglu_kernel(
     x_ptr, wg_ptr, wu_ptr, counts_ptr, h_ptr, x_desc, wg_desc, wu_desc,
     p_ptr, p_desc, map_ptr, cap,  # the packed rows and their rows in x (PACK only)
     ws_ptr, done_ptr,  # float32 [programs, 2, BLOCK_M, BLOCK_N] partials, int32 [programs] (SPLIT)
     light_rows,  # VARIANT: the most rows per segment of the call that the light tiles take
+    n_rows,  # rows of x and h: counts that are not rows of x make every segment empty
     I, H, n_seg, E, stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -142,6 +145,9 @@ def expert_swiglu_kernel(
     if VARIANT:  # one of two launches with other tiles: this one runs the call or nothing
         light = tl.sum(cnt) <= light_rows * tl.sum((cnt > 0).to(tl.int32))
         total = tl.where(light == (VARIANT == 1), total, 0)
+    # counts that are not rows of x (a negative one, or more rows than x has: a caller's error)
+    # run no tile, so none reads past x or stores past h (h's rows are left as they are)
+    total = tl.where((tl.min(cnt) >= 0) & (tl.sum(cnt) <= n_rows), total, 0)
     # the tiles of the last, partial round of the grid, cut in `parts` ranges of K steps
     # (SPLIT_NOTE); the rounds before run whole tiles
     k_steps = tl.cdiv(H, BLOCK_K)

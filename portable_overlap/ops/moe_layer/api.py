@@ -232,8 +232,11 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
                   BLOCK_N2=cfg2.block_n, BLOCK_K2=cfg2.block_k, GROUP_M2=cfg2.group_m,
                   NUM_STAGES2=cfg2.num_stages, EVEN_K2=I % cfg2.block_k == 0,
                   USE_DESC2=h_desc is not None,
-                  # (kernel.py: under the interpreter senders take no down tiles)
-                  SENDERS_DOWN=not cpu, EXPERT_MAJOR=expert_major, BLOCK_SRC=_pow2(W))
+                  # (kernel.py: under the interpreter senders take no down tiles, unless the
+                  # grid is senders only: then its one program, which computes, has taken
+                  # every gated tile before it takes a down tile, and no later program would)
+                  SENDERS_DOWN=not cpu or programs <= n_send, EXPERT_MAJOR=expert_major,
+                  BLOCK_SRC=_pow2(W))
     # programs wait for programs of the same launch (the own rows, the activations): the grid
     # must be resident, which _compile ensures
     fused = cctx._compile(moe_layer_kernel, programs, consts, args_of)

@@ -31,7 +31,8 @@ Roles and queues (every program of the grid is resident at once; the host caps t
 
 Under the interpreter (programs one after another in program order) senders take no down
 tiles: a down tile of the own rows would wait for gated tiles that only later programs take.
-The first compute program then takes every remaining tile itself, in queue order.
+The first compute program then takes every remaining tile itself, in queue order; a grid
+of one program (its sender, which computes) takes them itself.
 
 Two call protocols share the launch: the dispatch's (epoch published by its exchange, flags
 ``sent``, the dispatch context's clock and status board) for the rows that arrive, the
