@@ -468,3 +468,48 @@ def test_a_grown_workspace_keeps_the_buffer_a_graph_may_hold():
         assert held() is None, "free_workspaces kept the replaced buffer"
     finally:
         api.free_workspaces(dev)
+
+
+def _swapped_handles(world):
+    """The parts' torch ops given the dispatch and combine handles swapped (or a combine's
+    where a dispatch's goes): a ``TypeError`` naming the context each needs, before anything
+    runs; then a staged layer call on the same contexts is right."""
+    from portable_overlap.ops.moe_combine import MoeGemmCombine
+    from portable_overlap.ops.moe_dispatch import MoeDispatch
+    from portable_overlap.ops.moe_layer import moe_layer, moe_layer_reference
+    from portable_overlap.testing.compare import rel_err
+
+    ops = torch.ops.portable_overlap
+    S, k, H, F = 4, 1, 8, 8
+    dctx = MoeDispatch(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=1,
+                       dtype=torch.float32, timeout_s=5.0)
+    cctx = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=1,
+                          timeout_s=5.0)
+    g = torch.Generator().manual_seed(world.rank)
+    tokens, tw = torch.randn(S, H, generator=g), torch.rand(S, k, generator=g)
+    ids = torch.randint(0, world.world_size, (S, k), generator=g)
+    wg, wu = torch.randn(1, H, F, generator=g), torch.randn(1, H, F, generator=g)
+    wd = torch.randn(1, F, H, generator=g)
+    found = {}
+    for name, call in (
+            ("layer", lambda: ops.moe_layer(tokens, ids, tw, wg, wu, wd, cctx.handle,
+                                            dctx.handle)),
+            ("dispatch_swiglu", lambda: ops.moe_dispatch_swiglu(tokens, ids, wg, wu,
+                                                                cctx.handle))):
+        try:
+            call()
+            found[name] = "no error"
+        except TypeError as e:
+            found[name] = str(e)
+    ref = moe_layer_reference(tokens, ids, tw, wg, wu, wd, 1, world.group)
+    err = rel_err(moe_layer(tokens, ids, tw, wg, wu, wd, dctx, cctx), ref)
+    dctx.close()
+    cctx.close()
+    return found, err
+
+
+def test_the_parts_torch_ops_refuse_swapped_handles(world2):
+    for found, err in world2.run(_swapped_handles, timeout=180):
+        assert "dispatch_ctx must be a MoeDispatch" in found["layer"], found
+        assert "must be a MoeDispatch's" in found["dispatch_swiglu"], found
+        assert err < 1e-4, err

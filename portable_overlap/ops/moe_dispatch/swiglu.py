@@ -242,6 +242,9 @@ def moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up, ctx, out: Optional[torch
 
 def _run_part(tokens, topk_ids, w_gate, w_up, ctx, senders=None, rows_per_segment=None,
               out=None, config=None) -> tuple:
+    if not callable(getattr(ctx, "dispatch_swiglu", None)):  # (the torch op, another handle)
+        raise TypeError(f"{OP}: the handle must be a MoeDispatch's, got a "
+                        f"{type(ctx).__name__}'s")
     return ctx.dispatch_swiglu(tokens, topk_ids, w_gate, w_up, out, senders=senders,
                                config=config, rows_per_segment=rows_per_segment)
 

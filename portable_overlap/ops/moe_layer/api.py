@@ -33,8 +33,9 @@ import torch
 from ..context import G_MAX, align_key, output_tensor, refuse_grad, run_collective, shape_tag
 from ..matmul.api import MatmulConfig
 from ..moe_combine import MoeGemmCombine
-from ..moe_combine.api import OP as COMBINE_OP, check_inputs, decode_walk
+from ..moe_combine.api import OP as COMBINE_OP, MoeGemmCombineKernel, check_inputs, decode_walk
 from ..moe_dispatch import MoeDispatch
+from ..moe_dispatch.api import MoeDispatchKernel
 from ..moe_dispatch import swiglu
 from ..moe_experts.api import _descriptors, default_config
 from ..registry import PartSpec, define_part
@@ -102,8 +103,10 @@ def moe_layer(tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
 def _run_part(tokens, topk_ids, topk_weights, w_gate, w_up, w_down, dispatch_ctx, combine_ctx,
               senders=None, rows_per_segment=None, out=None) -> torch.Tensor:
-    if isinstance(dispatch_ctx, MoeDispatch) or isinstance(combine_ctx, MoeGemmCombine):
-        # (the torch op called with the contexts' handles)
+    if not (isinstance(dispatch_ctx, MoeDispatchKernel)
+            and isinstance(combine_ctx, MoeGemmCombineKernel)):
+        # (the torch op called with the contexts' handles; swapped or other contexts' handles
+        # are refused here, not met as a missing attribute inside the call)
         _check_contexts(dispatch_ctx, combine_ctx)
         dispatch_ctx, combine_ctx = dispatch_ctx.kernel(), combine_ctx.kernel()
     # one call of both contexts: a refusal (bad input on this rank) is told to the peers on
