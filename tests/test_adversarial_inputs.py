@@ -708,6 +708,8 @@ def test_context_sizes_must_be_ints_not_bools():
         for make in (lambda v: po.MatmulReduceScatter(None, v, 8),
                      lambda v: po.MatmulAllReduce(None, 8, v),
                      lambda v: po.GemvAllReduce(None, v),
-                     lambda v: po.AllGatherMatmul(None, v)):
+                     lambda v: po.AllGatherMatmul(None, v),
+                     lambda v: MoeGemmCombine(None, max_tokens=v, top_k=1, hidden=8,
+                                              experts_per_rank=1)):
             with pytest.raises(ValueError, match="must be an int >= 1"):
                 make(bad)

@@ -40,8 +40,8 @@ import torch.distributed as dist
 import triton
 
 from ...tiles.gemv import dot_precision, dot_upcast
-from ..context import (align_key, collective_call, G_MAX, output_tensor, OverlapContext,
-                       refuse_grad, shape_tag)
+from ..context import (align_key, check_sizes, collective_call, G_MAX, output_tensor,
+                       OverlapContext, refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ...shmem.providers import agreed_put_provider
 from ..matmul.api import DTYPES, MatmulConfig, default_config, tile_config, tile_descriptors
@@ -154,10 +154,8 @@ class MoeGemmCombineKernel(OverlapContext):
                  config: Optional[MatmulConfig] = None,
                  combine_config: Optional[CombineConfig] = None, transport: str = "stores",
                  walk: str = "auto"):
-        for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
-                        ("experts_per_rank", experts_per_rank)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
+        check_sizes(OP, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
+                    experts_per_rank=experts_per_rank)
         if transport not in FUSED_TRANSPORTS:
             raise ValueError(f"{OP}: transport must be one of {FUSED_TRANSPORTS}, got "
                              f"{transport!r}")

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from ..context import check_sizes
 from ..pattern import PatternContext, timeout_kw
 from ..planner import Jagged
 from ..registry import OpSpec, define
@@ -73,10 +74,8 @@ class MoeGemmCombine(PatternContext):
                  experts_per_rank: int, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, config=None, combine_config=None,
                  walk: str = "auto", **options):
-        for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
-                        ("experts_per_rank", experts_per_rank)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
+        check_sizes(OP, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
+                    experts_per_rank=experts_per_rank)
         if walk not in WALKS:
             raise ValueError(f"{OP}: walk must be one of {WALKS}, got {walk!r}")
         if world.world_size > 64:  # the GEMM kernel keeps one bit per peer in an int64

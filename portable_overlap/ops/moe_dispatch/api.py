@@ -41,8 +41,8 @@ from typing import Optional
 import torch
 
 from ...shmem.providers import agreed_put_provider
-from ..context import (align_key, check_transport, collective_call, G_MAX, OverlapContext,
-                       refuse_grad, shape_tag)
+from ..context import (align_key, check_sizes as check_bounds, check_transport,
+                       collective_call, G_MAX, OverlapContext, refuse_grad, shape_tag)
 from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
@@ -108,10 +108,8 @@ def check_sizes(world, max_tokens, top_k, hidden, experts_per_rank, dtype, capac
     W = world.world_size
     if capacity is None and all(isinstance(v, int) for v in (max_tokens, top_k)):
         capacity = W * max_tokens * top_k
-    for name, v in (("max_tokens", max_tokens), ("top_k", top_k), ("hidden", hidden),
-                    ("experts_per_rank", experts_per_rank), ("capacity", capacity)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{OP}: {name} must be an int >= 1, got {v!r}")
+    check_bounds(OP, max_tokens=max_tokens, top_k=top_k, hidden=hidden,
+                 experts_per_rank=experts_per_rank, capacity=capacity)
     if dtype not in DTYPES:
         raise TypeError(f"{OP}: dtype must be one of {DTYPES}, got {dtype}")
     if W * experts_per_rank > MAX_EXPERTS:
