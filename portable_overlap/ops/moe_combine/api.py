@@ -449,7 +449,7 @@ def validate_routing(x, counts, slots, S: int, top_k: int, world) -> None:
     slots of the rows that go back to a source rank are exactly one per slot (no duplicate,
     none missing). The kernels find the same faults without a sync (out-of-range slots on the
     sender, a missing slot or a wrong row count on the source), at the context's next check."""
-    W, r = world.world_size, world.rank
+    W = world.world_size
     problem = None
     total = int(counts.sum())
     if total != x.shape[0] or slots.numel() != x.shape[0]:
