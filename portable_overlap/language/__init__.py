@@ -424,9 +424,8 @@ def wait_peers(ctx, flags_ptr, stride, call, tag=-1, ARRIVED_ONLY: tl.constexpr 
     path of a short call; a wait of the same call that timed out meanwhile has passed the
     call's one deadline, so the first poll is the last).
     Returns whether every flag arrived, no peer gave up and the tags agree."""
-    ok, _ = _wait_all(ctx, flags_ptr, flags_ptr, stride, call, call, tag, 0, False,
-                      ARRIVED_ONLY, LIVE_READ, False, 1, False)
-    return ok
+    return _wait_all(ctx, flags_ptr, flags_ptr, flags_ptr, stride, call, call, tag, 0, False,
+                     ARRIVED_ONLY, LIVE_READ, False, 1, False, False)
 
 
 @triton.jit
@@ -436,9 +435,8 @@ def wait_peers_reached(ctx, flags_ptr, stride, epoch, call, LIVE_READ: tl.conste
     say of that call (e.g. it is done reading a buffer it signalled for). Bounded by call
     ``call``'s deadline; returns whether every flag arrived. ``LIVE_READ`` as in
     :func:`wait_peers`."""
-    ok, _ = _wait_all(ctx, flags_ptr, flags_ptr, stride, epoch, call, -1, 0, True, False,
-                      LIVE_READ, False, 1, False)
-    return ok
+    return _wait_all(ctx, flags_ptr, flags_ptr, flags_ptr, stride, epoch, call, -1, 0, True,
+                     False, LIVE_READ, False, 1, False, False)
 
 
 @triton.jit
@@ -465,14 +463,16 @@ def wait_program_peers(ctx, flags_ptr, first, stride, call, tag, refusals_ptr=No
     refusal on the host does (``refuse_kernel`` writes every flag array of the workspace). A
     peer that refused this call waited for nothing and may already have set the awaited word
     to its next call, which reads as "this call delivered"; where a word is past ``call`` the
-    same peers' words there are judged too (:func:`wait_peers` with ``ARRIVED_ONLY``): one
-    more load round trip, only then. ``LIVE_READ`` as in :func:`wait_peers`."""
-    ok, later = _wait_all(ctx, flags_ptr + first, flags_ptr, stride, call, call, tag,
-                          program() - first, False, False, LIVE_READ, True, PROGRAMS, OWN)
-    if refusals_ptr is not None:
-        if ok & later:
-            ok, _ = _wait_all(ctx, refusals_ptr + first, refusals_ptr, stride, call, call, tag, 0,
-                              False, True, True, False, PROGRAMS, False)
+    same peers' words there are judged too (as :func:`wait_peers` with ``ARRIVED_ONLY``
+    judges them): one more load round trip, only then. ``LIVE_READ`` as in
+    :func:`wait_peers`."""
+    if refusals_ptr is None:
+        ok = _wait_all(ctx, flags_ptr + first, flags_ptr, flags_ptr, stride, call, call, tag,
+                       program() - first, False, False, LIVE_READ, True, PROGRAMS, OWN, False)
+    else:
+        ok = _wait_all(ctx, flags_ptr + first, flags_ptr, refusals_ptr + first, stride, call,
+                       call, tag, program() - first, False, False, LIVE_READ, True, PROGRAMS,
+                       OWN, True)
     return ok
 
 
@@ -482,20 +482,22 @@ def _pow2_at_least(n):
 
 
 @triton.jit
-def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, skip, REACHED_ONLY: tl.constexpr,
-              ARRIVED_ONLY: tl.constexpr, LIVE_READ: tl.constexpr, GRID: tl.constexpr,
-              PROGRAMS: tl.constexpr, OWN: tl.constexpr):
+def _wait_all(ctx, flag_ptr, first_ptr, confirm_ptr, stride, want, call, tag, skip,
+              REACHED_ONLY: tl.constexpr, ARRIVED_ONLY: tl.constexpr, LIVE_READ: tl.constexpr,
+              GRID: tl.constexpr, PROGRAMS: tl.constexpr, OWN: tl.constexpr,
+              CONFIRM: tl.constexpr):
     """The waits on every peer's flag words, ``PROGRAMS`` consecutive words per peer from
     ``flag_ptr + q * stride`` (with ``OWN`` this rank's too, but for its word ``skip``), polled
-    together: one load round trip per poll for up to ``_SIGNAL_LANES`` ranks. Returns (whether
-    every word arrived and was judged good, whether one held a later call than ``want``)."""
+    together: one load round trip per poll for up to ``_SIGNAL_LANES`` ranks. ``CONFIRM``: a
+    word past ``want`` has the same lane's word at ``confirm_ptr`` judged too (a refusal
+    recorded there, ``wait_program_peers``). Returns whether every word arrived and was judged
+    good."""
     me = rank(ctx)
     world = num_ranks(ctx)
     if LIVE_READ:
         ok = me >= 0  # true, as a value the loop below may set to false
     else:
         ok = is_live(ctx)
-    later = me < 0  # false: whether an awaited word was past ``want`` (a later call's)
     PER_RANK: tl.constexpr = _pow2_at_least(PROGRAMS)  # (a block's lanes: a power of two)
     idx = tl.arange(0, _SIGNAL_LANES * PER_RANK)
     offs = idx % PER_RANK  # a lane's word of its rank's PROGRAMS
@@ -529,7 +531,19 @@ def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, skip, REACHED_O
                 failed = arrived & _shmem.peer_failed(v, this_call)
                 other = (arrived & (tag >= 0) & this_call & ((v >> 32) != tag)) | gone
                 v = tl.where(gone, g, v)  # (the report of such a peer: its program 0's tag)
-            later = later | (tl.sum((arrived & ~this_call).to(tl.int32)) > 0)
+            if CONFIRM:
+                # a word past the call: the peer's refusal of it may lie under the next call's
+                # word; its record at confirm_ptr stays (judged as ARRIVED_ONLY judges)
+                past = arrived & ~this_call & ~gone
+                if tl.sum(past.to(tl.int32)) > 0:
+                    seen = _shmem.poll_flags(confirm_ptr + peers.to(tl.int64) * stride + offs, past)
+                    seen_call = (seen & 0xFFFFFFFF) == (want.to(tl.int64) & 0xFFFFFFFF)
+                    judged = past & _shmem.reached(seen, want)
+                    r_failed = judged & _shmem.peer_failed(seen, seen_call)
+                    r_other = judged & (tag >= 0) & seen_call & ((seen >> 32) != tag)
+                    failed = failed | r_failed
+                    other = other | r_other
+                    v = tl.where(r_failed | r_other, seen, v)
             bad = missing | failed | other
             if tl.sum(bad.to(tl.int32)) > 0:
                 # the first peer in rotated order that gave up or called with other shapes,
@@ -551,7 +565,7 @@ def _wait_all(ctx, flag_ptr, first_ptr, stride, want, call, tag, skip, REACHED_O
                                   tl.sum((pick & failed).to(tl.int32)) > 0)
                 ok = False
     tl.debug_barrier()  # the acquiring lanes' view becomes the whole program's
-    return ok, later
+    return ok
 
 
 @triton.jit

@@ -152,7 +152,7 @@ def _pending(v, lanes, want, STOP_ON_FAILURE: tl.constexpr):
 
 
 @triton.jit
-def _poll(flag_ptrs, lanes, ACQUIRE: tl.constexpr = True):
+def poll_flags(flag_ptrs, lanes, ACQUIRE: tl.constexpr = True):
     """One load (system scope; acquire, else relaxed) of every lane's local flag word; 0 where
     no lane."""
     zero = tl.zeros(flag_ptrs.shape, tl.int64)
@@ -171,12 +171,12 @@ def wait_flags(flag_ptrs, lanes, want, call, clock_ptr, timeout_us, STOP_ON_FAIL
     as soon as a lane's word says its peer will not deliver call ``want`` (``peer_failed``), as
     a wait for the peers one by one would stop at that peer. Returns (the words last read,
     0 where no lane; which lanes arrived)."""
-    v = _poll(flag_ptrs, lanes)
+    v = poll_flags(flag_ptrs, lanes)
     pending = _pending(v, lanes, want, STOP_ON_FAILURE)
     if pending > 0:
         deadline = call_deadline(clock_ptr, call, timeout_us)
         while (pending > 0) & (now_ns() < deadline):
-            v = _poll(flag_ptrs, lanes)
+            v = poll_flags(flag_ptrs, lanes)
             pending = _pending(v, lanes, want, STOP_ON_FAILURE)
     return v, lanes & reached(v, want)
 
@@ -211,19 +211,19 @@ def wait_flags_grid(flag_ptrs, first_ptrs, lanes, want, call, tag, clock_ptr, ti
     word was seen, since the peer wrote the awaited word first. Returns (the words last read,
     which lanes arrived, which lanes are outside the peer's grid, the program-0 words last
     read)."""
-    v = _poll(flag_ptrs, lanes)
+    v = poll_flags(flag_ptrs, lanes)
     g = v
     gone = lanes & (v != v)
     pending = _pending(v, lanes, want, True)
     if pending > 0:
         deadline = call_deadline(clock_ptr, call, timeout_us)
         while (pending > 0) & (now_ns() < deadline):
-            g = _poll(first_ptrs, lanes, False)
-            v = _poll(flag_ptrs, lanes)
+            g = poll_flags(first_ptrs, lanes, False)
+            v = poll_flags(flag_ptrs, lanes)
             pending = _pending(v, lanes, want, True)
             if tl.sum(outside_grid(v, g, lanes, want, tag).to(tl.int32)) > 0:
-                g = _poll(first_ptrs, lanes)
-                v = _poll(flag_ptrs, lanes)
+                g = poll_flags(first_ptrs, lanes)
+                v = poll_flags(flag_ptrs, lanes)
                 gone = outside_grid(v, g, lanes, want, tag)
                 n_gone = tl.sum(gone.to(tl.int32))
                 pending = tl.where(n_gone > 0, 0, _pending(v, lanes, want, True))
