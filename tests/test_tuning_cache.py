@@ -79,3 +79,25 @@ def test_cache_path_variable_is_read_when_used(tmp_path, monkeypatch):
     monkeypatch.setenv(VAR, str(tmp_path))
     with pytest.raises(ValueError, match=rf"{VAR}=.*names a directory"):
         TuningCache()
+
+
+@pytest.mark.parametrize("where", ["under a regular file", "read-only"])
+def test_a_cache_that_cannot_be_written_warns_and_keeps_the_decision(tmp_path, monkeypatch,
+                                                                     where):
+    """``decide`` puts after every rank took the decision: a rank that raised there (one rank's
+    file unwritable) left its peers waiting in the call's collective for ever."""
+    path = tmp_path / "tuning.json"
+    if where == "under a regular file":
+        (tmp_path / "afile").write_text("")
+        path = tmp_path / "afile" / "tuning.json"
+    else:  # chmod does not stop root: the refusal a read-only folder gives
+
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr("tempfile.mkstemp", refused)
+    cache = TuningCache(str(path))
+    with pytest.warns(RuntimeWarning, match="cannot be written.*kept in this process"):
+        cache.put("k", 1)
+    assert cache.get("k") == 1
+    assert not path.exists()

@@ -49,7 +49,10 @@ class TuningCache:
     one, and no link planted at a temporary name is followed. A cache path that is itself a
     symbolic link is neither read nor written, with a warning (the decisions are still made and
     used in this process): writing there would put the file wherever the link points. A file
-    that cannot be read or parsed is ignored with a warning and replaced at the next put."""
+    that cannot be read or parsed is ignored with a warning and replaced at the next put. A put
+    that cannot write the file (a read-only folder, a full disk, a path under a regular file)
+    warns and keeps the decision in this process: ``decide`` puts after every rank took the
+    decision, and a rank that raised there would leave its peers waiting in the call."""
 
     def __init__(self, path: Optional[str] = None):
         self.path = path or env_file_path(CACHE_VAR) or os.path.join(
@@ -68,7 +71,12 @@ class TuningCache:
             _warn(f"tuning cache {self.path} is a symbolic link: the decision for {key} is not "
                   f"written (remove the link, or set {CACHE_VAR} to the path of a regular file)")
             return
-        _replace_file(self.path, text)
+        try:
+            _replace_file(self.path, text)
+        except OSError as e:
+            _warn(f"tuning cache {self.path} cannot be written ({e}): the decision for {key} is "
+                  f"kept in this process only (set {CACHE_VAR} or cache_path to a writable "
+                  f"file)")
 
 
 def _warn(message: str) -> None:
