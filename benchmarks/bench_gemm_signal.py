@@ -67,7 +67,7 @@ def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=60, warmup=10,
                      shapes_help="the three of the issue ")
-    ap.add_argument("--ops", default="all_reduce,reduce_scatter")
+    ap.add_choices("--ops", ("all_reduce", "reduce_scatter"), "all_reduce,reduce_scatter")
     ap.add_argument("--partitions", action="store_true",
                     help="sweep wave-group partitions at --sweep-shape (named variants)")
     ap.add_argument("--reserves", default="", help="comma list of reserve_sms to sweep")

@@ -42,7 +42,8 @@ def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=50, warmup=5,
                      shapes_help="the issue's six ")
-    ap.add_argument("--modes", default="reduce_scatter,all_reduce")
+    ap.add_choices("--modes", ("reduce_scatter", "all_reduce"),
+                   "reduce_scatter,all_reduce")
     ap.add_argument("--pieces", default="4", help="piece counts; the first is 'fused'")
     ap.add_argument("--put-lanes", default="0",
                     help="put-lane counts (0: the default, one per peer); the first is 'fused'")

@@ -61,7 +61,7 @@ OP = "moe_layer"
 def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=30, warmup=5)
-    ap.add_argument("--routings", default="balanced,zipf")
+    ap.add_choices("--routings", ("balanced", "zipf"), "balanced,zipf")
     ap.add_argument("--down-tile", default="",
                     help="the down GEMM's tiles for every schedule of the layer, "
                          "BMxBNxBK/<warps>w<stages>s (default: the combine's own choice); "
