@@ -92,3 +92,19 @@ def test_env_report_names_a_bad_override_without_a_traceback():
     assert out.returncode == 2, out.stderr
     assert "PORTABLE_OVERLAP_BACKEND='bogus' names no backend" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("transformer/decode.py", ["--layers", "0"]),  # no layer: "outputs agree", comparing x to x
+    ("transformer/decode.py", ["--tokens", "0"]),
+    ("transformer/decode.py", ["--batch", "-1"]),
+    ("transformer/prefill.py", ["--seq", "0"]),
+    ("transformer/prefill.py", ["--iters", "x"]),
+    ("moe/moe_layer.py", ["--iters", "0"]),
+    ("dlrm/train.py", ["--steps", "-1"]),  # no step ran and the paths "agreed"
+    ("dlrm/train.py", ["--batch", "-16"]),
+])
+def test_example_flags_refuse_counts_out_of_range(script, argv):
+    out = _run([os.path.join("examples", script), *argv], timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"argument {argv[0]}: must be an integer >=" in out.stderr, out.stderr
