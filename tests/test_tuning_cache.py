@@ -101,3 +101,15 @@ def test_a_cache_that_cannot_be_written_warns_and_keeps_the_decision(tmp_path, m
         cache.put("k", 1)
     assert cache.get("k") == 1
     assert not path.exists()
+
+
+def test_caches_of_one_file_keep_each_others_decisions(tmp_path):
+    """Two caches of one file (two contexts of a process, or two processes) read it before
+    either wrote: each put replaced the file with its own entries, losing the other's."""
+    path = tmp_path / "tuning.json"
+    first, second = TuningCache(str(path)), TuningCache(str(path))
+    first.put("a", 1)
+    second.put("b", 2)
+    first.put("c", 3)
+    assert json.loads(path.read_text()) == {"a": 1, "b": 2, "c": 3}
+    assert second.get("a") == 1  # a put keeps what it found in the file
