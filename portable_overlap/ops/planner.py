@@ -391,10 +391,21 @@ class TransportPlanner:
             raise ValueError(f"{op}: graph must be None (time plain calls and graph replays, "
                              f"each picking for its own calls), True or False, got {graph!r}")
         self.graph = graph
-        path = (_check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
-                if self.TIMES else None)
-        world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph)",
-                         (self.candidates, self.iters, self.warmup, self.graph))
+        # a path refused on some ranks only (a folder there, a per-rank variable) is raised
+        # after the ranks compared their settings: raised before, it left the peers waiting
+        # in that comparison for ever
+        try:
+            path = (_check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
+                    if self.TIMES else None)
+            path_error = None
+        except ValueError as e:
+            path, path_error = None, e
+        world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph; "
+                         f"the tuning cache path's error)",
+                         (self.candidates, self.iters, self.warmup, self.graph,
+                          None if path_error is None else str(path_error)))
+        if path_error is not None:
+            raise path_error
         # the name of this planner's decisions in the process group's store, the same on every
         # rank (_agree), and how many agreements this rank has begun
         self._sync_id = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None)
