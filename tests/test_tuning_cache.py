@@ -50,7 +50,8 @@ def test_a_link_at_the_cache_path_is_neither_read_nor_written(tmp_path, victim):
     assert path.is_symlink() and json.loads(victim.read_text()) == {"k": "planted"}
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff\xfe"])
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff\xfe", "", '{"k": [1',
+                                  "[" * 100_000])  # (the last: a RecursionError in the parser)
 def test_a_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, text):
     path = tmp_path / "tuning.json"
     path.write_bytes(text.encode("latin-1"))

@@ -106,7 +106,7 @@ def _load(path: str, quiet: bool = False) -> dict:
             return _ignored(path, "is not a regular file", quiet)
         try:
             entries = json.loads(f.read().decode())
-        except ValueError as e:  # bad UTF-8 included
+        except (ValueError, RecursionError) as e:  # bad UTF-8, nesting past the parser's depth
             return _ignored(path, f"is not valid JSON ({e})", quiet)
     if not isinstance(entries, dict):
         return _ignored(path, "does not hold a JSON object", quiet)
