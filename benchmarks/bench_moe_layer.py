@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.cli import BenchParser
+from benchmarks.cli import BenchParser, int_list
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import ExpertParallelMoE, moe_layer
 from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
@@ -66,7 +66,7 @@ def parser() -> BenchParser:
                     help="the down GEMM's tiles for every schedule of the layer, "
                          "BMxBNxBK/<warps>w<stages>s (default: the combine's own choice); "
                          "recorded in the rows' shape")
-    ap.add_argument("--senders", default="16,64",
+    ap.add_argument("--senders", default="16,64", type=int_list(1),
                     help="sender counts of the _s<N> impls of the fused launches "
                          "(default: %(default)s)")
     return ap

@@ -20,7 +20,7 @@ import os
 import random
 import subprocess
 import sys
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from benchmarks.rows import results_path
 
@@ -84,6 +84,39 @@ def parse_ints(text: str, flag: str = "", lo: Optional[int] = None) -> list:
         what = "integers" if lo is None else f"integers >= {lo}"
         raise ValueError(f"{flag or 'list'} {text!r}: a comma list of {what}")
     return out
+
+
+def int_list(lo: int, empty: bool = True) -> Callable[[str], str]:
+    """An argparse ``type=`` for a script's comma list of integers >= ``lo`` (none allowed where
+    ``empty``): the text is checked at parse time and returned as given, for the script to
+    split with ``parse_ints`` once its world is up, where an item that is no integer, or a
+    list the script indexes left empty, raised after the launch."""
+    def check(text: str) -> str:
+        try:
+            values = parse_ints(text, lo=lo)
+        except ValueError:
+            values = None
+        if values is None or not (values or empty):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a {'' if empty else 'non-empty '}comma list of integers >= {lo}")
+        return text
+
+    return check
+
+
+def one_shape(dims: Sequence[str]) -> Callable[[str], str]:
+    """An argparse ``type=``: the text of exactly one shape of ``dims`` (``parse_shapes``),
+    returned as given."""
+    def check(text: str) -> str:
+        try:
+            n = len(parse_shapes(text, dims))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if n != 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: one shape {'x'.join(dims)}")
+        return text
+
+    return check
 
 
 def parse_dtypes(text: str, allowed: Sequence[str]) -> list:

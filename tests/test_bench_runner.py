@@ -122,6 +122,29 @@ def test_script_lists_refuse_unknown_names(name, flag, capsys):
     assert f"{flag} ['" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, argv", [
+    ("bench_matmul_reduce", ["--pieces", ""]),  # (its body indexes the first of each)
+    ("bench_matmul_reduce", ["--put-lanes", "0,x"]),
+    ("bench_matmul_reduce", ["--pieces", "0"]),
+    ("bench_gemm_alltoall", ["--pieces", "4,x"]),
+    ("bench_gemm_alltoall", ["--pieces", "-2"]),
+    ("bench_gemm_signal", ["--reserves", "8,x"]),
+    ("bench_gemm_signal", ["--comm-ctas", "0"]),
+    ("bench_gemm_signal", ["--sweep-shape", ""]),
+    ("bench_gemm_signal", ["--sweep-shape", "8x8"]),
+    ("bench_gemm_signal", ["--sweep-shape", "8x8x8,16x16x16"]),
+    ("bench_moe_layer", ["--senders", "16,sixty-four"]),
+])
+def test_script_numbers_are_checked_at_parse_time(name, argv, capsys):
+    """These lists were split once the world was up: an IndexError or int()'s ValueError after
+    the launch."""
+    ap = importlib.import_module(f"benchmarks.{name}").parser()
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--out", "x", *argv])
+    assert e.value.code == 2
+    assert f"argument {argv[0]}:" in capsys.readouterr().err
+
+
 def test_device_kind_default(monkeypatch):
     monkeypatch.setenv("PO_DEVICE_KIND", "nvidia-h200-x4")
     assert _parser().parse_args(["--out", "r.jsonl"]).device_kind == "nvidia-h200-x4"
