@@ -267,6 +267,13 @@ class BenchParser(argparse.ArgumentParser):
                 parse_choices(getattr(ns, dest), allowed, flag)
         except ValueError as e:
             self.error(str(e))
+        # an empty --out failed at the first row's open, after the first case was timed; a
+        # device kind names the file inside an --out folder
+        if not ns.out.strip():
+            self.error("--out '': give a results file or a folder")
+        if not ns.device_kind.strip() or os.sep in ns.device_kind or "/" in ns.device_kind:
+            self.error(f"--device-kind {ns.device_kind!r}: a non-empty name without '/' (it "
+                       f"names the results file inside an --out folder)")
         # no timed iteration: every impl's median failed (an empty list) and no row was written
         for flag, value, lo in (("--iters", ns.iters, 1), ("--warmup", ns.warmup, 0),
                                 ("--rounds", ns.rounds, 1)):

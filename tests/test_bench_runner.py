@@ -95,11 +95,14 @@ def test_parser_errors(tmp_path, capsys):
     (["--shapes", "8192x"], "shape '8192x': expected 3 sizes"),
     (["--shapes", "0x5x5"], "sizes must be positive"),
     (["--shapes=-8x5x5"], "sizes must be positive"),
+    (["--out", ""], "--out '': give a results file or a folder"),
+    (["--device-kind", ""], "--device-kind '': a non-empty name"),
+    (["--device-kind", "../x"], "--device-kind '../x': a non-empty name without '/'"),
 ])
 def test_parser_refuses_counts_and_lists_out_of_range(argv, why, capsys):
     """--iters 0 timed no run: every impl's median raised, no row was written, exit 0."""
     with pytest.raises(SystemExit) as e:
-        _parser().parse_args(["--out", "x", *argv])
+        _parser().parse_args(["--out", "x", *argv])  # (a later --out overrides this one)
     assert e.value.code == 2
     assert why in capsys.readouterr().err
 
