@@ -80,6 +80,10 @@ def test_cache_path_variable_is_read_when_used(tmp_path, monkeypatch):
     monkeypatch.setenv(VAR, str(tmp_path))
     with pytest.raises(ValueError, match=rf"{VAR}=.*names a directory"):
         TuningCache()
+    # a folder's path that does not exist yet: every put failed at the rename onto it
+    monkeypatch.setenv(VAR, str(tmp_path / "new") + os.sep)
+    with pytest.raises(ValueError, match=rf"{VAR}=.*names a directory"):
+        TuningCache()
 
 
 @pytest.mark.parametrize("where", ["under a regular file", "read-only"])
@@ -114,3 +118,12 @@ def test_caches_of_one_file_keep_each_others_decisions(tmp_path):
     first.put("c", 3)
     assert json.loads(path.read_text()) == {"a": 1, "b": 2, "c": 3}
     assert second.get("a") == 1  # a put keeps what it found in the file
+
+
+def test_a_cache_path_argument_that_names_a_folder_is_refused(tmp_path):
+    from portable_overlap.ops.planner import _check_path
+
+    for path in (str(tmp_path), str(tmp_path / "new") + os.sep):
+        with pytest.raises(ValueError, match="cache_path must be the path of a file, not a dir"):
+            _check_path("op", path)
+    assert _check_path("op", str(tmp_path / "t.json")) == str(tmp_path / "t.json")

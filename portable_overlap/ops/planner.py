@@ -118,7 +118,7 @@ from typing import Optional
 
 import torch
 
-from ..envvars import env_file_path
+from ..envvars import env_file_path, is_folder_path
 from ..errors import (BackendUnavailable, ContextBrokenError, ContextClosedError,
                       PeerTimeoutError, RankMismatchError)
 from ..schedule import tuning
@@ -227,7 +227,7 @@ def _check_path(op: str, path) -> Optional[str]:
         path = os.path.expanduser(os.fspath(path))
     except TypeError:
         raise ValueError(f"{op}: cache_path must be the path of a file, got {path!r}") from None
-    if not isinstance(path, str) or not path or os.path.isdir(path):
+    if not isinstance(path, str) or not path or is_folder_path(path):
         raise ValueError(f"{op}: cache_path must be the path of a file, not a directory, got "
                          f"{path!r}")
     return path
