@@ -143,7 +143,7 @@ def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("batch", "tables", "dim", "pooling_factor", "rows"),
                      shapes=SHAPES, dtypes=("fp32", "fp16"), iters=50, warmup=10,
                      shapes_help="(B x T x D x PF x ROWS) ")
-    ap.add_argument("--dists", default="uniform,zipf")
+    ap.add_choices("--dists", ("uniform", "zipf"), "uniform,zipf")
     ap.add_argument("--shmem", action="store_true",
                     help="also time the device-initiated (NVSHMEM) transport as fused_shmem")
     ap.add_argument("--sweep", action="store_true",

@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from benchmarks.cli import BenchParser, parse_ints
+from benchmarks.cli import BenchParser, int_list, parse_ints
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 from portable_overlap.ops.matmul import persistent_matmul
@@ -31,7 +31,8 @@ OP = "gemm_alltoall"
 def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=50, warmup=10)
-    ap.add_argument("--pieces", default="4", help="comma list: copy-engine row blocks per rank")
+    ap.add_argument("--pieces", default="4", type=int_list(1, empty=False),
+                    help="comma list: copy-engine row blocks per rank")
     return ap
 
 

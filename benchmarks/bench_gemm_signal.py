@@ -29,7 +29,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from benchmarks.cli import BenchParser, parse_ints, parse_shapes
+from benchmarks.cli import BenchParser, int_list, one_shape, parse_ints, parse_shapes
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import World
@@ -67,13 +67,14 @@ def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=60, warmup=10,
                      shapes_help="the three of the issue ")
-    ap.add_argument("--ops", default="all_reduce,reduce_scatter")
+    ap.add_choices("--ops", ("all_reduce", "reduce_scatter"), "all_reduce,reduce_scatter")
     ap.add_argument("--partitions", action="store_true",
                     help="sweep wave-group partitions at --sweep-shape (named variants)")
-    ap.add_argument("--reserves", default="", help="comma list of reserve_sms to sweep")
-    ap.add_argument("--comm-ctas", default="",
+    ap.add_argument("--reserves", default="", type=int_list(0),
+                    help="comma list of reserve_sms to sweep")
+    ap.add_argument("--comm-ctas", default="", type=int_list(1),
                     help="comma list: NCCL max CTAs of the collectives' group (named variants)")
-    ap.add_argument("--sweep-shape", default="8192x8192x8192")
+    ap.add_argument("--sweep-shape", default="8192x8192x8192", type=one_shape("MNK"))
     ap.add_argument("--no-ce", action="store_true",
                     help="skip fused[ce] (ReduceScatter with the counters gating copy-engine "
                          "transfers, ops/gemm_signal/copy_engine.py)")

@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from benchmarks.cli import BenchParser, parse_ints
+from benchmarks.cli import BenchParser, int_list, parse_ints
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
 from benchmarks.runner import Case, auto_contexts, auto_fields, rel_err, run_main, torch_dtype
 import portable_overlap as po
@@ -42,9 +42,11 @@ def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=50, warmup=5,
                      shapes_help="the issue's six ")
-    ap.add_argument("--modes", default="reduce_scatter,all_reduce")
-    ap.add_argument("--pieces", default="4", help="piece counts; the first is 'fused'")
-    ap.add_argument("--put-lanes", default="0",
+    ap.add_choices("--modes", ("reduce_scatter", "all_reduce"),
+                   "reduce_scatter,all_reduce")
+    ap.add_argument("--pieces", default="4", type=int_list(1, empty=False),
+                    help="piece counts; the first is 'fused'")
+    ap.add_argument("--put-lanes", default="0", type=int_list(0, empty=False),
                     help="put-lane counts (0: the default, one per peer); the first is 'fused'")
     ap.add_argument("--no-stores", action="store_true",
                     help="do not time the 'stores' transport (fused[stores])")

@@ -52,7 +52,7 @@ def route(kind, S, E, k, gen, dev):
 def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=50, warmup=10)
-    ap.add_argument("--routings", default="balanced,zipf")
+    ap.add_choices("--routings", ("balanced", "zipf"), "balanced,zipf")
     return ap
 
 

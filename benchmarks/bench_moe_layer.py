@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.cli import BenchParser
+from benchmarks.cli import BenchParser, int_list
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
 from portable_overlap import ExpertParallelMoE, moe_layer
 from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
@@ -61,12 +61,12 @@ OP = "moe_layer"
 def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=30, warmup=5)
-    ap.add_argument("--routings", default="balanced,zipf")
+    ap.add_choices("--routings", ("balanced", "zipf"), "balanced,zipf")
     ap.add_argument("--down-tile", default="",
                     help="the down GEMM's tiles for every schedule of the layer, "
                          "BMxBNxBK/<warps>w<stages>s (default: the combine's own choice); "
                          "recorded in the rows' shape")
-    ap.add_argument("--senders", default="16,64",
+    ap.add_argument("--senders", default="16,64", type=int_list(1),
                     help="sender counts of the _s<N> impls of the fused launches "
                          "(default: %(default)s)")
     return ap

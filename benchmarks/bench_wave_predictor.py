@@ -463,7 +463,7 @@ class Run:
 def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",), iters=50,
                      warmup=10, graphs=(True,))
-    ap.add_argument("--ops", default="all_reduce,reduce_scatter")
+    ap.add_choices("--ops", ("all_reduce", "reduce_scatter"), "all_reduce,reduce_scatter")
     ap.add_argument("--max-candidates", type=int, default=32,
                     help="cap of the exhaustive set per shape (the unit of waves grows to fit)")
     ap.add_argument("--max-groups", type=int, default=4)

@@ -5,7 +5,7 @@
     --worlds 2,4,8                            world sizes to run (see below)
     --out PATH                                results JSONL file, or a folder: <folder>/<kind>.jsonl
     --device-kind KIND                        the device in the rows (default $PO_DEVICE_KIND)
-    --iters N --warmup N                      timed and warm-up iterations per impl
+    --iters N --warmup N                      timed (>= 1) and warm-up (>= 0) iterations per impl
     --graph plain,graph | --no-graph | --no-plain   plain launches and / or CUDA-graph replay
     --check / --no-check                      check each fused impl against the reference first
 
@@ -20,7 +20,7 @@ import os
 import random
 import subprocess
 import sys
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from benchmarks.rows import results_path
 
@@ -73,9 +73,50 @@ def format_shape(shape: Mapping, dims: Optional[Sequence[str]] = None) -> str:
     return " ".join(["x".join(nums)] + words)
 
 
-def parse_ints(text: str) -> list:
-    """``"2,4,8"`` -> ``[2, 4, 8]`` (empty items ignored)."""
-    return [int(s) for s in text.split(",") if s.strip()]
+def parse_ints(text: str, flag: str = "", lo: Optional[int] = None) -> list:
+    """``"2,4,8"`` -> ``[2, 4, 8]`` (empty items ignored); with ``lo``, each at least ``lo``.
+    ValueError names ``flag`` where given."""
+    try:
+        out = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        out = None
+    if out is None or (lo is not None and any(v < lo for v in out)):
+        what = "integers" if lo is None else f"integers >= {lo}"
+        raise ValueError(f"{flag or 'list'} {text!r}: a comma list of {what}")
+    return out
+
+
+def int_list(lo: int, empty: bool = True) -> Callable[[str], str]:
+    """An argparse ``type=`` for a script's comma list of integers >= ``lo`` (none allowed where
+    ``empty``): the text is checked at parse time and returned as given, for the script to
+    split with ``parse_ints`` once its world is up, where an item that is no integer, or a
+    list the script indexes left empty, raised after the launch."""
+    def check(text: str) -> str:
+        try:
+            values = parse_ints(text, lo=lo)
+        except ValueError:
+            values = None
+        if values is None or not (values or empty):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: a {'' if empty else 'non-empty '}comma list of integers >= {lo}")
+        return text
+
+    return check
+
+
+def one_shape(dims: Sequence[str]) -> Callable[[str], str]:
+    """An argparse ``type=``: the text of exactly one shape of ``dims`` (``parse_shapes``),
+    returned as given."""
+    def check(text: str) -> str:
+        try:
+            n = len(parse_shapes(text, dims))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if n != 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: one shape {'x'.join(dims)}")
+        return text
+
+    return check
 
 
 def parse_dtypes(text: str, allowed: Sequence[str]) -> list:
@@ -84,6 +125,17 @@ def parse_dtypes(text: str, allowed: Sequence[str]) -> list:
     bad = [d for d in out if d not in allowed]
     if bad or not out:
         raise ValueError(f"dtypes {bad or text!r}: this benchmark takes {', '.join(allowed)}")
+    return out
+
+
+def parse_choices(text: str, allowed: Sequence[str], flag: str) -> list:
+    """``"a,b"`` -> ``["a", "b"]``, each one of ``allowed``: ValueError naming ``flag``. The
+    scripts' own lists (routings, modes, ops, dists) take anything else for their last word (a
+    routing not ``"zipf"`` is balanced), and their rows would carry the name given."""
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [x for x in out if x not in allowed]
+    if bad or not out:
+        raise ValueError(f"{flag} {bad or text!r}: a comma list of {', '.join(allowed)}")
     return out
 
 
@@ -151,6 +203,8 @@ class BenchParser(argparse.ArgumentParser):
         self.default_shapes = [dict(zip(self.dims, s)) if not isinstance(s, Mapping) else dict(s)
                                for s in shapes]
         self.allowed_dtypes = tuple(allowed_dtypes or dtypes)
+        #: (dest, flag, allowed) of the comma-list options added by ``add_choices``
+        self.choice_lists: list = []
         g = self.add_argument_group("shared benchmark options")
         g.add_argument("--out", required=True,
                        help="results JSONL file, or a folder (then <folder>/<device-kind>.jsonl)")
@@ -192,16 +246,39 @@ class BenchParser(argparse.ArgumentParser):
                        help="check every fused impl against the reference before timing it; "
                             "a wrong one is not timed (default: on)")
 
+    def add_choices(self, flag: str, allowed: Sequence[str], default: str, help: str = ""):
+        """A script's comma-list option whose items must be among ``allowed``, checked by
+        ``parse_args`` (the value stays the text given)."""
+        action = self.add_argument(flag, default=default,
+                                   help=f"{help}comma list of {', '.join(allowed)} "
+                                        f"(default: %(default)s)")
+        self.choice_lists.append((action.dest, flag, tuple(allowed)))
+        return action
+
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
         try:
             ns.shapes = parse_shapes(ns.shapes, self.dims) or [dict(s)
                                                                for s in self.default_shapes]
             ns.dtypes = parse_dtypes(ns.dtypes, self.allowed_dtypes)
-            ns.worlds = parse_ints(ns.worlds) or None
+            ns.worlds = parse_ints(ns.worlds, "--worlds", lo=1) or None
             graphs = parse_graph_modes(ns.graph)
+            for dest, flag, allowed in self.choice_lists:
+                parse_choices(getattr(ns, dest), allowed, flag)
         except ValueError as e:
             self.error(str(e))
+        # an empty --out failed at the first row's open, after the first case was timed; a
+        # device kind names the file inside an --out folder
+        if not ns.out.strip():
+            self.error("--out '': give a results file or a folder")
+        if not ns.device_kind.strip() or os.sep in ns.device_kind or "/" in ns.device_kind:
+            self.error(f"--device-kind {ns.device_kind!r}: a non-empty name without '/' (it "
+                       f"names the results file inside an --out folder)")
+        # no timed iteration: every impl's median failed (an empty list) and no row was written
+        for flag, value, lo in (("--iters", ns.iters, 1), ("--warmup", ns.warmup, 0),
+                                ("--rounds", ns.rounds, 1)):
+            if value < lo:
+                self.error(f"{flag} {value}: must be at least {lo}")
         graphs = tuple(g for g in graphs if not (g and ns.no_graph) and not (not g and ns.no_plain))
         if not graphs:
             self.error("no graph mode left to time (--no-graph and --no-plain together?)")

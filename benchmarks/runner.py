@@ -106,6 +106,8 @@ class Bench:
         self.device = world.device
         self.writer = ResultWriter(args.out, args.device_kind, world.world_size)
         self.records: list = []
+        #: the --impls names no case has had so far: a typo timed nothing and exited 0
+        self.unmatched = set(getattr(args, "impls", ()))
 
     def say(self, msg: str) -> None:
         """Prints on rank 0."""
@@ -154,6 +156,11 @@ class Bench:
         {(impl, graph): median ms} of what was timed."""
         wanted = getattr(self.args, "impls", ())  # (--impls: a subset of them)
         if wanted:
+            self.unmatched -= set(case.impls)
+            missing = [n for n in wanted if n not in case.impls]
+            if missing:
+                self.say(f"{case.title()}: --impls {', '.join(missing)} not among this case's "
+                         f"impls ({', '.join(case.impls)})")
             case = dataclasses.replace(case, impls={n: f for n, f in case.impls.items()
                                                     if n in wanted})
         errs = {}
@@ -248,6 +255,10 @@ def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
     try:
         rc = body(bench) or 0
         bench.print_table()
+        if bench.unmatched:
+            bench.say(f"--impls {', '.join(sorted(bench.unmatched))}: no case has an impl of "
+                      f"that name (each case printed its impls)")
+            rc = rc or 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -6,18 +6,34 @@ import argparse
 import sys
 
 
+def _ranks(text: str) -> int:
+    """``--ranks`` as an int >= 1: with none, the demo waited for answers no rank would send."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m portable_overlap")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("env", help="backend, devices, peer access, NVSHMEM availability")
     d = sub.add_parser("demo", help="2-rank fused GEMV + AllReduce: correctness and timing table")
     d.add_argument("--cpu", action="store_true", help="use CPU-emulated ranks even with GPUs")
-    d.add_argument("--ranks", type=int, default=2)
+    d.add_argument("--ranks", type=_ranks, default=2, help="how many ranks (default 2)")
     args = ap.parse_args(argv)
     if args.cmd == "env":
         from .env_report import print_env
+        from .errors import BackendUnavailable
 
-        print_env()
+        try:
+            print_env()
+        except (BackendUnavailable, ValueError) as e:  # a bad override: its message, no trace
+            print(f"{ap.prog} env: error: {e}", file=sys.stderr)
+            return 2
         return 0
     from .demo import run_demo
 

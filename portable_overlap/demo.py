@@ -92,6 +92,12 @@ def _print(rows, where: str, ranks: int) -> bool:
 
 
 def run_demo(force_cpu: bool = False, ranks: int = 2) -> int:
+    """The demo on ``ranks`` GPUs where there are that many (and not ``force_cpu``), else on as
+    many CPU-emulated ranks; 0 when every result is right, else 1."""
+    # zero ranks passed the GPU test on any machine (n_gpu >= 0) and waited for rows from no
+    # process until the queue's timeout
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not force_cpu and n_gpu >= ranks:
         import torch.multiprocessing as mp

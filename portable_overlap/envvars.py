@@ -51,13 +51,19 @@ def env_float(name: str, default: float, above: float, at_most: float = math.inf
 
 def env_file_path(name: str) -> Optional[str]:
     """``$name`` as the path of a file (``~`` expanded); None when unset. A path that names an
-    existing directory is refused: the file would have to be made inside it under a guessed
-    name."""
+    existing directory, or ends in a separator (a folder's path, existing or not), is refused:
+    the file would have to be made inside it under a guessed name."""
     raw = env_str(name)
     if raw is None:
         return None
     path = os.path.expanduser(raw)
-    if os.path.isdir(path):
+    if is_folder_path(path):
         raise ValueError(f"{name}={raw!r} names a directory; give the path of a file "
                          f"(for instance one inside that directory)")
     return path
+
+
+def is_folder_path(path: str) -> bool:
+    """Whether ``path`` names a folder: an existing directory, or a path ending in a separator
+    (a file cannot be written there: the tuning cache's rename onto it fails)."""
+    return os.path.isdir(path) or path.endswith(("/", os.sep))

@@ -854,3 +854,22 @@ def test_plain_timing_of_sequential_counts_its_agreement(world2):
     (``UNBOUNDED``: "sequential" and "signal_collective"; the fake timing runs once)."""
     for first, later, pick, err in world2.run(_agreements_timed):
         assert (first, later, pick) == (3, 1, "sequential") and err < TOL, (first, later, pick)
+
+
+def _cache_path_refused_on_one_rank(world, tmp):
+    """Rank 1's cache_path is a folder, rank 0's a file."""
+    path = tmp if world.rank == 1 else os.path.join(tmp, "t.json")
+    try:
+        po.MatmulAllReduce(world, 2, 3, transport="auto", cache_path=path).close()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_cache_path_refused_on_one_rank_raises_on_every_rank(world2, tmp_path):
+    """The refusal was raised before the ranks compared their settings: rank 0 waited in that
+    comparison for ever."""
+    got = world2.run(_cache_path_refused_on_one_rank, str(tmp_path), timeout=60)
+    assert [g[0] for g in got] == ["RankMismatchError"] * 2, got
+    assert all("rank 1:" in g[1] and "cache_path must be the path of a file" in g[1]
+               for g in got), got

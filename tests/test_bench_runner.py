@@ -85,6 +85,69 @@ def test_parser_errors(tmp_path, capsys):
     assert "MxNxK,... (default: 1x2x3,4x5x6)" in out and "--worlds" in out
 
 
+@pytest.mark.parametrize("argv, why", [
+    (["--iters", "0"], "--iters 0: must be at least 1"),
+    (["--iters", "-3"], "--iters -3: must be at least 1"),
+    (["--warmup", "-1"], "--warmup -1: must be at least 0"),
+    (["--rounds", "0"], "--rounds 0: must be at least 1"),
+    (["--worlds", "2,x"], "--worlds '2,x': a comma list of integers >= 1"),
+    (["--worlds", "0"], "--worlds '0': a comma list of integers >= 1"),
+    (["--shapes", "8192x"], "shape '8192x': expected 3 sizes"),
+    (["--shapes", "0x5x5"], "sizes must be positive"),
+    (["--shapes=-8x5x5"], "sizes must be positive"),
+    (["--out", ""], "--out '': give a results file or a folder"),
+    (["--device-kind", ""], "--device-kind '': a non-empty name"),
+    (["--device-kind", "../x"], "--device-kind '../x': a non-empty name without '/'"),
+])
+def test_parser_refuses_counts_and_lists_out_of_range(argv, why, capsys):
+    """--iters 0 timed no run: every impl's median raised, no row was written, exit 0."""
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["--out", "x", *argv])  # (a later --out overrides this one)
+    assert e.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+# (script, its comma-list option of names): a name outside the list ran as the script's last
+# case (a routing not "zipf" is balanced, a dist not "uniform" is Zipf) under the name given
+CHOICE_FLAGS = [("bench_moe_combine", "--routings"), ("bench_moe_dispatch", "--routings"),
+                ("bench_moe_layer", "--routings"), ("bench_embedding_alltoall", "--dists"),
+                ("bench_matmul_reduce", "--modes"), ("bench_gemm_signal", "--ops"),
+                ("bench_wave_predictor", "--ops")]
+
+
+@pytest.mark.parametrize("name, flag", CHOICE_FLAGS)
+def test_script_lists_refuse_unknown_names(name, flag, capsys):
+    ap = importlib.import_module(f"benchmarks.{name}").parser()
+    ap.parse_args(["--out", "x"])  # the defaults pass
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--out", "x", flag, "zipf,uniform,balanced,all_reduce,bogus"])
+    assert e.value.code == 2
+    assert f"{flag} ['" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, argv", [
+    ("bench_matmul_reduce", ["--pieces", ""]),  # (its body indexes the first of each)
+    ("bench_matmul_reduce", ["--put-lanes", "0,x"]),
+    ("bench_matmul_reduce", ["--pieces", "0"]),
+    ("bench_gemm_alltoall", ["--pieces", "4,x"]),
+    ("bench_gemm_alltoall", ["--pieces", "-2"]),
+    ("bench_gemm_signal", ["--reserves", "8,x"]),
+    ("bench_gemm_signal", ["--comm-ctas", "0"]),
+    ("bench_gemm_signal", ["--sweep-shape", ""]),
+    ("bench_gemm_signal", ["--sweep-shape", "8x8"]),
+    ("bench_gemm_signal", ["--sweep-shape", "8x8x8,16x16x16"]),
+    ("bench_moe_layer", ["--senders", "16,sixty-four"]),
+])
+def test_script_numbers_are_checked_at_parse_time(name, argv, capsys):
+    """These lists were split once the world was up: an IndexError or int()'s ValueError after
+    the launch."""
+    ap = importlib.import_module(f"benchmarks.{name}").parser()
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--out", "x", *argv])
+    assert e.value.code == 2
+    assert f"argument {argv[0]}:" in capsys.readouterr().err
+
+
 def test_device_kind_default(monkeypatch):
     monkeypatch.setenv("PO_DEVICE_KIND", "nvidia-h200-x4")
     assert _parser().parse_args(["--out", "r.jsonl"]).device_kind == "nvidia-h200-x4"
@@ -263,6 +326,30 @@ def test_run_without_checks_and_one_mode(tmp_path, timed):
     assert [(r["impl"], r["speedup"]) for r in got if r["op"] == "op_summary"] == [
         ("fused", 3.0), ("fused[v]", 1.5)]
     assert bench.records[0]["ok"] is None
+
+
+def test_impls_that_no_case_has_are_named_and_fail_the_run(tmp_path, timed, capsys,
+                                                               monkeypatch):
+    """A typo in --impls filtered every impl out of every case: nothing timed, exit 0."""
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    import portable_overlap
+
+    monkeypatch.setattr(portable_overlap.World, "from_env", staticmethod(lambda: FakeWorld()))
+
+    def body(bench):
+        bench.run(runner.Case(op="op", shape={"M": 1, "N": 1, "K": 1}, dtype="bf16",
+                              impls={"fused": lambda: 1.0, "sequential": lambda: 2.0}))
+
+    argv = ["--out", str(tmp_path / "r.jsonl"), "--no-check", "--impls", "fused,sequentail"]
+    assert runner.run_main(_parser(), body, argv) == 2
+    out = capsys.readouterr().out
+    assert "--impls sequentail not among this case's impls (fused, sequential)" in out
+    assert "--impls sequentail: no case has an impl of that name" in out
+    assert [r["impl"] for r in _rows(tmp_path)] == ["fused", "fused"]  # what matched still ran
+    argv[-1] = "fused,sequential"
+    assert runner.run_main(_parser(), body, argv) == 0
+
 
 
 def test_rel_err():

@@ -67,3 +67,44 @@ def test_transformer_prefill_example(transport):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "outputs agree" in out.stdout and "max abs diff" in out.stdout
     assert f"transport {transport!r}" in out.stdout
+
+
+@pytest.mark.parametrize("ranks", ["0", "-1", "x"])
+def test_main_demo_refuses_a_rank_count_below_one(ranks):
+    """No rank: the demo took the GPU path (0 GPUs >= 0 ranks) and waited 600 s for rows."""
+    out = _run(["-m", "portable_overlap", "demo", "--ranks", ranks], timeout=60)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "argument --ranks: must be an integer >= 1" in out.stderr, out.stderr
+
+
+def test_run_demo_refuses_a_rank_count_below_one():
+    from portable_overlap.demo import run_demo
+
+    for ranks in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match="ranks must be an int >= 1"):
+            run_demo(force_cpu=True, ranks=ranks)
+
+
+def test_env_report_names_a_bad_override_without_a_traceback():
+    env = dict(os.environ, PYTHONPATH=ROOT, PORTABLE_OVERLAP_BACKEND="bogus")
+    out = subprocess.run([sys.executable, "-m", "portable_overlap", "env"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "PORTABLE_OVERLAP_BACKEND='bogus' names no backend" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("transformer/decode.py", ["--layers", "0"]),  # no layer: "outputs agree", comparing x to x
+    ("transformer/decode.py", ["--tokens", "0"]),
+    ("transformer/decode.py", ["--batch", "-1"]),
+    ("transformer/prefill.py", ["--seq", "0"]),
+    ("transformer/prefill.py", ["--iters", "x"]),
+    ("moe/moe_layer.py", ["--iters", "0"]),
+    ("dlrm/train.py", ["--steps", "-1"]),  # no step ran and the paths "agreed"
+    ("dlrm/train.py", ["--batch", "-16"]),
+])
+def test_example_flags_refuse_counts_out_of_range(script, argv):
+    out = _run([os.path.join("examples", script), *argv], timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"argument {argv[0]}: must be an integer >=" in out.stderr, out.stderr

@@ -4,6 +4,7 @@ warning, never a crash."""
 import json
 import os
 import stat
+import warnings
 
 import pytest
 
@@ -50,7 +51,8 @@ def test_a_link_at_the_cache_path_is_neither_read_nor_written(tmp_path, victim):
     assert path.is_symlink() and json.loads(victim.read_text()) == {"k": "planted"}
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff\xfe"])
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff\xfe", "", '{"k": [1',
+                                  "[" * 100_000])  # (the last: a RecursionError in the parser)
 def test_a_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, text):
     path = tmp_path / "tuning.json"
     path.write_bytes(text.encode("latin-1"))
@@ -79,3 +81,52 @@ def test_cache_path_variable_is_read_when_used(tmp_path, monkeypatch):
     monkeypatch.setenv(VAR, str(tmp_path))
     with pytest.raises(ValueError, match=rf"{VAR}=.*names a directory"):
         TuningCache()
+    # a folder's path that does not exist yet: every put failed at the rename onto it
+    monkeypatch.setenv(VAR, str(tmp_path / "new") + os.sep)
+    with pytest.raises(ValueError, match=rf"{VAR}=.*names a directory"):
+        TuningCache()
+
+
+@pytest.mark.parametrize("where", ["under a regular file", "read-only"])
+def test_a_cache_that_cannot_be_written_warns_and_keeps_the_decision(tmp_path, monkeypatch,
+                                                                     where):
+    """``decide`` puts after every rank took the decision: a rank that raised there (one rank's
+    file unwritable) left its peers waiting in the call's collective for ever."""
+    path = tmp_path / "tuning.json"
+    if where == "under a regular file":
+        (tmp_path / "afile").write_text("")
+        path = tmp_path / "afile" / "tuning.json"
+    else:  # chmod does not stop root: the refusal a read-only folder gives
+
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr("tempfile.mkstemp", refused)
+    with warnings.catch_warnings():  # (under a regular file the read warns first)
+        warnings.simplefilter("ignore")
+        cache = TuningCache(str(path))
+    with pytest.warns(RuntimeWarning, match="cannot be written.*kept in this process"):
+        cache.put("k", 1)
+    assert cache.get("k") == 1
+    assert not path.exists()
+
+
+def test_caches_of_one_file_keep_each_others_decisions(tmp_path):
+    """Two caches of one file (two contexts of a process, or two processes) read it before
+    either wrote: each put replaced the file with its own entries, losing the other's."""
+    path = tmp_path / "tuning.json"
+    first, second = TuningCache(str(path)), TuningCache(str(path))
+    first.put("a", 1)
+    second.put("b", 2)
+    first.put("c", 3)
+    assert json.loads(path.read_text()) == {"a": 1, "b": 2, "c": 3}
+    assert second.get("a") == 1  # a put keeps what it found in the file
+
+
+def test_a_cache_path_argument_that_names_a_folder_is_refused(tmp_path):
+    from portable_overlap.ops.planner import _check_path
+
+    for path in (str(tmp_path), str(tmp_path / "new") + os.sep):
+        with pytest.raises(ValueError, match="cache_path must be the path of a file, not a dir"):
+            _check_path("op", path)
+    assert _check_path("op", str(tmp_path / "t.json")) == str(tmp_path / "t.json")

@@ -228,15 +228,30 @@ def _emulated(world, args):
     return train(world, args)
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0 (0: the default). A negative --steps was taken as
+    given (no step ran, and the paths were reported to agree); a negative --batch or --cap
+    failed deep in the set-up."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["fused", "reference", "both"], default="both")
-    ap.add_argument("--steps", type=int, default=0,
+    ap.add_argument("--steps", type=_count, default=0,
                     help=f"training steps (default {STEPS['gpu']} on GPUs, {STEPS['cpu']} on CPU)")
     ap.add_argument("--small", action="store_true", help="toy sizes (CPU)")
-    ap.add_argument("--batch", type=int, default=0, help="global batch (default 4096 / small 16)")
-    ap.add_argument("--cap", type=int, default=0, help="rows per table cap (200000 / small 1000)")
-    ap.add_argument("--pf", type=int, default=2, help="mean bag length (uniform 0..2·pf)")
+    ap.add_argument("--batch", type=_count, default=0,
+                    help="global batch (default 4096 / small 16)")
+    ap.add_argument("--cap", type=_count, default=0,
+                    help="rows per table cap (200000 / small 1000)")
+    ap.add_argument("--pf", type=_count, default=2, help="mean bag length (uniform 0..2·pf)")
     ap.add_argument("--zipf", type=float, default=1.05)
     ap.add_argument("--lr", type=float, default=0.5)
     args = ap.parse_args()

@@ -103,9 +103,21 @@ def _emulated(world, dims, iters, schedule):
     return run(world, dims, iters, schedule)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (with no timed iteration the median of nothing
+    raised)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=_positive, default=20)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions on GPUs too")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
                     help="the layer's dimensions on GPUs (module docstring)")

@@ -50,7 +50,8 @@ Decisions live in the context (``ctx.decisions``: cache key -> ``{"transport", "
 "failed"}``, and ``"captured": {"transport", "ms"}`` for the replays' pick where both modes
 were timed) and, only when a file is named, in that JSON file as well: ``cache_path=``, else
 ``$PORTABLE_OVERLAP_TUNING_CACHE`` (``schedule.tuning.TuningCache``: atomic replacement, symbolic
-links refused). Without either nothing is written to disk. A file's key (``tuning.cache_key``)
+links refused, a file that cannot be written a warning). Without either nothing is written
+to disk. A file's key (``tuning.cache_key``)
 holds the call key, the candidates and their options, the timing mode, the world size, the
 device's name and the versions of torch, Triton and this library; ranks may share one file
 (they write the same decisions) or each have its own.
@@ -117,7 +118,7 @@ from typing import Optional
 
 import torch
 
-from ..envvars import env_file_path
+from ..envvars import env_file_path, is_folder_path
 from ..errors import (BackendUnavailable, ContextBrokenError, ContextClosedError,
                       PeerTimeoutError, RankMismatchError)
 from ..schedule import tuning
@@ -226,7 +227,7 @@ def _check_path(op: str, path) -> Optional[str]:
         path = os.path.expanduser(os.fspath(path))
     except TypeError:
         raise ValueError(f"{op}: cache_path must be the path of a file, got {path!r}") from None
-    if not isinstance(path, str) or not path or os.path.isdir(path):
+    if not isinstance(path, str) or not path or is_folder_path(path):
         raise ValueError(f"{op}: cache_path must be the path of a file, not a directory, got "
                          f"{path!r}")
     return path
@@ -390,10 +391,21 @@ class TransportPlanner:
             raise ValueError(f"{op}: graph must be None (time plain calls and graph replays, "
                              f"each picking for its own calls), True or False, got {graph!r}")
         self.graph = graph
-        path = (_check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
-                if self.TIMES else None)
-        world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph)",
-                         (self.candidates, self.iters, self.warmup, self.graph))
+        # a path refused on some ranks only (a folder there, a per-rank variable) is raised
+        # after the ranks compared their settings: raised before, it left the peers waiting
+        # in that comparison for ever
+        try:
+            path = (_check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
+                    if self.TIMES else None)
+            path_error = None
+        except ValueError as e:
+            path, path_error = None, e
+        world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph; "
+                         f"the tuning cache path's error)",
+                         (self.candidates, self.iters, self.warmup, self.graph,
+                          None if path_error is None else str(path_error)))
+        if path_error is not None:
+            raise path_error
         # the name of this planner's decisions in the process group's store, the same on every
         # rank (_agree), and how many agreements this rank has begun
         self._sync_id = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None)

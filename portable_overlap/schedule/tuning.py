@@ -49,7 +49,12 @@ class TuningCache:
     one, and no link planted at a temporary name is followed. A cache path that is itself a
     symbolic link is neither read nor written, with a warning (the decisions are still made and
     used in this process): writing there would put the file wherever the link points. A file
-    that cannot be read or parsed is ignored with a warning and replaced at the next put."""
+    that cannot be read or parsed is ignored with a warning and replaced at the next put. A put
+    writes the file's entries as it finds them then (another cache of the same file may have
+    written since this one read it) with this cache's over them, and keeps them all. A put
+    that cannot write the file (a read-only folder, a full disk, a path under a regular file)
+    warns and keeps the decision in this process: ``decide`` puts after every rank took the
+    decision, and a rank that raised there would leave its peers waiting in the call."""
 
     def __init__(self, path: Optional[str] = None):
         self.path = path or env_file_path(CACHE_VAR) or os.path.join(
@@ -60,7 +65,11 @@ class TuningCache:
         return self.entries.get(key)
 
     def put(self, key: str, value: Any) -> None:
-        entries = {**self.entries, key: value}
+        # the file's entries as they are now, then this cache's: another cache of the same file
+        # (a second context of this process, another rank's process) may have written since
+        # this one was read, and replacing the file with this one's entries lost those
+        on_disk = {} if os.path.islink(self.path) else _load(self.path, quiet=True)
+        entries = {**on_disk, **self.entries, key: value}
         # serialised first: a value JSON cannot hold raises here and changes nothing
         text = json.dumps(entries, indent=1, sort_keys=True)
         self.entries = entries
@@ -68,16 +77,22 @@ class TuningCache:
             _warn(f"tuning cache {self.path} is a symbolic link: the decision for {key} is not "
                   f"written (remove the link, or set {CACHE_VAR} to the path of a regular file)")
             return
-        _replace_file(self.path, text)
+        try:
+            _replace_file(self.path, text)
+        except OSError as e:
+            _warn(f"tuning cache {self.path} cannot be written ({e}): the decision for {key} is "
+                  f"kept in this process only (set {CACHE_VAR} or cache_path to a writable "
+                  f"file)")
 
 
 def _warn(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _load(path: str) -> dict:
-    """The decisions in the file at ``path``; none (with a warning) if it is a symbolic link,
-    not a regular file, unreadable or not a JSON object; none (silently) if it does not exist."""
+def _load(path: str, quiet: bool = False) -> dict:
+    """The decisions in the file at ``path``; none (with a warning, unless ``quiet``) if it is
+    a symbolic link, not a regular file, unreadable or not a JSON object; none (silently) if it
+    does not exist."""
     try:
         # O_NONBLOCK: a FIFO planted at the path must not block the open
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -85,21 +100,22 @@ def _load(path: str) -> dict:
         return {}
     except OSError as e:
         return _ignored(path, "is a symbolic link" if e.errno == errno.ELOOP
-                        else f"cannot be read ({e.strerror})")
+                        else f"cannot be read ({e.strerror})", quiet)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return _ignored(path, "is not a regular file")
+            return _ignored(path, "is not a regular file", quiet)
         try:
             entries = json.loads(f.read().decode())
-        except ValueError as e:  # bad UTF-8 included
-            return _ignored(path, f"is not valid JSON ({e})")
+        except (ValueError, RecursionError) as e:  # bad UTF-8, nesting past the parser's depth
+            return _ignored(path, f"is not valid JSON ({e})", quiet)
     if not isinstance(entries, dict):
-        return _ignored(path, "does not hold a JSON object")
+        return _ignored(path, "does not hold a JSON object", quiet)
     return entries
 
 
-def _ignored(path: str, why: str) -> dict:
-    _warn(f"tuning cache {path} {why}; ignored: its decisions are made again")
+def _ignored(path: str, why: str, quiet: bool = False) -> dict:
+    if not quiet:
+        _warn(f"tuning cache {path} {why}; ignored: its decisions are made again")
     return {}
 
 
