@@ -5,16 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _ranks(text: str) -> int:
-    """``--ranks`` as an int >= 1: with none, the demo waited for answers no rank would send."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return n
+from .cli import int_at_least
 
 
 def main(argv=None) -> int:
@@ -23,7 +14,7 @@ def main(argv=None) -> int:
     sub.add_parser("env", help="backend, devices, peer access, NVSHMEM availability")
     d = sub.add_parser("demo", help="2-rank fused GEMV + AllReduce: correctness and timing table")
     d.add_argument("--cpu", action="store_true", help="use CPU-emulated ranks even with GPUs")
-    d.add_argument("--ranks", type=_ranks, default=2, help="how many ranks (default 2)")
+    d.add_argument("--ranks", type=int_at_least(1), default=2, help="how many ranks (default 2)")
     args = ap.parse_args(argv)
     if args.cmd == "env":
         from .env_report import print_env

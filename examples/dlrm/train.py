@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from portable_overlap import ShardedEmbeddingBagCollection, World
+from portable_overlap.cli import int_at_least
 
 CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593,
                  3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
@@ -228,30 +229,18 @@ def _emulated(world, args):
     return train(world, args)
 
 
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 0 (0: the default). A negative --steps was taken as
-    given (no step ran, and the paths were reported to agree); a negative --batch or --cap
-    failed deep in the set-up."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return n
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["fused", "reference", "both"], default="both")
-    ap.add_argument("--steps", type=_count, default=0,
+    ap.add_argument("--steps", type=int_at_least(0), default=0,
                     help=f"training steps (default {STEPS['gpu']} on GPUs, {STEPS['cpu']} on CPU)")
     ap.add_argument("--small", action="store_true", help="toy sizes (CPU)")
-    ap.add_argument("--batch", type=_count, default=0,
+    ap.add_argument("--batch", type=int_at_least(0), default=0,
                     help="global batch (default 4096 / small 16)")
-    ap.add_argument("--cap", type=_count, default=0,
+    ap.add_argument("--cap", type=int_at_least(0), default=0,
                     help="rows per table cap (200000 / small 1000)")
-    ap.add_argument("--pf", type=_count, default=2, help="mean bag length (uniform 0..2·pf)")
+    ap.add_argument("--pf", type=int_at_least(0), default=2,
+                    help="mean bag length (uniform 0..2·pf)")
     ap.add_argument("--zipf", type=float, default=1.05)
     ap.add_argument("--lr", type=float, default=0.5)
     args = ap.parse_args()

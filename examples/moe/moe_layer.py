@@ -27,6 +27,7 @@ import sys
 import torch
 
 from portable_overlap import World
+from portable_overlap.cli import int_at_least
 from portable_overlap.modules.moe import ExpertParallelMoE
 
 SHAPES = {"small": dict(tokens=8192, hidden=4096, inter=2048, experts=8, top_k=2),
@@ -103,21 +104,9 @@ def _emulated(world, dims, iters, schedule):
     return run(world, dims, iters, schedule)
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an integer >= 1 (with no timed iteration the median of nothing
-    raised)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return n
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=_positive, default=20)
+    ap.add_argument("--iters", type=int_at_least(1), default=20)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions on GPUs too")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
                     help="the layer's dimensions on GPUs (module docstring)")

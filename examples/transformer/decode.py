@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from portable_overlap import RowParallelLinear
-# examples/transformer/
-from tp_common import LLAMA3_8B, TINY, launch, positive_int, under_torchrun
+from portable_overlap.cli import int_at_least
+from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
 
 
 class Block(nn.Module):
@@ -138,10 +138,10 @@ def report(world_size, args, result, device):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--batch", type=positive_int, default=1)
-    ap.add_argument("--cache", type=positive_int, default=1024)
-    ap.add_argument("--tokens", type=positive_int, default=50)
+    ap.add_argument("--layers", type=int_at_least(1), default=4)
+    ap.add_argument("--batch", type=int_at_least(1), default=1)
+    ap.add_argument("--cache", type=int_at_least(1), default=1024)
+    ap.add_argument("--tokens", type=int_at_least(1), default=50)
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     args = ap.parse_args()
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small

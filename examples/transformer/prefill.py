@@ -44,8 +44,8 @@ from torch import nn
 
 from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduceScatter,
                               RowParallelLinear)
-# examples/transformer/
-from tp_common import LLAMA3_8B, TINY, launch, positive_int, under_torchrun
+from portable_overlap.cli import int_at_least
+from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
 
 
 class Block(nn.Module):
@@ -212,10 +212,10 @@ def report(world_size, args, result, device):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=positive_int, default=4)
-    ap.add_argument("--seq", type=positive_int, default=8192,
+    ap.add_argument("--layers", type=int_at_least(1), default=4)
+    ap.add_argument("--seq", type=int_at_least(1), default=8192,
                     help="prompt tokens (a multiple of ranks)")
-    ap.add_argument("--iters", type=positive_int, default=20,
+    ap.add_argument("--iters", type=int_at_least(1), default=20,
                     help="timed forwards (GPUs)")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     ap.add_argument("--graph", action="store_true",

@@ -13,20 +13,6 @@ LLAMA3_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128)
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1. With no layer both paths return their input and the
-    check reported agreement; with no timed token the median of nothing raised."""
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return n
-
-
 def under_torchrun() -> bool:
     return "RANK" in os.environ
 
