@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from .ops.context import check_sizes
+
 
 def _shapes(on_gpu: bool, world_size: int):
     if on_gpu:  # Llama-style decode: (M, N, K) with K split over the ranks
@@ -96,8 +98,7 @@ def run_demo(force_cpu: bool = False, ranks: int = 2) -> int:
     many CPU-emulated ranks; 0 when every result is right, else 1."""
     # zero ranks passed the GPU test on any machine (n_gpu >= 0) and waited for rows from no
     # process until the queue's timeout
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    check_sizes("demo", ranks=ranks)
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not force_cpu and n_gpu >= ranks:
         import torch.multiprocessing as mp
