@@ -11,6 +11,8 @@ to issue a call counted where it is the longer).
 from __future__ import annotations
 
 import os
+import queue as _queue
+import time
 
 import torch
 
@@ -93,6 +95,48 @@ def _print(rows, where: str, ranks: int) -> bool:
     return ok
 
 
+def collect_rows(q, procs, limit_s: float, poll_s: float = 1.0):
+    """Rank 0's rows from ``q`` once every process of ``procs`` has ended well. A rank that
+    dies or raises ends the wait at once (its peers, waiting for it in NCCL, are then
+    terminated) with a ``RuntimeError`` naming it, instead of the whole ``limit_s``; past
+    ``limit_s`` every process is terminated and ``TimeoutError`` raised."""
+    deadline = time.monotonic() + limit_s
+    rows = None
+    try:
+        while True:
+            if rows is None:
+                try:
+                    rows = q.get(timeout=poll_s)
+                except _queue.Empty:
+                    pass
+            failed = [(r, p.exitcode) for r, p in enumerate(procs)
+                      if p.exitcode not in (None, 0)]
+            if failed:
+                r, code = failed[0]
+                raise RuntimeError(f"demo rank {r} exited with code {code} (its traceback is "
+                                   f"above); the other ranks were stopped")
+            if all(p.exitcode == 0 for p in procs):
+                if rows is None:  # rank 0 may have put them just before it ended
+                    try:
+                        rows = q.get(timeout=poll_s)
+                    except _queue.Empty:
+                        raise RuntimeError("every demo rank ended, but rank 0 sent no "
+                                           "rows") from None
+                return rows
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the demo's ranks did not end within {limit_s:g} s")
+            if rows is not None:
+                time.sleep(min(poll_s, 0.1))
+    except BaseException:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+
+
 def run_demo(force_cpu: bool = False, ranks: int = 2) -> int:
     """The demo on ``ranks`` GPUs where there are that many (and not ``force_cpu``), else on as
     many CPU-emulated ranks; 0 when every result is right, else 1."""
@@ -111,9 +155,7 @@ def run_demo(force_cpu: bool = False, ranks: int = 2) -> int:
         procs = [ctx.Process(target=_gpu_rank, args=(r, ranks, port, q)) for r in range(ranks)]
         for p in procs:
             p.start()
-        rows = q.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
+        rows = collect_rows(q, procs, limit_s=600)
         return 0 if _print(rows, f"{ranks} GPUs ({torch.cuda.get_device_name(0)})", ranks) else 1
     from .testing import EmulatedWorld
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import operator
 import textwrap
 from typing import Optional, Sequence
 
 import torch
+from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -71,6 +73,7 @@ class Workspace(ContextBase):
     """
 
     OP = "workspace"
+    collective_init = True  # the heap's allocation
 
     def __init__(self, world, nbytes: int, *, timeout_s: float = 30.0, name: str = "workspace",
                  shmem: bool = False):
@@ -133,25 +136,29 @@ class Workspace(ContextBase):
         """A zeroed int64 array of flags (or counters) named ``name`` in errors. Collective,
         like :meth:`tensor`. Give every flag array its own use: a flag holds the number of the
         call that last set it, a counter the sum of everything added to it."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.OP}: a flag array needs a name (for its errors), got "
-                             f"{name!r}")
-        return self._carve(shape, torch.int64, name)
+        bad = None if isinstance(name, str) and name else \
+            f"a flag array needs a name (for its errors), got {name!r}"
+        return self._carve(shape, torch.int64, name, bad)
 
-    def _carve(self, shape, dtype, name: Optional[str]) -> torch.Tensor:
+    def _carve(self, shape, dtype, name: Optional[str], bad: Optional[str] = None
+               ) -> torch.Tensor:
+        """The buffer of :meth:`tensor` / :meth:`flags`; ``bad``: why the caller refuses it."""
         self._check_open()
-        try:
-            shape = tuple(int(s) for s in shape)
-        except (TypeError, ValueError):
-            raise ValueError(f"{self.OP}: shape must be a sequence of ints, got {shape!r}") \
-                from None
-        if any(s < 0 for s in shape) or not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{self.OP}: need non-negative sizes and a torch.dtype, got shape "
-                             f"{shape} and dtype {dtype!r}")
-        # agree first, so that every rank takes the same path below (a rank that alone ran
-        # out of room would leave its peers waiting in the next collective)
+        try:  # whole sizes only: int() would cut 2.5 to a buffer of 2, smaller than asked
+            shape = tuple(operator.index(s) for s in shape)
+        except TypeError:
+            bad = bad or f"shape must be a sequence of ints, got {shape!r}"
+        if bad is None and (any(s < 0 for s in shape) or not isinstance(dtype, torch.dtype)):
+            bad = (f"need non-negative sizes and a torch.dtype, got shape {shape} and dtype "
+                   f"{dtype!r}")
+        # agree first, so that every rank takes the same path below: a rank that alone refused
+        # the buffer, or ran out of room, would leave its peers waiting in this collective or
+        # the next one (a refused buffer is compared by what was passed)
         self.world.check_same(f"{self.OP}: buffer #{len(self._arrays)} (shape, dtype, name)",
-                              (shape, str(dtype), name))
+                              (shape, str(dtype), name) if bad is None else
+                              (repr(shape), str(dtype), repr(name)))
+        if bad is not None:
+            raise ValueError(f"{self.OP}: {bad}")
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         start = int(math.ceil(self._top / _ALIGN) * _ALIGN)
         if start + size > self._pool.numel():
@@ -183,8 +190,9 @@ class Workspace(ContextBase):
         module; other kernels launch as usual (the library's module set-up fails for a module
         that does not link it)."""
         self._check_open()
-        self._check_grid(kernel, grid)
-        self._check_source(kernel)
+        jit = self._jit_kernel(kernel)
+        self._check_grid(jit, grid)
+        self._check_source(jit)
         if not self._guard.acquire(blocking=False):
             raise concurrent_use(self.OP, self.rank)
         try:
@@ -203,6 +211,22 @@ class Workspace(ContextBase):
             self.check()
             self._check_call_count()
         return out
+
+    def _jit_kernel(self, kernel):
+        """The ``triton.jit`` function that ``kernel`` launches (through ``triton.heuristics``,
+        which picks constants and launches once, so the checks below see its source); an
+        autotuner is refused: it launches the kernel several times to time it, and each of
+        those launches is a call of the workspace that the peers' calls would pair with (with
+        a config each rank picks for itself, so other grids and tiles)."""
+        jit = kernel
+        while isinstance(jit, (Autotuner, Heuristics)):
+            if isinstance(jit, Autotuner):
+                raise TypeError(
+                    f"{self.OP}: launch a triton.jit kernel with its config chosen, not a "
+                    f"triton.autotune one: the autotuner's timing runs would each be a call of "
+                    f"the workspace, on every rank, with a config each rank picks for itself")
+            jit = jit.fn
+        return jit
 
     def _check_source(self, kernel) -> None:
         """Refuse, at a kernel's first launch, a kernel that uses the value of

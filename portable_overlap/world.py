@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import socket
 from typing import Any, Optional
@@ -28,6 +29,8 @@ class World:
     backend: Backend
     group: Optional[dist.ProcessGroup] = None
     launcher: str = "external"
+    #: host collectives this rank has entered (``collective_setup`` compares it)
+    collectives: int = dataclasses.field(default=0, repr=False, compare=False)
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -36,7 +39,9 @@ class World:
         else a world of one process."""
         if dist.is_initialized():
             return cls.from_process_group(backend=backend)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            # one without the other is a launcher's mistake, not a world of one: running as
+            # rank 0 of 1 would make each process compute alone, with no error
             return cls.from_torchrun(backend=backend, timeout_s=timeout_s)
         if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
             return cls.from_mpi(backend=backend, timeout_s=timeout_s)
@@ -48,7 +53,17 @@ class World:
     @classmethod
     def from_torchrun(cls, backend: Optional[str] = None, timeout_s: float = 300) -> "World":
         be = get_backend(backend)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if not dist.is_initialized():
+            pair = ("a torchrun-style launch sets RANK and WORLD_SIZE together (unset both "
+                    "for a world of one process)")
+            rank, size = _env_count("RANK", None, pair), _env_count("WORLD_SIZE", None, pair)
+            if not 0 <= rank < size:
+                # torch's rendezvous would wait for a rank that cannot come until the timeout
+                raise ValueError(f"RANK={rank} with WORLD_SIZE={size}: the rank must lie in "
+                                 f"0 .. WORLD_SIZE-1 (and WORLD_SIZE be at least 1)")
+            local_rank, _ = _local_env(rank, size, size)
+        else:
+            local_rank, _ = _local_env(dist.get_rank(), dist.get_world_size())
         device = _device_for(be, local_rank)
         if not dist.is_initialized():
             dist.init_process_group(
@@ -80,9 +95,11 @@ class World:
                            device: Optional[torch.device] = None) -> "World":
         be = get_backend(backend)
         rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("World.from_process_group: this process is not a member of the "
+                             "group; make the world on the group's ranks only")
         size = dist.get_world_size(group)
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        local_rank, local_size = _local_env(rank, size)
         device = device or _device_for(be, local_rank)
         return cls(rank, size, local_rank, local_size, device, be, group)
 
@@ -94,13 +111,31 @@ class World:
         return self._facts
 
     def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj``. Where a peer sent a :class:`SetupRefusal` in place of its value
+        (its part of a set-up raised before it reached this collective: ``collective_setup``),
+        raises :class:`~portable_overlap.errors.PeerSetupError` naming it, on every rank that
+        did not refuse."""
+        self.collectives += 1
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
+        refusals = [o for o in out if isinstance(o, SetupRefusal)]
+        if refusals and not isinstance(obj, SetupRefusal):
+            from .errors import PeerSetupError
+
+            raise PeerSetupError("; ".join(f"rank {o.rank} refused to make {o.what} ({o.error})"
+                                           for o in refusals)
+                                 + f"; rank {self.rank} stopped making its own as well")
         return out
 
+    def refuse_setup(self, what: str, error: BaseException) -> None:
+        """Tell the peers, in the collective they wait in, that this rank's part of the set-up
+        ``what`` raised ``error`` before it reached that collective."""
+        self.all_gather_object(SetupRefusal(self.rank, what, f"{type(error).__name__}: {error}"))
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self.collectives += 1
         if self.world_size == 1:
             return obj
         box = [obj]
@@ -110,6 +145,7 @@ class World:
     def barrier(self) -> None:
         """Every rank's host waits until every rank got here (on a GPU, after the work queued
         on its stream before the barrier ran)."""
+        self.collectives += 1
         if self.world_size > 1:
             if self.device.type == "cuda":
                 dist.barrier(group=self.group, device_ids=[self.device.index])
@@ -146,6 +182,71 @@ class World:
         return (f"World(rank={self.rank}/{self.world_size}, local={self.local_rank}/"
                 f"{self.local_world_size}, device={self.device}, backend={self.backend.name}, "
                 f"launcher={self.launcher})")
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupRefusal:
+    """What a rank sends its peers in place of its value when its part of a collective set-up
+    raised before the set-up's first host collective (``collective_setup``)."""
+    rank: int
+    what: str
+    error: str
+
+
+def collective_setup(init):
+    """Decorate the ``__init__`` of a class whose construction is collective (it takes a
+    :class:`World` among its arguments, and its ranks meet in host collectives: its argument
+    agreement, the heap's allocation). An exception the constructor raises on this rank before
+    it entered any host collective (a check of its own arguments, which a peer may pass) is
+    told to the peers through the first collective they wait in, where they raise
+    :class:`~portable_overlap.errors.PeerSetupError`, instead of waiting there until the process
+    group's timeout; this rank raises its own exception. Constructors met within one another
+    tell it once: an outer one sees the inner one's collective."""
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        world = next((a for a in (*args, *kwargs.values()) if isinstance(a, World)), None)
+        before = None if world is None else world.collectives
+        try:
+            init(self, *args, **kwargs)
+        except Exception as e:
+            if world is not None and world.world_size > 1 and world.collectives == before:
+                world.refuse_setup(type(self).__name__, e)
+            raise
+
+    wrapper.collective_setup = True
+    return wrapper
+
+
+def _env_count(name: str, default: Optional[int], needed: str = "") -> int:
+    """``$name`` as an integer (a launcher's count or index); ``default`` when unset or empty,
+    else an error naming the variable and why it is ``needed``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        if default is None:
+            raise ValueError(f"{name} is not set: {needed}")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def _local_env(rank: int, size: int, most: Optional[int] = None) -> tuple:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)``, by default ``rank`` and ``size`` (one host),
+    checked (``most``: the world's size, where the ranks of this host are among its): the
+    local rank picks the device, so one out of range would put this rank on another rank's
+    device with no error."""
+    local_size = _env_count("LOCAL_WORLD_SIZE", size)
+    if local_size < 1 or (most is not None and local_size > most):
+        bound = "at least 1" if most is None else f"in 1 .. WORLD_SIZE={most}"
+        raise ValueError(f"LOCAL_WORLD_SIZE={local_size}: it must be {bound}")
+    local_rank = _env_count("LOCAL_RANK", rank if local_size == size else None,
+                            f"LOCAL_WORLD_SIZE={local_size} says the ranks span hosts, so the "
+                            f"rank's index on its host must be given")
+    if not 0 <= local_rank < local_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_size}: the "
+                         f"local rank must lie in 0 .. LOCAL_WORLD_SIZE-1")
+    return local_rank, local_size
 
 
 def _device_for(be: Backend, local_rank: int) -> torch.device:

@@ -13,6 +13,7 @@ import torch
 
 import portable_overlap as po
 from portable_overlap.ops.embedding_alltoall import EmbeddingAllToAll
+from portable_overlap.ops.gemm_signal import SignalConfig
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
@@ -662,6 +663,54 @@ def test_named_signal_option_not_taken_on_one_rank_raises_on_every_rank(world2):
         assert got[0] == "signal_copy_engine" and got[6] == "signal_collective", got
         for transport, i, res in got[1:6] + got[7:]:
             if i in (1, 3):  # refused on rank 0: raised on every rank, nothing returned
+                assert isinstance(res, str), (r, got)
+            else:
+                assert not isinstance(res, str) and res < 1e-5, (r, got)
+
+
+def _signal_configs_differ_across_ranks(world):
+    """Per-call ``config``s that differ across ranks, on each new shape's first call, then one
+    config on every rank: at N = 40 rank 1's config plans other wave groups, at N = 9 it asks
+    for ``partition="tune"``. Without the configs in the call's agreement, the first call
+    passed it and the ranks kept decisions of different keys: the next call with one config
+    everywhere raised a mismatch (named ``signal_collective``: at every later call) or hung in
+    the plan's host check (named ``signal_copy_engine``); the tuning rank's collectives met
+    its peer's call (``signal_collective`` named or under ``"auto"``: a hang)."""
+    r, W = world.rank, world.world_size
+
+    def config(partition=None):
+        return SignalConfig(matmul=SMALL, partition=partition)
+
+    out = []
+    for transport, options in (("signal_collective", {}), ("signal_copy_engine", {}),
+                               ("auto", {"candidates": ("signal_collective",
+                                                        "signal_copy_engine"),
+                                         "iters": 1, "warmup": 0})):
+        ctx = po.MatmulReduceScatter(world, 8, 64, transport=transport, timeout_s=20,
+                                     **options)
+        # (N = 40: 6 tiles of 16 x 16 in 2 row blocks; N = 9: 2)
+        for i, (N, mine, peer) in enumerate(((40, config((4, 2)), config((2, 4))),
+                                             (40, config((4, 2)), config((4, 2))),
+                                             (9, config(), config("tune")),
+                                             (9, config(), config()))):
+            g = torch.Generator().manual_seed(10 * i + r)
+            a, b = torch.randn(4, 5, generator=g), torch.randn(5, N, generator=g)
+            try:
+                y = ctx(a, b, out=torch.full((4 // W, N), float("nan")),
+                        config=peer if r == 1 else mine)
+            except Exception as e:
+                out.append((transport, i, type(e).__name__))
+                continue
+            out.append((transport, i, rel_err(y, po.matmul_reduce_scatter_reference(
+                a, b, world.group))))
+        ctx.close()
+    return out
+
+
+def test_signal_configs_that_differ_across_ranks_raise_on_every_rank(world2):
+    for r, got in enumerate(world2.run(_signal_configs_differ_across_ranks, timeout=300)):
+        for transport, i, res in got:
+            if i in (0, 2):  # rank 1's config differs: raised on every rank, nothing ran
                 assert isinstance(res, str), (r, got)
             else:
                 assert not isinstance(res, str) and res < 1e-5, (r, got)

@@ -280,6 +280,20 @@ class _GateHip:
         return (self._real.hipError_t.hipSuccess,)
 
 
+@pytest.mark.parametrize("value, on", [
+    ("1", True), ("true", True), ("2", True), (" 1", True), ("-1", True), ("3x", True),
+    ("0", False), ("", False), ("false", False), ("yes", False), ("on", False),
+    ("TRUE", False), ("True", False), (" true", False)])
+def test_cp_wait_reads_the_variable_as_the_runtime_does(monkeypatch, value, on):
+    """GPU_STREAMOPS_CP_WAIT as ROCm's runtime parses a boolean flag: exactly "true", or a
+    non-zero leading integer (atoi). "yes" and "on" turned the command-processor path on here
+    while the runtime kept it off, and "2" the other way round."""
+    from portable_overlap.backends import rocm
+
+    monkeypatch.setenv(rocm.CP_WAIT_VAR, value)
+    assert rocm.cp_wait() is on
+
+
 @pytest.fixture
 def gate_backend(monkeypatch, hip_runtime):
     """A RocmBackend over ``_GateHip`` on this CPU: the kernel gate's launches are recorded

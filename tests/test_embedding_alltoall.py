@@ -295,9 +295,101 @@ def _int32_unvalidated(world):
     return res
 
 
+def _lengths_off_the_indices_unvalidated(world):
+    """``validate=False`` with lengths that do not add up to the indices' count: three indices
+    past the last bag (the forward pools the bags as if they were not there), then lengths
+    that ask for more indices than there are. The backward bagged the indices with
+    ``repeat_interleave(lengths, output_size=n)``, which raised on the CPU (on a GPU: a
+    device-side assert). Returns (forward error, weight gradient error, per-index weights'
+    gradient error, the extra indices' gradient) for the first, and whether the second's
+    gradient is finite and left the rows of other tables alone."""
+    res = []
+    gen = torch.Generator().manual_seed(70 + world.rank)
+    splits = [3, 2]
+    for transport in ("stores", "sequential"):
+        ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, transport=transport)
+        ctx.validate = False
+        try:
+            w, lengths, idx, psw = _input(ctx, splits, gen, torch.float32, True)
+            extra = torch.zeros(3, dtype=idx.dtype)  # row 0 of the first local table
+            grads = []
+            for i, p in ((torch.cat([idx, extra]), torch.cat([psw, torch.ones(3)])), (idx, psw)):
+                w1, p1 = w.clone().requires_grad_(), p.clone().requires_grad_()
+                y = embedding_all_to_all(w1, lengths, i, ctx, p1, batch_splits=splits)
+                dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+                (y * dy).sum().backward()
+                grads.append((y.detach(), w1.grad, p1.grad))
+            (y, gw, gp), (y_ref, gw_ref, gp_ref) = grads
+            res.append((transport, rel_err(y, y_ref), rel_err(gw, gw_ref),
+                        rel_err(gp[:idx.numel()], gp_ref), gp[idx.numel():].abs().max().item()))
+            long = lengths.clone()
+            long[-1] += 5  # the last bag runs 5 past the indices
+            w1 = w.clone().requires_grad_()
+            embedding_all_to_all(w1, long, idx, ctx, psw, batch_splits=splits).sum().backward()
+            res.append((transport + " long", bool(torch.isfinite(w1.grad).all())))
+        finally:
+            ctx.close()
+    return res
+
+
+def test_unvalidated_lengths_off_the_indices_count_never_fault_the_backward(world2):
+    for res in world2.run(_lengths_off_the_indices_unvalidated, timeout=180):
+        for case in res:
+            if case[0].endswith("long"):
+                assert case[1], res
+            else:
+                _, err_y, err_gw, err_gp, extra_gp = case
+                assert max(err_y, err_gw, err_gp) < 1e-5 and extra_gp == 0.0, res
+
+
 def test_int32_lengths_without_validation(world2):
     for res in world2.run(_int32_unvalidated, timeout=180):
         assert len(res) == 4 and all(err < 1e-5 for _, err in res), res
+
+
+def _wrapping_lengths(world):
+    """int64 lengths whose sum wraps to the number of indices (four of 2**62, then 3 for 3
+    indices), with and without the host's data check, on each transport; then a valid call on
+    the same context. Per case: (outcome, relative error of the valid call)."""
+    res = []
+    gen = torch.Generator().manual_seed(50 + world.rank)
+    splits, B = [2, 2], 4
+    for transport in ("stores", "sequential"):
+        ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=4, block_b=2,
+                                transport=transport, timeout_s=20.0)
+        try:
+            for validate in (True, False):
+                w = torch.randn(ctx.weight_rows, 8, generator=gen)
+                lengths = torch.zeros(ctx.n_loc * B, dtype=torch.int64)
+                lengths[:4] = 2 ** 62
+                lengths[4] = 3
+                idx = torch.zeros(3, dtype=torch.int64)
+                try:
+                    ctx(w, lengths, idx, batch_splits=splits, validate=validate)
+                    ctx.synchronize()
+                    r = "ok"
+                except (ValueError, PortableOverlapError) as e:
+                    r = f"{type(e).__name__}: {e}"
+                w, lengths, idx, psw = _input(ctx, splits, gen, torch.float32, True)
+                out = torch.full(ctx.output_shape(splits), float("nan"))
+                ctx(w, lengths, idx, psw, batch_splits=splits, out=out)
+                ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan,
+                                                     world.rank, splits, "sum", world.group)
+                res.append((transport, validate, r, rel_err(out, ref)))
+        finally:
+            ctx.close()
+    return res
+
+
+def test_lengths_whose_sum_wraps_are_refused_or_read_nothing_past_indices(world2):
+    # the sum of four int64 lengths of 2**62 wraps to 0: checked, it matched the indices'
+    # count and the kernels read 2**62 indices on (both ranks died of a segfault); unchecked,
+    # the offsets went negative
+    for res in world2.run(_wrapping_lengths, timeout=240):
+        for transport, validate, r, err in res:
+            if validate:
+                assert r.startswith("ValueError") and "exceeds the 3 indices" in r, res
+            assert err < 1e-5, res
 
 
 def _module_default_split(world):

@@ -60,6 +60,15 @@ def test_dlrm_example():
 
 
 @emulated2
+def test_dlrm_example_with_a_rank_that_owns_no_samples():
+    """A global batch of 1 on 2 ranks (split [1, 0]): rank 1's embedding output has no rows,
+    which the interaction's view(b, -1, D) could not reshape."""
+    out = _run([os.path.join("examples", "dlrm", "train.py"), "--batch", "1", "--steps", "2"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "split [1, 0]" in out.stdout and "paths agree" in out.stdout
+
+
+@emulated2
 @pytest.mark.parametrize("transport", ["copy_engine", "stores"])
 def test_transformer_prefill_example(transport):
     out = _run([os.path.join("examples", "transformer", "prefill.py"), "--layers", "1",
@@ -83,6 +92,40 @@ def test_run_demo_refuses_a_rank_count_below_one():
     for ranks in (0, -2, True, 2.0):
         with pytest.raises(ValueError, match="ranks must be an int >= 1"):
             run_demo(force_cpu=True, ranks=ranks)
+
+
+def test_gpu_demo_ends_at_once_when_a_rank_fails():
+    """A rank that raised left the GPU demo waiting 600 s for rank 0's rows (rank 0 waiting
+    in NCCL for it); now the failure ends the wait and the other ranks are stopped."""
+    import multiprocessing as mp
+    import time
+
+    from portable_overlap.demo import collect_rows
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    waiting = ctx.Process(target=time.sleep, args=(120,))  # rank 0, stuck in a collective
+    failing = ctx.Process(target=sys.exit, args=(3,))
+    procs = [waiting, failing]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="demo rank 1 exited with code 3"):
+        collect_rows(q, procs, limit_s=100, poll_s=0.2)
+    assert time.monotonic() - t0 < 30
+    assert waiting.exitcode is not None and waiting.exitcode != 0  # stopped, not left behind
+
+    q = ctx.Queue()
+    procs = [ctx.Process(target=q.put, args=([("row",)],)), ctx.Process(target=sys.exit, args=(0,))]
+    for p in procs:
+        p.start()
+    assert collect_rows(q, procs, limit_s=60, poll_s=0.2) == [("row",)]
+
+    procs = [ctx.Process(target=time.sleep, args=(120,))]
+    procs[0].start()
+    with pytest.raises(TimeoutError, match="did not end within"):
+        collect_rows(ctx.Queue(), procs, limit_s=1, poll_s=0.2)
+    assert procs[0].exitcode is not None
 
 
 def test_env_report_names_a_bad_override_without_a_traceback():

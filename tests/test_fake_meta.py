@@ -158,23 +158,46 @@ def _embedding_all_to_all(world):
     cases = [(torch.float32, "sum", True), (torch.float16, "mean", False),
              (torch.bfloat16, "sum", False)]
     splits = [1 + q % 2 for q in range(W)]  # uneven, one sample on some ranks
-
-    def args(ctx, case, seed):
-        dt, pooling, weighted = case
-        g = torch.Generator().manual_seed(seed)
-        n = sum(splits)
-        weight = torch.randn(ctx.weight_rows, D, generator=g).to(dt)
-        lengths = torch.randint(0, 3, (ctx.n_loc * n,), generator=g)
-        idx = [torch.randint(0, ctx.plan.table_rows[t],
-                             (int(lengths[j * n:(j + 1) * n].sum()),), generator=g)
-               for j, t in enumerate(ctx.local_tables)]
-        indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
-        psw = torch.rand(indices.numel(), generator=g).to(dt) if weighted else None
-        return (weight, lengths, indices, psw, splits, pooling, ctx.handle)
-
     return _over_contexts(
         world, op, ("stores", "sequential"),  # ("shmem" needs a SHMEM library)
         lambda t: po.EmbeddingAllToAll(world, rows, D, B, transport=t, timeout_s=30.0), cases,
+        lambda c: f"{c[0]} {c[1]} weighted={c[2]}",
+        lambda ctx, case, seed: _embedding_args(ctx, case, seed, splits, D))
+
+
+def _embedding_args(ctx, case, seed, splits, D) -> tuple:
+    """The arguments of an ``embedding_all_to_all`` call on ``ctx`` (fresh random inputs)."""
+    dt, pooling, weighted = case
+    g = torch.Generator().manual_seed(seed)
+    n = sum(splits)
+    weight = torch.randn(ctx.weight_rows, D, generator=g).to(dt)
+    lengths = torch.randint(0, 3, (ctx.n_loc * n,), generator=g)
+    idx = [torch.randint(0, ctx.plan.table_rows[t],
+                         (int(lengths[j * n:(j + 1) * n].sum()),), generator=g)
+           for j, t in enumerate(ctx.local_tables)]
+    indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+    psw = torch.rand(indices.numel(), generator=g).to(dt) if weighted else None
+    return (weight, lengths, indices, psw, splits, pooling, ctx.handle)
+
+
+def _embedding_all_to_all_backward(world):
+    W = world.world_size
+    op = torch.ops.portable_overlap.embedding_all_to_all_backward.default
+    rows, D = [7, 5, 3], 5
+    cases = [(torch.float32, "sum", True), (torch.float16, "mean", False),
+             (torch.bfloat16, "sum", False)]
+    splits = [1 + q % 2 for q in range(W)]
+
+    def args(ctx, case, seed):
+        dt, pooling, weighted = case
+        weight, lengths, indices, psw, _, _, _ = _embedding_args(ctx, case, seed, splits, D)
+        g = torch.Generator().manual_seed(seed + 1)
+        grad = torch.randn(ctx.output_shape(splits), generator=g).to(dt)
+        return (grad, weight, lengths, indices, psw, splits, pooling, weighted, ctx.handle)
+
+    return _over_contexts(
+        world, op, ("stores", "sequential"),
+        lambda t: po.EmbeddingAllToAll(world, rows, D, 2, transport=t, timeout_s=30.0), cases,
         lambda c: f"{c[0]} {c[1]} weighted={c[2]}", args)
 
 
@@ -309,6 +332,7 @@ def _moe_layer(world):
 CHECKS = {"matmul_reduce_scatter": _gemm_pattern, "matmul_all_reduce": _gemm_pattern,
           "matmul_all_to_all": _gemm_pattern, "all_gather_matmul": _all_gather_matmul,
           "gemv_all_reduce": _gemv_all_reduce, "embedding_all_to_all": _embedding_all_to_all,
+          "embedding_all_to_all_backward": _embedding_all_to_all_backward,
           "moe_dispatch": _moe_dispatch, "moe_gemm_combine": _moe_gemm_combine,
           "expert_swiglu": _expert_swiglu, "moe_dispatch_swiglu": _moe_dispatch_swiglu,
           "moe_layer": _moe_layer}

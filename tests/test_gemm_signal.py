@@ -10,7 +10,8 @@ from portable_overlap import RankMismatchError
 from portable_overlap import MatmulAllReduce, MatmulAllToAll, MatmulReduceScatter
 from portable_overlap.testing.signal_calls import (gemm_all_reduce, gemm_all_to_all_signal,
                                                    gemm_reduce_scatter)
-from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
+from portable_overlap.ops.gemm_signal import (GemmReduceScatterCE, GemmSignal, SignalConfig,
+                                              gemm_all_reduce_reference,
                                               gemm_all_to_all_signal_reference,
                                               gemm_reduce_scatter_reference)
 from portable_overlap.ops.matmul import MatmulConfig
@@ -339,6 +340,47 @@ def test_ranks_that_disagree_raise(world2):
             assert r[0].startswith("ranks disagree"), r
 
 
+def _plan_refused_on_one_rank(world, ce):
+    """Rank 1's per-call config plans a partition that does not fit the shape (its tiles are 2
+    per rank of 16 x 16): that rank refuses the plan, its peers made theirs. Then the same call
+    with the default config on every rank, on NaN-poisoned outputs against the reference.
+    Returns (this rank's error of the first call, the second call's relative error)."""
+    W = world.world_size
+    if ce:
+        ctx = GemmReduceScatterCE(world, GemmReduceScatterCE.elems_needed(8 * W, 20, W, 16, 16),
+                                  config=SignalConfig(matmul=SMALL), timeout_s=10)
+        call, ref_fn = ctx.reduce_scatter, gemm_reduce_scatter_reference
+    else:
+        ctx = GemmSignal(world, config=SignalConfig(matmul=SMALL))
+        call, ref_fn = ctx.all_reduce, gemm_all_reduce_reference
+    try:
+        g = torch.Generator().manual_seed(5 + world.rank)
+        a, b = torch.randn(8 * W, 12, generator=g), torch.randn(12, 20, generator=g)
+        bad = SignalConfig(matmul=SMALL, partition=(1,)) if world.rank == 1 else None
+        rows = 8 if ce else 8 * W
+        try:
+            call(a, b, torch.full((rows, 20), float("nan")), config=bad)
+            first = "no error"
+        except Exception as e:
+            first = f"{type(e).__name__}: {e}"
+        out = call(a, b, torch.full((rows, 20), float("nan")))
+        ref = ref_fn(a, b, world.group).double()
+        return first, ((out.double() - ref).norm() / ref.norm()).item()
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("ce", [False, True], ids=["signal_collective", "signal_copy_engine"])
+def test_plan_refused_on_one_rank_raises_on_every_rank(world2, ce):
+    """A plan that one rank's config refuses (a partition that does not cover the tiles) is
+    raised after the ranks compared their plans: refused before, its peers waited in that
+    comparison (a host collective without a deadline) for ever."""
+    (first0, err0), (first1, err1) = world2.run(_plan_refused_on_one_rank, ce, timeout=120)
+    assert first1.startswith("ValueError") and "partition" in first1, first1
+    assert first0.startswith("RankMismatchError") and "rank 1: refused" in first0, first0
+    assert err0 < 1e-5 and err1 < 1e-5, (err0, err1)
+
+
 # -- the schedule on the host ------------------------------------------------------------------
 @pytest.mark.parametrize("dests", [1, 2, 4])
 def test_default_partition_properties(dests):
@@ -368,6 +410,20 @@ def test_tile_layout(sizes, dests):
             assert part == list(range(start + d * size // dests, start + (d + 1) * size // dests))
     for t in range(wg.n_tiles):
         assert lay.tile_of_slot(lay.slot[t]) == t and lay.group[t] == wg.group_of(t)
+
+
+def test_signal_config_counts_must_be_ints():
+    """A partition's sizes, ``max_groups`` and ``reserve_sms`` are ints (not bools, floats or
+    strings) and ``matmul`` a MatmulConfig: a partition of (1.5, 2.5) was read as (1, 2), and
+    the others were accepted to fail, or not, at a call."""
+    for bad in (dict(partition=(1.5, 2.5)), dict(partition=(2.0, 2.0)), dict(partition=("2",)),
+                dict(partition=(True, 1)), dict(partition=4), dict(max_groups=1.5),
+                dict(max_groups=True), dict(reserve_sms=0.5), dict(reserve_sms=True),
+                dict(matmul="16x16")):
+        with pytest.raises(ValueError, match="SignalConfig: "):
+            SignalConfig(**bad)
+    assert SignalConfig(partition=WaveGroups((2, 2))).partition == (2, 2)
+    assert SignalConfig(partition=[2, 2], reserve_sms=0, max_groups=8).partition == (2, 2)
 
 
 def test_wave_groups_validation():

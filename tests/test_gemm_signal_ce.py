@@ -135,6 +135,44 @@ def test_k_shards_of_different_widths(world2):
         assert len(errs) == 2 and all(e < 1e-5 for e in errs), errs
 
 
+def _tilings_differ(world):
+    """Named ``signal_copy_engine``: two configs whose tiles differ only in their order
+    (``group_m`` 2 and 1: the same counts, the same tags without the tiling), each planned on
+    every rank, then a call with one on rank 0 and the other on rank 1 (both keys planned: no
+    agreement), then a matched call. Returns each call's relative error or error name."""
+    W = world.world_size
+
+    def config(group_m):
+        return SignalConfig(matmul=MatmulConfig(block_m=16, block_n=16, block_k=16,
+                                                group_m=group_m, num_warps=1, num_stages=1))
+
+    ctx = MatmulReduceScatter(world, 64, 32, transport="signal_copy_engine", timeout_s=10)
+    got = []
+    try:
+        for i, (mine, peer) in enumerate(((2, 2), (1, 1), (2, 1), (2, 2))):
+            g = torch.Generator().manual_seed(10 * i + world.rank)
+            a, b = torch.randn(64, 8, generator=g), torch.randn(8, 32, generator=g)
+            try:
+                y = ctx(a, b, out=torch.full((64 // W, 32), float("nan")),
+                        config=config(peer if world.rank == 1 else mine))
+            except Exception as e:
+                got.append(type(e).__name__)
+                continue
+            ref = gemm_reduce_scatter_reference(a, b, world.group).double()
+            got.append(((y.double() - ref).norm() / ref.norm()).item())
+        return got
+    finally:
+        ctx.close()
+
+
+def test_tilings_that_differ_across_ranks_raise(world2):
+    """The flags' tag holds the tiling: ranks whose calls ran plans of other tilings with equal
+    tile counts summed mismatched tiles without an error (relative errors 0.73)."""
+    for got in world2.run(_tilings_differ, timeout=120):
+        assert got[2] == "RankMismatchError", got
+        assert all(not isinstance(e, str) and e < 1e-5 for e in got[:2] + got[3:]), got
+
+
 def _library_op(world):
     ctx = MatmulReduceScatter(world, 32, 32, transport="signal_copy_engine",
                               config=SignalConfig(matmul=SMALL))

@@ -215,3 +215,33 @@ def _tune_k_shard_changes_on_one_rank(world, tmp):
 def test_partition_tune_with_k_shards_changing_on_one_rank(world2, tmp_path):
     for errs in world2.run(_tune_k_shard_changes_on_one_rank, str(tmp_path), timeout=120):
         assert len(errs) == 3 and max(errs) < 1e-5, errs
+
+
+def _tune_k_shards_with_shared_cache(world, tmp):
+    """Three tunings of one [M, N] into one cache file that every rank shares: K = 16 on every
+    rank, K = 32 on every rank (the file then holds a decision of each, which differ: each
+    keeps its own measurements), then K shards of 16 and 32. The key held this rank's K only,
+    so each rank found the decision of its own uniform K, and the ranks raised a mismatch of
+    their caches. Returns the relative error of a call with the third tuning's config."""
+    from portable_overlap.ops.matmul import MatmulConfig
+
+    path = f"{tmp}/shared.json"
+    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
+    try:
+        for ks in ((16, 16), (32, 32), (16, 32)):
+            K = ks[world.rank]
+            a, b = _inputs(world, 32, 16, K, K)
+            cfg = ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=1, iters=1)
+            world.barrier()  # (every rank's write of the file before the next tuning reads it)
+        out = torch.full((32, 16), float("nan"), dtype=torch.bfloat16)
+        ctx.all_reduce(a, b, out, config=cfg)
+        ref = gemm_all_reduce_reference(a, b, world.group).float()
+        return ((out.float() - ref).norm() / ref.norm()).item()
+    finally:
+        ctx.close()
+
+
+def test_tune_k_shards_with_a_shared_cache_file(world2, tmp_path):
+    """The tuner's cache key holds every rank's K: ranks of K shards share one key."""
+    for err in world2.run(_tune_k_shards_with_shared_cache, str(tmp_path), timeout=300):
+        assert err < 1.5e-2, err

@@ -820,8 +820,9 @@ def test_bad_k_splits_raise_clear_errors(world2):
 
 def test_the_rule_splits_k_for_narrow_n_on_the_one_shot_form_only():
     """``pick_config`` on sm_90 with 132 SMs: narrow N (fewer column blocks than 0.6 of the
-    SMs) gets a split of 2 or 4 on the one-shot form, whatever K; wide N, the two-shot form,
-    fp32, the interpreter and a full partial slot get none."""
+    SMs) gets a split of 4 on the one-shot form where its grid and partials fit, else 2,
+    whatever K; wide N, the two-shot form, fp32, the interpreter and a full partial slot get
+    none."""
     from portable_overlap.ops.gemv_allreduce.config import pick_config
 
     def pick(m, n, k=8192, dtype=torch.bfloat16, arch="sm_90", room=None):
@@ -842,6 +843,9 @@ def test_the_rule_splits_k_for_narrow_n_on_the_one_shot_form_only():
     assert pick(1, 1024, arch="cpu").split_k == 1
     assert pick(64, 1024, room=64 * 1024).split_k == 1  # no room for a second slice
     assert pick(32, 1024, room=64 * 1024).split_k == 2
+    assert pick(1, 1024).split_k == pick(8, 1024).split_k == 4  # 4 where it fits
+    # 72 blocks: 4 slices would need 288 programs, past 2 per SM
+    assert pick(8, 1152).split_k == 2
 
 
 def _disagree_on_split(world):
@@ -956,3 +960,28 @@ def test_a_w_narrower_than_x_is_refused_after_a_planned_call(world2):
         for transport in KERNEL_TRANSPORTS:
             assert "x has K=8 columns but w has K=5" in got[transport], got
             assert got[f"{transport} after"] < TOL[torch.float32], got
+
+
+def test_a_split_the_device_cannot_hold_falls_to_the_next_smaller(monkeypatch):
+    """Where the rule's split of 4 leaves more programs than stay resident, the plan tries 2
+    before running unsplit (it went straight to 1)."""
+    from types import SimpleNamespace
+
+    from portable_overlap.ops.gemv_allreduce import api
+
+    rule = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, programs_per_sm=2,
+                      split_k=4)
+    monkeypatch.setattr(api, "pick_config", lambda *a: rule)
+    tried = []
+
+    def plan_with(x, w, out, cfg):  # a device that holds 128 programs: 64 blocks x 2
+        tried.append(cfg.split_k)
+        return None if 64 * cfg.split_k > 128 else cfg
+
+    facts = SimpleNamespace(sm_count=132, arch="sm_90", shared_per_program=227 * 1024)
+    me = SimpleNamespace(world=SimpleNamespace(facts=facts, world_size=2,
+                                               device=torch.device("cpu")),
+                         transport="one_shot", max_n=1024, _plan_with=plan_with)
+    x, w = torch.randn(1, 64), torch.randn(1024, 64)
+    plan = api.GemvAllReduceKernel._plan(me, x, w, None, None)
+    assert tried == [4, 2] and plan.split_k == 2, tried

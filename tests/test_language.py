@@ -26,6 +26,12 @@ def test_all_gather_by_puts(world):
     assert not calls.check_gather(world.run(calls.gather, 45, 2))
 
 
+def test_bool_tensors_travel_through_the_heap(world2):
+    """A bool buffer (a 1-bit element type to Triton, stored one byte each) is reached through
+    remote_ptr like any other: its 16-byte step was divided by zero bytes per element."""
+    assert not calls.check_mask_ring(world2.run(calls.mask_ring, 37, 2))
+
+
 def test_counters_barrier_and_remote_loads(world):
     assert not calls.check_count(world.run(calls.count, 2))
 
@@ -99,6 +105,18 @@ def branches(ctx):
 
 print("checked:", _value_used(branches, pol.end_call))
 """
+
+
+def test_an_autotuned_kernel_is_refused_and_heuristics_are_seen_through(world2):
+    """ws.launch refuses an autotuner (its timing runs would be calls of the workspace; under
+    the interpreter it failed with "0 active drivers") and checks the kernel behind
+    triton.heuristics as it checks a plain one; the workspace goes on."""
+    for r, (errors, done) in enumerate(world2.run(calls.wrapped_kernels)):
+        tuned, picked = errors
+        assert tuned is not None and tuned[0] == "TypeError" and "autotune" in tuned[1], (r, tuned)
+        assert picked is not None and picked[0] == "TypeError" and "end_call" in picked[1], \
+            (r, picked)
+        assert done == 1, (r, done)
 
 
 def test_the_end_call_check_passes_over_a_kernel_without_source():
@@ -265,6 +283,20 @@ def test_bad_host_input_is_refused(world2):
         assert errors["closed"][0] == ContextClosedError.__name__
         assert errors["closed launch"][0] == ContextClosedError.__name__
         assert errors["shmem"][0] == "ValueError" and "shmem" in errors["shmem"][1]
+
+
+def test_a_buffer_refused_on_one_rank_raises_on_every_rank(world2):
+    """A buffer one rank refuses is refused on every rank in the same call (its peers were
+    left in the ranks' comparison of the buffer), a size that is no integer is refused (2.5
+    made a buffer of 2), and the workspace goes on."""
+    for r, (errors, got) in enumerate(world2.run(calls.bad_buffer_on_one_rank)):
+        for case in ("negative", "fraction", "flag name"):
+            assert errors[case] is not None and errors[case][0] in (
+                "ValueError", RankMismatchError.__name__), (r, case, errors[case])
+        said = errors["fraction everywhere"]
+        assert said is not None and said[0] == "ValueError" and "2.5" in said[1], (r, said)
+        # every program of the workspace's first launch wrote 24 programs * 1000 + call 1
+        assert torch.equal(got, torch.full((24,), 24001)), (r, got)
 
 
 def test_public_names():

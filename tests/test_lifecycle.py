@@ -189,6 +189,59 @@ def test_heap_setup_failing_on_one_rank_frees_everything_everywhere(world2, step
     assert not _files_left(world2.pids)
 
 
+def _context_with_bad_arguments_on_one_rank(world, case, bad_rank):
+    """Makes the context of ``case`` with a bad argument on ``bad_rank`` only (or on every rank
+    where ``bad_rank`` is None); returns how it ended and how long it took, then makes a good
+    one (the ranks must still be in step)."""
+    from portable_overlap import (GemvAllReduce, MatmulAllReduce, MoeDispatch, Workspace)
+
+    def make(bad):
+        if case == "gemv":
+            return GemvAllReduce(world, max_n=0 if bad else 64, transport="stores")
+        if case == "gemv_kernel_timeout":  # past the pattern's agreement, in the workspace's
+            return GemvAllReduce(world, max_n=64, transport="stores",
+                                 timeout_s=-1.0 if bad else 5.0)
+        if case == "matmul":
+            return MatmulAllReduce(world, 64, 64, transport="copy_engine",
+                                   pieces=0 if bad else 2)
+        if case == "moe_dispatch":
+            return MoeDispatch(world, max_tokens=8, top_k=2, hidden=16, experts_per_rank=2,
+                               transport="stores", capacity=-3 if bad else None)
+        if case == "workspace":
+            return Workspace(world, -1 if bad else 256)
+        raise AssertionError(case)
+
+    bad = bad_rank is None or world.rank == bad_rank
+    t0 = time.monotonic()
+    try:
+        make(bad).close()
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    took = time.monotonic() - t0
+    make(False).close()
+    return outcome, took
+
+
+@pytest.mark.parametrize("case", ["gemv", "gemv_kernel_timeout", "matmul", "moe_dispatch",
+                                  "workspace"])
+def test_bad_context_arguments_on_one_rank_raise_on_every_rank(world2, case):
+    """A context's check of its own arguments that fails on one rank: that rank raised, and
+    its peers waited in the argument agreement until the process group's timeout (300 s).
+    Now the peers raise PeerSetupError naming the rank, at once, and the next contexts are
+    made in step."""
+    for bad_rank in (1, 0, None):
+        got = world2.run(_context_with_bad_arguments_on_one_rank, case, bad_rank, timeout=120)
+        for rank, (outcome, took) in enumerate(got):
+            assert took < 30, (case, rank, took, outcome)
+            if bad_rank is None or rank == bad_rank:
+                assert outcome.startswith("ValueError: "), (case, rank, outcome)
+            else:
+                assert outcome.startswith("PeerSetupError: "), (case, rank, outcome)
+                assert f"rank {bad_rank} refused to make" in outcome, outcome
+                assert "ValueError" in outcome, outcome
+
+
 def _die_while_making_heap(world, victim, moment):
     """``victim`` kills itself (SIGKILL) right after the backend entry ``moment`` in the heap's
     set-up; the others report how the set-up ended, how long it took, and their resources

@@ -95,6 +95,47 @@ def _bad(world):
     return msgs
 
 
+def _column_max_rows(world):
+    msgs = []
+    for v in (True, 0, -2, None, 2.5):
+        try:
+            ColumnParallelLinear(K, N * world.world_size, world, max_rows=v,
+                                 dtype=torch.float32).close()
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
+    return msgs
+
+
+def test_column_parallel_max_rows_must_be_an_int_of_at_least_one(world2):
+    # True sized the context for one row, None failed in an arithmetic TypeError and 0 in the
+    # all-gather context's own check, naming neither the module nor max_rows
+    for msgs in world2.run(_column_max_rows):
+        assert all(m and m.startswith("ValueError: ColumnParallelLinear: max_rows")
+                   for m in msgs), msgs
+
+
+def _feature_counts(world):
+    W, msgs = world.world_size, []
+    for make in (lambda i, o: RowParallelLinear(i, o, world, dtype=torch.float32),
+                 lambda i, o: ColumnParallelLinear(i, o, world, max_rows=4,
+                                                   dtype=torch.float32)):
+        for i, o in ((0, N * W), (K * W, 0), (True, N * W), (K * W, -W)):
+            try:
+                make(i, o).close()
+                msgs.append(None)
+            except (ValueError, TypeError, ZeroDivisionError) as e:
+                msgs.append(f"{type(e).__name__}: {e}")
+    return msgs
+
+
+def test_parallel_linear_feature_counts_must_be_ints_of_at_least_one(world2):
+    """0 features failed in the weights' initialisation with a ZeroDivisionError."""
+    for msgs in world2.run(_feature_counts):
+        assert all(m and m.startswith("ValueError: ") and "ParallelLinear: " in m
+                   and "_features must be an int >= 1" in m for m in msgs), msgs
+
+
 def test_row_parallel_bad_input(world2):
     for msgs in world2.run(_bad):
         assert all(m and "RowParallelLinear" in m for m in msgs), msgs

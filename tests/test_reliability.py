@@ -307,3 +307,15 @@ def test_every_context_closes_at_the_end_of_a_with_block(world2):
     """README: a context is closed by ``ctx.close()`` or a ``with`` block, for every op."""
     for found in world2.run(_with_blocks):
         assert set(found.values()) == {"closed"}, found
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 0.005, -1.0, float("nan"), float("inf"), 1801.0,
+                                       "ten", None])
+def test_timeouts_outside_the_deadlines_range_are_refused(timeout_s):
+    """A call's deadline is kept in milliseconds and may come up to 1 ms early: a timeout of
+    a few milliseconds or less gave up at once."""
+    from portable_overlap.ops.context import check_timeout
+
+    with pytest.raises(ValueError, match=r"op: timeout_s must be"):
+        check_timeout("op", timeout_s)
+    assert check_timeout("op", 0.01) == 0.01 and check_timeout("op", 1800) == 1800.0

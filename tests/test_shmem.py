@@ -95,6 +95,45 @@ def test_heap_full(world2):
     assert all("full" in m for m in world2.run(_heap_full))
 
 
+def _heap_past_memory(world):
+    import os
+
+    from portable_overlap.errors import PeerSetupError
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        SymmetricHeap(world, total + (1 << 20)).close()
+        return "no error"
+    except PeerSetupError as e:
+        return str(e)
+
+
+def test_a_heap_past_the_machines_memory_is_refused_on_every_rank(world2):
+    """On the CPU backend a heap larger than the machine's memory fails at its allocation on
+    every rank: a memfd and its mapping take no memory until touched, so the allocation
+    passed and the heap's zeroing then ran the machine out of memory."""
+    for msg in world2.run(_heap_past_memory):
+        assert "MemoryError" in msg and "more than this machine's memory" in msg, msg
+
+
+def test_a_segment_past_the_machines_memory_is_refused():
+    """The same at the backend, without zeroing anything (so it is safe to run without the
+    check: the allocation then returns, and is freed untouched)."""
+    import os
+
+    from portable_overlap.backends.cpu import CpuBackend
+
+    be = CpuBackend()
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        alloc = be.alloc_exportable(total + 4096, torch.device("cpu"))
+    except MemoryError as e:
+        assert "more than this machine's memory" in str(e)
+    else:
+        be.free(alloc)
+        raise AssertionError("a segment larger than the machine's memory was made")
+
+
 @triton.jit
 def _await_all_kernel(flags_ptr, n, epoch, tag, clock_ptr, timeout_us, status_addr, ok_ptr,
                       BLOCK: tl.constexpr):

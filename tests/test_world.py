@@ -1,4 +1,5 @@
 """World construction: a single process, torchrun's variables, and mpirun through mpi4py."""
+import json
 import os
 import re
 import shutil
@@ -87,3 +88,50 @@ def test_the_stream_barrier_on_cpu_ranks_holds_the_early_rank(world2):
     rank that arrives first waits for the late one."""
     early, late = world2.run(_stream_barrier_waits)
     assert early > 0.3 and late < early, (early, late)
+
+
+_BAD_LAUNCH_ENV = [
+    # (variables, what the error must name): one launcher variable without its partner, values
+    # that are not integers or lie out of range; before, the first two ran as rank 0 of a world
+    # of one, RANK past WORLD_SIZE waited the whole rendezvous timeout, and a bad local rank
+    # picked another rank's device
+    ({"RANK": "1"}, "WORLD_SIZE is not set"),
+    ({"WORLD_SIZE": "2"}, "RANK is not set"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 with WORLD_SIZE=2"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 with WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc'"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-3"}, "LOCAL_RANK=-3"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "2"},
+     "LOCAL_RANK=5"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"},
+     "LOCAL_WORLD_SIZE=4"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK is not set"),
+]
+
+
+def test_a_malformed_launch_environment_is_refused_naming_the_variable():
+    """World.from_env refuses torchrun variables that are missing, malformed or inconsistent
+    with a ValueError naming them, before any rendezvous (one process tries every case: none
+    reaches the process group)."""
+    code = ("import json, os, sys\n"
+            "from portable_overlap import World\n"
+            "out = []\n"
+            "for env, _ in json.loads(sys.argv[1]):\n"
+            "    for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE'):\n"
+            "        os.environ.pop(k, None)\n"
+            "    os.environ.update(env)\n"
+            "    try:\n"
+            "        out.append(repr(World.from_env(timeout_s=5)))\n"
+            "    except Exception as e:\n"
+            "        out.append(f'{type(e).__name__}: {e}')\n"
+            "print(json.dumps(out))\n")
+    cases = json.dumps(_BAD_LAUNCH_ENV)
+    out = subprocess.run([sys.executable, "-c", code, cases], env=_env(MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT="1"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for (env, want), said in zip(_BAD_LAUNCH_ENV, got):
+        assert said.startswith("ValueError: ") and want in said, (env, said)

@@ -76,7 +76,9 @@ class DLRM(nn.Module):
     def forward(self, dense, lengths, indices, splits):
         x = self.bottom(dense)  # [b, D]
         e = self.emb(lengths, indices, batch_splits=splits)  # [b, T*D], global table order
-        z = torch.cat([x[:, None], e.view(x.shape[0], -1, x.shape[1])], 1)  # [b, 27, D]
+        # the tables' count, not -1: a rank that owns no samples of the batch has b = 0
+        T = self.emb.plan.num_tables
+        z = torch.cat([x[:, None], e.view(x.shape[0], T, x.shape[1])], 1)  # [b, 27, D]
         dots = torch.bmm(z, z.transpose(1, 2))[:, self.iu[0], self.iu[1]]
         return self.top(torch.cat([x, dots], 1)).squeeze(1)
 

@@ -213,8 +213,9 @@ def signal(ctx, flag_ptr, peer, call, ok=True, tag=0):
     program made before (release at system scope). ``peer`` may be this rank. With ``ok``
     False the flag says this rank gave up on the call: the waiter's :func:`wait` returns False
     and reports that the peer failed, instead of reading data that was never written. ``tag``
-    (0 .. 2^31 - 2, e.g. a hash of the call's shapes) travels with the flag: a waiter that
-    expects another tag reports a mismatch (:func:`wait`)."""
+    (0 .. 2^31 - 4, e.g. a hash of the call's shapes) travels with the flag: a waiter that
+    expects another tag reports a mismatch (:func:`wait`). The odd tags above are the
+    library's: 2^31 - 3 and 2^31 - 1 read as "gave up", whatever ``ok`` says."""
     tl.debug_barrier()  # every thread's stores before the one thread's (cumulative) release
     value = _shmem.call_flag(call, tag, ok)
     tl.atomic_xchg(remote_ptr(ctx, flag_ptr, peer), value, sem="release", scope="sys")
@@ -590,13 +591,16 @@ def wait_consumed(ctx, consumed_ptr, peer, call):
 def wait_consumed_once(ctx, consumed_ptr, peer, call, waited, ok):
     """:func:`wait_consumed` where a program stores into many peers' buffers, tile after tile:
     it waits for ``peer`` only the first time in the call. ``waited`` (an int64, 0 at the
-    start of the call; so at most 64 ranks) has bit q set once the program waited for q;
-    ``ok``: the program's state so far (once False, nothing is waited for). Returns ``(ok
+    start of the call) has bit q set once the program waited for q < 64; a peer past 63 is
+    waited for at each call of this (a flag read once it is there), not aliased to another's
+    bit. ``ok``: the program's state so far (once False, nothing is waited for). Returns ``(ok
     and-ed with the outcome, waited with bit peer set)``."""
-    if ((waited >> peer) & 1) == 0:
+    kept = peer < 64
+    bit = tl.where(kept, tl.full((), 1, tl.int64) << (peer & 63), 0)
+    if (waited & bit) == 0:
         if ok:
             ok = wait_consumed(ctx, consumed_ptr, peer, call)
-        waited = waited | (tl.full((), 1, tl.int64) << peer)
+        waited = waited | bit
     return ok, waited
 
 

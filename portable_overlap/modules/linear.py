@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PortableOverlapError
+from ..ops.context import check_sizes
 from ..ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce
 from ..ops.gemv_allreduce.api import MAX_M
 from ..ops.matmul.api import DTYPES as FUSED_DTYPES
@@ -266,15 +267,16 @@ class RowParallelLinear(nn.Module):
                  ctx: Optional[GemvAllReduce] = None, reduce: str = "all_reduce",
                  max_rows: Optional[int] = None, reduce_ctx=None):
         super().__init__()
+        # 0 features failed in the weights' initialisation (0 ** -0.5) with a ZeroDivisionError
+        check_sizes("RowParallelLinear", in_features=in_features, out_features=out_features)
         W = world.world_size
         if in_features % W:
             raise ValueError(f"RowParallelLinear: in_features={in_features} must divide by the "
                              f"world size {W}")
         if reduce not in REDUCES:
             raise ValueError(f"RowParallelLinear: reduce must be one of {REDUCES}, got {reduce!r}")
-        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
-                                     or max_rows < 1):
-            raise ValueError(f"RowParallelLinear: max_rows must be an int >= 1, got {max_rows!r}")
+        if max_rows is not None:
+            check_sizes("RowParallelLinear", max_rows=max_rows)
         if fused and reduce == "reduce_scatter" and max_rows is None and reduce_ctx is None:
             raise ValueError("RowParallelLinear: reduce='reduce_scatter' with fused=True needs "
                              "max_rows (to size its MatmulReduceScatter context) or reduce_ctx")
@@ -431,10 +433,12 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         from ..ops.allgather_gemm import AllGatherMatmul
 
+        check_sizes("ColumnParallelLinear", in_features=in_features, out_features=out_features)
         W = world.world_size
         if out_features % W:
             raise ValueError(f"ColumnParallelLinear: out_features={out_features} must divide by "
                              f"the world size {W}")
+        check_sizes("ColumnParallelLinear", max_rows=max_rows)  # True would size it for a row
         dtype, device = _factory(self.NAME, world, dtype, device, fused)
         self.world = world
         self.in_features, self.out_features = in_features, out_features

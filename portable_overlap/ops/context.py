@@ -14,6 +14,7 @@ from ..errors import ContextBrokenError, ContextClosedError, ConcurrentUseError
 from ..language.host import CTX_CLOCK, descriptor_words, fill_descriptor, name_offset_reports
 from ..shmem.heap import SymmetricHeap, heap_bytes
 from ..shmem.status import STATUS_TIMEOUT, StatusBoard
+from ..world import collective_setup
 # shape_tag: the ops import it from here
 from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag  # noqa: F401
 from .launch import fewer_registers, PlannedLaunch, resident_programs
@@ -25,6 +26,9 @@ G_MAX = 1024  # most programs one launch may have (flag slots per peer)
 KIND_SETTLED = 31
 #: the longest timeout a context takes (the kernels get it in µs as an int32)
 MAX_TIMEOUT_S = 1800.0
+#: a call's deadline is kept in milliseconds and may come up to 1 ms early
+#: (``shmem.device.call_deadline``): a timeout below 10 ms would give up at once or early
+MIN_TIMEOUT_S = 0.01
 
 _contexts: dict = {}
 # handles are never reused: a stale one (captured in a compiled graph) must not reach a newer
@@ -34,15 +38,16 @@ _lock = threading.Lock()
 
 
 def check_timeout(op: str, timeout_s) -> float:
-    """``timeout_s`` as a float in (0, MAX_TIMEOUT_S], or a ValueError naming the op."""
+    """``timeout_s`` as a float in [MIN_TIMEOUT_S, MAX_TIMEOUT_S], or a ValueError naming the
+    op."""
     try:
         t = float(timeout_s)
     except (TypeError, ValueError):
         raise ValueError(f"{op}: timeout_s must be a number of seconds, got "
                          f"{timeout_s!r}") from None
-    if not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S):
-        raise ValueError(f"{op}: timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got "
-                         f"{timeout_s!r}")
+    if not (math.isfinite(t) and MIN_TIMEOUT_S <= t <= MAX_TIMEOUT_S):
+        raise ValueError(f"{op}: timeout_s must be in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] "
+                         f"seconds, got {timeout_s!r}")
     return t
 
 
@@ -178,6 +183,16 @@ def refuse_grad_as_call(op: str, tensors, contexts: Sequence) -> None:
         raise
 
 
+def wrap_collective_init(cls) -> None:
+    """Make the ``__init__`` that ``cls`` defines (if any) a
+    :func:`~portable_overlap.world.collective_setup`: a check of its arguments that fails on
+    one rank raises on every rank, not only there while the peers wait in the argument
+    agreement (``World.check_same``) until the process group's timeout."""
+    init = cls.__dict__.get("__init__")
+    if init is not None and not getattr(init, "collective_setup", False):
+        cls.__init__ = collective_setup(init)
+
+
 class ContextBase:
     """What every context shares, whatever moves its data: the op name in its errors, a checked
     ``timeout_s``, the Triton interpreter on the CPU backend, a handle for the torch.library ops
@@ -198,6 +213,17 @@ class ContextBase:
     #: whether a call can be captured in a CUDA graph: False for a transport that reads data on
     #: the host at every call, which ``transport="auto"`` then times in plain calls only
     capturable = True
+    #: whether making the context meets the peers in a host collective on every rank (an
+    #: argument agreement, the heap's allocation): each ``__init__`` of the class is then a
+    #: ``collective_setup``, so that a check of its arguments that fails on one rank raises on
+    #: every rank (a context that meets no collective, the plain path's, leaves it off: its
+    #: refusal would have no collective of its peers to go to)
+    collective_init = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.collective_init:
+            wrap_collective_init(cls)
 
     def __init__(self, world, timeout_s: float):
         self.timeout_s = check_timeout(self.OP, timeout_s)
@@ -303,6 +329,7 @@ class OverlapContext(ContextBase):
     """
 
     OP = "op"
+    collective_init = True  # the heap's allocation
     #: report kind -> flag name, for kernels that report ``(kind << 32) | index``
     FLAG_NAMES: dict = {}
     #: heap buffer -> flag name, for kernels of the device API (reports by heap offset; a

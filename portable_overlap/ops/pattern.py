@@ -15,7 +15,8 @@ import torch
 
 from ..errors import BackendUnavailable
 from .context import (check_sizes, check_timeout, refuse_call, refuse_grad,
-                      refuse_grad_as_call, register_context, unregister_context)
+                      refuse_grad_as_call, register_context, unregister_context,
+                      wrap_collective_init)
 from .planner import AUTO, PLANNER_OPTIONS, NamedAgreement, TransportPlanner
 
 
@@ -94,6 +95,10 @@ class PatternContext:
     #: what ``"auto"`` chooses from unless ``candidates=`` says otherwise (those of them that can
     #: run on the world); None: every transport that can
     AUTO_CANDIDATES: Optional[tuple] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        wrap_collective_init(cls)
 
     def __init__(self, world, transport: Optional[str], timeout_s: Optional[float], options):
         if transport is None:
@@ -349,6 +354,17 @@ class MatmulPattern(PatternContext):
         return matrix_sizes(
             lambda a, b: {"M": a.shape[0], "N": b.shape[1], "dtype": str(a.dtype)},
             inputs["a"], inputs["b"])
+
+    def _matched_call(self, inputs: dict, options: dict) -> Optional[dict]:
+        """``_matched``, and the per-call ``config`` where one is given: the signal transports
+        plan their collectives from it (the wave groups, or ``partition="tune"``'s tuning) in
+        host collectives without a deadline. Ranks whose configs differed there waited for
+        ever (2 emulated ranks: a rank tuning while its peer ran the call), or kept decisions
+        of different keys that no later call could match."""
+        sizes = self._matched(inputs)
+        if sizes is None or options.get("config") is None:
+            return sizes
+        return {**sizes, "config": repr(options["config"])}
 
 
 def matrix_sizes(read, *tensors) -> Optional[dict]:

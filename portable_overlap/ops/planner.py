@@ -75,8 +75,9 @@ on every rank in the same call, without a hang:
   naming each rank and its call; nothing ran, so the context stays usable. Ranks of one decision
   whose calls run different transports (one captures the call, its peers do not) mismatch too,
   and so do the first calls of a key that differ in the sizes the collective moves
-  (``PatternContext._matched``: the product's rows, columns and dtype, AllGather + GEMM's whole
-  shard), which a candidate without a deadline would wait on for ever.
+  (``PatternContext._matched_call``: the product's rows, columns and dtype, AllGather + GEMM's
+  whole shard, a GEMM pattern's per-call ``config``), which a candidate without a deadline
+  would wait on for ever.
 - **Decided keys of the fused transports** skip the agreement (no host round trip): a peer not
   in the same call never signals, and their waits end at the context's timeout with
   :class:`PeerTimeoutError`. The peer that waits in the agreement meanwhile gives up at its
@@ -995,13 +996,13 @@ class NamedAgreement(TransportPlanner):
         calls fail at once (at a shape's first call of ``PLAN_CHECKED`` transport, they wait
         in the agreement while it refuses on the device, and both sides time out:
         ``docs/reliability.md``)."""
-        matched = self.ctx._matched_call(inputs, given)
-        if matched is None and self._chosen:
-            return next(reversed(self._chosen))
         # a per-call option the transport does not take (by name or type) is keyed as if not
         # given: the call is refused (``__call__``) as its peers' call of that key
         named = self.candidates[0] if self.candidates else None
         taken = {k: v for k, v in given.items() if self._takes(named, {k: v})}
+        matched = self.ctx._matched_call(inputs, taken)
+        if matched is None and self._chosen:
+            return next(reversed(self._chosen))
         return (None if matched is None else tuple(sorted(matched.items())),
                 _call_key({}, taken)[1])
 

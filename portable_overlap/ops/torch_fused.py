@@ -109,6 +109,8 @@ class _TorchFused(ContextBase):
     (:meth:`_allocate`: torch's workspace of ``workspace_bytes`` unless a subclass says
     otherwise)."""
 
+    collective_init = True  # the sizes' agreement, torch's allocation
+
     def __init__(self, world, op: str, sizes: tuple, workspace_bytes: int, *,
                  timeout_s: float = 60.0, **options):
         self.OP = op

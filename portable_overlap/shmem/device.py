@@ -51,8 +51,8 @@ def peer_buffer(ptr, bases_ptr, rank, peer):
     16-byte vectors. (A pointer rebuilt from an integer has unknown alignment, and every
     store through it is issued element by element; ``tl.multiple_of`` on it is not honoured.)
     Heap mappings are page-aligned, so the distance between two ranks' bases is a multiple of
-    16 bytes."""
-    step: tl.constexpr = 16 // (ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements
+    16 bytes. A bool element (1 bit to Triton) takes a byte in memory."""
+    step: tl.constexpr = 16 // ((ptr.dtype.element_ty.primitive_bitwidth + 7) // 8)  # elements
     vectors = (tl.load(bases_ptr + peer) - tl.load(bases_ptr + rank)) // 16
     return ptr + vectors * step
 

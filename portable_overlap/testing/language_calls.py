@@ -215,6 +215,54 @@ def gather(world, n, calls):
 
 
 @triton.jit
+def _mask_ring_kernel(ctx, x_ptr, inbox_ptr, ready_ptr, n, BLOCK: tl.constexpr):
+    """Rank r pushes its mask x (n bools) into rank r+1's inbox and signals it."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    world = pol.num_ranks(ctx)
+    nxt = pol.peer_at(1, me, world)
+    prev = pol.peer_at(world - 1, me, world)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    pol.put_signal(ctx, inbox_ptr + offs, tl.load(x_ptr + offs, mask=m), nxt, ready_ptr + me,
+                   call, m)
+    pol.wait(ctx, ready_ptr + prev, call, prev)
+    pol.end_call(ctx, call)
+
+
+def mask_ring(world, n, calls):
+    """A ring of bool tensors (one byte per element, a pointer type of 1 bit to Triton), with
+    the receive buffer set to the opposite of what must arrive before each call; returns per
+    call (sent, received)."""
+    W, r, dev = world.world_size, world.rank, world.device
+    ws = Workspace(world, Workspace.bytes_for(((n,), torch.bool), ((W,), torch.int64)),
+                   timeout_s=20.0, name="mask_ring")
+    inbox = ws.tensor((n,), torch.bool)
+    ready = ws.flags((W,), "ready")
+    got = []
+    for c in range(calls):
+        sent = [torch.rand(n, generator=torch.Generator(dev).manual_seed(90 * c + q),
+                           device=dev) < 0.5 for q in range(W)]
+        inbox.copy_(~sent[(r - 1) % W])
+        world.barrier()  # every inbox poisoned before any rank stores into it
+        ws.launch(_mask_ring_kernel, (1,), sent[r], inbox, ready, n,
+                  BLOCK=triton.next_power_of_2(n))
+        got.append((sent[r].to("cpu", copy=True), inbox.to("cpu", copy=True)))
+        world.barrier()  # ...and read before the next call's poison
+    ws.close()
+    return got
+
+
+def check_mask_ring(out):
+    bad = []
+    for r, calls in enumerate(out):
+        for c, (_, received) in enumerate(calls):
+            if not torch.equal(received, out[(r - 1) % len(out)][c][0]):
+                bad.append(f"rank {r} call {c}: received another mask than its peer sent")
+    return bad
+
+
+@triton.jit
 def _count_kernel(ctx, counter_ptr, bar_ptr, x_ptr, out_ptr, ok_ptr, BLOCK: tl.constexpr):
     """Every rank adds 1 to every rank's counter (itself included) and waits for world per
     call; then a barrier; then reads every peer's x by remote loads and sums them."""
@@ -555,6 +603,35 @@ def check_end_call_value(out):
                     and "pol.end_call_last" in err[1]) or lasts != 2 or done != 2]
 
 
+@triton.autotune(configs=[triton.Config({"BLOCK": 8}), triton.Config({"BLOCK": 16})], key=[])
+@triton.jit
+def _tuned_kernel(ctx, out_ptr, BLOCK: tl.constexpr):
+    call = pol.begin_call(ctx)
+    tl.store(out_ptr + tl.arange(0, BLOCK), tl.full((BLOCK,), 0, tl.int64) + call)
+    pol.end_call(ctx, call)
+
+
+@triton.heuristics({"BLOCK": lambda args: 4})
+@triton.jit
+def _picked_branch_on_end_call_kernel(ctx, out_ptr, BLOCK: tl.constexpr):
+    call = pol.begin_call(ctx)
+    _last_counts(ctx, out_ptr, call)
+
+
+def wrapped_kernels(world):
+    """An autotuned kernel, then a kernel behind ``triton.heuristics`` that branches on
+    ``pol.end_call``, then a plain one: the first two launches' errors and the device's call
+    count after the third."""
+    with Workspace(world, 256, name="wrapped") as ws:
+        out = torch.zeros(16, dtype=torch.int64, device=world.device)
+        errors = [error_of_one_call(lambda: ws.launch(_tuned_kernel, (1,), out)),
+                  error_of_one_call(lambda: ws.launch(_picked_branch_on_end_call_kernel, (3,),
+                                                      out))]
+        ws.launch(_counted_kernel, (3,))
+        ws.synchronize()
+        return errors, calls_counted(ws.ctx)
+
+
 def bad_host(world):
     """Host input a Workspace refuses: each case's error."""
     errors = {}
@@ -576,6 +653,28 @@ def bad_host(world):
     errors["closed"] = error_of_one_call(lambda: ws.tensor((4,), torch.float32))
     errors["closed launch"] = error_of_one_call(lambda: ws.launch(_grid_kernel, (1,), None))
     return errors
+
+
+def bad_buffer_on_one_rank(world):
+    """Buffers refused on some ranks only (a negative size, a size that is no integer, an
+    empty flag name on the last rank), then on every rank (a fractional size, which must
+    not be rounded down to a smaller buffer than asked); then a good buffer and a call that
+    uses it. Returns each case's error and the good call's result."""
+    last = world.rank == world.world_size - 1
+    ws = Workspace(world, 4096, timeout_s=20.0, name="buffers")
+    errors = {
+        "negative": error_of_one_call(lambda: ws.tensor((-4 if last else 4,), torch.float32)),
+        "fraction": error_of_one_call(lambda: ws.tensor((4.5 if last else 4,), torch.float32)),
+        "flag name": error_of_one_call(lambda: ws.flags((4,), "" if last else "ready")),
+        "fraction everywhere": error_of_one_call(lambda: ws.tensor((2.5,), torch.float32)),
+    }
+    out = ws.tensor((24,), torch.int64)
+    out.fill_(-1)
+    ws.launch(_grid_kernel, (2, 3, 4), out)
+    ws.synchronize()
+    got = out.to("cpu", copy=True)
+    ws.close()
+    return errors, got
 
 
 @triton.jit

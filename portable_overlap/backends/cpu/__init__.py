@@ -92,6 +92,13 @@ class CpuBackend(Backend):
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
+        """A segment of ``nbytes``; more than the machine's memory is a ``MemoryError``: the
+        memfd and its mapping take no memory until touched, so such a size would not fail
+        here, and the heap's zeroing of every page would run the machine out of memory."""
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if nbytes > total:
+            raise MemoryError(f"cpu backend: a segment of {nbytes} bytes is more than this "
+                              f"machine's memory ({total} bytes)")
         seg = HostSegment.create(nbytes)
         return Allocation(seg.address, nbytes, seg.tensor, torch.device("cpu"), native=seg)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import warnings
 import weakref
 
@@ -91,10 +92,22 @@ def error_name(err) -> str:
     return f"{name} ({code})"
 
 
+#: what C's ``atoi`` reads of a string: blanks, a sign, digits (the rest is ignored)
+_ATOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+
+
 def cp_wait() -> bool:
-    """Whether the runtime waits in the command processor (``GPU_STREAMOPS_CP_WAIT`` set to a
-    true value, as the runtime parses it: 1 or true)."""
-    return os.environ.get(CP_WAIT_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the runtime waits in the command processor: ``GPU_STREAMOPS_CP_WAIT`` read as
+    the runtime reads a boolean flag (``rocclr/utils/flags.cpp``): exactly ``true``, or a
+    value whose leading integer (C's ``atoi``) is not 0. Where this and the runtime disagree,
+    the gate words are plain memory that the runtime's command processor wait refuses
+    (``2`` is true to the runtime), or signal memory taken for nothing (``yes``, ``on`` and
+    ``TRUE`` are false to it)."""
+    raw = os.environ.get(CP_WAIT_VAR)
+    if raw is None:
+        return False
+    lead = _ATOI.match(raw)
+    return raw == "true" or (lead is not None and int(lead.group(1)) != 0)
 
 
 def _index(device: torch.device) -> int:

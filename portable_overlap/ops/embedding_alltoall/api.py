@@ -47,10 +47,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..context import check_sizes, get_context
+from ..context import check_sizes
 from ..pattern import PatternContext, timeout_kw
 from ..planner import Jagged
-from ..registry import OpSpec, check_context, define
+from ..registry import OpSpec, PartSpec, check_context, define, define_part
 from .fused import check_tiling, FusedEmbeddingAllToAll
 from .plan import ShardingPlan
 from .sequential import SequentialEmbeddingAllToAll
@@ -217,9 +217,34 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     weight, lengths, indices, psw = ctx.saved_tensors
     need_psw = psw is not None and ctx.needs_input_grad[3]
-    grad_w, grad_psw = get_context(ctx.handle).backward(grad, weight, lengths, indices, psw,
-                                                        ctx.splits, ctx.pooling, need_psw)
-    return grad_w, None, None, grad_psw, None, None, None
+    # through its own op: under torch.compile the backward is traced with fake tensors, which
+    # neither the reverse All-to-All (a collective) nor the context's tensors (the tables' row
+    # offsets) take; traced inline it failed the compile of every training step
+    grad_w, grad_psw = BACKWARD.op(grad, weight, lengths, indices, psw, ctx.splits, ctx.pooling,
+                                   need_psw, ctx.handle)
+    return grad_w, None, None, grad_psw if need_psw else None, None, None, None
+
+
+def _backward_run(grad, weight, lengths, indices, psw, splits, pooling, need_psw, ctx):
+    """``EmbeddingAllToAll.backward``: the gradients of the packed weight and of the per-index
+    weights (an empty tensor where ``need_psw`` is False: an op returns tensors)."""
+    check_context(EMBEDDING_ALL_TO_ALL, ctx)
+    grad_w, grad_psw = ctx.backward(grad, weight, lengths, indices, psw, list(splits), pooling,
+                                    need_psw)
+    return grad_w, weight.new_empty(0) if grad_psw is None else grad_psw
+
+
+def _backward_fake(grad, weight, lengths, indices, psw, splits, pooling, need_psw, ctx):
+    return (weight.new_empty(weight.shape),
+            psw.new_empty(psw.shape) if need_psw else weight.new_empty(0))
+
+
+#: the backward as one opaque op (the reverse All-to-All and the rows' gradients)
+BACKWARD = define_part(PartSpec(
+    OP + "_backward",
+    "(Tensor grad, Tensor weight, Tensor lengths, Tensor indices, Tensor? per_sample_weights, "
+    "int[] batch_splits, str pooling, bool psw_grad, int handle) -> (Tensor, Tensor)",
+    run=_backward_run, fake=_backward_fake))
 
 
 EMBEDDING_ALL_TO_ALL = define(OpSpec(
@@ -248,8 +273,13 @@ def embedding_all_to_all(weight: torch.Tensor, lengths: torch.Tensor, indices: t
     try:
         splits = list(ctx.resolve_splits(lengths, batch_splits))
     except (TypeError, ValueError):  # the context's call raises it on every rank
-        return ctx(weight, lengths, indices, per_sample_weights, batch_splits=batch_splits,
-                   pooling=pooling)
+        # never traced by torch.compile: this frame may run eagerly after the exception (so
+        # is_compiling() says False) while dynamo still compiles every frame it calls, and
+        # the refusal's flag kernels then ran on traced values (on emulated ranks the
+        # refusing rank died of a segfault)
+        return torch.compiler.disable(ctx.__call__)(
+            weight, lengths, indices, per_sample_weights, batch_splits=batch_splits,
+            pooling=pooling)
     grad = torch.is_grad_enabled() and (
         weight.requires_grad or (per_sample_weights is not None
                                  and per_sample_weights.requires_grad))

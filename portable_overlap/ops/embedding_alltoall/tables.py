@@ -141,9 +141,15 @@ class RankTables:
 
     def check_data(self, lengths, indices) -> None:
         """Data checks (one host sync): a bad index would read another table's rows or fault."""
-        n = int(lengths.sum()) if lengths.numel() else 0
         if lengths.numel() and int(lengths.min()) < 0:
             raise ValueError(f"{OP}: lengths must be >= 0")
+        # a bag longer than all the indices is refused before the sum: int64 lengths such as
+        # four of 2**62 wrap their sum to 0, which matched the indices' count and sent the
+        # kernels reading 2**62 indices past the end (a segfault on emulated ranks)
+        if lengths.numel() and int(lengths.max()) > indices.numel():
+            raise ValueError(f"{OP}: a length of {int(lengths.max())} exceeds the "
+                             f"{indices.numel()} indices")
+        n = int(lengths.sum()) if lengths.numel() else 0
         if n != indices.numel():
             raise ValueError(f"{OP}: lengths sum to {n} but there are {indices.numel()} indices")
         if n == 0:
@@ -189,11 +195,22 @@ class RankTables:
         g_bag = g_loc.transpose(0, 1).reshape(self.n_loc * B, D).float()  # bag j*B + s
         if pooling == "mean":
             g_bag = g_bag / lengths.clamp_min(1).to(g_bag.dtype)[:, None]
-        n = indices.numel()
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device),
-                                      lengths, output_size=n)
-        rows = self.row_off[bag // B] + indices.to(torch.int64)
-        contrib = g_bag[bag]
+        n, n_bags = indices.numel(), lengths.numel()
+        # Each index's bag from the offsets the forward used (``BagOffsets``: lengths clamped
+        # to [0, n], ends clamped to n), not by ``repeat_interleave``: in a call made without
+        # the data check (``validate=False``, graph capture) lengths that do not add up to the
+        # indices' count raised there on the CPU and fault the device on a GPU. An index that
+        # no bag holds, or one outside its table (the forward reported it), adds nothing:
+        # never to another table's row.
+        ends = torch.cumsum(lengths.to(torch.int64).clamp(0, n), 0).clamp_(max=n)
+        bag = torch.searchsorted(ends, torch.arange(n, device=lengths.device), right=True)
+        held = bag < n_bags
+        bag = bag.clamp_(max=max(n_bags - 1, 0))
+        table = bag // B
+        idx = indices.to(torch.int64)
+        held &= (idx >= 0) & (idx < self.rows[table])
+        rows = torch.where(held, self.row_off[table] + idx, 0)
+        contrib = g_bag[bag] * held[:, None]
         grad_psw = None
         if psw is not None:
             if need_psw_grad:
@@ -219,7 +236,9 @@ class BagOffsets:
         end, and a bag whose range leaves its tile's checked range (offsets not monotone) would
         gather rows whose indices nobody checked. A negative length counts as 0 and the offsets
         stop at ``n_indices``: every bag lies inside the indices and inside its tile's index
-        check. Three small device ops, no host sync (graph capture takes this path)."""
+        check. A length above ``n_indices`` counts as ``n_indices``: int64 lengths whose sum
+        wraps (four of 2**62 sum to 0) would otherwise give negative offsets. Three small
+        device ops, no host sync (graph capture takes this path)."""
         n = lengths.numel()
         if self._offsets.numel() < n + 1:
             self._offsets = torch.zeros(n + 1, dtype=torch.int64, device=lengths.device)
@@ -228,7 +247,7 @@ class BagOffsets:
         if not checked:
             # copy_ casts int32 lengths to the int64 buffer (clamp's out= must match its input's
             # dtype); the prefix sum then runs in int64 whatever the input's dtype
-            lengths = self._lengths[:n].copy_(lengths).clamp_(min=0)
+            lengths = self._lengths[:n].copy_(lengths).clamp_(min=0, max=n_indices)
         torch.cumsum(lengths, 0, out=offsets[1:])
         if not checked:
             offsets.clamp_(max=n_indices)

@@ -98,6 +98,7 @@ class GemmSignal(ContextBase):
     :class:`PeerTimeoutError`."""
 
     OP = OP
+    collective_init = True  # the config's agreement
 
     def __init__(self, world, *, config: Optional[SignalConfig] = None, timeout_s: float = 60.0,
                  collectives: bool = True):
@@ -434,20 +435,34 @@ class GemmSignal(ContextBase):
         pm, pn = -(-m_dest // mm.block_m), -(-N // mm.block_n)
         per_dest = pm * pn
         n_tiles = per_dest * dests
-        programs = max(1, min(self.grid_programs(cfg), n_tiles))
-        if cfg.partition is not None:
-            groups = WaveGroups(cfg.partition)
-            groups.validate(n_tiles, dests, what=f"{op}: partition")
-        else:
-            groups = default_partition(n_tiles, programs, dests, cfg.max_groups)
-        if groups.n_groups > MAX_GROUPS:
-            raise ValueError(f"{op}: at most {MAX_GROUPS} wave groups, got {groups.n_groups}")
+        try:
+            programs = max(1, min(self.grid_programs(cfg), n_tiles))
+            if cfg.partition is not None:
+                groups = WaveGroups(cfg.partition)
+                groups.validate(n_tiles, dests, what=f"{op}: partition")
+            else:
+                groups = default_partition(n_tiles, programs, dests, cfg.max_groups)
+            if groups.n_groups > MAX_GROUPS:
+                raise ValueError(f"{op}: at most {MAX_GROUPS} wave groups, got {groups.n_groups}")
+            refusal = None
+        except ValueError as e:
+            refusal = e
         # every rank must run the same collectives on the same chunks: a rank planning another
         # partition or tiling would make the collectives mismatch (a hang or garbage). Not K:
         # each rank's product has its own (a reduction's K shards may differ in width), and
-        # the collectives move [M, N] tiles whatever it is
-        self.world.check_same(f"{op} plan (M, N, dtype, tiling, partition)",
-                              (kind, M, N, str(dtype), mm, groups.sizes))
+        # the collectives move [M, N] tiles whatever it is. A plan refused on some ranks only
+        # (ranks' configs may differ: a partition that does not fit, an SM reserve too large)
+        # is raised after the comparison, by every rank: raised before, it left the peers
+        # waiting in the comparison, a host collective without a deadline
+        try:
+            self.world.check_same(f"{op} plan (M, N, dtype, tiling, partition)",
+                                  (kind, M, N, str(dtype), mm, groups.sizes) if refusal is None
+                                  else f"refused ({type(refusal).__name__}: {refusal})")
+        except RankMismatchError:
+            if refusal is None:
+                raise
+        if refusal is not None:
+            raise refusal
         lay = tile_layout(groups, dests)
         tile = mm.block_m * mm.block_n
         if kind == "all_reduce":  # reordered from staging: slot s holds tile t = inverse[s]

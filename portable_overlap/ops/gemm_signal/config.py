@@ -4,11 +4,12 @@ without importing the workspace that calls them."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import torch
 
-from ...schedule import as_wave_groups
+from ...schedule import WaveGroups, as_wave_groups
 from ..matmul.api import MatmulConfig
 
 OP = "gemm_signal"
@@ -52,16 +53,30 @@ class SignalConfig:
     def __post_init__(self):
         if self.gate not in ("value", "event"):
             raise ValueError(f"SignalConfig: gate must be 'value' or 'event': {self}")
-        if self.reserve_sms is not None and self.reserve_sms < 0:
-            raise ValueError(f"SignalConfig: reserve_sms must be >= 0: {self}")
-        if not 1 <= self.max_groups <= MAX_GROUPS:
-            raise ValueError(f"SignalConfig: max_groups must be in 1..{MAX_GROUPS}: {self}")
+        if self.matmul is not None and not isinstance(self.matmul, MatmulConfig):
+            raise ValueError(f"SignalConfig: matmul must be a MatmulConfig or None: {self}")
+        # counts are ints (not bools, not floats): a partition of (1.5, 2.5) was read as (1, 2)
+        if self.reserve_sms is not None and (not _is_int(self.reserve_sms)
+                                             or self.reserve_sms < 0):
+            raise ValueError(f"SignalConfig: reserve_sms must be an int >= 0: {self}")
+        if not _is_int(self.max_groups) or not 1 <= self.max_groups <= MAX_GROUPS:
+            raise ValueError(f"SignalConfig: max_groups must be an int in 1..{MAX_GROUPS}: "
+                             f"{self}")
         if isinstance(self.partition, str):
             if self.partition != "tune":
                 raise ValueError(f"SignalConfig: partition must be group sizes, None or "
                                  f"'tune': {self}")
         elif self.partition is not None:
+            sizes = (self.partition.sizes if isinstance(self.partition, WaveGroups)
+                     else self.partition)
+            if not hasattr(sizes, "__iter__") or not all(_is_int(s) for s in sizes):
+                raise ValueError(f"SignalConfig: partition must be group sizes (ints), None or "
+                                 f"'tune': {self}")
             object.__setattr__(self, "partition", as_wave_groups(self.partition).sizes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 #: the per-call options of the signal_collective transport and the types each takes: a pattern

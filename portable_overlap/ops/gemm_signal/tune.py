@@ -189,8 +189,11 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
     op, cfg, M, N, K, out_rows = ctx.check_call(kind, a, b, base)
     graph = ctx.device.type != "cpu" if graph is None else graph
     plan = ctx.plan_call(kind, op, M, N, K, a.dtype, cfg)
-    shape = {"M": M, "N": N, "K_local": K, "tiling": dataclasses.asdict(plan.mm),
-             "programs": plan.programs, "gate": cfg.gate}
+    # every rank's K, not this rank's: ``decide`` compares the ranks' entries of one key, and
+    # ranks whose K shards differ each found the entry of a uniform K of their own (tuned
+    # earlier, into a shared file) and raised a mismatch where the entries differed
+    shape = {"M": M, "N": N, "K": ctx.world.all_gather_object(K),
+             "tiling": dataclasses.asdict(plan.mm), "programs": plan.programs, "gate": cfg.gate}
     key = cache_key(f"{op}.partition", shape, a.dtype, ctx.size, ctx.world.facts.name)
 
     def compute():

@@ -161,8 +161,10 @@ class GemvAllReduceKernel(OverlapContext):
                              f"{-(-N // config.block_n) * config.split_k} programs resident at "
                              f"once, more than fit on this device with {config}; use a smaller "
                              f"split_k or fewer warps or stages")
-        if plan is None:  # the rule's split does not fit the device's residency: none
-            plan = self._plan_with(x, w, out, dataclasses.replace(cfg, split_k=1))
+        split = cfg.split_k
+        while plan is None:  # the rule's split does not fit the device's residency: halve it
+            split //= 2  # (1 always fits: its grid is capped at what is resident)
+            plan = self._plan_with(x, w, out, dataclasses.replace(cfg, split_k=max(split, 1)))
         return plan
 
     def _plan_with(self, x, w, out, cfg: GemvConfig):

@@ -99,29 +99,26 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, arch: str, sm_count:
 def split_for(cfg: GemvConfig, m: int, n: int, dtype: torch.dtype, arch: str, sm_count: int,
               partial_room: int) -> int:
     """The K split of the one-shot transport for ``cfg``'s column blocks: where they are fewer
-    than 0.6 of the SMs (narrow N), the smallest of 2 and 4 that brings the programs to about
-    one per SM (else 4), if the ``n_blocks * split`` programs fit
-    the persistent grid (``programs_per_sm`` per SM, ``G_MAX``) and the split's partials fit
-    the rank's slot (``split * m * n <= partial_room``). 1 for fp32 (it streams twice the bytes
-    per column: not measured split) and under the interpreter (its programs run one after
+    than 0.6 of the SMs (narrow N), the larger of 2 and 4 whose ``n_blocks * split`` programs
+    fit the persistent grid (``programs_per_sm`` per SM, ``G_MAX``) and whose partials fit the
+    rank's slot (``split * m * n <= partial_room``). 1 for fp32 (it streams twice the bytes per
+    column: not measured split) and under the interpreter (its programs run one after
     another). Like the rest of the choice, not by K: ranks whose shards differ must split
     alike (the flags' tag carries the split).
 
-    The 0.6, from five shapes on one H200 (a world of one, bf16, graph replay;
-    ``benchmarks/results/logs/2026-12-04-h200-gemv-split-k/``): at N = 1024 (64 blocks, 0.48
-    of the SMs) a split of 2 ran 1.08-1.61x the unsplit kernel (M = 1, 8, 32); at N = 1536 (96
-    blocks, 0.73) 0.90x, the partials' stores and their reduction costing more than the
-    fuller grid gains."""
+    From one H200 (a world of one, bf16, graph replay; docs/gemv_allreduce.md, "Where it falls
+    short"): the 0.6 from N = 1536 (96 blocks, 0.73 of the SMs), where a split of 2 ran 0.90x
+    the unsplit kernel, the partials' stores and their reduction costing more than the fuller
+    grid gains; 4 before 2 because 4 runs 1.04-1.15x a split of 2 at four shapes of N = 1024,
+    1.3-1.4x at N = 512, and 3 % slower at 16 x 1024 x 2048, whose short K neither split
+    helps."""
     n_blocks = -(-n // cfg.block_n)
     if arch == "cpu" or dtype.itemsize != 2 or n_blocks >= 0.6 * sm_count:
         return 1
-    fits = [s for s in (2, 4)
+    fits = [s for s in (4, 2)
             if split_misfit(dataclasses.replace(cfg, split_k=s), m, n, sm_count,
                             partial_room) is None]
-    for s in fits:
-        if n_blocks * s >= 0.9 * sm_count:
-            return s
-    return fits[-1] if fits else 1
+    return fits[0] if fits else 1
 
 
 def split_misfit(cfg: GemvConfig, m: int, n: int, sm_count: int,

@@ -12,7 +12,8 @@ What a call computes on rank r (``E`` local experts per rank, expert ``g`` on ra
 
 A call returns ``(x, counts, slots)`` with ``x`` and ``slots`` of ``capacity`` rows: the first
 ``counts.sum()`` are the dispatch's, the rest are left as they were. They are views of the
-workspace's buffers, valid until its next call: the layout ``moe_gemm_combine`` takes.
+workspace's buffers, valid until its next call or ``close()``: the layout ``moe_gemm_combine``
+takes.
 
 - ``"stores"``: three kernels (kernel.py) count the routing, exchange the counts and store
   every row straight into its destination's receive buffer (zero-copy over NVLink / Infinity

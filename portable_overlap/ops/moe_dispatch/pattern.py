@@ -11,9 +11,10 @@ What it computes on rank r (``E`` local experts per rank, expert ``g`` on rank `
 
 ``MoeDispatch(world, ...)(tokens, topk_ids)`` returns ``(x, counts, slots)`` with ``x`` and
 ``slots`` of ``capacity`` rows: the first ``counts.sum()`` are the dispatch's, the rest are
-left as they were. They are views of the context's buffers, valid until its next call (clone
-them to keep them): the layout ``moe_gemm_combine`` takes, so its ``x`` may be these very
-buffers (after the expert's first GEMM). Ranks may pass different token counts S. Transports:
+left as they were. They are views of the context's buffers, valid until its next call or its
+``close()``, which unmaps them (reading them after it faults; clone them to keep them): the
+layout ``moe_gemm_combine`` takes, so its ``x`` may be these very buffers (after the expert's
+first GEMM). Ranks may pass different token counts S. Transports:
 
 - ``"stores"`` (api.py, scale-up): three kernels count the routing, exchange the counts and
   store every row straight into its destination's receive buffer; no host sync, capturable,
