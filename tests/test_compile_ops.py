@@ -231,3 +231,97 @@ def test_embedding_refused_on_one_rank_under_compile(world2):
         else:
             assert first is not None and "gave up" in first[1], first
         assert err < 1e-5, (r, err)
+
+
+def _direct_calls(world, backend, fullgraph):
+    """Contexts called directly (``ctx(a, b)``, not the op's function) in compiled functions:
+    three calls each (new values, then a new shape), against the torch reference; the
+    contexts are left usable (an eager call after them is right)."""
+    import portable_overlap as po
+    from portable_overlap.ops.gemm_signal import gemm_reduce_scatter_reference
+
+    W, r = world.world_size, world.rank
+    torch._dynamo.reset()
+    rs = po.MatmulReduceScatter(world, 8 * W, 16, transport="stores", timeout_s=20.0)
+    gemv = GemvAllReduce(world, max_n=32, transport="stores", timeout_s=20.0)
+    emb = po.EmbeddingAllToAll(world, [7, 5, 3], 5, 3, transport="stores", timeout_s=20.0)
+    splits = [1 + q % 2 for q in range(W)]
+
+    def mats(seed, rows, cols, inner):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(rows, inner, generator=g), torch.randn(inner, cols, generator=g)
+
+    def lookups(seed):
+        g = torch.Generator().manual_seed(seed)
+        n = sum(splits)
+        weight = torch.randn(emb.weight_rows, 5, generator=g)
+        lengths = torch.randint(1, 3, (emb.n_loc * n,), generator=g)
+        idx = [torch.randint(0, emb.plan.table_rows[t], (int(lengths[j * n:(j + 1) * n].sum()),),
+                             generator=g) for j, t in enumerate(emb.local_tables)]
+        return weight, lengths, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+
+    cases = [
+        (lambda a, b: rs(a, b) * 2,
+         lambda a, b: 2 * gemm_reduce_scatter_reference(a, b, world.group),
+         [mats(1 + r, 2 * W, 8, 5), mats(11 + r, 2 * W, 8, 5), mats(21 + r, 4 * W, 6, 3)]),
+        (lambda x, w: gemv(x, w) + 1,  # (x [M, K], w [N, K])
+         lambda x, w: gemv_all_reduce_reference(x, w, world.group) + 1,
+         [(a, b.T.contiguous()) for a, b in (mats(2 + r, 2, 8, 16), mats(12 + r, 2, 8, 16),
+                                             mats(22 + r, 3, 12, 8))]),
+        (lambda w, lengths, idx: emb(w, lengths, idx, batch_splits=splits) - 1,
+         lambda w, lengths, idx: po.embedding_all_to_all_reference(
+             w, lengths, idx, None, emb.plan, r, splits, "sum", world.group) - 1,
+         [lookups(3 + r), lookups(13 + r), lookups(23 + r)]),
+    ]
+    errs = []
+    try:
+        with torch.no_grad():
+            for fn, ref, calls in cases:
+                compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
+                for args in calls:
+                    errs.append(_rel(compiled(*args), ref(*args)))
+                errs.append(_rel(fn(*calls[0]), ref(*calls[0])))  # eager, after
+    finally:
+        for ctx in (rs, gemv, emb):
+            ctx.close()
+    return errs
+
+
+@pytest.mark.parametrize("backend,fullgraph", [("eager", False), ("aot_eager", True)])
+def test_context_called_directly_under_compile(world2, backend, fullgraph):
+    """A context called directly in a compiled function runs its op (one opaque node, a
+    whole graph with fullgraph=True). Traced into, its first call raised an InterpreterError
+    (the launch on fake tensors) and left the context broken for good (fullgraph=False), or
+    failed the compile at the call's lock (fullgraph=True)."""
+    for errs in world2.run(_direct_calls, backend, fullgraph):
+        assert len(errs) == 12 and all(e < 1e-5 for e in errs), errs
+
+
+def _workspace_and_refusal(world):
+    """Under torch.compile (aot_eager): a pattern's workspace called directly, then the op's
+    function with an input that requires grad (refused), then a good call."""
+    from portable_overlap.testing.language_calls import error_of_one_call
+
+    torch._dynamo.reset()
+    ctx = GemvAllReduce(world, max_n=32, transport="stores", timeout_s=20.0)
+    g = torch.Generator().manual_seed(world.rank)
+    x, w = torch.randn(2, 16, generator=g), torch.randn(8, 16, generator=g)
+    try:
+        y = torch.compile(lambda a, b: ctx.impl(a, b) * 2, backend="aot_eager")(x, w)
+        errs = [_rel(y, 2 * gemv_all_reduce_reference(x, w, world.group))]
+        f = torch.compile(lambda a, b: gemv_all_reduce(a, b, ctx) * 2, backend="aot_eager")
+        refused = error_of_one_call(lambda: f(x.clone().requires_grad_(), w))
+        with torch.no_grad():
+            errs.append(_rel(f(x, w), 2 * gemv_all_reduce_reference(x, w, world.group)))
+    finally:
+        ctx.close()
+    return refused, errs
+
+
+def test_workspace_call_and_grad_refusal_under_compile(world2):
+    """The workspace's call runs eagerly (a graph break), and the refusal of an input that
+    requires grad raises its own error and leaves the context in step: traced, the refusal's
+    flag kernels ran on fake tensors and both ranks died of a segfault."""
+    for refused, errs in world2.run(_workspace_and_refusal):
+        assert refused is not None and "has no backward" in refused[1], refused
+        assert all(e < 1e-5 for e in errs), errs

@@ -99,6 +99,12 @@ def collective_call(method):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
+        # A workspace called in a function torch.compile traces (``ctx.kernel()(...)``, not
+        # through its op): dynamo would trace into the guards and launches with fake tensors
+        # (the lock's acquire is a graph break, the launch after it fails, the call counted
+        # half done breaks the context). Run eagerly, as a graph break; ~30 ns per eager call
+        if torch.compiler.is_dynamo_compiling():
+            return torch.compiler.disable(call)(self, *args, **kwargs)
         if self.checking_only:  # a planner's input check before its agreement (``checking_only``):
             return method(self, *args, **kwargs)  # nothing launched, counted or told to peers
         # ``run_collective`` for one context, unrolled: the decode path calls it every step
@@ -164,6 +170,13 @@ def refuse_call(contexts: Sequence, error: BaseException) -> None:
     """Raise ``error``, found by a check made before the call reached its contexts (an op's
     wrapper), as one refused call of each context in ``contexts``: their peers fail that same
     call instead of waiting for this rank (``run_collective``)."""
+    if torch.compiler.is_dynamo_compiling():
+        # an op's wrapper traced by torch.compile (an input that requires grad): traced, the
+        # refusal's flag kernels ran on fake tensors (on emulated ranks, backend "aot_eager",
+        # a segfault; backend "eager": the error, then a context broken for good). Eager, as
+        # a graph break
+        return torch.compiler.disable(refuse_call)(contexts, error)
+
     def fail():
         raise error
 

@@ -95,6 +95,9 @@ class PatternContext:
     #: what ``"auto"`` chooses from unless ``candidates=`` says otherwise (those of them that can
     #: run on the world); None: every transport that can
     AUTO_CANDIDATES: Optional[tuple] = None
+    #: the op table's entry of this context's op (``registry.define`` sets it): what a call of
+    #: the context traced by ``torch.compile`` runs (``_as_op``)
+    op_spec = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -212,11 +215,30 @@ class PatternContext:
         """One call: on the named transport's workspace with the options as given, or on the
         transport ``"auto"`` picked for the call's key. An input that requires grad is refused
         (``check_grad``): the ops of these patterns have no backward."""
+        # Traced by dynamo (``ctx(a, b)`` inside a torch.compile'd function), the call would be
+        # traced into: its host counters, cached plans and launches run on fake tensors (on
+        # emulated ranks an InterpreterError that broke the context for good). The op's torch
+        # op is one opaque node instead. is_dynamo_compiling, not is_compiling: dynamo folds
+        # both to True, and this one costs an eager call ~30 ns (is_compiling ~80 ns; a
+        # torch.compiler.disable wrapper ~400 ns), measured on CPU with a tight loop; a whole
+        # eager call (GemvAllReduce "sequential", 1 emulated rank) took ~8 µs with or without
+        # it, the difference within the noise
+        if torch.compiler.is_dynamo_compiling():
+            return self._as_op(inputs, out, options)
         self.check_grad(inputs, options)
         self.check_sizes(inputs, options)
         if self.planner is None:
             return self._run(self.transport, self.impl, inputs, out, options)
         return self.planner(inputs, out, options)
+
+    def _as_op(self, inputs: dict, out, options: dict):
+        """The call of ``inputs`` (in the op schema's order, without the handle), ``out`` and
+        ``options`` as the op's public function makes it (``OpSpec.__call__``): under
+        ``torch.compile`` the torch op, or a graph break around the eager call where ``out`` or
+        a per-call option is given."""
+        if out is not None:
+            options = {**options, "out": out}
+        return self.op_spec(self, tuple(inputs.values()), **options)
 
     def check_sizes(self, inputs: dict, options: dict) -> None:
         """The context's own limits on a call, checked after :meth:`check_grad` and refused
@@ -242,6 +264,8 @@ class PatternContext:
                                        and isinstance(v, torch.Tensor))]
         if not any(getattr(t, "requires_grad", False) for t in tensors):
             return  # (no workspace lookup)
+        if torch.compiler.is_dynamo_compiling():  # the refusal runs eagerly (refuse_call)
+            return torch.compiler.disable(self.check_grad)(inputs, options)
         planner = getattr(self, "planner", None)  # (none on a context not made in full)
         if planner is None:
             refuse_grad_as_call(self.OP, tensors, (getattr(self, "impl", None),))

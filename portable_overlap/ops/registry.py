@@ -153,6 +153,7 @@ def define(spec: OpSpec) -> OpSpec:
         torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", spec.backward,
                                         setup_context=spec.setup_context, lib=_LIB)
     SPECS[spec.name] = spec
+    spec.context.op_spec = spec  # a traced call of the context runs the op (PatternContext)
     return spec
 
 

@@ -183,6 +183,18 @@ class EmbeddingAllToAll(PatternContext):
         return impl(inputs["weight"], inputs["lengths"], inputs["indices"],
                     inputs["per_sample_weights"], out=out, **options)
 
+    def _as_op(self, inputs: dict, out, options: dict):
+        """A traced call (``PatternContext._dispatch``) as :func:`embedding_all_to_all` makes it
+        (the op takes the split and the pooling as arguments); with ``out`` or a ``validate``
+        other than the context's, which the op does not take, a graph break around the eager
+        call."""
+        if out is not None or options["validate"] != self.validate:
+            return torch.compiler.disable(self._dispatch)(inputs, out, options)
+        return embedding_all_to_all(inputs["weight"], inputs["lengths"], inputs["indices"], self,
+                                    inputs["per_sample_weights"],
+                                    batch_splits=options["batch_splits"],
+                                    pooling=options["pooling"])
+
     def _key_inputs(self, inputs: dict) -> dict:
         """The indices and their weights by dtype only (``planner.Jagged``): their count
         changes with every batch, on each rank its own way."""

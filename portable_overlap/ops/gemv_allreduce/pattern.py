@@ -86,7 +86,9 @@ class GemvAllReduce(PatternContext):
         # as gemv_all_reduce refuses it: the fused transports' result would carry no gradient,
         # the sequential one's torch.mm(out=) raise autograd's own, unclear error; refused on
         # every rank (check_grad), the peers' waits end at once
-        if self.planner is None:  # the decode path: one call less than ``_dispatch``
+        # the decode path: one call less than ``_dispatch``; traced by dynamo, ``_dispatch``
+        # runs the torch op instead
+        if self.planner is None and not torch.compiler.is_dynamo_compiling():
             self.check_grad({"x": x, "w": w}, options)
             return self.impl(x, w, out, **options)
         return self._dispatch(*self._bind(x, w, out, **options))
