@@ -264,7 +264,9 @@ class PatternContext:
                                        and isinstance(v, torch.Tensor))]
         if not any(getattr(t, "requires_grad", False) for t in tensors):
             return  # (no workspace lookup)
-        if torch.compiler.is_dynamo_compiling():  # the refusal runs eagerly (refuse_call)
+        # traced, a refusal runs eagerly (refuse_call); under no_grad nothing is refused, and
+        # a graph break there would fail a fullgraph compile of a module's inference call
+        if torch.compiler.is_dynamo_compiling() and torch.is_grad_enabled():
             return torch.compiler.disable(self.check_grad)(inputs, options)
         planner = getattr(self, "planner", None)  # (none on a context not made in full)
         if planner is None:
