@@ -57,6 +57,12 @@ def _one(world, ctx, splits, dtype, pooling, weighted, grad, gen, idx_dtype=torc
         (r.float() * g.float()).sum().backward()
         res.append((name + " fwd(op)", rel_err(y.detach(), r.detach()), TOL[dtype], False))
         res.append((name + " grad weight", rel_err(w1.grad, w2.grad), TOL[dtype], False))
+        # the context called directly records the call too (the tables train the same way)
+        w3 = weight.clone().requires_grad_()
+        y3 = ctx(w3, lengths, indices, psw, batch_splits=splits, pooling=pooling)
+        (y3.float() * g.float()).sum().backward()
+        res.append((name + " grad weight (ctx call)", rel_err(w3.grad, w2.grad), TOL[dtype],
+                    False))
         if weighted:
             res.append((name + " grad psw", rel_err(p1.grad, p2.grad), 5 * TOL[dtype], False))
     return res
@@ -133,6 +139,10 @@ def _bad(world):
         "uneven default": lambda: ctx(w, lengths[:ctx.n_loc * 7], idx),
         "out shape": lambda: ctx(w, lengths, idx, batch_splits=splits,
                                  out=torch.empty(2, 48)),
+        # out= with weights that require grad: refused on rank 0, while rank 1's call (no
+        # out=) goes through the differentiable op and hears of the refusal
+        "out + grad": lambda: ctx(w.clone().requires_grad_(), lengths, idx, batch_splits=splits,
+                                  out=torch.empty(splits[0], 48) if world.rank == 0 else None),
     }
     calls["transport"] = lambda: EmbeddingAllToAll(world, ROWS, 8, 5, transport="dma")
     msgs = {}
@@ -140,7 +150,7 @@ def _bad(world):
         try:
             call()
             msgs[name] = None
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, PortableOverlapError) as e:  # (a peer's refusal)
             msgs[name] = str(e)
     # the torch.library op's fake implementation (torch.compile tracing): shape only, no launch
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -161,8 +161,23 @@ class EmbeddingAllToAll(PatternContext):
                  batch_splits: Optional[Sequence[int]] = None, pooling: str = "sum",
                  out: Optional[torch.Tensor] = None,
                  validate: Optional[bool] = None) -> torch.Tensor:
-        """Run the op (module docstring) on the context's transport. Not recorded by autograd:
-        :func:`embedding_all_to_all` is the differentiable call."""
+        """Run the op (module docstring) on the context's transport. Where autograd must
+        record it (grad mode on, ``weight`` or ``per_sample_weights`` requiring grad), the call
+        is :func:`embedding_all_to_all`'s, the differentiable op, as it is under
+        ``torch.compile``: a plain call there would return a result with no gradient path, and
+        the tables would silently not train. ``out`` and ``validate`` are options of the plain
+        call only."""
+        if torch.is_grad_enabled() and (weight.requires_grad or (
+                per_sample_weights is not None and per_sample_weights.requires_grad)):
+            if out is not None or validate is not None:
+                # refused as this call (its peers raise in it too, not wait for this rank)
+                self.refuse(ValueError(
+                    f"{OP}: out and validate cannot be used when autograd records the call "
+                    f"(the differentiable op is functional)"), weight, lengths, indices,
+                    per_sample_weights, batch_splits=batch_splits, pooling=pooling, out=out,
+                    validate=validate)
+            return embedding_all_to_all(weight, lengths, indices, self, per_sample_weights,
+                                        batch_splits=batch_splits, pooling=pooling)
         return self._dispatch(*self._bind(weight, lengths, indices, per_sample_weights,
                                           batch_splits=batch_splits, pooling=pooling, out=out,
                                           validate=validate))
@@ -266,8 +281,9 @@ EMBEDDING_ALL_TO_ALL = define(OpSpec(
     compile_specs=("portable_overlap.ops.embedding_alltoall.compile_specs",),
     fake=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling: weight.new_empty(
         ctx.output_shape(batch_splits)),
-    eager=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling: ctx(
-        weight, lengths, indices, psw, batch_splits=batch_splits, pooling=pooling),
+    # the plain call (not ``ctx(...)``, which routes a call that needs grad back here)
+    eager=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling: ctx._dispatch(
+        *ctx._bind(weight, lengths, indices, psw, batch_splits=batch_splits, pooling=pooling)),
     backward=_backward, setup_context=_setup_context))
 
 
@@ -289,9 +305,10 @@ def embedding_all_to_all(weight: torch.Tensor, lengths: torch.Tensor, indices: t
         # is_compiling() says False) while dynamo still compiles every frame it calls, and
         # the refusal's flag kernels then ran on traced values (on emulated ranks the
         # refusing rank died of a segfault)
-        return torch.compiler.disable(ctx.__call__)(
+        # (the plain call: ``ctx(...)`` with weights that require grad comes back here)
+        return torch.compiler.disable(ctx._dispatch)(*ctx._bind(
             weight, lengths, indices, per_sample_weights, batch_splits=batch_splits,
-            pooling=pooling)
+            pooling=pooling))
     grad = torch.is_grad_enabled() and (
         weight.requires_grad or (per_sample_weights is not None
                                  and per_sample_weights.requires_grad))
