@@ -64,7 +64,7 @@ import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..context import check_sizes, collective_call, OverlapContext, output_tensor, shape_tag
-from ..pattern import PatternContext, matrix_sizes, timeout_kw
+from ..pattern import GEMM_AGREED, PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
 
@@ -145,6 +145,7 @@ class AllGatherMatmul(PatternContext):
     OP = OP
     TRANSPORTS = TRANSPORTS
     CALL_OPTIONS = {"copy_engine": {"schedule": str}}
+    AGREED_TRANSPORTS = GEMM_AGREED
 
     def __init__(self, world, max_shard_elems: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):
