@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import portable_overlap as po
+from portable_overlap.ops.gemm_signal import SignalConfig
 from portable_overlap.testing.compare import rel_err
 from portable_overlap.testing.patterns import GEMM_PATTERNS as PATTERNS, pattern_inputs
 
@@ -73,7 +74,7 @@ def _errors(world):
                 ctx.close()
         ctx = make(world, M, N, transport="sequential")
         try:
-            fn(a, b, ctx, config=None)
+            fn(a, b, ctx, config=SignalConfig())  # (None is an option not given)
             found[(name, "options")] = "no error"
         except ValueError as e:
             found[(name, "options")] = str(e)
@@ -97,3 +98,78 @@ def test_sequential_refuses_what_the_fused_transport_refuses(world2):
             assert found[(name, "sequential", "after")] is True
             assert "'sequential' transport takes no options" in found[(name, "options")]
             assert "'sequential' transport takes no options" in found[(name, "ctx options")]
+
+
+def _unmatched_calls(world):
+    """Named ``"sequential"`` on every GEMM pattern: a call whose operands differ across ranks
+    in shape but not in bytes (the collective cannot tell them apart), and a call one rank
+    refuses (a bad ``out``), each between matched calls into NaN-poisoned outputs."""
+    import time
+
+    W, r = world.world_size, world.rank
+    found = {}
+    names = [*PATTERNS, "all_gather_matmul"]
+    for name in names:
+        fn = getattr(po, name)
+        ag = name == "all_gather_matmul"
+        ctx = (po.AllGatherMatmul(world, 64, transport="sequential") if ag
+               else PATTERNS[name][0](world, 64, 64, transport="sequential"))
+        g = torch.Generator().manual_seed(10 + r)
+
+        def matched(label):
+            M, N, K = (3, 5, 4) if ag else (2 * W, 5, 3 + r)  # a reduction's K may differ
+            a = torch.randn(M, K, generator=g)
+            b = (torch.randn(K, N, generator=torch.Generator().manual_seed(1)) if ag
+                 else torch.randn(K, N, generator=g))
+            ref = (po.all_gather_matmul_reference(a, b, world.group) if ag
+                   else PATTERNS[name][1](a, b, world.group))
+            y = torch.full(tuple(ref.shape), float("nan"))
+            got = fn(a, b, ctx, y)
+            found[(name, label)] = (got is y, rel_err(y, ref))
+
+        def unmatched(label, a, b, out=None):
+            t0 = time.monotonic()
+            try:
+                fn(a, b, ctx, out)
+                found[(name, label)] = ("no error", "", 0.0)
+            except Exception as e:
+                found[(name, label)] = (type(e).__name__, str(e), time.monotonic() - t0)
+
+        try:
+            matched("first")
+            # rank 0: [2, 6] (AllGather + GEMM's shard) or a [4, 6] product; rank 1: [3, 4] or
+            # [6, 4]: as many elements, other shapes
+            if ag:
+                m, K = (2, 6) if r == 0 else (3, 4)
+                unmatched("same bytes", torch.randn(m, K), torch.randn(K, 5))
+            else:
+                M, N = (2 * W, 3 * W) if r == 0 else (3 * W, 2 * W)
+                unmatched("same bytes", torch.randn(M, 3), torch.randn(3, N))
+            matched("after same bytes")
+            M = 3 if ag else 2 * W
+            bad = torch.empty(1, 1) if r == W - 1 else None
+            unmatched("refused", torch.randn(M, 4), torch.randn(4, 5), bad)
+            matched("after refused")
+        finally:
+            ctx.close()
+    return found
+
+
+def test_named_sequential_calls_that_do_not_match_raise_on_every_rank(world2):
+    """Before, the ranks returned wrong results with no error where the shapes differed with
+    the same bytes, and a rank's refusal left its peer in gloo until the process group's
+    timeout."""
+    for r, found in enumerate(world2.run(_unmatched_calls, timeout=180)):
+        for name in [*PATTERNS, "all_gather_matmul"]:
+            for label in ("first", "after same bytes", "after refused"):
+                assert found[(name, label)][0] is True, (r, name, label, found[(name, label)])
+                assert found[(name, label)][1] < 1e-5, (r, name, label, found[(name, label)])
+            kind, msg, seconds = found[(name, "same bytes")]
+            assert kind == "RankMismatchError" and seconds < 30, (r, name, kind, msg)
+            assert "rank 0: " in msg and "rank 1: " in msg, msg  # each rank's call, named
+            kind, msg, seconds = found[(name, "refused")]
+            assert seconds < 30, (r, name, kind, msg)
+            if r == 1:
+                assert kind == "ValueError" and "out must be" in msg, (r, name, kind, msg)
+            else:
+                assert kind == "RankMismatchError" and "rank 1 refused this call" in msg, msg

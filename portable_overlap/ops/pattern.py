@@ -45,6 +45,14 @@ def transport_unavailable(world, transport: str, op: Optional[str] = None) -> Op
 #: ``"signal_collective"`` (host time only, none in a graph replay), and per new shape of
 #: ``"signal_copy_engine"``
 AGREED = ("signal_collective", "signal_copy_engine")
+#: ``AGREED`` of the GEMM patterns (``MatmulPattern``, AllGather + GEMM): ``"sequential"`` as
+#: well. Its collective matches calls by byte count alone: on 2 emulated ranks a rank that
+#: refused a call left its peer in gloo until the process group's timeout, ranks whose operands
+#: differed in size aborted in gloo, and ranks whose operands differed in shape with the same
+#: element count (a [2, 6] shard beside a [3, 4] one) returned wrong results with no error on
+#: every rank. The cost is the agreement's host time at each eager call (none in a graph
+#: replay), as ``"auto"``'s decided ``"sequential"`` calls pay
+GEMM_AGREED = AGREED + ("sequential",)
 
 
 class PatternContext:
@@ -98,6 +106,8 @@ class PatternContext:
     #: the op table's entry of this context's op (``registry.define`` sets it): what a call of
     #: the context traced by ``torch.compile`` runs (``_as_op``)
     op_spec = None
+    #: the named transports whose calls agree first (``AGREED``, ``GEMM_AGREED``)
+    AGREED_TRANSPORTS: tuple = AGREED
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -131,7 +141,7 @@ class PatternContext:
                 what = "is an option" if len(misplaced) == 1 else "are options"
                 raise ValueError(f"{self.OP}: {', '.join(misplaced)} {what} of "
                                  f"transport={AUTO!r}, not of transport={transport!r}")
-            if transport in AGREED and world.world_size > 1:
+            if transport in self.AGREED_TRANSPORTS and world.world_size > 1:
                 self.planner = NamedAgreement(self, timeout_s, unavailable, transport, options)
                 self.impl = self.planner.impls[transport]
             else:
@@ -356,6 +366,8 @@ class PatternContext:
 class MatmulPattern(PatternContext):
     """A GEMM pattern's context: sized by the largest result, ``max_m`` x ``max_n`` (the full
     product's rows and columns), from which each transport sizes its own buffers."""
+
+    AGREED_TRANSPORTS = GEMM_AGREED
 
     def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):

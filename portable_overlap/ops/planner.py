@@ -1014,6 +1014,12 @@ class NamedAgreement(TransportPlanner):
         ``signal_copy_engine`` without an agreement: both sides timed out and broke."""
         given = {k: v for k, v in options.items() if v is not None} if options else {}
         if given and self.candidates and not self._takes(self.candidates[0], given):
-            _, error = _attempt(lambda: self._candidates_for(given))
+            named = self.candidates[0]
+            # a transport without per-call options (``"sequential"``) refuses them in its own
+            # words, as it does where its calls do not agree first
+            error = (None if named in self.ctx.CALL_OPTIONS
+                     else self._refusal((named,), inputs, out, given))
+            if error is None:
+                _, error = _attempt(lambda: self._candidates_for(given))
             self.refuse(inputs, options, error)
         return super().__call__(inputs, out, options)

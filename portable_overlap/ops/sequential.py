@@ -8,12 +8,15 @@ measured against, the choice where a fused transport measured slower (the copy-e
 transports on 4 and 8 GPUs: ``docs/scaling.md``), and always a candidate of
 ``transport="auto"`` unless the user's ``candidates=`` leaves it out (``ops/planner.py``).
 
-Calls are matched the way the collective library matches them: a rank that skips a call or
-calls with other shapes is not told apart from a late one, and its peers' collective waits until
-the process group's own timeout (``timeout_s`` is checked but the group's timeout applies);
-under ``transport="auto"`` its calls first agree with the peers' with a deadline, their sizes
-compared at a key's first call (``ops/planner.py``). Input is checked exactly as the fused
-transports check it, with the same errors."""
+The collective library matches calls by byte count alone: a rank that skips a call is not told
+apart from a late one (its peers wait until the process group's own timeout; ``timeout_s`` is
+checked but the group's timeout applies), and operands of other shapes with as many bytes move
+without an error. So every call of the GEMM patterns' contexts, named ``"sequential"`` or
+picked by ``transport="auto"``, first agrees with the peers' with a deadline on the call
+board, the sizes the collective moves compared at each new size (``pattern.GEMM_AGREED``,
+``ops/planner.py``): a call refused or sized otherwise on one rank raises on every rank before
+any collective runs. Input is checked exactly as the fused transports check it, with the same
+errors."""
 from __future__ import annotations
 
 from typing import Optional

@@ -2,8 +2,8 @@
 transport with the FiCCO schedules (1-D and 2-D, below), ``"stores"`` (``stores.py``),
 ``"torch_fused"`` (``ops/torch_fused.py``) or the plain sequential path.
 
-What it computes, with ``a_r`` [m, K] the row shard rank r passes and ``b`` [K, N] (the same on
-every rank, e.g. a column-parallel weight's local columns)::
+What it computes, with ``a_r`` [m, K] the row shard rank r passes and ``b`` [K, N] (of one shape on
+every rank, e.g. a column-parallel weight's local columns; ranks whose N differs are refused)::
 
     out = cat([a_0, a_1, ..., a_{W-1}]) @ b          # [W * m, N] on every rank
 
@@ -64,7 +64,7 @@ import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..context import check_sizes, collective_call, OverlapContext, output_tensor, shape_tag
-from ..pattern import PatternContext, matrix_sizes, timeout_kw
+from ..pattern import GEMM_AGREED, PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
 
@@ -145,6 +145,7 @@ class AllGatherMatmul(PatternContext):
     OP = OP
     TRANSPORTS = TRANSPORTS
     CALL_OPTIONS = {"copy_engine": {"schedule": str}}
+    AGREED_TRANSPORTS = GEMM_AGREED
 
     def __init__(self, world, max_shard_elems: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):
@@ -269,8 +270,10 @@ class AllGatherMatmulCE(OverlapContext):
         peers = [(r - i) % W for i in range(1, W)]  # the order their first pieces arrive in
         # the shapes, the piece cut and the gather buffer's layout (1-D: piece-major, 2-D:
         # rank-major) must agree across ranks: a rank called differently is caught by the tag its
-        # pieces carry
-        tag = shape_tag(OP, a=(m, K), dtype=str(a.dtype), pieces=P, layout=sched[-2:])
+        # pieces carry. N too, though the gather does not move it: every other transport (the
+        # stores kernel's tiles, the agreement of "sequential" and "auto") refuses ranks whose N
+        # differs, and a transport switch must change nothing but speed
+        tag = shape_tag(OP, a=(m, K), N=N, dtype=str(a.dtype), pieces=P, layout=sched[-2:])
         links = self._links
         links.begin()
         if sched.endswith("2d"):
@@ -289,7 +292,8 @@ class AllGatherMatmulCE(OverlapContext):
         """Whole shards pulled by the receiver (class docstring)."""
         W, r = self.world.world_size, self.rank
         m, K = a.shape
-        tag = shape_tag(OP, a=(m, K), dtype=str(a.dtype), direction="pull")
+        tag = shape_tag(OP, a=(m, K), N=b.shape[1], dtype=str(a.dtype),  # N: see __call__
+                        direction="pull")
         shards = [self._pull_slot(q, m, K, a.dtype) for q in range(W)]
         links = self._links
         links.begin()
