@@ -513,3 +513,53 @@ def test_the_parts_torch_ops_refuse_swapped_handles(world2):
         assert "dispatch_ctx must be a MoeDispatch" in found["layer"], found
         assert "must be a MoeDispatch's" in found["dispatch_swiglu"], found
         assert err < 1e-4, err
+
+
+def _made_on_two_ranks(world, case):
+    """``ExpertParallelMoE`` made with arguments that differ on rank 1, then a good one, which
+    needs the ranks still in step: (error type, message, seconds) of the first."""
+    import time
+
+    from portable_overlap import ExpertParallelMoE
+
+    r, W = world.rank, world.world_size
+    kw = dict(max_tokens=4, dtype=torch.float32)
+    make = {
+        # refused on rank 1 alone: rank 0 went on into the contexts' set-up
+        "num_experts": lambda: ExpertParallelMoE(world, 8, 8, 2 * W + r, 2, **kw),
+        "top_k": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2 + 8 * r, **kw),
+        "hidden": lambda: ExpertParallelMoE(world, 8 - 8 * r, 8, 2 * W, 2, **kw),
+        # good on each rank, different across them: rank 1 makes no context, or routes by
+        # another router (a replicated parameter) with no error
+        "fused": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2, fused=r == 0, **kw),
+        "seed": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2, seed=r, fused=False, **kw),
+        "one_launch": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2, one_launch=r == 1,
+                                                **kw),
+    }[case]
+    t0 = time.monotonic()
+    try:
+        make().close()
+        out = ("no error", "", 0.0)
+    except Exception as e:
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    ExpertParallelMoE(world, 8, 8, 2 * W, 2, **kw).close()
+    return out
+
+
+@pytest.mark.parametrize("case,arg", [("num_experts", None), ("top_k", None), ("hidden", None),
+                                      ("fused", "fused"), ("seed", "seed"),
+                                      ("one_launch", "one_launch")])
+def test_layer_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world2, case, arg):
+    """An argument refused on rank 1 alone left rank 0 waiting in the contexts' set-up until
+    the process group's timeout; arguments that differed hung the same way, or gave the ranks
+    different routers with no error. Every rank raises at once."""
+    mine, peer = world2.run(_made_on_two_ranks, case, timeout=90)
+    assert mine[2] < 30 and peer[2] < 30, (mine, peer)
+    if arg is None:
+        assert peer[0] == "ValueError" and peer[1].startswith("ExpertParallelMoE: "), peer
+        assert mine[0] == "PeerSetupError" and "rank 1 refused to make ExpertParallelMoE" \
+            in mine[1], mine
+    else:
+        for got in (mine, peer):
+            assert got[0] == "RankMismatchError" and f"{arg}: rank 0: " in got[1], got
+            assert got[1].startswith("ExpertParallelMoE: "), got
