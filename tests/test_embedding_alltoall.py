@@ -558,3 +558,26 @@ def test_module_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world
         for got in (mine, peer):
             assert got[0] == "RankMismatchError" and f"{arg}: rank 0: " in got[1], got
             assert got[1].startswith("ShardedEmbeddingBagCollection: "), got
+
+
+def _module_after_close(world):
+    """A fused module's call after close() (twice): the error raised."""
+    from portable_overlap.modules import ShardedEmbeddingBagCollection
+
+    m = ShardedEmbeddingBagCollection(world, [5, 6], 4, max_local_batch=2)
+    lengths = torch.ones(len(m.local_tables) * 2 * world.world_size, dtype=torch.int64)
+    m.close()
+    m.close()
+    try:
+        with torch.no_grad():
+            m(lengths, torch.zeros(int(lengths.sum()), dtype=torch.int64))
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_module_call_after_close_says_it_was_closed(world2):
+    """close() dropped the context, and a call then raised the op's TypeError that ctx must be
+    an EmbeddingAllToAll, got NoneType."""
+    for got in world2.run(_module_after_close):
+        assert got.startswith("ContextClosedError: ") and "closed" in got, got

@@ -103,9 +103,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return even_splits(NAME, lengths, len(self.local_tables), W, self.world.rank)
 
     def close(self) -> None:
+        """Collective: free the fused path's context. Closing twice does nothing; a fused call
+        after it raises ``ContextClosedError``."""
         if self.ctx is not None:
+            # the closed context stays: a call after close() gets its ContextClosedError, not
+            # the op's TypeError about a missing context
             self.ctx.close()
-            self.ctx = None
 
     def extra_repr(self) -> str:
         return (f"tables={self.plan.num_tables}, dim={self.plan.dim}, "
