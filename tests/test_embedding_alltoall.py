@@ -516,3 +516,78 @@ def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
         assert found[:3] == ["no error", "ValueError" if rank == 1 else "PeerTimeoutError",
                              "no error"], (rank, found)
         assert found[3] < TOL[torch.float16], (rank, found)
+
+
+def _module_made_on_two_ranks(world, case):
+    """``ShardedEmbeddingBagCollection`` made with arguments that differ on rank 1, then a good
+    one, which needs the ranks still in step: (error type, message, seconds) of the first."""
+    import time
+
+    from portable_overlap.modules import ShardedEmbeddingBagCollection
+
+    r = world.rank
+    kw = dict(max_local_batch=4)
+    make = {
+        # refused on rank 1 alone: rank 0 went on into the context's set-up
+        "table_ranks": lambda: ShardedEmbeddingBagCollection(world, [5, 6], 4,
+                                                             table_ranks=[0, 1 + r], **kw),
+        "pooling": lambda: ShardedEmbeddingBagCollection(world, [5, 6], 4,
+                                                         pooling="max" if r else "sum", **kw),
+        # good on each rank, different across them: rank 1 makes no context; the tables'
+        # values or the pooling differ with no error on the reference path
+        "fused": lambda: ShardedEmbeddingBagCollection(world, [5, 6], 4, fused=r == 0, **kw),
+        "seed": lambda: ShardedEmbeddingBagCollection(world, [5, 6], 4, seed=r, fused=False,
+                                                      **kw),
+        "pooling, reference": lambda: ShardedEmbeddingBagCollection(
+            world, [5, 6], 4, pooling=("sum", "mean")[r], fused=False, **kw),
+    }[case]
+    t0 = time.monotonic()
+    try:
+        make().close()
+        out = ("no error", "", 0.0)
+    except Exception as e:
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    ShardedEmbeddingBagCollection(world, [5, 6], 4, **kw).close()
+    return out
+
+
+@pytest.mark.parametrize("case,arg", [("table_ranks", None), ("pooling", None),
+                                      ("fused", "fused"), ("seed", "seed"),
+                                      ("pooling, reference", "pooling")])
+def test_module_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world2, case, arg):
+    """An argument refused on rank 1 alone left rank 0 waiting in the context's set-up until
+    the process group's timeout, and arguments that differed hung the same way or made tables
+    that differ with the sharding, with no error. Every rank raises at once."""
+    mine, peer = world2.run(_module_made_on_two_ranks, case, timeout=90)
+    assert mine[2] < 30 and peer[2] < 30, (mine, peer)
+    if arg is None:
+        assert peer[0] == "ValueError", peer
+        assert mine[0] == "PeerSetupError" and "rank 1 refused to make " \
+            "ShardedEmbeddingBagCollection" in mine[1], mine
+    else:
+        for got in (mine, peer):
+            assert got[0] == "RankMismatchError" and f"{arg}: rank 0: " in got[1], got
+            assert got[1].startswith("ShardedEmbeddingBagCollection: "), got
+
+
+def _module_after_close(world):
+    """A fused module's call after close() (twice): the error raised."""
+    from portable_overlap.modules import ShardedEmbeddingBagCollection
+
+    m = ShardedEmbeddingBagCollection(world, [5, 6], 4, max_local_batch=2)
+    lengths = torch.ones(len(m.local_tables) * 2 * world.world_size, dtype=torch.int64)
+    m.close()
+    m.close()
+    try:
+        with torch.no_grad():
+            m(lengths, torch.zeros(int(lengths.sum()), dtype=torch.int64))
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_module_call_after_close_says_it_was_closed(world2):
+    """close() dropped the context, and a call then raised the op's TypeError that ctx must be
+    an EmbeddingAllToAll, got NoneType."""
+    for got in world2.run(_module_after_close):
+        assert got.startswith("ContextClosedError: ") and "closed" in got, got

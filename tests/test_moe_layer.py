@@ -513,3 +513,136 @@ def test_the_parts_torch_ops_refuse_swapped_handles(world2):
         assert "dispatch_ctx must be a MoeDispatch" in found["layer"], found
         assert "must be a MoeDispatch's" in found["dispatch_swiglu"], found
         assert err < 1e-4, err
+
+
+def _made_on_two_ranks(world, case):
+    """``ExpertParallelMoE`` made with arguments that differ on rank 1, then a good one, which
+    needs the ranks still in step: (error type, message, seconds) of the first."""
+    import time
+
+    from portable_overlap import ExpertParallelMoE
+
+    r, W = world.rank, world.world_size
+    kw = dict(max_tokens=4, dtype=torch.float32)
+    make = {
+        # refused on rank 1 alone: rank 0 went on into the contexts' set-up
+        "num_experts": lambda: ExpertParallelMoE(world, 8, 8, 2 * W + r, 2, **kw),
+        "top_k": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2 + 8 * r, **kw),
+        "hidden": lambda: ExpertParallelMoE(world, 8 - 8 * r, 8, 2 * W, 2, **kw),
+        # good on each rank, different across them: rank 1 makes no context, or routes by
+        # another router (a replicated parameter) with no error
+        "fused": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2, fused=r == 0, **kw),
+        "seed": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2, seed=r, fused=False, **kw),
+        "one_launch": lambda: ExpertParallelMoE(world, 8, 8, 2 * W, 2, one_launch=r == 1,
+                                                **kw),
+    }[case]
+    t0 = time.monotonic()
+    try:
+        make().close()
+        out = ("no error", "", 0.0)
+    except Exception as e:
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    ExpertParallelMoE(world, 8, 8, 2 * W, 2, **kw).close()
+    return out
+
+
+@pytest.mark.parametrize("case,arg", [("num_experts", None), ("top_k", None), ("hidden", None),
+                                      ("fused", "fused"), ("seed", "seed"),
+                                      ("one_launch", "one_launch")])
+def test_layer_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world2, case, arg):
+    """An argument refused on rank 1 alone left rank 0 waiting in the contexts' set-up until
+    the process group's timeout; arguments that differed hung the same way, or gave the ranks
+    different routers with no error. Every rank raises at once."""
+    mine, peer = world2.run(_made_on_two_ranks, case, timeout=90)
+    assert mine[2] < 30 and peer[2] < 30, (mine, peer)
+    if arg is None:
+        assert peer[0] == "ValueError" and peer[1].startswith("ExpertParallelMoE: "), peer
+        assert mine[0] == "PeerSetupError" and "rank 1 refused to make ExpertParallelMoE" \
+            in mine[1], mine
+    else:
+        for got in (mine, peer):
+            assert got[0] == "RankMismatchError" and f"{arg}: rank 0: " in got[1], got
+            assert got[1].startswith("ExpertParallelMoE: "), got
+
+
+def _bad_tokens_on_one_rank(world, schedule):
+    """Rank 1 passes tokens of the wrong dtype, rank 0 good ones, then both good ones: (error
+    type, message, seconds) of the first call on this rank, and the second call's relative
+    error against the torch path."""
+    import time
+
+    from portable_overlap import ExpertParallelMoE
+
+    r, W = world.rank, world.world_size
+    opts = {schedule: True} if schedule != "staged" else {}
+    layer = ExpertParallelMoE(world, 8, 6, 2 * W, 2, max_tokens=5, dtype=torch.float32, **opts)
+    ref = ExpertParallelMoE(world, 8, 6, 2 * W, 2, max_tokens=5, dtype=torch.float32,
+                            fused=False)
+    g = torch.Generator().manual_seed(40 + r)
+    first, second = torch.randn(3, 8, generator=g), torch.randn(4, 8, generator=g)
+    try:
+        with torch.no_grad():
+            t0 = time.monotonic()
+            try:
+                layer(first.double() if r == 1 else first)
+                out = ("no error", "", 0.0)
+            except Exception as e:
+                out = (type(e).__name__, str(e), time.monotonic() - t0)
+            y = layer(second)
+            layer.synchronize()
+            y_ref = ref(second)
+    finally:
+        layer.close()
+    return out, ((y - y_ref).norm() / y_ref.norm()).item()
+
+
+@pytest.mark.parametrize("schedule", ["staged", "fuse_dispatch", "one_launch"])
+def test_tokens_refused_on_one_rank_fail_the_call_on_every_rank(world2, schedule):
+    """The layer's own check of the tokens failed on rank 1 alone, before the dispatch: rank 0
+    waited in it until its timeout (its call then paired with rank 1's next one), and the
+    contexts were broken for every later call. The check refuses the fused op's call: rank 0
+    fails the same call at once and the next call is right on both."""
+    (mine, err0), (peer, err1) = world2.run(_bad_tokens_on_one_rank, schedule, timeout=300)
+    assert peer[0] == "TypeError" and peer[1].startswith("ExpertParallelMoE: tokens"), peer
+    assert mine[0] == "PeerTimeoutError" and "rank 1 gave up" in mine[1], mine
+    assert mine[2] < 8.0, mine  # (the contexts' timeout is 10 s)
+    assert err0 < 1e-5 and err1 < 1e-5, (err0, err1)
+
+
+def _converted_and_strided(world):
+    """A transposed (non-contiguous) view of the tokens, on the fused layer against the torch
+    path; then the fused layer converted with ``.float()`` after it was built for bfloat16:
+    the outcome of a call."""
+    from portable_overlap import ExpertParallelMoE
+
+    W, r = world.world_size, world.rank
+    layer = ExpertParallelMoE(world, 8, 6, 2 * W, 2, max_tokens=5, dtype=torch.float32)
+    ref = ExpertParallelMoE(world, 8, 6, 2 * W, 2, max_tokens=5, dtype=torch.float32,
+                            fused=False)
+    half = ExpertParallelMoE(world, 8, 6, 2 * W, 2, max_tokens=5, dtype=torch.bfloat16)
+    tokens = torch.randn(8, 4, generator=torch.Generator().manual_seed(r)).t()
+    try:
+        with torch.no_grad():
+            y = layer(tokens)
+            layer.synchronize()
+            err = ((y - ref(tokens)).norm() / ref(tokens).norm()).item()
+            half.float()
+            try:
+                half(tokens.contiguous())
+                converted = "no error"
+            except TypeError as e:
+                converted = str(e)
+    finally:
+        layer.close()
+        half.close()
+    return err, converted
+
+
+def test_strided_tokens_and_a_converted_layer(world2):
+    """Tokens with strided rows failed in the dispatch's check (the layer's input, as an
+    nn.Linear's, may be any view); a fused layer converted with .float() raised the dispatch's
+    error about the context's dtype, naming neither the layer nor the conversion."""
+    for err, converted in world2.run(_converted_and_strided):
+        assert err < 1e-5, err
+        assert converted.startswith("ExpertParallelMoE: the layer's parameters are "
+                                    "torch.float32") and "build the layer" in converted, converted

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from portable_overlap.modules import ColumnParallelLinear, RowParallelLinear
+from portable_overlap.modules.linear import REDUCES
 from portable_overlap.testing.compare import rel_err
 
 N, K = 24, 32  # out_features, in_features (K split over the ranks)
@@ -415,3 +416,58 @@ def test_fused_paths_carry_gradients(world2, reduce, S, op):
 def test_reference_paths_carry_gradients(world2, reduce):
     for errs, calls in world2.run(_grads, reduce, 66, False):
         assert calls == [] and all(e < 1e-6 for e in errs), (calls, errs)
+
+
+def _made_on_two_ranks(world, case):
+    """A layer made with arguments that differ on rank 1 (``case``), then a good one, which
+    needs the ranks still in step: (error type, message, seconds) of the first on this rank."""
+    import time
+
+    W, r = world.world_size, world.rank
+    f32 = dict(dtype=torch.float32)
+    make = {
+        # refused on rank 1 alone (its own check): rank 0 went on into the contexts' set-up
+        "row in_features": lambda: RowParallelLinear(K + r, N, world, **f32),
+        "column out_features": lambda: ColumnParallelLinear(K, N * W + r, world, max_rows=4,
+                                                            **f32),
+        "column max_rows": lambda: ColumnParallelLinear(K, N * W, world, max_rows=4 - 4 * r,
+                                                        **f32),
+        # good on each rank, different across them: rank 1 makes no context, or another one
+        "row fused": lambda: RowParallelLinear(K, N, world, fused=r == 0, **f32),
+        "row reduce": lambda: RowParallelLinear(K, N, world, max_rows=8,
+                                                reduce=REDUCES[r % 2], **f32),
+        "row in_features, reference": lambda: RowParallelLinear(K * (1 + r), N, world,
+                                                                fused=False, **f32),
+        "column bias": lambda: ColumnParallelLinear(K, N * W, world, max_rows=4, bias=r == 1,
+                                                    **f32),
+    }[case]
+    t0 = time.monotonic()
+    try:
+        make().close()
+        out = ("no error", "", 0.0)
+    except Exception as e:
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    RowParallelLinear(K, N, world, **f32).close()
+    return out
+
+
+@pytest.mark.parametrize("case,arg", [
+    ("row in_features", None), ("column out_features", None), ("column max_rows", None),
+    ("row fused", "fused"), ("row reduce", "reduce"),
+    ("row in_features, reference", "in_features"), ("column bias", "bias")])
+def test_layer_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world2, case, arg):
+    """A layer's own argument check that failed on rank 1 alone left rank 0 waiting in the
+    contexts' set-up until the process group's timeout; arguments that differed made one rank
+    wait for a context its peer never made, or made layers of different shapes with no error.
+    Every rank raises at once: the refusing rank its ValueError, its peer PeerSetupError; on
+    arguments that differ, RankMismatchError naming them, on every rank."""
+    mine, peer = world2.run(_made_on_two_ranks, case, timeout=90)
+    cls = "RowParallelLinear" if case.startswith("row") else "ColumnParallelLinear"
+    assert mine[2] < 30 and peer[2] < 30, (mine, peer)
+    if arg is None:
+        assert peer[0] == "ValueError" and peer[1].startswith(cls), peer
+        assert mine[0] == "PeerSetupError" and f"rank 1 refused to make {cls}" in mine[1], mine
+    else:
+        for got in (mine, peer):
+            assert got[0] == "RankMismatchError" and got[1].startswith(cls), got
+            assert f"{arg}: rank 0: " in got[1], got

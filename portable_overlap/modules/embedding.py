@@ -9,7 +9,10 @@ from torch import nn
 
 from ..ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                       embedding_all_to_all_reference)
-from ..ops.embedding_alltoall.tables import even_splits
+from ..ops.context import check_sizes
+from ..ops.embedding_alltoall.tables import POOLINGS, even_splits
+from ..world import collective_setup
+from .agreement import same_arguments
 
 NAME = "ShardedEmbeddingBagCollection"
 
@@ -34,17 +37,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
     (every rank, same arguments); call :meth:`close` (collective) when done.
 
     Tables are initialized uniform(-1/sqrt(rows), 1/sqrt(rows)) from a generator seeded by
-    ``(seed, t)``, so the model does not depend on the sharding.
+    ``(seed, t)``, so the model does not depend on the sharding. The ranks compare their
+    arguments (``RankMismatchError`` on every rank where they differ), and an argument refused
+    on one rank raises ``PeerSetupError`` on the others.
     """
 
+    @collective_setup
     def __init__(self, world, num_embeddings: Sequence[int], embedding_dim: int, *,
                  max_local_batch: int, table_ranks: Optional[Sequence[int]] = None,
                  pooling: str = "sum", dtype: torch.dtype = torch.float32, fused: bool = True,
                  seed: int = 0, timeout_s: float = 10.0, transport: Optional[str] = None):
         super().__init__()
+        check_sizes(NAME, embedding_dim=embedding_dim, max_local_batch=max_local_batch)
+        if pooling not in POOLINGS:  # (else refused at the first call only)
+            raise ValueError(f"{NAME}: pooling must be one of {POOLINGS}, got {pooling!r}")
         self.world = world
         self.plan = ShardingPlan.make(num_embeddings, embedding_dim, world.world_size,
                                       table_ranks)
+        # the seed too: the tables' values must not depend on which rank holds them
+        same_arguments(world, NAME, plan=self.plan, max_local_batch=max_local_batch,
+                       pooling=pooling, dtype=dtype, fused=bool(fused), seed=seed,
+                       timeout_s=timeout_s, transport=transport)
         self.pooling = pooling
         self.fused = fused
         rank = world.rank
@@ -90,9 +103,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return even_splits(NAME, lengths, len(self.local_tables), W, self.world.rank)
 
     def close(self) -> None:
+        """Collective: free the fused path's context. Closing twice does nothing; a fused call
+        after it raises ``ContextClosedError``."""
         if self.ctx is not None:
+            # the closed context stays: a call after close() gets its ContextClosedError, not
+            # the op's TypeError about a missing context
             self.ctx.close()
-            self.ctx = None
 
     def extra_repr(self) -> str:
         return (f"tables={self.plan.num_tables}, dim={self.plan.dim}, "

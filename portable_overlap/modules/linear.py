@@ -16,6 +16,8 @@ from ..ops.gemv_allreduce.api import MAX_M
 from ..ops.matmul.api import DTYPES as FUSED_DTYPES
 from ..ops.matmul_reduce import (MatmulAllReduce, MatmulReduceScatter, matmul_all_reduce,
                                  matmul_reduce_scatter)
+from ..world import collective_setup
+from .agreement import kind, same_arguments
 
 REDUCES = ("all_reduce", "reduce_scatter")
 
@@ -252,16 +254,19 @@ class RowParallelLinear(nn.Module):
     float16 and float32. Inputs must have the layer's dtype and device; errors raised by a call
     name the module and the input it was given.
 
-    Collective to construct and to :meth:`close` (every rank, same arguments). ``ctx``
-    (a ``GemvAllReduce``) and ``reduce_ctx`` (a ``MatmulAllReduce`` or, with
-    ``reduce="reduce_scatter"``, a ``MatmulReduceScatter``) let layers share workspaces: they
-    are used as given and stay the caller's to close. ``max_rows`` sizes the context the module
+    Collective to construct and to :meth:`close` (every rank, same arguments: the ranks compare
+    them, and raise ``RankMismatchError`` on every rank where they differ; an argument refused
+    on one rank raises ``PeerSetupError`` on the others). ``ctx`` (a ``GemvAllReduce``)
+    and ``reduce_ctx`` (a ``MatmulAllReduce`` or, with ``reduce="reduce_scatter"``, a
+    ``MatmulReduceScatter``) let layers share workspaces: they are used as given and stay the
+    caller's to close. ``max_rows`` sizes the context the module
     makes itself (results of up to ``max_rows`` x ``out_features``); more rows on a fused GEMM
     path raise ``ValueError``.
     """
 
     NAME = "RowParallelLinear"
 
+    @collective_setup
     def __init__(self, in_features: int, out_features: int, world, *, bias: bool = False,
                  dtype: Optional[torch.dtype] = None, device=None, fused: bool = True,
                  ctx: Optional[GemvAllReduce] = None, reduce: str = "all_reduce",
@@ -281,6 +286,9 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear: reduce='reduce_scatter' with fused=True needs "
                              "max_rows (to size its MatmulReduceScatter context) or reduce_ctx")
         dtype, device = _factory(self.NAME, world, dtype, device, fused)
+        same_arguments(world, self.NAME, in_features=in_features, out_features=out_features,
+                       bias=bool(bias), dtype=dtype, fused=bool(fused), reduce=reduce,
+                       max_rows=max_rows, ctx=kind(ctx), reduce_ctx=kind(reduce_ctx))
         self.world = world
         self.in_features, self.out_features = in_features, out_features
         self.reduce, self.max_rows = reduce, max_rows
@@ -418,8 +426,9 @@ class ColumnParallelLinear(nn.Module):
     ``dtype`` and ``device`` follow ``nn.Linear`` (``None``: torch's default dtype, the world's
     device); inputs must have the layer's dtype and device, and errors raised by a call name the
     module and the input it was given.
-    Collective to construct and to :meth:`close`; inputs are ``[rows, in_features]`` with the
-    same row count on every rank. A ``ctx`` given (an ``AllGatherMatmul`` shared by layers with
+    Collective to construct and to :meth:`close` (every rank, same arguments, compared as
+    ``RowParallelLinear`` does); inputs are ``[rows, in_features]`` with the same row count on
+    every rank. A ``ctx`` given (an ``AllGatherMatmul`` shared by layers with
     the same ``in_features``) stays the caller's to close. Measured on GPUs inside
     ``examples/transformer/prefill.py`` (docs/scaling.md); the op alone in
     docs/allgather_gemm.md.
@@ -427,6 +436,7 @@ class ColumnParallelLinear(nn.Module):
 
     NAME = "ColumnParallelLinear"
 
+    @collective_setup
     def __init__(self, in_features: int, out_features: int, world, *, max_rows: int,
                  bias: bool = False, dtype: Optional[torch.dtype] = None, device=None,
                  fused: bool = True, ctx=None):
@@ -440,6 +450,9 @@ class ColumnParallelLinear(nn.Module):
                              f"the world size {W}")
         check_sizes("ColumnParallelLinear", max_rows=max_rows)  # True would size it for a row
         dtype, device = _factory(self.NAME, world, dtype, device, fused)
+        same_arguments(world, self.NAME, in_features=in_features, out_features=out_features,
+                       max_rows=max_rows, bias=bool(bias), dtype=dtype, fused=bool(fused),
+                       ctx=kind(ctx))
         self.world = world
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // W, in_features, dtype=dtype,

@@ -35,7 +35,12 @@ from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from ..ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_swiglu
 from ..ops.moe_experts import expert_swiglu
 from ..ops.moe_layer import moe_layer, moe_layer_reference
+from ..ops.context import check_sizes, refuse_call
+from ..world import collective_setup
+from .agreement import kind, same_arguments
 from .moe_backward import MoeLayerFunction
+
+NAME = "ExpertParallelMoE"
 
 
 class ExpertParallelMoE(nn.Module):
@@ -50,8 +55,11 @@ class ExpertParallelMoE(nn.Module):
     instead); ``fuse_dispatch``: the dispatch and the gated GEMM in one launch; ``one_launch``:
     the dispatch and both expert GEMMs in one launch (module docstring); ``dedup``: the staged
     dispatch sends a token once per rank it reaches (``MoeDispatch``; None: its rule; the fused
-    schedules send a row per expert)."""
+    schedules send a row per expert). The ranks compare their arguments (``RankMismatchError``
+    on every rank where they differ: the router, made from ``seed``, must be the same on every
+    rank), and an argument refused on one rank raises ``PeerSetupError`` on the others."""
 
+    @collective_setup
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  max_tokens: int, dtype: torch.dtype = torch.bfloat16, fused: bool = True,
                  ctx: Optional[MoeGemmCombine] = None, capacity: Optional[int] = None,
@@ -59,21 +67,30 @@ class ExpertParallelMoE(nn.Module):
                  dedup: Optional[bool] = None):
         super().__init__()
         W = world.world_size
+        # (0 failed in the weights' initialisation, 0 ** -0.5, with a ZeroDivisionError)
+        check_sizes(NAME, hidden=hidden, intermediate=intermediate,
+                    num_experts=num_experts, top_k=top_k)
         if num_experts % W:
-            raise ValueError(f"num_experts={num_experts} must split evenly over {W} ranks")
+            raise ValueError(f"{NAME}: num_experts={num_experts} must split evenly over {W} "
+                             f"ranks")
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+            raise ValueError(f"{NAME}: top_k must be in [1, {num_experts}], got {top_k}")
         for name, v in (("fuse_dispatch", fuse_dispatch), ("one_launch", one_launch)):
             if v and not fused:
-                raise ValueError(f"{name}=True needs fused=True (the torch path has no launches "
-                                 f"to fuse)")
+                raise ValueError(f"{NAME}: {name}=True needs fused=True (the torch path has no "
+                                 f"launches to fuse)")
         if fuse_dispatch and one_launch:
-            raise ValueError("fuse_dispatch and one_launch are two schedules of the fused "
-                             "layer: pass one")
+            raise ValueError(f"{NAME}: fuse_dispatch and one_launch are two schedules of the "
+                             f"fused layer: pass one")
         if dedup and (fuse_dispatch or one_launch or not fused):
-            raise ValueError("dedup=True is an option of the staged fused layer (fused=True "
-                             "without fuse_dispatch or one_launch): the others send a row per "
-                             "expert")
+            raise ValueError(f"{NAME}: dedup=True is an option of the staged fused layer "
+                             f"(fused=True without fuse_dispatch or one_launch): the others send "
+                             f"a row per expert")
+        same_arguments(world, NAME, hidden=hidden, intermediate=intermediate,
+                       num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
+                       dtype=dtype, fused=bool(fused), ctx=kind(ctx), capacity=capacity,
+                       seed=seed, fuse_dispatch=bool(fuse_dispatch),
+                       one_launch=bool(one_launch), dedup=dedup)
         self.world, self.top_k, self.fused = world, top_k, fused
         self.fuse_dispatch, self.one_launch = bool(fuse_dispatch), bool(one_launch)
         self.experts_per_rank = E = num_experts // W
@@ -112,7 +129,11 @@ class ExpertParallelMoE(nn.Module):
         return w / w.sum(-1, keepdim=True), ids
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        self._check_tokens(tokens)
+        try:
+            self._check_tokens(tokens)
+        except (TypeError, ValueError) as e:
+            self._refuse_call(e)
+            raise
         weights, ids = self.route(tokens)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (
                 tokens, weights, self.w_gate, self.w_up, self.w_down)):
@@ -133,9 +154,44 @@ class ExpertParallelMoE(nn.Module):
         if tokens.dtype != r.dtype or tokens.device != r.device:
             raise TypeError(f"ExpertParallelMoE: tokens must be {r.dtype} on {r.device} (the "
                             f"layer's); got {tokens.dtype} on {tokens.device}")
+        if self.fused and self.dispatch_ctx.dtype != r.dtype:
+            # module.to(dtype) / .half() / .float() convert the parameters, not the contexts'
+            # buffers made for the layer's dtype
+            raise TypeError(f"ExpertParallelMoE: the layer's parameters are {r.dtype}, its "
+                            f"fused contexts were made for {self.dispatch_ctx.dtype} "
+                            f"(module.to(dtype), .half() and .float() convert the parameters "
+                            f"only): build the layer with dtype={r.dtype}")
+
+    def _refuse_call(self, error: BaseException) -> None:
+        """This rank's tokens failed the layer's check, before its first fused op: refuse that
+        op's call, so that the peers fail it at once ("rank r gave up") and stay in step,
+        instead of waiting for this rank until their timeout (which breaks the contexts, after
+        pairing their call with this rank's next one). The caller raises ``error`` then. The
+        torch path (``fused=False``) has no call to refuse: its peers wait in its first
+        all-to-all."""
+        if not self.fused:
+            return
+        try:
+            if self.one_launch:  # (ops/moe_layer: one call of both contexts' workspaces)
+                refuse_call([self.dispatch_ctx.kernel(), self.ctx.kernel()], error)
+            elif self.fuse_dispatch:
+                refuse_call([self.dispatch_ctx.swiglu_workspace()], error)
+            else:  # the peers' call as "auto" keys it: tokens of the context's dtype and width
+                meta = dict(device="meta")
+                self.dispatch_ctx.refuse(
+                    error, torch.empty((0, self.dispatch_ctx.hidden), dtype=self.dispatch_ctx.dtype,
+                                       **meta),
+                    torch.empty((0, self.top_k), dtype=torch.int64, **meta))
+        except Exception:  # noqa: BLE001  (an interrupt still propagates)
+            # the refusal raises ``error``, or the context's own error where it is closed or
+            # broken: the caller raises ``error`` either way
+            pass
 
     def _forward(self, tokens, weights, ids) -> torch.Tensor:
         if self.fused:
+            # the fused ops take tokens with contiguous rows (a transposed view is a valid input
+            # of the layer, as of nn.Linear)
+            tokens = tokens.contiguous()
             # each source sends an expert S * k / (all experts) rows on average (balanced)
             m = tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
             if self.one_launch:
