@@ -639,20 +639,24 @@ def test_copy_engine_leaves_no_late_stores_for_the_next_call(world4, options):
         assert found[3] < 1e-5, (rank, found)
 
 
-def _n_differs(world, transport, options):
-    """A call whose b has another N on rank 1, then a matched call into a NaN-poisoned out."""
+def _n_or_k_differs(world, transport, options):
+    """A call whose b has another N on rank 1, one whose shard has another K there (the
+    gathered rows of every rank share K), then a matched call into a NaN-poisoned out."""
     ctx = AllGatherMatmul(world, max_shard_elems=64, transport=transport, timeout_s=5.0,
                           **options)
     found = {}
     try:
         g = torch.Generator().manual_seed(world.rank)
         a = torch.randn(3, 4, generator=g)
-        try:
-            ctx(a, torch.randn(4, 5 + world.rank))
-            ctx.synchronize()
-            found["N differs"] = ("no error", "")
-        except Exception as e:
-            found["N differs"] = (type(e).__name__, str(e))
+        k = 4 + world.rank
+        for what, args in (("N differs", (a, torch.randn(4, 5 + world.rank))),
+                           ("K differs", (torch.randn(3, k), torch.randn(k, 5)))):
+            try:
+                ctx(*args)
+                ctx.synchronize()
+                found[what] = ("no error", "")
+            except Exception as e:
+                found[what] = (type(e).__name__, str(e))
         b = torch.randn(4, 5, generator=torch.Generator().manual_seed(7))
         out = torch.full((world.world_size * 3, 5), float("nan"))
         ctx(a, b, out)
@@ -667,11 +671,12 @@ def _n_differs(world, transport, options):
 @pytest.mark.parametrize("transport, options", [
     ("copy_engine", {}), ("copy_engine", {"direction": "pull"}), ("stores", {}),
     ("sequential", {})], ids=["copy_engine", "pull", "stores", "sequential"])
-def test_ranks_whose_n_differs_raise_on_every_transport(world2, transport, options):
+def test_ranks_whose_n_or_k_differs_raise_on_every_transport(world2, transport, options):
     """Every transport refuses ranks whose N differs, as the stores kernel and ``"auto"``
     always did; the copy engines and the named ``"sequential"`` computed each rank's own N
-    with no error, so switching the transport changed more than speed."""
-    for found in world2.run(_n_differs, transport, options, timeout=120):
-        kind, msg = found["N differs"]
-        assert kind == "RankMismatchError", (transport, options, found)
+    with no error, so switching the transport changed more than speed. A shard whose K
+    differs is refused by every transport too."""
+    for found in world2.run(_n_or_k_differs, transport, options, timeout=120):
+        for what in ("N differs", "K differs"):
+            assert found[what][0] == "RankMismatchError", (transport, options, what, found)
         assert found["after"] < 1e-5, (transport, options, found)

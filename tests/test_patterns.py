@@ -205,3 +205,47 @@ def test_default_transport(world2):
         assert context.default_transport(gpu, {"graph": True}) == "auto"
         with pytest.raises(ValueError, match="config is an option of a named transport"):
             context.default_transport(gpu, {"config": None})
+
+
+def _own_k(world, name):
+    """Two calls of op ``name`` per transport (every one that can run here, and ``"auto"``),
+    each rank with a K of its own, bias and residual given: relative errors against the
+    reference (NaN-poisoned outputs), or the error's type; and any candidate ``"auto"`` left
+    out of a decision because it raised."""
+    from portable_overlap.testing.compare import rel_err
+
+    make, ref_fn, rows = PATTERNS[name]
+    W, r = world.world_size, world.rank
+    M, N = 4 * W, 12
+    found = {}
+    for transport in make.available(world) + ("auto",):
+        ctx = make(world, M, N, transport=transport, timeout_s=30.0)
+        got = []
+        try:
+            for i, K in enumerate((8 + 5 * r, 11 - 4 * r)):
+                g = torch.Generator().manual_seed(10 * i + r)
+                a, b, bias, res = pattern_inputs(g, M, N, K, rows(M, W), torch.float32)
+                out = torch.full((rows(M, W), N), float("nan"))
+                try:
+                    getattr(po, name)(a, b, ctx, out, bias=bias, residual=res)
+                    ctx.synchronize()
+                    got.append(rel_err(out, ref_fn(a, b, world.group, bias, res)))
+                except po.PortableOverlapError as e:
+                    got.append(type(e).__name__)
+            got += [d["failed"] for d in ctx.decisions.values() if d.get("failed")]
+        finally:
+            ctx.close()
+        found[transport] = got
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_each_rank_may_have_its_own_k(world2, name):
+    """The GEMM patterns' K is local to each rank's product (a reduction's K shard, or the
+    All-to-All's own GEMM; only [M, N] results move): every transport and ``"auto"`` accept
+    ranks whose K differs, so switching the transport changes only the speed."""
+    for found in world2.run(_own_k, name, timeout=400):
+        assert set(found) >= {"sequential", "stores", "copy_engine", "auto"}, found
+        for transport, got in found.items():
+            assert len(got) == 2 and all(isinstance(e, float) and e < 1e-5 for e in got), \
+                (name, transport, got)

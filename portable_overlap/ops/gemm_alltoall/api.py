@@ -1,13 +1,14 @@
 """Fused dense GEMM + equal-split All-to-All (the uniform-routing setting of MoE expert
 parallelism and of the fused-collectives paper).
 
-What it computes, with ``a_r``, ``b_r`` the tensors rank r passes (a [M, K], b [K, N])::
+What it computes, with ``a_r``, ``b_r`` the tensors rank r passes (a [M, K_r], b [K_r, N])::
 
     c_r = a_r @ b_r                                          # [M, N] on rank r; chunk = M // world
     out_d[r*chunk:(r+1)*chunk] = c_r[d*chunk:(d+1)*chunk]    # on rank d, for every source r
 
-i.e. ``torch.distributed.all_to_all_single(out, a @ b)``, with the communication overlapped by one
-of two transports (``GemmAllToAll(..., transport=...)``):
+i.e. ``torch.distributed.all_to_all_single(out, a @ b)``. ``K_r`` is rank r's own and may differ
+across ranks: only the products move. M, N and the dtype must match on every rank. The
+communication is overlapped by one of two transports (``GemmAllToAll(..., transport=...)``):
 
 - ``"stores"`` (default): one persistent Triton kernel computes the tiles, rows for other ranks
   first, and stores each finished tile straight into the destination's heap (kernel.py);
@@ -118,11 +119,12 @@ class GemmAllToAll(OverlapContext):
         peer d first stage what goes to d, then receive what d sent (both on the side stream, in
         that order)."""
         links, W, r = self._links, self.world.world_size, self.rank
-        M, K = a.shape
-        N = b.shape[1]
+        M, N = a.shape[0], b.shape[1]
         chunk = M // W
         bounds = [chunk * i // self.pieces for i in range(self.pieces + 1)]
-        tag = shape_tag(OP, M=M, N=N, K=K, dtype=str(a.dtype), pieces=self.pieces)
+        # not K: each rank's K is its own (only the [M, N] products move); M, N, dtype and
+        # pieces fix which rows each put carries and where they land
+        tag = shape_tag(OP, M=M, N=N, dtype=str(a.dtype), pieces=self.pieces)
         recv = self._recv[a.dtype][: M * N].view(M, N)
         links.begin()
         for i in range(1, W):  # communication first: rows of rank r+1, r+2, ...
@@ -179,8 +181,12 @@ class GemmAllToAll(OverlapContext):
                       num_stages=cfg.num_stages)
         programs = min(n_tiles, self.world.facts.sm_count, G_MAX)
 
-        def tag_of(g):  # shapes, tiling and grid: a rank planned differently is caught
-            return shape_tag(M=M, N=N, K=K, dtype=str(a.dtype), tiling=cfg.tiling, programs=g)
+        # what the peers' copy-outs read of this rank's launch (kernel.py: they recompute its
+        # tile list from M, N, the tiling and the grid) and the dtype of the rows it stores:
+        # a rank planned differently is caught. Not K: each rank's K is its own, read only by
+        # its own K loop
+        def tag_of(g):
+            return shape_tag(M=M, N=N, dtype=str(a.dtype), tiling=cfg.tiling, programs=g)
 
         plan = self._compile(gemm_alltoall_kernel, programs, consts,
                              lambda g: self._args(a, b, out, tag_of(g), g, cfg))

@@ -1,8 +1,9 @@
 """Fused dense GEMM + equal-split All-to-All by stores into the destination's heap.
 
-Rank r computes ``c_r = a_r @ b_r`` ([M, N]); rows ``[d·chunk, (d+1)·chunk)`` of ``c_r`` belong to
-rank d (``chunk = M / world``) and end in rows ``[r·chunk, (r+1)·chunk)`` of rank d's output, as
-``torch.distributed.all_to_all_single`` on ``c_r`` would put them.
+Rank r computes ``c_r = a_r @ b_r`` ([M, N], from its own K, which no peer reads); rows
+``[d·chunk, (d+1)·chunk)`` of ``c_r`` belong to rank d (``chunk = M / world``) and end in rows
+``[r·chunk, (r+1)·chunk)`` of rank d's output, as ``torch.distributed.all_to_all_single`` on
+``c_r`` would put them.
 
 Program ``pid`` of rank r takes the tiles ``pid, pid + G, ...`` of the grouped order, with tile
 rows rotated to start at rank r+1's chunk, so the rows r keeps come last (communication-aware).

@@ -1,6 +1,8 @@
 """The context of GEMM + All-to-All (equal splits), with the transport as an argument.
 
-What it computes, with ``a_r`` [M, K] and ``b_r`` [K, N] the tensors rank r passes::
+What it computes, with ``a_r`` [M, K_r] and ``b_r`` [K_r, N] the tensors rank r passes (``K_r``
+rank r's own, which may differ across ranks: only the products move; M, N and the dtype are
+the same on every rank)::
 
     c_r = a_r @ b_r                                           # [M, N] on rank r
     out_d[r*M/W:(r+1)*M/W] = c_r[d*M/W:(d+1)*M/W]             # on rank d, every r
@@ -97,7 +99,8 @@ def matmul_all_to_all(a: torch.Tensor, b: torch.Tensor, ctx: MatmulAllToAll,
     """``all_to_all_single(out, a @ b); out += bias (+ residual)`` with equal splits: on rank
     d, rows ``[r*M/W, (r+1)*M/W)`` of the result are rows ``[d*M/W, (d+1)*M/W)`` of rank r's
     ``a_r @ b_r`` (M divisible by W), plus rank d's own ``bias`` and ``residual``, added after
-    the exchange. ``options``: the transport's per-call options (module
+    the exchange. Each rank's K is its own (``a_r`` [M, K_r], ``b_r`` [K_r, N]); M, N and the
+    dtype are the same on every rank. ``options``: the transport's per-call options (module
     docstring). Under ``torch.compile`` one opaque op,
     ``torch.ops.portable_overlap.matmul_all_to_all(a, b, ctx.handle, bias, residual)``."""
     return ALL_TO_ALL(ctx, (a, b, bias, residual), out=out, **options)
