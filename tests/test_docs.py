@@ -1,0 +1,159 @@
+"""The README and docs/*.md say what the code does: their runnable samples run as written (on
+CPU-emulated ranks, sizes shrunk), and the names, paths and variables they cite exist."""
+import glob
+import os
+import re
+
+import pytest
+
+import portable_overlap as po
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT)
+                              for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+def _text(rel: str) -> str:
+    with open(os.path.join(ROOT, rel)) as f:
+        return f.read()
+
+
+def _python_block(rel: str, after: str) -> str:
+    """The first ```python block of ``rel`` that follows the line ``after``."""
+    text = _text(rel)
+    start = text.index(after)
+    m = re.compile(r"^```python\n(.*?)^```", re.S | re.M).search(text, start)
+    assert m, f"{rel}: no python block after {after!r}"
+    return m.group(1)
+
+
+def _shrunk(code: str, old: str, new: str) -> str:
+    assert old in code, f"the sample no longer has {old!r}: update this test with it"
+    return code.replace(old, new)
+
+
+# --- samples, run on 2 emulated ranks --------------------------------------------------------
+
+def _run_quickstart(world, code):
+    import torch
+    import torch.distributed as dist
+
+    ns: dict = {}
+    exec(compile(code, "README.md:Quickstart", "exec"), ns)
+    a, b, y, M, N = ns["a"], ns["b"], ns["y"], ns["M"], ns["N"]
+    full = a.float() @ b.float()
+    dist.all_reduce(full, group=world.group)
+    r, w = world.rank, world.world_size
+    want = full[r * M // w:(r + 1) * M // w]
+    try:  # README, "When something goes wrong": a call on a closed context raises
+        ns["po"].matmul_reduce_scatter(a, b, ns["ctx"])
+        closed = False
+    except ns["po"].ContextClosedError:
+        closed = True
+    return tuple(y.shape), (y.float() - want).abs().max().item(), closed
+
+
+def test_readme_quickstart_runs_on_two_ranks(world2):
+    code = _python_block("README.md", "## Quickstart")
+    code = _shrunk(code, "M, N, K = 8192, 8192, 4096", "M, N, K = 64, 32, 16")
+    for shape, err, closed in world2.run(_run_quickstart, code):
+        assert shape == (32, 32) and closed
+        assert err < 0.25, err  # bf16 operands, a sum of 2 x 16 products
+
+
+def _run_language_sample(world, code, folder):
+    import runpy
+
+    import torch
+    import torch.distributed as dist
+
+    path = os.path.join(folder, f"language_sample_{world.rank}.py")  # triton.jit reads the
+    with open(path, "w") as f:                                       # kernel's source file
+        f.write(code)
+    ns = runpy.run_path(path)
+    xs = [torch.empty_like(ns["x"]) for _ in range(world.world_size)]
+    dist.all_gather(xs, ns["x"], group=world.group)
+    prev = (world.rank - 1) % world.world_size
+    ok = torch.equal(ns["inbox"], xs[prev])
+    ns["ws"].close()
+    return ok
+
+
+def test_language_shift_kernel_runs_on_two_ranks(world2, tmp_path):
+    code = _python_block("docs/language.md", "# Writing your own fused kernels")
+    assert world2.run(_run_language_sample, code, str(tmp_path)) == [True, True]
+
+
+# --- names, paths and variables the docs cite -----------------------------------------------
+
+def test_every_po_name_the_docs_use_is_exported():
+    missing = {}
+    for rel in DOCS:
+        for name in re.findall(r"\bpo\.([A-Za-z_]\w*)", _text(rel)):
+            if not hasattr(po, name):
+                missing.setdefault(name, rel)
+    assert not missing, f"po.<name> a doc uses that portable_overlap lacks: {missing}"
+
+
+def test_every_context_and_op_in_the_readme_table_exists():
+    table = [ln for ln in _text("README.md").splitlines() if ln.startswith("| `")]
+    assert len(table) == 9, table
+    for row in table:
+        cells = row.split("|")
+        op = re.match(r" `(\w+)`", cells[1]).group(1)
+        assert callable(getattr(po, op)), op
+        ctx = re.search(r"\(`(\w+)`\)", cells[1])
+        if ctx:
+            transports = re.findall(r"`(\w+)`", cells[3])
+            assert set(transports) <= set(getattr(po, ctx.group(1)).TRANSPORTS), row
+            assert op in po.OPS
+
+
+_PATH = re.compile(r"`((?:\.\./)?(?:[\w.-]+/)+[\w.-]+\.(?:py|sh|md|jsonl|json|toml|png|txt))"
+                   r"(?:[: ][^`]*)?`")
+
+
+def test_every_path_the_docs_name_exists():
+    """A backquoted path with a folder: from the repository root, the doc's folder or the
+    package (``ops/sequential.py``); ``../shared/...`` is the project's, outside the repo."""
+    missing = []
+    for rel in DOCS:
+        here = os.path.dirname(rel)
+        for n, line in enumerate(_text(rel).splitlines(), 1):
+            for path in _PATH.findall(line):
+                if path.startswith("../shared/"):
+                    continue
+                places = [path, os.path.join(here, path), os.path.join("portable_overlap", path),
+                          os.path.join("portable_overlap", "ops", path)]
+                if not any(os.path.exists(os.path.join(ROOT, p)) for p in places):
+                    missing.append(f"{rel}:{n}: {path}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_env_override_the_docs_name_is_read_by_the_code():
+    code = ""
+    for path in glob.glob(os.path.join(ROOT, "portable_overlap", "**", "*.py"), recursive=True):
+        with open(path) as f:
+            code += f.read()
+    for rel in DOCS:
+        for var in set(re.findall(r"\bPORTABLE_OVERLAP_[A-Z_]*[A-Z]\b", _text(rel))):
+            assert f'"{var}"' in code, f"{rel} names {var}, which the package never reads"
+
+
+@pytest.mark.parametrize("script", ["ci/demo.sh", "ci/test.sh", "ci/test_numpy_latest.sh",
+                                    "ci/gpu.sh", ".ci/run"])
+def test_the_readme_scripts_exist(script):
+    assert f"{script}" in _text("README.md")
+    assert os.path.isfile(os.path.join(ROOT, script))
+
+
+def test_the_readme_benchmark_options_exist():
+    from benchmarks.cli import BenchParser
+
+    flags = set()
+    for action in BenchParser("x", dims=("m",), shapes=[(1,)])._actions:
+        flags.update(action.option_strings)
+    text = _text("README.md")
+    start = text.index("Every benchmark (`benchmarks/bench_*.py`")
+    named = set(re.findall(r"`(--[\w-]+)", text[start:text.index("![", start)]))
+    assert named and named <= flags, named - flags
