@@ -61,6 +61,22 @@ def test_readme_quickstart_runs_on_two_ranks(world2):
         assert err < 0.25, err  # bf16 operands, a sum of 2 x 16 products
 
 
+def _run_torch_op_form(world, call):
+    import torch
+
+    M, N, K = 64, 32, 16
+    a, b = torch.randn(M, K), torch.randn(K, N)
+    with po.MatmulReduceScatter(world, max_m=M, max_n=N) as ctx:  # README: "or use `with ctx:`"
+        y = eval(call, {"torch": torch, "a": a, "b": b, "ctx": ctx})
+        return torch.equal(y, po.matmul_reduce_scatter(a, b, ctx))
+
+
+def test_readme_torch_op_form_runs_on_two_ranks(world2):
+    call = "torch.ops.portable_overlap.matmul_reduce_scatter(a, b, ctx.handle, bias=None)"
+    assert call in _text("README.md").replace("\n", " ")
+    assert world2.run(_run_torch_op_form, call) == [True, True]
+
+
 def _run_language_sample(world, code, folder):
     import runpy
 
@@ -157,3 +173,40 @@ def test_the_readme_benchmark_options_exist():
     start = text.index("Every benchmark (`benchmarks/bench_*.py`")
     named = set(re.findall(r"`(--[\w-]+)", text[start:text.index("![", start)]))
     assert named and named <= flags, named - flags
+
+
+def _run_language_ring(world, code, folder):
+    import runpy
+
+    import torch
+    import torch.distributed as dist
+
+    head, tail = code.split("\nws = Workspace(", 1)
+    assert "shmem=True" in tail and "\n...\n" in tail, tail
+    n = 1000  # the elided set-up: one buffer each, the ranks' flags, the data to pass on
+    setup = (f"world, nbytes, n = World.from_env(), 1 << 16, {n}\n"
+             "ws = Workspace(world, nbytes, name=\"ring\", shmem=False)\n"
+             "inbox = ws.tensor((n,), torch.float32)\n"
+             "ready = ws.flags((world.world_size,), \"ready\")\n"
+             "x = torch.randn(n, device=world.device)\n")
+    launch = tail.split("\n...\n", 1)[1]
+    src = ("import torch, triton, triton.language as tl\n"
+           "import portable_overlap.language as pol\n"
+           "from portable_overlap import World, Workspace\n" + head + "\n" + setup + launch
+           + "ws.synchronize()\n")
+    path = os.path.join(folder, f"language_ring_{world.rank}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    ns = runpy.run_path(path)
+    xs = [torch.empty_like(ns["x"]) for _ in range(world.world_size)]
+    dist.all_gather(xs, ns["x"], group=world.group)
+    ok = torch.equal(ns["inbox"], xs[(world.rank - 1) % world.world_size])
+    ns["ws"].close()
+    return ok
+
+
+def test_language_ring_kernel_runs_zero_copy_on_two_ranks(world2, tmp_path):
+    """The constexpr-branch sample, its elided set-up filled in, on a zero-copy workspace
+    (``VIA_SHMEM=ws.shmem`` is False: the SHMEM branch is not compiled)."""
+    code = _python_block("docs/language.md", "One kernel serves both kinds of workspace")
+    assert world2.run(_run_language_ring, code, str(tmp_path)) == [True, True]
