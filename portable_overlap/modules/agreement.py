@@ -24,8 +24,8 @@ def same_arguments(world, name: str, **args) -> None:
     differ = [i for i, a in enumerate(args) if any(v[i] != values[0][i] for v in values)]
     if differ:  # only the arguments that differ: a module has a dozen
         names = list(args)
+        each = ["{}: {}".format(names[i], ", ".join(f"rank {r}: {v[i]!r}"
+                                                    for r, v in enumerate(values)))
+                for i in differ]
         raise RankMismatchError(f"{name}: the ranks passed different arguments (every rank must "
-                                f"pass the same): " + "; ".join(
-                                    f"{names[i]}: " + ", ".join(f"rank {r}: {v[i]!r}"
-                                                               for r, v in enumerate(values))
-                                    for i in differ))
+                                f"pass the same): " + "; ".join(each))
