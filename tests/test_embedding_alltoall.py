@@ -7,6 +7,7 @@ from portable_overlap import InvalidInputError, PortableOverlapError
 from portable_overlap.ops.embedding_alltoall import (EmbeddingAllToAll, embedding_all_to_all,
                                                      embedding_all_to_all_reference)
 from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.faults import construction_outcome
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 ROWS = [7, 5, 9, 4, 6, 3]
@@ -521,7 +522,6 @@ def test_a_failed_call_leaves_no_late_stores_for_the_next_call(world4):
 def _module_made_on_two_ranks(world, case):
     """``ShardedEmbeddingBagCollection`` made with arguments that differ on rank 1, then a good
     one, which needs the ranks still in step: (error type, message, seconds) of the first."""
-    import time
 
     from portable_overlap.modules import ShardedEmbeddingBagCollection
 
@@ -541,12 +541,7 @@ def _module_made_on_two_ranks(world, case):
         "pooling, reference": lambda: ShardedEmbeddingBagCollection(
             world, [5, 6], 4, pooling=("sum", "mean")[r], fused=False, **kw),
     }[case]
-    t0 = time.monotonic()
-    try:
-        make().close()
-        out = ("no error", "", 0.0)
-    except Exception as e:
-        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    out = construction_outcome(make)
     ShardedEmbeddingBagCollection(world, [5, 6], 4, **kw).close()
     return out
 

@@ -6,6 +6,7 @@ import torch
 from portable_overlap.modules import ColumnParallelLinear, RowParallelLinear
 from portable_overlap.modules.linear import REDUCES
 from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.faults import construction_outcome
 
 N, K = 24, 32  # out_features, in_features (K split over the ranks)
 
@@ -421,7 +422,6 @@ def test_reference_paths_carry_gradients(world2, reduce):
 def _made_on_two_ranks(world, case):
     """A layer made with arguments that differ on rank 1 (``case``), then a good one, which
     needs the ranks still in step: (error type, message, seconds) of the first on this rank."""
-    import time
 
     W, r = world.world_size, world.rank
     f32 = dict(dtype=torch.float32)
@@ -441,12 +441,7 @@ def _made_on_two_ranks(world, case):
         "column bias": lambda: ColumnParallelLinear(K, N * W, world, max_rows=4, bias=r == 1,
                                                     **f32),
     }[case]
-    t0 = time.monotonic()
-    try:
-        make().close()
-        out = ("no error", "", 0.0)
-    except Exception as e:
-        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    out = construction_outcome(make)
     RowParallelLinear(K, N, world, **f32).close()
     return out
 

@@ -158,3 +158,16 @@ def copies_last(links, peer: int, delay_s: float = 1.0):
         yield
     finally:
         del links.put, links.rejoin
+
+
+def construction_outcome(make: Callable[[], object]) -> tuple:
+    """Build an object with ``make`` (a module or context whose construction is collective)
+    and close it: ``("no error", "", 0.0)``, or the error's class name, message and the
+    seconds it took to arrive (a peer that waits in a set-up shows as a slow error)."""
+    t0 = time.monotonic()
+    try:
+        make().close()
+        return ("no error", "", 0.0)
+    except Exception as e:
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+
