@@ -53,15 +53,15 @@ def _parser(**kw):
 
 
 def test_parser_defaults_and_overrides(tmp_path):
-    ns = _parser(iters=30, warmup=5).parse_args(["--out", str(tmp_path / "r.jsonl")])
+    ns = _parser(iters=60, warmup=5).parse_args(["--out", str(tmp_path / "r.jsonl")])
     assert ns.shapes == [{"M": 1, "N": 2, "K": 3}, {"M": 4, "N": 5, "K": 6}]
     assert (ns.dtypes, ns.graphs, ns.worlds, ns.check) == (["bf16"], (False, True), None, True)
-    assert (ns.iters, ns.warmup, ns.out) == (30, 5, str(tmp_path / "r.jsonl"))
+    assert (ns.iters, ns.warmup, ns.out) == (60, 5, str(tmp_path / "r.jsonl"))
     ns = _parser(allowed_dtypes=("bf16", "fp16")).parse_args(
         ["--out", str(tmp_path) + "/", "--device-kind", "gpu-x2", "--shapes", "7x8x9",
-         "--dtypes", "fp16", "--worlds", "2,4", "--no-plain", "--no-check", "--iters", "3"])
+         "--dtypes", "fp16", "--worlds", "2,4", "--no-plain", "--no-check", "--iters", "53"])
     assert ns.shapes == [{"M": 7, "N": 8, "K": 9}] and ns.dtypes == ["fp16"]
-    assert ns.graphs == (True,) and ns.worlds == [2, 4] and not ns.check and ns.iters == 3
+    assert ns.graphs == (True,) and ns.worlds == [2, 4] and not ns.check and ns.iters == 53
     assert ns.out == os.path.join(str(tmp_path), "gpu-x2.jsonl")
     # the forms the scripts took before they shared this parser still parse
     assert _parser().parse_args(["--out", "x", "--graph", "1"]).graphs == (True,)
@@ -86,8 +86,10 @@ def test_parser_errors(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, why", [
-    (["--iters", "0"], "--iters 0: must be at least 1"),
-    (["--iters", "-3"], "--iters -3: must be at least 1"),
+    (["--iters", "0"], "--iters 0: must be at least 50"),
+    (["--iters", "-3"], "--iters -3: must be at least 50"),
+    # the protocol's median is of at least 50 runs: a row of 10 looked like any other
+    (["--iters", "49"], "--iters 49: must be at least 50"),
     (["--warmup", "-1"], "--warmup -1: must be at least 0"),
     (["--rounds", "0"], "--rounds 0: must be at least 1"),
     (["--worlds", "2,x"], "--worlds '2,x': a comma list of integers >= 1"),
@@ -262,7 +264,7 @@ def _rows(tmp_path):
 
 def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
     monkeypatch.setenv("PO_COMMIT", "c0ffee1")
-    bench = _bench(tmp_path, "--iters", "7", "--warmup", "2")
+    bench = _bench(tmp_path, "--iters", "57", "--warmup", "2")
     checked = []
 
     def check(name):
@@ -286,7 +288,7 @@ def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
     assert set(times) == {(n, g) for n in ("fused", "fused[ok]", "sequential", "compute", "comm")
                           for g in (False, True)}
     assert times[("fused", True)] == 2.0 and times[("fused", False)] == 4.0
-    assert timed[0] == (False, 7, 2, "device")
+    assert timed[0] == (False, 57, 2, "device")
     got = _rows(tmp_path)
     timed_rows = [r for r in got if r["op"] == "op"]
     assert len(timed_rows) == 10
@@ -392,6 +394,8 @@ def test_script_uses_the_shared_cli(name, tmp_path, capsys):
     assert isinstance(ap, cli.BenchParser)
     ns = ap.parse_args(["--out", str(tmp_path / "r.jsonl")])
     assert ns.shapes and all(set(s) == set(ap.dims) for s in ns.shapes)
+    # (bench_allgather_gemm and bench_moe_layer took the median of 30 by default)
+    assert ns.iters >= 50  # the protocol's median is of at least 50 runs
     with pytest.raises(SystemExit) as e:
         ap.parse_args(["--help"])
     assert e.value.code == 0 and "shared benchmark options" in capsys.readouterr().out
