@@ -464,6 +464,26 @@ def test_rounds_rotate_the_order_and_keep_the_median_round(tmp_path, timed):
         ("fused", 4.0), ("sequential", 1.5)]
 
 
+def test_default_rounds_rotate_so_fused_is_not_always_timed_first(tmp_path, timed):
+    """Without --rounds every case timed its impls once in their fixed order, ``fused`` first:
+    the place a GPU's drifting clock favours. By default the order rotates, and each row says
+    how many rounds it is the median round of."""
+    order = []
+
+    def impl(name):
+        def run():
+            order.append(name)
+            return 1.0
+        return run
+
+    bench = _bench(tmp_path, "--no-check", "--graph", "graph")
+    bench.run(runner.Case(op="op", shape={"M": 1, "N": 1, "K": 1}, dtype="bf16",
+                          impls={n: impl(n) for n in ("fused", "sequential", "compute")}))
+    assert order == ["fused", "sequential", "compute", "sequential", "compute", "fused",
+                     "compute", "fused", "sequential"]
+    assert {r["rounds"] for r in _rows(tmp_path) if r["op"] == "op"} == {3}
+
+
 def test_compare_worlds_keeps_one_barrier(tmp_path):
     """benchmarks/compare_worlds.py compares rows of one barrier: rows without the key are
     host-barrier rows, and the newest row of the chosen barrier wins."""
