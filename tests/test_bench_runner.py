@@ -624,3 +624,142 @@ def test_timed_runs_holds_the_stream_every_ahead_runs_and_warms_replays(monkeypa
     assert len(calls) == 4 and len(ms) == 5  # 3 side-stream runs and the captured one
     assert fake.log.count("capture") == 1 and fake.log.count("replay") == 9
     assert "hold" not in fake.log and fake.log.count("host barrier") == 7  # capture, start, 5
+
+
+# --- the committed results ------------------------------------------------------------------
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+#: the protocol's keys and their types; ``dtype`` None where a row has no element type (hbm_read)
+ROW_TYPES = {"op": str, "shape": dict, "dtype": (str, type(None)), "world": int, "device": str,
+             "date": str, "commit": str}
+TIMING = ("median_ms", "p10_ms", "p90_ms")
+
+
+def _strict_json(line):
+    """json.loads refusing NaN and Infinity, which no JSON reader but Python's takes."""
+    def bad(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(line, parse_constant=bad)
+
+
+def row_problems(row) -> list:
+    """What keeps ``row`` from the protocol's form: a missing key, a wrong type, a timed row
+    (one with ``median_ms``) without its impl, graph and p10 / p90 as finite positive numbers in
+    order. Summaries and calibrations time nothing and leave the timing keys out
+    (benchmarks/rows.py)."""
+    out = [f"missing {k}" for k in ROW_TYPES if k not in row]
+    out += [f"{k} is {type(row[k]).__name__}" for k, t in ROW_TYPES.items()
+            if k in row and (not isinstance(row[k], t) or isinstance(row[k], bool))]
+    if isinstance(row.get("date"), str) and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]):
+        out.append("date not YYYY-MM-DD")
+    if str(row.get("op", "")).endswith("_summary") or "median_ms" in row:
+        out += [f"missing {k}" for k in ("impl", "graph") if k not in row]
+        if "impl" in row and not isinstance(row["impl"], str):
+            out.append("impl is not a str")
+        if "graph" in row and not isinstance(row["graph"], bool):
+            out.append("graph is not a bool")
+    if "median_ms" in row:
+        nums = [row.get(k) for k in TIMING]
+        for k, v in zip(TIMING, nums):
+            if k not in row:
+                out.append(f"missing {k}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                out.append(f"{k} is {v!r}")
+        if all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in nums) \
+                and not nums[1] <= nums[0] <= nums[2]:
+            out.append("not p10 <= median <= p90")
+    return out
+
+
+def committed_problems() -> dict:
+    """{(results file, op, problem): rows} over every row of every committed results file."""
+    found = {}
+    for name in sorted(f for f in os.listdir(RESULTS) if f.endswith(".jsonl")):
+        for line in open(os.path.join(RESULTS, name)):
+            if not line.strip():
+                probs, op = ["blank line"], None
+            else:
+                try:
+                    row = _strict_json(line)
+                except ValueError as e:
+                    row = json.loads(line)  # (Python's reader takes NaN / Infinity)
+                    probs, op = [f"not JSON: {str(e)[:40]}"], row.get("op")
+                else:
+                    probs, op = row_problems(row), row.get("op")
+                if not probs:
+                    continue
+            for p in probs:
+                found[(name, op, p)] = found.get((name, op, p), 0) + 1
+    return found
+
+
+#: rows of the committed files that lack part of the protocol's form, by (file, op, problem):
+#: measurements, kept as they were recorded (probes and tuners that time without p10 / p90,
+#: summaries written without their impl, a NaN rel_err and a failed variant's Infinity). A row
+#: not counted here fails the test below.
+COMMITTED_EXCEPTIONS = {
+    ("nvidia-h100-x1.jsonl", "gemv_allreduce_summary", "missing impl"): 18,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall", "not JSON: NaN is not JSON"): 4,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_residency", "missing p10_ms"): 34,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_residency", "missing p90_ms"): 34,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_summary", "missing impl"): 264,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_tuning", "missing p10_ms"): 80,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_tuning", "missing p90_ms"): 80,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_tuning", "not JSON: Infinity is not JSON"): 2,
+    ("nvidia-h200-x2.jsonl", "gemm_allreduce_signal_summary", "missing impl"): 42,
+    ("nvidia-h200-x2.jsonl", "gemm_reducescatter_signal_summary", "missing impl"): 42,
+    ("nvidia-h200-x2.jsonl", "gemv_allreduce_summary", "missing impl"): 20,
+    ("nvidia-h200-x2.jsonl", "moe_dispatch_stages", "p10_ms is None"): 228,
+    ("nvidia-h200-x2.jsonl", "moe_dispatch_stages", "p90_ms is None"): 228,
+    ("nvidia-h200-x2.jsonl", "wave_predictor_summary", "missing impl"): 24,
+    ("nvidia-h200-x4.jsonl", "embedding_alltoall_summary", "missing impl"): 24,
+    ("nvidia-h200-x4.jsonl", "embedding_alltoall_tuning", "missing p10_ms"): 27,
+    ("nvidia-h200-x4.jsonl", "embedding_alltoall_tuning", "missing p90_ms"): 27,
+    ("nvidia-h200-x4.jsonl", "gemm_allreduce_signal_summary", "missing impl"): 6,
+    ("nvidia-h200-x4.jsonl", "gemm_reducescatter_signal_summary", "missing impl"): 6,
+    ("nvidia-h200-x4.jsonl", "gemv_allreduce_summary", "missing impl"): 10,
+    ("nvidia-h200-x4.jsonl", "wave_predictor_summary", "missing impl"): 4,
+    ("nvidia-h200.jsonl", "auto_agreement", "missing p10_ms"): 18,
+    ("nvidia-h200.jsonl", "auto_agreement", "missing p90_ms"): 18,
+    ("nvidia-h200.jsonl", "gemm_core_shapes", "missing p10_ms"): 363,
+    ("nvidia-h200.jsonl", "gemm_core_shapes", "missing p90_ms"): 363,
+    ("nvidia-h200.jsonl", "rs_kernel_pieces", "missing p10_ms"): 60,
+    ("nvidia-h200.jsonl", "rs_kernel_pieces", "missing p90_ms"): 60,
+}
+
+
+def test_every_committed_row_has_the_protocols_keys_and_types():
+    """Every row of every committed results file: the protocol's keys and types (``row_problems``),
+    as strict JSON; the measurements that lack part of it are the counted exceptions."""
+    found = committed_problems()
+    new = {k: n for k, n in found.items() if n > COMMITTED_EXCEPTIONS.get(k, 0)}
+    assert not new, new
+
+
+def test_row_problems_finds_each_fault():
+    good = {"op": "x", "shape": {"M": 1}, "dtype": "bf16", "world": 2, "device": "d",
+            "impl": "fused", "graph": True, "median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.1,
+            "date": "2026-01-02", "commit": "c"}
+    assert row_problems(good) == []
+    assert row_problems({k: v for k, v in good.items() if k not in TIMING}) == []
+    for change, why in [({"shape": [1]}, "shape is list"), ({"graph": 1}, "graph is not a bool"),
+                        ({"world": True}, "world is bool"), ({"p10_ms": None}, "p10_ms is None"),
+                        ({"median_ms": 2.0}, "not p10 <= median <= p90"),
+                        ({"date": "today"}, "date not YYYY-MM-DD")]:
+        assert why in row_problems({**good, **change}), change
+    assert row_problems({k: v for k, v in good.items() if k != "p90_ms"}) == ["missing p90_ms"]
+    assert row_problems({"op": "x_summary", **{k: good[k] for k in ROW_TYPES if k != "op"}}) \
+        == ["missing impl", "missing graph"]
+
+
+def test_writer_writes_strict_json(tmp_path):
+    """A NaN rel_err or a failed variant's infinite median was written as NaN / Infinity, which
+    no JSON reader but Python's takes: the row is null there."""
+    w = rows.ResultWriter(str(tmp_path / "r.jsonl"), "k", 2, commit="c")
+    w.write(op="x", shape={"M": 1}, dtype="bf16", impl="sequential", graph=True, median_ms=1.0,
+            p10_ms=1.0, p90_ms=1.0, rel_err=float("nan"),
+            sweep=[{"median_ms": float("inf")}, (1.0, float("-inf"))])
+    (line,) = open(tmp_path / "r.jsonl").read().splitlines()
+    got = _strict_json(line)
+    assert got["rel_err"] is None and got["sweep"] == [{"median_ms": None}, [1.0, None]]
+    assert row_problems(got) == []
