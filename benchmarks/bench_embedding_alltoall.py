@@ -115,12 +115,13 @@ def sweep(bench, shape, dname, weight, lengths, indices, splits) -> None:
                               device=weight.device)
             ctx(weight, lengths, indices, batch_splits=splits, out=out)
             ctx.synchronize()
-            t = time_op(lambda: ctx(weight, lengths, indices, batch_splits=splits, out=out,
-                                    validate=False), world, graph=True, iters=args.iters,
-                        warmup=args.warmup)["median_ms"]
+            timing = time_op(lambda: ctx(weight, lengths, indices, batch_splits=splits,
+                                         out=out, validate=False), world, graph=True,
+                             iters=args.iters, warmup=args.warmup)
+            t = timing["median_ms"]
             programs = next(iter(ctx.impl._plans.values())).programs
         except Exception as e:  # a tile that does not fit is skipped
-            t, programs = float("inf"), None
+            t, programs, timing = float("inf"), None, None
             if world.rank == 0:
                 print(f"  block_b={bb} num_warps={nw} cap={cap} failed: {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)
@@ -131,7 +132,10 @@ def sweep(bench, shape, dname, weight, lengths, indices, splits) -> None:
         if world.rank == 0:
             bench.write(op=OP + "_tuning", shape=shape, dtype=dname, impl="fused",
                         graph=True, block_b=bb, num_warps=nw, programs=programs,
-                        median_ms=round(t, 5))
+                        # the protocol's p10 / p90 with the median; a variant that failed has
+                        # no time (its median was written as Infinity, which is no JSON)
+                        **({k: round(v, 5) for k, v in timing.items()} if timing
+                           else {"failed": True}))
     if world.rank == 0:
         best = min(found, key=lambda f: f[0])
         print(f"  sweep {shape['batch']}x{shape['tables']}x{D}: best block_b={best[1]} "

@@ -60,7 +60,7 @@ OP = "moe_layer"
 
 def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
-                     allowed_dtypes=("bf16", "fp16"), iters=30, warmup=5)
+                     allowed_dtypes=("bf16", "fp16"), iters=50, warmup=5)
     ap.add_choices("--routings", ("balanced", "zipf"), "balanced,zipf")
     ap.add_argument("--down-tile", default="",
                     help="the down GEMM's tiles for every schedule of the layer, "

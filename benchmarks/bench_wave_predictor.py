@@ -427,9 +427,11 @@ class Run:
                                   reserve_sms=tuned.reserve_sms, rel_err=err)
         s = summarize(rows, tuple(variants))
         if world.rank == 0:
+            # (impl: the protocol's key, which every summary row carries)
             self.writer.write(op="wave_predictor_summary", shape=shape, dtype="bf16",
-                              graph=self.graph, kind=kind, max_candidates=args.max_candidates,
-                              max_groups=args.max_groups, iters=args.iters, **s)
+                              impl="fused", graph=self.graph, kind=kind,
+                              max_candidates=args.max_candidates, max_groups=args.max_groups,
+                              iters=args.iters, **s)
         self.table.append((kind, name, s))
 
     def print_table(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import subprocess
 from typing import Optional
@@ -48,6 +49,19 @@ def make_row(op: str, *, world: int, device: str, date: str, commit: str, shape=
     return row
 
 
+def finite(value):
+    """``value`` with every NaN or infinite float (nested in dicts, lists and tuples) as None:
+    json.dumps writes them as ``NaN`` / ``Infinity``, which is no JSON, and a reader other than
+    Python's (jq, JavaScript, pandas' strict modes) refuses the whole file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 class ResultWriter:
     """Appends rows to one JSONL file (``path`` as ``results_path`` reads it), each with this
     run's world size, device kind, date and commit."""
@@ -71,5 +85,5 @@ class ResultWriter:
     def write(self, **fields) -> dict:
         row = self.row(**fields)
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(finite(row), allow_nan=False) + "\n")
         return row

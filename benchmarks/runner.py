@@ -193,6 +193,7 @@ class Bench:
                 if self.rank == 0:
                     fields = {"correct": correct.get(name), "rel_err": errs.get(name),
                               "barrier": getattr(self.args, "barrier", "device"),
+                              "rounds": rounds,
                               **case.row_fields(name)}
                     self.write(op=case.op, shape=case.shape, dtype=case.dtype, impl=name,
                                graph=graph, **fields, **rounded(r))

@@ -53,15 +53,15 @@ def _parser(**kw):
 
 
 def test_parser_defaults_and_overrides(tmp_path):
-    ns = _parser(iters=30, warmup=5).parse_args(["--out", str(tmp_path / "r.jsonl")])
+    ns = _parser(iters=60, warmup=5).parse_args(["--out", str(tmp_path / "r.jsonl")])
     assert ns.shapes == [{"M": 1, "N": 2, "K": 3}, {"M": 4, "N": 5, "K": 6}]
     assert (ns.dtypes, ns.graphs, ns.worlds, ns.check) == (["bf16"], (False, True), None, True)
-    assert (ns.iters, ns.warmup, ns.out) == (30, 5, str(tmp_path / "r.jsonl"))
+    assert (ns.iters, ns.warmup, ns.out) == (60, 5, str(tmp_path / "r.jsonl"))
     ns = _parser(allowed_dtypes=("bf16", "fp16")).parse_args(
         ["--out", str(tmp_path) + "/", "--device-kind", "gpu-x2", "--shapes", "7x8x9",
-         "--dtypes", "fp16", "--worlds", "2,4", "--no-plain", "--no-check", "--iters", "3"])
+         "--dtypes", "fp16", "--worlds", "2,4", "--no-plain", "--no-check", "--iters", "53"])
     assert ns.shapes == [{"M": 7, "N": 8, "K": 9}] and ns.dtypes == ["fp16"]
-    assert ns.graphs == (True,) and ns.worlds == [2, 4] and not ns.check and ns.iters == 3
+    assert ns.graphs == (True,) and ns.worlds == [2, 4] and not ns.check and ns.iters == 53
     assert ns.out == os.path.join(str(tmp_path), "gpu-x2.jsonl")
     # the forms the scripts took before they shared this parser still parse
     assert _parser().parse_args(["--out", "x", "--graph", "1"]).graphs == (True,)
@@ -86,8 +86,10 @@ def test_parser_errors(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, why", [
-    (["--iters", "0"], "--iters 0: must be at least 1"),
-    (["--iters", "-3"], "--iters -3: must be at least 1"),
+    (["--iters", "0"], "--iters 0: must be at least 50"),
+    (["--iters", "-3"], "--iters -3: must be at least 50"),
+    # the protocol's median is of at least 50 runs: a row of 10 looked like any other
+    (["--iters", "49"], "--iters 49: must be at least 50"),
     (["--warmup", "-1"], "--warmup -1: must be at least 0"),
     (["--rounds", "0"], "--rounds 0: must be at least 1"),
     (["--worlds", "2,x"], "--worlds '2,x': a comma list of integers >= 1"),
@@ -262,7 +264,7 @@ def _rows(tmp_path):
 
 def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
     monkeypatch.setenv("PO_COMMIT", "c0ffee1")
-    bench = _bench(tmp_path, "--iters", "7", "--warmup", "2")
+    bench = _bench(tmp_path, "--iters", "57", "--warmup", "2")
     checked = []
 
     def check(name):
@@ -286,7 +288,7 @@ def test_run_checks_times_writes(tmp_path, timed, capsys, monkeypatch):
     assert set(times) == {(n, g) for n in ("fused", "fused[ok]", "sequential", "compute", "comm")
                           for g in (False, True)}
     assert times[("fused", True)] == 2.0 and times[("fused", False)] == 4.0
-    assert timed[0] == (False, 7, 2, "device")
+    assert timed[0] == (False, 57, 2, "device")
     got = _rows(tmp_path)
     timed_rows = [r for r in got if r["op"] == "op"]
     assert len(timed_rows) == 10
@@ -392,6 +394,8 @@ def test_script_uses_the_shared_cli(name, tmp_path, capsys):
     assert isinstance(ap, cli.BenchParser)
     ns = ap.parse_args(["--out", str(tmp_path / "r.jsonl")])
     assert ns.shapes and all(set(s) == set(ap.dims) for s in ns.shapes)
+    # (bench_allgather_gemm and bench_moe_layer took the median of 30 by default)
+    assert ns.iters >= 50  # the protocol's median is of at least 50 runs
     with pytest.raises(SystemExit) as e:
         ap.parse_args(["--help"])
     assert e.value.code == 0 and "shared benchmark options" in capsys.readouterr().out
@@ -458,6 +462,26 @@ def test_rounds_rotate_the_order_and_keep_the_median_round(tmp_path, timed):
     assert times == {("fused", True): 4.0, ("sequential", True): 1.5}
     assert [(r["impl"], r["median_ms"]) for r in _rows(tmp_path) if r["op"] == "op"] == [
         ("fused", 4.0), ("sequential", 1.5)]
+
+
+def test_default_rounds_rotate_so_fused_is_not_always_timed_first(tmp_path, timed):
+    """Without --rounds every case timed its impls once in their fixed order, ``fused`` first:
+    the place a GPU's drifting clock favours. By default the order rotates, and each row says
+    how many rounds it is the median round of."""
+    order = []
+
+    def impl(name):
+        def run():
+            order.append(name)
+            return 1.0
+        return run
+
+    bench = _bench(tmp_path, "--no-check", "--graph", "graph")
+    bench.run(runner.Case(op="op", shape={"M": 1, "N": 1, "K": 1}, dtype="bf16",
+                          impls={n: impl(n) for n in ("fused", "sequential", "compute")}))
+    assert order == ["fused", "sequential", "compute", "sequential", "compute", "fused",
+                     "compute", "fused", "sequential"]
+    assert {r["rounds"] for r in _rows(tmp_path) if r["op"] == "op"} == {3}
 
 
 def test_compare_worlds_keeps_one_barrier(tmp_path):
@@ -600,3 +624,142 @@ def test_timed_runs_holds_the_stream_every_ahead_runs_and_warms_replays(monkeypa
     assert len(calls) == 4 and len(ms) == 5  # 3 side-stream runs and the captured one
     assert fake.log.count("capture") == 1 and fake.log.count("replay") == 9
     assert "hold" not in fake.log and fake.log.count("host barrier") == 7  # capture, start, 5
+
+
+# --- the committed results ------------------------------------------------------------------
+
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+#: the protocol's keys and their types; ``dtype`` None where a row has no element type (hbm_read)
+ROW_TYPES = {"op": str, "shape": dict, "dtype": (str, type(None)), "world": int, "device": str,
+             "date": str, "commit": str}
+TIMING = ("median_ms", "p10_ms", "p90_ms")
+
+
+def _strict_json(line):
+    """json.loads refusing NaN and Infinity, which no JSON reader but Python's takes."""
+    def bad(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(line, parse_constant=bad)
+
+
+def row_problems(row) -> list:
+    """What keeps ``row`` from the protocol's form: a missing key, a wrong type, a timed row
+    (one with ``median_ms``) without its impl, graph and p10 / p90 as finite positive numbers in
+    order. Summaries and calibrations time nothing and leave the timing keys out
+    (benchmarks/rows.py)."""
+    out = [f"missing {k}" for k in ROW_TYPES if k not in row]
+    out += [f"{k} is {type(row[k]).__name__}" for k, t in ROW_TYPES.items()
+            if k in row and (not isinstance(row[k], t) or isinstance(row[k], bool))]
+    if isinstance(row.get("date"), str) and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]):
+        out.append("date not YYYY-MM-DD")
+    if str(row.get("op", "")).endswith("_summary") or "median_ms" in row:
+        out += [f"missing {k}" for k in ("impl", "graph") if k not in row]
+        if "impl" in row and not isinstance(row["impl"], str):
+            out.append("impl is not a str")
+        if "graph" in row and not isinstance(row["graph"], bool):
+            out.append("graph is not a bool")
+    if "median_ms" in row:
+        nums = [row.get(k) for k in TIMING]
+        for k, v in zip(TIMING, nums):
+            if k not in row:
+                out.append(f"missing {k}")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                out.append(f"{k} is {v!r}")
+        if all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in nums) \
+                and not nums[1] <= nums[0] <= nums[2]:
+            out.append("not p10 <= median <= p90")
+    return out
+
+
+def committed_problems() -> dict:
+    """{(results file, op, problem): rows} over every row of every committed results file."""
+    found = {}
+    for name in sorted(f for f in os.listdir(RESULTS) if f.endswith(".jsonl")):
+        for line in open(os.path.join(RESULTS, name)):
+            if not line.strip():
+                probs, op = ["blank line"], None
+            else:
+                try:
+                    row = _strict_json(line)
+                except ValueError as e:
+                    row = json.loads(line)  # (Python's reader takes NaN / Infinity)
+                    probs, op = [f"not JSON: {str(e)[:40]}"], row.get("op")
+                else:
+                    probs, op = row_problems(row), row.get("op")
+                if not probs:
+                    continue
+            for p in probs:
+                found[(name, op, p)] = found.get((name, op, p), 0) + 1
+    return found
+
+
+#: rows of the committed files that lack part of the protocol's form, by (file, op, problem):
+#: measurements, kept as they were recorded (probes and tuners that time without p10 / p90,
+#: summaries written without their impl, a NaN rel_err and a failed variant's Infinity). A row
+#: not counted here fails the test below.
+COMMITTED_EXCEPTIONS = {
+    ("nvidia-h100-x1.jsonl", "gemv_allreduce_summary", "missing impl"): 18,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall", "not JSON: NaN is not JSON"): 4,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_residency", "missing p10_ms"): 34,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_residency", "missing p90_ms"): 34,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_summary", "missing impl"): 264,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_tuning", "missing p10_ms"): 80,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_tuning", "missing p90_ms"): 80,
+    ("nvidia-h200-x2.jsonl", "embedding_alltoall_tuning", "not JSON: Infinity is not JSON"): 2,
+    ("nvidia-h200-x2.jsonl", "gemm_allreduce_signal_summary", "missing impl"): 42,
+    ("nvidia-h200-x2.jsonl", "gemm_reducescatter_signal_summary", "missing impl"): 42,
+    ("nvidia-h200-x2.jsonl", "gemv_allreduce_summary", "missing impl"): 20,
+    ("nvidia-h200-x2.jsonl", "moe_dispatch_stages", "p10_ms is None"): 228,
+    ("nvidia-h200-x2.jsonl", "moe_dispatch_stages", "p90_ms is None"): 228,
+    ("nvidia-h200-x2.jsonl", "wave_predictor_summary", "missing impl"): 24,
+    ("nvidia-h200-x4.jsonl", "embedding_alltoall_summary", "missing impl"): 24,
+    ("nvidia-h200-x4.jsonl", "embedding_alltoall_tuning", "missing p10_ms"): 27,
+    ("nvidia-h200-x4.jsonl", "embedding_alltoall_tuning", "missing p90_ms"): 27,
+    ("nvidia-h200-x4.jsonl", "gemm_allreduce_signal_summary", "missing impl"): 6,
+    ("nvidia-h200-x4.jsonl", "gemm_reducescatter_signal_summary", "missing impl"): 6,
+    ("nvidia-h200-x4.jsonl", "gemv_allreduce_summary", "missing impl"): 10,
+    ("nvidia-h200-x4.jsonl", "wave_predictor_summary", "missing impl"): 4,
+    ("nvidia-h200.jsonl", "auto_agreement", "missing p10_ms"): 18,
+    ("nvidia-h200.jsonl", "auto_agreement", "missing p90_ms"): 18,
+    ("nvidia-h200.jsonl", "gemm_core_shapes", "missing p10_ms"): 363,
+    ("nvidia-h200.jsonl", "gemm_core_shapes", "missing p90_ms"): 363,
+    ("nvidia-h200.jsonl", "rs_kernel_pieces", "missing p10_ms"): 60,
+    ("nvidia-h200.jsonl", "rs_kernel_pieces", "missing p90_ms"): 60,
+}
+
+
+def test_every_committed_row_has_the_protocols_keys_and_types():
+    """Every row of every committed results file: the protocol's keys and types (``row_problems``),
+    as strict JSON; the measurements that lack part of it are the counted exceptions."""
+    found = committed_problems()
+    new = {k: n for k, n in found.items() if n > COMMITTED_EXCEPTIONS.get(k, 0)}
+    assert not new, new
+
+
+def test_row_problems_finds_each_fault():
+    good = {"op": "x", "shape": {"M": 1}, "dtype": "bf16", "world": 2, "device": "d",
+            "impl": "fused", "graph": True, "median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.1,
+            "date": "2026-01-02", "commit": "c"}
+    assert row_problems(good) == []
+    assert row_problems({k: v for k, v in good.items() if k not in TIMING}) == []
+    for change, why in [({"shape": [1]}, "shape is list"), ({"graph": 1}, "graph is not a bool"),
+                        ({"world": True}, "world is bool"), ({"p10_ms": None}, "p10_ms is None"),
+                        ({"median_ms": 2.0}, "not p10 <= median <= p90"),
+                        ({"date": "today"}, "date not YYYY-MM-DD")]:
+        assert why in row_problems({**good, **change}), change
+    assert row_problems({k: v for k, v in good.items() if k != "p90_ms"}) == ["missing p90_ms"]
+    assert row_problems({"op": "x_summary", **{k: good[k] for k in ROW_TYPES if k != "op"}}) \
+        == ["missing impl", "missing graph"]
+
+
+def test_writer_writes_strict_json(tmp_path):
+    """A NaN rel_err or a failed variant's infinite median was written as NaN / Infinity, which
+    no JSON reader but Python's takes: the row is null there."""
+    w = rows.ResultWriter(str(tmp_path / "r.jsonl"), "k", 2, commit="c")
+    w.write(op="x", shape={"M": 1}, dtype="bf16", impl="sequential", graph=True, median_ms=1.0,
+            p10_ms=1.0, p90_ms=1.0, rel_err=float("nan"),
+            sweep=[{"median_ms": float("inf")}, (1.0, float("-inf"))])
+    (line,) = open(tmp_path / "r.jsonl").read().splitlines()
+    got = _strict_json(line)
+    assert got["rel_err"] is None and got["sweep"] == [{"median_ms": None}, [1.0, None]]
+    assert row_problems(got) == []

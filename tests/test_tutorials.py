@@ -99,7 +99,7 @@ def _bench_tutorials_on_rank(world, argv):
     from benchmarks import bench_tutorials, runner
 
     def fake_time_op(fn, world, *, graph, iters, warmup, barrier):
-        assert graph and (iters, warmup, barrier) == (2, 1, "device")
+        assert graph and (iters, warmup, barrier) == (50, 1, "device")
         fn()
         return {"median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.1}
 
@@ -119,7 +119,7 @@ def test_tutorial_benchmark_writes_rows(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     out = tmp_path / "r.jsonl"
     argv = ["--out", str(out), "--device-kind", "cpu", "--shapes", "74x50x58,75x50x58",
-            "--dtypes", "fp32", "--iters", "2", "--warmup", "1"]
+            "--dtypes", "fp32", "--iters", "50", "--warmup", "1"]
     assert run_on_ranks(_bench_tutorials_on_rank, argv, ranks=2) == [0, 0]
     rows = [json.loads(line) for line in open(out)]
     got = sorted((r["op"], r["impl"], r["correct"]) for r in rows)
