@@ -105,7 +105,8 @@ def body(bench) -> int:
             m = M // W
             a = torch.randn(m, K, generator=gen, device=dev).to(dt)
             b = torch.randn(K, N // W, generator=gen, device=dev).to(dt)
-            full = torch.empty(M, K, device=dev, dtype=dt)
+            # random, not empty: "compute" alone multiplies it without a gather first
+            full = torch.randn(M, K, generator=gen, device=dev).to(dt)
             out = torch.empty(M, N // W, device=dev, dtype=dt)
             pick = pick_schedule(M, N // W, K, 2, world.facts.arch)
             impls = {"fused": lambda: ctx(a, b, out)}

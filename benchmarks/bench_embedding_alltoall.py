@@ -194,7 +194,8 @@ def body(bench) -> int:
                 seq = Sequential(ctx, weight, indices, B, pf, splits, world.group)
                 if args.sweep and dname == args.dtypes[0] and dist_name == dists[0]:
                     sweep(bench, shape, dname, weight, lengths, indices, splits)
-                send = torch.empty(B * n_loc * D, dtype=dt, device=dev)
+                # random, not empty: "comm" moves it as it is (the protocol times no zeros)
+                send = torch.randn(B * n_loc * D, generator=gen, device=dev).to(dt)
                 recv = torch.empty_like(send)
                 out2 = torch.full_like(out, float("nan")) if shmem_ctx is not None else None
                 out3, out4 = torch.empty_like(out), torch.empty_like(out)

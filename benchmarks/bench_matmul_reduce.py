@@ -81,7 +81,8 @@ def body(bench) -> int:
             k = K // W
             a = torch.randn(M, k, generator=gen, device=dev).to(dt)
             b = torch.randn(N, k, generator=gen, device=dev).to(dt).t()
-            c = torch.empty(M, N, device=dev, dtype=dt)
+            # random, not empty: "comm" alone reduces it without a product first
+            c = torch.randn(M, N, generator=gen, device=dev).to(dt)
             for mode in modes:
                 rows = M // W if mode == "reduce_scatter" else M
                 out = torch.empty(rows, N, device=dev, dtype=dt)

@@ -138,7 +138,8 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
             recv_splits = cr.sum(1).tolist()
             everyone = torch.tensor(world.all_gather_object(recv_splits))  # [holder, source]
             send_splits = everyone[:, r].tolist()
-            send_rows = torch.empty(S * k, H, dtype=dt, device=dev)
+            # random, not empty: "comm" moves it as it is (the protocol times no zeros)
+            send_rows = torch.randn(S * k, H, generator=gen, device=dev).to(dt)
             recv_rows = torch.empty(R, H, dtype=dt, device=dev)
             gu = torch.empty(R, I, dtype=dt, device=dev)
             hh = torch.empty(R, I, dtype=dt, device=dev)
