@@ -109,16 +109,26 @@ def body(bench) -> int:
                                   f"{str(e)[:200]}")
                 ref = REF[mode](a, b, world.group)
 
-                def check(name):
-                    out.fill_(float("nan"))
+                def check(name, mode=mode, out=out, rs_out=rs_out, ref=ref):
+                    # the sequential baseline's result: the reduced product in place (c), or
+                    # this rank's rows of it (rs_out)
+                    seq_out = rs_out if mode == "reduce_scatter" else c
+                    (seq_out if name == "sequential" else out).fill_(float("nan"))
                     y = impls[name]()
                     for ctx in every:
                         ctx.synchronize()
-                    return rel_err(y if name in autos[mode] else out, ref)
+                    if name == "sequential":
+                        y = seq_out
+                    elif name not in autos[mode] and name != "torch_fused":
+                        y = out
+                    return rel_err(y, ref)
 
                 bench.run(Case(
                     op=OP[mode], shape={"M": M, "N": N, "K": K}, dtype=dname, impls=impls,
                     check=check, tol=2e-2, label=f"{mode} {M}x{N}x{K} {dname}",
+                    # the baselines too: every speedup divides by them
+                    checked=[n for n in impls if n.startswith(("fused", "auto"))
+                             or n in ("sequential", "torch_fused")],
                     fields=lambda name, mode=mode, out=out: {
                         "transport": ("stores" if name == "fused[stores]" else "copy_engine")
                         if name.startswith("fused") else None,
