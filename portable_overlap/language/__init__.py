@@ -75,6 +75,8 @@ CTX_BASES = tl.constexpr(16)  # then one word per rank: its heap base as mapped 
 STATUS_SLOTS = tl.constexpr(1024)
 #: a report's flag is ``heap offset | 1 << REPORT_OFFSET`` (the host names it, ``host.py``)
 REPORT_OFFSET = tl.constexpr(62)
+#: the report kind of a peer rank outside ``0 .. num_ranks - 1`` (``remote_ptr``; ``host.py``)
+BAD_PEER_KIND = tl.constexpr(998)
 
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call",
            "end_call_last", "is_live",
@@ -168,8 +170,17 @@ def remote_ptr(ctx, ptr, peer):
     rank's heap). Plain loads and stores through it reach the peer's memory (NVLink /
     Infinity Fabric on GPUs, the shared mapping on emulated ranks). The result keeps ``ptr``'s
     alignment, so tile stores stay vectorized: translate the base and add the offsets, or
-    translate the block, either works."""
-    return _shmem.peer_buffer(ptr, ctx + CTX_BASES, rank(ctx), peer)
+    translate the block, either works.
+
+    A ``peer`` outside ``0 .. num_ranks - 1`` is reported (the host raises
+    ``InvalidInputError`` naming it) and the address is this rank's own ``ptr``."""
+    me = rank(ctx)
+    # A peer past the world reads a word beyond the descriptor's bases as a heap base: the
+    # access then lands at an arbitrary address (a crash, or another buffer overwritten).
+    bad = (peer >= num_ranks(ctx)) | (peer < 0)  # (a tensor first: peer may be a literal)
+    if tl.sum(tl.zeros((1,), tl.int32) + bad.to(tl.int32)) > 0:  # (peer: a scalar or block)
+        _report_bad_peer(ctx, tl.max(tl.zeros((1,), tl.int32) + tl.where(bad, peer, -2**31)))
+    return _shmem.peer_buffer(ptr, ctx + CTX_BASES, me, tl.where(bad, me, peer))
 
 
 @triton.jit
@@ -274,6 +285,16 @@ def _report(ctx, code, peer, flag_ptr, expected):
     # because of it (the peer gave up in turn) must not overwrite it
     if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
         _shmem.report(board, slot, code, peer, where, expected)
+
+
+@triton.jit
+def _report_bad_peer(ctx, peer):
+    """Record that this program addressed rank ``peer``, which is not in the world."""
+    slot = tl.minimum(program(), STATUS_SLOTS - 1)
+    board = tl.load(ctx + CTX_STATUS)
+    if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
+        _shmem.report(board, slot, _shmem.STATUS_BAD_INPUT, -1,
+                      tl.full((), BAD_PEER_KIND, tl.int64) << 32, peer.to(tl.int64))
 
 
 @triton.jit
