@@ -393,3 +393,33 @@ def test_a_peer_outside_the_world_is_reported_not_dereferenced(world2):
             assert "peer rank" in err[1] and f"got {peer}" in err[1], (r, peer, how, err)
         sender = (r - 1) % 2
         assert torch.equal(box, (torch.arange(5.0) + 1) * (sender + 1)), (r, box)
+
+
+@triton.jit
+def _short_count_kernel(ctx, counter_ptr, per_call):
+    """Every rank adds 1 to its next peer's counter and waits for ``per_call`` per call."""
+    call = pol.begin_call(ctx)
+    me, world = pol.rank(ctx), pol.num_ranks(ctx)
+    pol.notify(ctx, counter_ptr, pol.peer_at(1, me, world))
+    pol.wait_count(ctx, counter_ptr, call * per_call, call, pol.peer_at(world - 1, me, world))
+    pol.end_call(ctx, call)
+
+
+def _short_count(world):
+    """A counter that falls short: two calls that wait for 1 per call, then one that waits for
+    2 per call (6 in call 3, with the counter at 3): the error."""
+    with Workspace(world, 1024, timeout_s=0.5, name="short") as ws:
+        counter = ws.flags((1,), "arrived")
+        for _ in range(2):
+            ws.launch(_short_count_kernel, (1,), counter, 1)
+        return calls.error_of_one_call(lambda: (
+            ws.launch(_short_count_kernel, (1,), counter, 2), ws.synchronize()))
+
+
+def test_a_counter_that_falls_short_is_named_with_its_target_count(world2):
+    """wait_count's timeout named the target count as a call number ("call #6" for a count
+    of 6 at call 3)."""
+    for r, err in enumerate(world2.run(_short_count, timeout=300)):
+        assert err is not None and err[0] == "PeerTimeoutError", (r, err)
+        assert "'arrived' counter [0] to reach 6 (counted by rank" in err[1], (r, err)
+        assert "call #6" not in err[1], (r, err)

@@ -372,7 +372,9 @@ def wait_count(ctx, counter_ptr, target, call, peer):
         v = _shmem.poll_count(counter_ptr, target, call, clock, tl.load(ctx + CTX_TIMEOUT_US),
                               "sys")
         if v < target:
-            _timed_out(ctx, peer, counter_ptr, target, call)
+            # marked as a count: the host would name the target as the call awaited
+            _timed_out(ctx, peer, counter_ptr,
+                       target | (tl.full((), 1, tl.int64) << _shmem.REPORT_COUNT), call)
             ok = False
     tl.debug_barrier()
     return ok

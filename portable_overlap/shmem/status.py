@@ -12,11 +12,13 @@ from .device import STATUS_MISMATCH as _MISMATCH
 from .device import STATUS_BAD_INPUT as _BAD_INPUT
 from .device import STATUS_PEER_FAILED as _PEER_FAILED
 from .device import STATUS_TIMEOUT as _TIMEOUT
+from .device import REPORT_COUNT as _COUNT
 
 STATUS_TIMEOUT = int(_TIMEOUT.value)
 STATUS_MISMATCH = int(_MISMATCH.value)
 STATUS_PEER_FAILED = int(_PEER_FAILED.value)
 STATUS_BAD_INPUT = int(_BAD_INPUT.value)
+_COUNT_BIT = int(_COUNT.value)
 
 
 class StatusBoard:
@@ -48,7 +50,13 @@ class StatusBoard:
             code, peer, what, expected = self.words[pid].tolist()
             flag = what_names.get(what >> 32, f"flag kind {what >> 32}")
             index = what & 0xFFFFFFFF
-            if code == STATUS_TIMEOUT:
+            if code == STATUS_TIMEOUT and (expected >> _COUNT_BIT) & 1:  # pol.wait_count
+                who = f"rank {peer}" if peer >= 0 else "its peers"
+                msg = (f"{op}: rank {rank} program {pid} timed out waiting for the {flag} "
+                       f"counter [{index}] to reach {expected & ((1 << _COUNT_BIT) - 1)} "
+                       f"(counted by {who}); a notify never arrived (did a peer skip this "
+                       f"call, or crash?)")
+            elif code == STATUS_TIMEOUT:
                 msg = (f"{op}: rank {rank} program {pid} timed out waiting for rank {peer}'s "
                        f"{flag} flag [{index}] of call #{expected}; rank {peer} never arrived "
                        f"(did it skip this call, or crash?)")
