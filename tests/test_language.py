@@ -423,3 +423,32 @@ def test_a_counter_that_falls_short_is_named_with_its_target_count(world2):
         assert err is not None and err[0] == "PeerTimeoutError", (r, err)
         assert "'arrived' counter [0] to reach 6 (counted by rank" in err[1], (r, err)
         assert "call #6" not in err[1], (r, err)
+
+
+@triton.jit
+def _own_words_kernel(ctx, flags_ptr, S: tl.constexpr):
+    """Every program sets its word on every rank, then waits for its group's words, this
+    rank's too (OWN: a wait on the other programs of this launch)."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    p = pol.program()
+    pol.signal_all(ctx, flags_ptr + me * S + p, call, True, 5)
+    pol.signal(ctx, flags_ptr + me * S + p, me, call, True, 5)
+    pol.wait_program_peers(ctx, flags_ptr, 0, S, call, 5, PROGRAMS=2, OWN=True)
+    pol.end_call(ctx, call)
+
+
+def _own_words_in_order(world):
+    with Workspace(world, 4096, timeout_s=0.5, name="own") as ws:
+        flags = ws.flags((world.world_size, 4), "word")
+        return calls.error_of_one_call(lambda: (
+            ws.launch(_own_words_kernel, (2,), flags, S=4), ws.synchronize()))
+
+
+def test_a_wait_on_the_same_launch_under_the_interpreter_says_why(world2):
+    """Program 0 waits for program 1's word of this rank, which the interpreter runs after it:
+    the timeout said "rank r never arrived" of the rank that raised it."""
+    for r, err in enumerate(world2.run(_own_words_in_order, timeout=300)):
+        assert err is not None and err[0] == "PeerTimeoutError", (r, err)
+        assert f"waiting for rank {r}'s 'word'" in err[1], (r, err)
+        assert "never arrived" not in err[1] and "resident" in err[1], (r, err)
