@@ -77,6 +77,9 @@ STATUS_SLOTS = tl.constexpr(1024)
 REPORT_OFFSET = tl.constexpr(62)
 #: the report kind of a peer rank outside ``0 .. num_ranks - 1`` (``remote_ptr``; ``host.py``)
 BAD_PEER_KIND = tl.constexpr(998)
+# whether kernels run in Triton's interpreter (emulated ranks), where remote_ptr checks its
+# peer; read as Triton reads it when a kernel is defined, as these are here
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call",
            "end_call_last", "is_live",
@@ -172,15 +175,23 @@ def remote_ptr(ctx, ptr, peer):
     alignment, so tile stores stay vectorized: translate the base and add the offsets, or
     translate the block, either works.
 
-    A ``peer`` outside ``0 .. num_ranks - 1`` is reported (the host raises
-    ``InvalidInputError`` naming it) and the address is this rank's own ``ptr``."""
+    ``peer`` is a scalar. On emulated ranks one outside ``0 .. num_ranks - 1`` is reported
+    (the host raises ``InvalidInputError`` naming it) and the address is this rank's own
+    ``ptr``; on a GPU a debug build (``TRITON_DEBUG=1``) stops at a device assertion."""
     me = rank(ctx)
     # A peer past the world reads a word beyond the descriptor's bases as a heap base: the
     # access then lands at an arbitrary address (a crash, or another buffer overwritten).
-    bad = (peer >= num_ranks(ctx)) | (peer < 0)  # (a tensor first: peer may be a literal)
-    if tl.sum(tl.zeros((1,), tl.int32) + bad.to(tl.int32)) > 0:  # (peer: a scalar or block)
-        _report_bad_peer(ctx, tl.max(tl.zeros((1,), tl.int32) + tl.where(bad, peer, -2**31)))
-    return _shmem.peer_buffer(ptr, ctx + CTX_BASES, me, tl.where(bad, me, peer))
+    # Checked on emulated ranks; compiled, the check's registers made the GEMV and GEMM
+    # epilogues spill, so there it is a device_assert (kept in a debug build only).
+    if _INTERPRETED:
+        bad = (peer >= num_ranks(ctx)) | (peer < 0)  # (a tensor first: peer may be a literal)
+        if bad:
+            _report_bad_peer(ctx, peer)
+        peer = tl.where(bad, me, peer)
+    else:
+        tl.device_assert((peer >= 0) & (peer < num_ranks(ctx)),
+                         "pol.remote_ptr: a peer rank outside 0 .. num_ranks - 1")
+    return _shmem.peer_buffer(ptr, ctx + CTX_BASES, me, peer)
 
 
 @triton.jit
@@ -294,7 +305,7 @@ def _report_bad_peer(ctx, peer):
     board = tl.load(ctx + CTX_STATUS)
     if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
         _shmem.report(board, slot, _shmem.STATUS_BAD_INPUT, -1,
-                      tl.full((), BAD_PEER_KIND, tl.int64) << 32, peer.to(tl.int64))
+                      tl.full((), BAD_PEER_KIND, tl.int64) << 32, tl.cast(peer, tl.int64))
 
 
 @triton.jit
