@@ -5,6 +5,7 @@ live in portable_overlap.testing.language_calls, shared with tests/gpu/check_lan
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import portable_overlap.language as pol
 from portable_overlap import Workspace
@@ -338,3 +339,116 @@ def test_a_shmem_workspace_on_one_rank_says_why(monkeypatch):
     [(err, allocs)] = run_on_ranks(_shmem_on_one_rank, ranks=1)
     assert err and err[0] == "ShmemUnavailable" and "a world of one rank" in err[1], err
     assert allocs == []
+
+
+@triton.jit
+def _to_peer_kernel(ctx, x_ptr, box_ptr, flag_ptr, peer, n, HOW: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Reach ``peer`` with one primitive: store_remote, put, signal or load_remote (HOW)."""
+    call = pol.begin_call(ctx)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    if HOW == 0:
+        pol.store_remote(ctx, box_ptr + offs, tl.load(x_ptr + offs, mask=m), peer, m)
+    elif HOW == 1:
+        pol.put(ctx, box_ptr, x_ptr, n, peer, BLOCK)
+    elif HOW == 2:
+        pol.signal(ctx, flag_ptr, peer, call)
+    else:
+        tl.store(x_ptr + offs, pol.load_remote(ctx, box_ptr + offs, peer, m, 0.0), mask=m)
+    pol.end_call(ctx, call)
+
+
+def _out_of_world_peers(world):
+    """Every primitive that reaches a peer, at a rank the world does not have (its size, -1,
+    a large one): what each launch raised; then whether a launch to the next rank lands."""
+    W = world.world_size
+    with Workspace(world, 4096, name="far") as ws:
+        box = ws.tensor((5,), torch.float32)
+        flag = ws.flags((1,), "ready")
+        x = torch.arange(5, dtype=torch.float32) + 1
+        errors = {}
+        for peer in (W, -1, 1000):
+            for how in range(4):
+                errors[peer, how] = calls.error_of_one_call(lambda: (ws.launch(
+                    _to_peer_kernel, (1,), x, box, flag, peer, 5, HOW=how, BLOCK=8),
+                    ws.synchronize()))
+        world.barrier()
+        box.zero_()
+        world.barrier()
+        ws.launch(_to_peer_kernel, (1,), x * (world.rank + 1), box, flag,
+                  (world.rank + 1) % W, 5, HOW=0, BLOCK=8)
+        ws.synchronize()
+        world.barrier()
+        return errors, box.clone()
+
+
+def test_a_peer_outside_the_world_is_reported_not_dereferenced(world2):
+    """A peer rank of W or more, or negative, read a word past the descriptor's heap bases as
+    a base: the access went to an arbitrary address (the ranks died of SIGSEGV). It raises
+    InvalidInputError naming the rank, and the workspace goes on."""
+    for r, (errors, box) in enumerate(world2.run(_out_of_world_peers, timeout=300)):
+        for (peer, how), err in errors.items():
+            assert err is not None and err[0] == "InvalidInputError", (r, peer, how, err)
+            assert "peer rank" in err[1] and f"got {peer}" in err[1], (r, peer, how, err)
+        sender = (r - 1) % 2
+        assert torch.equal(box, (torch.arange(5.0) + 1) * (sender + 1)), (r, box)
+
+
+@triton.jit
+def _short_count_kernel(ctx, counter_ptr, per_call):
+    """Every rank adds 1 to its next peer's counter and waits for ``per_call`` per call."""
+    call = pol.begin_call(ctx)
+    me, world = pol.rank(ctx), pol.num_ranks(ctx)
+    pol.notify(ctx, counter_ptr, pol.peer_at(1, me, world))
+    pol.wait_count(ctx, counter_ptr, call * per_call, call, pol.peer_at(world - 1, me, world))
+    pol.end_call(ctx, call)
+
+
+def _short_count(world):
+    """A counter that falls short: two calls that wait for 1 per call, then one that waits for
+    2 per call (6 in call 3, with the counter at 3): the error."""
+    with Workspace(world, 1024, timeout_s=0.5, name="short") as ws:
+        counter = ws.flags((1,), "arrived")
+        for _ in range(2):
+            ws.launch(_short_count_kernel, (1,), counter, 1)
+        return calls.error_of_one_call(lambda: (
+            ws.launch(_short_count_kernel, (1,), counter, 2), ws.synchronize()))
+
+
+def test_a_counter_that_falls_short_is_named_with_its_target_count(world2):
+    """wait_count's timeout named the target count as a call number ("call #6" for a count
+    of 6 at call 3)."""
+    for r, err in enumerate(world2.run(_short_count, timeout=300)):
+        assert err is not None and err[0] == "PeerTimeoutError", (r, err)
+        assert "'arrived' counter [0] to reach 6 (counted by rank" in err[1], (r, err)
+        assert "call #6" not in err[1], (r, err)
+
+
+@triton.jit
+def _own_words_kernel(ctx, flags_ptr, S: tl.constexpr):
+    """Every program sets its word on every rank, then waits for its group's words, this
+    rank's too (OWN: a wait on the other programs of this launch)."""
+    call = pol.begin_call(ctx)
+    me = pol.rank(ctx)
+    p = pol.program()
+    pol.signal_all(ctx, flags_ptr + me * S + p, call, True, 5)
+    pol.signal(ctx, flags_ptr + me * S + p, me, call, True, 5)
+    pol.wait_program_peers(ctx, flags_ptr, 0, S, call, 5, PROGRAMS=2, OWN=True)
+    pol.end_call(ctx, call)
+
+
+def _own_words_in_order(world):
+    with Workspace(world, 4096, timeout_s=0.5, name="own") as ws:
+        flags = ws.flags((world.world_size, 4), "word")
+        return calls.error_of_one_call(lambda: (
+            ws.launch(_own_words_kernel, (2,), flags, S=4), ws.synchronize()))
+
+
+def test_a_wait_on_the_same_launch_under_the_interpreter_says_why(world2):
+    """Program 0 waits for program 1's word of this rank, which the interpreter runs after it:
+    the timeout said "rank r never arrived" of the rank that raised it."""
+    for r, err in enumerate(world2.run(_own_words_in_order, timeout=300)):
+        assert err is not None and err[0] == "PeerTimeoutError", (r, err)
+        assert f"waiting for rank {r}'s 'word'" in err[1], (r, err)
+        assert "never arrived" not in err[1] and "resident" in err[1], (r, err)

@@ -75,6 +75,11 @@ CTX_BASES = tl.constexpr(16)  # then one word per rank: its heap base as mapped 
 STATUS_SLOTS = tl.constexpr(1024)
 #: a report's flag is ``heap offset | 1 << REPORT_OFFSET`` (the host names it, ``host.py``)
 REPORT_OFFSET = tl.constexpr(62)
+#: the report kind of a peer rank outside ``0 .. num_ranks - 1`` (``remote_ptr``; ``host.py``)
+BAD_PEER_KIND = tl.constexpr(998)
+# whether kernels run in Triton's interpreter (emulated ranks), where remote_ptr checks its
+# peer; read as Triton reads it when a kernel is defined, as these are here
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_call",
            "end_call_last", "is_live",
@@ -168,8 +173,25 @@ def remote_ptr(ctx, ptr, peer):
     rank's heap). Plain loads and stores through it reach the peer's memory (NVLink /
     Infinity Fabric on GPUs, the shared mapping on emulated ranks). The result keeps ``ptr``'s
     alignment, so tile stores stay vectorized: translate the base and add the offsets, or
-    translate the block, either works."""
-    return _shmem.peer_buffer(ptr, ctx + CTX_BASES, rank(ctx), peer)
+    translate the block, either works.
+
+    ``peer`` is a scalar. On emulated ranks one outside ``0 .. num_ranks - 1`` is reported
+    (the host raises ``InvalidInputError`` naming it) and the address is this rank's own
+    ``ptr``; on a GPU a debug build (``TRITON_DEBUG=1``) stops at a device assertion."""
+    me = rank(ctx)
+    # A peer past the world reads a word beyond the descriptor's bases as a heap base: the
+    # access then lands at an arbitrary address (a crash, or another buffer overwritten).
+    # Checked on emulated ranks; compiled, the check's registers made the GEMV and GEMM
+    # epilogues spill, so there it is a device_assert (kept in a debug build only).
+    if _INTERPRETED:
+        bad = (peer >= num_ranks(ctx)) | (peer < 0)  # (a tensor first: peer may be a literal)
+        if bad:
+            _report_bad_peer(ctx, peer)
+        peer = tl.where(bad, me, peer)
+    else:
+        tl.device_assert((peer >= 0) & (peer < num_ranks(ctx)),
+                         "pol.remote_ptr: a peer rank outside 0 .. num_ranks - 1")
+    return _shmem.peer_buffer(ptr, ctx + CTX_BASES, me, peer)
 
 
 @triton.jit
@@ -277,6 +299,16 @@ def _report(ctx, code, peer, flag_ptr, expected):
 
 
 @triton.jit
+def _report_bad_peer(ctx, peer):
+    """Record that this program addressed rank ``peer``, which is not in the world."""
+    slot = tl.minimum(program(), STATUS_SLOTS - 1)
+    board = tl.load(ctx + CTX_STATUS)
+    if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
+        _shmem.report(board, slot, _shmem.STATUS_BAD_INPUT, -1,
+                      tl.full((), BAD_PEER_KIND, tl.int64) << 32, tl.cast(peer, tl.int64))
+
+
+@triton.jit
 def _timed_out(ctx, peer, flag_ptr, expected, call):
     """Report a wait of call ``call`` that ran past the deadline, and mark the workspace out of
     step on this rank (:func:`is_live`): a peer skipped or lost a call."""
@@ -351,7 +383,9 @@ def wait_count(ctx, counter_ptr, target, call, peer):
         v = _shmem.poll_count(counter_ptr, target, call, clock, tl.load(ctx + CTX_TIMEOUT_US),
                               "sys")
         if v < target:
-            _timed_out(ctx, peer, counter_ptr, target, call)
+            # marked as a count: the host would name the target as the call awaited
+            _timed_out(ctx, peer, counter_ptr,
+                       target | (tl.full((), 1, tl.int64) << _shmem.REPORT_COUNT), call)
             ok = False
     tl.debug_barrier()
     return ok

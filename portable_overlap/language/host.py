@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 
-from . import (CTX_BASES, CTX_HEAP, CTX_RANK, CTX_STATUS, CTX_TIMEOUT_US, CTX_WORLD,
-               REPORT_OFFSET)
+from . import (BAD_PEER_KIND, CTX_BASES, CTX_HEAP, CTX_RANK, CTX_STATUS, CTX_TIMEOUT_US,
+               CTX_WORLD, REPORT_OFFSET)
 from . import CTX_CLOCK as _CLOCK
 from ..shmem.device import CALL_SHIFT as _SHIFT
 
@@ -54,7 +54,8 @@ def name_offset_reports(status, regions: Sequence[tuple]) -> dict:
     ``(kind << 32) | flat index`` of the region holding it; ``regions``: ``(heap offset,
     nbytes, label)`` of the flag arrays. Returns the labels by kind, for the status board's
     messages (an offset outside every region is named as such)."""
-    names = {FIRST_OFFSET_KIND - 1: "unknown (not a flag of this workspace)"}
+    names = {FIRST_OFFSET_KIND - 1: "unknown (not a flag of this workspace)",
+             int(BAD_PEER_KIND.value): "peer rank (not in 0 .. world size - 1)"}
     for i, (_, _, label) in enumerate(regions):
         names[FIRST_OFFSET_KIND + i] = label
     words = status.words

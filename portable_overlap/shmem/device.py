@@ -22,6 +22,9 @@ STATUS_TIMEOUT = tl.constexpr(1)
 STATUS_MISMATCH = tl.constexpr(2)
 STATUS_PEER_FAILED = tl.constexpr(3)
 STATUS_BAD_INPUT = tl.constexpr(4)  # data-dependent input a kernel found invalid (e.g. routing)
+#: a timeout's ``expected`` word with this bit set is a counter's target, not a call number
+#: (``language.wait_count``): the host names it as a count
+REPORT_COUNT = tl.constexpr(62)
 
 #: The tag a program signals with once it has given up on the call: the peer then reports the
 #: failure instead of consuming data that was never written. Shape tags stay below it.

@@ -12,11 +12,13 @@ from .device import STATUS_MISMATCH as _MISMATCH
 from .device import STATUS_BAD_INPUT as _BAD_INPUT
 from .device import STATUS_PEER_FAILED as _PEER_FAILED
 from .device import STATUS_TIMEOUT as _TIMEOUT
+from .device import REPORT_COUNT as _COUNT
 
 STATUS_TIMEOUT = int(_TIMEOUT.value)
 STATUS_MISMATCH = int(_MISMATCH.value)
 STATUS_PEER_FAILED = int(_PEER_FAILED.value)
 STATUS_BAD_INPUT = int(_BAD_INPUT.value)
+_COUNT_BIT = int(_COUNT.value)
 
 
 class StatusBoard:
@@ -48,10 +50,23 @@ class StatusBoard:
             code, peer, what, expected = self.words[pid].tolist()
             flag = what_names.get(what >> 32, f"flag kind {what >> 32}")
             index = what & 0xFFFFFFFF
-            if code == STATUS_TIMEOUT:
+            # a wait for this rank's own word waits for another program of the same launch,
+            # which never comes where programs run one after another or the grid is not
+            # resident: "rank r never arrived" would send the user after a healthy rank
+            why = (f"this rank's own flag: where another program of the same launch sets it, "
+                   f"the wait needs every program resident at once (at most ws.sm_count, "
+                   f"never under the CPU interpreter)" if peer == rank else
+                   f"rank {peer} never arrived (did it skip this call, or crash?)")
+            if code == STATUS_TIMEOUT and (expected >> _COUNT_BIT) & 1:  # pol.wait_count
+                who = f"rank {peer}" if peer >= 0 else "its peers"
+                if peer != rank:
+                    why = "a notify never arrived (did a peer skip this call, or crash?)"
+                msg = (f"{op}: rank {rank} program {pid} timed out waiting for the {flag} "
+                       f"counter [{index}] to reach {expected & ((1 << _COUNT_BIT) - 1)} "
+                       f"(counted by {who}); {why}")
+            elif code == STATUS_TIMEOUT:
                 msg = (f"{op}: rank {rank} program {pid} timed out waiting for rank {peer}'s "
-                       f"{flag} flag [{index}] of call #{expected}; rank {peer} never arrived "
-                       f"(did it skip this call, or crash?)")
+                       f"{flag} flag [{index}] of call #{expected}; {why}")
             elif code == STATUS_PEER_FAILED:
                 msg = (f"{op}: rank {rank} program {pid}: rank {peer} gave up on call "
                        f"#{expected & 0xFFFFFFFF} "
