@@ -183,6 +183,18 @@ def test_embedding_backward_compiles(world2, transport):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _lookups(ctx, splits, seed):
+    """(weight, lengths, indices) of one call of the embedding context ``ctx`` (dimension 5),
+    fresh random values from ``seed``: 1-2 rows per bag, ``splits`` samples per rank."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(splits)
+    weight = torch.randn(ctx.weight_rows, 5, generator=g)
+    lengths = torch.randint(1, 3, (ctx.n_loc * n,), generator=g)
+    idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * n:(j + 1) * n].sum()),),
+                         generator=g) for j, t in enumerate(ctx.local_tables)]
+    return weight, lengths, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+
+
 def _embedding_refused_under_compile(world):
     """The public embedding_all_to_all compiled, its batch_splits refused on the last rank
     only (one entry too many), then a good call with fresh inputs: each call's error, and the
@@ -198,13 +210,7 @@ def _embedding_refused_under_compile(world):
     splits = [1 + q % 2 for q in range(W)]
 
     def inputs(seed):
-        g = torch.Generator().manual_seed(seed)
-        n = sum(splits)
-        weight = torch.randn(ctx.weight_rows, 5, generator=g)
-        lengths = torch.randint(1, 3, (ctx.n_loc * n,), generator=g)
-        idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * n:(j + 1) * n].sum()),),
-                             generator=g) for j, t in enumerate(ctx.local_tables)]
-        return weight, lengths, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+        return _lookups(ctx, splits, seed)
 
     try:
         bad = splits + [1] if r == W - 1 else splits
@@ -252,13 +258,7 @@ def _direct_calls(world, backend, fullgraph):
         return torch.randn(rows, inner, generator=g), torch.randn(inner, cols, generator=g)
 
     def lookups(seed):
-        g = torch.Generator().manual_seed(seed)
-        n = sum(splits)
-        weight = torch.randn(emb.weight_rows, 5, generator=g)
-        lengths = torch.randint(1, 3, (emb.n_loc * n,), generator=g)
-        idx = [torch.randint(0, emb.plan.table_rows[t], (int(lengths[j * n:(j + 1) * n].sum()),),
-                             generator=g) for j, t in enumerate(emb.local_tables)]
-        return weight, lengths, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+        return _lookups(emb, splits, seed)
 
     cases = [
         (lambda a, b: rs(a, b) * 2,
