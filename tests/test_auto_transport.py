@@ -873,3 +873,63 @@ def test_a_cache_path_refused_on_one_rank_raises_on_every_rank(world2, tmp_path)
     assert [g[0] for g in got] == ["RankMismatchError"] * 2, got
     assert all("rank 1:" in g[1] and "cache_path must be the path of a file" in g[1]
                for g in got), got
+
+
+#: entries a cache file may hold for a call's key that are no decision among its candidates
+#: ("sequential", "stores"), and ranks' own files that hold different decisions
+_STALE = {"unknown transport": {"transport": "nvshmem_put", "ms": {}},
+          "not a record": "sequential",
+          "captured pick not a record": {"transport": "sequential", "captured": "stores"},
+          "differ across ranks": None}
+
+
+def _stale_entries(world, tmp, kind):
+    """A key decided into a file, the file's entry replaced by ``_STALE[kind]`` (or, each rank
+    with its own file, by a different decision on each rank), then a new context's call of that
+    key: what it runs, how many timings, its warnings, and the entry the file holds after."""
+    M, N, K = 2, 3, 2
+    shared = _STALE[kind] is not None
+    path = os.path.join(tmp, "t.json" if shared else f"rank{world.rank}.json")
+    a, b = torch.randn(M, K), torch.randn(K, N)
+
+    def call(costs):
+        ctx = po.MatmulAllReduce(world, M, N, transport="auto",
+                                 candidates=("sequential", "stores"), cache_path=path,
+                                 iters=1, warmup=0)
+        fake = _FakeTimings(ctx)
+        fake.costs = costs
+        try:
+            with warnings.catch_warnings(record=True) as caught, _timing(fake):
+                warnings.simplefilter("always")
+                y = po.matmul_all_reduce(a, b, ctx)
+            return (ctx.choice(a, b), fake.count, [str(w.message) for w in caught],
+                    list(ctx.decisions)[0],
+                    rel_err(y, po.matmul_all_reduce_reference(a, b, world.group)))
+        finally:
+            ctx.close()
+
+    key = call({"sequential": 1.0, "stores": 2.0})[3]
+    world.barrier()
+    if world.rank == 0 or not shared:
+        with open(path) as f:
+            entries = json.load(f)
+        entries[key] = _STALE[kind] or {"transport": ("sequential", "stores")[world.rank % 2],
+                                        "ms": {}}
+        with open(path, "w") as f:
+            json.dump(entries, f)
+    world.barrier()
+    choice, timings, warned, _, err = call({"sequential": 2.0, "stores": 1.0})
+    with open(path) as f:
+        return choice, timings, warned, json.load(f)[key]["transport"], err
+
+
+@pytest.mark.parametrize("kind", list(_STALE))
+def test_a_cache_entry_that_is_no_decision_or_differs_is_made_again(world2, tmp_path, kind):
+    """An entry naming no candidate raised a RuntimeError, and ranks' files that disagreed a
+    RankMismatchError, on every rank at every call of the key until the files were edited:
+    now every rank warns, measures again, runs rank 0's pick and records it."""
+    for choice, timings, warned, on_disk, err in world2.run(_stale_entries, str(tmp_path),
+                                                            kind, timeout=240):
+        assert (choice, timings, on_disk) == ("stores", 2, "stores") and err < TOL, \
+            (choice, timings, on_disk, warned)
+        assert any("made again" in w for w in warned), warned

@@ -1,12 +1,12 @@
 """Wave-group tuning of the tile-group-signal ops (ops/gemm_signal/tune.py) on CPU-emulated
 ranks: calibration, the predictor's top partitions measured through the op, the decision shared
-by every rank and cached, cached decisions reused without measuring, and caches that disagree."""
+by every rank and cached, cached decisions reused without measuring, and caches that disagree
+or hold no partition of the shape."""
 import json
 
 import pytest
 import torch
 
-from portable_overlap import RankMismatchError
 from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_reduce_scatter_reference)
 from portable_overlap.ops.gemm_signal import tune as tune_mod
@@ -78,7 +78,12 @@ def test_tune_measures_the_top_partitions_and_caches(world2, world4, tmp_path, k
     assert all(sum(c["partition"]) == n_tiles for c in cands)
 
 
-def _stale(world, tmp):
+def _stale(world, tmp, edit):
+    """A decision tuned into each rank's own file, then rank 1's entry edited (``edit``: to
+    another partition of the tiles, as another run would write, or to none of them), then tuned
+    again: the configs the ranks got, their warnings, and the entries their files hold."""
+    import warnings
+
     from portable_overlap.ops.matmul import MatmulConfig
 
     ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
@@ -86,22 +91,31 @@ def _stale(world, tmp):
     try:
         a, b = _inputs(world, 40, 32, 16, 3)
         ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=2, iters=1)
-        if world.rank == 1:  # another build or device wrote this rank's cache
+        if world.rank == 1:
             entries = json.load(open(path))
             for v in entries.values():
-                v["partition"] = [1] * sum(v["partition"])
+                n = sum(v["partition"])
+                v["partition"] = [1] * n if edit == "other partition" else [n + 1]
             json.dump(entries, open(path, "w"))
-        try:
-            ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=2, iters=1)
-        except RankMismatchError as e:
-            return "disagree" in str(e)
-        return False
+        world.barrier()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=2, iters=1)
+        return (cfg.partition, [str(w.message) for w in caught],
+                [v["partition"] for v in json.load(open(path)).values()])
     finally:
         ctx.close()
 
 
-def test_ranks_whose_tuning_caches_disagree_raise(world2, tmp_path):
-    assert world2.run(_stale, str(tmp_path)) == [True, True]
+@pytest.mark.parametrize("edit", ["other partition", "no partition"])
+def test_ranks_whose_tuning_caches_disagree_tune_again(world2, tmp_path, edit):
+    """Ranks whose files hold different partitions (another run's), or one that holds no
+    partition of the shape's tiles, raised on every rank at every tune of the shape: now every
+    rank warns, tunes again and records rank 0's pick."""
+    got = world2.run(_stale, str(tmp_path), edit)
+    assert got[0][0] == got[1][0] and got[0][2] == got[1][2] == [list(got[0][0])], got
+    why = "disagree" if edit == "other partition" else "not a decision of this call"
+    assert any(why in w for w in got[1][1]), got[1][1]
 
 
 def _bad(world):

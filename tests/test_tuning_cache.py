@@ -130,3 +130,35 @@ def test_a_cache_path_argument_that_names_a_folder_is_refused(tmp_path):
         with pytest.raises(ValueError, match="cache_path must be the path of a file, not a dir"):
             _check_path("op", path)
     assert _check_path("op", str(tmp_path / "t.json")) == str(tmp_path / "t.json")
+
+
+class _OneRank:
+    """The world of one rank ``decide`` needs."""
+
+    world_size = 1
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+    def broadcast_object(self, obj):
+        return obj
+
+
+@pytest.mark.parametrize("entry", ["sequential", {"transport": "bogus"}, [1]])
+def test_an_entry_that_is_no_decision_is_made_again_with_a_warning(tmp_path, entry):
+    """An entry the caller's check refuses (a hand-edited file, a transport this build lacks)
+    raised on every rank at every call of its key, until the file was edited."""
+    from portable_overlap.schedule import decide
+
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"k": entry}))
+    cache = TuningCache(str(path))
+    valid = lambda v: v["transport"] in ("a", "b")  # noqa: E731 (raises on a string or list)
+    with pytest.warns(RuntimeWarning, match="not a decision of this call; it is made again"):
+        got = decide(_OneRank(), "k", lambda: {"transport": "a"}, cache, valid=valid)
+    assert got == {"transport": "a"}
+    assert json.loads(path.read_text()) == {"k": {"transport": "a"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new entry is used as it is
+        assert decide(_OneRank(), "k", lambda: 1 / 0, TuningCache(str(path)),
+                      valid=valid) == {"transport": "a"}

@@ -18,7 +18,10 @@ What the first call of a key does (collective; the same on every rank):
    every rank runs on one machine, else through the process group's store: ``_agree``; one
    key for every rank, also where the shapes differ across ranks, as the reduction patterns'
    K shards may), then ``schedule.tuning.decide``: a decision every
-   rank's cache holds is used as it is (no timing); otherwise every rank measures.
+   rank's cache holds is used as it is (no timing); otherwise every rank measures. An entry
+   that is not a decision among the call's candidates (a file edited by hand, a transport
+   this build lacks), and entries that differ across the ranks' files, are made again with a
+   ``RuntimeWarning``, and the new decision replaces them.
 3. **Measuring**: each candidate in ``TRANSPORTS`` order runs once on the call's own inputs,
    into an output of its own (the user's ``out`` is written only by the chosen transport, after
    the decision; the timed runs fill that output where the call passes ``out``, else each makes
@@ -344,6 +347,16 @@ def _picks(ms: dict, modes: tuple, capturable) -> dict:
     return record
 
 
+def _picked(record, cands: tuple) -> Optional[tuple]:
+    """``(plain calls' pick, captured calls' pick)`` of a decision ``record`` (``_picks``), or
+    None where it is not a decision among ``cands``: an entry of a cache file edited by hand,
+    or naming a transport this build lacks, is made again (``tuning.decide``)."""
+    pick = record.get("transport") if isinstance(record, dict) else None
+    captured = record.get("captured", {"transport": pick}) if pick in cands else None
+    captured = captured.get("transport") if isinstance(captured, dict) else None
+    return (pick, captured) if captured in cands else None
+
+
 def _attempt(fn):
     """``(fn(), None)``, or ``(None, the exception)`` if it raised one."""
     try:
@@ -624,13 +637,8 @@ class TransportPlanner:
         record = tuning.decide(world, key,
                                lambda: self._measure(cands, inputs, given, call, out is not None,
                                                      decision),
-                               self.cache)
-        pick = record.get("transport") if isinstance(record, dict) else None
-        captured = record.get("captured", {"transport": pick}) if pick is not None else None
-        captured = captured.get("transport") if isinstance(captured, dict) else None
-        if pick not in cands or captured not in cands:
-            raise RuntimeError(f"{op}: the tuning cache {self.cache.path} holds {record!r} for "
-                               f"this call, not one of its candidates {cands}: remove that entry")
+                               self.cache, valid=lambda r: _picked(r, cands) is not None)
+        pick, captured = _picked(record, cands)
         self.decisions[key] = record
         self._chosen[fast] = (pick, decision, text, captured)
         return pick  # (not under capture: an undecided call is refused there)

@@ -1,5 +1,5 @@
 """Tuning decisions shared by the ranks: a cache per (op, shape, dtype, world, device, versions),
-rank 0 decides, every rank uses rank 0's choice, and ranks whose caches disagree are caught.
+rank 0 decides, every rank uses rank 0's choice, and ranks whose caches disagree decide again.
 
 Also the calibration the wave-group predictor needs: a collective's time against message size
 (``measure_comm_curve``), timed the way the benchmarks time (slowest rank's median).
@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from ..envvars import env_file_path
-from ..errors import RankMismatchError
 
 
 def cache_key(op: str, shape: dict, dtype, world_size: int, device: str) -> str:
@@ -137,25 +136,42 @@ def _replace_file(path: str, text: str) -> None:
 
 
 def decide(world, key: str, compute: Callable[[], Any],
-           cache: Optional[TuningCache] = None) -> Any:
-    """Collective: the decision for ``key``. When every rank's cache holds one they must be the
-    same (else ``RankMismatchError``: a rank tuned on another build or device, or a stale file);
-    otherwise every rank runs ``compute`` (measurements are collective) and every rank records
-    and uses rank 0's result."""
+           cache: Optional[TuningCache] = None,
+           valid: Optional[Callable[[Any], bool]] = None) -> Any:
+    """Collective: the decision for ``key``. Where every rank's cache holds the same one, it is
+    used as it is; otherwise every rank runs ``compute`` (measurements are collective) and every
+    rank records and uses rank 0's result. An entry that ``valid`` refuses (a hand-edited file,
+    one written for a transport this build lacks) counts as none, and ranks whose caches hold
+    different entries (files of separate runs, a stale copy) decide again: both warn, and the
+    new decision replaces the entries, so the ranks never run on different decisions and a bad
+    file never stops the job."""
     cache = cache or TuningCache()
+    where = getattr(cache, "path", None) or "in memory"
     mine = cache.get(key)
+    if mine is not None and valid is not None and not _holds(valid, mine):
+        _warn(f"tuning cache {where} holds {mine!r} for {key}, which is not a decision of this "
+              f"call; it is made again")
+        mine = None
     held = world.all_gather_object(mine)
     known = {json.dumps(v, sort_keys=True) for v in held if v is not None}
     if len(known) > 1:
-        raise RankMismatchError(
-            f"tuning caches disagree for {key}: " + ", ".join(
-                f"rank {r}: {v}" for r, v in enumerate(held)) + " (remove the stale cache files)")
-    if known and all(v is not None for v in held):
+        _warn(f"tuning caches disagree for {key}: " + ", ".join(
+            f"rank {r}: {v}" for r, v in enumerate(held)) + "; it is made again, and every "
+            f"rank's cache ({where} on this rank) gets rank 0's new decision")
+    elif known and all(v is not None for v in held):
         return mine
     value = compute()  # collective if the measurement is: every rank takes part
     value = world.broadcast_object(value)
     cache.put(key, value)
     return value
+
+
+def _holds(valid: Callable[[Any], bool], value: Any) -> bool:
+    """``valid(value)``, False where it raises (an entry of a shape the check did not expect)."""
+    try:
+        return bool(valid(value))
+    except Exception:
+        return False
 
 
 def _now(device) -> Callable[[], float]:

@@ -22,8 +22,9 @@ predictor rank the partitions, measure the few it ranks best, keep the fastest, 
    beside the GEMM), so the pick also says which reserve to use.
 4. **Decision**: rank 0's result (partition and reserve), recorded in every rank's
    ``TuningCache`` under a key of the op, shape, dtype, world, device name, tiling, the
-   configured SM reserve and versions. A rank whose cache holds
-   another decision raises ``RankMismatchError``; when every rank holds it, nothing is measured.
+   configured SM reserve and versions. When every rank holds it, nothing is measured; an entry
+   that is no partition of this shape's tiles, or ranks whose caches hold different entries,
+   warn and tune again (``schedule.decide``).
 
 The cached value keeps what decided it (the candidates with their predicted and measured times,
 the calibration), so a surprising choice can be read back from the cache file.
@@ -37,10 +38,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...schedule import (Calibration, TuningCache, cache_key, decide, measure_comm_curve,
-                         predict_ms, search_top, time_call)
+from ...schedule import (Calibration, TuningCache, WaveGroups, cache_key, decide,
+                         measure_comm_curve, predict_ms, search_top, time_call)
 from ...schedule.predict import invert_comm_slowdown
-from .config import ALT_RESERVE_PER_132, KINDS
+from .config import ALT_RESERVE_PER_132, KINDS, SignalConfig
 
 MIB = 1 << 20
 
@@ -176,9 +177,9 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
     """Collective: ``config`` (or the context's) with the ``partition`` and ``reserve_sms``
     that measured fastest for ``kind`` ("all_reduce", "reduce_scatter", "all_to_all") on tensors
     shaped like ``a`` and ``b``, among the predictor's ``top_k``, one group and the default
-    (module docstring). Cached per (op, shape, dtype, world, device, tiling, reserve, versions): a cached
-    decision costs one exchange of the cache entries. ``graph`` (default: on a GPU) times CUDA-
-    graph replays, as the benchmarks do; call it outside graph capture."""
+    (module docstring). Cached per (op, shape, dtype, world, device, tiling, reserve,
+    versions): a cached decision costs one exchange of the cache entries. ``graph`` (default:
+    on a GPU) times CUDA-graph replays, as the benchmarks do; call it outside graph capture."""
     if kind not in KINDS:
         raise ValueError(f"gemm_signal tune: kind must be one of {sorted(KINDS)}, got {kind!r}")
     if top_k < 1 or iters < 1:
@@ -241,6 +242,13 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
         return {"partition": best["partition"], "reserve_sms": best["reserve_sms"],
                 "candidates": rows, "calibration": record}
 
-    value = decide(ctx.world, key, compute, cache)
-    return dataclasses.replace(base, partition=tuple(value["partition"]),
-                               reserve_sms=value.get("reserve_sms", base.reserve_sms))
+    def config_of(value) -> SignalConfig:
+        """The config a decision gives; raises where ``value`` is none of this shape's (an
+        entry edited by hand: ``decide`` then makes it again)."""
+        c = dataclasses.replace(base, partition=tuple(value["partition"]),
+                                reserve_sms=value.get("reserve_sms", base.reserve_sms))
+        WaveGroups(c.partition).validate(plan.groups.n_tiles, plan.dests,
+                                         what="cached partition")
+        return c
+
+    return config_of(decide(ctx.world, key, compute, cache, valid=config_of))
