@@ -53,8 +53,8 @@ Decisions live in the context (``ctx.decisions``: cache key -> ``{"transport", "
 "failed"}``, and ``"captured": {"transport", "ms"}`` for the replays' pick where both modes
 were timed) and, only when a file is named, in that JSON file as well: ``cache_path=``, else
 ``$PORTABLE_OVERLAP_TUNING_CACHE`` (``schedule.tuning.TuningCache``: atomic replacement, symbolic
-links refused, a file that cannot be written a warning). Without either nothing is written
-to disk. A file's key (``tuning.cache_key``)
+links refused, a file that cannot be read or written a warning, writers of one file taking
+turns). Without either nothing is written to disk. A file's key (``tuning.cache_key``)
 holds the call key, the candidates and their options, the timing mode, the world size, the
 device's name and the versions of torch, Triton and this library; ranks may share one file
 (they write the same decisions) or each have its own.
