@@ -6,6 +6,7 @@ import platform
 import torch
 
 from .backends import ENV_VAR, backend_classes, get_backend
+from .envvars import check_names
 
 
 def print_env() -> None:
@@ -16,6 +17,8 @@ def print_env() -> None:
     print(f"portable_overlap  python {platform.python_version()}  torch {torch.__version__}  "
           f"triton {triton.__version__}")
     print(f"backend override  {ENV_VAR}={os.environ.get(ENV_VAR, '(unset)')}")
+    for name, close in check_names(warn=False):
+        print(f"not read          {name}" + (f" (did you mean {close}?)" if close else ""))
     for name, cls in backend_classes().items():
         usable, why = cls.is_usable()
         print(f"backend {name:5s} {'usable' if usable else 'not usable: ' + why}")

@@ -3,13 +3,45 @@
 Each helper reads the variable when it is called (not at import), so a value set after import,
 by a launcher script or a test, takes effect. An unset or empty variable gives the default; a
 value that does not parse or lies out of range raises ``ValueError`` naming the variable, the
-value and what is allowed, instead of running with a value that hangs or computes garbage.
+value and what is allowed, instead of running with a value that hangs or computes garbage. A
+variable with the library's prefix that it does not read (a misspelt name) is reported with a
+warning when a :class:`~portable_overlap.world.World` is made (:func:`check_names`).
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import warnings
 from typing import Optional
+
+PREFIX = "PORTABLE_OVERLAP_"
+#: every variable the library reads (``tests/test_envvars.py`` checks the package names no other)
+NAMES = ("PORTABLE_OVERLAP_BACKEND", "PORTABLE_OVERLAP_CPU_SLOTS",
+         "PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT", "PORTABLE_OVERLAP_EMULATED_RANKS",
+         "PORTABLE_OVERLAP_TUNING_CACHE")
+_reported: set = set()
+
+
+def check_names(environ=None, warn: bool = True) -> list:
+    """``(name, the closest variable it reads or None)`` for each variable of ``environ``
+    (default: the process's) with the library's prefix that it does not read, sorted by name;
+    with ``warn``, each is reported once per process with a ``RuntimeWarning``. A misspelt
+    override (``..._TUNNING_CACHE`` for ``..._TUNING_CACHE``) is otherwise ignored without a
+    word, and the job runs with the default."""
+    env = os.environ if environ is None else environ
+    tails = {n[len(PREFIX):]: n for n in NAMES}
+    unknown = []
+    for name in sorted(n for n in env if n.startswith(PREFIX) and n not in NAMES):
+        close = difflib.get_close_matches(name[len(PREFIX):], tails, n=1)
+        unknown.append((name, tails[close[0]] if close else None))
+        if warn and name not in _reported:
+            _reported.add(name)
+            hint = f" (did you mean {tails[close[0]]}?)" if close else ""
+            warnings.warn(f"{name} is set, but portable_overlap reads no variable of that "
+                          f"name{hint}; it is ignored. The variables it reads: "
+                          f"{', '.join(NAMES)}", RuntimeWarning, stacklevel=2)
+    return unknown
 
 
 def env_str(name: str) -> Optional[str]:

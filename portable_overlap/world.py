@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import Backend, DeviceFacts, get_backend
+from .envvars import check_names
 
 
 @dataclasses.dataclass
@@ -93,6 +94,7 @@ class World:
     def from_process_group(cls, group: Optional[dist.ProcessGroup] = None,
                            backend: Optional[str] = None,
                            device: Optional[torch.device] = None) -> "World":
+        check_names()  # (every constructor comes here: a misspelt override is reported once)
         be = get_backend(backend)
         rank = dist.get_rank(group)
         if rank < 0:

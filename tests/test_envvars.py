@@ -1,6 +1,12 @@
 """The environment overrides: values out of range raise a ValueError naming the variable and
-the value, and every override is read when used, not when the library is imported."""
+the value, every override is read when used, not when the library is imported, and a variable
+with the library's prefix that it does not read is reported."""
+import os
+import re
+import subprocess
+import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -8,6 +14,7 @@ import torch
 from portable_overlap.backends import backend_classes
 
 CPU = torch.device("cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -58,3 +65,53 @@ def test_backend_override_names_where_the_name_came_from(monkeypatch):
     monkeypatch.delenv("PORTABLE_OVERLAP_BACKEND")
     with pytest.raises(BackendUnavailable, match=r"^backend 'tpu' names no backend"):
         get_backend("tpu")
+
+
+def test_a_misspelt_variable_is_reported_once_with_the_closest_name(monkeypatch):
+    """A variable with the library's prefix that it does not read was ignored without a word:
+    ``PORTABLE_OVERLAP_TUNNING_CACHE`` ran every job without its cache file."""
+    from portable_overlap import envvars
+
+    monkeypatch.setattr(envvars, "_reported", set())
+    env = {"PORTABLE_OVERLAP_TUNNING_CACHE": "t.json", "PORTABLE_OVERLAP_XYZZY": "1",
+           "PORTABLE_OVERLAP_CPU_SLOTS": "4", "OTHER_TUNING_CACHE": "x"}
+    with pytest.warns(RuntimeWarning) as caught:
+        got = envvars.check_names(env)
+    assert got == [("PORTABLE_OVERLAP_TUNNING_CACHE", "PORTABLE_OVERLAP_TUNING_CACHE"),
+                   ("PORTABLE_OVERLAP_XYZZY", None)]
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and "did you mean PORTABLE_OVERLAP_TUNING_CACHE?" in said[0], said
+    assert "XYZZY is set, but portable_overlap reads no variable" in said[1], said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert envvars.check_names(env) == got
+        assert envvars.check_names({n: "1" for n in envvars.NAMES}) == []
+
+
+def test_the_catalogue_names_every_variable_the_package_reads():
+    """``envvars.NAMES`` is what ``check_names`` compares with: a variable the package reads
+    that it lacks would be reported as misspelt."""
+    from portable_overlap import envvars
+
+    root = os.path.dirname(envvars.__file__)
+    found = set()
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    found |= set(re.findall(r"PORTABLE_OVERLAP_[A-Z0-9_]*[A-Z0-9]", f.read()))
+    assert found == set(envvars.NAMES)
+
+
+def test_making_a_world_reports_a_misspelt_variable():
+    code = "from portable_overlap import World; World.from_env(); World.from_env()"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(TRITON_INTERPRET="1", PORTABLE_OVERLAP_BACKEND="cpu",
+               PORTABLE_OVERLAP_CPU_SLOT="8", PYTHONPATH=ROOT + os.pathsep
+               + env.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("PORTABLE_OVERLAP_CPU_SLOT is set") == 1, out.stderr
+    assert "did you mean PORTABLE_OVERLAP_CPU_SLOTS?" in out.stderr, out.stderr
