@@ -28,7 +28,11 @@ def main(argv=None) -> int:
         return 0
     from .demo import run_demo
 
-    return run_demo(force_cpu=args.cpu, ranks=args.ranks)
+    try:
+        return run_demo(force_cpu=args.cpu, ranks=args.ranks)
+    except ValueError as e:  # more ranks than run here: its message, no trace
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

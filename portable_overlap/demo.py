@@ -90,7 +90,8 @@ def _print(rows, where: str, ranks: int) -> bool:
         print(f"{shape:>14} {dt:>9} {err:9.1e} {str(same):>9} {fused:10.1f} {seq:13.1f}  "
               f"{transport}{'' if good else '   <-- WRONG'}")
     if where.startswith("CPU"):
-        print("(CPU-emulated: the Triton interpreter runs the real kernels; times are not GPU times)")
+        print("(CPU-emulated: the Triton interpreter runs the real kernels; times are not GPU "
+              "times)")
     print("correct on every rank" if ok else "SOME RESULTS ARE WRONG")
     return ok
 
@@ -157,8 +158,11 @@ def run_demo(force_cpu: bool = False, ranks: int = 2) -> int:
             p.start()
         rows = collect_rows(q, procs, limit_s=600)
         return 0 if _print(rows, f"{ranks} GPUs ({torch.cuda.get_device_name(0)})", ranks) else 1
-    from .testing import EmulatedWorld
+    from .testing.emulated import MAX_RANKS, EmulatedWorld
 
+    if ranks > MAX_RANKS:
+        raise ValueError(f"demo: {ranks} CPU-emulated ranks asked for (more than the "
+                         f"{n_gpu} GPUs here); at most {MAX_RANKS} run on one machine")
     with EmulatedWorld(ranks) as ew:
         rows = ew.run(_demo_rank, timeout=900)[0]
     return 0 if _print(rows, "CPU-emulated ranks", ranks) else 1

@@ -151,3 +151,20 @@ def test_example_flags_refuse_counts_out_of_range(script, argv):
     out = _run([os.path.join("examples", script), *argv], timeout=120)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"argument {argv[0]}: must be an integer >=" in out.stderr, out.stderr
+
+
+def test_main_demo_refuses_more_emulated_ranks_than_one_machine_runs():
+    """``--ranks 99999`` on a machine without that many GPUs started emulated ranks until the
+    machine's open-file limit ended the demo with a traceback."""
+    out = _run(["-m", "portable_overlap", "demo", "--cpu", "--ranks", "65"], timeout=60)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "error: demo: 65 CPU-emulated ranks asked for" in out.stderr, out.stderr
+    assert "at most 64" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_an_emulated_world_refuses_a_size_out_of_range():
+    from portable_overlap.testing import EmulatedWorld
+
+    for size in (0, 65, 2.0, True):
+        with pytest.raises(ValueError, match=r"size must be an int in 1 \.\. 64"):
+            EmulatedWorld(size)

@@ -125,6 +125,11 @@ def _worker(rank: int, size: int, port: int, inbox, outbox, env: dict,
     dist.destroy_process_group()
 
 
+#: the most CPU-emulated ranks one machine runs (each a process with its own interpreter): more
+#: started thousands of processes for a typo and failed past the machine's open-file limit
+MAX_RANKS = 64
+
+
 class EmulatedWorld:
     #: after a rank died, how long the others may take to answer (they should raise, not hang)
     DEAD_RANK_GRACE_S = 10.0
@@ -134,6 +139,9 @@ class EmulatedWorld:
     ERROR_GRACE_S = 120.0
 
     def __init__(self, size: int, start_timeout: float = 180.0):
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_RANKS:
+            raise ValueError(f"EmulatedWorld: size must be an int in 1 .. {MAX_RANKS}, got "
+                             f"{size!r}")
         self.size = size
         ctx = mp.get_context("spawn")
         # one answer queue per rank: a queue's writers share a lock, and a rank that dies (a

@@ -34,10 +34,10 @@ def run_on_ranks(fn: Callable, *args, ranks: Optional[int] = None,
             return [fn(world, *args)]
         finally:
             dist.destroy_process_group()
-    from .emulated import EmulatedWorld
+    from .emulated import MAX_RANKS, EmulatedWorld
 
     if ranks is None:
-        ranks = env_int("PORTABLE_OVERLAP_EMULATED_RANKS", 2, 1, 64)
+        ranks = env_int("PORTABLE_OVERLAP_EMULATED_RANKS", 2, 1, MAX_RANKS)
     with EmulatedWorld(ranks) as ew:
         return ew.run(fn, *args, timeout=timeout)
 
