@@ -985,3 +985,12 @@ def test_a_split_the_device_cannot_hold_falls_to_the_next_smaller(monkeypatch):
     x, w = torch.randn(1, 64), torch.randn(1024, 64)
     plan = api.GemvAllReduceKernel._plan(me, x, w, None, None)
     assert tried == [4, 2] and plan.split_k == 2, tried
+
+
+@pytest.mark.parametrize("bad", [dict(num_warps=True), dict(num_stages=1.5),
+                                 dict(programs_per_sm=True), dict(split_k=True),
+                                 dict(block_n=64.0)])
+def test_a_config_field_that_is_no_int_is_refused(bad):
+    """True passed every check as 1, and 1.5 the ranges of num_stages and programs_per_sm."""
+    with pytest.raises(ValueError, match="GemvConfig: every field must be an int"):
+        GemvConfig(**bad)

@@ -123,3 +123,14 @@ def test_tiles_follow_the_products_shape():
     assert not describable(torch.randn(256, 7).bfloat16(), torch.randn(7, 64).bfloat16(), h200)
     assert shape_config(a, b, h200) == MatmulConfig(block_m=16, block_n=16, block_k=16,
                                                     group_m=2, num_warps=1, num_stages=1)
+
+
+@pytest.mark.parametrize("field", ["block_m", "group_m", "num_warps", "num_stages"])
+@pytest.mark.parametrize("value", [True, 1.5, float("nan"), 0, 9 * 2 ** 20])
+def test_a_config_field_that_is_no_count_in_range_is_refused(field, value):
+    """A group_m of 1.5 or NaN was taken and failed inside the kernel at its first launch
+    ("unexpected type fp32"); True passed as 1, a num_stages of 1.5 as a stage count."""
+    if field in ("block_m", "group_m") and value == 9 * 2 ** 20:
+        value = -16  # (a huge tile is refused by the device's limits; any group_m >= 1 works)
+    with pytest.raises(ValueError, match="power of two|bad config"):
+        MatmulConfig(**{field: value})

@@ -100,7 +100,8 @@ def test_combine_block_and_config_checks():
     from portable_overlap.ops.moe_combine.api import combine_block
 
     assert [combine_block(s, 132) for s in (1, 128, 264, 528, 8192)] == [1, 1, 1, 2, 4]
-    for bad in (dict(block_s=3), dict(block_s=0), dict(block_h=8), dict(num_warps=3)):
+    for bad in (dict(block_s=3), dict(block_s=0), dict(block_h=8), dict(num_warps=3),
+                dict(block_s=True), dict(num_warps=True), dict(num_warps=32), dict(block_h=256.0)):
         with pytest.raises(ValueError, match="block_s"):
             CombineConfig(**bad)
 

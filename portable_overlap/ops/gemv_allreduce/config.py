@@ -3,6 +3,7 @@ default, and the table of configurations measured best on a device (see benchmar
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import torch
@@ -26,6 +27,10 @@ class GemvConfig:
     split_k: int = 1
 
     def __post_init__(self):
+        # ints, not bools or floats (True passed every check below as 1, 1.5 the ranges)
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                   for v in dataclasses.astuple(self)):
+            raise ValueError(f"GemvConfig: every field must be an int: {self}")
         if self.block_n not in _POW2 or self.block_k not in _POW2:
             raise ValueError(f"block_n and block_k must be powers of two in {_POW2}: {self}")
         if self.num_warps not in (1, 2, 4, 8, 16):

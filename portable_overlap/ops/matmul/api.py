@@ -12,6 +12,7 @@ graph replay, 2x H200, docs/moe_combine.md): 0.403 / 0.779 / 0.679 ms against cu
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import torch
@@ -33,12 +34,20 @@ class MatmulConfig:
     num_stages: int = 3
 
     def __post_init__(self):
+        # ints, not bools or floats: a group_m of 1.5 or NaN was taken here and failed inside
+        # the kernel at its first launch ("unexpected type fp32" under the interpreter)
+        def count(v):
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
+            if not count(v) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16: {self}")
-        if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"bad config {self}")
+        if not (count(self.group_m) and self.group_m >= 1 and count(self.num_warps)
+                and self.num_warps in (1, 2, 4, 8, 16) and count(self.num_stages)
+                and 1 <= self.num_stages <= 8):
+            raise ValueError(f"bad config {self}: group_m must be an int >= 1, num_warps 1, 2, "
+                             f"4, 8 or 16, num_stages an int in 1..8")
 
     @property
     def tiling(self) -> tuple:

@@ -33,6 +33,7 @@ checks on the host (a device sync), for debugging.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import torch
@@ -65,11 +66,12 @@ class CombineConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        def pow2(v, least):
-            return isinstance(v, int) and v >= least and not v & (v - 1)
+        def pow2(v, least):  # (a bool is an int to Python: True passed as 1)
+            return (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= least
+                    and not v & (v - 1))
 
         if not ((self.block_s is None or pow2(self.block_s, 1)) and pow2(self.block_h, 16)
-                and self.num_warps in (1, 2, 4, 8, 16)):
+                and pow2(self.num_warps, 1) and self.num_warps <= 16):
             raise ValueError(f"{OP}: block_s (None or a power of two), block_h (a power of two "
                              f">= 16) and num_warps (1-16, a power of two) of {self}")
 
@@ -345,11 +347,11 @@ class MoeGemmCombineKernel(OverlapContext):
                 self.timeout_us)
 
     def _plan(self, x, w, counts, starts, slots, topk_weights, out, descs, cfg, expert_major):
-        I = x.shape[1]
+        inner = x.shape[1]  # (I of the shapes above)
         W = self.world.world_size
         gemm_consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            GROUP_M=cfg.group_m, NUM_STAGES=cfg.num_stages,
-                           EVEN_K=I % cfg.block_k == 0, USE_DESC=descs[0] is not None,
+                           EVEN_K=inner % cfg.block_k == 0, USE_DESC=descs[0] is not None,
                            PRECISION=dot_precision(x.dtype),
                            UPCAST=dot_upcast(x.dtype), G_MAX=G_MAX, EXPERT_MAJOR=expert_major,
                            BLOCK_SRC=1 << max(0, W - 1).bit_length(),
@@ -362,7 +364,7 @@ class MoeGemmCombineKernel(OverlapContext):
         # that follow from S (``decode_walk``): they are this rank's own business, while the
         # grid is every peer's (its combine counts this launch's programs)
         def tag_of(g):
-            return shape_tag(OP, hidden=self.hidden, intermediate=I,
+            return shape_tag(OP, hidden=self.hidden, intermediate=inner,
                              experts_per_rank=self.experts_per_rank, top_k=self.top_k,
                              dtype=str(x.dtype), config=self.config, programs=g)
 
