@@ -259,3 +259,53 @@ def test_tune_k_shards_with_a_shared_cache_file(world2, tmp_path):
     """The tuner's cache key holds every rank's K: ranks of K shards share one key."""
     for err in world2.run(_tune_k_shards_with_shared_cache, str(tmp_path), timeout=300):
         assert err < 1.5e-2, err
+
+
+def _tune_without_a_file(world, tmp):
+    """``tune`` given no cache and no PORTABLE_OVERLAP_TUNING_CACHE: decisions stay in the
+    process (the second tune of the shape measures nothing) and nothing is written to disk."""
+    import os
+
+    from portable_overlap.ops.matmul import MatmulConfig
+    from portable_overlap.schedule import tuning
+
+    home = os.path.join(tmp, f"home{world.rank}")
+    os.makedirs(home)
+    saved = {v: os.environ.get(v) for v in ("HOME", tuning.CACHE_VAR)}
+    os.environ["HOME"] = home
+    os.environ.pop(tuning.CACHE_VAR, None)
+    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
+    real = tune_mod.calibrate
+    try:
+        a, b = _inputs(world, 24, 20, 16, 5)
+        cfg = ctx.tune("all_reduce", a, b, top_k=2, iters=1)
+        tune_mod.calibrate = lambda *a_, **k_: (_ for _ in ()).throw(AssertionError("measured"))
+        again = ctx.tune("all_reduce", a, b, top_k=2, iters=1)
+        return cfg.partition == again.partition, os.listdir(home)
+    finally:
+        tune_mod.calibrate = real
+        ctx.close()
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def test_tune_without_a_cache_file_keeps_decisions_in_memory(world2, tmp_path):
+    for same, home in world2.run(_tune_without_a_file, str(tmp_path), timeout=300):
+        assert same and home == []
+
+
+def test_a_tuning_cache_needs_a_path():
+    import os
+
+    from portable_overlap.schedule import tuning
+
+    saved = os.environ.pop(tuning.CACHE_VAR, None)
+    try:
+        with pytest.raises(ValueError, match="give the file's path"):
+            TuningCache()
+    finally:
+        if saved is not None:
+            os.environ[tuning.CACHE_VAR] = saved

@@ -162,21 +162,6 @@ PLAN_CHECKED = ("signal_copy_engine",)
 PLANNER_OPTIONS = ("candidates", "options", "cache_path", "iters", "warmup", "graph")
 
 
-class MemoryCache:
-    """``tuning.decide``'s cache when no file is named: the decisions in ``entries``."""
-
-    path = None
-
-    def __init__(self, entries: dict):
-        self.entries = entries
-
-    def get(self, key: str):
-        return self.entries.get(key)
-
-    def put(self, key: str, value) -> None:
-        self.entries[key] = value
-
-
 def check_candidates(op: str, transports: tuple, candidates,
                      unavailable: Optional[dict] = None) -> tuple:
     """``candidates`` (None: every transport of ``transports`` not in ``unavailable``; torch's
@@ -430,7 +415,7 @@ class TransportPlanner:
         self._broken: Optional[str] = None
         #: cache key -> decision, for the keys this context measured or found in its file
         self.decisions: dict = {}
-        self.cache = tuning.TuningCache(path) if path else MemoryCache(self.decisions)
+        self.cache = tuning.TuningCache(path) if path else tuning.MemoryCache(self.decisions)
         #: call key (tuple) -> (transport, its decision's agreement number, the call in words): the
         #: per-call lookup
         self._chosen: dict = {}

@@ -39,9 +39,37 @@ def cache_key(op: str, shape: dict, dtype, world_size: int, device: str) -> str:
 CACHE_VAR = "PORTABLE_OVERLAP_TUNING_CACHE"
 
 
+class MemoryCache:
+    """Decisions kept in this process only (``entries``): ``decide``'s cache where no file is
+    named."""
+
+    path = None
+
+    def __init__(self, entries: Optional[dict] = None):
+        self.entries = {} if entries is None else entries
+
+    def get(self, key: str) -> Any:
+        return self.entries.get(key)
+
+    def put(self, key: str, value: Any) -> None:
+        self.entries[key] = value
+
+
+#: the decisions of ``decide`` calls given no cache, where no file is named: the process's
+_PROCESS_DECISIONS = MemoryCache()
+
+
+def default_cache():
+    """The cache ``decide`` uses when given none: the file ``$PORTABLE_OVERLAP_TUNING_CACHE``
+    names (read when it is called), else this process's memory. Decisions go to disk only at a
+    path the user set."""
+    path = env_file_path(CACHE_VAR)
+    return TuningCache(path) if path else _PROCESS_DECISIONS
+
+
 class TuningCache:
-    """A JSON file of decisions (default: ``$PORTABLE_OVERLAP_TUNING_CACHE``, read when the cache
-    is made, or ``~/.cache/portable_overlap/tuning.json``), one per rank process.
+    """A JSON file of decisions (``path``, or ``$PORTABLE_OVERLAP_TUNING_CACHE`` read when the
+    cache is made; one of the two is needed), one per rank process.
 
     :meth:`put` replaces the file atomically: a new temporary file (O_EXCL, mode 0600) next to
     it, fsynced, renamed over it, so a reader sees the old file or the new one, never half of
@@ -57,8 +85,10 @@ class TuningCache:
     decision, and a rank that raised there would leave its peers waiting in the call."""
 
     def __init__(self, path: Optional[str] = None):
-        self.path = path or env_file_path(CACHE_VAR) or os.path.join(
-            os.path.expanduser("~"), ".cache", "portable_overlap", "tuning.json")
+        self.path = path or env_file_path(CACHE_VAR)
+        if not self.path:
+            raise ValueError(f"TuningCache: give the file's path, or set {CACHE_VAR} (decisions "
+                             f"kept in memory only: MemoryCache)")
         self.entries = _load(self.path)
 
     def get(self, key: str) -> Any:
@@ -184,7 +214,7 @@ def decide(world, key: str, compute: Callable[[], Any],
     different entries (files of separate runs, a stale copy) decide again: both warn, and the
     new decision replaces the entries, so the ranks never run on different decisions and a bad
     file never stops the job."""
-    cache = cache or TuningCache()
+    cache = cache or default_cache()
     where = getattr(cache, "path", None) or "in memory"
     mine = cache.get(key)
     if mine is not None and valid is not None and not _holds(valid, mine):

@@ -21,7 +21,8 @@ predictor rank the partitions, measure the few it ranks best, keep the fastest, 
    or 16 of 132 SMs when none is configured: a reserve only helps collectives that progress
    beside the GEMM), so the pick also says which reserve to use.
 4. **Decision**: rank 0's result (partition and reserve), recorded in every rank's
-   ``TuningCache`` under a key of the op, shape, dtype, world, device name, tiling, the
+   cache (the ``cache`` given, else the file ``PORTABLE_OVERLAP_TUNING_CACHE`` names, else
+   the process's memory) under a key of the op, shape, dtype, world, device name, tiling, the
    configured SM reserve and versions. When every rank holds it, nothing is measured; an entry
    that is no partition of this shape's tiles, or ranks whose caches hold different entries,
    warn and tune again (``schedule.decide``).
