@@ -641,3 +641,50 @@ def test_strided_tokens_and_a_converted_layer(world2):
         assert err < 1e-5, err
         assert converted.startswith("ExpertParallelMoE: the layer's parameters are "
                                     "torch.float32") and "build the layer" in converted, converted
+
+
+def _given_combine_contexts(world):
+    """``ExpertParallelMoE(ctx=...)`` with a combine context that cannot serve the layer (another
+    top_k, hidden or experts_per_rank, fewer max_tokens, or given to the torch path, which
+    never uses it): the layer was made without an error and every call then raised in the
+    combine, after the dispatch had run (or, with fewer max_tokens, only the calls past them;
+    the torch path ignored the context and closed it with the layer). Refused when the layer
+    is made, on every rank; a context that fits serves the layer."""
+    from portable_overlap import ExpertParallelMoE
+    from portable_overlap.ops.moe_combine import MoeGemmCombine
+
+    W = world.world_size
+    H, inter, E, k = 8, 6, 2 * W, 2
+    good = dict(max_tokens=6, top_k=k, hidden=H, experts_per_rank=2)
+    msgs = {}
+    for name, change, opts in (("top_k", dict(top_k=3), {}), ("hidden", dict(hidden=12), {}),
+                               ("experts_per_rank", dict(experts_per_rank=1), {}),
+                               ("max_tokens", dict(max_tokens=3), {"one_launch": True}),
+                               ("fused", {}, {"fused": False})):
+        c = MoeGemmCombine(world, **dict(good, **change))
+        try:
+            ExpertParallelMoE(world, H, inter, E, k, max_tokens=6, dtype=torch.float32, ctx=c,
+                              **opts).close()
+            msgs[name] = "no error"
+        except ValueError as e:
+            msgs[name] = str(e)
+        finally:
+            c.close()
+    c = MoeGemmCombine(world, **dict(good, max_tokens=8))
+    layer = ExpertParallelMoE(world, H, inter, E, k, max_tokens=6, dtype=torch.float32, ctx=c)
+    ref = ExpertParallelMoE(world, H, inter, E, k, max_tokens=6, dtype=torch.float32,
+                            fused=False)
+    tokens = torch.randn(6, H, generator=torch.Generator().manual_seed(world.rank))
+    with torch.no_grad():
+        y = layer(tokens)
+        layer.synchronize()
+        err = ((y - ref(tokens)).norm() / ref(tokens).norm()).item()
+    layer.close()
+    return msgs, err
+
+
+def test_a_combine_context_that_cannot_serve_the_layer_is_refused(world2):
+    for msgs, err in world2.run(_given_combine_contexts):
+        for name, msg in msgs.items():
+            assert msg.startswith("ExpertParallelMoE: ctx") and name in msg, (name, msg)
+        assert err < 1e-5, err

@@ -43,6 +43,30 @@ from .moe_backward import MoeLayerFunction
 NAME = "ExpertParallelMoE"
 
 
+def _check_ctx(ctx, world, fused, hidden, top_k, experts_per_rank, max_tokens) -> None:
+    """A combine context given to the layer (``ctx``): one the fused layer can call with its
+    own sizes, on its world. Checked when the layer is made, where otherwise every call would
+    fail in the combine after its dispatch had run (or only the calls past a smaller
+    ``max_tokens``); the torch path uses none."""
+    if ctx is None:
+        return
+    if not fused:
+        raise ValueError(f"{NAME}: ctx is a combine context of the fused layer; the torch path "
+                         f"(fused=False) uses none")
+    if not isinstance(ctx, MoeGemmCombine):
+        raise ValueError(f"{NAME}: ctx must be a MoeGemmCombine, got {type(ctx).__name__}")
+    if ctx.world is not world:
+        raise ValueError(f"{NAME}: ctx must be made on the layer's world")
+    want = dict(hidden=hidden, top_k=top_k, experts_per_rank=experts_per_rank)
+    for name, v in want.items():
+        if getattr(ctx, name) != v:
+            raise ValueError(f"{NAME}: ctx was made with {name}={getattr(ctx, name)}, the layer "
+                             f"has {name}={v}")
+    if ctx.max_tokens < max_tokens:
+        raise ValueError(f"{NAME}: ctx was made with max_tokens={ctx.max_tokens}, fewer than "
+                         f"the layer's max_tokens={max_tokens}")
+
+
 class ExpertParallelMoE(nn.Module):
     """The expert-parallel MoE feed-forward layer of the module docstring: ``num_experts``
     experts split evenly over the ranks, ``top_k`` of them per token; ``forward(tokens)`` takes
@@ -52,7 +76,8 @@ class ExpertParallelMoE(nn.Module):
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
     contexts it makes (with the library's default transport, ``"auto"`` on a GPU world, except
     the dispatch's of the fused schedules below, ``"stores"``; ``ctx``: a combine context to use
-    instead); ``fuse_dispatch``: the dispatch and the gated GEMM in one launch; ``one_launch``:
+    instead, made on the layer's world with its ``hidden``, ``top_k`` and experts per rank and
+    at least its ``max_tokens``, else ``ValueError``); ``fuse_dispatch``: the dispatch and the gated GEMM in one launch; ``one_launch``:
     the dispatch and both expert GEMMs in one launch (module docstring); ``dedup``: the staged
     dispatch sends a token once per rank it reaches (``MoeDispatch``; None: its rule; the fused
     schedules send a row per expert). The ranks compare their arguments (``RankMismatchError``
@@ -82,6 +107,7 @@ class ExpertParallelMoE(nn.Module):
         if fuse_dispatch and one_launch:
             raise ValueError(f"{NAME}: fuse_dispatch and one_launch are two schedules of the "
                              f"fused layer: pass one")
+        _check_ctx(ctx, world, fused, hidden, top_k, num_experts // W, max_tokens)
         if dedup and (fuse_dispatch or one_launch or not fused):
             raise ValueError(f"{NAME}: dedup=True is an option of the staged fused layer "
                              f"(fused=True without fuse_dispatch or one_launch): the others send "
