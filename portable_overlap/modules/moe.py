@@ -77,12 +77,13 @@ class ExpertParallelMoE(nn.Module):
     contexts it makes (with the library's default transport, ``"auto"`` on a GPU world, except
     the dispatch's of the fused schedules below, ``"stores"``; ``ctx``: a combine context to use
     instead, made on the layer's world with its ``hidden``, ``top_k`` and experts per rank and
-    at least its ``max_tokens``, else ``ValueError``); ``fuse_dispatch``: the dispatch and the gated GEMM in one launch; ``one_launch``:
-    the dispatch and both expert GEMMs in one launch (module docstring); ``dedup``: the staged
-    dispatch sends a token once per rank it reaches (``MoeDispatch``; None: its rule; the fused
-    schedules send a row per expert). The ranks compare their arguments (``RankMismatchError``
-    on every rank where they differ: the router, made from ``seed``, must be the same on every
-    rank), and an argument refused on one rank raises ``PeerSetupError`` on the others."""
+    at least its ``max_tokens``, else ``ValueError``); ``fuse_dispatch``: the dispatch and the
+    gated GEMM in one launch; ``one_launch``: the dispatch and both expert GEMMs in one launch
+    (module docstring); ``dedup``: the staged dispatch sends a token once per rank it reaches
+    (``MoeDispatch``; None: its rule; the fused schedules send a row per expert). The ranks
+    compare their arguments (``RankMismatchError`` on every rank where they differ: the router,
+    made from ``seed``, must be the same on every rank), and an argument refused on one rank
+    raises ``PeerSetupError`` on the others."""
 
     @collective_setup
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
