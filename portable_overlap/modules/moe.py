@@ -33,6 +33,7 @@ from torch import nn
 
 from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from ..ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_swiglu
+from ..ops.moe_dispatch.reference import refuse_dispatch
 from ..ops.moe_experts import expert_swiglu
 from ..ops.moe_layer import moe_layer, moe_layer_reference
 from ..ops.context import check_sizes, refuse_call
@@ -193,10 +194,14 @@ class ExpertParallelMoE(nn.Module):
         """This rank's tokens failed the layer's check, before its first fused op: refuse that
         op's call, so that the peers fail it at once ("rank r gave up") and stay in step,
         instead of waiting for this rank until their timeout (which breaks the contexts, after
-        pairing their call with this rank's next one). The caller raises ``error`` then. The
-        torch path (``fused=False``) has no call to refuse: its peers wait in its first
-        all-to-all."""
+        pairing their call with this rank's next one). The caller raises ``error`` then. On the
+        torch path (``fused=False``) this rank takes part in the dispatch's counts exchange,
+        the peers' first collective of the call, with a refusal (``refuse_dispatch``): they
+        raise ``PeerTimeoutError`` for it at once instead of waiting in it for the process
+        group's timeout (gloo's: half an hour)."""
         if not self.fused:
+            W = self.world.world_size
+            refuse_dispatch(W, self.experts_per_rank, self.router.device, self.world.group)
             return
         try:
             if self.one_launch:  # (ops/moe_layer: one call of both contexts' workspaces)
