@@ -691,3 +691,137 @@ def test_a_combine_context_that_cannot_serve_the_layer_is_refused(world2):
         for name, msg in msgs.items():
             assert msg.startswith("ExpertParallelMoE: ctx") and name in msg, (name, msg)
         assert err < 1e-5, err
+
+
+def _dense(tokens, ids, w, wg, wu, wd):
+    """out[s] = sum_j w[s, j] * expert_{ids[s, j]}(tokens[s]), in float64, from every expert's
+    weights (global ids)."""
+    import torch.nn.functional as F
+
+    t = tokens.double()
+    out = torch.zeros(t.shape, dtype=torch.float64)
+    for s in range(t.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[s, j])
+            y = (F.silu(t[s] @ wg[e]) * (t[s] @ wu[e])) @ wd[e]
+            out[s] += float(w[s, j]) * y
+    return out
+
+
+def _ops_on_three_ranks(world):
+    """The staged ops, the fused dispatch + gated GEMM with the combine, and the one-launch
+    layer, on the same contexts in turn, over routings a reviewer tries (every choice on one
+    rank's experts, a token choosing one expert twice, every choice on other ranks' experts,
+    an expert no rank routes to), int32 and int64 ids, routing weights negative, zero, not
+    summing to 1 and of other dtypes (float64, bfloat16) and strides than the tokens', tokens
+    with strided rows or a storage offset, token counts that differ per rank (one rank with
+    none; one at max_tokens): each output, poisoned before the call, against the dense layer
+    in float64. Returns (case, schedule, error)."""
+    from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine
+    from portable_overlap.ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_swiglu
+    from portable_overlap.ops.moe_layer import moe_layer
+
+    W, r = world.world_size, world.rank
+    El, k, H, inter, max_tokens = 2, 2, 20, 24, 8
+    E = El * W
+    gw = torch.Generator().manual_seed(77)  # every expert's weights, the same on every rank
+    WG, WU = (torch.randn(E, H, inter, generator=gw) / H ** 0.5 for _ in range(2))
+    WD = torch.randn(E, inter, H, generator=gw) / inter ** 0.5
+    wg, wu, wd = (t[r * El:(r + 1) * El].contiguous() for t in (WG, WU, WD))
+    d = MoeDispatch(world, max_tokens=max_tokens, top_k=k, hidden=H, experts_per_rank=El,
+                    dtype=torch.float32)
+    c = MoeGemmCombine(world, max_tokens=max_tokens, top_k=k, hidden=H, experts_per_rank=El)
+    cases = [("one_rank", (6, 4, 8), "rand", "plain", torch.int64),
+             ("same_expert_twice", (5, 7, 3), "mixed", "strided", torch.int32),
+             ("other_ranks", (5, 0, 7), "float64", "offset", torch.int64),
+             ("empty_expert", (8, 8, 8), "bfloat16", "plain", torch.int32)]
+    got = []
+    try:
+        for i, (kind, S_per_rank, wkind, tkind, id_dtype) in enumerate(cases):
+            g = torch.Generator().manual_seed(100 * i + r)
+            S = S_per_rank[r]
+            scores = torch.rand(S, E, generator=g)
+            if kind == "one_rank":
+                ids = torch.tensor([0, 1]).expand(S, k)
+            elif kind == "same_expert_twice":
+                ids = torch.randint(0, E, (S, 1), generator=g).expand(S, k)
+            elif kind == "other_ranks":
+                scores[:, r * El:(r + 1) * El] = -1
+                ids = scores.topk(k, 1).indices
+            else:
+                scores[:, E - 1] = -1
+                ids = scores.topk(k, 1).indices
+            ids = ids.contiguous().to(id_dtype)
+            if tkind == "strided":
+                tokens = torch.randn(S, 2 * H, generator=g)[:, :H]
+            elif tkind == "offset":
+                tokens = torch.randn(S * H + 3, generator=g)[3:].view(S, H)
+            else:
+                tokens = torch.randn(S, H, generator=g)
+            w = torch.rand(k, S, generator=g).t()  # (column-major)
+            if wkind == "mixed":
+                w = torch.randn(S, k, generator=g) * 2
+                w[:1] = 0
+            elif wkind != "rand":
+                w = w.to(getattr(torch, wkind))
+            ref = _dense(tokens, ids, w.double(), *(t.double() for t in (WG, WU, WD)))
+            for schedule in ("staged", "fused_dispatch", "one_launch"):
+                out = torch.full((S, H), float("nan"))
+                if schedule == "one_launch":
+                    moe_layer(tokens, ids, w, wg, wu, wd, d, c, out)
+                else:
+                    if schedule == "staged":
+                        x, counts, slots = moe_dispatch(tokens, ids, d)
+                        h = expert_swiglu(x, wg, wu, counts)
+                    else:
+                        h, counts, slots = moe_dispatch_swiglu(tokens, ids, wg, wu, d)
+                    moe_gemm_combine(h, wd, counts, slots, w, c, out)
+                d.synchronize()
+                c.synchronize()
+                err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() \
+                    if S else 0.0
+                got.append((kind, schedule, err))
+    finally:
+        d.close()
+        c.close()
+    return got
+
+
+def test_ops_on_three_ranks_over_routings(world3):
+    for got in world3.run(_ops_on_three_ranks, timeout=300):
+        assert all(err < 1e-5 for _, _, err in got), got
+
+
+def _layer_on_three_ranks(world):
+    """``ExpertParallelMoE`` in each schedule against the torch path on 3 ranks (an odd world),
+    one expert per rank and top_k = num_experts (every token to every expert), token counts
+    that differ per rank (one rank with none), two calls."""
+    from portable_overlap import ExpertParallelMoE
+
+    W, r = world.world_size, world.rank
+    H, inter = 20, 12
+    ref = ExpertParallelMoE(world, H, inter, W, W, max_tokens=6, dtype=torch.float32,
+                            fused=False)
+    errs = []
+    for opts in ({}, {"fuse_dispatch": True}, {"one_launch": True}):
+        layer = ExpertParallelMoE(world, H, inter, W, W, max_tokens=6, dtype=torch.float32,
+                                  **opts)
+        try:
+            with torch.no_grad():
+                for call in range(2):
+                    g = torch.Generator().manual_seed(10 * call + r)
+                    S = 0 if (r, call) == (1, 1) else 2 + (r + call) % 5
+                    tokens = torch.randn(S, H, generator=g)
+                    y = layer(tokens)
+                    layer.synchronize()
+                    y_ref = ref(tokens)
+                    errs.append(((y - y_ref).norm() / y_ref.norm().clamp_min(1e-30)).item()
+                                if S else float(y.numel()))
+        finally:
+            layer.close()
+    return errs
+
+
+def test_layer_schedules_on_three_ranks(world3):
+    for errs in world3.run(_layer_on_three_ranks, timeout=300):
+        assert all(e < 1e-5 for e in errs), errs
