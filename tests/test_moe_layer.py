@@ -825,3 +825,66 @@ def _layer_on_three_ranks(world):
 def test_layer_schedules_on_three_ranks(world3):
     for errs in world3.run(_layer_on_three_ranks, timeout=300):
         assert all(e < 1e-5 for e in errs), errs
+
+
+def _backward_with_idle_experts(world, schedule):
+    """Every token routed to experts 0 and 1 (rank 0's), one rank without tokens: the
+    gradients of the experts that got no rows (ranks 1 and 2) are zeros, rank 0's and the
+    tokens' and router's match dense autograd in float64."""
+    import torch.nn.functional as F
+
+    from portable_overlap import ExpertParallelMoE
+
+    W, r = world.world_size, world.rank
+    H, inter, E, k = 12, 10, 2 * W, 2
+    opts = {"fused": False} if schedule == "torch_path" else (
+        {schedule: True} if schedule != "staged" else {})
+    layer = ExpertParallelMoE(world, H, inter, E, k, max_tokens=6, dtype=torch.float32, **opts)
+
+    def route(t):  # the router's weights of experts 0 and 1, renormalised
+        ids = torch.tensor([0, 1]).expand(t.shape[0], k).contiguous()
+        w = torch.softmax(t @ layer.router.T, -1).gather(1, ids)
+        return w / w.sum(-1, keepdim=True), ids
+
+    layer.route = route
+    g = torch.Generator().manual_seed(60 + r)
+    S = 0 if r == 1 else 4
+    tokens = torch.randn(S, H, generator=g).requires_grad_()
+    dout = torch.randn(S, H, generator=g)
+    try:
+        y = layer(tokens)
+        layer.synchronize()
+        y.backward(dout)
+        mine = {"tokens": tokens.detach(), "dout": dout, "dtokens": tokens.grad,
+                **{n: p.detach() for n, p in layer.named_parameters()},
+                **{"d" + n: p.grad for n, p in layer.named_parameters()}}
+    finally:
+        layer.close()
+    every = world.all_gather_object(mine)
+    T = torch.cat([m["tokens"] for m in every]).double().requires_grad_()
+    ws = [torch.cat([m[n] for m in every]).double().requires_grad_()
+          for n in ("w_gate", "w_up", "w_down")]
+    router = mine["router"].double().requires_grad_()
+    ids = torch.tensor([0, 1]).expand(T.shape[0], k)
+    w = torch.softmax(T @ router.T, -1).gather(1, ids)
+    w = w / w.sum(-1, keepdim=True)
+    wg, wu, wd = ws
+    out = sum(w[:, j:j + 1] * ((F.silu(T @ wg[j]) * (T @ wu[j])) @ wd[j]) for j in range(k))
+    (out * torch.cat([m["dout"] for m in every]).double()).sum().backward()
+    lo = sum(m["tokens"].shape[0] for m in every[:r])
+    zeros = r != 0 and all(bool((mine["d" + n] == 0).all()) for n in ("w_gate", "w_up", "w_down"))
+    pairs = [(mine["d" + n], x.grad[2 * r:2 * r + 2]) for n, x in zip(("w_gate", "w_up",
+                                                                       "w_down"), ws)]
+    pairs.append((sum(m["drouter"] for m in every), router.grad))
+    if S:
+        pairs.append((mine["dtokens"], T.grad[lo:lo + S]))
+    err = max(((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+              if b.norm() else a.abs().max().item() for a, b in pairs)
+    return zeros, err
+
+
+@pytest.mark.parametrize("schedule", ["staged", "one_launch", "torch_path"])
+def test_backward_gives_zeros_to_experts_without_rows(world3, schedule):
+    for r, (zeros, err) in enumerate(world3.run(_backward_with_idle_experts, schedule)):
+        assert zeros or r == 0, r
+        assert err < 1e-5, (r, err)
