@@ -1,7 +1,7 @@
 """Shared fixtures and the backend groups of the CPU suite.
 
-Fixtures: CPU-emulated worlds of 2, 4 and 8 ranks, started once per test session, and the vendor
-binding modules (cuda-python's driver, hip-python's runtime) for the marshalling tests.
+Fixtures: CPU-emulated worlds of 2, 3, 4 and 8 ranks, started once per test session, and the
+vendor binding modules (cuda-python's driver, hip-python's runtime) for the marshalling tests.
 
 A test hands a module-level function to ``world.run(fn, *args)``; it runs as ``fn(world, *args)``
 on every rank (spawned processes, gloo, the CPU backend, the Triton interpreter).
@@ -9,8 +9,8 @@ on every rank (spawned processes, gloo, the CPU backend, the Triton interpreter)
 Every collected test gets the markers of its backend group (declared in pyproject.toml), derived
 from what it uses, so ``pytest -m compile_gfx942`` runs one group:
 
-- ``emulated(ranks=N)``: it uses ``world``, ``world2``, ``world4`` or ``world8`` (a test that
-  starts its own :class:`EmulatedWorld` carries the marker itself);
+- ``emulated(ranks=N)``: it uses ``world``, ``world2``, ``world3``, ``world4`` or ``world8`` (a
+  test that starts its own :class:`EmulatedWorld` carries the marker itself);
 - ``marshalling_cuda`` / ``marshalling_hip``: it uses ``cuda_driver`` / ``hip_runtime``;
 - ``compile_sm90`` / ``compile_gfx942``: one of its parameters is a target of
   ``kernel_registry.TARGETS``;
@@ -40,6 +40,11 @@ def _world(size: int) -> EmulatedWorld:
 @pytest.fixture
 def world2():
     return _world(2)
+
+
+@pytest.fixture
+def world3():
+    return _world(3)
 
 
 @pytest.fixture
@@ -82,7 +87,7 @@ def hip_runtime():
 # --- backend groups ---------------------------------------------------------------------------
 
 #: fixture -> ranks of the emulated world it hands out ("world" is parametrized: its parameter)
-WORLD_FIXTURES = {"world2": 2, "world4": 4, "world8": 8, "world": None}
+WORLD_FIXTURES = {"world2": 2, "world3": 3, "world4": 4, "world8": 8, "world": None}
 #: fixture -> group of the tests that use it
 BINDING_FIXTURES = {"cuda_driver": "marshalling_cuda", "hip_runtime": "marshalling_hip"}
 #: summary order; "emulated" gets one line per rank count

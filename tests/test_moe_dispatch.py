@@ -231,7 +231,6 @@ def test_bad_routing_raises_on_every_rank(world2, fault, dedup):
 def _overflow_counts(world):
     """On an overflow the receiving rank's counts are zeros (no row past its buffer is ever
     named), so a combine launched before the error is seen reads nothing out of bounds."""
-    W, r = world.world_size, world.rank
     ctx = MoeDispatch(world, max_tokens=8, top_k=1, hidden=8, experts_per_rank=1,
                       dtype=torch.float32, capacity=8)
     try:
@@ -256,7 +255,7 @@ def _sequential_overflow_then_combine(world):
     goes to rank 0's expert, past its capacity. Every rank raises in that dispatch call (so
     none goes on to the combine alone, where its peers never come), and the next call, within
     capacity, is right on both contexts."""
-    W, r, S, H, I, El, k = world.world_size, world.rank, 4, 8, 8, 1, 1
+    r, S, H, I, El, k = world.rank, 4, 8, 8, 1, 1
     disp = MoeDispatch(world, max_tokens=S, top_k=k, hidden=I, experts_per_rank=El,
                        dtype=torch.float32, transport="sequential", capacity=S + 1)
     comb = MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H, experts_per_rank=El,
@@ -828,3 +827,73 @@ def _dedup_strided_int32(world):
 
 def test_dedup_with_int32_ids_and_strided_tokens(world2):
     assert all(R > 0 for R in world2.run(_dedup_strided_int32))
+
+
+def _received_rows_fed_back(world, transport, form):
+    """The rows of a call (``x``, a view of the context's receive buffer) passed back as the
+    next call's tokens, on one rank only, or its slots as the next call's ids: the call
+    overwrites that buffer while it reads them (a peer's rows landed on rank 1's tokens before
+    rank 1 sent them, which returned wrong rows with no error under ``"stores"``). Refused on
+    that rank before anything is launched, the peers fail the same call, and the next call
+    (with a copy) is right on every rank."""
+    from portable_overlap.ops.moe_dispatch import moe_dispatch_swiglu
+    from portable_overlap.ops.moe_layer import moe_layer
+
+    W, r = world.world_size, world.rank
+    El, k, H, inter = 2, 2, 20, 16
+    d = MoeDispatch(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El,
+                    dtype=torch.float32, transport=transport)
+    c = MoeGemmCombine(world, max_tokens=8, top_k=k, hidden=H, experts_per_rank=El)
+    g = torch.Generator().manual_seed(40 + r)
+    wg, wu = (torch.randn(El, H, inter, generator=g) for _ in range(2))
+    wd = torch.randn(El, inter, H, generator=g)
+
+    def call(tokens, ids):
+        if form == "dispatch":
+            return moe_dispatch(tokens, ids, d)
+        if form == "dispatch_swiglu":
+            return moe_dispatch_swiglu(tokens, ids, wg, wu, d)
+        return moe_layer(tokens, ids, torch.rand(tokens.shape[0], k), wg, wu, wd, d, c)
+
+    try:
+        tokens = torch.randn(6, H, generator=g)
+        ids = torch.rand(6, El * W, generator=g).topk(k, 1).indices
+        x, counts, slots = moe_dispatch(tokens, ids, d)
+        d.synchronize()
+        n = 5
+        ids2 = torch.rand(n, El * W, generator=g).topk(k, 1).indices
+        msgs = []
+        for bad in ("tokens", "topk_ids"):
+            t2, i2 = x[:n], ids2
+            if bad == "topk_ids":
+                t2, i2 = x[:n].clone(), d.recv_slots[:n * k].view(n, k)
+            if r != 1:
+                t2, i2 = t2.clone(), i2.clone()
+            try:
+                call(t2, i2)
+                d.synchronize()
+                c.synchronize()
+                msgs.append("no error")
+            except (ValueError, PeerTimeoutError) as e:
+                msgs.append(f"{type(e).__name__}: {e}")
+        tokens = x[:n].clone()
+        x2, counts2, slots2 = moe_dispatch(tokens, ids2, d)
+        d.synchronize()
+        _check(world, x2, counts2, slots2, moe_dispatch_reference(tokens, ids2, El, world.group))
+        return msgs
+    finally:
+        d.close()
+        c.close()
+
+
+@pytest.mark.parametrize("transport, form", [("stores", "dispatch"), ("sequential", "dispatch"),
+                                             ("stores", "dispatch_swiglu"),
+                                             ("stores", "moe_layer")])
+def test_received_rows_fed_back_as_the_next_calls_input_are_refused(world2, transport, form):
+    for r, msgs in enumerate(world2.run(_received_rows_fed_back, transport, form)):
+        for bad, msg in zip(("tokens", "topk_ids"), msgs):
+            if r == 1:
+                assert msg.startswith("ValueError") and f"{bad} share memory" in msg \
+                    and "receive buffers" in msg, msg
+            else:
+                assert msg.startswith("PeerTimeoutError") and "gave up" in msg, msg

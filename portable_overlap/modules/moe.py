@@ -33,6 +33,7 @@ from torch import nn
 
 from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine
 from ..ops.moe_dispatch import MoeDispatch, moe_dispatch, moe_dispatch_swiglu
+from ..ops.moe_dispatch.reference import refuse_dispatch
 from ..ops.moe_experts import expert_swiglu
 from ..ops.moe_layer import moe_layer, moe_layer_reference
 from ..ops.context import check_sizes, refuse_call
@@ -41,6 +42,30 @@ from .agreement import kind, same_arguments
 from .moe_backward import MoeLayerFunction
 
 NAME = "ExpertParallelMoE"
+
+
+def _check_ctx(ctx, world, fused, hidden, top_k, experts_per_rank, max_tokens) -> None:
+    """A combine context given to the layer (``ctx``): one the fused layer can call with its
+    own sizes, on its world. Checked when the layer is made, where otherwise every call would
+    fail in the combine after its dispatch had run (or only the calls past a smaller
+    ``max_tokens``); the torch path uses none."""
+    if ctx is None:
+        return
+    if not fused:
+        raise ValueError(f"{NAME}: ctx is a combine context of the fused layer; the torch path "
+                         f"(fused=False) uses none")
+    if not isinstance(ctx, MoeGemmCombine):
+        raise ValueError(f"{NAME}: ctx must be a MoeGemmCombine, got {type(ctx).__name__}")
+    if ctx.world is not world:
+        raise ValueError(f"{NAME}: ctx must be made on the layer's world")
+    want = dict(hidden=hidden, top_k=top_k, experts_per_rank=experts_per_rank)
+    for name, v in want.items():
+        if getattr(ctx, name) != v:
+            raise ValueError(f"{NAME}: ctx was made with {name}={getattr(ctx, name)}, the layer "
+                             f"has {name}={v}")
+    if ctx.max_tokens < max_tokens:
+        raise ValueError(f"{NAME}: ctx was made with max_tokens={ctx.max_tokens}, fewer than "
+                         f"the layer's max_tokens={max_tokens}")
 
 
 class ExpertParallelMoE(nn.Module):
@@ -52,12 +77,14 @@ class ExpertParallelMoE(nn.Module):
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
     contexts it makes (with the library's default transport, ``"auto"`` on a GPU world, except
     the dispatch's of the fused schedules below, ``"stores"``; ``ctx``: a combine context to use
-    instead); ``fuse_dispatch``: the dispatch and the gated GEMM in one launch; ``one_launch``:
-    the dispatch and both expert GEMMs in one launch (module docstring); ``dedup``: the staged
-    dispatch sends a token once per rank it reaches (``MoeDispatch``; None: its rule; the fused
-    schedules send a row per expert). The ranks compare their arguments (``RankMismatchError``
-    on every rank where they differ: the router, made from ``seed``, must be the same on every
-    rank), and an argument refused on one rank raises ``PeerSetupError`` on the others."""
+    instead, made on the layer's world with its ``hidden``, ``top_k`` and experts per rank and
+    at least its ``max_tokens``, else ``ValueError``); ``fuse_dispatch``: the dispatch and the
+    gated GEMM in one launch; ``one_launch``: the dispatch and both expert GEMMs in one launch
+    (module docstring); ``dedup``: the staged dispatch sends a token once per rank it reaches
+    (``MoeDispatch``; None: its rule; the fused schedules send a row per expert). The ranks
+    compare their arguments (``RankMismatchError`` on every rank where they differ: the router,
+    made from ``seed``, must be the same on every rank), and an argument refused on one rank
+    raises ``PeerSetupError`` on the others."""
 
     @collective_setup
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
@@ -82,6 +109,7 @@ class ExpertParallelMoE(nn.Module):
         if fuse_dispatch and one_launch:
             raise ValueError(f"{NAME}: fuse_dispatch and one_launch are two schedules of the "
                              f"fused layer: pass one")
+        _check_ctx(ctx, world, fused, hidden, top_k, num_experts // W, max_tokens)
         if dedup and (fuse_dispatch or one_launch or not fused):
             raise ValueError(f"{NAME}: dedup=True is an option of the staged fused layer "
                              f"(fused=True without fuse_dispatch or one_launch): the others send "
@@ -166,10 +194,14 @@ class ExpertParallelMoE(nn.Module):
         """This rank's tokens failed the layer's check, before its first fused op: refuse that
         op's call, so that the peers fail it at once ("rank r gave up") and stay in step,
         instead of waiting for this rank until their timeout (which breaks the contexts, after
-        pairing their call with this rank's next one). The caller raises ``error`` then. The
-        torch path (``fused=False``) has no call to refuse: its peers wait in its first
-        all-to-all."""
+        pairing their call with this rank's next one). The caller raises ``error`` then. On the
+        torch path (``fused=False``) this rank takes part in the dispatch's counts exchange,
+        the peers' first collective of the call, with a refusal (``refuse_dispatch``): they
+        raise ``PeerTimeoutError`` for it at once instead of waiting in it for the process
+        group's timeout (gloo's: half an hour)."""
         if not self.fused:
+            W = self.world.world_size
+            refuse_dispatch(W, self.experts_per_rank, self.router.device, self.world.group)
             return
         try:
             if self.one_launch:  # (ops/moe_layer: one call of both contexts' workspaces)

@@ -43,7 +43,8 @@ import torch
 
 from ...shmem.providers import agreed_put_provider
 from ..context import (align_key, check_sizes as check_bounds, check_transport,
-                       collective_call, G_MAX, OverlapContext, refuse_grad, shape_tag)
+                       collective_call, G_MAX, OverlapContext, refuse_grad, shape_tag,
+                       shares_memory)
 from ..launch import PlannedLaunch
 from ..matmul.api import DTYPES
 from .kernel import (FLAG_NAMES, dispatch_put_kernel, dispatch_scatter_kernel,
@@ -149,6 +150,22 @@ def check_call(ctx, tokens, topk_ids) -> None:
     if tokens.shape[0] > ctx.max_tokens:
         raise ValueError(f"{OP}: S={tokens.shape[0]} tokens exceed this context's "
                          f"max_tokens={ctx.max_tokens}")
+    check_not_received(ctx, tokens=tokens, topk_ids=topk_ids)
+
+
+def check_not_received(ctx, **inputs) -> None:
+    """A ValueError where one of ``inputs`` (name -> tensor) shares memory with the context's
+    receive buffers (``recv``, ``recv_slots``, ``counts``: what a call returns), e.g. the
+    previous call's rows passed back as tokens: the call stores its own and its peers' rows
+    there while it still reads its inputs (on 2 emulated ranks a peer's rows landed on the
+    tokens before they were sent, and the call returned wrong rows with no error)."""
+    for name, t in inputs.items():
+        for buf in (ctx.recv, ctx.recv_slots, ctx.counts):
+            if isinstance(t, torch.Tensor) and buf is not None and shares_memory(t, buf):
+                raise ValueError(f"{OP}: {name} share memory with this context's receive "
+                                 f"buffers (the rows, slots or counts a call returns, which the "
+                                 f"next call overwrites while it reads its inputs): pass a copy "
+                                 f"({name}.clone())")
 
 
 class MoeDispatchKernel(OverlapContext):
