@@ -16,7 +16,7 @@ finish: 100-115 µs, against 148 for all 160 tiles of 128 rows, i.e. 0.8-0.9 of 
 GEMM where today's default runs at 0.65.
 
 One GPU, bf16, graph replay, each variant checked against a float32 reference before it is
-timed. Rows per expert come from ``--cases`` (``H,I,r0/r1/...``: hidden, expert width, each
+timed. Rows per expert come from ``--cases`` (``H,width,r0/r1/...``: hidden, expert width, each
 local expert's rows). Baselines: cuBLAS's gate and up GEMMs over all rows with one expert's
 weights (``dense``: the grouped-GEMM target's yardstick) and per expert (``per_expert``, with
 the SiLU-gating). The tile table is built on the host here (a probe); the op would build it on
@@ -38,7 +38,7 @@ import triton.language as tl
 from portable_overlap.tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc
 from portable_overlap.tiles.gemv import dot_upcast
 
-#: (H, I, rows of each local expert): 128 tokens per rank, balanced routing, rank 0 of the
+#: (H, width, rows of each local expert): 128 tokens per rank, balanced routing, rank 0 of the
 #: DeepSeek-like layer (E 16, top-8) on 8 / 4 / 2 ranks and the Mixtral-like one (E 8, top-2)
 #: on 8 / 2 ranks
 CASES = ("7168,2048,515/514;7168,2048,259/256/258/257;7168,2048,127/130/128/126/129/131/128/124;"
@@ -46,19 +46,19 @@ CASES = ("7168,2048,515/514;7168,2048,259/256/258/257;7168,2048,127/130/128/126/
 
 
 @triton.jit
-def _store_gated(g, u, h_ptr, row0, nrows, col0, I, stride_hm,
+def _store_gated(g, u, h_ptr, row0, nrows, col0, width, stride_hm,
                  BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.arange(0, BLOCK)
     c = col0 + tl.arange(0, BLOCK_N)
     h = g / (1.0 + tl.exp(-g)) * u  # SiLU(gate) * up in float32
-    mask = (r[:, None] < nrows) & (c[None, :] < I)
+    mask = (r[:, None] < nrows) & (c[None, :] < width)
     tl.store(h_ptr + (row0 + r).to(tl.int64)[:, None] * stride_hm + c[None, :],
              h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gated(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, h_ptr, e, row0, nrows, pid_n, R, H,
-           I, stride_xm, stride_wk, stride_hm, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+           width, stride_xm, stride_wk, stride_hm, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_DESC: tl.constexpr,
            UPCAST: tl.constexpr):
     if USE_DESC:
@@ -67,15 +67,15 @@ def _gated(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, h_ptr, e, row0, nrow
     else:  # (the interpreter's path: pointer loads of the rows from row0 on)
         g, u = gemm_tile_pair(x_ptr + row0.to(tl.int64) * stride_xm,
                               wg_ptr + (e * H).to(tl.int64) * stride_wk,
-                              wu_ptr + (e * H).to(tl.int64) * stride_wk, nrows, I, 0, H,
+                              wu_ptr + (e * H).to(tl.int64) * stride_wk, nrows, width, 0, H,
                               stride_xm, 1, stride_wk, 1, 0, pid_n, BLOCK, BLOCK_N, BLOCK_K,
                               NUM_STAGES, False, "tf32", UPCAST)
-    _store_gated(g, u, h_ptr, row0, nrows, pid_n * BLOCK_N, I, stride_hm, BLOCK, BLOCK_N)
+    _store_gated(g, u, h_ptr, row0, nrows, pid_n * BLOCK_N, width, stride_hm, BLOCK, BLOCK_N)
 
 
 @triton.jit
 def tail_tiles_kernel(x_ptr, wg_ptr, wu_ptr, x_desc, xt_desc, wg_desc, wu_desc, h_ptr, table_ptr,
-                      n_tiles, counter_ptr, R, H, I, stride_xm, stride_wk, stride_hm,
+                      n_tiles, counter_ptr, R, H, width, stride_xm, stride_wk, stride_hm,
                       BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DYNAMIC: tl.constexpr,
                       USE_DESC: tl.constexpr, UPCAST: tl.constexpr):
@@ -97,26 +97,26 @@ def tail_tiles_kernel(x_ptr, wg_ptr, wu_ptr, x_desc, xt_desc, wg_desc, wu_desc, 
         pid_n = tl.load(table_ptr + 4 * t + 3)
         if BLOCK_T >= BLOCK_M or nrows > BLOCK_T:  # (one tile shape: one pipeline's smem)
             _gated(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, h_ptr, e, row0, nrows, pid_n,
-                   R, H, I, stride_xm, stride_wk, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K,
+                   R, H, width, stride_xm, stride_wk, stride_hm, BLOCK_M, BLOCK_N, BLOCK_K,
                    NUM_STAGES, USE_DESC, UPCAST)
         else:
             _gated(x_ptr, wg_ptr, wu_ptr, xt_desc, wg_desc, wu_desc, h_ptr, e, row0, nrows,
-                   pid_n, R, H, I, stride_xm, stride_wk, stride_hm, BLOCK_T, BLOCK_N, BLOCK_K,
-                   NUM_STAGES, USE_DESC, UPCAST)
+                   pid_n, R, H, width, stride_xm, stride_wk, stride_hm, BLOCK_T, BLOCK_N,
+                   BLOCK_K, NUM_STAGES, USE_DESC, UPCAST)
         if DYNAMIC:
             t = tl.atomic_add(counter_ptr, 1)
         else:
             t += G
 
 
-def tile_table(rows, I, block_m, block_t, block_n, tails_first=False) -> list:
+def tile_table(rows, width, block_m, block_t, block_n, tails_first=False) -> list:
     """[(expert, first row, rows, column block)]: each expert's full ``block_m`` row tiles (all
     experts' tiles of one column block together, so a weight column block is read from memory
     once), then its rows past them in ``block_t`` tiles; with ``tails_first`` the narrow tiles
     lead. ``block_t == block_m``: the last tile of an expert is a partial full one."""
     full, tails = [], []
     starts = [sum(rows[:e]) for e in range(len(rows))]
-    for n in range(triton.cdiv(I, block_n)):
+    for n in range(triton.cdiv(width, block_n)):
         for e, r in enumerate(rows):
             whole = r // block_m * block_m if block_t < block_m else r
             for m0 in range(0, whole, block_m):
@@ -132,10 +132,10 @@ class Variant:
     def __init__(self, x, wg, wu, h, rows, block_m, block_t, dynamic, tails_first, programs,
                  block_n=128, block_k=64, warps=8, stages=3):
         self.x, self.wg, self.wu, self.h = x, wg, wu, h
-        self.H, self.I = x.shape[1], wg.shape[1]
+        self.H, self.width = x.shape[1], wg.shape[1]
         self.meta = dict(BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
                          NUM_STAGES=stages, DYNAMIC=dynamic, num_warps=warps)
-        table = tile_table(rows, self.I, block_m, block_t, block_n, tails_first)
+        table = tile_table(rows, self.width, block_m, block_t, block_n, tails_first)
         self.n_tiles = len(table)
         self.table = torch.tensor(table, dtype=torch.int32, device=x.device).view(-1)
         self.counter = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -156,8 +156,8 @@ class Variant:
             self.counter.zero_()
         tail_tiles_kernel[self.grid](
             self.x, self.wg, self.wu, *self.descs, self.h, self.table, self.n_tiles,
-            self.counter, self.x.shape[0], self.H, self.I, self.x.stride(0), self.wg.stride(0),
-            self.h.stride(0), USE_DESC=self.use_desc, UPCAST=dot_upcast(self.x.dtype),
+            self.counter, self.x.shape[0], self.H, self.width, self.x.stride(0),
+            self.wg.stride(0), self.h.stride(0), USE_DESC=self.use_desc, UPCAST=dot_upcast(self.x.dtype),
             **self.meta)
         return self.h
 
@@ -168,28 +168,29 @@ def reference(x, wg, wu, rows) -> torch.Tensor:
     out, r0 = [], 0
     for e, r in enumerate(rows):
         xe = x[r0:r0 + r].float()
-        out.append(F.silu(xe @ wg[e * H:(e + 1) * H].float()) * (xe @ wu[e * H:(e + 1) * H].float()))
+        wge, wue = wg[e * H:(e + 1) * H].float(), wu[e * H:(e + 1) * H].float()
+        out.append(F.silu(xe @ wge) * (xe @ wue))
         r0 += r
     return torch.cat(out)
 
 
 def parse_cases(text: str) -> list:
-    """``"H,I,r0/r1;..."`` -> [(H, I, [r0, r1, ...])]."""
+    """``"H,width,r0/r1;..."`` -> [(H, width, [r0, r1, ...])]."""
     cases = []
     for item in filter(None, (s.strip() for s in text.split(";"))):
-        H, I, rows = item.split(",")
-        cases.append((int(H), int(I), [int(r) for r in rows.split("/")]))
+        H, width, rows = item.split(",")
+        cases.append((int(H), int(width), [int(r) for r in rows.split("/")]))
     return cases
 
 
-def make_case(H, I, rows, device, dtype=torch.bfloat16, seed=0):
-    """Random rows and stacked [E * H, I] gate / up weights, and a poisoned output."""
+def make_case(H, width, rows, device, dtype=torch.bfloat16, seed=0):
+    """Random rows and stacked [E * H, width] gate / up weights, and a poisoned output."""
     g = torch.Generator(device=device).manual_seed(seed)
     R, E = sum(rows), len(rows)
     x = torch.randn(R, H, generator=g, device=device).to(dtype)
-    wg = (torch.randn(E * H, I, generator=g, device=device) / H ** 0.5).to(dtype)
-    wu = (torch.randn(E * H, I, generator=g, device=device) / H ** 0.5).to(dtype)
-    h = torch.full((R, I), float("nan"), device=device, dtype=dtype)
+    wg = (torch.randn(E * H, width, generator=g, device=device) / H ** 0.5).to(dtype)
+    wu = (torch.randn(E * H, width, generator=g, device=device) / H ** 0.5).to(dtype)
+    h = torch.full((R, width), float("nan"), device=device, dtype=dtype)
     return x, wg, wu, h
 
 
@@ -222,8 +223,8 @@ def main() -> int:
     dev = world.device
     writer = ResultWriter(args.out, args.device_kind, 1)
     programs = world.facts.sm_count
-    for H, I, rows in parse_cases(args.cases):
-        x, wg, wu, h = make_case(H, I, rows, dev)
+    for H, width, rows in parse_cases(args.cases):
+        x, wg, wu, h = make_case(H, width, rows, dev)
         R = x.shape[0]
         ref = reference(x, wg, wu, rows)
         impls = {}
@@ -253,9 +254,9 @@ def main() -> int:
                 times[n].append(time_op(impls[n][0], world, graph=True, iters=args.iters,
                                         warmup=10)["median_ms"])
         med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
-        label = f"{H}x{I} rows {'/'.join(map(str, rows))}"
+        label = f"{H}x{width} rows {'/'.join(map(str, rows))}"
         for n, ms in med.items():
-            writer.write(op="expert_swiglu_tail_tiles", shape={"H": H, "I": I, "rows": rows},
+            writer.write(op="expert_swiglu_tail_tiles", shape={"H": H, "I": width, "rows": rows},
                          dtype="bf16", impl=n, graph=True, median_ms=round(ms, 4),
                          rel_err=impls[n][1], tiles=impls[n][2], rounds=args.rounds)
         best = min((n for n in med if n not in ("dense", "per_expert")), key=med.get)

@@ -10,10 +10,10 @@ from benchmarks.probe_tail_tiles import (Variant, make_case, parse_cases, refere
 
 @pytest.mark.parametrize("rows,block_t", [([515, 514], 16), ([515, 514], 128), ([7, 0, 64], 8)])
 def test_tile_table_covers_each_row_once(rows, block_t):
-    I, bn = 300, 128
-    seen = torch.zeros(sum(rows), -(-I // bn), dtype=torch.int32)
+    width, bn = 300, 128
+    seen = torch.zeros(sum(rows), -(-width // bn), dtype=torch.int32)
     starts = [sum(rows[:e]) for e in range(len(rows))]
-    for e, r0, n, col in tile_table(rows, I, 128, block_t, bn):
+    for e, r0, n, col in tile_table(rows, width, 128, block_t, bn):
         assert n <= (128 if n > block_t else block_t)
         assert starts[e] <= r0 and r0 + n <= starts[e] + rows[e]  # inside its expert's rows
         seen[r0:r0 + n, col] += 1
@@ -24,8 +24,8 @@ def _kernel_errors(world):
     """(variant, relative error) of every variant of the probe's kernel on this rank (an
     emulated rank: the interpreter), at the interpreter's sizes: 32-row tiles, narrow ones of
     16 or 8 rows."""
-    rows, H, I = [37, 20, 5], 32, 48
-    x, wg, wu, h = make_case(H, I, rows, torch.device("cpu"), seed=world.rank)
+    rows, H, width = [37, 20, 5], 32, 48
+    x, wg, wu, h = make_case(H, width, rows, torch.device("cpu"), seed=world.rank)
     ref = reference(x, wg, wu, rows)
     errs = []
     for name, _, bt, dyn, first in variants(block_ts=(32, 16)):
@@ -43,5 +43,5 @@ def test_kernel_matches_the_reference(world2):
 
 
 def test_parse_cases():
-    assert parse_cases("7168,2048,515/514; 4096,14336,256") == [(7168, 2048, [515, 514]),
-                                                                 (4096, 14336, [256])]
+    want = [(7168, 2048, [515, 514]), (4096, 14336, [256])]
+    assert parse_cases("7168,2048,515/514; 4096,14336,256") == want
