@@ -157,8 +157,8 @@ class Variant:
         tail_tiles_kernel[self.grid](
             self.x, self.wg, self.wu, *self.descs, self.h, self.table, self.n_tiles,
             self.counter, self.x.shape[0], self.H, self.width, self.x.stride(0),
-            self.wg.stride(0), self.h.stride(0), USE_DESC=self.use_desc, UPCAST=dot_upcast(self.x.dtype),
-            **self.meta)
+            self.wg.stride(0), self.h.stride(0), USE_DESC=self.use_desc,
+            UPCAST=dot_upcast(self.x.dtype), **self.meta)
         return self.h
 
 
