@@ -4,6 +4,7 @@ same errors whatever the transport), the data checks, and the backward (the reve
 and the rows' gradients), which no transport changes."""
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -67,10 +68,13 @@ class RankTables:
         if batch_splits is None:
             return even_splits(OP, lengths, self.n_loc, W, self.rank)
         try:
-            splits = tuple(int(n) for n in batch_splits)
-        except (TypeError, ValueError):
+            # integers only (ints, NumPy ints, integer tensors): int() would round 2.5 down
+            # and take True as 1, running the call on another batch than the caller's
+            splits = tuple(None if isinstance(n, bool) else operator.index(n)
+                           for n in batch_splits)
+        except TypeError:
             splits = None
-        if splits is None or len(splits) != W or any(n < 0 for n in splits):
+        if splits is None or len(splits) != W or any(n is None or n < 0 for n in splits):
             raise ValueError(f"{OP}: batch_splits must be {W} non-negative ints, got "
                              f"{batch_splits!r}")
         return splits
