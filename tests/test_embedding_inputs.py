@@ -225,8 +225,8 @@ def test_batch_splits_that_are_not_integers_are_refused(world2):
 
 def _reference_path_bad_input(world):
     """The module's reference path (``fused=False``) with one rank's input refused (an index
-    outside its table, lengths that miss the indices): every rank raises in that call, none
-    waits in the exchange, and the next call works."""
+    outside its table, lengths that miss the indices) or one rank's batch split different:
+    every rank raises in that call, none waits in the exchange, and the next call works."""
     W, r = world.world_size, world.rank
     m = po.ShardedEmbeddingBagCollection(world, ROWS, D, max_local_batch=3, fused=False)
     feats = _global([2] * W, 11)
@@ -240,6 +240,11 @@ def _reference_path_bad_input(world):
             got[name] = None
         except (ValueError, po.PortableOverlapError) as e:
             got[name] = f"{type(e).__name__}: {e}"
+    try:  # ranks that pass different splits (the same number of bags)
+        m(lengths, indices, batch_splits=[1, 2 * W - 1] + [2] * (W - 2) if r == 1 else None)
+        got["splits differ"] = None
+    except po.RankMismatchError as e:
+        got["splits differ"] = f"{type(e).__name__}: {e}"
     tables = _all_tables(world, m)
     out = m(lengths, indices)
     ref = _by_hand([(tables[t], *f[1:]) for t, f in enumerate(feats)], [2] * W, r, "sum")
@@ -249,6 +254,8 @@ def _reference_path_bad_input(world):
 
 def test_module_reference_path_refuses_one_ranks_bad_input_on_every_rank(world2):
     for r, (got, err) in enumerate(world2.run(_reference_path_bad_input, timeout=120)):
+        mismatch = got.pop("splits differ")
+        assert mismatch and "different batch_splits" in mismatch, mismatch
         for name, msg in got.items():
             assert msg is not None, (r, name)
             if r == 1:
