@@ -263,3 +263,36 @@ def test_module_reference_path_refuses_one_ranks_bad_input_on_every_rank(world2)
             else:
                 assert "rank(s) [1]" in msg, msg
         assert err < 1e-5
+
+
+def _default_split_with_a_rank_without_tables(world, transport):
+    """No ``batch_splits`` while rank 1 holds no table: its global batch cannot be read off
+    its (empty) lengths. Every rank refuses the call, whatever the transport (the sequential
+    one has no refusal its peers hear of: they waited in its all-to-all), and a call with
+    the split given works after it."""
+    W, r = world.world_size, world.rank
+    table_ranks = [0, 0, W - 1, 0, W - 1]
+    ctx = EmbeddingAllToAll(world, ROWS, D, max_local_batch=3, block_b=2,
+                            table_ranks=table_ranks, transport=transport)
+    try:
+        feats = _global([2] * W, 21)
+        w, lengths, indices, _ = _local(ctx.local_tables, feats)
+        try:
+            ctx(w, lengths, indices)
+            msg = None
+        except (ValueError, po.PortableOverlapError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        out = ctx(w, lengths, indices, batch_splits=[2] * W)
+        err = (out - _by_hand(feats, [2] * W, r, "sum")).abs().max().item()
+    finally:
+        ctx.close()
+    return msg, err
+
+
+def test_default_split_with_a_rank_without_tables_refused_on_every_rank(world3):
+    for transport in ("sequential", "stores"):
+        for msg, err in world3.run(_default_split_with_a_rank_without_tables, transport,
+                                   timeout=150):
+            assert msg and msg.startswith("ValueError") and "rank 1 holds no tables" in msg, \
+                (transport, msg)
+            assert err < 1e-5

@@ -63,9 +63,15 @@ class RankTables:
     def resolve_splits(self, lengths: torch.Tensor,
                        batch_splits: Optional[Sequence[int]]) -> tuple:
         """``batch_splits`` as a tuple; by default the global batch ``lengths.numel() / n_loc``
-        split evenly over the ranks."""
+        split evenly over the ranks, refused on every rank where a rank holds no tables."""
         W = self.world.world_size
         if batch_splits is None:
+            # refused from the plan, so on every rank: where only the rank without tables
+            # refused, the sequential transport's peers waited in its all-to-all
+            empty = [q for q in range(W) if not self.plan.tables_of(q)]
+            if empty:
+                raise ValueError(f"{OP}: rank {empty[0]} holds no tables, so the global batch "
+                                 f"cannot be read off its lengths: pass batch_splits")
             return even_splits(OP, lengths, self.n_loc, W, self.rank)
         try:
             # integers only (ints, NumPy ints, integer tensors): int() would round 2.5 down
