@@ -35,7 +35,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     differentiable in ``weight`` (dense gradient). Without ``batch_splits`` both paths split
     the global batch evenly over the ranks; a batch that does not split evenly, or a plan with
     a rank that holds no tables, fails the call on every rank (the reference path raises
-    ``ValueError`` before its all-to-all): pass ``batch_splits`` then. Collective to construct
+    ``ValueError`` before its all-to-all): pass ``batch_splits`` then. The reference path
+    checks its input as the fused op does and refuses a call one rank refuses on every rank
+    (``_checked_splits``). Collective to construct
     (every rank, same arguments); call :meth:`close` (collective) when done.
 
     Tables are initialized uniform(-1/sqrt(rows), 1/sqrt(rows)) from a generator seeded by
