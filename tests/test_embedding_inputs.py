@@ -268,8 +268,8 @@ def test_module_reference_path_refuses_one_ranks_bad_input_on_every_rank(world2)
 def _default_split_with_a_rank_without_tables(world, transport):
     """No ``batch_splits`` while rank 1 holds no table: its global batch cannot be read off
     its (empty) lengths. Every rank refuses the call, whatever the transport (the sequential
-    one has no refusal its peers hear of: they waited in its all-to-all), and a call with
-    the split given works after it."""
+    one has no refusal its peers hear of: were one rank to refuse alone, they would wait in
+    its all-to-all), and a call with the split given works after it."""
     W, r = world.world_size, world.rank
     table_ranks = [0, 0, W - 1, 0, W - 1]
     ctx = EmbeddingAllToAll(world, ROWS, D, max_local_batch=3, block_b=2,

@@ -100,9 +100,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         (``RankTables.check``: types, shapes, the split, index ranges, lengths against indices)
         and one exchange of a row per rank (refused or not, its split): a call one rank
         refuses raises on every rank (the peers: ``PeerTimeoutError`` naming it), and ranks
-        that pass different splits raise ``RankMismatchError``, where the peers used to wait
-        in the reference's all-to-all until the process group's timeout (gloo: half an
-        hour)."""
+        that pass different splits raise ``RankMismatchError``; otherwise the peers of such a
+        rank would wait in the reference's all-to-all until the process group's timeout
+        (gloo: half an hour)."""
         W, r = self.world.world_size, self.world.rank
         error, splits = None, (0,) * W
         try:

@@ -66,8 +66,8 @@ class RankTables:
         split evenly over the ranks, refused on every rank where a rank holds no tables."""
         W = self.world.world_size
         if batch_splits is None:
-            # refused from the plan, so on every rank: where only the rank without tables
-            # refused, the sequential transport's peers waited in its all-to-all
+            # refused from the plan, so on every rank: were only the rank without tables to
+            # refuse, the sequential transport's peers would wait in its all-to-all
             empty = [q for q in range(W) if not self.plan.tables_of(q)]
             if empty:
                 raise ValueError(f"{OP}: rank {empty[0]} holds no tables, so the global batch "
