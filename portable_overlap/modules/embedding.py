@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..errors import PeerTimeoutError, RankMismatchError
 from ..ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                       embedding_all_to_all_reference)
 from ..ops.context import check_sizes
-from ..ops.embedding_alltoall.tables import POOLINGS, even_splits
+from ..ops.embedding_alltoall.tables import POOLINGS, RankTables, even_splits
 from ..world import collective_setup
 from .agreement import same_arguments
 
@@ -33,7 +35,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     differentiable in ``weight`` (dense gradient). Without ``batch_splits`` both paths split
     the global batch evenly over the ranks; a batch that does not split evenly, or a plan with
     a rank that holds no tables, fails the call on every rank (the reference path raises
-    ``ValueError`` before its all-to-all): pass ``batch_splits`` then. Collective to construct
+    ``ValueError`` before its all-to-all): pass ``batch_splits`` then. The reference path
+    checks its input as the fused op does and refuses a call one rank refuses on every rank
+    (``_checked_splits``). Collective to construct
     (every rank, same arguments); call :meth:`close` (collective) when done.
 
     Tables are initialized uniform(-1/sqrt(rows), 1/sqrt(rows)) from a generator seeded by
@@ -71,6 +75,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.ctx = EmbeddingAllToAll(world, self.plan.table_rows, embedding_dim, max_local_batch,
                                      table_ranks=self.plan.table_ranks, transport=transport,
                                      timeout_s=timeout_s) if fused else None
+        # the reference path's input checks: the fused op's (no collective to make)
+        self._tables = None if fused else RankTables(world, self.plan, max_local_batch)
 
     @property
     def local_tables(self) -> list:
@@ -83,12 +89,47 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return embedding_all_to_all(self.weight, lengths, indices, self.ctx,
                                         per_sample_weights, batch_splits=batch_splits,
                                         pooling=self.pooling)
-        if batch_splits is None:
-            batch_splits = self._default_splits(lengths)
+        splits = self._checked_splits(lengths, indices, per_sample_weights, batch_splits)
         return embedding_all_to_all_reference(self.weight, lengths, indices, per_sample_weights,
-                                              self.plan, self.world.rank, list(batch_splits),
+                                              self.plan, self.world.rank, list(splits),
                                               self.pooling, self.world.group,
                                               accumulate_fp32=False)
+
+    def _checked_splits(self, lengths, indices, per_sample_weights, batch_splits) -> tuple:
+        """The reference path's batch split, after the fused op's checks of the call
+        (``RankTables.check``: types, shapes, the split, index ranges, lengths against indices)
+        and one exchange of a row per rank (refused or not, its split): a call one rank
+        refuses raises on every rank (the peers: ``PeerTimeoutError`` naming it), and ranks
+        that pass different splits raise ``RankMismatchError``; otherwise the peers of such a
+        rank would wait in the reference's all-to-all until the process group's timeout
+        (gloo: half an hour)."""
+        W, r = self.world.world_size, self.world.rank
+        error, splits = None, (0,) * W
+        try:
+            if batch_splits is None:
+                batch_splits = self._default_splits(lengths)
+            splits, _ = self._tables.check(self.weight, lengths, indices, per_sample_weights,
+                                           batch_splits, self.pooling, True)
+        except (TypeError, ValueError) as e:
+            error = e
+        if W > 1:
+            rows = torch.zeros(W, W + 1, dtype=torch.int64, device=self.world.device)
+            rows[r, 0] = error is not None
+            rows[r, 1:] = torch.tensor(splits, dtype=torch.int64)
+            dist.all_reduce(rows, group=self.world.group)
+            refused = rows[:, 0].nonzero().flatten().tolist()
+            seen = {tuple(row[1:]) for row in rows.tolist() if not row[0]}
+        else:
+            refused, seen = [], set()
+        if error is not None:
+            raise error
+        if refused:
+            raise PeerTimeoutError(f"{NAME}: rank(s) {refused} refused this call (they raise "
+                                   f"their own error); rank {r} stopped it too")
+        if len(seen) > 1:
+            raise RankMismatchError(f"{NAME}: the ranks passed different batch_splits: "
+                                    f"{sorted(seen)}")
+        return splits
 
     def _default_splits(self, lengths) -> tuple:
         """The reference path's default split, refused where the fused op refuses it. Decided

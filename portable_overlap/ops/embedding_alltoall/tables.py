@@ -4,6 +4,7 @@ same errors whatever the transport), the data checks, and the backward (the reve
 and the rows' gradients), which no transport changes."""
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -62,15 +63,24 @@ class RankTables:
     def resolve_splits(self, lengths: torch.Tensor,
                        batch_splits: Optional[Sequence[int]]) -> tuple:
         """``batch_splits`` as a tuple; by default the global batch ``lengths.numel() / n_loc``
-        split evenly over the ranks."""
+        split evenly over the ranks, refused on every rank where a rank holds no tables."""
         W = self.world.world_size
         if batch_splits is None:
+            # refused from the plan, so on every rank: were only the rank without tables to
+            # refuse, the sequential transport's peers would wait in its all-to-all
+            empty = [q for q in range(W) if not self.plan.tables_of(q)]
+            if empty:
+                raise ValueError(f"{OP}: rank {empty[0]} holds no tables, so the global batch "
+                                 f"cannot be read off its lengths: pass batch_splits")
             return even_splits(OP, lengths, self.n_loc, W, self.rank)
         try:
-            splits = tuple(int(n) for n in batch_splits)
-        except (TypeError, ValueError):
+            # integers only (ints, NumPy ints, integer tensors): int() would round 2.5 down
+            # and take True as 1, running the call on another batch than the caller's
+            splits = tuple(None if isinstance(n, bool) else operator.index(n)
+                           for n in batch_splits)
+        except TypeError:
             splits = None
-        if splits is None or len(splits) != W or any(n < 0 for n in splits):
+        if splits is None or len(splits) != W or any(n is None or n < 0 for n in splits):
             raise ValueError(f"{OP}: batch_splits must be {W} non-negative ints, got "
                              f"{batch_splits!r}")
         return splits
