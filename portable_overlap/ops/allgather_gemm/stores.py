@@ -194,6 +194,13 @@ class AllGatherMatmulStores(OverlapContext):
         refuse_schedule("stores", schedule)
         out = check_call(a, b, out, self.world, self.max_shard_elems)
         m, K = a.shape
+        if m == 0:
+            # its flags are per chunk of rows: with no rows none would carry the call's shape
+            # tag, and a peer called with rows would wait for this rank until its timeout.
+            # Refused before any launch, so every rank raises in this call
+            raise ValueError(f"{OP}: the 'stores' transport takes no empty shard (a has 0 "
+                             f"rows); the 'copy_engine' and 'sequential' transports return "
+                             f"the empty [0, N] result")
         # (a.stride(): whether the shard takes a descriptor, fixed in the plan, depends on it)
         key = (m, K, b.shape[1], a.dtype, a.stride(), b.stride(), align_key(a, b, out))
         plan = self._plans.get(key)

@@ -179,7 +179,9 @@ class GemmAllToAll(OverlapContext):
                       PRECISION=dot_precision(a.dtype),
                       UPCAST=dot_upcast(a.dtype), G_MAX=G_MAX, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages)
-        programs = min(n_tiles, self.world.facts.sm_count, G_MAX)
+        # at least one program: a call with no rows (M = 0) still signals and waits for the
+        # peers' sent flags, whose shape tag catches a peer called with rows
+        programs = max(1, min(n_tiles, self.world.facts.sm_count, G_MAX))
 
         # what the peers' copy-outs read of this rank's launch (kernel.py: they recompute its
         # tile list from M, N, the tiling and the grid) and the dtype of the rows it stores:

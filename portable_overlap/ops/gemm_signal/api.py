@@ -255,6 +255,11 @@ class GemmSignal(ContextBase):
             raise ValueError(f"{op}: normed is written only with rms_weight")
         if checking:  # ``transport="auto"``'s check before its agreement: no more
             return out if rms_weight is None else (out, normed)
+        if M == 0:
+            # no rows on every rank: the call's agreement (every eager call of this transport
+            # agrees before it runs, ``pattern.AGREED``) compared M, so every rank returns here
+            # alike, and no counter of this workspace has moved on any rank
+            return out if rms_weight is None else (out, normed)
         plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)
         gemm, reorder = self.launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
         stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)

@@ -113,6 +113,13 @@ class GemmReduceScatterCE(OverlapContext):
         cfg = config or self.config
         _check_partition(cfg)
         op, cfg, M, N, K, rows = sig.check_call("reduce_scatter", a, b, cfg)
+        if M == 0:
+            # its flags are per wave group of tiles: with no tiles none would carry the call's
+            # shape tag (and its calls agree only at a new shape's first call). Refused before
+            # any launch, so every rank raises in this call
+            raise ValueError(f"{OP}: the 'signal_copy_engine' transport takes no empty "
+                             f"product (a has 0 rows); the other transports return the empty "
+                             f"result")
         checking = self.checking_only  # (a check makes no output: the call that follows does)
         if out is not None or not checking:
             out = output_tensor(OP, out, (rows, N), a,

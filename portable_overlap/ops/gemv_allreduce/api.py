@@ -230,9 +230,11 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
     N, Kw = w.shape
     if K != Kw:
         raise ValueError(f"{OP}: x has K={K} columns but w has K={Kw}")
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"{OP}: M (rows of x) must be in 1..{MAX_M}, got {M}; "
-                         + ("x is empty" if M < 1 else "use a GEMM path for larger batches"))
+    # M = 0 is a call (every rank's batch empty): the kernel still runs its flag exchange,
+    # whose shape tag holds M, so a rank called with rows beside one without is caught
+    if M > MAX_M:
+        raise ValueError(f"{OP}: M (rows of x) must be in 0..{MAX_M}, got {M}; use a GEMM "
+                         f"path for larger batches")
     if not 1 <= N <= max_n:
         raise ValueError(f"{OP}: N={N} is outside 1..max_n={max_n} of this context")
     if K < 1:

@@ -206,7 +206,10 @@ def _rows_fit(t: torch.Tensor) -> bool:
 
 
 def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None:
-    """The checks every GEMM-based op makes of ``a [M, K] @ b [K, N]`` (any strides)."""
+    """The checks every GEMM-based op makes of ``a [M, K] @ b [K, N]`` (any strides). M = 0
+    (no rows) is a call: its result has no rows, as torch's. K = 0 and N = 0 are refused with a
+    ValueError naming them (torch would give zeros, or no columns; the tilings and the
+    contexts' sizes take K, N >= 1)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"{op}: a and b must be tensors")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -217,8 +220,12 @@ def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None
     device = device or a.device
     if a.device != device or b.device != device:
         raise ValueError(f"{op}: a and b must be on {device}; got {a.device}, {b.device}")
-    if min(a.shape[0], a.shape[1], b.shape[1]) < 1:
-        raise ValueError(f"{op}: empty operand {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.shape[1] < 1:
+        raise ValueError(f"{op}: K must be >= 1 (a has no columns): {tuple(a.shape)} @ "
+                         f"{tuple(b.shape)}")
+    if b.shape[1] < 1:
+        raise ValueError(f"{op}: N must be >= 1 (b has no columns): {tuple(a.shape)} @ "
+                         f"{tuple(b.shape)}")
 
 
 def check_k_steps(op: str, a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig) -> None:

@@ -239,7 +239,9 @@ def matmul_reduce_stores_kernel(
     if SPLIT:  # a block's work: its tiles' K ranges (tile T's range s is item T * parts + s)
         tpb = tpb * parts
         span = tl.cdiv(tl.cdiv(K, BLOCK_K), parts) * BLOCK_K  # K elements per range
-    per = tl.cdiv(tpb, G)  # most items of one block a program takes
+    # most items of one block a program takes; at least one, so that a call with no rows
+    # (tpb = 0) still reaches step 2's flags (their shape tag catches a peer with rows)
+    per = tl.maximum(tl.cdiv(tpb, G), 1)
     waited = tl.zeros((), tl.int64)  # bit d: rank d's buffers are free for this call
     # One loop over the blocks in order r+1, ..., r-1, r, with one tile-GEMM call site: a
     # second call site would hold a second set of pipeline buffers (shared memory).

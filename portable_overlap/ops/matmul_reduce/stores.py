@@ -134,7 +134,9 @@ class MatmulReduceStores(OverlapContext):
                           or W * parts * block * N > self._recv_raw.numel()):
             raise RuntimeError(f"{self.OP}: {parts} ranges of {tpb} tiles pass the split "
                                f"tiles' slots or receive buffer (tile_parts)")
-        programs = min(W * tpb * parts, facts.sm_count, G_MAX)
+        # at least one program: a call with no rows (M = 0) still exchanges its flags, whose
+        # shape tag catches a peer called with rows
+        programs = max(1, min(W * tpb * parts, facts.sm_count, G_MAX))
         # descriptors where the device and operands allow, b's transpose where b is one (a
         # row-parallel weight, weight.t()); the plan's key (strides, alignment) fixes the choice
         a_desc, _, b_trans = operand_descriptors(a, b, cfg, facts)
@@ -180,6 +182,8 @@ def tile_parts(W: int, M: int, N: int, cfg: MatmulConfig, programs: int, room: i
         return 1
     block = -(-M // W)
     tiles = W * -(-block // cfg.block_m) * -(-N // cfg.block_n)
+    if tiles == 0:  # no rows: nothing to cut
+        return 1
     parts = min(MAX_PARTS, programs // tiles)
     while parts > 1 and W * parts * block * N > room:
         parts -= 1
