@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from ..context import check_sizes
-from ..pattern import GEMM_AGREED, PatternContext, matrix_sizes, timeout_kw
+from ..pattern import PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from .config import GemvConfig
 
@@ -57,11 +57,6 @@ class GemvAllReduce(PatternContext):
 
     OP = OP
     TRANSPORTS = ("stores", "one_shot", "torch_fused", "sequential")
-    #: ``"sequential"`` agrees too, as the GEMM patterns' (``pattern.GEMM_AGREED``): its
-    #: all-reduce matches calls by byte count alone, and one of no rows moves no bytes at all:
-    #: on 2 emulated ranks a rank called with x [0, K] returned at once while its peer, called
-    #: with rows, waited in the all-reduce for its next call (a hang, then wrong results)
-    AGREED_TRANSPORTS = GEMM_AGREED
     CALL_OPTIONS = {"stores": {"config": GemvConfig}, "one_shot": {"config": GemvConfig}}
 
     def __init__(self, world, max_n: int, *, transport: Optional[str] = None,
