@@ -173,3 +173,52 @@ def test_named_sequential_calls_that_do_not_match_raise_on_every_rank(world2):
                 assert kind == "ValueError" and "out must be" in msg, (r, name, kind, msg)
             else:
                 assert kind == "RankMismatchError" and "rank 1 refused this call" in msg, msg
+
+
+def _sequential_into_out(world):
+    """The GEMM patterns' named ``"sequential"``: the result lands in the ``out`` given (the
+    product or the collective writes it there), bit for bit the reference's in the input dtype,
+    with and without bias and residual."""
+    from portable_overlap.ops.gemm_signal.reference import (gemm_all_reduce_reference,
+                                                            gemm_all_to_all_signal_reference,
+                                                            gemm_reduce_scatter_reference)
+
+    W = world.world_size
+    M, N, K = 4 * W, 6, 5
+    refs = {"matmul_all_reduce": (gemm_all_reduce_reference, M),
+            "matmul_reduce_scatter": (gemm_reduce_scatter_reference, M // W),
+            "matmul_all_to_all": (gemm_all_to_all_signal_reference, M)}
+    g = torch.Generator().manual_seed(5 + world.rank)
+    got = []
+    for op, (ref_fn, rows) in refs.items():
+        ctx = {"matmul_all_reduce": po.MatmulAllReduce, "matmul_reduce_scatter":
+               po.MatmulReduceScatter, "matmul_all_to_all": po.MatmulAllToAll}[op](
+                   world, M, N, transport="sequential")
+        try:
+            for extra in (False, True):
+                a = torch.randn(M, K, generator=g).to(torch.bfloat16)
+                b = torch.randn(K, N, generator=g).to(torch.bfloat16)
+                bias = torch.randn(N, generator=g).to(torch.bfloat16) if extra else None
+                res = torch.randn(rows, N, generator=g).to(torch.bfloat16) if extra else None
+                out = torch.full((rows, N), float("nan"), dtype=torch.bfloat16)
+                copies = []
+                real = torch.Tensor.copy_
+                # the all-reduce's product and sum land in out: nothing is copied there
+                torch.Tensor.copy_ = lambda t, *a_, **k_: (copies.append(t.shape),
+                                                           real(t, *a_, **k_))[1]
+                try:
+                    y = ctx(a, b, bias, residual=res, out=out)
+                finally:
+                    torch.Tensor.copy_ = real
+                if op == "matmul_all_reduce" and not extra:
+                    got.append((op, "copies", copies == [], True))
+                ref = ref_fn(a, b, world.group, bias, res, accumulate_fp32=False)
+                got.append((op, extra, y is out, bool(torch.equal(out, ref))))
+        finally:
+            ctx.close()
+    return got
+
+
+def test_named_sequential_writes_the_reference_into_out(world2):
+    for got in world2.run(_sequential_into_out):
+        assert got and all(same and eq for *_, same, eq in got), got

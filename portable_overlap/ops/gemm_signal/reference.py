@@ -12,7 +12,7 @@ def _mm(a, b, accumulate_fp32):
     return ((a.float() @ b.float()) if accumulate_fp32 else (a @ b)).to(a.dtype).contiguous()
 
 
-def _epilogue(y, bias, residual, rms_weight=None, eps=1e-6):
+def epilogue(y, bias, residual, rms_weight=None, eps=1e-6):
     """``h = y + bias + residual`` in fp32, rounded once; with ``rms_weight`` also
     ``(h, h * rsqrt(mean(h**2, -1) + eps) * rms_weight)`` from the fp32 ``h``."""
     if bias is None and residual is None and rms_weight is None:
@@ -38,7 +38,7 @@ def gemm_all_reduce_reference(a: torch.Tensor, b: torch.Tensor,
     c = _mm(a, b, accumulate_fp32)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(c, group=group)
-    return _epilogue(c, bias, residual, rms_weight, eps)
+    return epilogue(c, bias, residual, rms_weight, eps)
 
 
 def gemm_reduce_scatter_reference(a: torch.Tensor, b: torch.Tensor,
@@ -54,7 +54,7 @@ def gemm_reduce_scatter_reference(a: torch.Tensor, b: torch.Tensor,
         out = c.new_empty((c.shape[0] // W, c.shape[1]))
         dist.reduce_scatter_tensor(out, c, group=group)
         c = out
-    return _epilogue(c, bias, residual, rms_weight, eps)
+    return epilogue(c, bias, residual, rms_weight, eps)
 
 
 def gemm_all_to_all_signal_reference(a: torch.Tensor, b: torch.Tensor,
@@ -70,4 +70,4 @@ def gemm_all_to_all_signal_reference(a: torch.Tensor, b: torch.Tensor,
         out = torch.empty_like(c)
         dist.all_to_all_single(out, c, group=group)
         c = out
-    return _epilogue(c, bias, residual, rms_weight, eps)
+    return epilogue(c, bias, residual, rms_weight, eps)
