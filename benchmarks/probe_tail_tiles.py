@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from portable_overlap.ops.moe_experts.kernel import store_swiglu
 from portable_overlap.tiles.gemm import gemm_tile_pair, gemm_tile_pair_desc
 from portable_overlap.tiles.gemv import dot_upcast
 
@@ -43,17 +44,6 @@ from portable_overlap.tiles.gemv import dot_upcast
 #: on 8 / 2 ranks
 CASES = ("7168,2048,515/514;7168,2048,259/256/258/257;7168,2048,127/130/128/126/129/131/128/124;"
          "4096,14336,256;4096,14336,131/126/129/126")
-
-
-@triton.jit
-def _store_gated(g, u, h_ptr, row0, nrows, col0, width, stride_hm,
-                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    r = tl.arange(0, BLOCK)
-    c = col0 + tl.arange(0, BLOCK_N)
-    h = g / (1.0 + tl.exp(-g)) * u  # SiLU(gate) * up in float32
-    mask = (r[:, None] < nrows) & (c[None, :] < width)
-    tl.store(h_ptr + (row0 + r).to(tl.int64)[:, None] * stride_hm + c[None, :],
-             h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,7 +60,9 @@ def _gated(x_ptr, wg_ptr, wu_ptr, x_desc, wg_desc, wu_desc, h_ptr, e, row0, nrow
                               wu_ptr + (e * H).to(tl.int64) * stride_wk, nrows, width, 0, H,
                               stride_xm, 1, stride_wk, 1, 0, pid_n, BLOCK, BLOCK_N, BLOCK_K,
                               NUM_STAGES, False, "tf32", UPCAST)
-    _store_gated(g, u, h_ptr, row0, nrows, pid_n * BLOCK_N, width, stride_hm, BLOCK, BLOCK_N)
+    r = tl.arange(0, BLOCK)
+    store_swiglu(g, u, row0 + r, r < nrows, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), h_ptr,
+                 width, stride_hm)
 
 
 @triton.jit
