@@ -139,6 +139,125 @@ def test_hip_ipc_handle_marshalling(hip_runtime):
     assert bytes(h.reserved) == data
 
 
+_MAPS_LINE = "7f5a00000000-7f5a00100000 r-xp 00000000 08:01 1234 {}\n"
+
+
+def test_hip_python_opens_the_runtime_torch_loaded(monkeypatch, tmp_path, hip_runtime):
+    """hip-python finds libamdhip64 by its own search (/opt/rocm/lib, ...), not the copy a
+    ROCm wheel of torch loaded from its own directory: two HIP runtimes in one process, the
+    second blind to torch's allocations and streams. The backend points hip-python's first-call
+    lookup at the runtime this process has mapped (hip-python's real lookup is asked here)."""
+    import importlib
+
+    from portable_overlap.backends import rocm
+
+    ours = "/site-packages/torch/lib/libamdhip64.so.6"
+    maps = tmp_path / "maps"
+    maps.write_text("".join(_MAPS_LINE.format(f) for f in (
+        "/usr/bin/python3.11", "/site-packages/torch/lib/libtorch_hip.so", ours,
+        ours, "/site-packages/torch/lib/libhsa-runtime64.so.1")) + _MAPS_LINE.format("[heap]"))
+    assert rocm.torch_hip_runtime(str(maps)) == ours
+    assert rocm.torch_hip_runtime(str(tmp_path / "none")) is None
+
+    paths = importlib.import_module("rocm.bindings.util.paths")
+    monkeypatch.setattr(paths, "get_library_path", paths.get_library_path)
+    search = paths.get_library_path
+    assert search("amdhip64") != ours.encode()  # hip-python's own search finds another file
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(rocm, "torch_hip_runtime", lambda: ours)
+    assert rocm._import_hip() is hip_runtime
+    rocm._import_hip()  # a second import does not stack the lookups
+    assert paths.get_library_path("amdhip64") == ours.encode()
+    assert paths.get_library_path.searches is search
+    assert paths.get_library_path("hiprtc") == search("hiprtc")  # other libraries: unchanged
+
+
+def test_hip_python_before_rocm_bindings_opens_the_runtime_torch_loaded(monkeypatch,
+                                                                        hip_runtime):
+    """hip-python releases before the rocm.bindings layout name the library in the module
+    global ``hip.chip.DLL`` (b"libamdhip64.so", which does not match torch's libamdhip64.so.6)."""
+    import sys
+    import types
+
+    from portable_overlap.backends import rocm
+
+    chip = types.ModuleType("hip.chip")
+    chip.DLL = b"libamdhip64.so"
+    monkeypatch.setitem(sys.modules, "rocm.bindings.util.paths", None)
+    monkeypatch.setitem(sys.modules, "hip.chip", chip)
+    rocm.pin_runtime("/site-packages/torch/lib/libamdhip64.so.6")
+    assert chip.DLL == b"/site-packages/torch/lib/libamdhip64.so.6"
+
+
+def test_hip_runtime_of_torch_among_several_copies(monkeypatch, tmp_path, hip_runtime):
+    """Two copies mapped already: the one torch's HIP library resolves hipMalloc to; none
+    where that cannot be told."""
+    from portable_overlap.backends import rocm
+
+    torch_lib, other = "/t/lib/libamdhip64.so.6", "/opt/rocm-6.4.0/lib/libamdhip64.so.6.4.43482"
+    maps = tmp_path / "maps"
+    maps.write_text("".join(_MAPS_LINE.format(f) for f in (
+        other, "/t/lib/libtorch_hip.so", torch_lib)))
+    asked = []
+    monkeypatch.setattr(rocm, "_defining_file",
+                        lambda lib, sym: asked.append((lib, sym)) or torch_lib)
+    assert rocm.torch_hip_runtime(str(maps)) == torch_lib
+    assert asked == [("/t/lib/libtorch_hip.so", "hipMalloc")]
+    monkeypatch.setattr(rocm, "_defining_file", lambda lib, sym: None)
+    assert rocm.torch_hip_runtime(str(maps)) is None
+
+
+def test_rocm_runtime_lookup_follows_a_library_dependencies():
+    """The look-up that tells torch's HIP runtime apart, on real libraries of this process:
+    ``malloc`` as torch's CPU library resolves it is libc's (one of its dependencies)."""
+    import os
+
+    from portable_overlap.backends import rocm
+
+    mapped = rocm._mapped_files()
+    libc = next(f for f in mapped if os.path.basename(f).startswith("libc.so"))
+    torch_cpu = next(f for f in mapped if os.path.basename(f).startswith("libtorch_cpu"))
+    assert os.path.realpath(rocm._defining_file(torch_cpu, "malloc")) == os.path.realpath(libc)
+    assert rocm._defining_file(torch_cpu, "no_such_symbol_here") is None
+
+
+def test_hip_backend_unusable_where_hip_python_loads_no_runtime(monkeypatch, hip_runtime):
+    """Importing hip-python loads no library; the backend asks the runtime for its devices, so
+    a missing libamdhip64 makes the backend unusable with the loader's reason, not a failure
+    at the first allocation."""
+    from portable_overlap.backends import rocm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(rocm, "torch_hip_runtime", lambda: None)
+
+    class NoLibrary:
+        def __getattr__(self, name):
+            assert name == "hipGetDeviceCount"
+
+            def call():
+                raise RuntimeError("failed to dlopen 'libamdhip64.so'")
+            return call
+
+    monkeypatch.setattr(rocm, "hip", NoLibrary())
+    ok, why = rocm.RocmBackend.is_usable()
+    assert not ok and "cannot load the HIP runtime" in why and "libamdhip64" in why
+
+    class Devices:
+        hipError_t = hip_runtime.hipError_t
+
+        def __init__(self, count):
+            self.count = count
+
+        def hipGetDeviceCount(self):
+            return (hip_runtime.hipError_t.hipSuccess, self.count)
+
+    monkeypatch.setattr(rocm, "hip", Devices(8))
+    assert rocm.RocmBackend.is_usable() == (True, "")
+    monkeypatch.setattr(rocm, "hip", Devices(0))
+    assert not rocm.RocmBackend.is_usable()[0]
+
+
 def test_cpu_backend_memory_copy_and_flags():
     be = backend_classes()["cpu"]()
     a = be.alloc_exportable(4096, torch.device("cpu"))

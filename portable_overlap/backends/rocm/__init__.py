@@ -27,6 +27,7 @@ them; the first real call needs ``libamdhip64.so``.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import re
 import warnings
@@ -47,7 +48,7 @@ SYMBOLS = (
     "hipMemcpyAsync", "hipMemcpy2DAsync", "hipMemcpyKind", "hipStreamWaitValue32",
     "hipStreamWaitValueGte", "hipStreamWriteValue32", "hipHostGetDevicePointer", "hipGetErrorName",
     "hipError_t", "hipExtMallocWithFlags", "hipMallocSignalMemory", "hipStreamIsCapturing",
-    "hipStreamCaptureStatus",
+    "hipStreamCaptureStatus", "hipGetDeviceCount",
 )
 
 #: the runtime's switch to command-processor stream waits (read by the runtime at start-up)
@@ -59,7 +60,103 @@ SIGNAL_BYTES = 8
 def _import_hip():
     from hip import hip
 
+    if torch.version.hip is not None:
+        path = torch_hip_runtime()
+        if path is not None:
+            pin_runtime(path)
     return hip
+
+
+def _is_runtime(path: str) -> bool:
+    """Whether ``path`` names a HIP runtime library (``libamdhip64.so``, ``.so.6``, ...)."""
+    base = os.path.basename(path)
+    return base.startswith("libamdhip64") and ".so" in base
+
+
+def _mapped_files(maps: str = "/proc/self/maps") -> list:
+    """The files mapped into this process (each once), from ``maps``."""
+    files = []
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    path = fields[5].rstrip("\n")
+                    if not path.endswith(" (deleted)") and path not in files:
+                        files.append(path)
+    except OSError:
+        pass
+    return files
+
+
+def _defining_file(library: str, symbol: str) -> Optional[str]:
+    """The file that defines ``symbol`` as ``library`` (already loaded) resolves it: the
+    library's own dependency order, through ``dlsym`` on its handle and ``dladdr``."""
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        lib = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        address = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+        libc = ctypes.CDLL(None)
+        info = DlInfo()
+        if not address or not libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)):
+            return None
+        return os.fsdecode(info.dli_fname) if info.dli_fname else None
+    except (OSError, AttributeError):
+        return None
+
+
+def torch_hip_runtime(maps: str = "/proc/self/maps") -> Optional[str]:
+    """The file of the HIP runtime that torch calls, where this process has it mapped.
+
+    hip-python opens ``libamdhip64`` by its own search (a ``rocm_sdk`` wheel, ``ROCM_PATH``,
+    ``/opt/rocm/lib``, then the bare name), not the copy a ROCm wheel of torch carries in its
+    own directory. Two copies make two HIP runtimes in one process: the second knows none of
+    torch's allocations (``getMemoryObject`` misses them: copies of them go wrong, stream waits
+    on them answer hipErrorInvalidValue) and none of torch's streams (hipErrorContextIsDestroyed
+    for every stream the ops pass). Where several copies are mapped already, the one torch's
+    HIP library resolves ``hipMalloc`` to."""
+    mapped = _mapped_files(maps)
+    runtimes = [p for p in mapped if _is_runtime(p)]
+    if len(runtimes) <= 1:
+        return runtimes[0] if runtimes else None
+    real = {os.path.realpath(p): p for p in runtimes}
+    for lib in (p for p in mapped if os.path.basename(p).startswith("libtorch_hip")):
+        got = _defining_file(lib, "hipMalloc")
+        if got is not None and os.path.realpath(got) in real:
+            return real[os.path.realpath(got)]
+    return None
+
+
+def pin_runtime(path: str) -> None:
+    """Make hip-python open the HIP runtime at ``path`` on its first call (``dlopen`` of a
+    file this process has loaded already returns that same library). hip-python looks the
+    path up at its first call: through ``rocm.bindings.util.paths.get_library_path`` (the
+    ``rocm.bindings`` layout, ROCm 7 on), or the module global ``hip.chip.DLL`` (earlier
+    releases). A hip-python that has made its first call already keeps its library."""
+    try:
+        paths = importlib.import_module("rocm.bindings.util.paths")
+    except ImportError:
+        paths = None
+    if paths is not None:
+        search = getattr(paths.get_library_path, "searches", paths.get_library_path)
+
+        def get_library_path(shortname, *args, **kwargs):
+            if shortname == "amdhip64":
+                return os.fsencode(path)
+            return search(shortname, *args, **kwargs)
+
+        get_library_path.searches = search
+        paths.get_library_path = get_library_path
+        return
+    try:
+        chip = importlib.import_module("hip.chip")
+    except ImportError:
+        return
+    if hasattr(chip, "DLL"):
+        chip.DLL = os.fsencode(path)
 
 
 hip = lazy_module(_import_hip)
@@ -150,8 +247,14 @@ class RocmBackend(Backend):
             return False, "torch sees no AMD GPU (needs a ROCm build of torch)"
         try:
             _import_hip()
-        except Exception as e:  # ImportError, or the loader failing without libamdhip64
+        except Exception as e:  # ImportError
             return False, f"hip-python is not usable ({e}); pip install 'portable_overlap[rocm]'"
+        try:  # the import loads no library: the first call does (and fails without one)
+            err, count = hip.hipGetDeviceCount()
+        except Exception as e:
+            return False, f"hip-python cannot load the HIP runtime ({e})"
+        if int(err) != 0 or count < 1:
+            return False, f"hip-python sees no AMD GPU (hipGetDeviceCount: {error_name(err)})"
         return True, ""
 
     def _set(self, device: torch.device) -> int:
