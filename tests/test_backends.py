@@ -621,6 +621,8 @@ def test_hip_errors_name_the_error(monkeypatch, hip_runtime):
     with pytest.raises(RuntimeError) as info:
         rocm.check((err, None))
     assert str(info.value) == "HIP call failed: hipErrorInvalidValue (1)"
+    with pytest.raises(RuntimeError, match=r"^hipIpcOpenMemHandle failed: hipErrorInvalidValue"):
+        rocm.check((err, None), "hipIpcOpenMemHandle")
 
     class NoRuntime(Named):  # no libamdhip64: the runtime answers no name
         @staticmethod
@@ -630,6 +632,45 @@ def test_hip_errors_name_the_error(monkeypatch, hip_runtime):
     monkeypatch.setattr(rocm, "hip", NoRuntime)
     with pytest.raises(RuntimeError, match=r"^HIP call failed: hipErrorInvalidValue \(1\)$"):
         rocm.check((err,))
+
+
+def test_hip_failed_calls_name_the_call(monkeypatch, hip_runtime):
+    """Each HIP call that fails says which call it was (and the arguments that tell it apart),
+    not only the error: "HIP call failed: hipErrorInvalidValue" did not say which of a dozen
+    calls it was."""
+    from portable_overlap.backends import rocm
+
+    class Failing:
+        """hip-python's enums; every call answers hipErrorInvalidValue."""
+
+        def __getattr__(self, name):
+            if name.startswith("hip") and callable(getattr(hip_runtime, name)) and not \
+                    isinstance(getattr(hip_runtime, name), type):
+                return lambda *args: (hip_runtime.hipError_t.hipErrorInvalidValue, None)
+            return getattr(hip_runtime, name)
+
+    monkeypatch.setattr(rocm, "hip", Failing())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    be = rocm.RocmBackend()
+    dev = torch.device("cuda", 1)
+    mapping = rocm.PeerMapping(0x7F0000001000, 64, native=0x7F0000001000)
+    alloc = rocm.Allocation(0x7F0000002000, 64, None, dev, native=0x7F0000002000)
+    for call, want in [
+        (lambda: be.alloc_exportable(4096, dev), r"^hipSetDevice\(1\) failed"),
+        (lambda: be.close_handle(mapping), r"^hipIpcCloseMemHandle failed"),
+        (lambda: be.free(alloc), r"^hipFree failed"),
+        (lambda: be.can_access_peer(torch.device("cuda", 0), dev),
+         r"^hipDeviceCanAccessPeer\(0, 1\) failed"),
+        (lambda: be.copy_async(0x7F0000004000, 0x7F0000001000, 24, None),
+         r"^hipMemcpyAsync\(0x7f0000004000 <- 0x7f0000001000, 24 bytes\) failed"),
+        (lambda: be.copy_2d_async(0x7F0000004000, 64, 0x7F0000001000, 32, 24, 7, None),
+         r"^hipMemcpy2DAsync\(0x7f0000004000 <- 0x7f0000001000, 7 rows of 24 bytes\) failed"),
+        (lambda: be._capable(),
+         r"^hipDeviceGetAttribute\(hipDeviceAttributeCanUseStreamWaitValue, 0\) failed"),
+    ]:
+        with pytest.raises(RuntimeError, match=want + r": hipErrorInvalidValue \(1\)$"):
+            call()
 
 
 def test_rocm_extra_facts_ask_torch_for_rocshmem(monkeypatch):

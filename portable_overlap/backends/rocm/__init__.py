@@ -162,11 +162,12 @@ def pin_runtime(path: str) -> None:
 hip = lazy_module(_import_hip)
 
 
-def check(result):
-    """Unpack a hip-python ``(hipError_t, *values)`` tuple, raising on error."""
+def check(result, call: str = "HIP call"):
+    """Unpack a hip-python ``(hipError_t, *values)`` tuple, raising on error; the message
+    names ``call`` (the HIP function, with what it was asked where that tells more)."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise RuntimeError(f"HIP call failed: {error_name(err)}")
+        raise RuntimeError(f"{call} failed: {error_name(err)}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -259,14 +260,15 @@ class RocmBackend(Backend):
 
     def _set(self, device: torch.device) -> int:
         torch.cuda.set_device(device)
-        check(hip.hipSetDevice(_index(device)))
+        check(hip.hipSetDevice(_index(device)), f"hipSetDevice({_index(device)})")
         return _index(device)
 
     def device_facts(self, device: torch.device) -> DeviceFacts:
         idx = self._set(device)
         attr = hip.hipDeviceAttribute_t
         def get(name):
-            return int(check(hip.hipDeviceGetAttribute(getattr(attr, name), idx)))
+            return int(check(hip.hipDeviceGetAttribute(getattr(attr, name), idx),
+                             f"hipDeviceGetAttribute({name}, {idx})"))
 
         props = torch.cuda.get_device_properties(device)
         arch = getattr(props, "gcnArchName", "gfx").split(":")[0]
@@ -289,13 +291,13 @@ class RocmBackend(Backend):
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
         self._set(device)
-        ptr = check(hip.hipMalloc(nbytes))
+        ptr = check(hip.hipMalloc(nbytes), f"hipMalloc({nbytes})")
         addr = int(ptr)
         tensor = torch.as_tensor(DeviceArray(addr, nbytes), device=device)
         return Allocation(addr, nbytes, tensor, device, native=ptr)
 
     def export_handle(self, alloc: Allocation) -> bytes:
-        handle = check(hip.hipIpcGetMemHandle(alloc.native))
+        handle = check(hip.hipIpcGetMemHandle(alloc.native), "hipIpcGetMemHandle")
         return ctypes.string_at(handle.as_c_void_p().value, handle.c_sizeof())
 
     @staticmethod
@@ -311,39 +313,43 @@ class RocmBackend(Backend):
     def open_handle(self, handle: bytes, nbytes: int, device: torch.device) -> PeerMapping:
         self._set(device)
         ptr = check(hip.hipIpcOpenMemHandle(self.make_ipc_handle(handle),
-                                            hip.hipIpcMemLazyEnablePeerAccess))
+                                            hip.hipIpcMemLazyEnablePeerAccess),
+                    "hipIpcOpenMemHandle")
         return PeerMapping(int(ptr), nbytes, native=ptr)
 
     def close_handle(self, mapping: PeerMapping) -> None:
-        check(hip.hipIpcCloseMemHandle(mapping.native))
+        check(hip.hipIpcCloseMemHandle(mapping.native), "hipIpcCloseMemHandle")
 
     def free(self, alloc: Allocation) -> None:
         alloc.tensor = None
-        check(hip.hipFree(alloc.native))
+        check(hip.hipFree(alloc.native), "hipFree")
 
     def can_access_peer(self, device: torch.device, peer: torch.device) -> bool:
         if device == peer:
             return True
-        return bool(check(hip.hipDeviceCanAccessPeer(_index(device), _index(peer))))
+        return bool(check(hip.hipDeviceCanAccessPeer(_index(device), _index(peer)),
+                          f"hipDeviceCanAccessPeer({_index(device)}, {_index(peer)})"))
 
     def enable_peer_access(self, device: torch.device, peer: torch.device) -> None:
         if device == peer:
             return
         self._set(device)
         err, = hip.hipDeviceEnablePeerAccess(_index(peer), 0)
-        # 0 = success; hipErrorPeerAccessAlreadyEnabled (704) means it was on already
-        if int(err) not in (0, 704):
-            check((err,))
+        # hipErrorPeerAccessAlreadyEnabled (704): it was on already
+        if int(err) not in (0, int(hip.hipError_t.hipErrorPeerAccessAlreadyEnabled)):
+            check((err,), f"hipDeviceEnablePeerAccess({_index(peer)})")
 
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
         check(hip.hipMemcpyAsync(dst, src, nbytes, hip.hipMemcpyKind.hipMemcpyDeviceToDevice,
-                                 stream or 0))
+                                 stream or 0),
+              f"hipMemcpyAsync({dst:#x} <- {src:#x}, {nbytes} bytes)")
 
     def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int,
                       width_bytes: int, height: int, stream: Optional[int]) -> None:
         # device-to-device like copy_async: a peer's heap is device memory opened through IPC
         check(hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width_bytes, height,
-                                   hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream or 0))
+                                   hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream or 0),
+              f"hipMemcpy2DAsync({dst:#x} <- {src:#x}, {height} rows of {width_bytes} bytes)")
 
     # -- gates ---------------------------------------------------------------------------------
     def alloc_gate_words(self, n: int, device: torch.device) -> GateWords:
@@ -395,7 +401,8 @@ class RocmBackend(Backend):
 
     def _signal_word(self, device: torch.device):
         """One signal-memory word as an int32 tensor of 1, and the finalizer that frees it."""
-        ptr = check(hip.hipExtMallocWithFlags(SIGNAL_BYTES, hip.hipMallocSignalMemory))
+        ptr = check(hip.hipExtMallocWithFlags(SIGNAL_BYTES, hip.hipMallocSignalMemory),
+                    "hipExtMallocWithFlags(8, hipMallocSignalMemory)")
         addr = int(ptr)
         owner = DeviceArray(addr, SIGNAL_BYTES)
         # the tensor keeps ``owner`` alive; the memory goes back at ``GateWords.close`` or when
@@ -425,7 +432,8 @@ class RocmBackend(Backend):
         ok = self._can_wait.get(idx)
         if ok is None:
             attr = hip.hipDeviceAttribute_t.hipDeviceAttributeCanUseStreamWaitValue
-            ok = self._can_wait[idx] = bool(check(hip.hipDeviceGetAttribute(attr, idx)))
+            ok = self._can_wait[idx] = bool(check(hip.hipDeviceGetAttribute(attr, idx),
+                f"hipDeviceGetAttribute(hipDeviceAttributeCanUseStreamWaitValue, {idx})"))
         return ok
 
     @staticmethod
@@ -456,13 +464,15 @@ class RocmBackend(Backend):
             self._on_stream(stream, lambda g: g.launch_wait(address, value))
             return
         check(hip.hipStreamWaitValue32(stream or 0, address, value, hip.hipStreamWaitValueGte,
-                                       0xFFFFFFFF))
+                                       0xFFFFFFFF),
+              f"hipStreamWaitValue32({address:#x} >= {value})")
 
     def stream_write_value(self, stream: Optional[int], address: int, value: int) -> None:
         if self.gate_form(stream, address, write=True) == "kernel":
             self._on_stream(stream, lambda g: g.launch_write(address, value))
             return
-        check(hip.hipStreamWriteValue32(stream or 0, address, value, 0))
+        check(hip.hipStreamWriteValue32(stream or 0, address, value, 0),
+              f"hipStreamWriteValue32({address:#x} = {value})")
 
     def _on_stream(self, stream: Optional[int], launch) -> None:
         """Run ``launch(gate)`` with ``stream`` current (Triton launches on the current stream)."""
@@ -479,7 +489,7 @@ class RocmBackend(Backend):
 
     def alloc_host_mapped(self, nbytes: int) -> HostMapped:
         t = torch.zeros((nbytes + 7) // 8, dtype=torch.int64, pin_memory=True)
-        dptr = check(hip.hipHostGetDevicePointer(t.data_ptr(), 0))
+        dptr = check(hip.hipHostGetDevicePointer(t.data_ptr(), 0), "hipHostGetDevicePointer")
         return HostMapped(t, int(dptr))
 
     def extra_facts(self) -> dict:
