@@ -121,6 +121,26 @@ def test_hip_copy_2d_arguments(monkeypatch, hip_runtime):
         "kind, stream)")
 
 
+def test_hip_copy_arguments_keep_the_copy_off_the_cus(monkeypatch, hip_runtime):
+    """A 1-D copy asks for hipMemcpyDeviceToDeviceNoCU (1024): with hipMemcpyDeviceToDevice
+    the runtime hands ROCr both sides as this GPU (a peer's heap opened through IPC included)
+    and ROCr copies 1 MiB and more with a blit kernel on the CUs."""
+    import portable_overlap.backends.rocm as rocm_be
+
+    hip = hip_runtime
+    rec = _Recorder(hip, "hipMemcpyAsync", (hip.hipError_t.hipSuccess,))
+    monkeypatch.setattr(rocm_be, "hip", rec)
+    rocm_be.RocmBackend().copy_async(0x7F0000004000, 0x7F0000001000, 4 << 20, 0x1234)
+    rocm_be.RocmBackend().copy_async(0x7F0000004000, 0x7F0000001000, 24, None)
+    nocu = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
+    assert int(nocu) == 1024
+    assert rec.calls == [(0x7F0000004000, 0x7F0000001000, 4 << 20, nocu, 0x1234),
+                         (0x7F0000004000, 0x7F0000001000, 24, nocu, 0)]
+    # the call's documented order: dst, src, sizeBytes (bytes), kind, stream
+    assert hip.hipMemcpyAsync.__doc__.startswith(
+        "hipMemcpyAsync(dst, src, size_t sizeBytes, kind, stream)")
+
+
 def test_hip_python_symbols_resolve(hip_runtime):
     from portable_overlap.backends.rocm import SYMBOLS
 

@@ -1,8 +1,8 @@
 """Which copies the copy-engine transports ask the backend for, on CPU-emulated ranks.
 
-On ROCm the runtime moves a 1-D ``hipMemcpyAsync`` into a peer's heap (memory opened through
-HIP IPC) on an SDMA engine at any size, but runs every device-to-device ``hipMemcpy2DAsync`` as
-a blit kernel on the CUs (docs/amd.md, "Copy engines: SDMA or blit kernels"). So a piece that
+On ROCm a 1-D ``hipMemcpyAsync`` of kind ``hipMemcpyDeviceToDeviceNoCU`` (the backend's) runs
+on an SDMA engine at any size, but every device-to-device ``hipMemcpy2DAsync`` runs as a blit
+kernel on the CUs (docs/amd.md, "Copy engines: SDMA or blit kernels"). So a piece that
 is contiguous on both sides must reach the backend as one 1-D copy, and only the column blocks
 of AllGather + GEMM's 2-D schedules, whose rows are strided, as 2-D copies. These tests record
 the backend calls of every copy-engine schedule and of GEMM + ReduceScatter / AllReduce."""

@@ -208,6 +208,13 @@ def cp_wait() -> bool:
     return raw == "true" or (lead is not None and int(lead.group(1)) != 0)
 
 
+def _sdma_kind():
+    """The copy kind that keeps a device-to-device copy off the CUs (hip-python of ROCm 6.1
+    on; a hip-python without it gets ``hipMemcpyDeviceToDevice``)."""
+    kinds = hip.hipMemcpyKind
+    return getattr(kinds, "hipMemcpyDeviceToDeviceNoCU", kinds.hipMemcpyDeviceToDevice)
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else 0
 
@@ -340,13 +347,19 @@ class RocmBackend(Backend):
             check((err,), f"hipDeviceEnablePeerAccess({_index(peer)})")
 
     def copy_async(self, dst: int, src: int, nbytes: int, stream: Optional[int]) -> None:
-        check(hip.hipMemcpyAsync(dst, src, nbytes, hip.hipMemcpyKind.hipMemcpyDeviceToDevice,
-                                 stream or 0),
+        """``hipMemcpyDeviceToDeviceNoCU`` (ROCm 6.1 on): the runtime asks ROCr for an SDMA
+        engine (``force_copy_on_sdma``). With ``hipMemcpyDeviceToDevice`` it hands ROCr both
+        sides as this GPU (a peer's heap opened through IPC counts as this GPU's memory), and
+        ROCr runs such a copy as a blit kernel on the CUs from ``HSA_FORCE_SDMA_SIZE`` (1 MiB)
+        up, which breaks this entry's promise of no CUs."""
+        check(hip.hipMemcpyAsync(dst, src, nbytes, _sdma_kind(), stream or 0),
               f"hipMemcpyAsync({dst:#x} <- {src:#x}, {nbytes} bytes)")
 
     def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int,
                       width_bytes: int, height: int, stream: Optional[int]) -> None:
-        # device-to-device like copy_async: a peer's heap is device memory opened through IPC
+        # device-to-device: a peer's heap is device memory opened through IPC. The runtime runs
+        # a 2-D copy between device buffers as a blit kernel whatever the kind (its DMA path
+        # takes only 2-D copies with host memory on one side), so NoCU would change nothing
         check(hip.hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width_bytes, height,
                                    hip.hipMemcpyKind.hipMemcpyDeviceToDevice, stream or 0),
               f"hipMemcpy2DAsync({dst:#x} <- {src:#x}, {height} rows of {width_bytes} bytes)")
