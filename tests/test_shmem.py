@@ -95,6 +95,37 @@ def test_heap_full(world2):
     assert all("full" in m for m in world2.run(_heap_full))
 
 
+def _heap_close_times(world):
+    import time
+
+    be, times = world.backend, []
+    close_handle, free = be.close_handle, be.free
+
+    def timed(what, fn):
+        def call(*args):
+            fn(*args)
+            times.append((what, time.monotonic_ns()))
+        return call
+
+    be.close_handle, be.free = timed("close", close_handle), timed("free", free)
+    try:
+        SymmetricHeap(world, 1024).close()
+    finally:
+        be.close_handle, be.free = close_handle, free
+    return times
+
+
+def test_heap_close_unmaps_on_every_rank_before_any_rank_frees(world3):
+    """HIP leaves freeing an exported allocation that another process still has open
+    undefined (hipIpcOpenMemHandle's contract): close unmaps the peers' heaps on every rank,
+    then frees, with a barrier between (the clock is the machine's, shared by the ranks)."""
+    times = world3.run(_heap_close_times)
+    closes = [t for rank in times for what, t in rank if what == "close"]
+    frees = [t for rank in times for what, t in rank if what == "free"]
+    assert len(closes) == 3 * 2 and len(frees) == 3
+    assert max(closes) < min(frees)
+
+
 def _heap_past_memory(world):
     import os
 

@@ -73,14 +73,18 @@ class SymmetricHeap:
     def _release(self) -> None:
         """Unmap the peers' heaps and free this rank's (local: :meth:`close` makes it safe for
         the peers). Every step is tried even if one fails; the first failure is raised."""
-        peers, alloc = list(self._peers.values()), self._alloc
-        self._peers, self._alloc = {}, None
-        errors = [_attempt(lambda m=m: self.backend.close_handle(m))[1] for m in peers]
+        errors = self._unmap_peers()
+        alloc, self._alloc = self._alloc, None
         if alloc is not None:
             errors.append(_attempt(lambda: self.backend.free(alloc))[1])
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+
+    def _unmap_peers(self) -> list:
+        """Close every peer mapping (each tried); the errors, None for those that closed."""
+        peers, self._peers = list(self._peers.values()), {}
+        return [_attempt(lambda m=m: self.backend.close_handle(m))[1] for m in peers]
 
     def alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor in the heap at the same offset on every rank."""
@@ -107,13 +111,21 @@ class SymmetricHeap:
 
     def close(self) -> None:
         """Collective: waits until every rank's queued kernels are done before unmapping, so
-        no peer can still be storing into this heap."""
+        no peer can still be storing into this heap, and until every rank has unmapped the
+        others' heaps before freeing its own."""
         if self._closed:
             return
         self._closed = True
         self.backend.synchronize(self.device)
         self.world.barrier()
-        self._release()
+        # every rank unmaps the others' heaps before any rank frees its own: HIP leaves freeing
+        # an exported allocation that another process still has open undefined
+        errors = self._unmap_peers()
+        self.world.barrier()
+        errors.append(_attempt(self._release)[1])
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
 
 def _attempt(fn):
