@@ -278,6 +278,44 @@ def test_hip_backend_unusable_where_hip_python_loads_no_runtime(monkeypatch, hip
     assert not rocm.RocmBackend.is_usable()[0]
 
 
+def test_hip_ipc_export_and_open_select_the_device(monkeypatch, hip_runtime):
+    """hipIpcGetMemHandle and hipIpcOpenMemHandle act on the current device (CLR's IpcCreate /
+    IpcAttach take hip::getCurrentDevice()): both select the allocation's device first. The
+    handle travels as its 64 bytes and opens with hipIpcMemLazyEnablePeerAccess, the only flag
+    the runtime takes."""
+    from portable_overlap.backends import rocm
+
+    hip, calls = hip_runtime, []
+    data = bytes(range(64))
+
+    class Ipc:
+        def __getattr__(self, name):
+            return getattr(hip, name)
+
+        def hipSetDevice(self, idx):
+            calls.append(("hipSetDevice", idx))
+            return (hip.hipError_t.hipSuccess,)
+
+        def hipIpcGetMemHandle(self, ptr):
+            calls.append(("hipIpcGetMemHandle", ptr))
+            return (hip.hipError_t.hipSuccess, rocm.RocmBackend.make_ipc_handle(data))
+
+        def hipIpcOpenMemHandle(self, handle, flags):
+            calls.append(("hipIpcOpenMemHandle", bytes(handle.reserved), flags))
+            return (hip.hipError_t.hipSuccess, 0x7F0000100000)
+
+    monkeypatch.setattr(rocm, "hip", Ipc())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    be, dev = rocm.RocmBackend(), torch.device("cuda", 3)
+    alloc = rocm.Allocation(0x7F0000002000, 4096, None, dev, native=0x7F0000002000)
+    assert be.export_handle(alloc) == data
+    mapping = be.open_handle(data, 4096, dev)
+    assert mapping.address == 0x7F0000100000 and mapping.nbytes == 4096
+    assert calls == [("hipSetDevice", 3), ("hipIpcGetMemHandle", 0x7F0000002000),
+                     ("hipSetDevice", 3), ("hipIpcOpenMemHandle", data, 1)]
+    assert hip.hipIpcMemLazyEnablePeerAccess == 1
+
+
 def test_cpu_backend_memory_copy_and_flags():
     be = backend_classes()["cpu"]()
     a = be.alloc_exportable(4096, torch.device("cpu"))

@@ -304,6 +304,8 @@ class RocmBackend(Backend):
         return Allocation(addr, nbytes, tensor, device, native=ptr)
 
     def export_handle(self, alloc: Allocation) -> bytes:
+        # the runtime exports the allocation's memory on the current device (IpcCreate)
+        self._set(alloc.device)
         handle = check(hip.hipIpcGetMemHandle(alloc.native), "hipIpcGetMemHandle")
         return ctypes.string_at(handle.as_c_void_p().value, handle.c_sizeof())
 
