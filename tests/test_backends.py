@@ -746,6 +746,23 @@ def test_rocm_extra_facts_ask_torch_for_rocshmem(monkeypatch):
     assert "rocshmem Triton bindings" in facts and "stream value waits" in facts
 
 
+def test_rocm_extra_facts_report_the_hardware_queues(monkeypatch):
+    """The runtime shares a hardware queue among the streams of a priority past
+    GPU_MAX_HW_QUEUES (4 by default), and the streams of one queue run in turn: env says how
+    many there are and what to set."""
+    from portable_overlap.backends import rocm
+
+    key = "hardware queues per priority"
+    monkeypatch.delenv(rocm.HW_QUEUES_VAR, raising=False)
+    assert rocm.hw_queues() == 4
+    fact = rocm.RocmBackend().extra_facts()[key]
+    assert fact.startswith("4 (GPU_MAX_HW_QUEUES unset)") and "GPU_MAX_HW_QUEUES=16" in fact
+    monkeypatch.setenv(rocm.HW_QUEUES_VAR, "24")
+    assert rocm.hw_queues() == 24
+    fact = rocm.RocmBackend().extra_facts()[key]
+    assert fact.startswith("24 (GPU_MAX_HW_QUEUES)") and "set" not in fact.split(":", 1)[1]
+
+
 def test_device_facts_of_a_device_without_index_are_the_current_devices(monkeypatch):
     """``torch.device("cuda")`` means the current device (torch's convention): the backend is
     asked about ``cuda:<current>``, never handed an index-less device (making it current

@@ -55,6 +55,8 @@ SYMBOLS = (
 CP_WAIT_VAR = "GPU_STREAMOPS_CP_WAIT"
 #: bytes of one signal-memory allocation: the runtime takes exactly 8 (one HSA signal value)
 SIGNAL_BYTES = 8
+#: the runtime's cap on hardware queues per device and priority (read at start-up, default 4)
+HW_QUEUES_VAR = "GPU_MAX_HW_QUEUES"
 
 
 def _import_hip():
@@ -213,6 +215,20 @@ def _sdma_kind():
     on; a hip-python without it gets ``hipMemcpyDeviceToDevice``)."""
     kinds = hip.hipMemcpyKind
     return getattr(kinds, "hipMemcpyDeviceToDeviceNoCU", kinds.hipMemcpyDeviceToDevice)
+
+
+def hw_queues() -> int:
+    """``GPU_MAX_HW_QUEUES`` as the runtime reads it (C's ``atoi``; 4 when unset).
+
+    The runtime gives a new stream its own hardware (AQL) queue only until a priority has this
+    many; later streams of that priority share the least-used queue, and every packet carries
+    the barrier bit, so the streams of one queue run their work in turn: a spinning wait (the
+    runtime's blit-kernel wait, the kernel gate, a flag kernel waiting for a peer) queued on
+    one of them holds everything queued after it on the others. torch makes its pool of 32
+    streams per priority at once, so side streams of one priority share queues from the
+    fifth on."""
+    lead = _ATOI.match(os.environ.get(HW_QUEUES_VAR, ""))
+    return int(lead.group(1)) if lead is not None else 4
 
 
 def _index(device: torch.device) -> int:
@@ -513,6 +529,12 @@ class RocmBackend(Backend):
         facts = {"rocshmem (torch shmem backend)": _torch_shmem(),
                  "rocshmem Triton bindings": _rocshmem_bindings(),
                  "hip-python": "installed" if importlib.util.find_spec("hip") else "not installed"}
+        queues = hw_queues()
+        facts["hardware queues per priority"] = (
+            f"{queues} ({HW_QUEUES_VAR}{'' if HW_QUEUES_VAR in os.environ else ' unset'}): "
+            f"streams past that many share a queue and run in turn"
+            + ("" if queues >= 16 else f"; set {HW_QUEUES_VAR}=16 or more before the process "
+               f"starts, so the copy lanes and side streams run side by side"))
         facts["stream value waits"] = (
             f"{CP_WAIT_VAR}=1: command processor (every gate word its own signal-memory "
             f"allocation); kernel gate under graph capture" if cp_wait() else
