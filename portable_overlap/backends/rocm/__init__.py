@@ -224,9 +224,9 @@ def hw_queues() -> int:
     many; later streams of that priority share the least-used queue, and every packet carries
     the barrier bit, so the streams of one queue run their work in turn: a spinning wait (the
     runtime's blit-kernel wait, the kernel gate, a flag kernel waiting for a peer) queued on
-    one of them holds everything queued after it on the others. torch makes its pool of 32
-    streams per priority at once, so side streams of one priority share queues from the
-    fifth on."""
+    one of them holds everything queued after it on the others. The copy lanes (one
+    high-priority stream per peer) share queues from the fifth peer on, 8 ranks and more;
+    torch builds that create their whole stream pool at once share them earlier."""
     lead = _ATOI.match(os.environ.get(HW_QUEUES_VAR, ""))
     return int(lead.group(1)) if lead is not None else 4
 
