@@ -273,9 +273,17 @@ def test_hip_backend_unusable_where_hip_python_loads_no_runtime(monkeypatch, hip
             return (hip_runtime.hipError_t.hipSuccess, self.count)
 
     monkeypatch.setattr(rocm, "hip", Devices(8))
+    torch_lib = "/t/lib/libamdhip64.so.6"
+    monkeypatch.setattr(rocm, "_mapped_files", lambda: ["/t/lib/libtorch_hip.so", torch_lib])
     assert rocm.RocmBackend.is_usable() == (True, "")
     monkeypatch.setattr(rocm, "hip", Devices(0))
     assert not rocm.RocmBackend.is_usable()[0]
+    # hip-python made its first call before the backend could point it at torch's runtime
+    monkeypatch.setattr(rocm, "hip", Devices(8))
+    monkeypatch.setattr(rocm, "_mapped_files",
+                        lambda: [torch_lib, "/opt/rocm-6.4.0/lib/libamdhip64.so.6.4.43482"])
+    ok, why = rocm.RocmBackend.is_usable()
+    assert not ok and why.startswith("two HIP runtimes in this process") and torch_lib in why
 
 
 def test_hip_ipc_export_and_open_select_the_device(monkeypatch, hip_runtime):
@@ -681,6 +689,19 @@ def test_hip_errors_name_the_error(monkeypatch, hip_runtime):
     assert str(info.value) == "HIP call failed: hipErrorInvalidValue (1)"
     with pytest.raises(RuntimeError, match=r"^hipIpcOpenMemHandle failed: hipErrorInvalidValue"):
         rocm.check((err, None), "hipIpcOpenMemHandle")
+
+    try:  # what hip-python (rocm.bindings layout) really returns: a CStr, not bytes
+        from rocm.bindings.util.types import CStr
+    except ImportError:
+        CStr = None
+    if CStr is not None:
+        class CStrName(Named):
+            @staticmethod
+            def hipGetErrorName(e):
+                return (hip_runtime.hipError_t.hipSuccess, CStr(b"hipErrorInvalidValue"))
+
+        monkeypatch.setattr(rocm, "hip", CStrName)
+        assert rocm.error_name(err) == "hipErrorInvalidValue (1)"
 
     class NoRuntime(Named):  # no libamdhip64: the runtime answers no name
         @staticmethod

@@ -279,6 +279,11 @@ class RocmBackend(Backend):
             return False, f"hip-python cannot load the HIP runtime ({e})"
         if int(err) != 0 or count < 1:
             return False, f"hip-python sees no AMD GPU (hipGetDeviceCount: {error_name(err)})"
+        runtimes = sorted({os.path.realpath(p) for p in _mapped_files() if _is_runtime(p)})
+        if len(runtimes) > 1:  # hip-python had loaded its own before it could be pointed
+            return False, (f"two HIP runtimes in this process ({', '.join(runtimes)}): "
+                           f"hip-python does not call the one torch calls; import "
+                           f"portable_overlap before anything makes a hip-python call")
         return True, ""
 
     def _set(self, device: torch.device) -> int:
