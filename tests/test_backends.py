@@ -44,6 +44,23 @@ def test_forced_gpu_backend_without_gpu_fails_loudly(monkeypatch, name):
         get_backend()
 
 
+def test_detection_on_a_gpu_host_names_the_gpu_backends_reason(monkeypatch):
+    """Where torch sees a GPU but its backend cannot be used (hip-python without a HIP
+    runtime, two HIP runtimes in the process), detection raises that backend's reason instead
+    of silently taking the CPU-emulated backend."""
+    from portable_overlap import backends
+
+    monkeypatch.delenv("PORTABLE_OVERLAP_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    classes = dict(backend_classes())
+    monkeypatch.setattr(classes["rocm"], "is_usable",
+                        classmethod(lambda cls: (False, "two HIP runtimes in this process")))
+    with pytest.raises(BackendUnavailable,
+                       match="torch sees a GPU but backend 'rocm' cannot be used: two HIP"):
+        backends._detect(classes)
+
+
 def test_unknown_backend_name(monkeypatch):
     monkeypatch.setenv("PORTABLE_OVERLAP_BACKEND", "tpu")
     with pytest.raises(BackendUnavailable, match="names no backend"):

@@ -48,9 +48,18 @@ def get_backend(name: Optional[str] = None) -> Backend:
 
 
 def _detect(classes: dict) -> str:
-    """The first usable of cuda, rocm, cpu."""
+    """The first usable of cuda, rocm, cpu; never cpu where torch sees a GPU (the emulated
+    backend would run the ops on host memory beside the GPU tensors): there the GPU backend's
+    reason is raised instead."""
+    import torch
+
     why = {}
     for name in ("cuda", "rocm", "cpu"):
+        if name == "cpu" and torch.cuda.is_available():
+            gpu = "rocm" if torch.version.hip is not None else "cuda"
+            raise BackendUnavailable(
+                f"torch sees a GPU but backend {gpu!r} cannot be used: {why[gpu]}; set "
+                f"{ENV_VAR}=cpu to run the CPU-emulated backend anyway")
         usable, why[name] = classes[name].is_usable()
         if usable:
             return name
