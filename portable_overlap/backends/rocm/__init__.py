@@ -136,8 +136,8 @@ def pin_runtime(path: str) -> None:
     """Make hip-python open the HIP runtime at ``path`` on its first call (``dlopen`` of a
     file this process has loaded already returns that same library). hip-python looks the
     path up at its first call: through ``rocm.bindings.util.paths.get_library_path`` (the
-    ``rocm.bindings`` layout, ROCm 7 on), or the module global ``hip.chip.DLL`` (earlier
-    releases). A hip-python that has made its first call already keeps its library."""
+    releases laid out as ``rocm.bindings``, whose ``hip`` package re-exports them), or the
+    module global ``hip.chip.DLL`` (the earlier ``hip`` package, ``b"libamdhip64.so"``). A hip-python that has made its first call already keeps its library."""
     try:
         paths = importlib.import_module("rocm.bindings.util.paths")
     except ImportError:
