@@ -177,8 +177,8 @@ def check(result, call: str = "HIP call"):
 
 def error_name(err) -> str:
     """``hipErrorInvalidValue (1)`` for a hipError_t. hip-python's ``hipGetErrorName`` answers
-    a ``(hipError_t, bytes)`` tuple, not the name; where the runtime cannot answer (no
-    libamdhip64), the enum's own name stands in."""
+    a ``(hipError_t, name)`` tuple, the name a ``CStr`` (``str()`` decodes it; older releases:
+    bytes); where the runtime cannot answer (no libamdhip64), the enum's own name stands in."""
     code = int(err)
     try:
         got = hip.hipGetErrorName(err)
@@ -282,8 +282,8 @@ class RocmBackend(Backend):
         runtimes = sorted({os.path.realpath(p) for p in _mapped_files() if _is_runtime(p)})
         if len(runtimes) > 1:  # hip-python had loaded its own before it could be pointed
             return False, (f"two HIP runtimes in this process ({', '.join(runtimes)}): "
-                           f"hip-python does not call the one torch calls; import "
-                           f"portable_overlap before anything makes a hip-python call")
+                           f"hip-python made its first call before this backend could point "
+                           f"it at torch's; let the backend make hip-python's first call")
         return True, ""
 
     def _set(self, device: torch.device) -> int:
