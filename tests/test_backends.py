@@ -40,7 +40,8 @@ def test_forced_gpu_backend_without_gpu_fails_loudly(monkeypatch, name):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     monkeypatch.setenv("PORTABLE_OVERLAP_BACKEND", name)
-    with pytest.raises(BackendUnavailable, match=f"backend '{name}' was asked for but cannot be used"):
+    with pytest.raises(BackendUnavailable,
+                       match=f"backend '{name}' was asked for but cannot be used"):
         get_backend()
 
 
@@ -461,7 +462,8 @@ class _GateHip:
     def hipStreamIsCapturing(self, stream):
         st = self._real.hipStreamCaptureStatus
         return (self._real.hipError_t.hipSuccess,
-                st.hipStreamCaptureStatusActive if self.capturing else st.hipStreamCaptureStatusNone)
+                st.hipStreamCaptureStatusActive if self.capturing
+                else st.hipStreamCaptureStatusNone)
 
     def hipStreamWaitValue32(self, *args):
         self.calls.append(("hipStreamWaitValue32",) + args)
@@ -528,7 +530,8 @@ def gate_backend(monkeypatch, hip_runtime):
         be = rocm.RocmBackend()
         monkeypatch.setattr(be, "_load_gate_kernels",
                             lambda words: fake.calls.append(("load gate kernels",)))
-        monkeypatch.setattr(be, "_on_stream", lambda stream, launch: launch(_KernelGate(fake, stream)))
+        monkeypatch.setattr(be, "_on_stream",
+                            lambda stream, launch: launch(_KernelGate(fake, stream)))
         return be, fake
 
     return make

@@ -137,7 +137,8 @@ def pin_runtime(path: str) -> None:
     file this process has loaded already returns that same library). hip-python looks the
     path up at its first call: through ``rocm.bindings.util.paths.get_library_path`` (the
     releases laid out as ``rocm.bindings``, whose ``hip`` package re-exports them), or the
-    module global ``hip.chip.DLL`` (the earlier ``hip`` package, ``b"libamdhip64.so"``). A hip-python that has made its first call already keeps its library."""
+    module global ``hip.chip.DLL`` (the earlier ``hip`` package, ``b"libamdhip64.so"``). A
+    hip-python that has made its first call already keeps its library."""
     try:
         paths = importlib.import_module("rocm.bindings.util.paths")
     except ImportError:
@@ -294,6 +295,7 @@ class RocmBackend(Backend):
     def device_facts(self, device: torch.device) -> DeviceFacts:
         idx = self._set(device)
         attr = hip.hipDeviceAttribute_t
+
         def get(name):
             return int(check(hip.hipDeviceGetAttribute(getattr(attr, name), idx),
                              f"hipDeviceGetAttribute({name}, {idx})"))
@@ -468,7 +470,8 @@ class RocmBackend(Backend):
         ok = self._can_wait.get(idx)
         if ok is None:
             attr = hip.hipDeviceAttribute_t.hipDeviceAttributeCanUseStreamWaitValue
-            ok = self._can_wait[idx] = bool(check(hip.hipDeviceGetAttribute(attr, idx),
+            ok = self._can_wait[idx] = bool(check(
+                hip.hipDeviceGetAttribute(attr, idx),
                 f"hipDeviceGetAttribute(hipDeviceAttributeCanUseStreamWaitValue, {idx})"))
         return ok
 
