@@ -19,6 +19,7 @@ from portable_overlap.errors import ConcurrentUseError, ContextClosedError
 from portable_overlap.ops import planner
 from portable_overlap.ops.gemm_signal import SignalConfig
 from portable_overlap.schedule import tuning
+from portable_overlap.testing import environ
 from portable_overlap.testing.compare import rel_err
 from portable_overlap.testing.patterns import GEMM_PATTERNS, pattern_inputs
 
@@ -209,9 +210,6 @@ def _disk_cache(world, tmp):
     M, N, K = 3 * W, 7, 5
     home = os.path.join(tmp, f"home{world.rank}")
     os.makedirs(home)
-    saved = {v: os.environ.get(v) for v in ("HOME", tuning.CACHE_VAR)}
-    os.environ["HOME"] = home
-    os.environ.pop(tuning.CACHE_VAR, None)
     path, env_path = os.path.join(tmp, "decisions.json"), os.path.join(tmp, "env.json")
     steps = {}
 
@@ -229,21 +227,15 @@ def _disk_cache(world, tmp):
         finally:
             ctx.close()
 
-    try:
+    with environ(HOME=home, **{tuning.CACHE_VAR: None}):
         run("memory")
         run("file", cache_path=path)
         run("file again", cache_path=path)
-        os.environ[tuning.CACHE_VAR] = env_path
-        run("env")
+        with environ(**{tuning.CACHE_VAR: env_path}):
+            run("env")
         with open(path) as f:
             on_disk = json.load(f)
         return steps, on_disk, os.path.exists(env_path), os.listdir(home)
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 def test_decisions_in_memory_and_in_a_file(world2, tmp_path):

@@ -11,6 +11,7 @@ from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all
                                               gemm_reduce_scatter_reference)
 from portable_overlap.ops.gemm_signal import tune as tune_mod
 from portable_overlap.schedule import TuningCache
+from portable_overlap.testing import environ
 
 SMALL = dict(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
 REF = {"all_reduce": gemm_all_reduce_reference, "reduce_scatter": gemm_reduce_scatter_reference}
@@ -155,34 +156,32 @@ def test_curve_sizes():
 def _tune_config(world, tmp):
     """``SignalConfig(partition="tune")``: the first call of a shape tunes (collective), later
     calls reuse the pick without any collective; results match the reference."""
-    import os
-
     from portable_overlap.ops.matmul import MatmulConfig
 
-    os.environ["PORTABLE_OVERLAP_TUNING_CACHE"] = f"{tmp}/rank{world.rank}.json"
-    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL), partition="tune"))
-    calls = []
-    real = tune_mod.tune_partition
+    with environ(PORTABLE_OVERLAP_TUNING_CACHE=f"{tmp}/rank{world.rank}.json"):
+        ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL),
+                                                    partition="tune"))
+        calls = []
+        real = tune_mod.tune_partition
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+        def counting(*a, **k):
+            calls.append(1)
+            return real(*a, **k)
 
-    tune_mod.tune_partition = counting
-    try:
-        errs = []
-        for seed in (5, 6, 7):  # the first call tunes, the next two reuse its pick
-            a, b = _inputs(world, 40, 24, 16, seed)
-            out = torch.full((40, 24), float("nan"), dtype=torch.bfloat16)
-            ctx.all_reduce(a, b, out)
-            ref = gemm_all_reduce_reference(a, b, world.group).float()
-            errs.append(((out.float() - ref).norm() / ref.norm()).item())
-        picked = next(iter(ctx._tuned.values())).partition
-        return len(calls), max(errs), picked
-    finally:
-        tune_mod.tune_partition = real
-        os.environ.pop("PORTABLE_OVERLAP_TUNING_CACHE", None)
-        ctx.close()
+        tune_mod.tune_partition = counting
+        try:
+            errs = []
+            for seed in (5, 6, 7):  # the first call tunes, the next two reuse its pick
+                a, b = _inputs(world, 40, 24, 16, seed)
+                out = torch.full((40, 24), float("nan"), dtype=torch.bfloat16)
+                ctx.all_reduce(a, b, out)
+                ref = gemm_all_reduce_reference(a, b, world.group).float()
+                errs.append(((out.float() - ref).norm() / ref.norm()).item())
+            picked = next(iter(ctx._tuned.values())).partition
+            return len(calls), max(errs), picked
+        finally:
+            tune_mod.tune_partition = real
+            ctx.close()
 
 
 def test_partition_tune_tunes_once_per_shape(world2, tmp_path):
@@ -203,26 +202,24 @@ def _tune_k_shard_changes_on_one_rank(world, tmp):
     changing while its peer's stays: the tuned pick was keyed by the whole shape of ``a``, so
     that rank tuned again (collective) alone and waited in the tuner's exchange for ever, its
     peer's call paired with the tuner's collectives."""
-    import os
-
     from portable_overlap import MatmulAllReduce, matmul_all_reduce_reference
     from portable_overlap.ops.matmul import MatmulConfig
 
-    os.environ["PORTABLE_OVERLAP_TUNING_CACHE"] = f"{tmp}/rank{world.rank}.json"
-    ctx = MatmulAllReduce(world, 32, 32, transport="signal_collective", timeout_s=20,
-                          config=SignalConfig(matmul=MatmulConfig(**SMALL), partition="tune"))
-    errs = []
-    try:
-        for i, k0 in enumerate((16, 32, 16)):  # rank 0's K shard; its peers keep 16
-            g = torch.Generator().manual_seed(10 * i + world.rank)
-            K = k0 if world.rank == 0 else 16
-            a, b = torch.randn(32, K, generator=g), torch.randn(K, 16, generator=g)
-            y = ctx(a, b)
-            ref = matmul_all_reduce_reference(a, b, world.group)
-            errs.append(((y - ref).norm() / ref.norm()).item())
-    finally:
-        os.environ.pop("PORTABLE_OVERLAP_TUNING_CACHE", None)
-        ctx.close()
+    with environ(PORTABLE_OVERLAP_TUNING_CACHE=f"{tmp}/rank{world.rank}.json"):
+        ctx = MatmulAllReduce(world, 32, 32, transport="signal_collective", timeout_s=20,
+                              config=SignalConfig(matmul=MatmulConfig(**SMALL),
+                                                  partition="tune"))
+        errs = []
+        try:
+            for i, k0 in enumerate((16, 32, 16)):  # rank 0's K shard; its peers keep 16
+                g = torch.Generator().manual_seed(10 * i + world.rank)
+                K = k0 if world.rank == 0 else 16
+                a, b = torch.randn(32, K, generator=g), torch.randn(K, 16, generator=g)
+                y = ctx(a, b)
+                ref = matmul_all_reduce_reference(a, b, world.group)
+                errs.append(((y - ref).norm() / ref.norm()).item())
+        finally:
+            ctx.close()
     return errs
 
 
@@ -271,25 +268,18 @@ def _tune_without_a_file(world, tmp):
 
     home = os.path.join(tmp, f"home{world.rank}")
     os.makedirs(home)
-    saved = {v: os.environ.get(v) for v in ("HOME", tuning.CACHE_VAR)}
-    os.environ["HOME"] = home
-    os.environ.pop(tuning.CACHE_VAR, None)
-    ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
-    real = tune_mod.calibrate
-    try:
-        a, b = _inputs(world, 24, 20, 16, 5)
-        cfg = ctx.tune("all_reduce", a, b, top_k=2, iters=1)
-        tune_mod.calibrate = lambda *a_, **k_: (_ for _ in ()).throw(AssertionError("measured"))
-        again = ctx.tune("all_reduce", a, b, top_k=2, iters=1)
-        return cfg.partition == again.partition, os.listdir(home)
-    finally:
-        tune_mod.calibrate = real
-        ctx.close()
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
+    with environ(HOME=home, **{tuning.CACHE_VAR: None}):
+        ctx = GemmSignal(world, config=SignalConfig(matmul=MatmulConfig(**SMALL)))
+        real = tune_mod.calibrate
+        try:
+            a, b = _inputs(world, 24, 20, 16, 5)
+            cfg = ctx.tune("all_reduce", a, b, top_k=2, iters=1)
+            tune_mod.calibrate = lambda *a_, **k_: (_ for _ in ()).throw(AssertionError("measured"))
+            again = ctx.tune("all_reduce", a, b, top_k=2, iters=1)
+            return cfg.partition == again.partition, os.listdir(home)
+        finally:
+            tune_mod.calibrate = real
+            ctx.close()
 
 
 def test_tune_without_a_cache_file_keeps_decisions_in_memory(world2, tmp_path):
@@ -298,14 +288,8 @@ def test_tune_without_a_cache_file_keeps_decisions_in_memory(world2, tmp_path):
 
 
 def test_a_tuning_cache_needs_a_path():
-    import os
-
     from portable_overlap.schedule import tuning
 
-    saved = os.environ.pop(tuning.CACHE_VAR, None)
-    try:
-        with pytest.raises(ValueError, match="give the file's path"):
-            TuningCache()
-    finally:
-        if saved is not None:
-            os.environ[tuning.CACHE_VAR] = saved
+    with environ(**{tuning.CACHE_VAR: None}), \
+            pytest.raises(ValueError, match="give the file's path"):
+        TuningCache()
