@@ -586,3 +586,68 @@ def test_module_call_after_close_says_it_was_closed(world2):
     an EmbeddingAllToAll, got NoneType."""
     for got in world2.run(_module_after_close):
         assert got.startswith("ContextClosedError: ") and "closed" in got, got
+
+
+def _grad_on_some_ranks(world, transport, case):
+    """Autograd records the call on rank 0 only (``case``: the other ranks' weight does not
+    require grad, or they call under ``torch.no_grad()``): the backward's reverse All-to-All
+    would then run on rank 0 alone and wait for ever. The forward raises RankMismatchError on
+    every rank instead, at once, and the context serves the next matched call (recorded on
+    every rank, backward included). ``"auto"``: the key decided first (its call then runs the
+    fused kernel, whose flags' tag differs); ``"auto, new key"``: the mixed call is the key's
+    first (the agreement finds it); ``"auto, sequential"``: the key decided for the plain
+    path, whose calls agree first (the agreement finds it)."""
+    import contextlib
+    import time
+
+    decided = transport in ("auto", "auto, sequential")
+    kw = dict(transport=transport.split(",")[0])
+    if kw["transport"] == "auto":
+        # one candidate where decided: nothing timed
+        cands = {"auto": ("stores",), "auto, sequential": ("sequential",)}
+        kw.update(candidates=cands.get(transport, ("stores", "sequential")), iters=1, warmup=0)
+    ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, block_b=4, timeout_s=30.0, **kw)
+    gen = torch.Generator().manual_seed(5 + world.rank)
+    splits = [3, 5]
+    weight, lengths, indices, _ = _input(ctx, splits, gen, torch.float32, False)
+    found = {}
+    try:
+        if decided:  # the key decided first, with autograd on every rank
+            w0 = weight.clone().requires_grad_()
+            embedding_all_to_all(w0, lengths, indices, ctx, batch_splits=splits).sum().backward()
+        records = world.rank == 0
+        w1 = weight.clone().requires_grad_(records or case == "no_grad")
+        quiet = torch.no_grad() if case == "no_grad" and not records else contextlib.nullcontext()
+        t0 = time.monotonic()
+        try:
+            with quiet:
+                y = embedding_all_to_all(w1, lengths, indices, ctx, batch_splits=splits)
+            ctx.synchronize()
+            if y.requires_grad:
+                y.sum().backward()
+            found["mixed"] = ("no error", "")
+        except PortableOverlapError as e:
+            found["mixed"] = (type(e).__name__, str(e))
+        found["seconds"] = time.monotonic() - t0
+        w2 = weight.clone().requires_grad_()
+        y = embedding_all_to_all(w2, lengths, indices, ctx, batch_splits=splits)
+        g = torch.randn(y.shape, generator=gen)
+        (y * g).sum().backward()
+        w3 = weight.clone().requires_grad_()
+        r = embedding_all_to_all_reference(w3, lengths, indices, None, ctx.plan, world.rank,
+                                           splits, "sum", world.group)
+        (r * g).sum().backward()
+        found["next"] = max(rel_err(y.detach(), r.detach()), rel_err(w2.grad, w3.grad))
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("case", ["requires_grad", "no_grad"])
+@pytest.mark.parametrize("transport", ["stores", "auto", "auto, new key", "auto, sequential"])
+def test_autograd_recorded_on_some_ranks_raises_in_the_forward(world2, transport, case):
+    for rank, found in enumerate(world2.run(_grad_on_some_ranks, transport, case, timeout=300)):
+        kind, msg = found["mixed"]
+        assert kind == "RankMismatchError" and "records_grad" in msg, (rank, found)
+        assert found["seconds"] < 20, (rank, found)
+        assert found["next"] < 1e-5, (rank, found)

@@ -420,3 +420,50 @@ def test_split_tiles_under_odd_shapes_and_alternating_calls(world):
         assert parts == {1, 2, 3}, parts
         bad = [f for f in found if not f[1] < 1]
         assert not bad, bad
+
+
+def _rows_differ(world, mode, rows0):
+    """Rank 0 calls with ``rows0`` rows (0: none), its peers with 64 x W: with no rows rank
+    0's grid is smaller (one program), so the peers' programs past it wait for flags no
+    program of rank 0 sets. The peers' program 0 flags say why, so every rank raises a
+    mismatch at once (well inside the 30 s timeout), twice, and the next matched call is
+    right: the context stays in step."""
+    import time
+
+    W, r = world.world_size, world.rank
+    make = po.MatmulReduceScatter if mode == "reduce_scatter" else po.MatmulAllReduce
+    cfg = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=1,
+                       num_stages=1)
+    ctx = make(world, 64 * W, 32, transport="stores", config=cfg, timeout_s=30.0)
+    got = []
+    try:
+        for i in range(2):
+            g = torch.Generator().manual_seed(10 * i + r)
+            M = rows0 if r == 0 else 64 * W
+            a, b = torch.randn(M, 8, generator=g), torch.randn(8, 32, generator=g)
+            t0 = time.monotonic()
+            try:
+                ctx(a, b)
+                ctx.synchronize()
+                got.append("no error")
+            except po.PortableOverlapError as e:
+                got.append((type(e).__name__, time.monotonic() - t0))
+        got.append([p.programs for p in ctx.workspace("stores")._plans.values()])
+        g = torch.Generator().manual_seed(99 + r)
+        a, b = torch.randn(4 * W, 8, generator=g), torch.randn(8, 32, generator=g)
+        got.append(rel_err(ctx(a, b), _truth(a, b, world.group, mode, None, None)))
+        return got
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("rows0", [0, 6], ids=["no-rows", "fewer-rows"])
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+def test_ranks_with_other_rows_and_grids_raise_a_mismatch_at_once(world2, mode, rows0):
+    found = world2.run(_rows_differ, mode, rows0, timeout=300)
+    if rows0 == 0:  # one program against the device's (fewer rows: split tiles fill the grid)
+        assert found[0][2][0] < found[1][2][0], found
+    for rank, got in enumerate(found):
+        for kind, seconds in got[:2]:
+            assert kind == "RankMismatchError" and seconds < 20, (rank, got)
+        assert got[3] < TOL[torch.float32], (rank, got)

@@ -293,7 +293,8 @@ def _what(record: dict) -> str:
         return f"a call new there ({_text_of(record)})"
     if kind == "decided":
         return (f"a call decided there as {record['transport']!r} (decision "
-                f"{record['decision']}: {_text_of(record)})")
+                f"{record['decision']}: {_text_of(record)}"
+                + (", records_grad=True" if record.get("records_grad") else "") + ")")
     if kind == "refused":
         return f"a call it refused ({_text_of(record)}): {record['why']}"
     return record.get("why", kind)
@@ -454,8 +455,11 @@ class TransportPlanner:
         """What a decided call of an ``UNBOUNDED`` transport does before it runs: this rank's
         input checks with nothing run (``_refusal``), then the call's agreement (``_settle``)."""
         refusal = self._refusal((transport,), inputs, out, given)
+        # (whether autograd records the call, where the op has a backward whose exchange runs
+        # on the ranks that record it: the embedding op's ``_records_grad``)
         self._settle({"kind": "decided", "decision": decision, "transport": transport,
-                      "call": text} if refusal is None
+                      "call": text, "records_grad": getattr(self.ctx, "_records_grad", False)}
+                     if refusal is None
                      else {"kind": "refused",  # (the refused call's own words)
                            "call": _text(self._describe_call(inputs, given)),
                            "why": f"{type(refusal).__name__}: {refusal}"}, refusal)
@@ -652,7 +656,8 @@ class TransportPlanner:
             raise RankMismatchError(f"{op}: " + "; ".join(
                 f"rank {q} refused this call ({_text_of(r)}): {r['why']}" for q, r in refused)
                 + " (nothing ran; the context stays usable)")
-        if len({(r["kind"], r.get("decision"), r.get("transport")) for r in records}) > 1:
+        if len({(r["kind"], r.get("decision"), r.get("transport"), r.get("records_grad"))
+                for r in records}) > 1:
             calls = "; ".join(f"rank {q}: {_what(r)}" for q, r in enumerate(records))
             raise RankMismatchError(
                 f"{op}: the ranks' calls of {self._label} do not match: {calls}. A call key "

@@ -40,6 +40,15 @@ Backward (through :func:`embedding_all_to_all` when ``weight`` or ``per_sample_w
 requires grad) sends ``grad_out`` back through the reverse All-to-All (``all_to_all_single``)
 and accumulates row gradients with ``index_add_`` into a dense gradient of the packed weight
 (and the per-index weights' gradient when they require it), whatever the transport.
+
+Every rank must record the call for autograd or none: the backward's reverse All-to-All runs
+only on the ranks that did, and would wait for ever for the others. Whether autograd records
+the call (``records_grad``: grad mode on and ``weight`` or ``per_sample_weights`` requiring
+grad) is part of what the ranks agree on: the fused kernels' shape tag, and under ``"auto"``
+the call's agreement where it makes one (a key's first call, a decided ``"sequential"``
+call), so a call recorded on some ranks only raises ``RankMismatchError`` on every rank in
+the forward, at no cost per call. The named ``"sequential"`` makes no agreement
+(``docs/reliability.md``, "What is not caught").
 """
 from __future__ import annotations
 
@@ -107,6 +116,9 @@ class EmbeddingAllToAll(PatternContext):
         self.tables = RankTables(world, plan, max_local_batch)
         self._tiling = dict(block_b=block_b, num_warps=num_warps, max_programs=max_programs)
         self.validate = True
+        # whether autograd records the call being made (set by the differentiable op's
+        # kernel, ``_recorded``): the fused kernels' tag and the agreements carry it
+        self._records_grad = False
         super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
@@ -195,8 +207,23 @@ class EmbeddingAllToAll(PatternContext):
                  "validate": self.validate if validate is None else validate})
 
     def _run(self, transport, impl, inputs, out, options):
+        if transport == "sequential":  # (no flags to carry it: docs/reliability.md)
+            return impl(inputs["weight"], inputs["lengths"], inputs["indices"],
+                        inputs["per_sample_weights"], out=out, **options)
         return impl(inputs["weight"], inputs["lengths"], inputs["indices"],
-                    inputs["per_sample_weights"], out=out, **options)
+                    inputs["per_sample_weights"], out=out, records_grad=self._records_grad,
+                    **options)
+
+    def _recorded(self, weight, lengths, indices, psw, batch_splits, pooling,
+                  records_grad=False):
+        """The op's eager call (its torch op's kernel, or the plain call), made with
+        ``records_grad`` as :meth:`_run` passes it: whether autograd records this call."""
+        self._records_grad = bool(records_grad)
+        try:
+            return self._dispatch(*self._bind(weight, lengths, indices, psw,
+                                              batch_splits=batch_splits, pooling=pooling))
+        finally:
+            self._records_grad = False
 
     def _as_op(self, inputs: dict, out, options: dict):
         """A traced call (``PatternContext._dispatch``) as :func:`embedding_all_to_all` makes it
@@ -217,12 +244,13 @@ class EmbeddingAllToAll(PatternContext):
                 and isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def _matched_call(self, inputs: dict, options: dict) -> Optional[dict]:
-        """The batch split, the dtype and the pooling: what the exchange moves."""
+        """The batch split, the dtype and the pooling: what the exchange moves; and whether
+        autograd records the call (the backward's exchange runs on the ranks that do)."""
         weight = inputs["weight"]
         if not isinstance(weight, torch.Tensor):
             return None
         return {"batch_splits": repr(options.get("batch_splits")), "dtype": str(weight.dtype),
-                "pooling": repr(options.get("pooling"))}
+                "pooling": repr(options.get("pooling")), "records_grad": self._records_grad}
 
     def check_grad(self, inputs: dict, options: dict) -> None:
         """Nothing to refuse: the op has a backward (:func:`embedding_all_to_all`)."""
@@ -236,7 +264,7 @@ class EmbeddingAllToAll(PatternContext):
 
 
 def _setup_context(ctx, inputs, output):
-    weight, lengths, indices, psw, splits, pooling, handle = inputs
+    weight, lengths, indices, psw, splits, pooling, handle, _ = inputs
     ctx.save_for_backward(weight, lengths, indices, psw)
     ctx.splits, ctx.pooling, ctx.handle = list(splits), pooling, handle
 
@@ -249,7 +277,7 @@ def _backward(ctx, grad):
     # offsets) take; traced inline it failed the compile of every training step
     grad_w, grad_psw = BACKWARD.op(grad, weight, lengths, indices, psw, ctx.splits, ctx.pooling,
                                    need_psw, ctx.handle)
-    return grad_w, None, None, grad_psw if need_psw else None, None, None, None
+    return grad_w, None, None, grad_psw if need_psw else None, None, None, None, None
 
 
 def _backward_run(grad, weight, lengths, indices, psw, splits, pooling, need_psw, ctx):
@@ -276,14 +304,15 @@ BACKWARD = define_part(PartSpec(
 
 EMBEDDING_ALL_TO_ALL = define(OpSpec(
     OP, "(Tensor weight, Tensor lengths, Tensor indices, Tensor? per_sample_weights, "
-        "int[] batch_splits, str pooling, int handle) -> Tensor",
+        "int[] batch_splits, str pooling, int handle, bool records_grad=False) -> Tensor",
     context=EmbeddingAllToAll, transports=TRANSPORTS,
     compile_specs=("portable_overlap.ops.embedding_alltoall.compile_specs",),
-    fake=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling: weight.new_empty(
-        ctx.output_shape(batch_splits)),
-    # the plain call (not ``ctx(...)``, which routes a call that needs grad back here)
-    eager=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling: ctx._dispatch(
-        *ctx._bind(weight, lengths, indices, psw, batch_splits=batch_splits, pooling=pooling)),
+    fake=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling, records_grad=False:
+    weight.new_empty(ctx.output_shape(batch_splits)),
+    # the plain call (not ``ctx(...)``, which routes a call that needs grad back here), with
+    # whether autograd records it (``records_grad``: its ranks must agree)
+    eager=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling, records_grad=False:
+    ctx._recorded(weight, lengths, indices, psw, batch_splits, pooling, records_grad),
     backward=_backward, setup_context=_setup_context))
 
 
@@ -313,4 +342,4 @@ def embedding_all_to_all(weight: torch.Tensor, lengths: torch.Tensor, indices: t
         weight.requires_grad or (per_sample_weights is not None
                                  and per_sample_weights.requires_grad))
     return EMBEDDING_ALL_TO_ALL(ctx, (weight, lengths, indices, per_sample_weights, splits,
-                                      pooling), grad=grad)
+                                      pooling, grad), grad=grad)

@@ -14,7 +14,10 @@ Program pid of rank r:
 1. computes its tiles of blocks r+1, r+2, ... (peers first: their partials travel while this
    rank computes), each stored in the input dtype into ``recv[r]`` of the owner's heap;
 2. signals ``sent[r][pid]`` on every peer (release) and waits for ``sent[q][pid]`` of every
-   peer q (acquire, bounded);
+   peer q (acquire, bounded). The grid follows the shape (one program for no rows), so a peer
+   called with other rows may have no program pid: ``pol.wait_program_peers`` then stops at
+   the peer's program 0 flag, whose tag says it planned otherwise (``RankMismatchError`` on
+   every rank, the ranks still in step), instead of waiting out the call's deadline;
 3. computes its tiles of block r and adds the peers' partials from ``recv[q]`` in float32;
    ReduceScatter: ``out = sum + bias + residual``, rounded once. AllReduce: the sum is rounded
    to the input dtype (what the vendor's all-reduce of the products would give), stored into
@@ -254,8 +257,8 @@ def matmul_reduce_stores_kernel(
         i = idx // per  # position of the block in this rank's order; world-1 = its own
         if idx == (world - 1) * per:  # 2. every peer partial this program owes is stored
             pol.signal_all(ctx, sent_ptr + rank * G_MAX + pid, call, ok, tag)
-            if ok:
-                ok = pol.wait_peers(ctx, sent_ptr + pid, G_MAX, call, tag)
+            if ok:  # (a peer whose grid lacks program pid: its program 0's tag says why)
+                ok = pol.wait_program_peers(ctx, sent_ptr, pid, G_MAX, call, tag)
         d = (rank + 1 + i) % world
         item = _first_tile(pid, d, tpb, G) + (idx % per) * G
         T = item
@@ -343,7 +346,7 @@ def matmul_reduce_stores_kernel(
     elif ALL_REDUCE:  # 4. the peers' reduced blocks, the tiles their program pid reduced
         pol.signal_all(ctx, reduced_ptr + rank * G_MAX + pid, call, ok, tag)
         if ok:
-            ok = pol.wait_peers(ctx, reduced_ptr + pid, G_MAX, call, tag)
+            ok = pol.wait_program_peers(ctx, reduced_ptr, pid, G_MAX, call, tag)
         if ok:
             for i in range(1, world):
                 q = (rank + i) % world
