@@ -125,8 +125,8 @@ def _refusal_overtakes_a_slow_reader(world):
         first = rel_err(ctx(a, b), ref)
     except po.PortableOverlapError as e:
         first = f"{type(e).__name__}: {e}"
-    # no columns (K = 0): refused everywhere
-    refused = _error(lambda: ctx(torch.randn(4, 0), torch.randn(0, 5)))
+    # no output columns (N = 0): refused everywhere
+    refused = _error(lambda: ctx(torch.randn(4, 3), torch.randn(3, 0)))
     links.wait_ready = wait_ready
     after = rel_err(ctx(a, b), ref)
     ctx.close()
@@ -136,7 +136,7 @@ def _refusal_overtakes_a_slow_reader(world):
 def test_a_refused_call_does_not_fail_the_call_a_peer_still_reads(world2):
     for first, refused, after in world2.run(_refusal_overtakes_a_slow_reader, timeout=120):
         assert isinstance(first, float) and first < 1e-5, first
-        assert refused.startswith("ValueError") and "K must be >= 1" in refused, refused
+        assert refused.startswith("ValueError") and "N must be >= 1" in refused, refused
         assert after < 1e-5
 
 

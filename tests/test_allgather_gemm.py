@@ -7,6 +7,7 @@ from portable_overlap.testing import (call_while_peers_skip, error_of_one_call,
                                       not_refused_together, outcomes)
 from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul, all_gather_matmul,
                                                  all_gather_matmul_reference, pick_schedule)
+from portable_overlap.testing.compare import rel_err
 
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
@@ -680,3 +681,38 @@ def test_ranks_whose_n_or_k_differs_raise_on_every_transport(world2, transport, 
         for what in ("N differs", "K differs"):
             assert found[what][0] == "RankMismatchError", (transport, options, what, found)
         assert found["after"] < 1e-5, (transport, options, found)
+
+
+def _staging_over_many_shapes(world):
+    """The fused schedules' per-step outputs over calls of many shard sizes (a serving loop's
+    varying sequence lengths): the context keeps room for the largest step, not one buffer per
+    step shape it ever met. Kept per shape, every new row count added its buffers until the
+    context was closed (device memory growing without bound over a long run)."""
+    W = world.world_size
+    g = torch.Generator().manual_seed(world.rank)
+    ctx = AllGatherMatmul(world, 4096, transport="copy_engine")
+    N, K = 12, 8
+
+    def held() -> int:  # bytes of the staging the context keeps
+        kept = ctx.impl._staging
+        kept = kept.values() if isinstance(kept, dict) else [kept]
+        return sum(t.untyped_storage().nbytes() for t in kept if t is not None)
+
+    errs = []
+    for sched in ("uniform-fused-1d", "hetero-fused-1d"):
+        for m in (2, 3, 5, 7, 11, 13, 17, 6, 4):
+            a, b = torch.randn(m, K, generator=g), torch.randn(K, N, generator=g)
+            out = torch.full((W * m, N), float("nan"))
+            all_gather_matmul(a, b, ctx, out, schedule=sched)
+            errs.append(rel_err(out, all_gather_matmul_reference(a, b, world.group)))
+    # the largest step: every rank's piece of the largest shard (17 rows over W pieces), fp32
+    largest = W * -(-17 // W) * N * 4
+    kept = held()
+    ctx.close()
+    return errs, kept, largest
+
+
+def test_fused_schedules_keep_staging_for_the_largest_step_only(world2):
+    for errs, kept, largest in world2.run(_staging_over_many_shapes, timeout=300):
+        assert max(errs) < 1e-5, errs
+        assert kept <= largest, (kept, largest)

@@ -3,7 +3,8 @@ public op and module on CPU-emulated ranks: each returns the result torch's refe
 [0, N] product, [.., 0, out] from the linear layers, an empty embedding output, no tokens out
 of the MoE layer), or, on the two transports that cannot run one, a clear ValueError on every
 rank; a call with rows on one rank and none on another raises on every rank; the context
-serves the next call; K = 0 and N = 0 are refused with an error naming them; autograd and the
+serves the next call; K = 0 gives torch's zeros to the K-split patterns' collective
+(AllGather + GEMM refuses it), N = 0 is refused with an error naming it; autograd and the
 fake implementations see the empty shapes too."""
 import pytest
 import torch
@@ -146,27 +147,57 @@ def test_no_rows_on_one_rank_raises_on_every_rank(world2):
 
 
 def _no_columns(world):
+    """K = 0 (an empty K shard) through the K-split GEMM patterns: torch's ``[M, 0] @ [0, N]``
+    is zeros, so a rank with no K columns adds nothing to the reduction (its peers' K shards
+    still do), and a GEMM + All-to-All sends zero rows. Every rank with K = 0, then one rank
+    only, on every transport, the outputs poisoned first. AllGather + GEMM keeps refusing it
+    (its K is matched across the ranks); N = 0 is refused on every op."""
+    W, r = world.world_size, world.rank
+    gen = torch.Generator().manual_seed(17 + r)
     got = {}
-    for op, t, ctx in _contexts(world, ("matmul_all_reduce",)):
+    for op, t, ctx in _contexts(world, (*GEMMS, "all_gather_matmul")):
         try:
-            got[f"{t} K=0"] = _outcome(lambda: ctx(torch.randn(4, 0), torch.randn(0, N)))
-            got[f"{t} N=0"] = _outcome(lambda: ctx(torch.randn(4, K), torch.randn(K, 0)))
-            a, b = torch.randn(4, K), torch.randn(K, N)
-            got[f"{t} then"] = rel_err(ctx(a, b), po.matmul_all_reduce_reference(
-                a, b, world.group))
+            ref_of = getattr(po, f"{op}_reference", None)
+            rows = _rows_out(op, 2 * W, W)
+            for who in ("every rank", "rank 0"):
+                if op == "all_gather_matmul":
+                    break
+                k = 0 if who == "every rank" or r == 0 else K
+                a = torch.randn(2 * W, k, generator=gen)
+                b = torch.randn(k, N, generator=gen)
+                bias = torch.randn(N, generator=gen)
+                out = torch.full((rows, N), float("nan"))
+                y = _outcome(lambda: ctx(a, b, bias, out=out))
+                ref = ref_of(a if k else torch.zeros(2 * W, 1),
+                             b if k else torch.zeros(1, N), world.group) + bias
+                got[f"{op} {t} K=0 on {who}"] = rel_err(y, ref) if y is out else y
+            if op == "all_gather_matmul":
+                got[f"{op} {t} K=0"] = _outcome(lambda: ctx(torch.randn(4, 0),
+                                                             torch.randn(0, N)))
+            got[f"{op} {t} N=0"] = _outcome(lambda: ctx(torch.randn(4, K), torch.randn(K, 0)))
+            y, ref = _call(op, ctx, 2 * W, gen)
+            got[f"{op} {t} then"] = rel_err(y, ref)
         finally:
             ctx.close()
     return got
 
 
-def test_no_columns_is_refused_naming_the_argument(world2):
-    for got in world2.run(_no_columns):
+def _check_no_columns(results):
+    for got in results:
         for case, v in got.items():
-            if case.endswith("then"):
-                assert v < 1e-5, (case, v)
+            if case.endswith("then") or " on " in case:
+                assert isinstance(v, float) and v < 1e-5, (case, v)
             else:
                 dim = case.split()[-1][0]
                 assert v.startswith("ValueError") and f"{dim} must be >= 1" in v, (case, v)
+
+
+def test_no_columns_gives_the_collective_of_zeros(world2):
+    _check_no_columns(world2.run(_no_columns, timeout=900))
+
+
+def test_no_columns_on_three_ranks(world3):
+    _check_no_columns(world3.run(_no_columns, timeout=900))
 
 
 # --- the modules -------------------------------------------------------------------------------

@@ -237,6 +237,7 @@ class PatternContext:
             return self._as_op(inputs, out, options)
         self.check_grad(inputs, options)
         self.check_sizes(inputs, options)
+        inputs = self._nonempty_k(inputs)
         if self.planner is None:
             return self._run(self.transport, self.impl, inputs, out, options)
         return self.planner(inputs, out, options)
@@ -253,6 +254,10 @@ class PatternContext:
     def check_sizes(self, inputs: dict, options: dict) -> None:
         """The context's own limits on a call, checked after :meth:`check_grad` and refused
         the same way (:meth:`refuse`); none here."""
+
+    def _nonempty_k(self, inputs: dict) -> dict:
+        """The inputs an eager call runs on: as given here (see ``MatmulPattern``)."""
+        return inputs
 
     def check_grad(self, inputs: dict, options: dict) -> None:
         """``refuse_grad`` of the call's tensors (the result would carry no gradient: a silent
@@ -385,6 +390,22 @@ class MatmulPattern(PatternContext):
             self._refuse(inputs, options, ValueError(
                 f"{self.OP}: an [{sizes['M']}, {sizes['N']}] result exceeds this context's "
                 f"max_m x max_n = {self.max_m} x {self.max_n}"))
+
+    def _nonempty_k(self, inputs: dict) -> dict:
+        """An empty K shard (``a`` [M, 0], ``b`` [0, N], N >= 1, one dtype and device) as
+        zeros [M, 1] and [1, N]: torch's ``[M, 0] @ [0, N]`` is zeros, and each rank's K is its
+        own in these patterns (only the products move, keyed by M, N and the dtype), so the
+        call stays matched with peers whose K shards are not empty: a rank with no K columns
+        adds zeros to the reduction (a row-parallel layer's K split unevenly), or sends zero
+        rows. Every transport then runs it unchanged (the tilings take K >= 1). The cost:
+        M + N zeros made, only in such a call. Anything else passes as given, for the
+        transports' checks."""
+        a, b = inputs.get("a"), inputs.get("b")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dim() == 2 and b.dim() == 2 and a.shape[1] == 0 and b.shape[0] == 0
+                and b.shape[1] > 0 and a.dtype == b.dtype and a.device == b.device):
+            return inputs
+        return {**inputs, "a": a.new_zeros((a.shape[0], 1)), "b": b.new_zeros((1, b.shape[1]))}
 
     def _matched(self, inputs: dict) -> Optional[dict]:
         """The product's rows and columns and the dtype: what the collective moves (each

@@ -249,7 +249,7 @@ class AllGatherMatmulCE(OverlapContext):
             # rank land before this rank pushes the next call's pieces there. (Pull writes
             # only into the puller's own memory: nothing of a late peer lands here.)
             self.late_stores_guard(self.ce_consumed, "recv-consumed", epoch=self.ce_ctl)
-        self._staging = {}  # (schedule-fused) per-step outputs, by (rows, N, dtype)
+        self._staging = None  # (schedule-fused) per-step outputs: _stage_out
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
@@ -439,13 +439,19 @@ class AllGatherMatmulCE(OverlapContext):
                     rows.addmm_(piece, b[k0:k1])
 
     def _stage_out(self, rows: int, N: int, dtype) -> torch.Tensor:
-        """The fused schedules' per-step output (kept: no allocation on later calls)."""
-        key = (rows, N, dtype)
-        t = self._staging.get(key)
-        if t is None:
-            t = self._staging[key] = torch.empty((rows, N), dtype=dtype,
-                                                 device=self.world.device)
-        return t
+        """The fused schedules' per-step output [rows, N]: a view of one buffer kept for the
+        largest step met so far (no allocation on later calls of that size or smaller). Kept
+        per (rows, N, dtype), a buffer was added for every new shard size and none freed
+        before ``close()``: device memory grew without bound over calls of varying sizes.
+        Every step's GEMM and its copies into ``out`` run on the caller's stream, so a step
+        may overwrite the previous step's output, and a grown buffer's old one is freed in
+        that stream's order."""
+        nbytes = rows * N * dtype.itemsize
+        buf = self._staging
+        if buf is None or buf.numel() < nbytes:
+            buf = self._staging = torch.empty(nbytes, dtype=torch.uint8,
+                                              device=self.world.device)
+        return buf[:nbytes].view(dtype).view(rows, N)
 
 
 ALL_GATHER_MATMUL = define(OpSpec(

@@ -209,7 +209,8 @@ def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None
     """The checks every GEMM-based op makes of ``a [M, K] @ b [K, N]`` (any strides). M = 0
     (no rows) is a call: its result has no rows, as torch's. K = 0 and N = 0 are refused with a
     ValueError naming them (torch would give zeros, or no columns; the tilings and the
-    contexts' sizes take K, N >= 1)."""
+    contexts' sizes take K, N >= 1): the K-split GEMM patterns' contexts give torch's zeros
+    for K = 0 before any of these checks (``pattern.MatmulPattern._nonempty_k``)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise TypeError(f"{op}: a and b must be tensors")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
