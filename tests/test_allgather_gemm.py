@@ -685,17 +685,18 @@ def test_ranks_whose_n_or_k_differs_raise_on_every_transport(world2, transport, 
 
 def _staging_over_many_shapes(world):
     """The fused schedules' per-step outputs over calls of many shard sizes (a serving loop's
-    varying sequence lengths): the context keeps room for the largest step, not one buffer per
-    step shape it ever met. Kept per shape, every new row count added its buffers until the
-    context was closed (device memory growing without bound over a long run)."""
+    varying sequence lengths): the context keeps one buffer that grows by doubling, and the
+    buffers it outgrew (a CUDA graph captured over one replays into it), under four times the
+    largest step in all, not one buffer per step shape it ever met. Kept per shape, every new
+    row count added its buffers until the context was closed (device memory growing without
+    bound over a long run)."""
     W = world.world_size
     g = torch.Generator().manual_seed(world.rank)
     ctx = AllGatherMatmul(world, 4096, transport="copy_engine")
     N, K = 12, 8
 
     def held() -> int:  # bytes of the staging the context keeps
-        kept = ctx.impl._staging
-        kept = kept.values() if isinstance(kept, dict) else [kept]
+        kept = [ctx.impl._staging, *ctx.impl._outgrown]
         return sum(t.untyped_storage().nbytes() for t in kept if t is not None)
 
     errs = []
@@ -712,7 +713,7 @@ def _staging_over_many_shapes(world):
     return errs, kept, largest
 
 
-def test_fused_schedules_keep_staging_for_the_largest_step_only(world2):
+def test_fused_schedules_keep_staging_bounded_by_the_largest_step(world2):
     for errs, kept, largest in world2.run(_staging_over_many_shapes, timeout=300):
         assert max(errs) < 1e-5, errs
-        assert kept <= largest, (kept, largest)
+        assert kept < 4 * largest, (kept, largest)  # (one buffer per shape kept 5520 bytes)

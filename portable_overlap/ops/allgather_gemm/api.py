@@ -250,6 +250,7 @@ class AllGatherMatmulCE(OverlapContext):
             # only into the puller's own memory: nothing of a late peer lands here.)
             self.late_stores_guard(self.ce_consumed, "recv-consumed", epoch=self.ce_ctl)
         self._staging = None  # (schedule-fused) per-step outputs: _stage_out
+        self._outgrown = []  # staging buffers outgrown, kept for graphs captured over them
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
@@ -444,12 +445,17 @@ class AllGatherMatmulCE(OverlapContext):
         per (rows, N, dtype), a buffer was added for every new shard size and none freed
         before ``close()``: device memory grew without bound over calls of varying sizes.
         Every step's GEMM and its copies into ``out`` run on the caller's stream, so a step
-        may overwrite the previous step's output, and a grown buffer's old one is freed in
-        that stream's order."""
+        may overwrite the previous step's output. A buffer outgrown is kept too, until
+        ``close()``: a CUDA graph captured over it replays into it, and freed, its memory
+        would hold other tensors by then. Growth at least doubles, so what is kept stays
+        under twice the largest step."""
         nbytes = rows * N * dtype.itemsize
         buf = self._staging
         if buf is None or buf.numel() < nbytes:
-            buf = self._staging = torch.empty(nbytes, dtype=torch.uint8,
+            if buf is not None:
+                self._outgrown.append(buf)
+            size = nbytes if buf is None else max(nbytes, 2 * buf.numel())
+            buf = self._staging = torch.empty(size, dtype=torch.uint8,
                                               device=self.world.device)
         return buf[:nbytes].view(dtype).view(rows, N)
 
