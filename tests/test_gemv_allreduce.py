@@ -106,7 +106,7 @@ def _bad_inputs(world):
     w = torch.randn(64, 32)
     cases = {
         "dtype": (x, w.double()), "mixed": (x.half(), w), "int": (x.int(), w.int()),
-        "K": (x, torch.randn(64, 31)), "rank": (x[None], w), "K0": (x[:, :0], w[:, :0]),
+        "K": (x, torch.randn(64, 31)), "rank": (x[None], w),
         "M65": (torch.randn(65, 32), w), "N>max": (x, torch.randn(65, 32)),
         "noncontig": (x, torch.randn(32, 64).t()), "noncontig_x": (torch.randn(32, 4).t(), w),
         "device": (x.to("meta"), w),
@@ -706,6 +706,48 @@ def _own_k(world, transport):
 def test_ranks_may_pass_k_shards_of_their_own_width(world, transport):
     for errs in world.run(_own_k, transport, timeout=120):
         assert all(e < 1 for e in errs), errs
+
+
+def _empty_k_shard(world, transport, config):
+    """Rank 1's K shard is empty (an uneven split of a row-parallel weight that leaves it
+    none): it contributes a zero partial, as torch's ``x_r @ w_r.T`` of [M, 0] by [0, N]
+    does, on poisoned outputs; then every rank's shard is empty (a zero result); then a
+    call with columns everywhere on the same context."""
+    ctx = GemvAllReduce(world, max_n=32, transport=transport, timeout_s=30.0,
+                        **({"iters": 1, "warmup": 0} if transport == "auto" else {}))
+    found = []
+    try:
+        for i, (M, N, k_of) in enumerate(((3, 20, lambda r: 0 if r == 1 else 5 + r),
+                                          (2, 7, lambda r: 0), (4, 32, lambda r: 6))):
+            x, w = _inputs(world, M, N, k_of(world.rank), torch.float32, seed=300 + i)
+            y = torch.full((M, N), float("nan"))
+            kw = {} if config is None else {"config": config}
+            gemv_all_reduce(x, w, ctx, y, **kw)
+            ctx.synchronize()
+            ref = gemv_all_reduce_reference(x, w, world.group)
+            found.append("nan" if torch.isnan(y).any()
+                         else float((y - ref).abs().max()) if k_of(0) == k_of(1) == 0
+                         else rel_err(y, ref))
+    except PortableOverlapError as e:
+        found.append(f"{type(e).__name__}: {e}")
+    except (ValueError, TypeError) as e:
+        found.append(f"{type(e).__name__}: {e}")
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport,config", [
+    ("stores", None), ("one_shot", None), ("sequential", None), ("auto", None),
+    ("one_shot", GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1,
+                            programs_per_sm=8, split_k=2))],
+    ids=["stores", "one_shot", "sequential", "auto", "one_shot-split2"])
+def test_a_rank_with_an_empty_k_shard_contributes_a_zero_partial(world2, transport, config):
+    """A rank's x_r [M, 0] and w_r [N, 0] (its K shard empty) is a call like any other: its
+    partial is zeros, as in torch's math, on every transport; the ranks stay matched (the
+    flags' tag holds no K). It used to be refused on that rank alone ("K must be >= 1")."""
+    for found in world2.run(_empty_k_shard, transport, config, timeout=300):
+        assert len(found) == 3 and all(isinstance(v, float) and v < 1e-5 for v in found), found
 
 
 # -- the one-shot form's K split -----------------------------------------------------------------

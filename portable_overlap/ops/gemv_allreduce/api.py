@@ -237,8 +237,8 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
                          f"path for larger batches")
     if not 1 <= N <= max_n:
         raise ValueError(f"{OP}: N={N} is outside 1..max_n={max_n} of this context")
-    if K < 1:
-        raise ValueError(f"{OP}: K must be >= 1")
+    # K = 0 (this rank's shard empty) is a call: its partial is zeros, as torch's x @ w.T of
+    # [M, 0] by [0, N]; its K loop runs no step, and the flags' tag holds no K
     if not x.is_contiguous() or not w.is_contiguous():
         raise ValueError(f"{OP}: x and w must be contiguous (call .contiguous() first)")
 
