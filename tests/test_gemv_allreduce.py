@@ -750,6 +750,52 @@ def test_a_rank_with_an_empty_k_shard_contributes_a_zero_partial(world2, transpo
         assert len(found) == 3 and all(isinstance(v, float) and v < 1e-5 for v in found), found
 
 
+def _out_requires_grad(world, transport):
+    """Rank 0 passes an ``out`` that requires grad (a leaf the op would write in place, which
+    torch refuses: ``mm(out=...)`` raises "functions with out=... arguments don't support
+    automatic differentiation"); rank 1 a plain one. Then a good call; then the same ``out``
+    under ``torch.no_grad()``, where torch writes it and so does the op."""
+    opts = {"iters": 1, "warmup": 0, "candidates": ("sequential",)} if transport == "auto" \
+        else {}
+    ctx = GemvAllReduce(world, max_n=16, transport=transport, timeout_s=10.0, **opts)
+    found = {}
+    try:
+        x, w = _inputs(world, 2, 16, 8, torch.float32, seed=320)
+        found["first"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
+        out = torch.zeros(2, 16, requires_grad=world.rank == 0)
+        try:
+            ctx(x, w, out=out)
+            found["grad out"] = "no error"
+        except (PortableOverlapError, ValueError, TypeError, RuntimeError) as e:
+            found["grad out"] = f"{type(e).__name__}: {e}"
+        x, w = _inputs(world, 3, 16, 8, torch.float32, seed=321)
+        found["then"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
+        out = torch.full((3, 16), float("nan"), requires_grad=world.rank == 0)
+        with torch.no_grad():
+            ctx(x, w, out=out)
+        found["no_grad"] = rel_err(out.detach(), gemv_all_reduce_reference(x, w, world.group))
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport", ["stores", "one_shot", "auto"])
+def test_an_out_that_requires_grad_is_refused_on_every_rank(world2, transport):
+    """The fused transports wrote such an ``out`` without a word (a result that carries no
+    gradient); ``"auto"``'s decided ``"sequential"`` passed the input checks and raised in
+    ``torch.mm`` on that rank only, after the call's agreement, leaving its peer in the
+    all-reduce."""
+    got = world2.run(_out_requires_grad, transport, timeout=240)
+    for rank, found in enumerate(got):
+        assert found["first"] < 1e-5 and found["then"] < 1e-5, found
+        assert found["no_grad"] < 1e-5, found
+        if rank == 0:
+            assert found["grad out"].startswith("ValueError") \
+                and "requires grad" in found["grad out"], found
+        else:
+            assert found["grad out"].startswith(("RankMismatchError", "PeerTimeoutError")), found
+
+
 # -- the one-shot form's K split -----------------------------------------------------------------
 def _split_cfg(split, block_n=16, block_k=16):
     # 8 programs per emulated SM: the split's grid (n_blocks x split) must be resident at once

@@ -245,7 +245,7 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
 
 def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor, w: torch.Tensor) -> None:
     """``out`` must be a contiguous [M, N] tensor of x's dtype and device that shares no memory
-    with ``x`` or ``w`` (``context.check_no_overlap``: the kernel's programs store result
+    with ``x`` or ``w``, and not require grad where grad mode is on (as ``torch.mm(out=...)``) (``context.check_no_overlap``: the kernel's programs store result
     blocks while others still read x, and the sequential transport's ``torch.mm`` writes
     ``out`` as it reads them)."""
     if not isinstance(out, torch.Tensor):
@@ -254,6 +254,14 @@ def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor, w: torch.Tenso
             or not out.is_contiguous():
         raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{M}, {N}] tensor on "
                          f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+    # written in place, as torch's ``mm(out=...)`` writes it, which refuses an ``out`` that
+    # requires grad while grad mode is on: the result would carry no gradient. The sequential
+    # transport met that error only in ``torch.mm``, after its checks (under ``"auto"``, after
+    # the call's agreement), on this rank alone, its peers left in the all-reduce
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{OP}: out requires grad, and the op writes it in place (no "
+                         f"gradient would flow through it); pass an out that does not "
+                         f"require grad, or call under torch.no_grad()")
     # the decode path: address arithmetic only (0.5 us against 4 for the general check); x and
     # w are contiguous wherever a launch follows (validate, and the plan key)
     o = out.data_ptr()
