@@ -1082,3 +1082,44 @@ def test_a_config_field_that_is_no_int_is_refused(bad):
     """True passed every check as 1, and 1.5 the ranges of num_stages and programs_per_sm."""
     with pytest.raises(ValueError, match="GemvConfig: every field must be an int"):
         GemvConfig(**bad)
+
+
+def _config_of_another_type(world):
+    """A ``config`` that is no GemvConfig (a name, a dict of its fields), per call on rank 1
+    only and to the context on every rank: a TypeError naming GemvConfig, where it was an
+    AttributeError ("'str' object has no attribute 'split_k'") or "unhashable type:
+    'dict'"; the per-call one a refusal its peer hears of, the context usable after."""
+    found = {}
+    for transport in KERNEL_TRANSPORTS:
+        for bad in ("fast", {"block_n": 16}):
+            try:
+                GemvAllReduce(world, max_n=16, transport=transport, config=bad).close()
+                found[f"{transport} context {bad}"] = "no error"
+            except (TypeError, ValueError, AttributeError) as e:
+                found[f"{transport} context {bad}"] = f"{type(e).__name__}: {e}"
+        ctx = GemvAllReduce(world, max_n=16, transport=transport, timeout_s=10.0)
+        try:
+            for i, bad in enumerate(("fast", {"block_n": 16})):
+                x, w = _inputs(world, 2, 16, 8, torch.float32, seed=330 + i)
+                try:
+                    ctx(x, w, config=bad if world.rank == 1 else None)
+                    found[f"{transport} call {bad}"] = "no error"
+                except (PortableOverlapError, TypeError, ValueError, AttributeError) as e:
+                    found[f"{transport} call {bad}"] = f"{type(e).__name__}: {e}"
+            x, w = _inputs(world, 3, 16, 8, torch.float32, seed=339)
+            found[f"{transport} then"] = rel_err(ctx(x, w), gemv_all_reduce_reference(
+                x, w, world.group))
+        finally:
+            ctx.close()
+    return found
+
+
+def test_a_config_that_is_no_gemv_config_is_refused_naming_the_type(world2):
+    for rank, found in enumerate(world2.run(_config_of_another_type, timeout=240)):
+        for case, v in found.items():
+            if case.endswith("then"):
+                assert v < 1e-5, (case, v)
+            elif " context " in case or rank == 1:
+                assert v.startswith("TypeError") and "GemvConfig" in v, (case, v)
+            else:
+                assert "gave up" in v, (case, v)

@@ -61,6 +61,7 @@ class GemvAllReduceKernel(OverlapContext):
         self.transport = check_transport(OP, transport, KERNEL_TRANSPORTS)
         if max_n < 1:
             raise ValueError(f"{OP}: max_n must be >= 1, got {max_n}")
+        check_config_type(config)
         world.check_same(f"{OP} context arguments (max_n, config, transport)",
                          (max_n, config, transport))
         W = world.world_size
@@ -114,6 +115,8 @@ class GemvAllReduceKernel(OverlapContext):
             check_out(out, M, N, x, w)
         xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
         sx, sw = x.stride(0), w.stride(0)
+        if config is not None and type(config) is not GemvConfig:  # (before it is hashed)
+            check_config_type(config)
         # alignment to 16 bytes: what the compiled kernel assumes of each pointer; w's own K,
         # as the plan validated it (a one-row w [1, K_w] is contiguous whatever its row stride,
         # so sw need not tell a w narrower than x)
@@ -202,6 +205,14 @@ def _tag(M, N, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
     that travel are [M, N] whatever K_r (``pick_config`` does not choose by K either)."""
     return shape_tag(M=M, N=N, dtype=str(dtype), block_n=cfg.block_n, programs=programs,
                      transport=transport, split_k=cfg.split_k)
+
+
+def check_config_type(config) -> None:
+    """A ``config`` (the context's or a call's) is a :class:`GemvConfig` or None: a name or a
+    dict of its fields failed later as an ``AttributeError`` or "unhashable type"."""
+    if config is not None and not isinstance(config, GemvConfig):
+        raise TypeError(f"{OP}: config must be a GemvConfig or None, got "
+                        f"{type(config).__name__} {config!r}")
 
 
 def check_split(cfg: GemvConfig, transport: str) -> None:
