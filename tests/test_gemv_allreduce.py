@@ -1123,3 +1123,31 @@ def test_a_config_that_is_no_gemv_config_is_refused_naming_the_type(world2):
                 assert v.startswith("TypeError") and "GemvConfig" in v, (case, v)
             else:
                 assert "gave up" in v, (case, v)
+
+
+def _config_none_everywhere(world):
+    """``config=None`` (no configuration: what a caller passing ``config=cfg`` with no cfg
+    gives) to the context and to each call, on every transport: the fused ones and
+    ``"auto"`` take it as not given; ``"sequential"`` refused it as an option it does not
+    take ("takes no options; got ['config']"), at construction and per call."""
+    found = {}
+    for transport in ("stores", "one_shot", "sequential"):
+        try:
+            ctx = GemvAllReduce(world, max_n=16, transport=transport, config=None)
+        except ValueError as e:
+            found[transport] = f"ValueError: {e}"
+            continue
+        try:
+            x, w = _inputs(world, 2, 16, 8, torch.float32, seed=340)
+            found[transport] = rel_err(gemv_all_reduce(x, w, ctx, config=None),
+                                       gemv_all_reduce_reference(x, w, world.group))
+        except ValueError as e:
+            found[transport] = f"ValueError: {e}"
+        finally:
+            ctx.close()
+    return found
+
+
+def test_config_none_is_no_option_on_every_transport(world2):
+    for found in world2.run(_config_none_everywhere, timeout=240):
+        assert all(isinstance(v, float) and v < 1e-5 for v in found.values()), found
