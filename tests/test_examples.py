@@ -170,6 +170,15 @@ def test_example_flags_refuse_counts_out_of_range(script, argv):
     assert f"argument {argv[0]}: must be an integer >=" in out.stderr, out.stderr
 
 
+def test_prefill_refuses_a_sequence_the_ranks_cannot_split():
+    """``--seq 3`` on 2 ranks: every rank raised the ValueError with a traceback, exit code 1."""
+    out = _run([os.path.join("examples", "transformer", "prefill.py"), "--seq", "3"],
+               timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "argument --seq: 3 tokens must divide by the world size 2" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_main_demo_refuses_more_emulated_ranks_than_one_machine_runs():
     """``--ranks 99999`` on a machine without that many GPUs started emulated ranks until the
     machine's open-file limit ended the demo with a traceback."""
