@@ -5,8 +5,9 @@ What it computes, with ``x_r``, ``w_r`` the tensors rank r passes::
 
     y = sum(x_r.float() @ w_r.float().T for r in ranks).to(x.dtype)   # [M, N], on every rank
 
-x_r is [M, K_local] (1 <= M <= 64: a decode batch), w_r is [N, K_local]: rank r holds the K-slice
-r of a row-parallel weight, so the sum over ranks is the full product. Every rank receives the
+x_r is [M, K_local] (0 <= M <= 64: a decode batch), w_r is [N, K_local] (K_local >= 0, and may
+differ across ranks; an empty shard adds zeros): rank r holds the K-slice r of a row-parallel
+weight, so the sum over ranks is the full product. Every rank receives the
 same bits (each column block is summed once, by its owner, in rank order).
 """
 from __future__ import annotations
