@@ -257,9 +257,10 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
 
 def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor, w: torch.Tensor) -> None:
     """``out`` must be a contiguous [M, N] tensor of x's dtype and device that shares no memory
-    with ``x`` or ``w``, and not require grad where grad mode is on (as ``torch.mm(out=...)``) (``context.check_no_overlap``: the kernel's programs store result
+    with ``x`` or ``w`` (``context.check_no_overlap``: the kernel's programs store result
     blocks while others still read x, and the sequential transport's ``torch.mm`` writes
-    ``out`` as it reads them)."""
+    ``out`` as it reads them), and that does not require grad where grad mode is on (as
+    ``torch.mm(out=...)`` refuses it)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{OP}: out must be a tensor or None, got {type(out).__name__}")
     if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
