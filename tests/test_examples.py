@@ -137,6 +137,23 @@ def test_env_report_names_a_bad_override_without_a_traceback():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("name, value, says", [
+    ("PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT", "nan", "finite number > 0"),
+    ("PORTABLE_OVERLAP_EMULATED_RANKS", "-1", "integer in 1 .. 64"),
+    ("PORTABLE_OVERLAP_TUNING_CACHE", ROOT, "names a directory"),
+])
+def test_env_report_checks_every_override_it_lists(name, value, says):
+    """Overrides the report's own queries do not read (the stream waits' timeout, the emulated
+    ranks of a script, the tuning cache) printed a clean report with exit code 0 when set to a
+    value the library refuses at its first use."""
+    env = dict(os.environ, PYTHONPATH=ROOT, **{name: value})
+    out = subprocess.run([sys.executable, "-m", "portable_overlap", "env"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{name}={value!r}" in out.stdout and says in out.stderr, out.stdout + out.stderr
+    assert "selected backend" in out.stdout and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("script, argv", [
     ("transformer/decode.py", ["--layers", "0"]),  # no layer: "outputs agree", comparing x to x
     ("transformer/decode.py", ["--tokens", "0"]),
@@ -151,6 +168,15 @@ def test_example_flags_refuse_counts_out_of_range(script, argv):
     out = _run([os.path.join("examples", script), *argv], timeout=120)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"argument {argv[0]}: must be an integer >=" in out.stderr, out.stderr
+
+
+def test_prefill_refuses_a_sequence_the_ranks_cannot_split():
+    """``--seq 3`` on 2 ranks: every rank raised the ValueError with a traceback, exit code 1."""
+    out = _run([os.path.join("examples", "transformer", "prefill.py"), "--seq", "3"],
+               timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "argument --seq: 3 tokens must divide by the world size 2" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_main_demo_refuses_more_emulated_ranks_than_one_machine_runs():

@@ -106,7 +106,7 @@ def _bad_inputs(world):
     w = torch.randn(64, 32)
     cases = {
         "dtype": (x, w.double()), "mixed": (x.half(), w), "int": (x.int(), w.int()),
-        "K": (x, torch.randn(64, 31)), "rank": (x[None], w), "K0": (x[:, :0], w[:, :0]),
+        "K": (x, torch.randn(64, 31)), "rank": (x[None], w),
         "M65": (torch.randn(65, 32), w), "N>max": (x, torch.randn(65, 32)),
         "noncontig": (x, torch.randn(32, 64).t()), "noncontig_x": (torch.randn(32, 4).t(), w),
         "device": (x.to("meta"), w),
@@ -708,6 +708,94 @@ def test_ranks_may_pass_k_shards_of_their_own_width(world, transport):
         assert all(e < 1 for e in errs), errs
 
 
+def _empty_k_shard(world, transport, config):
+    """Rank 1's K shard is empty (an uneven split of a row-parallel weight that leaves it
+    none): it contributes a zero partial, as torch's ``x_r @ w_r.T`` of [M, 0] by [0, N]
+    does, on poisoned outputs; then every rank's shard is empty (a zero result); then a
+    call with columns everywhere on the same context."""
+    ctx = GemvAllReduce(world, max_n=32, transport=transport, timeout_s=30.0,
+                        **({"iters": 1, "warmup": 0} if transport == "auto" else {}))
+    found = []
+    try:
+        for i, (M, N, k_of) in enumerate(((3, 20, lambda r: 0 if r == 1 else 5 + r),
+                                          (2, 7, lambda r: 0), (4, 32, lambda r: 6))):
+            x, w = _inputs(world, M, N, k_of(world.rank), torch.float32, seed=300 + i)
+            y = torch.full((M, N), float("nan"))
+            kw = {} if config is None else {"config": config}
+            gemv_all_reduce(x, w, ctx, y, **kw)
+            ctx.synchronize()
+            ref = gemv_all_reduce_reference(x, w, world.group)
+            found.append("nan" if torch.isnan(y).any()
+                         else float((y - ref).abs().max()) if k_of(0) == k_of(1) == 0
+                         else rel_err(y, ref))
+    except PortableOverlapError as e:
+        found.append(f"{type(e).__name__}: {e}")
+    except (ValueError, TypeError) as e:
+        found.append(f"{type(e).__name__}: {e}")
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport,config", [
+    ("stores", None), ("one_shot", None), ("sequential", None), ("auto", None),
+    ("one_shot", GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1,
+                            programs_per_sm=8, split_k=2))],
+    ids=["stores", "one_shot", "sequential", "auto", "one_shot-split2"])
+def test_a_rank_with_an_empty_k_shard_contributes_a_zero_partial(world2, transport, config):
+    """A rank's x_r [M, 0] and w_r [N, 0] (its K shard empty) is a call like any other: its
+    partial is zeros, as in torch's math, on every transport; the ranks stay matched (the
+    flags' tag holds no K). It used to be refused on that rank alone ("K must be >= 1")."""
+    for found in world2.run(_empty_k_shard, transport, config, timeout=300):
+        assert len(found) == 3 and all(isinstance(v, float) and v < 1e-5 for v in found), found
+
+
+def _out_requires_grad(world, transport):
+    """Rank 0 passes an ``out`` that requires grad (a leaf the op would write in place, which
+    torch refuses: ``mm(out=...)`` raises "functions with out=... arguments don't support
+    automatic differentiation"); rank 1 a plain one. Then a good call; then the same ``out``
+    under ``torch.no_grad()``, where torch writes it and so does the op."""
+    opts = {"iters": 1, "warmup": 0, "candidates": ("sequential",)} if transport == "auto" \
+        else {}
+    ctx = GemvAllReduce(world, max_n=16, transport=transport, timeout_s=10.0, **opts)
+    found = {}
+    try:
+        x, w = _inputs(world, 2, 16, 8, torch.float32, seed=320)
+        found["first"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
+        out = torch.zeros(2, 16, requires_grad=world.rank == 0)
+        try:
+            ctx(x, w, out=out)
+            found["grad out"] = "no error"
+        except (PortableOverlapError, ValueError, TypeError, RuntimeError) as e:
+            found["grad out"] = f"{type(e).__name__}: {e}"
+        x, w = _inputs(world, 3, 16, 8, torch.float32, seed=321)
+        found["then"] = rel_err(ctx(x, w), gemv_all_reduce_reference(x, w, world.group))
+        out = torch.full((3, 16), float("nan"), requires_grad=world.rank == 0)
+        with torch.no_grad():
+            ctx(x, w, out=out)
+        found["no_grad"] = rel_err(out.detach(), gemv_all_reduce_reference(x, w, world.group))
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport", ["stores", "one_shot", "auto"])
+def test_an_out_that_requires_grad_is_refused_on_every_rank(world2, transport):
+    """The fused transports wrote such an ``out`` without a word (a result that carries no
+    gradient); ``"auto"``'s decided ``"sequential"`` passed the input checks and raised in
+    ``torch.mm`` on that rank only, after the call's agreement, leaving its peer in the
+    all-reduce."""
+    got = world2.run(_out_requires_grad, transport, timeout=240)
+    for rank, found in enumerate(got):
+        assert found["first"] < 1e-5 and found["then"] < 1e-5, found
+        assert found["no_grad"] < 1e-5, found
+        if rank == 0:
+            assert found["grad out"].startswith("ValueError") \
+                and "requires grad" in found["grad out"], found
+        else:
+            assert found["grad out"].startswith(("RankMismatchError", "PeerTimeoutError")), found
+
+
 # -- the one-shot form's K split -----------------------------------------------------------------
 def _split_cfg(split, block_n=16, block_k=16):
     # 8 programs per emulated SM: the split's grid (n_blocks x split) must be resident at once
@@ -994,3 +1082,72 @@ def test_a_config_field_that_is_no_int_is_refused(bad):
     """True passed every check as 1, and 1.5 the ranges of num_stages and programs_per_sm."""
     with pytest.raises(ValueError, match="GemvConfig: every field must be an int"):
         GemvConfig(**bad)
+
+
+def _config_of_another_type(world):
+    """A ``config`` that is no GemvConfig (a name, a dict of its fields), per call on rank 1
+    only and to the context on every rank: a TypeError naming GemvConfig, where it was an
+    AttributeError ("'str' object has no attribute 'split_k'") or "unhashable type:
+    'dict'"; the per-call one a refusal its peer hears of, the context usable after."""
+    found = {}
+    for transport in KERNEL_TRANSPORTS:
+        for bad in ("fast", {"block_n": 16}):
+            try:
+                GemvAllReduce(world, max_n=16, transport=transport, config=bad).close()
+                found[f"{transport} context {bad}"] = "no error"
+            except (TypeError, ValueError, AttributeError) as e:
+                found[f"{transport} context {bad}"] = f"{type(e).__name__}: {e}"
+        ctx = GemvAllReduce(world, max_n=16, transport=transport, timeout_s=10.0)
+        try:
+            for i, bad in enumerate(("fast", {"block_n": 16})):
+                x, w = _inputs(world, 2, 16, 8, torch.float32, seed=330 + i)
+                try:
+                    ctx(x, w, config=bad if world.rank == 1 else None)
+                    found[f"{transport} call {bad}"] = "no error"
+                except (PortableOverlapError, TypeError, ValueError, AttributeError) as e:
+                    found[f"{transport} call {bad}"] = f"{type(e).__name__}: {e}"
+            x, w = _inputs(world, 3, 16, 8, torch.float32, seed=339)
+            found[f"{transport} then"] = rel_err(ctx(x, w), gemv_all_reduce_reference(
+                x, w, world.group))
+        finally:
+            ctx.close()
+    return found
+
+
+def test_a_config_that_is_no_gemv_config_is_refused_naming_the_type(world2):
+    for rank, found in enumerate(world2.run(_config_of_another_type, timeout=240)):
+        for case, v in found.items():
+            if case.endswith("then"):
+                assert v < 1e-5, (case, v)
+            elif " context " in case or rank == 1:
+                assert v.startswith("TypeError") and "GemvConfig" in v, (case, v)
+            else:
+                assert "gave up" in v, (case, v)
+
+
+def _config_none_everywhere(world):
+    """``config=None`` (no configuration: what a caller passing ``config=cfg`` with no cfg
+    gives) to the context and to each call, on every transport: the fused ones and
+    ``"auto"`` take it as not given; ``"sequential"`` refused it as an option it does not
+    take ("takes no options; got ['config']"), at construction and per call."""
+    found = {}
+    for transport in ("stores", "one_shot", "sequential"):
+        try:
+            ctx = GemvAllReduce(world, max_n=16, transport=transport, config=None)
+        except ValueError as e:
+            found[transport] = f"ValueError: {e}"
+            continue
+        try:
+            x, w = _inputs(world, 2, 16, 8, torch.float32, seed=340)
+            found[transport] = rel_err(gemv_all_reduce(x, w, ctx, config=None),
+                                       gemv_all_reduce_reference(x, w, world.group))
+        except ValueError as e:
+            found[transport] = f"ValueError: {e}"
+        finally:
+            ctx.close()
+    return found
+
+
+def test_config_none_is_no_option_on_every_transport(world2):
+    for found in world2.run(_config_none_everywhere, timeout=240):
+        assert all(isinstance(v, float) and v < 1e-5 for v in found.values()), found

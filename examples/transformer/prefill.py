@@ -45,7 +45,8 @@ from torch import nn
 from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduceScatter,
                               RowParallelLinear)
 from portable_overlap.cli import int_at_least
-from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
+from tp_common import (LLAMA3_8B, TINY, launch, planned_world_size,  # examples/transformer/
+                       under_torchrun)
 
 
 class Block(nn.Module):
@@ -227,6 +228,10 @@ def main() -> int:
     args = ap.parse_args()
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
         args.layers, args.seq = min(args.layers, 2), min(args.seq, 16)
+    W = planned_world_size()
+    if args.seq % W:  # (else every rank raised it with a traceback, exit code 1)
+        ap.error(f"argument --seq: {args.seq} tokens must divide by the world size {W} "
+                 f"(each rank holds seq / world of them)")
     return launch(run, report, args)
 
 

@@ -17,6 +17,13 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ
 
 
+def planned_world_size(emulated_ranks: int = 2) -> int:
+    """The world size ``launch`` will run on: torchrun's ``WORLD_SIZE``, else
+    ``emulated_ranks`` (its default): what a script checks its arguments against before the
+    ranks start."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else emulated_ranks
+
+
 def launch(run, report, args, emulated_ranks: int = 2, timeout: float = 900) -> int:
     """``result = run(world, args)`` on every rank, then ``report(world_size, args, result,
     device_type)`` with rank 0's result on rank 0, whose return value is the exit code.

@@ -37,6 +37,9 @@ _ROWS = {"all_reduce": lambda M, W: M, "reduce_scatter": lambda M, W: M // W,
 
 def _no_options(op: str, options: dict) -> None:
     """The sequential transport has no options: name the ones given (a fused transport's, say)."""
+    # an option given as None is not given (as ``"auto"`` takes it: ``config=None`` from a
+    # caller with no configuration to pass)
+    options = {k: v for k, v in options.items() if v is not None} if options else options
     if options:
         raise ValueError(f"{op}: the 'sequential' transport takes no options; got "
                          f"{sorted(options)}")

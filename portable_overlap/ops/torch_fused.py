@@ -98,6 +98,9 @@ def unavailable_reason(world, op: Optional[str] = None) -> Optional[str]:
 
 def _no_options(op: str, options: dict) -> None:
     """This transport has no options: name the ones given (another transport's, say)."""
+    # an option given as None is not given (as ``"auto"`` takes it: ``config=None`` from a
+    # caller with no configuration to pass)
+    options = {k: v for k, v in options.items() if v is not None} if options else options
     if options:
         raise ValueError(f"{op}: the {TRANSPORT!r} transport takes no options; got "
                          f"{sorted(options)}")

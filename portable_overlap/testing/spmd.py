@@ -15,6 +15,14 @@ def launched() -> bool:
         v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"))
 
 
+def env_emulated_ranks() -> int:
+    """``$PORTABLE_OVERLAP_EMULATED_RANKS``: the CPU-emulated ranks of a script started without
+    a launcher (default 2)."""
+    from .emulated import MAX_RANKS
+
+    return env_int("PORTABLE_OVERLAP_EMULATED_RANKS", 2, 1, MAX_RANKS)
+
+
 def run_on_ranks(fn: Callable, *args, ranks: Optional[int] = None,
                  timeout: float = 600.0) -> list:
     """``fn(world, *args)`` on every rank. Under a launcher: on this process's world (NCCL and
@@ -34,10 +42,10 @@ def run_on_ranks(fn: Callable, *args, ranks: Optional[int] = None,
             return [fn(world, *args)]
         finally:
             dist.destroy_process_group()
-    from .emulated import MAX_RANKS, EmulatedWorld
+    from .emulated import EmulatedWorld
 
     if ranks is None:
-        ranks = env_int("PORTABLE_OVERLAP_EMULATED_RANKS", 2, 1, MAX_RANKS)
+        ranks = env_emulated_ranks()
     with EmulatedWorld(ranks) as ew:
         return ew.run(fn, *args, timeout=timeout)
 

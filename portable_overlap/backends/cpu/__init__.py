@@ -30,6 +30,16 @@ WAIT_TIMEOUT_VAR = "PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT"
 MAX_SLOTS = 1024
 
 
+def env_slots() -> int:
+    """``$PORTABLE_OVERLAP_CPU_SLOTS``: the emulated SMs (default 4, at most ``MAX_SLOTS``)."""
+    return env_int(SLOTS_VAR, 4, 1, MAX_SLOTS)
+
+
+def env_wait_timeout() -> float:
+    """``$PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT``: seconds a stream wait may block (default 60)."""
+    return env_float(WAIT_TIMEOUT_VAR, 60.0, above=0.0)
+
+
 def require_interpreter(what: str) -> None:
     """Raise BackendUnavailable unless Triton runs kernels in its interpreter in this process:
     the CPU backend has no compiled target (without it the first launch fails with Triton's
@@ -71,7 +81,7 @@ class CpuBackend(Backend):
         backend, else ``$PORTABLE_OVERLAP_CPU_WAIT_TIMEOUT`` (read at each wait), else 60."""
         if self._wait_timeout_s is not None:
             return self._wait_timeout_s
-        return env_float(WAIT_TIMEOUT_VAR, 60.0, above=0.0)
+        return env_wait_timeout()
 
     @wait_timeout_s.setter
     def wait_timeout_s(self, seconds: float) -> None:
@@ -85,7 +95,7 @@ class CpuBackend(Backend):
 
     def device_facts(self, device: torch.device) -> DeviceFacts:
         # The interpreter runs programs one after another, so a few "SMs" keep launches short.
-        slots = env_int(SLOTS_VAR, 4, 1, MAX_SLOTS)
+        slots = env_slots()
         return DeviceFacts(
             vendor="cpu", name="cpu-emulated", arch="cpu", sm_count=slots, warp_size=32,
             max_shared_bytes_per_sm=1 << 30, max_regs_per_sm=1 << 30, max_warps_per_sm=1 << 10,

@@ -5,8 +5,9 @@ What it computes, with ``x_r``, ``w_r`` the tensors rank r passes::
 
     y = sum(x_r.float() @ w_r.float().T for r in ranks).to(x.dtype)   # [M, N], on every rank
 
-x_r is [M, K_local] (1 <= M <= 64: a decode batch), w_r is [N, K_local]: rank r holds the K-slice
-r of a row-parallel weight, so the sum over ranks is the full product. Every rank receives the
+x_r is [M, K_local] (0 <= M <= 64: a decode batch), w_r is [N, K_local] (K_local >= 0, and may
+differ across ranks; an empty shard adds zeros): rank r holds the K-slice r of a row-parallel
+weight, so the sum over ranks is the full product. Every rank receives the
 same bits (each column block is summed once, by its owner, in rank order).
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ class GemvAllReduceKernel(OverlapContext):
         self.transport = check_transport(OP, transport, KERNEL_TRANSPORTS)
         if max_n < 1:
             raise ValueError(f"{OP}: max_n must be >= 1, got {max_n}")
+        check_config_type(config)
         world.check_same(f"{OP} context arguments (max_n, config, transport)",
                          (max_n, config, transport))
         W = world.world_size
@@ -114,6 +116,8 @@ class GemvAllReduceKernel(OverlapContext):
             check_out(out, M, N, x, w)
         xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
         sx, sw = x.stride(0), w.stride(0)
+        if config is not None and type(config) is not GemvConfig:  # (before it is hashed)
+            check_config_type(config)
         # alignment to 16 bytes: what the compiled kernel assumes of each pointer; w's own K,
         # as the plan validated it (a one-row w [1, K_w] is contiguous whatever its row stride,
         # so sw need not tell a w narrower than x)
@@ -204,6 +208,14 @@ def _tag(M, N, dtype, cfg: GemvConfig, programs: int, transport: str) -> int:
                      transport=transport, split_k=cfg.split_k)
 
 
+def check_config_type(config) -> None:
+    """A ``config`` (the context's or a call's) is a :class:`GemvConfig` or None: a name or a
+    dict of its fields failed later as an ``AttributeError`` or "unhashable type"."""
+    if config is not None and not isinstance(config, GemvConfig):
+        raise TypeError(f"{OP}: config must be a GemvConfig or None, got "
+                        f"{type(config).__name__} {config!r}")
+
+
 def check_split(cfg: GemvConfig, transport: str) -> None:
     """A K split (``split_k`` > 1) runs on the one-shot transport only: the two-shot form's
     owners reduce blocks whose partials come from one program per rank."""
@@ -237,8 +249,8 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
                          f"path for larger batches")
     if not 1 <= N <= max_n:
         raise ValueError(f"{OP}: N={N} is outside 1..max_n={max_n} of this context")
-    if K < 1:
-        raise ValueError(f"{OP}: K must be >= 1")
+    # K = 0 (this rank's shard empty) is a call: its partial is zeros, as torch's x @ w.T of
+    # [M, 0] by [0, N]; its K loop runs no step, and the flags' tag holds no K
     if not x.is_contiguous() or not w.is_contiguous():
         raise ValueError(f"{OP}: x and w must be contiguous (call .contiguous() first)")
 
@@ -247,13 +259,22 @@ def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor, w: torch.Tenso
     """``out`` must be a contiguous [M, N] tensor of x's dtype and device that shares no memory
     with ``x`` or ``w`` (``context.check_no_overlap``: the kernel's programs store result
     blocks while others still read x, and the sequential transport's ``torch.mm`` writes
-    ``out`` as it reads them)."""
+    ``out`` as it reads them), and that does not require grad where grad mode is on (as
+    ``torch.mm(out=...)`` refuses it)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{OP}: out must be a tensor or None, got {type(out).__name__}")
     if out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device \
             or not out.is_contiguous():
         raise ValueError(f"{OP}: out must be a contiguous {x.dtype} [{M}, {N}] tensor on "
                          f"{x.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+    # written in place, as torch's ``mm(out=...)`` writes it, which refuses an ``out`` that
+    # requires grad while grad mode is on: the result would carry no gradient. The sequential
+    # transport met that error only in ``torch.mm``, after its checks (under ``"auto"``, after
+    # the call's agreement), on this rank alone, its peers left in the all-reduce
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{OP}: out requires grad, and the op writes it in place (no "
+                         f"gradient would flow through it); pass an out that does not "
+                         f"require grad, or call under torch.no_grad()")
     # the decode path: address arithmetic only (0.5 us against 4 for the general check); x and
     # w are contiguous wherever a launch follows (validate, and the plan key)
     o = out.data_ptr()

@@ -1,8 +1,8 @@
 """The context of GEMV + AllReduce (a row-parallel linear layer at decode batch sizes), with the
 transport as an argument, and its torch.library op.
 
-What it computes, with ``x_r`` [M, K_r] (1 <= M <= 64) and ``w_r`` [N, K_r] the tensors rank r
-passes (its K-slice of a row-parallel weight)::
+What it computes, with ``x_r`` [M, K_r] (0 <= M <= 64) and ``w_r`` [N, K_r] the tensors rank r
+passes (its K-slice of a row-parallel weight; K_r >= 0 may differ across ranks)::
 
     y = sum(x_r.float() @ w_r.float().T for r in ranks).to(x.dtype)   # [M, N], on every rank
 
@@ -116,7 +116,8 @@ GEMV_ALL_REDUCE = define(OpSpec(
 def gemv_all_reduce(x: torch.Tensor, w: torch.Tensor, ctx: GemvAllReduce,
                     out: Optional[torch.Tensor] = None, **options) -> torch.Tensor:
     """``y = Σ_r x_r @ w_rᵀ`` [M, N] on every rank of ``ctx.world``, where ``x_r`` [M, K_r]
-    (1 <= M <= 64) and ``w_r`` [N, K_r] are what rank r passes; see the module docstring.
+    (0 <= M <= 64, K_r >= 0) and ``w_r`` [N, K_r] are what rank r passes; see the module
+    docstring.
     Under ``torch.compile`` one opaque op,
     ``torch.ops.portable_overlap.gemv_all_reduce(x, w, ctx.handle)``."""
     return GEMV_ALL_REDUCE(ctx, (x, w), out=out, **options)
