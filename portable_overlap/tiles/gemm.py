@@ -14,11 +14,14 @@ import triton.language as tl
 
 @triton.jit
 def grouped_tile(t, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of the ``t``-th tile in grouped order."""
+    """(pid_m, pid_n) of the ``t``-th tile in grouped order. A ``t`` past the grid (a program
+    with no tile left, which its caller masks; a grid of no rows) maps to some tile instead of
+    dividing by zero or a negative count: on GPUs integer division by zero does not trap but
+    gives an undefined value, and the interpreter warns."""
     per_group = GROUP_M * num_pid_n
     group = t // per_group
     first_m = group * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    rows = tl.maximum(tl.minimum(num_pid_m - first_m, GROUP_M), 1)
     pid_m = first_m + (t % per_group) % rows
     pid_n = (t % per_group) // rows
     return pid_m, pid_n
