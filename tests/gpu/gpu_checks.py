@@ -1057,6 +1057,82 @@ def check_patterns(world: World, gen, replays: int = 5) -> None:
         ag.close()
 
 
+def check_empty_dims(world: World, gen) -> None:
+    """Calls with an empty dimension, through every transport that takes them, against torch:
+    no rows (M = 0 on every rank: the empty [0, N] result) and an empty K shard on rank 0 only
+    or on every rank (``[M, 0] @ [0, N]`` is zeros, so the result is the other ranks' sum, or
+    zeros). The GEMM patterns (all-reduce, reduce-scatter, all-to-all) and GEMV + AllReduce
+    in its two-shot and one-shot forms, eagerly; outputs poisoned with NaN first."""
+    import portable_overlap as po
+    from portable_overlap.ops.gemm_signal import (gemm_all_reduce_reference,
+                                                  gemm_all_to_all_signal_reference,
+                                                  gemm_reduce_scatter_reference)
+    from portable_overlap.ops.pattern import transport_unavailable
+
+    W, dev, dt = world.world_size, world.device, torch.bfloat16
+    M, N, K = 96 * W, 200, 136
+    # (no rows: refused on every rank by these two transports, whose flags are per chunk or
+    # per wave group of rows; README, "No rows")
+    no_rows_refused = {("matmul_reduce_scatter", "signal_copy_engine")}
+    cases = [(po.MatmulAllReduce, po.matmul_all_reduce, gemm_all_reduce_reference, 1),
+             (po.MatmulReduceScatter, po.matmul_reduce_scatter, gemm_reduce_scatter_reference,
+              W),
+             (po.MatmulAllToAll, po.matmul_all_to_all, gemm_all_to_all_signal_reference, 1)]
+    for make, fn, ref_fn, div in cases:
+        for transport in make.TRANSPORTS:
+            name = f"{fn.__name__}[{transport}]"
+            why = transport_unavailable(world, transport)
+            if why is not None:
+                LOG.skip(f"{name} empty dims", why[:300])
+                continue
+            ctx = make(world, M, N, transport=transport)
+            try:
+                for label, k in (("K=0 on rank 0", 0 if world.rank == 0 else K),
+                                 ("K=0 on every rank", 0)):
+                    a, b = rand((M, k), dt, dev, gen), rand((k, N), dt, dev, gen)
+                    out = torch.full((M // div, N), float("nan"), dtype=dt, device=dev)
+                    fn(a, b, ctx, out)
+                    ctx.synchronize()
+                    ref = ref_fn(a, b, world.group, None, None)
+                    ok = bool(torch.isfinite(out).all()) and (
+                        rel_err(out, ref) < 1e-2 if ref.abs().max() > 0 else not out.any())
+                    record(f"{name} {label}", ok, f"max |out - ref| "
+                           f"{(out.float() - ref.float()).abs().max().item():.2e}")
+                if (fn.__name__, transport) not in no_rows_refused:
+                    a, b = rand((0, K), dt, dev, gen), rand((K, N), dt, dev, gen)
+                    y = fn(a, b, ctx)
+                    ctx.synchronize()
+                    record(f"{name} no rows", tuple(y.shape) == (0, N), f"shape {tuple(y.shape)}")
+            except Exception as e:  # noqa: BLE001  (one transport's failure is one finding)
+                record(f"{name} empty dims", False, f"{type(e).__name__}: {str(e)[:300]}")
+            finally:
+                ctx.close()
+    for transport in ("stores", "one_shot"):
+        ctx = GemvAllReduce(world, max_n=8192, transport=transport)
+        try:
+            # N = 1024: the one-shot form splits K there (fewer column blocks than SMs)
+            for n in (1024, 8192):
+                for label, k in (("K=0 on rank 0", 0 if world.rank == 0 else 3584),
+                                 ("K=0 on every rank", 0)):
+                    x, w = rand((8, k), dt, dev, gen), rand((n, k), dt, dev, gen)
+                    out = torch.full((8, n), float("nan"), dtype=dt, device=dev)
+                    ctx(x, w, out=out)
+                    ctx.synchronize()
+                    ref = gemv_all_reduce_reference(x, w, world.group)
+                    ok = bool(torch.isfinite(out).all()) and (
+                        rel_err(out, ref) < TOL[dt] if ref.abs().max() > 0 else not out.any())
+                    record(f"gemv[{transport}] N={n} {label}", ok and same_on_all_ranks(world, out),
+                           f"max |out - ref| {(out.float() - ref.float()).abs().max().item():.2e}")
+            y = ctx(rand((0, 512), dt, dev, gen), rand((1024, 512), dt, dev, gen))
+            ctx.synchronize()
+            record(f"gemv[{transport}] no rows", tuple(y.shape) == (0, 1024),
+                   f"shape {tuple(y.shape)}")
+        except Exception as e:  # noqa: BLE001
+            record(f"gemv[{transport}] empty dims", False, f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            ctx.close()
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -1230,7 +1306,7 @@ def main() -> int:
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
-                  check_peer_failures, check_late_stores):
+                  check_empty_dims, check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
