@@ -202,11 +202,22 @@ class TorchFusedMatmul(_TorchFused):
         vector_checks(self.OP, a, N, M // W, bias=bias, residual=residual)
         if self.checking_only:
             return out
+        if M == 0:  # (torch's op cannot reshape no rows: nothing to reduce, no exchange)
+            return _no_rows(out, (0, N), a)
         y = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, self.group_name)
         if out is not None:  # torch's op has no out=: one copy of this rank's rows
             y = out.copy_(y)
         add_epilogue(y, bias, residual)
         return y
+
+
+def _no_rows(out: Optional[torch.Tensor], shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """The result of a call with no rows on every rank: ``out`` (nothing to write), or an
+    empty tensor of ``shape``. torch's fused ops fail on no rows (``fused_matmul_reduce_scatter``
+    cannot reshape an empty result); a call with no rows has nothing to exchange, so no
+    collective runs. This transport makes no agreement when named: a peer called with rows
+    meanwhile waits in torch's op (``docs/reliability.md``); ``"auto"`` agrees first."""
+    return out if out is not None else like.new_empty(shape)
 
 
 class TorchFusedAllGatherMatmul(_TorchFused):
@@ -239,6 +250,8 @@ class TorchFusedAllGatherMatmul(_TorchFused):
             out = output_tensor(self.OP, out, (W * a.shape[0], b.shape[1]), a, dict(a=a, b=b))
         if self.checking_only:
             return out
+        if a.shape[0] == 0:  # (no rows: nothing to gather, as torch's op cannot take them)
+            return _no_rows(out, (0, b.shape[1]), a)
         # return_A=False: the gathered a is not kept (one [W*m, K] result less)
         _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, self.group_name,
                                                              return_A=False)
@@ -304,6 +317,8 @@ class TorchFusedGemv(_TorchFused):
         if self.world.world_size == 1 or x.dtype not in ONE_SHOT_DTYPES:
             return gemv_then_all_reduce(x, w, out, self.world)  # as "sequential" does
         M, N = x.shape[0], w.shape[0]
+        if M == 0:  # (no rows: nothing to reduce)
+            return _no_rows(out, (0, N), x)
         n = M * N
         per_vector = _VECTOR_BYTES // x.element_size()
         length = -(-n // per_vector) * per_vector
