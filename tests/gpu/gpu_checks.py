@@ -1061,8 +1061,9 @@ def check_empty_dims(world: World, gen) -> None:
     """Calls with an empty dimension, through every transport that takes them, against torch:
     no rows (M = 0 on every rank: the empty [0, N] result) and an empty K shard on rank 0 only
     or on every rank (``[M, 0] @ [0, N]`` is zeros, so the result is the other ranks' sum, or
-    zeros). The GEMM patterns (all-reduce, reduce-scatter, all-to-all) and GEMV + AllReduce
-    in its two-shot and one-shot forms, eagerly; outputs poisoned with NaN first."""
+    zeros). Every transport of the GEMM patterns (all-reduce, reduce-scatter, all-to-all) and
+    of GEMV + AllReduce, and AllGather + GEMM with no rows, eagerly; outputs poisoned with NaN
+    first."""
     import portable_overlap as po
     from portable_overlap.ops.gemm_signal import (gemm_all_reduce_reference,
                                                   gemm_all_to_all_signal_reference,
@@ -1107,7 +1108,11 @@ def check_empty_dims(world: World, gen) -> None:
                 record(f"{name} empty dims", False, f"{type(e).__name__}: {str(e)[:300]}")
             finally:
                 ctx.close()
-    for transport in ("stores", "one_shot"):
+    for transport in GemvAllReduce.TRANSPORTS:
+        why = transport_unavailable(world, transport)
+        if why is not None:
+            LOG.skip(f"gemv[{transport}] empty dims", why[:300])
+            continue
         ctx = GemvAllReduce(world, max_n=8192, transport=transport)
         try:
             # N = 1024: the one-shot form splits K there (fewer column blocks than SMs)
@@ -1129,6 +1134,22 @@ def check_empty_dims(world: World, gen) -> None:
                    f"shape {tuple(y.shape)}")
         except Exception as e:  # noqa: BLE001
             record(f"gemv[{transport}] empty dims", False, f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            ctx.close()
+    # AllGather + GEMM: no rows on every rank (its K is shared, and `stores` refuses no rows)
+    for transport in po.AllGatherMatmul.TRANSPORTS:
+        why = transport_unavailable(world, transport)
+        if transport == "stores" or why is not None:
+            continue
+        ctx = po.AllGatherMatmul(world, max_shard_elems=96 * K, transport=transport)
+        try:
+            y = po.all_gather_matmul(rand((0, K), dt, dev, gen), rand((K, N), dt, dev, gen), ctx)
+            ctx.synchronize()
+            record(f"all_gather_matmul[{transport}] no rows", tuple(y.shape) == (0, N),
+                   f"shape {tuple(y.shape)}")
+        except Exception as e:  # noqa: BLE001
+            record(f"all_gather_matmul[{transport}] no rows", False,
+                   f"{type(e).__name__}: {str(e)[:300]}")
         finally:
             ctx.close()
 
