@@ -172,8 +172,8 @@ def _no_columns(world):
                              b if k else torch.zeros(1, N), world.group) + bias
                 got[f"{op} {t} K=0 on {who}"] = rel_err(y, ref) if y is out else y
             if op == "all_gather_matmul":
-                got[f"{op} {t} K=0"] = _outcome(lambda: ctx(torch.randn(4, 0),
-                                                             torch.randn(0, N)))
+                got[f"{op} {t} K=0"] = _outcome(
+                    lambda: ctx(torch.randn(4, 0), torch.randn(0, N)))
             got[f"{op} {t} N=0"] = _outcome(lambda: ctx(torch.randn(4, K), torch.randn(K, 0)))
             y, ref = _call(op, ctx, 2 * W, gen)
             got[f"{op} {t} then"] = rel_err(y, ref)

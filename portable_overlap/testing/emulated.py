@@ -33,6 +33,8 @@ import traceback
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Optional
 
+from .environment import environ
+
 
 class RemoteError(RuntimeError):
     """Rank ``rank`` raised ``exc_type(message)``; ``tb`` is its traceback. ``after`` says what
@@ -159,17 +161,9 @@ class EmulatedWorld:
                                    daemon=True) for r in range(size)]
         # The children import Triton kernels while unpickling their target, before _worker runs:
         # the interpreter switch must already be in the environment they inherit.
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environ(**env):
             for p in self._procs:
                 p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self.alive = True
         self._collect(start_timeout, expect="ready")
 

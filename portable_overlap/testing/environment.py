@@ -5,6 +5,14 @@ import os
 from typing import Optional
 
 
+def _put(name: str, value: Optional[str]) -> None:
+    """Set ``name`` to ``value``, or unset it where ``value`` is None."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 @contextlib.contextmanager
 def environ(**values: Optional[str]):
     """Set each variable to its value (``None``: unset it) for the ``with`` block, then put back
@@ -12,14 +20,8 @@ def environ(**values: Optional[str]):
     saved = {name: os.environ.get(name) for name in values}
     try:
         for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            _put(name, value)
         yield
     finally:
         for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            _put(name, value)
