@@ -293,8 +293,7 @@ def _what(record: dict) -> str:
         return f"a call new there ({_text_of(record)})"
     if kind == "decided":
         return (f"a call decided there as {record['transport']!r} (decision "
-                f"{record['decision']}: {_text_of(record)}"
-                + (", records_grad=True" if record.get("records_grad") else "") + ")")
+                f"{record['decision']}: {_text_of(record)}; shared: {record.get('matched')})")
     if kind == "refused":
         return f"a call it refused ({_text_of(record)}): {record['why']}"
     return record.get("why", kind)
@@ -455,10 +454,11 @@ class TransportPlanner:
         """What a decided call of an ``UNBOUNDED`` transport does before it runs: this rank's
         input checks with nothing run (``_refusal``), then the call's agreement (``_settle``)."""
         refusal = self._refusal((transport,), inputs, out, given)
-        # (whether autograd records the call, where the op has a backward whose exchange runs
-        # on the ranks that record it: the embedding op's ``_records_grad``)
+        # with what every rank's call must share (``_matched_call``), as a key's first call
+        # agrees on it: a decision's key leaves out what may differ across ranks but must
+        # not (the embedding op's whether autograd records the call)
         self._settle({"kind": "decided", "decision": decision, "transport": transport,
-                      "call": text, "records_grad": getattr(self.ctx, "_records_grad", False)}
+                      "call": text, "matched": self.ctx._matched_call(inputs, given)}
                      if refusal is None
                      else {"kind": "refused",  # (the refused call's own words)
                            "call": _text(self._describe_call(inputs, given)),
@@ -656,7 +656,8 @@ class TransportPlanner:
             raise RankMismatchError(f"{op}: " + "; ".join(
                 f"rank {q} refused this call ({_text_of(r)}): {r['why']}" for q, r in refused)
                 + " (nothing ran; the context stays usable)")
-        if len({(r["kind"], r.get("decision"), r.get("transport"), r.get("records_grad"))
+        if len({(r["kind"], r.get("decision"), r.get("transport"),
+                 repr(r.get("matched")) if r["kind"] == "decided" else None)
                 for r in records}) > 1:
             calls = "; ".join(f"rank {q}: {_what(r)}" for q, r in enumerate(records))
             raise RankMismatchError(
