@@ -319,3 +319,74 @@ def test_timeouts_outside_the_deadlines_range_are_refused(timeout_s):
     with pytest.raises(ValueError, match=r"op: timeout_s must be"):
         check_timeout("op", timeout_s)
     assert check_timeout("op", 0.01) == 0.01 and check_timeout("op", 1800) == 1800.0
+
+
+class _Stream:
+    """A stand-in for a device stream: what waited for what, and whether it is capturing."""
+
+    def __init__(self, name, log, capturing=False):
+        self.name, self.log, self.capturing = name, log, capturing
+
+    def wait_stream(self, other):
+        self.log.append((self.name, other.name))
+
+
+class _StreamModule:
+    """The parts of ``torch.get_device_module`` that ``_follow_stream`` uses."""
+
+    def __init__(self):
+        self.current = None
+
+    def current_stream(self, device):
+        return self.current
+
+    def is_current_stream_capturing(self):
+        return self.current.capturing
+
+    def stream(self, s):
+        module = self
+
+        class _With:
+            def __enter__(self):
+                self.saved, module.current = module.current, s
+
+            def __exit__(self, *exc):
+                module.current = self.saved
+        return _With()
+
+
+def test_calls_on_another_stream_wait_for_the_last_call(monkeypatch):
+    """Calls of one context share its workspace and call counter: where the caller's stream
+    changes, the new stream waits for the old one, once, and not where either is captured."""
+    from types import SimpleNamespace
+
+    from portable_overlap.ops.context import ContextBase
+
+    log, module = [], _StreamModule()
+    handles = {}
+    backend = SimpleNamespace(current_stream=lambda d: handles[module.current.name])
+    ctx = SimpleNamespace(world=SimpleNamespace(device=torch.device("cpu"), backend=backend),
+                          _stream=None)
+    monkeypatch.setattr(torch, "get_device_module", lambda d: module)
+    a, b = _Stream("a", log), _Stream("b", log)
+    cap, c = _Stream("capture", log, capturing=True), _Stream("c", log)
+    handles.update(a=1, b=2, capture=3, c=4)
+
+    def call_on(s):
+        module.current = s
+        ContextBase._follow_stream(ctx)
+
+    call_on(a)
+    call_on(a)
+    assert log == []  # the first call and one on the same stream wait for nothing
+    call_on(b)
+    call_on(b)
+    assert log == [("b", "a")]
+    call_on(cap)  # a captured stream cannot wait for work outside its graph
+    assert log == [("b", "a")]
+    call_on(c)  # nor is a wait queued behind a capture still running
+    assert log == [("b", "a")]
+    call_on(cap)
+    cap.capturing = False  # the capture ended: its stream holds nothing of the graph
+    call_on(a)
+    assert log == [("b", "a"), ("a", "capture")]

@@ -253,6 +253,7 @@ class ContextBase:
         self._sync_errors = False  # whether a call's errors are known when it returns
         # whether the last call returned without an error (a refusal's flag tag: refuse_kernel)
         self._delivered = True
+        self._stream = None  # the stream of the last call (_follow_stream): (raw handle, stream)
 
     def register(self) -> None:
         """Give the context its handle (the torch.library ops' way to name it)."""
@@ -305,12 +306,41 @@ class ContextBase:
             raise concurrent_use(self.OP, self.rank)
         try:
             self._before_call()
+            self._follow_stream()
         except BaseException:
             self._guard.release()
             raise
 
     def _before_call(self) -> None:
         self.check()
+
+    def _follow_stream(self) -> None:
+        """Order this call after the last one where the caller changed streams.
+
+        A context's calls share its workspace and its call counter, which its kernels read and
+        advance on the device: two calls running at once (made on two streams with nothing
+        ordering them) would both take the same call number and write the same buffers, and
+        the peers could pair one rank's first call with another's second. So the calls run in
+        the order the host makes them, whatever stream each is made on: where the stream
+        changes, the new one waits for what the old one holds so far (the last call included).
+        A call on the stream of the last one costs a handle compare. Not where either stream
+        is being captured into a graph: a captured stream cannot wait for work outside its
+        capture (the graph's replay is then ordered by the stream it is replayed on, as any
+        captured work is), and a wait queued behind a capture would enter that graph."""
+        device = self.world.device
+        raw = self.world.backend.current_stream(device)
+        last = self._stream
+        if raw is None or (last is not None and last[0] == raw):
+            return
+        module = torch.get_device_module(device)
+        stream = module.current_stream(device)
+        self._stream = (raw, stream)
+        if last is None or module.is_current_stream_capturing():
+            return
+        with module.stream(last[1]):
+            if module.is_current_stream_capturing():
+                return
+        stream.wait_stream(last[1])
 
     def _abandon_call(self, error: BaseException) -> None:
         """The call raised (``collective_call``); what the peers must hear of it."""

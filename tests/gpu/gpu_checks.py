@@ -1154,6 +1154,75 @@ def check_empty_dims(world: World, gen) -> None:
             ctx.close()
 
 
+def _calls_on_streams(world: World, ctx, call, ref, shapes, gen, rounds: int) -> tuple:
+    """``rounds`` times: a call on stream s1 (the largest of ``shapes``), one on s2 and one on
+    the default stream queued right behind it, nothing ordering them but the context; the
+    worst relative error of the three against ``ref`` and the errors raised."""
+    s1, s2 = torch.cuda.Stream(world.device), torch.cuda.Stream(world.device)
+    main = torch.cuda.current_stream(world.device)
+    worst, errors = 0.0, []
+    for _ in range(rounds):
+        ins = [tuple(rand(sh, torch.bfloat16, world.device, gen) for sh in pair)
+               for pair in shapes]
+        outs = [None] * len(ins)
+        s1.wait_stream(main)
+        s2.wait_stream(main)
+        try:
+            for i, stream in enumerate((s1, s2, main)):
+                with torch.cuda.stream(stream):
+                    outs[i] = call(*ins[i])
+            main.wait_stream(s1)
+            main.wait_stream(s2)
+            ctx.synchronize()
+        except Exception as e:  # noqa: BLE001  (reported as the finding)
+            errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+            break
+        worst = max(worst, *(rel_err(o, ref(*a)) for o, a in zip(outs, ins)))
+    return worst, errors
+
+
+def check_streams(world: World, gen) -> None:
+    """Calls of one context made on three streams one after another with nothing ordering
+    them but the context (``ContextBase._follow_stream``): every result against torch, for
+    GEMV + AllReduce's two forms and GEMM + AllReduce / AllGather + GEMM over their stores."""
+    import portable_overlap as po
+    from portable_overlap.ops.allgather_gemm import all_gather_matmul_reference
+    from portable_overlap.ops.matmul_reduce.reference import matmul_all_reduce_reference
+
+    gemv_shapes = [((8, 14336), (8192, 14336)), ((1, 4096), (8192, 4096)),
+                   ((32, 2048), (8192, 2048))]
+    mm_shapes = [((2048, 4096), (4096, 4096)), ((512, 1024), (1024, 4096)),
+                 ((1024, 2048), (2048, 4096))]
+    ag_shapes = [((1024, 4096), (4096, 4096)), ((256, 4096), (4096, 4096)),
+                 ((512, 4096), (4096, 4096))]
+    cases = [("gemv[stores]", lambda: GemvAllReduce(world, max_n=8192, transport="stores"),
+              lambda c: (lambda x, w: c(x, w)),
+              lambda x, w: gemv_all_reduce_reference(x, w, world.group), gemv_shapes),
+             ("gemv[one_shot]", lambda: GemvAllReduce(world, max_n=8192, transport="one_shot"),
+              lambda c: (lambda x, w: c(x, w)),
+              lambda x, w: gemv_all_reduce_reference(x, w, world.group), gemv_shapes),
+             ("matmul_all_reduce[stores]",
+              lambda: po.MatmulAllReduce(world, 2048, 4096, transport="stores"),
+              lambda c: (lambda a, b: po.matmul_all_reduce(a, b, c)),
+              lambda a, b: matmul_all_reduce_reference(a, b, world.group), mm_shapes),
+             ("all_gather_matmul[stores]",
+              lambda: po.AllGatherMatmul(world, max_shard_elems=1024 * 4096, transport="stores"),
+              lambda c: (lambda a, b: po.all_gather_matmul(a, b, c)),
+              lambda a, b: all_gather_matmul_reference(a, b, world.group), ag_shapes)]
+    for name, make, bind, ref, shapes in cases:
+        try:
+            ctx = make()
+        except Exception as e:  # noqa: BLE001
+            record(f"{name} calls on three streams", False, f"{type(e).__name__}: {e}"[:300])
+            continue
+        try:
+            worst, errors = _calls_on_streams(world, ctx, bind(ctx), ref, shapes, gen, 20)
+            record(f"{name} calls on three streams, 20 rounds", worst < 1e-2 and not errors,
+                   f"worst rel_err={worst:.2e} errors={errors}")
+        finally:
+            ctx.close()
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -1327,7 +1396,7 @@ def main() -> int:
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
-                  check_empty_dims, check_peer_failures, check_late_stores):
+                  check_empty_dims, check_streams, check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:

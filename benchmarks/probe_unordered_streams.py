@@ -1,0 +1,80 @@
+"""Probe (one GPU or more, under torchrun): what a context's calls made on different streams do
+when nothing orders them, against the same calls ordered by the context
+(``ContextBase._follow_stream``). Per round: a GEMV + AllReduce call on stream s1 (a long one,
+8 x 8192 x 14336), a short one on s2 and one on the default stream, queued back to back; the
+outputs against torch. ``--unordered`` replaces ``_follow_stream`` by a no-op, as the contexts
+were before it. Prints, per transport, the rounds whose results were wrong, the errors raised
+and the worst relative error.
+
+    timeout 300 torchrun --nproc-per-node 1 benchmarks/probe_unordered_streams.py --unordered
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from portable_overlap import GemvAllReduce, PortableOverlapError, World, gemv_all_reduce_reference
+from portable_overlap.ops.context import ContextBase
+from portable_overlap.testing.compare import rel_err
+
+SHAPES = (((8, 14336), (8192, 14336)), ((1, 4096), (8192, 4096)), ((32, 2048), (8192, 2048)))
+
+
+def rounds_on_streams(world, ctx, rounds: int, gen) -> tuple:
+    """(rounds with a wrong result, errors raised, worst relative error)."""
+    dev = world.device
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    main = torch.cuda.current_stream(dev)
+    wrong, errors, worst = 0, [], 0.0
+    for _ in range(rounds):
+        ins = [tuple(torch.randn(sh, generator=gen, device=dev).bfloat16() for sh in pair)
+               for pair in SHAPES]
+        outs = [torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=torch.bfloat16,
+                           device=dev) for x, w in ins]
+        s1.wait_stream(main)
+        s2.wait_stream(main)
+        try:
+            for (x, w), out, stream in zip(ins, outs, (s1, s2, main)):
+                with torch.cuda.stream(stream):
+                    ctx(x, w, out=out)
+            main.wait_stream(s1)
+            main.wait_stream(s2)
+            ctx.synchronize()
+        except PortableOverlapError as e:
+            errors.append(f"{type(e).__name__}: {str(e)[:160]}")
+            break
+        errs = [rel_err(o, gemv_all_reduce_reference(x, w, world.group))
+                for o, (x, w) in zip(outs, ins)]
+        worst = max(worst, *errs)
+        wrong += any(e > 1e-2 for e in errs)
+    return wrong, errors, worst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--unordered", action="store_true",
+                   help="calls on other streams are not ordered by the context")
+    p.add_argument("--rounds", type=int, default=50)
+    args = p.parse_args()
+    if args.unordered:
+        ContextBase._follow_stream = lambda self: None
+    world = World.from_env()
+    gen = torch.Generator(device=world.device).manual_seed(1 + world.rank)
+    for transport in ("stores", "one_shot"):
+        ctx = GemvAllReduce(world, max_n=8192, transport=transport, timeout_s=5.0)
+        try:
+            wrong, errors, worst = rounds_on_streams(world, ctx, args.rounds, gen)
+        finally:
+            try:
+                ctx.close()
+            except PortableOverlapError:
+                pass
+        if world.rank == 0:
+            print(f"{'unordered' if args.unordered else 'ordered'} {transport}: "
+                  f"{wrong} of {args.rounds} rounds wrong, errors {errors}, "
+                  f"worst rel_err {worst:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
