@@ -349,7 +349,8 @@ class ContextBase:
 class OverlapContext(ContextBase):
     """Base of the ops' contexts. ``layout`` lists the heap buffers ``(attribute, shape, dtype)``;
     they are allocated in that order, so every rank gets the same offsets. Collective to create
-    and to :meth:`close`; calls must come in the same order on every rank, on one stream.
+    and to :meth:`close`; calls must come in the same order on every rank (on any streams: each
+    runs after the last one, ``ContextBase._follow_stream``).
 
     How calls stay matched across ranks:
 
