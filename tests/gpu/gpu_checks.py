@@ -1223,6 +1223,62 @@ def check_streams(world: World, gen) -> None:
             ctx.close()
 
 
+def check_compile_graphs(world: World, gen, calls: int = 8) -> None:
+    """``torch.compile(mode="reduce-overhead")`` (torch's CUDA-graph trees: warm-up calls run
+    eagerly, then the calls are recorded on torch's own stream and replayed) over the op and
+    over ``RowParallelLinear`` at a decode and a prefill row count, with the contexts' default
+    transport (``"auto"`` on a GPU: decided in the warm-up calls); fresh inputs at every call,
+    each output cloned before the next call reuses the graph's memory, against torch."""
+    import portable_overlap as po
+
+    dev, dt, W = world.device, torch.bfloat16, world.world_size
+    M, N, K = 4, 2048, 1024
+    w = rand((N, K), dt, dev, gen)
+    ctx = GemvAllReduce(world, max_n=N)
+
+    def f(x):
+        return torch.relu(gemv_all_reduce(x * 2, w, ctx)) + 1
+
+    cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    try:
+        worst = 0.0
+        for _ in range(calls):
+            x = rand((M, K), dt, dev, gen)
+            y = cf(x).clone()
+            worst = max(worst, rel_err(y, torch.relu(
+                gemv_all_reduce_reference(x * 2, w, world.group)) + 1))
+        record(f"gemv_all_reduce under torch.compile(mode='reduce-overhead'), {calls} calls",
+               worst < 1e-2, f"worst rel_err={worst:.2e}")
+    except Exception as e:  # noqa: BLE001  (reported as the finding)
+        record("gemv_all_reduce under torch.compile(mode='reduce-overhead')", False,
+               f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        ctx.close()
+    in_f, out_f = 1024 * W, 2048
+    torch.manual_seed(5)  # the same full weight on every rank
+    full = torch.randn(out_f, in_f, device=dev).to(dt)
+    mod = po.RowParallelLinear(in_f, out_f, world, dtype=dt, device=dev, max_rows=512)
+    with torch.no_grad():
+        mod.weight.copy_(full[:, world.rank * 1024:(world.rank + 1) * 1024])
+    cm = torch.compile(mod, mode="reduce-overhead")
+    try:
+        for rows in (8, 512):
+            worst = 0.0
+            for _ in range(calls):
+                x = rand((rows, in_f), dt, dev, gen)
+                dist.broadcast(x, 0)  # the full input, the same on every rank
+                with torch.no_grad():
+                    y = cm(x[:, world.rank * 1024:(world.rank + 1) * 1024].contiguous()).clone()
+                worst = max(worst, rel_err(y, (x.float() @ full.float().t()).to(dt)))
+            record(f"RowParallelLinear under torch.compile(mode='reduce-overhead'), {rows} "
+                   f"rows, {calls} calls", worst < 2e-2, f"worst rel_err={worst:.2e}")
+    except Exception as e:  # noqa: BLE001
+        record("RowParallelLinear under torch.compile(mode='reduce-overhead')", False,
+               f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        mod.close()
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -1396,7 +1452,8 @@ def main() -> int:
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
-                  check_empty_dims, check_streams, check_peer_failures, check_late_stores):
+                  check_empty_dims, check_streams, check_compile_graphs,
+                  check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
