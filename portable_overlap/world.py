@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .backends import Backend, DeviceFacts, get_backend
 from .envvars import check_names
+from .kept import kept_zeros
 
 
 @dataclasses.dataclass
@@ -168,7 +169,7 @@ class World:
             return
         word = getattr(self, "_barrier_word", None)
         if word is None:
-            word = self._barrier_word = torch.zeros(1, dtype=torch.int32, device=self.device)
+            word = self._barrier_word = kept_zeros(1, torch.int32, self.device)
         dist.all_reduce(word, group=self.group)
 
     def check_same(self, what: str, value: Any) -> None:

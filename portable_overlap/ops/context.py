@@ -287,6 +287,9 @@ class ContextBase:
             return
         self._closed = True
         unregister_context(self.handle)
+        # the calls queued on any stream end before the workspace goes back to the allocator
+        # (kept tensors return to the default stream's cache: ops/kept.py)
+        self.world.backend.synchronize(self.world.device)
 
     def __enter__(self):
         return self

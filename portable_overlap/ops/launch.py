@@ -129,8 +129,10 @@ class _Scratch:
     def __init__(self, nbytes: int, align: int, device):
         import torch
 
+        from ..kept import kept_empty
+
         self.nbytes, self.align = nbytes, align
-        self._raw = torch.empty(nbytes + align, dtype=torch.uint8, device=device)
+        self._raw = kept_empty(nbytes + align, torch.uint8, device)
         skip = -self._raw.data_ptr() % align
         self.buffer = self._raw[skip:skip + nbytes]
 

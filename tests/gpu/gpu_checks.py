@@ -1223,60 +1223,93 @@ def check_streams(world: World, gen) -> None:
             ctx.close()
 
 
-def check_compile_graphs(world: World, gen, calls: int = 8) -> None:
-    """``torch.compile(mode="reduce-overhead")`` (torch's CUDA-graph trees: warm-up calls run
-    eagerly, then the calls are recorded on torch's own stream and replayed) over the op and
-    over ``RowParallelLinear`` at a decode and a prefill row count, with the contexts' default
-    transport (``"auto"`` on a GPU: decided in the warm-up calls); fresh inputs at every call,
-    each output cloned before the next call reuses the graph's memory, against torch."""
-    import portable_overlap as po
-
-    dev, dt, W = world.device, torch.bfloat16, world.world_size
-    M, N, K = 4, 2048, 1024
-    w = rand((N, K), dt, dev, gen)
-    ctx = GemvAllReduce(world, max_n=N)
-
-    def f(x):
-        return torch.relu(gemv_all_reduce(x * 2, w, ctx)) + 1
-
-    cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+def _graph_tree_calls(name: str, compiled, reference, make_input, calls: int, tol: float):
+    """``calls`` calls of ``compiled`` on fresh inputs, each output cloned before the next call
+    reuses the graph trees' memory, against ``reference`` on the same input."""
     try:
         worst = 0.0
         for _ in range(calls):
-            x = rand((M, K), dt, dev, gen)
-            y = cf(x).clone()
-            worst = max(worst, rel_err(y, torch.relu(
-                gemv_all_reduce_reference(x * 2, w, world.group)) + 1))
-        record(f"gemv_all_reduce under torch.compile(mode='reduce-overhead'), {calls} calls",
-               worst < 1e-2, f"worst rel_err={worst:.2e}")
+            x = make_input()
+            with torch.no_grad():
+                y = compiled(x).clone()
+                worst = max(worst, rel_err(y, reference(x)))
+        record(f"{name} under torch.compile(mode='reduce-overhead'), {calls} calls", worst < tol,
+               f"worst rel_err={worst:.2e}")
     except Exception as e:  # noqa: BLE001  (reported as the finding)
-        record("gemv_all_reduce under torch.compile(mode='reduce-overhead')", False,
-               f"{type(e).__name__}: {str(e)[:300]}")
+        record(f"{name} under torch.compile(mode='reduce-overhead')", False,
+               f"{type(e).__name__}: {str(e)[:1500]}")
+
+
+def check_compile_graphs(world: World, gen, calls: int = 6) -> None:
+    """``torch.compile(mode="reduce-overhead")`` (torch's CUDA-graph trees: warm-up calls run
+    eagerly with the trees' memory pool, then the calls are recorded and replayed): the op,
+    ``RowParallelLinear`` at a decode and a prefill row count, ``ColumnParallelLinear`` and
+    ``ExpertParallelMoE``, with the contexts' default transport (``"auto"`` on a GPU: decided
+    in the warm-up calls, whose plans and staging must stay out of the trees' pool:
+    ``portable_overlap/kept.py``); fresh inputs at every call, against torch."""
+    import torch._inductor.config as inductor_config
+
+    import portable_overlap as po
+
+    # a failure names where each tensor left in the trees' pool was made
+    inductor_config.triton.cudagraph_trees_history_recording = True
+    dev, dt, W, r = world.device, torch.bfloat16, world.world_size, world.rank
+    M, N, K = 4, 2048, 1024
+    w = rand((N, K), dt, dev, gen)
+    ctx = GemvAllReduce(world, max_n=N)
+    try:
+        _graph_tree_calls(
+            "gemv_all_reduce", torch.compile(
+                lambda x: torch.relu(gemv_all_reduce(x * 2, w, ctx)) + 1,
+                mode="reduce-overhead", fullgraph=True),
+            lambda x: torch.relu(gemv_all_reduce_reference(x * 2, w, world.group)) + 1,
+            lambda: rand((M, K), dt, dev, gen), calls, 1e-2)
     finally:
         ctx.close()
+
+    def replicated(shape):  # the same tensor on every rank
+        t = rand(shape, dt, dev, gen)
+        dist.broadcast(t, 0)
+        return t
+
     in_f, out_f = 1024 * W, 2048
-    torch.manual_seed(5)  # the same full weight on every rank
-    full = torch.randn(out_f, in_f, device=dev).to(dt)
-    mod = po.RowParallelLinear(in_f, out_f, world, dtype=dt, device=dev, max_rows=512)
+    full = replicated((out_f, in_f))
+    row = po.RowParallelLinear(in_f, out_f, world, dtype=dt, device=dev, max_rows=512)
     with torch.no_grad():
-        mod.weight.copy_(full[:, world.rank * 1024:(world.rank + 1) * 1024])
-    cm = torch.compile(mod, mode="reduce-overhead")
+        row.weight.copy_(full[:, r * 1024:(r + 1) * 1024])
+    compiled_row = torch.compile(row, mode="reduce-overhead")
     try:
         for rows in (8, 512):
-            worst = 0.0
-            for _ in range(calls):
-                x = rand((rows, in_f), dt, dev, gen)
-                dist.broadcast(x, 0)  # the full input, the same on every rank
-                with torch.no_grad():
-                    y = cm(x[:, world.rank * 1024:(world.rank + 1) * 1024].contiguous()).clone()
-                worst = max(worst, rel_err(y, (x.float() @ full.float().t()).to(dt)))
-            record(f"RowParallelLinear under torch.compile(mode='reduce-overhead'), {rows} "
-                   f"rows, {calls} calls", worst < 2e-2, f"worst rel_err={worst:.2e}")
-    except Exception as e:  # noqa: BLE001
-        record("RowParallelLinear under torch.compile(mode='reduce-overhead')", False,
-               f"{type(e).__name__}: {str(e)[:300]}")
+            _graph_tree_calls(
+                f"RowParallelLinear, {rows} rows",
+                lambda xs: compiled_row(xs[:, r * 1024:(r + 1) * 1024].contiguous()),
+                lambda xs: (xs.float() @ full.float().t()).to(dt),
+                lambda rows=rows: replicated((rows, in_f)), calls, 2e-2)
     finally:
-        mod.close()
+        row.close()
+    S = 256 * W
+    col = po.ColumnParallelLinear(in_f, out_f, world, max_rows=S // W, dtype=dt, device=dev)
+    with torch.no_grad():
+        col.weight.copy_(full[r * out_f // W:(r + 1) * out_f // W])
+    compiled_col = torch.compile(col, mode="reduce-overhead")
+    try:
+        _graph_tree_calls(
+            "ColumnParallelLinear", lambda xs: compiled_col(xs[r * S // W:(r + 1) * S // W]),
+            lambda xs: (xs.float() @ full[r * out_f // W:(r + 1) * out_f // W].float().t()).to(dt),
+            lambda: replicated((S, in_f)), calls, 2e-2)
+    finally:
+        col.close()
+    moe_args = dict(hidden=512, intermediate=256, num_experts=4 * W, top_k=2, max_tokens=128,
+                    seed=3)
+    fused = po.ExpertParallelMoE(world, **moe_args)
+    plain = po.ExpertParallelMoE(world, fused=False, **moe_args)
+    compiled_moe = torch.compile(fused, mode="reduce-overhead")
+    try:
+        _graph_tree_calls("ExpertParallelMoE", compiled_moe, plain,
+                          lambda: rand((128, 512), dt, dev, gen), calls, 3e-2)
+    finally:
+        fused.close()
+        plain.close()
 
 
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:

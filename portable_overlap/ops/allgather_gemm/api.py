@@ -64,6 +64,7 @@ import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..context import check_sizes, collective_call, OverlapContext, output_tensor, shape_tag
+from ...kept import kept_empty
 from ..pattern import GEMM_AGREED, PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
@@ -455,8 +456,7 @@ class AllGatherMatmulCE(OverlapContext):
             if buf is not None:
                 self._outgrown.append(buf)
             size = nbytes if buf is None else max(nbytes, 2 * buf.numel())
-            buf = self._staging = torch.empty(size, dtype=torch.uint8,
-                                              device=self.world.device)
+            buf = self._staging = kept_empty(size, torch.uint8, self.world.device)
         return buf[:nbytes].view(dtype).view(rows, N)
 
 

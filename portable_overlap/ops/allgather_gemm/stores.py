@@ -16,6 +16,7 @@ import torch
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.copy_engine import KIND_CONSUMED, KIND_READY, CopyEngineLinks
 from ..context import align_key, collective_call, G_MAX, OverlapContext, shape_tag
+from ...kept import kept_tensor
 from ..matmul.api import (DTYPES, MatmulConfig, check_k_steps, default_config,
                           operand_descriptors)
 from .kernel import FLAG_LABELS, allgather_gemm_kernel
@@ -310,9 +311,9 @@ class AllGatherMatmulStores(OverlapContext):
         p = SimpleNamespace(cfg=cfg, chunk_rows=chunk_rows, n_chunks=n_chunks, n_pull=n_pull,
                             copy_own=copy_own, pull_pieces=min(self.pull_pieces, max(n_pull, 1)),
                             senders=senders, use_desc=use_desc, g_desc=g_desc if use_desc else None,
-                            order=torch.tensor(
+                            order=kept_tensor(
                                 tile_order(self.rank, W, m, cfg.block_m, chunk_rows),
-                                dtype=torch.int32, device=a.device))
+                                torch.int32, a.device))
 
         def tag_of(g):  # shapes, tiling, grid, senders: a rank planned otherwise is caught
             return shape_tag(m=m, N=N, K=K, dtype=str(a.dtype), tiling=cfg.tiling, programs=g,

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...shmem.providers import agreed_put_provider
+from ...kept import kept_tensor, kept_zeros
 from ..context import align_key, collective_call, G_MAX, output_tensor, OverlapContext, shape_tag
 from ..launch import PlannedLaunch
 from .kernel import FLAG_NAMES, embedding_alltoall_kernel, embedding_alltoall_put_kernel
@@ -212,7 +213,7 @@ class FusedEmbeddingAllToAll(OverlapContext):
         constexprs keep the kernel off it)."""
         t = self._stubs.get(dtype)
         if t is None:
-            t = self._stubs[dtype] = torch.zeros(16, dtype=dtype, device=self.world.device)
+            t = self._stubs[dtype] = kept_zeros(16, dtype, self.world.device)
         return t
 
     def _args(self, weight, indices, psw, offsets, out, plan, tag=None, programs=None):
@@ -265,7 +266,7 @@ class FusedEmbeddingAllToAll(OverlapContext):
 
         info = _Info()
         info.splits = splits
-        info.boff = torch.tensor(boff, dtype=torch.int32, device=self.world.device)
+        info.boff = kept_tensor(boff, torch.int32, self.world.device)
         info.iters_of = lambda g: -(-max_tasks // g)  # noqa: E731
 
         # batch split, dtype, pooling, tiling and grid, and whether autograd records the call

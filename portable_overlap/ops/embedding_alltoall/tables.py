@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ...kept import kept_empty, kept_zeros
 from .plan import ShardingPlan
 
 OP = "embedding_all_to_all"
@@ -251,8 +252,8 @@ class BagOffsets:
         device ops, no host sync (graph capture takes this path)."""
         n = lengths.numel()
         if self._offsets.numel() < n + 1:
-            self._offsets = torch.zeros(n + 1, dtype=torch.int64, device=lengths.device)
-            self._lengths = torch.empty(n, dtype=torch.int64, device=lengths.device)
+            self._offsets = kept_zeros(n + 1, torch.int64, lengths.device)
+            self._lengths = kept_empty(n, torch.int64, lengths.device)
         offsets = self._offsets[:n + 1]
         if not checked:
             # copy_ casts int32 lengths to the int64 buffer (clamp's out= must match its input's

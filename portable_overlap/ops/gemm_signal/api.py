@@ -62,6 +62,7 @@ from ...schedule import WaveGroups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.gate import wait_counter
 from ..context import ContextBase, align_key, collective_call, output_tensor, shape_tag
+from ...kept import kept_empty, kept_tensor
 from ..launch import PlannedLaunch, resident_programs
 from ..matmul.api import (check_2d, check_k_steps, check_operands, default_config,
                           tile_descriptors, vector_checks)
@@ -482,19 +483,19 @@ class GemmSignal(ContextBase):
         plan.kind, plan.groups, plan.dests, plan.m_dest, plan.mm = kind, groups, dests, m_dest, mm
         plan.programs, plan.tile_elems, plan.warm = programs, tile, False
         it = torch.int32
-        plan.slot_t = torch.tensor(lay.slot, dtype=it, device=self.device)
-        plan.group_t = torch.tensor(lay.group, dtype=it, device=self.device)
-        plan.table_t = torch.tensor(table, dtype=it, device=self.device).reshape(-1, 3)
+        plan.slot_t = kept_tensor(lay.slot, it, self.device)
+        plan.group_t = kept_tensor(lay.group, it, self.device)
+        plan.table_t = kept_tensor(table, it, self.device).reshape(-1, 3)
         # for the fused RMSNorm: (row0, nrows) of every row block of out, and which received
         # tile holds each (row block, column tile)
         blocks: dict = {}
         for s, (row0, nrows, col0) in enumerate(table):
             blocks.setdefault(row0, [nrows, [0] * pn])[1][col0 // mm.block_n] = s
         order = sorted(blocks)
-        plan.norm_rows_t = torch.tensor([[r0, blocks[r0][0]] for r0 in order], dtype=it,
-                                        device=self.device).reshape(-1, 2)
-        plan.norm_index_t = torch.tensor([blocks[r0][1] for r0 in order], dtype=it,
-                                         device=self.device).reshape(len(order), pn)
+        plan.norm_rows_t = kept_tensor([[r0, blocks[r0][0]] for r0 in order], it,
+                                       self.device).reshape(-1, 2)
+        plan.norm_index_t = kept_tensor([blocks[r0][1] for r0 in order], it,
+                                        self.device).reshape(len(order), pn)
         esz = torch.empty((), dtype=dtype).element_size()
         plan.stage_bytes = n_tiles * tile * esz
         plan.recv_bytes = {"all_reduce": 0, "reduce_scatter": per_dest * tile * esz,
@@ -512,7 +513,7 @@ class GemmSignal(ContextBase):
             return buf
         if buf.numel():
             self._retired.append(buf)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return kept_empty(nbytes, torch.uint8, self.device)
 
     def launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed, *,
                     with_reorder: bool = True):

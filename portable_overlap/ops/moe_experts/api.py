@@ -21,6 +21,7 @@ import torch
 import triton
 
 from ...tiles.gemv import dot_precision, dot_upcast
+from ...kept import kept_empty, kept_zeros
 from ..context import check_no_overlap
 from ..registry import PartSpec, define_part
 from ..matmul.api import DTYPES, MatmulConfig, tile_descriptors
@@ -206,8 +207,8 @@ def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
         if buf is not None:
             _RETIRED.setdefault(key, []).append(buf)
             size = max(numel, 2 * buf.numel())
-        make = torch.zeros if zero else torch.empty
-        buf = _WORKSPACES[key] = make(max(size, 1), dtype=dtype, device=device)
+        make = kept_zeros if zero else kept_empty
+        buf = _WORKSPACES[key] = make(max(size, 1), dtype, device)
     return buf[:numel]
 
 

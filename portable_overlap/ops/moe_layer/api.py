@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from ...kept import kept_empty, kept_zeros
 from ..context import G_MAX, align_key, output_tensor, refuse_grad, run_collective, shape_tag
 from ..matmul.api import MatmulConfig
 from ..moe_combine import MoeGemmCombine
@@ -136,8 +137,7 @@ def _activations(dctx, w_gate) -> torch.Tensor:
     I = w_gate.shape[2]
     h = dctx._layer_h.get(I)
     if h is None:
-        h = dctx._layer_h[I] = torch.empty((dctx.capacity, I), dtype=dctx.dtype,
-                                           device=dctx.world.device)
+        h = dctx._layer_h[I] = kept_empty((dctx.capacity, I), dctx.dtype, dctx.world.device)
     return h
 
 
@@ -215,8 +215,8 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
     n_send = senders or swiglu.default_senders(W, programs, cpu)
     # one ready counter per row tile: every segment adds at most one partial row tile
     n_ready = -(-dctx.capacity // cfg1.block_m) + W * E
-    ready = torch.zeros(max(n_ready, 1), dtype=torch.int32, device=dctx.world.device)
-    queue = torch.zeros(3, dtype=torch.int32, device=dctx.world.device)
+    ready = kept_zeros(max(n_ready, 1), torch.int32, dctx.world.device)
+    queue = kept_zeros(3, torch.int32, dctx.world.device)
     p = SimpleNamespace(cfg1=cfg1, cfg2=cfg2, x_desc=x_desc, h_desc=h_desc, senders=n_send,
                         ready=ready, queue=queue,
                         tag=swiglu.dispatch_tag(OP, dctx, tokens.dtype, n_send), c_tag=0)

@@ -1,0 +1,69 @@
+"""Device memory a context keeps from one call to the next, made outside CUDA-graph memory pools.
+
+A context makes some of what it keeps at the first call of a shape: a plan's index tables, a
+staging buffer that grows, a launch's scratch. While torch's CUDA-graph trees
+(``torch.compile(mode="reduce-overhead")``) run a function's warm-up calls, every allocation of
+the calling thread (of its stream, in older torch) goes to the trees' private pool, and a
+tensor of that pool still alive after the call is an error there ("tensors in the cudagraph
+pool not tracked as outputs"); a kept tensor in it would also be memory the trees hand out
+again. :func:`kept` makes such a tensor on a worker thread of its own, whose allocations no pool
+takes, and synchronizes the device's default stream there before handing it over (its memory
+may have been another tensor's, freed on that stream, and a fill runs there). A kept tensor's
+memory returns to that stream's cache when the tensor is dropped: the contexts synchronize the
+device in ``close`` first (``ops.context.ContextBase.close``).
+
+Under stream capture the tensor is made as any is, by the caller: a capture cannot wait for
+another thread's work, and the first call of a shape is not captured anyway (it compiles)."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+
+_WORKER: Optional[ThreadPoolExecutor] = None
+_LOCK = threading.Lock()
+
+
+def _worker() -> ThreadPoolExecutor:
+    global _WORKER
+    with _LOCK:
+        if _WORKER is None:
+            _WORKER = ThreadPoolExecutor(1, thread_name_prefix="portable_overlap-kept")
+        return _WORKER
+
+
+def kept(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``make()`` (a tensor on ``device``), made outside any CUDA-graph memory pool, its
+    contents complete when it returns. On a CPU device, or while the caller's stream is being
+    captured, ``make()`` itself."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return make()
+    module = torch.get_device_module(device)
+    if module.is_current_stream_capturing():
+        return make()
+
+    def run() -> torch.Tensor:
+        with module.device(device):
+            t = make()
+            module.current_stream(device).synchronize()
+        return t
+
+    return _worker().submit(run).result()
+
+
+def kept_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)``, kept (:func:`kept`)."""
+    return kept(lambda: torch.empty(shape, dtype=dtype, device=device), device)
+
+
+def kept_zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype, device=device)``, kept (:func:`kept`)."""
+    return kept(lambda: torch.zeros(shape, dtype=dtype, device=device), device)
+
+
+def kept_tensor(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)``, kept (:func:`kept`)."""
+    return kept(lambda: torch.tensor(data, dtype=dtype, device=device), device)
