@@ -1,0 +1,65 @@
+"""``portable_overlap.kept``: what a context keeps from a call is made on a thread of its own
+(outside the CUDA-graph trees' pool, which takes the calling thread's allocations), complete
+when handed over; on the CPU and under stream capture, by the caller."""
+import contextlib
+import threading
+
+import torch
+
+from portable_overlap import kept
+
+
+class _Module:
+    """The parts of a device module ``kept`` uses, recording the threads that used them."""
+
+    def __init__(self, capturing=False):
+        self.capturing, self.synced = capturing, []
+        module = self
+
+        class _Stream:
+            def synchronize(self):
+                module.synced.append(threading.current_thread().name)
+        self._stream = _Stream()
+
+    def is_current_stream_capturing(self):
+        return self.capturing
+
+    @contextlib.contextmanager
+    def device(self, d):
+        yield
+
+    def current_stream(self, d):
+        return self._stream
+
+
+def _made_on(monkeypatch, device, capturing=False):
+    module = _Module(capturing)
+    monkeypatch.setattr(torch, "get_device_module", lambda d: module)
+    threads = []
+
+    def make():
+        threads.append(threading.current_thread().name)
+        return torch.arange(5)
+
+    t = kept.kept(make, device)
+    assert torch.equal(t, torch.arange(5))
+    return threads, module.synced
+
+
+def test_kept_tensors_are_made_on_the_worker_and_synchronized_there(monkeypatch):
+    threads, synced = _made_on(monkeypatch, torch.device("meta"))
+    assert threads[0].startswith("portable_overlap-kept") and synced == threads
+
+
+def test_kept_tensors_under_capture_and_on_the_cpu_are_made_by_the_caller(monkeypatch):
+    me = threading.current_thread().name
+    assert _made_on(monkeypatch, torch.device("meta"), capturing=True) == ([me], [])
+    assert _made_on(monkeypatch, torch.device("cpu")) == ([me], [])
+
+
+def test_kept_helpers_make_what_torch_makes():
+    cpu = torch.device("cpu")
+    assert kept.kept_empty((2, 3), torch.int32, cpu).shape == (2, 3)
+    z = kept.kept_zeros(4, torch.float16, cpu)
+    assert z.dtype == torch.float16 and not z.any()
+    assert torch.equal(kept.kept_tensor([[1, 2]], torch.int64, cpu), torch.tensor([[1, 2]]))
