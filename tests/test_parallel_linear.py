@@ -466,3 +466,61 @@ def test_layer_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world2
         for got in (mine, peer):
             assert got[0] == "RankMismatchError" and got[1].startswith(cls), got
             assert f"{arg}: rank 0: " in got[1], got
+
+
+def _under_autocast(world, reduce, S):
+    """fp32 layers under ``torch.autocast`` (bfloat16) given bfloat16 input, as the layer before
+    them hands it over: the fused op runs in bfloat16 on the cast operands, the output is
+    bfloat16 as ``nn.Linear``'s is there, and the fp32 parameters get fp32 gradients."""
+    import portable_overlap.modules.linear as linear
+    import portable_overlap.ops.allgather_gemm as allgather_gemm
+
+    W, r = world.world_size, world.rank
+    calls = []
+    names = ("gemv_all_reduce", "matmul_all_reduce", "matmul_reduce_scatter")
+    undo = [_counting(linear, n, calls) for n in names]
+    undo.append(_counting(allgather_gemm, "all_gather_matmul", calls))
+    try:
+        (lin, plain), full_w, bias = _pair(world, reduce, torch.float32, S)
+        col = ColumnParallelLinear(K, N * W, world, max_rows=S // W, dtype=torch.float32)
+        k = K // W
+        g = torch.Generator().manual_seed(7)
+        x_full, up = torch.randn(S, K, generator=g), torch.randn(S, N, generator=g)
+        w_col = torch.randn(N * W, K, generator=g)
+        with torch.no_grad():
+            col.weight.copy_(w_col[r * N:(r + 1) * N])
+        bf = torch.bfloat16
+        x = x_full[:, r * k:(r + 1) * k].to(bf).requires_grad_()
+        xs = x_full[r * S // W:(r + 1) * S // W].to(bf).requires_grad_()
+        rows = slice(r * S // W, (r + 1) * S // W) if reduce == "reduce_scatter" else slice(0, S)
+        with torch.autocast("cpu", dtype=bf):
+            y, yc = lin(x), col(xs)
+        dtypes = (y.dtype, yc.dtype)
+        (y.float() * up[rows]).sum().backward()
+        (yc.float() * up).sum().backward()
+        xb, wb = x_full.to(bf).double(), full_w.to(bf).double()
+        errs = [rel_err(y, (xb @ wb.T + bias.to(bf).double())[rows]),
+                rel_err(lin.weight.grad, up.double().T @ xb[:, r * k:(r + 1) * k]),
+                rel_err(x.grad, up.double() @ wb[:, r * k:(r + 1) * k]),
+                rel_err(yc, xb @ w_col[r * N:(r + 1) * N].to(bf).double().T),
+                rel_err(col.weight.grad, up.double().T @ xb)]
+        grads = (lin.weight.grad.dtype, lin.bias.grad.dtype, col.weight.grad.dtype, x.grad.dtype)
+        for m in (lin, plain, col):
+            m.close()
+    finally:
+        for u in undo:
+            u()
+    return dtypes, grads, errs, calls
+
+
+@pytest.mark.parametrize("reduce,S,op", [
+    ("all_reduce", 6, "gemv_all_reduce"),
+    ("all_reduce", 66, "matmul_all_reduce"),
+    ("reduce_scatter", 66, "matmul_reduce_scatter"),
+])
+def test_fp32_layers_under_autocast_compute_in_its_dtype(world2, reduce, S, op):
+    f32, bf = torch.float32, torch.bfloat16
+    for dtypes, grads, errs, calls in world2.run(_under_autocast, reduce, S):
+        assert calls == [op, "all_gather_matmul"], calls
+        assert dtypes == (bf, bf) and grads == (f32, f32, f32, bf), (dtypes, grads)
+        assert all(e < 2e-2 for e in errs), errs

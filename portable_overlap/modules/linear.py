@@ -46,8 +46,21 @@ def _describe(x) -> str:
     return f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
 
 
+def _autocast(x, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """``(x, weight, bias)`` as a call computes with them: under ``torch.autocast`` for the
+    input's device type, cast to the autocast dtype, as ``nn.Linear``'s product is there (the
+    parameters keep their dtype; autograd takes the gradients back through the casts), else as
+    they are."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and \
+            torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return x, weight, bias
+
+
 def _check_input(name: str, x, weight: torch.Tensor) -> None:
-    """The input's dtype and device are the layer's (what ``nn.Linear`` would refuse too)."""
+    """The input's dtype and device are the layer's (what ``nn.Linear`` would refuse too,
+    outside ``torch.autocast``)."""
     if x.dtype != weight.dtype:
         raise TypeError(f"{name}: input {_describe(x)} must have the layer's dtype "
                         f"{weight.dtype} (convert it, or build the layer with dtype={x.dtype})")
@@ -242,6 +255,10 @@ class RowParallelLinear(nn.Module):
     The reference path is ``x_r @ W_rᵀ`` then ``torch.distributed.all_reduce`` /
     ``reduce_scatter_tensor``; it is taken with ``fused=False``.
 
+    Under ``torch.autocast`` (the input's device type) the product runs in the autocast dtype
+    on cast copies of the input, weight and bias, as ``nn.Linear``'s does there: an fp32 layer
+    takes the bfloat16 output of the layer before it and returns bfloat16.
+
     Gradients: every path is differentiable in ``x`` and the parameters, with the row-parallel
     backward. With ``all_reduce`` the output gradient is taken to be the same on every rank (each
     rank holds the whole loss, as in Megatron): ``dx_r = dy @ W_r``, ``dW_r = dyᵀ @ x_r``, no
@@ -251,8 +268,9 @@ class RowParallelLinear(nn.Module):
 
     ``dtype`` and ``device`` follow ``nn.Linear``: ``None`` means torch's default dtype
     (``torch.get_default_dtype()``) and the world's device. The fused kernels take bfloat16,
-    float16 and float32. Inputs must have the layer's dtype and device; errors raised by a call
-    name the module and the input it was given.
+    float16 and float32. Inputs must have the layer's dtype and device (outside
+    ``torch.autocast``, below); errors raised by a call name the module and the input it was
+    given.
 
     Collective to construct and to :meth:`close` (every rank, same arguments: the ranks compare
     them, and raise ``RankMismatchError`` on every rank where they differ; an argument refused
@@ -312,41 +330,44 @@ class RowParallelLinear(nn.Module):
             self.weight.normal_(0.0, (in_features ** -0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, weight, bias = _autocast(x, self.weight, self.bias)
         try:
-            self._check(x)
+            self._check(x, weight)
         except (TypeError, ValueError) as e:
-            _refuse_with_peers(self._op_call_of(x), e)
+            _refuse_with_peers(self._op_call_of(x, weight), e)
             raise
         if self.reduce == "reduce_scatter":
-            return self._reduce_scatter(x)
-        k = self.weight.shape[1]
+            return self._reduce_scatter(x, weight, bias)
+        k = weight.shape[1]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         rows = x2.shape[0]
         if self.fused and rows <= MAX_M:
-            y = self._fused(x, x2, lambda a, w: gemv_all_reduce(a.contiguous(), w, self.ctx))
+            y = self._fused(x, x2, weight,
+                            lambda a, w: gemv_all_reduce(a.contiguous(), w, self.ctx))
         elif self.fused and self.reduce_ctx is not None:
-            y = self._fused(x, x2, lambda a, w: matmul_all_reduce(a.contiguous(), w.T,
-                                                                  self.reduce_ctx))
+            y = self._fused(x, x2, weight, lambda a, w: matmul_all_reduce(a.contiguous(), w.T,
+                                                                          self.reduce_ctx))
         else:
-            y = x2 @ self.weight.T
+            y = x2 @ weight.T
             if self.world.world_size > 1:
                 # not recorded by autograd: the all-reduce's gradient is the identity (see the
                 # class docstring)
                 dist.all_reduce(y, group=self.world.group)
-        if self.bias is not None:
-            y = y + self.bias
+        if bias is not None:
+            y = y + bias
         return y.reshape(*lead, self.out_features)
 
-    def _check(self, x) -> None:
-        """The module's own checks of an input, before any op runs."""
-        k = self.weight.shape[1]
+    def _check(self, x, weight: torch.Tensor) -> None:
+        """The module's own checks of an input, before any op runs (``weight``: the weight the
+        call computes with)."""
+        k = weight.shape[1]
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"RowParallelLinear: input must be a tensor, got {_describe(x)}")
         if x.dim() < 1 or x.shape[-1] != k:
             raise ValueError(f"RowParallelLinear: input must be [..., {k}] (this rank's slice of "
                              f"in_features={self.in_features}), got {_describe(x)}")
-        _check_input(self.NAME, x, self.weight)
+        _check_input(self.NAME, x, weight)
         if self.reduce == "reduce_scatter":
             W = self.world.world_size
             if x.dim() != 2 or x.shape[0] % W:
@@ -358,42 +379,42 @@ class RowParallelLinear(nn.Module):
         elif self.fused and self.reduce_ctx is not None and x.numel() // k > MAX_M:
             self._check_rows(x, x.numel() // k)
 
-    def _op_call_of(self, x):
-        """``(context, args)`` of the fused op a call with input ``x`` runs, as the peers make
-        it where their inputs have ``x``'s rows (``_stand_in``), or None: the reference path,
-        or no rows to tell by."""
+    def _op_call_of(self, x, weight: torch.Tensor):
+        """``(context, args)`` of the fused op a call with input ``x`` and ``weight`` runs, as
+        the peers make it where their inputs have ``x``'s rows (``_stand_in``), or None: the
+        reference path, or no rows to tell by."""
         if not self.fused or not isinstance(x, torch.Tensor) or x.dim() < 1:
             return None
         rows = math.prod(x.shape[:-1])
-        a = _stand_in(rows, self.weight.shape[1], self.weight)
+        a = _stand_in(rows, weight.shape[1], weight)
         if self.reduce == "reduce_scatter":
-            return self.reduce_ctx, (a, self.weight.T)
+            return self.reduce_ctx, (a, weight.T)
         if rows <= MAX_M:
-            return self.ctx, (a, self.weight)
-        return None if self.reduce_ctx is None else (self.reduce_ctx, (a, self.weight.T))
+            return self.ctx, (a, weight)
+        return None if self.reduce_ctx is None else (self.reduce_ctx, (a, weight.T))
 
-    def _fused(self, x, x2, run, scattered=False):
+    def _fused(self, x, x2, weight, run, scattered=False):
         """``run(x2, weight)`` (a fused op), inside :class:`_RowFused` when autograd records."""
         if _recording(self, x):
-            return _op_call(self.NAME, x, _RowFused.apply, x2, self.weight, run, scattered,
+            return _op_call(self.NAME, x, _RowFused.apply, x2, weight, run, scattered,
                             self.world.group, self.world.world_size)
-        return _op_call(self.NAME, x, run, x2, self.weight)
+        return _op_call(self.NAME, x, run, x2, weight)
 
-    def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor,
+                        bias: Optional[torch.Tensor]) -> torch.Tensor:
         W = self.world.world_size
         if self.fused:
-            y = self._fused(x, x, lambda a, w: matmul_reduce_scatter(a.contiguous(), w.T,
-                                                                     self.reduce_ctx),
-                            scattered=True)
+            y = self._fused(x, x, weight, lambda a, w: matmul_reduce_scatter(
+                a.contiguous(), w.T, self.reduce_ctx), scattered=True)
         else:
-            y = x @ self.weight.T
+            y = x @ weight.T
             if W > 1:
                 y = _ScatterRows.apply(y, self.world.group, W)
-        if self.bias is None:
+        if bias is None:
             return y
-        if torch.is_grad_enabled() and self.bias.requires_grad:
-            return _AddReplicatedBias.apply(y, self.bias, self.world.group, W)
-        return y + self.bias
+        if torch.is_grad_enabled() and bias.requires_grad:
+            return _AddReplicatedBias.apply(y, bias, self.world.group, W)
+        return y + bias
 
     def _check_rows(self, x: torch.Tensor, rows: int) -> None:
         if self.max_rows is not None and rows > self.max_rows:
@@ -424,8 +445,9 @@ class ColumnParallelLinear(nn.Module):
     ``dy @ W_r`` and ``dW_r = dyᵀ @ all_gather(x)`` (the fused path gathers the input again in
     the backward instead of keeping it; both paths run one reduce-scatter per backward).
     ``dtype`` and ``device`` follow ``nn.Linear`` (``None``: torch's default dtype, the world's
-    device); inputs must have the layer's dtype and device, and errors raised by a call name the
-    module and the input it was given.
+    device); inputs must have the layer's dtype and device (under ``torch.autocast``, the
+    product runs in its dtype, as ``RowParallelLinear``'s does), and errors raised by a call
+    name the module and the input it was given.
     Collective to construct and to :meth:`close` (every rank, same arguments, compared as
     ``RowParallelLinear`` does); inputs are ``[rows, in_features]`` with the same row count on
     every rank. A ``ctx`` given (an ``AllGatherMatmul`` shared by layers with
@@ -469,6 +491,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..ops.allgather_gemm import all_gather_matmul
 
+        x, weight, bias = _autocast(x, self.weight, self.bias)
         try:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"ColumnParallelLinear: input must be a tensor, got "
@@ -476,26 +499,26 @@ class ColumnParallelLinear(nn.Module):
             if x.dim() != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"ColumnParallelLinear: input must be [rows, "
                                  f"{self.in_features}], got {_describe(x)}")
-            _check_input(self.NAME, x, self.weight)
+            _check_input(self.NAME, x, weight)
         except (TypeError, ValueError) as e:
             call = None
             if self.fused and isinstance(x, torch.Tensor) and x.dim() >= 1:
                 call = self.ctx, (_stand_in(math.prod(x.shape[:-1]), self.in_features,
-                                            self.weight), self.weight.T)
+                                            weight), weight.T)
             _refuse_with_peers(call, e)
             raise
         W = self.world.world_size
         if self.fused:
             run = lambda a, w: all_gather_matmul(a.contiguous(), w.T, self.ctx)  # noqa: E731
             if _recording(self, x):
-                y = _op_call(self.NAME, x, _ColumnFused.apply, x, self.weight, run,
+                y = _op_call(self.NAME, x, _ColumnFused.apply, x, weight, run,
                              self.world.group, W)
             else:
-                y = _op_call(self.NAME, x, run, x, self.weight)
+                y = _op_call(self.NAME, x, run, x, weight)
         else:
             full = _GatherRows.apply(x, self.world.group, W) if W > 1 else x
-            y = full @ self.weight.T
-        return y + self.bias if self.bias is not None else y
+            y = full @ weight.T
+        return y + bias if bias is not None else y
 
     def close(self) -> None:
         """Collective: free the context this module made (not one it was given)."""

@@ -1312,6 +1312,81 @@ def check_compile_graphs(world: World, gen, calls: int = 6) -> None:
         plain.close()
 
 
+def check_capture_first(world: World, gen, replays: int = 3) -> None:
+    """A shape's first call made under CUDA-graph capture, with no eager call before it (the
+    first call plans and compiles, which a capture does not allow): either the graph replays
+    right, or the call raises an error that says so and leaves the context and the device
+    usable (an eager call after it is right). Then a capture after that eager call replays
+    right."""
+    import portable_overlap as po
+    from portable_overlap.ops.allgather_gemm import all_gather_matmul_reference
+    from portable_overlap.ops.matmul_reduce.reference import matmul_all_reduce_reference
+
+    dev, dt = world.device, torch.bfloat16
+    cases = [(f"gemv_all_reduce[{t}]", lambda t=t: GemvAllReduce(world, max_n=4096, transport=t),
+              lambda c, x, w: gemv_all_reduce(x, w, c),
+              lambda x, w: gemv_all_reduce_reference(x, w, world.group), ((8, 1024), (4096, 1024)))
+             for t in ("stores", "one_shot", "auto")]
+    cases += [(f"matmul_all_reduce[{t}]",
+               lambda t=t: po.MatmulAllReduce(world, 512, 1024, transport=t),
+               lambda c, a, b: po.matmul_all_reduce(a, b, c),
+               lambda a, b: matmul_all_reduce_reference(a, b, world.group),
+               ((512, 768), (768, 1024))) for t in ("stores", "signal_collective", "auto")]
+    cases += [(f"all_gather_matmul[{t}]",
+               lambda t=t: po.AllGatherMatmul(world, max_shard_elems=256 * 768, transport=t),
+               lambda c, a, b: po.all_gather_matmul(a, b, c),
+               lambda a, b: all_gather_matmul_reference(a, b, world.group),
+               ((256, 768), (768, 1024))) for t in ("stores", "copy_engine", "auto")]
+    for name, make, call, ref, shapes in cases:
+        ctx = make()
+        try:
+            ins = [rand(sh, dt, dev, gen) for sh in shapes]
+            g = torch.cuda.CUDAGraph()
+            outcome = None
+            try:
+                with torch.cuda.graph(g):
+                    y = call(ctx, *ins)
+            except Exception as e:  # noqa: BLE001  (an error is one of the two outcomes)
+                outcome = f"{type(e).__name__}: {str(e)[:200]}"
+            if outcome is None:
+                worst = 0.0
+                for _ in range(replays):
+                    for t, sh in zip(ins, shapes):
+                        t.copy_(rand(sh, dt, dev, gen))
+                    g.replay()
+                    ctx.synchronize()
+                    worst = max(worst, rel_err(y, ref(*ins)))
+                record(f"{name} first call captured: replays", worst < 1e-2,
+                       f"worst rel_err={worst:.2e}")
+            else:
+                # (torch's own CUDA errors, "operation not permitted when stream is
+                # capturing", do not say what to do: the message must)
+                torch.cuda.synchronize()
+                y = call(ctx, *ins)
+                ctx.synchronize()
+                err = rel_err(y, ref(*ins))
+                clear = "eager" in outcome or "outside graph capture" in outcome or \
+                    "before capturing" in outcome
+                record(f"{name} first call captured: refused", err < 1e-2 and clear,
+                       f"{outcome}; eager call after it rel_err={err:.2e}")
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    y = call(ctx, *ins)
+                for t, sh in zip(ins, shapes):
+                    t.copy_(rand(sh, dt, dev, gen))
+                g.replay()
+                ctx.synchronize()
+                err = rel_err(y, ref(*ins))
+                record(f"{name} captured after an eager call", err < 1e-2, f"rel_err={err:.2e}")
+        except Exception as e:  # noqa: BLE001
+            record(f"{name} first call captured", False, f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            try:
+                ctx.close()
+            except Exception as e:  # noqa: BLE001
+                record(f"{name} close after the capture", False, f"{type(e).__name__}: {e}"[:300])
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -1486,7 +1561,7 @@ def main() -> int:
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
                   check_empty_dims, check_streams, check_compile_graphs,
-                  check_peer_failures, check_late_stores):
+                  check_capture_first, check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
