@@ -12,8 +12,9 @@ may have been another tensor's, freed on that stream, and a fill runs there). A 
 memory returns to that stream's cache when the tensor is dropped: the contexts synchronize the
 device in ``close`` first (``ops.context.ContextBase.close``).
 
-Under stream capture the tensor is made as any is, by the caller: a capture cannot wait for
-another thread's work, and the first call of a shape is not captured anyway (it compiles)."""
+Under stream capture the tensor is made as any is, by the caller (a capture cannot wait for
+another thread's work), except a copy from the host (:func:`kept_tensor`), which is refused
+with a message that says to make the shape's first call eagerly."""
 from __future__ import annotations
 
 import threading
@@ -65,5 +66,12 @@ def kept_zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def kept_tensor(data, dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.tensor(data, dtype=dtype, device=device)``, kept (:func:`kept`)."""
+    """``torch.tensor(data, dtype=dtype, device=device)``, kept (:func:`kept`). Under stream
+    capture, a ``RuntimeError`` that says what to do: the copy from the host is one a capture
+    cannot take (torch refuses it with a message about pinned memory)."""
+    device = torch.device(device)
+    if device.type != "cpu" and torch.get_device_module(device).is_current_stream_capturing():
+        raise RuntimeError("the first call with these shapes plans them, copying the plan's "
+                           "tables to the device, which CUDA-graph capture does not allow: make "
+                           "one eager call with these shapes before capturing")
     return kept(lambda: torch.tensor(data, dtype=dtype, device=device), device)

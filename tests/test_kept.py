@@ -4,6 +4,7 @@ when handed over; on the CPU and under stream capture, by the caller."""
 import contextlib
 import threading
 
+import pytest
 import torch
 
 from portable_overlap import kept
@@ -63,3 +64,9 @@ def test_kept_helpers_make_what_torch_makes():
     z = kept.kept_zeros(4, torch.float16, cpu)
     assert z.dtype == torch.float16 and not z.any()
     assert torch.equal(kept.kept_tensor([[1, 2]], torch.int64, cpu), torch.tensor([[1, 2]]))
+
+
+def test_a_copy_from_the_host_under_capture_says_to_call_eagerly_first(monkeypatch):
+    monkeypatch.setattr(torch, "get_device_module", lambda d: _Module(capturing=True))
+    with pytest.raises(RuntimeError, match="make one eager call with these shapes before"):
+        kept.kept_tensor([1, 2], torch.int32, torch.device("meta"))
