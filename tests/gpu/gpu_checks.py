@@ -1387,6 +1387,53 @@ def check_capture_first(world: World, gen, replays: int = 3) -> None:
                 record(f"{name} close after the capture", False, f"{type(e).__name__}: {e}"[:300])
 
 
+def check_context_churn(world: World, gen, cycles: int = 20) -> None:
+    """Contexts made, called once and closed ``cycles`` times over (a layer rebuilt in a loop):
+    the device memory free after the last close (torch's cache emptied) is what it was after
+    the first, within 64 MiB, and every call is right."""
+    import portable_overlap as po
+    from portable_overlap.ops.matmul_reduce.reference import matmul_all_reduce_reference
+
+    dev, dt = world.device, torch.bfloat16
+    a, b = rand((256, 1024), dt, dev, gen), rand((1024, 2048), dt, dev, gen)
+    x, w = rand((4, 1024), dt, dev, gen), rand((2048, 1024), dt, dev, gen)
+    ref_mm = matmul_all_reduce_reference(a, b, world.group)
+    ref_gemv = gemv_all_reduce_reference(x, w, world.group)
+
+    def cycle():
+        worst = 0.0
+        for make, call, ref in (
+                (lambda: GemvAllReduce(world, max_n=2048), lambda c: c(x, w), ref_gemv),
+                (lambda: po.MatmulAllReduce(world, 256, 2048, transport="stores"),
+                 lambda c: po.matmul_all_reduce(a, b, c), ref_mm),
+                (lambda: po.MatmulAllReduce(world, 256, 2048, transport="signal_collective"),
+                 lambda c: po.matmul_all_reduce(a, b, c), ref_mm)):
+            ctx = make()
+            try:
+                y = call(ctx)
+                ctx.synchronize()
+                worst = max(worst, rel_err(y, ref))
+            finally:
+                ctx.close()
+        return worst
+
+    def free_bytes():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(dev)[0]
+
+    worst = cycle()
+    before, t0 = free_bytes(), time.perf_counter()
+    for _ in range(cycles - 1):
+        worst = max(worst, cycle())
+    per_cycle = (time.perf_counter() - t0) / max(cycles - 1, 1)
+    lost = before - free_bytes()
+    record(f"{cycles} cycles of three contexts made, called and closed",
+           worst < 1e-2 and lost < 64 << 20,
+           f"worst rel_err={worst:.2e}, device memory lost {lost / 2**20:.1f} MiB, "
+           f"{per_cycle * 1e3:.0f} ms per cycle")
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -1561,7 +1608,8 @@ def main() -> int:
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
                   check_empty_dims, check_streams, check_compile_graphs,
-                  check_capture_first, check_peer_failures, check_late_stores):
+                  check_capture_first, check_context_churn, check_peer_failures,
+                  check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
