@@ -309,6 +309,23 @@ def time_call(fn: Callable[[], Any], world, *, iters: int = 20, warmup: int = 3,
     return max(world.all_gather_object(ms))
 
 
+#: device -> (warm-up stream, capture stream) of :func:`timed_runs`, one pair per device for
+#: the process: BLAS libraries keep a workspace per stream that runs their products (cuBLAS:
+#: 32 MiB on sm_90, kept until the process ends), so new streams at every timing lost 32 MiB
+#: per stream to each timed candidate that multiplies with them (128 MiB per GEMV + AllReduce
+#: context whose ``"auto"`` timed its first shape, on one H100:
+#: ``benchmarks/probe_context_churn.py``)
+_TIMING_STREAMS: dict = {}
+
+
+def _timing_streams(dev: torch.device) -> tuple:
+    pair = _TIMING_STREAMS.get(dev)
+    if pair is None:
+        mod = torch.get_device_module(dev)
+        pair = _TIMING_STREAMS[dev] = (mod.Stream(device=dev), mod.Stream(device=dev))
+    return pair
+
+
 def timed_runs(fn: Callable[[], Any], world, *, iters: int, warmup: int, graph: bool,
                replay_warmup: int = 0, barrier: str = "device") -> tuple:
     """On a GPU: ``(device ms, host ms)`` of each of ``iters`` runs of ``fn`` on this rank, the
@@ -322,7 +339,7 @@ def timed_runs(fn: Callable[[], Any], world, *, iters: int, warmup: int, graph: 
     mod = torch.get_device_module(dev)
     run = fn
     if graph:
-        side = mod.Stream(device=dev)
+        side, capture = _timing_streams(dev)
         side.wait_stream(mod.current_stream(dev))
         with mod.stream(side):  # warm-up outside the capture: compiles, plans, comms
             for _ in range(warmup):
@@ -331,7 +348,7 @@ def timed_runs(fn: Callable[[], Any], world, *, iters: int, warmup: int, graph: 
         mod.synchronize(dev)
         world.barrier()
         g = mod.CUDAGraph()  # torch's name on both vendors (HIP graphs on ROCm builds)
-        with mod.graph(g):
+        with mod.graph(g, stream=capture):
             fn()
         run = g.replay
         for _ in range(replay_warmup):
