@@ -1434,6 +1434,63 @@ def check_context_churn(world: World, gen, cycles: int = 20) -> None:
            f"{per_cycle * 1e3:.0f} ms per cycle")
 
 
+def check_eager_and_replays(world: World, gen, rounds: int = 6) -> None:
+    """One context's captured call and its eager calls of another shape, taken in turns on one
+    stream (a decode step replayed, a prefill or a first step eager): every replay and every
+    eager call right, with fresh inputs at each."""
+    import portable_overlap as po
+    from portable_overlap.ops.allgather_gemm import all_gather_matmul_reference
+    from portable_overlap.ops.matmul_reduce.reference import matmul_all_reduce_reference
+
+    dev, dt = world.device, torch.bfloat16
+    gemv_ref = lambda x, w: gemv_all_reduce_reference(x, w, world.group)  # noqa: E731
+    mm_ref = lambda a, b: matmul_all_reduce_reference(a, b, world.group)  # noqa: E731
+    ag_ref = lambda a, b: all_gather_matmul_reference(a, b, world.group)  # noqa: E731
+    cases = [(f"gemv_all_reduce[{t}]", lambda t=t: GemvAllReduce(world, max_n=4096, transport=t),
+              lambda c, x, w: gemv_all_reduce(x, w, c), gemv_ref,
+              ((4, 2048), (4096, 2048)), ((32, 2048), (4096, 2048)))
+             for t in ("stores", "one_shot", "auto")]
+    cases += [(f"matmul_all_reduce[{t}]",
+               lambda t=t: po.MatmulAllReduce(world, 512, 1024, transport=t),
+               lambda c, a, b: po.matmul_all_reduce(a, b, c), mm_ref,
+               ((128, 768), (768, 1024)), ((512, 768), (768, 1024)))
+              for t in ("stores", "copy_engine", "signal_collective", "sequential", "auto")]
+    cases += [(f"all_gather_matmul[{t}]",
+               lambda t=t: po.AllGatherMatmul(world, max_shard_elems=256 * 768, transport=t),
+               lambda c, a, b: po.all_gather_matmul(a, b, c), ag_ref,
+               ((64, 768), (768, 1024)), ((256, 768), (768, 1024)))
+              for t in ("stores", "copy_engine", "auto")]
+    for name, make, call, ref, captured, eager in cases:
+        ctx = make()
+        try:
+            ins = [rand(sh, dt, dev, gen) for sh in captured]
+            for sh in (captured, eager):  # each shape's first call eager (plans, decides)
+                call(ctx, *[rand(s_, dt, dev, gen) for s_ in sh])
+            ctx.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = call(ctx, *ins)
+            worst_replay = worst_eager = 0.0
+            for _ in range(rounds):
+                for t, sh in zip(ins, captured):
+                    t.copy_(rand(sh, dt, dev, gen))
+                g.replay()
+                ctx.synchronize()
+                worst_replay = max(worst_replay, rel_err(y, ref(*ins)))
+                e_in = [rand(sh, dt, dev, gen) for sh in eager]
+                ye = call(ctx, *e_in)
+                ctx.synchronize()
+                worst_eager = max(worst_eager, rel_err(ye, ref(*e_in)))
+            record(f"{name} replays and eager calls in turns, {rounds} rounds",
+                   worst_replay < 1e-2 and worst_eager < 1e-2,
+                   f"worst rel_err replays {worst_replay:.2e}, eager {worst_eager:.2e}")
+        except Exception as e:  # noqa: BLE001
+            record(f"{name} replays and eager calls in turns", False,
+                   f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            ctx.close()
+
+
 def check_bad_input(world: World, ctx: GemvAllReduce) -> None:
     d = world.device
     x = torch.randn(4, 64, device=d, dtype=torch.bfloat16)
@@ -1608,8 +1665,8 @@ def main() -> int:
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
                   check_empty_dims, check_streams, check_compile_graphs,
-                  check_capture_first, check_context_churn, check_peer_failures,
-                  check_late_stores):
+                  check_capture_first, check_context_churn, check_eager_and_replays,
+                  check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
