@@ -2,7 +2,7 @@
 peer) against all_gather + cuBLAS and torch's fused_all_gather_matmul, by the protocol in
 benchmarks/harness.py:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_allgather_gemm.py --out r.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.bench_allgather_gemm --out r.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes (M, N, K) of the whole layer: the gathered A is [M, K] (each rank holds M / W rows) and

@@ -1,7 +1,7 @@
 """Benchmark of the fused embedding pooling + All-to-All against a torch EmbeddingBag loop +
 NCCL all_to_all_single, by the protocol in benchmarks/harness.py. Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_embedding_alltoall.py --out results.jsonl \
+    torchrun --nproc-per-node 2 -m benchmarks.bench_embedding_alltoall --out results.jsonl \
         --device-kind nvidia-h200-x2
 
 Shapes are (global batch, total tables, D, pooling factor, rows per table); the tables are

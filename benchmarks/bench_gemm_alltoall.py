@@ -1,7 +1,7 @@
 """Benchmark of dense GEMM + equal-split All-to-All (issue 3's dense variant) against cuBLAS +
 NCCL, by the protocol in benchmarks/harness.py. Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_gemm_alltoall.py --out results.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.bench_gemm_alltoall --out results.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes are (M, N, K) per rank: every rank computes c = a @ b ([M, N]) and sends rows

@@ -2,7 +2,7 @@
 ordinary NCCL/RCCL collectives gated by stream waits) by the protocol in benchmarks/harness.py.
 Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_gemm_signal.py --out results.jsonl \
+    torchrun --nproc-per-node 2 -m benchmarks.bench_gemm_signal --out results.jsonl \
         --device-kind nvidia-h200-x2 [--partitions] [--reserves 0,8,16,24,32] \
         [--comm-ctas 8,16,32]
 

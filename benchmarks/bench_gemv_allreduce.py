@@ -1,7 +1,7 @@
 """Benchmark of fused GEMV + AllReduce against cuBLAS + NCCL and torch's symmetric-memory
 one-shot all-reduce, by the protocol in benchmarks/harness.py. Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_gemv_allreduce.py --out results.jsonl \
+    torchrun --nproc-per-node 2 -m benchmarks.bench_gemv_allreduce --out results.jsonl \
         --device-kind nvidia-h200-x2 [--tune]
 
 Shapes are (M, N, K) with K split over the ranks (each rank holds K / world columns of W).

@@ -1,7 +1,7 @@
 """Benchmark of GEMM + ReduceScatter / AllReduce over copy engines against cuBLAS + NCCL and
 torch's fused_matmul_reduce_scatter, by the protocol in benchmarks/harness.py:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_matmul_reduce.py --out r.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.bench_matmul_reduce --out r.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes (M, N, K) of the whole layer with K split: each rank holds a [M, K/W] and b [K/W, N]

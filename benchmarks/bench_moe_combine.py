@@ -1,7 +1,7 @@
 """Benchmark of the fused MoE expert GEMM + combine against the sequential expert-parallel path,
 by the protocol in benchmarks/harness.py. Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_moe_combine.py --out results.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.bench_moe_combine --out results.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes (S tokens per rank, H, I, E experts in all, top-k). Routing ``balanced`` (uniform random

@@ -1,7 +1,7 @@
 """Benchmark of the device-initiated MoE dispatch against the torch dispatch, by the protocol in
 benchmarks/harness.py. Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_moe_dispatch.py --out results.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.bench_moe_dispatch --out results.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes (S tokens per rank, H, E experts in all, top-k); routing ``balanced`` (uniform top-k) or

@@ -2,7 +2,7 @@
 GEMM, GEMM + combine; no host sync) against the torch path, by the protocol in
 benchmarks/harness.py. Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_moe_layer.py --out results.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.bench_moe_layer --out results.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes (S tokens per rank, H, I, E experts in all, top-k); routing ``balanced`` (the layer's own

@@ -1,7 +1,7 @@
 """Benchmark of the tutorials' kernels (docs/tutorials 3-5, written on portable_overlap.language)
 beside the library's own ops, by the protocol in benchmarks/harness.py:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tutorials.py --out r.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.bench_tutorials --out r.jsonl \\
         --device-kind nvidia-h200-x2
 
 Shapes (M, N, K) follow the op's own benchmark, so the rows sit beside its rows:

@@ -2,7 +2,7 @@
 search's pick against a bounded exhaustive search (issue 4, item 4: mean error < 10 %, the pick
 >= 97 % of the best's speed). Run under torchrun:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_wave_predictor.py --out results.jsonl \
+    torchrun --nproc-per-node 2 -m benchmarks.bench_wave_predictor --out results.jsonl \
         --device-kind nvidia-h200-x2 [--shapes 4096x8192x8192,...] [--max-candidates 32] \
         [--max-groups 4] [--iters 50] [--ops all_reduce,reduce_scatter] [--budget-s 120] \
         [--no-slowdown] [--no-comm-terms] [--no-graph]

@@ -166,15 +166,26 @@ def launch_plan(worlds: Sequence[int], n_devices: int) -> tuple:
     return ([w for w in worlds if w <= n_devices], [w for w in worlds if w > n_devices])
 
 
-def torchrun_command(script: str, argv: Sequence[str], world: int, port: int) -> list:
-    """The command that runs ``script argv`` on ``world`` ranks of this machine."""
+def this_script() -> list:
+    """How torchrun starts the running benchmark again: as the module it was started as
+    (``python -m benchmarks.bench_x``: ``["-m", "benchmarks.bench_x"]``, which the children
+    import from the same working directory), else as its file."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return ["-m", spec.name] if spec is not None else [os.path.abspath(sys.argv[0])]
+
+
+def torchrun_command(script, argv: Sequence[str], world: int, port: int) -> list:
+    """The command that runs ``script argv`` on ``world`` ranks of this machine; ``script``: a
+    file, or the arguments that name it (``["-m", module]``)."""
+    target = [script] if isinstance(script, str) else list(script)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-            "--master-port", str(port), script, *argv]
+            "--master-port", str(port), *target, *argv]
 
 
-def launch(script: str, argv: Sequence[str], worlds: Sequence[int]) -> int:
-    """Runs ``script`` under torchrun once per world size that fits the visible devices, one
-    after another; returns the first non-zero exit status, else 0."""
+def launch(script, argv: Sequence[str], worlds: Sequence[int]) -> int:
+    """Runs ``script`` (as :func:`torchrun_command` takes it) under torchrun once per world size
+    that fits the visible devices, one after another; returns the first non-zero exit status,
+    else 0."""
     import torch  # only here: parsing and --help never touch a device
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -183,7 +194,8 @@ def launch(script: str, argv: Sequence[str], worlds: Sequence[int]) -> int:
         print(f"world {w}: skipped, {n} device(s) visible", flush=True)
     rc = 0
     for w in todo:
-        print(f"world {w}: {os.path.basename(script)} under torchrun", flush=True)
+        name = os.path.basename(script) if isinstance(script, str) else script[-1]
+        print(f"world {w}: {name} under torchrun", flush=True)
         got = subprocess.run(torchrun_command(script, argv, w, 29500 + random.randrange(1000)))
         rc = rc or got.returncode
     return rc

@@ -1,6 +1,6 @@
 """Speedup over the sequential baseline at two world sizes, from the results files.
 
-    python benchmarks/compare_worlds.py benchmarks/results/nvidia-h200-x2.jsonl \\
+    python -m benchmarks.compare_worlds benchmarks/results/nvidia-h200-x2.jsonl \\
         benchmarks/results/nvidia-h200-x4.jsonl [--plain] [--markdown] [--barrier device]
 
 For every fused op and problem (the layer's shape: the fields that depend on the world, such as

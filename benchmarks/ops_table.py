@@ -1,7 +1,7 @@
 """Every op beside its baselines and torch's fused op, at one or more world sizes, from the
 results files (the tables of docs/scaling.md).
 
-    python benchmarks/ops_table.py benchmarks/results/nvidia-h200-x2.jsonl \\
+    python -m benchmarks.ops_table benchmarks/results/nvidia-h200-x2.jsonl \\
         benchmarks/results/nvidia-h200-x4.jsonl [--plain] [--barrier device|host|any]
 
 For each file (one world) and each problem of the GEMM / GEMV patterns it takes the newest row

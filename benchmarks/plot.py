@@ -1,6 +1,6 @@
 """Plots and tables of benchmark results (the JSONL rows of benchmarks/results/):
 
-    python benchmarks/plot.py benchmarks/results/*.jsonl --out docs/plots
+    python -m benchmarks.plot benchmarks/results/*.jsonl --out docs/plots
 
 Rows are grouped by (op, shape, dtype, world, device, graph); in each group the latest row of
 every impl counts (by ``date``, then by position: a later file on the command line, a later line

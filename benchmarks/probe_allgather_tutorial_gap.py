@@ -19,8 +19,8 @@ Per shape (default 4096x8192x16384 and the control 8192x8192x8192), every varian
   planned launch called with arguments made once (no host checks, descriptors made once);
   ``cublas``: ``torch.matmul`` of the gathered rows (the clock anchor).
 
-    torchrun --nproc-per-node 1 benchmarks/probe_allgather_tutorial_gap.py --out DIR
-    python benchmarks/probe_allgather_tutorial_gap.py --sass-only --out DIR   # CPU: SASS only
+    torchrun --nproc-per-node 1 -m benchmarks.probe_allgather_tutorial_gap --out DIR
+    python -m benchmarks.probe_allgather_tutorial_gap --sass-only --out DIR   # CPU: SASS only
 
 Writes DIR/probe_allgather_tutorial_gap.json and the kernels' SASS; prints a table last.
 """

@@ -10,7 +10,7 @@ barrier, the wall time of each call on the host; each kind in ``--rounds`` round
 rotated), its median round kept, the slowest rank's median. Rows to --out (op
 ``auto_agreement``, impl ``named`` / ``board`` / ``store``).
 
-    python benchmarks/probe_call_agreement.py --out rows.jsonl --device-kind nvidia-h200 \\
+    python -m benchmarks.probe_call_agreement --out rows.jsonl --device-kind nvidia-h200 \\
         [--worlds 2,4,8] [--calls 300] [--rounds 3]
 """
 from __future__ import annotations

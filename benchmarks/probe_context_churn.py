@@ -5,7 +5,7 @@ memory free after each (``torch.cuda.mem_get_info`` with torch's cache emptied),
 cycles lost per cycle, in MiB. Prints one line per case; ``--gc`` collects Python's reference
 cycles before each reading.
 
-    timeout 300 torchrun --nproc-per-node 1 benchmarks/probe_context_churn.py --cycles 8
+    timeout 300 torchrun --nproc-per-node 1 -m benchmarks.probe_context_churn --cycles 8
 """
 from __future__ import annotations
 

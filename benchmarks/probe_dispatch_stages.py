@@ -13,7 +13,7 @@ and exchange) and ``exchange``; a launch's share of the call is what leaving it 
 (``all - no_count`` the count's, ``all - routing`` the scatter's).
 Prints a table; rows to --out as JSON lines (op ``moe_dispatch_stages``).
 
-    torchrun --nproc-per-node 2 benchmarks/probe_dispatch_stages.py --out probe.jsonl \\
+    torchrun --nproc-per-node 2 -m benchmarks.probe_dispatch_stages --out probe.jsonl \\
         --device-kind nvidia-h200-x2 [--shapes 8192x7168x16x8,128x7168x16x8] [--graph]
 """
 from __future__ import annotations

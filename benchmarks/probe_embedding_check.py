@@ -16,7 +16,7 @@ Every form is checked against ``F.embedding_bag`` first; the checking forms must
 index planted outside its table. Prints a table (ms, and each form over ``none``) with the
 compiled kernels' registers, spills and resident programs; rows to --out as JSON lines.
 
-    python benchmarks/probe_embedding_check.py --out probe.jsonl --device-kind nvidia-h200
+    python -m benchmarks.probe_embedding_check --out probe.jsonl --device-kind nvidia-h200
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ under ``torch.profiler``, the mean over ``--calls`` calls after a warm-up): ``pe
 GEMM + All-to-All, GEMM + ReduceScatter and GEMM + AllReduce over ``"stores"``, each op's
 kernels by name with their mean device time. Prints one line per op and shape; rows to --out.
 
-    torchrun --nproc-per-node 1 benchmarks/probe_fused_kernel_times.py --out probe.jsonl \\
+    torchrun --nproc-per-node 1 -m benchmarks.probe_fused_kernel_times --out probe.jsonl \\
         --device-kind nvidia-h200 [--shapes 64x1024x4096,256x8192x3584]
 """
 from __future__ import annotations

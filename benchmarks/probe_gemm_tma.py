@@ -6,7 +6,7 @@ through host-built ``TensorDescriptor``s, on the full grid and on a 116-program 
 SMs left to NCCL, as with ``SignalConfig(reserve_sms=16)``). Prints a table; results to --out as
 JSON lines.
 
-    python benchmarks/probe_gemm_tma.py --out probe.jsonl --device-kind nvidia-h200
+    python -m benchmarks.probe_gemm_tma --out probe.jsonl --device-kind nvidia-h200
 """
 from __future__ import annotations
 

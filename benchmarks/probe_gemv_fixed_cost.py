@@ -8,7 +8,7 @@ few launch configurations, and fits ``t = fixed + bytes(W) / rate`` to each one'
 a fixed cost that the kernel adds shows in ``fixed``, a slower stream in ``rate``. Prints a
 table; rows to --out as JSON lines.
 
-    torchrun --nproc-per-node 1 benchmarks/probe_gemv_fixed_cost.py --out probe.jsonl \\
+    torchrun --nproc-per-node 1 -m benchmarks.probe_gemv_fixed_cost --out probe.jsonl \\
         --device-kind nvidia-h200 [--cols 8192] [--rows 1]
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ variant is checked against the fp32 product on a poisoned output before it is ti
 a CUDA graph of 20 calls, the median of 30 replays, in µs per call. Prints a table; one JSON
 line per variant to ``--out``.
 
-    timeout 300 python benchmarks/probe_gemv_split_k.py --out probe.jsonl
+    timeout 300 python -m benchmarks.probe_gemv_split_k --out probe.jsonl
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ the same rows), and the gated GEMM at three tilings with per-source tiles, with 
 packed (pack launch + GEMM), and on rows packed beforehand (the GEMM alone, the rows of an
 expert contiguous): what the packing saves in the GEMM and what the copy costs. Prints a table.
 
-    torchrun --nproc-per-node 1 benchmarks/probe_packed_experts.py
+    torchrun --nproc-per-node 1 -m benchmarks.probe_packed_experts
 """
 from __future__ import annotations
 

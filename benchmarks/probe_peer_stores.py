@@ -22,7 +22,7 @@ Each variant is checked (every rank compares the rows each peer stored with that
 rebuilt from its seed) and then timed: CUDA events, a barrier before each of ``--iters``
 launches, the slowest rank's median. Egress = (W-1) * m * K * 2 bytes / time.
 
-    torchrun --nproc-per-node 4 benchmarks/probe_peer_stores.py --out DIR
+    torchrun --nproc-per-node 4 -m benchmarks.probe_peer_stores --out DIR
 
 Writes DIR/probe_peer_stores.json; prints a table last.
 """

@@ -9,7 +9,7 @@ with each of those part counts forced (``parts<n>``, where the grid has room for
 on several ranks the ``"sequential"`` transport (cuBLAS then NCCL's collective). Rows to
 --out (op ``matmul_<mode>_split``, the parts in each row); one line per shape.
 
-    torchrun --nproc-per-node 1 benchmarks/probe_split_tiles.py --out rows.jsonl \\
+    torchrun --nproc-per-node 1 -m benchmarks.probe_split_tiles --out rows.jsonl \\
         --device-kind nvidia-h200 [--shapes 64x1024x4096,128x3584x8192] [--rounds 2] \\
         [--parts 2,4,8] [--mode all_reduce]
 """

@@ -22,7 +22,7 @@ weights (``dense``: the grouped-GEMM target's yardstick) and per expert (``per_e
 the SiLU-gating). The tile table is built on the host here (a probe); the op would build it on
 the device from the routing counts.
 
-    torchrun --nproc-per-node 1 benchmarks/probe_tail_tiles.py --out rows.jsonl \\
+    torchrun --nproc-per-node 1 -m benchmarks.probe_tail_tiles --out rows.jsonl \\
         --device-kind nvidia-h200
 """
 from __future__ import annotations

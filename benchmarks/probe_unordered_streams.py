@@ -6,7 +6,7 @@ outputs against torch. ``--unordered`` replaces ``_follow_stream`` by a no-op, a
 were before it. Prints, per transport, the rounds whose results were wrong, the errors raised
 and the worst relative error.
 
-    timeout 300 torchrun --nproc-per-node 1 benchmarks/probe_unordered_streams.py --unordered
+    timeout 300 torchrun --nproc-per-node 1 -m benchmarks.probe_unordered_streams --unordered
 """
 from __future__ import annotations
 

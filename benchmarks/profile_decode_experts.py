@@ -14,9 +14,9 @@ times (CUDA-graph replay, median) and then launches once each, between
 Run plainly for the times, under ``ncu --profile-from-start off`` for the counters; the cases
 print in launch order (the kernels ncu reports follow it)::
 
-    python benchmarks/profile_decode_experts.py
+    python -m benchmarks.profile_decode_experts
     ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \\
-        python benchmarks/profile_decode_experts.py --once
+        python -m benchmarks.profile_decode_experts --once
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 shape, a few calls): writes a Chrome trace per rank and prints each copy's size, time and
 bandwidth, so the exposed part of a transfer can be told from the GEMM's own time.
 
-    torchrun --nproc-per-node 2 benchmarks/profile_matmul_reduce.py --out DIR [--mode all_reduce]
+    torchrun --nproc-per-node 2 -m benchmarks.profile_matmul_reduce --out DIR [--mode all_reduce]
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ its defaults on the refitted calibration) with its measured time when the run me
 partition (else ``-``: offline there is no time for it), best / pick, and best over the
 measured partition that the model ranks first (``best/top``). Usage::
 
-    python benchmarks/refit_wave_predictor.py [--jsonl benchmarks/results/nvidia-h200-x2.jsonl]
+    python -m benchmarks.refit_wave_predictor [--jsonl benchmarks/results/nvidia-h200-x2.jsonl]
         [--commit 59875ab] [--fit 4096x8192x8192] [--sweep-commit 7199c89]
 """
 from __future__ import annotations

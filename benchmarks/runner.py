@@ -242,7 +242,7 @@ def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
     args = parser.parse_args(argv)
     size = cli.launched_world_size(os.environ)
     if size is None and args.worlds:
-        return cli.launch(os.path.abspath(sys.argv[0]), argv, args.worlds)
+        return cli.launch(cli.this_script(), argv, args.worlds)
     if size is not None and args.worlds and size not in args.worlds:
         if os.environ.get("RANK", "0") == "0":
             print(f"skipping: world size {size} is not in --worlds "

@@ -2,7 +2,7 @@
 the persistent matmul at a dense shape and the MoE grouped GEMM + combine at an MoE shape,
 against cuBLAS. Prints one line per config; results go to --out as JSON lines.
 
-    python benchmarks/tune_gemm_core.py --out tune.jsonl --device-kind nvidia-h200-x2
+    python -m benchmarks.tune_gemm_core --out tune.jsonl --device-kind nvidia-h200-x2
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ With ``--fused``, also the fused ops whose GEMM takes these tiles (GEMM + All-to
 ReduceScatter, AllGather + GEMM over ``"stores"``) on this world of one, at their default
 tiling and at one alternative each (``_fused``).
 
-    python benchmarks/tune_gemm_shapes.py --out rows.jsonl --device-kind nvidia-h200 \\
+    python -m benchmarks.tune_gemm_shapes --out rows.jsonl --device-kind nvidia-h200 \\
         [--shapes 256x8192x3584,...] [--dtype bf16] [--fused]
 """
 from __future__ import annotations

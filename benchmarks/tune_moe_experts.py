@@ -2,7 +2,7 @@
 one GPU, over the dispatch layout one rank of a W-rank layer receives, against cuBLAS on the
 same rows. Prints one line per (shape, routing, config); results go to --out as JSON lines.
 
-    torchrun --nproc-per-node 1 benchmarks/tune_moe_experts.py --out tune.jsonl \\
+    torchrun --nproc-per-node 1 -m benchmarks.tune_moe_experts --out tune.jsonl \\
         --device-kind nvidia-h200
 
 Shapes are the layer benchmark's (S tokens per rank, H, I, E experts in all, top-k) with

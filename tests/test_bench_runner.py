@@ -163,6 +163,9 @@ def test_worlds_and_launch():
     cmd = cli.torchrun_command("benchmarks/b.py", ["--out", "r"], 4, 29517)
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
                        "29517", "benchmarks/b.py", "--out", "r"]
+    # a benchmark started as a module (``python -m benchmarks.b``) starts its ranks as one
+    cmd = cli.torchrun_command(["-m", "benchmarks.b"], ["--out", "r"], 2, 29517)
+    assert cmd[7:] == ["-m", "benchmarks.b", "--out", "r"]
 
 
 # --- rows -----------------------------------------------------------------------------------
@@ -574,7 +577,7 @@ class _FakeDevice:
                 fake.log.append("replay")
         return G()
 
-    def graph(self, g):
+    def graph(self, g, stream=None):
         self.log.append("capture")
         return self._Ctx()
 
