@@ -651,3 +651,33 @@ def test_autograd_recorded_on_some_ranks_raises_in_the_forward(world2, transport
         assert kind == "RankMismatchError" and "records_grad" in msg, (rank, found)
         assert found["seconds"] < 20, (rank, found)
         assert found["next"] < 1e-5, (rank, found)
+
+
+def _bag_offsets_outgrown(world):
+    """Calls of a small batch, then of larger ones: every call matches the reference, and the
+    offsets buffer of the small batch is still alive (a CUDA graph captured over that call
+    replays its prefix sum into it and reads the offsets from there)."""
+    import weakref
+
+    res = []
+    for transport in ("stores", "sequential"):
+        ctx = EmbeddingAllToAll(world, ROWS, 4, max_local_batch=5, block_b=2,
+                                transport=transport)
+        try:
+            gen = torch.Generator().manual_seed(90 + world.rank)
+            held = []
+            for splits in ([1] * world.world_size, [2] * world.world_size,
+                           [5] * world.world_size):
+                res += _one(world, ctx, splits, torch.float32, "sum", False, False, gen)
+                bag_offsets = ctx.workspace(transport)._bag_offsets
+                held.append(weakref.ref(bag_offsets._offsets))
+            res.append((f"{transport}: offsets buffers freed", sum(h() is None for h in held),
+                        0, False))
+        finally:
+            ctx.close()
+    return res
+
+
+def test_offsets_a_larger_batch_outgrew_stay_alive(world2):
+    for name, err, tol, nan in [r for rank in world2.run(_bag_offsets_outgrown) for r in rank]:
+        assert not nan and err <= tol, name
