@@ -224,6 +224,23 @@ def test_plan_and_module_shapes():
         ShardingPlan.make([3, 4], 4, 2, table_ranks=[0, 2])
 
 
+@pytest.mark.parametrize("args, name", [
+    (([7.9, 5], 4, 2, None), "table_rows"), (([True, 5], 4, 2, None), "table_rows"),
+    (([7, 5], 4.5, 2, None), "dim"), (([7, 5], 4, 2, [0.7, 1.2]), "table_ranks")])
+def test_plan_refuses_sizes_that_are_not_integers(args, name):
+    """Floats and bools are refused, not rounded (7.9 rows were a table of 7); NumPy and tensor
+    integers are taken."""
+    import numpy as np
+
+    from portable_overlap.ops.embedding_alltoall import ShardingPlan
+
+    with pytest.raises(ValueError, match=f"{name} must be .*integer.*not rounded"):
+        ShardingPlan.make(*args)
+    p = ShardingPlan.make(np.array([7, 5]), np.int64(4), 2, table_ranks=torch.tensor([1, 0]))
+    assert (p.table_rows, p.table_ranks, p.dim) == ((7, 5), (1, 0), 4)
+    assert all(type(v) is int for v in (*p.table_rows, *p.table_ranks, p.dim))
+
+
 def _bad_index_unvalidated(world, value):
     """With validate=False rank 1 passes one index outside its table (``value``: "num_rows", one
     past the last row, or -1): first in a bag of a peer's samples (local table 0, sample 0),
