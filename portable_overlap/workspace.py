@@ -339,7 +339,10 @@ class Workspace(ContextBase):
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Collective (every rank): free the heap once every rank's launches are done."""
+        """Collective (every rank): free the heap once every rank's launches are done. The
+        tensors :meth:`tensor` and :meth:`flags` gave are views of it: not to be used after
+        (on a GPU the memory is freed whatever views it; the CPU backend keeps a segment
+        mapped until its last view goes)."""
         if self._closed:
             return
         super().close()
