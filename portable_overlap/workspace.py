@@ -191,7 +191,7 @@ class Workspace(ContextBase):
         that does not link it)."""
         self._check_open()
         jit = self._jit_kernel(kernel)
-        self._check_grid(jit, grid)
+        grid = self._check_grid(jit, grid)
         self._check_source(jit)
         if not self._guard.acquire(blocking=False):
             raise concurrent_use(self.OP, self.rank)
@@ -250,22 +250,28 @@ class Workspace(ContextBase):
         call number would move in the middle of the call, and programs of one launch would
         signal and wait with different numbers. Also refuse an empty grid (a size below 1,
         e.g. ``triton.cdiv(n, BLOCK)`` of an ``n`` of 0): no program would count the call out,
-        and the call-count check would then break the workspace for a kernel that is right."""
+        and the call-count check would then break the workspace for a kernel that is right.
+        Returns the grid to launch: a callable one (``lambda meta: (triton.cdiv(meta["n"],
+        meta["BLOCK"]),)``) wrapped so that the sizes it gives are checked when Triton
+        evaluates it, before the launch."""
         if callable(grid):
-            return
-        programs = 1
-        for size in grid:
-            programs *= int(size)
-        if any(int(size) < 1 for size in grid):
-            raise ValueError(f"{self.OP}: an empty grid {tuple(grid)}: a launch is one call of "
+            def checked(meta, grid=grid):
+                return self._check_grid(kernel, grid(meta))
+
+            return checked
+        sizes = tuple(int(s) for s in grid)
+        programs = math.prod(sizes)
+        if any(size < 1 for size in sizes):
+            raise ValueError(f"{self.OP}: an empty grid {sizes}: a launch is one call of "
                              f"the workspace, and its programs count it out (pol.end_call); "
                              f"launch at least one program, or make no launch")
         if programs >= 1 << CALL_SHIFT and _reaches(kernel, {_lang.end_call}):
             raise ValueError(
-                f"{self.OP}: a grid of {programs} programs ({tuple(grid)}) for a kernel that "
+                f"{self.OP}: a grid of {programs} programs ({sizes}) for a kernel that "
                 f"calls pol.end_call: it counts a call's programs below bit {CALL_SHIFT} of the "
                 f"call counter, so a launch takes fewer than 2**{CALL_SHIFT}; use fewer "
                 f"programs (a persistent grid), or pol.end_call_last")
+        return grid
 
     def _linked_kernel(self, kernel):
         """``kernel`` through the provider's launcher if it calls the library, else itself."""
@@ -333,7 +339,10 @@ class Workspace(ContextBase):
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Collective (every rank): free the heap once every rank's launches are done."""
+        """Collective (every rank): free the heap once every rank's launches are done. The
+        tensors :meth:`tensor` and :meth:`flags` gave are views of it: not to be used after
+        (on a GPU the memory is freed whatever views it; the CPU backend keeps a segment
+        mapped until its last view goes)."""
         if self._closed:
             return
         super().close()

@@ -224,6 +224,23 @@ def test_plan_and_module_shapes():
         ShardingPlan.make([3, 4], 4, 2, table_ranks=[0, 2])
 
 
+@pytest.mark.parametrize("args, name", [
+    (([7.9, 5], 4, 2, None), "table_rows"), (([True, 5], 4, 2, None), "table_rows"),
+    (([7, 5], 4.5, 2, None), "dim"), (([7, 5], 4, 2, [0.7, 1.2]), "table_ranks")])
+def test_plan_refuses_sizes_that_are_not_integers(args, name):
+    """Floats and bools are refused, not rounded (7.9 rows were a table of 7); NumPy and tensor
+    integers are taken."""
+    import numpy as np
+
+    from portable_overlap.ops.embedding_alltoall import ShardingPlan
+
+    with pytest.raises(ValueError, match=f"{name} must be .*integer.*not rounded"):
+        ShardingPlan.make(*args)
+    p = ShardingPlan.make(np.array([7, 5]), np.int64(4), 2, table_ranks=torch.tensor([1, 0]))
+    assert (p.table_rows, p.table_ranks, p.dim) == ((7, 5), (1, 0), 4)
+    assert all(type(v) is int for v in (*p.table_rows, *p.table_ranks, p.dim))
+
+
 def _bad_index_unvalidated(world, value):
     """With validate=False rank 1 passes one index outside its table (``value``: "num_rows", one
     past the last row, or -1): first in a bag of a peer's samples (local table 0, sample 0),
@@ -651,3 +668,33 @@ def test_autograd_recorded_on_some_ranks_raises_in_the_forward(world2, transport
         assert kind == "RankMismatchError" and "records_grad" in msg, (rank, found)
         assert found["seconds"] < 20, (rank, found)
         assert found["next"] < 1e-5, (rank, found)
+
+
+def _bag_offsets_outgrown(world):
+    """Calls of a small batch, then of larger ones: every call matches the reference, and the
+    offsets buffer of the small batch is still alive (a CUDA graph captured over that call
+    replays its prefix sum into it and reads the offsets from there)."""
+    import weakref
+
+    res = []
+    for transport in ("stores", "sequential"):
+        ctx = EmbeddingAllToAll(world, ROWS, 4, max_local_batch=5, block_b=2,
+                                transport=transport)
+        try:
+            gen = torch.Generator().manual_seed(90 + world.rank)
+            held = []
+            for splits in ([1] * world.world_size, [2] * world.world_size,
+                           [5] * world.world_size):
+                res += _one(world, ctx, splits, torch.float32, "sum", False, False, gen)
+                bag_offsets = ctx.workspace(transport)._bag_offsets
+                held.append(weakref.ref(bag_offsets._offsets))
+            res.append((f"{transport}: offsets buffers freed", sum(h() is None for h in held),
+                        0, False))
+        finally:
+            ctx.close()
+    return res
+
+
+def test_offsets_a_larger_batch_outgrew_stay_alive(world2):
+    for name, err, tol, nan in [r for rank in world2.run(_bag_offsets_outgrown) for r in rank]:
+        assert not nan and err <= tol, name

@@ -215,6 +215,38 @@ def test_auto_one_rank_refusing_fails_the_call_on_every_rank(world2):
     assert b0 == b1 == "ok", (b0, b1)
 
 
+def _auto_weights_on_some_ranks(world):
+    """``"auto"`` over calls in which each rank passes per-index weights or not, of its own
+    dtype, changing from call to call on one rank only (each rank weights its own tables):
+    every call runs and matches the reference, with one decision for the batch size."""
+    ctx = EmbeddingAllToAll(world, ROWS, 8, max_local_batch=5, transport="auto", **QUICK)
+    splits = [3, 5]
+    gen = torch.Generator().manual_seed(70 + world.rank)
+    res = []
+    try:
+        for k, weighted in enumerate((world.rank == 0, False, True, world.rank == 1)):
+            w, lengths, idx, psw = _input(ctx, splits, gen, torch.float32, weighted)
+            if psw is not None and world.rank == 1:
+                psw = psw.to(torch.float16)
+            try:
+                out = ctx(w, lengths, idx, psw, batch_splits=splits)
+                ref = embedding_all_to_all_reference(w, lengths, idx, psw, ctx.plan,
+                                                     world.rank, splits, "sum", world.group)
+                res.append(rel_err(out, ref))
+            except PortableOverlapError as e:
+                res.append(f"call {k}: {type(e).__name__}: {e}")
+        res.append(len(ctx.decisions))
+    finally:
+        ctx.close()
+    return res
+
+
+def test_auto_takes_weights_some_ranks_pass_and_others_not(world2):
+    for res in world2.run(_auto_weights_on_some_ranks, timeout=300):
+        assert all(isinstance(e, float) and e < 1e-3 for e in res[:-1]), res
+        assert res[-1] == 1, res
+
+
 def test_jagged_key():
     """A jagged input is keyed by its dtype alone: its length differs from rank to rank and
     from call to call, and every rank's key must change together."""

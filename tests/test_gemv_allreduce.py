@@ -1084,6 +1084,18 @@ def test_a_config_field_that_is_no_int_is_refused(bad):
         GemvConfig(**bad)
 
 
+def test_a_config_of_numpy_ints_is_the_config_of_those_ints():
+    """NumPy ints (a sweep's values) are taken in every field, split_k too (it was refused),
+    and kept as Python ints: the config equals, hashes and prints as the one of ints."""
+    import numpy as np
+
+    fields = dict(block_n=32, block_k=64, num_warps=2, num_stages=3, programs_per_sm=1,
+                  split_k=2)
+    c = GemvConfig(**{k: np.int64(v) for k, v in fields.items()})
+    assert c == GemvConfig(**fields) and repr(c) == repr(GemvConfig(**fields))
+    assert all(type(v) is int for v in dataclasses.astuple(c))
+
+
 def _config_of_another_type(world):
     """A ``config`` that is no GemvConfig (a name, a dict of its fields), per call on rank 1
     only and to the context on every rank: a TypeError naming GemvConfig, where it was an

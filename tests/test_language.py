@@ -83,7 +83,7 @@ def test_a_grid_the_call_counter_cannot_count_out_is_refused(world2):
 
 def test_an_empty_grid_is_refused_and_the_workspace_goes_on(world2):
     """A grid with a size of 0 launches no program, so none counts the call out: refused
-    before the launch, and the next launch runs."""
+    before the launch, given as sizes or as a callable, and the next launch runs."""
     assert not calls.check_empty_grid(world2.run(calls.empty_grid, timeout=60))
 
 

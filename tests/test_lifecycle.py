@@ -83,6 +83,24 @@ def test_free_closes_the_segment(cpu_backend):
     assert not _leaked(before, _resources())
 
 
+def test_a_view_alive_at_free_keeps_the_segment_until_it_goes(cpu_backend):
+    """A view of an allocation (a workspace's tensor) still alive when it is freed: the
+    mapping stays, the view reads what was written, and it goes with the last view (the
+    segment was unmapped under the view, and reading it faulted)."""
+    before = _resources()
+    a = cpu_backend.alloc_exportable(4096, CPU)
+    view = a.tensor[256:512].view(torch.float32)
+    want = torch.randn(view.shape, generator=torch.Generator().manual_seed(3))
+    view.copy_(want)
+    cpu_backend.free(a)
+    del a
+    gc.collect()
+    assert torch.equal(view, want)
+    del view
+    gc.collect()
+    assert not _leaked(before, _resources())
+
+
 # -- the backend opens only segments it made ---------------------------------------------------
 
 def _other_memfd_handle():
@@ -285,3 +303,44 @@ def test_rank_killed_while_making_a_heap(moment):
     finally:
         ew.close(force=True)
     assert not _files_left(ew.pids)
+
+
+def _unreferenced_context(world):
+    """A context nothing refers to any more, before and after its ``close()``: whether it is
+    still alive after a garbage collection, and whether its handle still names it."""
+    import weakref
+
+    from portable_overlap import GemvAllReduce
+    from portable_overlap.ops.context import get_context
+
+    ctx = GemvAllReduce(world, 16, transport="stores")
+    handle, ref = ctx.handle, weakref.ref(ctx)
+    del ctx
+    gc.collect()
+    kept = ref() is not None and get_context(handle) is ref()
+    gen = torch.Generator().manual_seed(world.rank)
+    x, w = torch.randn(2, 8, generator=gen), torch.randn(16, 8, generator=gen)
+    works = bool(torch.allclose(ref()(x, w), _all_reduced(world, x, w), atol=1e-5))
+    ref().close()
+    try:
+        get_context(handle)
+        named = True
+    except Exception:
+        named = False
+    return kept, works, named
+
+
+def _all_reduced(world, x, w):
+    import torch.distributed as dist
+
+    y = x @ w.T
+    dist.all_reduce(y, group=world.group)
+    return y
+
+
+def test_a_context_never_closed_is_kept_until_closed(world2):
+    """Garbage collection runs on each rank at its own moment, so it never frees a context
+    (README, "Threads and closed contexts"): the handle table keeps it, usable, until its
+    collective ``close()``, which lets the handle go."""
+    for kept, works, named in world2.run(_unreferenced_context, timeout=120):
+        assert kept and works and not named

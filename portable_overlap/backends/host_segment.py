@@ -37,7 +37,11 @@ class HostSegment:
         self.mm = mmap.mmap(fd, nbytes)
         self.fd = fd if keep else None
         self.name = name
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        # through a memoryview, which the tensor (and every view of it) keeps alive: it holds
+        # an export of the mapping, so close() leaves the mapping to the last view. Straight
+        # from the mmap, torch keeps no export: close() unmapped under views still alive (a
+        # workspace's tensor read after its close() faulted)
+        self.tensor = torch.frombuffer(memoryview(self.mm), dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
 
     @classmethod

@@ -574,7 +574,9 @@ class OverlapContext(ContextBase):
 
 
 def register_context(ctx) -> int:
-    """A handle under which torch.library ops find ``ctx`` (``get_context``); never reused."""
+    """A handle under which torch.library ops find ``ctx`` (``get_context``); never reused.
+    The table holds ``ctx`` until its ``close()``: freed by garbage collection, which runs on
+    each rank at its own moment, its heap would not be freed by every rank together."""
     with _lock:
         handle = next(_handles)
         _contexts[handle] = ctx

@@ -465,12 +465,14 @@ def check_oversized_grid(out):
 
 def empty_grid(world):
     """Launches over empty grids (``(0,)``, ``(3, 0)``: ``triton.cdiv(n, BLOCK)`` of an
-    ``n`` of 0), then one of 3 programs: the errors and the device's call count after them.
-    An empty launch counted as a call that no program counted out, and the call-count check
-    broke the workspace, blaming the kernel for skipping ``pol.end_call``."""
+    ``n`` of 0; the same given as callables, which Triton evaluates at the launch), then one
+    of 3 programs: the errors and the device's call count after them. An empty launch counted
+    as a call that no program counted out, and the call-count check broke the workspace,
+    blaming the kernel for skipping ``pol.end_call``."""
     with Workspace(world, 256, name="grid") as ws:
         errors = [error_of_one_call(lambda g=g: ws.launch(_counted_kernel, g))
-                  for g in ((0,), (3, 0))]
+                  for g in ((0,), (3, 0), lambda meta: (triton.cdiv(0, 16),),
+                            lambda meta: (3, 0))]
         ws.launch(_counted_kernel, (3,))
         ws.synchronize()
         return errors, calls_counted(ws.ctx)

@@ -238,10 +238,13 @@ class EmbeddingAllToAll(PatternContext):
                                     pooling=options["pooling"])
 
     def _key_inputs(self, inputs: dict) -> dict:
-        """The indices and their weights by dtype only (``planner.Jagged``): their count
-        changes with every batch, on each rank its own way."""
-        return {k: Jagged.of(v) if k in ("indices", "per_sample_weights")
-                and isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        """The indices by dtype only (``planner.Jagged``): their count changes with every
+        batch, on each rank its own way. The per-index weights not at all: each rank passes
+        them or not, of any float dtype, for its own tables, and a key that held them was new
+        on a rank that started or stopped weighting its lookups while decided on its peers,
+        which the agreement refuses (the valid call raised ``RankMismatchError``)."""
+        return {k: (Jagged.of(v) if isinstance(v, torch.Tensor) else v) if k == "indices"
+                else None if k == "per_sample_weights" else v for k, v in inputs.items()}
 
     def _matched_call(self, inputs: dict, options: dict) -> Optional[dict]:
         """The batch split, the dtype and the pooling: what the exchange moves; and whether

@@ -3,6 +3,7 @@ how a rank packs its tables into one flat weight buffer."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional, Sequence
 
 
@@ -15,6 +16,9 @@ class ShardingPlan:
         local = [t for t in range(T) if table_ranks[t] == r]
         weight_r = torch.cat([table[t] for t in local])      # table[t]: [table_rows[t], dim]
         row_offsets_r[j] = sum(table_rows[t] for t in local[:j])
+
+    Rows, ranks and ``dim`` are integers (ints, NumPy ints, integer tensors); floats and bools
+    are refused with a ``ValueError``, not rounded.
     """
 
     table_rows: tuple
@@ -23,6 +27,9 @@ class ShardingPlan:
     world_size: int
 
     def __post_init__(self):
+        for name, values in (("table_rows", self.table_rows), ("table_ranks", self.table_ranks),
+                             ("dim", (self.dim,)), ("world_size", (self.world_size,))):
+            _integers(name, values)
         if not self.table_rows:
             raise ValueError("embedding plan: at least one table is needed")
         if any(int(n) < 1 for n in self.table_rows):
@@ -41,7 +48,7 @@ class ShardingPlan:
              table_ranks: Optional[Sequence[int]] = None) -> "ShardingPlan":
         """Default placement: largest table first onto the rank with the fewest rows so far
         (ties: fewer tables, then lower rank), a deterministic greedy balance of memory."""
-        rows = tuple(int(n) for n in table_rows)
+        rows = _integers("table_rows", table_rows)
         if table_ranks is None:
             load = [(0, 0, r) for r in range(world_size)]
             ranks = [0] * len(rows)
@@ -50,7 +57,8 @@ class ShardingPlan:
                 ranks[t] = r
                 load[r] = (n_rows + rows[t], n_tabs + 1, r)
             table_ranks = ranks
-        return cls(rows, tuple(int(r) for r in table_ranks), int(dim), int(world_size))
+        return cls(rows, _integers("table_ranks", table_ranks), _integers("dim", (dim,))[0],
+                   _integers("world_size", (world_size,))[0])
 
     @property
     def num_tables(self) -> int:
@@ -71,3 +79,19 @@ class ShardingPlan:
 
     def weight_rows(self, rank: int) -> int:
         return sum(self.local_rows(rank))
+
+
+def _integers(name: str, values) -> tuple:
+    """``values`` as Python ints: ints, NumPy ints and integer tensors. Floats and bools are
+    refused, not rounded: ``int()`` took 7.9 rows as 7 and ``True`` as 1, and the tables the
+    caller packed no longer matched the plan's."""
+    try:
+        out = tuple(None if isinstance(v, bool) else operator.index(v) for v in values)
+    except TypeError:
+        out = (None,)
+    if any(v is None for v in out):
+        one = name in ("dim", "world_size")  # (passed as a tuple of one)
+        raise ValueError(f"embedding plan: {name} must be {'an integer' if one else 'integers'}"
+                         f" (floats and bools are not rounded), got "
+                         f"{values[0] if one else values!r}")
+    return out

@@ -235,11 +235,15 @@ class RankTables:
 class BagOffsets:
     """The bags' offsets of a call: the exclusive prefix sum of ``lengths`` (no host sync, so
     graph-capturable), in a buffer that grows only when a larger batch first comes
-    (``offsets[0]`` stays 0)."""
+    (``offsets[0]`` stays 0), to twice the bags asked for. The buffers it outgrew are kept
+    (``outgrown``) for as long as it lives: a CUDA graph captured over a call of a smaller batch
+    replays its prefix sum into the old buffer and its kernel reads the offsets from there;
+    freed, that memory would go to other tensors, which each replay would overwrite."""
 
     def __init__(self, device):
         self._offsets = torch.zeros(1, dtype=torch.int64, device=device)
         self._lengths = torch.zeros(0, dtype=torch.int64, device=device)  # unchecked, clamped
+        self.outgrown: list = []
 
     def __call__(self, lengths: torch.Tensor, n_indices: int, checked: bool) -> torch.Tensor:
         """``lengths.numel() + 1`` offsets. Unchecked lengths may be negative or not add up to
@@ -252,8 +256,12 @@ class BagOffsets:
         device ops, no host sync (graph capture takes this path)."""
         n = lengths.numel()
         if self._offsets.numel() < n + 1:
-            self._offsets = kept_zeros(n + 1, torch.int64, lengths.device)
-            self._lengths = kept_empty(n, torch.int64, lengths.device)
+            # doubling: a batch that grows a little at a time keeps a logarithmic number of
+            # outgrown buffers, not one per size
+            size = max(n, 2 * self._lengths.numel())
+            self.outgrown += [self._offsets, self._lengths]
+            self._offsets = kept_zeros(size + 1, torch.int64, lengths.device)
+            self._lengths = kept_empty(size, torch.int64, lengths.device)
         offsets = self._offsets[:n + 1]
         if not checked:
             # copy_ casts int32 lengths to the int64 buffer (clamp's out= must match its input's

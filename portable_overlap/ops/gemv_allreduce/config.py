@@ -31,6 +31,10 @@ class GemvConfig:
         if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
                    for v in dataclasses.astuple(self)):
             raise ValueError(f"GemvConfig: every field must be an int: {self}")
+        # as Python ints: a NumPy int (a sweep's value) was refused as split_k below, and
+        # would key the plans and name the config apart from an equal one of ints
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, int(getattr(self, f.name)))
         if self.block_n not in _POW2 or self.block_k not in _POW2:
             raise ValueError(f"block_n and block_k must be powers of two in {_POW2}: {self}")
         if self.num_warps not in (1, 2, 4, 8, 16):
