@@ -767,3 +767,34 @@ def test_context_sizes_must_be_ints_not_bools():
                                               experts_per_rank=1)):
             with pytest.raises(ValueError, match="must be an int >= 1"):
                 make(bad)
+
+
+def _piece_counts(world):
+    """Each copy-engine transport's ``pieces`` given as a float or a bool: a float count was
+    taken by the context and failed in the call with a TypeError naming no argument ("slice
+    indices must be integers"), ``True`` ran as one piece; both are refused when the context
+    is made, naming the argument, and a context with an int count serves a call."""
+    made = {"all_reduce": lambda p: po.MatmulAllReduce(world, 8, 8, transport="copy_engine",
+                                                       pieces=p),
+            "all_gather": lambda p: po.AllGatherMatmul(world, 64, transport="copy_engine",
+                                                       pieces=p),
+            "all_to_all": lambda p: po.MatmulAllToAll(world, 8, 8, transport="copy_engine",
+                                                      pieces=p)}
+    got = {}
+    for name, make in made.items():
+        for bad in (2.0, 2.5, True):
+            got[f"{name} {bad!r}"] = _error(lambda: make(bad))
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    ctx = made["all_reduce"](2)
+    ok = rel_err(ctx(a, b), po.matmul_all_reduce_reference(a, b, world.group)) < 1e-5
+    ctx.close()
+    return got, ok
+
+
+def test_piece_counts_must_be_ints(world2):
+    for got, ok in world2.run(_piece_counts):
+        assert ok
+        for case, msg in got.items():
+            assert msg.startswith("ValueError") and "pieces must be an int in [1, " in msg, \
+                (case, msg)

@@ -52,9 +52,12 @@ class GemmAllToAll(OverlapContext):
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
         if transport not in TRANSPORTS:
             raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
-        if not 1 <= pieces <= G_MAX // world.world_size:
-            raise ValueError(f"{OP}: pieces must be in [1, {G_MAX // world.world_size}], "
-                             f"got {pieces}")
+        # an int, not a float or bool: a float count was taken here and failed in the call's
+        # slicing with a TypeError naming no argument ("slice indices must be integers")
+        if isinstance(pieces, bool) or not isinstance(pieces, int) \
+                or not 1 <= pieces <= G_MAX // world.world_size:
+            raise ValueError(f"{OP}: pieces must be an int in [1, {G_MAX // world.world_size}], "
+                             f"got {pieces!r}")
         # the tiling, not the warps and stages: each rank compiles with its own
         world.check_same(f"{OP} context arguments (max_elems, config's tiling, transport, "
                          f"pieces)", (max_elems, getattr(config, "tiling", None), transport,
