@@ -239,7 +239,8 @@ class PatternContext:
         if torch.compiler.is_dynamo_compiling():
             return self._as_op(inputs, out, options)
         self.check_grad(inputs, options)
-        if options and self.planner is None and self.CHECKS_OPTIONS:
+        if options and self.planner is None and self.CHECKS_OPTIONS \
+                and self.transport not in self.AGREED_TRANSPORTS:  # (those check their own)
             self.check_options(inputs, options)
         self.check_sizes(inputs, options)
         inputs = self._nonempty_k(inputs)
