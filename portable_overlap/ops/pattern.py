@@ -260,7 +260,8 @@ class PatternContext:
     def check_options(self, inputs: dict, options: dict) -> None:
         """A named transport whose calls do not agree first (``AGREED_TRANSPORTS``) given a
         per-call option it does not take (``CALL_OPTIONS``: by name and type; an option given
-        as None is not given), refused as this call's refusal on every rank (:meth:`refuse`).
+        as None is not given), refused with a ValueError (as ``"auto"`` and ``"sequential"``
+        refuse one) as this call's refusal on every rank (:meth:`refuse`).
         The transport's own method raised a TypeError on this rank alone, before the call
         reached its workspace: on 2 emulated ranks (``"stores"`` GEMM + AllReduce given
         ``config=`` on rank 0) the peer's call then paired with rank 0's next call and returned
@@ -271,12 +272,13 @@ class PatternContext:
                 continue
             if name not in takes:
                 known = ", ".join(sorted(takes)) or "none"
-                error = TypeError(f"{self.OP}: transport {self.transport!r} takes no per-call "
-                                  f"option {name}={value!r} (its per-call options: {known})")
+                error = ValueError(f"{self.OP}: the {self.transport!r} transport takes no "
+                                   f"per-call option {name}={value!r} (its per-call options: "
+                                   f"{known})")
             elif not isinstance(value, takes[name]):
-                error = TypeError(f"{self.OP}: the per-call option {name} of transport "
-                                  f"{self.transport!r} must be {_type_names(takes[name])}, got "
-                                  f"{type(value).__name__}")
+                error = ValueError(f"{self.OP}: the per-call option {name} of the "
+                                   f"{self.transport!r} transport must be "
+                                   f"{_type_names(takes[name])}, got {type(value).__name__}")
             else:
                 continue
             self._refuse(inputs, options, error)
