@@ -767,3 +767,83 @@ def test_context_sizes_must_be_ints_not_bools():
                                               experts_per_rank=1)):
             with pytest.raises(ValueError, match="must be an int >= 1"):
                 make(bad)
+
+
+def _piece_counts(world):
+    """Each copy-engine transport's ``pieces`` given as a float or a bool: a float count was
+    taken by the context and failed in the call with a TypeError naming no argument ("slice
+    indices must be integers"), ``True`` ran as one piece; both are refused when the context
+    is made, naming the argument, and a context with an int count serves a call."""
+    made = {"all_reduce": lambda p: po.MatmulAllReduce(world, 8, 8, transport="copy_engine",
+                                                       pieces=p),
+            "all_gather": lambda p: po.AllGatherMatmul(world, 64, transport="copy_engine",
+                                                       pieces=p),
+            "all_to_all": lambda p: po.MatmulAllToAll(world, 8, 8, transport="copy_engine",
+                                                      pieces=p)}
+    got = {}
+    for name, make in made.items():
+        for bad in (2.0, 2.5, True):
+            got[f"{name} {bad!r}"] = _error(lambda: make(bad))
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+    ctx = made["all_reduce"](2)
+    ok = rel_err(ctx(a, b), po.matmul_all_reduce_reference(a, b, world.group)) < 1e-5
+    ctx.close()
+    return got, ok
+
+
+def test_piece_counts_must_be_ints(world2):
+    for got, ok in world2.run(_piece_counts):
+        assert ok
+        for case, msg in got.items():
+            assert msg.startswith("ValueError") and "pieces must be an int in [1, " in msg, \
+                (case, msg)
+
+
+def _untaken_option_on_one_rank(world):
+    """A named transport given a per-call option it does not take, on rank 0 only: rank 0
+    raises a ValueError naming the option, its peers raise in the same call, and the next call
+    (fresh inputs) is right on every rank. The transport's own method raised on rank 0 alone
+    before: the peer's call paired with rank 0's next call and returned that call's data with
+    no error, and the peer's next call timed out."""
+    r = world.rank
+    g = torch.Generator().manual_seed(r)
+    got = {}
+    for name, ctx, kw in (
+            ("all_reduce stores config", po.MatmulAllReduce(world, 8, 8, transport="stores",
+                                                            timeout_s=5), {"config": SMALL}),
+            ("reduce_scatter copy_engine pieces",
+             po.MatmulReduceScatter(world, 8, 8, transport="copy_engine", timeout_s=5),
+             {"pieces": 2}),
+            ("all_to_all stores SignalConfig",
+             po.MatmulAllToAll(world, 8, 8, transport="stores", timeout_s=5),
+             {"config": SignalConfig()})):
+        ref = {"all_reduce": po.matmul_all_reduce_reference,
+               "reduce_scatter": po.matmul_reduce_scatter_reference,
+               "all_to_all": po.matmul_all_to_all_reference}[name.split()[0]]
+        try:
+            ctx(torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g),
+                **(kw if r == 0 else {}))
+            first = "no error"
+        except (ValueError, po.PortableOverlapError) as e:
+            first = f"{type(e).__name__}: {e}"
+        a, b = torch.randn(4, 3, generator=g), torch.randn(3, 5, generator=g)
+        try:
+            second = rel_err(ctx(a, b), ref(a, b, world.group))
+        except po.PortableOverlapError as e:
+            second = f"{type(e).__name__}: {e}"
+        got[name] = (first, second)
+        ctx.close()
+    return got
+
+
+def test_an_option_a_named_transport_does_not_take_raises_on_every_rank(world2):
+    for rank, got in enumerate(world2.run(_untaken_option_on_one_rank)):
+        for name, (first, second) in got.items():
+            assert isinstance(second, float) and second < 1e-5, (rank, name, second)
+            if rank == 0:
+                want = ("must be MatmulConfig, got SignalConfig" if "SignalConfig" in name
+                        else "transport takes no per-call option")
+                assert first.startswith("ValueError: matmul_") and want in first, (name, first)
+            else:
+                assert "rank 0 gave up on call #1" in first, (name, first)

@@ -42,6 +42,52 @@ def test_bad_input():
         MatmulConfig(block_m=48)
 
 
+def test_out_aliasing_overlapping_or_recording_grad_is_refused():
+    """An ``out`` over ``a``'s memory (the tiles were stored while other programs read ``a``:
+    max error ~80 on a 32 x 32 product), an expanded ``out`` (every row's tiles in one row),
+    an input that requires grad (a result with no gradient), a grid that is no count: each
+    refused with a clear error before any launch, as the interpreter returned wrong numbers
+    or dropped the gradient with no error."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(32, 32, generator=g), torch.randn(32, 32, generator=g)
+    with pytest.raises(ValueError, match="out shares memory with the input a"):
+        persistent_matmul(a, b, out=a)
+    with pytest.raises(ValueError, match="out shares memory with the input b"):
+        persistent_matmul(a, b, out=b.t())
+    with pytest.raises(ValueError, match=r"out's elements must be distinct \(strides \(0, 1\)"):
+        persistent_matmul(a, b, out=torch.empty(1, 32).expand(32, 32))
+    with pytest.raises(ValueError, match="out must be"):
+        persistent_matmul(a, b, out=torch.empty(32, 31))
+    with pytest.raises(RuntimeError, match="persistent_matmul has no backward"):
+        persistent_matmul(a.clone().requires_grad_(True), b)
+    with pytest.raises(ValueError, match="out requires grad"):
+        persistent_matmul(a, b, out=torch.empty(32, 32, requires_grad=True))
+    for programs in (0, 2.5, True):
+        with pytest.raises(ValueError, match="programs must be an int >= 1"):
+            persistent_matmul(a, b, programs=programs)
+
+
+def _strided_out(world):
+    """An ``out`` that is a transposed or column-strided view (distinct elements) is taken."""
+    g = torch.Generator().manual_seed(9 + world.rank)
+    a, b = torch.randn(19, 23, generator=g), torch.randn(23, 13, generator=g)
+    errs = []
+    for out in (torch.full((13, 19), float("nan")).t(),
+                torch.full((19, 26), float("nan"))[:, ::2]):
+        persistent_matmul(a, b, out=out)
+        ref = matmul_reference(a, b)
+        errs.append(((out - ref).norm() / ref.norm()).item())
+    with torch.no_grad():  # inference on a leaf that requires grad is no training call
+        y = persistent_matmul(a.clone().requires_grad_(True), b)
+    errs.append(((y - matmul_reference(a, b)).norm() / y.norm()).item())
+    return errs
+
+
+def test_strided_out_and_no_grad_inputs_are_taken(world2):
+    for errs in world2.run(_strided_out):
+        assert all(e < 1e-5 for e in errs), errs
+
+
 def test_k_strides_that_would_wrap_the_tiles_int32_steps_are_refused():
     """The tile GEMM steps through K in int32 (tiles.gemm): a column-major ``a`` of 2**25
     rows (K stride 2**25, times the 64-wide K block = 2**31) or a ``b`` as wide is refused

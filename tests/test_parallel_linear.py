@@ -131,6 +131,48 @@ def _feature_counts(world):
     return msgs
 
 
+def _contexts_of_another_op(world):
+    """Each layer given a context of another op in ``ctx`` / ``reduce_ctx``; then a layer
+    given the right ones serves a prefill and a decode call (the ranks stayed in step)."""
+    import portable_overlap as po
+
+    W, msgs = world.world_size, []
+    rs, ar = po.MatmulReduceScatter(world, 128, N), po.MatmulAllReduce(world, 128, N)
+    gemv = po.GemvAllReduce(world, N)
+    for make in (lambda: RowParallelLinear(K, N, world, reduce_ctx=rs),
+                 lambda: RowParallelLinear(K, N, world, reduce="reduce_scatter", reduce_ctx=ar),
+                 lambda: RowParallelLinear(K, N, world, ctx=ar),
+                 lambda: ColumnParallelLinear(K, N * W, world, max_rows=8, ctx=gemv)):
+        try:
+            make().close()
+            msgs.append(None)
+        except (ValueError, TypeError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
+    lin = RowParallelLinear(K, N, world, ctx=gemv, reduce_ctx=ar, dtype=torch.float32)
+    g = torch.Generator().manual_seed(world.rank)
+    with torch.no_grad():
+        ok = all(tuple(lin(torch.randn(rows, K // W, generator=g)).shape) == (rows, N)
+                 for rows in (70, 3))
+    for c in (lin, rs, ar, gemv):
+        c.close()
+    return msgs, ok
+
+
+def test_a_context_of_another_op_is_refused_when_the_layer_is_made(world2):
+    """They were taken, and failed at the first call of the path using them (a prefill after
+    any number of decode steps)."""
+    want = ["reduce_ctx must be a MatmulAllReduce (reduce='all_reduce') or None, got "
+            "MatmulReduceScatter",
+            "reduce_ctx must be a MatmulReduceScatter (reduce='reduce_scatter') or None, got "
+            "MatmulAllReduce",
+            "ctx must be a GemvAllReduce or None, got MatmulAllReduce",
+            "ctx must be an AllGatherMatmul or None, got GemvAllReduce"]
+    for msgs, ok in world2.run(_contexts_of_another_op):
+        assert ok
+        for msg, w in zip(msgs, want):
+            assert msg is not None and msg.startswith("TypeError: ") and w in msg, (msg, w)
+
+
 def test_parallel_linear_feature_counts_must_be_ints_of_at_least_one(world2):
     """0 features failed in the weights' initialisation with a ZeroDivisionError."""
     for msgs in world2.run(_feature_counts):

@@ -108,6 +108,9 @@ class PatternContext:
     op_spec = None
     #: the named transports whose calls agree first (``AGREED``, ``GEMM_AGREED``)
     AGREED_TRANSPORTS: tuple = AGREED
+    #: whether a named transport's call refuses per-call options it does not take as a refused
+    #: call (``check_options``), for contexts whose ``__call__`` passes any keyword on
+    CHECKS_OPTIONS = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -236,6 +239,9 @@ class PatternContext:
         if torch.compiler.is_dynamo_compiling():
             return self._as_op(inputs, out, options)
         self.check_grad(inputs, options)
+        if options and self.planner is None and self.CHECKS_OPTIONS \
+                and self.transport not in self.AGREED_TRANSPORTS:  # (those check their own)
+            self.check_options(inputs, options)
         self.check_sizes(inputs, options)
         inputs = self._nonempty_k(inputs)
         if self.planner is None:
@@ -250,6 +256,32 @@ class PatternContext:
         if out is not None:
             options = {**options, "out": out}
         return self.op_spec(self, tuple(inputs.values()), **options)
+
+    def check_options(self, inputs: dict, options: dict) -> None:
+        """A named transport whose calls do not agree first (``AGREED_TRANSPORTS``) given a
+        per-call option it does not take (``CALL_OPTIONS``: by name and type; an option given
+        as None is not given), refused with a ValueError (as ``"auto"`` and ``"sequential"``
+        refuse one) as this call's refusal on every rank (:meth:`refuse`).
+        The transport's own method raised a TypeError on this rank alone, before the call
+        reached its workspace: on 2 emulated ranks (``"stores"`` GEMM + AllReduce given
+        ``config=`` on rank 0) the peer's call then paired with rank 0's next call and returned
+        with that call's data, no error, and the peer's next call timed out."""
+        takes = self.CALL_OPTIONS.get(self.transport, {})
+        for name, value in options.items():
+            if value is None:
+                continue
+            if name not in takes:
+                known = ", ".join(sorted(takes)) or "none"
+                error = ValueError(f"{self.OP}: the {self.transport!r} transport takes no "
+                                   f"per-call option {name}={value!r} (its per-call options: "
+                                   f"{known})")
+            elif not isinstance(value, takes[name]):
+                error = ValueError(f"{self.OP}: the per-call option {name} of the "
+                                   f"{self.transport!r} transport must be "
+                                   f"{_type_names(takes[name])}, got {type(value).__name__}")
+            else:
+                continue
+            self._refuse(inputs, options, error)
 
     def check_sizes(self, inputs: dict, options: dict) -> None:
         """The context's own limits on a call, checked after :meth:`check_grad` and refused
@@ -373,6 +405,7 @@ class MatmulPattern(PatternContext):
     product's rows and columns), from which each transport sizes its own buffers."""
 
     AGREED_TRANSPORTS = GEMM_AGREED
+    CHECKS_OPTIONS = True
 
     def __init__(self, world, max_m: int, max_n: int, *, transport: Optional[str] = None,
                  timeout_s: Optional[float] = None, **options):
@@ -424,6 +457,12 @@ class MatmulPattern(PatternContext):
         if sizes is None or options.get("config") is None:
             return sizes
         return {**sizes, "config": repr(options["config"])}
+
+
+def _type_names(types) -> str:
+    """``int``, or ``int or float`` for a tuple of types: an option's types in words."""
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in types)
 
 
 def matrix_sizes(read, *tensors) -> Optional[dict]:

@@ -219,8 +219,10 @@ class AllGatherMatmulCE(OverlapContext):
         pieces = W if pieces is None else pieces
         if max_shard_elems < 1:
             raise ValueError(f"{OP}: max_shard_elems must be >= 1, got {max_shard_elems}")
-        if not 1 <= pieces <= 256:
-            raise ValueError(f"{OP}: pieces must be in [1, 256], got {pieces}")
+        # an int, not a float or bool: a float count was taken here and failed in the call's
+        # slicing with a TypeError naming no argument ("slice indices must be integers")
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= 256:
+            raise ValueError(f"{OP}: pieces must be an int in [1, 256], got {pieces!r}")
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"{OP}: schedule must be one of {SCHEDULES}, got {schedule!r}")
         world.check_same(f"{OP} context arguments (max_shard_elems, pieces, schedule, "

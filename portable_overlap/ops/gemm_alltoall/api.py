@@ -50,11 +50,15 @@ class GemmAllToAll(OverlapContext):
                  pieces: int = 4):
         if max_elems < 1:
             raise ValueError(f"{OP}: max_elems must be >= 1, got {max_elems}")
+        _check_config(config)
         if transport not in TRANSPORTS:
             raise ValueError(f"{OP}: transport must be one of {TRANSPORTS}, got {transport!r}")
-        if not 1 <= pieces <= G_MAX // world.world_size:
-            raise ValueError(f"{OP}: pieces must be in [1, {G_MAX // world.world_size}], "
-                             f"got {pieces}")
+        # an int, not a float or bool: a float count was taken here and failed in the call's
+        # slicing with a TypeError naming no argument ("slice indices must be integers")
+        if isinstance(pieces, bool) or not isinstance(pieces, int) \
+                or not 1 <= pieces <= G_MAX // world.world_size:
+            raise ValueError(f"{OP}: pieces must be an int in [1, {G_MAX // world.world_size}], "
+                             f"got {pieces!r}")
         # the tiling, not the warps and stages: each rank compiles with its own
         world.check_same(f"{OP} context arguments (max_elems, config's tiling, transport, "
                          f"pieces)", (max_elems, getattr(config, "tiling", None), transport,
@@ -94,6 +98,7 @@ class GemmAllToAll(OverlapContext):
         """``all_to_all_single(a @ b)``, then + this rank's bias [N] + residual [M, N] on the
         rows it received: module docstring."""
         _validate(a, b, self.world, self.max_elems)
+        _check_config(config)
         M, K = a.shape
         N = b.shape[1]
         out = output_tensor(OP, out, (M, N), a, dict(a=a, b=b, bias=bias, residual=residual))
@@ -194,6 +199,16 @@ class GemmAllToAll(OverlapContext):
                              lambda g: self._args(a, b, out, tag_of(g), g, cfg))
         plan.tag, plan.cfg = tag_of(plan.programs), cfg
         return plan
+
+
+def _check_config(config) -> None:
+    """A ``config`` that is no ``MatmulConfig`` (a ``SignalConfig``, meant for the
+    ``"signal_collective"`` transport, say) raised an AttributeError naming a tile field from
+    inside the plan; refused here with a TypeError naming the argument."""
+    if config is not None and not isinstance(config, MatmulConfig):
+        raise TypeError(f"{OP}: config must be a MatmulConfig or None, got "
+                        f"{type(config).__name__} (a SignalConfig is the 'signal_collective' "
+                        f"transport's)")
 
 
 def _validate(a, b, world, max_elems: int) -> None:

@@ -229,6 +229,18 @@ def check_operands(op: str, a, b, device: Optional[torch.device] = None) -> None
                          f"{tuple(b.shape)}")
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of the 2-d ``t`` share memory: sorted by stride, each dimension
+    longer than 1 must step past the whole extent of the ones below it."""
+    extent = 1
+    for n, s in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1),
+                       key=lambda d: d[1]):
+        if s < extent:
+            return True
+        extent = s * n
+    return False
+
+
 def check_k_steps(op: str, a: torch.Tensor, b: torch.Tensor, cfg: MatmulConfig) -> None:
     """The shared tile GEMM (``tiles.gemm``) steps its pointers through K by ``block_k`` times
     a K stride in int32 (an int64 step costs the 128 x 128 pointer-load tile 288 bytes of
@@ -274,8 +286,19 @@ def add_epilogue(out: torch.Tensor, bias: Optional[torch.Tensor],
 def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[int] = None,
                       config: Optional[MatmulConfig] = None,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``a @ b`` by a persistent grid of ``programs`` (default: one per SM, or 4 on the CPU)."""
+    """``a @ b`` by a persistent grid of ``programs`` (an int >= 1; default: one per SM, or 4
+    on the CPU). ``out``: an [M, N] tensor of ``a``'s dtype and device, any strides whose
+    elements are all distinct, sharing no memory with ``a`` or ``b`` (the tiles are stored
+    while other programs still read the operands: an aliased ``out`` gave relative errors
+    near 1 on the CPU interpreter with no error), and not requiring grad in grad mode. The
+    op has no backward: an ``a`` or ``b`` that requires grad in grad mode is refused (its
+    result would carry no gradient)."""
+    from ..context import check_no_overlap, check_sizes, refuse_grad
+
     check_operands(OP, a, b)
+    refuse_grad(OP, a, b)
+    if programs is not None:
+        check_sizes(OP, programs=programs)  # a float grid or 0 programs reached the kernel
     M, K = a.shape
     N = b.shape[1]
     from ...backends import device_facts
@@ -285,8 +308,18 @@ def persistent_matmul(a: torch.Tensor, b: torch.Tensor, *, programs: Optional[in
     check_k_steps(OP, a, b, cfg)
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:
-        raise ValueError(f"{OP}: out must be {a.dtype} [{M}, {N}] on {a.device}")
+    else:
+        if not isinstance(out, torch.Tensor) or out.shape != (M, N) or out.dtype != a.dtype \
+                or out.device != a.device:
+            raise ValueError(f"{OP}: out must be {a.dtype} [{M}, {N}] on {a.device}")
+        if _overlaps_itself(out):  # an expanded out: every row's tiles land in one row
+            raise ValueError(f"{OP}: out's elements must be distinct (strides "
+                             f"{tuple(out.stride())} for {list(out.shape)} make rows or columns "
+                             f"share memory)")
+        if out.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{OP} has no backward, and out requires grad: pass an out tensor "
+                             f"that does not require grad, or call it under torch.no_grad()")
+        check_no_overlap(OP, out, {"a": a, "b": b})
     if programs is None:  # one per SM / CU (the CPU backend reports a few emulated slots)
         programs = facts.sm_count
     n_tiles = -(-M // cfg.block_m) * -(-N // cfg.block_n)
