@@ -11,7 +11,8 @@ and a launch that gives the kernel its descriptor and turns a kernel's reports i
 
 The device functions are in :mod:`portable_overlap.language`; ``docs/tutorials`` has runnable
 kernels. A workspace is one heap and one call counter: its launches must come in the same order
-on every rank, on one stream, and each is one call of the kernel on every rank.
+on every rank, on any streams (each call runs after the last), and each is one call of the
+kernel on every rank.
 ``Workspace(..., shmem=True)`` puts the tensors in the SHMEM library's symmetric memory
 (NVSHMEM / ROC_SHMEM) for kernels that move data with ``pol.shmem_put``.
 """
@@ -198,6 +199,7 @@ class Workspace(ContextBase):
         try:
             if self._broken is not None or self.status.failed():
                 self.check()
+            self._follow_stream()
             if self.capturing():
                 self._calls = None  # replays add calls the host does not see
             if self.shmem:

@@ -141,7 +141,8 @@ class AllGatherMatmul(PatternContext):
     ``"auto"``, the default on a GPU world (``PatternContext.default_transport``; a per-call
     ``schedule`` keeps an ``"auto"`` call on ``"copy_engine"``), ``options`` the named
     transport's (``"copy_engine"``: ``pieces=``, ``direction=``). Collective to create and
-    close; the same calls in the same order on every rank, on one stream."""
+    close; the same calls in the same order on every rank, on any streams (each call runs
+    after the last)."""
 
     OP = OP
     TRANSPORTS = TRANSPORTS

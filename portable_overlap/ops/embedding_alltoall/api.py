@@ -76,7 +76,7 @@ _CALL = {"batch_splits": object, "pooling": object, "validate": object}
 class EmbeddingAllToAll(PatternContext):
     """The op's context on one rank: the sharding plan, and the workspace of the transport (or,
     with ``"auto"``, of every candidate). Collective to create and to close; the same calls in
-    the same order on every rank, on one stream.
+    the same order on every rank, on any streams (each call runs after the last).
 
     Args:
         world: the :class:`portable_overlap.World`.

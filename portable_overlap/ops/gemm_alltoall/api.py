@@ -40,7 +40,8 @@ OP = "matmul_all_to_all"  # the public op this transport serves (errors name it)
 class GemmAllToAll(OverlapContext):
     """Workspace of the fused GEMM + All-to-All on one rank: a receive buffer of ``max_elems``
     elements (M × N of the largest call) in the symmetric heap, flags, status board. Collective to
-    create and close; the same calls in the same order on every rank, on one stream."""
+    create and close; the same calls in the same order on every rank, on any streams (each
+    call runs after the last)."""
 
     OP = OP
     FLAG_NAMES = FLAG_NAMES

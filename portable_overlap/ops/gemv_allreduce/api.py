@@ -39,7 +39,7 @@ class GemvAllReduceKernel(OverlapContext):
     per-shape launch choices.
 
     Collective: every rank of ``world`` must create it with the same arguments, and then make the
-    same sequence of calls (same shapes, same order) on one stream.
+    same sequence of calls (same shapes, same order) on any streams (each call runs after the last).
 
     Args:
         world: the :class:`portable_overlap.World`.

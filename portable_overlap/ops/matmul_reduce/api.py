@@ -46,7 +46,7 @@ class MatmulReduce(OverlapContext):
     """Workspace of GEMM + ReduceScatter / AllReduce on one rank: a receive buffer for the peers'
     partials and one for their reduced rows, ``max_elems`` elements each (any dtype of
     ``DTYPES``), in the symmetric heap; piece flags. Collective to create and close; the same
-    calls in the same order on every rank, on one stream.
+    calls in the same order on every rank, on any streams (each call runs after the last).
 
     A call needs ``MatmulReduce.elems_needed(M, N, W)`` = W·⌈M/W⌉·N elements: rank r receives
     W partials of its own row block, and the largest block has ⌈M/W⌉ rows. That is M·N when W
