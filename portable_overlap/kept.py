@@ -17,6 +17,7 @@ another thread's work), except a copy from the host (:func:`kept_tensor`), which
 with a message that says to make the shape's first call eagerly."""
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
@@ -25,6 +26,16 @@ import torch
 
 _WORKER: Optional[ThreadPoolExecutor] = None
 _LOCK = threading.Lock()
+
+
+def _forget_worker() -> None:
+    """In a forked child: the parent's worker thread does not exist there, and an executor
+    whose thread is gone would queue work nothing runs."""
+    global _WORKER
+    _WORKER = None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
 
 
 def _worker() -> ThreadPoolExecutor:

@@ -70,3 +70,25 @@ def test_a_copy_from_the_host_under_capture_says_to_call_eagerly_first(monkeypat
     monkeypatch.setattr(torch, "get_device_module", lambda d: _Module(capturing=True))
     with pytest.raises(RuntimeError, match="make one eager call with these shapes before"):
         kept.kept_tensor([1, 2], torch.int32, torch.device("meta"))
+
+
+def test_a_forked_child_makes_its_own_worker(monkeypatch):
+    """The parent's worker thread does not exist in a forked child: it starts its own."""
+    import os
+    import signal
+
+    monkeypatch.setattr(torch, "get_device_module", lambda d: _Module())
+    kept.kept(lambda: torch.zeros(1), torch.device("meta"))  # the parent's worker exists
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a kept tensor must come back (a dead worker would hang here)
+        signal.alarm(20)  # so a hang ends the child, and the parent reads nothing
+        try:
+            kept.kept(lambda: torch.zeros(1), torch.device("meta"))
+            os.write(w, b"ok")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 2)
+    os.waitpid(pid, 0)
+    assert got == b"ok"
