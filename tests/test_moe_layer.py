@@ -648,11 +648,12 @@ def test_strided_tokens_and_a_converted_layer(world2):
 
 def _given_combine_contexts(world):
     """``ExpertParallelMoE(ctx=...)`` with a combine context that cannot serve the layer (another
-    top_k, hidden or experts_per_rank, fewer max_tokens, or given to the torch path, which
-    never uses it): the layer was made without an error and every call then raised in the
-    combine, after the dispatch had run (or, with fewer max_tokens, only the calls past them;
-    the torch path ignored the context and closed it with the layer). Refused when the layer
-    is made, on every rank; a context that fits serves the layer."""
+    top_k, hidden or experts_per_rank, fewer max_tokens, the torch path's transport for the
+    one-launch layer, which stores rows itself, or given to the torch path, which never uses
+    it): the layer was made without an error and every call then raised in the combine, after
+    the dispatch had run (or, with fewer max_tokens, only the calls past them; the torch path
+    ignored the context and closed it with the layer). Refused when the layer is made, on
+    every rank; a context that fits serves the layer."""
     from portable_overlap import ExpertParallelMoE
     from portable_overlap.ops.moe_combine import MoeGemmCombine
 
@@ -663,6 +664,8 @@ def _given_combine_contexts(world):
     for name, change, opts in (("top_k", dict(top_k=3), {}), ("hidden", dict(hidden=12), {}),
                                ("experts_per_rank", dict(experts_per_rank=1), {}),
                                ("max_tokens", dict(max_tokens=3), {"one_launch": True}),
+                               ("transport", dict(transport="sequential"),
+                                {"one_launch": True}),
                                ("fused", {}, {"fused": False})):
         c = MoeGemmCombine(world, **dict(good, **change))
         try:
