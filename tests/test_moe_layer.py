@@ -191,7 +191,10 @@ def _swiglu_bad(world):
     for args, kw in [((x.double(), w, w, c), {}), ((x, w, w[:1], c), {}),
                      ((x, w, w, c.long()), {}), ((x, w, w, c[:, :1]), {}),
                      ((x[:, :4], w, w, c), {}), ((x, w, w, c), {"rows_per_segment": -1}),
-                     ((x, w, w, c), {"rows_per_segment": float("nan")})]:
+                     ((x, w, w, c), {"rows_per_segment": float("nan")}),
+                     # rows of out that overlap: stored into the same memory, with no error
+                     ((x, w, w, c), {"out": torch.empty(1, 4).expand(6, 4)}),
+                     ((x, w, w, c), {"out": torch.empty(16).as_strided((6, 4), (2, 1))})]:
         try:
             expert_swiglu(*args, **kw)
             msgs.append(None)
@@ -203,6 +206,7 @@ def _swiglu_bad(world):
 def test_expert_swiglu_bad_input(world2):
     for msgs in world2.run(_swiglu_bad):
         assert all(m and m.startswith("expert_swiglu") for m in msgs), msgs
+        assert all("do not overlap" in m for m in msgs[-2:]), msgs[-2:]
 
 
 def _layer(world, capacity, dedup=None):
