@@ -348,6 +348,9 @@ def test_bad_arguments_raise_before_launch(world2):
         # the layer's own options are named as the layer's
         assert msgs[5].startswith("moe_layer: senders") and \
             msgs[7].startswith("moe_layer: rows_per_segment"), msgs
+        # and so are its weights (they were named as the combine's x and w, or expert_swiglu's)
+        for m, arg in zip(msgs[:4], ("w_down", "w_down", "topk_weights", "w_up")):
+            assert m.startswith(f"moe_layer: {arg} must"), (arg, m)
 
 
 def test_down_tiles_take_the_gated_row_height_and_warps():
