@@ -700,6 +700,44 @@ def test_a_combine_context_that_cannot_serve_the_layer_is_refused(world2):
         assert err < 1e-5, err
 
 
+def _copies(world):
+    """``copy.deepcopy`` of a fused layer (a model's EMA copy, ``torch.save(model)``) failed
+    with pickle's "cannot pickle '_thread.lock' object"; it raises an error that names the
+    layer and the way out, and the torch path's copy computes what the layer does."""
+    import copy
+    import pickle
+
+    from portable_overlap import ExpertParallelMoE
+
+    H = 8
+    msgs = []
+    fused = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,
+                              dtype=torch.float32)
+    try:
+        for copier in (copy.deepcopy, pickle.dumps):
+            try:
+                copier(fused)
+                msgs.append("no error")
+            except TypeError as e:
+                msgs.append(str(e))
+    finally:
+        fused.close()
+    ref = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,
+                            dtype=torch.float32, fused=False)
+    twin = copy.deepcopy(ref)
+    tokens = torch.randn(5, H, generator=torch.Generator().manual_seed(world.rank))
+    with torch.no_grad():
+        same = torch.equal(twin(tokens), ref(tokens))
+    return msgs, same
+
+
+def test_a_fused_layer_refuses_copies_by_name(world2):
+    for msgs, same in world2.run(_copies):
+        assert all(m.startswith("ExpertParallelMoE: a fused layer cannot be copied")
+                   and "load_state_dict" in m for m in msgs), msgs
+        assert same
+
+
 def _dense(tokens, ids, w, wg, wu, wd):
     """out[s] = sum_j w[s, j] * expert_{ids[s, j]}(tokens[s]), in float64, from every expert's
     weights (global ids)."""

@@ -158,6 +158,19 @@ class ExpertParallelMoE(nn.Module):
                 self._h = torch.empty((self.dispatch_ctx.capacity, intermediate), dtype=dtype,
                                       device=dev)
 
+    def __getstate__(self):
+        """What ``copy.deepcopy`` and ``pickle`` (``torch.save(layer)``) copy: the torch path's
+        state; a fused layer raises ``TypeError``. Its dispatch and combine contexts hold memory
+        that every rank maps together (symmetric heap, flags), which a copy on one rank cannot
+        make; pickle would stop at their locks, with a message that names neither the layer
+        nor a way out."""
+        if self.fused:
+            raise TypeError(f"{NAME}: a fused layer cannot be copied or pickled (its contexts' "
+                            f"symmetric memory is made by every rank together): make another "
+                            f"layer with the same arguments on every rank and copy the weights "
+                            f"with new.load_state_dict(layer.state_dict())")
+        return super().__getstate__()
+
     def route(self, tokens):
         scores = torch.softmax((tokens @ self.router.T).float(), dim=-1)
         w, ids = scores.topk(self.top_k, dim=-1)
