@@ -190,6 +190,7 @@ def _swiglu_bad(world):
     msgs = []
     for args, kw in [((x.double(), w, w, c), {}), ((x, w, w[:1], c), {}),
                      ((x, w, w, c.long()), {}), ((x, w, w, c[:, :1]), {}),
+                     ((x, w, w, c[:0]), {}),  # no source (a ZeroDivisionError)
                      ((x[:, :4], w, w, c), {}), ((x, w, w, c), {"rows_per_segment": -1}),
                      ((x, w, w, c), {"rows_per_segment": float("nan")}),
                      # rows of out that overlap: stored into the same memory, with no error

@@ -306,9 +306,10 @@ def _validate(x, w_gate, w_up, counts, out) -> None:
                          f"strides; got {tuple(x.shape)}, {tuple(w_gate.shape)}, "
                          f"{tuple(w_up.shape)}")
     E = w_gate.shape[0]
+    # (no source row, [0, E], divided the mean rows per segment by zero)
     if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != E \
-            or not counts.is_contiguous():
-        raise ValueError(f"{OP}: counts must be a contiguous int32 [W, {E}] tensor; got "
+            or counts.shape[0] < 1 or not counts.is_contiguous():
+        raise ValueError(f"{OP}: counts must be a contiguous int32 [W, {E}] tensor, W >= 1; got "
                          f"{counts.dtype} {tuple(counts.shape)}")
     if min(w_gate.shape) < 1:
         raise ValueError(f"{OP}: empty weights {tuple(w_gate.shape)}")
