@@ -397,7 +397,8 @@ def _compiled(world):
     """``torch.compile`` of the layer, in one launch, with the fused dispatch and staged, under
     no_grad and with a backward: the fused calls reach the graph as opaque torch.library ops
     (traced into, their launches would fail in the middle of a call); outputs and gradients
-    equal the eager ones."""
+    equal the eager ones; and with ``fullgraph=True`` (README: the inference forward is one
+    graph in each fused schedule)."""
     import torch._dynamo
 
     H, I, E, k = 16, 12, 2 * world.world_size, 2
@@ -413,6 +414,11 @@ def _compiled(world):
                 y, y_eager = compiled(tokens), layer(tokens)
             layer.synchronize()
             errs.append(_rel(y, y_eager))
+            torch._dynamo.reset()
+            with torch.no_grad():
+                y_full = torch.compile(layer, backend="aot_eager", fullgraph=True)(tokens)
+            layer.synchronize()
+            errs.append(_rel(y_full, y_eager))
             t = tokens.clone().requires_grad_()
             compiled(t).sum().backward()
             layer.synchronize()
