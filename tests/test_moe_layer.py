@@ -361,6 +361,51 @@ def test_layer_backward_without_token_gradients(world2):
         assert all(e < 1e-4 for e in errs), errs
 
 
+def _second_derivative(world, fused):
+    """A gradient penalty through the layer (``create_graph=True``): the backward takes its
+    gradients on detached weights, so the penalty's gradient reached the router only and the
+    experts' weights got none, with no error. It raises on every rank, before any exchange, and
+    a first-order step after it matches the dense layer's."""
+    from portable_overlap import ExpertParallelMoE
+    from portable_overlap.modules.moe_backward import dense_layer_reference
+
+    H = 8
+    layer = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,
+                              dtype=torch.float32, fused=fused)
+    g = torch.Generator().manual_seed(world.rank)
+    try:
+        t = torch.randn(4, H, generator=g).requires_grad_()
+        try:
+            (gt,) = torch.autograd.grad(layer(t).sum(), t, create_graph=True)
+            (gt ** 2).sum().backward()
+            msg = f"no error; w_gate.grad is {layer.w_gate.grad}"
+        except RuntimeError as e:
+            msg = str(e)
+        layer.zero_grad(set_to_none=True)
+        t = torch.randn(5, H, generator=g)
+        y = layer(t)
+        y.sum().backward()
+        every = world.all_gather_object((t, {n: p.detach() for n, p in layer.named_parameters()}))
+        ws = [torch.cat([m[n] for _, m in every]).requires_grad_()
+              for n in ("w_gate", "w_up", "w_down")]
+        T = torch.cat([x for x, _ in every])
+        dense_layer_reference(T, every[0][1]["router"], *ws, 2).sum().backward()
+        El = 2
+        want = ws[2].grad[world.rank * El:(world.rank + 1) * El]
+        err = ((layer.w_down.grad - want).norm() / want.norm()).item()
+    finally:
+        layer.close()
+    return msg, err
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_path"])
+def test_a_second_derivative_raises_on_every_rank(world2, fused):
+    for msg, err in world2.run(_second_derivative, fused):
+        assert msg.startswith("ExpertParallelMoE: the layer's backward is not differentiable"), \
+            msg
+        assert err < 1e-5, err
+
+
 def test_layer_on_eight_ranks(world8):
     """The fused layer against the torch path, and its backward against dense autograd, on 8
     ranks (16 experts, 2 per rank; a rank without tokens in a call)."""
