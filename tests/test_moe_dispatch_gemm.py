@@ -244,7 +244,9 @@ def _bad_args(world):
                      ((t, ids, wg, wu, h[:5]), {}), ((t[:, :8], ids, wg, wu), {}),
                      ((t, ids, wg, wu), {"rows_per_segment": -1.0}),
                      ((t, ids, wg.transpose(1, 2).contiguous().transpose(1, 2),
-                       wu.transpose(1, 2).contiguous().transpose(1, 2)), {})]:
+                       wu.transpose(1, 2).contiguous().transpose(1, 2)), {}),
+                     # an out whose rows overlap (each stored into the same memory)
+                     ((t, ids, wg, wu, torch.empty(1, 8).expand(ctx.capacity, 8)), {})]:
         try:
             moe_dispatch_swiglu(*args[:4], ctx, *args[4:], **kw)
             msgs.append(None)

@@ -190,8 +190,12 @@ def _swiglu_bad(world):
     msgs = []
     for args, kw in [((x.double(), w, w, c), {}), ((x, w, w[:1], c), {}),
                      ((x, w, w, c.long()), {}), ((x, w, w, c[:, :1]), {}),
+                     ((x, w, w, c[:0]), {}),  # no source (a ZeroDivisionError)
                      ((x[:, :4], w, w, c), {}), ((x, w, w, c), {"rows_per_segment": -1}),
-                     ((x, w, w, c), {"rows_per_segment": float("nan")})]:
+                     ((x, w, w, c), {"rows_per_segment": float("nan")}),
+                     # rows of out that overlap: stored into the same memory, with no error
+                     ((x, w, w, c), {"out": torch.empty(1, 4).expand(6, 4)}),
+                     ((x, w, w, c), {"out": torch.empty(16).as_strided((6, 4), (2, 1))})]:
         try:
             expert_swiglu(*args, **kw)
             msgs.append(None)
@@ -203,6 +207,7 @@ def _swiglu_bad(world):
 def test_expert_swiglu_bad_input(world2):
     for msgs in world2.run(_swiglu_bad):
         assert all(m and m.startswith("expert_swiglu") for m in msgs), msgs
+        assert all("do not overlap" in m for m in msgs[-2:]), msgs[-2:]
 
 
 def _layer(world, capacity, dedup=None):
@@ -354,6 +359,51 @@ def test_layer_backward_matches_dense_autograd(world, fused):
 def test_layer_backward_without_token_gradients(world2):
     for errs in world2.run(_grads, True, False):
         assert all(e < 1e-4 for e in errs), errs
+
+
+def _second_derivative(world, fused):
+    """A gradient penalty through the layer (``create_graph=True``): the backward takes its
+    gradients on detached weights, so the penalty's gradient reached the router only and the
+    experts' weights got none, with no error. It raises on every rank, before any exchange, and
+    a first-order step after it matches the dense layer's."""
+    from portable_overlap import ExpertParallelMoE
+    from portable_overlap.modules.moe_backward import dense_layer_reference
+
+    H = 8
+    layer = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,
+                              dtype=torch.float32, fused=fused)
+    g = torch.Generator().manual_seed(world.rank)
+    try:
+        t = torch.randn(4, H, generator=g).requires_grad_()
+        try:
+            (gt,) = torch.autograd.grad(layer(t).sum(), t, create_graph=True)
+            (gt ** 2).sum().backward()
+            msg = f"no error; w_gate.grad is {layer.w_gate.grad}"
+        except RuntimeError as e:
+            msg = str(e)
+        layer.zero_grad(set_to_none=True)
+        t = torch.randn(5, H, generator=g)
+        y = layer(t)
+        y.sum().backward()
+        every = world.all_gather_object((t, {n: p.detach() for n, p in layer.named_parameters()}))
+        ws = [torch.cat([m[n] for _, m in every]).requires_grad_()
+              for n in ("w_gate", "w_up", "w_down")]
+        T = torch.cat([x for x, _ in every])
+        dense_layer_reference(T, every[0][1]["router"], *ws, 2).sum().backward()
+        El = 2
+        want = ws[2].grad[world.rank * El:(world.rank + 1) * El]
+        err = ((layer.w_down.grad - want).norm() / want.norm()).item()
+    finally:
+        layer.close()
+    return msg, err
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch_path"])
+def test_a_second_derivative_raises_on_every_rank(world2, fused):
+    for msg, err in world2.run(_second_derivative, fused):
+        assert msg.startswith("ExpertParallelMoE: the layer's backward is not differentiable"), \
+            msg
+        assert err < 1e-5, err
 
 
 def test_layer_on_eight_ranks(world8):
@@ -648,11 +698,12 @@ def test_strided_tokens_and_a_converted_layer(world2):
 
 def _given_combine_contexts(world):
     """``ExpertParallelMoE(ctx=...)`` with a combine context that cannot serve the layer (another
-    top_k, hidden or experts_per_rank, fewer max_tokens, or given to the torch path, which
-    never uses it): the layer was made without an error and every call then raised in the
-    combine, after the dispatch had run (or, with fewer max_tokens, only the calls past them;
-    the torch path ignored the context and closed it with the layer). Refused when the layer
-    is made, on every rank; a context that fits serves the layer."""
+    top_k, hidden or experts_per_rank, fewer max_tokens, the torch path's transport for the
+    one-launch layer, which stores rows itself, or given to the torch path, which never uses
+    it): the layer was made without an error and every call then raised in the combine, after
+    the dispatch had run (or, with fewer max_tokens, only the calls past them; the torch path
+    ignored the context and closed it with the layer). Refused when the layer is made, on
+    every rank; a context that fits serves the layer."""
     from portable_overlap import ExpertParallelMoE
     from portable_overlap.ops.moe_combine import MoeGemmCombine
 
@@ -663,6 +714,8 @@ def _given_combine_contexts(world):
     for name, change, opts in (("top_k", dict(top_k=3), {}), ("hidden", dict(hidden=12), {}),
                                ("experts_per_rank", dict(experts_per_rank=1), {}),
                                ("max_tokens", dict(max_tokens=3), {"one_launch": True}),
+                               ("transport", dict(transport="sequential"),
+                                {"one_launch": True}),
                                ("fused", {}, {"fused": False})):
         c = MoeGemmCombine(world, **dict(good, **change))
         try:
@@ -691,6 +744,44 @@ def test_a_combine_context_that_cannot_serve_the_layer_is_refused(world2):
         for name, msg in msgs.items():
             assert msg.startswith("ExpertParallelMoE: ctx") and name in msg, (name, msg)
         assert err < 1e-5, err
+
+
+def _copies(world):
+    """``copy.deepcopy`` of a fused layer (a model's EMA copy, ``torch.save(model)``) failed
+    with pickle's "cannot pickle '_thread.lock' object"; it raises an error that names the
+    layer and the way out, and the torch path's copy computes what the layer does."""
+    import copy
+    import pickle
+
+    from portable_overlap import ExpertParallelMoE
+
+    H = 8
+    msgs = []
+    fused = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,
+                              dtype=torch.float32)
+    try:
+        for copier in (copy.deepcopy, pickle.dumps):
+            try:
+                copier(fused)
+                msgs.append("no error")
+            except TypeError as e:
+                msgs.append(str(e))
+    finally:
+        fused.close()
+    ref = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,
+                            dtype=torch.float32, fused=False)
+    twin = copy.deepcopy(ref)
+    tokens = torch.randn(5, H, generator=torch.Generator().manual_seed(world.rank))
+    with torch.no_grad():
+        same = torch.equal(twin(tokens), ref(tokens))
+    return msgs, same
+
+
+def test_a_fused_layer_refuses_copies_by_name(world2):
+    for msgs, same in world2.run(_copies):
+        assert all(m.startswith("ExpertParallelMoE: a fused layer cannot be copied")
+                   and "load_state_dict" in m for m in msgs), msgs
+        assert same
 
 
 def _dense(tokens, ids, w, wg, wu, wd):

@@ -348,6 +348,9 @@ def test_bad_arguments_raise_before_launch(world2):
         # the layer's own options are named as the layer's
         assert msgs[5].startswith("moe_layer: senders") and \
             msgs[7].startswith("moe_layer: rows_per_segment"), msgs
+        # and so are its weights (they were named as the combine's x and w, or expert_swiglu's)
+        for m, arg in zip(msgs[:4], ("w_down", "w_down", "topk_weights", "w_up")):
+            assert m.startswith(f"moe_layer: {arg} must"), (arg, m)
 
 
 def test_down_tiles_take_the_gated_row_height_and_warps():
@@ -394,7 +397,8 @@ def _compiled(world):
     """``torch.compile`` of the layer, in one launch, with the fused dispatch and staged, under
     no_grad and with a backward: the fused calls reach the graph as opaque torch.library ops
     (traced into, their launches would fail in the middle of a call); outputs and gradients
-    equal the eager ones."""
+    equal the eager ones; and with ``fullgraph=True`` (README: the inference forward is one
+    graph in each fused schedule)."""
     import torch._dynamo
 
     H, I, E, k = 16, 12, 2 * world.world_size, 2
@@ -410,6 +414,11 @@ def _compiled(world):
                 y, y_eager = compiled(tokens), layer(tokens)
             layer.synchronize()
             errs.append(_rel(y, y_eager))
+            torch._dynamo.reset()
+            with torch.no_grad():
+                y_full = torch.compile(layer, backend="aot_eager", fullgraph=True)(tokens)
+            layer.synchronize()
+            errs.append(_rel(y_full, y_eager))
             t = tokens.clone().requires_grad_()
             compiled(t).sum().backward()
             layer.synchronize()

@@ -44,11 +44,13 @@ from .moe_backward import MoeLayerFunction
 NAME = "ExpertParallelMoE"
 
 
-def _check_ctx(ctx, world, fused, hidden, top_k, experts_per_rank, max_tokens) -> None:
+def _check_ctx(ctx, world, fused, one_launch, hidden, top_k, experts_per_rank,
+               max_tokens) -> None:
     """A combine context given to the layer (``ctx``): one the fused layer can call with its
-    own sizes, on its world. Checked when the layer is made, where otherwise every call would
-    fail in the combine after its dispatch had run (or only the calls past a smaller
-    ``max_tokens``); the torch path uses none."""
+    own sizes, on its world, and with a ``"stores"`` workspace (named, or ``"auto"``'s) where
+    the layer runs in one launch (``moe_layer`` stores the rows itself). Checked when the
+    layer is made, where otherwise every call would fail in the combine after its dispatch had
+    run (or only the calls past a smaller ``max_tokens``); the torch path uses none."""
     if ctx is None:
         return
     if not fused:
@@ -66,6 +68,10 @@ def _check_ctx(ctx, world, fused, hidden, top_k, experts_per_rank, max_tokens) -
     if ctx.max_tokens < max_tokens:
         raise ValueError(f"{NAME}: ctx was made with max_tokens={ctx.max_tokens}, fewer than "
                          f"the layer's max_tokens={max_tokens}")
+    if one_launch and ctx.kernel() is None:
+        raise ValueError(f"{NAME}: ctx was made with transport={ctx.transport!r}; one_launch=True "
+                         f"stores the rows itself and needs a combine context with transport="
+                         f"'stores' or 'auto'")
 
 
 class ExpertParallelMoE(nn.Module):
@@ -78,7 +84,8 @@ class ExpertParallelMoE(nn.Module):
     contexts it makes (with the library's default transport, ``"auto"`` on a GPU world, except
     the dispatch's of the fused schedules below, ``"stores"``; ``ctx``: a combine context to use
     instead, made on the layer's world with its ``hidden``, ``top_k`` and experts per rank and
-    at least its ``max_tokens``, else ``ValueError``); ``fuse_dispatch``: the dispatch and the
+    at least its ``max_tokens``, and for ``one_launch`` with the ``"stores"`` or ``"auto"``
+    transport, else ``ValueError``); ``fuse_dispatch``: the dispatch and the
     gated GEMM in one launch; ``one_launch``: the dispatch and both expert GEMMs in one launch
     (module docstring); ``dedup``: the staged dispatch sends a token once per rank it reaches
     (``MoeDispatch``; None: its rule; the fused schedules send a row per expert). The ranks
@@ -109,7 +116,7 @@ class ExpertParallelMoE(nn.Module):
         if fuse_dispatch and one_launch:
             raise ValueError(f"{NAME}: fuse_dispatch and one_launch are two schedules of the "
                              f"fused layer: pass one")
-        _check_ctx(ctx, world, fused, hidden, top_k, num_experts // W, max_tokens)
+        _check_ctx(ctx, world, fused, one_launch, hidden, top_k, num_experts // W, max_tokens)
         if dedup and (fuse_dispatch or one_launch or not fused):
             raise ValueError(f"{NAME}: dedup=True is an option of the staged fused layer "
                              f"(fused=True without fuse_dispatch or one_launch): the others send "
@@ -150,6 +157,19 @@ class ExpertParallelMoE(nn.Module):
                 # the gated activations of every received row, reused by each call
                 self._h = torch.empty((self.dispatch_ctx.capacity, intermediate), dtype=dtype,
                                       device=dev)
+
+    def __getstate__(self):
+        """What ``copy.deepcopy`` and ``pickle`` (``torch.save(layer)``) copy: the torch path's
+        state; a fused layer raises ``TypeError``. Its dispatch and combine contexts hold memory
+        that every rank maps together (symmetric heap, flags), which a copy on one rank cannot
+        make; pickle would stop at their locks, with a message that names neither the layer
+        nor a way out."""
+        if self.fused:
+            raise TypeError(f"{NAME}: a fused layer cannot be copied or pickled (its contexts' "
+                            f"symmetric memory is made by every rank together): make another "
+                            f"layer with the same arguments on every rank and copy the weights "
+                            f"with new.load_state_dict(layer.state_dict())")
+        return super().__getstate__()
 
     def route(self, tokens):
         scores = torch.softmax((tokens @ self.router.T).float(), dim=-1)

@@ -71,7 +71,8 @@ def dense_layer_reference(tokens, router, w_gate, w_up, w_down, top_k: int) -> t
 class MoeLayerFunction(torch.autograd.Function):
     """``out = forward(tokens, weights, ids)`` (any implementation of the layer's forward, e.g.
     the fused ops), differentiated by the staged torch path of the module docstring with
-    respect to ``tokens``, ``weights``, ``w_gate``, ``w_up`` and ``w_down``."""
+    respect to ``tokens``, ``weights``, ``w_gate``, ``w_up`` and ``w_down``. Once: a second
+    derivative (``create_graph=True``, then a gradient of the gradients) raises."""
 
     @staticmethod
     def forward(ctx, tokens, weights, ids, w_gate, w_up, w_down, forward: Callable,
@@ -82,6 +83,14 @@ class MoeLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if torch.is_grad_enabled():
+            # (a backward with create_graph=True runs in grad mode) the gradients below are
+            # taken on detached copies of the weights and tokens: their graph holds no path to
+            # the weights, so a second derivative (a gradient penalty) would miss the experts'
+            # part with no error. Raised before the first exchange: ranks that all ask for it
+            # all raise
+            raise RuntimeError("ExpertParallelMoE: the layer's backward is not differentiable "
+                               "(create_graph=True): its second derivatives are not computed")
         tokens, weights, ids, w_gate, w_up, w_down = ctx.saved_tensors
         E, group = ctx.experts_per_rank, ctx.group
         S, k = ids.shape

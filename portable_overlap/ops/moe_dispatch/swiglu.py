@@ -103,6 +103,13 @@ def check_weights(ctx, w_gate, w_up, out, op: str = OP) -> None:
     if w_gate.stride(2) != 1:
         raise ValueError(f"{op}: w_gate and w_up must have contiguous rows; got strides "
                          f"{w_gate.stride()}")
+    # (named as this op's: the shared check below names expert_swiglu, which the caller did
+    # not call; the kernel steps through both with w_gate's strides)
+    if w_up.dtype != w_gate.dtype:
+        raise TypeError(f"{op}: w_up must be w_gate's dtype {w_gate.dtype}; got {w_up.dtype}")
+    if w_up.shape != w_gate.shape or w_up.stride() != w_gate.stride():
+        raise ValueError(f"{op}: w_up must have w_gate's shape {tuple(w_gate.shape)} and strides "
+                         f"{w_gate.stride()}; got {tuple(w_up.shape)}, {w_up.stride()}")
     _validate_experts(ctx.recv, w_gate, w_up, ctx.counts, out)
 
 

@@ -152,7 +152,8 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                   rows_per_segment: Optional[float] = None) -> torch.Tensor:
     """``h`` [x.shape[0], I] of the module docstring for ``x`` [rows, H], ``w_gate`` / ``w_up``
     [E, H, I] and ``counts`` int32 [W, E] (its sum at most ``rows``; the rows past the sum are
-    left as they are in ``out``). Counts that are not rows of ``x`` (a negative one, or more
+    left as they are in ``out``, whose rows must be contiguous and must not overlap: any row
+    stride of at least I). Counts that are not rows of ``x`` (a negative one, or more
     rows than it has: read on the device, never by the host) compute nothing and leave all of
     ``out`` as it is.
 
@@ -306,15 +307,20 @@ def _validate(x, w_gate, w_up, counts, out) -> None:
                          f"strides; got {tuple(x.shape)}, {tuple(w_gate.shape)}, "
                          f"{tuple(w_up.shape)}")
     E = w_gate.shape[0]
+    # (no source row, [0, E], divided the mean rows per segment by zero)
     if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != E \
-            or not counts.is_contiguous():
-        raise ValueError(f"{OP}: counts must be a contiguous int32 [W, {E}] tensor; got "
+            or counts.shape[0] < 1 or not counts.is_contiguous():
+        raise ValueError(f"{OP}: counts must be a contiguous int32 [W, {E}] tensor, W >= 1; got "
                          f"{counts.dtype} {tuple(counts.shape)}")
     if min(w_gate.shape) < 1:
         raise ValueError(f"{OP}: empty weights {tuple(w_gate.shape)}")
+    # rows that overlap (an expanded out, a row stride below I) would be stored into the same
+    # memory: every row but the last one written would be lost, with no error
     if out is not None and (out.shape != (x.shape[0], w_gate.shape[2]) or out.dtype != x.dtype
-                            or out.device != x.device or out.stride(1) != 1):
+                            or out.device != x.device or out.stride(1) != 1
+                            or (out.shape[0] > 1 and out.stride(0) < out.shape[1])):
         raise ValueError(f"{OP}: out must be a {x.dtype} [{x.shape[0]}, {w_gate.shape[2]}] "
-                         f"tensor on {x.device} with contiguous rows")
+                         f"tensor on {x.device} with contiguous rows that do not overlap; got "
+                         f"{out.dtype} {list(out.shape)} strides {tuple(out.stride())}")
     if out is not None:  # tiles of h are stored while other tiles still read x's rows
         check_no_overlap(OP, out, dict(x=x, w_gate=w_gate, w_up=w_up))

@@ -153,13 +153,22 @@ def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, 
             raise ValueError(f"{OP}: {name} must be a non-empty 3-d tensor")
     h = _activations(dctx, w_gate)
     swiglu.check_weights(dctx, w_gate, w_up, h, OP)
+    # w_down and topk_weights in this op's terms first: check_inputs names them as the
+    # combine's (its x is the layer's activations, never passed by the caller)
+    E, H, I = dctx.experts_per_rank, dctx.hidden, w_gate.shape[2]
+    if w_down.dtype != tokens.dtype:
+        raise TypeError(f"{OP}: w_down must be {tokens.dtype} (the tokens' and w_gate's dtype); "
+                        f"got {w_down.dtype}")
+    if tuple(w_down.shape) != (E, I, H):
+        raise ValueError(f"{OP}: w_down must be [{E}, {I}, {H}] (experts per rank, w_gate's I, "
+                         f"hidden); got {tuple(w_down.shape)}")
+    if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point() \
+            or tuple(topk_weights.shape) != (tokens.shape[0], dctx.top_k):
+        got = (f"{topk_weights.dtype} {tuple(topk_weights.shape)}"
+               if isinstance(topk_weights, torch.Tensor) else type(topk_weights).__name__)
+        raise ValueError(f"{OP}: topk_weights must be a float [{tokens.shape[0]}, {dctx.top_k}] "
+                         f"tensor (a weight per token and choice); got {got}")
     check_inputs(cctx, h, w_down, dctx.counts, dctx.recv_slots, topk_weights)
-    if topk_weights.shape[0] != tokens.shape[0]:
-        raise ValueError(f"{OP}: topk_weights has {topk_weights.shape[0]} rows, tokens "
-                         f"{tokens.shape[0]}")
-    if w_down.shape[1] != w_gate.shape[2]:
-        raise ValueError(f"{OP}: w_down must be [E, I, H] with I = {w_gate.shape[2]} (w_gate's); "
-                         f"got {tuple(w_down.shape)}")
     if w_down.stride(2) != 1:
         raise ValueError(f"{OP}: w_down must have contiguous rows; got strides "
                          f"{w_down.stride()}")
