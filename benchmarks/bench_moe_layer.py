@@ -251,7 +251,7 @@ def one_shape(bench, dname, dt, S, H, I, E, k) -> None:
     finally:
         fused.close()
         other.close()
-        for c in walks.values():
+        for c in (*walks.values(), *([ctx] if ctx is not None else [])):
             c.close()
 
 

@@ -736,6 +736,16 @@ def _given_combine_contexts(world):
         layer.synchronize()
         err = ((y - ref(tokens)).norm() / ref(tokens).norm()).item()
     layer.close()
+    # the given context stays the caller's: open after the layer's close, and usable by
+    # another layer
+    again = ExpertParallelMoE(world, H, inter, E, k, max_tokens=6, dtype=torch.float32, ctx=c)
+    with torch.no_grad():
+        y = again(tokens)
+        again.synchronize()
+        err = max(err, ((y - ref(tokens)).norm() / ref(tokens).norm()).item())
+    again.close()
+    c.close()
+    ref.close()
     return msgs, err
 
 
@@ -979,3 +989,25 @@ def test_backward_gives_zeros_to_experts_without_rows(world3, schedule):
     for r, (zeros, err) in enumerate(world3.run(_backward_with_idle_experts, schedule)):
         assert zeros or r == 0, r
         assert err < 1e-5, (r, err)
+
+
+def _under_autocast(world):
+    """A bfloat16 layer under ``torch.autocast`` given float32 tokens (the residual stream):
+    the same bits as the layer given the tokens cast to bfloat16, outside autocast."""
+    from portable_overlap import ExpertParallelMoE
+
+    layer = ExpertParallelMoE(world, 32, 16, 4, 2, max_tokens=6, dtype=torch.bfloat16)
+    try:
+        tokens = torch.randn(6, 32, generator=torch.Generator().manual_seed(3 + world.rank))
+        with torch.no_grad():
+            want = layer(tokens.to(torch.bfloat16))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got = layer(tokens)
+        return got.dtype, bool(torch.equal(got, want))
+    finally:
+        layer.close()
+
+
+def test_a_layer_under_autocast_takes_tokens_of_another_dtype(world2):
+    for dtype, same in world2.run(_under_autocast):
+        assert dtype == torch.bfloat16 and same

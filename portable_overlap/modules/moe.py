@@ -77,7 +77,8 @@ def _check_ctx(ctx, world, fused, one_launch, hidden, top_k, experts_per_rank,
 class ExpertParallelMoE(nn.Module):
     """The expert-parallel MoE feed-forward layer of the module docstring: ``num_experts``
     experts split evenly over the ranks, ``top_k`` of them per token; ``forward(tokens)`` takes
-    this rank's ``[S, hidden]`` tokens and returns their ``[S, hidden]`` outputs. Collective to
+    this rank's ``[S, hidden]`` tokens of the layer's dtype (under ``torch.autocast``, tokens of
+    another are cast to it) and returns their ``[S, hidden]`` outputs. Collective to
     construct and to :meth:`close` (every rank, same arguments). When ``fused``, ``max_tokens``
     (most tokens a rank passes) and ``capacity`` (most rows a rank's experts receive in a call;
     default: every rank's tokens, which no routing exceeds) size the dispatch and combine
@@ -85,13 +86,13 @@ class ExpertParallelMoE(nn.Module):
     the dispatch's of the fused schedules below, ``"stores"``; ``ctx``: a combine context to use
     instead, made on the layer's world with its ``hidden``, ``top_k`` and experts per rank and
     at least its ``max_tokens``, and for ``one_launch`` with the ``"stores"`` or ``"auto"``
-    transport, else ``ValueError``); ``fuse_dispatch``: the dispatch and the
-    gated GEMM in one launch; ``one_launch``: the dispatch and both expert GEMMs in one launch
-    (module docstring); ``dedup``: the staged dispatch sends a token once per rank it reaches
-    (``MoeDispatch``; None: its rule; the fused schedules send a row per expert). The ranks
-    compare their arguments (``RankMismatchError`` on every rank where they differ: the router,
-    made from ``seed``, must be the same on every rank), and an argument refused on one rank
-    raises ``PeerSetupError`` on the others."""
+    transport, else ``ValueError``; it stays the caller's to close); ``fuse_dispatch``: the
+    dispatch and the gated GEMM in one launch; ``one_launch``: the dispatch and both expert
+    GEMMs in one launch (module docstring); ``dedup``: the staged dispatch sends a token once
+    per rank it reaches (``MoeDispatch``; None: its rule; the fused schedules send a row per
+    expert). The ranks compare their arguments (``RankMismatchError`` on every rank where they
+    differ: the router, made from ``seed``, must be the same on every rank), and an argument
+    refused on one rank raises ``PeerSetupError`` on the others."""
 
     @collective_setup
     def __init__(self, world, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
@@ -142,6 +143,7 @@ class ExpertParallelMoE(nn.Module):
         self.w_down = nn.Parameter((torch.randn(E, intermediate, hidden, generator=g) * std_mid)
                                    .to(dev, dtype))
         self.ctx, self.dispatch_ctx, self._h = ctx, None, None
+        self._owns_ctx = fused and ctx is None  # a ctx given stays the caller's to close
         if fused:
             if ctx is None:
                 self.ctx = MoeGemmCombine(world, max_tokens=max_tokens, top_k=top_k,
@@ -177,6 +179,11 @@ class ExpertParallelMoE(nn.Module):
         return w / w.sum(-1, keepdim=True), ids
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(tokens, torch.Tensor) and tokens.is_floating_point() and \
+                torch.is_autocast_enabled(tokens.device.type):
+            # under torch.autocast the layer computes in its own dtype, the one its fused
+            # contexts were made for: tokens of another (the fp32 residual stream) are cast
+            tokens = tokens.to(self.router.dtype)
         try:
             self._check_tokens(tokens)
         except (TypeError, ValueError) as e:
@@ -271,6 +278,10 @@ class ExpertParallelMoE(nn.Module):
                 c.synchronize()
 
     def close(self) -> None:
-        for c in (self.dispatch_ctx, self.ctx):
-            if c is not None:
-                c.close()
+        """Collective: free the contexts the layer made (a ``ctx`` given stays the caller's, as
+        the parallel linear layers leave theirs: layers sharing one are closed one by one)."""
+        if self.dispatch_ctx is not None:
+            self.dispatch_ctx.close()
+        if self._owns_ctx:
+            self._owns_ctx = False
+            self.ctx.close()

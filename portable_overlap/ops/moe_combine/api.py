@@ -139,7 +139,7 @@ class MoeGemmCombineKernel(OverlapContext):
     """Workspace of a fused transport (``"stores"``, ``"shmem"``) on one rank: a combine buffer
     of ``max_tokens * top_k`` rows of ``hidden`` (the most tokens any rank holds in a call), one
     epoch stamp per row, flags and row counters in the symmetric heap. Collective to create and
-    close; calls in the same order on every rank, on one stream.
+    close; calls in the same order on every rank, on any streams (each call runs after the last).
 
     ``config``: the GEMM's tiles (default: ``default_config``, or ``decode_config`` for calls
     of decode size). ``walk``: the order of the GEMM's tiles, ``"sources"`` (the peers' rows

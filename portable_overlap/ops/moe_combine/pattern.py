@@ -50,7 +50,7 @@ AUTO_CANDIDATES = ("stores", "sequential")
 
 class MoeGemmCombine(PatternContext):
     """The op's context on one rank (module docstring). Collective to create and to close; the
-    same calls in the same order on every rank, on one stream.
+    same calls in the same order on every rank, on any streams (each call runs after the last).
 
     Args:
         world: the :class:`portable_overlap.World`.

@@ -176,8 +176,8 @@ class MoeDispatchKernel(OverlapContext):
     top_k``, which no routing exceeds; a smaller one saves memory, and a call that passes it
     raises). With ``transport="shmem"`` the receive buffers and a copy of the tokens are in the
     SHMEM library's symmetric memory instead (module docstring). Collective to create and
-    close; calls in the same order on every rank, on one stream. Made by ``MoeDispatch``
-    (pattern.py), which users make.
+    close; calls in the same order on every rank, on any streams (each call runs after the
+    last). Made by ``MoeDispatch`` (pattern.py), which users make.
 
     ``dedup`` (``"stores"`` only): send a token to a peer rank once, however many of its experts
     that rank holds, into a buffer of ``(W - 1) * max_tokens`` rows there (with a map of its

@@ -54,7 +54,7 @@ AUTO_CANDIDATES = ("stores", "sequential")
 
 class MoeDispatch(PatternContext):
     """The op's context on one rank (module docstring). Collective to create and to close; the
-    same calls in the same order on every rank, on one stream.
+    same calls in the same order on every rank, on any streams (each call runs after the last).
 
     Args:
         world: the :class:`portable_overlap.World`.
