@@ -391,29 +391,42 @@ def _counting(module, name, calls):
     return lambda: setattr(module, name, orig)
 
 
+def _count_fused_ops(calls: list) -> list:
+    """Count the fused ops the layers call in ``calls``; returns the undos."""
+    import portable_overlap.modules.linear as linear
+    import portable_overlap.ops.allgather_gemm as allgather_gemm
+
+    names = ("gemv_all_reduce", "matmul_all_reduce", "matmul_reduce_scatter")
+    return [*(_counting(linear, n, calls) for n in names),
+            _counting(allgather_gemm, "all_gather_matmul", calls)]
+
+
+def _column_and_data(world, S, fused, seed):
+    """A column-parallel layer (``N`` columns per rank, fp32) with rank r's block of a full
+    weight ``w_col``, and the full input ``x_full`` [S, K] and output weights ``up`` [S, N]."""
+    W, r = world.world_size, world.rank
+    col = ColumnParallelLinear(K, N * W, world, max_rows=S // W, dtype=torch.float32,
+                               fused=fused)
+    g = torch.Generator().manual_seed(seed)
+    x_full, up = torch.randn(S, K, generator=g), torch.randn(S, N, generator=g)
+    w_col = torch.randn(N * W, K, generator=g)
+    with torch.no_grad():
+        col.weight.copy_(w_col[r * N:(r + 1) * N])
+    return col, x_full, up, w_col
+
+
 def _grads(world, reduce, S, fused):
     """With gradients recorded, d loss / d (weight slice, input slice) match the full
     computation's, on the fused paths (which must be taken) and on the reference paths.
     Returns the relative errors and the fused ops called."""
-    import portable_overlap.modules.linear as linear
-    import portable_overlap.ops.allgather_gemm as allgather_gemm
-
     W, r = world.world_size, world.rank
     calls = []
-    undo = [_counting(linear, n, calls) for n in ("gemv_all_reduce", "matmul_all_reduce",
-                                                   "matmul_reduce_scatter")]
-    undo.append(_counting(allgather_gemm, "all_gather_matmul", calls))
+    undo = _count_fused_ops(calls)
     try:
         pair, full_w, bias = _pair(world, reduce, torch.float32, S)
         lin = pair[0] if fused else pair[1]
-        col = ColumnParallelLinear(K, N * W, world, max_rows=S // W, dtype=torch.float32,
-                                   fused=fused)
+        col, x_full, up, w_col = _column_and_data(world, S, fused, 5)
         k = K // W
-        g = torch.Generator().manual_seed(5)
-        x_full, up = torch.randn(S, K, generator=g), torch.randn(S, N, generator=g)
-        w_col = torch.randn(N * W, K, generator=g)
-        with torch.no_grad():
-            col.weight.copy_(w_col[r * N:(r + 1) * N])
         # row-parallel: loss = sum(y * up) over the rows this rank holds
         x = x_full[:, r * k:(r + 1) * k].clone().requires_grad_()
         rows = slice(r * S // W, (r + 1) * S // W) if reduce == "reduce_scatter" else slice(0, S)
@@ -514,23 +527,13 @@ def _under_autocast(world, reduce, S):
     """fp32 layers under ``torch.autocast`` (bfloat16) given bfloat16 input, as the layer before
     them hands it over: the fused op runs in bfloat16 on the cast operands, the output is
     bfloat16 as ``nn.Linear``'s is there, and the fp32 parameters get fp32 gradients."""
-    import portable_overlap.modules.linear as linear
-    import portable_overlap.ops.allgather_gemm as allgather_gemm
-
     W, r = world.world_size, world.rank
     calls = []
-    names = ("gemv_all_reduce", "matmul_all_reduce", "matmul_reduce_scatter")
-    undo = [_counting(linear, n, calls) for n in names]
-    undo.append(_counting(allgather_gemm, "all_gather_matmul", calls))
+    undo = _count_fused_ops(calls)
     try:
         (lin, plain), full_w, bias = _pair(world, reduce, torch.float32, S)
-        col = ColumnParallelLinear(K, N * W, world, max_rows=S // W, dtype=torch.float32)
+        col, x_full, up, w_col = _column_and_data(world, S, True, 7)
         k = K // W
-        g = torch.Generator().manual_seed(7)
-        x_full, up = torch.randn(S, K, generator=g), torch.randn(S, N, generator=g)
-        w_col = torch.randn(N * W, K, generator=g)
-        with torch.no_grad():
-            col.weight.copy_(w_col[r * N:(r + 1) * N])
         bf = torch.bfloat16
         x = x_full[:, r * k:(r + 1) * k].to(bf).requires_grad_()
         xs = x_full[r * S // W:(r + 1) * S // W].to(bf).requires_grad_()

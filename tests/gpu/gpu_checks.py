@@ -1312,6 +1312,16 @@ def check_compile_graphs(world: World, gen, calls: int = 6) -> None:
         plain.close()
 
 
+def _replayed_error(ctx, g, y, ins, shapes, ref, gen) -> float:
+    """Fresh inputs copied into a graph's captured ones ``ins``, a replay of ``g``, and the
+    relative error of its output ``y`` against ``ref(*ins)``."""
+    for t, sh in zip(ins, shapes):
+        t.copy_(rand(sh, t.dtype, t.device, gen))
+    g.replay()
+    ctx.synchronize()
+    return rel_err(y, ref(*ins))
+
+
 def check_capture_first(world: World, gen, replays: int = 3) -> None:
     """A shape's first call made under CUDA-graph capture, with no eager call before it (the
     first call plans and compiles, which a capture does not allow): either the graph replays
@@ -1349,13 +1359,8 @@ def check_capture_first(world: World, gen, replays: int = 3) -> None:
             except Exception as e:  # noqa: BLE001  (an error is one of the two outcomes)
                 outcome = f"{type(e).__name__}: {str(e)[:200]}"
             if outcome is None:
-                worst = 0.0
-                for _ in range(replays):
-                    for t, sh in zip(ins, shapes):
-                        t.copy_(rand(sh, dt, dev, gen))
-                    g.replay()
-                    ctx.synchronize()
-                    worst = max(worst, rel_err(y, ref(*ins)))
+                worst = max(_replayed_error(ctx, g, y, ins, shapes, ref, gen)
+                            for _ in range(replays))
                 record(f"{name} first call captured: replays", worst < 1e-2,
                        f"worst rel_err={worst:.2e}")
             else:
@@ -1372,11 +1377,7 @@ def check_capture_first(world: World, gen, replays: int = 3) -> None:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     y = call(ctx, *ins)
-                for t, sh in zip(ins, shapes):
-                    t.copy_(rand(sh, dt, dev, gen))
-                g.replay()
-                ctx.synchronize()
-                err = rel_err(y, ref(*ins))
+                err = _replayed_error(ctx, g, y, ins, shapes, ref, gen)
                 record(f"{name} captured after an eager call", err < 1e-2, f"rel_err={err:.2e}")
         except Exception as e:  # noqa: BLE001
             record(f"{name} first call captured", False, f"{type(e).__name__}: {str(e)[:300]}")
@@ -1472,11 +1473,8 @@ def check_eager_and_replays(world: World, gen, rounds: int = 6) -> None:
                 y = call(ctx, *ins)
             worst_replay = worst_eager = 0.0
             for _ in range(rounds):
-                for t, sh in zip(ins, captured):
-                    t.copy_(rand(sh, dt, dev, gen))
-                g.replay()
-                ctx.synchronize()
-                worst_replay = max(worst_replay, rel_err(y, ref(*ins)))
+                worst_replay = max(worst_replay,
+                                   _replayed_error(ctx, g, y, ins, captured, ref, gen))
                 e_in = [rand(sh, dt, dev, gen) for sh in eager]
                 ye = call(ctx, *e_in)
                 ctx.synchronize()
