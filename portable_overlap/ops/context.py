@@ -288,7 +288,7 @@ class ContextBase:
         self._closed = True
         unregister_context(self.handle)
         # the calls queued on any stream end before the workspace goes back to the allocator
-        # (kept tensors return to the default stream's cache: ops/kept.py)
+        # (kept tensors return to the default stream's cache: portable_overlap/kept.py)
         self.world.backend.synchronize(self.world.device)
 
     def __enter__(self):
