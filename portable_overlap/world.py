@@ -34,6 +34,14 @@ class World:
     #: host collectives this rank has entered (``collective_setup`` compares it)
     collectives: int = dataclasses.field(default=0, repr=False, compare=False)
 
+    def __deepcopy__(self, memo) -> "World":
+        """The world itself: it names this process's place among its peers (its process group,
+        backend, the groups and buffers it makes for the ops), which a copy of a module that
+        holds it shares, as a copied module shares its process group (a process group cannot
+        be copied: a deep copy of a layer on the torch path raised once an op had made the
+        world's signal group)."""
+        return self
+
     # -- constructors ------------------------------------------------------------------------
     @classmethod
     def from_env(cls, backend: Optional[str] = None, timeout_s: float = 300) -> "World":

@@ -92,10 +92,15 @@ class HostSegment:
 
     def close(self) -> None:
         self.tensor = None
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive: the mapping goes when the last view does
-            pass
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still alive: the mapping goes when the last view does
+                pass
+            # the views hold the mmap (and the descriptor it keeps of the segment): dropped here,
+            # the last view to go unmaps and closes them; kept, a failed close left them to this
+            # object's life (open descriptors a closed context still held)
+            self.mm = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -32,6 +32,7 @@ tests/test_fault_campaign.py).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import time
@@ -386,7 +387,10 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
 
 def leftovers() -> list:
     """This process's file descriptors and /dev/shm entries of the library (none may remain
-    once its contexts are closed)."""
+    once its contexts are closed). Garbage is collected first: a segment stays mapped, with
+    its descriptor, while a view of it lives (``HostSegment.close``), and views in reference
+    cycles (a traceback's frames) live until a collection."""
+    gc.collect()
     found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
