@@ -343,8 +343,7 @@ class Workspace(ContextBase):
     def close(self) -> None:
         """Collective (every rank): free the heap once every rank's launches are done. The
         tensors :meth:`tensor` and :meth:`flags` gave are views of it: not to be used after
-        (on a GPU the memory is freed whatever views it; the CPU backend keeps a segment
-        mapped until its last view goes)."""
+        (the memory is freed whatever views it; on the CPU backend a read faults)."""
         if self._closed:
             return
         super().close()

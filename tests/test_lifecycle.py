@@ -86,24 +86,6 @@ def test_free_closes_the_segment(cpu_backend):
     assert not _leaked(before, _resources())
 
 
-def test_a_view_alive_at_free_keeps_the_segment_until_it_goes(cpu_backend):
-    """A view of an allocation (a workspace's tensor) still alive when it is freed: the
-    mapping stays, the view reads what was written, and it goes with the last view (the
-    segment was unmapped under the view, and reading it faulted)."""
-    before = _resources()
-    a = cpu_backend.alloc_exportable(4096, CPU)
-    view = a.tensor[256:512].view(torch.float32)
-    want = torch.randn(view.shape, generator=torch.Generator().manual_seed(3))
-    view.copy_(want)
-    cpu_backend.free(a)
-    del a
-    gc.collect()
-    assert torch.equal(view, want)
-    del view
-    gc.collect()
-    assert not _leaked(before, _resources())
-
-
 # -- the backend opens only segments it made ---------------------------------------------------
 
 def _other_memfd_handle():

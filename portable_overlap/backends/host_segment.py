@@ -37,11 +37,7 @@ class HostSegment:
         self.mm = mmap.mmap(fd, nbytes)
         self.fd = fd if keep else None
         self.name = name
-        # through a memoryview, which the tensor (and every view of it) keeps alive: it holds
-        # an export of the mapping, so close() leaves the mapping to the last view. Straight
-        # from the mmap, torch keeps no export: close() unmapped under views still alive (a
-        # workspace's tensor read after its close() faulted)
-        self.tensor = torch.frombuffer(memoryview(self.mm), dtype=torch.uint8)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
 
     @classmethod
@@ -92,15 +88,10 @@ class HostSegment:
 
     def close(self) -> None:
         self.tensor = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still alive: the mapping goes when the last view does
-                pass
-            # the views hold the mmap (and the descriptor it keeps of the segment): dropped here,
-            # the last view to go unmaps and closes them; kept, a failed close left them to this
-            # object's life (open descriptors a closed context still held)
-            self.mm = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive: the mapping goes when the last view does
+            pass
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
