@@ -86,3 +86,33 @@ def kept_tensor(data, dtype: torch.dtype, device) -> torch.Tensor:
                            "tables to the device, which CUDA-graph capture does not allow: make "
                            "one eager call with these shapes before capturing")
     return kept(lambda: torch.tensor(data, dtype=dtype, device=device), device)
+
+
+class GrowingBuffer:
+    """A buffer kept from one call to the next that grows when a call needs more: ``get(n)``
+    is a view of its first ``n`` elements, made at the first call and again only when a call
+    needs more than it holds (no allocation on later calls of that size or smaller).
+
+    Growth at least doubles, so calls of slowly growing sizes make a logarithmic number of
+    buffers, not one per size. The buffers it outgrew are kept (``outgrown``) as long as it
+    lives: a CUDA graph captured over a smaller call replays into their addresses, which,
+    freed, the allocator would hand to other tensors that each replay would then overwrite.
+    What it holds stays under four times the largest call's need. ``zero``: each buffer is
+    zero-filled when made (for contents a kernel leaves as it found them, such as counts it
+    zeroes after use, or a prefix sum's leading 0)."""
+
+    def __init__(self, device, dtype: torch.dtype = torch.uint8, zero: bool = False):
+        self.device, self.dtype, self.zero = torch.device(device), dtype, zero
+        self.buffer: Optional[torch.Tensor] = None
+        self.outgrown: list = []
+
+    def get(self, numel: int) -> torch.Tensor:
+        buf = self.buffer
+        if buf is None or buf.numel() < numel:
+            size = max(numel, 1)
+            if buf is not None:
+                self.outgrown.append(buf)
+                size = max(numel, 2 * buf.numel())
+            make = kept_zeros if self.zero else kept_empty
+            buf = self.buffer = make(size, self.dtype, self.device)
+        return buf[:numel]

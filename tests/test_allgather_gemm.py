@@ -696,7 +696,7 @@ def _staging_over_many_shapes(world):
     N, K = 12, 8
 
     def held() -> int:  # bytes of the staging the context keeps
-        kept = [ctx.impl._staging, *ctx.impl._outgrown]
+        kept = [ctx.impl._staging.buffer, *ctx.impl._staging.outgrown]
         return sum(t.untyped_storage().nbytes() for t in kept if t is not None)
 
     errs = []

@@ -687,7 +687,7 @@ def _bag_offsets_outgrown(world):
                            [5] * world.world_size):
                 res += _one(world, ctx, splits, torch.float32, "sum", False, False, gen)
                 bag_offsets = ctx.workspace(transport)._bag_offsets
-                held.append(weakref.ref(bag_offsets._offsets))
+                held.append(weakref.ref(bag_offsets._offsets.buffer))
             res.append((f"{transport}: offsets buffers freed", sum(h() is None for h in held),
                         0, False))
         finally:

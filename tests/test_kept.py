@@ -91,3 +91,27 @@ def test_a_forked_child_makes_its_own_worker(monkeypatch):
     got = os.read(r, 2)
     os.waitpid(pid, 0)
     assert got == b"ok"
+
+
+def test_a_growing_buffer_doubles_and_keeps_what_it_outgrew():
+    """Views of one buffer while calls need no more; growth at least doubles, so sizes that
+    grow one element at a time make a logarithmic number of buffers; every outgrown buffer
+    stays alive (a graph captured over it replays into it); ``zero`` fills each new one."""
+    import weakref
+
+    buf = kept.GrowingBuffer(torch.device("cpu"), torch.int64, zero=True)
+    first = buf.get(3)
+    assert first.shape == (3,) and not first.any()
+    first.fill_(7)
+    assert buf.get(2).data_ptr() == first.data_ptr()  # no new buffer for a smaller call
+    held = weakref.ref(buf.buffer)
+    del first
+    for n in range(4, 1001):
+        view = buf.get(n)
+        assert view.numel() == n
+    assert len(buf.outgrown) <= 10, len(buf.outgrown)  # 3 -> 1000 by doubling: 9 steps
+    assert held() is not None and held() is buf.outgrown[0]
+    assert not buf.get(1000).any()  # the new buffer is zero-filled, not the old contents
+    total = buf.buffer.numel() + sum(t.numel() for t in buf.outgrown)
+    assert total < 4 * 1000, total
+    assert kept.GrowingBuffer("cpu", torch.float16).get(0).numel() == 0

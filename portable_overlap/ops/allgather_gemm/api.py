@@ -64,7 +64,7 @@ import torch
 
 from ...transports.copy_engine import FLAG_NAMES as CE_FLAG_NAMES, CopyEngineLinks
 from ..context import check_sizes, collective_call, OverlapContext, output_tensor, shape_tag
-from ...kept import kept_empty
+from ...kept import GrowingBuffer
 from ..pattern import GEMM_AGREED, PatternContext, matrix_sizes, timeout_kw
 from ..registry import OpSpec, define
 from ..matmul.api import DTYPES, check_operands
@@ -253,8 +253,7 @@ class AllGatherMatmulCE(OverlapContext):
             # rank land before this rank pushes the next call's pieces there. (Pull writes
             # only into the puller's own memory: nothing of a late peer lands here.)
             self.late_stores_guard(self.ce_consumed, "recv-consumed", epoch=self.ce_ctl)
-        self._staging = None  # (schedule-fused) per-step outputs: _stage_out
-        self._outgrown = []  # staging buffers outgrown, kept for graphs captured over them
+        self._staging = GrowingBuffer(world.device)  # (schedule-fused) per-step outputs
 
     @collective_call
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
@@ -445,22 +444,12 @@ class AllGatherMatmulCE(OverlapContext):
 
     def _stage_out(self, rows: int, N: int, dtype) -> torch.Tensor:
         """The fused schedules' per-step output [rows, N]: a view of one buffer kept for the
-        largest step met so far (no allocation on later calls of that size or smaller). Kept
-        per (rows, N, dtype), a buffer was added for every new shard size and none freed
-        before ``close()``: device memory grew without bound over calls of varying sizes.
-        Every step's GEMM and its copies into ``out`` run on the caller's stream, so a step
-        may overwrite the previous step's output. A buffer outgrown is kept too, until
-        ``close()``: a CUDA graph captured over it replays into it, and freed, its memory
-        would hold other tensors by then. Growth at least doubles, so what is kept stays
-        under twice the largest step."""
+        largest step met so far (``kept.GrowingBuffer``: kept per (rows, N, dtype), a buffer
+        would be added for every new shard size). Every step's GEMM and its copies into
+        ``out`` run on the caller's stream, so a step may overwrite the previous step's
+        output."""
         nbytes = rows * N * dtype.itemsize
-        buf = self._staging
-        if buf is None or buf.numel() < nbytes:
-            if buf is not None:
-                self._outgrown.append(buf)
-            size = nbytes if buf is None else max(nbytes, 2 * buf.numel())
-            buf = self._staging = kept_empty(size, torch.uint8, self.world.device)
-        return buf[:nbytes].view(dtype).view(rows, N)
+        return self._staging.get(nbytes).view(dtype).view(rows, N)
 
 
 ALL_GATHER_MATMUL = define(OpSpec(

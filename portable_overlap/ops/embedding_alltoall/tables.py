@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ...kept import kept_empty, kept_zeros
+from ...kept import GrowingBuffer
 from .plan import ShardingPlan
 
 OP = "embedding_all_to_all"
@@ -234,16 +234,19 @@ class RankTables:
 
 class BagOffsets:
     """The bags' offsets of a call: the exclusive prefix sum of ``lengths`` (no host sync, so
-    graph-capturable), in a buffer that grows only when a larger batch first comes
-    (``offsets[0]`` stays 0), to twice the bags asked for. The buffers it outgrew are kept
-    (``outgrown``) for as long as it lives: a CUDA graph captured over a call of a smaller batch
-    replays its prefix sum into the old buffer and its kernel reads the offsets from there;
-    freed, that memory would go to other tensors, which each replay would overwrite."""
+    graph-capturable), in buffers kept between calls that grow only when a larger batch first
+    comes (``kept.GrowingBuffer``: at least doubled, the outgrown ones kept for CUDA graphs
+    captured over a smaller batch, whose prefix sum replays into them and whose kernel reads
+    the offsets from there). The offsets' buffers are zero-filled when made, so
+    ``offsets[0]`` is 0."""
 
     def __init__(self, device):
-        self._offsets = torch.zeros(1, dtype=torch.int64, device=device)
-        self._lengths = torch.zeros(0, dtype=torch.int64, device=device)  # unchecked, clamped
-        self.outgrown: list = []
+        self._offsets = GrowingBuffer(device, torch.int64, zero=True)
+        self._lengths = GrowingBuffer(device, torch.int64)  # unchecked lengths, clamped
+
+    @property
+    def outgrown(self) -> list:
+        return self._offsets.outgrown + self._lengths.outgrown
 
     def __call__(self, lengths: torch.Tensor, n_indices: int, checked: bool) -> torch.Tensor:
         """``lengths.numel() + 1`` offsets. Unchecked lengths may be negative or not add up to
@@ -255,18 +258,11 @@ class BagOffsets:
         wraps (four of 2**62 sum to 0) would otherwise give negative offsets. Three small
         device ops, no host sync (graph capture takes this path)."""
         n = lengths.numel()
-        if self._offsets.numel() < n + 1:
-            # doubling: a batch that grows a little at a time keeps a logarithmic number of
-            # outgrown buffers, not one per size
-            size = max(n, 2 * self._lengths.numel())
-            self.outgrown += [self._offsets, self._lengths]
-            self._offsets = kept_zeros(size + 1, torch.int64, lengths.device)
-            self._lengths = kept_empty(size, torch.int64, lengths.device)
-        offsets = self._offsets[:n + 1]
+        offsets = self._offsets.get(n + 1)
         if not checked:
             # copy_ casts int32 lengths to the int64 buffer (clamp's out= must match its input's
             # dtype); the prefix sum then runs in int64 whatever the input's dtype
-            lengths = self._lengths[:n].copy_(lengths).clamp_(min=0, max=n_indices)
+            lengths = self._lengths.get(n).copy_(lengths).clamp_(min=0, max=n_indices)
         torch.cumsum(lengths, 0, out=offsets[1:])
         if not checked:
             offsets.clamp_(max=n_indices)

@@ -62,13 +62,17 @@ from ...schedule import WaveGroups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_precision, dot_upcast
 from ...transports.gate import wait_counter
 from ..context import ContextBase, align_key, collective_call, output_tensor, shape_tag
-from ...kept import kept_empty, kept_tensor
+from ...kept import GrowingBuffer, kept_tensor
 from ..launch import PlannedLaunch, resident_programs
 from ..matmul.api import (check_2d, check_k_steps, check_operands, default_config,
                           tile_descriptors, vector_checks)
 from .config import KINDS, MAX_GROUPS, OP, RESERVE_PER_132, SignalConfig  # noqa: F401
 from .kernel import gemm_signal_kernel, signal_reorder_kernel, signal_reorder_norm_kernel
 from . import tune as tuning
+
+
+#: the staging or receive bytes of a context that has planned nothing yet
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 class _Plan:
@@ -113,9 +117,9 @@ class GemmSignal(ContextBase):
         # the backend's gate words (GateWords): its stream waits may need them from special
         # memory, each word its own allocation; word g counts group g's tiles
         self.counters = self.backend.alloc_gate_words(MAX_GROUPS, self.device)
-        self.stage_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._recv_raw = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._retired: list = []  # outgrown buffers, kept: a captured graph may still use them
+        # staging and receive bytes, grown at a plan that needs more (kept.GrowingBuffer)
+        self._stage_buf = GrowingBuffer(self.device)
+        self._recv_buf = GrowingBuffer(self.device)
         self._plans: dict = {}
         self._launches: dict = {}
         self._tuned: dict = {}  # (kind, shape, dtype, config) -> the tuned config
@@ -500,20 +504,23 @@ class GemmSignal(ContextBase):
         plan.stage_bytes = n_tiles * tile * esz
         plan.recv_bytes = {"all_reduce": 0, "reduce_scatter": per_dest * tile * esz,
                            "all_to_all": n_tiles * tile * esz}[kind]
-        self.stage_raw = self._grow(self.stage_raw, plan.stage_bytes)
-        self._recv_raw = self._grow(self._recv_raw, plan.recv_bytes)
+        self._stage_buf.get(plan.stage_bytes)
+        self._recv_buf.get(plan.recv_bytes)
         # what the ranks must agree on, compared by every call under gloo (``_check_stamp``)
         plan.tag = shape_tag(OP, kind, M=M, N=N, dtype=str(dtype), config=repr(cfg),
                              groups=tuple(plan.groups.sizes))
         self._plans[key] = plan
         return plan
 
-    def _grow(self, buf: torch.Tensor, nbytes: int) -> torch.Tensor:
-        if nbytes <= buf.numel():
-            return buf
-        if buf.numel():
-            self._retired.append(buf)
-        return kept_empty(nbytes, torch.uint8, self.device)
+    @property
+    def stage_raw(self) -> torch.Tensor:
+        """The staging bytes, as large as the largest plan made: a call views its first
+        ``plan.stage_bytes``."""
+        return self._stage_buf.buffer if self._stage_buf.buffer is not None else _NO_BYTES
+
+    @property
+    def _recv_raw(self) -> torch.Tensor:
+        return self._recv_buf.buffer if self._recv_buf.buffer is not None else _NO_BYTES
 
     def launch_plan(self, plan, a, b, out, bias, residual, rms_weight, normed, *,
                     with_reorder: bool = True):

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from ...tiles.gemv import dot_precision, dot_upcast
-from ...kept import kept_empty, kept_zeros
+from ...kept import GrowingBuffer
 from ..context import check_no_overlap
 from ..registry import PartSpec, define_part
 from ..matmul.api import DTYPES, MatmulConfig, tile_descriptors
@@ -183,9 +183,6 @@ def expert_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
 #: the op's buffers kept between calls, by (device, stream, name, dtype): see ``workspace``
 _WORKSPACES: dict = {}
-#: the buffers ``workspace`` replaced by larger ones, by the same key, kept until
-#: ``free_workspaces``: a CUDA graph captured before the growth still reads and writes them
-_RETIRED: dict = {}
 
 
 def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
@@ -195,31 +192,25 @@ def workspace(device: torch.device, name: str, numel: int, dtype: torch.dtype,
     order, so they may share it; a buffer the kernel needs zeroed (the split tiles' counts) is
     left zeroed by the kernel itself, so it is filled once, when made.
 
-    A buffer that grows is replaced, at least doubled, and the old one is kept, not freed: a
-    graph captured with it (warm-up and capture at a small token count, then a larger call, as
-    torch's capture recipe runs them) replays into its addresses, which the allocator would
-    otherwise hand to other tensors. Doubling bounds what is kept to the size of the buffer in
-    use; ``free_workspaces`` drops both, once no captured graph that used them is replayed."""
+    A buffer that grows is replaced, at least doubled, and the old one is kept, not freed
+    (``kept.GrowingBuffer``): a graph captured with it (warm-up and capture at a small token
+    count, then a larger call, as torch's capture recipe runs them) replays into its
+    addresses. ``free_workspaces`` drops both, once no captured graph that used them is
+    replayed."""
     stream = getattr(torch.get_device_module(device).current_stream(device), "stream_id", 0)
     key = (device, stream, name, dtype)
     buf = _WORKSPACES.get(key)
-    if buf is None or buf.numel() < numel:
-        size = numel
-        if buf is not None:
-            _RETIRED.setdefault(key, []).append(buf)
-            size = max(numel, 2 * buf.numel())
-        make = kept_zeros if zero else kept_empty
-        buf = _WORKSPACES[key] = make(max(size, 1), dtype, device)
-    return buf[:numel]
+    if buf is None:
+        buf = _WORKSPACES[key] = GrowingBuffer(device, dtype, zero)
+    return buf.get(numel)
 
 
 def free_workspaces(device: Optional[torch.device] = None) -> None:
     """Drop the buffers ``expert_swiglu`` keeps between calls (``workspace``), and those it
     replaced by larger ones, on ``device`` or on every device; the next call makes them again.
     No CUDA graph captured with them may be replayed after this."""
-    for held in (_WORKSPACES, _RETIRED):
-        for key in [k for k in held if device is None or k[0] == torch.device(device)]:
-            del held[key]
+    for key in [k for k in _WORKSPACES if device is None or k[0] == torch.device(device)]:
+        del _WORKSPACES[key]
 
 
 def _run(x, w_gate, w_up, counts, rows_per_segment=None, out=None, config=None, programs=None,
