@@ -16,39 +16,9 @@ import torch
 
 from portable_overlap import GemvAllReduce, PortableOverlapError, World, gemv_all_reduce_reference
 from portable_overlap.ops.context import ContextBase
-from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.streams import calls_on_three_streams
 
 SHAPES = (((8, 14336), (8192, 14336)), ((1, 4096), (8192, 4096)), ((32, 2048), (8192, 2048)))
-
-
-def rounds_on_streams(world, ctx, rounds: int, gen) -> tuple:
-    """(rounds with a wrong result, errors raised, worst relative error)."""
-    dev = world.device
-    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-    main = torch.cuda.current_stream(dev)
-    wrong, errors, worst = 0, [], 0.0
-    for _ in range(rounds):
-        ins = [tuple(torch.randn(sh, generator=gen, device=dev).bfloat16() for sh in pair)
-               for pair in SHAPES]
-        outs = [torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=torch.bfloat16,
-                           device=dev) for x, w in ins]
-        s1.wait_stream(main)
-        s2.wait_stream(main)
-        try:
-            for (x, w), out, stream in zip(ins, outs, (s1, s2, main)):
-                with torch.cuda.stream(stream):
-                    ctx(x, w, out=out)
-            main.wait_stream(s1)
-            main.wait_stream(s2)
-            ctx.synchronize()
-        except PortableOverlapError as e:
-            errors.append(f"{type(e).__name__}: {str(e)[:160]}")
-            break
-        errs = [rel_err(o, gemv_all_reduce_reference(x, w, world.group))
-                for o, (x, w) in zip(outs, ins)]
-        worst = max(worst, *errs)
-        wrong += any(e > 1e-2 for e in errs)
-    return wrong, errors, worst
 
 
 def main() -> None:
@@ -64,7 +34,9 @@ def main() -> None:
     for transport in ("stores", "one_shot"):
         ctx = GemvAllReduce(world, max_n=8192, transport=transport, timeout_s=5.0)
         try:
-            wrong, errors, worst = rounds_on_streams(world, ctx, args.rounds, gen)
+            wrong, errors, worst = calls_on_three_streams(
+                ctx, lambda x, w: ctx(x, w), lambda x, w: gemv_all_reduce_reference(
+                    x, w, world.group), SHAPES, gen, args.rounds)
         finally:
             try:
                 ctx.close()

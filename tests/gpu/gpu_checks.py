@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from portable_overlap.testing.check_log import CheckLog
 from portable_overlap.testing.graphs import worst_over_graph_replays
+from portable_overlap.testing.streams import calls_on_three_streams
 from portable_overlap import (GemvAllReduce, PeerTimeoutError, PortableOverlapError, World,
                               gemv_all_reduce, gemv_all_reduce_reference, moe_dispatch)
 from portable_overlap.testing.compare import rel_err
@@ -1154,33 +1155,6 @@ def check_empty_dims(world: World, gen) -> None:
             ctx.close()
 
 
-def _calls_on_streams(world: World, ctx, call, ref, shapes, gen, rounds: int) -> tuple:
-    """``rounds`` times: a call on stream s1 (the largest of ``shapes``), one on s2 and one on
-    the default stream queued right behind it, nothing ordering them but the context; the
-    worst relative error of the three against ``ref`` and the errors raised."""
-    s1, s2 = torch.cuda.Stream(world.device), torch.cuda.Stream(world.device)
-    main = torch.cuda.current_stream(world.device)
-    worst, errors = 0.0, []
-    for _ in range(rounds):
-        ins = [tuple(rand(sh, torch.bfloat16, world.device, gen) for sh in pair)
-               for pair in shapes]
-        outs = [None] * len(ins)
-        s1.wait_stream(main)
-        s2.wait_stream(main)
-        try:
-            for i, stream in enumerate((s1, s2, main)):
-                with torch.cuda.stream(stream):
-                    outs[i] = call(*ins[i])
-            main.wait_stream(s1)
-            main.wait_stream(s2)
-            ctx.synchronize()
-        except Exception as e:  # noqa: BLE001  (reported as the finding)
-            errors.append(f"{type(e).__name__}: {str(e)[:200]}")
-            break
-        worst = max(worst, *(rel_err(o, ref(*a)) for o, a in zip(outs, ins)))
-    return worst, errors
-
-
 def check_streams(world: World, gen) -> None:
     """Calls of one context made on three streams one after another with nothing ordering
     them but the context (``ContextBase._follow_stream``): every result against torch, for
@@ -1216,8 +1190,8 @@ def check_streams(world: World, gen) -> None:
             record(f"{name} calls on three streams", False, f"{type(e).__name__}: {e}"[:300])
             continue
         try:
-            worst, errors = _calls_on_streams(world, ctx, bind(ctx), ref, shapes, gen, 20)
-            record(f"{name} calls on three streams, 20 rounds", worst < 1e-2 and not errors,
+            wrong, errors, worst = calls_on_three_streams(ctx, bind(ctx), ref, shapes, gen, 20)
+            record(f"{name} calls on three streams, 20 rounds", not wrong and not errors,
                    f"worst rel_err={worst:.2e} errors={errors}")
         finally:
             ctx.close()
