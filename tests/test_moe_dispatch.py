@@ -897,3 +897,59 @@ def test_received_rows_fed_back_as_the_next_calls_input_are_refused(world2, tran
                     and "receive buffers" in msg, msg
             else:
                 assert msg.startswith("PeerTimeoutError") and "gave up" in msg, msg
+
+
+def _records_grad_on_one_rank(world, transport, decided):
+    """``records_grad`` set on rank 0 only (a layer call autograd records there and not on the
+    other ranks): RankMismatchError on every rank, at once, for every transport and for
+    ``"auto"`` whether the call's key is new (the agreement finds it) or decided (the picked
+    transport's call does); the next call matches the reference."""
+    import time
+
+    from portable_overlap import MoeDispatch, PortableOverlapError
+
+    kw = dict(transport=transport)
+    if transport == "auto":
+        kw.update(candidates=("stores", "sequential"), iters=1, warmup=0)
+    ctx = MoeDispatch(world, max_tokens=6, top_k=2, hidden=16, experts_per_rank=2,
+                      dtype=torch.float32, timeout_s=10.0, **kw)
+    g = torch.Generator().manual_seed(3 + world.rank)
+    found = []
+
+    def call(records):
+        tokens = torch.randn(5, 16, generator=g)
+        ids = torch.randint(0, 2 * world.world_size, (5, 2), generator=g)
+        ctx.records_grad = records
+        try:
+            x, counts, slots = moe_dispatch(tokens, ids, ctx)
+            ctx.synchronize()
+            xr, _, sr = moe_dispatch_reference(tokens, ids, 2, world.group)
+            R = xr.shape[0]
+            return "right" if torch.equal(x[:R], xr) and torch.equal(slots[:R], sr) else "wrong"
+        except PortableOverlapError as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            ctx.records_grad = False
+
+    try:
+        if decided:
+            found.append(call(True))  # every rank records: a plain call
+        t0 = time.monotonic()
+        found.append(call(world.rank == 0))
+        found.append(time.monotonic() - t0)
+        found.append(call(False))
+    finally:
+        ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport, decided", [("stores", False), ("sequential", False),
+                                                ("auto", False), ("auto", True)])
+def test_ranks_that_differ_in_recording_gradients_raise_on_every_rank(
+        world2, transport, decided):
+    for rank, found in enumerate(world2.run(_records_grad_on_one_rank, transport, decided)):
+        *first, mixed, seconds, after = found
+        assert first in ([], ["right"]), (rank, found)
+        assert mixed.startswith("RankMismatchError") and (
+            "records_grad" in mixed or "autograd records" in mixed), (rank, found)
+        assert seconds < 10 and after == "right", (rank, found)

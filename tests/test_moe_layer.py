@@ -1020,3 +1020,59 @@ def _under_autocast(world):
 def test_a_layer_under_autocast_takes_tokens_of_another_dtype(world2):
     for dtype, same in world2.run(_under_autocast):
         assert dtype == torch.bfloat16 and same
+
+
+def _grad_on_some_ranks(world, schedule):
+    """Autograd records a layer call on rank 0 only (rank 1 runs it under ``torch.no_grad()``):
+    rank 0's backward would exchange rows with rank 1, which never runs it, and wait for ever.
+    The forward raises RankMismatchError on every rank instead, within seconds; the next
+    call, under no_grad everywhere, matches the torch path, and a call every rank trains
+    runs its backward."""
+    import contextlib
+    import time
+
+    from portable_overlap import ExpertParallelMoE, PortableOverlapError
+
+    H, I, E, k = 16, 12, 2 * world.world_size, 2
+    kw = dict(fused=False) if schedule == "torch_path" else {
+        "fuse_dispatch": schedule == "fuse_dispatch", "one_launch": schedule == "one_launch"}
+    layer = ExpertParallelMoE(world, H, I, E, k, max_tokens=6, dtype=torch.float32, **kw)
+    ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=6, dtype=torch.float32, fused=False)
+    found = {}
+    try:
+        g = torch.Generator().manual_seed(40 + world.rank)
+        tokens = torch.randn(5, H, generator=g)
+        quiet = torch.no_grad() if world.rank else contextlib.nullcontext()
+        t0 = time.monotonic()
+        try:
+            with quiet:
+                y = layer(tokens)
+                layer.synchronize()
+            found["mixed"] = ("no error", "")
+        except PortableOverlapError as e:
+            found["mixed"] = (type(e).__name__, str(e))
+        found["seconds"] = time.monotonic() - t0
+        with torch.no_grad():
+            tokens = torch.randn(4, H, generator=g)
+            y = layer(tokens)
+            layer.synchronize()
+            y_ref = ref(tokens)
+        found["next"] = ((y - y_ref).norm() / y_ref.norm()).item()
+        y = layer(torch.randn(3, H, generator=g))
+        y.sum().backward()
+        layer.synchronize()
+        found["trained"] = bool(layer.w_down.grad is not None and layer.w_down.grad.abs().sum())
+    finally:
+        layer.close()
+    return found
+
+
+@pytest.mark.parametrize("schedule", ["staged", "fuse_dispatch", "one_launch", "torch_path"])
+def test_a_layer_call_recorded_on_some_ranks_raises_in_the_forward(world2, schedule):
+    for rank, found in enumerate(world2.run(_grad_on_some_ranks, schedule, timeout=300)):
+        kind, msg = found["mixed"]
+        assert kind == "RankMismatchError" and ("records_grad=True" in msg
+                                                or "autograd records" in msg), (rank, found)
+        assert found["seconds"] < 20, (rank, found)
+        assert found["next"] < 1e-5, (rank, found)
+        assert found["trained"], (rank, found)

@@ -26,6 +26,8 @@ is fast and the backward is correct.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 import torch
@@ -193,8 +195,9 @@ class ExpertParallelMoE(nn.Module):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (
                 tokens, weights, self.w_gate, self.w_up, self.w_down)):
             return MoeLayerFunction.apply(tokens, weights, ids, self.w_gate, self.w_up,
-                                          self.w_down, self._forward, self.experts_per_rank,
-                                          self.world.group)
+                                          self.w_down, functools.partial(self._forward,
+                                                                         records_grad=True),
+                                          self.experts_per_rank, self.world.group)
         return self._forward(tokens, weights, ids)
 
     def _check_tokens(self, tokens) -> None:
@@ -246,30 +249,43 @@ class ExpertParallelMoE(nn.Module):
             # broken: the caller raises ``error`` either way
             pass
 
-    def _forward(self, tokens, weights, ids) -> torch.Tensor:
-        if self.fused:
-            # the fused ops take tokens with contiguous rows (a transposed view is a valid input
-            # of the layer, as of nn.Linear)
-            tokens = tokens.contiguous()
-            # each source sends an expert S * k / (all experts) rows on average (balanced)
-            m = tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
-            if self.one_launch:
-                return moe_layer(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
-                                 self.dispatch_ctx, self.ctx, rows_per_segment=m)
-            # under torch.compile the parts are functional ops (one node each, no out=)
-            h_buf = None if torch.compiler.is_compiling() else self._h
-            if self.fuse_dispatch:
-                h, counts, slots = moe_dispatch_swiglu(tokens, ids, self.w_gate, self.w_up,
-                                                       self.dispatch_ctx, out=h_buf,
-                                                       rows_per_segment=m)
-            else:
-                x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
-                h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=h_buf,
-                                  rows_per_segment=m)
-            return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
-        return moe_layer_reference(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
-                                   self.experts_per_rank, self.world.group,
-                                   accumulate_fp32=False)
+    def _forward(self, tokens, weights, ids, records_grad: bool = False) -> torch.Tensor:
+        """The layer after routing. ``records_grad``: autograd records the call (its backward
+        then holds collectives on every rank); the dispatch carries it, so ranks that differ
+        raise ``RankMismatchError`` here on every rank instead of some waiting in the
+        backward for ever."""
+        if not self.fused:
+            return moe_layer_reference(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
+                                       self.experts_per_rank, self.world.group,
+                                       accumulate_fp32=False, records_grad=records_grad)
+        if self.dispatch_ctx.records_grad == records_grad:  # (no attribute set under compile)
+            return self._fused_forward(tokens, weights, ids)
+        self.dispatch_ctx.records_grad = records_grad
+        try:
+            return self._fused_forward(tokens, weights, ids)
+        finally:
+            self.dispatch_ctx.records_grad = False
+
+    def _fused_forward(self, tokens, weights, ids) -> torch.Tensor:
+        # the fused ops take tokens with contiguous rows (a transposed view is a valid input of
+        # the layer, as of nn.Linear)
+        tokens = tokens.contiguous()
+        # each source sends an expert S * k / (all experts) rows on average (balanced)
+        m = tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
+        if self.one_launch:
+            return moe_layer(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
+                             self.dispatch_ctx, self.ctx, rows_per_segment=m)
+        # under torch.compile the parts are functional ops (one node each, no out=)
+        h_buf = None if torch.compiler.is_compiling() else self._h
+        if self.fuse_dispatch:
+            h, counts, slots = moe_dispatch_swiglu(tokens, ids, self.w_gate, self.w_up,
+                                                   self.dispatch_ctx, out=h_buf,
+                                                   rows_per_segment=m)
+        else:
+            x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
+            h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=h_buf,
+                              rows_per_segment=m)
+        return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
 
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise what the fused ops' kernels found."""

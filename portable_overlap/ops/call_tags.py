@@ -38,6 +38,18 @@ def shape_tag(*fields, **named) -> int:
     return tag
 
 
+def tag_with(tag: int, **more) -> int:
+    """The tag of the fields ``tag`` was made from (by :func:`shape_tag` in this process) with
+    the named fields ``more`` added: a per-call variant of a plan's tag (a call's flags then
+    carry what that call adds, and a mismatch names it). ``tag`` itself where this process
+    no longer holds its fields."""
+    got = _fields.get(tag)
+    if got is None:
+        return tag
+    fields, named = got
+    return shape_tag(*fields, **{**named, **more})
+
+
 def _plain(value) -> str:
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(_plain(v) for v in value) + "]"

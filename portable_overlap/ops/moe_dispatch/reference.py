@@ -14,19 +14,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...errors import InvalidInputError, PeerTimeoutError
+from ...errors import InvalidInputError, PeerTimeoutError, RankMismatchError
 
 #: the flag column of the counts exchange: this source found an expert id out of range, or
-#: refused the call before sending anything (``refuse_dispatch``)
-BAD_IDS, REFUSED = 1, 2
+#: refused the call before sending anything (``refuse_dispatch``); a bit beside them: autograd
+#: records the call on this source (``records_grad``)
+BAD_IDS, REFUSED, RECORDS_GRAD = 1, 2, 4
 
 
 def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts_per_rank: int,
-                           group: Optional[dist.ProcessGroup] = None):
+                           group: Optional[dist.ProcessGroup] = None,
+                           records_grad: bool = False):
     """Returns ``(x, counts, slots)``: ``x`` [R, D] the rows this rank's experts must process,
     ``counts`` int32 [world, experts_per_rank] (rows from source q for local expert e),
     ``slots`` int32 [R] (each row's slot on its source rank). Also the ``sequential``
-    transport of :class:`~portable_overlap.ops.moe_dispatch.MoeDispatch`."""
+    transport of :class:`~portable_overlap.ops.moe_dispatch.MoeDispatch`.
+
+    ``records_grad``: whether autograd records the layer call this dispatch is part of (its
+    backward exchanges rows with every rank, so either every rank records it or none does):
+    ranks that differ raise ``RankMismatchError`` on every rank, after the counts exchange."""
     S, k = topk_ids.shape
     W = dist.get_world_size(group) if dist.is_initialized() else 1
     E = experts_per_rank * W
@@ -39,7 +45,8 @@ def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts
     send_counts = torch.bincount(experts[order], minlength=E).to(torch.int32).view(W, -1)
     # one more column tells every destination whether the source found a bad id, so that every
     # rank raises for the same call (a rank raising alone would leave its peers in a collective)
-    send_counts = torch.cat([send_counts, bad.any().to(torch.int32).expand(W, 1)], 1)
+    flags = bad.any().to(torch.int32) + (RECORDS_GRAD if records_grad else 0)
+    send_counts = torch.cat([send_counts, flags.expand(W, 1)], 1)
     if W == 1:
         counts = send_counts
     else:
@@ -49,7 +56,11 @@ def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts
     if refused:
         raise PeerTimeoutError(f"moe_dispatch: rank(s) {refused} gave up on this call (they raise "
                                f"their own error); this rank's output of that call is not valid")
-    flagged = (counts[:, -1] == BAD_IDS).nonzero().flatten().tolist()
+    recording = (counts[:, -1] & RECORDS_GRAD).bool()
+    if recording.any() and not recording.all():
+        raise RankMismatchError(records_grad_mismatch(recording.nonzero().flatten().tolist(),
+                                                      (~recording).nonzero().flatten().tolist()))
+    flagged = ((counts[:, -1] & ~RECORDS_GRAD) == BAD_IDS).nonzero().flatten().tolist()
     if flagged:
         # (InvalidInputError, as the "stores" kernels raise it: under "auto" either may run)
         raise InvalidInputError(f"moe_dispatch: expert ids must be in [0, {E}); rank(s) "
@@ -64,6 +75,14 @@ def moe_dispatch_reference(tokens: torch.Tensor, topk_ids: torch.Tensor, experts
     slots = send_slots.new_empty(sum(recv_splits))
     dist.all_to_all_single(slots, send_slots, recv_splits, send_splits, group=group)
     return x, counts, slots
+
+
+def records_grad_mismatch(recording: list, not_recording: list) -> str:
+    """The message for a layer call autograd records on some ranks and not on others."""
+    return (f"moe_dispatch: autograd records this MoE layer call on rank(s) {recording} and not "
+            f"on rank(s) {not_recording}: the layer's backward exchanges rows with every rank, "
+            f"so every rank must train it (or run it under torch.no_grad()) in the same call; "
+            f"nothing of this call was exchanged")
 
 
 def refuse_dispatch(world_size: int, experts_per_rank: int, device, group=None) -> None:

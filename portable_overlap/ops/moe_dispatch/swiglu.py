@@ -149,10 +149,11 @@ def run(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segm
         plan = ctx._plans[key] = _plan(ctx, tokens, topk_ids, w_gate, w_up, out, senders,
                                        config, m)
     count, exchange, fused = plan.launches
-    routing = ctx._args(tokens, topk_ids, plan.tag)
+    tag = ctx.call_tag(plan.tag)
+    routing = ctx._args(tokens, topk_ids, tag)
     count(routing[0])
     exchange(routing[1])
-    fused(_args(ctx, tokens, topk_ids, w_gate, w_up, out, plan))
+    fused(_args(ctx, tokens, topk_ids, w_gate, w_up, out, plan, tag=tag))
     return out, ctx.counts, ctx.recv_slots
 
 

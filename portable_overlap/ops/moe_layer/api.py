@@ -183,8 +183,9 @@ def _run(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, out, 
     plan = _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, out,
                  senders, m, decode, expert_major)
     count, exchange, fused = plan.launches
-    routing = dctx._args(tokens, topk_ids, plan.tag)
-    args = _args(dctx, cctx, plan, tokens, topk_ids, w_gate, w_up, w_down, h)
+    tag = dctx.call_tag(plan.tag)
+    routing = dctx._args(tokens, topk_ids, tag)
+    args = _args(dctx, cctx, plan, tokens, topk_ids, w_gate, w_up, w_down, h, tag)
     comb = plan.combine
     comb_args = cctx._comb_args(topk_weights, out, tokens.dtype, plan.c_tag, fused.programs)
     dctx._launched = cctx._launched = True  # from here on the call is under way on both
@@ -238,7 +239,7 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
 
     def args_of(g):
         p.c_tag = combine_tag(g)
-        return _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h)
+        return _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h, p.tag)
 
     consts = dict(swiglu.gated_consts(dctx, tokens.dtype, cfg1, x_desc, n_send),
                   BLOCK_N2=cfg2.block_n, BLOCK_K2=cfg2.block_k, GROUP_M2=cfg2.group_m,
@@ -262,7 +263,9 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
     return p
 
 
-def _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h):
+def _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h, tag):
+    """The one-launch kernel's arguments; ``tag``: the call's tag on the dispatch's side
+    (``MoeDispatchKernel.call_tag``)."""
     W, E = dctx.world.world_size, dctx.experts_per_rank
     wg_desc = wu_desc = wd_desc = None
     if p.x_desc is not None:  # per call: they hold the weights' addresses
@@ -273,7 +276,7 @@ def _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h):
             dctx.sent, dctx.ctl, dctx.call_clock, dctx.heap.bases, dctx.status.address,
             dctx.counts, p.queue, p.ready, w_gate, w_up, h, p.x_desc, wg_desc, wu_desc,
             topk_ids.numel(), dctx.top_k, dctx.hidden, tokens.stride(0), E, dctx.capacity,
-            dctx.rank, W, p.tag, dctx.timeout_us, p.senders, w_gate.shape[2], w_gate.stride(0),
+            dctx.rank, W, tag, dctx.timeout_us, p.senders, w_gate.shape[2], w_gate.stride(0),
             w_gate.stride(1), w_gate.stride(2), h.stride(0),
             w_down, p.h_desc, wd_desc, cctx._combine[tokens.dtype], cctx.slot_epoch, cctx.sent,
             cctx.rows_in, cctx.rows_mine, cctx.consumed, cctx.ctl, cctx.call_clock,

@@ -12,11 +12,14 @@ from ..moe_experts.reference import expert_swiglu_reference
 
 
 def moe_layer_reference(tokens, topk_ids, topk_weights, w_gate, w_up, w_down,
-                        experts_per_rank: int, group=None, accumulate_fp32: bool = True):
+                        experts_per_rank: int, group=None, accumulate_fp32: bool = True,
+                        records_grad: bool = False):
     """What :func:`moe_layer` computes: ``out`` [S, H] on each rank. ``accumulate_fp32``: both
     GEMMs in float32, each rounded to the tokens' dtype as the kernels store them (to compare
-    with); else in the tokens' dtype, as a model's torch path runs them (to time)."""
-    x, counts, slots = moe_dispatch_reference(tokens, topk_ids, experts_per_rank, group)
+    with); else in the tokens' dtype, as a model's torch path runs them (to time).
+    ``records_grad``: the dispatch's (``moe_dispatch_reference``)."""
+    x, counts, slots = moe_dispatch_reference(tokens, topk_ids, experts_per_rank, group,
+                                              records_grad)
     if accumulate_fp32:
         h = expert_swiglu_reference(x, w_gate, w_up, counts)
     else:
