@@ -90,7 +90,10 @@ def test_rank_killed_mid_call_gives_a_bounded_error_and_leaks_nothing():
         outcome, took, work = answer
         # killed before its partials left, the survivor times out; killed after, it may finish
         assert outcome == "returned" or outcome.startswith("PeerTimeoutError"), outcome
-        assert took <= 2 * timeout_s + 2 * work + 0.5, (took, work, outcome)
+        # bounded by the deadline and the call's own work, with room for a loaded host (its
+        # interpreter's work then varies by half between calls); a hang would be the
+        # victim's 60 s
+        assert took <= 2 * timeout_s + 3 * work + 2, (took, work, outcome)
     finally:
         ew.close(force=True)
     # the segments are anonymous: nothing of either process outlives it
