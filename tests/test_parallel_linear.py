@@ -569,3 +569,70 @@ def test_fp32_layers_under_autocast_compute_in_its_dtype(world2, reduce, S, op):
         assert calls == [op, "all_gather_matmul"], calls
         assert dtypes == (bf, bf) and grads == (f32, f32, f32, bf), (dtypes, grads)
         assert all(e < 2e-2 for e in errs), errs
+
+
+def _recorded_on_one_rank(world, module, transport):
+    """A layer call autograd records on rank 0 only (rank 1 under ``torch.no_grad()``): its
+    backward's collective (ColumnParallelLinear: the input gradient's reduce-scatter;
+    RowParallelLinear(reduce="reduce_scatter"): the output gradient's all-gather) would run on
+    rank 0 alone and wait for ever. The forward raises RankMismatchError on every rank
+    instead; the next call (no_grad everywhere) is right, and a call every rank trains runs
+    its backward. ``"auto"``: at the key's first call (the agreement) and once decided."""
+    import contextlib
+    import time
+
+    from portable_overlap import AllGatherMatmul, MatmulReduceScatter, PortableOverlapError
+
+    W, r = world.world_size, world.rank
+    kw = dict(transport=transport.split(",")[0], timeout_s=30.0)
+    if kw["transport"] == "auto":
+        kw.update(candidates=("stores", "sequential"), iters=1, warmup=0)
+    g = torch.Generator().manual_seed(8 + r)
+    if module == "column":
+        ctx = AllGatherMatmul(world, max_shard_elems=4 * K, **kw)
+        mod = ColumnParallelLinear(K, N, world, max_rows=4, dtype=torch.float32, ctx=ctx)
+        ref = ColumnParallelLinear(K, N, world, max_rows=4, dtype=torch.float32, fused=False)
+        x = torch.randn(4, K, generator=g)
+    else:
+        ctx = MatmulReduceScatter(world, 4 * W, N, **kw)
+        mod = RowParallelLinear(K, N, world, dtype=torch.float32, reduce="reduce_scatter",
+                                max_rows=4 * W, reduce_ctx=ctx)
+        ref = RowParallelLinear(K, N, world, dtype=torch.float32, reduce="reduce_scatter",
+                                fused=False)
+        x = torch.randn(4 * W, K // W, generator=g)
+    with torch.no_grad():
+        ref.weight.copy_(mod.weight)
+    found = {}
+    try:
+        if transport == "auto, decided":
+            mod(x).sum().backward()  # every rank records: the key decided
+        quiet = torch.no_grad() if r else contextlib.nullcontext()
+        t0 = time.monotonic()
+        try:
+            with quiet:
+                mod(x)
+                ctx.synchronize()
+            found["mixed"] = "no error"
+        except PortableOverlapError as e:
+            found["mixed"] = f"{type(e).__name__}: {e}"
+        found["seconds"] = time.monotonic() - t0
+        with torch.no_grad():
+            found["next"] = rel_err(mod(x), ref(x))
+        mod.weight.grad = None
+        mod(x).sum().backward()
+        found["trained"] = bool(mod.weight.grad is not None and mod.weight.grad.abs().sum())
+    finally:
+        for m in (mod, ref, ctx):
+            m.close()
+    return found
+
+
+@pytest.mark.parametrize("module", ["column", "row_reduce_scatter"])
+@pytest.mark.parametrize("transport", ["stores", "copy_engine", "auto", "auto, decided"])
+def test_a_layer_call_recorded_on_some_ranks_raises_in_the_forward(world2, module, transport):
+    for rank, found in enumerate(world2.run(_recorded_on_one_rank, module, transport,
+                                            timeout=300)):
+        assert found["mixed"].startswith("RankMismatchError") and \
+            "records_grad" in found["mixed"], (rank, found)
+        assert found["seconds"] < 25, (rank, found)
+        assert found["next"] < 1e-5 and found["trained"], (rank, found)

@@ -2,6 +2,7 @@
 (all-reduce or reduce-scatter after the GEMM) and column-parallel (all-gather before it)."""
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -77,6 +78,23 @@ def _check_input(name: str, x, weight: torch.Tensor) -> None:
     if x.device != weight.device:
         raise ValueError(f"{name}: input {_describe(x)} is on {x.device}, the layer on "
                          f"{weight.device}")
+
+
+@contextlib.contextmanager
+def _recorded(ctx, records: bool):
+    """The op calls inside run on ``ctx`` with ``records_grad`` (``PatternContext``): the
+    module's backward holds collectives, so its fused transports tag the calls with it and
+    ranks where autograd records the call and ranks where it does not raise
+    ``RankMismatchError`` in the forward, not wait in the backward for ever. Left as it was
+    where it already holds ``records`` (no attribute set under ``torch.compile``)."""
+    if ctx.records_grad == records:
+        yield
+        return
+    ctx.records_grad = records
+    try:
+        yield
+    finally:
+        ctx.records_grad = False
 
 
 def _op_call(name: str, x, fn, *args):
@@ -408,10 +426,16 @@ class RowParallelLinear(nn.Module):
         return None if self.reduce_ctx is None else (self.reduce_ctx, (a, weight.T))
 
     def _fused(self, x, x2, weight, run, scattered=False):
-        """``run(x2, weight)`` (a fused op), inside :class:`_RowFused` when autograd records."""
+        """``run(x2, weight)`` (a fused op), inside :class:`_RowFused` when autograd records
+        (the reduce-scatter's backward all-gathers the output gradient: its calls carry
+        ``records_grad``, ``_recorded``)."""
         if _recording(self, x):
-            return _op_call(self.NAME, x, _RowFused.apply, x2, weight, run, scattered,
-                            self.world.group, self.world.world_size)
+            if not scattered:  # (the all-reduce's backward holds no collective)
+                return _op_call(self.NAME, x, _RowFused.apply, x2, weight, run, scattered,
+                                self.world.group, self.world.world_size)
+            with _recorded(self.reduce_ctx, True):
+                return _op_call(self.NAME, x, _RowFused.apply, x2, weight, run, scattered,
+                                self.world.group, self.world.world_size)
         return _op_call(self.NAME, x, run, x2, weight)
 
     def _reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor,
@@ -526,8 +550,9 @@ class ColumnParallelLinear(nn.Module):
         if self.fused:
             run = lambda a, w: all_gather_matmul(a.contiguous(), w.T, self.ctx)  # noqa: E731
             if _recording(self, x):
-                y = _op_call(self.NAME, x, _ColumnFused.apply, x, weight, run,
-                             self.world.group, W)
+                with _recorded(self.ctx, True):  # (the backward reduce-scatters dx)
+                    y = _op_call(self.NAME, x, _ColumnFused.apply, x, weight, run,
+                                 self.world.group, W)
             else:
                 y = _op_call(self.NAME, x, run, x, weight)
         else:

@@ -144,11 +144,16 @@ def explain_mismatch(world, op: str, rank: int, pairs: dict, wait_s: float) -> s
 
 def differing(own: Optional[str], others: list) -> list:
     """The named fields whose values differ between the description ``own`` and any of
-    ``others`` (descriptions, None where unknown)."""
+    ``others`` (descriptions, None where unknown), a field named in one known description and
+    not in the other included (a per-call field such as ``records_grad``, given where set)."""
     mine = dict(_split(own))
     out = []
     for text in others:
-        out += [k for k, v in _split(text) if k in mine and mine[k] != v and k not in out]
+        theirs = dict(_split(text))
+        if own is None or text is None:
+            continue
+        out += [k for k in dict.fromkeys([*mine, *theirs])
+                if mine.get(k) != theirs.get(k) and k not in out]
     return out
 
 

@@ -16,7 +16,8 @@ from ..shmem.heap import SymmetricHeap, heap_bytes
 from ..shmem.status import STATUS_TIMEOUT, StatusBoard
 from ..world import collective_setup
 # shape_tag: the ops import it from here
-from .call_tags import DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag  # noqa: F401
+from .call_tags import (DESCRIBE_WAIT_S, explain_mismatch, publish, shape_tag,  # noqa: F401
+                        tag_with)
 from .launch import fewer_registers, PlannedLaunch, resident_programs
 
 G_MAX = 1024  # most programs one launch may have (flag slots per peer)
@@ -254,6 +255,25 @@ class ContextBase:
         # whether the last call returned without an error (a refusal's flag tag: refuse_kernel)
         self._delivered = True
         self._stream = None  # the stream of the last call (_follow_stream): (raw handle, stream)
+
+    #: whether autograd records the module call the next calls are part of
+    #: (``PatternContext.records_grad`` sets it): the fused transports' calls carry it in their
+    #: flags' tag (``call_tag``)
+    records_grad = False
+
+    def call_tag(self, tag: int) -> int:
+        """The tag a call of a plan tagged ``tag`` carries: the plan's fields and, where
+        autograd records the call, ``records_grad=True`` (``call_tags.tag_with``), so ranks
+        that differ in it raise ``RankMismatchError`` in that call (the module's backward holds
+        collectives on every rank: ranks that differ would wait there for ever). ``tag``
+        itself otherwise, so the call costs one attribute read."""
+        if not self.records_grad:
+            return tag
+        tags = self.__dict__.setdefault("_grad_tags", {})
+        got = tags.get(tag)
+        if got is None:
+            got = tags[tag] = tag_with(tag, records_grad=True)
+        return got
 
     def register(self) -> None:
         """Give the context its handle (the torch.library ops' way to name it)."""

@@ -136,6 +136,7 @@ class PatternContext:
             raise BackendUnavailable(f"{self.OP}: transport {transport!r} cannot run here: "
                                      f"{unavailable[transport]}")
         self.impl, self.planner = None, None
+        self._records_grad = False
         if transport == AUTO:
             self.planner = TransportPlanner(self, timeout_s, unavailable, **options)
         else:
@@ -218,6 +219,33 @@ class PatternContext:
         """``_matched`` of a call with its per-call options (a pattern whose collective moves
         sizes given as options, such as a batch split, reads them here)."""
         return self._matched(inputs)
+
+    def _call_shares(self, inputs: dict, options: dict) -> Optional[dict]:
+        """What ``"auto"``'s agreements compare across the ranks: ``_matched_call``, and
+        ``records_grad`` where it is set (a call autograd records on some ranks only is
+        refused on every rank)."""
+        matched = self._matched_call(inputs, options)
+        if matched is not None and self._records_grad:
+            matched = {**matched, "records_grad": True}
+        return matched
+
+    @property
+    def records_grad(self) -> bool:
+        """Whether autograd records the module call the next calls are part of (the library's
+        modules set it around their forward; False otherwise). The backward of such a call
+        holds collectives on every rank, so ranks that differ in it would leave the recording
+        ones waiting there for ever: the fused transports carry it in their flags' tag and
+        ``"auto"`` in its agreements, and ranks that differ raise ``RankMismatchError`` in
+        that call, on every rank. The named ``"sequential"`` and ``"torch_fused"`` transports
+        make no agreement (``docs/reliability.md``)."""
+        return self._records_grad
+
+    @records_grad.setter
+    def records_grad(self, value: bool) -> None:
+        self._records_grad = bool(value)
+        impls = self.planner.impls.values() if self.planner is not None else [self.impl]
+        for impl in impls:
+            impl.records_grad = self._records_grad
 
     def _key_inputs(self, inputs: dict) -> dict:
         """The inputs as ``"auto"``'s call key sees them (``planner._call_key``): as they are,

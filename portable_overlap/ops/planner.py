@@ -458,7 +458,7 @@ class TransportPlanner:
         # agrees on it: a decision's key leaves out what may differ across ranks but must
         # not (the embedding op's whether autograd records the call)
         self._settle({"kind": "decided", "decision": decision, "transport": transport,
-                      "call": text, "matched": self.ctx._matched_call(inputs, given)}
+                      "call": text, "matched": self.ctx._call_shares(inputs, given)}
                      if refusal is None
                      else {"kind": "refused",  # (the refused call's own words)
                            "call": _text(self._describe_call(inputs, given)),
@@ -594,7 +594,7 @@ class TransportPlanner:
         mine = ({"kind": "refused", "why": f"{type(refusal).__name__}: {refusal}",
                  "call": _text(call)} if refusal is not None
                 else {"kind": "new", "call": call, "candidates": cands,
-                      "matched": self.ctx._matched_call(inputs, given)})
+                      "matched": self.ctx._call_shares(inputs, given)})
         decision, records = self._settle(mine, refusal)
         if any(r["candidates"] != cands for r in records):
             raise RankMismatchError(
@@ -999,7 +999,7 @@ class NamedAgreement(TransportPlanner):
         # given: the call is refused (``__call__``) as its peers' call of that key
         named = self.candidates[0] if self.candidates else None
         taken = {k: v for k, v in given.items() if self._takes(named, {k: v})}
-        matched = self.ctx._matched_call(inputs, taken)
+        matched = self.ctx._call_shares(inputs, taken)
         if matched is None and self._chosen:
             return next(reversed(self._chosen))
         return (None if matched is None else tuple(sorted(matched.items())),

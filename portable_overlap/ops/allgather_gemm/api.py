@@ -277,7 +277,8 @@ class AllGatherMatmulCE(OverlapContext):
         # pieces carry. N too, though the gather does not move it: every other transport (the
         # stores kernel's tiles, the agreement of "sequential" and "auto") refuses ranks whose N
         # differs, and a transport switch must change nothing but speed
-        tag = shape_tag(OP, a=(m, K), N=N, dtype=str(a.dtype), pieces=P, layout=sched[-2:])
+        tag = self.call_tag(shape_tag(OP, a=(m, K), N=N, dtype=str(a.dtype), pieces=P,
+                                      layout=sched[-2:]))
         links = self._links
         links.begin()
         if sched.endswith("2d"):
@@ -296,8 +297,8 @@ class AllGatherMatmulCE(OverlapContext):
         """Whole shards pulled by the receiver (class docstring)."""
         W, r = self.world.world_size, self.rank
         m, K = a.shape
-        tag = shape_tag(OP, a=(m, K), N=b.shape[1], dtype=str(a.dtype),  # N: see __call__
-                        direction="pull")
+        tag = self.call_tag(shape_tag(OP, a=(m, K), N=b.shape[1],  # N: see __call__
+                                      dtype=str(a.dtype), direction="pull"))
         shards = [self._pull_slot(q, m, K, a.dtype) for q in range(W)]
         links = self._links
         links.begin()

@@ -221,7 +221,7 @@ class AllGatherMatmulStores(OverlapContext):
         """Stage this rank's first ``n_pull`` chunks, pull every peer's (class docstring)."""
         W, r = self.world.world_size, self.rank
         m, K = a.shape
-        cr, n_pull, tag = plan.chunk_rows, plan.n_pull, plan.tag
+        cr, n_pull, tag = plan.chunk_rows, plan.n_pull, self.call_tag(plan.tag)
         g = self._gathered(m, K, a.dtype)
         links = self._links
         peers = [(r + i) % W for i in range(1, W)]
@@ -261,7 +261,7 @@ class AllGatherMatmulStores(OverlapContext):
         return (a, b, out, self._gather[a.dtype], self.ready, self.consumed, self.tile_next,
                 self.ctx, plan.order, m, b.shape[1], K, b.stride(0), b.stride(1),
                 plan.chunk_rows, plan.n_chunks, plan.n_pull, plan.senders,
-                plan.tag if tag is None else tag,
+                self.call_tag(plan.tag) if tag is None else tag,
                 a_desc, plan.g_desc, b_desc)
 
     def _plan(self, a, b, out):

@@ -330,7 +330,8 @@ class GemmSignal(ContextBase):
         call, or calls with other shapes, is caught here and every rank raises
         RankMismatchError before any data moves. (On GPUs the collectives are queued, not run,
         by the call: a mismatch there is bounded by the group's timeout only.)"""
-        tag = torch.tensor([plan.tag], dtype=torch.int64)
+        own = self.call_tag(plan.tag)
+        tag = torch.tensor([own], dtype=torch.int64)
         tags = [torch.empty_like(tag) for _ in range(self.size)]
         try:
             dist.all_gather(tags, tag, group=self._group())
@@ -339,7 +340,7 @@ class GemmSignal(ContextBase):
             raise self._peer_lost(op, "call check", e) from e
         seen = [int(t) for t in tags]
         if len(set(seen)) != 1:
-            raise RankMismatchError(self._mismatch(op, plan.tag, seen))
+            raise RankMismatchError(self._mismatch(op, own, seen))
 
     def _mismatch(self, op: str, tag: int, seen: list) -> str:
         """The message of a call whose plan tags differ across the ranks (``seen``, by rank):

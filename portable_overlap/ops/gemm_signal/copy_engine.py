@@ -152,8 +152,8 @@ class GemmReduceScatterCE(OverlapContext):
         # and columns a staged tile holds, and ranks whose calls' plans were each made (each
         # planned at an earlier call) with another tiling summed mismatched tiles of equal
         # counts without an error (tiles grouped by 2 and by 1: relative errors 0.73)
-        tag = shape_tag(OP, M=M, N=N, dtype=str(a.dtype), groups=plan.groups.sizes,
-                        tiling=plan.mm.tiling)
+        tag = self.call_tag(shape_tag(OP, M=M, N=N, dtype=str(a.dtype),
+                                      groups=plan.groups.sizes, tiling=plan.mm.tiling))
         be, counters = self.world.backend, sig.counters
 
         links.begin()

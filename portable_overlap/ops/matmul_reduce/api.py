@@ -142,7 +142,7 @@ class MatmulReduce(OverlapContext):
         links = self._links
         partials = self._partials[a.dtype]
         reduced = self._reduced[a.dtype][: M * N].view(M, N)
-        tag = shape_tag(self.OP, mode, M=M, N=N, dtype=str(a.dtype), pieces=P)
+        tag = self.call_tag(shape_tag(self.OP, mode, M=M, N=N, dtype=str(a.dtype), pieces=P))
 
         # Equal pieces. (Tapered all_reduce pieces, weights P..1 so that the exposed pull of the
         # last reduced piece shrinks, were measured slower: 1.088 vs 0.926 ms at 8192^2 x 4096;

@@ -115,8 +115,8 @@ class MatmulReduceStores(OverlapContext):
                 self.sent, self.reduced, self.consumed, self.ctx, self._split_ws,
                 self._split_done, M, b.shape[1], K, a.stride(0), a.stride(1), b.stride(0),
                 b.stride(1), 0 if residual is None else residual.stride(0), -(-M // W),
-                plan.programs if programs is None else programs, plan.tag if tag is None else tag,
-                plan.parts, a_desc, b_desc)
+                plan.programs if programs is None else programs,
+                self.call_tag(plan.tag) if tag is None else tag, plan.parts, a_desc, b_desc)
 
     def _plan(self, a, b, out, bias, residual):
         M, K = a.shape

@@ -42,7 +42,6 @@ from typing import Optional
 import torch
 
 from ...shmem.providers import agreed_put_provider
-from ..call_tags import tag_with
 from ..context import (align_key, check_sizes as check_bounds, check_transport,
                        collective_call, G_MAX, OverlapContext, refuse_grad, shape_tag,
                        shares_memory)
@@ -193,9 +192,6 @@ class MoeDispatchKernel(OverlapContext):
     OP = OP
     TRANSPORTS = FUSED_TRANSPORTS
     FLAG_NAMES = FLAG_NAMES
-    #: whether autograd records the layer call the next calls are part of
-    #: (``MoeDispatch.records_grad``): it enters the calls' tags
-    records_grad = False
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
                  experts_per_rank: int, dtype: torch.dtype = torch.bfloat16,
@@ -222,7 +218,6 @@ class MoeDispatchKernel(OverlapContext):
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank, self.dtype, self.capacity = experts_per_rank, dtype, capacity
         self.dedup = dedup
-        self._call_tags: dict = {}  # (plan tag, records_grad) -> the calls' tag (call_tag)
         E_total = W * experts_per_rank
         cpu = world.device.type == "cpu"
         # slots per block: the scatter ranks a block's slots with a [BLOCK_T, BLOCK_T] compare,
@@ -351,17 +346,6 @@ class MoeDispatchKernel(OverlapContext):
             self._put_kernel[(scatter.programs,)](*args[2], **scatter.consts)
 
         return lambda: count(args[0]), lambda: exchange(args[1]), put
-
-    def call_tag(self, tag: int) -> int:
-        """The tag a call of a plan tagged ``tag`` carries: the plan's fields and whether
-        autograd records the layer call (``records_grad``), so ranks that differ in it raise
-        ``RankMismatchError`` in the exchange, before any row moves (the layer's backward
-        holds collectives on every rank: ranks that differ would wait there for ever)."""
-        got = self._call_tags.get((tag, self.records_grad))
-        if got is None:
-            got = self._call_tags[(tag, self.records_grad)] = tag_with(
-                tag, records_grad=self.records_grad)
-        return got
 
     def _args(self, tokens, topk_ids, tag) -> tuple:
         W, E = self.world.world_size, self.experts_per_rank

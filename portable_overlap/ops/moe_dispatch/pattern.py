@@ -93,7 +93,6 @@ class MoeDispatch(PatternContext):
         self.max_tokens, self.top_k, self.hidden = max_tokens, top_k, hidden
         self.experts_per_rank, self.dtype, self.capacity = experts_per_rank, dtype, capacity
         self._dedup = dedup
-        self._records_grad = False
         # the first workspace made: the one whose buffers "auto"'s "sequential" candidate fills
         self._first = None
         self._last = None  # the workspace of the last call: its buffers hold that call's data
@@ -137,30 +136,11 @@ class MoeDispatch(PatternContext):
                 for k, v in inputs.items()}
 
     def _matched(self, inputs: dict) -> Optional[dict]:
-        """The rows' dtype and width: what the exchange moves (each rank's S may differ); and
-        whether autograd records the layer call (``records_grad``)."""
+        """The rows' dtype and width: what the exchange moves (each rank's S may differ)."""
         tokens = inputs["tokens"]
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             return None
-        return {"dtype": str(tokens.dtype), "H": tokens.shape[1],
-                "records_grad": self._records_grad}
-
-    @property
-    def records_grad(self) -> bool:
-        """Whether autograd records the layer call the next calls are part of
-        (``ExpertParallelMoE`` sets it around each forward; False otherwise). Its backward
-        exchanges rows with every rank, so ranks that differ in it would leave the recording
-        ones waiting there for ever: every transport's call carries it (the fused ones in
-        their flags' tag, ``"sequential"`` in its counts exchange) and ranks that differ raise
-        ``RankMismatchError`` in that call, on every rank, before any row moves."""
-        return self._records_grad
-
-    @records_grad.setter
-    def records_grad(self, value: bool) -> None:
-        self._records_grad = bool(value)
-        impls = self.planner.impls.values() if self.planner is not None else [self.impl]
-        for impl in impls:
-            impl.records_grad = self._records_grad
+        return {"dtype": str(tokens.dtype), "H": tokens.shape[1]}
 
     # -- the buffers, and the fused kernels' workspace ---------------------------------------------
     @property
