@@ -146,11 +146,14 @@ class World:
         self.all_gather_object(SetupRefusal(self.rank, what, f"{type(error).__name__}: {error}"))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank. ``src`` is a rank of this world (of its
+        process group), as :attr:`rank` is: torch reads a plain ``src`` as a rank of the whole
+        job, which on a subgroup world names another process (or one outside the group)."""
         self.collectives += 1
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, group=self.group, group_src=src)
         return box[0]
 
     def barrier(self) -> None:

@@ -1,0 +1,122 @@
+"""Worlds made on sub process groups (``World.from_process_group(group)``), as tensor or expert
+parallelism is laid out inside a larger job: 4 emulated ranks split into two groups of 2,
+contiguous ({0, 1} / {2, 3}) or interleaved ({0, 2} / {1, 3}), both groups running their ops at
+the same time; every rank's result against torch's reference on its own group."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import portable_overlap as po
+from portable_overlap.testing.compare import rel_err
+from portable_overlap.testing.patterns import GEMM_PATTERNS, pattern_inputs
+
+LAYOUTS = {"contiguous": [[0, 1], [2, 3]], "interleaved": [[0, 2], [1, 3]]}
+
+
+def _subworld(world, layout):
+    """This rank's world on its group of ``layout`` (every rank makes every group, as
+    ``dist.new_group`` asks), and the group's index."""
+    groups = [dist.new_group(ranks) for ranks in LAYOUTS[layout]]
+    mine = next(i for i, ranks in enumerate(LAYOUTS[layout]) if world.rank in ranks)
+    return po.World.from_process_group(groups[mine], backend="cpu"), mine
+
+
+def _facts_and_broadcast(world, layout):
+    """What the subgroup world reports, and ``broadcast_object`` from each of its ranks."""
+    sw, gi = _subworld(world, layout)
+    got = [sw.broadcast_object(("group", gi, "rank", sw.rank), src=q)
+           for q in range(sw.world_size)]
+    return (gi, sw.rank, sw.world_size, sw.local_rank, sw.local_world_size, str(sw.device),
+            got)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_world_facts_and_broadcast_by_group_rank(world4, layout):
+    """A group's rank ``q`` is the broadcast's source (torch reads a plain ``src`` as a rank of
+    the whole job: a group without the job's rank 0 raised, another group's process was named);
+    the local rank stays the job's (it picks the device)."""
+    for g, (gi, rank, size, local, local_size, device, got) in enumerate(world4.run(
+            _facts_and_broadcast, layout)):
+        assert (rank, size) == (LAYOUTS[layout][gi].index(g), 2)
+        assert (local, local_size, device) == (g, 4, "cpu")
+        assert got == [("group", gi, "rank", q) for q in range(2)], got
+
+
+def _ops(world, layout):
+    """One call of each op family on this rank's group: the GEMM and GEMV patterns through
+    ``transport="auto"`` (the planner's rank 0 of the group decides and tells its peers), the
+    MoE layer (fused dispatch, expert GEMMs and combine) against its torch path, the sharded
+    embedding against its reference path, the parallel linears against torch."""
+    sw, gi = _subworld(world, layout)
+    W, r = sw.world_size, sw.rank
+    g = torch.Generator().manual_seed(100 * world.rank + 7)
+    shared = torch.Generator().manual_seed(gi)  # the same on the group's ranks
+    errs = {}
+    for name, (make, ref, rows) in GEMM_PATTERNS.items():
+        ctx = make(sw, 4, 6, transport="auto", iters=1, warmup=0)
+        try:
+            a, b, bias, res = pattern_inputs(g, 4, 6, 5, rows(4, W), torch.float32)
+            y = getattr(po, name)(a, b, ctx, bias=bias, residual=res)
+            ctx.synchronize()
+            errs[name] = rel_err(y, ref(a, b, sw.group, bias, res))
+        finally:
+            ctx.close()
+    with po.GemvAllReduce(sw, 16, transport="auto", iters=1, warmup=0) as ctx:
+        x, w = torch.randn(2, 8, generator=g), torch.randn(16, 8, generator=g)
+        errs["gemv_all_reduce"] = rel_err(po.gemv_all_reduce(x, w, ctx),
+                                          po.gemv_all_reduce_reference(x, w, sw.group))
+    with po.AllGatherMatmul(sw, 4 * 8, transport="auto", iters=1, warmup=0) as ctx:
+        a, b = torch.randn(3, 8, generator=g), torch.randn(8, 6, generator=shared)
+        errs["all_gather_matmul"] = rel_err(po.all_gather_matmul(a, b, ctx),
+                                            po.all_gather_matmul_reference(a, b, sw.group))
+    torch.manual_seed(gi)
+    H, I, E, k = 16, 12, 2 * W, 2
+    moe = po.ExpertParallelMoE(sw, H, I, E, k, max_tokens=6, dtype=torch.float32)
+    torch.manual_seed(gi)
+    moe_ref = po.ExpertParallelMoE(sw, H, I, E, k, max_tokens=6, dtype=torch.float32,
+                                   fused=False)
+    try:
+        with torch.no_grad():
+            tokens = torch.randn(5 + r, H, generator=g)
+            errs["moe"] = rel_err(moe(tokens), moe_ref(tokens))
+    finally:
+        moe.close()
+    torch.manual_seed(gi)
+    embs = [po.ShardedEmbeddingBagCollection(sw, [7, 5, 9, 4], 8, max_local_batch=5, fused=f)
+            for f in (True, False)]
+    try:
+        m, B = embs[0], 4
+        lengths = torch.randint(1, 3, (len(m.local_tables) * B,), generator=g)
+        idx = torch.cat([torch.randint(0, m.plan.table_rows[t],
+                                       (int(lengths[j * B:(j + 1) * B].sum()),), generator=g)
+                         for j, t in enumerate(m.local_tables)])
+        with torch.no_grad():
+            embs[1].weight.copy_(embs[0].weight)
+            errs["embedding"] = rel_err(embs[0](lengths, idx), embs[1](lengths, idx))
+    finally:
+        for e in embs:
+            e.close()
+    full_w = torch.randn(12, 8, generator=shared)
+    kk = 8 // W
+    row = po.RowParallelLinear(8, 12, sw, bias=False, dtype=torch.float32)
+    col = po.ColumnParallelLinear(8, 6 * W, sw, max_rows=3, bias=False, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            row.weight.copy_(full_w[:, r * kk:(r + 1) * kk])
+            x = torch.randn(3, 8, generator=shared)
+            errs["row_parallel"] = rel_err(row(x[:, r * kk:(r + 1) * kk]), x @ full_w.T)
+            cw = torch.randn(6 * W, 8, generator=shared)
+            col.weight.copy_(cw[r * 6:(r + 1) * 6])
+            xs = torch.randn(3 * W, 8, generator=shared)
+            errs["column_parallel"] = rel_err(col(xs[r * 3:(r + 1) * 3]),
+                                              (xs @ cw.T)[:, r * 6:(r + 1) * 6])
+    finally:
+        row.ctx.close()
+        col.close()
+    return errs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_op_family_on_two_groups_at_once(world4, layout):
+    for errs in world4.run(_ops, layout, timeout=600):
+        assert errs and all(e < 1e-5 for e in errs.values()), errs
