@@ -2,6 +2,8 @@
 parallelism is laid out inside a larger job: 4 emulated ranks split into two groups of 2,
 contiguous ({0, 1} / {2, 3}) or interleaved ({0, 2} / {1, 3}), both groups running their ops at
 the same time; every rank's result against torch's reference on its own group."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,23 +24,29 @@ def _subworld(world, layout):
 
 
 def _facts_and_broadcast(world, layout):
-    """What the subgroup world reports, and ``broadcast_object`` from each of its ranks."""
+    """What the subgroup world reports, with the launcher's local variables and without them,
+    and ``broadcast_object`` from each of its ranks."""
     sw, gi = _subworld(world, layout)
     got = [sw.broadcast_object(("group", gi, "rank", sw.rank), src=q)
            for q in range(sw.world_size)]
-    return (gi, sw.rank, sw.world_size, sw.local_rank, sw.local_world_size, str(sw.device),
-            got)
+    saved = {k: os.environ.pop(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    try:
+        bare, _ = _subworld(world, layout)
+    finally:
+        os.environ.update(saved)
+    return (gi, sw.rank, sw.world_size, [(w.local_rank, w.local_world_size, str(w.device))
+                                         for w in (sw, bare)], got)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_world_facts_and_broadcast_by_group_rank(world4, layout):
     """A group's rank ``q`` is the broadcast's source (torch reads a plain ``src`` as a rank of
-    the whole job: a group without the job's rank 0 raised, another group's process was named);
-    the local rank stays the job's (it picks the device)."""
-    for g, (gi, rank, size, local, local_size, device, got) in enumerate(world4.run(
-            _facts_and_broadcast, layout)):
+    the whole job: a group without the job's rank 0 raised, another group's process was
+    named). The local rank, which picks the device, is the job's, also where the launcher set
+    no LOCAL_RANK (the group's rank would put two processes on one device)."""
+    for g, (gi, rank, size, local, got) in enumerate(world4.run(_facts_and_broadcast, layout)):
         assert (rank, size) == (LAYOUTS[layout][gi].index(g), 2)
-        assert (local, local_size, device) == (g, 4, "cpu")
+        assert local == [(g, 4, "cpu")] * 2, local
         assert got == [("group", gi, "rank", q) for q in range(2)], got
 
 
