@@ -128,3 +128,36 @@ def _ops(world, layout):
 def test_every_op_family_on_two_groups_at_once(world4, layout):
     for errs in world4.run(_ops, layout, timeout=600):
         assert errs and all(e < 1e-5 for e in errs.values()), errs
+
+
+def _signal_groups_of_two_stages(world):
+    """Tensor-parallel groups {0, 1} / {2, 3} whose stages run different transports (only the
+    first makes a signal group), then the data-parallel groups {0, 2} / {1, 3} make theirs:
+    rank 0 has made one group more than rank 2 by then."""
+    tp = [dist.new_group(ranks) for ranks in LAYOUTS["contiguous"]]
+    dp = [dist.new_group(ranks) for ranks in LAYOUTS["interleaved"]]
+    tpw = po.World.from_process_group(tp[world.rank // 2], backend="cpu")
+    dpw = po.World.from_process_group(dp[world.rank % 2], backend="cpu")
+    g = torch.Generator().manual_seed(world.rank + 3)
+    ref = GEMM_PATTERNS["matmul_reduce_scatter"][1]
+    stage = po.MatmulReduceScatter(tpw, 4, 6, transport=("signal_collective", "stores")[
+        world.rank // 2])
+    data = po.MatmulReduceScatter(dpw, 4, 6, transport="signal_collective")
+    try:
+        errs = []
+        for ctx, w in ((stage, tpw), (data, dpw)):
+            a, b, bias, res = pattern_inputs(g, 4, 6, 5, 2, torch.float32)
+            errs.append(rel_err(po.matmul_reduce_scatter(a, b, ctx, bias=bias, residual=res),
+                                ref(a, b, w.group, bias, res)))
+        return errs
+    finally:
+        stage.close()
+        data.close()
+
+
+def test_signal_groups_when_the_groups_made_differ(world4):
+    """torch names a group its members make alone by their ranks and the number of groups each
+    process made: the data-parallel members made their signal group under different names and
+    waited for each other in ``new_group`` for ever."""
+    for errs in world4.run(_signal_groups_of_two_stages, timeout=120):
+        assert all(e < 1e-5 for e in errs), errs
