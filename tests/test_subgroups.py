@@ -3,6 +3,7 @@ parallelism is laid out inside a larger job: 4 emulated ranks split into two gro
 contiguous ({0, 1} / {2, 3}) or interleaved ({0, 2} / {1, 3}), both groups running their ops at
 the same time; every rank's result against torch's reference on its own group."""
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -161,3 +162,30 @@ def test_signal_groups_when_the_groups_made_differ(world4):
     waited for each other in ``new_group`` for ever."""
     for errs in world4.run(_signal_groups_of_two_stages, timeout=120):
         assert all(e < 1e-5 for e in errs), errs
+
+
+def _torch_fused_hosts(world):
+    """Why torch's fused ops cannot run on a stand-in GPU world of this rank's group, with the
+    job on one host (4 ranks on this one) and on two (2 on each)."""
+    from portable_overlap.ops.torch_fused import unavailable_reason
+
+    sw, _ = _subworld(world, "interleaved")
+    why = []
+    for local in (4, 2):
+        gpu = SimpleNamespace(backend=SimpleNamespace(name="cuda"), rank=sw.rank,
+                              world_size=sw.world_size, local_rank=world.rank % local,
+                              local_world_size=local, group=sw.group, device=sw.device)
+        why.append(unavailable_reason(gpu, "all_gather_matmul"))
+    return why
+
+
+def test_torch_fused_on_a_group_of_a_job_on_one_host(world4):
+    """A group of a job on one host is on that host (it was refused as spanning hosts, its
+    size compared with the host's ranks); a group of a job on two hosts is taken to span them
+    ({0, 2} does with two ranks per host, and was let through)."""
+    for one_host, two_hosts in world4.run(_torch_fused_hosts):
+        if one_host is not None and "symm_mem" in one_host:
+            pytest.skip(f"this torch lacks the fused ops: {one_host}")
+        assert one_host is None, one_host
+        assert "more than one host (4 ranks in the job, 2 on this one; this world is 2" \
+            in two_hosts, two_hosts
