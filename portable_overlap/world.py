@@ -103,6 +103,13 @@ class World:
     def from_process_group(cls, group: Optional[dist.ProcessGroup] = None,
                            backend: Optional[str] = None,
                            device: Optional[torch.device] = None) -> "World":
+        """The world of ``group`` (None: the default process group), made on its members only.
+        ``rank`` and ``world_size`` are the group's; ``local_rank`` and ``local_world_size``
+        are the job's (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``: this process's index among the
+        processes of its host, and their count), since the local rank picks the device: on a
+        subgroup the local world can be larger than the world. Without those variables the
+        job is taken to run on one host and the local rank is the job's rank, not the
+        group's (which on a subgroup names another process's device)."""
         check_names()  # (every constructor comes here: a misspelt override is reported once)
         be = get_backend(backend)
         rank = dist.get_rank(group)
@@ -110,7 +117,7 @@ class World:
             raise ValueError("World.from_process_group: this process is not a member of the "
                              "group; make the world on the group's ranks only")
         size = dist.get_world_size(group)
-        local_rank, local_size = _local_env(rank, size)
+        local_rank, local_size = _local_env(dist.get_rank(), dist.get_world_size())
         device = device or _device_for(be, local_rank)
         return cls(rank, size, local_rank, local_size, device, be, group)
 
@@ -146,11 +153,14 @@ class World:
         self.all_gather_object(SetupRefusal(self.rank, what, f"{type(error).__name__}: {error}"))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank. ``src`` is a rank of this world (of its
+        process group), as :attr:`rank` is: torch reads a plain ``src`` as a rank of the whole
+        job, which on a subgroup world names another process (or one outside the group)."""
         self.collectives += 1
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, group=self.group, group_src=src)
         return box[0]
 
     def barrier(self) -> None:

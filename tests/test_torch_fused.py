@@ -50,7 +50,7 @@ def test_where_it_may_run():
     assert torch_fused.unavailable_reason(_stub_world("gpu", 1, 1)) is None  # a world of one
     assert torch_fused.unavailable_reason(_stub_world("gpu", 8, 8)) is None
     why = torch_fused.unavailable_reason(_stub_world("gpu", 16, 8))
-    assert why and "more than one host" in why and "16 ranks, 8 on this one" in why
+    assert why and "more than one host" in why and "16 ranks in the job, 8 on this one" in why
     # every other transport runs wherever the backend does
     cpu = _stub_world("cpu", 2, 2)
     assert transport_unavailable(cpu, "torch_fused") == torch_fused.unavailable_reason(cpu)

@@ -41,14 +41,32 @@ def _factory(name: str, world, dtype, device, fused: bool) -> tuple:
     return dtype, world.device
 
 
-def _check_context(name: str, arg: str, given, want: type, why: str = "") -> None:
+def _check_context(name: str, arg: str, given, want: type, world, why: str = "") -> None:
     """A context argument of a layer (``ctx``, ``reduce_ctx``) is ``want`` or None: one of
     another op was taken when the layer was made and failed only at the first call of the
-    path that uses it (a prefill after any number of decode steps)."""
-    if given is not None and not isinstance(given, want):
+    path that uses it (a prefill after any number of decode steps). And it is made on the
+    layer's process group: one made on another world of the same size (the data-parallel
+    group's, beside the layer's tensor-parallel one) reduced or gathered over other ranks than
+    the layer's, a wrong result with no error."""
+    if given is None:
+        return
+    if not isinstance(given, want):
         article = "an" if want.__name__[0] in "AEIOU" else "a"
         raise TypeError(f"{name}: {arg} must be {article} {want.__name__}{why} or None, got "
                         f"{type(given).__name__}")
+    theirs = getattr(given, "world", world)
+    if _group_of(theirs) is not _group_of(world) or theirs.world_size != world.world_size:
+        raise ValueError(f"{name}: {arg} was made on another world than the layer's "
+                         f"({theirs.world_size} ranks of another process group): its op would "
+                         f"combine other ranks' shards than the layer's; make it on the "
+                         f"layer's world")
+
+
+def _group_of(world):
+    """The process group of ``world``, None (the default group) as the default group."""
+    if world.group is not None:
+        return world.group
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def _describe(x) -> str:
@@ -331,10 +349,10 @@ class RowParallelLinear(nn.Module):
         if fused and reduce == "reduce_scatter" and max_rows is None and reduce_ctx is None:
             raise ValueError("RowParallelLinear: reduce='reduce_scatter' with fused=True needs "
                              "max_rows (to size its MatmulReduceScatter context) or reduce_ctx")
-        _check_context(self.NAME, "ctx", ctx, GemvAllReduce)
+        _check_context(self.NAME, "ctx", ctx, GemvAllReduce, world)
         _check_context(self.NAME, "reduce_ctx", reduce_ctx,
                        MatmulReduceScatter if reduce == "reduce_scatter" else MatmulAllReduce,
-                       f" (reduce={reduce!r})")
+                       world, f" (reduce={reduce!r})")
         dtype, device = _factory(self.NAME, world, dtype, device, fused)
         same_arguments(world, self.NAME, in_features=in_features, out_features=out_features,
                        bias=bool(bias), dtype=dtype, fused=bool(fused), reduce=reduce,
@@ -509,7 +527,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"ColumnParallelLinear: out_features={out_features} must divide by "
                              f"the world size {W}")
         check_sizes("ColumnParallelLinear", max_rows=max_rows)  # True would size it for a row
-        _check_context(self.NAME, "ctx", ctx, AllGatherMatmul)
+        _check_context(self.NAME, "ctx", ctx, AllGatherMatmul, world)
         dtype, device = _factory(self.NAME, world, dtype, device, fused)
         same_arguments(world, self.NAME, in_features=in_features, out_features=out_features,
                        max_rows=max_rows, bias=bool(bias), dtype=dtype, fused=bool(fused),

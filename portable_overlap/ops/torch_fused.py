@@ -79,12 +79,18 @@ def unavailable_reason(world, op: Optional[str] = None) -> Optional[str]:
     for name in names:
         if not hasattr(torch.ops.symm_mem, name):
             return f"torch {torch.__version__} has no torch.ops.symm_mem.{name}"
-    if world.local_world_size != world.world_size:
+    # the job's ranks, of which the world's are all (a world of the default group) or some (a
+    # world made on a subgroup: World.local_world_size counts the job's ranks on this host)
+    job = dist.get_world_size() if dist.is_initialized() else world.world_size
+    if world.local_world_size != job:
         # torch's default symmetric-memory allocator maps the peers' workspaces by IPC handles,
-        # which reach the GPUs of one host
-        return (f"ranks on more than one host ({world.world_size} ranks, "
-                f"{world.local_world_size} on this one): torch's symmetric-memory workspace "
-                f"joins the GPUs of one host")
+        # which reach the GPUs of one host. A subgroup of a job that spans hosts is taken to
+        # span them as well: one rank alone cannot tell on which hosts its peers run
+        return (f"ranks on more than one host ({job} ranks in the job, "
+                f"{world.local_world_size} on this one"
+                + (f"; this world is {world.world_size} of them" if job != world.world_size
+                   else "")
+                + "): torch's symmetric-memory workspace joins the GPUs of one host")
     if torch_shmem_backend_bound(getattr(world, "device", None)):
         # seen on 4 H200s: the workspace allocation raised "NVSHMEMSymmetricMemoryAllocator::
         # alloc must not be called with a group_name" after a transport='shmem' context

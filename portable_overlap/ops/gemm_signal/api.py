@@ -629,15 +629,39 @@ def _bounded_group(world):
     then dropped, ``_drop_bounded_group``, and the next context makes another). Its timeout is
     set to the calling context's before each call (``GemmSignal._group``)."""
     group = getattr(world, "_signal_group", None)
-    if not all(world.all_gather_object(group is not None)):  # every rank makes a new one
-        whole = world.group is None or dist.get_world_size(world.group) == dist.get_world_size()
+    whole = world.group is None or dist.get_world_size(world.group) == dist.get_world_size()
+    held = world.all_gather_object((group is not None, None if whole else _groups_made()))
+    if not all(h[0] for h in held):  # every rank makes a new one
         ranks = (list(range(dist.get_world_size())) if world.group is None else
                  dist.get_process_group_ranks(world.group))
+        if not whole:
+            _pad_groups_made(max(h[1] for h in held))
         # a subgroup world (one rank of a job, say) makes its group with its own ranks alone
         group = dist.new_group(ranks, backend=dist.get_backend(world.group),
                                use_local_synchronization=not whole)
         world._signal_group = group
     return group
+
+
+def _groups_made() -> int:
+    """How many process groups this process has made: torch names a group made with
+    ``use_local_synchronization`` by its ranks and this count, so the members of a subgroup
+    world meet under one name only where their counts agree. They differ where a process is
+    in two subgroup worlds (tensor parallel beside data parallel) and one of its other worlds
+    made a signal group that the other members' worlds did not (another pipeline stage runs
+    another transport): the members then waited in ``new_group`` for ever, each under its own
+    name. -1 where this torch keeps no such count (nothing to agree on)."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    return -1 if names is None else len(names)
+
+
+def _pad_groups_made(count: int) -> None:
+    """Make groups of this process alone (gloo: no device, no peer) until this process has
+    made ``count`` (the most any member of the world made), so the next group made with
+    ``use_local_synchronization`` has the same name on every member (``_groups_made``)."""
+    me = dist.get_rank()
+    while 0 <= _groups_made() < count:
+        dist.new_group([me], backend="gloo", use_local_synchronization=True)
 
 
 def _drop_bounded_group(world) -> None:
