@@ -76,7 +76,7 @@ def signal_peer(flag_ptr, value, bases_ptr, rank, peer):
     tl.atomic_xchg(peer_ptr(flag_ptr, bases_ptr, rank, peer), value, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def call_deadline(clock_ptr, epoch, timeout_us):
     """The time (ns, ``now_ns``) after which every wait of call ``epoch`` gives up:
     ``timeout_us`` after the first wait of the call that had to spin began. One deadline per
@@ -92,20 +92,23 @@ def call_deadline(clock_ptr, epoch, timeout_us):
     only if that call is a multiple of 2**32 calls back. (Fewer bits would not do: with 16, a
     rank whose waits found their flags there for 65536 calls, the last rank to arrive call
     after call, takes the stamp of the call that many calls back, whose start is long past:
-    its first wait that spins gives up at once, and the context breaks.) The start is kept
-    modulo 2**31 ms (24 days) and read back from the current time (a call's waits end within
-    ``MAX_TIMEOUT_S``); ms, so the deadline may come up to 1 ms early. Only waits that find
-    their flag missing ask for it, so a call whose flags are already there pays no atomic and
-    no clock read for it."""
+    its first wait that spins gives up at once, and the context breaks.) The start is kept in
+    units of 2**20 ns (1.05 ms; a shift, where a division by 10**6 cost the K split's GEMV
+    tile a spill on sm_90), so the deadline may come up to 1.05 ms early, modulo 2**31 units
+    (26 days), read back from the current time (a call's waits end within
+    ``MAX_TIMEOUT_S``). Not inlined: the spin's entry, inlined into the waits of a kernel
+    that keeps tiles in registers, made that tile spill. Only waits that find their flag
+    missing ask for it, so a call whose flags are already there pays no atomic and no clock
+    read for it."""
     stamp = epoch.to(tl.int64) & 0xFFFFFFFF
     v = tl.atomic_add(clock_ptr, 0, sem="relaxed", scope="gpu")
-    now_ms = now_ns() // 1000000
     if (v & 0xFFFFFFFF) != stamp:
-        mine = ((now_ms & 0x7FFFFFFF) << 32) | stamp
+        mine = (((now_ns() >> 20) & 0x7FFFFFFF) << 32) | stamp
         old = tl.atomic_cas(clock_ptr, v, mine, sem="relaxed", scope="gpu")
         v = tl.where(old == v, mine, old)
-    start_ms = now_ms - ((now_ms - (v >> 32)) & 0x7FFFFFFF)
-    return start_ms * 1000000 + tl.cast(timeout_us, tl.int64) * 1000
+    now = now_ns() >> 20
+    start = now - ((now - (v >> 32)) & 0x7FFFFFFF)
+    return (start << 20) + tl.cast(timeout_us, tl.int64) * 1000
 
 
 @triton.jit
