@@ -73,3 +73,48 @@ def test_the_deadline_of_a_call_many_calls_on_is_its_own(world2, transport):
         assert outcomes == ["ok"] * 3, (rank, outcomes)
         if rank == 0:
             assert stamp == 3 + skip, stamp
+
+
+def _move_on(ws, n: int, arrays) -> None:
+    """Move ``ws`` ``n`` calls on, as if it had made them with a grid of one program: its
+    counter, and program 0's words of ``arrays`` (the flag arrays such calls write)."""
+    done = int(ws.ctx[0]) >> CALL_SHIFT
+    ws.ctx[0] = (done + n) << CALL_SHIFT
+    for flags in arrays:
+        word = flags[:, 0]
+        word.copy_(torch.where(word != 0, (word & ~0xFFFFFFFF) | ((word + n) & 0xFFFFFFFF), word))
+
+
+def _grid_back_after_many_calls(world, transport):
+    """A shape of 4 programs (call 1), then 2**31 + 10 calls of a shape of 1 program, then the
+    first shape again, rank 1 slower (a K 32 times rank 0's): rank 0's waits for rank 1's
+    programs 1-3 find words no call of the small grid wrote."""
+    ctx = GemvAllReduce(world, max_n=256, timeout_s=5.0, transport=transport)
+    ws = ctx.impl
+    written = (ws.ready,) if transport == "one_shot" else (ws.ready, ws.bcast)
+    shapes = [(256, 16), (16, 16), (16, 16), (256, 16 if world.rank == 0 else 512)]
+    outcomes = []
+    for i, (N, K) in enumerate(shapes):
+        if i == 2:  # on to the call before the 2**30-th
+            _move_on(ws, (1 << 30) - 1 - (int(ws.ctx[0]) >> CALL_SHIFT), written)
+        if i == 3:  # on to call 2**31 + 12
+            _move_on(ws, (1 << 31) + 11 - (int(ws.ctx[0]) >> CALL_SHIFT), written)
+        x, w = _inputs(world, 2, N, K, i)
+        ref = gemv_all_reduce_reference(x, w, world.group)
+        try:
+            y = ctx(x, w, out=torch.full((2, N), float("nan")))
+            outcomes.append("ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-4) else "wrong")
+        except PortableOverlapError as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    ctx.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("transport", ["stores", "one_shot"])
+def test_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, transport):
+    """Flags carry 32 bits of the call number: a word no launch wrote for 2**31 calls read as
+    a later call's, and rank 0 summed partials rank 1 had not stored yet (a wrong result, no
+    error). Each 2**30-th call writes the words its grid does not."""
+    for rank, outcomes in enumerate(world2.run(_grid_back_after_many_calls, transport,
+                                               timeout=300)):
+        assert outcomes == ["ok"] * 4, (rank, outcomes)
