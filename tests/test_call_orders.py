@@ -118,3 +118,37 @@ def test_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, t
     for rank, outcomes in enumerate(world2.run(_grid_back_after_many_calls, transport,
                                                timeout=300)):
         assert outcomes == ["ok"] * 4, (rank, outcomes)
+
+
+def _other_contexts_then_one_call(world):
+    """Rank 0 makes a GEMV + AllReduce context, rank 1 a GEMM + AllReduce one; then both make
+    the same context and call it."""
+    import portable_overlap as po
+
+    outcomes = []
+    try:
+        if world.rank == 0:
+            po.GemvAllReduce(world, max_n=32, transport="stores").close()
+        else:
+            po.MatmulAllReduce(world, 16, 16, transport="stores").close()
+        outcomes.append("made")
+    except po.RankMismatchError as e:
+        outcomes.append(str(e))
+    ctx = GemvAllReduce(world, max_n=32, timeout_s=10.0)
+    x, w = _inputs(world, 2, 16, 8, 3)
+    y = ctx(x, w)
+    outcomes.append(bool(torch.allclose(y, gemv_all_reduce_reference(x, w, world.group),
+                                        rtol=1e-4, atol=1e-4)))
+    ctx.close()
+    return outcomes
+
+
+def test_contexts_of_other_ops_made_at_once_name_both(world2):
+    """Each rank's error named its own op only ("ranks disagree on gemv_all_reduce transport:
+    rank 0: stores, rank 1: ..." on rank 0, "matmul_all_reduce" on rank 1): each rank read its
+    peer's arguments as another value of its own. Both ranks now say what each was making, and
+    the next context is made in step."""
+    for rank, (msg, ok) in enumerate(world2.run(_other_contexts_then_one_call, timeout=120)):
+        assert msg.startswith("ranks are setting up different things at once"), (rank, msg)
+        assert "rank 0: gemv_all_reduce" in msg and "rank 1: matmul_all_reduce" in msg, msg
+        assert ok, rank
