@@ -61,14 +61,13 @@ def _stamp_of_an_earlier_call(world, transport, skip):
     return outcomes, stamp
 
 
-@pytest.mark.parametrize("transport", ["stores", "one_shot"])
-def test_the_deadline_of_a_call_many_calls_on_is_its_own(world2, transport):
+def test_the_deadline_of_a_call_many_calls_on_is_its_own(world2):
     """The deadline clock stamps the call whose wait spun first. A stamp of the call 65536
     calls back (a rank whose flags were there at every call in between, the last rank to
     arrive) read as this call's gave rank 0's first wait the old start: a timeout at once,
     the context broken for good."""
     skip = 65535  # the call after it is call 2 + 65536
-    for rank, (outcomes, stamp) in enumerate(world2.run(_stamp_of_an_earlier_call, transport,
+    for rank, (outcomes, stamp) in enumerate(world2.run(_stamp_of_an_earlier_call, "stores",
                                                         skip, timeout=300)):
         assert outcomes == ["ok"] * 3, (rank, outcomes)
         if rank == 0:
