@@ -191,10 +191,20 @@ class World:
         dist.all_reduce(word, group=self.group)
 
     def check_same(self, what: str, value: Any) -> None:
-        """Raise on every rank if the ranks disagree on ``value`` (host sync; set-up time)."""
+        """Raise on every rank if the ranks disagree on ``value`` (host sync; set-up time).
+        ``what`` travels with it: ranks that meet here while setting up different things (one
+        op's context on one rank, another's on the other: contexts made in other orders) are
+        told what each rank was making, where naming this rank's ``what`` alone would call the
+        peer's arguments another value of it."""
         from .errors import RankMismatchError
 
-        values = self.all_gather_object(value)
+        pairs = self.all_gather_object((what, value))
+        if any(w != what for w, _ in pairs):
+            raise RankMismatchError(
+                "ranks are setting up different things at once (contexts made in other orders, "
+                "or other ops on some ranks; every rank must make the same contexts in the same "
+                "order): " + "; ".join(f"rank {r}: {w} {v}" for r, (w, v) in enumerate(pairs)))
+        values = [v for _, v in pairs]
         if any(v != values[0] for v in values):
             raise RankMismatchError(f"ranks disagree on {what}: " + ", ".join(
                 f"rank {r}: {v}" for r, v in enumerate(values)))

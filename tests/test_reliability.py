@@ -312,7 +312,7 @@ def test_every_context_closes_at_the_end_of_a_with_block(world2):
 @pytest.mark.parametrize("timeout_s", [0.0, 0.005, -1.0, float("nan"), float("inf"), 1801.0,
                                        "ten", None])
 def test_timeouts_outside_the_deadlines_range_are_refused(timeout_s):
-    """A call's deadline is kept in milliseconds and may come up to 1 ms early: a timeout of
+    """A call's deadline is kept in units of 2**20 ns and may come up to 1.05 ms early: a timeout of
     a few milliseconds or less gave up at once."""
     from portable_overlap.ops.context import check_timeout
 

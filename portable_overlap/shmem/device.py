@@ -76,7 +76,7 @@ def signal_peer(flag_ptr, value, bases_ptr, rank, peer):
     tl.atomic_xchg(peer_ptr(flag_ptr, bases_ptr, rank, peer), value, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def call_deadline(clock_ptr, epoch, timeout_us):
     """The time (ns, ``now_ns``) after which every wait of call ``epoch`` gives up:
     ``timeout_us`` after the first wait of the call that had to spin began. One deadline per
@@ -85,19 +85,30 @@ def call_deadline(clock_ptr, epoch, timeout_us):
     second kernel) does not get a fresh timeout, so a missing peer costs one timeout per call,
     not one per program.
 
-    ``clock_ptr[0]`` (the context's heap) holds ``(start_ms << 16) | (epoch & 0xFFFF)``: the
-    first program whose epoch differs from the stamp replaces it (compare-and-swap); the others
-    read the winner's start. Milliseconds: NVIDIA's clock counts ns since 1970 (2^60 now), so
-    the start must fit 47 bits (2^47 ms is 4000 years); the deadline may come up to 1 ms early.
-    Only waits that find their flag missing ask for it, so a call whose flags are already there
-    pays no atomic and no clock read for it."""
-    stamp = epoch.to(tl.int64) & 0xFFFF
+    ``clock_ptr[0]`` (the context's heap) holds ``(start_ms mod 2**31) << 32 | (epoch mod
+    2**32)``: the first program whose epoch differs from the stamp replaces it
+    (compare-and-swap); the others read the winner's start. The stamp holds as many bits of the
+    epoch as the flags do: a stamp left by a wait of an earlier call is taken for this call's
+    only if that call is a multiple of 2**32 calls back. (Fewer bits would not do: with 16, a
+    rank whose waits found their flags there for 65536 calls, the last rank to arrive call
+    after call, takes the stamp of the call that many calls back, whose start is long past:
+    its first wait that spins gives up at once, and the context breaks.) The start is kept in
+    units of 2**20 ns (1.05 ms; a shift, where a division by 10**6 cost the K split's GEMV
+    tile a spill on sm_90), so the deadline may come up to 1.05 ms early, modulo 2**31 units
+    (26 days), read back from the current time (a call's waits end within
+    ``MAX_TIMEOUT_S``). Not inlined: the spin's entry, inlined into the waits of a kernel
+    that keeps tiles in registers, made that tile spill. Only waits that find their flag
+    missing ask for it, so a call whose flags are already there pays no atomic and no clock
+    read for it."""
+    stamp = epoch.to(tl.int64) & 0xFFFFFFFF
     v = tl.atomic_add(clock_ptr, 0, sem="relaxed", scope="gpu")
-    if (v & 0xFFFF) != stamp:
-        mine = ((now_ns() // 1000000) << 16) | stamp
+    if (v & 0xFFFFFFFF) != stamp:
+        mine = (((now_ns() >> 20) & 0x7FFFFFFF) << 32) | stamp
         old = tl.atomic_cas(clock_ptr, v, mine, sem="relaxed", scope="gpu")
         v = tl.where(old == v, mine, old)
-    return (v >> 16) * 1000000 + tl.cast(timeout_us, tl.int64) * 1000
+    now = now_ns() >> 20
+    start = now - ((now - (v >> 32)) & 0x7FFFFFFF)
+    return (start << 20) + tl.cast(timeout_us, tl.int64) * 1000
 
 
 @triton.jit

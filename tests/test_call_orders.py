@@ -1,0 +1,153 @@
+"""The call protocol over many calls and many contexts, on CPU-emulated ranks: call numbers
+far from 0 (a context that ran for hours), the deadline's stamp of an earlier call, contexts
+called in other orders on other ranks."""
+import time
+
+import pytest
+import torch
+
+from portable_overlap import GemvAllReduce, PortableOverlapError, gemv_all_reduce_reference
+from portable_overlap.language.host import CALL_SHIFT, CTX_CLOCK
+
+
+def _inputs(world, M, N, K, seed):
+    g = torch.Generator().manual_seed(seed * 1000 + world.rank)
+    return torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+
+
+def _skip_calls(ws, n: int) -> None:
+    """Move the workspace ``ws`` (a fused GEMV + AllReduce's, between calls, on every rank)
+    ``n`` calls on, as if it had made them: its call counter, and every flag word its peers
+    wrote, which holds the last call's number in its low half."""
+    done = int(ws.ctx[0]) >> CALL_SHIFT
+    ws.ctx[0] = (done + n) << CALL_SHIFT
+    for flags in (ws.ready, ws.bcast):
+        seen = flags != 0
+        epoch = (flags & 0xFFFFFFFF) + n
+        flags.copy_(torch.where(seen, (flags & ~0xFFFFFFFF) | (epoch & 0xFFFFFFFF), flags))
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Spend ``seconds`` of this process's CPU time: the interpreter's clock
+    (``backends.device_clock``) is CPU time."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def _stamp_of_an_earlier_call(world, transport, skip):
+    """Call 2 spins on rank 0 (rank 1 comes late) and stamps the deadline clock; the context
+    then moves ``skip`` calls on (its counter and flags), rank 0 spends more than the timeout
+    of CPU time, and rank 1 comes late to the next call again."""
+    ctx = GemvAllReduce(world, max_n=64, timeout_s=2.0, transport=transport)
+    outcomes = []
+    for call in range(3):
+        x, w = _inputs(world, 2, 40, 16, call)
+        ref = gemv_all_reduce_reference(x, w, world.group)
+        if call == 2:
+            _skip_calls(ctx.impl, skip)
+            if world.rank == 0:
+                _burn_cpu(2.5)
+        world.barrier()
+        if world.rank == 1 and call >= 1:
+            time.sleep(0.5)  # rank 0's first wait of the call spins
+        try:
+            y = ctx(x, w, out=torch.full((2, 40), float("nan")))
+            outcomes.append("ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-4) else "wrong")
+        except PortableOverlapError as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    stamp = int(ctx.impl.ctx[CTX_CLOCK]) & 0xFFFFFFFF
+    ctx.close()
+    return outcomes, stamp
+
+
+def test_the_deadline_of_a_call_many_calls_on_is_its_own(world2):
+    """The deadline clock stamps the call whose wait spun first. A stamp of the call 65536
+    calls back (a rank whose flags were there at every call in between, the last rank to
+    arrive) read as this call's gave rank 0's first wait the old start: a timeout at once,
+    the context broken for good."""
+    skip = 65535  # the call after it is call 2 + 65536
+    for rank, (outcomes, stamp) in enumerate(world2.run(_stamp_of_an_earlier_call, "stores",
+                                                        skip, timeout=300)):
+        assert outcomes == ["ok"] * 3, (rank, outcomes)
+        if rank == 0:
+            assert stamp == 3 + skip, stamp
+
+
+def _move_on(ws, n: int, arrays) -> None:
+    """Move ``ws`` ``n`` calls on, as if it had made them with a grid of one program: its
+    counter, and program 0's words of ``arrays`` (the flag arrays such calls write)."""
+    done = int(ws.ctx[0]) >> CALL_SHIFT
+    ws.ctx[0] = (done + n) << CALL_SHIFT
+    for flags in arrays:
+        word = flags[:, 0]
+        word.copy_(torch.where(word != 0, (word & ~0xFFFFFFFF) | ((word + n) & 0xFFFFFFFF), word))
+
+
+def _grid_back_after_many_calls(world, transport):
+    """A shape of 4 programs (call 1), then 2**31 + 10 calls of a shape of 1 program, then the
+    first shape again, rank 1 slower (a K 32 times rank 0's): rank 0's waits for rank 1's
+    programs 1-3 find words no call of the small grid wrote."""
+    ctx = GemvAllReduce(world, max_n=256, timeout_s=5.0, transport=transport)
+    ws = ctx.impl
+    written = (ws.ready,) if transport == "one_shot" else (ws.ready, ws.bcast)
+    shapes = [(256, 16), (16, 16), (16, 16), (256, 16 if world.rank == 0 else 512)]
+    outcomes = []
+    for i, (N, K) in enumerate(shapes):
+        if i == 2:  # on to the call before the 2**30-th
+            _move_on(ws, (1 << 30) - 1 - (int(ws.ctx[0]) >> CALL_SHIFT), written)
+        if i == 3:  # on to call 2**31 + 12
+            _move_on(ws, (1 << 31) + 11 - (int(ws.ctx[0]) >> CALL_SHIFT), written)
+        x, w = _inputs(world, 2, N, K, i)
+        ref = gemv_all_reduce_reference(x, w, world.group)
+        try:
+            y = ctx(x, w, out=torch.full((2, N), float("nan")))
+            outcomes.append("ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-4) else "wrong")
+        except PortableOverlapError as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    ctx.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("transport", ["stores", "one_shot"])
+def test_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, transport):
+    """Flags carry 32 bits of the call number: a word no launch wrote for 2**31 calls read as
+    a later call's, and rank 0 summed partials rank 1 had not stored yet (a wrong result, no
+    error). Each 2**30-th call writes the words its grid does not."""
+    for rank, outcomes in enumerate(world2.run(_grid_back_after_many_calls, transport,
+                                               timeout=300)):
+        assert outcomes == ["ok"] * 4, (rank, outcomes)
+
+
+def _other_contexts_then_one_call(world):
+    """Rank 0 makes a GEMV + AllReduce context, rank 1 a GEMM + AllReduce one; then both make
+    the same context and call it."""
+    import portable_overlap as po
+
+    outcomes = []
+    try:
+        if world.rank == 0:
+            po.GemvAllReduce(world, max_n=32, transport="stores").close()
+        else:
+            po.MatmulAllReduce(world, 16, 16, transport="stores").close()
+        outcomes.append("made")
+    except po.RankMismatchError as e:
+        outcomes.append(str(e))
+    ctx = GemvAllReduce(world, max_n=32, timeout_s=10.0)
+    x, w = _inputs(world, 2, 16, 8, 3)
+    y = ctx(x, w)
+    outcomes.append(bool(torch.allclose(y, gemv_all_reduce_reference(x, w, world.group),
+                                        rtol=1e-4, atol=1e-4)))
+    ctx.close()
+    return outcomes
+
+
+def test_contexts_of_other_ops_made_at_once_name_both(world2):
+    """Each rank's error named its own op only ("ranks disagree on gemv_all_reduce transport:
+    rank 0: stores, rank 1: ..." on rank 0, "matmul_all_reduce" on rank 1): each rank read its
+    peer's arguments as another value of its own. Both ranks now say what each was making, and
+    the next context is made in step."""
+    for rank, (msg, ok) in enumerate(world2.run(_other_contexts_then_one_call, timeout=120)):
+        assert msg.startswith("ranks are setting up different things at once"), (rank, msg)
+        assert "rank 0: gemv_all_reduce" in msg and "rank 1: matmul_all_reduce" in msg, msg
+        assert ok, rank
