@@ -98,23 +98,6 @@ def _check_input(name: str, x, weight: torch.Tensor) -> None:
                          f"{weight.device}")
 
 
-@contextlib.contextmanager
-def _recorded(ctx, records: bool):
-    """The op calls inside run on ``ctx`` with ``records_grad`` (``PatternContext``): the
-    module's backward holds collectives, so its fused transports tag the calls with it and
-    ranks where autograd records the call and ranks where it does not raise
-    ``RankMismatchError`` in the forward, not wait in the backward for ever. Left as it was
-    where it already holds ``records`` (no attribute set under ``torch.compile``)."""
-    if ctx.records_grad == records:
-        yield
-        return
-    ctx.records_grad = records
-    try:
-        yield
-    finally:
-        ctx.records_grad = False
-
-
 def _op_call(name: str, x, fn, *args):
     """``fn(*args)``, an op called for a module: an error it raises about the call (bad input,
     a context too small, a peer that disagreed) is raised again with the module's name and the
@@ -446,12 +429,10 @@ class RowParallelLinear(nn.Module):
     def _fused(self, x, x2, weight, run, scattered=False):
         """``run(x2, weight)`` (a fused op), inside :class:`_RowFused` when autograd records
         (the reduce-scatter's backward all-gathers the output gradient: its calls carry
-        ``records_grad``, ``_recorded``)."""
+        ``records_grad``: ``PatternContext.recording``)."""
         if _recording(self, x):
-            if not scattered:  # (the all-reduce's backward holds no collective)
-                return _op_call(self.NAME, x, _RowFused.apply, x2, weight, run, scattered,
-                                self.world.group, self.world.world_size)
-            with _recorded(self.reduce_ctx, True):
+            # (the all-reduce's backward holds no collective)
+            with self.reduce_ctx.recording() if scattered else contextlib.nullcontext():
                 return _op_call(self.NAME, x, _RowFused.apply, x2, weight, run, scattered,
                                 self.world.group, self.world.world_size)
         return _op_call(self.NAME, x, run, x2, weight)
@@ -568,7 +549,7 @@ class ColumnParallelLinear(nn.Module):
         if self.fused:
             run = lambda a, w: all_gather_matmul(a.contiguous(), w.T, self.ctx)  # noqa: E731
             if _recording(self, x):
-                with _recorded(self.ctx, True):  # (the backward reduce-scatters dx)
+                with self.ctx.recording():  # (the backward reduce-scatters dx)
                     y = _op_call(self.NAME, x, _ColumnFused.apply, x, weight, run,
                                  self.world.group, W)
             else:

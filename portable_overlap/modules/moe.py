@@ -258,13 +258,10 @@ class ExpertParallelMoE(nn.Module):
             return moe_layer_reference(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
                                        self.experts_per_rank, self.world.group,
                                        accumulate_fp32=False, records_grad=records_grad)
-        if self.dispatch_ctx.records_grad == records_grad:  # (no attribute set under compile)
+        if not records_grad:  # (the inference forward, which torch.compile traces)
             return self._fused_forward(tokens, weights, ids)
-        self.dispatch_ctx.records_grad = records_grad
-        try:
+        with self.dispatch_ctx.recording():
             return self._fused_forward(tokens, weights, ids)
-        finally:
-            self.dispatch_ctx.records_grad = False
 
     def _fused_forward(self, tokens, weights, ids) -> torch.Tensor:
         # the fused ops take tokens with contiguous rows (a transposed view is a valid input of

@@ -9,6 +9,8 @@ call. With ``"auto"`` the context makes every candidate's workspace and picks on
 that key's first eager call, by timing them all on its inputs (``planner.py``)."""
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional
 
 import torch
@@ -246,6 +248,16 @@ class PatternContext:
         impls = self.planner.impls.values() if self.planner is not None else [self.impl]
         for impl in impls:
             impl.records_grad = self._records_grad
+
+    @contextlib.contextmanager
+    def recording(self):
+        """The calls inside carry ``records_grad=True`` (a module's forward that autograd
+        records); False again after them, as before them, for the calls that follow."""
+        self.records_grad = True
+        try:
+            yield
+        finally:
+            self.records_grad = False
 
     def _key_inputs(self, inputs: dict) -> dict:
         """The inputs as ``"auto"``'s call key sees them (``planner._call_key``): as they are,
