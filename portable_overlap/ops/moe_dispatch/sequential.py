@@ -45,9 +45,6 @@ class SequentialMoeDispatch(ContextBase):
     OP = OP
     #: the host reads the splits at every call (module docstring)
     capturable = False
-    #: whether autograd records the layer call (``MoeDispatch.records_grad``): in the counts
-    #: exchange's flags
-    records_grad = False
 
     def __init__(self, world, *, max_tokens: int, top_k: int, hidden: int,
                  experts_per_rank: int, dtype: torch.dtype = torch.bfloat16,
@@ -109,6 +106,7 @@ class SequentialMoeDispatch(ContextBase):
 
     def _dispatch(self, tokens, topk_ids) -> tuple:
         self._exchanging = True  # (from here on the peers are in this call's exchanges)
+        # (ContextBase.records_grad travels in the counts exchange's flags)
         x, counts, slots = moe_dispatch_reference(tokens, topk_ids, self.experts_per_rank,
                                                   self.world.group, self.records_grad)
         R = x.shape[0]

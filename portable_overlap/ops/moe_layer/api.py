@@ -265,7 +265,7 @@ def _plan(dctx, cctx, tokens, topk_ids, topk_weights, w_gate, w_up, w_down, h, o
 
 def _args(dctx, cctx, p, tokens, topk_ids, w_gate, w_up, w_down, h, tag):
     """The one-launch kernel's arguments; ``tag``: the call's tag on the dispatch's side
-    (``MoeDispatchKernel.call_tag``)."""
+    (``ContextBase.call_tag``)."""
     W, E = dctx.world.world_size, dctx.experts_per_rank
     wg_desc = wu_desc = wd_desc = None
     if p.x_desc is not None:  # per call: they hold the weights' addresses
