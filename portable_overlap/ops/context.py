@@ -27,7 +27,7 @@ G_MAX = 1024  # most programs one launch may have (flag slots per peer)
 KIND_SETTLED = 31
 #: the longest timeout a context takes (the kernels get it in µs as an int32)
 MAX_TIMEOUT_S = 1800.0
-#: a call's deadline is kept in units of 2**20 ns and may come up to 1.05 ms early
+#: a call's start is kept in units of 2**20 ns: its deadline may come up to 1.05 ms early
 #: (``shmem.device.call_deadline``): a timeout below 10 ms would give up at once or early
 MIN_TIMEOUT_S = 0.01
 

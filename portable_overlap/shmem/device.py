@@ -76,39 +76,45 @@ def signal_peer(flag_ptr, value, bases_ptr, rank, peer):
     tl.atomic_xchg(peer_ptr(flag_ptr, bases_ptr, rank, peer), value, sem="release", scope="sys")
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def call_deadline(clock_ptr, epoch, timeout_us):
-    """The time (ns, ``now_ns``) after which every wait of call ``epoch`` gives up:
-    ``timeout_us`` after the first wait of the call that had to spin began. One deadline per
-    call, shared by every program and every launch of the call: a program that starts late (a
-    grid larger than the device, the interpreter running programs one after another, the call's
-    second kernel) does not get a fresh timeout, so a missing peer costs one timeout per call,
-    not one per program.
+    """The time (ns, ``now_ns`` modulo 2**51) after which every wait of call ``epoch`` gives
+    up: ``timeout_us`` after the first wait of the call that had to spin began. One deadline
+    per call, shared by every program and every launch of the call: a program that starts late
+    (a grid larger than the device, the interpreter running programs one after another, the
+    call's second kernel) does not get a fresh timeout, so a missing peer costs one timeout
+    per call, not one per program. ``in_time`` compares it with the clock.
 
-    ``clock_ptr[0]`` (the context's heap) holds ``(start_ms mod 2**31) << 32 | (epoch mod
-    2**32)``: the first program whose epoch differs from the stamp replaces it
-    (compare-and-swap); the others read the winner's start. The stamp holds as many bits of the
-    epoch as the flags do: a stamp left by a wait of an earlier call is taken for this call's
-    only if that call is a multiple of 2**32 calls back. (Fewer bits would not do: with 16, a
-    rank whose waits found their flags there for 65536 calls, the last rank to arrive call
-    after call, takes the stamp of the call that many calls back, whose start is long past:
-    its first wait that spins gives up at once, and the context breaks.) The start is kept in
-    units of 2**20 ns (1.05 ms; a shift, where a division by 10**6 cost the K split's GEMV
-    tile a spill on sm_90), so the deadline may come up to 1.05 ms early, modulo 2**31 units
-    (26 days), read back from the current time (a call's waits end within
-    ``MAX_TIMEOUT_S``). Not inlined: the spin's entry, inlined into the waits of a kernel
-    that keeps tiles in registers, made that tile spill. Only waits that find their flag
-    missing ask for it, so a call whose flags are already there pays no atomic and no clock
-    read for it."""
-    stamp = epoch.to(tl.int64) & 0xFFFFFFFF
+    ``clock_ptr[0]`` (the context's heap) holds ``(start mod 2**32) << 32 | (epoch mod
+    2**32)``, the start in units of 2**20 ns (1.05 ms; a shift, where a division cost the K
+    split's GEMV tile a spill on sm_90), so the deadline may come up to 1.05 ms early. The
+    first program whose epoch differs from the stamp replaces it (compare-and-swap); the others
+    read the winner's start. The stamp holds as many bits of the epoch as the flags do: a stamp
+    left by a wait of an earlier call is taken for this call's only if that call is a multiple
+    of 2**32 calls back. (Fewer bits would not do: with 16, a rank whose waits found their
+    flags there for 65536 calls, the last rank to arrive call after call, takes the stamp of
+    the call that many calls back, whose start is long past: its first wait that spins gives up
+    at once, and the context breaks.) Only waits that find their flag missing ask for it, so a
+    call whose flags are already there pays no atomic and no clock read for it.
+
+    Inlined, and kept small (the spin's entry runs while a wait's words are in registers): the
+    start's high bits are not rebuilt from the clock, the deadline and the clock are compared
+    modulo 2**51 instead. A deadline rebuilt in full made GEMV's two-shot tile spill on sm_90;
+    a helper not inlined cost the one-shot GEMV + AllReduce 0.5 us a call on one H100, called
+    or not."""
     v = tl.atomic_add(clock_ptr, 0, sem="relaxed", scope="gpu")
-    if (v & 0xFFFFFFFF) != stamp:
-        mine = (((now_ns() >> 20) & 0x7FFFFFFF) << 32) | stamp
+    if v.to(tl.int32) != epoch.to(tl.int32):  # the low halves: the stamp's call
+        mine = ((now_ns() >> 20) << 32) | (epoch.to(tl.int64) & 0xFFFFFFFF)
         old = tl.atomic_cas(clock_ptr, v, mine, sem="relaxed", scope="gpu")
         v = tl.where(old == v, mine, old)
-    now = now_ns() >> 20
-    start = now - ((now - (v >> 32)) & 0x7FFFFFFF)
-    return (start << 20) + tl.cast(timeout_us, tl.int64) * 1000
+    return ((v >> 32) << 20) + tl.cast(timeout_us, tl.int64) * 1000
+
+
+@triton.jit
+def in_time(deadline):
+    """Whether the clock has not reached ``deadline`` (``call_deadline``), modulo 2**51 ns (26
+    days): the two are within ``MAX_TIMEOUT_S`` of each other, far less."""
+    return ((deadline - now_ns()) & 0x7FFFFFFFFFFFF) < 0x4000000000000
 
 
 @triton.jit
@@ -143,12 +149,12 @@ def peer_failed(v, this_call):
 @triton.jit
 def wait_flag(flag_ptr, want, call, clock_ptr, timeout_us):
     """Poll (acquire, system scope) until the local flag holds epoch ``want`` or a later one in
-    its low half, or call ``call``'s deadline passes (``call_deadline``). Returns (the word last
-    read, arrived)."""
+    its low half, or call ``call``'s deadline passes (``call_deadline``). Returns
+    (the word last read, arrived)."""
     v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if not reached(v, want):
         deadline = call_deadline(clock_ptr, call, timeout_us)
-        while (not reached(v, want)) & (now_ns() < deadline):
+        while (not reached(v, want)) & in_time(deadline):
             v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     return v, reached(v, want)
 
@@ -189,7 +195,7 @@ def wait_flags(flag_ptrs, lanes, want, call, clock_ptr, timeout_us, STOP_ON_FAIL
     pending = _pending(v, lanes, want, STOP_ON_FAILURE)
     if pending > 0:
         deadline = call_deadline(clock_ptr, call, timeout_us)
-        while (pending > 0) & (now_ns() < deadline):
+        while (pending > 0) & in_time(deadline):
             v = poll_flags(flag_ptrs, lanes)
             pending = _pending(v, lanes, want, STOP_ON_FAILURE)
     return v, lanes & reached(v, want)
@@ -231,7 +237,7 @@ def wait_flags_grid(flag_ptrs, first_ptrs, lanes, want, call, tag, clock_ptr, ti
     pending = _pending(v, lanes, want, True)
     if pending > 0:
         deadline = call_deadline(clock_ptr, call, timeout_us)
-        while (pending > 0) & (now_ns() < deadline):
+        while (pending > 0) & in_time(deadline):
             g = poll_flags(first_ptrs, lanes, False)
             v = poll_flags(flag_ptrs, lanes)
             pending = _pending(v, lanes, want, True)
@@ -280,7 +286,7 @@ def poll_count(counter_ptr, target, call, clock_ptr, timeout_us, SCOPE: tl.const
     v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope=SCOPE)
     if v < target:
         deadline = call_deadline(clock_ptr, call, timeout_us)
-        while (v < target) & (now_ns() < deadline):
+        while (v < target) & in_time(deadline):
             v = tl.atomic_add(counter_ptr, 0, sem="acquire", scope=SCOPE)
     return v
 
@@ -323,7 +329,7 @@ def await_flags(flags_ptr, n, epoch, tag, clock_ptr, timeout_us, status_addr, pi
             if tl.sum((~reached(v, epoch)).to(tl.int32)) > 0:
                 deadline = call_deadline(clock_ptr, epoch, timeout_us)
                 waiting = ~reached(v, epoch)
-                while (tl.sum(waiting.to(tl.int32)) > 0) & (now_ns() < deadline):
+                while (tl.sum(waiting.to(tl.int32)) > 0) & in_time(deadline):
                     again = tl.atomic_add(flags_ptr + c + lanes, 0, mask=waiting, sem="acquire",
                                           scope="sys")
                     v = tl.where(waiting, again, v)

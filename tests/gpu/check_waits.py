@@ -86,7 +86,7 @@ def main():
     wait(7)
     torch.cuda.synchronize()
     took = time.monotonic() - t0
-    # the deadline is kept in units of 2**20 ns: it may come up to 1.05 ms early
+    # the start is kept in units of 2**20 ns: the deadline may come up to 1.05 ms early
     # (shmem.device.call_deadline)
     check("wait gives up at the deadline", 0.298 <= took <= 0.6, f"{took:.4f} s (timeout 0.3 s)")
     check("timeout on the status board", ctx.status.failed())
