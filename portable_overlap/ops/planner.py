@@ -456,7 +456,7 @@ class TransportPlanner:
         refusal = self._refusal((transport,), inputs, out, given)
         # with what every rank's call must share (``_matched_call``), as a key's first call
         # agrees on it: a decision's key leaves out what may differ across ranks but must
-        # not (the embedding op's whether autograd records the call)
+        # not (whether autograd records the call: ``_call_shares``)
         self._settle({"kind": "decided", "decision": decision, "transport": transport,
                       "call": text, "matched": self.ctx._call_shares(inputs, given)}
                      if refusal is None

@@ -116,9 +116,6 @@ class EmbeddingAllToAll(PatternContext):
         self.tables = RankTables(world, plan, max_local_batch)
         self._tiling = dict(block_b=block_b, num_warps=num_warps, max_programs=max_programs)
         self.validate = True
-        # whether autograd records the call being made (set by the differentiable op's
-        # kernel, ``_recorded``): the fused kernels' tag and the agreements carry it
-        self._records_grad = False
         super().__init__(world, transport, timeout_s, options)
 
     def _make(self, world, transport, timeout_s, **options):
@@ -207,23 +204,19 @@ class EmbeddingAllToAll(PatternContext):
                  "validate": self.validate if validate is None else validate})
 
     def _run(self, transport, impl, inputs, out, options):
-        if transport == "sequential":  # (no flags to carry it: docs/reliability.md)
-            return impl(inputs["weight"], inputs["lengths"], inputs["indices"],
-                        inputs["per_sample_weights"], out=out, **options)
         return impl(inputs["weight"], inputs["lengths"], inputs["indices"],
-                    inputs["per_sample_weights"], out=out, records_grad=self._records_grad,
-                    **options)
+                    inputs["per_sample_weights"], out=out, **options)
 
     def _recorded(self, weight, lengths, indices, psw, batch_splits, pooling,
                   records_grad=False):
-        """The op's eager call (its torch op's kernel, or the plain call), made with
-        ``records_grad`` as :meth:`_run` passes it: whether autograd records this call."""
-        self._records_grad = bool(records_grad)
-        try:
-            return self._dispatch(*self._bind(weight, lengths, indices, psw,
-                                              batch_splits=batch_splits, pooling=pooling))
-        finally:
-            self._records_grad = False
+        """The op's eager call (its torch op's kernel, or the plain call); ``records_grad``:
+        whether autograd records this call, which the call carries (``recording``)."""
+        call = self._bind(weight, lengths, indices, psw, batch_splits=batch_splits,
+                          pooling=pooling)
+        if not records_grad:
+            return self._dispatch(*call)
+        with self.recording():
+            return self._dispatch(*call)
 
     def _as_op(self, inputs: dict, out, options: dict):
         """A traced call (``PatternContext._dispatch``) as :func:`embedding_all_to_all` makes it
@@ -247,13 +240,13 @@ class EmbeddingAllToAll(PatternContext):
                 else None if k == "per_sample_weights" else v for k, v in inputs.items()}
 
     def _matched_call(self, inputs: dict, options: dict) -> Optional[dict]:
-        """The batch split, the dtype and the pooling: what the exchange moves; and whether
-        autograd records the call (the backward's exchange runs on the ranks that do)."""
+        """The batch split, the dtype and the pooling: what the exchange moves (and, as every
+        pattern's agreement, whether autograd records the call: ``_call_shares``)."""
         weight = inputs["weight"]
         if not isinstance(weight, torch.Tensor):
             return None
         return {"batch_splits": repr(options.get("batch_splits")), "dtype": str(weight.dtype),
-                "pooling": repr(options.get("pooling")), "records_grad": self._records_grad}
+                "pooling": repr(options.get("pooling"))}
 
     def check_grad(self, inputs: dict, options: dict) -> None:
         """Nothing to refuse: the op has a backward (:func:`embedding_all_to_all`)."""

@@ -174,17 +174,17 @@ class FusedEmbeddingAllToAll(OverlapContext):
     def __call__(self, weight: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor,
                  per_sample_weights: Optional[torch.Tensor] = None, *,
                  batch_splits: Optional[Sequence[int]] = None, pooling: str = "sum",
-                 out: Optional[torch.Tensor] = None, validate: Optional[bool] = None,
-                 records_grad: bool = False) -> torch.Tensor:
-        """Run the op (``api.py``). ``records_grad``: whether autograd records the call, in
-        the flags' tag (the backward's exchange runs only on the ranks that record it).
-        ``validate`` (default: this workspace's ``validate`` attribute, True) also checks
-        the data (index ranges, lengths against indices): one host sync per call; skipped
-        during CUDA-graph capture. Without it an index outside its
-        table is still found by the kernel (it reads nothing outside the table) and raised as
-        ``InvalidInputError`` at the context's next check; lengths that do not sum to the
-        number of indices are not reported then, but nothing past ``indices`` is read: a
-        negative length counts as 0 and the bags end at the last index."""
+                 out: Optional[torch.Tensor] = None,
+                 validate: Optional[bool] = None) -> torch.Tensor:
+        """Run the op (``api.py``); the flags' tag carries ``records_grad`` (``call_tag``: the
+        backward's exchange runs only on the ranks that record the call). ``validate``
+        (default: this workspace's ``validate`` attribute, True) also checks the data (index
+        ranges, lengths against indices): one host sync per call; skipped during CUDA-graph
+        capture. Without it an index outside its table is still found by the kernel (it
+        reads nothing outside the table) and raised as ``InvalidInputError`` at the context's
+        next check; lengths that do not sum to the number of indices are not reported then,
+        but nothing past ``indices`` is read: a negative length counts as 0 and the bags end
+        at the last index."""
         splits, checked = self.tables.check(weight, lengths, indices, per_sample_weights,
                                             batch_splits, pooling,
                                             self.validate if validate is None else validate)
@@ -195,12 +195,11 @@ class FusedEmbeddingAllToAll(OverlapContext):
         psw = per_sample_weights
         # everything the JIT specialized the compiled kernel on (dtypes, 16-byte alignment)
         key = (splits, weight.dtype, indices.dtype, None if psw is None else psw.dtype, pooling,
-               align_key(weight, out, indices, *(() if psw is None else (psw,))),
-               bool(records_grad))
+               align_key(weight, out, indices, *(() if psw is None else (psw,))))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(weight, indices, psw, offsets, out, splits,
-                                                 pooling, bool(records_grad))
+                                                 pooling)
         args = self._args(weight, indices, psw, offsets, out, plan)
         if self._provider is None:
             plan(args)
@@ -234,10 +233,10 @@ class FusedEmbeddingAllToAll(OverlapContext):
                 self.heap.bases, self.status.address, B, self.plan.dim, self.n_loc,
                 self.plan.num_tables * self.plan.dim, self._t_max,
                 plan.iters_of(programs or plan.programs),
-                programs or plan.programs, self.rank, W, plan.tag if tag is None else tag,
-                self.timeout_us)
+                programs or plan.programs, self.rank, W,
+                self.call_tag(plan.tag if tag is None else tag), self.timeout_us)
 
-    def _plan(self, weight, indices, psw, offsets, out, splits, pooling, records_grad=False):
+    def _plan(self, weight, indices, psw, offsets, out, splits, pooling):
         W = self.world.world_size
         D = self.plan.dim
         bb, num_warps = self.tile_for(weight.dtype)
@@ -269,13 +268,11 @@ class FusedEmbeddingAllToAll(OverlapContext):
         info.boff = kept_tensor(boff, torch.int32, self.world.device)
         info.iters_of = lambda g: -(-max_tasks // g)  # noqa: E731
 
-        # batch split, dtype, pooling, tiling and grid, and whether autograd records the call
-        # (the backward's exchange runs on the ranks that do): a rank that differs is caught
+        # batch split, dtype, pooling, tiling and grid: a rank that differs is caught
         def tag_of(g):
             return shape_tag(batch_splits=splits, dtype=str(weight.dtype), pooling=pooling,
                              bags_per_block=bb, dim=D, programs=g, num_warps=num_warps,
-                             table_ranks=tuple(self.plan.table_ranks),
-                             records_grad=records_grad)
+                             table_ranks=tuple(self.plan.table_ranks))
 
         info.programs, info.tag = programs, tag_of(programs)
         if self._provider is None:
