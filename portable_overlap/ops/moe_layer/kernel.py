@@ -176,7 +176,8 @@ def moe_layer_kernel(
             PRECISION, UPCAST, G_MAX, USE_DESC2, EXPERT_MAJOR, BLOCK_SRC)
     # the dispatch's words past its senders, every 2**30 calls of the dispatch (the combine's
     # are ``finish_down``'s)
-    refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, senders, rank, world, tag, G_MAX)
+    refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, senders, senders, rank, world, tag,
+                 G_MAX)
     last = finish_down(rows_mine_ptr, rows_in_ptr, c_sent_ptr, c_consumed_ptr, c_ctl_ptr,
                        c_clock_ptr, c_bases_ptr, c_status_addr, cleared, c_epoch, c_tag, c_ok, pid,
                        rank, world, c_timeout_us, G_MAX, no_flush)
