@@ -10,7 +10,14 @@ import torch.distributed as dist
 import portable_overlap as po
 from portable_overlap import GemvAllReduce, PortableOverlapError, gemv_all_reduce_reference
 from portable_overlap.language.host import CALL_SHIFT, CTX_CLOCK
+from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
+
+#: GEMM tilings of the grid tests: 128 x 128 tiles are not split (``matmul_reduce.stores``)
+WHOLE_TILES = MatmulConfig(block_m=128, block_n=128, block_k=16, group_m=1, num_warps=4,
+                           num_stages=1)
+SMALL_TILES = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=1,
+                           num_stages=1)
 
 
 def _inputs(world, M, N, K, seed):
@@ -77,17 +84,17 @@ def test_the_deadline_of_a_call_many_calls_on_is_its_own(world2):
             assert stamp == 3 + skip, stamp
 
 
-def _move_on(ws, n: int, words) -> None:
-    """Move ``ws`` ``n`` calls on, as if it had made them with a small grid: its counter, and
-    the flag words ``words`` (views of its flag arrays: the words such calls write)."""
-    done = int(ws.ctx[0]) >> CALL_SHIFT
-    ws.ctx[0] = (done + n) << CALL_SHIFT
+def _move_on(counter, n: int, words) -> None:
+    """Move a context ``n`` calls on, as if it had made them with a small grid: its call
+    counter (``counter[0]``: ``ws.ctx`` or an op's ``ctl``), and the flag words ``words``
+    (views of its flag arrays: the words such calls write)."""
+    counter[0] = (_calls_done(counter) + n) << CALL_SHIFT
     for word in words:
         word.copy_(torch.where(word != 0, (word & ~0xFFFFFFFF) | ((word + n) & 0xFFFFFFFF), word))
 
 
-def _calls_done(ws) -> int:
-    return int(ws.ctx[0]) >> CALL_SHIFT
+def _calls_done(counter) -> int:
+    return int(counter[0]) >> CALL_SHIFT
 
 
 def _grid_back_after_many_calls(world, transport):
@@ -102,9 +109,9 @@ def _grid_back_after_many_calls(world, transport):
     outcomes = []
     for i, (N, K) in enumerate(shapes):
         if i == 2:  # on to the call before the 2**30-th
-            _move_on(ws, (1 << 30) - 1 - _calls_done(ws), written)
+            _move_on(ws.ctx, (1 << 30) - 1 - _calls_done(ws.ctx), written)
         if i == 3:  # on to call 2**31 + 12
-            _move_on(ws, (1 << 31) + 11 - _calls_done(ws), written)
+            _move_on(ws.ctx, (1 << 31) + 11 - _calls_done(ws.ctx), written)
         x, w = _inputs(world, 2, N, K, i)
         ref = gemv_all_reduce_reference(x, w, world.group)
         try:
@@ -126,35 +133,42 @@ def test_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, t
         assert outcomes == ["ok"] * 4, (rank, outcomes)
 
 
-def _gemm_grid_back_after_many_calls(world, mode):
-    """GEMM + AllReduce / ReduceScatter over stores, 128 x 128 tiles (whole, not split): a
-    product of 4 tiles (4 programs, call 1), then 2**31 + 10 calls of one of 2 tiles (2
-    programs), then the first shape again, one rank slower (a K 32 times the other's): the
-    peer's waits of programs 2-3 find words no call of the small grid wrote. Under AllReduce
-    rank 1 is the slow one (rank 0's programs 2-3 copy the tiles rank 1's reduced), under
-    ReduceScatter rank 0 (rank 1's programs 2-3 add the partials rank 0's stored)."""
-    make = po.MatmulAllReduce if mode == "all_reduce" else po.MatmulReduceScatter
-    cfg = MatmulConfig(block_m=128, block_n=128, block_k=16, group_m=1, num_warps=4,
-                       num_stages=1)
-    ctx = make(world, 256, 256, transport="stores", timeout_s=5.0, config=cfg)
-    ws = ctx.impl
-    flags = (ws.sent, ws.reduced) if mode == "all_reduce" else (ws.sent,)
-    written = [f[:, :2] for f in flags] + [ws.consumed]
-    slow = 1 if mode == "all_reduce" else 0
-    shapes = [(256, 256, 16), (2, 16, 16), (2, 16, 16),
-              (256, 256, 512 if world.rank == slow else 16)]
+def _gemm_grid_back_after_many_calls(world, op):
+    """A GEMM op over stores, a product of 4 tiles (4 programs, call 1), then 2**31 + 10 calls
+    of one of 1 or 2 tiles (as many programs), then the first shape again, one rank slower (a
+    K 32 or 64 times the other's): the peer's waits of programs past the small grid find words
+    no call of it wrote. GEMM + AllReduce (128 x 128 tiles, whole): rank 1 is the slow one
+    (rank 0's programs 2-3 copy the tiles rank 1's reduced); GEMM + ReduceScatter: rank 0
+    (rank 1's programs 2-3 add the partials rank 0's stored); GEMM + All-to-All (16 x 16
+    tiles): rank 1 (rank 0's programs 1-3 copy the rows rank 1's stored)."""
+    if op == "gemm_all_to_all":
+        ws = ctx = GemmAllToAll(world, 32 * 32, timeout_s=5.0, config=SMALL_TILES)
+        counter, flags, M_big, small, slow, K_slow = ws.ctl, (ws.sent,), 32, 1, 1, 1024
+    else:
+        make = po.MatmulAllReduce if op == "all_reduce" else po.MatmulReduceScatter
+        ctx = make(world, 256, 256, transport="stores", timeout_s=5.0, config=WHOLE_TILES)
+        ws = ctx.impl
+        counter, M_big, small = ws.ctx, 256, 2
+        flags = (ws.sent, ws.reduced) if op == "all_reduce" else (ws.sent,)
+        slow, K_slow = (1, 512) if op == "all_reduce" else (0, 512)
+    written = [f[:, :small] for f in flags] + [ws.consumed]
+    K_big = K_slow if world.rank == slow else 16
+    shapes = [(M_big, M_big, 16), (2, 16, 16), (2, 16, 16), (M_big, M_big, K_big)]
     outcomes = []
     for i, (M, N, K) in enumerate(shapes):
         if i == 2:  # on to the call before the 2**30-th
-            _move_on(ws, (1 << 30) - 1 - _calls_done(ws), written)
+            _move_on(counter, (1 << 30) - 1 - _calls_done(counter), written)
         if i == 3:  # on to call 2**31 + 12
-            _move_on(ws, (1 << 31) + 11 - _calls_done(ws), written)
+            _move_on(counter, (1 << 31) + 11 - _calls_done(counter), written)
         g = torch.Generator().manual_seed(i * 1000 + world.rank)
         a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
-        ref = a @ b
-        dist.all_reduce(ref, group=world.group)
-        if mode == "reduce_scatter":
-            ref = ref[M // 2 * world.rank: M // 2 * (world.rank + 1)]
+        if op == "gemm_all_to_all":
+            ref = gemm_all_to_all_reference(a, b, world.group)
+        else:
+            ref = a @ b
+            dist.all_reduce(ref, group=world.group)
+            if op == "reduce_scatter":
+                ref = ref[M // 2 * world.rank: M // 2 * (world.rank + 1)]
         try:
             y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
             outcomes.append("ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-3) else "wrong")
@@ -164,13 +178,13 @@ def _gemm_grid_back_after_many_calls(world, mode):
     return outcomes
 
 
-@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
-def test_gemm_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, mode):
-    """GEMM + AllReduce / ReduceScatter's grid follows the product's tiles: its per-program
-    flag words past a small grid, left for 2**31 calls, read as a later call's, and the larger
-    grid read data its peer had not stored yet (a wrong result, no error). Each 2**30-th call
-    writes the words its grid does not (``pol.refresh_words``)."""
-    for rank, outcomes in enumerate(world2.run(_gemm_grid_back_after_many_calls, mode,
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "gemm_all_to_all"])
+def test_gemm_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, op):
+    """The GEMM ops' grids follow the product's tiles: their per-program flag words past a
+    small grid, left for 2**31 calls, read as a later call's, and the larger grid read data
+    its peer had not stored yet (a wrong result, no error). Each 2**30-th call writes the words
+    its grid does not (``pol.refresh_words``)."""
+    for rank, outcomes in enumerate(world2.run(_gemm_grid_back_after_many_calls, op,
                                                timeout=300)):
         assert outcomes == ["ok"] * 4, (rank, outcomes)
 
