@@ -156,6 +156,8 @@ def _gemm_grid_back_after_many_calls(world, op):
     shapes = [(M_big, M_big, 16), (2, 16, 16), (2, 16, 16), (M_big, M_big, K_big)]
     outcomes = []
     for i, (M, N, K) in enumerate(shapes):
+        if i >= 2:  # (the peer's last writes here, its "consumed" words, have landed)
+            world.barrier()
         if i == 2:  # on to the call before the 2**30-th
             _move_on(counter, (1 << 30) - 1 - _calls_done(counter), written)
         if i == 3:  # on to call 2**31 + 12
@@ -184,9 +186,8 @@ def test_gemm_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(worl
     small grid, left for 2**31 calls, read as a later call's, and the larger grid read data
     its peer had not stored yet (a wrong result, no error). Each 2**30-th call writes the words
     its grid does not (``pol.refresh_words``)."""
-    for rank, outcomes in enumerate(world2.run(_gemm_grid_back_after_many_calls, op,
-                                               timeout=300)):
-        assert outcomes == ["ok"] * 4, (rank, outcomes)
+    found = world2.run(_gemm_grid_back_after_many_calls, op, timeout=300)
+    assert found == [["ok"] * 4] * 2, found
 
 
 def _other_contexts_then_one_call(world):
