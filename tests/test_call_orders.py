@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import portable_overlap as po
-from portable_overlap import GemvAllReduce, PortableOverlapError, gemv_all_reduce_reference
+from portable_overlap import (GemvAllReduce, PortableOverlapError, all_gather_matmul_reference,
+                              gemv_all_reduce_reference)
 from portable_overlap.language.host import CALL_SHIFT, CTX_CLOCK
 from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
@@ -187,6 +188,60 @@ def test_gemm_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(worl
     its peer had not stored yet (a wrong result, no error). Each 2**30-th call writes the words
     its grid does not (``pol.refresh_words``)."""
     found = world2.run(_gemm_grid_back_after_many_calls, op, timeout=300)
+    assert found == [["ok"] * 4] * 2, found
+
+
+def _refresh_calls(world, op):
+    """Calls at numbers 2**30 and 2**31 (the calls that refresh the flag words), between calls
+    of other shapes: GEMM + AllReduce with split tiles (a product of 2 tiles) and whole ones
+    (of 4 programs); AllGather + GEMM with a shard of 2 rows (its own rows copied to its
+    buffer) and of 32 (not). Before each, the counter and every flag word move on to the call
+    before."""
+    if op == "all_reduce":
+        ctx = po.MatmulAllReduce(world, 64, 64, transport="stores", timeout_s=10.0)
+        ws = ctx.impl
+        words = [ws.sent, ws.reduced, ws.consumed]
+        shapes = [(2, 16, 16), (2, 16, 16), (64, 64, 16), (2, 16, 16)]
+    else:
+        ctx = po.AllGatherMatmul(world, 32 * 16, transport="stores", timeout_s=10.0)
+        ws = ctx.impl
+        words = [ws.ready, ws.consumed]
+        shapes = [(2, 16, 16), (32, 16, 16), (2, 16, 16), (2, 16, 16)]
+    refreshing = {1: 1 << 30, 3: 1 << 31}  # the calls i that are those numbers
+    outcomes = []
+    for i, (M, N, K) in enumerate(shapes):
+        world.barrier()  # (the peer's last writes here have landed)
+        if i in refreshing:
+            _move_on(ws.ctx, refreshing[i] - 1 - _calls_done(ws.ctx), words)
+        g = torch.Generator().manual_seed(i * 1000 + world.rank)
+        a = torch.randn(M, K, generator=g)
+        if op == "all_reduce":
+            b = torch.randn(K, N, generator=g)
+            ref = a @ b
+            dist.all_reduce(ref, group=world.group)
+        else:  # (b is the same on every rank)
+            b = torch.randn(K, N, generator=torch.Generator().manual_seed(i))
+            ref = all_gather_matmul_reference(a, b, world.group)
+        try:
+            y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
+            outcomes.append("ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-3) else "wrong")
+        except PortableOverlapError as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+        if i in refreshing:  # the peer's last word of the first flag array, past every grid
+            world.barrier()
+            last = int(words[0][1 - world.rank, -1]) & 0xFFFFFFFF
+            if last != refreshing[i] & 0xFFFFFFFF:
+                outcomes[-1] += f", not refreshed ({last})"
+    ctx.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul"])
+def test_the_calls_that_refresh_flag_words_and_the_next_ones_are_right(world2, op):
+    """The refreshing calls' kernels run their refresh (the branch of every 2**30-th call,
+    which no other test reaches) and give the right result, and so do the calls after them,
+    of other grids."""
+    found = world2.run(_refresh_calls, op, timeout=300)
     assert found == [["ok"] * 4] * 2, found
 
 
