@@ -215,7 +215,7 @@ def _copy_reduced(gathered_ptr, row0, tn, lo_q, rows_q, N, out_ptr, bias_ptr, re
                         bias_ptr, res_ptr, N, stride_res, HAS_BIAS, HAS_RES)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _refresh_words(ctx, sent_ptr, reduced_ptr, M, N, block_rows, G, call, tag,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                    ALL_REDUCE: tl.constexpr, SPLIT: tl.constexpr, G_MAX: tl.constexpr):
@@ -389,7 +389,8 @@ def matmul_reduce_stores_kernel(
                                       HAS_RES)
 
     # the words no program of the grid writes, every 2**30 calls: at the end, where the tiles'
-    # registers are free
+    # registers are free, and not inlined (inlined, ReduceScatter's 128 x 128 tile with
+    # descriptors, bias and residual spilled 16 bytes on sm_90 instead of 8)
     if (call & (pol.REFRESH_CALLS - 1)) == 0:
         _refresh_words(ctx, sent_ptr, reduced_ptr, M, N, block_rows, G, call, tag, BLOCK_M,
                        BLOCK_N, GROUP_M, ALL_REDUCE, SPLIT, G_MAX)
