@@ -11,6 +11,7 @@ import portable_overlap as po
 from portable_overlap import (GemvAllReduce, PortableOverlapError, all_gather_matmul_reference,
                               gemv_all_reduce_reference)
 from portable_overlap.language.host import CALL_SHIFT, CTX_CLOCK
+from portable_overlap.ops.embedding_alltoall import embedding_all_to_all_reference
 from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
 
@@ -195,38 +196,37 @@ def _refresh_calls(world, op):
     """Calls at numbers 2**30 and 2**31 (the calls that refresh the flag words), between calls
     of other shapes: GEMM + AllReduce with split tiles (a product of 2 tiles) and whole ones
     (of 4 programs); AllGather + GEMM with a shard of 2 rows (its own rows copied to its
-    buffer) and of 32 (not). Before each, the counter and every flag word move on to the call
-    before."""
+    buffer) and of 32 (not); embedding + All-to-All with 1 and 8 samples a rank (the first
+    number of ``shapes``). Before each, the counter and every flag word move on to the call
+    before; after it, the peer's last flag word (past every grid) must hold it."""
     if op == "all_reduce":
         ctx = po.MatmulAllReduce(world, 64, 64, transport="stores", timeout_s=10.0)
         ws = ctx.impl
         words = [ws.sent, ws.reduced, ws.consumed]
         shapes = [(2, 16, 16), (2, 16, 16), (64, 64, 16), (2, 16, 16)]
-    else:
+    elif op == "all_gather_matmul":
         ctx = po.AllGatherMatmul(world, 32 * 16, transport="stores", timeout_s=10.0)
         ws = ctx.impl
         words = [ws.ready, ws.consumed]
         shapes = [(2, 16, 16), (32, 16, 16), (2, 16, 16), (2, 16, 16)]
+    else:  # batch splits of 1 sample a rank (2 programs: 2 tables a rank) and of 8 (4)
+        ctx = po.EmbeddingAllToAll(world, [7, 5, 9, 4], 8, max_local_batch=8, block_b=4,
+                                   transport="stores", timeout_s=10.0)
+        ws = ctx.impl
+        words = [ws.sent, ws.consumed]
+        shapes = [(1, 0, 0), (1, 0, 0), (8, 0, 0), (1, 0, 0)]
+    counter = ws.ctl if op == "embedding" else ws.ctx
     refreshing = {1: 1 << 30, 3: 1 << 31}  # the calls i that are those numbers
     outcomes = []
     for i, (M, N, K) in enumerate(shapes):
         world.barrier()  # (the peer's last writes here have landed)
         if i in refreshing:
-            _move_on(ws.ctx, refreshing[i] - 1 - _calls_done(ws.ctx), words)
+            _move_on(counter, refreshing[i] - 1 - _calls_done(counter), words)
         g = torch.Generator().manual_seed(i * 1000 + world.rank)
-        a = torch.randn(M, K, generator=g)
-        if op == "all_reduce":
-            b = torch.randn(K, N, generator=g)
-            ref = a @ b
-            dist.all_reduce(ref, group=world.group)
-        else:  # (b is the same on every rank)
-            b = torch.randn(K, N, generator=torch.Generator().manual_seed(i))
-            ref = all_gather_matmul_reference(a, b, world.group)
-        try:
-            y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
-            outcomes.append("ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-3) else "wrong")
-        except PortableOverlapError as e:
-            outcomes.append(f"{type(e).__name__}: {e}")
+        if op == "embedding":
+            outcomes.append(_embedding_call(world, ctx, [M] * 2, g))
+        else:
+            outcomes.append(_gemm_call(world, ctx, op, M, N, K, g, i))
         if i in refreshing:  # the peer's last word of the first flag array, past every grid
             world.barrier()
             last = int(words[0][1 - world.rank, -1]) & 0xFFFFFFFF
@@ -236,7 +236,42 @@ def _refresh_calls(world, op):
     return outcomes
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul"])
+def _embedding_call(world, ctx, splits, g) -> str:
+    """One call of an embedding + All-to-All context on random bags of up to 3 rows."""
+    B = sum(splits)
+    weight = torch.randn(ctx.weight_rows, ctx.dim, generator=g)
+    lengths = torch.randint(0, 4, (ctx.n_loc * B,), generator=g)
+    indices = torch.cat([torch.randint(0, ctx.plan.table_rows[t],
+                                       (int(lengths[j * B:(j + 1) * B].sum()),), generator=g)
+                         for j, t in enumerate(ctx.local_tables)])
+    ref = embedding_all_to_all_reference(weight, lengths, indices, None, ctx.plan, world.rank,
+                                         splits, "sum", world.group)
+    try:
+        y = ctx(weight, lengths, indices, batch_splits=splits,
+                out=torch.full(ctx.output_shape(splits), float("nan")))
+        return "ok" if torch.allclose(y, ref, rtol=1e-5, atol=1e-5) else "wrong"
+    except PortableOverlapError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _gemm_call(world, ctx, op, M, N, K, g, i) -> str:
+    """One call of a GEMM + AllReduce or AllGather + GEMM context on random operands."""
+    a = torch.randn(M, K, generator=g)
+    if op == "all_reduce":
+        b = torch.randn(K, N, generator=g)
+        ref = a @ b
+        dist.all_reduce(ref, group=world.group)
+    else:  # (b is the same on every rank)
+        b = torch.randn(K, N, generator=torch.Generator().manual_seed(i))
+        ref = all_gather_matmul_reference(a, b, world.group)
+    try:
+        y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
+        return "ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-3) else "wrong"
+    except PortableOverlapError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul", "embedding"])
 def test_the_calls_that_refresh_flag_words_and_the_next_ones_are_right(world2, op):
     """The refreshing calls' kernels run their refresh (the branch of every 2**30-th call,
     which no other test reaches) and give the right result, and so do the calls after them,
