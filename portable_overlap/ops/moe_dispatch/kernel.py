@@ -465,7 +465,7 @@ def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots
                  tag, G_MAX)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, first, own_first, rank, world, tag,
                  G_MAX: tl.constexpr):
     """At every ``REFRESH_CALLS``-th call of the dispatch, ``refresh_words`` of this rank's
@@ -474,7 +474,9 @@ def refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, first, own_first, rank
     for the scatter, which writes none there; the fused launches' senders), by every program
     of the launch, as its last step. The launches of one context share the words and write
     different numbers of them (the scatter's grid is the programs resident at once, which may
-    differ with the tokens' dtype; the fused launches' senders follow their plan)."""
+    differ with the tokens' dtype; the fused launches' senders follow their plan). Not
+    inlined: inlined, the fused dispatch + gated GEMM with descriptors spilled 4 bytes on
+    sm_90 (none so)."""
     epoch = calls_done(ctl_ptr)  # the exchange's, which this launch does not advance
     if (epoch & (REFRESH_CALLS - 1)) == 0:
         value = call_flag(epoch, tag, live(clock_ptr))
