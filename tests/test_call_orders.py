@@ -5,9 +5,21 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from portable_overlap import GemvAllReduce, PortableOverlapError, gemv_all_reduce_reference
+import portable_overlap as po
+from portable_overlap import (GemvAllReduce, PortableOverlapError, all_gather_matmul_reference,
+                              gemv_all_reduce_reference)
 from portable_overlap.language.host import CALL_SHIFT, CTX_CLOCK
+from portable_overlap.ops.embedding_alltoall import embedding_all_to_all_reference
+from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
+from portable_overlap.ops.matmul import MatmulConfig
+
+#: GEMM tilings of the grid tests: 128 x 128 tiles are not split (``matmul_reduce.stores``)
+WHOLE_TILES = MatmulConfig(block_m=128, block_n=128, block_k=16, group_m=1, num_warps=4,
+                           num_stages=1)
+SMALL_TILES = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=1,
+                           num_stages=1)
 
 
 def _inputs(world, M, N, K, seed):
@@ -74,14 +86,17 @@ def test_the_deadline_of_a_call_many_calls_on_is_its_own(world2):
             assert stamp == 3 + skip, stamp
 
 
-def _move_on(ws, n: int, arrays) -> None:
-    """Move ``ws`` ``n`` calls on, as if it had made them with a grid of one program: its
-    counter, and program 0's words of ``arrays`` (the flag arrays such calls write)."""
-    done = int(ws.ctx[0]) >> CALL_SHIFT
-    ws.ctx[0] = (done + n) << CALL_SHIFT
-    for flags in arrays:
-        word = flags[:, 0]
+def _move_on(counter, n: int, words) -> None:
+    """Move a context ``n`` calls on, as if it had made them with a small grid: its call
+    counter (``counter[0]``: ``ws.ctx`` or an op's ``ctl``), and the flag words ``words``
+    (views of its flag arrays: the words such calls write)."""
+    counter[0] = (_calls_done(counter) + n) << CALL_SHIFT
+    for word in words:
         word.copy_(torch.where(word != 0, (word & ~0xFFFFFFFF) | ((word + n) & 0xFFFFFFFF), word))
+
+
+def _calls_done(counter) -> int:
+    return int(counter[0]) >> CALL_SHIFT
 
 
 def _grid_back_after_many_calls(world, transport):
@@ -90,14 +105,15 @@ def _grid_back_after_many_calls(world, transport):
     programs 1-3 find words no call of the small grid wrote."""
     ctx = GemvAllReduce(world, max_n=256, timeout_s=5.0, transport=transport)
     ws = ctx.impl
-    written = (ws.ready,) if transport == "one_shot" else (ws.ready, ws.bcast)
+    written = [f[:, :1] for f in ((ws.ready,) if transport == "one_shot"
+                                  else (ws.ready, ws.bcast))]
     shapes = [(256, 16), (16, 16), (16, 16), (256, 16 if world.rank == 0 else 512)]
     outcomes = []
     for i, (N, K) in enumerate(shapes):
         if i == 2:  # on to the call before the 2**30-th
-            _move_on(ws, (1 << 30) - 1 - (int(ws.ctx[0]) >> CALL_SHIFT), written)
+            _move_on(ws.ctx, (1 << 30) - 1 - _calls_done(ws.ctx), written)
         if i == 3:  # on to call 2**31 + 12
-            _move_on(ws, (1 << 31) + 11 - (int(ws.ctx[0]) >> CALL_SHIFT), written)
+            _move_on(ws.ctx, (1 << 31) + 11 - _calls_done(ws.ctx), written)
         x, w = _inputs(world, 2, N, K, i)
         ref = gemv_all_reduce_reference(x, w, world.group)
         try:
@@ -119,11 +135,154 @@ def test_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, t
         assert outcomes == ["ok"] * 4, (rank, outcomes)
 
 
+def _gemm_grid_back_after_many_calls(world, op):
+    """A GEMM op over stores, a product of 4 tiles (4 programs, call 1), then 2**31 + 10 calls
+    of one of 1 or 2 tiles (as many programs), then the first shape again, one rank slower (a
+    K 32 or 64 times the other's): the peer's waits of programs past the small grid find words
+    no call of it wrote. GEMM + AllReduce (128 x 128 tiles, whole): rank 1 is the slow one
+    (rank 0's programs 2-3 copy the tiles rank 1's reduced); GEMM + ReduceScatter: rank 0
+    (rank 1's programs 2-3 add the partials rank 0's stored); GEMM + All-to-All (16 x 16
+    tiles): rank 1 (rank 0's programs 1-3 copy the rows rank 1's stored)."""
+    if op == "gemm_all_to_all":
+        ws = ctx = GemmAllToAll(world, 32 * 32, timeout_s=5.0, config=SMALL_TILES)
+        counter, flags, M_big, small, slow, K_slow = ws.ctl, (ws.sent,), 32, 1, 1, 1024
+    else:
+        make = po.MatmulAllReduce if op == "all_reduce" else po.MatmulReduceScatter
+        ctx = make(world, 256, 256, transport="stores", timeout_s=5.0, config=WHOLE_TILES)
+        ws = ctx.impl
+        counter, M_big, small = ws.ctx, 256, 2
+        flags = (ws.sent, ws.reduced) if op == "all_reduce" else (ws.sent,)
+        slow, K_slow = (1, 512) if op == "all_reduce" else (0, 512)
+    written = [f[:, :small] for f in flags] + [ws.consumed]
+    K_big = K_slow if world.rank == slow else 16
+    shapes = [(M_big, M_big, 16), (2, 16, 16), (2, 16, 16), (M_big, M_big, K_big)]
+    outcomes = []
+    for i, (M, N, K) in enumerate(shapes):
+        if i >= 2:  # (the peer's last writes here, its "consumed" words, have landed)
+            world.barrier()
+        if i == 2:  # on to the call before the 2**30-th
+            _move_on(counter, (1 << 30) - 1 - _calls_done(counter), written)
+        if i == 3:  # on to call 2**31 + 12
+            _move_on(counter, (1 << 31) + 11 - _calls_done(counter), written)
+        g = torch.Generator().manual_seed(i * 1000 + world.rank)
+        a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
+        if op == "gemm_all_to_all":
+            ref = gemm_all_to_all_reference(a, b, world.group)
+        else:
+            ref = a @ b
+            dist.all_reduce(ref, group=world.group)
+            if op == "reduce_scatter":
+                ref = ref[M // 2 * world.rank: M // 2 * (world.rank + 1)]
+        try:
+            y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
+            outcomes.append("ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-3) else "wrong")
+        except PortableOverlapError as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    ctx.close()
+    return outcomes
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "gemm_all_to_all"])
+def test_gemm_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(world2, op):
+    """The GEMM ops' grids follow the product's tiles: their per-program flag words past a
+    small grid, left for 2**31 calls, read as a later call's, and the larger grid read data
+    its peer had not stored yet (a wrong result, no error). Each 2**30-th call writes the words
+    its grid does not (``pol.refresh_words``)."""
+    found = world2.run(_gemm_grid_back_after_many_calls, op, timeout=300)
+    assert found == [["ok"] * 4] * 2, found
+
+
+def _refresh_calls(world, op):
+    """Calls at numbers 2**30 and 2**31 (the calls that refresh the flag words), between calls
+    of other shapes: GEMM + AllReduce with split tiles (a product of 2 tiles) and whole ones
+    (of 4 programs); AllGather + GEMM with a shard of 2 rows (its own rows copied to its
+    buffer) and of 32 (not); embedding + All-to-All with 1 and 8 samples a rank (the first
+    number of ``shapes``). Before each, the counter and every flag word move on to the call
+    before; after it, the peer's last flag word (past every grid) must hold it."""
+    if op == "all_reduce":
+        ctx = po.MatmulAllReduce(world, 64, 64, transport="stores", timeout_s=10.0)
+        ws = ctx.impl
+        words = [ws.sent, ws.reduced, ws.consumed]
+        shapes = [(2, 16, 16), (2, 16, 16), (64, 64, 16), (2, 16, 16)]
+    elif op == "all_gather_matmul":
+        ctx = po.AllGatherMatmul(world, 32 * 16, transport="stores", timeout_s=10.0)
+        ws = ctx.impl
+        words = [ws.ready, ws.consumed]
+        shapes = [(2, 16, 16), (32, 16, 16), (2, 16, 16), (2, 16, 16)]
+    else:  # batch splits of 1 sample a rank (2 programs: 2 tables a rank) and of 8 (4)
+        ctx = po.EmbeddingAllToAll(world, [7, 5, 9, 4], 8, max_local_batch=8, block_b=4,
+                                   transport="stores", timeout_s=10.0)
+        ws = ctx.impl
+        words = [ws.sent, ws.consumed]
+        shapes = [(1, 0, 0), (1, 0, 0), (8, 0, 0), (1, 0, 0)]
+    counter = ws.ctl if op == "embedding" else ws.ctx
+    refreshing = {1: 1 << 30, 3: 1 << 31}  # the calls i that are those numbers
+    outcomes = []
+    for i, (M, N, K) in enumerate(shapes):
+        world.barrier()  # (the peer's last writes here have landed)
+        if i in refreshing:
+            _move_on(counter, refreshing[i] - 1 - _calls_done(counter), words)
+        g = torch.Generator().manual_seed(i * 1000 + world.rank)
+        if op == "embedding":
+            outcomes.append(_embedding_call(world, ctx, [M] * 2, g))
+        else:
+            outcomes.append(_gemm_call(world, ctx, op, M, N, K, g, i))
+        if i in refreshing:  # the peer's last word of the first flag array, past every grid
+            world.barrier()
+            last = int(words[0][1 - world.rank, -1]) & 0xFFFFFFFF
+            if last != refreshing[i] & 0xFFFFFFFF:
+                outcomes[-1] += f", not refreshed ({last})"
+    ctx.close()
+    return outcomes
+
+
+def _embedding_call(world, ctx, splits, g) -> str:
+    """One call of an embedding + All-to-All context on random bags of up to 3 rows."""
+    B = sum(splits)
+    weight = torch.randn(ctx.weight_rows, ctx.dim, generator=g)
+    lengths = torch.randint(0, 4, (ctx.n_loc * B,), generator=g)
+    indices = torch.cat([torch.randint(0, ctx.plan.table_rows[t],
+                                       (int(lengths[j * B:(j + 1) * B].sum()),), generator=g)
+                         for j, t in enumerate(ctx.local_tables)])
+    ref = embedding_all_to_all_reference(weight, lengths, indices, None, ctx.plan, world.rank,
+                                         splits, "sum", world.group)
+    try:
+        y = ctx(weight, lengths, indices, batch_splits=splits,
+                out=torch.full(ctx.output_shape(splits), float("nan")))
+        return "ok" if torch.allclose(y, ref, rtol=1e-5, atol=1e-5) else "wrong"
+    except PortableOverlapError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _gemm_call(world, ctx, op, M, N, K, g, i) -> str:
+    """One call of a GEMM + AllReduce or AllGather + GEMM context on random operands."""
+    a = torch.randn(M, K, generator=g)
+    if op == "all_reduce":
+        b = torch.randn(K, N, generator=g)
+        ref = a @ b
+        dist.all_reduce(ref, group=world.group)
+    else:  # (b is the same on every rank)
+        b = torch.randn(K, N, generator=torch.Generator().manual_seed(i))
+        ref = all_gather_matmul_reference(a, b, world.group)
+    try:
+        y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
+        return "ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-3) else "wrong"
+    except PortableOverlapError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul", "embedding"])
+def test_the_calls_that_refresh_flag_words_and_the_next_ones_are_right(world2, op):
+    """The refreshing calls' kernels run their refresh (the branch of every 2**30-th call,
+    which no other test reaches) and give the right result, and so do the calls after them,
+    of other grids."""
+    found = world2.run(_refresh_calls, op, timeout=300)
+    assert found == [["ok"] * 4] * 2, found
+
+
 def _other_contexts_then_one_call(world):
     """Rank 0 makes a GEMV + AllReduce context, rank 1 a GEMM + AllReduce one; then both make
     the same context and call it."""
-    import portable_overlap as po
-
     outcomes = []
     try:
         if world.rank == 0:

@@ -86,7 +86,7 @@ __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_ca
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
            "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
-           "wait_peers_reached", "wait_program_peers",
+           "wait_peers_reached", "wait_program_peers", "refresh_words", "REFRESH_CALLS",
            "wait_consumed", "wait_consumed_once", "end_call_consumed", "shmem_put", "shmem_get",
            "shmem_quiet"]
 
@@ -509,6 +509,28 @@ def wait_program_peers(ctx, flags_ptr, first, stride, call, tag, refusals_ptr=No
                        call, tag, program() - first, False, False, LIVE_READ, True, PROGRAMS,
                        OWN, True)
     return ok
+
+
+#: the period of :func:`refresh_words` in calls (``shmem.device.REFRESH_CALLS``)
+REFRESH_CALLS = _shmem.REFRESH_CALLS
+
+
+@triton.jit
+def refresh_words(ctx, flags_ptr, first, stride, call, tag, OWN: tl.constexpr = False,
+                  PEERS: tl.constexpr = True):
+    """Write call ``call`` with shape tag ``tag`` (failed once the workspace is out of step,
+    :func:`is_live`) into this rank's words ``flags[rank][first:stride]`` of a ``[num_ranks,
+    stride]`` flag array, in every peer's heap (not with ``PEERS`` false; with ``OWN`` in this
+    rank's too), the words
+    shared out over the launch's programs. For a launch whose grid follows the call's shape
+    (:func:`wait_program_peers`): at every ``REFRESH_CALLS``-th call, ``if (call &
+    (REFRESH_CALLS - 1)) == 0``, as its last step before :func:`end_call`, for the words no
+    program of its grid writes in that call (``first``: how many it does). Without it a word
+    past a small grid that no call wrote for 2**31 calls reads as a later call's
+    (``shmem.device.refresh_words`` says why, and why this call's own word is safe)."""
+    _shmem.refresh_words(flags_ptr, ctx + CTX_BASES, first, program(), num_programs(),
+                         rank(ctx), num_ranks(ctx), _shmem.call_flag(call, tag, is_live(ctx)),
+                         stride, OWN, PEERS)
 
 
 @triton.constexpr_function

@@ -492,6 +492,41 @@ def signal_peers(flags_ptr, bases_ptr, pid, rank, world, value, G_MAX: tl.conste
             signal_peer(flags_ptr + rank * G_MAX + pid, value, bases_ptr, rank, q)
 
 
+#: every this many calls a launch whose grid follows the call's shape writes the flag words its
+#: grid does not write (``refresh_words``): half of the 2**31 calls past which a word that no
+#: launch wrote reads as a later call's (``reached``)
+REFRESH_CALLS = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def refresh_words(flags_ptr, bases_ptr, first, pid, G, rank, world, value, G_MAX: tl.constexpr,
+                  OWN: tl.constexpr = False, PEERS: tl.constexpr = True):
+    """Set ``flags[rank][s]`` of a ``[world, G_MAX]`` flag array to ``value`` (the call's
+    ``call_flag``) in every peer's heap (not with ``PEERS`` false), and with ``OWN`` in this
+    rank's too, for every word s from ``first`` on: program ``pid`` of a grid of ``G`` takes
+    s = ``first + pid``, ``first + pid + G``, ... A launch calls it, at every
+    ``REFRESH_CALLS``-th call, for the words that no program of its grid writes in that call
+    (``first``: how many it does write), into every heap where they are read, as its programs
+    signal them.
+
+    Why: a flag word carries the low 32 bits of its call's number, and a waiter takes a word
+    that reads as up to 2**31 calls past its own call for a later call (``reached``). Where the
+    grid follows the call's shape, the words of programs past a small grid are not written
+    while only small-grid calls run; after 2**31 of them a call of a larger grid took those
+    old words for the current call's and read data its peer had not stored yet (a wrong result
+    with no error, seen on 2 emulated ranks). Written every 2**30 calls, no word is that old.
+    The word of this very call is safe: a peer that runs this call with a larger grid reads it
+    as this call's with another shape tag, a mismatch (``RankMismatchError``, the ranks still
+    in step); a later call reads it as an earlier call's and waits for the real word.
+    Called at a kernel's end, where the tiles' registers are free (a branch at the start made
+    the GEMV tile spill on sm_90)."""
+    for s in range(first + pid, G_MAX, G):
+        if PEERS:
+            signal_peers(flags_ptr, bases_ptr, s, rank, world, value, G_MAX)
+        if OWN:
+            tl.atomic_xchg(flags_ptr + rank * G_MAX + s, value, sem="release", scope="sys")
+
+
 @triton.jit
 def await_free(consumed_ptr, d, epoch, clock_ptr, timeout_us, status_addr, pid, kind, ok):
     """Wait until rank d has read what this rank sent it in the previous call

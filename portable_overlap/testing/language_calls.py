@@ -502,6 +502,9 @@ def _group_kernel(ctx, flags_ptr, out_ptr, P: tl.constexpr, STRIDE: tl.constexpr
         ok = pol.wait_program_peers(ctx, flags_ptr, first, STRIDE, call, tag, PROGRAMS=P,
                                     OWN=True)
         tl.store(out_ptr + pid, ok.to(tl.int32))
+    # the grid follows the call: the words past it, every 2**30 calls
+    if (call & (pol.REFRESH_CALLS - 1)) == 0:
+        pol.refresh_words(ctx, flags_ptr, tl.num_programs(0), STRIDE, call, tag, OWN=True)
     pol.end_call(ctx, call)
 
 

@@ -188,6 +188,17 @@ def _compute(ctx, a_ptr, b_ptr, out_ptr, gather_ptr, ready_ptr, tile_ptr, order_
 
 
 @triton.jit
+def _refresh_words(ctx, ready_ptr, n_chunks, call, tag, COPY_OWN: tl.constexpr,
+                   C_MAX: tl.constexpr):
+    """``pol.refresh_words`` of the ready words of this rank's chunks that the call does not
+    write: those of chunks ``n_chunks`` and up in every heap and, without ``COPY_OWN`` (no tile
+    of this launch waits for this rank's own rows), all of them in this rank's heap."""
+    pol.refresh_words(ctx, ready_ptr, n_chunks, C_MAX, call, tag, OWN=COPY_OWN)
+    if not COPY_OWN:
+        pol.refresh_words(ctx, ready_ptr, 0, C_MAX, call, tag, OWN=True, PEERS=False)
+
+
+@triton.jit
 def allgather_gemm_kernel(
     a_ptr, b_ptr, out_ptr,  # a [m, K] contiguous, b [K, N] (any strides), out [W*m, N]
     gather_ptr, ready_ptr, consumed_ptr,  # heap: [W*m, K], int64 flags [W, C_MAX], [W]
@@ -218,6 +229,11 @@ def allgather_gemm_kernel(
                       N, K, stride_bk, stride_bn, chunk_rows, rank, world, call, tag, ok,
                       a_desc, g_desc, b_desc, USE_DESC, B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K,
                       GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, C_MAX)
+    # the chunks' words no program or copy stream of the call writes, every 2**30 calls (the
+    # number of chunks follows the shard's rows): at the end, where the tiles' registers are
+    # free
+    if (call & (pol.REFRESH_CALLS - 1)) == 0:
+        _refresh_words(ctx, ready_ptr, n_chunks, call, tag, COPY_OWN, C_MAX)
     # the last program out: every read of the gather buffer is done (tell the peers) and every
     # claim of this call is made (the next call's tiles count from 0 again)
     last = pol.end_call_consumed(ctx, call, consumed_ptr, PULLS)

@@ -30,8 +30,9 @@ destinations it has not signalled yet, but keeps every wait, so the ranks stay i
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_BAD_INPUT, await_free, begin_call, call_flag, end_call_free,
-                             live, peer_buffer, report, signal_peer, wait_peers)
+from ...shmem.device import (REFRESH_CALLS, STATUS_BAD_INPUT, await_free, begin_call, call_flag,
+                             end_call_free, live, peer_buffer, refresh_words, report, signal_peer,
+                             wait_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_strided as shmem_put_strided
 from .pool import first_outside, indices_outside, pooled_rows
 
@@ -194,5 +195,10 @@ def _embedding_alltoall(
                         mask = (b_rel < my_n - s0)[:, None] & col_ok[None, :]
                         tl.store(out_ptr + offs, tl.load(recv_ptr + offs, mask=mask), mask=mask)
 
+    # the words of programs past the grid, which follows the batch split, every 2**30 calls
+    # (``refresh_words``)
+    if (epoch & (REFRESH_CALLS - 1)) == 0:
+        refresh_words(sent_ptr, bases_ptr, G, pid, G, rank, world,
+                      call_flag(epoch, tag, live(clock_ptr)), G_MAX)
     # 4. the last program out publishes the epoch here and "recv consumed" on every peer
     end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)

@@ -25,8 +25,9 @@ while d still needs it (shapes may change between calls).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (await_free_once, begin_call, call_flag, end_call_free, live,
-                             peer_buffer, signal_peers, wait_peers)
+from ...shmem.device import (REFRESH_CALLS, await_free_once, begin_call, call_flag,
+                             end_call_free, live, peer_buffer, refresh_words, signal_peers,
+                             wait_peers)
 from ...tiles.gemm import gemm_tile_auto, grouped_tile
 
 FLAG_SENT = tl.constexpr(1)
@@ -120,5 +121,10 @@ def gemm_alltoall_kernel(
                         mask = mine[:, None] & (cols[None, :] < N)
                         tl.store(out_ptr + offs, tl.load(recv_ptr + offs, mask=mask), mask=mask)
 
+    # the words of programs past the grid, which follows the shape, every 2**30 calls
+    # (``refresh_words``): at the end, where the tile's registers are free
+    if (epoch & (REFRESH_CALLS - 1)) == 0:
+        refresh_words(sent_ptr, bases_ptr, G, pid, G, rank, world,
+                      call_flag(epoch, tag, live(clock_ptr)), G_MAX)
     # 4. the last program out publishes the epoch here and "recv consumed" on every peer
     end_call_free(ctl_ptr, epoch, consumed_ptr, bases_ptr, rank, world)

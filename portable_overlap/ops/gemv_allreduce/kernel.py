@@ -63,41 +63,19 @@ from ...tiles.gemv import gemv_tile
 FLAG_LABELS = {"ready": "partials-ready", "bcast": "result-broadcast"}
 
 
-#: every this many calls each launch writes the flag words no program of its grid writes
-#: (``_refresh_words``)
-REFRESH_CALLS = tl.constexpr(1 << 30)
-
-
 @triton.jit
 def _refresh_words(ctx, ready_ptr, bcast_ptr, G, call, tag, G_MAX: tl.constexpr,
                    ONE_SHOT: tl.constexpr):
-    """Write this call's number into every word of this rank's that no program of the grid
-    writes: its ``ready`` and ``bcast`` words of programs ``G`` and up, in every rank's heap
-    (its own included: the K split's slices wait there), and with ``ONE_SHOT`` its ``bcast``
-    words of every program (no one-shot call writes them). Done at every ``REFRESH_CALLS``-th
-    call, program ``pid`` taking the words of programs ``pid + G``, ``pid + 2 G``, ...
-
-    A flag word carries the low 32 bits of its call's number, and a waiter takes a word that
-    reads as up to 2**31 calls past its own call for a later call (``shmem.device.reached``).
-    A word that no launch wrote for 2**31 calls or more (a grid of 4 programs after 2**31
-    calls of 1; never written since the context was made) then read as a later call's:
-    a call of the larger grid summed partials its peer had not stored yet, a wrong result
-    with no error (2 emulated ranks). Written every 2**30 calls, no word is that old. A peer
-    that runs this call with a larger grid reads these words as this call's with another tag:
-    a mismatch, as its program 0's word tells it. Its program, rank and liveness are read
-    here again, not kept from the kernel's start: kept through the tile loop, they made the
-    K split's tile spill on sm_90."""
-    pid = tl.program_id(0)
-    rank = pol.rank(ctx)
-    ok = pol.is_live(ctx)
-    for s in range(pid + G, G_MAX, G):
-        pol.signal_all(ctx, ready_ptr + rank * G_MAX + s, call, ok, tag)
-        pol.signal(ctx, ready_ptr + rank * G_MAX + s, rank, call, ok, tag)
-        if not ONE_SHOT:
-            pol.signal_all(ctx, bcast_ptr + rank * G_MAX + s, call, ok, tag)
+    """``pol.refresh_words`` of the flag words no program of the grid writes: this rank's
+    ``ready`` and ``bcast`` words of programs ``G`` and up (``ready`` in its own heap too: the
+    K split's slices wait there), and with ``ONE_SHOT`` its ``bcast`` words of every program
+    (no one-shot call writes them). Without it a shape of 4 programs called again after 2**31
+    calls of a shape of 1 summed partials its peer had not stored yet."""
+    pol.refresh_words(ctx, ready_ptr, G, G_MAX, call, tag, OWN=True)
     if ONE_SHOT:
-        for s in range(pid, G_MAX, G):
-            pol.signal_all(ctx, bcast_ptr + rank * G_MAX + s, call, ok, tag)
+        pol.refresh_words(ctx, bcast_ptr, 0, G_MAX, call, tag)
+    else:
+        pol.refresh_words(ctx, bcast_ptr, G, G_MAX, call, tag)
 
 
 @triton.jit
@@ -166,7 +144,7 @@ def gemv_allreduce_kernel(
     # before its next call reuses the buffers (OverlapContext.settle_late_stores). The words
     # no program of the grid writes, every 2**30 calls: at the end, where the tiles' registers
     # are free (at the start, the branch made the GEMV tile spill on sm_90)
-    if (call & (REFRESH_CALLS - 1)) == 0:
+    if (call & (pol.REFRESH_CALLS - 1)) == 0:
         _refresh_words(ctx, ready_ptr, bcast_ptr, G, call, tag, G_MAX, ONE_SHOT)
     pol.end_call(ctx, call)
 

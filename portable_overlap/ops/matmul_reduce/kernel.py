@@ -215,6 +215,33 @@ def _copy_reduced(gathered_ptr, row0, tn, lo_q, rows_q, N, out_ptr, bias_ptr, re
                         bias_ptr, res_ptr, N, stride_res, HAS_BIAS, HAS_RES)
 
 
+@triton.jit(noinline=True)
+def _refresh_words(ctx, sent_ptr, reduced_ptr, M, N, block_rows, G, call, tag,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                   ALL_REDUCE: tl.constexpr, SPLIT: tl.constexpr, G_MAX: tl.constexpr):
+    """``pol.refresh_words`` of the flag words no program of the grid writes: this rank's
+    ``sent`` words of programs ``G`` and up and, under AllReduce, its ``reduced`` words the
+    call does not write: of programs ``G`` and up, or with ``SPLIT`` of the tiles past its
+    block's and of its block's tiles that start past its rows (the last row of tiles of a block
+    one row shorter than ``block_rows``, every tile of a block with no rows)."""
+    pol.refresh_words(ctx, sent_ptr, G, G_MAX, call, tag)
+    if ALL_REDUCE:
+        if SPLIT:
+            rank = pol.rank(ctx)
+            world = pol.num_ranks(ctx)
+            rows = _block_start(M, rank + 1, world) - _block_start(M, rank, world)
+            n_tm = tl.cdiv(block_rows, BLOCK_M)
+            n_tn = tl.cdiv(N, BLOCK_N)
+            pol.refresh_words(ctx, reduced_ptr, n_tm * n_tn, G_MAX, call, tag)
+            ok = pol.is_live(ctx)
+            for T in range(pol.program(), tl.minimum(n_tm * n_tn, G_MAX), G):
+                tm, tn = grouped_tile(T, n_tm, n_tn, GROUP_M)
+                if tm * BLOCK_M >= rows:
+                    pol.signal_all(ctx, reduced_ptr + rank * G_MAX + T, call, ok, tag)
+        else:
+            pol.refresh_words(ctx, reduced_ptr, G, G_MAX, call, tag)
+
+
 @triton.jit
 def matmul_reduce_stores_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, res_ptr,  # a [M, K_r], b [K_r, N]; out, residual by mode
@@ -361,5 +388,11 @@ def matmul_reduce_stores_kernel(
                                       bias_ptr, res_ptr, stride_res, BLOCK_M, BLOCK_N, HAS_BIAS,
                                       HAS_RES)
 
+    # the words no program of the grid writes, every 2**30 calls: at the end, where the tiles'
+    # registers are free, and not inlined (inlined, ReduceScatter's 128 x 128 tile with
+    # descriptors, bias and residual spilled 16 bytes on sm_90 instead of 8)
+    if (call & (pol.REFRESH_CALLS - 1)) == 0:
+        _refresh_words(ctx, sent_ptr, reduced_ptr, M, N, block_rows, G, call, tag, BLOCK_M,
+                       BLOCK_N, GROUP_M, ALL_REDUCE, SPLIT, G_MAX)
     # the last program out: every read of this rank's buffers is done; tell the peers
     pol.end_call_consumed(ctx, call, consumed_ptr)

@@ -37,9 +37,10 @@ another), and every wait is bounded (status board).
 import triton
 import triton.language as tl
 
-from ...shmem.device import (STATUS_BAD_INPUT, await_flags, await_free_once, begin_call,
-                             call_flag, calls_done, end_call, end_call_free, live, peer_buffer,
-                             peer_ptr, report, report_first, signal_peers)
+from ...shmem.device import (REFRESH_CALLS, STATUS_BAD_INPUT, await_flags, await_free_once,
+                             begin_call, call_flag, calls_done, end_call, end_call_free, live,
+                             peer_buffer, peer_ptr, refresh_words, report, report_first,
+                             signal_peers)
 from ...shmem.providers.device import flush as shmem_flush, put_rows as shmem_put_rows
 from ...tiles.gemm import gemm_tile, gemm_tile_desc, grouped_tile
 
@@ -190,7 +191,22 @@ def finish_down(rows_mine_ptr, rows_in_ptr, sent_ptr, consumed_ptr, ctl_ptr, clo
         cnt = tl.atomic_add(rows_mine_ptr + q * G_MAX + pid, 0, sem="relaxed", scope="gpu")
         tl.store(peer_ptr(rows_in_ptr + rank * G_MAX + pid, bases_ptr, rank, q), cnt)
     signal_peers(sent_ptr, bases_ptr, pid, rank, world, call_flag(epoch, tag, ok), G_MAX)
+    # the words of programs past the grid, every 2**30 calls: the grid is the programs
+    # resident at once, which may differ with the tiling, and the MoE layer's launch signals
+    # the same words
+    if (epoch & (REFRESH_CALLS - 1)) == 0:
+        _refresh_sent(sent_ptr, clock_ptr, bases_ptr, epoch, tag, pid, rank, world, G_MAX)
     return end_call(ctl_ptr, epoch)
+
+
+@triton.jit(noinline=True)
+def _refresh_sent(sent_ptr, clock_ptr, bases_ptr, epoch, tag, pid, rank, world,
+                  G_MAX: tl.constexpr):
+    """``refresh_words`` of this rank's ``sent`` words past the grid. Not inlined, as the
+    dispatch's ``refresh_sent``, which the MoE layer's launch calls beside it: with both
+    inlined its 128 x 64 bf16 tile spilled 1564 bytes on sm_90, with neither 1536."""
+    refresh_words(sent_ptr, bases_ptr, tl.num_programs(0), pid, tl.num_programs(0), rank, world,
+                  call_flag(epoch, tag, live(clock_ptr)), G_MAX)
 
 
 # R (rows received) and S (tokens) change from call to call with the routing: compiled once, the

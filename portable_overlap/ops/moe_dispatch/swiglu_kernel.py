@@ -44,7 +44,7 @@ from ...backends.proxy_fence import async_proxy_fence
 from ...shmem.device import await_flags, call_flag, calls_done, live, signal_peer
 from ...tiles.gemm import grouped_tile
 from ..moe_experts.kernel import swiglu_segment_tile
-from .kernel import FLAG_SENT, scatter_rows, store_rows
+from .kernel import FLAG_SENT, refresh_sent, scatter_rows, store_rows
 
 
 #: what a tile given up on adds to its row tile's ready count (take_tiles): more than any
@@ -209,6 +209,8 @@ def dispatch_swiglu_kernel(
                       stride_wk, stride_wn, stride_hm, BLOCK_T, BLOCK_E, BLOCK_H, G_MAX, BLOCK_M,
                       BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
                       BLOCK_SEG, BLOCK_F, SENDERS_COMPUTE, False)
+    refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, senders, senders, rank, world, tag,
+                 G_MAX)
     # the last program out (every program has made its last claim) zeroes the queues
     tl.debug_barrier()
     ticket = tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu")

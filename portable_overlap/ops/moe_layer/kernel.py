@@ -48,6 +48,7 @@ from ...shmem.device import STATUS_PEER_FAILED, await_count, begin_call, live, r
 from ...tiles.gemm import grouped_tile
 from ..moe_combine.kernel import (FLAG_READY, begin_down, down_tile, expert_rows, expert_tile,
                                   finish_down, no_flush, store_rows)
+from ..moe_dispatch.kernel import refresh_sent
 from ..moe_dispatch.swiglu_kernel import (READY_SKIPPED, dispatch_and_gate, fused_segment,
                                           row_tile)
 
@@ -173,6 +174,10 @@ def moe_layer_kernel(
             stride_hm, stride_de, stride_dk, stride_dn, rank, world, c_epoch, c_timeout_us, pid,
             cleared, c_ok, BLOCK_M, BLOCK_N, BLOCK_N2, BLOCK_K2, GROUP_M2, NUM_STAGES2, EVEN_K2,
             PRECISION, UPCAST, G_MAX, USE_DESC2, EXPERT_MAJOR, BLOCK_SRC)
+    # the dispatch's words past its senders, every 2**30 calls of the dispatch (the combine's
+    # are ``finish_down``'s)
+    refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, senders, senders, rank, world, tag,
+                 G_MAX)
     last = finish_down(rows_mine_ptr, rows_in_ptr, c_sent_ptr, c_consumed_ptr, c_ctl_ptr,
                        c_clock_ptr, c_bases_ptr, c_status_addr, cleared, c_epoch, c_tag, c_ok, pid,
                        rank, world, c_timeout_us, G_MAX, no_flush)
