@@ -86,7 +86,7 @@ __all__ = ["rank", "num_ranks", "program", "num_programs", "begin_call", "end_ca
            "remote_ptr", "load_remote", "store_remote", "put", "get", "signal", "signal_all",
            "put_signal", "wait", "wait_reached", "notify", "wait_count", "barrier",
            "announce_call", "wait_free", "fence_bulk_reads", "peer_at", "wait_peers",
-           "wait_peers_reached", "wait_program_peers", "refresh_words", "REFRESH_CALLS",
+           "wait_peers_reached", "wait_program_peers", "refresh_words",
            "wait_consumed", "wait_consumed_once", "end_call_consumed", "shmem_put", "shmem_get",
            "shmem_quiet"]
 

@@ -461,27 +461,26 @@ def _scatter(tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots
         if ok:  # the counterparts' rows, slots and places have landed here
             expand_rows(recv_ptr, once_ptr, place_ptr, pid, tl.num_programs(0), epoch, k, H,
                         max_tokens, rank, world, BLOCK_T, BLOCK_H)
-    refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, tl.num_programs(0), 0, rank, world,
-                 tag, G_MAX)
+    if (epoch & (REFRESH_CALLS - 1)) == 0:
+        refresh_sent(sent_ptr, epoch, clock_ptr, bases_ptr, tl.num_programs(0), 0, rank, world,
+                     tag, G_MAX)
 
 
 @triton.jit(noinline=True)
-def refresh_sent(sent_ptr, ctl_ptr, clock_ptr, bases_ptr, first, own_first, rank, world, tag,
+def refresh_sent(sent_ptr, epoch, clock_ptr, bases_ptr, first, own_first, rank, world, tag,
                  G_MAX: tl.constexpr):
-    """At every ``REFRESH_CALLS``-th call of the dispatch, ``refresh_words`` of this rank's
-    ``sent`` words that the launch does not write: from ``first`` up in the peers' heaps (the
-    scatter's grid, the fused launches' senders) and from ``own_first`` up in this rank's (0
-    for the scatter, which writes none there; the fused launches' senders), by every program
-    of the launch, as its last step. The launches of one context share the words and write
+    """``refresh_words`` of this rank's ``sent`` words that a launch of the dispatch's call
+    ``epoch`` does not write: from ``first`` up in the peers' heaps (the scatter's grid, the
+    fused launches' senders) and from ``own_first`` up in this rank's (0 for the scatter, which
+    writes none there; the fused launches' senders), by every program of the launch, as its
+    last step, at every ``REFRESH_CALLS``-th call (the caller tests ``epoch``: a call that
+    refreshes nothing calls nothing). The launches of one context share the words and write
     different numbers of them (the scatter's grid is the programs resident at once, which may
     differ with the tokens' dtype; the fused launches' senders follow their plan). Not
     inlined: inlined, the fused dispatch + gated GEMM with descriptors spilled 4 bytes on
     sm_90 (none so)."""
-    epoch = calls_done(ctl_ptr)  # the exchange's, which this launch does not advance
-    if (epoch & (REFRESH_CALLS - 1)) == 0:
-        value = call_flag(epoch, tag, live(clock_ptr))
-        pid = tl.program_id(0)
-        refresh_words(sent_ptr, bases_ptr, first, pid, tl.num_programs(0), rank, world, value,
-                      G_MAX)
-        refresh_words(sent_ptr, bases_ptr, own_first, pid, tl.num_programs(0), rank, world,
-                      value, G_MAX, OWN=True, PEERS=False)
+    value = call_flag(epoch, tag, live(clock_ptr))
+    pid = tl.program_id(0)
+    refresh_words(sent_ptr, bases_ptr, first, pid, tl.num_programs(0), rank, world, value, G_MAX)
+    refresh_words(sent_ptr, bases_ptr, own_first, pid, tl.num_programs(0), rank, world, value,
+                  G_MAX, OWN=True, PEERS=False)
