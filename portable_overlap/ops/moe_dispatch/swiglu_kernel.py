@@ -156,8 +156,9 @@ def dispatch_and_gate(
 ):
     """This program's part of the module docstring's roles: its sender passes (if it sends),
     then the tiles it claims from the two queues (``take_tiles``; ``NOTIFY``: each counted in
-    ``ready_ptr``). Returns whether the program stayed on track (the dispatch's ``ok``) and
-    the dispatch's call number."""
+    ``ready_ptr``), then, at every ``REFRESH_CALLS``-th call, the ``sent`` words past the
+    senders (``refresh_sent``; here, so that the call number is not kept past it). Returns
+    whether the program stayed on track (the dispatch's ``ok``)."""
     pid = tl.program_id(0)
     epoch = calls_done(ctl_ptr)  # published by the exchange
     ok = live(clock_ptr) & (tl.atomic_add(ctl_ptr + 3, 0, sem="relaxed", scope="gpu") == epoch)
@@ -183,7 +184,10 @@ def dispatch_and_gate(
                               stride_we, stride_wk, stride_wn, stride_hm, BLOCK_M, BLOCK_N,
                               BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K, PRECISION, UPCAST, USE_DESC,
                               BLOCK_F, G_MAX, NOTIFY)
-    return ok, epoch
+    if (epoch & (REFRESH_CALLS - 1)) == 0:
+        refresh_sent(sent_ptr, epoch, clock_ptr, bases_ptr, senders, senders, rank, world, tag,
+                     G_MAX)
+    return ok
 
 
 # S changes from call to call and every rank must run the same code: neither S nor the rank
@@ -204,16 +208,13 @@ def dispatch_swiglu_kernel(
     UPCAST: tl.constexpr, USE_DESC: tl.constexpr, BLOCK_SEG: tl.constexpr,
     BLOCK_F: tl.constexpr, SENDERS_COMPUTE: tl.constexpr,
 ):
-    _, epoch = dispatch_and_gate(
+    dispatch_and_gate(
         tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr, sent_ptr,
         ctl_ptr, clock_ptr, bases_ptr, status_addr, counts_ptr, queue_ptr, queue_ptr, wg_ptr,
         wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, n_slots, k, H, stride_ts, E, capacity, rank,
         world, tag, timeout_us, senders, I, stride_we, stride_wk, stride_wn, stride_hm, BLOCK_T,
         BLOCK_E, BLOCK_H, G_MAX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K,
         PRECISION, UPCAST, USE_DESC, BLOCK_SEG, BLOCK_F, SENDERS_COMPUTE, False)
-    if (epoch & (REFRESH_CALLS - 1)) == 0:
-        refresh_sent(sent_ptr, epoch, clock_ptr, bases_ptr, senders, senders, rank, world, tag,
-                     G_MAX)
     # the last program out (every program has made its last claim) zeroes the queues
     tl.debug_barrier()
     ticket = tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu")

@@ -44,12 +44,10 @@ import triton
 import triton.language as tl
 
 from ...backends.proxy_fence import async_proxy_fence
-from ...shmem.device import (REFRESH_CALLS, STATUS_PEER_FAILED, await_count, begin_call, live,
-                             report)
+from ...shmem.device import STATUS_PEER_FAILED, await_count, begin_call, live, report
 from ...tiles.gemm import grouped_tile
 from ..moe_combine.kernel import (FLAG_READY, begin_down, down_tile, expert_rows, expert_tile,
                                   finish_down, no_flush, store_rows)
-from ..moe_dispatch.kernel import refresh_sent
 from ..moe_dispatch.swiglu_kernel import (READY_SKIPPED, dispatch_and_gate, fused_segment,
                                           row_tile)
 
@@ -154,19 +152,13 @@ def moe_layer_kernel(
     c_ok = live(c_clock_ptr)
     cleared = tl.zeros((), tl.int64)  # bit q: rank q's combine buffer is free for this call
     begin_down(rows_mine_ptr, pid, world, G_MAX)
-    ok, epoch = dispatch_and_gate(
+    ok = dispatch_and_gate(
         tokens_ptr, ids_ptr, base_ptr, dest_start_ptr, recv_ptr, recv_slots_ptr, sent_ptr,
         ctl_ptr, clock_ptr, bases_ptr, status_addr, counts_ptr, queue_ptr, ready_ptr, wg_ptr,
         wu_ptr, h_ptr, x_desc, wg_desc, wu_desc, n_slots, k, H, stride_ts, E, capacity, rank,
         world, tag, timeout_us, senders, I, stride_we, stride_wk, stride_wn, stride_hm, BLOCK_T,
         BLOCK_E, BLOCK_H, G_MAX, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EVEN_K,
         PRECISION, UPCAST, USE_DESC, BLOCK_SEG, BLOCK_F, SENDERS_COMPUTE, True)
-    # the dispatch's words past its senders, every 2**30 calls of the dispatch (the combine's
-    # are ``finish_down``'s): here, before the down tiles, so that its call number is not kept
-    # through them
-    if (epoch & (REFRESH_CALLS - 1)) == 0:
-        refresh_sent(sent_ptr, epoch, clock_ptr, bases_ptr, senders, senders, rank, world, tag,
-                     G_MAX)
     # the down tiles, from the counts on the device
     segs = tl.arange(0, BLOCK_SEG)
     cnt = tl.load(counts_ptr + segs, mask=segs < world * E, other=0)
