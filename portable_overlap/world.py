@@ -33,6 +33,8 @@ class World:
     launcher: str = "external"
     #: host collectives this rank has entered (``collective_setup`` compares it)
     collectives: int = dataclasses.field(default=0, repr=False, compare=False)
+    #: symmetric heaps made on this world (``SymmetricHeap.serial``: close compares it)
+    heaps_made: int = dataclasses.field(default=0, repr=False, compare=False)
 
     def __deepcopy__(self, memo) -> "World":
         """The world itself: it names this process's place among its peers (its process group,

@@ -126,6 +126,38 @@ def test_heap_close_unmaps_on_every_rank_before_any_rank_frees(world3):
     assert max(closes) < min(frees)
 
 
+def _close_in_other_orders(world):
+    from portable_overlap.errors import RankMismatchError
+
+    heaps = [SymmetricHeap(world, 1024), SymmetricHeap(world, 2048)]
+    outcomes = []
+    for h in (heaps if world.rank == 0 else heaps[::-1]):
+        try:
+            h.close()
+            outcomes.append("closed")
+        except RankMismatchError as e:
+            outcomes.append(str(e))
+    same = [SymmetricHeap(world, 512) for _ in range(2)]
+    for h in same:  # the world is still usable: heaps closed in order close
+        h.close()
+    return outcomes, [h.serial for h in heaps]
+
+
+def test_heaps_closed_in_other_orders_raise_on_every_rank(world2):
+    """Rank 0 closes heap 0 then 1, rank 1 heap 1 then 0: both closes raise on both ranks,
+    naming what each rank closed, instead of one rank freeing a heap its peer still maps
+    (undefined on HIP); heaps made and closed in order afterwards close."""
+    found = world2.run(_close_in_other_orders)
+    a, b = found[0][1]  # (the world's earlier heaps number them; the same on both ranks)
+    assert found[1][1] == [a, b] and b == a + 1
+    for outcomes, _ in found:
+        assert len(outcomes) == 2, outcomes
+        for msg in outcomes:
+            assert "closed different symmetric heaps" in msg, msg
+        assert f"rank 0: heap {a} of 1024 bytes; rank 1: heap {b} of 2048 bytes" in outcomes[0]
+        assert f"rank 0: heap {b} of 2048 bytes; rank 1: heap {a} of 1024 bytes" in outcomes[1]
+
+
 def _heap_past_memory(world):
     import os
 

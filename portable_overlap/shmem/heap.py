@@ -43,6 +43,10 @@ class SymmetricHeap:
         except BaseException:
             self._release()
             raise
+        # which of the world's heaps this is, the same number on every rank (heaps are made
+        # collectively, in the same order): close checks that the ranks close the same one
+        self.serial = world.heaps_made
+        world.heaps_made += 1
 
     def _map_every_rank(self) -> tuple:
         """Collective: allocate, zero and export this rank's heap, open every peer's; every
@@ -117,7 +121,19 @@ class SymmetricHeap:
             return
         self._closed = True
         self.backend.synchronize(self.device)
-        self.world.barrier()
+        # the exchange is also the barrier: every rank's launches are done before any unmaps
+        closing = self.world.all_gather_object((self.serial, self.nbytes))
+        if any(c != closing[0] for c in closing):
+            # Contexts closed in other orders on other ranks: a peer closing another heap now
+            # still maps this one, and freeing an allocation another process has open is
+            # undefined on HIP. Nothing is unmapped or freed (the heap stays allocated until
+            # the process ends); every rank raises, naming what each closed.
+            raise RankMismatchError(
+                "ranks closed different symmetric heaps at once (contexts closed in other "
+                "orders, or closed on some ranks only; every rank must close the same "
+                "contexts in the same order): " + "; ".join(
+                    f"rank {r}: heap {n} of {b} bytes" for r, (n, b) in enumerate(closing))
+                + ". This heap is left allocated")
         # every rank unmaps the others' heaps before any rank frees its own: HIP leaves freeing
         # an exported allocation that another process still has open undefined
         errors = self._unmap_peers()
