@@ -10,10 +10,11 @@ import torch.distributed as dist
 import portable_overlap as po
 from portable_overlap import (GemvAllReduce, PortableOverlapError, all_gather_matmul_reference,
                               gemv_all_reduce_reference)
-from portable_overlap.language.host import CALL_SHIFT, CTX_CLOCK
+from portable_overlap.language.host import CTX_CLOCK
 from portable_overlap.ops.embedding_alltoall import embedding_all_to_all_reference
 from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
+from portable_overlap.testing.call_numbers import move_on, move_to
 
 #: GEMM tilings of the grid tests: 128 x 128 tiles are not split (``matmul_reduce.stores``)
 WHOLE_TILES = MatmulConfig(block_m=128, block_n=128, block_k=16, group_m=1, num_warps=4,
@@ -25,18 +26,6 @@ SMALL_TILES = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_wa
 def _inputs(world, M, N, K, seed):
     g = torch.Generator().manual_seed(seed * 1000 + world.rank)
     return torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-
-
-def _skip_calls(ws, n: int) -> None:
-    """Move the workspace ``ws`` (a fused GEMV + AllReduce's, between calls, on every rank)
-    ``n`` calls on, as if it had made them: its call counter, and every flag word its peers
-    wrote, which holds the last call's number in its low half."""
-    done = int(ws.ctx[0]) >> CALL_SHIFT
-    ws.ctx[0] = (done + n) << CALL_SHIFT
-    for flags in (ws.ready, ws.bcast):
-        seen = flags != 0
-        epoch = (flags & 0xFFFFFFFF) + n
-        flags.copy_(torch.where(seen, (flags & ~0xFFFFFFFF) | (epoch & 0xFFFFFFFF), flags))
 
 
 def _burn_cpu(seconds: float) -> None:
@@ -57,7 +46,7 @@ def _stamp_of_an_earlier_call(world, transport, skip):
         x, w = _inputs(world, 2, 40, 16, call)
         ref = gemv_all_reduce_reference(x, w, world.group)
         if call == 2:
-            _skip_calls(ctx.impl, skip)
+            move_on(ctx.impl.ctx, skip, (ctx.impl.ready, ctx.impl.bcast))
             if world.rank == 0:
                 _burn_cpu(2.5)
         world.barrier()
@@ -86,19 +75,6 @@ def test_the_deadline_of_a_call_many_calls_on_is_its_own(world2):
             assert stamp == 3 + skip, stamp
 
 
-def _move_on(counter, n: int, words) -> None:
-    """Move a context ``n`` calls on, as if it had made them with a small grid: its call
-    counter (``counter[0]``: ``ws.ctx`` or an op's ``ctl``), and the flag words ``words``
-    (views of its flag arrays: the words such calls write)."""
-    counter[0] = (_calls_done(counter) + n) << CALL_SHIFT
-    for word in words:
-        word.copy_(torch.where(word != 0, (word & ~0xFFFFFFFF) | ((word + n) & 0xFFFFFFFF), word))
-
-
-def _calls_done(counter) -> int:
-    return int(counter[0]) >> CALL_SHIFT
-
-
 def _grid_back_after_many_calls(world, transport):
     """A shape of 4 programs (call 1), then 2**31 + 10 calls of a shape of 1 program, then the
     first shape again, rank 1 slower (a K 32 times rank 0's): rank 0's waits for rank 1's
@@ -111,9 +87,9 @@ def _grid_back_after_many_calls(world, transport):
     outcomes = []
     for i, (N, K) in enumerate(shapes):
         if i == 2:  # on to the call before the 2**30-th
-            _move_on(ws.ctx, (1 << 30) - 1 - _calls_done(ws.ctx), written)
+            move_to(ws.ctx, 1 << 30, written)
         if i == 3:  # on to call 2**31 + 12
-            _move_on(ws.ctx, (1 << 31) + 11 - _calls_done(ws.ctx), written)
+            move_to(ws.ctx, (1 << 31) + 12, written)
         x, w = _inputs(world, 2, N, K, i)
         ref = gemv_all_reduce_reference(x, w, world.group)
         try:
@@ -161,9 +137,9 @@ def _gemm_grid_back_after_many_calls(world, op):
         if i >= 2:  # (the peer's last writes here, its "consumed" words, have landed)
             world.barrier()
         if i == 2:  # on to the call before the 2**30-th
-            _move_on(counter, (1 << 30) - 1 - _calls_done(counter), written)
+            move_to(counter, 1 << 30, written)
         if i == 3:  # on to call 2**31 + 12
-            _move_on(counter, (1 << 31) + 11 - _calls_done(counter), written)
+            move_to(counter, (1 << 31) + 12, written)
         g = torch.Generator().manual_seed(i * 1000 + world.rank)
         a, b = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g)
         if op == "gemm_all_to_all":
@@ -221,7 +197,7 @@ def _refresh_calls(world, op):
     for i, (M, N, K) in enumerate(shapes):
         world.barrier()  # (the peer's last writes here have landed)
         if i in refreshing:
-            _move_on(counter, refreshing[i] - 1 - _calls_done(counter), words)
+            move_to(counter, refreshing[i], words)
         g = torch.Generator().manual_seed(i * 1000 + world.rank)
         if op == "embedding":
             outcomes.append(_embedding_call(world, ctx, [M] * 2, g))
