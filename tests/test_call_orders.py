@@ -1,6 +1,8 @@
 """The call protocol over many calls and many contexts, on CPU-emulated ranks: call numbers
 far from 0 (a context that ran for hours), the deadline's stamp of an earlier call, contexts
 called in other orders on other ranks."""
+import contextlib
+import dataclasses
 import time
 
 import pytest
@@ -14,7 +16,12 @@ from portable_overlap.language.host import CTX_CLOCK
 from portable_overlap.ops.embedding_alltoall import embedding_all_to_all_reference
 from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
 from portable_overlap.ops.matmul import MatmulConfig
-from portable_overlap.testing.call_numbers import move_on, move_to
+from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
+from portable_overlap.ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_dispatch_reference,
+                                               moe_dispatch_swiglu, moe_dispatch_swiglu_reference)
+from portable_overlap.ops.moe_layer import moe_layer, moe_layer_reference
+from portable_overlap.testing.call_numbers import CALL_MASK, call_of, move_on, move_to
+from portable_overlap.testing.routing import route
 
 #: GEMM tilings of the grid tests: 128 x 128 tiles are not split (``matmul_reduce.stores``)
 WHOLE_TILES = MatmulConfig(block_m=128, block_n=128, block_k=16, group_m=1, num_warps=4,
@@ -168,52 +175,94 @@ def test_gemm_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(worl
     assert found == [["ok"] * 4] * 2, found
 
 
+#: the calls of a refresh test that the test moves to a refreshing number: by their place
+REFRESHING = {1: 1 << 30, 3: 1 << 31}
+
+
+def _outcome(call) -> str:
+    """``"ok"`` where ``call()`` returns True (its result matched the reference), ``"wrong"``
+    where False, else the error it raised."""
+    try:
+        return "ok" if call() else "wrong"
+    except PortableOverlapError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _run_refreshing(world, moves, checked, calls) -> list:
+    """Run ``calls`` in order, calls 1 and 3 as numbers 2**30 and 2**31 (``REFRESHING``, the
+    calls that refresh the flag words): before each of them, for each ``(counters, words)`` of
+    ``moves`` (a context's), the counters and every flag word of ``words`` move on to the call
+    before it (``move_to``); after it, every word of each
+    ``checked`` row (``(name, row)``: a rank's words in this rank's heap, written by that
+    call or by its refresh) must hold its number. Returns an outcome per call (``_outcome``),
+    with the words not refreshed named."""
+    outcomes = []
+    for i, call in enumerate(calls):
+        world.barrier()  # (the peer's last writes here have landed)
+        if i in REFRESHING:
+            for counters, words in moves:
+                move_to(counters, REFRESHING[i], words)
+        outcomes.append(_outcome(call))
+        if i in REFRESHING:
+            world.barrier()  # (the peer's refresh has landed)
+            for name, row in checked:
+                stale = ((row & CALL_MASK) != REFRESHING[i] & CALL_MASK).nonzero().flatten()
+                if stale.numel():
+                    outcomes[-1] += (f", {stale.numel()} words of {name} not refreshed (first "
+                                     f"{int(stale[0])}: call {call_of(row[stale[0]]):#x})")
+    return outcomes
+
+
 def _refresh_calls(world, op):
     """Calls at numbers 2**30 and 2**31 (the calls that refresh the flag words), between calls
     of other shapes: GEMM + AllReduce with split tiles (a product of 2 tiles) and whole ones
     (of 4 programs); AllGather + GEMM with a shard of 2 rows (its own rows copied to its
-    buffer) and of 32 (not); embedding + All-to-All with 1 and 8 samples a rank (the first
-    number of ``shapes``). Before each, the counter and every flag word move on to the call
-    before; after it, the peer's last flag word (past every grid) must hold it."""
+    buffer) and of 32 (not); GEMM + All-to-All with 1 tile (1 program) and 4; embedding +
+    All-to-All with 1 and 8 samples a rank (the first number of ``shapes``). After each, the
+    peer's words of the first flag array (and AllGather + GEMM's own) must all hold it:
+    written by the call, or past its grid by its refresh."""
+    peer = 1 - world.rank
     if op == "all_reduce":
         ctx = po.MatmulAllReduce(world, 64, 64, transport="stores", timeout_s=10.0)
         ws = ctx.impl
         words = [ws.sent, ws.reduced, ws.consumed]
+        checked = [("sent", ws.sent[peer]), ("reduced", ws.reduced[peer])]
         shapes = [(2, 16, 16), (2, 16, 16), (64, 64, 16), (2, 16, 16)]
     elif op == "all_gather_matmul":
         ctx = po.AllGatherMatmul(world, 32 * 16, transport="stores", timeout_s=10.0)
         ws = ctx.impl
         words = [ws.ready, ws.consumed]
+        checked = [("ready", ws.ready[peer]), ("own ready", ws.ready[world.rank])]
         shapes = [(2, 16, 16), (32, 16, 16), (2, 16, 16), (2, 16, 16)]
+    elif op == "gemm_all_to_all":  # 16 x 16 tiles: a grid of one program per tile, up to 4
+        ctx = ws = GemmAllToAll(world, 32 * 32, timeout_s=10.0, config=SMALL_TILES)
+        words = [ws.sent, ws.consumed]
+        checked = [("sent", ws.sent[peer])]
+        shapes = [(2, 16, 16), (2, 16, 16), (32, 32, 16), (2, 16, 16)]
     else:  # batch splits of 1 sample a rank (2 programs: 2 tables a rank) and of 8 (4)
         ctx = po.EmbeddingAllToAll(world, [7, 5, 9, 4], 8, max_local_batch=8, block_b=4,
                                    transport="stores", timeout_s=10.0)
         ws = ctx.impl
         words = [ws.sent, ws.consumed]
+        checked = [("sent", ws.sent[peer])]
         shapes = [(1, 0, 0), (1, 0, 0), (8, 0, 0), (1, 0, 0)]
-    counter = ws.ctl if op == "embedding" else ws.ctx
-    refreshing = {1: 1 << 30, 3: 1 << 31}  # the calls i that are those numbers
-    outcomes = []
+    counter = ws.ctl if op in ("embedding", "gemm_all_to_all") else ws.ctx
+    calls = []
     for i, (M, N, K) in enumerate(shapes):
-        world.barrier()  # (the peer's last writes here have landed)
-        if i in refreshing:
-            move_to(counter, refreshing[i], words)
         g = torch.Generator().manual_seed(i * 1000 + world.rank)
         if op == "embedding":
-            outcomes.append(_embedding_call(world, ctx, [M] * 2, g))
+            calls.append(lambda M=M, g=g: _embedding_call(world, ctx, [M] * 2, g))
         else:
-            outcomes.append(_gemm_call(world, ctx, op, M, N, K, g, i))
-        if i in refreshing:  # the peer's last word of the first flag array, past every grid
-            world.barrier()
-            last = int(words[0][1 - world.rank, -1]) & 0xFFFFFFFF
-            if last != refreshing[i] & 0xFFFFFFFF:
-                outcomes[-1] += f", not refreshed ({last})"
-    ctx.close()
-    return outcomes
+            calls.append(lambda M=M, N=N, K=K, g=g, i=i: _gemm_call(world, ctx, op, M, N, K, g, i))
+    try:
+        return _run_refreshing(world, [(counter, words)], checked, calls)
+    finally:
+        ctx.close()
 
 
-def _embedding_call(world, ctx, splits, g) -> str:
-    """One call of an embedding + All-to-All context on random bags of up to 3 rows."""
+def _embedding_call(world, ctx, splits, g) -> bool:
+    """One call of an embedding + All-to-All context on random bags of up to 3 rows: whether
+    it matches the reference."""
     B = sum(splits)
     weight = torch.randn(ctx.weight_rows, ctx.dim, generator=g)
     lengths = torch.randint(0, 4, (ctx.n_loc * B,), generator=g)
@@ -222,37 +271,170 @@ def _embedding_call(world, ctx, splits, g) -> str:
                          for j, t in enumerate(ctx.local_tables)])
     ref = embedding_all_to_all_reference(weight, lengths, indices, None, ctx.plan, world.rank,
                                          splits, "sum", world.group)
-    try:
-        y = ctx(weight, lengths, indices, batch_splits=splits,
-                out=torch.full(ctx.output_shape(splits), float("nan")))
-        return "ok" if torch.allclose(y, ref, rtol=1e-5, atol=1e-5) else "wrong"
-    except PortableOverlapError as e:
-        return f"{type(e).__name__}: {e}"
+    y = ctx(weight, lengths, indices, batch_splits=splits,
+            out=torch.full(ctx.output_shape(splits), float("nan")))
+    return torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def _gemm_call(world, ctx, op, M, N, K, g, i) -> str:
-    """One call of a GEMM + AllReduce or AllGather + GEMM context on random operands."""
+def _gemm_call(world, ctx, op, M, N, K, g, i) -> bool:
+    """One call of a GEMM + AllReduce, AllGather + GEMM or GEMM + All-to-All context on random
+    operands: whether it matches the reference."""
     a = torch.randn(M, K, generator=g)
     if op == "all_reduce":
         b = torch.randn(K, N, generator=g)
         ref = a @ b
         dist.all_reduce(ref, group=world.group)
+    elif op == "gemm_all_to_all":
+        b = torch.randn(K, N, generator=g)
+        ref = gemm_all_to_all_reference(a, b, world.group)
     else:  # (b is the same on every rank)
         b = torch.randn(K, N, generator=torch.Generator().manual_seed(i))
         ref = all_gather_matmul_reference(a, b, world.group)
-    try:
-        y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
-        return "ok" if torch.allclose(y, ref, rtol=1e-4, atol=1e-3) else "wrong"
-    except PortableOverlapError as e:
-        return f"{type(e).__name__}: {e}"
+    y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
+    return torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul", "embedding"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul", "gemm_all_to_all",
+                                "embedding"])
 def test_the_calls_that_refresh_flag_words_and_the_next_ones_are_right(world2, op):
     """The refreshing calls' kernels run their refresh (the branch of every 2**30-th call,
-    which no other test reaches) and give the right result, and so do the calls after them,
-    of other grids."""
+    which no other test reaches), write every word their grid does not, and give the right
+    result, and so do the calls after them, of other grids."""
     found = world2.run(_refresh_calls, op, timeout=300)
+    assert found == [["ok"] * 4] * 2, found
+
+
+#: the MoE refresh tests' sizes: hidden, intermediate, experts a rank, choices a token ...
+MOE_H, MOE_I, MOE_E, MOE_K = 16, 16, 1, 2
+#: ... and the tokens of a call past decode sizes there (``moe_combine.api.decode_walk``: more
+#: than 64 rows a (source, expert) segment on average, 2 ranks of one expert each)
+S_MANY = 65
+
+
+@contextlib.contextmanager
+def _emulated_sms(world, n):
+    """Plans made inside see a device of ``n`` SMs (None: the backend's own). The MoE
+    combine's GEMM and the one-launch layer run as many programs as are resident at once; on
+    a GPU that number follows the call's tiles (decode sizes or not), on the interpreter's
+    emulated device it is one number: a plan made here gets its own."""
+    facts = world.facts
+    if n is not None:
+        world._facts = dataclasses.replace(facts, sm_count=n)
+    try:
+        yield
+    finally:
+        world._facts = facts
+
+
+def _moe_inputs(world, S, g):
+    """Tokens [S, H], top-k ids (uniform) and weights [S, k] of one call on this rank."""
+    tokens = torch.randn(S, MOE_H, generator=g)
+    ids = route("uniform", S, MOE_E * world.world_size, MOE_K, world.world_size, g)
+    return tokens, ids, torch.rand(S, MOE_K, generator=g)
+
+
+def _moe_call(world, d, c, weights, form, S, senders, g) -> bool:
+    """One call of ``form`` on random inputs of S tokens: the MoE dispatch (``"dispatch"``),
+    the fused dispatch + gated GEMM (``"swiglu"``, ``senders`` programs sending), the combine
+    (``"combine"``, on rows the torch dispatch delivered) or the one-launch layer
+    (``"layer"``); whether it matches the reference (poisoned outputs and receive rows)."""
+    wg, wu, wd = weights
+    tokens, ids, tw = _moe_inputs(world, S, g)
+    if form == "combine":
+        rows = torch.randn(S, MOE_I, generator=g)  # (the combine's rows are of width I)
+        x, counts, slots = moe_dispatch_reference(rows, ids, MOE_E, world.group)
+        ref = moe_gemm_combine_reference(x, wd, counts, slots, tw, world.group)
+        out = c(x, wd, counts, slots, tw, out=torch.full((S, MOE_H), float("nan")))
+        c.synchronize()
+        return torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    d.recv.fill_(float("nan"))
+    if form == "layer":
+        ref = moe_layer_reference(tokens, ids, tw, wg, wu, wd, MOE_E, world.group)
+        out = moe_layer(tokens, ids, tw, wg, wu, wd, d, c,
+                        torch.full((S, MOE_H), float("nan")), senders=senders)
+        d.synchronize()
+        c.synchronize()
+        return torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    if form == "dispatch":
+        ref, c_ref, s_ref = moe_dispatch_reference(tokens, ids, MOE_E, world.group)
+        x, counts, slots = moe_dispatch(tokens, ids, d)
+        same = torch.equal(x[:ref.shape[0]], ref)
+    else:
+        ref, c_ref, s_ref = moe_dispatch_swiglu_reference(tokens, ids, wg, wu, MOE_E,
+                                                          world.group)
+        h = torch.full((d.capacity, MOE_I), float("nan"))
+        _, counts, slots = moe_dispatch_swiglu(tokens, ids, wg, wu, d, h, senders=senders)
+        same = torch.allclose(h[:ref.shape[0]], ref, rtol=1e-5, atol=1e-5)
+    d.synchronize()
+    return same and torch.equal(counts, c_ref) and torch.equal(slots[:ref.shape[0]], s_ref)
+
+
+#: per MoE op, its calls (form, tokens, senders, SMs of the plan): the calls at 2**30 and
+#: 2**31 (places 1 and 3) between calls that write more of the same words: the scatter's
+#: grid (4 programs, none of this rank's own words) against a fused launch of 2 senders (2
+#: words in every heap); 1 sender against 2; the combine's GEMM and the layer planned for
+#: decode sizes on 2 SMs against 4 SMs past them
+MOE_CALLS = {
+    "moe_dispatch": [("dispatch", 1, None, None), ("dispatch", 1, None, None),
+                     ("swiglu", S_MANY, 2, None), ("dispatch", 1, None, None)],
+    "moe_dispatch_swiglu": [("swiglu", S_MANY, 2, None), ("swiglu", 1, 1, None),
+                            ("swiglu", S_MANY, 2, None), ("swiglu", 1, 1, None)],
+    "moe_gemm_combine": [("combine", S_MANY, None, 4), ("combine", 1, None, 2),
+                         ("combine", S_MANY, None, 4), ("combine", 1, None, 2)],
+    "moe_layer": [("layer", S_MANY, 2, 4), ("layer", 1, 1, 2), ("layer", S_MANY, 2, 4),
+                  ("layer", 1, 1, 2)],
+}
+
+
+def _moe_refresh_calls(world, op):
+    """``_refresh_calls`` for the MoE ops on the ``"stores"`` workspaces (``MOE_CALLS``): the
+    dispatch's counter and flags move on for the dispatch, the fused dispatch + gated GEMM and
+    the layer, the combine's (both its launches' counters) for the combine and the layer. After
+    a refreshing call the dispatch's ``sent`` words must all hold it, the peer's and this
+    rank's own (which the fused launches' tiles wait for), and so must the peer's ``sent``
+    words of the combine."""
+    peer, r = 1 - world.rank, world.rank
+    g = torch.Generator().manual_seed(700 + r)
+    weights = ((torch.randn(MOE_E, MOE_H, MOE_I, generator=g) / MOE_H ** 0.5),
+               (torch.randn(MOE_E, MOE_H, MOE_I, generator=g) / MOE_H ** 0.5),
+               (torch.randn(MOE_E, MOE_I, MOE_H, generator=g) / MOE_I ** 0.5))
+    sizes = dict(max_tokens=S_MANY, top_k=MOE_K, hidden=MOE_H, experts_per_rank=MOE_E,
+                 transport="stores", timeout_s=10.0)
+    d = c = None
+    moves, checked = [], []
+    if op != "moe_gemm_combine":
+        d = MoeDispatch(world, dtype=torch.float32, **sizes)
+        wd = d.kernel()
+        moves.append((wd.ctl, [wd.count_flag, wd.sent, wd.consumed]))
+        checked += [("dispatch sent", wd.sent[peer]), ("own dispatch sent", wd.sent[r])]
+    if op in ("moe_gemm_combine", "moe_layer"):
+        c = MoeGemmCombine(world, **sizes)
+        wc = c.kernel()
+        moves.append(((wc.ctl, wc.ctl[2:]), [wc.sent, wc.consumed]))
+        checked += [("combine sent", wc.sent[peer])]
+    calls = []
+    for i, (form, S, senders, sms) in enumerate(MOE_CALLS[op]):
+        def call(form=form, S=S, senders=senders, sms=sms, i=i):
+            with _emulated_sms(world, sms):
+                g = torch.Generator().manual_seed(1000 * i + r)
+                return _moe_call(world, d, c, weights, form, S, senders, g)
+        calls.append(call)
+    try:
+        return _run_refreshing(world, moves, checked, calls)
+    finally:
+        for ctx in (d, c):
+            if ctx is not None:
+                ctx.close()
+
+
+@pytest.mark.parametrize("op", ["moe_dispatch", "moe_dispatch_swiglu", "moe_gemm_combine",
+                                "moe_layer"])
+def test_the_moe_calls_that_refresh_flag_words_and_the_next_ones_are_right(world2, op):
+    """The MoE kernels' refreshing calls (the scatter's, the fused dispatch + gated GEMM's,
+    the combine GEMM's and the one-launch layer's) write every ``sent`` word their launch does
+    not and give the right result, and so do the calls after them, whose launches write more
+    of those words."""
+    found = world2.run(_moe_refresh_calls, op, timeout=300)
     assert found == [["ok"] * 4] * 2, found
 
 
