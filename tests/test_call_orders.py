@@ -175,6 +175,21 @@ def test_gemm_flag_words_a_small_grid_leaves_are_not_taken_for_a_later_call(worl
     assert found == [["ok"] * 4] * 2, found
 
 
+@contextlib.contextmanager
+def _emulated_sms(world, n):
+    """Plans made inside see a device of ``n`` SMs (None: the backend's own). The MoE
+    combine's GEMM and the one-launch layer run as many programs as are resident at once; on
+    a GPU that number follows the call's tiles (decode sizes or not), on the interpreter's
+    emulated device it is one number: a plan made here gets its own."""
+    facts = world.facts
+    if n is not None:
+        world._facts = dataclasses.replace(facts, sm_count=n)
+    try:
+        yield
+    finally:
+        world._facts = facts
+
+
 #: the calls of a refresh test that the test moves to a refreshing number: by their place
 REFRESHING = {1: 1 << 30, 3: 1 << 31}
 
@@ -219,10 +234,28 @@ def _refresh_calls(world, op):
     (of 4 programs); AllGather + GEMM with a shard of 2 rows (its own rows copied to its
     buffer) and of 32 (not); GEMM + All-to-All with 1 tile (1 program) and 4; embedding +
     All-to-All with 1 and 8 samples a rank (the first number of ``shapes``). After each, the
-    peer's words of the first flag array (and AllGather + GEMM's own) must all hold it:
-    written by the call, or past its grid by its refresh."""
+    peer's words of the checked flag arrays (and AllGather + GEMM's own) must all hold it:
+    written by the call, or by its refresh.
+
+    ``"all_reduce_split_rows"``: GEMM + AllReduce on 8 emulated SMs with 16 x 16 tiles, the
+    refreshing calls of split tiles (M 33, N 16: 2 row tiles of a 17-row block, each cut into
+    2 K ranges) whose last row tile is partial, and on rank 0, whose block has 16 rows, starts
+    past the rows: no part closes that tile, so its ``reduced`` word is the refresh's to write
+    (``matmul_reduce.kernel._refresh_words``), between calls of whole tiles (M 64, N 32)."""
+    with _emulated_sms(world, 8 if op == "all_reduce_split_rows" else None):
+        return _refresh_calls_of(world, op)
+
+
+def _refresh_calls_of(world, op):
     peer = 1 - world.rank
-    if op == "all_reduce":
+    if op == "all_reduce_split_rows":
+        ctx = po.MatmulAllReduce(world, 64, 64, transport="stores", timeout_s=10.0,
+                                 config=SMALL_TILES)
+        ws = ctx.impl
+        words = [ws.sent, ws.reduced, ws.consumed]
+        checked = [("sent", ws.sent[peer]), ("reduced", ws.reduced[peer])]
+        shapes = [(64, 32, 16), (33, 16, 32), (64, 32, 16), (33, 16, 32)]
+    elif op == "all_reduce":
         ctx = po.MatmulAllReduce(world, 64, 64, transport="stores", timeout_s=10.0)
         ws = ctx.impl
         words = [ws.sent, ws.reduced, ws.consumed]
@@ -280,7 +313,7 @@ def _gemm_call(world, ctx, op, M, N, K, g, i) -> bool:
     """One call of a GEMM + AllReduce, AllGather + GEMM or GEMM + All-to-All context on random
     operands: whether it matches the reference."""
     a = torch.randn(M, K, generator=g)
-    if op == "all_reduce":
+    if op.startswith("all_reduce"):
         b = torch.randn(K, N, generator=g)
         ref = a @ b
         dist.all_reduce(ref, group=world.group)
@@ -294,8 +327,8 @@ def _gemm_call(world, ctx, op, M, N, K, g, i) -> bool:
     return torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul", "gemm_all_to_all",
-                                "embedding"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_reduce_split_rows", "all_gather_matmul",
+                                "gemm_all_to_all", "embedding"])
 def test_the_calls_that_refresh_flag_words_and_the_next_ones_are_right(world2, op):
     """The refreshing calls' kernels run their refresh (the branch of every 2**30-th call,
     which no other test reaches), write every word their grid does not, and give the right
@@ -309,21 +342,6 @@ MOE_H, MOE_I, MOE_E, MOE_K = 16, 16, 1, 2
 #: ... and the tokens of a call past decode sizes there (``moe_combine.api.decode_walk``: more
 #: than 64 rows a (source, expert) segment on average, 2 ranks of one expert each)
 S_MANY = 65
-
-
-@contextlib.contextmanager
-def _emulated_sms(world, n):
-    """Plans made inside see a device of ``n`` SMs (None: the backend's own). The MoE
-    combine's GEMM and the one-launch layer run as many programs as are resident at once; on
-    a GPU that number follows the call's tiles (decode sizes or not), on the interpreter's
-    emulated device it is one number: a plan made here gets its own."""
-    facts = world.facts
-    if n is not None:
-        world._facts = dataclasses.replace(facts, sm_count=n)
-    try:
-        yield
-    finally:
-        world._facts = facts
 
 
 def _moe_inputs(world, S, g):
