@@ -309,9 +309,11 @@ def _embedding_call(world, ctx, splits, g) -> bool:
     return torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def _gemm_call(world, ctx, op, M, N, K, g, i) -> bool:
+def _gemm_call(world, ctx, op, M, N, K, g, i, late: float = 0.0, took=None) -> bool:
     """One call of a GEMM + AllReduce, AllGather + GEMM or GEMM + All-to-All context on random
-    operands: whether it matches the reference."""
+    operands: whether it matches the reference. ``late``: seconds this rank sleeps before the
+    op (after the reference's collectives, so that its peer waits inside the op); ``took``: a
+    list that gets the op's wall time."""
     a = torch.randn(M, K, generator=g)
     if op.startswith("all_reduce"):
         b = torch.randn(K, N, generator=g)
@@ -323,7 +325,12 @@ def _gemm_call(world, ctx, op, M, N, K, g, i) -> bool:
     else:  # (b is the same on every rank)
         b = torch.randn(K, N, generator=torch.Generator().manual_seed(i))
         ref = all_gather_matmul_reference(a, b, world.group)
-    y = ctx(a, b, out=torch.full(ref.shape, float("nan")))
+    out = torch.full(ref.shape, float("nan"))
+    time.sleep(late)
+    start = time.perf_counter()
+    y = ctx(a, b, out=out)
+    if took is not None:
+        took.append(time.perf_counter() - start)
     return torch.allclose(y, ref, rtol=1e-4, atol=1e-3)
 
 
@@ -335,6 +342,42 @@ def test_the_calls_that_refresh_flag_words_and_the_next_ones_are_right(world2, o
     result, and so do the calls after them, of other grids."""
     found = world2.run(_refresh_calls, op, timeout=300)
     assert found == [["ok"] * 4] * 2, found
+
+
+#: how late rank 1 comes to the late-peer refresh test's calls (s): well under its timeout
+LATE_S = 1.0
+
+
+def _refresh_calls_with_a_late_peer(world):
+    """AllGather + GEMM's calls of ``_refresh_calls`` with a shard of 2 rows, the refreshing
+    ones (2**30, 2**31) and, between them, one of 32 rows (more chunks, so more ``ready``
+    words), rank 1 ``LATE_S`` late to each call from the first refreshing one on: rank 0's
+    tiles wait for rank 1's words, in the call after the refresh for words that the refresh
+    wrote with the call before's number. Returns the outcomes and rank 0's op times."""
+    ctx = po.AllGatherMatmul(world, 32 * 16, transport="stores", timeout_s=10.0)
+    ws, peer, took = ctx.impl, 1 - world.rank, []
+    calls = []
+    for i, M in enumerate([2, 2, 32, 2]):
+        g = torch.Generator().manual_seed(i * 1000 + world.rank)
+        late = LATE_S if world.rank == 1 and i >= 1 else 0.0
+        calls.append(lambda M=M, g=g, i=i, late=late: _gemm_call(
+            world, ctx, "all_gather_matmul", M, 16, 16, g, i, late, took))
+    try:
+        outcomes = _run_refreshing(world, [(ws.ctx, [ws.ready, ws.consumed])],
+                                   [("ready", ws.ready[peer])], calls)
+    finally:
+        ctx.close()
+    return outcomes, took
+
+
+def test_the_calls_after_a_refresh_wait_for_a_late_peer(world2):
+    """A rank's waits in the calls from a refreshing one on find its late peer's words not
+    yet written for the call (the refresh wrote the words past the small shard's chunks with
+    its own number, an earlier call's for the next call) and wait: every result is right, and
+    rank 0's calls 1-3 each took about as long as rank 1 came late."""
+    (outcomes0, took0), (outcomes1, _) = world2.run(_refresh_calls_with_a_late_peer, timeout=300)
+    assert [outcomes0, outcomes1] == [["ok"] * 4] * 2, (outcomes0, outcomes1)
+    assert all(t > 0.8 * LATE_S for t in took0[1:]), took0
 
 
 #: the MoE refresh tests' sizes: hidden, intermediate, experts a rank, choices a token ...
