@@ -111,8 +111,9 @@ def _check_backend(world, gen, be, heap) -> None:
         early = dst.clone()  # ordered before the flag: the copy must not have happened yet
     be.stream_write_value(main.cuda_stream, flag.data_ptr(), 1)
     torch.cuda.synchronize()
+    access = be.can_access_peer(world.device, torch.device('cuda', peer))
     record("backend: stream wait-value gates a copy", torch.equal(dst, src)
-           and not torch.equal(early, src), f"peer access={be.can_access_peer(world.device, torch.device('cuda', peer))}")
+           and not torch.equal(early, src), f"peer access={access}")
 
 
 def check_shapes(world: World, ctx: GemvAllReduce, gen) -> None:
@@ -511,7 +512,7 @@ def check_moe_layer(world: World, gen) -> None:
     moe_layer_backward(world, gen)
 
 
-def _moe_layer_compiled(world: World, gen, H, I, E, k, S, form) -> None:
+def _moe_layer_compiled(world: World, gen, H, I, E, k, S, form) -> None:  # noqa: E741
     """The layer under torch.compile(fullgraph=True) (inductor): its parts are opaque ops, so
     the forward is one graph; against the torch path, two calls with new tokens."""
     from portable_overlap import ExpertParallelMoE
@@ -536,7 +537,7 @@ def _moe_layer_compiled(world: World, gen, H, I, E, k, S, form) -> None:
         fused.close()
 
 
-def _moe_layer_case(world: World, gen, H, I, E, k, S, opts, name) -> None:
+def _moe_layer_case(world: World, gen, H, I, E, k, S, opts, name) -> None:  # noqa: E741
     from portable_overlap import ExpertParallelMoE
 
     fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16, **opts)
@@ -664,7 +665,7 @@ def check_expert_swiglu(world: World, gen) -> None:
 
     cfg = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    H, I = 7168, 2048
+    H, I = 7168, 2048  # noqa: E741
     R = (sms // 16) * 128 + 5
     wg, wu = (rand((1, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
     x = rand((R + 3, H), torch.bfloat16, dev, gen)
@@ -684,7 +685,7 @@ def check_expert_swiglu(world: World, gen) -> None:
            f"rel_err={err:.1e} vs whole K {err_whole:.1e} (bitwise: "
            f"{torch.equal(outs[0][:R], outs[2][:R])}), counts left zero: {zero}")
     # graph replays: new counts (and rows) copied into the captured inputs before each
-    W, El, H, I = 8, 2, 1024, 512
+    W, El, H, I = 8, 2, 1024, 512  # noqa: E741
     wg, wu = (rand((El, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
     cap = W * El * 96
     x = rand((cap, H), torch.bfloat16, dev, gen)
@@ -855,8 +856,8 @@ def check_allgather_gemm(world: World, gen) -> None:
                     err = rel_err(out, ref)
                     record(f"allgather+gemm {sched} {m}x{N}x{K} {str(dt)[6:]}",
                            err < TOL[dt] * 2, f"rel_err={err:.2e}")
-        a, b = rand((2048, 1024), torch.bfloat16, dev, gen), rand((1024, 512), torch.bfloat16,
-                                                                   dev, gen)
+        a = rand((2048, 1024), torch.bfloat16, dev, gen)
+        b = rand((1024, 512), torch.bfloat16, dev, gen)
         out = torch.empty(world.world_size * 2048, 512, dtype=torch.bfloat16, device=dev)
         replays("", ctx, a, b, out)
         # the default schedule is 1-D; the 2-D copies (cuMemcpy2DAsync) under capture too
@@ -906,8 +907,8 @@ def check_allgather_gemm(world: World, gen) -> None:
                 err = rel_err(out, all_gather_matmul_reference(a, b, world.group))
                 record(f"allgather+gemm sequential {m}x{N}x{K} {str(dt)[6:]}",
                        err < TOL[dt] * 2, f"rel_err={err:.2e}")
-        a, b = rand((300, 333), torch.bfloat16, dev, gen), rand((333, 512), torch.bfloat16, dev,
-                                                                 gen)
+        a = rand((300, 333), torch.bfloat16, dev, gen)
+        b = rand((333, 512), torch.bfloat16, dev, gen)
         out = torch.empty(world.world_size * 300, 512, dtype=torch.bfloat16, device=dev)
         replays("sequential ", seq, a, b, out)
     finally:
