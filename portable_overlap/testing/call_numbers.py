@@ -12,7 +12,10 @@ past a word's last write).
 Works on the tensors where they live (CPU or a GPU) with torch ops. Each rank moves the words
 of its own heap, on every rank, between calls: the caller synchronizes the device and meets
 its peers at a barrier before (the peers' last signals into this heap have landed) and after
-(no peer's next call reads a word not moved yet)."""
+(no peer's next call reads a word not moved yet). Move a context on only after its first
+call: a word still 0 does not move (it reads as no call), and a fresh context's ``consumed``
+words are 0 for "call 0 is done"; moved on before any call, its first call waits for them
+until it times out."""
 from __future__ import annotations
 
 from typing import Sequence, Union
