@@ -111,8 +111,9 @@ def _check_backend(world, gen, be, heap) -> None:
         early = dst.clone()  # ordered before the flag: the copy must not have happened yet
     be.stream_write_value(main.cuda_stream, flag.data_ptr(), 1)
     torch.cuda.synchronize()
+    access = be.can_access_peer(world.device, torch.device('cuda', peer))
     record("backend: stream wait-value gates a copy", torch.equal(dst, src)
-           and not torch.equal(early, src), f"peer access={be.can_access_peer(world.device, torch.device('cuda', peer))}")
+           and not torch.equal(early, src), f"peer access={access}")
 
 
 def check_shapes(world: World, ctx: GemvAllReduce, gen) -> None:
@@ -511,7 +512,7 @@ def check_moe_layer(world: World, gen) -> None:
     moe_layer_backward(world, gen)
 
 
-def _moe_layer_compiled(world: World, gen, H, I, E, k, S, form) -> None:
+def _moe_layer_compiled(world: World, gen, H, I, E, k, S, form) -> None:  # noqa: E741
     """The layer under torch.compile(fullgraph=True) (inductor): its parts are opaque ops, so
     the forward is one graph; against the torch path, two calls with new tokens."""
     from portable_overlap import ExpertParallelMoE
@@ -536,7 +537,7 @@ def _moe_layer_compiled(world: World, gen, H, I, E, k, S, form) -> None:
         fused.close()
 
 
-def _moe_layer_case(world: World, gen, H, I, E, k, S, opts, name) -> None:
+def _moe_layer_case(world: World, gen, H, I, E, k, S, opts, name) -> None:  # noqa: E741
     from portable_overlap import ExpertParallelMoE
 
     fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=S, dtype=torch.bfloat16, **opts)
@@ -664,7 +665,7 @@ def check_expert_swiglu(world: World, gen) -> None:
 
     cfg = MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    H, I = 7168, 2048
+    H, I = 7168, 2048  # noqa: E741
     R = (sms // 16) * 128 + 5
     wg, wu = (rand((1, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
     x = rand((R + 3, H), torch.bfloat16, dev, gen)
@@ -684,7 +685,7 @@ def check_expert_swiglu(world: World, gen) -> None:
            f"rel_err={err:.1e} vs whole K {err_whole:.1e} (bitwise: "
            f"{torch.equal(outs[0][:R], outs[2][:R])}), counts left zero: {zero}")
     # graph replays: new counts (and rows) copied into the captured inputs before each
-    W, El, H, I = 8, 2, 1024, 512
+    W, El, H, I = 8, 2, 1024, 512  # noqa: E741
     wg, wu = (rand((El, H, I), torch.bfloat16, dev, gen) / H ** 0.5 for _ in range(2))
     cap = W * El * 96
     x = rand((cap, H), torch.bfloat16, dev, gen)
@@ -855,8 +856,8 @@ def check_allgather_gemm(world: World, gen) -> None:
                     err = rel_err(out, ref)
                     record(f"allgather+gemm {sched} {m}x{N}x{K} {str(dt)[6:]}",
                            err < TOL[dt] * 2, f"rel_err={err:.2e}")
-        a, b = rand((2048, 1024), torch.bfloat16, dev, gen), rand((1024, 512), torch.bfloat16,
-                                                                   dev, gen)
+        a = rand((2048, 1024), torch.bfloat16, dev, gen)
+        b = rand((1024, 512), torch.bfloat16, dev, gen)
         out = torch.empty(world.world_size * 2048, 512, dtype=torch.bfloat16, device=dev)
         replays("", ctx, a, b, out)
         # the default schedule is 1-D; the 2-D copies (cuMemcpy2DAsync) under capture too
@@ -906,8 +907,8 @@ def check_allgather_gemm(world: World, gen) -> None:
                 err = rel_err(out, all_gather_matmul_reference(a, b, world.group))
                 record(f"allgather+gemm sequential {m}x{N}x{K} {str(dt)[6:]}",
                        err < TOL[dt] * 2, f"rel_err={err:.2e}")
-        a, b = rand((300, 333), torch.bfloat16, dev, gen), rand((333, 512), torch.bfloat16, dev,
-                                                                 gen)
+        a = rand((300, 333), torch.bfloat16, dev, gen)
+        b = rand((333, 512), torch.bfloat16, dev, gen)
         out = torch.empty(world.world_size * 300, 512, dtype=torch.bfloat16, device=dev)
         replays("sequential ", seq, a, b, out)
     finally:
@@ -1591,6 +1592,383 @@ def check_peer_failures(world: World, gen) -> None:
         ctx.close()
 
 
+#: the call number at which ``check_refresh`` runs its ops: the first that refreshes the flag
+#: words (every ``shmem.device.REFRESH_CALLS``-th call)
+REFRESH_AT = 1 << 30
+#: the waits' limit of ``check_refresh``'s contexts (s): a rank that compiles the first call's
+#: kernels later than its peers must not be taken for one that skipped the call
+REFRESH_TIMEOUT_S = 60.0
+
+
+def check_refresh(world: World, gen, names=None) -> None:
+    """The calls that refresh the flag words (every 2**30-th call: the branch no other check
+    reaches) of the ops whose grid or flag count follows the call, on their ``"stores"``
+    workspaces: GEMV + AllReduce (both forms), GEMM + AllReduce (split tiles, a rank's last row
+    tile past its rows), AllGather + GEMM, GEMM + All-to-All, the MoE dispatch, the fused
+    dispatch + gated GEMM, the MoE combine and the one-launch MoE layer. Each context makes a
+    call of a large shape (so every word a call writes has been written once, as in a context
+    that ran for hours), its counters and flag words move on to the call before 2**30
+    (``testing.call_numbers``), then it makes a call of a small shape (call 2**30, which
+    refreshes) and calls with other grids after it, each against the reference on fresh inputs
+    with a poisoned output. After the refreshing call every word of the checked flag rows must
+    hold its number (written by it or by its refresh): the peers' rows, and this rank's own
+    where the op writes them (so on one rank only those of the MoE dispatch and AllGather +
+    GEMM are checked). ``names``: the cases of ``REFRESH_CASES`` to run (None: all)."""
+    for name, make in REFRESH_CASES:
+        if names is not None and name not in names:
+            continue
+        try:
+            _check_refresh_case(world, name, make(world, gen))
+        except Exception as e:
+            record(f"refresh {name}", False, f"raised {type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+
+
+def _sync(world: World) -> None:
+    """Every rank's device idle and every rank here: no kernel reads or writes a flag word."""
+    world.backend.synchronize(world.device)
+    world.barrier()
+
+
+def _check_refresh_case(world: World, name: str, case) -> None:
+    """One op of ``check_refresh``. ``case``: its ``contexts`` (closed here), ``moves``
+    (``(counters, flag arrays)`` per context, for ``move_to``), ``checked`` (``(label, row)``:
+    flag words that the refreshing call or its refresh writes in this rank's heap) and
+    ``calls`` (``(label, call)``, ``call()`` giving ``(ok, detail)``): the first before the
+    move (the context's first call), the second at 2**30."""
+    from portable_overlap.testing.call_numbers import CALL_MASK, call_of, move_to
+
+    try:
+        for i, (label, call) in enumerate(case.calls):
+            if i == 1:
+                _sync(world)  # (the peers' last writes into this heap have landed)
+                for counters, words in case.moves:
+                    move_to(counters, REFRESH_AT, words)
+                _sync(world)  # (every rank's words moved before any call reads them)
+            ok, detail = call()
+            number = "1" if i == 0 else "2**30" + (f" + {i - 1}" if i > 1 else "")
+            record(f"refresh {name}: call {number}, {label}", ok, detail)
+            if i == 1 and case.checked:
+                _sync(world)  # (the peers' refreshes have landed here)
+                stale = []
+                for what, row in case.checked:
+                    bad = ((row & CALL_MASK) != REFRESH_AT).nonzero().flatten()
+                    if bad.numel():
+                        stale.append(f"{what}: {bad.numel()} words, first {int(bad[0])} "
+                                     f"holds {call_of(row[bad[0]]):#x}")
+                record(f"refresh {name}: every checked flag word holds call 2**30", not stale,
+                       "; ".join(stale) or ", ".join(what for what, _ in case.checked))
+    finally:
+        for ctx in case.contexts:
+            ctx.close()
+
+
+def _refresh_case(contexts, moves, checked, calls):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(contexts=contexts, moves=moves, checked=checked, calls=calls)
+
+
+def _peers(world: World) -> list:
+    return [q for q in range(world.world_size) if q != world.rank]
+
+
+def _close_to(out: torch.Tensor, ref: torch.Tensor) -> tuple:
+    """``(ok, detail)`` of a float32 result against its reference."""
+    err = rel_err(out, ref)
+    return err < TOL[torch.float32] * 2, f"rel_err={err:.2e}"
+
+
+def _refresh_gemv(world: World, gen, transport: str):
+    """GEMV + AllReduce: N 256 (a program per block of rows), N 64 at 2**30 (one block, a
+    grid of one program), then both again. Checked: the peers' ``ready`` and ``bcast``
+    rows."""
+    ctx = GemvAllReduce(world, max_n=256, transport=transport, timeout_s=REFRESH_TIMEOUT_S)
+    ws = ctx.impl
+
+    def call(M, N, K):
+        x = rand((M, K), torch.float32, world.device, gen)
+        w = rand((N, K), torch.float32, world.device, gen)
+        out = torch.full((M, N), float("nan"), device=world.device)
+        ctx(x, w, out=out)
+        ctx.synchronize()
+        return _close_to(out, gemv_all_reduce_reference(x, w, world.group))
+
+    shapes = ((4, 256, 256), (1, 64, 256), (4, 256, 256), (1, 64, 256))
+    return _refresh_case(
+        [ctx], [(ws.ctx, [ws.ready, ws.bcast])],
+        [(f"{f} of rank {q}", getattr(ws, f)[q]) for q in _peers(world)
+         for f in ("ready", "bcast")],
+        [(f"{M}x{N}x{K}", lambda s=(M, N, K): call(*s)) for M, N, K in shapes])
+
+
+def _refresh_gemv_stores(world: World, gen):
+    return _refresh_gemv(world, gen, "stores")
+
+
+def _refresh_gemv_one_shot(world: World, gen):
+    return _refresh_gemv(world, gen, "one_shot")
+
+
+def _refresh_matmul_all_reduce(world: World, gen):
+    """GEMM + AllReduce over stores with 64 x 64 tiles (float32's on 32-lane warps): M 576, N
+    512 (72 to 128 tiles on 1 to 8 ranks: whole tiles on up to 143 SMs), then at 2**30 M =
+    W * 129 - 1, N 128 over a long K (3 row tiles a block, the last partial and, on a rank
+    one row short, past its rows: split into K ranges where the grid has room), then both
+    again. Checked: the peers' ``sent`` and ``reduced`` rows."""
+    import portable_overlap as po
+    from portable_overlap.ops.matmul import MatmulConfig
+
+    W = world.world_size
+    cfg = MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    ctx = po.MatmulAllReduce(world, 576, 512, transport="stores", config=cfg,
+                             timeout_s=REFRESH_TIMEOUT_S)
+    ws = ctx.workspace("stores")
+
+    def call(M, N, K):
+        a = rand((M, K), torch.float32, world.device, gen)
+        b = rand((K, N), torch.float32, world.device, gen)
+        ref = a @ b
+        dist.all_reduce(ref, group=world.group)
+        out = torch.full((M, N), float("nan"), device=world.device)
+        ctx(a, b, out=out)
+        ctx.synchronize()
+        ok, detail = _close_to(out, ref)
+        return ok, f"{detail} parts={[p.parts for p in ws._plans.values()]}"
+
+    split, whole = (W * 129 - 1, 128, 1024), (576, 512, 64)
+    shapes = (whole, split, whole, split)
+    return _refresh_case(
+        [ctx], [(ws.ctx, [ws.sent, ws.reduced, ws.consumed])],
+        [(f"{f} of rank {q}", getattr(ws, f)[q]) for q in _peers(world)
+         for f in ("sent", "reduced")],
+        [(f"{M}x{N}x{K}", lambda s=(M, N, K): call(*s)) for M, N, K in shapes])
+
+
+def _refresh_allgather_gemm(world: World, gen):
+    """AllGather + GEMM over stores: a shard of 512 rows (several chunks), of 2 at 2**30 (one
+    chunk), then both again. Checked: the peers' ``ready`` rows and this rank's own."""
+    from portable_overlap.ops.allgather_gemm import AllGatherMatmul, all_gather_matmul_reference
+
+    ctx = AllGatherMatmul(world, max_shard_elems=512 * 64, transport="stores",
+                          timeout_s=REFRESH_TIMEOUT_S)
+    ws = ctx.workspace("stores")
+
+    def call(m):
+        a = rand((m, 64), torch.float32, world.device, gen)
+        b = rand((64, 64), torch.float32, world.device, gen)
+        out = torch.full((world.world_size * m, 64), float("nan"), device=world.device)
+        ctx(a, b, out)
+        ctx.synchronize()
+        return _close_to(out, all_gather_matmul_reference(a, b, world.group))
+
+    return _refresh_case(
+        [ctx], [(ws.ctx, [ws.ready, ws.consumed])],
+        [(f"ready of rank {q}", ws.ready[q]) for q in range(world.world_size)],
+        [(f"shard {m}x64x64", lambda m=m: call(m)) for m in (512, 2, 512, 2)])
+
+
+def _refresh_gemm_alltoall(world: World, gen):
+    """GEMM + All-to-All over stores: M = 64 W, N 256 (a program per tile up to the SMs), at
+    2**30 M = 2 W, N 64 (one tile, a grid of one program), then both again. Checked: the
+    peers' ``sent`` rows."""
+    from portable_overlap.ops.gemm_alltoall import GemmAllToAll, gemm_all_to_all_reference
+
+    W = world.world_size
+    ctx = GemmAllToAll(world, max_elems=64 * W * 256, transport="stores",
+                       timeout_s=REFRESH_TIMEOUT_S)
+
+    def call(M, N):
+        a = rand((M, 64), torch.float32, world.device, gen)
+        b = rand((64, N), torch.float32, world.device, gen)
+        out = torch.full((M, N), float("nan"), device=world.device)
+        ctx(a, b, out=out)
+        ctx.synchronize()
+        return _close_to(out, gemm_all_to_all_reference(a, b, world.group))
+
+    shapes = ((64 * W, 256), (2 * W, 64), (64 * W, 256), (2 * W, 64))
+    return _refresh_case(
+        [ctx], [(ctx.ctl, [ctx.sent, ctx.consumed])],
+        [(f"sent of rank {q}", ctx.sent[q]) for q in _peers(world)],
+        [(f"{M}x{N}x64", lambda s=(M, N): call(*s)) for M, N in shapes])
+
+
+#: the MoE refresh checks' sizes: hidden, intermediate, experts a rank, choices a token, and
+#: the tokens of the larger calls
+MOE_REFRESH = dict(H=128, I=64, El=2, k=2, S=128)
+
+
+def _moe_refresh_inputs(world: World, gen, S: int, seed: int):
+    """Tokens [S, H] (float32), uniform top-k ids (each rank its own) and the weights [S, k]
+    of one call."""
+    p = MOE_REFRESH
+    tokens = rand((S, p["H"]), torch.float32, world.device, gen)
+    ids = moe_routing(world, "uniform", S, p["El"] * world.world_size, p["k"],
+                      100 * seed + world.rank)
+    tw = torch.softmax(rand((S, p["k"]), torch.float32, world.device, gen), 1)
+    return tokens, ids, tw
+
+
+def _moe_refresh_weights(world: World, gen):
+    """This rank's experts: w_gate, w_up [El, H, I] and w_down [El, I, H] (float32)."""
+    H, I, El = MOE_REFRESH["H"], MOE_REFRESH["I"], MOE_REFRESH["El"]
+    wg, wu = (rand((El, H, I), torch.float32, world.device, gen) / H ** 0.5 for _ in range(2))
+    return wg, wu, rand((El, I, H), torch.float32, world.device, gen) / I ** 0.5
+
+
+def _moe_refresh_contexts(world: World, dispatch: bool, combine: bool):
+    """The MoE refresh checks' contexts (``"stores"``): their list, the dispatch's and the
+    combine's (None where not asked for), what moves on for each and the rows checked (the
+    dispatch's ``sent`` rows of every rank, its own too; the combine's of the peers)."""
+    from portable_overlap.ops.moe_combine import MoeGemmCombine
+    from portable_overlap.ops.moe_dispatch import MoeDispatch
+
+    p = MOE_REFRESH
+    sizes = dict(max_tokens=p["S"], top_k=p["k"], hidden=p["H"], experts_per_rank=p["El"],
+                 transport="stores", timeout_s=REFRESH_TIMEOUT_S)
+    d = c = None
+    contexts, moves, checked = [], [], []
+    if dispatch:
+        d = MoeDispatch(world, dtype=torch.float32, **sizes)
+        contexts.append(d)
+        wd = d.kernel()
+        moves.append((wd.ctl, [wd.count_flag, wd.sent, wd.consumed]))
+        checked += [(f"dispatch sent of rank {q}", wd.sent[q]) for q in range(world.world_size)]
+    if combine:
+        c = MoeGemmCombine(world, **sizes)
+        contexts.append(c)
+        wc = c.kernel()
+        moves.append(((wc.ctl, wc.ctl[2:]), [wc.sent, wc.consumed]))
+        checked += [(f"combine sent of rank {q}", wc.sent[q]) for q in _peers(world)]
+    return contexts, d, c, moves, checked
+
+
+def _dispatch_call(world: World, gen, d, S: int, seed: int):
+    """One MoE dispatch of S tokens: rows, counts and slots equal the reference's."""
+    from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
+
+    tokens, ids, _ = _moe_refresh_inputs(world, gen, S, seed)
+    d.recv.fill_(float("nan"))
+    x, counts, slots = moe_dispatch(tokens, ids, d)
+    d.synchronize()
+    x_ref, c_ref, s_ref = moe_dispatch_reference(tokens, ids, MOE_REFRESH["El"], world.group)
+    R = x_ref.shape[0]
+    ok = (torch.equal(counts, c_ref) and torch.equal(x[:R], x_ref)
+          and torch.equal(slots[:R], s_ref))
+    return ok, f"rows={R}"
+
+
+def _swiglu_call(world: World, gen, d, weights, S: int, senders, seed: int):
+    """One fused dispatch + gated GEMM of S tokens (``senders`` sending programs; None: the
+    default), against the reference."""
+    from portable_overlap.ops.moe_dispatch import (moe_dispatch_swiglu,
+                                                   moe_dispatch_swiglu_reference)
+
+    wg, wu, _ = weights
+    tokens, ids, _ = _moe_refresh_inputs(world, gen, S, seed)
+    d.recv.fill_(float("nan"))
+    h = torch.full((d.capacity, MOE_REFRESH["I"]), float("nan"), device=world.device)
+    _, counts, slots = moe_dispatch_swiglu(tokens, ids, wg, wu, d, h, senders=senders)
+    d.synchronize()
+    h_ref, c_ref, s_ref = moe_dispatch_swiglu_reference(tokens, ids, wg, wu, MOE_REFRESH["El"],
+                                                        world.group)
+    R = h_ref.shape[0]
+    ok, detail = _close_to(h[:R], h_ref) if R else (True, "no rows")
+    return ok and torch.equal(counts, c_ref) and torch.equal(slots[:R], s_ref), detail
+
+
+def _refresh_moe_dispatch(world: World, gen):
+    """The MoE dispatch on a context that also runs the fused dispatch + gated GEMM (128 tokens,
+    its default senders, which write their ``sent`` words in every heap, this rank's too):
+    that first, then at 2**30 the dispatch's scatter (a grid of the resident programs, none of
+    this rank's own words) with 1 token, then both again."""
+    contexts, d, _, moves, checked = _moe_refresh_contexts(world, True, False)
+    weights = _moe_refresh_weights(world, gen)
+    S = MOE_REFRESH["S"]
+    calls = [(f"dispatch + gated GEMM, {S} tokens",
+              lambda: _swiglu_call(world, gen, d, weights, S, None, 1)),
+             ("dispatch, 1 token", lambda: _dispatch_call(world, gen, d, 1, 2)),
+             (f"dispatch + gated GEMM, {S} tokens",
+              lambda: _swiglu_call(world, gen, d, weights, S, None, 3)),
+             ("dispatch, 1 token", lambda: _dispatch_call(world, gen, d, 1, 4))]
+    return _refresh_case(contexts, moves, checked, calls)
+
+
+def _refresh_moe_dispatch_swiglu(world: World, gen):
+    """The fused dispatch + gated GEMM: the default senders and 128 tokens, at 2**30 1 sender
+    and 1 token, then both again."""
+    contexts, d, _, moves, checked = _moe_refresh_contexts(world, True, False)
+    weights = _moe_refresh_weights(world, gen)
+    S = MOE_REFRESH["S"]
+    calls = [(f"{n} token{'s' * (n > 1)}, senders={senders}",
+              lambda a=(n, senders, seed): _swiglu_call(world, gen, d, weights, *a))
+             for seed, (n, senders) in enumerate(((S, None), (1, 1), (S, None), (1, 1)), 1)]
+    return _refresh_case(contexts, moves, checked, calls)
+
+
+def _refresh_moe_combine(world: World, gen):
+    """The MoE combine on rows the torch dispatch delivered: 128 tokens (other tiles where they
+    pass decode sizes, so another resident grid where those differ), 1 token at 2**30 (decode
+    tiles), then both again."""
+    from portable_overlap.ops.moe_combine import moe_gemm_combine_reference
+    from portable_overlap.ops.moe_dispatch import moe_dispatch_reference
+
+    contexts, _, c, moves, checked = _moe_refresh_contexts(world, False, True)
+    _, _, wd = _moe_refresh_weights(world, gen)
+    p = MOE_REFRESH
+
+    def call(S, seed):
+        _, ids, tw = _moe_refresh_inputs(world, gen, S, seed)
+        rows = rand((S, p["I"]), torch.float32, world.device, gen)
+        x, counts, slots = moe_dispatch_reference(rows, ids, p["El"], world.group)
+        out = torch.full((S, p["H"]), float("nan"), device=world.device)
+        c(x, wd, counts, slots, tw, out=out)
+        c.synchronize()
+        return _close_to(out, moe_gemm_combine_reference(x, wd, counts, slots, tw,
+                                                         world.group))
+
+    calls = [(f"{S} token{'s' * (S > 1)}", lambda S=S, seed=seed: call(S, seed))
+             for seed, S in enumerate((p["S"], 1, p["S"], 1), 1)]
+    return _refresh_case(contexts, moves, checked, calls)
+
+
+def _refresh_moe_layer(world: World, gen):
+    """The one-launch MoE layer: the default senders and 128 tokens, at 2**30 1 sender and 1
+    token, then both again; both contexts move on."""
+    from portable_overlap.ops.moe_layer import moe_layer, moe_layer_reference
+
+    contexts, d, c, moves, checked = _moe_refresh_contexts(world, True, True)
+    wg, wu, wd = _moe_refresh_weights(world, gen)
+    p = MOE_REFRESH
+
+    def call(S, senders, seed):
+        tokens, ids, tw = _moe_refresh_inputs(world, gen, S, seed)
+        out = torch.full((S, p["H"]), float("nan"), device=world.device)
+        moe_layer(tokens, ids, tw, wg, wu, wd, d, c, out, senders=senders)
+        d.synchronize()
+        c.synchronize()
+        return _close_to(out, moe_layer_reference(tokens, ids, tw, wg, wu, wd, p["El"],
+                                                  world.group))
+
+    calls = [(f"{S} token{'s' * (S > 1)}, senders={senders}",
+              lambda a=(S, senders, seed): call(*a))
+             for seed, (S, senders) in enumerate(((p["S"], None), (1, 1), (p["S"], None),
+                                                  (1, 1)), 1)]
+    return _refresh_case(contexts, moves, checked, calls)
+
+
+#: ``check_refresh``'s cases: (name, the builder of its contexts and calls)
+REFRESH_CASES = (("gemv+allreduce[stores]", _refresh_gemv_stores),
+                 ("gemv+allreduce[one_shot]", _refresh_gemv_one_shot),
+                 ("matmul+all_reduce[stores]", _refresh_matmul_all_reduce),
+                 ("allgather+gemm[stores]", _refresh_allgather_gemm),
+                 ("gemm+a2a[stores]", _refresh_gemm_alltoall),
+                 ("moe_dispatch[stores]", _refresh_moe_dispatch),
+                 ("moe_dispatch_swiglu", _refresh_moe_dispatch_swiglu),
+                 ("moe_gemm_combine[stores]", _refresh_moe_combine),
+                 ("moe_layer", _refresh_moe_layer))
+
+
 def _guarded(check, *args) -> None:
     """Run one check; an exception is recorded as its failure and the next check runs."""
     try:
@@ -1638,7 +2016,7 @@ def main() -> int:
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
                   check_empty_dims, check_streams, check_compile_graphs,
                   check_capture_first, check_context_churn, check_eager_and_replays,
-                  check_peer_failures, check_late_stores):
+                  check_refresh, check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
         if not only or check.__name__[len("check_"):] in only:
