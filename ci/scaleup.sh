@@ -41,7 +41,8 @@ case "$part" in
     # the copy engines (docs/scaling.md)
     export PO_AG_ARGS=${PO_AG_ARGS:---senders default,24 --stores pull_share=0.5 --schedules none}
     ;;
-  checks)  # alone: on 4 GPUs they take longer than the 360 s of a 2-GPU run
+  checks)  # alone, within one device call (600 s): with a cold Triton cache the checks take
+    # about 450 s together on one GPU, longer on 4 and 8: split them with PO_CHECKS (names in gpu_checks.py)
     export PO_SKIP_CHECKS=0 PO_CHECKS=${PO_CHECKS:-} PO_CHECKS_TIMEOUT_S=${PO_CHECKS_TIMEOUT_S:-540}
     ;;
   moe)
