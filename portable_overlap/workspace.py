@@ -96,14 +96,7 @@ class Workspace(ContextBase):
         data = self._provider.symmetric_empty(pool) if self.shmem else None
         self.heap = SymmetricHeap(world, heap_bytes([((descriptor_words(W),), torch.int64),
                                                      ((pool,), torch.uint8)]))
-        try:
-            self.ctx = self.heap.alloc((descriptor_words(W),), torch.int64)
-            self._pool = self.heap.alloc((pool,), torch.uint8)
-            self.status = StatusBoard(world.backend, G_MAX)
-            fill_descriptor(self.ctx, self.heap, world.rank, self.timeout_us, self.status.address)
-        except BaseException:
-            self.heap.close()
-            raise
+        self.heap.set_up(f"{name} workspace", lambda: self._set_up_heap(pool))
         self.world_size = W
         #: programs that are resident at once for any kernel that fits one program per SM/CU
         self.sm_count = world.facts.sm_count
@@ -115,6 +108,15 @@ class Workspace(ContextBase):
         self._calls = 0  # launches made, for the end_call check; None once one was captured
         self._sync_errors = world.backend.name == "cpu"
         self.register()
+
+    def _set_up_heap(self, pool: int) -> None:
+        """This rank's part of the set-up on the heap (``SymmetricHeap.set_up``): the
+        descriptor, the pool, the status board (host memory the device writes)."""
+        self.ctx = self.heap.alloc((descriptor_words(self.world.world_size),), torch.int64)
+        self._pool = self.heap.alloc((pool,), torch.uint8)
+        self.status = StatusBoard(self.world.backend, G_MAX)
+        fill_descriptor(self.ctx, self.heap, self.world.rank, self.timeout_us,
+                        self.status.address)
 
     # -- buffers -------------------------------------------------------------------------------
     @staticmethod

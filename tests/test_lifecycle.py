@@ -192,6 +192,61 @@ def test_heap_setup_failing_on_one_rank_frees_everything_everywhere(world2, step
     assert not _files_left(world2.pids)
 
 
+def _context_with_a_failing_status_board(world, kind):
+    """Make a context (``kind``: an op's, or a device-API ``Workspace``) while the backend's
+    host-mapped allocation (its status board, made after the heap) fails on rank 1; then make
+    a good one and call it, which needs the ranks still in step. Returns how the first ended
+    and this process's resources before and after it."""
+    import portable_overlap as po
+
+    def make():
+        if kind == "workspace":
+            return po.Workspace(world, 1024, timeout_s=10.0)
+        return po.GemvAllReduce(world, max_n=32, transport="stores", timeout_s=10.0)
+
+    be = world.backend
+    before = _resources()
+
+    def refuse(*args, **kwargs):
+        raise OSError("injected: no host-mapped memory")
+
+    if world.rank == 1:
+        be.alloc_host_mapped = refuse
+    try:
+        make().close()
+        outcome = "no error"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        be.__dict__.pop("alloc_host_mapped", None)
+    gc.collect()
+    after = _resources()
+    with make() as ctx:
+        if kind == "workspace":
+            ok = ctx.world_size == world.world_size
+        else:
+            x, w = torch.randn(2, 16), torch.randn(8, 16)
+            ref = x @ w.T
+            torch.distributed.all_reduce(ref, group=world.group)
+            ok = torch.allclose(ctx(x, w), ref, rtol=1e-4, atol=1e-4)
+    return outcome, before, after, ok
+
+
+@pytest.mark.parametrize("kind", ["op_context", "workspace"])
+def test_context_setup_failing_after_its_heap_on_one_rank_raises_on_every_rank(world2, kind):
+    """A context's set-up on its heap (the status board in host memory the device writes)
+    that fails on one rank raises PeerSetupError on every rank, which all free the heap
+    together; before, the failing rank left alone (the op's context, with its heap never
+    freed) or closed its heap into whatever collective its peers met next (``Workspace``).
+    A context made after it works."""
+    for rank, (outcome, res_before, res_after, ok) in enumerate(
+            world2.run(_context_with_a_failing_status_board, kind, timeout=120)):
+        assert outcome.startswith("PeerSetupError: "), (rank, outcome)
+        assert "rank 1 could not set it up: OSError: injected" in outcome, outcome
+        assert not _leaked(res_before, res_after), (rank, _leaked(res_before, res_after))
+        assert ok, rank
+
+
 def _context_with_bad_arguments_on_one_rank(world, case, bad_rank):
     """Makes the context of ``case`` with a bad argument on ``bad_rank`` only (or on every rank
     where ``bad_rank`` is None); returns how it ended and how long it took, then makes a good

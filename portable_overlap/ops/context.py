@@ -411,15 +411,7 @@ class OverlapContext(ContextBase):
         # timed-out call
         layout = [("ctx", (descriptor_words(world.world_size),), torch.int64), *layout]
         self.heap = SymmetricHeap(world, heap_bytes([(s, d) for _, s, d in layout]))
-        for name, shape, dtype in layout:
-            setattr(self, name, self.heap.alloc(shape, dtype))
-        self.call_clock = self.ctx[CTX_CLOCK:CTX_CLOCK + 2]
-        self.status = StatusBoard(world.backend, G_MAX)
-        fill_descriptor(self.ctx, self.heap, world.rank, self.timeout_us, self.status.address)
-        # the flag arrays a device-API kernel's reports name by heap offset
-        self._flag_regions = [(self.heap.offset_of(getattr(self, n)), getattr(self, n).nbytes,
-                               self.FLAG_LABELS.get(n, n)) for n, _, d in layout[1:]
-                              if d == torch.int64 and getattr(self, n).numel()]
+        self.heap.set_up(f"{self.OP} context", lambda: self._set_up_heap(layout))
         self._plans: dict = {}
         self._launched = False
         self._refusal: list = []  # (planned launch, arguments) per flag array: call_protocol
@@ -427,6 +419,20 @@ class OverlapContext(ContextBase):
         self._refuse_plans: dict = {}
         self._sync_errors = world.backend.name == "cpu"  # the interpreter runs synchronously
         self.register()
+
+    def _set_up_heap(self, layout: Sequence[tuple]) -> None:
+        """This rank's part of the set-up on the heap (``SymmetricHeap.set_up``): the buffers
+        of ``layout``, the status board (host memory the device writes), the descriptor."""
+        for name, shape, dtype in layout:
+            setattr(self, name, self.heap.alloc(shape, dtype))
+        self.call_clock = self.ctx[CTX_CLOCK:CTX_CLOCK + 2]
+        self.status = StatusBoard(self.world.backend, G_MAX)
+        fill_descriptor(self.ctx, self.heap, self.world.rank, self.timeout_us,
+                        self.status.address)
+        # the flag arrays a device-API kernel's reports name by heap offset
+        self._flag_regions = [(self.heap.offset_of(getattr(self, n)), getattr(self, n).nbytes,
+                               self.FLAG_LABELS.get(n, n)) for n, _, d in layout[1:]
+                              if d == torch.int64 and getattr(self, n).numel()]
 
     def call_protocol(self, epoch: torch.Tensor, call_flags: Sequence[torch.Tensor] = (),
                       free_flags: Sequence[torch.Tensor] = ()) -> None:

@@ -90,6 +90,21 @@ class SymmetricHeap:
         peers, self._peers = list(self._peers.values()), {}
         return [_attempt(lambda m=m: self.backend.close_handle(m))[1] for m in peers]
 
+    def set_up(self, owner: str, fn):
+        """Collective: ``fn()``, this rank's set-up of what lives on the heap (its views, host
+        buffers, descriptors), then every rank's outcome. Where it failed on any rank, every
+        rank closes the heap (together: the close is collective) and raises
+        :class:`~portable_overlap.errors.PeerSetupError` naming the ranks and their errors
+        (``owner``: what was being made), instead of the failing rank alone leaving, or closing
+        the heap into whatever collective its peers meet next. Returns ``fn()``'s value."""
+        value, error = _attempt(fn)
+        try:
+            _agree(self.world, "set it up", None, error, subject=owner)
+        except PeerSetupError:
+            _attempt(self.close)  # (the agreement's error says what went wrong)
+            raise
+        return value
+
     def alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor in the heap at the same offset on every rank."""
         if self._alloc is None:
@@ -152,16 +167,19 @@ def _attempt(fn):
         return None, e
 
 
-def _agree(world, what: str, value, error: Optional[Exception]) -> list:
+def _agree(world, what: str, value, error: Optional[Exception],
+           subject: str = "symmetric heap") -> list:
     """Collective: every rank's ``value``; raises PeerSetupError on every rank if any rank could
-    not ``what`` (its ``error`` not None), chained to this rank's own error."""
+    not ``what`` (its ``error`` not None), chained to this rank's own error. ``subject``: what
+    was being made, in the message."""
     gathered = world.all_gather_object(
         (value, None if error is None else f"{type(error).__name__}: {error}"))
     failed = [f"rank {r} could not {what}: {e}" for r, (_, e) in enumerate(gathered) if e]
     if failed:
-        raise PeerSetupError(f"symmetric heap of {world.world_size} ranks not made: "
+        raise PeerSetupError(f"{subject} of {world.world_size} ranks not made: "
                              + "; ".join(failed) + ". Every rank freed what it had set up; fix "
-                             "the cause on the ranks named and make the heap again") from error
+                             f"the cause on the ranks named and make the {subject} again") \
+            from error
     return [v for v, _ in gathered]
 
 
