@@ -20,7 +20,7 @@ from portable_overlap.ops.moe_combine import MoeGemmCombine, moe_gemm_combine_re
 from portable_overlap.ops.moe_dispatch import (MoeDispatch, moe_dispatch, moe_dispatch_reference,
                                                moe_dispatch_swiglu, moe_dispatch_swiglu_reference)
 from portable_overlap.ops.moe_layer import moe_layer, moe_layer_reference
-from portable_overlap.testing.call_numbers import CALL_MASK, call_of, move_on, move_to
+from portable_overlap.testing.call_numbers import calls_at_numbers, move_on, move_to
 from portable_overlap.testing.routing import route
 
 #: GEMM tilings of the grid tests: 128 x 128 tiles are not split (``matmul_reduce.stores``)
@@ -205,26 +205,14 @@ def _outcome(call) -> str:
 
 def _run_refreshing(world, moves, checked, calls) -> list:
     """Run ``calls`` in order, calls 1 and 3 as numbers 2**30 and 2**31 (``REFRESHING``, the
-    calls that refresh the flag words): before each of them, for each ``(counters, words)`` of
-    ``moves`` (a context's), the counters and every flag word of ``words`` move on to the call
-    before it (``move_to``); after it, every word of each
-    ``checked`` row (``(name, row)``: a rank's words in this rank's heap, written by that
-    call or by its refresh) must hold its number. Returns an outcome per call (``_outcome``),
-    with the words not refreshed named."""
+    calls that refresh the flag words; ``call_numbers.calls_at_numbers``): after each of them,
+    every word of each ``checked`` row (``(name, row)``: a rank's words in this rank's heap,
+    written by that call or by its refresh) must hold its number. Returns an outcome per call
+    (``_outcome``), with the words not refreshed named."""
     outcomes = []
-    for i, call in enumerate(calls):
-        world.barrier()  # (the peer's last writes here have landed)
-        if i in REFRESHING:
-            for counters, words in moves:
-                move_to(counters, REFRESHING[i], words)
-        outcomes.append(_outcome(call))
-        if i in REFRESHING:
-            world.barrier()  # (the peer's refresh has landed)
-            for name, row in checked:
-                stale = ((row & CALL_MASK) != REFRESHING[i] & CALL_MASK).nonzero().flatten()
-                if stale.numel():
-                    outcomes[-1] += (f", {stale.numel()} words of {name} not refreshed (first "
-                                     f"{int(stale[0])}: call {call_of(row[stale[0]]):#x})")
+    for _, outcome, stale in calls_at_numbers(world, REFRESHING, moves, checked,
+                                              [lambda c=c: _outcome(c) for c in calls]):
+        outcomes.append(outcome + "".join(f", not refreshed: {s}" for s in stale or ()))
     return outcomes
 
 

@@ -68,3 +68,44 @@ def move_to(counters: Counters, call: int, words: Sequence[torch.Tensor]) -> Non
     as many calls. ``call`` must be past the calls made."""
     first = _counters(counters)[0]
     move_on(counters, call - 1 - calls_done(first), words)
+
+
+def unrefreshed(checked: Sequence[tuple], call: int) -> list:
+    """The rows of ``checked`` (``(name, row)``: flag words in this rank's heap) with words that
+    do not hold ``call``'s number, each as ``"name: n words, first i holds 0x..."``."""
+    stale = []
+    for name, row in checked:
+        bad = ((row & CALL_MASK) != call & CALL_MASK).nonzero().flatten()
+        if bad.numel():
+            stale.append(f"{name}: {bad.numel()} words, first {int(bad[0])} holds "
+                         f"{call_of(row[bad[0]]):#x}")
+    return stale
+
+
+def _in_step(world) -> None:
+    """Every rank's device idle and every rank here: no kernel reads or writes a flag word."""
+    world.backend.synchronize(world.device)
+    world.barrier()
+
+
+def calls_at_numbers(world, numbers: dict, moves: Sequence[tuple], checked: Sequence[tuple],
+                     calls: Sequence):
+    """Make ``calls`` (functions of no argument) in order, the ranks meeting before each (the
+    peers' last writes into this heap have landed); call ``i`` of ``numbers`` as call number
+    ``numbers[i]``: before it, each ``(counters, words)`` of ``moves`` (a context's) moves
+    there (:func:`move_to`), and the ranks meet again (every rank's words moved before any call
+    reads them). Yields ``(i, what call i returned, stale)``: ``stale`` is, for the calls of
+    ``numbers``, :func:`unrefreshed` of ``checked`` once every rank's call has ended (the words
+    it or its refresh wrote), else None."""
+    for i, call in enumerate(calls):
+        _in_step(world)
+        if i in numbers:
+            for counters, words in moves:
+                move_to(counters, numbers[i], words)
+            _in_step(world)
+        value = call()
+        stale = None
+        if i in numbers:
+            _in_step(world)
+            stale = unrefreshed(checked, numbers[i])
+        yield i, value, stale

@@ -1624,38 +1624,20 @@ def check_refresh(world: World, gen, names=None) -> None:
             traceback.print_exc()
 
 
-def _sync(world: World) -> None:
-    """Every rank's device idle and every rank here: no kernel reads or writes a flag word."""
-    world.backend.synchronize(world.device)
-    world.barrier()
-
-
 def _check_refresh_case(world: World, name: str, case) -> None:
     """One op of ``check_refresh``. ``case``: its ``contexts`` (closed here), ``moves``
-    (``(counters, flag arrays)`` per context, for ``move_to``), ``checked`` (``(label, row)``:
-    flag words that the refreshing call or its refresh writes in this rank's heap) and
-    ``calls`` (``(label, call)``, ``call()`` giving ``(ok, detail)``): the first before the
-    move (the context's first call), the second at 2**30."""
-    from portable_overlap.testing.call_numbers import CALL_MASK, call_of, move_to
+    (``(counters, flag arrays)`` per context), ``checked`` (``(label, row)``: flag words that
+    the refreshing call or its refresh writes in this rank's heap) and ``calls`` (``(label,
+    call)``, ``call()`` giving ``(ok, detail)``): the first before the move (the context's
+    first call), the second at 2**30 (``testing.call_numbers.calls_at_numbers``)."""
+    from portable_overlap.testing.call_numbers import calls_at_numbers
 
     try:
-        for i, (label, call) in enumerate(case.calls):
-            if i == 1:
-                _sync(world)  # (the peers' last writes into this heap have landed)
-                for counters, words in case.moves:
-                    move_to(counters, REFRESH_AT, words)
-                _sync(world)  # (every rank's words moved before any call reads them)
-            ok, detail = call()
+        for i, (ok, detail), stale in calls_at_numbers(
+                world, {1: REFRESH_AT}, case.moves, case.checked, [c for _, c in case.calls]):
             number = "1" if i == 0 else "2**30" + (f" + {i - 1}" if i > 1 else "")
-            record(f"refresh {name}: call {number}, {label}", ok, detail)
-            if i == 1 and case.checked:
-                _sync(world)  # (the peers' refreshes have landed here)
-                stale = []
-                for what, row in case.checked:
-                    bad = ((row & CALL_MASK) != REFRESH_AT).nonzero().flatten()
-                    if bad.numel():
-                        stale.append(f"{what}: {bad.numel()} words, first {int(bad[0])} "
-                                     f"holds {call_of(row[bad[0]]):#x}")
+            record(f"refresh {name}: call {number}, {case.calls[i][0]}", ok, detail)
+            if stale is not None and case.checked:
                 record(f"refresh {name}: every checked flag word holds call 2**30", not stale,
                        "; ".join(stale) or ", ".join(what for what, _ in case.checked))
     finally:
