@@ -2,6 +2,7 @@
 torchrun (2 ranks or more):
 
     torchrun --nproc-per-node 2 tests/gpu/gpu_checks.py
+    PO_HOST_GROUP=gloo torchrun --nproc-per-node 2 tests/gpu/gpu_checks.py   # both on one GPU
 
 Each check prints ``PASS``/``FAIL`` on rank 0; the exit code is 1 if any failed on any rank.
 (Not collected by pytest: it needs one process per GPU.)
@@ -1969,6 +1970,11 @@ def main() -> int:
     limit = float(os.environ.get("PO_CHECKS_TIMEOUT_S", "720"))
     faulthandler.dump_traceback_later(limit, exit=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    # PO_HOST_GROUP=gloo: the host collectives (references, exchanges of results) over gloo,
+    # so that two ranks can share one GPU (NCCL refuses that) and a single-GPU machine checks
+    # what the peers' rows hold. Their kernels time-slice the GPU: behaviour, not speed.
+    if os.environ.get("PO_HOST_GROUP"):
+        dist.init_process_group(os.environ["PO_HOST_GROUP"])
     world = World.from_env()
     gen = torch.Generator(device=world.device).manual_seed(1000 + world.rank)
     _guarded(check_backend, world, gen)
