@@ -130,6 +130,16 @@ class World:
             self._facts = self.backend.device_facts(self.device)
         return self._facts
 
+    def host_layout(self) -> tuple:
+        """How this world's ranks sit on hosts: the number of its ranks on each host, hosts in
+        the order of their lowest rank (``(8,)``: one host of eight; ``(4, 4)``: two). Two
+        groups of one size can move bytes at very different rates (NVLink inside a host, the
+        network across hosts), so the tuning decisions are keyed by it. A host collective the
+        first time (every rank asks at the same point: set-up, or a call every rank plans)."""
+        if getattr(self, "_host_layout", None) is None:
+            self._host_layout = host_layout(self.all_gather_object(socket.gethostname()))
+        return self._host_layout
+
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj``. Where a peer sent a :class:`SetupRefusal` in place of its value
         (its part of a set-up raised before it reached this collective: ``collective_setup``),
@@ -215,6 +225,15 @@ class World:
         return (f"World(rank={self.rank}/{self.world_size}, local={self.local_rank}/"
                 f"{self.local_world_size}, device={self.device}, backend={self.backend.name}, "
                 f"launcher={self.launcher})")
+
+
+def host_layout(hosts: list) -> tuple:
+    """The ranks per host of ``hosts`` (each rank's host name, in rank order), hosts in the
+    order of their lowest rank: ``["a", "b", "a", "b"]`` gives ``(2, 2)``."""
+    counts: dict = {}
+    for h in hosts:
+        counts[h] = counts.get(h, 0) + 1
+    return tuple(counts.values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from portable_overlap import RankMismatchError
+from portable_overlap.world import host_layout
 from portable_overlap.schedule import (Calibration, TuningCache, WaveGroups, cache_key,
                                        candidate_partitions, decide, measure_comm_curve,
                                        predict_ms, search, search_top)
@@ -209,7 +210,34 @@ def test_candidate_partitions(n, wave, dests, cap, unit):
 
 def test_cache_key_covers_versions():
     k = json.loads(cache_key("gemm_all_reduce", {"M": 1}, torch.bfloat16, 2, "H200"))
-    assert {"torch", "triton", "portable_overlap", "device", "world"} <= set(k)
+    assert {"torch", "triton", "portable_overlap", "device", "world", "hosts"} <= set(k)
+
+
+def test_cache_key_tells_groups_on_other_hosts_apart():
+    """A pair inside a host and a pair across two hosts (the same world size, device and call)
+    get two keys, so a decision timed over NVLink is not taken for the network."""
+    def key(hosts):
+        return cache_key("gemm_all_reduce", {"M": 1}, torch.bfloat16, 2, "H200", hosts)
+
+    assert key([2]) == key(None) != key([1, 1])
+    for bad in ([1], [3], [2, 0], [-1, 3]):
+        with pytest.raises(ValueError):
+            key(bad)
+    assert host_layout(["a", "b", "a", "b"]) == (2, 2)
+    assert host_layout(["b", "b", "b", "a"]) == (3, 1)
+    assert host_layout(["h"] * 8) == (8,)
+
+
+def _layouts(world):
+    first = world.host_layout()
+    before = world.collectives
+    return first, world.host_layout(), world.collectives - before
+
+
+def test_world_host_layout_is_one_host_for_emulated_ranks(world2):
+    """The emulated ranks share this host; the layout is gathered once and kept."""
+    for first, again, collectives in world2.run(_layouts):
+        assert first == again == (2,) and collectives == 0
 
 
 def _decide(world, tmp, stale):

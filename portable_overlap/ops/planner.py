@@ -622,7 +622,8 @@ class TransportPlanner:
         shape = {"call": call if all(c == call for c in calls) else calls, "graph": self.graph,
                  "candidates": {t: repr(sorted(self.options.get(t, {}).items())) for t in cands}}
         dtype = next((v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)), None)
-        key = tuning.cache_key(op, shape, dtype, world.world_size, world.facts.name)
+        key = tuning.cache_key(op, shape, dtype, world.world_size, world.facts.name,
+                               world.host_layout())
         record = tuning.decide(world, key,
                                lambda: self._measure(cands, inputs, given, call, out is not None,
                                                      decision),

@@ -1,5 +1,6 @@
-"""Tuning decisions shared by the ranks: a cache per (op, shape, dtype, world, device, versions),
-rank 0 decides, every rank uses rank 0's choice, and ranks whose caches disagree decide again.
+"""Tuning decisions shared by the ranks: a cache per (op, shape, dtype, world size, ranks per
+host, device, versions), rank 0 decides, every rank uses rank 0's choice, and ranks whose
+caches disagree decide again.
 
 Also the calibration the wave-group predictor needs: a collective's time against message size
 (``measure_comm_curve``), timed the way the benchmarks time (slowest rank's median).
@@ -23,15 +24,23 @@ import torch.distributed as dist
 from ..envvars import env_file_path
 
 
-def cache_key(op: str, shape: dict, dtype, world_size: int, device: str) -> str:
-    """What a decision depends on: the op, its shape, dtype, world size, the device's name, and
-    the versions of torch, Triton and this library."""
+def cache_key(op: str, shape: dict, dtype, world_size: int, device: str,
+              hosts: Optional[Sequence[int]] = None) -> str:
+    """What a decision depends on: the op, its shape, dtype, world size, how the world's ranks
+    sit on hosts (``hosts``: ``World.host_layout()``, the ranks per host; None: one host), the
+    device's name, and the versions of torch, Triton and this library. A process in two groups
+    of one size (a tensor-parallel pair inside a host, a data-parallel pair across two) keeps a
+    decision for each."""
     import triton
 
     from .. import __version__
 
+    hosts = [world_size] if hosts is None else [int(n) for n in hosts]
+    if sum(hosts) != world_size or min(hosts, default=0) < 1:
+        raise ValueError(f"cache_key: hosts {hosts} must be positive counts of ranks adding up "
+                         f"to the world size {world_size}")
     return json.dumps({"op": op, "shape": shape, "dtype": str(dtype), "world": world_size,
-                       "device": device, "torch": torch.__version__,
+                       "hosts": hosts, "device": device, "torch": torch.__version__,
                        "triton": triton.__version__, "portable_overlap": __version__},
                       sort_keys=True)
 

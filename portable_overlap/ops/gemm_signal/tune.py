@@ -22,10 +22,10 @@ predictor rank the partitions, measure the few it ranks best, keep the fastest, 
    beside the GEMM), so the pick also says which reserve to use.
 4. **Decision**: rank 0's result (partition and reserve), recorded in every rank's
    cache (the ``cache`` given, else the file ``PORTABLE_OVERLAP_TUNING_CACHE`` names, else
-   the process's memory) under a key of the op, shape, dtype, world, device name, tiling, the
-   configured SM reserve and versions. When every rank holds it, nothing is measured; an entry
-   that is no partition of this shape's tiles, or ranks whose caches hold different entries,
-   warn and tune again (``schedule.decide``).
+   the process's memory) under a key of the op, shape, dtype, world size, ranks per host,
+   device name, tiling, the configured SM reserve and versions. When every rank holds it,
+   nothing is measured; an entry that is no partition of this shape's tiles, or ranks whose
+   caches hold different entries, warn and tune again (``schedule.decide``).
 
 The cached value keeps what decided it (the candidates with their predicted and measured times,
 the calibration), so a surprising choice can be read back from the cache file.
@@ -178,9 +178,10 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
     """Collective: ``config`` (or the context's) with the ``partition`` and ``reserve_sms``
     that measured fastest for ``kind`` ("all_reduce", "reduce_scatter", "all_to_all") on tensors
     shaped like ``a`` and ``b``, among the predictor's ``top_k``, one group and the default
-    (module docstring). Cached per (op, shape, dtype, world, device, tiling, reserve,
-    versions): a cached decision costs one exchange of the cache entries. ``graph`` (default:
-    on a GPU) times CUDA-graph replays, as the benchmarks do; call it outside graph capture."""
+    (module docstring). Cached per (op, shape, dtype, world size, ranks per host, device,
+    tiling, reserve, versions): a cached decision costs one exchange of the cache entries.
+    ``graph`` (default: on a GPU) times CUDA-graph replays, as the benchmarks do; call it
+    outside graph capture."""
     if kind not in KINDS:
         raise ValueError(f"gemm_signal tune: kind must be one of {sorted(KINDS)}, got {kind!r}")
     if top_k < 1 or iters < 1:
@@ -196,7 +197,8 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
     # earlier, into a shared file) and raised a mismatch where the entries differed
     shape = {"M": M, "N": N, "K": ctx.world.all_gather_object(K),
              "tiling": dataclasses.asdict(plan.mm), "programs": plan.programs, "gate": cfg.gate}
-    key = cache_key(f"{op}.partition", shape, a.dtype, ctx.size, ctx.world.facts.name)
+    key = cache_key(f"{op}.partition", shape, a.dtype, ctx.size, ctx.world.facts.name,
+                    ctx.world.host_layout())
 
     def compute():
         out = torch.empty((out_rows, N), dtype=a.dtype, device=a.device)
