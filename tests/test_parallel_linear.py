@@ -628,7 +628,8 @@ def _recorded_on_one_rank(world, module, transport):
 
 
 @pytest.mark.parametrize("module", ["column", "row_reduce_scatter"])
-@pytest.mark.parametrize("transport", ["stores", "copy_engine", "auto", "auto, decided"])
+@pytest.mark.parametrize("transport", ["stores", "copy_engine", "sequential", "auto",
+                                       "auto, decided"])
 def test_a_layer_call_recorded_on_some_ranks_raises_in_the_forward(world2, module, transport):
     for rank, found in enumerate(world2.run(_recorded_on_one_rank, module, transport,
                                             timeout=300)):

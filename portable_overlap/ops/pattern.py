@@ -238,8 +238,10 @@ class PatternContext:
         holds collectives on every rank, so ranks that differ in it would leave the recording
         ones waiting there for ever: the fused transports carry it in their flags' tag and
         ``"auto"`` in its agreements, and ranks that differ raise ``RankMismatchError`` in
-        that call, on every rank. The named ``"sequential"`` and ``"torch_fused"`` transports
-        make no agreement (``docs/reliability.md``)."""
+        that call, on every rank, as do the named transports whose calls agree first
+        (``AGREED_TRANSPORTS``: the GEMM patterns' ``"sequential"`` among them). The named
+        ``"torch_fused"`` transport, and ``"sequential"`` of the other ops, make no agreement
+        (``docs/reliability.md``)."""
         return self._records_grad
 
     @records_grad.setter
