@@ -70,6 +70,8 @@ def _check_backend(world, gen, be, heap) -> None:
     flag = heap.alloc((4,), torch.int32)
     src = rand((1024,), torch.float32, world.device, gen)
     peer = (world.rank + 1) % world.world_size
+    # the peer's GPU, which is this one where ranks share a GPU (PO_HOST_GROUP=gloo)
+    peer_gpu = world.all_gather_object(world.device.index)[peer]
     # copy engine: my src -> the next rank's buf
     be.copy_async(heap.peer_address(buf, peer), src.data_ptr(), src.numel() * 4,
                   be.current_stream(world.device))
@@ -112,7 +114,8 @@ def _check_backend(world, gen, be, heap) -> None:
         early = dst.clone()  # ordered before the flag: the copy must not have happened yet
     be.stream_write_value(main.cuda_stream, flag.data_ptr(), 1)
     torch.cuda.synchronize()
-    access = be.can_access_peer(world.device, torch.device('cuda', peer))
+    access = ("the same GPU" if peer_gpu == world.device.index
+              else be.can_access_peer(world.device, torch.device('cuda', peer_gpu)))
     record("backend: stream wait-value gates a copy", torch.equal(dst, src)
            and not torch.equal(early, src), f"peer access={access}")
 
