@@ -33,12 +33,15 @@ def main() -> int:
     seed = world.broadcast_object(args.seed or int.from_bytes(os.urandom(3), "little"))
     ops = [op for op in all_ops() if not args.ops or op.name in args.ops.split(",")]
     tally = run_campaign(world, seed, args.steps, timeout_s=args.timeout, ops=ops)
-    tallies = world.all_gather_object(tally)
+    gathered = world.all_gather_object((tally, world.device.index))
+    tallies = [t for t, _ in gathered]
     problems = [p for t in tallies for p in t["wrong"] + t["late"] + t["unexpected"]]
     if world.rank == 0:
-        t = tallies[0]
-        print(f"fault campaign on {world.world_size} GPUs, seed {seed}: {t['faulted']} faulted "
-              f"of {t['calls']} calls per rank, by fault {t['by_fault']}", flush=True)
+        t, gpus = tallies[0], len({gpu for _, gpu in gathered})  # (two ranks may share one)
+        where = f"{gpus} GPUs" if world.device.type == "cuda" else "emulated"
+        print(f"fault campaign on {world.world_size} ranks ({where}), seed {seed}: "
+              f"{t['faulted']} faulted of {t['calls']} calls per rank, by fault "
+              f"{t['by_fault']}", flush=True)
         for p in problems[:40]:
             print("FAIL", p, flush=True)
         print(f"fault campaign: {len(problems)} problems", flush=True)
