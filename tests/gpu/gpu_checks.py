@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import sys
 import time
 import traceback
@@ -1993,7 +1994,8 @@ def main() -> int:
     # tests/test_rocshmem_provider.py covers).
     # NVSHMEM (and rocSHMEM) take one GPU per rank: where ranks share one, those checks are
     # left out, and so is torch's symmetric memory (the "auto" beside the shmem combine)
-    shared_gpus = world.world_size > torch.cuda.device_count()
+    shared_gpus = len(set(world.all_gather_object((socket.gethostname(), world.device.index)))) \
+        < world.world_size
     if shared_gpus:
         print("ranks share GPUs: the SHMEM transports' checks are left out", flush=True)
     if (not only or "moe_combine" in only) and not shared_gpus:
