@@ -6,6 +6,7 @@ On GPUs the process group uses NCCL (RCCL on ROCm builds of torch); on the CPU, 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import functools
@@ -230,10 +231,7 @@ class World:
 def host_layout(hosts: list) -> tuple:
     """The ranks per host of ``hosts`` (each rank's host name, in rank order), hosts in the
     order of their lowest rank: ``["a", "b", "a", "b"]`` gives ``(2, 2)``."""
-    counts: dict = {}
-    for h in hosts:
-        counts[h] = counts.get(h, 0) + 1
-    return tuple(counts.values())
+    return tuple(collections.Counter(hosts).values())  # (a Counter keeps first-seen order)
 
 
 @dataclasses.dataclass(frozen=True)

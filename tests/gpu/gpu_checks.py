@@ -31,6 +31,14 @@ LOG = CheckLog(45)
 results, record = LOG.results, LOG.record
 
 
+def rank_gpus(world: World) -> list:
+    """Every rank's GPU as (host, device index), gathered once per world: two ranks may share
+    one (``PO_HOST_GROUP=gloo``)."""
+    if getattr(world, "_check_gpus", None) is None:
+        world._check_gpus = world.all_gather_object((socket.gethostname(), world.device.index))
+    return world._check_gpus
+
+
 def same_on_all_ranks(world: World, y: torch.Tensor) -> bool:
     gathered = [torch.empty_like(y) for _ in range(world.world_size)]
     dist.all_gather(gathered, y.contiguous(), group=world.group)
@@ -72,7 +80,7 @@ def _check_backend(world, gen, be, heap) -> None:
     src = rand((1024,), torch.float32, world.device, gen)
     peer = (world.rank + 1) % world.world_size
     # the peer's GPU, which is this one where ranks share a GPU (PO_HOST_GROUP=gloo)
-    peer_gpu = world.all_gather_object(world.device.index)[peer]
+    peer_gpu = rank_gpus(world)[peer]
     # copy engine: my src -> the next rank's buf
     be.copy_async(heap.peer_address(buf, peer), src.data_ptr(), src.numel() * 4,
                   be.current_stream(world.device))
@@ -115,8 +123,8 @@ def _check_backend(world, gen, be, heap) -> None:
         early = dst.clone()  # ordered before the flag: the copy must not have happened yet
     be.stream_write_value(main.cuda_stream, flag.data_ptr(), 1)
     torch.cuda.synchronize()
-    access = ("the same GPU" if peer_gpu == world.device.index
-              else be.can_access_peer(world.device, torch.device('cuda', peer_gpu)))
+    access = ("the same GPU" if peer_gpu == rank_gpus(world)[world.rank]
+              else be.can_access_peer(world.device, torch.device('cuda', peer_gpu[1])))
     record("backend: stream wait-value gates a copy", torch.equal(dst, src)
            and not torch.equal(early, src), f"peer access={access}")
 
@@ -1994,8 +2002,7 @@ def main() -> int:
     # tests/test_rocshmem_provider.py covers).
     # NVSHMEM (and rocSHMEM) take one GPU per rank: where ranks share one, those checks are
     # left out, and so is torch's symmetric memory (the "auto" beside the shmem combine)
-    shared_gpus = len(set(world.all_gather_object((socket.gethostname(), world.device.index)))) \
-        < world.world_size
+    shared_gpus = len(set(rank_gpus(world))) < world.world_size
     if shared_gpus:
         print("ranks share GPUs: the SHMEM transports' checks are left out", flush=True)
     if (not only or "moe_combine" in only) and not shared_gpus:
