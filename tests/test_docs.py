@@ -210,3 +210,100 @@ def test_language_ring_kernel_runs_zero_copy_on_two_ranks(world2, tmp_path):
     (``VIA_SHMEM=ws.shmem`` is False: the SHMEM branch is not compiled)."""
     code = _python_block("docs/language.md", "One kernel serves both kinds of workspace")
     assert world2.run(_run_language_ring, code, str(tmp_path)) == [True, True]
+
+
+# --- launch-script variables, script options, links, torch ops, transports ---------------------
+
+def _launch_code() -> str:
+    """What reads the ``PO_*`` switches: the CI scripts and workflow, the GPU checks, the
+    benchmarks, the tests and the examples."""
+    paths = (glob.glob(os.path.join(ROOT, "ci", "*.sh"))
+             + glob.glob(os.path.join(ROOT, ".github", "workflows", "*.yml"))
+             + [os.path.join(ROOT, ".ci", "run")]
+             + [p for d in ("benchmarks", "tests", "examples")
+                for p in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)])
+    return "".join(_text(os.path.relpath(p, ROOT)) for p in paths if os.path.isfile(p))
+
+
+def test_every_po_switch_the_docs_name_is_read_by_a_script():
+    code = _launch_code()
+    missing = [f"{rel}: {var}" for rel in DOCS
+               for var in sorted(set(re.findall(r"\bPO_[A-Z0-9_]*[A-Z0-9]\b", _text(rel))))
+               if not re.search(rf"\b{var}\b", code)]
+    assert not missing, f"PO_* switches no script reads: {missing}"
+
+
+# a script a command line of the docs runs: ``-m benchmarks.bench_x`` or a path to a .py / .sh
+_SCRIPT = re.compile(r"-m (benchmarks\.\w+|portable_overlap)\b"
+                     r"|\b((?:benchmarks|tests/gpu|examples/\w+|ci|docs/tutorials)/\w+\.(?:py|sh))")
+#: scripts that hand their options to another program (ci/test.sh: pytest)
+_PASS_THROUGH = {"ci/test.sh"}
+
+
+def test_every_option_the_docs_give_a_script_is_one_it_takes():
+    """``--name`` after a script in one backquoted span or code line: the script defines it
+    (the benchmarks: or the shared ``BenchParser`` of ``benchmarks/cli.py``)."""
+    shared = _text("benchmarks/cli.py")
+    wrong = []
+    for rel in DOCS:
+        text = _text(rel).replace("\\\n", " ")  # a shell line continued
+        for n, line in enumerate(text.splitlines(), 1):
+            for span in line.split("`"):
+                m = _SCRIPT.search(span)
+                if not m:
+                    continue
+                path = (m.group(2) or ("portable_overlap/__main__.py" if m.group(1) ==
+                                       "portable_overlap" else m.group(1).replace(".", "/")
+                                       + ".py"))
+                if path in _PASS_THROUGH:
+                    continue
+                assert os.path.isfile(os.path.join(ROOT, path)), f"{rel}:{n}: no {path}"
+                src = _text(path) + (shared if path.startswith("benchmarks/") else "")
+                for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", span[m.end():]):
+                    if f'"{flag}"' not in src and f"'{flag}'" not in src:
+                        wrong.append(f"{rel}:{n}: {path} takes no {flag}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _anchors(rel: str) -> set:
+    """GitHub's anchors of ``rel``'s headings: lower case, punctuation dropped, spaces to '-'."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+ (.*)$", _text(rel), re.M)}
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for rel in DOCS:
+        for n, line in enumerate(_text(rel).splitlines(), 1):
+            prose = re.sub(r"`[^`]*`", "", line)  # not code: kernel[grid](...)
+            for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+                if re.match(r"[a-z]+:", target):
+                    continue
+                path, _, anchor = target.partition("#")
+                dest = os.path.normpath(os.path.join(os.path.dirname(rel), path)) if path else rel
+                if not os.path.exists(os.path.join(ROOT, dest)):
+                    broken.append(f"{rel}:{n}: {target} (no {dest})")
+                elif anchor and dest.endswith(".md") and anchor not in _anchors(dest):
+                    broken.append(f"{rel}:{n}: {target} (no heading #{anchor} in {dest})")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_torch_op_the_docs_name_is_defined():
+    from portable_overlap.ops.registry import PARTS
+
+    for rel in DOCS:
+        for name in re.findall(r"torch\.ops\.portable_overlap\.(\w+)", _text(rel)):
+            assert name in po.SPECS or name in PARTS, f"{rel}: torch.ops.portable_overlap.{name}"
+
+
+def test_every_transport_the_docs_give_a_context_is_one_it_has():
+    """``Context(..., transport="x")`` in the docs: ``x`` is one of the context's transports
+    (or ``"auto"``)."""
+    contexts = {spec.context.__name__: spec.context for spec in po.SPECS.values()}
+    wrong = []
+    for rel in DOCS:
+        text = _text(rel)
+        for ctx, transport in re.findall(r"\b(\w+)\([^()`]*?transport=\"(\w+)\"", text):
+            if ctx in contexts and transport not in (*contexts[ctx].TRANSPORTS, "auto"):
+                wrong.append(f"{rel}: {ctx}(transport={transport!r})")
+    assert not wrong, wrong
