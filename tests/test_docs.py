@@ -35,12 +35,11 @@ def _shrunk(code: str, old: str, new: str) -> str:
 # --- samples, run on 2 emulated ranks --------------------------------------------------------
 
 def _run_quickstart(world, code):
-    import torch
     import torch.distributed as dist
 
     ns: dict = {}
     exec(compile(code, "README.md:Quickstart", "exec"), ns)
-    a, b, y, M, N = ns["a"], ns["b"], ns["y"], ns["M"], ns["N"]
+    a, b, y, M = ns["a"], ns["b"], ns["y"], ns["M"]
     full = a.float() @ b.float()
     dist.all_reduce(full, group=world.group)
     r, w = world.rank, world.world_size
