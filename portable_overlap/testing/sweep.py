@@ -135,6 +135,11 @@ class _Op:
     def out_shape(self, world, ctx, case, t):
         return None
 
+    def refusal(self, case, W) -> Optional[str]:
+        """Why the drawn call (``case``, its transport set) must be refused on every rank, None
+        where it is valid; a case that only some ranks would refuse is made valid here."""
+        return case.get("refuse")
+
     def judge(self, got, ref, case) -> tuple:
         """``(error, why)``: the error against the reference, why it fails (None: it passes)."""
         return _compare(got, ref, case["dtype"])
@@ -161,6 +166,12 @@ def _compare(got, ref, dtype) -> tuple:
                   [0])
     return err, (f"max error {err:.3g} > {tol:g} (relative {rel_err(got, ref):.3g}); first bad "
                  f"element {where}: {g[where].item()!r} vs {r[where].item()!r}")
+
+
+def _contiguous(shape, how) -> bool:
+    """Whether ``laid_out(shape, how)`` is contiguous (it depends on the dims: a transposed
+    [1, K] is)."""
+    return laid_out(shape, how, gen=torch.Generator()).is_contiguous()
 
 
 def _extra(transport: str) -> dict:
@@ -205,6 +216,19 @@ class _Gemm(_Op):
             case["refuse"] = kind
         return case
 
+    def refusal(self, c, W):
+        if c.get("refuse"):
+            return c["refuse"]
+        d = c["dims"]
+        rows = self.rows(d["M"], W)
+        if c["residual"] and laid_out((rows, d["N"]), c["layouts"]["res"],
+                                      gen=torch.Generator()).stride(1) != 1:
+            return "residual rows not contiguous"
+        # its flags are per wave group of rows (README, "No rows")
+        if d["M"] == 0 and c["transport"] == "signal_copy_engine":
+            return "no rows (signal_copy_engine)"
+        return None
+
     def operands(self, world, ctx, c, g):
         M, N, K = c["dims"]["M"], c["dims"]["N"], c["dims"]["K"][world.rank]
         dt, lay, dev = c["dtype"], c["layouts"], world.device
@@ -247,6 +271,18 @@ class _Gemv(_Op):
             case["dims"]["M" if kind == "M" else "N"] = 65 if kind == "M" else s["max_n"] + 1
             case["refuse"] = kind
         return case
+
+    def refusal(self, c, W):
+        if c.get("refuse"):
+            return c["refuse"]
+        d, lay = c["dims"], c["layouts"]
+        flat = [not (_contiguous((d["M"], k), lay["x"]) and _contiguous((d["N"], k), lay["w"]))
+                for k in d["K"]]
+        if all(flat):  # the op takes contiguous x and w only
+            return "not contiguous"
+        if any(flat):  # some ranks only: drawn as a valid call
+            c["layouts"] = {"x": "contiguous", "w": "contiguous"}
+        return None
 
     def operands(self, world, ctx, c, g):
         d, lay, dt = c["dims"], c["layouts"], c["dtype"]
@@ -293,13 +329,24 @@ class _AllGather(_Op):
             case["refuse"] = "shard past max_shard_elems"
         return case
 
+    def refusal(self, c, W):
+        if c.get("refuse"):
+            return c["refuse"]
+        if not _contiguous((c["dims"]["m"], c["dims"]["K"]), c["layouts"]["a"]):
+            return "a not contiguous"  # its rows are copied whole
+        if c["dims"]["m"] == 0 and c["transport"] == "stores":
+            return "no rows (stores)"
+        if c["schedule"] and c["transport"] not in ("copy_engine", "auto"):
+            return "schedule of another transport"
+        return None
+
     def operands(self, world, ctx, c, g):
         d, lay, dt = c["dims"], c["layouts"], c["dtype"]
         return {"a": laid_out((d["m"], d["K"]), lay["a"], dtype=dt, device=world.device, gen=g),
                 "b": laid_out((d["K"], d["N"]), lay["b"], dtype=dt, device=world.device, gen=g)}
 
     def call(self, ctx, c, t, out):
-        if c["schedule"] and c["transport"] == "copy_engine":
+        if c["schedule"]:
             return ctx(t["a"], t["b"], out=out, schedule=c["schedule"])
         return po.all_gather_matmul(t["a"], t["b"], ctx, out)
 
@@ -585,8 +632,8 @@ def run_sweep(world, seed: int, steps: int, *, max_dim: int = 48,
             refuse = rng.random() < refuse_rate
             case = op.draw(rng, W, sizes, max_dim, refuse)
             case.setdefault("dtype", rng.choice(DTYPES))
-            case.update(op=name, transport=transport, sizes=sizes,
-                        out=rng.random() < 0.5, refuse=case.get("refuse"))
+            case.update(op=name, transport=transport, sizes=sizes, out=rng.random() < 0.5)
+            case["refuse"] = op.refusal(case, W)
             row = {"step": step, "op": name, "transport": transport,
                    "dtype": _name(case["dtype"]), "dims": case["dims"],
                    "layouts": case["layouts"], "sizes": sizes, "out": case["out"],
