@@ -102,6 +102,16 @@ def _relaid(t: torch.Tensor, how: str) -> torch.Tensor:
     return view
 
 
+def _lay(shape, how, dtype, world, g: torch.Generator) -> torch.Tensor:
+    """``laid_out`` on the rank's device, its values drawn from ``g`` (a CPU generator) there
+    or, on a GPU, from a device generator seeded from ``g`` (a layout must be made where it
+    lives: moving a strided view to another device packs it)."""
+    if world.device.type != "cpu":
+        seed = int(torch.randint(2 ** 62, (1,), generator=g))
+        g = torch.Generator(device=world.device).manual_seed(seed)
+    return laid_out(shape, how, dtype=dtype, device=world.device, gen=g)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -233,10 +243,10 @@ class _Gemm(_Op):
         M, N, K = c["dims"]["M"], c["dims"]["N"], c["dims"]["K"][world.rank]
         dt, lay, dev = c["dtype"], c["layouts"], world.device
         rows = M // world.world_size if self.name == "matmul_reduce_scatter" else M
-        return {"a": laid_out((M, K), lay["a"], dtype=dt, device=dev, gen=g),
-                "b": laid_out((K, N), lay["b"], dtype=dt, device=dev, gen=g),
+        return {"a": _lay((M, K), lay["a"], dt, world, g),
+                "b": _lay((K, N), lay["b"], dt, world, g),
                 "bias": (torch.randn(N, generator=g).to(dt).to(dev) if c["bias"] else None),
-                "residual": (laid_out((rows, N), lay["res"], dtype=dt, device=dev, gen=g)
+                "residual": (_lay((rows, N), lay["res"], dt, world, g)
                              if c["residual"] else None)}
 
     def call(self, ctx, c, t, out):
@@ -287,8 +297,8 @@ class _Gemv(_Op):
     def operands(self, world, ctx, c, g):
         d, lay, dt = c["dims"], c["layouts"], c["dtype"]
         K = d["K"][world.rank]
-        return {"x": laid_out((d["M"], K), lay["x"], dtype=dt, device=world.device, gen=g),
-                "w": laid_out((d["N"], K), lay["w"], dtype=dt, device=world.device, gen=g)}
+        return {"x": _lay((d["M"], K), lay["x"], dt, world, g),
+                "w": _lay((d["N"], K), lay["w"], dt, world, g)}
 
     def call(self, ctx, c, t, out):
         return po.gemv_all_reduce(t["x"], t["w"], ctx, out)
@@ -342,8 +352,8 @@ class _AllGather(_Op):
 
     def operands(self, world, ctx, c, g):
         d, lay, dt = c["dims"], c["layouts"], c["dtype"]
-        return {"a": laid_out((d["m"], d["K"]), lay["a"], dtype=dt, device=world.device, gen=g),
-                "b": laid_out((d["K"], d["N"]), lay["b"], dtype=dt, device=world.device, gen=g)}
+        return {"a": _lay((d["m"], d["K"]), lay["a"], dt, world, g),
+                "b": _lay((d["K"], d["N"]), lay["b"], dt, world, g)}
 
     def call(self, ctx, c, t, out):
         if c["schedule"]:
@@ -401,8 +411,7 @@ class _Dispatch(_Op):
         S = d["S"][world.rank]
         s = c["sizes"]
         ids = route(d["route"], S, s["E"] * W, s["k"], W, g).to(getattr(torch, d["ids"]))
-        return {"tokens": laid_out((S, s["H"]), c["layouts"]["tokens"], dtype=c["dtype"],
-                                   device=world.device, gen=g),
+        return {"tokens": _lay((S, s["H"]), c["layouts"]["tokens"], c["dtype"], world, g),
                 "ids": ids.to(world.device)}
 
     def call(self, ctx, c, t, out):
@@ -470,9 +479,9 @@ class _Combine(_Op):
             w = w.transpose(1, 2).contiguous().transpose(1, 2)
         topk = torch.softmax(torch.randn(S, s["k"], generator=g), dim=1)
         topk = topk if c["topk_fp32"] else topk.to(dt)
-        return {"x": _relaid(x, c["layouts"]["x"]).to(dev), "w": w.to(dt).to(dev),
+        return {"x": _relaid(x.to(dev), c["layouts"]["x"]), "w": w.to(dt).to(dev),
                 "counts": counts.to(dev), "slots": slots.to(dev),
-                "topk": _relaid(topk, c["layouts"]["topk"]).to(dev)}
+                "topk": _relaid(topk.to(dev), c["layouts"]["topk"])}
 
     def call(self, ctx, c, t, out):
         return po.moe_gemm_combine(t["x"], t["w"], t["counts"], t["slots"], t["topk"], ctx,
@@ -531,15 +540,14 @@ class _Embedding(_Op):
     def operands(self, world, ctx, c, g):
         d, dt, dev = c["dims"], c["dtype"], world.device
         B = sum(d["splits"])
-        weight = laid_out((ctx.weight_rows, ctx.dim), c["layouts"].get("weight"), dtype=dt,
-                          gen=g)
+        weight = _lay((ctx.weight_rows, ctx.dim), c["layouts"].get("weight"), dt, world, g)
         lengths = torch.randint(0, d["max_len"] + 1, (ctx.n_loc * B,), generator=g)
         idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
                              generator=g) for j, t in enumerate(ctx.local_tables)]
         itype = getattr(torch, c["index_dtype"])
         indices = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)).to(itype)
         psw = torch.rand(indices.numel(), generator=g).to(dt) if c["psw"] else None
-        return {"weight": weight.to(dev), "lengths": lengths.to(itype).to(dev),
+        return {"weight": weight, "lengths": lengths.to(itype).to(dev),
                 "indices": indices.to(dev), "psw": None if psw is None else psw.to(dev),
                 "splits": tuple(d["splits"]) if c["pass_splits"] else None}
 
@@ -582,11 +590,12 @@ def _outcome(fn) -> tuple:
 
 def run_sweep(world, seed: int, steps: int, *, max_dim: int = 48,
               ops: Optional[list] = None, refuse_rate: float = 0.08,
-              remake_rate: float = 0.25, timeout_s: float = 30.0,
+              remake_rate: float = 0.25, timeout_s: float = 30.0, leave_out: tuple = (),
               tamper: Optional[Callable] = None, verbose: bool = False) -> dict:
     """Collective: ``steps`` steps of the sweep (module docstring) on every rank of ``world``.
     ``max_dim``: the largest dim drawn (GEMV's M stays at most 64, the op's limit); ``ops``:
-    names of ``po.OPS`` to draw from (default all); ``tamper(step, rank, result) -> result``
+    names of ``po.OPS`` to draw from (default all); ``leave_out``: transports never drawn
+    (e.g. ``"shmem"`` where ranks share a GPU); ``tamper(step, rank, result) -> result``
     changes what a call returned before it is judged (a test that the sweep can fail).
     Returns this rank's report: ``steps`` (one dict per step: op, transport, dtype, dims,
     layouts, options, whether the call must be refused, the outcome and the error),
@@ -615,7 +624,8 @@ def run_sweep(world, seed: int, steps: int, *, max_dim: int = 48,
             name = rng.choice(names)
             op = entries[name]
             while True:  # a transport that cannot run here is found on every rank alike
-                usable = [t for t in _transports(name) if t not in unavailable.get(name, {})]
+                usable = [t for t in _transports(name)
+                          if t not in unavailable.get(name, {}) and t not in leave_out]
                 transport = rng.choice(usable)
                 key = (name, transport)
                 remake = key not in ctxs or rng.random() < remake_rate
