@@ -85,6 +85,12 @@ def _layout(rng: random.Random, choices=LAYOUTS) -> str:
     return "contiguous" if rng.random() < 0.4 else rng.choice(choices)
 
 
+def _dense_layout(rng: random.Random) -> str:
+    """A layout for an operand the op takes contiguous only: mostly a contiguous one (the
+    offset base among them), now and then another (a call that must be refused)."""
+    return rng.choice(("contiguous", "offset")) if rng.random() < 0.8 else rng.choice(LAYOUTS)
+
+
 def _relaid(t: torch.Tensor, how: str) -> torch.Tensor:
     """``t``'s values (2-d) in layout ``how`` of ``LAYOUTS`` (``"stride_0"`` keeps ``t``)."""
     rows, cols = t.shape
@@ -275,7 +281,7 @@ class _Gemv(_Op):
     def draw(self, rng, W, s, max_dim, refuse):
         case = {"dims": {"M": _dim(rng, 64, zero=0.1), "N": _dim(rng, s["max_n"]),
                          "K": [_dim(rng, max_dim, zero=0.1) for _ in range(W)]},
-                "layouts": {k: _layout(rng) for k in ("x", "w")}}
+                "layouts": {k: _dense_layout(rng) for k in ("x", "w")}}
         if refuse:
             kind = rng.choice(["M", "N"])
             case["dims"]["M" if kind == "M" else "N"] = 65 if kind == "M" else s["max_n"] + 1
@@ -332,7 +338,7 @@ class _AllGather(_Op):
         K = _dim(rng, min(max_dim, s["max_elems"]))
         m = min(_dim(rng, max_dim, zero=0.1), s["max_elems"] // K)
         case = {"dims": {"m": m, "K": K, "N": _dim(rng, max_dim)},
-                "layouts": {k: _layout(rng) for k in ("a", "b")},
+                "layouts": {"a": _dense_layout(rng), "b": _layout(rng)},
                 "schedule": (rng.choice(SCHEDULES) if rng.random() < 0.5 else None)}
         if refuse:
             case["dims"]["m"] = s["max_elems"] // K + 1
