@@ -88,12 +88,15 @@ def _layout(rng: random.Random, choices=LAYOUTS) -> str:
 def _dense_layout(rng: random.Random) -> str:
     """A layout for an operand the op takes contiguous only: mostly a contiguous one (the
     offset base among them), now and then another (a call that must be refused)."""
-    return rng.choice(("contiguous", "offset")) if rng.random() < 0.8 else rng.choice(LAYOUTS)
+    return rng.choice(("contiguous", "offset")) if rng.random() < 0.9 else rng.choice(LAYOUTS)
 
 
 def _relaid(t: torch.Tensor, how: str) -> torch.Tensor:
-    """``t``'s values (2-d) in layout ``how`` of ``LAYOUTS`` (``"stride_0"`` keeps ``t``)."""
+    """``t``'s values (2-d) in layout ``how`` of ``LAYOUTS``; ``"stride_0"``: its first row
+    expanded to every row (the same values only where the rows are equal)."""
     rows, cols = t.shape
+    if how == "stride_0":
+        return t[:1].expand(rows, cols) if rows else t
     if how == "transposed":
         return t.t().contiguous().t()
     if how == "every_other_column":
@@ -129,6 +132,9 @@ class _Op:
     (a collective on every rank) and ``out_shape`` for ``out=`` (None: the op takes none)."""
 
     name = ""
+    #: whether every rank's result has one shape (else a strided out may be refused on
+    #: some ranks only, which the sweep does not draw)
+    same_out_shape = True
 
     def sizes(self, rng, W, max_dim) -> dict:
         return {}
@@ -221,7 +227,10 @@ class _Gemm(_Op):
         N = _dim(rng, s["max_n"])
         Ks = [_dim(rng, max_dim, zero=0.1) for _ in range(W)]
         case = {"dims": {"M": M, "N": N, "K": Ks},
-                "layouts": {k: _layout(rng) for k in ("a", "b", "res")},
+                "layouts": {"a": _layout(rng), "b": _layout(rng),
+                            # a residual with rows that are not contiguous is refused
+                            "res": _layout(rng, ROW_LAYOUTS if rng.random() < 0.85
+                                           else LAYOUTS)},
                 "bias": rng.random() < 0.5, "residual": rng.random() < 0.5}
         if refuse:
             kind = rng.choice(["rows", "split"] if self.split and W > 1 else ["rows"])
@@ -390,6 +399,7 @@ class _Dispatch(_Op):
     """``x, counts, slots = moe_dispatch(tokens [S_r, H], topk_ids [S_r, k])``."""
 
     name = "moe_dispatch"
+    same_out_shape = False
 
     def sizes(self, rng, W, max_dim):
         return dict(_moe_sizes(rng, W, max_dim), dtype=rng.choice(DTYPES))
@@ -448,6 +458,7 @@ class _Combine(_Op):
     """``out = moe_gemm_combine(x, w, counts, slots, topk_weights)`` on the dispatch layout."""
 
     name = "moe_gemm_combine"
+    same_out_shape = False
 
     def sizes(self, rng, W, max_dim):
         from ..ops.moe_combine.api import WALKS
@@ -505,6 +516,7 @@ class _Embedding(_Op):
     """Pooled lookups of table-wise sharded tables, then the All-to-All to the batch owners."""
 
     name = "embedding_all_to_all"
+    same_out_shape = False
 
     def sizes(self, rng, W, max_dim):
         T = rng.randint(1, 5)
@@ -649,6 +661,9 @@ def run_sweep(world, seed: int, steps: int, *, max_dim: int = 48,
             case = op.draw(rng, W, sizes, max_dim, refuse)
             case.setdefault("dtype", rng.choice(DTYPES))
             case.update(op=name, transport=transport, sizes=sizes, out=rng.random() < 0.5)
+            case["layouts"]["out"] = _dense_layout(rng)
+            if not op.same_out_shape and case["layouts"]["out"] != "contiguous":
+                case["layouts"]["out"] = "offset"  # a strided out of some ranks only
             case["refuse"] = op.refusal(case, W)
             row = {"step": step, "op": name, "transport": transport,
                    "dtype": _name(case["dtype"]), "dims": case["dims"],
@@ -668,7 +683,12 @@ def run_sweep(world, seed: int, steps: int, *, max_dim: int = 48,
             if shape is not None:
                 like = ref if isinstance(ref, torch.Tensor) else t.get("a", t.get("x"))
                 dtype = like.dtype if like is not None else case["dtype"]
-                out = torch.full(shape, float("nan"), dtype=dtype, device=world.device)
+                nan = torch.full(shape, float("nan"), dtype=dtype, device=world.device)
+                out = _relaid(nan, case["layouts"]["out"])
+                if not case["refuse"] and not out.is_contiguous():
+                    # every op writes a contiguous out only (the same on every rank: the
+                    # result's shape is, where out is non-contiguous)
+                    case["refuse"] = row["refuse"] = "out not contiguous"
 
             def run():
                 got = op.call(ctx, case, t, out)
