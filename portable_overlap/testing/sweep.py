@@ -35,8 +35,8 @@ agree on it in one small host collective per step).
 
 The report names each step (op, transport, dtype, dims, layouts, options) and each failure
 with its seed, step and rank and the error, so a failure is a reproducible case:
-``run_sweep(world, seed, step + 1, ops=[op])`` does not replay it (the draws depend on the op
-list); ``run_sweep(world, seed, step + 1)`` does.
+``run_sweep(world, seed, step + 1)`` on a world of the same size, with the same ``ops`` and
+bounds, replays it (the draws depend on them).
 """
 from __future__ import annotations
 
