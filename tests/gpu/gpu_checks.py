@@ -1169,6 +1169,36 @@ def check_empty_dims(world: World, gen) -> None:
             ctx.close()
 
 
+def check_sweep(world: World, gen, steps: int = 80, max_dim: int = 320) -> None:
+    """The randomized sweep (portable_overlap/testing/sweep.py) with GPU-sized bounds: every op
+    through every transport that can run here (``"auto"`` too), dims up to ``max_dim`` drawn
+    around the tile sizes, every dtype, strided, stride-0, misaligned and padded operands, so
+    the compiled kernels meet the specializations on strides and alignment that the
+    interpreter never makes. ``PO_SWEEP_SEED`` (default 1) and ``PO_SWEEP_STEPS`` pick the
+    draw; a failure names its seed and step, replayed by ``run_sweep(world, seed, step + 1,
+    max_dim=...)``. One result per op: its calls, and its failures on any rank."""
+    from portable_overlap.testing.sweep import run_sweep
+
+    seed = int(os.environ.get("PO_SWEEP_SEED", "0") or 0) or 1
+    steps = int(os.environ.get("PO_SWEEP_STEPS", "0") or 0) or steps
+    # NVSHMEM takes one GPU per rank: where ranks share one, its transports are left out
+    leave_out = ("shmem",) if len(set(rank_gpus(world))) < world.world_size else ()
+    report = run_sweep(world, seed, steps, max_dim=max_dim, leave_out=leave_out)
+    everyone = world.all_gather_object(report["failures"])
+    failures = [f for fs in everyone for f in fs]
+    for f in failures[:20]:
+        print(f"sweep: {f[:2000]}", flush=True)
+    calls: dict = {}
+    for s in report["steps"]:
+        calls.setdefault(s["op"], []).append(s["transport"])
+    for op, transports in sorted(calls.items()):
+        bad = [f for f in failures if f": {op}[" in f]
+        record(f"sweep seed {seed}: {op}", not bad,
+               f"{len(transports)} calls over {sorted(set(transports))}; {len(bad)} failures")
+    for op, why in sorted(report["unavailable"].items()):
+        LOG.skip(f"sweep seed {seed}: {op} {sorted(why)}", "unavailable here")
+
+
 def check_streams(world: World, gen) -> None:
     """Calls of one context made on three streams one after another with nothing ordering
     them but the context (``ContextBase._follow_stream``): every result against torch, for
@@ -2021,7 +2051,7 @@ def main() -> int:
     for check in (check_patterns, check_gemm_alltoall, check_allgather_gemm,
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
-                  check_empty_dims, check_streams, check_compile_graphs,
+                  check_empty_dims, check_sweep, check_streams, check_compile_graphs,
                   check_capture_first, check_context_churn, check_eager_and_replays,
                   check_refresh, check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
