@@ -46,7 +46,8 @@ on CPU-emulated ranks, ``"auto"`` on a GPU; options ``pieces``, ``schedule``, an
 ``direction="pull"``: whole shards pulled by the receivers, torch's way, ``AllGatherMatmulCE``);
 ``"stores"``: one persistent Triton kernel whose first programs store the shard into every
 peer's heap, all peers at once, while the others multiply the rows that have arrived
-(``stores.py``, ``kernel.py``; options ``config``, ``senders``, ``copy_block``, ``join``, ``pull_share``, ``pull_pieces``, ``bulk_copies``);
+(``stores.py``, ``kernel.py``; options ``config``, ``senders``, ``copy_block``, ``join``,
+``pull_share``, ``pull_pieces``, ``bulk_copies``);
 ``"torch_fused"``: torch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (``ops/torch_fused.py``;
 no options; GPU worlds of one host only, elsewhere it raises ``BackendUnavailable``); and
 ``"sequential"``: the vendor library's ``all_gather_into_tensor``, then ``torch.matmul``
