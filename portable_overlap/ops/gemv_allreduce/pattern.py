@@ -8,10 +8,10 @@ passes (its K-slice of a row-parallel weight; K_r >= 0 may differ across ranks):
 
 Transports (``transport=``):
 
-- ``"stores"`` (default): one persistent Triton kernel; each rank stores its fp32 partials
-  straight into the owners' heaps, owners reduce in rank order and store the result into every
-  rank (two flag rounds; ``api.GemvAllReduceKernel``, kernel.py; options ``config``, per call
-  ``config``);
+- ``"stores"`` (the default on CPU-emulated ranks, ``"auto"`` on a GPU): one persistent Triton
+  kernel; each rank stores its fp32 partials straight into the owners' heaps, owners reduce in
+  rank order and store the result into every rank (two flag rounds;
+  ``api.GemvAllReduceKernel``, kernel.py; options ``config``, per call ``config``);
 - ``"one_shot"``: the same kernel storing every partial into every rank, each rank reducing all
   of them (one flag round; for latency-bound steps on many ranks; same options, and the only
   one that takes a ``config`` with ``split_k`` > 1: K slices per column block, which the

@@ -9,7 +9,8 @@ What they compute, with ``a_q`` [M, K_q] and ``b_q`` [K_q, N] the tensors rank q
 
 Transports (``transport=``):
 
-- ``"copy_engine"`` (the default on CPU-emulated ranks, ``"auto"`` on a GPU): the vendor BLAS computes the peers' row blocks first in pieces;
+- ``"copy_engine"`` (the default on CPU-emulated ranks, ``"auto"`` on a GPU): the vendor BLAS
+  computes the peers' row blocks first in pieces;
   copy engines (DMA) move each finished piece, no SM spent on communication
   (``matmul_reduce.api.MatmulReduce``; options ``pieces``, ``put_lanes``);
 - ``"stores"``: one persistent Triton GEMM stores each partial tile straight into its owner's
