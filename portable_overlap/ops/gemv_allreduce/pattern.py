@@ -52,8 +52,8 @@ class GemvAllReduce(PatternContext):
     (``PatternContext.default_transport``). ``max_n``: the largest N (output features) it will
     be called with. ``config=`` (an option of ``"stores"`` and ``"one_shot"``): their launch
     configuration (default: the tuned table, else the heuristic of ``config.pick_config``).
-    Collective to create and to close; the same calls in the same order on every rank, on one
-    stream."""
+    Collective to create and to close; the same calls in the same order on every rank, on any
+    streams (each call runs after the last)."""
 
     OP = OP
     TRANSPORTS = ("stores", "one_shot", "torch_fused", "sequential")
