@@ -15,8 +15,8 @@ d gets ``bias_d``, whichever rank computed it, not the bias of the rank whose ``
 transport computes the same.
 Transports (``transport=``):
 
-- ``"stores"`` (default; ``"auto"`` on a GPU): one persistent Triton kernel computes the rows
-  for the peers first and stores each finished tile straight into the destination's buffer
+- ``"stores"`` (the default on CPU-emulated ranks, ``"auto"`` on a GPU): one persistent Triton
+  kernel computes the rows for the peers first and stores each finished tile straight into the destination's buffer
   (``gemm_alltoall.api``; options ``config``, and per call ``config``);
 - ``"copy_engine"``: the vendor BLAS computes each destination's rows in pieces, copy engines
   move each finished piece (option ``pieces``);
