@@ -16,8 +16,8 @@ transport computes the same.
 Transports (``transport=``):
 
 - ``"stores"`` (the default on CPU-emulated ranks, ``"auto"`` on a GPU): one persistent Triton
-  kernel computes the rows for the peers first and stores each finished tile straight into the destination's buffer
-  (``gemm_alltoall.api``; options ``config``, and per call ``config``);
+  kernel computes the rows for the peers first and stores each finished tile straight into the
+  destination's buffer (``gemm_alltoall.api``; options ``config``, and per call ``config``);
 - ``"copy_engine"``: the vendor BLAS computes each destination's rows in pieces, copy engines
   move each finished piece (option ``pieces``);
 - ``"signal_collective"``: a persistent GEMM's wave-group counters gate the vendor library's
