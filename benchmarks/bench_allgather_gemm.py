@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from benchmarks.cli import BenchParser
 from benchmarks.runner import Case, auto_contexts, auto_fields, rel_err, run_main, torch_dtype
+from portable_overlap import collectives
 from portable_overlap.ops.allgather_gemm import (SCHEDULES, AllGatherMatmul,
                                                  all_gather_matmul_reference, pick_schedule)
 
@@ -121,10 +122,10 @@ def body(bench) -> int:
             for n, actx in autos.items():  # without out, as torch's op is called
                 impls[n] = lambda c=actx: c(a, b)
             impls.update({
-                "sequential": lambda: (dist.all_gather_into_tensor(full, a),
+                "sequential": lambda: (collectives.all_gather(full, a),
                                        torch.matmul(full, b, out=out)),
                 "compute": lambda: torch.matmul(full, b, out=out),
-                "comm": lambda: dist.all_gather_into_tensor(full, a),
+                "comm": lambda: collectives.all_gather(full, a),
             })
             try:
                 import torch.distributed._symmetric_memory as symm_mem

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from benchmarks.cli import BenchParser, int_list, one_shape, parse_ints, parse_shapes
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
 from benchmarks.runner import Case, rel_err, run_main, torch_dtype
-from portable_overlap import World
+from portable_overlap import World, collectives
 from portable_overlap.testing.signal_calls import gemm_all_reduce, gemm_reduce_scatter
 from portable_overlap.ops.gemm_signal import (GemmSignal, SignalConfig, gemm_all_reduce_reference,
                                               gemm_reduce_scatter_reference)
@@ -152,8 +152,8 @@ def one_case(bench, ctx, cta_ctxs, ce_ctx, gen, tune_dir, kind, dname, dt, mnk, 
         comm = lambda: dist.all_reduce(y)  # noqa: E731
         seq = lambda: dist.all_reduce(torch.mm(a, b, out=y))  # noqa: E731
     else:
-        comm = lambda: dist.reduce_scatter_tensor(ys, y)  # noqa: E731
-        seq = lambda: dist.reduce_scatter_tensor(ys, torch.mm(a, b, out=y))  # noqa: E731
+        comm = lambda: collectives.reduce_scatter(ys, y)  # noqa: E731
+        seq = lambda: collectives.reduce_scatter(ys, torch.mm(a, b, out=y))  # noqa: E731
     impls = {"fused": lambda: fused_fn(a, b, ctx, out), "sequential": seq,
              "compute": lambda: torch.mm(a, b, out=y), "comm": comm}
     if kind == "reduce_scatter":  # the reason is printed where torch's op fails

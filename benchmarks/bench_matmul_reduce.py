@@ -28,6 +28,7 @@ from benchmarks.cli import BenchParser, int_list, parse_ints
 from benchmarks.harness import torch_fused_matmul_reduce_scatter
 from benchmarks.runner import Case, auto_contexts, auto_fields, rel_err, run_main, torch_dtype
 import portable_overlap as po
+from portable_overlap import collectives
 from portable_overlap.ops.matmul_reduce import (MatmulReduce, matmul_all_reduce_reference,
                                                 matmul_reduce_scatter_reference)
 
@@ -94,7 +95,7 @@ def body(bench) -> int:
                 for n, actx in autos[mode].items():  # without out, as torch's op is called
                     impls[n] = lambda c=actx: c(a, b)
                 if mode == "reduce_scatter":
-                    coll = lambda: dist.reduce_scatter_tensor(rs_out, c)  # noqa: E731
+                    coll = lambda: collectives.reduce_scatter(rs_out, c)  # noqa: E731
                 else:
                     coll = lambda: dist.all_reduce(c)  # noqa: E731
                 impls["sequential"] = lambda: (torch.matmul(a, b, out=c), coll())

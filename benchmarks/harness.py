@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from benchmarks.rows import ResultWriter  # noqa: F401  (also importable from here)
+from portable_overlap.ops.torch_fused import enable_group
 from portable_overlap.schedule.tuning import timed_runs
 
 
@@ -91,8 +92,7 @@ def torch_fused_matmul_reduce_scatter(world, a, b, ref_fn, tol: float = 2e-2):
     import torch.distributed._symmetric_memory as symm_mem
 
     group_name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(group_name)
+    enable_group(symm_mem, group_name)
 
     def fn():
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
@@ -104,4 +104,3 @@ def torch_fused_matmul_reduce_scatter(world, a, b, ref_fn, tol: float = 2e-2):
     if not err < tol:
         raise RuntimeError(f"disagrees with the reference: rel_err={err:.2e}")
     return fn
-

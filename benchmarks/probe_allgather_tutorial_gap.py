@@ -42,6 +42,7 @@ from benchmarks.bench_tutorials import load_tutorial
 from benchmarks.cli import parse_shapes
 from benchmarks.harness import _quantile, time_op
 from benchmarks.rows import git_commit
+from portable_overlap import collectives
 
 VARIANTS = ("tutorial", "op", "op_out", "plan", "cublas")
 
@@ -209,7 +210,7 @@ def probe_shape(world, tut, M, N, K, args) -> dict:
     b = (torch.randn(K, N, device=dev, generator=torch.Generator(dev).manual_seed(7))
          / K ** 0.5).to(dtype)
     full = torch.empty(W * m, K, device=dev, dtype=dtype)
-    gather = torch.distributed.all_gather_into_tensor
+    gather = collectives.all_gather
     gather(full, a, group=world.group)
     ref = torch.matmul(full, b)
     outs = {n: torch.empty(W * m, N, device=dev, dtype=dtype) for n in VARIANTS}

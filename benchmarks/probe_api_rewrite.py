@@ -37,6 +37,7 @@ import torch
 
 # the package's own comparison (in trees from before the rewrite too): relative Frobenius
 # error, inf where the output holds a NaN (a tile not written)
+from portable_overlap import collectives
 from portable_overlap.testing.compare import rel_err
 
 GEMM_SHAPES = ((8192, 8192, 8192), (16384, 8192, 8192), (8192, 28672, 8192))
@@ -86,14 +87,14 @@ def gemm_cases(world):
     """(op, shape, call, reference) of AllGather + GEMM and GEMM + ReduceScatter."""
     from portable_overlap import AllGatherMatmul, MatmulReduceScatter
 
-    dist, dev, W, r = torch.distributed, world.device, world.world_size, world.rank
+    dev, W, r = world.device, world.world_size, world.rank
     bf = torch.bfloat16
     for M, N, K in GEMM_SHAPES:
         g = torch.Generator(dev).manual_seed(1 + r)
         a = torch.randn(M // W, K, device=dev, generator=g).to(bf)  # rows of this rank
         b = (torch.randn(K, N // W, device=dev, generator=g) / K ** 0.5).to(bf)  # its columns
         full = torch.empty(M, K, device=dev, dtype=bf)
-        dist.all_gather_into_tensor(full, a)
+        collectives.all_gather(full, a)
         ctx = AllGatherMatmul(world, (M // W) * K, transport="stores")
         yield ("all_gather_matmul", (M, N, K), ctx,
                lambda out=None, c=ctx, a=a, b=b: c(a, b, out=out), full @ b)
@@ -104,7 +105,7 @@ def gemm_cases(world):
         b = (torch.randn(K // W, N, device=dev, generator=g) / K ** 0.5).to(bf)
         part = (a.float() @ b.float()).to(bf)
         ref = torch.empty(M // W, N, device=dev, dtype=bf)
-        dist.reduce_scatter_tensor(ref, part)
+        collectives.reduce_scatter(ref, part)
         ctx = MatmulReduceScatter(world, M, N, transport="stores")
         yield ("matmul_reduce_scatter", (M, N, K), ctx,
                lambda out=None, c=ctx, a=a, b=b: c(a, b, out=out), ref)
@@ -114,14 +115,14 @@ def gemm_cases(world):
 def gemv_cases(world):
     from portable_overlap import GemvAllReduce
 
-    dist, dev, W, r = torch.distributed, world.device, world.world_size, world.rank
+    dev, W, r = world.device, world.world_size, world.rank
     bf = torch.bfloat16
     for M, N, K in GEMV_SHAPES:
         g = torch.Generator(dev).manual_seed(21 + r)
         x = torch.randn(M, K // W, device=dev, generator=g).to(bf)
         w = (torch.randn(N, K // W, device=dev, generator=g) / K ** 0.5).to(bf)
         ref = x.float() @ w.float().T
-        dist.all_reduce(ref)
+        torch.distributed.all_reduce(ref)
         ctx = GemvAllReduce(world, N, transport="stores")
         yield ("gemv_all_reduce", (M, N, K), ctx,
                lambda out=None, c=ctx, x=x, w=w: c(x, w, out=out), ref)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.rows import git_commit
-from portable_overlap import World
+from portable_overlap import World, collectives
 from portable_overlap.shmem.heap import SymmetricHeap
 
 
@@ -248,7 +248,7 @@ def probe(world, shapes, programs, variants, chunk_rows: int, iters: int) -> lis
                 for _ in range(iters):
                     _sync(dev)
                     world.barrier()
-                    ms.append(_time_ms(dev, lambda: dist.all_gather_into_tensor(full, a)))
+                    ms.append(_time_ms(dev, lambda: collectives.all_gather(full, a)))
                 t = max(world.all_gather_object(statistics.median(ms)))
                 rows.append(dict(m=m, K=K, variant="nccl_all_gather", programs=0, world=W,
                                  ok=True, median_ms=round(t, 4),

@@ -502,9 +502,13 @@ def _sequence(world):
         def current_stream(self, device):
             return mod.current.name
 
-    class _Dist:  # torch.distributed, logged with the current stream
+    class _Logged:  # a module's functions (torch.distributed's, the library's collectives),
+        # logged with the current stream
+        def __init__(self, module):
+            self.module = module
+
         def __getattr__(self, name):
-            real = getattr(torch.distributed, name)
+            real = getattr(self.module, name)
 
             def call(*args, **kwargs):
                 log.append(f"{mod.current.name}:{name}")
@@ -526,7 +530,8 @@ def _sequence(world):
         return logged("gemm", gemm), logged("reorder", reorder)
 
     ctx.launch_plan = launch_plan
-    saved, api.dist = api.dist, _Dist()
+    saved = api.dist, api.collectives
+    api.dist, api.collectives = _Logged(torch.distributed), _Logged(api.collectives)
     try:
         a, b = torch.randn(12, 8), torch.randn(8, 40)  # 1 x 3 tiles per rank block: 6 tiles
         firsts = []
@@ -537,7 +542,7 @@ def _sequence(world):
         ref = gemm_reduce_scatter_reference(a, b, world.group)
         assert torch.allclose(out, ref, atol=1e-5)
     finally:
-        api.dist = saved
+        api.dist, api.collectives = saved
         ctx.close()
     return firsts
 
@@ -547,13 +552,13 @@ def test_host_sequence_on_streams(world2):
     # first call of a plan: no value wait (the comm stream waits for the whole GEMM), then sync
     # (a kernel on the comm stream resets the counters: not in the log)
     assert first == ["comm.wait(caller)", "caller:gemm", "comm.wait(caller)",
-                     "comm:reduce_scatter_tensor", "comm:reduce_scatter_tensor",
+                     "comm:reduce_scatter", "comm:reduce_scatter",
                      "caller.wait(comm)", "caller:reorder", "sync"], first
     # later calls: fork before the GEMM, a value wait per group on the comm stream, reset, the
     # collective, then the join before the reorder; no sync
     assert later == ["comm.wait(caller)", "caller:gemm",
-                     "comm:wait[0]>=2", "comm:write[0]=0", "comm:reduce_scatter_tensor",
-                     "comm:wait[1]>=4", "comm:write[1]=0", "comm:reduce_scatter_tensor",
+                     "comm:wait[0]>=2", "comm:write[0]=0", "comm:reduce_scatter",
+                     "comm:wait[1]>=4", "comm:write[1]=0", "comm:reduce_scatter",
                      "caller.wait(comm)", "caller:reorder"], later
 
 

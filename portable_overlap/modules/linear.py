@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import collectives
 from ..errors import PortableOverlapError
 from ..ops.context import check_sizes
 from ..ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce
@@ -141,13 +142,13 @@ def _stand_in(rows: int, cols: int, weight: torch.Tensor) -> torch.Tensor:
 
 def _scatter_rows(full, group, W):
     out = full.new_empty((full.shape[0] // W, full.shape[1]))
-    dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
+    collectives.reduce_scatter(out, full.contiguous(), group=group)
     return out
 
 
 def _gather_rows(x, group, W):
     full = x.new_empty((W * x.shape[0], x.shape[1]))
-    dist.all_gather_into_tensor(full, x.contiguous(), group=group)
+    collectives.all_gather(full, x.contiguous(), group=group)
     return full
 
 

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from .allgather_gemm.api import check_call as check_all_gather_call
 from .allgather_gemm.api import check_input as check_all_gather_input, refuse_schedule
 from .context import ContextBase, collective_call, output_tensor
@@ -110,7 +111,7 @@ def _into(kind: str, a, b, out: torch.Tensor, group, W: int, bias, residual) -> 
         if W == 1:
             out.copy_(c)
         elif kind == "reduce_scatter":
-            dist.reduce_scatter_tensor(out, c, group=group)
+            collectives.reduce_scatter(out, c, group=group)
         else:
             dist.all_to_all_single(out, c, group=group)
     if bias is not None or residual is not None:
@@ -151,7 +152,7 @@ class SequentialAllGatherMatmul(ContextBase):
         m, K = a.shape
         full = self._gather[:W * m * K * a.element_size()].view(a.dtype).view(W * m, K)
         if W > 1:
-            dist.all_gather_into_tensor(full, a, group=self.world.group)
+            collectives.all_gather(full, a, group=self.world.group)
         else:
             full.copy_(a)
         return torch.matmul(full, b, out=out)

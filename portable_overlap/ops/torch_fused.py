@@ -132,7 +132,7 @@ class _TorchFused(ContextBase):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = (world.group or dist.group.WORLD).group_name
-        _enable_group(symm_mem, self.group_name)
+        enable_group(symm_mem, self.group_name)
         self.workspace_bytes = workspace_bytes
         with _current(world.device):  # torch allocates on the current device
             self._allocate(symm_mem)
@@ -155,7 +155,7 @@ def _current(device: torch.device):
     return torch.get_device_module(device).device(device)
 
 
-def _enable_group(symm_mem, group_name: str) -> None:
+def enable_group(symm_mem, group_name: str) -> None:
     """Register the group with torch's symmetric memory where this torch still needs it (it
     marks the call deprecated once groups register themselves)."""
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)

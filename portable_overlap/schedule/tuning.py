@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..envvars import env_file_path
 
 
@@ -425,7 +426,7 @@ def measure_comm_curve(world, collective: str, sizes: Sequence[int], dtype=torch
         if collective == "all_reduce":
             run = lambda: dist.all_reduce(x, group=world.group)  # noqa: E731
         elif collective == "reduce_scatter":
-            run = lambda: dist.reduce_scatter_tensor(y, x, group=world.group)  # noqa: E731
+            run = lambda: collectives.reduce_scatter(y, x, group=world.group)  # noqa: E731
         elif collective == "all_to_all":
             run = lambda: dist.all_to_all_single(y, x, group=world.group)  # noqa: E731
         else:

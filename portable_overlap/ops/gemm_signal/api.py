@@ -24,8 +24,8 @@ One call, on rank r (see docs/gemm_signal.md):
 
 1. the comm stream forks from the caller's stream (so it sees every earlier write);
 2. the GEMM is launched on the caller's stream with a grid that leaves ``reserve_sms`` SMs free
-   for the collectives' kernels (none by default); each finished tile goes to its staging slot and bumps its
-   group's counter;
+   for the collectives' kernels (none by default); each finished tile goes to its staging slot
+   and bumps its group's counter;
 3. per group g, on the comm stream: ``stream_wait_value(count[g] >= size_g)`` (no CPU polling),
    ``stream_write_value(count[g], 0)`` (the waiter resets its own counter: see below), then the
    collective on the group's contiguous staging chunk;
@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ... import collectives
 from ...errors import PeerTimeoutError, RankMismatchError
 from ...schedule import WaveGroups, default_partition, grouped_tile, tile_layout
 from ...tiles.gemv import dot_precision, dot_upcast
@@ -167,7 +168,8 @@ class GemmSignal(ContextBase):
         ``kind`` call on these tensors without the collectives between them, to time them apart
         (the wave-group predictor's calibration). Returns::
 
-            gemm()     # the signal GEMM on the current stream: a, b -> staging, counters += 1 per tile
+            gemm()     # the signal GEMM on the current stream: a, b -> staging,
+                       # counters += 1 per tile
             reorder()  # the reorder: whatever the receive buffer holds -> out (no bias/residual)
             reset()    # counters = 0: call it after the last gemm() and before the next op call
             programs   # the GEMM's grid: resident programs, the tiles of one wave
@@ -376,7 +378,7 @@ class GemmSignal(ContextBase):
                     dist.all_reduce(chunk, group=group)
                 elif plan.kind == "reduce_scatter":
                     part = recv[start // self.size * tile:(start + size) // self.size * tile]
-                    dist.reduce_scatter_tensor(part, chunk, group=group)
+                    collectives.reduce_scatter(part, chunk, group=group)
                 else:
                     dist.all_to_all_single(recv[start * tile:(start + size) * tile], chunk,
                                            group=group)
@@ -541,7 +543,7 @@ class GemmSignal(ContextBase):
         got = self._launches.get(key)
         if got is not None:
             return got
-        mm, K = plan.mm, a.shape[1]
+        mm = plan.mm
         use_desc = tile_descriptors(a, b, mm, self.world.facts)[0] is not None
         gemm_consts = dict(USE_DESC=use_desc, BLOCK_M=mm.block_m, BLOCK_N=mm.block_n,
                            BLOCK_K=mm.block_k,
@@ -566,13 +568,13 @@ class GemmSignal(ContextBase):
             reorder = None
         elif rms_weight is None:  # one program per ROWS rows of a received tile
             reorder = self.compile_launch(signal_reorder_kernel,
-                                    plan.table_t.shape[0] * (mm.block_m // rows),
-                                    reorder_consts, lambda g: reorder_args, False)
+                                          plan.table_t.shape[0] * (mm.block_m // rows),
+                                          reorder_consts, lambda g: reorder_args, False)
         else:  # one program per ROWS rows of a row block of out (whole rows: the norm)
             reorder_consts["num_warps"] = 8 if mm.block_n >= 256 else 4
             reorder = self.compile_launch(signal_reorder_norm_kernel,
-                                    plan.norm_rows_t.shape[0] * (mm.block_m // rows),
-                                    reorder_consts, lambda g: reorder_args, False)
+                                          plan.norm_rows_t.shape[0] * (mm.block_m // rows),
+                                          reorder_consts, lambda g: reorder_args, False)
         self._launches[key] = (gemm, reorder)
         return gemm, reorder
 

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ... import collectives
+
 
 def _mm(a, b, accumulate_fp32):
     return ((a.float() @ b.float()) if accumulate_fp32 else (a @ b)).to(a.dtype).contiguous()
@@ -52,7 +54,7 @@ def gemm_reduce_scatter_reference(a: torch.Tensor, b: torch.Tensor,
     W = dist.get_world_size(group) if dist.is_initialized() else 1
     if W > 1:
         out = c.new_empty((c.shape[0] // W, c.shape[1]))
-        dist.reduce_scatter_tensor(out, c, group=group)
+        collectives.reduce_scatter(out, c, group=group)
         c = out
     return epilogue(c, bias, residual, rms_weight, eps)
 

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ... import collectives
 from ...schedule import (Calibration, TuningCache, WaveGroups, cache_key, decide,
                          measure_comm_curve, predict_ms, search_top, time_call)
 from ...schedule.predict import invert_comm_slowdown
@@ -57,7 +58,7 @@ def collective_fn(kind: str, nbytes: int, world, dtype=torch.bfloat16):
         return (lambda: dist.all_reduce(x, group=world.group)), n * x.element_size()
     if kind == "reduce_scatter":
         y = torch.empty(n // W, device=dev, dtype=dtype)
-        return (lambda: dist.reduce_scatter_tensor(y, x, group=world.group)), \
+        return (lambda: collectives.reduce_scatter(y, x, group=world.group)), \
             n * x.element_size()
     if kind == "all_to_all":
         y = torch.empty(n, device=dev, dtype=dtype)

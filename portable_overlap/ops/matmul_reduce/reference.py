@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ... import collectives
+
 
 def _product(a, b, accumulate_fp32):
     return (a.float() @ b.float()) if accumulate_fp32 else a @ b
@@ -14,13 +16,13 @@ def _product(a, b, accumulate_fp32):
 def matmul_reduce_scatter_reference(a: torch.Tensor, b: torch.Tensor,
                                     group: Optional[dist.ProcessGroup] = None,
                                     accumulate_fp32: bool = True) -> torch.Tensor:
-    """Rank r's row block of ``sum_q a_q @ b_q`` by ``reduce_scatter_tensor``: in float32 then
+    """Rank r's row block of ``sum_q a_q @ b_q`` by a reduce-scatter: in float32 then
     cast (tests), or in the input dtype (the sequential baseline)."""
     c = _product(a, b, accumulate_fp32)
     W = dist.get_world_size(group) if dist.is_initialized() else 1
     if W > 1:
         out = c.new_empty((c.shape[0] // W, c.shape[1]))
-        dist.reduce_scatter_tensor(out, c.contiguous(), group=group)
+        collectives.reduce_scatter(out, c.contiguous(), group=group)
         c = out
     return c.to(a.dtype)
 
