@@ -137,9 +137,23 @@ class World:
         groups of one size can move bytes at very different rates (NVLink inside a host, the
         network across hosts), so the tuning decisions are keyed by it. A host collective the
         first time (every rank asks at the same point: set-up, or a call every rank plans)."""
-        if getattr(self, "_host_layout", None) is None:
-            self._host_layout = host_layout(self.all_gather_object(socket.gethostname()))
-        return self._host_layout
+        return host_layout([host for host, _ in self.placement()])
+
+    def placement(self) -> list:
+        """Every rank's (host name, device uid), in rank order: the device uid is the backend's
+        name for the physical device (``DeviceFacts.uid``, a GPU's UUID), so two ranks that
+        name one share that device. A host collective the first time (every rank asks at the
+        same point: set-up, or a call every rank plans), kept for the world's life."""
+        if getattr(self, "_placement", None) is None:
+            uid = self.facts.uid or f"{self.device}"  # unknown: the device as this rank names it
+            self._placement = self.all_gather_object((socket.gethostname(), uid))
+        return self._placement
+
+    def shares_devices(self) -> bool:
+        """Whether two ranks of this world run on one device (two processes on one GPU: a test
+        set-up, or MPS). Transports that take one device per rank (torch's symmetric memory,
+        NVSHMEM) cannot run there. A host collective the first time (``placement``)."""
+        return len(set(self.placement())) < self.world_size
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj``. Where a peer sent a :class:`SetupRefusal` in place of its value

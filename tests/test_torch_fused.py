@@ -30,9 +30,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 PATTERN_CONTEXTS = (po.AllGatherMatmul, po.MatmulReduceScatter, po.GemvAllReduce)
 
 
-def _stub_world(backend: str, world_size: int, local_world_size: int):
+def _stub_world(backend: str, world_size: int, local_world_size: int, shared: bool = False):
     return types.SimpleNamespace(backend=types.SimpleNamespace(name=backend),
-                                 world_size=world_size, local_world_size=local_world_size)
+                                 world_size=world_size, local_world_size=local_world_size,
+                                 shares_devices=lambda: shared)
 
 
 # -- where it runs (one process) ------------------------------------------------------------------
@@ -51,6 +52,10 @@ def test_where_it_may_run():
     assert torch_fused.unavailable_reason(_stub_world("gpu", 8, 8)) is None
     why = torch_fused.unavailable_reason(_stub_world("gpu", 16, 8))
     assert why and "more than one host" in why and "16 ranks in the job, 8 on this one" in why
+    # two ranks on one GPU: torch's allocator refuses overlapping devices at its rendezvous
+    why = torch_fused.unavailable_reason(_stub_world("gpu", 2, 2, shared=True))
+    assert why and "ranks share a GPU" in why, why
+    assert torch_fused.unavailable_reason(_stub_world("gpu", 1, 1, shared=True)) is None
     # every other transport runs wherever the backend does
     cpu = _stub_world("cpu", 2, 2)
     assert transport_unavailable(cpu, "torch_fused") == torch_fused.unavailable_reason(cpu)

@@ -83,6 +83,26 @@ def _stream_barrier_waits(world):
     return time.monotonic() - t0
 
 
+def _placement(world):
+    before = world.collectives
+    first = world.placement(), world.shares_devices(), world.host_layout()
+    between = world.collectives
+    again = world.placement(), world.shares_devices(), world.host_layout()
+    return first, again, between - before, world.collectives - between
+
+
+def test_placement_names_each_ranks_host_and_device_once(world2):
+    """Every rank's (host, device uid), gathered in one host collective and kept: emulated ranks
+    are one host and a device each (a process of its own)."""
+    for first, again, asked, asked_again in world2.run(_placement):
+        placement, shared, hosts = first
+        assert len(placement) == 2 and placement[0][0] == placement[1][0], placement
+        assert placement[0][1] != placement[1][1], placement
+        assert placement[0][1].startswith("cpu-process-"), placement
+        assert not shared and hosts == (2,)
+        assert again == first and asked <= 1 and asked_again == 0
+
+
 def test_the_stream_barrier_on_cpu_ranks_holds_the_early_rank(world2):
     """On the CPU the stream barrier is the host barrier (a CPU has no stream to queue on): the
     rank that arrives first waits for the late one."""

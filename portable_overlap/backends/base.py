@@ -71,6 +71,10 @@ class DeviceFacts:
     # kernel (ROCm's default blit-kernel wait and its capturable gate kernel). A persistent
     # grid that must stay resident beside such a wait leaves this many programs free.
     gate_programs: int = 0
+    # the physical device, the same string in every process of the host that uses it (the
+    # GPU's UUID; an emulated rank is its own device): ranks that name one share a GPU, which
+    # their host's device indices cannot tell where each process sees its own GPU as device 0
+    uid: str = ""
 
     @property
     def shared_per_program(self) -> int:

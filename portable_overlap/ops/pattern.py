@@ -178,7 +178,9 @@ class PatternContext:
     def unavailable(cls, world) -> dict:
         """``{transport: why it cannot run on world}`` for the transports of ``TRANSPORTS`` that
         cannot (``transport_unavailable``); the others are the ones ``"auto"`` chooses from by
-        default."""
+        default. On a GPU world the first question meets every rank in a host collective
+        (where the ranks run, ``World.placement``): ask on every rank, or after a context was
+        made."""
         why = {t: transport_unavailable(world, t, cls.OP) for t in cls.TRANSPORTS}
         return {t: w for t, w in why.items() if w is not None}
 

@@ -67,7 +67,8 @@ _VECTOR_BYTES = 16
 def unavailable_reason(world, op: Optional[str] = None) -> Optional[str]:
     """Why torch's ops for ``op`` (a key of ``TORCH_OPS``; None: every op's) cannot run on
     ``world``, or None where they can. The same on every rank (it reads the backend, the
-    world's sizes and torch's build), so ranks agree on it."""
+    world's sizes, where its ranks run and torch's build), so ranks agree on it. The first
+    question of a world meets its ranks in a host collective (``World.placement``)."""
     if world.backend.name == "cpu":
         return ("the CPU-emulated backend: torch registers its symm_mem fused ops for GPU "
                 "tensors only")
@@ -91,6 +92,11 @@ def unavailable_reason(world, op: Optional[str] = None) -> Optional[str]:
                 + (f"; this world is {world.world_size} of them" if job != world.world_size
                    else "")
                 + "): torch's symmetric-memory workspace joins the GPUs of one host")
+    if world.world_size > 1 and world.shares_devices():
+        # seen on one H100 with two ranks: torch's allocator raises "rendezvous: detected
+        # allocations from overlapping devices from different ranks"
+        return ("ranks share a GPU: torch's symmetric-memory workspace takes one GPU per "
+                "rank")
     if torch_shmem_backend_bound(getattr(world, "device", None)):
         # seen on 4 H200s: the workspace allocation raised "NVSHMEMSymmetricMemoryAllocator::
         # alloc must not be called with a group_name" after a transport='shmem' context

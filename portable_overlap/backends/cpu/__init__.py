@@ -99,6 +99,7 @@ class CpuBackend(Backend):
         return DeviceFacts(
             vendor="cpu", name="cpu-emulated", arch="cpu", sm_count=slots, warp_size=32,
             max_shared_bytes_per_sm=1 << 30, max_regs_per_sm=1 << 30, max_warps_per_sm=1 << 10,
+            uid=f"cpu-process-{os.getpid()}",  # each emulated rank stands for a GPU of its own
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:

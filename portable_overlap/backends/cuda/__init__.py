@@ -135,6 +135,7 @@ class CudaBackend(Backend):
             max_regs_per_sm=int(regs), max_warps_per_sm=int(threads) // 32,
             tensor_descriptors=int(major) >= 9, register_cap=True,
             max_shared_bytes_per_program=int(smem_block),
+            uid=str(torch.cuda.get_device_properties(device).uuid),
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:

@@ -176,6 +176,16 @@ def check(result, call: str = "HIP call"):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+def _device_uid(props) -> str:
+    """The GPU's identity from torch's device properties: its UUID, else its PCI address (a
+    torch without ``uuid`` on ROCm), else "" (unknown)."""
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None and str(uuid).strip("0-"):
+        return str(uuid)
+    pci = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    return "pci-{}:{}:{}".format(*pci) if None not in pci else ""
+
+
 def error_name(err) -> str:
     """``hipErrorInvalidValue (1)`` for a hipError_t. hip-python's ``hipGetErrorName`` answers
     a ``(hipError_t, name)`` tuple, the name a ``CStr`` (``str()`` decodes it; older releases:
@@ -317,6 +327,7 @@ class RocmBackend(Backend):
             # the default blit-kernel wait and the kernel gate (under capture) spin on a CU;
             # only command-processor waits outside capture take none, and a plan serves both
             gate_programs=1,
+            uid=_device_uid(props),
         )
 
     def alloc_exportable(self, nbytes: int, device: torch.device) -> Allocation:
