@@ -174,7 +174,8 @@ def _torch_fused_hosts(world):
     for local in (4, 2):
         gpu = SimpleNamespace(backend=SimpleNamespace(name="cuda"), rank=sw.rank,
                               world_size=sw.world_size, local_rank=world.rank % local,
-                              local_world_size=local, group=sw.group, device=sw.device)
+                              local_world_size=local, group=sw.group, device=sw.device,
+                              shares_devices=lambda: False)
         why.append(unavailable_reason(gpu, "all_gather_matmul"))
     return why
 
