@@ -18,8 +18,8 @@ transport needs no torch workspace: it allocates one symmetric buffer of its own
 (``TorchFusedGemv``).
 
 Where they run (:func:`unavailable_reason`, the one place that decides it): GPU worlds (torch
-registers no CPU kernel for them), of one host, with a torch that has the op's torch ops
-(``TORCH_OPS``), in a process
+registers no CPU kernel for them), of one host and one GPU per rank, with a torch that has
+the op's torch ops (``TORCH_OPS``), in a process
 whose torch symmetric memory has not been bound to NVSHMEM (by a ``transport="shmem"``
 context); a world of one rank too. Elsewhere making this transport raises
 :class:`~portable_overlap.errors.BackendUnavailable`, and ``transport="auto"`` leaves it out.
