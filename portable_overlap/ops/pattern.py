@@ -121,19 +121,20 @@ class PatternContext:
     def __init__(self, world, transport: Optional[str], timeout_s: Optional[float], options):
         if transport is None:
             transport = self.default_transport(world, options)
-        if transport == AUTO and "candidates" not in options \
-                and self.AUTO_CANDIDATES is not None:
-            unavailable = self.unavailable(world)
-            options = {**options, "candidates": tuple(t for t in self.AUTO_CANDIDATES
-                                                      if t not in unavailable)}
         if transport != AUTO and transport not in self.TRANSPORTS:
             raise ValueError(f"{self.OP}: transport must be one of {self.TRANSPORTS} or "
                              f"{AUTO!r}, got {transport!r}")
         if timeout_s is not None:
             check_timeout(self.OP, timeout_s)
+        # the ranks' first host collective: the availability below may meet them in another
+        # (where the ranks run, World.placement), which must not pair with this one
         world.check_same(f"{self.OP} transport", transport)
         self.world, self.rank, self.transport = world, world.rank, transport
         unavailable = self.unavailable(world)
+        if transport == AUTO and "candidates" not in options \
+                and self.AUTO_CANDIDATES is not None:
+            options = {**options, "candidates": tuple(t for t in self.AUTO_CANDIDATES
+                                                      if t not in unavailable)}
         if transport in unavailable:
             raise BackendUnavailable(f"{self.OP}: transport {transport!r} cannot run here: "
                                      f"{unavailable[transport]}")
