@@ -1205,7 +1205,7 @@ def check_sweep(world: World, gen, steps: int = 80, max_dim: int = 320) -> None:
     seed = int(os.environ.get("PO_SWEEP_SEED", "0") or 0) or 1
     steps = int(os.environ.get("PO_SWEEP_STEPS", "0") or 0) or steps
     # NVSHMEM takes one GPU per rank: where ranks share one, its transports are left out
-    leave_out = ("shmem",) if len(set(rank_gpus(world))) < world.world_size else ()
+    leave_out = ("shmem",) if world.shares_devices() else ()
     report = run_sweep(world, seed, steps, max_dim=max_dim, leave_out=leave_out)
     everyone = world.all_gather_object(report["failures"])
     failures = [f for fs in everyone for f in fs]
@@ -2055,7 +2055,7 @@ def main() -> int:
     # tests/test_rocshmem_provider.py covers).
     # NVSHMEM (and rocSHMEM) take one GPU per rank: where ranks share one, those checks are
     # left out, and so is torch's symmetric memory (the "auto" beside the shmem combine)
-    shared_gpus = len(set(rank_gpus(world))) < world.world_size
+    shared_gpus = world.shares_devices()
     if shared_gpus:
         print("ranks share GPUs: the SHMEM transports' checks are left out", flush=True)
     if (not only or "moe_combine" in only) and not shared_gpus:
