@@ -395,6 +395,7 @@ def _failing(world, only_rank0):
                 found["all fail"] = None
             except RuntimeError as e:
                 found["all fail"] = str(e)
+                found["all fail kind"] = type(e).__name__
             broken.clear()
             named = po.MatmulAllReduce(world, M, N, transport="sequential")
             for label, c in (("auto", ctx), ("named", named)):
@@ -423,6 +424,8 @@ def test_a_candidate_that_raises_is_dropped(world2, only_rank0):
         assert found["auto"] and found["auto"] == found["named"], found
         assert found["all fail"].startswith("matmul_all_reduce: no candidate transport could "
                                             "run this call"), found["all fail"]
+        # the library's own error class, which a caller catching its errors catches
+        assert found["all fail kind"] == "PortableOverlapError", found
         assert all(f"{t}: rank 0: RuntimeError: injected" in found["all fail"] for t in left)
 
 

@@ -36,9 +36,12 @@ What the first call of a key does (collective; the same on every rank):
    is left out on every rank (the ranks exchange their errors after each step) and a
    ``RuntimeWarning`` names it and its error; one whose workspace the failure left out of step
    with its peers (broken, e.g. by a peer timeout) is left out of every later decision too, and
-   freed at ``close()``. When no candidate runs, the call raises: this rank's error if every
-   candidate refused its input (``ValueError`` / ``TypeError``: the error the named transports
-   give), else a ``RuntimeError`` naming each candidate's error.
+   freed at ``close()``. When no candidate runs, the call raises on every rank: a rank whose
+   every candidate refused its input raises that error (``ValueError`` / ``TypeError``: the
+   error the named transports give; :class:`~portable_overlap.errors.InvalidInputError` for
+   data a kernel found invalid), the others a
+   :class:`~portable_overlap.errors.PortableOverlapError` naming each candidate's error on
+   every rank.
 4. **The picks**: per timing mode, the fastest candidate, except that ``"sequential"`` is kept
    when it is within :data:`TIE` of it. A call made under CUDA-graph capture runs the pick of
    the replays, any other call the pick of the plain calls (with one timing mode, both are
@@ -124,7 +127,7 @@ import torch
 
 from ..envvars import env_file_path, is_folder_path
 from ..errors import (BackendUnavailable, ContextBrokenError, ContextClosedError,
-                      PeerTimeoutError, RankMismatchError)
+                      PeerTimeoutError, PortableOverlapError, RankMismatchError)
 from ..schedule import tuning
 from .call_board import CallBoard
 from .context import concurrent_use, refuse_call, stream_capturing
@@ -569,8 +572,9 @@ class TransportPlanner:
         """The candidates that take the call's per-call options; raises where none can run it."""
         ctx, op = self.ctx, self.ctx.OP
         if not self.candidates:
-            raise RuntimeError(f"{op}: every candidate transport of this context failed out of "
-                               f"step with its peers; close it and create a new one")
+            raise ContextBrokenError(f"{op}: every candidate transport of this context failed "
+                                     f"out of step with its peers; close it and create a new "
+                                     f"one")
         cands = tuple(t for t in self.candidates if self._takes(t, given))
         if not cands:
             takes = "; ".join(f"{t}: {', '.join(sorted(ctx.CALL_OPTIONS.get(t, {}))) or 'none'}"
@@ -877,9 +881,11 @@ class TransportPlanner:
             errs = [mine[t] for t in cands if t in mine]
             if errs and all(isinstance(e, (ValueError, TypeError)) for e in errs):
                 raise errs[0]  # this rank's input was refused: a named transport's error
-            raise RuntimeError(f"{op}: no candidate transport could run this call "
-                               f"({_text(call)}): " + "; ".join(f"{t}: {failed[t]}" for t in failed)
-                               ) from (errs[0] if errs else None)
+            # (a PortableOverlapError: on a rank whose own runs passed, what failed was a peer's,
+            # e.g. the routing data a peer's kernel found invalid)
+            raise PortableOverlapError(
+                f"{op}: no candidate transport could run this call ({_text(call)}): "
+                + "; ".join(f"{t}: {failed[t]}" for t in failed)) from (errs[0] if errs else None)
         for t, why in failed.items():
             later = (" and from every later one (its workspace is out of step with its peers)"
                      if t in broken else "")

@@ -1,21 +1,30 @@
-"""A seeded fault campaign: valid calls of every fused op mixed with faults, on every rank of a
-world, checking what the library promises when things go wrong.
+"""A seeded fault campaign: valid calls of every public op through every transport that runs
+here, mixed with faults, on every rank of a world, checking what the library promises when
+things go wrong.
 
 Every rank draws the same sequence from the seed (no communication is needed to agree on it):
-an op, and with probability ``fault_rate`` one fault on one rank. What each fault may cause:
+an op of ``po.OPS``, one of its transports (``"auto"`` among them), a valid call from the op's
+entry in ``op_cases.py`` (the shape sweep's table: drawn dims, dtypes, layouts, optional
+operands), and with probability ``fault_rate`` one fault on one rank. What each fault may cause:
 
 ====================  =========================================================================
 fault                 what the faulty rank does; what every rank must see
 ====================  =========================================================================
-``bad_input``         passes an operand of another dtype: it raises ValueError/TypeError, every
-                      other rank raises PortableOverlapError for that call; the next call works
-``bad_out``           passes an ``out`` of the wrong shape: the same
+``bad_input``         passes its first floating operand in another dtype: it raises
+                      ValueError/TypeError (or hears that its call differs from its peers'),
+                      every other rank raises PortableOverlapError for that call; the next
+                      call works
+``bad_out``           passes an ``out`` with a row too many: the same
 ``skip``              never makes the call (it then waits ``timeout_s``): the peers raise
-                      PeerTimeoutError within 2x ``timeout_s``; the contexts are remade
-``other_shape``       calls with another N: every rank raises (mismatch, or a timeout); remade
-``bad_routing``       (MoE) a duplicated routing slot: the slot's owner raises InvalidInputError
-``bad_index``         (embedding, ``validate=False``) an index past its table: that rank raises
-                      InvalidInputError
+                      PeerTimeoutError (or RankMismatchError where the call agrees first)
+                      within 2x ``timeout_s``; the contexts are remade
+``other_shape``       calls with a size its peers' calls must share changed (N, the gathered
+                      shards' rows, the embedding's batch split): every rank raises; remade
+``bad_routing``       (MoE) an expert id no rank holds, or a duplicated routing slot: the rank
+                      that finds it raises InvalidInputError (or refuses the call), a rank whose
+                      result did not depend on the bad data returns it (checked), the others
+                      hear that a peer gave up
+``bad_index``         (embedding, ``validate=False``) an index past its table: the same
 ``threads``           a second thread holds the context: that rank's extra call raises
                       ConcurrentUseError and counts for nothing; then every rank calls normally
 ``raise_after``       the caller's own code raises right after the call: results stay right
@@ -24,10 +33,12 @@ fault                 what the faulty rank does; what every rank must see
 
 Checked on every rank and call: no call returns a result that differs from the torch reference
 (outputs are poisoned with NaN first), no error arrives later than twice the timeout (beyond
-the time the call's own work takes, measured on its last valid call), and the library's
-segments and file descriptors are all gone once the contexts are closed. Kills (a rank that
-dies mid-call or during set-up) end a world, so they are separate tests (tests/test_lifecycle.py,
-tests/test_fault_campaign.py).
+the time the call's own work takes, measured on the valid calls of the same op and transport),
+and the library's segments and file descriptors are all gone once the contexts are closed.
+Kills (a rank that dies mid-call or during set-up) end a world, so they are separate tests
+(tests/test_lifecycle.py, tests/test_fault_campaign.py). A problem names its seed, step, op,
+transport, fault and case, and ``run_campaign(world, seed, step + 1)`` with the same bounds
+replays it.
 """
 from __future__ import annotations
 
@@ -36,215 +47,33 @@ import gc
 import os
 import random
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from ..errors import PortableOverlapError
+import portable_overlap as po
+from ..errors import BackendUnavailable, PortableOverlapError
+from ..shmem.providers import ShmemUnavailable
+from .op_cases import DTYPES, all_cases, step_generator
 
-#: faults that leave the ranks out of step (a timeout somewhere): the op's contexts are remade
+#: faults that leave the ranks out of step (a timeout somewhere): the op's context is remade
 _REMAKE = ("skip", "other_shape", "closed")
 #: faults that only mean something with a peer to disagree with (left out on one rank)
 _NEED_PEERS = ("other_shape",)
-#: the faults every op is put through; each adds its own (another shape, routing, indices)
+#: the faults every op is put through; each entry adds its own (``Case.faults``)
 _COMMON = ("bad_input", "bad_out", "skip", "threads", "raise_after", "closed")
+#: what a rank whose peer gave up on a call may raise: the peer's refusal heard on the device
+#: (PeerTimeoutError "gave up"), in the agreement that calls of ``"auto"`` and the unbounded
+#: transports make first (RankMismatchError), or at ``"auto"``'s first call of a shape, where
+#: every candidate failed on the peer (PortableOverlapError naming each one's error)
+_PEER_FAILED = {"PeerTimeoutError", "RankMismatchError", "PortableOverlapError"}
+#: the faults that keep the ranks in step: the only ones drawn for a transport whose calls
+#: wait without a deadline and agree with no peer first (``_unbounded``)
+_IN_STEP = ("threads", "raise_after", "closed")
+#: draws of a valid call per step before the step is left out (on every rank alike)
+_DRAWS = 10
 
 
-@dataclasses.dataclass
-class Op:
-    """One fused op under test: ``make(world, timeout_s)`` a context; ``inputs(world, ctx,
-    gen, variant)`` this rank's operands (a dict; variant "other_shape" changes a size the
-    ranks must agree on);
-    ``call(ctx, inp, out)``; ``reference(world, ctx, inp)`` the expected output (a collective:
-    every rank calls it); ``out_shape(ctx, inp)``; ``faults`` those that apply; ``corrupt``
-    (fault, inp) -> inp for the op-specific faults."""
-    name: str
-    make: Callable
-    inputs: Callable
-    call: Callable
-    reference: Callable
-    out_shape: Callable
-    faults: tuple
-    corrupt: Optional[Callable] = None
-    tol: float = 1e-4
-
-
-def _on(world, **tensors) -> dict:
-    """The operands on the rank's device (drawn on the CPU, so every backend sees the same)."""
-    return {k: v.to(world.device) for k, v in tensors.items()}
-
-
-def _gen(seed: int, step: int, rank: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 100003 + step) * 64 + rank)
-
-
-def _small_tiles():
-    """16x16x16 tiles, one warp: the interpreter's programs stay short."""
-    from ..ops.matmul import MatmulConfig
-
-    return MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1,
-                        num_stages=1)
-
-
-# -- the ops --------------------------------------------------------------------------------
-def _gemv() -> Op:
-    from ..ops.gemv_allreduce import GemvAllReduce, gemv_all_reduce_reference
-
-    def inputs(world, ctx, g, variant):
-        n = 24 if variant == "other_shape" else 40
-        return _on(world, x=torch.randn(2, 12, generator=g), w=torch.randn(n, 12, generator=g))
-
-    return Op("gemv_all_reduce",
-              make=lambda world, t: GemvAllReduce(world, max_n=40, transport="stores",
-                                                  timeout_s=t),
-              inputs=inputs,
-              call=lambda ctx, i, out: ctx(i["x"], i["w"], out=out),
-              reference=lambda world, ctx, i: gemv_all_reduce_reference(i["x"], i["w"],
-                                                                         world.group),
-              out_shape=lambda ctx, i: (i["x"].shape[0], i["w"].shape[0]),
-              faults=_COMMON + ("other_shape",))
-
-
-def _moe() -> Op:
-    from ..ops.moe_combine import MoeGemmCombine, moe_gemm_combine_reference
-    from ..ops.moe_dispatch import moe_dispatch_reference
-
-    S, H, I, E, k = 6, 16, 8, 2, 2
-
-    def inputs(world, ctx, g, variant):
-        t = _on(world, tokens=torch.randn(S, I, generator=g),
-                ids=torch.rand(S, E * world.world_size, generator=g).topk(k, dim=1).indices,
-                topk=torch.softmax(torch.randn(S, k, generator=g), dim=1),
-                w=torch.randn(E, I, H, generator=g) / I ** 0.5)
-        x, counts, slots = moe_dispatch_reference(t["tokens"], t["ids"], E, world.group)
-        return {"x": x, "w": t["w"], "counts": counts, "slots": slots, "topk": t["topk"]}
-
-    def corrupt(fault, i):
-        slots = i["slots"].clone()
-        if slots.numel() >= 2:  # two rows to one slot: some slot of the owner gets no row
-            slots[1] = slots[0]
-        return dict(i, slots=slots)
-
-    return Op("moe_gemm_combine",
-              make=lambda world, t: MoeGemmCombine(world, max_tokens=S, top_k=k, hidden=H,
-                                                   experts_per_rank=E, timeout_s=t,
-                                                   transport="stores",
-                                                   config=_small_tiles()),
-              inputs=inputs,
-              call=lambda ctx, i, out: ctx(i["x"], i["w"], i["counts"], i["slots"], i["topk"],
-                                           out=out),
-              reference=lambda world, ctx, i: moe_gemm_combine_reference(
-                  i["x"], i["w"], i["counts"], i["slots"], i["topk"], world.group),
-              out_shape=lambda ctx, i: (i["topk"].shape[0], H),
-              faults=_COMMON + ("bad_routing",),
-              corrupt=corrupt)
-
-
-def _embedding() -> Op:
-    from ..ops.embedding_alltoall import EmbeddingAllToAll, embedding_all_to_all_reference
-
-    rows = [7, 5, 9, 4]
-
-    def make(world, t):
-        ctx = EmbeddingAllToAll(world, rows, 8, max_local_batch=4, block_b=2, timeout_s=t,
-                                transport="stores")
-        ctx.validate = False  # the device check is what is under test
-        return ctx
-
-    def inputs(world, ctx, g, variant):
-        B = 3 * world.world_size
-        weight = torch.randn(ctx.weight_rows, ctx.dim, generator=g)
-        lengths = torch.randint(0, 3, (ctx.n_loc * B,), generator=g)
-        idx = [torch.randint(0, ctx.plan.table_rows[t], (int(lengths[j * B:(j + 1) * B].sum()),),
-                             generator=g) for j, t in enumerate(ctx.local_tables)]
-        indices = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
-        return _on(world, weight=weight, lengths=lengths, indices=indices)
-
-    def corrupt(fault, i):
-        indices = i["indices"].clone()
-        if indices.numel():
-            indices[-1] = 1 << 20  # past every table
-        return dict(i, indices=indices)
-
-    return Op("embedding_all_to_all",
-              make=make,
-              inputs=inputs,
-              call=lambda ctx, i, out: ctx(i["weight"], i["lengths"], i["indices"], out=out),
-              reference=lambda world, ctx, i: embedding_all_to_all_reference(
-                  i["weight"], i["lengths"], i["indices"], None, ctx.plan, world.rank,
-                  ctx.resolve_splits(i["lengths"], None), "sum", world.group),
-              out_shape=lambda ctx, i: ctx.output_shape(ctx.resolve_splits(i["lengths"], None)),
-              faults=_COMMON + ("bad_index",),
-              corrupt=corrupt)
-
-
-def _gemm_all_to_all(transport: str) -> Op:
-    from ..ops.gemm_alltoall import MatmulAllToAll, matmul_all_to_all, matmul_all_to_all_reference
-
-
-    def inputs(world, ctx, g, variant):
-        M = 4 * world.world_size
-        n = 8 if variant == "other_shape" else 12
-        return _on(world, a=torch.randn(M, 8, generator=g), b=torch.randn(8, n, generator=g))
-
-    options = {"config": _small_tiles()} if transport == "stores" else {}
-    return Op(f"matmul_all_to_all[{transport}]",
-              make=lambda world, t: MatmulAllToAll(world, 4 * world.world_size, 12,
-                                                   transport=transport, timeout_s=t, **options),
-              inputs=inputs,
-              call=lambda ctx, i, out: matmul_all_to_all(i["a"], i["b"], ctx, out),
-              reference=lambda world, ctx, i: matmul_all_to_all_reference(i["a"], i["b"],
-                                                                           world.group),
-              out_shape=lambda ctx, i: (i["a"].shape[0], i["b"].shape[1]),
-              faults=_COMMON + ("other_shape",))
-
-
-def _matmul_reduce() -> Op:
-    from ..ops.matmul_reduce import (MatmulReduceScatter, matmul_reduce_scatter,
-                                     matmul_reduce_scatter_reference)
-
-    def inputs(world, ctx, g, variant):
-        M = 2 * world.world_size
-        n = 6 if variant == "other_shape" else 10
-        return _on(world, a=torch.randn(M, 8, generator=g), b=torch.randn(8, n, generator=g))
-
-    return Op("matmul_reduce_scatter",
-              make=lambda world, t: MatmulReduceScatter(world, 2 * world.world_size, 10,
-                                                        transport="copy_engine", timeout_s=t),
-              inputs=inputs,
-              call=lambda ctx, i, out: matmul_reduce_scatter(i["a"], i["b"], ctx, out),
-              reference=lambda world, ctx, i: matmul_reduce_scatter_reference(i["a"], i["b"],
-                                                                              world.group),
-              out_shape=lambda ctx, i: (i["a"].shape[0] // ctx.world.world_size,
-                                        i["b"].shape[1]),
-              faults=_COMMON + ("other_shape",))
-
-
-def _all_gather_matmul() -> Op:
-    from ..ops.allgather_gemm import AllGatherMatmul, all_gather_matmul_reference
-
-    def inputs(world, ctx, g, variant):  # (ranks may differ in N: other shards' rows differ)
-        m = 2 if variant == "other_shape" else 3
-        return _on(world, a=torch.randn(m, 8, generator=g), b=torch.randn(8, 10, generator=g))
-
-    return Op("all_gather_matmul",
-              make=lambda world, t: AllGatherMatmul(world, max_shard_elems=24,
-                                                    transport="copy_engine", timeout_s=t),
-              inputs=inputs,
-              call=lambda ctx, i, out: ctx(i["a"], i["b"], out=out),
-              reference=lambda world, ctx, i: all_gather_matmul_reference(i["a"], i["b"],
-                                                                          world.group),
-              out_shape=lambda ctx, i: (i["a"].shape[0] * ctx.world.world_size,
-                                        i["b"].shape[1]),
-              faults=_COMMON + ("other_shape",))
-
-
-def all_ops() -> list:
-    return [_gemv(), _moe(), _embedding(), _gemm_all_to_all("stores"),
-            _gemm_all_to_all("copy_engine"), _matmul_reduce(), _all_gather_matmul()]
-
-
-# -- the campaign ---------------------------------------------------------------------------
 @dataclasses.dataclass
 class Tally:
     calls: int = 0
@@ -253,6 +82,8 @@ class Tally:
     late: list = dataclasses.field(default_factory=list)  # errors after 2x the timeout
     unexpected: list = dataclasses.field(default_factory=list)  # outcomes the table forbids
     by_fault: dict = dataclasses.field(default_factory=dict)
+    by_transport: dict = dataclasses.field(default_factory=dict)  # "op[transport]" -> calls
+    unavailable: dict = dataclasses.field(default_factory=dict)  # op -> {transport: why}
     outcomes: list = dataclasses.field(default_factory=list)  # (step, fault, bad_rank, kind)
 
 
@@ -264,27 +95,43 @@ def _allowed(fault: Optional[str], mine: bool) -> set:
     if fault == "closed":
         return {"ContextClosedError"}
     if fault in ("bad_input", "bad_out"):
-        return {"refused"} if mine else {"PeerTimeoutError"}
+        return {"refused"} | _PEER_FAILED if mine else _PEER_FAILED
     if fault == "skip":
-        return {"skipped"} if mine else {"PeerTimeoutError"}
+        return {"skipped"} if mine else _PEER_FAILED
     if fault == "other_shape":
-        return {"RankMismatchError", "PeerTimeoutError"}
+        return _PEER_FAILED | ({"refused"} if mine else set())
     # bad_routing / bad_index: the rank that finds it raises; a rank whose result did not
     # depend on the bad data returns it (checked), the others hear that a peer gave up
-    return {"InvalidInputError", "PeerTimeoutError", "returned"}
+    return {"InvalidInputError", "returned"} | _PEER_FAILED | ({"refused"} if mine else set())
 
 
-def _bad_operand(inp: dict) -> dict:
+def _bad_operand(t: dict) -> dict:
     """The first floating operand in another dtype (refused before any launch)."""
-    for k, v in inp.items():
+    for k, v in t.items():
         if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return dict(inp, **{k: v.to(torch.float16)})
+            other = torch.float32 if v.dtype != torch.float32 else torch.float16
+            return dict(t, **{k: v.to(other)})
     raise AssertionError("no floating operand")
 
 
-def _checked(ctx, result):
-    ctx.synchronize()
-    return result
+def _call_guard(ctx):
+    """The lock a second thread's call of ``ctx`` would hold: the planner's where the context
+    has one (``"auto"``, the named transports whose calls agree first), else its transport's."""
+    planner = getattr(ctx, "planner", None)
+    if planner is not None:
+        return planner._lock
+    impl = getattr(ctx, "impl", None)
+    return (impl if impl is not None else ctx)._guard
+
+
+def _unbounded(ctx, transport: str) -> bool:
+    """Whether a named ``transport``'s calls wait in the collective library or torch's barriers
+    with no agreement first: named ``"torch_fused"``, and ``"sequential"`` outside the GEMM
+    patterns. A rank that refuses or skips such a call leaves its peers waiting there, as a
+    rank that skips an NCCL call does (``docs/reliability.md``, "What is not caught")."""
+    from ..ops.planner import UNBOUNDED
+
+    return transport in UNBOUNDED and transport not in getattr(ctx, "AGREED_TRANSPORTS", ())
 
 
 def _outcome(fn) -> tuple:
@@ -295,94 +142,198 @@ def _outcome(fn) -> tuple:
         return type(e).__name__, e, time.monotonic() - t0
     except (ValueError, TypeError) as e:
         return "refused", e, time.monotonic() - t0
+    except Exception as e:  # reported as an outcome the table forbids, the world goes on
+        return type(e).__name__, e, time.monotonic() - t0
+
+
+def _transports(name: str) -> tuple:
+    return tuple(po.SPECS[name].transports) + ("auto",)
 
 
 def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
-                 timeout_s: float = 1.0, ops: Optional[list] = None,
+                 timeout_s: float = 1.0, ops: Optional[list] = None, max_dim: int = 12,
+                 leave_out: tuple = (), agreement_s: Optional[float] = None,
                  verbose: bool = False) -> dict:
     """Collective: ``steps`` steps on every rank of ``world`` (see the module docstring).
+    ``ops``: names of ``po.OPS`` to draw from (default all); ``max_dim``: the largest dim
+    drawn; ``leave_out``: transports never drawn (``"shmem"`` where ranks share a GPU);
+    ``agreement_s``: the least time a call's agreement waits for its peers during the run
+    (``planner.EXCHANGE_MIN_S``, 60 s, which leaves time for peers that still compile a new
+    shape's kernels; the interpreter compiles none, so the CPU tests set the timeout here).
     Returns this rank's tally as a dict."""
+    from ..ops import planner
+
+    floor = planner.EXCHANGE_MIN_S
+    if agreement_s is not None:
+        planner.EXCHANGE_MIN_S = agreement_s
+    try:
+        return _run(world, seed, steps, fault_rate, timeout_s, ops, max_dim, leave_out,
+                    verbose)
+    finally:
+        planner.EXCHANGE_MIN_S = floor
+
+
+def _run(world, seed, steps, fault_rate, timeout_s, ops, max_dim, leave_out, verbose) -> dict:
+    from ..ops import planner
+
     rng = random.Random(seed)
-    ops = ops or all_ops()
-    ctxs = {op.name: op.make(world, timeout_s) for op in ops}
-    work = {op.name: 0.0 for op in ops}  # this rank's time of the op's last valid call
+    cases = all_cases()
+    names = list(ops) if ops else list(cases)
+    unknown = sorted(set(names) - set(cases))
+    if unknown:
+        raise ValueError(f"run_campaign: no op named {unknown}; the ops are {sorted(cases)}")
+    ctxs: dict = {}  # (op, transport) -> (context, its sizes)
+    work: dict = {}  # (op, transport) and op -> this rank's longest valid call
     tally = Tally()
     rank, W = world.rank, world.world_size
-    for step in range(steps):
-        op = rng.choice(ops)
-        # ranks that disagree need two: on one rank another shape is just a valid call
-        faults = [f for f in op.faults if W > 1 or f not in _NEED_PEERS]
-        fault = rng.choice(faults) if rng.random() < fault_rate else None
-        bad_rank = rng.randrange(W)
-        ctx = ctxs[op.name]
-        g = _gen(seed, step, rank)
-        variant = "other_shape" if fault == "other_shape" and rank == bad_rank else None
-        inp = op.inputs(world, ctx, g, None)
-        ref = op.reference(world, ctx, inp)  # every rank, valid operands: a collective in step
-        call_inp = op.inputs(world, ctx, _gen(seed, step, rank), variant) if variant else inp
-        mine = fault is not None and (rank == bad_rank or fault == "closed")
-        if mine and fault == "bad_input":
-            call_inp = _bad_operand(call_inp)
-        elif mine and fault in ("bad_routing", "bad_index"):
-            call_inp = op.corrupt(fault, call_inp)
-        shape = op.out_shape(ctx, call_inp)
-        if mine and fault == "bad_out":
-            shape = (shape[0] + 1,) + tuple(shape[1:])
-        out = torch.full(shape, float("nan"), dtype=ref.dtype, device=ref.device)
-        if mine and fault == "closed":
-            ctx.close()
-        tally.calls += 1
-        tally.faulted += fault is not None
-        tally.by_fault[fault or "none"] = tally.by_fault.get(fault or "none", 0) + 1
-        where = f"seed {seed} step {step} {op.name} fault={fault} bad_rank={bad_rank} rank {rank}"
-        if verbose:
-            print(where, flush=True)
 
-        extra = None
-        if mine and fault == "threads":
-            guard = getattr(ctx, "impl", ctx)._guard  # a pattern context's transport's
-            guard.acquire()  # as if another thread's call were running
-            try:
-                extra = _outcome(lambda: op.call(ctx, call_inp, out))
-            finally:
-                guard.release()
-        if mine and fault == "skip":
-            time.sleep(timeout_s)  # the peers wait for a call that never comes
-            kind, value, took = "skipped", None, 0.0
-        else:
-            # synchronized: on GPUs a kernel's findings reach the host at the next check
-            kind, value, took = _outcome(lambda: _checked(ctx, op.call(ctx, call_inp, out)))
-            if mine and fault == "raise_after" and kind == "returned":
+    def make(entry, transport, sizes):
+        ctx = entry.make(world, transport, sizes, timeout_s)
+        if hasattr(ctx, "validate"):
+            ctx.validate = False  # the embedding's device check is what bad_index is for
+        return ctx
+
+    try:
+        for step in range(steps):
+            name = rng.choice(names)
+            entry = cases[name]
+            while True:  # a transport that cannot run here is found on every rank alike
+                usable = [t for t in _transports(name)
+                          if t not in tally.unavailable.get(name, {}) and t not in leave_out]
+                transport = rng.choice(usable)
+                key = (name, transport)
+                sizes = entry.sizes(rng, W, max_dim)  # drawn at every step: draws stay in step
+                if key in ctxs:
+                    break
                 try:
-                    raise RuntimeError("the caller's own code failed after the call")
-                except RuntimeError:
-                    pass
-
-        # -- judge -------------------------------------------------------------------------
-        if kind == "returned":
-            if value.shape != ref.shape or not torch.allclose(
-                    value.float(), ref.float(), rtol=op.tol, atol=op.tol, equal_nan=False):
-                tally.wrong.append(f"{where}: returned a wrong result")
-            elif fault is None:
-                work[op.name] = max(work[op.name], took)
-        elif kind == "PeerTimeoutError" and took > 2 * timeout_s + 2 * work[op.name] + 0.5:
-            tally.late.append(f"{where}: PeerTimeoutError after {took:.2f} s "
-                              f"(timeout {timeout_s} s, work {work[op.name]:.2f} s)")
-        allowed = _allowed(fault, mine)
-        if kind not in allowed:
-            tally.unexpected.append(f"{where}: {kind} ({str(value)[:300]}), expected one of "
-                                    f"{sorted(allowed)}")
-        if fault == "threads" and mine and (extra is None or extra[0] != "ConcurrentUseError"):
-            tally.unexpected.append(f"{where}: a second thread's call gave {extra and extra[0]}")
-        tally.outcomes.append((step, fault, bad_rank, kind))
-
-        if fault in _REMAKE:
-            if not (fault == "closed"):
+                    ctxs[key] = (make(entry, transport, sizes), sizes)
+                    break
+                except (BackendUnavailable, ShmemUnavailable) as e:
+                    tally.unavailable.setdefault(name, {})[transport] = str(e)[:200]
+            ctx, sizes = ctxs[key]
+            case = None
+            for _ in range(_DRAWS):
+                c = entry.draw(rng, W, sizes, max_dim, False)
+                c.setdefault("dtype", rng.choice(DTYPES))
+                c.update(op=name, transport=transport, sizes=sizes)
+                if entry.refusal(c, W) is None:
+                    case = c
+                    break
+            faults = [f for f in _COMMON + tuple(entry.faults)
+                      if (W > 1 or f not in _NEED_PEERS)
+                      and (f != "bad_out" or entry.takes_out)
+                      and (f in _IN_STEP or not _unbounded(ctx, transport))]
+            fault = rng.choice(faults) if rng.random() < fault_rate else None
+            bad_rank = rng.randrange(W)
+            if case is None:
+                continue
+            other = entry.disagree(case) if fault == "other_shape" else None
+            if fault == "other_shape" and other is None:
+                fault = None  # no size left to change at this call: a valid one
+            mine = fault is not None and (rank == bad_rank or fault == "closed")
+            g = step_generator(seed, step, rank)
+            t = entry.operands(world, ctx, case, g)
+            ref = entry.reference(world, ctx, case, t)  # every rank: a collective in step
+            call_case, call_t = case, t
+            if mine and fault == "other_shape":
+                call_case = other
+                call_t = entry.operands(world, ctx, other, step_generator(seed, step, rank))
+            elif mine and fault == "bad_input":
+                call_t = _bad_operand(t)
+            elif mine and fault in ("bad_routing", "bad_index"):
+                call_t = entry.corrupt(fault, t)
+            out = None
+            shape = entry.out_shape(world, ctx, call_case, call_t)
+            if shape is not None:
+                if mine and fault == "bad_out":
+                    shape = (shape[0] + 1,) + tuple(shape[1:])
+                out = torch.full(shape, float("nan"), dtype=ref.dtype, device=world.device)
+            if mine and fault == "closed":
                 ctx.close()
-            ctxs[op.name] = op.make(world, timeout_s)
-    for ctx in ctxs.values():
-        ctx.close()
+            tally.calls += 1
+            tally.faulted += fault is not None
+            tally.by_fault[fault or "none"] = tally.by_fault.get(fault or "none", 0) + 1
+            op_t = f"{name}[{transport}]"
+            tally.by_transport[op_t] = tally.by_transport.get(op_t, 0) + 1
+            where = (f"seed {seed} step {step} {op_t} fault={fault} bad_rank={bad_rank} "
+                     f"rank {rank} of {W}")
+            if verbose:
+                print(where, flush=True)
+
+            def run():
+                got = entry.call(ctx, call_case, call_t, out)
+                ctx.synchronize()  # on GPUs a kernel's findings reach the host at a check
+                return got
+
+            extra = None
+            if mine and fault == "threads":
+                guard = _call_guard(ctx)
+                guard.acquire()  # as if another thread's call were running
+                try:
+                    extra = _outcome(run)
+                finally:
+                    guard.release()
+            if mine and fault == "skip":
+                time.sleep(timeout_s)  # the peers wait for a call that never comes
+                kind, value, took = "skipped", None, 0.0
+            else:
+                kind, value, took = _outcome(run)
+                if mine and fault == "raise_after" and kind == "returned":
+                    try:
+                        raise RuntimeError("the caller's own code failed after the call")
+                    except RuntimeError:
+                        pass
+
+            # -- judge -----------------------------------------------------------------------
+            if kind == "returned":
+                err, why = entry.judge(value, ref, case)
+                if why is None and out is not None and value is not out:
+                    err, why = entry.judge(out, ref, case)
+                    why = why and f"out= holds another result: {why}"
+                if why is not None:
+                    tally.wrong.append(f"{where}: returned a wrong result: {why} | case "
+                                       f"{_words(case)}")
+                elif fault is None:
+                    for k in (key, name):
+                        work[k] = max(work.get(k, 0.0), took)
+            elif kind == "PeerTimeoutError":
+                # a call's agreement waits at least planner.EXCHANGE_MIN_S
+                wait_s = (max(planner.EXCHANGE_MIN_S, timeout_s) if "agreement" in str(value)
+                          else timeout_s)
+                # the call's own work, as the longest valid call of its op (shapes are drawn
+                # at every step), and a second for the interpreter's start-up of a new shape
+                busy = max(work.get(key, 0.0), work.get(name, 0.0))
+                if took > 2 * wait_s + 2 * busy + 1.0:
+                    tally.late.append(f"{where}: PeerTimeoutError after {took:.2f} s (wait "
+                                      f"{wait_s} s, work {busy:.2f} s): {str(value)[:300]}")
+            allowed = _allowed(fault, mine)
+            if kind not in allowed:
+                tally.unexpected.append(f"{where}: {kind} ({str(value)[:300]}), expected one "
+                                        f"of {sorted(allowed)} | case {_words(case)}")
+            if fault == "threads" and mine and (extra is None or
+                                                extra[0] != "ConcurrentUseError"):
+                tally.unexpected.append(f"{where}: a second thread's call gave "
+                                        f"{extra and extra[0]}")
+            tally.outcomes.append((step, fault, bad_rank, kind))
+
+            if fault in _REMAKE:
+                if fault != "closed":
+                    ctx.close()
+                ctxs[key] = (make(entry, transport, sizes), sizes)
+    finally:
+        for ctx, _ in ctxs.values():
+            try:
+                ctx.close()
+            except PortableOverlapError:
+                pass
     return dataclasses.asdict(tally)
+
+
+def _words(case: dict) -> dict:
+    """A case as the report prints it: dims, dtype, layouts and options, not the sizes'
+    tensors."""
+    return {k: (str(v).replace("torch.", "") if k == "dtype" else v)
+            for k, v in case.items() if k not in ("op", "transport")}
 
 
 def leftovers() -> list:

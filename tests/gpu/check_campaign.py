@@ -1,8 +1,8 @@
 """The fault campaign (portable_overlap.testing.campaign) on GPUs, shorter than CI's, one
 process per GPU:
 
-    torchrun --nproc-per-node 2 tests/gpu/check_campaign.py [--steps 60] [--seed N]
-        [--ops name,...] [--host-group gloo]
+    torchrun --nproc-per-node 2 tests/gpu/check_campaign.py [--steps 40] [--seed N]
+        [--timeout 20] [--ops name,...] [--max-dim 64] [--host-group gloo]
 
 ``--host-group gloo`` runs the host collectives (references, routing) over gloo instead of
 NCCL: with it two ranks can share one GPU (NCCL refuses that), which is how the campaign runs
@@ -14,15 +14,18 @@ import os
 import sys
 
 from portable_overlap import World
-from portable_overlap.testing.campaign import all_ops, run_campaign
+from portable_overlap.testing.campaign import run_campaign
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=2.0)
+    # every drawn shape compiles its kernels at its first call, on each rank as it gets there:
+    # the waits (and the agreements', which default to at least 60 s) must outlast that
+    ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    ap.add_argument("--max-dim", type=int, default=64, help="the largest dim drawn")
     ap.add_argument("--host-group", default="", help="a torch.distributed backend to use")
     args = ap.parse_args()
     if args.host_group:
@@ -31,8 +34,11 @@ def main() -> int:
         dist.init_process_group(args.host_group)
     world = World.from_env()
     seed = world.broadcast_object(args.seed or int.from_bytes(os.urandom(3), "little"))
-    ops = [op for op in all_ops() if not args.ops or op.name in args.ops.split(",")]
-    tally = run_campaign(world, seed, args.steps, timeout_s=args.timeout, ops=ops)
+    ops = [n for n in args.ops.split(",") if n] or None
+    # NVSHMEM takes one GPU per rank: where ranks share one, its transports are left out
+    leave_out = ("shmem",) if world.shares_devices() else ()
+    tally = run_campaign(world, seed, args.steps, timeout_s=args.timeout, ops=ops,
+                         max_dim=args.max_dim, leave_out=leave_out, agreement_s=args.timeout)
     gathered = world.all_gather_object((tally, world.device.index))
     tallies = [t for t, _ in gathered]
     problems = [p for t in tallies for p in t["wrong"] + t["late"] + t["unexpected"]]
@@ -41,7 +47,9 @@ def main() -> int:
         where = f"{gpus} GPUs" if world.device.type == "cuda" else "emulated"
         print(f"fault campaign on {world.world_size} ranks ({where}), seed {seed}: "
               f"{t['faulted']} faulted of {t['calls']} calls per rank, by fault "
-              f"{t['by_fault']}", flush=True)
+              f"{t['by_fault']}; by op and transport {t['by_transport']}", flush=True)
+        for op, why in sorted(t["unavailable"].items()):
+            print(f"unavailable here: {op} {sorted(why)}", flush=True)
         for p in problems[:40]:
             print("FAIL", p, flush=True)
         print(f"fault campaign: {len(problems)} problems", flush=True)
