@@ -215,6 +215,8 @@ def _extra(transport: str) -> dict:
 class _Gemm(Case):
     """The three GEMM patterns: ``a_r [M, K_r] @ b_r [K_r, N]`` (+ bias, + residual)."""
 
+    faults = ("other_shape",)
+
     def __init__(self, name):
         self.name = name
         self.ctx_cls, self.ref_fn, self.rows = GEMM_PATTERNS[name]
@@ -286,8 +288,6 @@ class _Gemm(Case):
     def out_shape(self, world, ctx, c, t):
         return (self.rows(c["dims"]["M"], world.world_size), c["dims"]["N"])
 
-    faults = ("other_shape",)
-
     def disagree(self, c):
         n = _step(c["dims"]["N"], c["sizes"]["max_n"])
         return None if n is None else _changed(c, "N", n)
@@ -297,6 +297,7 @@ class _Gemv(Case):
     """``y = sum_r x_r [M, K_r] @ w_r [N, K_r].T``, M in 0..64."""
 
     name = "gemv_all_reduce"
+    faults = ("other_shape",)
 
     def sizes(self, rng, W, max_dim):
         return {"max_n": _dim(rng, max_dim)}
@@ -342,8 +343,6 @@ class _Gemv(Case):
     def out_shape(self, world, ctx, c, t):
         return (c["dims"]["M"], c["dims"]["N"])
 
-    faults = ("other_shape",)
-
     def disagree(self, c):
         n = _step(c["dims"]["N"], c["sizes"]["max_n"])
         return None if n is None else _changed(c, "N", n)
@@ -353,6 +352,8 @@ class _AllGather(Case):
     """``cat(all_gather(a_r [m, K])) @ b [K, N]``."""
 
     name = "all_gather_matmul"
+    # every rank gathers shards of one height (its own N is its own b's)
+    faults = ("other_shape",)
 
     def sizes(self, rng, W, max_dim):
         return {"max_elems": _dim(rng, max_dim * max_dim // 2, lo=max_dim),
@@ -405,9 +406,6 @@ class _AllGather(Case):
     def out_shape(self, world, ctx, c, t):
         return (c["dims"]["m"] * world.world_size, c["dims"]["N"])
 
-    # every rank gathers shards of one height (its own N is its own b's)
-    faults = ("other_shape",)
-
     def disagree(self, c):
         d = c["dims"]
         lo = 1 if c["transport"] == "stores" else 0  # (no rows is refused there)
@@ -434,6 +432,7 @@ class _Dispatch(Case):
     name = "moe_dispatch"
     same_out_shape = False
     takes_out = False
+    faults = ("bad_routing",)
 
     def sizes(self, rng, W, max_dim):
         return dict(_moe_sizes(rng, W, max_dim), dtype=rng.choice(DTYPES))
@@ -474,8 +473,6 @@ class _Dispatch(Case):
     def reference(self, world, ctx, c, t):
         return po.moe_dispatch_reference(t["tokens"], t["ids"], c["sizes"]["E"], world.group)
 
-    faults = ("bad_routing",)
-
     def corrupt(self, fault, t):
         ids = t["ids"].clone()
         if ids.numel():
@@ -501,6 +498,7 @@ class _Combine(Case):
 
     name = "moe_gemm_combine"
     same_out_shape = False
+    faults = ("bad_routing",)
 
     def sizes(self, rng, W, max_dim):
         from ..ops.moe_combine.api import WALKS
@@ -553,8 +551,6 @@ class _Combine(Case):
     def out_shape(self, world, ctx, c, t):
         return (t["topk"].shape[0], c["sizes"]["H"])
 
-    faults = ("bad_routing",)
-
     def corrupt(self, fault, t):
         slots = t["slots"].clone()
         if slots.numel() >= 2:  # two rows to one slot: some slot of the owner gets no row
@@ -567,6 +563,9 @@ class _Embedding(Case):
 
     name = "embedding_all_to_all"
     same_out_shape = False
+    # an index past its table, found by the device's check (``ctx.validate = False``) or by
+    # the host's; a batch split the ranks do not share
+    faults = ("bad_index", "other_shape")
 
     def sizes(self, rng, W, max_dim):
         T = rng.randint(1, 5)
@@ -630,10 +629,6 @@ class _Embedding(Case):
 
     def out_shape(self, world, ctx, c, t):
         return ctx.output_shape(tuple(c["dims"]["splits"]))
-
-    # an index past its table, found by the device's check (``ctx.validate = False``) or by
-    # the host's; a batch split the ranks do not share
-    faults = ("bad_index", "other_shape")
 
     def corrupt(self, fault, t):
         indices = t["indices"].clone()
