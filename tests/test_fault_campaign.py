@@ -10,7 +10,7 @@ import pytest
 import portable_overlap as po
 from portable_overlap.testing.campaign import leftovers, run_campaign
 
-#: steps per world size: about 210 faulted calls per run together (fault rate 0.65; a fault
+#: steps per world size: about 195 faulted calls per run together (fault rate 0.65; a fault
 #: with nothing to act on, such as another shape where no size is left to change, is a valid
 #: call), so that no run falls short of 0.4 of its steps
 STEPS = {2: 200, 4: 120}
