@@ -51,10 +51,9 @@ from typing import Optional
 
 import torch
 
-import portable_overlap as po
-from ..errors import BackendUnavailable, PortableOverlapError
-from ..shmem.providers import ShmemUnavailable
-from .op_cases import DTYPES, all_cases, step_generator
+from ..errors import PortableOverlapError
+from ..ops import planner
+from .op_cases import DTYPES, all_cases, draw_context, step_generator
 
 #: faults that leave the ranks out of step (a timeout somewhere): the op's context is remade
 _REMAKE = ("skip", "other_shape", "closed")
@@ -146,10 +145,6 @@ def _outcome(fn) -> tuple:
         return type(e).__name__, e, time.monotonic() - t0
 
 
-def _transports(name: str) -> tuple:
-    return tuple(po.SPECS[name].transports) + ("auto",)
-
-
 def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
                  timeout_s: float = 1.0, ops: Optional[list] = None, max_dim: int = 12,
                  leave_out: tuple = (), agreement_s: Optional[float] = None,
@@ -161,21 +156,6 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
     (``planner.EXCHANGE_MIN_S``, 60 s, which leaves time for peers that still compile a new
     shape's kernels; the interpreter compiles none, so the CPU tests set the timeout here).
     Returns this rank's tally as a dict."""
-    from ..ops import planner
-
-    floor = planner.EXCHANGE_MIN_S
-    if agreement_s is not None:
-        planner.EXCHANGE_MIN_S = agreement_s
-    try:
-        return _run(world, seed, steps, fault_rate, timeout_s, ops, max_dim, leave_out,
-                    verbose)
-    finally:
-        planner.EXCHANGE_MIN_S = floor
-
-
-def _run(world, seed, steps, fault_rate, timeout_s, ops, max_dim, leave_out, verbose) -> dict:
-    from ..ops import planner
-
     rng = random.Random(seed)
     cases = all_cases()
     names = list(ops) if ops else list(cases)
@@ -193,23 +173,16 @@ def _run(world, seed, steps, fault_rate, timeout_s, ops, max_dim, leave_out, ver
             ctx.validate = False  # the embedding's device check is what bad_index is for
         return ctx
 
+    floor = planner.EXCHANGE_MIN_S
+    if agreement_s is not None:
+        planner.EXCHANGE_MIN_S = agreement_s
     try:
         for step in range(steps):
             name = rng.choice(names)
             entry = cases[name]
-            while True:  # a transport that cannot run here is found on every rank alike
-                usable = [t for t in _transports(name)
-                          if t not in tally.unavailable.get(name, {}) and t not in leave_out]
-                transport = rng.choice(usable)
-                key = (name, transport)
-                sizes = entry.sizes(rng, W, max_dim)  # drawn at every step: draws stay in step
-                if key in ctxs:
-                    break
-                try:
-                    ctxs[key] = (make(entry, transport, sizes), sizes)
-                    break
-                except (BackendUnavailable, ShmemUnavailable) as e:
-                    tally.unavailable.setdefault(name, {})[transport] = str(e)[:200]
+            key = draw_context(rng, entry, W, max_dim, ctxs, tally.unavailable, make,
+                               leave_out=leave_out)
+            transport = key[1]
             ctx, sizes = ctxs[key]
             case = None
             for _ in range(_DRAWS):
@@ -321,6 +294,7 @@ def _run(world, seed, steps, fault_rate, timeout_s, ops, max_dim, leave_out, ver
                     ctx.close()
                 ctxs[key] = (make(entry, transport, sizes), sizes)
     finally:
+        planner.EXCHANGE_MIN_S = floor
         for ctx, _ in ctxs.values():
             try:
                 ctx.close()

@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 
 import portable_overlap as po
+from ..errors import BackendUnavailable
+from ..shmem.providers import ShmemUnavailable
 from .compare import rel_err
 from .layouts import LAYOUTS, laid_out
 from .patterns import GEMM_PATTERNS
@@ -167,6 +169,13 @@ class Case:
         raise NotImplementedError(fault)
 
 
+def _other_n(case) -> Optional[dict]:
+    """``case`` with another N that still fits ``max_n`` (the GEMM patterns' and the GEMV's
+    ``disagree``: every rank's product has the same columns)."""
+    n = _step(case["dims"]["N"], case["sizes"]["max_n"])
+    return None if n is None else _changed(case, "N", n)
+
+
 def _changed(case, key, value) -> dict:
     """``case`` with ``dims[key]`` set to ``value`` (a copy: the peers keep theirs)."""
     other = copy.deepcopy(case)
@@ -289,8 +298,7 @@ class _Gemm(Case):
         return (self.rows(c["dims"]["M"], world.world_size), c["dims"]["N"])
 
     def disagree(self, c):
-        n = _step(c["dims"]["N"], c["sizes"]["max_n"])
-        return None if n is None else _changed(c, "N", n)
+        return _other_n(c)
 
 
 class _Gemv(Case):
@@ -344,8 +352,7 @@ class _Gemv(Case):
         return (c["dims"]["M"], c["dims"]["N"])
 
     def disagree(self, c):
-        n = _step(c["dims"]["N"], c["sizes"]["max_n"])
-        return None if n is None else _changed(c, "N", n)
+        return _other_n(c)
 
 
 class _AllGather(Case):
@@ -644,6 +651,40 @@ class _Embedding(Case):
         other = _changed(c, "splits", [n] + splits[1:])
         other["pass_splits"] = True  # (lengths alone would imply a split that may not exist)
         return other
+
+
+def transports(name: str) -> tuple:
+    """What a step draws from for op ``name``: its transports and ``"auto"``."""
+    return tuple(po.SPECS[name].transports) + ("auto",)
+
+
+def draw_context(rng, entry, W, max_dim, ctxs: dict, unavailable: dict, make, *,
+                 leave_out: tuple = (), remake_rate: Optional[float] = None,
+                 close=None) -> tuple:
+    """One step's transport of ``entry``'s op and its context, the same on every rank: a
+    transport of :func:`transports` not in ``leave_out`` nor found ``unavailable`` (op ->
+    {transport: why}, filled here on every rank alike where making its context raises
+    ``BackendUnavailable`` / ``ShmemUnavailable``), and the context ``ctxs`` holds for it
+    ((op, transport) -> (context, its sizes)), made by ``make(entry, transport, sizes)`` at
+    the first use and, with probability ``remake_rate``, anew (``close(key)`` frees the old
+    one first). Sizes are drawn at every step, so the draws stay in step. Returns the key."""
+    name = entry.name
+    while True:
+        usable = [t for t in transports(name)
+                  if t not in unavailable.get(name, {}) and t not in leave_out]
+        transport = rng.choice(usable)
+        key = (name, transport)
+        remake = key not in ctxs or (remake_rate is not None and rng.random() < remake_rate)
+        sizes = entry.sizes(rng, W, max_dim)
+        if not remake:
+            return key
+        if close is not None:
+            close(key)
+        try:
+            ctxs[key] = (make(entry, transport, sizes), sizes)
+            return key
+        except (BackendUnavailable, ShmemUnavailable) as e:
+            unavailable.setdefault(name, {})[transport] = str(e)[:200]
 
 
 def all_cases() -> dict:

@@ -29,10 +29,10 @@ the fault campaign draws from too. Each step draws:
 Checked on every rank and step: a valid call returns a result of the reference's shape and
 dtype whose largest error, relative to the reference's largest magnitude, is within
 ``op_cases.TOL`` of its dtype (outputs and receive buffers are poisoned with NaN first, so an
-element never written fails); the dispatch's counts, slots and rows match exactly. A valid call that raises,
-an invalid one that returns, and an error of another kind are failures. After a call that
-raised an error other than a refusal on any rank, every rank remakes that context (the ranks
-agree on it in one small host collective per step).
+element never written fails); the dispatch's counts, slots and rows match exactly. A valid
+call that raises, an invalid one that returns, and an error of another kind are failures.
+After a call that raised an error other than a refusal on any rank, every rank remakes that
+context (the ranks agree on it in one small host collective per step).
 
 The report names each step (op, transport, dtype, dims, layouts, options) and each failure
 with its seed, step and rank and the error, so a failure is a reproducible case:
@@ -48,15 +48,12 @@ from typing import Callable, Optional
 import torch
 
 import portable_overlap as po
-from ..errors import BackendUnavailable, PortableOverlapError
-from ..shmem.providers import ShmemUnavailable
-from .op_cases import DTYPES, all_cases, dense_layout, dtype_name, relaid, step_generator
+from ..errors import PortableOverlapError
+from .op_cases import (DTYPES, all_cases, dense_layout, draw_context, dtype_name, relaid,
+                       step_generator)
 
 
 # -- the sweep ------------------------------------------------------------------------------
-def _transports(name: str) -> tuple:
-    return tuple(po.SPECS[name].transports) + ("auto",)
-
 
 def _outcome(fn) -> tuple:
     try:
@@ -104,21 +101,10 @@ def run_sweep(world, seed: int, steps: int, *, max_dim: int = 48,
         for step in range(steps):
             name = rng.choice(names)
             op = entries[name]
-            while True:  # a transport that cannot run here is found on every rank alike
-                usable = [t for t in _transports(name)
-                          if t not in unavailable.get(name, {}) and t not in leave_out]
-                transport = rng.choice(usable)
-                key = (name, transport)
-                remake = key not in ctxs or rng.random() < remake_rate
-                sizes = op.sizes(rng, W, max_dim)  # drawn at every step: the draws stay in step
-                if not remake:
-                    break
-                close(key)
-                try:
-                    ctxs[key] = (op.make(world, transport, sizes, timeout_s), sizes)
-                    break
-                except (BackendUnavailable, ShmemUnavailable) as e:
-                    unavailable.setdefault(name, {})[transport] = str(e)[:200]
+            key = draw_context(rng, op, W, max_dim, ctxs, unavailable,
+                               lambda e, t, s: e.make(world, t, s, timeout_s),
+                               leave_out=leave_out, remake_rate=remake_rate, close=close)
+            transport = key[1]
             ctx, sizes = ctxs[key]
             refuse = rng.random() < refuse_rate
             case = op.draw(rng, W, sizes, max_dim, refuse)
