@@ -25,7 +25,8 @@
 #      tests/gpu/check_auto_transport.py), PO_SKIP_CAMPAIGN=1 / PO_CAMPAIGN_ARGS
 #      (the fault campaign, tests/gpu/check_campaign.py), PO_SKIP_LAYOUTS=1 / PO_LAYOUT_PARTS
 #      (odd layouts and tensors past 2**31 elements, tests/gpu/check_layouts.py),
-#      PO_COMMIT (recorded with every result), PO_ARCHIVE=1 (logs packed into gpu-logs.tgz).
+#      PO_COMMIT (recorded with every result), PO_ARCHIVE=1 (logs packed into gpu-logs.tgz),
+#      PO_PACK=FILE (OUTDIR packed into FILE after every torchrun section).
 set -uo pipefail
 out=${1:-${OUT:-out}}
 nproc=${2:-2}
@@ -50,6 +51,12 @@ run() {
   timeout "$1" torchrun --nproc-per-node "$nproc" --master-port "$((29500 + RANDOM % 1000))" "${@:2}"
   rc=$?
   echo "$2 world=$nproc rc=$rc $((SECONDS - t0)) s (limit $1 s)" >> "$out/timing.txt"
+  # PO_PACK=FILE: OUTDIR packed into FILE after every section, so that a run stopped at a
+  # device call's limit still leaves the logs and rows of the sections it finished
+  if [ -n "${PO_PACK:-}" ]; then
+    tar czf "$PO_PACK.part" -C "$(dirname "${out%/}")" "$(basename "${out%/}")" \
+        && mv -f "$PO_PACK.part" "$PO_PACK"
+  fi
   return $rc
 }
 if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then

@@ -3,21 +3,29 @@
 # on the GPUs of one host (4 or 8). Logs and rows go to OUTDIR; the device kind names the
 # results file (ci/device_kind.sh: nvidia-h200-x<NPROC>.jsonl on H200s).
 #   bash ci/scaleup.sh PART OUTDIR [NPROC]
-# and OUTDIR.tgz packs OUTDIR when it ends.
 # PART:
-#   checks the GPU checks of every op (tests/gpu/gpu_checks.py) with a limit of 540 s
-#   ops    torch's fused ops and transport="auto" checks, then AllGather + GEMM
-#          (stores at two sender counts and with copy-engine pulls, beside the copy engines,
-#          torch's fused op, sequential), GEMM + ReduceScatter / AllReduce and GEMV + AllReduce (one-shot, auto)
-#   moe    the MoE combine, dispatch and whole-layer benchmarks, the MoE example, the prefill
-#          example (default transport)
-#   rest   embedding + All-to-All, GEMM + All-to-All, the device API and its tutorials beside
-#          the library's ops, the fault campaign, the prefill and DLRM examples
+#   checks    the GPU checks of every op (tests/gpu/gpu_checks.py) with a limit of 540 s
+#   ops       torch's fused ops checked as transports, then AllGather + GEMM (stores at two
+#             sender counts and with copy-engine pulls, beside the copy engines, torch's fused
+#             op, sequential) and GEMM + ReduceScatter / AllReduce
+#   gemv      GEMV + AllReduce (one-shot, two-shot, torch's path, auto) and the checks of
+#             transport="auto" over every pattern
+#   moe       the MoE combine and dispatch benchmarks, the MoE example, the prefill example
+#             (default transport)
+#   moe-layer the whole-layer MoE benchmark alone, three rotated rounds
+#   rest      embedding + All-to-All, GEMM + All-to-All, the device API and its tutorials beside
+#             the library's ops, the fault campaign, the prefill and DLRM examples
+# On 4 H200s the sections now in ops and gemv took about 470 s together (GEMV + AllReduce
+# with its tuning 91 s, AllGather + GEMM 118, GEMM + ReduceScatter / AllReduce 162, the
+# torch_fused checks 32-37, the auto checks 44-62) and the layer benchmark alone 356 s: on 8
+# GPUs either group would come close to a call's 600 s, hence the parts (docs/scaling.md).
+# OUTDIR.tgz is packed after every section (PO_PACK), so a part stopped at a call's limit
+# still returns what it finished: copy it to $OUT after the run whatever its exit status.
 # Each part runs ci/gpu.sh with the other sections skipped, so the options of gpu.sh
 # (PO_AG_ARGS, PO_MR_ARGS, ...) still apply; PO_COMMIT is recorded with every row.
 set -uo pipefail
-part=${1:?usage: bash ci/scaleup.sh checks|ops|moe|rest OUTDIR [NPROC]}
-out=${2:?usage: bash ci/scaleup.sh checks|ops|moe|rest OUTDIR [NPROC]}
+part=${1:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|rest OUTDIR [NPROC]}
+out=${2:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|rest OUTDIR [NPROC]}
 nproc=${3:-8}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
@@ -26,7 +34,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 skip_all=(PO_SKIP_CHECKS PO_SKIP_BENCH PO_SKIP_A2A PO_SKIP_AG PO_SKIP_MR PO_SKIP_MOE
           PO_SKIP_MOE_DISPATCH PO_SKIP_MOE_LAYER PO_SKIP_SIG PO_SKIP_PRED PO_SKIP_EMB
           PO_SKIP_WAITS PO_SKIP_LANGUAGE PO_SKIP_TUT_BENCH PO_SKIP_AUTO PO_SKIP_CAMPAIGN
-          PO_SKIP_EXAMPLES PO_SKIP_DEMO)
+          PO_SKIP_EXAMPLES PO_SKIP_DEMO PO_SKIP_LAYOUTS)
+# every section of gpu.sh off, then each part turns its own on (a section left out of this
+# list would run in every part: tests/test_bench_runner.py checks that none is)
 for v in "${skip_all[@]}"; do export "$v=1"; done
 status=0
 case "$part" in
@@ -36,7 +46,7 @@ case "$part" in
         tests/gpu/check_torch_fused.py 2>&1 | tee "$out/check_torch_fused.log" \
         | grep -E "^PASS|^FAIL|checks" | tail -n 20
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    export PO_SKIP_AUTO=0 PO_SKIP_AG=0 PO_SKIP_MR=0 PO_SKIP_BENCH=0
+    export PO_SKIP_AG=0 PO_SKIP_MR=0
     # the stores at the rule's sender count and at 24, and with half of every shard pulled by
     # the copy engines (docs/scaling.md)
     export PO_AG_ARGS=${PO_AG_ARGS:---senders default,24 --stores pull_share=0.5 --schedules none}
@@ -45,8 +55,14 @@ case "$part" in
     # about 450 s together on one GPU, longer on 4 and 8: split them with PO_CHECKS (names in gpu_checks.py)
     export PO_SKIP_CHECKS=0 PO_CHECKS=${PO_CHECKS:-} PO_CHECKS_TIMEOUT_S=${PO_CHECKS_TIMEOUT_S:-540}
     ;;
+  gemv)
+    export PO_SKIP_BENCH=0 PO_SKIP_AUTO=0
+    ;;
   moe)
-    export PO_SKIP_MOE=0 PO_SKIP_MOE_DISPATCH=0 PO_SKIP_MOE_LAYER=0 PO_SKIP_EXAMPLES=0
+    export PO_SKIP_MOE=0 PO_SKIP_MOE_DISPATCH=0 PO_SKIP_EXAMPLES=0
+    ;;
+  moe-layer)
+    export PO_SKIP_MOE_LAYER=0
     export PO_MOE_LAYER_ARGS=${PO_MOE_LAYER_ARGS:---rounds 3}
     ;;
   rest)
@@ -54,10 +70,11 @@ case "$part" in
     export PO_SKIP_CAMPAIGN=0 PO_SKIP_EXAMPLES=0 PO_DLRM_STEPS=${PO_DLRM_STEPS:-100}
     ;;
   *)
-    echo "unknown part '$part': checks, ops, moe or rest" >&2
+    echo "unknown part '$part': checks, ops, gemv, moe, moe-layer or rest" >&2
     exit 2
     ;;
 esac
+export PO_PACK="${out%/}.tgz"
 PO_DEVICE_KIND=${PO_DEVICE_KIND:-$(bash ci/device_kind.sh "$nproc")} bash ci/gpu.sh "$out" "$nproc" || status=1
 # one file with every log and row: a tool that fetches only a few files still gets them all
 tar czf "${out%/}.tgz" -C "$(dirname "${out%/}")" "$(basename "${out%/}")" && echo "packed ${out%/}.tgz"

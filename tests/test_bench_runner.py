@@ -439,8 +439,21 @@ def test_scaleup_defaults_parse(tmp_path):
         name = re.search(r"benchmarks/(bench_\w+)\.py [^\n]*\$\{" + var, gpu).group(1)
         importlib.import_module(f"benchmarks.{name}").parser().parse_args(
             ["--out", str(tmp_path / "r.jsonl")] + argv.split())
-    for part in ("ops", "moe", "rest"):
-        assert f"\n  {part})\n" in text
+    for part in ("checks", "ops", "gemv", "moe", "moe-layer", "rest"):
+        assert re.search(rf"\n  {part}\)[ \n]", text), part
+
+
+def test_scaleup_turns_off_every_section_of_gpu_sh():
+    """ci/scaleup.sh turns every section of ci/gpu.sh off before a part turns its own on: a
+    section missing from its list runs in every part (the 900 s layout checks did, after the
+    sections of a part, until the device call's limit stopped it)."""
+    text = open(os.path.join(ROOT, "ci", "scaleup.sh")).read()
+    gpu = open(os.path.join(ROOT, "ci", "gpu.sh")).read()
+    listed = set(re.search(r"skip_all=\((.*?)\)", text, re.S).group(1).split())
+    # (the sections' own switches: those inside a section, e.g. PO_SKIP_SIG_BENCH, go with it)
+    read = set(re.findall(r"^if \[ \"\$\{(PO_SKIP_\w+):-0\}\"", gpu, re.M))
+    assert read and read <= listed, sorted(read - listed)
+    assert "PO_PACK=" in text and "PO_PACK" in gpu
 
 
 def test_rounds_rotate_the_order_and_keep_the_median_round(tmp_path, timed):
