@@ -13,19 +13,21 @@
 #   moe       the MoE combine and dispatch benchmarks, the MoE example, the prefill example
 #             (default transport)
 #   moe-layer the whole-layer MoE benchmark alone, three rotated rounds
-#   rest      embedding + All-to-All, GEMM + All-to-All, the device API and its tutorials beside
-#             the library's ops, the fault campaign, the prefill and DLRM examples
+#   embedding embedding + All-to-All (checks, benchmark, the DLRM example), GEMM + All-to-All,
+#             the MoE and prefill examples
+#   rest      the device API and its tutorials beside the library's ops, the fault campaign
 # On 4 H200s the sections now in ops and gemv took about 470 s together (GEMV + AllReduce
 # with its tuning 91 s, AllGather + GEMM 118, GEMM + ReduceScatter / AllReduce 162, the
-# torch_fused checks 32-37, the auto checks 44-62) and the layer benchmark alone 356 s: on 8
-# GPUs either group would come close to a call's 600 s, hence the parts (docs/scaling.md).
+# torch_fused checks 32-37, the auto checks 44-62), the layer benchmark alone 356 s and the
+# embedding checks 132-220: on 8 GPUs such groups would come close to a call's 600 s, hence
+# the parts (docs/scaling.md).
 # OUTDIR.tgz is packed after every section (PO_PACK), so a part stopped at a call's limit
 # still returns what it finished: copy it to $OUT after the run whatever its exit status.
 # Each part runs ci/gpu.sh with the other sections skipped, so the options of gpu.sh
 # (PO_AG_ARGS, PO_MR_ARGS, ...) still apply; PO_COMMIT is recorded with every row.
 set -uo pipefail
-part=${1:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|rest OUTDIR [NPROC]}
-out=${2:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|rest OUTDIR [NPROC]}
+part=${1:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|embedding|rest OUTDIR [NPROC]}
+out=${2:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|embedding|rest OUTDIR [NPROC]}
 nproc=${3:-8}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
@@ -65,12 +67,16 @@ case "$part" in
     export PO_SKIP_MOE_LAYER=0
     export PO_MOE_LAYER_ARGS=${PO_MOE_LAYER_ARGS:---rounds 3}
     ;;
+  embedding)
+    # (PO_SKIP_EXAMPLES=0 for the DLRM example, which runs in the embedding section; the
+    # MoE and prefill examples then run here too, about 50 s on 4 H200s)
+    export PO_SKIP_EMB=0 PO_SKIP_A2A=0 PO_SKIP_EXAMPLES=0 PO_DLRM_STEPS=${PO_DLRM_STEPS:-100}
+    ;;
   rest)
-    export PO_SKIP_EMB=0 PO_SKIP_A2A=0 PO_SKIP_LANGUAGE=0 PO_SKIP_TUT_BENCH=0
-    export PO_SKIP_CAMPAIGN=0 PO_SKIP_EXAMPLES=0 PO_DLRM_STEPS=${PO_DLRM_STEPS:-100}
+    export PO_SKIP_LANGUAGE=0 PO_SKIP_TUT_BENCH=0 PO_SKIP_CAMPAIGN=0
     ;;
   *)
-    echo "unknown part '$part': checks, ops, gemv, moe, moe-layer or rest" >&2
+    echo "unknown part '$part': checks, ops, gemv, moe, moe-layer, embedding or rest" >&2
     exit 2
     ;;
 esac

@@ -439,7 +439,7 @@ def test_scaleup_defaults_parse(tmp_path):
         name = re.search(r"benchmarks/(bench_\w+)\.py [^\n]*\$\{" + var, gpu).group(1)
         importlib.import_module(f"benchmarks.{name}").parser().parse_args(
             ["--out", str(tmp_path / "r.jsonl")] + argv.split())
-    for part in ("checks", "ops", "gemv", "moe", "moe-layer", "rest"):
+    for part in ("checks", "ops", "gemv", "moe", "moe-layer", "embedding", "rest"):
         assert re.search(rf"\n  {part}\)[ \n]", text), part
 
 
