@@ -12,8 +12,9 @@
 #      PO_SKIP_SIG=1 / PO_SKIP_SIG_BENCH=1 / PO_SIG_BENCH_ARGS (GEMM with
 #      tile-group signals: checks and benchmark), PO_SKIP_EMB=1 / PO_EMB_BENCH_ARGS
 #      (embedding + All-to-All: checks, benchmark, DLRM example; PO_DLRM_STEPS, 0 or
-#      PO_SKIP_EXAMPLES=1 skips the example, PO_EMB_SWEEP=0,
-#      PO_SKIP_EMB_BENCH=1 keeps only its checks),
+#      PO_SKIP_DLRM=1 (default PO_SKIP_EXAMPLES) skips the example, PO_EMB_SWEEP=0,
+#      PO_SKIP_EMB_BENCH=1 keeps only its checks, PO_SKIP_EMB_CHECKS=1 (default
+#      PO_SKIP_CHECKS) only its benchmark),
 #      PO_SKIP_MR=1 / PO_MR_ARGS (GEMM + ReduceScatter / AllReduce benchmark), PO_CHECKS=name,...
 #      (only those checks of gpu_checks.py), PO_SKIP_PRED=1 / PO_PRED_ARGS (wave-group predictor:
 #      its error against the measured op, the search's pick against a bounded exhaustive search;
@@ -156,7 +157,7 @@ if [ "${PO_SKIP_PRED:-0}" != 1 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: checks, benchmark
-  if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
+  if [ "${PO_SKIP_EMB_CHECKS:-${PO_SKIP_CHECKS:-0}}" != 1 ]; then
     run 300 tests/gpu/check_embedding_alltoall.py 2>&1 | tee "$out/emb-checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | tail -n 80
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
@@ -165,7 +166,7 @@ if [ "${PO_SKIP_EMB:-0}" != 1 ]; then  # fused embedding pooling + All-to-All: c
     run 300 benchmarks/bench_embedding_alltoall.py --out "$out/$kind.jsonl" --device-kind "$kind" "${sweep[@]}" \
         ${PO_EMB_BENCH_ARGS:-} 2>&1 | tee "$out/emb-bench.log" | grep -vE "^\[|Warning|warn" | tail -20
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    if [ "${PO_DLRM_STEPS:-300}" != 0 ] && [ "${PO_SKIP_EXAMPLES:-0}" != 1 ]; then  # the DLRM example
+    if [ "${PO_DLRM_STEPS:-300}" != 0 ] && [ "${PO_SKIP_DLRM:-${PO_SKIP_EXAMPLES:-0}}" != 1 ]; then  # the DLRM example
       run 300 examples/dlrm/train.py --steps ${PO_DLRM_STEPS:-300} 2>&1 | tee "$out/dlrm.log" | grep -vE "^\[|Warning|warn" | tail -32
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
     fi

@@ -4,7 +4,8 @@
 # results file (ci/device_kind.sh: nvidia-h200-x<NPROC>.jsonl on H200s).
 #   bash ci/scaleup.sh PART OUTDIR [NPROC]
 # PART:
-#   checks    the GPU checks of every op (tests/gpu/gpu_checks.py) with a limit of 540 s
+#   checks    the GPU checks of every op (tests/gpu/gpu_checks.py) with a limit of 540 s;
+#             checks-ops, checks-moe and checks-rest split them in three
 #   ops       torch's fused ops checked as transports, then AllGather + GEMM (stores at two
 #             sender counts and with copy-engine pulls, beside the copy engines, torch's fused
 #             op, sequential) and GEMM + ReduceScatter / AllReduce
@@ -13,8 +14,7 @@
 #   moe       the MoE combine and dispatch benchmarks, the MoE example, the prefill example
 #             (default transport)
 #   moe-layer the whole-layer MoE benchmark alone, three rotated rounds
-#   embedding embedding + All-to-All (checks, benchmark, the DLRM example), GEMM + All-to-All,
-#             the MoE and prefill examples
+#   embedding embedding + All-to-All (checks, benchmark, the DLRM example), GEMM + All-to-All
 #   rest      the device API and its tutorials beside the library's ops, the fault campaign
 # On 4 H200s the sections now in ops and gemv took about 470 s together (GEMV + AllReduce
 # with its tuning 91 s, AllGather + GEMM 118, GEMM + ReduceScatter / AllReduce 162, the
@@ -26,8 +26,8 @@
 # Each part runs ci/gpu.sh with the other sections skipped, so the options of gpu.sh
 # (PO_AG_ARGS, PO_MR_ARGS, ...) still apply; PO_COMMIT is recorded with every row.
 set -uo pipefail
-part=${1:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|embedding|rest OUTDIR [NPROC]}
-out=${2:?usage: bash ci/scaleup.sh checks|ops|gemv|moe|moe-layer|embedding|rest OUTDIR [NPROC]}
+part=${1:?usage: bash ci/scaleup.sh checks[-ops|-moe|-rest]|ops|gemv|moe|moe-layer|embedding|rest OUTDIR [NPROC]}
+out=${2:?usage: bash ci/scaleup.sh checks[-ops|-moe|-rest]|ops|gemv|moe|moe-layer|embedding|rest OUTDIR [NPROC]}
 nproc=${3:-8}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
@@ -41,6 +41,10 @@ skip_all=(PO_SKIP_CHECKS PO_SKIP_BENCH PO_SKIP_A2A PO_SKIP_AG PO_SKIP_MR PO_SKIP
 # list would run in every part: tests/test_bench_runner.py checks that none is)
 for v in "${skip_all[@]}"; do export "$v=1"; done
 status=0
+# the GPU checks of gpu_checks.py named in $1 (comma-separated; empty: all), within 540 s
+checks() {
+  export PO_SKIP_CHECKS=0 PO_CHECKS=${PO_CHECKS:-$1} PO_CHECKS_TIMEOUT_S=${PO_CHECKS_TIMEOUT_S:-540}
+}
 case "$part" in
   ops)
     # torch's fused ops as transports, checked on this world before anything is timed
@@ -53,9 +57,18 @@ case "$part" in
     # the copy engines (docs/scaling.md)
     export PO_AG_ARGS=${PO_AG_ARGS:---senders default,24 --stores pull_share=0.5 --schedules none}
     ;;
-  checks)  # alone, within one device call (600 s): with a cold Triton cache the checks take
-    # about 450 s together on one GPU, longer on 4 and 8: split them with PO_CHECKS (names in gpu_checks.py)
-    export PO_SKIP_CHECKS=0 PO_CHECKS=${PO_CHECKS:-} PO_CHECKS_TIMEOUT_S=${PO_CHECKS_TIMEOUT_S:-540}
+  checks)  # every check of gpu_checks.py (or PO_CHECKS): about 450 s on one H100 with a cold
+    # Triton cache, longer on 4 and 8 GPUs, past a call's 600 s; the three parts below split them
+    checks ""
+    ;;
+  checks-ops)  # 249 s on one H100 (a world of one, cold cache)
+    checks gemv,patterns,gemm_alltoall,allgather_gemm,matmul_reduce,empty_dims
+    ;;
+  checks-moe)  # 125 s on one H100
+    checks moe_combine,moe_dispatch,expert_swiglu,moe_dispatch_swiglu,moe_layer
+    ;;
+  checks-rest)  # the checks of every op at drawn shapes, of contexts' lives and of peer faults
+    checks sweep,streams,compile_graphs,capture_first,context_churn,eager_and_replays,refresh,peer_failures,late_stores
     ;;
   gemv)
     export PO_SKIP_BENCH=0 PO_SKIP_AUTO=0
@@ -67,16 +80,15 @@ case "$part" in
     export PO_SKIP_MOE_LAYER=0
     export PO_MOE_LAYER_ARGS=${PO_MOE_LAYER_ARGS:---rounds 3}
     ;;
-  embedding)
-    # (PO_SKIP_EXAMPLES=0 for the DLRM example, which runs in the embedding section; the
-    # MoE and prefill examples then run here too, about 50 s on 4 H200s)
-    export PO_SKIP_EMB=0 PO_SKIP_A2A=0 PO_SKIP_EXAMPLES=0 PO_DLRM_STEPS=${PO_DLRM_STEPS:-100}
+  embedding)  # on 4 H200s the checks took 132-220 s, the benchmark 24-53, the example 38-87
+    export PO_SKIP_EMB=0 PO_SKIP_EMB_CHECKS=0 PO_SKIP_DLRM=0 PO_SKIP_A2A=0
+    export PO_DLRM_STEPS=${PO_DLRM_STEPS:-100}
     ;;
   rest)
     export PO_SKIP_LANGUAGE=0 PO_SKIP_TUT_BENCH=0 PO_SKIP_CAMPAIGN=0
     ;;
   *)
-    echo "unknown part '$part': checks, ops, gemv, moe, moe-layer, embedding or rest" >&2
+    echo "unknown part '$part': checks, checks-ops, checks-moe, checks-rest, ops, gemv, moe, moe-layer, embedding or rest" >&2
     exit 2
     ;;
 esac
