@@ -334,7 +334,7 @@ def test_run_without_checks_and_one_mode(tmp_path, timed):
 
 
 def test_impls_that_no_case_has_are_named_and_fail_the_run(tmp_path, timed, capsys,
-                                                               monkeypatch):
+                                                           monkeypatch):
     """A typo in --impls filtered every impl out of every case: nothing timed, exit 0."""
     for var in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -354,7 +354,6 @@ def test_impls_that_no_case_has_are_named_and_fail_the_run(tmp_path, timed, caps
     assert [r["impl"] for r in _rows(tmp_path)] == ["fused", "fused"]  # what matched still ran
     argv[-1] = "fused,sequential"
     assert runner.run_main(_parser(), body, argv) == 0
-
 
 
 def test_rel_err():
@@ -478,6 +477,49 @@ def test_scaleup_check_parts_cover_every_gpu_check():
     # (check_shapes, ..., check_bad_input are the gemv group's, run under the name "gemv")
     runs -= {"shapes", "back_to_back", "graph", "compile", "bad_input"}
     assert set(named) == runs, (sorted(runs - set(named)), sorted(set(named) - runs))
+
+
+# what each part of ci/scaleup.sh runs: the scripts its torchrun sections start
+SCALEUP_PARTS = {
+    "checks-ops": ["tests/gpu/gpu_checks.py"],
+    "checks-moe": ["tests/gpu/gpu_checks.py"],
+    "checks-rest": ["tests/gpu/gpu_checks.py"],
+    "ops": ["tests/gpu/check_torch_fused.py", "benchmarks/bench_allgather_gemm.py",
+            "benchmarks/bench_matmul_reduce.py"],
+    "gemv": ["benchmarks/bench_gemv_allreduce.py", "tests/gpu/check_auto_transport.py"],
+    "moe": ["benchmarks/bench_moe_combine.py", "benchmarks/bench_moe_dispatch.py",
+            "examples/moe/moe_layer.py", "examples/transformer/prefill.py"],
+    "moe-layer": ["benchmarks/bench_moe_layer.py"],
+    "embedding": ["benchmarks/bench_gemm_alltoall.py", "tests/gpu/check_embedding_alltoall.py",
+                  "benchmarks/bench_embedding_alltoall.py", "examples/dlrm/train.py"],
+    "rest": ["tests/gpu/check_language.py", "benchmarks/bench_tutorials.py",
+             "tests/gpu/check_campaign.py"],
+}
+
+
+@pytest.mark.parametrize("part", sorted(SCALEUP_PARTS))
+def test_scaleup_part_runs_its_sections_and_packs_them(part, tmp_path):
+    """Each part of ci/scaleup.sh, with torchrun, nvidia-smi and python3 stood in for (they
+    record their arguments): the part starts its own scripts, in order, and no other, and
+    OUTDIR.tgz holds OUTDIR's logs."""
+    import subprocess
+    import tarfile
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    calls = tmp_path / "calls.txt"
+    for tool in ("torchrun", "python3", "nvidia-smi"):
+        (bin_ / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "{calls}"\n')
+        (bin_ / tool).chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "PO_DEVICE_KIND": "kind"}
+    done = subprocess.run(["bash", os.path.join(ROOT, "ci", "scaleup.sh"), part, str(out), "8"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    started = [next(t for t in line.split() if t.endswith(".py"))
+               for line in calls.read_text().splitlines() if line.startswith("torchrun")]
+    assert started == SCALEUP_PARTS[part], started
+    with tarfile.open(f"{out}.tgz") as tar:
+        assert "out/timing.txt" in tar.getnames()
 
 
 def test_rounds_rotate_the_order_and_keep_the_median_round(tmp_path, timed):
