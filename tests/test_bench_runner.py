@@ -481,6 +481,7 @@ def test_scaleup_check_parts_cover_every_gpu_check():
 
 # what each part of ci/scaleup.sh runs: the scripts its torchrun sections start
 SCALEUP_PARTS = {
+    "checks": ["tests/gpu/gpu_checks.py"],
     "checks-ops": ["tests/gpu/gpu_checks.py"],
     "checks-moe": ["tests/gpu/gpu_checks.py"],
     "checks-rest": ["tests/gpu/gpu_checks.py"],
