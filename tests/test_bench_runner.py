@@ -455,30 +455,6 @@ def test_scaleup_turns_off_every_section_of_gpu_sh():
     assert "PO_PACK=" in text and "PO_PACK" in gpu
 
 
-def test_scaleup_check_parts_cover_every_gpu_check():
-    """ci/scaleup.sh's checks-ops, checks-moe and checks-rest parts name every check that
-    tests/gpu/gpu_checks.py's ``main`` runs by name (PO_CHECKS), each once: a check added to
-    the script and to none of the parts would never run on 4 or 8 GPUs."""
-    import ast
-    text = open(os.path.join(ROOT, "ci", "scaleup.sh")).read()
-    groups = re.findall(r"\n  checks-\w+\)[^\n]*\n    checks ([\w,]+)\n", text)
-    named = [n for g in groups for n in g.split(",")]
-    assert len(groups) == 3 and len(named) == len(set(named)), groups
-    path = os.path.join(ROOT, "tests", "gpu", "gpu_checks.py")
-    main = next(node for node in ast.parse(open(path).read()).body
-                if isinstance(node, ast.FunctionDef) and node.name == "main")
-    # the checks main runs by name: those of its loop, and the names it tests against `only`
-    runs = {node.id[len("check_"):] for node in ast.walk(main)
-            if isinstance(node, ast.Name) and node.id.startswith("check_")
-            and node.id != "check_backend"}
-    runs |= {node.left.value for node in ast.walk(main) if isinstance(node, ast.Compare)
-             and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)
-             and any(isinstance(c, ast.Name) and c.id == "only" for c in node.comparators)}
-    # (check_shapes, ..., check_bad_input are the gemv group's, run under the name "gemv")
-    runs -= {"shapes", "back_to_back", "graph", "compile", "bad_input"}
-    assert set(named) == runs, (sorted(runs - set(named)), sorted(set(named) - runs))
-
-
 # what each part of ci/scaleup.sh runs: the scripts its torchrun sections start
 SCALEUP_PARTS = {
     "checks": ["tests/gpu/gpu_checks.py"],

@@ -6,10 +6,12 @@ sized for GPUs and take minutes under the interpreter)."""
 import ast
 import importlib.util
 import os
+import re
 
 import torch
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "gpu_checks.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATH = os.path.join(ROOT, "tests", "gpu", "gpu_checks.py")
 
 
 def _load():
@@ -20,17 +22,46 @@ def _load():
     return module
 
 
+def _main() -> ast.FunctionDef:
+    """The script's ``main``, parsed."""
+    return next(node for node in ast.parse(open(PATH).read()).body
+                if isinstance(node, ast.FunctionDef) and node.name == "main")
+
+
 def test_the_script_imports_and_its_main_runs_defined_checks():
     """Every ``check_*`` name ``main`` refers to is a function of the script, and
     ``check_refresh`` is among them."""
     module = _load()
-    main = next(node for node in ast.parse(open(PATH).read()).body
-                if isinstance(node, ast.FunctionDef) and node.name == "main")
+    main = _main()
     named = {node.id for node in ast.walk(main)
              if isinstance(node, ast.Name) and node.id.startswith("check_")}
     assert "check_refresh" in named, sorted(named)
     assert all(callable(getattr(module, name, None)) for name in named), sorted(
         name for name in named if not callable(getattr(module, name, None)))
+
+
+def test_scaleup_check_parts_cover_every_gpu_check():
+    """ci/scaleup.sh's checks-ops, checks-moe and checks-rest parts name every check that
+    ``main`` runs by name (PO_CHECKS), each once: a check added to the script and to none of
+    the parts would never run on 4 or 8 GPUs."""
+    text = open(os.path.join(ROOT, "ci", "scaleup.sh")).read()
+    groups = re.findall(r"\n  checks-\w+\)[^\n]*\n    checks ([\w,]+)\n", text)
+    named = [n for g in groups for n in g.split(",")]
+    assert len(groups) == 3 and len(named) == len(set(named)), groups
+    main = _main()
+    # by name: the checks of a loop whose body tests the name against ``only``, and the names
+    # main itself tests against ``only`` ("gemv", which runs a group of checks)
+
+    def tests_only(node):
+        return any(isinstance(n, ast.Name) and n.id == "only" for n in ast.walk(node))
+
+    runs = {name.id[len("check_"):] for loop in ast.walk(main)
+            if isinstance(loop, ast.For) and isinstance(loop.iter, ast.Tuple)
+            and any(tests_only(n) for n in loop.body) for name in loop.iter.elts}
+    runs |= {node.left.value for node in ast.walk(main) if isinstance(node, ast.Compare)
+             and isinstance(node.left, ast.Constant) and isinstance(node.left.value, str)
+             and any(isinstance(c, ast.Name) and c.id == "only" for c in node.comparators)}
+    assert set(named) == runs, (sorted(runs - set(named)), sorted(set(named) - runs))
 
 
 def _refresh_checks(world, names):
