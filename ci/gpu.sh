@@ -4,7 +4,9 @@
 # benchmarks. Logs and results go to the folder given as $1 (or $OUT).
 #   bash ci/gpu.sh OUTDIR [NPROC]
 # Env: PO_DEVICE_KIND (names the results file), PO_TUNE=1 (sweep launch configs first),
-#      PO_SKIP_CHECKS=1 (all GPU checks; PO_CHECKS_TIMEOUT_S: gpu_checks.py's limit, 720), PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark),
+#      PO_SKIP_CHECKS=1 (all GPU checks; PO_CHECKS_TIMEOUT_S: gpu_checks.py's limit, 720),
+#      PO_SKIP_TORCH_FUSED=1 (torch's fused ops as transports, tests/gpu/check_torch_fused.py),
+#      PO_SKIP_BENCH=1 (GEMV + AllReduce benchmark),
 #      PO_SKIP_A2A=1 / PO_A2A_ARGS (GEMM + All-to-All benchmark), PO_SKIP_AG=1 / PO_AG_ARGS
 #      (AllGather + GEMM benchmark), PO_SKIP_MOE=1 / PO_MOE_ARGS (MoE combine benchmark),
 #      PO_SKIP_MOE_DISPATCH=1 / PO_MOE_DISPATCH_ARGS (MoE dispatch benchmark),
@@ -62,6 +64,11 @@ run() {
 }
 if [ "${PO_SKIP_CHECKS:-0}" != 1 ]; then
   run $(( ${PO_CHECKS_TIMEOUT_S:-720} + 60 )) tests/gpu/gpu_checks.py 2>&1 | tee "$out/checks.log" | grep -E "PASS|FAIL|gpu checks|Error|error" | tail -n 80
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${PO_SKIP_TORCH_FUSED:-0}" != 1 ]; then  # torch's fused ops as transports (32-37 s on 4 H200s)
+  PO_TORCH_FUSED_CHECK_TIMEOUT=200 run 240 tests/gpu/check_torch_fused.py 2>&1 \
+      | tee "$out/check_torch_fused.log" | grep -E "^PASS|^FAIL|checks" | tail -n 20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${PO_SKIP_BENCH:-0}" != 1 ]; then

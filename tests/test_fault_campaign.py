@@ -8,7 +8,7 @@ import os
 import pytest
 
 import portable_overlap as po
-from portable_overlap.testing.campaign import leftovers, run_campaign
+from portable_overlap.testing.campaign import late_errors, leftovers, run_campaign
 
 #: steps per world size: about 195 faulted calls per run together (fault rate 0.65; a fault
 #: with nothing to act on, such as another shape where no size is left to change, is a valid
@@ -51,6 +51,22 @@ def test_fault_campaign(world, request):
     # every op of po.OPS is drawn (8 ops over 120-200 steps)
     reached = {k.split("[")[0] for k in tallies[0]["by_transport"]}
     assert reached == set(po.OPS), (seed, sorted(set(po.OPS) - reached))
+
+
+def test_late_errors_take_the_work_from_the_whole_run():
+    """A timeout is late past twice its bound plus twice the longest valid call of its op,
+    wherever in the run that call came: at an op's first call (no valid call before it) the
+    call's own work under the interpreter is not taken for a late error (8 ranks on 2 cores:
+    55 s for a 15 s bound, behind 20 s of the call's own tiles)."""
+    first = ("step 5 gemv_all_reduce[one_shot]", ("gemv_all_reduce", "one_shot"), 55.0, 15.0, "m")
+    assert late_errors([first], {}) and "after 55.00 s" in late_errors([first], {})[0]
+    # a valid call later in the run of the same op (any transport) measures the work
+    assert late_errors([first], {"gemv_all_reduce": 12.0}) == []
+    assert late_errors([first], {("gemv_all_reduce", "one_shot"): 12.0}) == []
+    # another op's work excuses nothing, and a timeout past even that bound is late
+    assert len(late_errors([first], {"moe_dispatch": 60.0})) == 1
+    assert len(late_errors([first], {"gemv_all_reduce": 5.0})) == 1
+    assert late_errors([first[:2] + (30.0,) + first[3:]], {}) == []
 
 
 def _die_mid_call(world, victim, timeout_s):

@@ -33,7 +33,7 @@ fault                 what the faulty rank does; what every rank must see
 
 Checked on every rank and call: no call returns a result that differs from the torch reference
 (outputs are poisoned with NaN first), no error arrives later than twice the timeout (beyond
-the time the call's own work takes, measured on the valid calls of the same op and transport),
+the time the call's own work takes, measured on the valid calls of the same op over the run),
 and the library's segments and file descriptors are all gone once the contexts are closed.
 Kills (a rank that dies mid-call or during set-up) end a world, so they are separate tests
 (tests/test_lifecycle.py, tests/test_fault_campaign.py). A problem names its seed, step, op,
@@ -145,6 +145,21 @@ def _outcome(fn) -> tuple:
         return type(e).__name__, e, time.monotonic() - t0
 
 
+def late_errors(timeouts: list, work: dict) -> list:
+    """The PeerTimeoutErrors of ``timeouts`` ((where, (op, transport), seconds taken, the
+    wait's bound, message) each) that came later than twice the bound plus twice the call's
+    own work, taken as the longest valid call of its op over the whole run (shapes are drawn
+    at every step; an op's first call has none before it), and a second for the
+    interpreter's start-up of a new shape. ``work``: (op, transport) and op -> seconds."""
+    late = []
+    for where, key, took, wait_s, message in timeouts:
+        busy = max(work.get(key, 0.0), work.get(key[0], 0.0))
+        if took > 2 * wait_s + 2 * busy + 1.0:
+            late.append(f"{where}: PeerTimeoutError after {took:.2f} s (wait {wait_s} s, "
+                        f"work {busy:.2f} s): {message}")
+    return late
+
+
 def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
                  timeout_s: float = 1.0, ops: Optional[list] = None, max_dim: int = 12,
                  leave_out: tuple = (), agreement_s: Optional[float] = None,
@@ -164,6 +179,7 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
         raise ValueError(f"run_campaign: no op named {unknown}; the ops are {sorted(cases)}")
     ctxs: dict = {}  # (op, transport) -> (context, its sizes)
     work: dict = {}  # (op, transport) and op -> this rank's longest valid call
+    timeouts: list = []  # this rank's PeerTimeoutErrors, for late_errors
     tally = Tally()
     rank, W = world.rank, world.world_size
 
@@ -273,12 +289,9 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
                 # a call's agreement waits at least planner.EXCHANGE_MIN_S
                 wait_s = (max(planner.EXCHANGE_MIN_S, timeout_s) if "agreement" in str(value)
                           else timeout_s)
-                # the call's own work, as the longest valid call of its op (shapes are drawn
-                # at every step), and a second for the interpreter's start-up of a new shape
-                busy = max(work.get(key, 0.0), work.get(name, 0.0))
-                if took > 2 * wait_s + 2 * busy + 1.0:
-                    tally.late.append(f"{where}: PeerTimeoutError after {took:.2f} s (wait "
-                                      f"{wait_s} s, work {busy:.2f} s): {str(value)[:300]}")
+                # judged once the run is over (late_errors): an op's first call has no
+                # valid call of its own to measure the work by
+                timeouts.append((where, key, took, wait_s, str(value)[:300]))
             allowed = _allowed(fault, mine)
             if kind not in allowed:
                 tally.unexpected.append(f"{where}: {kind} ({str(value)[:300]}), expected one "
@@ -293,6 +306,7 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
                 if fault != "closed":
                     ctx.close()
                 ctxs[key] = (make(entry, transport, sizes), sizes)
+        tally.late += late_errors(timeouts, work)
     finally:
         planner.EXCHANGE_MIN_S = floor
         for ctx, _ in ctxs.values():
