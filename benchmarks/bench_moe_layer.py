@@ -86,7 +86,7 @@ def down_tile(spec: str):
 
 
 def body(bench) -> int:
-    world, args = bench.world, bench.args
+    args = bench.args
     for dname in args.dtypes:
         for sh in args.shapes:
             one_shape(bench, dname, torch_dtype(dname),

@@ -53,9 +53,9 @@ class StatusBoard:
             # a wait for this rank's own word waits for another program of the same launch,
             # which never comes where programs run one after another or the grid is not
             # resident: "rank r never arrived" would send the user after a healthy rank
-            why = (f"this rank's own flag: where another program of the same launch sets it, "
-                   f"the wait needs every program resident at once (at most ws.sm_count, "
-                   f"never under the CPU interpreter)" if peer == rank else
+            why = ("this rank's own flag: where another program of the same launch sets it, "
+                   "the wait needs every program resident at once (at most ws.sm_count, "
+                   "never under the CPU interpreter)" if peer == rank else
                    f"rank {peer} never arrived (did it skip this call, or crash?)")
             if code == STATUS_TIMEOUT and (expected >> _COUNT_BIT) & 1:  # pol.wait_count
                 who = f"rank {peer}" if peer >= 0 else "its peers"
