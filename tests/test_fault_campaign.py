@@ -8,7 +8,7 @@ import os
 import pytest
 
 import portable_overlap as po
-from portable_overlap.testing.campaign import late_errors, leftovers, run_campaign
+from portable_overlap.testing.campaign import call_clock, late_errors, leftovers, run_campaign
 
 #: steps per world size: about 195 faulted calls per run together (fault rate 0.65; a fault
 #: with nothing to act on, such as another shape where no size is left to change, is a valid
@@ -67,6 +67,22 @@ def test_late_errors_take_the_work_from_the_whole_run():
     assert len(late_errors([first], {"moe_dispatch": 60.0})) == 1
     assert len(late_errors([first], {"gemv_all_reduce": 5.0})) == 1
     assert late_errors([first[:2] + (30.0,) + first[3:]], {}) == []
+
+
+def test_calls_are_judged_on_the_clock_the_waits_are_bounded_by():
+    """Under the interpreter a wait's bound is the rank's CPU time (backends/device_clock.py):
+    with 8 emulated ranks on 2 cores, 7 ranks spinning for a missing peer stretch a 15 s bound
+    to 75-140 s of wall time. The campaign judges those calls on CPU time there, on GPUs on
+    the wall clock."""
+    import time
+    import types
+
+    cpu = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
+    gpu = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    assert call_clock(cpu) == ("CPU", time.process_time)
+    assert call_clock(gpu) == ("wall", time.monotonic)
+    [msg] = late_errors([("w", ("op", "t"), 40.0, 15.0, "m")], {}, "CPU")
+    assert "40.00 s of CPU time" in msg
 
 
 def _die_mid_call(world, victim, timeout_s):

@@ -33,7 +33,8 @@ fault                 what the faulty rank does; what every rank must see
 
 Checked on every rank and call: no call returns a result that differs from the torch reference
 (outputs are poisoned with NaN first), no error arrives later than twice the timeout (beyond
-the time the call's own work takes, measured on the valid calls of the same op over the run),
+the time the call's own work takes, measured on the valid calls of the same op over the run;
+both on the clock the waits are bounded by: the rank's CPU time under the interpreter),
 and the library's segments and file descriptors are all gone once the contexts are closed.
 Kills (a rank that dies mid-call or during set-up) end a world, so they are separate tests
 (tests/test_lifecycle.py, tests/test_fault_campaign.py). A problem names its seed, step, op,
@@ -145,19 +146,31 @@ def _outcome(fn) -> tuple:
         return type(e).__name__, e, time.monotonic() - t0
 
 
-def late_errors(timeouts: list, work: dict) -> list:
+def late_errors(timeouts: list, work: dict, clock: str = "wall") -> list:
     """The PeerTimeoutErrors of ``timeouts`` ((where, (op, transport), seconds taken, the
     wait's bound, message) each) that came later than twice the bound plus twice the call's
     own work, taken as the longest valid call of its op over the whole run (shapes are drawn
     at every step; an op's first call has none before it), and a second for the
-    interpreter's start-up of a new shape. ``work``: (op, transport) and op -> seconds."""
+    interpreter's start-up of a new shape. ``work``: (op, transport) and op -> seconds.
+    ``clock``: the clock both were measured on, named in the message (``call_clock``)."""
     late = []
     for where, key, took, wait_s, message in timeouts:
         busy = max(work.get(key, 0.0), work.get(key[0], 0.0))
         if took > 2 * wait_s + 2 * busy + 1.0:
-            late.append(f"{where}: PeerTimeoutError after {took:.2f} s (wait {wait_s} s, "
-                        f"work {busy:.2f} s): {message}")
+            late.append(f"{where}: PeerTimeoutError after {took:.2f} s of {clock} time (wait "
+                        f"{wait_s} s, work {busy:.2f} s): {message}")
     return late
+
+
+def call_clock(world) -> tuple:
+    """(name, clock) of the clock a call's time is judged on: the one the library's waits are
+    bounded by. On GPUs the device's wall clock; under the interpreter the rank's CPU time
+    (``backends.device_clock``): with more emulated ranks than cores, the ranks that spin for
+    a missing peer share the cores and their wall time stretches (8 ranks on 2 busy cores:
+    75-140 s of wall time for a 15 s bound, each within it in CPU time)."""
+    if world.device.type == "cpu":
+        return "CPU", time.process_time
+    return "wall", time.monotonic
 
 
 def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
@@ -180,6 +193,7 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
     ctxs: dict = {}  # (op, transport) -> (context, its sizes)
     work: dict = {}  # (op, transport) and op -> this rank's longest valid call
     timeouts: list = []  # this rank's PeerTimeoutErrors, for late_errors
+    clock_name, clock = call_clock(world)
     tally = Tally()
     rank, W = world.rank, world.world_size
 
@@ -266,7 +280,9 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
                 time.sleep(timeout_s)  # the peers wait for a call that never comes
                 kind, value, took = "skipped", None, 0.0
             else:
+                c0 = clock()
                 kind, value, took = _outcome(run)
+                took = clock() - c0  # (the wall time _outcome measured, on GPUs)
                 if mine and fault == "raise_after" and kind == "returned":
                     try:
                         raise RuntimeError("the caller's own code failed after the call")
@@ -306,7 +322,7 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
                 if fault != "closed":
                     ctx.close()
                 ctxs[key] = (make(entry, transport, sizes), sizes)
-        tally.late += late_errors(timeouts, work)
+        tally.late += late_errors(timeouts, work, clock_name)
     finally:
         planner.EXCHANGE_MIN_S = floor
         for ctx, _ in ctxs.values():
