@@ -610,10 +610,11 @@ def test_layer_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world2
             assert got[1].startswith("ExpertParallelMoE: "), got
 
 
-def _bad_tokens_on_one_rank(world, schedule):
-    """Rank 1 passes tokens of the wrong dtype, rank 0 good ones, then both good ones: (error
-    type, message, seconds) of the first call on this rank, and the second call's relative
-    error against the torch path."""
+def _bad_tokens_on_one_rank(world, schedule, bad="dtype"):
+    """Rank 1 passes tokens of the wrong dtype (``bad="dtype"``) or on the meta device
+    (``"device"``), rank 0 good ones, then both good ones: (error type, message, seconds) of
+    the first call on this rank, and the second call's relative error against the torch
+    path."""
     import time
 
     from portable_overlap import ExpertParallelMoE
@@ -630,7 +631,8 @@ def _bad_tokens_on_one_rank(world, schedule):
         with torch.no_grad():
             t0 = time.monotonic()
             try:
-                layer(first.double() if r == 1 else first)
+                spoilt = first.double() if bad == "dtype" else first.to("meta")
+                layer(spoilt if r == 1 else first)
                 out = ("no error", "", 0.0)
             except Exception as e:
                 out = (type(e).__name__, str(e), time.monotonic() - t0)
@@ -654,6 +656,17 @@ def test_tokens_refused_on_one_rank_fail_the_call_on_every_rank(world2, schedule
     assert mine[0] == "PeerTimeoutError" and ("rank 1 gave up" in mine[1]
                                               or "rank(s) [1] gave up" in mine[1]), mine
     assert mine[2] < 8.0, mine  # (the contexts' timeout is 10 s)
+    assert err0 < 1e-5 and err1 < 1e-5, (err0, err1)
+
+
+def test_tokens_on_a_device_autocast_does_not_know_fail_the_call_on_every_rank(world2):
+    """Meta tokens on rank 1: torch's autocast query raised a bare RuntimeError for them
+    before the layer's check, so rank 0 paired the call with rank 1's next one. The check
+    names the device and refuses the call on every rank."""
+    (mine, err0), (peer, err1) = world2.run(_bad_tokens_on_one_rank, "staged", "device",
+                                            timeout=120)
+    assert peer[0] == "TypeError" and "meta" in peer[1], peer
+    assert mine[0] == "PeerTimeoutError" and "gave up" in mine[1], mine
     assert err0 < 1e-5 and err1 < 1e-5, (err0, err1)
 
 
@@ -770,6 +783,7 @@ def _copies(world):
     fused = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,
                               dtype=torch.float32)
     try:
+        msgs.append(repr(fused))  # (the layer's sizes, as the other layers print theirs)
         for copier in (copy.deepcopy, pickle.dumps):
             try:
                 copier(fused)
@@ -797,7 +811,9 @@ def _copies(world):
 
 
 def test_a_fused_layer_refuses_copies_by_name(world2):
-    for msgs, same in world2.run(_copies):
+    for (shown, *msgs), same in world2.run(_copies):
+        assert shown == ("ExpertParallelMoE(hidden=8, intermediate=6, num_experts=4, top_k=2, "
+                         "world=2, schedule=staged)"), shown
         assert all(m.startswith("ExpertParallelMoE: a fused layer cannot be copied")
                    and "load_state_dict" in m for m in msgs), msgs
         assert same

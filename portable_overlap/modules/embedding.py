@@ -15,11 +15,12 @@ from ..ops.context import check_sizes
 from ..ops.embedding_alltoall.tables import POOLINGS, RankTables, even_splits
 from ..world import collective_setup
 from .agreement import same_arguments
+from .copying import FusedLayerState
 
 NAME = "ShardedEmbeddingBagCollection"
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(FusedLayerState, nn.Module):
     """T embedding tables of width D, table t (``num_embeddings[t]`` rows) held whole by rank
     ``plan.table_ranks[t]``; this rank's tables are packed in one parameter ``weight``
     (``[sum of local rows, D]``, see :class:`ShardingPlan`). Forward::

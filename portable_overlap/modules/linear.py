@@ -20,6 +20,7 @@ from ..ops.matmul_reduce import (MatmulAllReduce, MatmulReduceScatter, matmul_al
                                  matmul_reduce_scatter)
 from ..world import collective_setup
 from .agreement import kind, same_arguments
+from .copying import FusedLayerState
 
 REDUCES = ("all_reduce", "reduce_scatter")
 
@@ -81,11 +82,25 @@ def _autocast(x, weight: torch.Tensor, bias: Optional[torch.Tensor]):
     input's device type, cast to the autocast dtype, as ``nn.Linear``'s product is there (the
     parameters keep their dtype; autograd takes the gradients back through the casts), else as
     they are."""
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and \
-            torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = autocast_dtype(x)
+    if dtype is not None:
         return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
     return x, weight, bias
+
+
+def autocast_dtype(x) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` computes a floating-point tensor ``x`` in, or None where
+    it is off for ``x``'s device type (or ``x`` is no floating-point tensor). A device type
+    autocast does not know (``meta``) counts as off: torch raises a bare ``RuntimeError``
+    there, before the layer's own check of the input's device, whose refusal tells the peers
+    (they would otherwise pair the call with this rank's next one)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    try:
+        on = torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(x.device.type) if on else None
 
 
 def _check_input(name: str, x, weight: torch.Tensor) -> None:
@@ -258,7 +273,7 @@ def _recording(module: nn.Module, x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (module.weight.requires_grad or x.requires_grad)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(FusedLayerState, nn.Module):
     """Row-parallel linear (Megatron tensor parallelism): rank r holds columns
     ``[r * in_features / W, (r + 1) * in_features / W)`` of the full ``[out, in]`` weight (its
     K-slice, ``self.weight``) and receives the matching slice ``x_r`` of the input activations.
@@ -470,7 +485,7 @@ class RowParallelLinear(nn.Module):
                 f"world={self.world.world_size}, reduce={self.reduce}, fused={self.fused}")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(FusedLayerState, nn.Module):
     """Sequence-parallel column-parallel linear: rank r holds its ``[r * S/W, (r+1) * S/W)``
     rows of the input and rows ``[r * out/W, (r+1) * out/W)`` of the weight, and gets
     ``all_gather(x)[...] @ W_rᵀ + bias_r``, i.e. all ``S`` rows of its ``out_features / world``

@@ -42,6 +42,8 @@ from ..ops.context import check_sizes, refuse_call
 from ..world import collective_setup
 from .agreement import kind, same_arguments
 from .moe_backward import MoeLayerFunction
+from .copying import FusedLayerState
+from .linear import autocast_dtype
 
 NAME = "ExpertParallelMoE"
 
@@ -76,7 +78,7 @@ def _check_ctx(ctx, world, fused, one_launch, hidden, top_k, experts_per_rank,
                          f"'stores' or 'auto'")
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(FusedLayerState, nn.Module):
     """The expert-parallel MoE feed-forward layer of the module docstring: ``num_experts``
     experts split evenly over the ranks, ``top_k`` of them per token; ``forward(tokens)`` takes
     this rank's ``[S, hidden]`` tokens of the layer's dtype (under ``torch.autocast``, tokens of
@@ -162,18 +164,13 @@ class ExpertParallelMoE(nn.Module):
                 self._h = torch.empty((self.dispatch_ctx.capacity, intermediate), dtype=dtype,
                                       device=dev)
 
-    def __getstate__(self):
-        """What ``copy.deepcopy`` and ``pickle`` (``torch.save(layer)``) copy: the torch path's
-        state; a fused layer raises ``TypeError``. Its dispatch and combine contexts hold memory
-        that every rank maps together (symmetric heap, flags), which a copy on one rank cannot
-        make; pickle would stop at their locks, with a message that names neither the layer
-        nor a way out."""
-        if self.fused:
-            raise TypeError(f"{NAME}: a fused layer cannot be copied or pickled (its contexts' "
-                            f"symmetric memory is made by every rank together): make another "
-                            f"layer with the same arguments on every rank and copy the weights "
-                            f"with new.load_state_dict(layer.state_dict())")
-        return super().__getstate__()
+    def extra_repr(self) -> str:
+        schedule = ("torch path" if not self.fused else "one launch" if self.one_launch
+                    else "fused dispatch" if self.fuse_dispatch else "staged")
+        E, H, intermediate = self.w_gate.shape
+        return (f"hidden={H}, intermediate={intermediate}, "
+                f"num_experts={E * self.world.world_size}, top_k={self.top_k}, "
+                f"world={self.world.world_size}, schedule={schedule}")
 
     def route(self, tokens):
         scores = torch.softmax((tokens @ self.router.T).float(), dim=-1)
@@ -181,8 +178,7 @@ class ExpertParallelMoE(nn.Module):
         return w / w.sum(-1, keepdim=True), ids
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if isinstance(tokens, torch.Tensor) and tokens.is_floating_point() and \
-                torch.is_autocast_enabled(tokens.device.type):
+        if autocast_dtype(tokens) is not None:
             # under torch.autocast the layer computes in its own dtype, the one its fused
             # contexts were made for: tokens of another (the fp32 residual stream) are cast
             tokens = tokens.to(self.router.dtype)
