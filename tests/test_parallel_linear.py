@@ -708,3 +708,41 @@ def test_a_fused_layer_refuses_copies_by_name(world2):
             assert all(m.startswith(f"{name}: a fused layer cannot be copied")
                        and "load_state_dict" in m for m in msgs), (name, msgs)
             assert same, name
+
+
+def _rows_on_both_sides_of_the_gemv(world):
+    """Rank 0 calls the layer with 3 rows (GEMV + AllReduce, which waits 30 s for a peer),
+    rank 1 with 70 (the GEMM op, which waits 2 s) and then with 3: rank 1's second call pairs
+    with rank 0's first in the GEMV op, a call of another step. (error type, message) per call
+    on this rank."""
+    from portable_overlap import GemvAllReduce, MatmulAllReduce
+
+    W, r = world.world_size, world.rank
+    ctx = GemvAllReduce(world, max_n=N, timeout_s=30.0)
+    reduce_ctx = MatmulAllReduce(world, 80, N, timeout_s=2.0)
+    mod = RowParallelLinear(K, N, world, dtype=torch.float32, ctx=ctx, reduce_ctx=reduce_ctx)
+    g = torch.Generator().manual_seed(3 + r)
+    calls = [3] if r == 0 else [70, 3]
+    found = []
+    with torch.no_grad():
+        for rows in calls:
+            try:
+                mod(torch.randn(rows, K // W, generator=g))
+                found.append(("no error", ""))
+            except Exception as e:
+                found.append((type(e).__name__, str(e)))
+    for c in (mod, ctx, reduce_ctx):
+        c.close()
+    return found
+
+
+def test_a_call_pairing_with_a_peers_call_of_another_step_raises(world2):
+    """The layer picks its op by each rank's own rows: rank 0's GEMV call waited while rank 1's
+    GEMM call gave up, and rank 1's next call, in the GEMV op, returned the sum of rank 0's
+    first step and its own second on both ranks, with no error. The ops' flags carry each
+    layer's count of op changes (1 on rank 0, 2 for rank 1's second call): both raise
+    ``RankMismatchError`` naming it."""
+    mine, peer = world2.run(_rows_on_both_sides_of_the_gemv, timeout=300)
+    assert mine[0][0] == "RankMismatchError" and "op_changes" in mine[0][1], mine
+    assert peer[0][0] == "PeerTimeoutError", peer
+    assert peer[1][0] == "RankMismatchError" and "op_changes" in peer[1][1], peer

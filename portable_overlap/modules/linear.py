@@ -371,6 +371,8 @@ class RowParallelLinear(FusedLayerState, nn.Module):
             self.ctx = GemvAllReduce(world, max_n=out_features)
             self._owned.append(self.ctx)
         self.reduce_ctx = reduce_ctx
+        # the op the last call ran (by its rows) and how often that changed (_count_op_change)
+        self._path, self._op_changes = None, 0
         if reduce_ctx is None and fused and max_rows is not None:
             make = MatmulReduceScatter if reduce == "reduce_scatter" else MatmulAllReduce
             self.reduce_ctx = make(world, max_rows, out_features)
@@ -380,6 +382,7 @@ class RowParallelLinear(FusedLayerState, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, weight, bias = _autocast(x, self.weight, self.bias)
+        self._count_op_change(x)
         try:
             self._check(x, weight)
         except (TypeError, ValueError) as e:
@@ -392,9 +395,11 @@ class RowParallelLinear(FusedLayerState, nn.Module):
         x2 = x.reshape(-1, k)
         rows = x2.shape[0]
         if self.fused and rows <= MAX_M:
+            self._salt(self.ctx)
             y = self._fused(x, x2, weight,
                             lambda a, w: gemv_all_reduce(a.contiguous(), w, self.ctx))
         elif self.fused and self.reduce_ctx is not None:
+            self._salt(self.reduce_ctx)
             y = self._fused(x, x2, weight, lambda a, w: matmul_all_reduce(a.contiguous(), w.T,
                                                                           self.reduce_ctx))
         else:
@@ -406,6 +411,31 @@ class RowParallelLinear(FusedLayerState, nn.Module):
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, self.out_features)
+
+    def _count_op_change(self, x) -> None:
+        """Count a call whose rows take another op than the call before (GEMV + AllReduce up
+        to 64 rows, the GEMM op or the collective library past them), before any check, as
+        every peer with these rows counts it. The fused ops' flags carry the count
+        (``PatternContext.call_salt``): ranks whose rows fell on both sides of 64 in some call
+        wait in different ops, and where one of them gives up and its next call goes to the
+        op its peer still waits in, the two calls belong to different steps, and their counts
+        differ, so both raise ``RankMismatchError``, where the peer summed this rank's next
+        step into its own. Under ``torch.compile`` the traced graph keeps its op and nothing
+        is counted (an attribute that changes would retrace it)."""
+        if not self.fused or self.reduce != "all_reduce" or not isinstance(x, torch.Tensor) \
+                or x.dim() < 1 or torch.compiler.is_compiling():
+            return
+        rows = math.prod(x.shape[:-1])
+        path = 0 if rows <= MAX_M else 1 if self.reduce_ctx is not None else 2
+        if path != self._path:
+            self._path = path
+            self._op_changes += 1
+
+    def _salt(self, ctx) -> None:
+        """The context's calls carry this layer's count of op changes (``_count_op_change``);
+        set where it differs (a context shared by layers with the same history keeps it)."""
+        if ctx.call_salt != self._op_changes and not torch.compiler.is_compiling():
+            ctx.call_salt = self._op_changes
 
     def _check(self, x, weight: torch.Tensor) -> None:
         """The module's own checks of an input, before any op runs (``weight``: the weight the

@@ -260,19 +260,31 @@ class ContextBase:
     #: (``PatternContext.records_grad`` sets it): the fused transports' calls carry it in their
     #: flags' tag (``call_tag``)
     records_grad = False
+    #: the layer's count of its path changes (``PatternContext.call_salt`` sets it): the fused
+    #: transports' calls carry it in their flags' tag (``call_tag``); 0 outside a layer
+    call_salt = 0
 
     def call_tag(self, tag: int) -> int:
         """The tag a call of a plan tagged ``tag`` carries: the plan's fields and, where
         autograd records the call, ``records_grad=True`` (``call_tags.tag_with``), so ranks
         that differ in it raise ``RankMismatchError`` in that call (the module's backward holds
-        collectives on every rank: ranks that differ would wait there for ever). ``tag``
-        itself otherwise, so the call costs one attribute read."""
-        if not self.records_grad:
+        collectives on every rank: ranks that differ would wait there for ever); and where a
+        layer set it, its ``call_salt`` (a layer that runs several ops by the input's rows
+        counts its changes of op, so a rank whose call pairs with a peer's call of another
+        step, which went to another op on one of them, is caught: ``RowParallelLinear``).
+        ``tag`` itself otherwise, so the call costs two attribute reads."""
+        grad, salt = self.records_grad, self.call_salt
+        if not grad and not salt:
             return tag
-        tags = self.__dict__.setdefault("_grad_tags", {})
-        got = tags.get(tag)
+        tags = self.__dict__.setdefault("_call_tags", {})
+        got = tags.get((tag, grad, salt))
         if got is None:
-            got = tags[tag] = tag_with(tag, records_grad=True)
+            if len(tags) >= 4096:  # (a layer that changes op at every step: a new salt each)
+                tags.clear()
+            more = {"records_grad": True} if grad else {}
+            if salt:
+                more["op_changes"] = salt
+            got = tags[(tag, grad, salt)] = tag_with(tag, **more)
         return got
 
     def register(self) -> None:

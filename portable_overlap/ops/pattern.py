@@ -140,6 +140,7 @@ class PatternContext:
                                      f"{unavailable[transport]}")
         self.impl, self.planner = None, None
         self._records_grad = False
+        self._call_salt = 0
         if transport == AUTO:
             self.planner = TransportPlanner(self, timeout_s, unavailable, **options)
         else:
@@ -253,6 +254,24 @@ class PatternContext:
         impls = self.planner.impls.values() if self.planner is not None else [self.impl]
         for impl in impls:
             impl.records_grad = self._records_grad
+
+    @property
+    def call_salt(self) -> int:
+        """A number the fused transports' calls carry in their flags' tag (0: none), which a
+        layer sets before each call: ``RowParallelLinear`` runs GEMV + AllReduce or a GEMM op
+        by each rank's own rows and sets its count of changes between them, so that where
+        ranks' rows fall on both sides of the GEMV's 64 rows, a rank's call that pairs with a
+        peer's call of another step raises ``RankMismatchError`` instead of returning a sum
+        over two steps (``ContextBase.call_tag``). Not in ``"auto"``'s call keys (no new
+        timing per change); ``"sequential"`` and ``"torch_fused"`` carry no tag."""
+        return self._call_salt
+
+    @call_salt.setter
+    def call_salt(self, value: int) -> None:
+        self._call_salt = int(value)
+        impls = self.planner.impls.values() if self.planner is not None else [self.impl]
+        for impl in impls:
+            impl.call_salt = self._call_salt
 
     @contextlib.contextmanager
     def recording(self):

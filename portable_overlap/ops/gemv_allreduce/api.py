@@ -126,11 +126,12 @@ class GemvAllReduceKernel(OverlapContext):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(x, w, out, config or self.config)
+        tag = self.call_tag(plan.tag)  # (a layer's count of op changes: ContextBase.call_tag)
         if plan.compiled is None:  # the interpreter maps tensors, not addresses
-            plan(self._args(x, w, out, plan.tag, plan.n_blocks, plan.programs))
+            plan(self._args(x, w, out, tag, plan.n_blocks, plan.programs))
         else:
             plan((xp, wp, op, *self._heap_ptrs, M, N, K, sx, sw, plan.n_blocks,
-                  plan.programs, plan.tag, self._half))
+                  plan.programs, tag, self._half))
         return out
 
     def _args(self, x, w, out, tag, n_blocks, programs):
