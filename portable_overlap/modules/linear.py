@@ -434,7 +434,7 @@ class RowParallelLinear(FusedLayerState, nn.Module):
     def _salt(self, ctx) -> None:
         """The context's calls carry this layer's count of op changes (``_count_op_change``);
         set where it differs (a context shared by layers with the same history keeps it)."""
-        if ctx.call_salt != self._op_changes and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and ctx.call_salt != self._op_changes:
             ctx.call_salt = self._op_changes
 
     def _check(self, x, weight: torch.Tensor) -> None:

@@ -282,7 +282,7 @@ def run_campaign(world, seed: int, steps: int, *, fault_rate: float = 0.65,
             else:
                 c0 = clock()
                 kind, value, took = _outcome(run)
-                took = clock() - c0  # (the wall time _outcome measured, on GPUs)
+                took = clock() - c0  # on the clock the waits are bounded by (call_clock)
                 if mine and fault == "raise_after" and kind == "returned":
                     try:
                         raise RuntimeError("the caller's own code failed after the call")
