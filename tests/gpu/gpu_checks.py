@@ -1299,6 +1299,13 @@ def check_compile_graphs(world: World, gen, calls: int = 6) -> None:
 
     import portable_overlap as po
 
+    if not host_collectives_captured(world):
+        # "auto" times its candidates in graph replays at a shape's first call, inside the
+        # trees' warm-up; a capture of gloo's collective ("sequential") fails there and leaves
+        # its allocation in the trees' pool, which they then refuse (two ranks on one H100)
+        LOG.skip("torch.compile(mode='reduce-overhead') of the ops and layers",
+                 "the host group's collectives (gloo) cannot be captured")
+        return
     # a failure names where each tensor left in the trees' pool was made
     inductor_config.triton.cudagraph_trees_history_recording = True
     dev, dt, W, r = world.device, torch.bfloat16, world.world_size, world.rank
