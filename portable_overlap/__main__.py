@@ -26,11 +26,21 @@ def main(argv=None) -> int:
             print(f"{ap.prog} env: error: {e}", file=sys.stderr)
             return 2
         return 0
+    from .backends import get_backend
     from .demo import run_demo
+    from .env_report import override_errors
+    from .errors import BackendUnavailable
 
     try:
+        # the overrides first, in this process: a bad one raised in every rank's process
+        # (two tracebacks and exit 1, the code of a wrong result), and the ranks' emulated
+        # backend hid a forced one that cannot run here
+        errors = override_errors()
+        if errors:
+            raise ValueError("; ".join(str(e) for _, e in errors))
+        get_backend()
         return run_demo(force_cpu=args.cpu, ranks=args.ranks)
-    except ValueError as e:  # more ranks than run here: its message, no trace
+    except (BackendUnavailable, ValueError) as e:  # its message, no trace
         print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
 

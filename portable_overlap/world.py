@@ -271,6 +271,11 @@ def collective_setup(init):
         world = next((a for a in (*args, *kwargs.values()) if isinstance(a, World)), None)
         before = None if world is None else world.collectives
         try:
+            if world is not None:
+                # the device's facts read the library's overrides (PORTABLE_OVERLAP_CPU_SLOTS,
+                # ...): one refused on this rank alone raises here, before any collective, so
+                # the peers are told, where read later (a transport's plan) it left them waiting
+                world.facts
             init(self, *args, **kwargs)
         except Exception as e:
             if world is not None and world.world_size > 1 and world.collectives == before:

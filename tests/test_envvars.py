@@ -115,3 +115,34 @@ def test_making_a_world_reports_a_misspelt_variable():
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("PORTABLE_OVERLAP_CPU_SLOT is set") == 1, out.stderr
     assert "did you mean PORTABLE_OVERLAP_CPU_SLOTS?" in out.stderr, out.stderr
+
+
+def _override_bad_on_one_rank(world):
+    """Rank 1's PORTABLE_OVERLAP_CPU_SLOTS is not a number; each rank makes a context of two
+    ops (a transport's plan read the device's facts after the context's first collective,
+    where rank 1's error left rank 0 waiting in the heap's allocation). (error type, message)
+    per context on this rank."""
+    import portable_overlap as po
+
+    found = []
+    for make in (lambda: po.MatmulReduceScatter(world, 48, 64, transport="stores"),
+                 lambda: po.GemvAllReduce(world, 64, transport="stores")):
+        world.__dict__.pop("_facts", None)  # (read again: as in a fresh process)
+        if world.rank == 1:
+            os.environ["PORTABLE_OVERLAP_CPU_SLOTS"] = "abc"
+        try:
+            make().close()
+            found.append(("made", ""))
+        except Exception as e:
+            found.append((type(e).__name__, str(e)))
+        finally:
+            os.environ.pop("PORTABLE_OVERLAP_CPU_SLOTS", None)
+            world.__dict__.pop("_facts", None)
+    return found
+
+
+def test_an_override_refused_on_one_rank_is_told_to_its_peers(world2):
+    mine, peer = world2.run(_override_bad_on_one_rank, timeout=120)
+    for (kind0, msg0), (kind1, msg1) in zip(mine, peer):
+        assert kind1 == "ValueError" and "PORTABLE_OVERLAP_CPU_SLOTS" in msg1, (kind1, msg1)
+        assert kind0 == "PeerSetupError" and "PORTABLE_OVERLAP_CPU_SLOTS" in msg0, (kind0, msg0)

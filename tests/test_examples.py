@@ -179,6 +179,23 @@ def test_prefill_refuses_a_sequence_the_ranks_cannot_split():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("name,value,says", [
+    ("PORTABLE_OVERLAP_CPU_SLOTS", "abc", "must be an integer"),
+    ("PORTABLE_OVERLAP_BACKEND", "bogus", "names no backend"),
+])
+def test_main_demo_refuses_a_bad_override_as_env_does(name, value, says):
+    """A bad override raised in every rank's process (two tracebacks, exit 1: the code of a
+    wrong result), and a forced backend was replaced by the ranks' emulated one and ignored;
+    the demo now checks the overrides as ``env`` does: exit 2 and the variable's name."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env[name] = value
+    out = subprocess.run([sys.executable, "-m", "portable_overlap", "demo", "--cpu"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert name in out.stderr and says in out.stderr and "Traceback" not in out.stderr, \
+        out.stderr
+
+
 def test_main_demo_refuses_more_emulated_ranks_than_one_machine_runs():
     """``--ranks 99999`` on a machine without that many GPUs started emulated ranks until the
     machine's open-file limit ended the demo with a traceback."""

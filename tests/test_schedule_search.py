@@ -274,3 +274,27 @@ def _curve(world):
 def test_comm_curve_on_emulated_ranks(world2):
     for curve in world2.run(_curve):
         assert [b for b, _ in curve] == [1 << 10, 1 << 14] and all(t > 0 for _, t in curve)
+
+
+def _decide_cache_refused_on_one_rank(world, tmp):
+    """``$PORTABLE_OVERLAP_TUNING_CACHE`` names a folder on rank 1 only, and ``decide`` takes
+    the cache it names: rank 1's refusal came before the decision's collective, where rank 0
+    then waited for ever. (error type, message) on this rank."""
+    import os
+
+    if world.rank == 1:
+        os.environ["PORTABLE_OVERLAP_TUNING_CACHE"] = tmp + os.sep
+    try:
+        decide(world, "k", lambda: [7])
+        return "decided", ""
+    except Exception as e:
+        return type(e).__name__, str(e)
+    finally:
+        os.environ.pop("PORTABLE_OVERLAP_TUNING_CACHE", None)
+
+
+def test_a_tuning_cache_refused_on_one_rank_raises_on_every_rank(world2, tmp_path):
+    mine, peer = world2.run(_decide_cache_refused_on_one_rank, str(tmp_path), timeout=120)
+    assert peer[0] == "ValueError" and "PORTABLE_OVERLAP_TUNING_CACHE" in peer[1], peer
+    assert mine[0] == "PeerSetupError" and "rank 1" in mine[1] and \
+        "PORTABLE_OVERLAP_TUNING_CACHE" in mine[1], mine

@@ -51,6 +51,21 @@ def test_a_link_at_the_cache_path_is_neither_read_nor_written(tmp_path, victim):
     assert path.is_symlink() and json.loads(victim.read_text()) == {"k": "planted"}
 
 
+def test_a_fifo_at_the_cache_path_is_neither_read_nor_replaced(tmp_path):
+    """A path that is no regular file (a FIFO here; a device node such as /dev/null, set to
+    turn the cache off, alike): the atomic write renamed a private file over it, which for
+    /dev/null as root would replace the machine's node."""
+    path = tmp_path / "tuning.fifo"
+    os.mkfifo(path)
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        cache = TuningCache(str(path))
+    with pytest.warns(RuntimeWarning, match="not a regular file.*kept in this process"):
+        cache.put("k", 1)
+    assert cache.get("k") == 1  # the decision is still used in this process
+    assert stat.S_ISFIFO(os.stat(path).st_mode)
+    assert os.listdir(tmp_path) == ["tuning.fifo"]
+
+
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff\xfe", "", '{"k": [1',
                                   "[" * 100_000])  # (the last: a RecursionError in the parser)
 def test_a_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, text):

@@ -111,6 +111,13 @@ class TuningCache:
             _warn(f"tuning cache {self.path} is a symbolic link: the decision for {key} is not "
                   f"written (remove the link, or set {CACHE_VAR} to the path of a regular file)")
             return
+        if os.path.exists(self.path) and not os.path.isfile(self.path):
+            # a device node or a FIFO (/dev/null, set to turn the cache off): the atomic
+            # write renames a file over the path, which would replace the node itself
+            _warn(f"tuning cache {self.path} is not a regular file: the decision for {key} is "
+                  f"kept in this process only (unset {CACHE_VAR} to keep decisions in memory, "
+                  f"or set it to the path of a regular file)")
+            return
         try:
             folder = os.path.dirname(self.path) or "."
             os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -224,14 +231,32 @@ def decide(world, key: str, compute: Callable[[], Any],
     different entries (files of separate runs, a stale copy) decide again: both warn, and the
     new decision replaces the entries, so the ranks never run on different decisions and a bad
     file never stops the job."""
-    cache = cache or default_cache()
-    where = getattr(cache, "path", None) or "in memory"
-    mine = cache.get(key)
-    if mine is not None and valid is not None and not _holds(valid, mine):
-        _warn(f"tuning cache {where} holds {mine!r} for {key}, which is not a decision of this "
-              f"call; it is made again")
-        mine = None
-    held = world.all_gather_object(mine)
+    try:
+        # $PORTABLE_OVERLAP_TUNING_CACHE refused on this rank alone (a folder): told to the
+        # peers in the collective below, where raised before it they waited there for ever
+        cache = cache or default_cache()
+        refused = None
+    except ValueError as e:
+        refused = e
+    mine = None
+    if refused is None:
+        where = getattr(cache, "path", None) or "in memory"
+        mine = cache.get(key)
+        if mine is not None and valid is not None and not _holds(valid, mine):
+            _warn(f"tuning cache {where} holds {mine!r} for {key}, which is not a decision of "
+                  f"this call; it is made again")
+            mine = None
+    posts = world.all_gather_object(("entry", mine) if refused is None else
+                                    ("refused", f"{type(refused).__name__}: {refused}"))
+    if refused is not None:
+        raise refused
+    failed = [f"rank {r}: {why}" for r, (kind, why) in enumerate(posts) if kind == "refused"]
+    if failed:
+        from ..errors import PeerSetupError
+
+        raise PeerSetupError(f"the tuning decision for {key} was not made: the tuning cache "
+                             f"was refused on " + "; ".join(failed))
+    held = [v for _, v in posts]
     known = {json.dumps(v, sort_keys=True) for v in held if v is not None}
     if len(known) > 1:
         _warn(f"tuning caches disagree for {key}: " + ", ".join(
