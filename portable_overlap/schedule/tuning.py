@@ -234,7 +234,7 @@ def decide(world, key: str, compute: Callable[[], Any],
     try:
         # $PORTABLE_OVERLAP_TUNING_CACHE refused on this rank alone (a folder): told to the
         # peers in the collective below, where raised before it they waited there for ever
-        cache = cache or default_cache()
+        cache = default_cache() if cache is None else cache
         refused = None
     except ValueError as e:
         refused = e
