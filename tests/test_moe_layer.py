@@ -774,9 +774,9 @@ def _copies(world):
     with pickle's "cannot pickle '_thread.lock' object"; it raises an error that names the
     layer and the way out, and the torch path's copy computes what the layer does."""
     import copy
-    import pickle
 
     from portable_overlap import ExpertParallelMoE
+    from portable_overlap.testing.faults import copy_errors
 
     H = 8
     msgs = []
@@ -784,12 +784,7 @@ def _copies(world):
                               dtype=torch.float32)
     try:
         msgs.append(repr(fused))  # (the layer's sizes, as the other layers print theirs)
-        for copier in (copy.deepcopy, pickle.dumps):
-            try:
-                copier(fused)
-                msgs.append("no error")
-            except TypeError as e:
-                msgs.append(str(e))
+        msgs += copy_errors(fused)
     finally:
         fused.close()
     ref = ExpertParallelMoE(world, H, 6, 2 * world.world_size, 2, max_tokens=6,

@@ -659,9 +659,9 @@ def _copies(world):
     names it and the way out (pickle stopped at a context's lock, naming neither); the
     reference path's copy computes what the layer does."""
     import copy
-    import pickle
 
     from portable_overlap import ShardedEmbeddingBagCollection
+    from portable_overlap.testing.faults import copy_errors
 
     W = world.world_size
     g = torch.Generator().manual_seed(7 + world.rank)
@@ -684,13 +684,7 @@ def _copies(world):
     for cls in (RowParallelLinear, ColumnParallelLinear, ShardedEmbeddingBagCollection):
         fused = make(cls, True)
         try:
-            msgs = []
-            for copier in (copy.deepcopy, pickle.dumps):
-                try:
-                    copier(fused)
-                    msgs.append("no error")
-                except TypeError as e:
-                    msgs.append(str(e))
+            msgs = copy_errors(fused)
         finally:
             fused.close()
         plain = make(cls, False)

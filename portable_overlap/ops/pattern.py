@@ -251,9 +251,7 @@ class PatternContext:
     @records_grad.setter
     def records_grad(self, value: bool) -> None:
         self._records_grad = bool(value)
-        impls = self.planner.impls.values() if self.planner is not None else [self.impl]
-        for impl in impls:
-            impl.records_grad = self._records_grad
+        self._set_on_workspaces("records_grad", self._records_grad)
 
     @property
     def call_salt(self) -> int:
@@ -269,9 +267,14 @@ class PatternContext:
     @call_salt.setter
     def call_salt(self, value: int) -> None:
         self._call_salt = int(value)
+        self._set_on_workspaces("call_salt", self._call_salt)
+
+    def _set_on_workspaces(self, name: str, value) -> None:
+        """``name = value`` on every transport's workspace of this context (the one named, or
+        each candidate of ``"auto"``): what their calls' tags carry (``ContextBase.call_tag``)."""
         impls = self.planner.impls.values() if self.planner is not None else [self.impl]
         for impl in impls:
-            impl.call_salt = self._call_salt
+            setattr(impl, name, value)
 
     @contextlib.contextmanager
     def recording(self):

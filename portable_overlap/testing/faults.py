@@ -171,3 +171,19 @@ def construction_outcome(make: Callable[[], object]) -> tuple:
     except Exception as e:
         return (type(e).__name__, str(e), time.monotonic() - t0)
 
+
+
+def copy_errors(obj) -> list:
+    """What ``copy.deepcopy(obj)`` and ``pickle.dumps(obj)`` raise: each ``TypeError``'s
+    message, or ``"no error"`` (a fused layer must refuse both by name)."""
+    import copy
+    import pickle
+
+    found = []
+    for copier in (copy.deepcopy, pickle.dumps):
+        try:
+            copier(obj)
+            found.append("no error")
+        except TypeError as e:
+            found.append(str(e))
+    return found
