@@ -49,16 +49,21 @@ def _worker() -> ThreadPoolExecutor:
 def kept(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
     """``make()`` (a tensor on ``device``), made outside any CUDA-graph memory pool, its
     contents complete when it returns. On a CPU device, or while the caller's stream is being
-    captured, ``make()`` itself."""
+    captured, ``make()`` itself. Never an inference tensor: a call under
+    ``torch.inference_mode()`` (a serving loop's, or a graph captured under it) may be the
+    one that makes it, and torch refuses the in-place writes of every later call outside that
+    mode to an inference tensor."""
     device = torch.device(device)
     if device.type == "cpu":
-        return make()
+        with torch.inference_mode(False):
+            return make()
     module = torch.get_device_module(device)
     if module.is_current_stream_capturing():
-        return make()
+        with torch.inference_mode(False):
+            return make()
 
     def run() -> torch.Tensor:
-        with module.device(device):
+        with module.device(device), torch.inference_mode(False):
             t = make()
             module.current_stream(device).synchronize()
         return t

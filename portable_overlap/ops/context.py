@@ -197,6 +197,26 @@ def refuse_grad_as_call(op: str, tensors, contexts: Sequence) -> None:
         raise
 
 
+def wrap_init_outside_inference(cls) -> None:
+    """Make the ``__init__`` that ``cls`` defines (if any) run outside
+    ``torch.inference_mode``. A context made under it (a serving process that builds its model
+    in that mode) would otherwise hold inference tensors, which torch refuses to update in
+    place outside the mode: the copy-engine and host-collective transports' buffers then
+    raised at the first call made outside it, and a transport that reaches a collective first
+    left its peers waiting there until the timeout."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "outside_inference", False):
+        return
+
+    @functools.wraps(init)
+    def outside(self, *args, **kwargs):
+        with torch.inference_mode(False):
+            init(self, *args, **kwargs)
+
+    outside.outside_inference = True
+    cls.__init__ = outside
+
+
 def wrap_collective_init(cls) -> None:
     """Make the ``__init__`` that ``cls`` defines (if any) a
     :func:`~portable_overlap.world.collective_setup`: a check of its arguments that fails on
@@ -238,6 +258,7 @@ class ContextBase:
         super().__init_subclass__(**kwargs)
         if cls.collective_init:
             wrap_collective_init(cls)
+        wrap_init_outside_inference(cls)
 
     def __init__(self, world, timeout_s: float):
         self.timeout_s = check_timeout(self.OP, timeout_s)
