@@ -107,7 +107,7 @@ def _embedding_first_call_in_inference_mode(world, transport, table_ranks):
     """A layer whose first call of a batch size (which makes its bag offsets' buffer) runs
     under inference mode, then training, ``no_grad`` and inference calls, each against the
     reference path's layer (same seed) on the same inputs; then the weight gradients."""
-    rows, D, r = [10, 7, 12, 5], 8, world.rank
+    rows, D = [10, 7, 12, 5], 8
     layers = [po.ShardedEmbeddingBagCollection(world, rows, D, max_local_batch=32,
                                                table_ranks=table_ranks, fused=fused,
                                                transport=transport, timeout_s=10.0)

@@ -64,6 +64,19 @@ def _check_context(name: str, arg: str, given, want: type, world, why: str = "")
                          f"layer's world")
 
 
+def _check_room(name: str, arg: str, given, **need) -> None:
+    """A context argument of a layer is sized for the layer's largest call (each ``attr=need``:
+    ``given.attr >= need``). A smaller one was taken when the layer was made and refused only
+    the first call of the path that uses it, a prefill after any number of decode steps."""
+    if given is None:
+        return
+    for attr, least in need.items():
+        if least is not None and getattr(given, attr) < least:
+            raise ValueError(f"{name}: {arg} has {attr}={getattr(given, attr)}, less than the "
+                             f"layer's largest call needs ({least}); make it with "
+                             f"{attr}={least} or more")
+
+
 def _group_of(world):
     """The process group of ``world``, None (the default group) as the default group."""
     if world.group is not None:
@@ -179,6 +192,23 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_rows(grad, ctx.group, ctx.W), None, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """``all_reduce`` (sum) of every rank's ``[S, N]`` partial, in place; its gradient is the
+    identity (the output is replicated: each rank's loss term reads it, and the partial of
+    rank r enters every rank's output). A Function rather than the bare collective under
+    autograd, which torch warns is recorded without a gradient formula (deprecated)."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        dist.all_reduce(y, group=group)
+        ctx.mark_dirty(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -322,7 +352,10 @@ class RowParallelLinear(FusedLayerState, nn.Module):
     on one rank raises ``PeerSetupError`` on the others). ``ctx`` (a ``GemvAllReduce``)
     and ``reduce_ctx`` (a ``MatmulAllReduce`` or, with ``reduce="reduce_scatter"``, a
     ``MatmulReduceScatter``) let layers share workspaces: they are used as given and stay the
-    caller's to close. ``max_rows`` sizes the context the module
+    caller's to close; one smaller than the layer's calls (``max_n`` below ``out_features``, a
+    ``reduce_ctx``'s ``max_m`` below ``max_rows``) is refused when the layer is made. A
+    weight that is not contiguous (a slice of a full matrix) is copied at each call of the
+    GEMV path. ``max_rows`` sizes the context the module
     makes itself (results of up to ``max_rows`` x ``out_features``); more rows on a fused GEMM
     path raise ``ValueError``.
     """
@@ -352,6 +385,8 @@ class RowParallelLinear(FusedLayerState, nn.Module):
         _check_context(self.NAME, "reduce_ctx", reduce_ctx,
                        MatmulReduceScatter if reduce == "reduce_scatter" else MatmulAllReduce,
                        world, f" (reduce={reduce!r})")
+        _check_room(self.NAME, "ctx", ctx, max_n=out_features)
+        _check_room(self.NAME, "reduce_ctx", reduce_ctx, max_n=out_features, max_m=max_rows)
         dtype, device = _factory(self.NAME, world, dtype, device, fused)
         same_arguments(world, self.NAME, in_features=in_features, out_features=out_features,
                        bias=bool(bias), dtype=dtype, fused=bool(fused), reduce=reduce,
@@ -396,8 +431,10 @@ class RowParallelLinear(FusedLayerState, nn.Module):
         rows = x2.shape[0]
         if self.fused and rows <= MAX_M:
             self._salt(self.ctx)
-            y = self._fused(x, x2, weight,
-                            lambda a, w: gemv_all_reduce(a.contiguous(), w, self.ctx))
+            # (a weight view that is not contiguous, a slice of a full matrix, is copied at
+            # each call: the GEMV kernel streams rows of K; the GEMM paths take any strides)
+            y = self._fused(x, x2, weight, lambda a, w: gemv_all_reduce(
+                a.contiguous(), w.contiguous(), self.ctx))
         elif self.fused and self.reduce_ctx is not None:
             self._salt(self.reduce_ctx)
             y = self._fused(x, x2, weight, lambda a, w: matmul_all_reduce(a.contiguous(), w.T,
@@ -405,9 +442,7 @@ class RowParallelLinear(FusedLayerState, nn.Module):
         else:
             y = x2 @ weight.T
             if self.world.world_size > 1:
-                # not recorded by autograd: the all-reduce's gradient is the identity (see the
-                # class docstring)
-                dist.all_reduce(y, group=self.world.group)
+                y = _SumOverRanks.apply(y, self.world.group)
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, self.out_features)
@@ -534,7 +569,8 @@ class ColumnParallelLinear(FusedLayerState, nn.Module):
     Collective to construct and to :meth:`close` (every rank, same arguments, compared as
     ``RowParallelLinear`` does); inputs are ``[rows, in_features]`` with the same row count on
     every rank. A ``ctx`` given (an ``AllGatherMatmul`` shared by layers with
-    the same ``in_features``) stays the caller's to close. Measured on GPUs inside
+    the same ``in_features``) stays the caller's to close; one whose ``max_shard_elems`` is
+    below ``max_rows * in_features`` is refused when the layer is made. Measured on GPUs inside
     ``examples/transformer/prefill.py`` (docs/scaling.md); the op alone in
     docs/allgather_gemm.md.
     """
@@ -555,6 +591,7 @@ class ColumnParallelLinear(FusedLayerState, nn.Module):
                              f"the world size {W}")
         check_sizes("ColumnParallelLinear", max_rows=max_rows)  # True would size it for a row
         _check_context(self.NAME, "ctx", ctx, AllGatherMatmul, world)
+        _check_room(self.NAME, "ctx", ctx, max_shard_elems=max_rows * in_features)
         dtype, device = _factory(self.NAME, world, dtype, device, fused)
         same_arguments(world, self.NAME, in_features=in_features, out_features=out_features,
                        max_rows=max_rows, bias=bool(bias), dtype=dtype, fused=bool(fused),

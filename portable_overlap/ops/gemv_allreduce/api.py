@@ -252,8 +252,10 @@ def validate(x: torch.Tensor, w: torch.Tensor, device: torch.device, max_n: int)
         raise ValueError(f"{OP}: N={N} is outside 1..max_n={max_n} of this context")
     # K = 0 (this rank's shard empty) is a call: its partial is zeros, as torch's x @ w.T of
     # [M, 0] by [0, N]; its K loop runs no step, and the flags' tag holds no K
-    if not x.is_contiguous() or not w.is_contiguous():
-        raise ValueError(f"{OP}: x and w must be contiguous (call .contiguous() first)")
+    for name, t in (("x", x), ("w", w)):
+        if not t.is_contiguous():
+            raise ValueError(f"{OP}: {name} must be contiguous, got strides {t.stride()} for "
+                             f"{tuple(t.shape)} (call .contiguous() first)")
 
 
 def check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor, w: torch.Tensor) -> None:
