@@ -64,7 +64,7 @@ case "$part" in
     checks moe_combine,moe_dispatch,expert_swiglu,moe_dispatch_swiglu,moe_layer
     ;;
   checks-rest)  # the checks of every op at drawn shapes, of contexts' lives and of peer faults
-    checks sweep,streams,compile_graphs,capture_first,context_churn,eager_and_replays,refresh,peer_failures,late_stores
+    checks sweep,streams,compile_graphs,capture_first,inference_mode,context_churn,eager_and_replays,refresh,peer_failures,late_stores
     ;;
   gemv)
     export PO_SKIP_BENCH=0 PO_SKIP_AUTO=0

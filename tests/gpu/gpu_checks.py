@@ -1377,17 +1377,13 @@ def _replayed_error(ctx, g, y, ins, shapes, ref, gen) -> float:
     return rel_err(y, ref(*ins))
 
 
-def check_capture_first(world: World, gen, replays: int = 3) -> None:
-    """A shape's first call made under CUDA-graph capture, with no eager call before it (the
-    first call plans and compiles, which a capture does not allow): either the graph replays
-    right, or the call raises an error that says so and leaves the context and the device
-    usable (an eager call after it is right). Then a capture after that eager call replays
-    right."""
+def _capture_cases(world: World) -> list:
+    """(name, make the context, call, reference, input shapes) of the GEMV and GEMM patterns
+    on the transports that keep host-written buffers, and ``"auto"``, at one bf16 shape each."""
     import portable_overlap as po
     from portable_overlap.ops.allgather_gemm import all_gather_matmul_reference
     from portable_overlap.ops.matmul_reduce.reference import matmul_all_reduce_reference
 
-    dev, dt = world.device, torch.bfloat16
     cases = [(f"gemv_all_reduce[{t}]", lambda t=t: GemvAllReduce(world, max_n=4096, transport=t),
               lambda c, x, w: gemv_all_reduce(x, w, c),
               lambda x, w: gemv_all_reduce_reference(x, w, world.group), ((8, 1024), (4096, 1024)))
@@ -1402,6 +1398,70 @@ def check_capture_first(world: World, gen, replays: int = 3) -> None:
                lambda c, a, b: po.all_gather_matmul(a, b, c),
                lambda a, b: all_gather_matmul_reference(a, b, world.group),
                ((256, 768), (768, 1024))) for t in ("stores", "copy_engine", "auto")]
+    return cases
+
+
+def check_inference_mode(world: World, gen) -> None:
+    """Contexts made under ``torch.inference_mode()`` (a serving process's), whose first call
+    and a graph capture run in that mode too, then eager calls and a capture outside it: every
+    result right (a context must keep no inference tensor, which torch refuses to write in
+    place outside the mode)."""
+    import portable_overlap as po
+    from portable_overlap.ops.matmul_reduce.reference import (
+        matmul_all_reduce_reference, matmul_reduce_scatter_reference)
+
+    dev, dt = world.device, torch.bfloat16
+    W = world.world_size
+    cases = _capture_cases(world) + [  # the copy engines' host-written tables too
+        ("matmul_all_reduce[copy_engine]",
+         lambda: po.MatmulAllReduce(world, 512, 1024, transport="copy_engine"),
+         lambda c, a, b: po.matmul_all_reduce(a, b, c),
+         lambda a, b: matmul_all_reduce_reference(a, b, world.group), ((512, 768), (768, 1024))),
+        ("matmul_reduce_scatter[copy_engine]",
+         lambda: po.MatmulReduceScatter(world, 512 * W, 1024, transport="copy_engine"),
+         lambda c, a, b: po.matmul_reduce_scatter(a, b, c),
+         lambda a, b: matmul_reduce_scatter_reference(a, b, world.group),
+         ((512 * W, 768), (768, 1024)))]
+    for name, make, call, ref, shapes in cases:
+        ctx = None
+        try:
+            with torch.inference_mode():
+                ctx = make()
+                ins = [rand(sh, dt, dev, gen) for sh in shapes]
+                y = call(ctx, *ins)
+                ctx.synchronize()
+                errs = [rel_err(y, ref(*ins))]
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    y = call(ctx, *ins)
+                errs.append(_replayed_error(ctx, g, y, ins, shapes, ref, gen))
+            ins = [rand(sh, dt, dev, gen) for sh in shapes]
+            y = call(ctx, *ins)
+            ctx.synchronize()
+            errs.append(rel_err(y, ref(*ins)))
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = call(ctx, *ins)
+            errs.append(_replayed_error(ctx, g, y, ins, shapes, ref, gen))
+            record(f"{name} made under inference_mode, called outside it", max(errs) < 1e-2,
+                   "rel_err eager/replay in the mode, eager/replay outside: "
+                   + " ".join(f"{e:.2e}" for e in errs))
+        except Exception as e:  # noqa: BLE001
+            record(f"{name} made under inference_mode", False,
+                   f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            if ctx is not None:
+                ctx.close()
+
+
+def check_capture_first(world: World, gen, replays: int = 3) -> None:
+    """A shape's first call made under CUDA-graph capture, with no eager call before it (the
+    first call plans and compiles, which a capture does not allow): either the graph replays
+    right, or the call raises an error that says so and leaves the context and the device
+    usable (an eager call after it is right). Then a capture after that eager call replays
+    right."""
+    dev, dt = world.device, torch.bfloat16
+    cases = _capture_cases(world)
     for name, make, call, ref, shapes in cases:
         ctx = make()
         try:
@@ -2095,7 +2155,8 @@ def main() -> int:
                   check_matmul_reduce, check_moe_combine, check_moe_dispatch,
                   check_expert_swiglu, check_moe_dispatch_swiglu, check_moe_layer,
                   check_empty_dims, check_sweep, check_streams, check_compile_graphs,
-                  check_capture_first, check_context_churn, check_eager_and_replays,
+                  check_capture_first, check_inference_mode, check_context_churn,
+                  check_eager_and_replays,
                   check_refresh, check_peer_failures, check_late_stores):
         if check in (check_peer_failures, check_late_stores) and world.world_size == 1:
             continue  # one rank has no peer to disagree with or to miss
