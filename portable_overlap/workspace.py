@@ -31,7 +31,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from .errors import ContextBrokenError, PortableOverlapError, RankMismatchError
-from .ops.context import G_MAX, ContextBase, concurrent_use
+from .ops.context import G_MAX, ContextBase
 from .shmem.heap import SymmetricHeap, heap_bytes
 from .shmem.providers import ShmemUnavailable, provider_or_reason
 from .shmem.providers import device as _provider_device
@@ -196,9 +196,9 @@ class Workspace(ContextBase):
         jit = self._jit_kernel(kernel)
         grid = self._check_grid(jit, grid)
         self._check_source(jit)
-        if not self._guard.acquire(blocking=False):
-            raise concurrent_use(self.OP, self.rank)
+        self._acquire_call()
         try:
+            self._check_open()  # (closed by another thread while this one took the guard)
             if self._broken is not None or self.status.failed():
                 self.check()
             self._follow_stream()
@@ -210,7 +210,7 @@ class Workspace(ContextBase):
             if self._calls is not None:
                 self._calls += 1
         finally:
-            self._guard.release()
+            self._release_call()
         if self._sync_errors:
             self.check()
             self._check_call_count()

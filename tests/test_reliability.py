@@ -1,6 +1,7 @@
 """Faults a failing rank or a hostile caller causes, on CPU-emulated ranks: every wait bounded in
 wall-clock time, a call refused on one rank failing on every rank without shifting later calls,
 and the lifecycle guards of a context (closed, used from two threads, bad timeouts)."""
+import threading
 import time
 
 import pytest
@@ -170,6 +171,103 @@ def test_lifecycle_guards(world2):
         assert found["new_handle"]
         for t, msg in found["bad_timeouts"].items():
             assert "timeout_s" in msg, (t, msg)
+
+
+def _close_beside_a_call(world, transport):
+    """close() while another thread's call is under way: held for 1 s by a thread that takes
+    the call guard (of the workspace, or ``"auto"``'s planner), then a real race, a worker
+    thread calling in a loop while the main thread closes. What close waited, what came after."""
+    found = {}
+    ctx = GemvAllReduce(world, max_n=32, transport=transport, timeout_s=2.0)
+    guard = ctx.planner._lock if ctx.planner is not None else ctx.impl._guard
+    guard.acquire()
+    holder = threading.Timer(1.0, guard.release)
+    holder.start()
+    t0 = time.monotonic()
+    ctx.close()
+    found["waited"] = time.monotonic() - t0
+    holder.join()
+    x, w = _inputs(world, 1, 32, 8, seed=4)
+    try:
+        ctx(x, w)
+        found["after"] = "no error"
+    except ContextClosedError as e:
+        found["after"] = str(e)
+    ctx = GemvAllReduce(world, max_n=32, transport=transport, timeout_s=2.0)
+    ref = gemv_all_reduce_reference(x, w, world.group)
+    results = []
+
+    def worker():
+        for _ in range(40):
+            try:
+                results.append(_close(ctx(x, w), ref))
+            except PortableOverlapError as e:  # closed, or a peer closed first
+                results.append(type(e).__name__)
+                return
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.5)
+    ctx.close()  # (every rank crashed: the worker's kernel ran on the freed heap)
+    thread.join()
+    found["race"] = results
+    ctx = GemvAllReduce(world, max_n=32, transport=transport, timeout_s=2.0)
+    found["fresh"] = _close(ctx(x, w), ref)
+    ctx.close()
+    return found
+
+
+@pytest.mark.parametrize("transport", ["stores", "auto"])
+def test_close_waits_for_another_threads_call(world2, transport):
+    for found in world2.run(_close_beside_a_call, transport, timeout=200):
+        assert found["waited"] > 0.9 and "closed" in found["after"], found
+        assert found["fresh"] is True, found
+        race = found["race"]
+        assert all(r is True for r in race[:-1]), race
+        assert race[-1] in (True, "ContextClosedError", "PeerTimeoutError",
+                            "ContextBrokenError"), race
+
+
+def _two_threads_two_contexts(world):
+    """Under the interpreter, one thread's calls at a time per process: a call of another
+    context made while another thread's call is under way raises a clear ConcurrentUseError
+    before it starts (on every rank alike here), and both contexts serve calls after it."""
+    from portable_overlap.ops.context import end_interpreter_turn, take_interpreter_turn
+
+    a = GemvAllReduce(world, max_n=32, timeout_s=2.0)
+    b = GemvAllReduce(world, max_n=32, timeout_s=2.0)
+    x, w = _inputs(world, 1, 32, 8, seed=5)
+    ref = gemv_all_reduce_reference(x, w, world.group)
+    held, release = threading.Event(), threading.Event()
+
+    def other_thread():  # a call of context a, under way in another thread
+        take_interpreter_turn("test", world.rank)
+        held.set()
+        release.wait(30)
+        end_interpreter_turn()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    held.wait(30)
+    try:
+        b(x, w)
+        refused = "no error"
+    except ConcurrentUseError as e:
+        refused = str(e)
+    release.set()
+    thread.join()
+    after = [_close(a(x, w), ref), _close(b(x, w), ref)]
+    a.close()
+    b.close()
+    return refused, after
+
+
+def test_a_second_threads_call_under_the_interpreter_is_refused_before_it_starts(world2):
+    """Triton's interpreter is not thread-safe: two threads' launches at once failed with an
+    InterpreterError that broke the context and left its peer waiting."""
+    for refused, after in world2.run(_two_threads_two_contexts, timeout=120):
+        assert "another thread" in refused and "interpreter" in refused, refused
+        assert after == [True, True], after
 
 
 def _signal_lifecycle(world):

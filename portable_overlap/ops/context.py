@@ -75,6 +75,44 @@ def check_transport(op: str, transport, transports: Sequence[str]) -> str:
     return transport
 
 
+def close_wait_s(timeout_s: float) -> float:
+    """How long ``close()`` waits for a call another thread is making: past the call's own
+    deadline (``timeout_s``), with room for the interpreter's slower host work."""
+    return max(120.0, 3 * timeout_s)
+
+
+#: under Triton's interpreter (CPU-emulated ranks), the thread whose call is under way in this
+#: process and how many of its contexts' calls it holds (nested calls: a planner's, a layer's)
+_TURN = {"thread": None, "depth": 0}
+_TURN_LOCK = threading.Lock()
+
+
+def take_interpreter_turn(op: str, rank: int) -> None:
+    """The process's turn for a call of a context on CPU-emulated ranks. Triton's interpreter
+    is not thread-safe (it patches ``triton.language`` for the length of a launch, and the grid
+    index it hands programs is global): two threads' launches at once failed with an
+    ``InterpreterError`` that broke the context, and could hand one launch's programs the
+    other's indices. So one thread's calls at a time in a process, whatever their contexts;
+    another thread's call meanwhile raises :class:`ConcurrentUseError` before it starts."""
+    me = threading.get_ident()
+    with _TURN_LOCK:
+        if _TURN["thread"] not in (None, me):
+            raise ConcurrentUseError(
+                f"{op}: another thread of rank {rank} is making a call: on CPU-emulated ranks "
+                f"Triton's interpreter runs one thread's calls at a time per process (any "
+                f"context); make the calls from one thread there (on GPUs, a context per "
+                f"thread is enough)")
+        _TURN["thread"] = me
+        _TURN["depth"] += 1
+
+
+def end_interpreter_turn() -> None:
+    with _TURN_LOCK:
+        _TURN["depth"] -= 1
+        if _TURN["depth"] == 0:
+            _TURN["thread"] = None
+
+
 def concurrent_use(op: str, rank: int) -> ConcurrentUseError:
     """The error of a call made while another thread's call on the same context runs."""
     return ConcurrentUseError(
@@ -117,7 +155,7 @@ def collective_call(method):
             self._delivered = False
             raise
         finally:
-            self._guard.release()
+            self._release_call()
         if self._sync_errors:  # the interpreter ran the call already: raise with this call
             self.check()
         self._delivered = True
@@ -141,7 +179,7 @@ def run_collective(contexts: Sequence, fn: Callable, args: tuple = (),
             entered.append(ctx)
     except BaseException:
         for ctx in entered:
-            ctx._guard.release()
+            ctx._release_call()
         raise
     try:
         out = fn(*args, **(kwargs or {}))
@@ -152,7 +190,7 @@ def run_collective(contexts: Sequence, fn: Callable, args: tuple = (),
         raise
     finally:
         for ctx in contexts:
-            ctx._guard.release()
+            ctx._release_call()
     errors = []
     for ctx in contexts:
         if ctx._sync_errors:  # the interpreter ran the call already: raise with this call
@@ -272,6 +310,7 @@ class ContextBase:
         self._broken: Optional[str] = None
         self._closed = False
         self._guard = threading.Lock()
+        self._interpreted = world.backend.name == "cpu"  # (Triton's interpreter runs it)
         self._sync_errors = False  # whether a call's errors are known when it returns
         # whether the last call returned without an error (a refusal's flag tag: refuse_kernel)
         self._delivered = True
@@ -338,7 +377,21 @@ class ContextBase:
         :class:`ContextClosedError`. Subclasses free their workspace after this."""
         if self._closed:
             return
-        self._closed = True
+        # a call another thread is making ends first (its waits have deadlines): its kernels
+        # would otherwise read and write a workspace that is gone (emulated ranks: every rank
+        # crashed); a call that starts after this finds the context closed (``_enter_call``)
+        wait_s = close_wait_s(self.timeout_s)
+        if not self._guard.acquire(timeout=wait_s):
+            raise ConcurrentUseError(
+                f"{self.OP}: close() on rank {self.rank} waited {wait_s:.0f} s for a call "
+                f"that another thread is making on this context; close it once that thread's "
+                f"calls have ended")
+        try:
+            if self._closed:
+                return
+            self._closed = True
+        finally:
+            self._guard.release()
         unregister_context(self.handle)
         # the calls queued on any stream end before the workspace goes back to the allocator
         # (kept tensors return to the default stream's cache: portable_overlap/kept.py)
@@ -358,14 +411,31 @@ class ContextBase:
     def _enter_call(self) -> None:
         """A call's guards (``collective_call``): open, one thread, not broken."""
         self._check_open()
-        if not self._guard.acquire(blocking=False):
-            raise concurrent_use(self.OP, self.rank)
+        self._acquire_call()
         try:
+            self._check_open()  # (closed by another thread while this one took the guard)
             self._before_call()
             self._follow_stream()
         except BaseException:
-            self._guard.release()
+            self._release_call()
             raise
+
+    def _acquire_call(self) -> None:
+        """This context's guard for one call (another thread's call under way: raise), and
+        under the interpreter the process's turn (``interpreter_turn``)."""
+        if not self._guard.acquire(blocking=False):
+            raise concurrent_use(self.OP, self.rank)
+        if self._interpreted:
+            try:
+                take_interpreter_turn(self.OP, self.rank)
+            except BaseException:
+                self._guard.release()
+                raise
+
+    def _release_call(self) -> None:
+        if self._interpreted:
+            end_interpreter_turn()
+        self._guard.release()
 
     def _before_call(self) -> None:
         self.check()
