@@ -100,8 +100,10 @@ class GemmReduceScatterCE(OverlapContext):
         return world_size * -(-rows // block_m) * block_m * -(-N // block_n) * block_n
 
     def close(self) -> None:
-        self.sig.close()
+        # this context's own first: it waits for a call another thread is making, whose
+        # GEMM runs in ``sig``'s workspace
         super().close()
+        self.sig.close()
 
     @collective_call
     def reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
