@@ -95,7 +95,8 @@ class Workspace(ContextBase):
         # undoing (no collective), and nothing is left half-made.
         data = self._provider.symmetric_empty(pool) if self.shmem else None
         self.heap = SymmetricHeap(world, heap_bytes([((descriptor_words(W),), torch.int64),
-                                                     ((pool,), torch.uint8)]))
+                                                     ((pool,), torch.uint8)]),
+                                  owner=f"{name} workspace")
         self.heap.set_up(f"{name} workspace", lambda: self._set_up_heap(pool))
         self.world_size = W
         #: programs that are resident at once for any kernel that fits one program per SM/CU
@@ -206,7 +207,17 @@ class Workspace(ContextBase):
                 self._calls = None  # replays add calls the host does not see
             if self.shmem:
                 kernel = self._linked_kernel(kernel)
-            out = kernel[grid](self.ctx, *args, **kwargs)
+            try:
+                out = kernel[grid](self.ctx, *args, **kwargs)
+            except BaseException as e:
+                # The launch may have begun: under the interpreter its programs ran up to the
+                # error, and peers may hold its signals while this rank's call counter did not
+                # advance; its next launch would then pair with their next call and return
+                # the previous call's data with no error. Out of step: broken.
+                self._broken = (f"{self.OP}: rank {self.rank}'s launch of "
+                                f"{getattr(jit, '__name__', 'a kernel')} raised "
+                                f"({type(e).__name__}: {str(e)[:300]})")
+                raise
             if self._calls is not None:
                 self._calls += 1
         finally:

@@ -396,6 +396,94 @@ def test_a_peer_outside_the_world_is_reported_not_dereferenced(world2):
 
 
 @triton.jit
+def _signal_all_kernel(ctx, flag_ptr):
+    call = pol.begin_call(ctx)
+    pol.signal_all(ctx, flag_ptr, call)
+    pol.end_call(ctx, call)
+
+
+def _pointers_outside_the_heap(world):
+    """Every primitive that reaches a peer, and ``signal_all``, given pointers outside this
+    workspace's heap (a plain tensor, another workspace's buffer): what each launch raised
+    (the access goes to this rank's own address instead); then a right launch lands."""
+    W, r = world.world_size, world.rank
+    with Workspace(world, 4096, name="near") as ws, Workspace(world, 4096, name="other") as other:
+        box, flag = ws.tensor((5,), torch.float32), ws.flags((1,), "ready")
+        other_box, other_flag = other.tensor((5,), torch.float32), other.flags((1,), "ready")
+        plain, plain_flag = torch.zeros(5), torch.zeros(1, dtype=torch.int64)
+        x = torch.arange(5, dtype=torch.float32) + 1
+        peer = (r + 1) % W
+        errors = {}
+        for name, b, f in (("plain", plain, plain_flag), ("other", other_box, other_flag)):
+            for how in range(4):
+                errors[name, how] = calls.error_of_one_call(lambda: (ws.launch(
+                    _to_peer_kernel, (1,), x, b, f, peer, 5, HOW=how, BLOCK=8),
+                    ws.synchronize()))
+            errors[name, "signal_all"] = calls.error_of_one_call(lambda: (ws.launch(
+                _signal_all_kernel, (1,), f), ws.synchronize()))
+        world.barrier()
+        box.zero_()
+        world.barrier()
+        ws.launch(_to_peer_kernel, (1,), x * (r + 1), box, flag, peer, 5, HOW=0, BLOCK=8)
+        ws.synchronize()
+        world.barrier()
+        return errors, box.clone()
+
+
+def test_a_pointer_outside_the_heap_is_reported_not_dereferenced(world2):
+    """A pointer outside the workspace's heap (a copy of a heap tensor, another workspace's
+    buffer) was moved by the distance between two ranks' heaps: a store landed in the
+    process's own memory with no error, or a rank died of SIGSEGV. It raises
+    InvalidInputError naming the pointer, on emulated ranks, and the workspace goes on."""
+    for r, (errors, box) in enumerate(world2.run(_pointers_outside_the_heap, timeout=300)):
+        for key, err in errors.items():
+            assert err is not None and err[0] == "InvalidInputError", (r, key, err)
+            assert "outside this rank's heap" in err[1], (r, key, err)
+        sender = (r - 1) % 2
+        assert torch.equal(box, (torch.arange(5.0) + 1) * (sender + 1)), (r, box)
+
+
+@triton.jit
+def _raising_kernel(ctx, box_ptr, flag_ptr, word_ptr, RAISE: tl.constexpr):
+    """Signal the next rank, then (RAISE) fail before end_call: the interpreter refuses an
+    int32 out of range."""
+    call = pol.begin_call(ctx)
+    me, world = pol.rank(ctx), pol.num_ranks(ctx)
+    pol.put_signal(ctx, box_ptr, call.to(tl.float32), pol.peer_at(1, me, world),
+                   flag_ptr + me, call)
+    if RAISE:
+        tl.store(word_ptr, tl.load(word_ptr) & 0xFFFFFFFF)
+    pol.wait(ctx, flag_ptr + pol.peer_at(world - 1, me, world), call,
+             pol.peer_at(world - 1, me, world))
+    pol.end_call(ctx, call)
+
+
+def _a_launch_that_raises(world):
+    """Rank 0's second launch raises after it signalled its peer: what each rank's next
+    launches raise."""
+    with Workspace(world, 1024, timeout_s=1.0, name="raises") as ws:
+        box, flag = ws.tensor((1,), torch.float32), ws.flags((world.world_size,), "ready")
+        word = torch.zeros(1, dtype=torch.int32)
+        out = []
+        for i in range(3):
+            out.append(calls.error_of_one_call(lambda: (ws.launch(
+                _raising_kernel, (1,), box, flag, word,
+                RAISE=(i == 1 and world.rank == 0)), ws.synchronize())))
+        return out
+
+
+def test_a_launch_that_raises_breaks_the_workspace(world2):
+    """Under the interpreter a launch that raised had run its programs up to the error (its
+    peer held its signal), while this rank's call counter stayed: its next launch paired with
+    the peer's next call and returned the previous call's data with no error."""
+    rank0, rank1 = world2.run(_a_launch_that_raises, timeout=120)
+    assert rank0[0] is None and rank0[1] is not None, rank0
+    assert rank0[2] is not None and rank0[2][0] == "ContextBrokenError", rank0
+    # (rank 1's second call had rank 0's signal; its third waits for a launch that never comes)
+    assert rank1[0] is None and rank1[2] is not None, rank1
+
+
+@triton.jit
 def _short_count_kernel(ctx, counter_ptr, per_call):
     """Every rank adds 1 to its next peer's counter and waits for ``per_call`` per call."""
     call = pol.begin_call(ctx)

@@ -79,6 +79,31 @@ def test_ranks_asking_for_different_heap_sizes(world2):
         assert "different sizes" in msg
 
 
+def _workspaces_in_other_orders(world):
+    """Workspaces "A" and "B" of one size made in other orders on the two ranks (heaps pair by
+    the order they are made in: A paired with B, and stores into a peer's A landed in its B with
+    no error), then the same in the same order."""
+    from portable_overlap import Workspace
+
+    errors = []
+    for name in ("A", "B") if world.rank == 0 else ("B", "A"):
+        try:
+            Workspace(world, 4096, name=name).close()
+            errors.append("no error")
+        except RankMismatchError as e:
+            errors.append(str(e))
+    made = [Workspace(world, 4096, name=name) for name in ("A", "B")]
+    for ws in made:
+        ws.close()
+    return errors
+
+
+def test_workspaces_made_in_other_orders_raise_on_every_rank(world2):
+    for errors in world2.run(_workspaces_in_other_orders):
+        assert len(errors) == 2 and all("other orders" in e for e in errors), errors
+        assert "'A workspace'" in errors[0] and "'B workspace'" in errors[0], errors
+
+
 def _heap_full(world):
     heap = SymmetricHeap(world, 1024)
     heap.alloc((100,), torch.float32)

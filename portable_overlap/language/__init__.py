@@ -70,6 +70,7 @@ CTX_WORLD = tl.constexpr(5)
 CTX_TIMEOUT_US = tl.constexpr(6)
 CTX_STATUS = tl.constexpr(7)
 CTX_HEAP = tl.constexpr(8)
+CTX_HEAP_BYTES = tl.constexpr(9)  # the heap's size: remote_ptr's range check
 CTX_BASES = tl.constexpr(16)  # then one word per rank: its heap base as mapped here
 #: status-board slots; a program beyond the last reports in the last
 STATUS_SLOTS = tl.constexpr(1024)
@@ -77,6 +78,8 @@ STATUS_SLOTS = tl.constexpr(1024)
 REPORT_OFFSET = tl.constexpr(62)
 #: the report kind of a peer rank outside ``0 .. num_ranks - 1`` (``remote_ptr``; ``host.py``)
 BAD_PEER_KIND = tl.constexpr(998)
+#: the report kind of a pointer outside this rank's heap given to ``remote_ptr`` (``host.py``)
+BAD_POINTER_KIND = tl.constexpr(997)
 # whether kernels run in Triton's interpreter (emulated ranks), where remote_ptr checks its
 # peer; read as Triton reads it when a kernel is defined, as these are here
 _INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
@@ -175,23 +178,45 @@ def remote_ptr(ctx, ptr, peer):
     alignment, so tile stores stay vectorized: translate the base and add the offsets, or
     translate the block, either works.
 
-    ``peer`` is a scalar. On emulated ranks one outside ``0 .. num_ranks - 1`` is reported
-    (the host raises ``InvalidInputError`` naming it) and the address is this rank's own
-    ``ptr``; on a GPU a debug build (``TRITON_DEBUG=1``) stops at a device assertion."""
+    ``peer`` is a scalar. On emulated ranks one outside ``0 .. num_ranks - 1``, or a ``ptr``
+    outside this workspace's heap (a copy of a heap tensor, another workspace's tensor), is
+    reported (the host raises ``InvalidInputError`` naming it) and the address is this rank's
+    own ``ptr``; on a GPU a debug build (``TRITON_DEBUG=1``) stops at a device assertion for
+    the peer, and the pointer is not checked (the check's registers, in the ops' hot
+    epilogues)."""
     me = rank(ctx)
-    # A peer past the world reads a word beyond the descriptor's bases as a heap base: the
-    # access then lands at an arbitrary address (a crash, or another buffer overwritten).
-    # Checked on emulated ranks; compiled, the check's registers made the GEMV and GEMM
-    # epilogues spill, so there it is a device_assert (kept in a debug build only).
+    # A peer past the world reads a word beyond the descriptor's bases as a heap base, and a
+    # pointer outside the heap is moved by the distance between two heaps: either access then
+    # lands at an arbitrary address (a crash, or another buffer of the process overwritten
+    # with no error: seen on emulated ranks). Checked on emulated ranks; compiled, the peer
+    # check's registers made the GEMV and GEMM epilogues spill, so there it is a
+    # device_assert (kept in a debug build only).
     if _INTERPRETED:
         bad = (peer >= num_ranks(ctx)) | (peer < 0)  # (a tensor first: peer may be a literal)
         if bad:
             _report_bad_peer(ctx, peer)
-        peer = tl.where(bad, me, peer)
+        outside = bad  # (this rank's own address may be any memory it writes)
+        if (peer != me) & (bad == 0):
+            outside = _outside_heap(ctx, ptr)
+        peer = tl.where(bad | outside, me, peer)
     else:
         tl.device_assert((peer >= 0) & (peer < num_ranks(ctx)),
                          "pol.remote_ptr: a peer rank outside 0 .. num_ranks - 1")
     return _shmem.peer_buffer(ptr, ctx + CTX_BASES, me, peer)
+
+
+@triton.jit
+def _outside_heap(ctx, ptr):
+    """Whether any of ``ptr`` (a pointer or a block of them) lies outside this rank's heap,
+    reported (the lowest such offset) where one does. Emulated ranks only."""
+    off = ptr.to(tl.int64, bitcast=True) - tl.load(ctx + CTX_HEAP)
+    # (a block of one lane beside it: a scalar pointer reduces as a block does)
+    lanes = tl.zeros((1,), tl.int64) + off
+    out = (lanes < 0) | (lanes >= tl.load(ctx + CTX_HEAP_BYTES))
+    outside = tl.max(out.to(tl.int32), axis=None) > 0
+    if outside:
+        _report_bad_pointer(ctx, tl.min(tl.where(out, lanes, 1 << 62), axis=None))
+    return outside
 
 
 @triton.jit
@@ -257,12 +282,15 @@ def signal_all(ctx, flag_ptr, call, ok=True, tag=0):
     world = num_ranks(ctx)
     tl.debug_barrier()  # every thread's stores before the lanes' (cumulative) releases
     value = _shmem.call_flag(call, tag, ok)
+    live_ptr = True
+    if _INTERPRETED:  # (remote_ptr's check of the pointer)
+        live_ptr = not _outside_heap(ctx, flag_ptr)
     for first in range(1, world, _SIGNAL_LANES):
         steps = first + tl.arange(0, _SIGNAL_LANES)
         peers = (me + steps) % world
         tl.atomic_xchg(_shmem.peer_buffer(flag_ptr, ctx + CTX_BASES, me, peers),
-                       tl.full((_SIGNAL_LANES,), 0, tl.int64) + value, mask=steps < world,
-                       sem="release", scope="sys")
+                       tl.full((_SIGNAL_LANES,), 0, tl.int64) + value,
+                       mask=(steps < world) & live_ptr, sem="release", scope="sys")
 
 
 @triton.jit
@@ -306,6 +334,17 @@ def _report_bad_peer(ctx, peer):
     if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
         _shmem.report(board, slot, _shmem.STATUS_BAD_INPUT, -1,
                       tl.full((), BAD_PEER_KIND, tl.int64) << 32, tl.cast(peer, tl.int64))
+
+
+@triton.jit
+def _report_bad_pointer(ctx, off):
+    """Record that this program gave ``remote_ptr`` a pointer ``off`` bytes from this rank's
+    heap base, outside the heap."""
+    slot = tl.minimum(program(), STATUS_SLOTS - 1)
+    board = tl.load(ctx + CTX_STATUS)
+    if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
+        _shmem.report(board, slot, _shmem.STATUS_BAD_INPUT, -1,
+                      tl.full((), BAD_POINTER_KIND, tl.int64) << 32, tl.cast(off, tl.int64))
 
 
 @triton.jit

@@ -6,8 +6,8 @@ from typing import Sequence
 
 import torch
 
-from . import (BAD_PEER_KIND, CTX_BASES, CTX_HEAP, CTX_RANK, CTX_STATUS, CTX_TIMEOUT_US,
-               CTX_WORLD, REPORT_OFFSET)
+from . import (BAD_PEER_KIND, BAD_POINTER_KIND, CTX_BASES, CTX_HEAP, CTX_HEAP_BYTES, CTX_RANK,
+               CTX_STATUS, CTX_TIMEOUT_US, CTX_WORLD, REPORT_OFFSET)
 from . import CTX_CLOCK as _CLOCK
 from ..shmem.device import CALL_SHIFT as _SHIFT
 
@@ -46,6 +46,7 @@ def fill_descriptor(ctx: torch.Tensor, heap, rank: int, timeout_us: int,
     words[int(CTX_TIMEOUT_US.value)] = timeout_us
     words[int(CTX_STATUS.value)] = status_address
     words[int(CTX_HEAP.value)] = addresses[rank]
+    words[int(CTX_HEAP_BYTES.value)] = heap.nbytes
     ctx.copy_(torch.tensor(words + addresses, dtype=torch.int64))
 
 
@@ -55,7 +56,11 @@ def name_offset_reports(status, regions: Sequence[tuple]) -> dict:
     nbytes, label)`` of the flag arrays. Returns the labels by kind, for the status board's
     messages (an offset outside every region is named as such)."""
     names = {FIRST_OFFSET_KIND - 1: "unknown (not a flag of this workspace)",
-             int(BAD_PEER_KIND.value): "peer rank (not in 0 .. world size - 1)"}
+             int(BAD_PEER_KIND.value): "peer rank (not in 0 .. world size - 1)",
+             int(BAD_POINTER_KIND.value): "pointer given to remote_ptr outside this rank's "
+                                          "heap (the value: its byte offset from the heap's "
+                                          "base; a copy of a heap tensor, or another "
+                                          "workspace's?)"}
     for i, (_, _, label) in enumerate(regions):
         names[FIRST_OFFSET_KIND + i] = label
     words = status.words

@@ -513,7 +513,8 @@ class OverlapContext(ContextBase):
         # words 2-3: [0] the current call's start (shared deadline), [1] the epoch of a
         # timed-out call
         layout = [("ctx", (descriptor_words(world.world_size),), torch.int64), *layout]
-        self.heap = SymmetricHeap(world, heap_bytes([(s, d) for _, s, d in layout]))
+        self.heap = SymmetricHeap(world, heap_bytes([(s, d) for _, s, d in layout]),
+                                  owner=f"{self.OP} context")
         self.heap.set_up(f"{self.OP} context", lambda: self._set_up_heap(layout))
         self._plans: dict = {}
         self._launched = False

@@ -23,14 +23,26 @@ class SymmetricHeap:
     not open, a peer that died), every rank frees what it had allocated and mapped and raises;
     :class:`~portable_overlap.errors.PeerSetupError` when the ranks could still tell each other."""
 
-    def __init__(self, world, nbytes: int):
+    def __init__(self, world, nbytes: int, owner: str = ""):
         self.world = world
         self.backend = world.backend
         self.device = world.device
         nbytes = int(math.ceil(nbytes / _ALIGN) * _ALIGN)
-        sizes = world.all_gather_object(nbytes)
+        # which heap of the world each rank makes, and for whom: heaps pair by the order they
+        # are made in, so two made in other orders on two ranks (workspaces "A" then "B" on
+        # one, "B" then "A" on the other, of one size) paired A with B, and the ranks' stores
+        # landed in each other's other buffers with no error until close
+        made = world.all_gather_object((nbytes, world.heaps_made, owner))
+        sizes = [m[0] for m in made]
         if len(set(sizes)) != 1:
             raise RankMismatchError(f"symmetric heap: ranks asked for different sizes {sizes}")
+        if len(set(made)) != 1:
+            raise RankMismatchError(
+                "symmetric heap: ranks made different heaps at once (contexts or workspaces "
+                "made in other orders, or on some ranks only; every rank must make the same "
+                "ones in the same order): " + "; ".join(
+                    f"rank {r}: heap {n} for {o or 'an unnamed owner'!r}"
+                    for r, (_, n, o) in enumerate(made)))
         self.nbytes = nbytes
         self._alloc = None
         self._peers: dict = {}
