@@ -108,6 +108,9 @@ class Bench:
         self.records: list = []
         #: the --impls names no case has had so far: a typo timed nothing and exited 0
         self.unmatched = set(getattr(args, "impls", ()))
+        #: impls that failed their check or their timing, each once: the run's exit status
+        #: (a wrong result was printed and the run exited 0)
+        self.failed: list = []
 
     def say(self, msg: str) -> None:
         """Prints on rank 0."""
@@ -168,6 +171,8 @@ class Bench:
             for name in case.checked_names():
                 errs[name] = self.check_impl(name, case.check)
         correct = {n: bool(e < case.tol) for n, e in errs.items()}
+        self.failed += [f"{case.title()}: {n} rel_err {errs[n]:.1e}" for n, ok in correct.items()
+                        if not ok]
         if errs:
             self.say(f"{case.title()}: rel_err " + ", ".join(
                 f"{n} {e:.1e}{'' if correct[n] else ' WRONG: not timed'}"
@@ -185,6 +190,8 @@ class Bench:
                     r = self.time_impl(name, case.impls[name], graph)
                     if r is not None:
                         got[name].append(r)
+                    elif f"{case.title()}: {name} graph={graph} not timed" not in self.failed:
+                        self.failed.append(f"{case.title()}: {name} graph={graph} not timed")
             for name in names:
                 if not got[name]:
                     continue
@@ -232,12 +239,19 @@ def _sync() -> None:
         pass
 
 
+#: what a benchmark started without GPUs says (CUDA / HIP events time it; the CPU-emulated ranks
+#: check the ops, tests/, and run the demo and the examples)
+GPU_ONLY = ("the benchmarks time GPU kernels: run them on a GPU machine, one process per GPU "
+            "(torchrun, or --worlds)")
+
+
 def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
              argv: Optional[Sequence[str]] = None) -> int:
     """Parses ``argv`` (default: the command line); launches the script per ``--worlds`` when
     started alone with that option, or skips when its launcher's world size is not listed;
     otherwise starts the world, runs ``body(bench)``, prints the table and ends the process
-    group. Returns the exit status."""
+    group. Returns the exit status: 1 where an impl gave a wrong result or could not be timed,
+    2 for an ``--impls`` name no case has or a world without GPUs."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     size = cli.launched_world_size(os.environ)
@@ -250,9 +264,20 @@ def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
         return 0
     import torch.distributed as dist
 
-    from portable_overlap import World
+    from portable_overlap import BackendUnavailable, World
 
-    bench = Bench(args, World.from_env())
+    try:
+        world = World.from_env()
+    except BackendUnavailable as e:
+        print(f"{GPU_ONLY} ({e})", flush=True)
+        return 2
+    if getattr(getattr(world, "backend", None), "name", None) == "cpu":
+        if world.rank == 0:
+            print(f"{GPU_ONLY} (this world's ranks are CPU-emulated)", flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
+    bench = Bench(args, world)
     try:
         rc = body(bench) or 0
         bench.print_table()
@@ -260,6 +285,10 @@ def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
             bench.say(f"--impls {', '.join(sorted(bench.unmatched))}: no case has an impl of "
                       f"that name (each case printed its impls)")
             rc = rc or 2
+        if bench.failed:
+            bench.say(f"FAILED: {len(bench.failed)} impl(s) gave a wrong result or could not be "
+                      f"timed:\n  " + "\n  ".join(bench.failed))
+            rc = rc or 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

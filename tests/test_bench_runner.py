@@ -356,6 +356,54 @@ def test_impls_that_no_case_has_are_named_and_fail_the_run(tmp_path, timed, caps
     assert runner.run_main(_parser(), body, argv) == 0
 
 
+def test_a_wrong_or_untimed_impl_fails_the_run(tmp_path, timed, capsys, monkeypatch):
+    """An impl that failed its check, or whose timing raised, was printed and the run exited
+    0: a benchmark in CI or a reviewer's script took a wrong result for a pass."""
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    import portable_overlap
+
+    monkeypatch.setattr(portable_overlap.World, "from_env", staticmethod(lambda: FakeWorld()))
+
+    def fail():
+        raise RuntimeError("no event here")
+
+    def body_of(check, timed_ok=True):
+        def body(bench):
+            bench.run(runner.Case(op="op", shape={"M": 1, "N": 1, "K": 1}, dtype="bf16",
+                                  impls={"fused": lambda: 1.0,
+                                         "sequential": (lambda: 2.0) if timed_ok else fail},
+                                  check=check))
+        return body
+
+    argv = ["--out", str(tmp_path / "r.jsonl")]
+    assert runner.run_main(_parser(), body_of(lambda n: 0.0), argv) == 0
+    assert runner.run_main(_parser(), body_of(lambda n: 0.5), argv) == 1
+    assert "FAILED: 1 impl(s)" in capsys.readouterr().out
+    assert runner.run_main(_parser(), body_of(lambda n: float("nan")), argv) == 1
+    assert runner.run_main(_parser(), body_of(lambda n: 0.0, timed_ok=False), argv) == 1
+    out = capsys.readouterr().out
+    assert "sequential graph=False not timed" in out and "sequential graph=True not timed" in out
+
+
+def test_a_world_without_gpus_is_refused_up_front(tmp_path, monkeypatch, capsys):
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    import portable_overlap
+
+    class CpuWorld(FakeWorld):
+        class backend:
+            name = "cpu"
+
+    monkeypatch.setattr(portable_overlap.World, "from_env", staticmethod(lambda: CpuWorld()))
+    ran = []
+    assert runner.run_main(_parser(), ran.append, ["--out", str(tmp_path / "r.jsonl")]) == 2
+    assert ran == [] and "run them on a GPU machine" in capsys.readouterr().out
+    monkeypatch.setattr(cli, "launch_plan", lambda worlds, n: ([], list(worlds)))
+    assert cli.launch("script.py", [], [2, 4]) == 1
+    assert "nothing was run" in capsys.readouterr().out
+
+
 def test_rel_err():
     torch = pytest.importorskip("torch")
     ref = torch.ones(4)

@@ -37,6 +37,7 @@ from torch import nn
 
 from portable_overlap import ShardedEmbeddingBagCollection, World
 from portable_overlap.cli import int_at_least
+from portable_overlap.testing.compare import worst
 
 CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593,
                  3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
@@ -219,7 +220,7 @@ def report(res, world_size, device) -> int:
     if len(names) == 2:
         a, b = losses[names[0]], losses[names[1]]
         n = min(5, steps)
-        diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n]))
+        diff = worst(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n]))
         ok = diff < (1e-3 if device == "cpu" else 1e-2)
         print(f"fused vs reference loss over the first {n} steps: max rel diff {diff:.2e} -> "
               f"{'paths agree' if ok else 'PATHS DISAGREE'}")

@@ -29,6 +29,7 @@ import torch
 from portable_overlap import World
 from portable_overlap.cli import int_at_least
 from portable_overlap.modules.moe import ExpertParallelMoE
+from portable_overlap.testing.compare import worst
 
 SHAPES = {"small": dict(tokens=8192, hidden=4096, inter=2048, experts=8, top_k=2),
           "deepseek": dict(tokens=8192, hidden=7168, inter=2048, experts=16, top_k=8),
@@ -67,7 +68,7 @@ def run(world, dims, iters, schedule="staged"):
         y_ref = ref(tokens)
         fused.synchronize()
     err = rel(y, y_ref)
-    grad_err = max(rel(a, b) for a, b in zip(train_step(fused), train_step(ref)))
+    grad_err = worst(rel(a, b) for a, b in zip(train_step(fused), train_step(ref)))
     if dev.type != "cpu":
         for name, layer in (("fused ops", fused), ("torch path", ref)):
             for what, step in (("forward", lambda: layer(tokens)),
@@ -85,9 +86,9 @@ def run(world, dims, iters, schedule="staged"):
                     ms.append(a.elapsed_time(b))
                 times[f"{name}, {what}"] = statistics.median(ms)
     fused.close()
-    errs = world.all_gather_object(max(err, grad_err))
+    errs = world.all_gather_object(worst((err, grad_err)))
     all_times = world.all_gather_object(times)
-    return max(errs), {k: max(t[k] for t in all_times) for k in times}
+    return worst(errs), {k: max(t[k] for t in all_times) for k in times}
 
 
 def report(W, dims, err, times, device, schedule) -> int:

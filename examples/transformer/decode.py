@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from portable_overlap import RowParallelLinear
+from portable_overlap.testing.compare import worst
 from portable_overlap.cli import int_at_least
 from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
 
@@ -107,6 +108,7 @@ def run(world, args):
     plain = build(world, dims, args.layers, args.cache, args.batch, dtype, False, 1)
     ref, got = step(plain, x), step(fused, x)
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    err = worst(world.all_gather_object(err))  # (the launcher reports rank 0's result)
     tokens = args.tokens if world.device.type == "cuda" else 3
     rows = []
     for graph in ((False, True) if world.device.type == "cuda" else (False,)):

@@ -45,6 +45,7 @@ from torch import nn
 from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduceScatter,
                               RowParallelLinear)
 from portable_overlap.cli import int_at_least
+from portable_overlap.testing.compare import worst
 from tp_common import (LLAMA3_8B, TINY, launch, planned_world_size,  # examples/transformer/
                        under_torchrun)
 
@@ -170,7 +171,7 @@ def run(world, args):
         got, _ = forward(fused, x, on_gpu)
         diff = (got.float() - ref.float()).abs().max().item()
         scale = ref.float().abs().max().item()
-        diff, scale = (max(v) for v in zip(*world.all_gather_object((diff, scale))))
+        diff, scale = (worst(v) for v in zip(*world.all_gather_object((diff, scale))))
         iters = args.iters if on_gpu else 2
         t_plain = time_layers(plain, x, world, iters)
         t_fused = time_layers(fused, x, world, iters)

@@ -16,3 +16,19 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
+
+
+def worst(values) -> float:
+    """The largest of ``values`` (errors of several ranks or steps), ``inf`` where any is NaN or
+    not a number at all: Python's ``max`` keeps a NaN only where it comes first, so a NaN
+    error of rank 1 read as agreement."""
+    out = -math.inf
+    for v in values:
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            return math.inf
+        if math.isnan(v):
+            return math.inf
+        out = max(out, v)
+    return out
