@@ -37,7 +37,8 @@ OP = "allgather_gemm"
 
 
 def parser() -> BenchParser:
-    p = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
+    p = BenchParser(__doc__, dims=("M", "N", "K"),
+                    split_dims=("M", "N"), shapes=SHAPES, dtypes=("bf16",),
                     allowed_dtypes=("bf16", "fp16"), iters=50, warmup=5)
     p.add_argument("--schedules", default=",".join(SCHEDULES),
                    help="comma list of copy-engine schedules to time besides the pick "

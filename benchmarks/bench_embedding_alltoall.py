@@ -145,6 +145,7 @@ def sweep(bench, shape, dname, weight, lengths, indices, splits) -> None:
 
 def parser() -> BenchParser:
     ap = BenchParser(__doc__, dims=("batch", "tables", "dim", "pooling_factor", "rows"),
+                     split_dims=("batch",),
                      shapes=SHAPES, dtypes=("fp32", "fp16"), iters=50, warmup=10,
                      shapes_help="(B x T x D x PF x ROWS) ")
     ap.add_choices("--dists", ("uniform", "zipf"), "uniform,zipf")

@@ -64,7 +64,8 @@ def sweep_partitions(n_tiles: int, programs: int, dests: int) -> dict:
 
 
 def parser() -> BenchParser:
-    ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
+    ap = BenchParser(__doc__, dims=("M", "N", "K"),
+                     split_dims=("M", "K"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=60, warmup=10,
                      shapes_help="the three of the issue ")
     ap.add_choices("--ops", ("all_reduce", "reduce_scatter"), "all_reduce,reduce_scatter")

@@ -59,7 +59,8 @@ def tune(bench, ctx, x, w, out, log) -> GemvConfig:
 
 
 def parser() -> BenchParser:
-    ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
+    ap = BenchParser(__doc__, dims=("M", "N", "K"),
+                     split_dims=("K",), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=100, warmup=20)
     ap.add_argument("--tune", action="store_true",
                     help="sweep launch configurations of the fused kernel per shape first")

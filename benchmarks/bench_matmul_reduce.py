@@ -40,7 +40,8 @@ REF = {"reduce_scatter": matmul_reduce_scatter_reference, "all_reduce": matmul_a
 
 
 def parser() -> BenchParser:
-    ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",),
+    ap = BenchParser(__doc__, dims=("M", "N", "K"),
+                     split_dims=("M", "K"), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=50, warmup=5,
                      shapes_help="the issue's six ")
     ap.add_choices("--modes", ("reduce_scatter", "all_reduce"),

@@ -42,7 +42,8 @@ OP = "moe_dispatch"
 
 
 def parser() -> BenchParser:
-    ap = BenchParser(__doc__, dims=("S", "H", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
+    ap = BenchParser(__doc__, dims=("S", "H", "E", "k"),
+                     split_dims=("E",), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16", "fp32"), iters=50, warmup=10)
     ap.add_choices("--routings", ("balanced", "zipf"), "balanced,zipf")
     return ap

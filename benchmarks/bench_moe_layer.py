@@ -59,7 +59,8 @@ OP = "moe_layer"
 
 
 def parser() -> BenchParser:
-    ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"), shapes=SHAPES, dtypes=("bf16",),
+    ap = BenchParser(__doc__, dims=("S", "H", "I", "E", "k"),
+                     split_dims=("E",), shapes=SHAPES, dtypes=("bf16",),
                      allowed_dtypes=("bf16", "fp16"), iters=50, warmup=5)
     ap.add_choices("--routings", ("balanced", "zipf"), "balanced,zipf")
     ap.add_argument("--down-tile", default="",

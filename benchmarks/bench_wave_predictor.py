@@ -463,7 +463,8 @@ class Run:
 
 
 def parser() -> BenchParser:
-    ap = BenchParser(__doc__, dims=("M", "N", "K"), shapes=SHAPES, dtypes=("bf16",), iters=50,
+    ap = BenchParser(__doc__, dims=("M", "N", "K"),
+                     split_dims=("M", "K"), shapes=SHAPES, dtypes=("bf16",), iters=50,
                      warmup=10, graphs=(True,))
     ap.add_choices("--ops", ("all_reduce", "reduce_scatter"), "all_reduce,reduce_scatter")
     ap.add_argument("--max-candidates", type=int, default=32,

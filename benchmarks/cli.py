@@ -214,10 +214,17 @@ class BenchParser(argparse.ArgumentParser):
     def __init__(self, description: str, *, dims: Sequence[str], shapes: Sequence,
                  dtypes: Sequence[str] = ("bf16",), allowed_dtypes: Optional[Sequence] = None,
                  iters: int = 50, warmup: int = 10, graphs: Sequence[bool] = (False, True),
-                 shapes_help: str = ""):
+                 shapes_help: str = "", split_dims: Sequence[str] = ()):
         super().__init__(description=description,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
         self.dims = tuple(dims)
+        #: the dims each rank holds a 1/world share of: ``run_main`` refuses a shape whose
+        #: size there the world does not divide (the script would run another shape than
+        #: asked, or fail deep inside)
+        self.split_dims = tuple(split_dims)
+        if split_dims:
+            shapes_help += (f"({', '.join(split_dims)} must divide by the world size: each "
+                            f"rank holds a share) ")
         self.default_shapes = [dict(zip(self.dims, s)) if not isinstance(s, Mapping) else dict(s)
                                for s in shapes]
         self.allowed_dtypes = tuple(allowed_dtypes or dtypes)

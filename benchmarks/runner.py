@@ -277,6 +277,16 @@ def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2
+    bad = [f"{cli.format_shape(shape, parser.dims)}: {d}={shape[d]}" for shape in args.shapes
+           for d in getattr(parser, "split_dims", ()) if shape[d] % world.world_size]
+    if bad:
+        if world.rank == 0:
+            print(f"--shapes: {'; '.join(bad)} does not divide by the world size "
+                  f"{world.world_size} (each rank holds a share of "
+                  f"{', '.join(parser.split_dims)})", flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
     bench = Bench(args, world)
     try:
         rc = body(bench) or 0

@@ -404,6 +404,29 @@ def test_a_world_without_gpus_is_refused_up_front(tmp_path, monkeypatch, capsys)
     assert "nothing was run" in capsys.readouterr().out
 
 
+def test_a_shape_the_world_does_not_divide_is_refused_naming_it(tmp_path, monkeypatch,
+                                                                capsys):
+    """A split size that the world does not divide ran another shape than asked (``M // W``)
+    or failed deep inside, exit 0."""
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    import portable_overlap
+
+    class TwoRanks(FakeWorld):
+        world_size = 2
+
+    monkeypatch.setattr(portable_overlap.World, "from_env", staticmethod(lambda: TwoRanks()))
+    ran = []
+    parser = _parser(split_dims=("M", "K"))
+    assert "M, K must divide by the world size" in parser.format_help()
+    argv = ["--out", str(tmp_path / "r.jsonl"), "--shapes", "4x5x6,3x4x4"]
+    assert runner.run_main(parser, ran.append, argv) == 2
+    out = capsys.readouterr().out
+    assert ran == [] and "3x4x4: M=3" in out and "world size 2" in out
+    argv[-1] = "4x5x6,2x3x2"
+    assert runner.run_main(parser, ran.append, argv) == 0 and len(ran) == 1
+
+
 def test_rel_err():
     torch = pytest.importorskip("torch")
     ref = torch.ones(4)
