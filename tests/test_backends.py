@@ -461,6 +461,9 @@ class _GateHip:
 
     def hipStreamIsCapturing(self, stream):
         st = self._real.hipStreamCaptureStatus
+        if self.capturing == "unanswered":  # what hip-python does where the call fails: the
+            return (self._real.hipError_t.hipErrorStreamCaptureImplicit,  # status it builds
+                    st(7))  # from the unwritten word raises (ValueError)
         return (self._real.hipError_t.hipSuccess,
                 st.hipStreamCaptureStatusActive if self.capturing
                 else st.hipStreamCaptureStatusNone)
@@ -591,6 +594,16 @@ def test_hip_gate_under_capture_is_the_kernel_gate(gate_backend):
     be.stream_write_value(0x1234, words.address(1), 0)
     assert _queued(fake) == [("kernel wait", 0x1234, words.address(1), 5),
                              ("kernel write", 0x1234, words.address(1), 0)]
+
+
+def test_hip_gate_where_the_capture_query_fails_is_the_kernel_gate(gate_backend):
+    """hipStreamIsCapturing failing (the null stream while another stream captures): hip-python
+    raised ValueError from the status it builds of an unwritten word, out of the wait itself,
+    where the kernel gate serves."""
+    be, fake = gate_backend(capturing="unanswered")
+    words = be.alloc_gate_words(2, torch.device("cuda", 0))
+    be.stream_wait_value(0x1234, words.address(1), 5)
+    assert _queued(fake) == [("kernel wait", 0x1234, words.address(1), 5)]
 
 
 def test_hip_gate_with_cp_wait_uses_signal_memory(gate_backend):

@@ -490,8 +490,15 @@ class RocmBackend(Backend):
     def _capturing(stream: Optional[int]) -> bool:
         """Whether ``stream`` is being captured. A stream the runtime cannot answer for counts as
         captured (hipErrorStreamCaptureImplicit: the null stream while another captures): the
-        kernel gate is right in both cases, the runtime's wait only in one."""
-        err, status = hip.hipStreamIsCapturing(stream or 0)
+        kernel gate is right in both cases, the runtime's wait only in one. hip-python builds
+        the status enum from the output word whether or not the call wrote it: where the call
+        fails the runtime leaves it unwritten, and a value outside the enum raises ValueError
+        inside the binding (hip.pyx ``hipStreamIsCapturing``; CLR ``hipStreamIsCapturing_common``
+        returns the error without writing the status)."""
+        try:
+            err, status = hip.hipStreamIsCapturing(stream or 0)
+        except ValueError:
+            return True
         if int(err) != 0:
             return True
         return int(status) != int(hip.hipStreamCaptureStatus.hipStreamCaptureStatusNone)
