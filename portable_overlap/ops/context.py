@@ -155,7 +155,10 @@ def collective_call(method):
             self._delivered = False
             raise
         finally:
-            self._release_call()
+            # (``_release_call`` inline: the decode path's host time)
+            if self._interpreted:
+                end_interpreter_turn()
+            self._guard.release()
         if self._sync_errors:  # the interpreter ran the call already: raise with this call
             self.check()
         self._delivered = True
@@ -411,7 +414,10 @@ class ContextBase:
     def _enter_call(self) -> None:
         """A call's guards (``collective_call``): open, one thread, not broken."""
         self._check_open()
-        self._acquire_call()
+        if self._interpreted:
+            self._acquire_call()
+        elif not self._guard.acquire(blocking=False):  # (inline: the decode path's host time)
+            raise concurrent_use(self.OP, self.rank)
         try:
             self._check_open()  # (closed by another thread while this one took the guard)
             self._before_call()
