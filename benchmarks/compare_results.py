@@ -1,15 +1,16 @@
-"""Side-by-side medians of two results files (or of two commits inside one file): for every
-timed row present in both, ``new / old`` and whether it is within a tolerance.
+"""Side-by-side medians of two results files: for every timed row present in both,
+``new / old`` and whether it is within a tolerance.
 
     python -m benchmarks.compare_results OLD.jsonl NEW.jsonl [--tol 0.02] [--impl fused]
-        [--csv out.csv]
 
 Rows are matched on what was measured (op, shape, dtype, world, impl, graph and the variant
 keys: transport, schedule, partition, reserve_sms, kind); several rows with one key (repeated
-rounds) are reduced to their median. Prints one line per key and a summary; exits 0 always
-(it reports, the reader judges)."""
+rounds, several commits) are reduced to their median; rows without a finite positive median
+(a failed timing is written as null) are left out. Prints one line per key and a summary;
+exits 0 (it reports, the reader judges), 2 for a file it cannot read."""
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -38,7 +39,10 @@ def load(path: str, impls: set) -> dict:
                 continue
             if impls and r.get("impl") not in impls:
                 continue
-            out[row_key(r)].append(float(r["median_ms"]))
+            ms = r["median_ms"]
+            if not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+                continue  # (not timed: no ratio to take)
+            out[row_key(r)].append(float(ms))
     return out
 
 
@@ -49,15 +53,29 @@ def compare(old: dict, new: dict, tol: float):
     return rows, sorted(set(old) ^ set(new))
 
 
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of 0 or more, got {text}")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old")
     ap.add_argument("new")
-    ap.add_argument("--tol", type=float, default=0.02, help="relative tolerance (0.02 = 2%%)")
+    ap.add_argument("--tol", type=_tolerance, default=0.02,
+                    help="relative tolerance, 0 or more (0.02 = 2%%)")
     ap.add_argument("--impl", default="", help="comma-separated impls to compare (default all)")
     args = ap.parse_args(argv)
     impls = {s for s in args.impl.split(",") if s}
-    rows, unmatched = compare(load(args.old, impls), load(args.new, impls), args.tol)
+    try:
+        old, new = load(args.old, impls), load(args.new, impls)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"compare_results: cannot read the results: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2
+    rows, unmatched = compare(old, new, args.tol)
     rows.sort(key=lambda x: x[0])
     print(f"{'op':<26} {'shape':<44} {'impl':<11} {'graph':<5} {'variant':<22} "
           f"{'old ms':>9} {'new ms':>9} {'new/old':>8}")

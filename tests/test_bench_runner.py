@@ -893,3 +893,23 @@ def test_writer_writes_strict_json(tmp_path):
     got = _strict_json(line)
     assert got["rel_err"] is None and got["sweep"] == [{"median_ms": None}, [1.0, None]]
     assert row_problems(got) == []
+
+
+def test_compare_results_leaves_out_untimed_rows_and_refuses_what_it_cannot_read(tmp_path,
+                                                                                   capsys):
+    """A failed timing is written with a null median (``rows.finite``): comparing such a file
+    raised a TypeError, and an old median of 0 a ZeroDivisionError."""
+    from benchmarks import compare_results
+
+    rows = [{"op": "a", "impl": "fused", "median_ms": None}, {"op": "b", "median_ms": 0.0},
+            {"op": "c", "impl": "fused", "median_ms": 2.0}]
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    new = tmp_path / "new.jsonl"
+    new.write_text(json.dumps({"op": "c", "impl": "fused", "median_ms": 1.0}) + "\n")
+    assert compare_results.main([str(old), str(new)]) == 0
+    assert "1 rows matched" in capsys.readouterr().out
+    assert compare_results.main([str(tmp_path / "missing.jsonl"), str(new)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_results.main([str(old), str(new), "--tol", "-1"])
