@@ -895,8 +895,7 @@ def test_writer_writes_strict_json(tmp_path):
     assert row_problems(got) == []
 
 
-def test_compare_results_leaves_out_untimed_rows_and_refuses_what_it_cannot_read(tmp_path,
-                                                                                   capsys):
+def test_compare_results_leaves_out_untimed_rows_and_refuses_bad_files(tmp_path, capsys):
     """A failed timing is written with a null median (``rows.finite``): comparing such a file
     raised a TypeError, and an old median of 0 a ZeroDivisionError."""
     from benchmarks import compare_results
