@@ -47,7 +47,8 @@ def _demo_rank(world) -> list:
             same = all(torch.equal(o.view(torch.uint8), outs[0].view(torch.uint8)) for o in outs)
             fused = _time(lambda: ctx(x, w, out=out), world, on_gpu)
             seq = _time(lambda: gemv_all_reduce_reference(x, w, world.group, False), world, on_gpu)
-            rows.append((f"{M}x{N}x{K}", str(dt).replace("torch.", ""), err, same, fused, seq,
+            # (the K computed: K's shares, K rounded down to a multiple of the ranks)
+            rows.append((f"{M}x{N}x{Kl * world.world_size}", str(dt).replace("torch.", ""), err, same, fused, seq,
                          ctx.choice(x, w)))
     ctx.close()
     return rows
