@@ -48,7 +48,8 @@ def _demo_rank(world) -> list:
             fused = _time(lambda: ctx(x, w, out=out), world, on_gpu)
             seq = _time(lambda: gemv_all_reduce_reference(x, w, world.group, False), world, on_gpu)
             # (the K computed: K's shares, K rounded down to a multiple of the ranks)
-            rows.append((f"{M}x{N}x{Kl * world.world_size}", str(dt).replace("torch.", ""), err, same, fused, seq,
+            shape = f"{M}x{N}x{Kl * world.world_size}"
+            rows.append((shape, str(dt).replace("torch.", ""), err, same, fused, seq,
                          ctx.choice(x, w)))
     ctx.close()
     return rows
