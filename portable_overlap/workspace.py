@@ -210,13 +210,15 @@ class Workspace(ContextBase):
             try:
                 out = kernel[grid](self.ctx, *args, **kwargs)
             except BaseException as e:
-                # The launch may have begun: under the interpreter its programs ran up to the
-                # error, and peers may hold its signals while this rank's call counter did not
-                # advance; its next launch would then pair with their next call and return
-                # the previous call's data with no error. Out of step: broken.
-                self._broken = (f"{self.OP}: rank {self.rank}'s launch of "
-                                f"{getattr(jit, '__name__', 'a kernel')} raised "
-                                f"({type(e).__name__}: {str(e)[:300]})")
+                # Under the interpreter the launch's programs ran up to the error, and peers
+                # may hold its signals while this rank's call counter did not advance: its
+                # next launch would pair with their next call and return the previous call's
+                # data with no error. Out of step: broken. (On a GPU such an error, a compile
+                # or launch failure, comes before any program runs: nothing was sent.)
+                if self._interpreted:
+                    self._broken = (f"{self.OP}: rank {self.rank}'s launch of "
+                                    f"{getattr(jit, '__name__', 'a kernel')} raised "
+                                    f"({type(e).__name__}: {str(e)[:300]})")
                 raise
             if self._calls is not None:
                 self._calls += 1
