@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 from triton.runtime.autotuner import Autotuner, Heuristics
+from triton.runtime.errors import InterpreterError
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -209,12 +210,13 @@ class Workspace(ContextBase):
                 kernel = self._linked_kernel(kernel)
             try:
                 out = kernel[grid](self.ctx, *args, **kwargs)
-            except BaseException as e:
-                # Under the interpreter the launch's programs ran up to the error, and peers
-                # may hold its signals while this rank's call counter did not advance: its
-                # next launch would pair with their next call and return the previous call's
-                # data with no error. Out of step: broken. (On a GPU such an error, a compile
-                # or launch failure, comes before any program runs: nothing was sent.)
+            except InterpreterError as e:
+                # A kernel program raised under the interpreter: the launch's programs ran up
+                # to the error, and peers may hold its signals while this rank's call counter
+                # did not advance: its next launch would pair with their next call and return
+                # the previous call's data with no error. Out of step: broken. (A refusal
+                # before any program runs, such as an empty grid, is raised as itself; on a
+                # GPU a compile or launch failure also comes before any program runs.)
                 if self._interpreted:
                     self._broken = (f"{self.OP}: rank {self.rank}'s launch of "
                                     f"{getattr(jit, '__name__', 'a kernel')} raised "
