@@ -171,7 +171,7 @@ def is_live(ctx):
 
 # -- data ----------------------------------------------------------------------------------------
 @triton.jit
-def remote_ptr(ctx, ptr, peer):
+def remote_ptr(ctx, ptr, peer, mask=None):
     """The address in ``peer``'s heap of ``ptr`` (a scalar or block of pointers into this
     rank's heap). Plain loads and stores through it reach the peer's memory (NVLink /
     Infinity Fabric on GPUs, the shared mapping on emulated ranks). The result keeps ``ptr``'s
@@ -179,11 +179,11 @@ def remote_ptr(ctx, ptr, peer):
     translate the block, either works.
 
     ``peer`` is a scalar. On emulated ranks one outside ``0 .. num_ranks - 1``, or a ``ptr``
-    outside this workspace's heap (a copy of a heap tensor, another workspace's tensor), is
-    reported (the host raises ``InvalidInputError`` naming it) and the address is this rank's
-    own ``ptr``; on a GPU a debug build (``TRITON_DEBUG=1``) stops at a device assertion for
-    the peer, and the pointer is not checked (the check's registers, in the ops' hot
-    epilogues)."""
+    outside this workspace's heap (a copy of a heap tensor, another workspace's tensor; with
+    ``mask``, the access's, only its lanes that are on), is reported (the host raises
+    ``InvalidInputError`` naming it) and the address is this rank's own ``ptr``; on a GPU a
+    debug build (``TRITON_DEBUG=1``) stops at a device assertion for the peer, and the pointer
+    is not checked (the check's registers, in the ops' hot epilogues)."""
     me = rank(ctx)
     # A peer past the world reads a word beyond the descriptor's bases as a heap base, and a
     # pointer outside the heap is moved by the distance between two heaps: either access then
@@ -197,7 +197,7 @@ def remote_ptr(ctx, ptr, peer):
             _report_bad_peer(ctx, peer)
         outside = bad  # (this rank's own address may be any memory it writes)
         if (peer != me) & (bad == 0):
-            outside = _outside_heap(ctx, ptr)
+            outside = _outside_heap(ctx, ptr, mask)
         peer = tl.where(bad | outside, me, peer)
     else:
         tl.device_assert((peer >= 0) & (peer < num_ranks(ctx)),
@@ -206,13 +206,16 @@ def remote_ptr(ctx, ptr, peer):
 
 
 @triton.jit
-def _outside_heap(ctx, ptr):
-    """Whether any of ``ptr`` (a pointer or a block of them) lies outside this rank's heap,
-    reported (the lowest such offset) where one does. Emulated ranks only."""
+def _outside_heap(ctx, ptr, mask=None):
+    """Whether any of ``ptr`` (a pointer or a block of them; with ``mask``, its lanes that are
+    on: a masked lane may point past the heap, as past any tensor) lies outside this rank's
+    heap, reported (the lowest such offset) where one does. Emulated ranks only."""
     off = ptr.to(tl.int64, bitcast=True) - tl.load(ctx + CTX_HEAP)
     # (a block of one lane beside it: a scalar pointer reduces as a block does)
     lanes = tl.zeros((1,), tl.int64) + off
     out = (lanes < 0) | (lanes >= tl.load(ctx + CTX_HEAP_BYTES))
+    if mask is not None:
+        out = out & mask
     outside = tl.max(out.to(tl.int32), axis=None) > 0
     if outside:
         _report_bad_pointer(ctx, tl.min(tl.where(out, lanes, 1 << 62), axis=None))
@@ -222,13 +225,13 @@ def _outside_heap(ctx, ptr):
 @triton.jit
 def load_remote(ctx, ptr, peer, mask=None, other=None):
     """``tl.load`` of ``peer``'s copy of ``ptr`` (a pull)."""
-    return tl.load(remote_ptr(ctx, ptr, peer), mask=mask, other=other)
+    return tl.load(remote_ptr(ctx, ptr, peer, mask), mask=mask, other=other)
 
 
 @triton.jit
 def store_remote(ctx, ptr, value, peer, mask=None):
     """``tl.store`` of ``value`` into ``peer``'s copy of ``ptr`` (a push, zero-copy)."""
-    tl.store(remote_ptr(ctx, ptr, peer), value, mask=mask)
+    tl.store(remote_ptr(ctx, ptr, peer, mask), value, mask=mask)
 
 
 @triton.jit
