@@ -54,17 +54,20 @@ def kept(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor
     one that makes it, and torch refuses the in-place writes of every later call outside that
     mode to an inference tensor."""
     device = torch.device(device)
-    if device.type == "cpu":
-        with torch.inference_mode(False):
-            return make()
-    module = torch.get_device_module(device)
-    if module.is_current_stream_capturing():
+
+    def normal() -> torch.Tensor:
         with torch.inference_mode(False):
             return make()
 
+    if device.type == "cpu":
+        return normal()
+    module = torch.get_device_module(device)
+    if module.is_current_stream_capturing():
+        return normal()
+
     def run() -> torch.Tensor:
-        with module.device(device), torch.inference_mode(False):
-            t = make()
+        with module.device(device):
+            t = normal()
             module.current_stream(device).synchronize()
         return t
 

@@ -75,10 +75,25 @@ def check_transport(op: str, transport, transports: Sequence[str]) -> str:
     return transport
 
 
-def close_wait_s(timeout_s: float) -> float:
-    """How long ``close()`` waits for a call another thread is making: past the call's own
-    deadline (``timeout_s``), with room for the interpreter's slower host work."""
-    return max(120.0, 3 * timeout_s)
+def mark_closed(owner, lock, timeout_s: float, op: str, rank: int) -> bool:
+    """Set ``owner._closed`` under ``lock`` (the guard its calls hold), once a call another
+    thread is making has ended: its kernels would otherwise run on a workspace that is gone
+    (emulated ranks: every rank crashed); a call that starts after this finds it closed. Waits
+    past the call's own deadline (``timeout_s``), with room for the interpreter's slower host
+    work, then raises :class:`ConcurrentUseError`. Whether this call closed it (False: it was
+    closed already)."""
+    wait_s = max(120.0, 3 * timeout_s)
+    if not lock.acquire(timeout=wait_s):
+        raise ConcurrentUseError(
+            f"{op}: close() on rank {rank} waited {wait_s:.0f} s for a call that another "
+            f"thread is making on this context; close it once that thread's calls have ended")
+    try:
+        if owner._closed:
+            return False
+        owner._closed = True
+        return True
+    finally:
+        lock.release()
 
 
 #: under Triton's interpreter (CPU-emulated ranks), the thread whose call is under way in this
@@ -378,23 +393,9 @@ class ContextBase:
     def close(self) -> None:
         """Collective (every rank). Closing twice does nothing; any call after it raises
         :class:`ContextClosedError`. Subclasses free their workspace after this."""
-        if self._closed:
+        if self._closed or not mark_closed(self, self._guard, self.timeout_s, self.OP,
+                                           self.rank):
             return
-        # a call another thread is making ends first (its waits have deadlines): its kernels
-        # would otherwise read and write a workspace that is gone (emulated ranks: every rank
-        # crashed); a call that starts after this finds the context closed (``_enter_call``)
-        wait_s = close_wait_s(self.timeout_s)
-        if not self._guard.acquire(timeout=wait_s):
-            raise ConcurrentUseError(
-                f"{self.OP}: close() on rank {self.rank} waited {wait_s:.0f} s for a call "
-                f"that another thread is making on this context; close it once that thread's "
-                f"calls have ended")
-        try:
-            if self._closed:
-                return
-            self._closed = True
-        finally:
-            self._guard.release()
         unregister_context(self.handle)
         # the calls queued on any stream end before the workspace goes back to the allocator
         # (kept tensors return to the default stream's cache: portable_overlap/kept.py)

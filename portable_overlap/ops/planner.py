@@ -126,12 +126,11 @@ from typing import Optional
 import torch
 
 from ..envvars import env_file_path, is_folder_path
-from ..errors import (BackendUnavailable, ConcurrentUseError, ContextBrokenError,
-                      ContextClosedError, PeerTimeoutError, PortableOverlapError,
-                      RankMismatchError)
+from ..errors import (BackendUnavailable, ContextBrokenError, ContextClosedError,
+                      PeerTimeoutError, PortableOverlapError, RankMismatchError)
 from ..schedule import tuning
 from .call_board import CallBoard
-from .context import close_wait_s, concurrent_use, refuse_call, stream_capturing
+from .context import concurrent_use, mark_closed, refuse_call, stream_capturing
 
 AUTO = "auto"
 SEQUENTIAL = "sequential"
@@ -957,21 +956,11 @@ class TransportPlanner:
     def close(self) -> None:
         """Collective: free every workspace, the candidates' in ``TRANSPORTS`` order, then the
         retired ones (the same order on every rank). Closing twice does nothing."""
-        if self._closed:
+        # (after a call another thread is making: ``mark_closed``)
+        if self._closed or not mark_closed(self, self._lock,
+                                           max(self.timeout_s, EXCHANGE_MIN_S),
+                                           self.ctx.OP, self.ctx.rank):
             return
-        # a call another thread is making ends first (ContextBase.close)
-        wait_s = close_wait_s(max(self.timeout_s, EXCHANGE_MIN_S))
-        if not self._lock.acquire(timeout=wait_s):
-            raise ConcurrentUseError(
-                f"{self.ctx.OP}: close() on rank {self.ctx.rank} waited {wait_s:.0f} s for a "
-                f"call that another thread is making on this context; close it once that "
-                f"thread's calls have ended")
-        try:
-            if self._closed:
-                return
-            self._closed = True
-        finally:
-            self._lock.release()
         self._close_all()
 
     def _close_all(self) -> None:
