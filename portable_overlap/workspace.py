@@ -38,10 +38,13 @@ from .shmem.providers import ShmemUnavailable, provider_or_reason
 from .shmem.providers import device as _provider_device
 from .shmem.status import STATUS_TIMEOUT, StatusBoard
 from . import language as _lang
-from .language.host import (CALL_SHIFT, descriptor_words, fill_descriptor,
+from .language.host import (CALL_SHIFT, calls_counted, descriptor_words, fill_descriptor,
                             name_offset_reports)
 
 _ALIGN = 256  # bytes: every tensor starts 16-byte aligned for vector stores and TMA
+#: launches after which :meth:`Workspace.flags` refuses a new flag array (flags compare call
+#: numbers mod 2**32: a zeroed word reads as arrived for a call 2**31 or more past 0)
+FLAG_CARVE_CALLS = 2 ** 31
 
 
 class Workspace(ContextBase):
@@ -140,7 +143,9 @@ class Workspace(ContextBase):
     def flags(self, shape: Sequence[int], name: str) -> torch.Tensor:
         """A zeroed int64 array of flags (or counters) named ``name`` in errors. Collective,
         like :meth:`tensor`. Give every flag array its own use: a flag holds the number of the
-        call that last set it, a counter the sum of everything added to it."""
+        call that last set it, a counter the sum of everything added to it. Refused
+        (``ValueError``) once the workspace has run 2**31 launches: a zeroed flag would read as
+        set for the next call (flags compare call numbers mod 2**32); carve flags first."""
         bad = None if isinstance(name, str) and name else \
             f"a flag array needs a name (for its errors), got {name!r}"
         return self._carve(shape, torch.int64, name, bad)
@@ -156,6 +161,17 @@ class Workspace(ContextBase):
         if bad is None and (any(s < 0 for s in shape) or not isinstance(dtype, torch.dtype)):
             bad = (f"need non-negative sizes and a torch.dtype, got shape {shape} and dtype "
                    f"{dtype!r}")
+        if bad is None and name is not None:
+            # A flag word holds its call's number mod 2**32 and reads as arrived for any call
+            # up to 2**31 before it: a zeroed word carved after 2**31 launches would read as
+            # set for the next call (its wait would pass at once, over data never sent). The
+            # counter is read after the queued launches ran (carving meets the peers anyway).
+            self.world.backend.synchronize(self.world.device)
+            done = calls_counted(self.ctx)
+            if done >= FLAG_CARVE_CALLS:
+                bad = (f"flag array {name!r} asked after {done} launches of the workspace: a "
+                       f"zeroed flag reads as set once 2**31 calls have run; carve every flag "
+                       f"array before (at the start), or make a new workspace")
         # agree first, so that every rank takes the same path below: a rank that alone refused
         # the buffer, or ran out of room, would leave its peers waiting in this collective or
         # the next one (a refused buffer is compared by what was passed)

@@ -540,3 +540,101 @@ def test_a_wait_on_the_same_launch_under_the_interpreter_says_why(world2):
         assert err is not None and err[0] == "PeerTimeoutError", (r, err)
         assert f"waiting for rank {r}'s 'word'" in err[1], (r, err)
         assert "never arrived" not in err[1] and "resident" in err[1], (r, err)
+
+
+@triton.jit
+def _wait_with_peer_kernel(ctx, flags_ptr, counter_ptr, peer, HOW: tl.constexpr):
+    """Tell every peer this rank's call (``flags[rank]``, and one count), then wait for the
+    previous rank's with ``peer`` as the rank named in the wait's report: ``wait``,
+    ``wait_reached`` or ``wait_count`` (HOW)."""
+    call = pol.begin_call(ctx)
+    me, world = pol.rank(ctx), pol.num_ranks(ctx)
+    pol.signal_all(ctx, flags_ptr + me, call)
+    pol.notify(ctx, counter_ptr, pol.peer_at(1, me, world))
+    prev = pol.peer_at(world - 1, me, world)
+    if HOW == 0:
+        pol.wait(ctx, flags_ptr + prev, call, peer)
+    elif HOW == 1:
+        pol.wait_reached(ctx, flags_ptr + prev, call, call, peer)
+    else:
+        pol.wait_count(ctx, counter_ptr, call, call, peer)
+    pol.end_call(ctx, call)
+
+
+def _waits_naming_peers(world):
+    """What each wait raised with a peer rank outside the world (and with -1, which
+    ``wait_count`` takes as "nobody in particular"); then what a launch with int32 words as
+    flags raised, in a workspace of its own."""
+    W = world.world_size
+    errors = {}
+    with Workspace(world, 4096, timeout_s=5.0, name="named") as ws:
+        flags, counter = ws.flags((W,), "ready"), ws.flags((1,), "count")
+        for peer in (W, -1, (world.rank + W - 1) % W):
+            for how in range(3):
+                errors[peer, how] = calls.error_of_one_call(lambda: (ws.launch(
+                    _wait_with_peer_kernel, (1,), flags, counter, peer, HOW=how),
+                    ws.synchronize()))
+    with Workspace(world, 4096, timeout_s=1.0, name="narrow") as ws:
+        words, counter = ws.tensor((W,), torch.int32), ws.flags((1,), "count")
+        errors["int32"] = calls.error_of_one_call(lambda: (ws.launch(
+            _wait_with_peer_kernel, (1,), words, counter, 0, HOW=0), ws.synchronize()))
+        world.barrier()
+    return errors
+
+
+def test_a_wait_naming_a_peer_outside_the_world_or_a_flag_of_int32_says_so(world2):
+    """A wait's ``peer`` is only who its report names: a rank past the world passed unseen
+    where the flag came, or read as "rank 2 never arrived" at the timeout. It raises
+    InvalidInputError naming the rank (-1 is refused but by ``wait_count``), and the
+    workspace goes on. A flag array of int32 (``Workspace.tensor``, not ``flags``) failed
+    inside the wait with the interpreter's int32 error; it is refused as not int64 words."""
+    for r, errors in enumerate(world2.run(_waits_naming_peers, timeout=300)):
+        for how in range(3):
+            err = errors[2, how]
+            assert err and err[0] == "InvalidInputError" and "got 2" in err[1], (r, how, err)
+            assert errors[1 - r, how] is None, (r, how, errors[1 - r, how])
+        for how in range(2):
+            err = errors[-1, how]
+            assert err and err[0] == "InvalidInputError" and "got -1" in err[1], (r, how, err)
+        assert errors[-1, 2] is None, (r, errors[-1, 2])
+        err = errors["int32"]
+        assert err and "int64 words" in err[1], (r, err)
+
+
+def _flags_carved_late(world):
+    """A flag array carved after one launch, after the counter moved to 2**31 - 1 calls, and
+    at 2**31: what each raised; then a wait on the flags carved in time, at call 2**31 + 1."""
+    from portable_overlap.testing.call_numbers import move_to
+    from portable_overlap.workspace import FLAG_CARVE_CALLS
+
+    W = world.world_size
+    with Workspace(world, 4096, timeout_s=5.0, name="late") as ws:
+        flags, counter = ws.flags((W,), "ready"), ws.flags((1,), "count")
+        ws.launch(_wait_with_peer_kernel, (1,), flags, counter, 0, HOW=1)
+        ws.synchronize()
+        world.barrier()
+        errors = [calls.error_of_one_call(lambda: ws.flags((2,), "early"))]
+        world.barrier()
+        move_to(ws.ctx, FLAG_CARVE_CALLS, [flags])  # next call: 2**31 (2**31 - 1 done)
+        ws._calls = FLAG_CARVE_CALLS - 1  # (the host's count of launches, which it checks)
+        world.barrier()
+        errors.append(calls.error_of_one_call(lambda: ws.flags((2,), "in time")))
+        fresh = ws.flags((W,), "fresh")
+        ws.launch(_wait_with_peer_kernel, (1,), flags, counter, 0, HOW=1)  # call 2**31
+        ws.synchronize()
+        world.barrier()
+        errors.append(calls.error_of_one_call(lambda: ws.flags((2,), "late")))
+        # the flags carved at 2**31 - 1 calls serve the calls past 2**31
+        errors.append(calls.error_of_one_call(lambda: (ws.launch(
+            _wait_with_peer_kernel, (1,), fresh, counter, 0, HOW=0), ws.synchronize())))
+        return errors
+
+
+def test_a_flag_array_carved_after_2_31_launches_is_refused(world2):
+    """A flag word compares call numbers mod 2**32: a zeroed word carved after 2**31 launches
+    read as set for the next call, so a wait on it passed at once. ``ws.flags`` refuses it
+    then, on every rank, naming the launches; arrays carved before serve later calls."""
+    for r, errors in enumerate(world2.run(_flags_carved_late, timeout=300)):
+        early, in_time, late, fresh_wait = errors
+        assert early is None and in_time is None and fresh_wait is None, (r, errors)
+        assert late and late[0] == "ValueError" and "2147483648 launches" in late[1], (r, late)

@@ -266,6 +266,7 @@ def signal(ctx, flag_ptr, peer, call, ok=True, tag=0):
     (0 .. 2^31 - 4, e.g. a hash of the call's shapes) travels with the flag: a waiter that
     expects another tag reports a mismatch (:func:`wait`). The odd tags above are the
     library's: 2^31 - 3 and 2^31 - 1 read as "gave up", whatever ``ok`` says."""
+    _words(flag_ptr)
     tl.debug_barrier()  # every thread's stores before the one thread's (cumulative) release
     value = _shmem.call_flag(call, tag, ok)
     tl.atomic_xchg(remote_ptr(ctx, flag_ptr, peer), value, sem="release", scope="sys")
@@ -281,6 +282,7 @@ def signal_all(ctx, flag_ptr, call, ok=True, tag=0):
     one lane per peer, each lane's release its own, so the program waits for one round trip
     over the links instead of one per peer (an atomic waits for its old value) on the critical
     path of every call that signals its peers."""
+    _words(flag_ptr)
     me = rank(ctx)
     world = num_ranks(ctx)
     tl.debug_barrier()  # every thread's stores before the lanes' (cumulative) releases
@@ -309,9 +311,33 @@ def notify(ctx, counter_ptr, peer, count=1):
     """Add ``count`` to ``peer``'s copy of the counter ``counter_ptr`` (release at system
     scope, after this program's earlier stores). ``peer`` may be this rank: a producer tile
     telling its consumers on the same GPU."""
+    _words(counter_ptr)
     tl.debug_barrier()
     tl.atomic_add(remote_ptr(ctx, counter_ptr, peer), tl.cast(count, tl.int64), sem="release",
                   scope="sys")
+
+
+@triton.jit
+def _words(ptr):
+    """Refuse a flag or counter pointer to anything but int64 words (a ``Workspace.tensor`` of
+    int32 given as flags): the words carry a call number and a tag in 64 bits, and the polls
+    and atomics below are int64 ones. At compile time on a GPU; at the call under the
+    interpreter."""
+    tl.static_assert(ptr.dtype.element_ty == tl.int64,
+                     "portable_overlap.language: flags and counters are int64 words "
+                     "(Workspace.flags); this pointer points to another dtype")
+
+
+@triton.jit
+def _check_waited_peer(ctx, peer, NONE_OK: tl.constexpr = False):
+    """On emulated ranks, report a ``peer`` (who a wait expects to signal, for its report)
+    outside ``0 .. num_ranks - 1`` (with ``NONE_OK``, -1 is allowed: nobody in particular):
+    without it a wrong rank reads as "rank 5 never arrived" at the timeout, or passes unseen
+    where the flag comes."""
+    if _INTERPRETED:
+        low = -1 if NONE_OK else 0
+        if (peer >= num_ranks(ctx)) | (peer < low):
+            _report_bad_peer(ctx, peer)
 
 
 @triton.jit
@@ -379,6 +405,8 @@ def wait(ctx, flag_ptr, call, peer, tag=-1):
     peer called with other shapes). Returns whether the flag arrived, the peer did not give up
     and the tags agree; the data the peer stored before its signal is then visible to every
     thread of this program."""
+    _words(flag_ptr)
+    _check_waited_peer(ctx, peer)
     clock = ctx + CTX_CLOCK
     ok = is_live(ctx)
     if ok:
@@ -403,6 +431,8 @@ def wait_reached(ctx, flag_ptr, epoch, call, peer):
     protocol that must know a peer is past an earlier call (e.g. done reading a buffer it
     signalled for later) without judging that call again. Bounded by call ``call``'s deadline
     (a timeout is reported as :func:`wait` reports it). Returns whether it arrived."""
+    _words(flag_ptr)
+    _check_waited_peer(ctx, peer)
     ok = is_live(ctx)
     if ok:
         v, arrived = _shmem.wait_flag(flag_ptr, epoch, call, ctx + CTX_CLOCK,
@@ -418,6 +448,8 @@ def wait_count(ctx, counter_ptr, target, call, peer):
     """Wait until this rank's counter ``counter_ptr`` reaches ``target`` (counters accumulate
     over calls: ``target = call * per_call``); ``peer`` (or -1) is who is expected to count, for
     the report. Bounded like :func:`wait`; returns whether the count arrived."""
+    _words(counter_ptr)
+    _check_waited_peer(ctx, peer, NONE_OK=True)
     clock = ctx + CTX_CLOCK
     ok = is_live(ctx)
     if ok:
@@ -570,6 +602,7 @@ def refresh_words(ctx, flags_ptr, first, stride, call, tag, OWN: tl.constexpr = 
     program of its grid writes in that call (``first``: how many it does). Without it a word
     past a small grid that no call wrote for 2**31 calls reads as a later call's
     (``shmem.device.refresh_words`` says why, and why this call's own word is safe)."""
+    _words(flags_ptr)
     _shmem.refresh_words(flags_ptr, ctx + CTX_BASES, first, program(), num_programs(),
                          rank(ctx), num_ranks(ctx), _shmem.call_flag(call, tag, is_live(ctx)),
                          stride, OWN, PEERS)
@@ -591,6 +624,8 @@ def _wait_all(ctx, flag_ptr, first_ptr, confirm_ptr, stride, want, call, tag, sk
     word past ``want`` has the same lane's word at ``confirm_ptr`` judged too (a refusal
     recorded there, ``wait_program_peers``). Returns whether every word arrived and was judged
     good."""
+    _words(flag_ptr)
+    _words(confirm_ptr)
     me = rank(ctx)
     world = num_ranks(ctx)
     if LIVE_READ:
@@ -674,6 +709,8 @@ def wait_consumed(ctx, consumed_ptr, peer, call):
     (``consumed_ptr``: a ``[num_ranks]`` flag array of the workspace). Call it before the
     first store into ``peer``'s buffers in call ``call``; returns at once for this rank itself.
     Bounded like :func:`wait` (by call ``call``'s deadline); returns whether it arrived."""
+    _words(consumed_ptr)
+    _check_waited_peer(ctx, peer)
     ok = is_live(ctx)
     if ok & (peer != rank(ctx)):
         flag = consumed_ptr + peer
