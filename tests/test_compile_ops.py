@@ -50,6 +50,46 @@ def test_moe_module_compiles_as_one_graph(world2, form):
         assert all(e < 1e-5 for e in errs), errs
 
 
+def _module_token_counts(world, form):
+    """The layer in schedule ``form`` compiled with ``dynamic=True``, fullgraph, called with
+    four token counts: the graphs dynamo made, and each call's error against the torch path."""
+    torch._dynamo.reset()
+    H, I, E, k = 16, 12, 2 * world.world_size, 2
+    fused = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32)
+    if form:
+        setattr(fused, form, True)
+    ref = ExpertParallelMoE(world, H, I, E, k, max_tokens=9, dtype=torch.float32, fused=False)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    layer = torch.compile(fused, fullgraph=True, dynamic=True, backend=counting)
+    errs = []
+    try:
+        with torch.no_grad():
+            for S in (3, 5, 8, 6):
+                tokens = torch.randn(S, H, generator=torch.Generator().manual_seed(S + world.rank))
+                y = layer(tokens)
+                fused.synchronize()
+                errs.append(_rel(y, ref(tokens)))
+    finally:
+        fused.close()
+    return len(graphs), errs
+
+
+@pytest.mark.parametrize("form", [None, "fuse_dispatch", "one_launch"],
+                         ids=["staged", "fuse_dispatch", "one_launch"])
+def test_moe_module_compiles_once_for_every_token_count(world2, form):
+    """The layer passed its tiles' estimate (a float of the token count) into the ops: traced,
+    a constant guarded on the count, so one graph per count, and torch.compile's limit failed a
+    fullgraph layer at the 9th count. One graph serves every count now."""
+    for graphs, errs in world2.run(_module_token_counts, form):
+        assert graphs == 1, graphs
+        assert all(e < 1e-5 for e in errs), errs
+
+
 def _parts_opcheck(world):
     """opcheck (schema, fake tensors) of the three parts, on one set of contexts; every rank
     makes the same calls, so the collective calls stay matched."""
@@ -136,6 +176,95 @@ def test_parts_refuse_grad():
     wg = wu = torch.randn(1, 8, 4)
     with pytest.raises(RuntimeError, match="expert_swiglu has no backward"):
         expert_swiglu(x, wg, wu, torch.tensor([[4]], dtype=torch.int32))
+
+
+def test_raw_parts_refuse_grad():
+    """The raw torch op of a part (``torch.ops.portable_overlap.expert_swiglu``) gave a result
+    that required grad and a backward that left the inputs without a gradient, where the
+    Python function refused: it refuses too, eagerly and under torch.compile."""
+    x = torch.randn(4, 8, requires_grad=True)
+    wg, wu = torch.randn(1, 8, 4), torch.randn(1, 8, 4)
+    counts = torch.tensor([[4]], dtype=torch.int32)
+    op = torch.ops.portable_overlap.expert_swiglu
+    with pytest.raises(RuntimeError, match="expert_swiglu has no backward"):
+        op(x, wg, wu, counts)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="expert_swiglu has no backward"):
+        torch.compile(lambda a: op(a, wg, wu, counts) * 2, backend="aot_eager")(x)
+
+
+def _raw_op_with_grad_compiled(world):
+    """The raw ``gemv_all_reduce`` op compiled over an input that requires grad: what the
+    compiled call raised; then a call without grad, against the reference."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(world.rank)
+    w = torch.randn(8, 16, generator=g)
+    ctx = GemvAllReduce(world, max_n=16, transport="stores")
+    try:
+        x = torch.randn(2, 16, generator=g, requires_grad=True)
+        f = torch.compile(lambda a: torch.ops.portable_overlap.gemv_all_reduce(a, w, ctx.handle)
+                          * 2, backend="aot_eager")
+        try:
+            f(x).sum().backward()
+            err = None if x.grad is None else "a gradient"
+        except Exception as e:  # noqa: BLE001  (the test reads the message)
+            err = str(e)
+        world.barrier()
+        with torch.no_grad():
+            y = f(x)
+        return err, _rel(y, 2 * gemv_all_reduce_reference(x.detach(), w, world.group))
+    finally:
+        ctx.close()
+
+
+def test_raw_op_without_backward_refuses_grad_under_compile(world2):
+    """Compiled, the raw op of an op without a backward ran its forward with grad mode off (the
+    eager refusal never saw the input that requires grad): the result required grad and the
+    backward gave the input no gradient, with a warning only. The compile raises now, on every
+    rank, and the context goes on."""
+    for err, rel in world2.run(_raw_op_with_grad_compiled):
+        assert err is not None and "gemv_all_reduce has no backward" in err, err
+        assert rel < 1e-5, rel
+
+
+def _embedding_second_derivative(world):
+    """A Hessian-vector product through ``embedding_all_to_all`` (loss 0.5 * sum(y**2)): what
+    the second ``autograd.grad`` raised, and the first-order gradient taken with
+    create_graph=True against the reference's."""
+    from portable_overlap.ops.embedding_alltoall import (EmbeddingAllToAll, embedding_all_to_all,
+                                                         embedding_all_to_all_reference)
+
+    rows, D, splits = [7, 5, 9], 4, [2, 3]
+    ctx = EmbeddingAllToAll(world, rows, D, max_local_batch=3, transport="stores")
+    try:
+        weight, lengths, idx = _lookups(ctx, splits, 40 + world.rank)
+        weight = weight[:, :D].contiguous()
+        firsts = []
+        for ref in (False, True):
+            w = weight.clone().requires_grad_()
+            y = (embedding_all_to_all_reference(w, lengths, idx, None, ctx.plan, world.rank,
+                                                splits, group=world.group) if ref else
+                 embedding_all_to_all(w, lengths, idx, ctx, batch_splits=splits))
+            g, = torch.autograd.grad(0.5 * (y * y).sum(), (w,), create_graph=not ref)
+            firsts.append(g.detach())
+            if not ref:
+                try:
+                    torch.autograd.grad(g.sum(), (w,))
+                    err = None
+                except RuntimeError as e:
+                    err = str(e)
+        return err, _rel(firsts[0], firsts[1])
+    finally:
+        ctx.close()
+
+
+def test_embedding_second_derivative_raises(world2):
+    """A double backward through the embedding op came out as zeros (its backward's op had no
+    autograd formula; a warning only): it raises, and the first derivative taken with
+    create_graph=True is still right."""
+    for err, rel in world2.run(_embedding_second_derivative):
+        assert err is not None and "embedding_all_to_all_backward is not differentiable" in err
+        assert rel < 1e-5, rel
 
 
 def _embedding_training_step(world, transport, weighted):

@@ -263,8 +263,13 @@ class ExpertParallelMoE(FusedLayerState, nn.Module):
         # the fused ops take tokens with contiguous rows (a transposed view is a valid input of
         # the layer, as of nn.Linear)
         tokens = tokens.contiguous()
-        # each source sends an expert S * k / (all experts) rows on average (balanced)
-        m = tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
+        # each source sends an expert S * k / (all experts) rows on average (balanced). Traced,
+        # that float of the token count became a constant guarded on it, one graph per count
+        # (torch.compile's limit of 8 then failed a fullgraph layer at the 9th): there the
+        # fused parts compute it from the call's own S (moe_layer, moe_dispatch_swiglu), or
+        # from the receive buffer's rows (expert_swiglu, after the unfused dispatch)
+        m = None if torch.compiler.is_compiling() else \
+            tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
         if self.one_launch:
             return moe_layer(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
                              self.dispatch_ctx, self.ctx, rows_per_segment=m)

@@ -110,6 +110,45 @@ class OpSpec:
         return self.op(*args[:h], ctx.handle, *args[h:])
 
 
+def _tensors(args, kwargs) -> list:
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+
+def _no_backward(name: str, eager: Callable, op: Callable) -> Callable:
+    """The Autograd kernel of an op without a backward. Called eagerly with an input that
+    requires grad (grad mode on), it runs ``eager``, the op's own call, which refuses it as a
+    call of its contexts (the peers fail the same call). Traced (fake tensors: torch.compile's
+    AOT pass runs the op's forward with grad mode off, so the eager refusal never sees it) it
+    raises there, at compile time: without this kernel the compiled op returned a result that
+    required grad and whose backward gave the inputs no gradient at all, with a warning only.
+    Otherwise it runs the op below autograd."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    def autograd_kernel(*args, **kwargs):
+        tensors = _tensors(args, kwargs)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            if any(is_fake(t) for t in tensors):
+                raise RuntimeError(f"{name} has no backward, and an input requires grad: call "
+                                   f"it under torch.no_grad() (inference) or pass detached "
+                                   f"tensors")
+            return eager(*args, **kwargs)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return op()(*args, **kwargs)
+
+    return autograd_kernel
+
+
+def _once_differentiable(name: str) -> Callable:
+    """The backward of an op that is itself a backward with no backward of its own: a second
+    derivative through it raises (as ``torch.autograd.function.once_differentiable`` does)
+    instead of coming out as zeros."""
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{name} is not differentiable: the op it is the backward of is "
+                           f"differentiable once (no double backward, no Hessian-vector "
+                           f"products through it)")
+    return backward
+
+
 def check_context(spec: OpSpec, ctx) -> None:
     """A clear error when an op is handed another op's context (or no context at all)."""
     if not isinstance(ctx, spec.context):
@@ -152,6 +191,9 @@ def define(spec: OpSpec) -> OpSpec:
     if spec.backward is not None:
         torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", spec.backward,
                                         setup_context=spec.setup_context, lib=_LIB)
+    else:  # (the eager call refuses an input that requires grad: check_grad)
+        _LIB.impl(spec.name, _no_backward(spec.name, kernel, lambda: spec.op.default),
+                  "Autograd")
     SPECS[spec.name] = spec
     spec.context.op_spec = spec  # a traced call of the context runs the op (PatternContext)
     return spec
@@ -175,7 +217,8 @@ class PartSpec:
     the eager call, with the contexts themselves in the handles' places and the options only the
     eager path takes (``out=``, a tile config); ``fake(*args)``: empty results of the right
     shapes, same arguments. ``grad_args``: the arguments (by name) that must not require grad
-    (the part has no backward). ``copies``: the results (by position) that are a context's own
+    (the part has no backward); a part without them is the backward of an op, differentiable
+    once (a second derivative through it raises). ``copies``: the results (by position) that are a context's own
     buffers in the eager call, which the context's next call overwrites: the op returns copies
     of them, new tensors as its fake says."""
 
@@ -230,7 +273,19 @@ def define_part(part: PartSpec) -> PartSpec:
     def fake(*args, **kwargs):
         return part.fake(*_contexts(args, kwargs))
 
+    def refusing_kernel(*args, **kwargs):
+        contexts = _contexts(args, kwargs)
+        refuse_grad_as_call(part.name, [a for n, a in zip(names, contexts)
+                                        if n in part.grad_args], contexts)
+        return kernel(*args, **kwargs)
+
     _LIB.impl(part.name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{part.name}", fake, lib=_LIB)
+    if part.grad_args:
+        _LIB.impl(part.name, _no_backward(part.name, refusing_kernel, lambda: part.op.default),
+                  "Autograd")
+    else:  # a backward's op: differentiable inputs (its incoming gradient), no backward
+        torch.library.register_autograd(f"{NAMESPACE}::{part.name}",
+                                        _once_differentiable(part.name), lib=_LIB)
     PARTS[part.name] = part
     return part

@@ -135,8 +135,8 @@ def run(ctx, tokens, topk_ids, w_gate, w_up, out, senders, config, rows_per_segm
     """The ``"stores"`` call (``MoeDispatchKernel.dispatch_swiglu`` checked the arguments): the
     dispatch's count and exchange launches, then the fused launch."""
     W, E = ctx.world.world_size, ctx.experts_per_rank
-    # (expert_swiglu's default: a balanced routing fills 1/W of a default-capacity buffer)
-    m = ctx.capacity / (W * W * E) if rows_per_segment is None else rows_per_segment
+    # the call's tokens balanced over every expert (the layer's own estimate)
+    m = tokens.shape[0] * ctx.top_k / (W * E) if rows_per_segment is None else rows_per_segment
     # per-source row tiles always: a tile that gathered several sources' rows would wait for
     # all of them. Plans are keyed by the tiles the mean picks, not by the mean (which moves
     # with S from call to call)
@@ -233,7 +233,8 @@ def moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up, ctx, out: Optional[torch
     (calls of this op and of ``moe_dispatch`` may alternate on it); ``out`` [capacity, I]
     receives ``h`` (default: a new tensor); ``senders``: programs that store rows (default
     ``default_senders``); ``config``, ``rows_per_segment``: the GEMM's tiling, as
-    ``expert_swiglu``'s (row tiles are always per source). Under ``torch.compile`` one opaque
+    ``expert_swiglu``'s (row tiles are always per source; ``rows_per_segment`` defaults to
+    this call's tokens balanced over every expert, ``S * top_k / (W * experts_per_rank)``). Under ``torch.compile`` one opaque
     op, ``torch.ops.portable_overlap.moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up,
     ctx.handle, senders, rows_per_segment)`` (``out`` and ``config`` make it a graph break).
     Inference only (no autograd)."""
