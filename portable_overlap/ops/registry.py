@@ -218,9 +218,9 @@ class PartSpec:
     eager path takes (``out=``, a tile config); ``fake(*args)``: empty results of the right
     shapes, same arguments. ``grad_args``: the arguments (by name) that must not require grad
     (the part has no backward); a part without them is the backward of an op, differentiable
-    once (a second derivative through it raises). ``copies``: the results (by position) that are a context's own
-    buffers in the eager call, which the context's next call overwrites: the op returns copies
-    of them, new tensors as its fake says."""
+    once (a second derivative through it raises). ``copies``: the results (by position) that
+    are a context's own buffers in the eager call, which the context's next call overwrites:
+    the op returns copies of them, new tensors as its fake says."""
 
     name: str
     schema: str

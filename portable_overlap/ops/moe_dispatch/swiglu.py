@@ -234,10 +234,10 @@ def moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up, ctx, out: Optional[torch
     receives ``h`` (default: a new tensor); ``senders``: programs that store rows (default
     ``default_senders``); ``config``, ``rows_per_segment``: the GEMM's tiling, as
     ``expert_swiglu``'s (row tiles are always per source; ``rows_per_segment`` defaults to
-    this call's tokens balanced over every expert, ``S * top_k / (W * experts_per_rank)``). Under ``torch.compile`` one opaque
-    op, ``torch.ops.portable_overlap.moe_dispatch_swiglu(tokens, topk_ids, w_gate, w_up,
-    ctx.handle, senders, rows_per_segment)`` (``out`` and ``config`` make it a graph break).
-    Inference only (no autograd)."""
+    this call's tokens balanced over every expert, ``S * top_k / (W * experts_per_rank)``).
+    Under ``torch.compile`` one opaque op, ``torch.ops.portable_overlap.moe_dispatch_swiglu(
+    tokens, topk_ids, w_gate, w_up, ctx.handle, senders, rows_per_segment)`` (``out`` and
+    ``config`` make it a graph break). Inference only (no autograd)."""
     from .pattern import MoeDispatch
 
     if not isinstance(ctx, MoeDispatch):
