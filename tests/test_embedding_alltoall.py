@@ -550,6 +550,9 @@ def _module_made_on_two_ranks(world, case):
                                                              table_ranks=[0, 1 + r], **kw),
         "pooling": lambda: ShardedEmbeddingBagCollection(world, [5, 6], 4,
                                                          pooling="max" if r else "sum", **kw),
+        # float64 made the layer, and then every call refused it
+        "dtype": lambda: ShardedEmbeddingBagCollection(
+            world, [5, 6], 4, dtype=torch.float64 if r else torch.float32, **kw),
         # good on each rank, different across them: rank 1 makes no context; the tables'
         # values or the pooling differ with no error on the reference path
         "fused": lambda: ShardedEmbeddingBagCollection(world, [5, 6], 4, fused=r == 0, **kw),
@@ -563,7 +566,7 @@ def _module_made_on_two_ranks(world, case):
     return out
 
 
-@pytest.mark.parametrize("case,arg", [("table_ranks", None), ("pooling", None),
+@pytest.mark.parametrize("case,arg", [("table_ranks", None), ("pooling", None), ("dtype", None),
                                       ("fused", "fused"), ("seed", "seed"),
                                       ("pooling, reference", "pooling")])
 def test_module_arguments_bad_or_different_on_one_rank_raise_on_every_rank(world2, case, arg):
@@ -698,3 +701,59 @@ def _bag_offsets_outgrown(world):
 def test_offsets_a_larger_batch_outgrew_stay_alive(world2):
     for name, err, tol, nan in [r for rank in world2.run(_bag_offsets_outgrown) for r in rank]:
         assert not nan and err <= tol, name
+
+
+def _state_dict_layouts(world):
+    """Two reference-path modules of two equal tables placed the other way round: each
+    rank's state dict loaded back (works, same values), into the other placement, and the
+    other rank's state dict (both refused)."""
+    import io
+
+    from portable_overlap.modules.embedding import ShardedEmbeddingBagCollection
+
+    def make(ranks):
+        return ShardedEmbeddingBagCollection(world, [6, 6], 4, max_local_batch=2,
+                                             table_ranks=ranks, fused=False, seed=3)
+
+    a, b = make([0, 1]), make([1, 0])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    mine = torch.load(buf)
+    theirs = [None] * world.world_size
+    torch.distributed.all_gather_object(theirs, mine, group=world.group)
+    out = {}
+    c = make([0, 1])
+    with torch.no_grad():
+        c.weight.add_(1.0)
+    c.load_state_dict(mine)
+    out["same"] = torch.equal(c.weight, a.weight)
+    for name, target, state in (("placement", b, mine),
+                                ("rank", c, theirs[(world.rank + 1) % world.world_size])):
+        try:
+            target.load_state_dict(state)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_a_state_dict_loads_only_under_its_own_layout(world2):
+    """A state dict holds one rank's packed tables: loaded into a module whose tables sit on
+    other ranks (equal rows, so the same shape), or on another rank, it was taken with no
+    error, and the tables answered with other tables' rows. Both raise now; the same layout
+    loads."""
+    for r, out in enumerate(world2.run(_state_dict_layouts)):
+        assert out["same"], (r, out)
+        assert out["placement"] and "table_ranks [0, 1] there, [1, 0] here" in out["placement"]
+        assert out["rank"] and f"rank {1 - r} there, {r} here" in out["rank"], (r, out)
+
+
+@pytest.mark.parametrize("rows", [torch.tensor([True, True]), [True, 4]])
+def test_plan_refuses_bools_of_every_kind_as_rows(rows):
+    """A bool tensor's elements pass ``operator.index`` as 0 or 1: ``table_rows`` given a mask
+    made tables of one row. Refused, as Python bools are."""
+    from portable_overlap.ops.embedding_alltoall import ShardingPlan
+
+    with pytest.raises(ValueError, match="floats and bools are not rounded"):
+        ShardingPlan.make(rows, 4, 2, None)

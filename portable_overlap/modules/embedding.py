@@ -12,7 +12,7 @@ from ..errors import PeerTimeoutError, RankMismatchError
 from ..ops.embedding_alltoall import (EmbeddingAllToAll, ShardingPlan, embedding_all_to_all,
                                       embedding_all_to_all_reference)
 from ..ops.context import check_sizes
-from ..ops.embedding_alltoall.tables import POOLINGS, RankTables, even_splits
+from ..ops.embedding_alltoall.tables import DTYPES, POOLINGS, RankTables, even_splits
 from ..world import collective_setup
 from .agreement import same_arguments
 from .copying import FusedLayerState
@@ -42,7 +42,9 @@ class ShardedEmbeddingBagCollection(FusedLayerState, nn.Module):
     (every rank, same arguments); call :meth:`close` (collective) when done.
 
     Tables are initialized uniform(-1/sqrt(rows), 1/sqrt(rows)) from a generator seeded by
-    ``(seed, t)``, so the model does not depend on the sharding. The ranks compare their
+    ``(seed, t)``, so the model does not depend on the sharding. A state dict holds this
+    rank's packed tables and the layout they were packed under (``_extra_state``): loading it
+    into a module of another plan, or on another rank, raises ``ValueError``. The ranks compare their
     arguments (``RankMismatchError`` on every rank where they differ), and an argument refused
     on one rank raises ``PeerSetupError`` on the others.
     """
@@ -56,6 +58,8 @@ class ShardedEmbeddingBagCollection(FusedLayerState, nn.Module):
         check_sizes(NAME, embedding_dim=embedding_dim, max_local_batch=max_local_batch)
         if pooling not in POOLINGS:  # (else refused at the first call only)
             raise ValueError(f"{NAME}: pooling must be one of {POOLINGS}, got {pooling!r}")
+        if dtype not in DTYPES:  # (else float64 made the layer and every call refused it)
+            raise ValueError(f"{NAME}: dtype must be one of {DTYPES}, got {dtype!r}")
         self.world = world
         self.plan = ShardingPlan.make(num_embeddings, embedding_dim, world.world_size,
                                       table_ranks)
@@ -82,6 +86,32 @@ class ShardedEmbeddingBagCollection(FusedLayerState, nn.Module):
     @property
     def local_tables(self) -> list:
         return self.plan.tables_of(self.world.rank)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"table_rows": list(self.plan.table_rows), "dim": self.plan.dim,
+                "table_ranks": list(self.plan.table_ranks), "rank": self.world.rank}
+
+    def get_extra_state(self) -> dict:
+        """What the packed ``weight`` of a state dict means: the plan and the rank that packed
+        it (a state dict holds one rank's local tables, end to end)."""
+        return self._layout()
+
+    def set_extra_state(self, state) -> None:
+        """Refuse a state dict packed under another plan or by another rank: its ``weight``
+        may have this module's shape (two tables of equal rows placed the other way round,
+        rank 0's tables loaded on rank 1) and would load as other tables' rows, with no
+        error. Load each rank's own state dict into a module made with the same tables,
+        width and ``table_ranks``."""
+        mine = self._layout()
+        theirs = state if isinstance(state, dict) else {}
+        diff = [k for k in mine if theirs.get(k) != mine[k]]
+        if diff:
+            raise ValueError(
+                f"{NAME}: the state dict's weight was packed under another layout ("
+                + ", ".join(f"{k} {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff)
+                + "): each rank loads its own state dict into a module of the same tables, "
+                  "width and table_ranks")
 
     def forward(self, lengths: torch.Tensor, indices: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None,

@@ -67,6 +67,14 @@ def check_sizes(op: str, **sizes) -> None:
             raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
 
 
+def is_bool(v) -> bool:
+    """Whether ``v`` is a boolean of any kind: a Python bool, a NumPy bool or a bool tensor
+    (``operator.index`` takes a 0-d bool tensor as 0 or 1, so a mask passed for a size would
+    pass as one)."""
+    dtype = getattr(v, "dtype", None)
+    return isinstance(v, bool) or dtype is torch.bool or getattr(dtype, "kind", None) == "b"
+
+
 def check_transport(op: str, transport, transports: Sequence[str]) -> str:
     """``transport`` if it is one of ``transports``, else a clear error."""
     if transport not in transports:

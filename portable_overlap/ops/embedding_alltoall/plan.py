@@ -6,6 +6,8 @@ import dataclasses
 import operator
 from typing import Optional, Sequence
 
+from ..context import is_bool
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
@@ -86,7 +88,7 @@ def _integers(name: str, values) -> tuple:
     refused, not rounded: ``int()`` took 7.9 rows as 7 and ``True`` as 1, and the tables the
     caller packed no longer matched the plan's."""
     try:
-        out = tuple(None if isinstance(v, bool) else operator.index(v) for v in values)
+        out = tuple(None if is_bool(v) else operator.index(v) for v in values)
     except TypeError:
         out = (None,)
     if any(v is None for v in out):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ...kept import GrowingBuffer
+from ..context import is_bool
 from .plan import ShardingPlan
 
 OP = "embedding_all_to_all"
@@ -77,8 +78,7 @@ class RankTables:
         try:
             # integers only (ints, NumPy ints, integer tensors): int() would round 2.5 down
             # and take True as 1, running the call on another batch than the caller's
-            splits = tuple(None if isinstance(n, bool) else operator.index(n)
-                           for n in batch_splits)
+            splits = tuple(None if is_bool(n) else operator.index(n) for n in batch_splits)
         except TypeError:
             splits = None
         if splits is None or len(splits) != W or any(n is None or n < 0 for n in splits):
