@@ -44,9 +44,9 @@ class ShardedEmbeddingBagCollection(FusedLayerState, nn.Module):
     Tables are initialized uniform(-1/sqrt(rows), 1/sqrt(rows)) from a generator seeded by
     ``(seed, t)``, so the model does not depend on the sharding. A state dict holds this
     rank's packed tables and the layout they were packed under (``_extra_state``): loading it
-    into a module of another plan, or on another rank, raises ``ValueError``. The ranks compare their
-    arguments (``RankMismatchError`` on every rank where they differ), and an argument refused
-    on one rank raises ``PeerSetupError`` on the others.
+    into a module of another plan, or on another rank, raises ``ValueError``. The ranks
+    compare their arguments (``RankMismatchError`` on every rank where they differ), and an
+    argument refused on one rank raises ``PeerSetupError`` on the others.
     """
 
     @collective_setup

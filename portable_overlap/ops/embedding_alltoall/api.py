@@ -294,13 +294,13 @@ def _backward_fake(grad, weight, lengths, indices, psw, splits, pooling, need_ps
 BACKWARD = define_part(PartSpec(
     OP + "_backward",
     "(Tensor grad, Tensor weight, Tensor lengths, Tensor indices, Tensor? per_sample_weights, "
-    "int[] batch_splits, str pooling, bool psw_grad, int handle) -> (Tensor, Tensor)",
+    "SymInt[] batch_splits, str pooling, bool psw_grad, int handle) -> (Tensor, Tensor)",
     run=_backward_run, fake=_backward_fake))
 
 
 EMBEDDING_ALL_TO_ALL = define(OpSpec(
     OP, "(Tensor weight, Tensor lengths, Tensor indices, Tensor? per_sample_weights, "
-        "int[] batch_splits, str pooling, int handle, bool records_grad=False) -> Tensor",
+        "SymInt[] batch_splits, str pooling, int handle, bool records_grad=False) -> Tensor",
     context=EmbeddingAllToAll, transports=TRANSPORTS,
     compile_specs=("portable_overlap.ops.embedding_alltoall.compile_specs",),
     fake=lambda ctx, weight, lengths, indices, psw, batch_splits, pooling, records_grad=False:

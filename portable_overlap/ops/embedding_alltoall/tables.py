@@ -30,12 +30,26 @@ def even_splits(name: str, lengths, n_loc: int, world_size: int, rank: int) -> t
     if n_loc == 0:
         raise ValueError(f"{name}: rank {rank} holds no tables, so the global batch cannot be "
                          f"read off lengths: pass batch_splits")
-    B, rem = divmod(lengths.numel(), n_loc)
+    # (// and %, not divmod: traced by torch.compile the count is a SymInt, which divmod
+    # does not take; these keep the batch symbolic, so one graph serves every batch size)
+    B, rem = lengths.numel() // n_loc, lengths.numel() % n_loc
     if rem or B % world_size:
         raise ValueError(f"{name}: lengths has {lengths.numel()} entries: not {n_loc} local "
                          f"tables × a batch that splits evenly over {world_size} ranks; pass "
                          f"batch_splits")
     return (B // world_size,) * world_size
+
+
+def _count(n):
+    """A batch count as an int (ints, NumPy ints, integer tensors), None for a bool of any
+    kind or a float. An int is kept as it is: traced by ``torch.compile`` with dynamic shapes
+    it is a SymInt, which ``operator.index`` (and any look at its attributes) would fix to its
+    value, one graph per batch size."""
+    if isinstance(n, bool):
+        return None
+    if isinstance(n, (int, torch.SymInt)):
+        return n
+    return None if is_bool(n) else operator.index(n)
 
 
 class RankTables:
@@ -60,7 +74,8 @@ class RankTables:
                      for q in range(world.world_size)]
 
     def output_shape(self, batch_splits: Sequence[int]) -> tuple:
-        return (int(batch_splits[self.rank]), self.plan.num_tables * self.plan.dim)
+        n = batch_splits[self.rank]
+        return (n if isinstance(n, torch.SymInt) else int(n), self.plan.num_tables * self.plan.dim)
 
     def resolve_splits(self, lengths: torch.Tensor,
                        batch_splits: Optional[Sequence[int]]) -> tuple:
@@ -78,7 +93,7 @@ class RankTables:
         try:
             # integers only (ints, NumPy ints, integer tensors): int() would round 2.5 down
             # and take True as 1, running the call on another batch than the caller's
-            splits = tuple(None if is_bool(n) else operator.index(n) for n in batch_splits)
+            splits = tuple(_count(n) for n in batch_splits)
         except TypeError:
             splits = None
         if splits is None or len(splits) != W or any(n is None or n < 0 for n in splits):
