@@ -24,7 +24,8 @@ from torch import nn
 from portable_overlap import RowParallelLinear
 from portable_overlap.testing.compare import worst
 from portable_overlap.cli import int_at_least
-from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
+from tp_common import (LLAMA3_8B, TINY, check_dims_divide,  # examples/transformer/
+                       launch, planned_on_cpu, planned_world_size, under_torchrun)
 
 
 class Block(nn.Module):
@@ -148,6 +149,8 @@ def main() -> int:
     args = ap.parse_args()
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
         args.layers, args.cache = min(args.layers, 2), min(args.cache, 16)
+    check_dims_divide(ap, TINY if args.tiny or planned_on_cpu() else LLAMA3_8B,
+                      planned_world_size())
     return launch(run, report, args)
 
 

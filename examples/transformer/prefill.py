@@ -46,8 +46,8 @@ from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduc
                               RowParallelLinear)
 from portable_overlap.cli import int_at_least
 from portable_overlap.testing.compare import worst
-from tp_common import (LLAMA3_8B, TINY, launch, planned_world_size,  # examples/transformer/
-                       under_torchrun)
+from tp_common import (LLAMA3_8B, TINY, check_dims_divide,  # examples/transformer/
+                       launch, planned_on_cpu, planned_world_size, under_torchrun)
 
 
 class Block(nn.Module):
@@ -225,14 +225,21 @@ def main() -> int:
     ap.add_argument("--transport", default=None,
                     choices=("copy_engine", "stores", "torch_fused", "sequential", "auto"),
                     help="the transport of both fused ops (AllGather + GEMM, GEMM + "
-                         "ReduceScatter; default: the library's, auto on GPUs)")
+                         "ReduceScatter; default: the library's, auto on GPUs; torch_fused "
+                         "needs GPUs)")
     args = ap.parse_args()
+    if args.transport == "torch_fused" and planned_on_cpu():
+        # (else every rank raised BackendUnavailable with a traceback, exit code 1: the code
+        # of a wrong result)
+        ap.error("argument --transport: 'torch_fused' needs GPUs (torch's symm_mem fused ops "
+                 "take GPU tensors only) and these ranks run on CPU; choose another transport")
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
         args.layers, args.seq = min(args.layers, 2), min(args.seq, 16)
     W = planned_world_size()
     if args.seq % W:  # (else every rank raised it with a traceback, exit code 1)
         ap.error(f"argument --seq: {args.seq} tokens must divide by the world size {W} "
                  f"(each rank holds seq / world of them)")
+    check_dims_divide(ap, TINY if args.tiny or planned_on_cpu() else LLAMA3_8B, W)
     return launch(run, report, args)
 
 
