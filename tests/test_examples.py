@@ -255,3 +255,26 @@ def test_prefill_refuses_torch_fused_on_cpu_torchrun_ranks():
                                  "--transport", "torch_fused"], 2)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "'torch_fused' needs GPUs" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--zipf", "nan"), ("--lr", "nan"), ("--lr", "inf")])
+def test_dlrm_refuses_a_number_that_is_not_finite(flag, value):
+    """``--lr nan`` made both paths' losses NaN: "PATHS DISAGREE", exit code 1 (a wrong
+    result); ``--zipf nan`` ran on a distribution of NaN weights."""
+    out = _run([os.path.join("examples", "dlrm", "train.py"), flag, value], timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"argument {flag}: must be a finite number, got {value!r}" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("script, says", [
+    ("transformer/decode.py", ["3 on CPU", "at most 2 layers", "KV window of at most 16"]),
+    ("transformer/prefill.py", ["2 on CPU", "at most 2 layers", "16 prompt tokens"]),
+    ("moe/moe_layer.py", ["CPU ranks check the paths and time nothing"]),
+])
+def test_example_help_says_what_emulated_ranks_ignore_or_clamp(script, says):
+    """On emulated ranks decode.py's --tokens and moe_layer.py's --iters were ignored, and the
+    transformer examples' --layers, --seq and --cache clamped, without a word in --help."""
+    out = _run([os.path.join("examples", script), "--help"], timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # (argparse wraps the lines)
+    assert all(s in text for s in says), text

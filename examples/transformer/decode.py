@@ -140,11 +140,16 @@ def report(world_size, args, result, device):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int_at_least(1), default=4)
+    ap = argparse.ArgumentParser(
+        description="CPU-emulated ranks (no torchrun) run the toy dimensions with at most 2 "
+                    "layers and a KV window of at most 16, and time 3 tokens.")
+    ap.add_argument("--layers", type=int_at_least(1), default=4,
+                    help="blocks (at most 2 on emulated ranks)")
     ap.add_argument("--batch", type=int_at_least(1), default=1)
-    ap.add_argument("--cache", type=int_at_least(1), default=1024)
-    ap.add_argument("--tokens", type=int_at_least(1), default=50)
+    ap.add_argument("--cache", type=int_at_least(1), default=1024,
+                    help="KV window (at most 16 on emulated ranks)")
+    ap.add_argument("--tokens", type=int_at_least(1), default=50,
+                    help="timed decode steps (GPUs; 3 on CPU)")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     args = ap.parse_args()
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small

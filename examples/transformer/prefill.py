@@ -213,12 +213,15 @@ def report(world_size, args, result, device):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int_at_least(1), default=4)
+    ap = argparse.ArgumentParser(
+        description="CPU-emulated ranks (no torchrun) run the toy dimensions with at most 2 "
+                    "layers and 16 prompt tokens, and time 2 forwards.")
+    ap.add_argument("--layers", type=int_at_least(1), default=4,
+                    help="blocks (at most 2 on emulated ranks)")
     ap.add_argument("--seq", type=int_at_least(1), default=8192,
-                    help="prompt tokens (a multiple of ranks)")
+                    help="prompt tokens, a multiple of the ranks (at most 16 on emulated ranks)")
     ap.add_argument("--iters", type=int_at_least(1), default=20,
-                    help="timed forwards (GPUs)")
+                    help="timed forwards (GPUs; 2 on CPU)")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     ap.add_argument("--graph", action="store_true",
                     help="also time all layers captured in one CUDA graph (GPUs)")
