@@ -12,8 +12,9 @@ bag holds exactly ``pooling factor`` indices, uniform or Zipf(1.05) over a table
   ``"stores"`` transport);
 - ``sequential``: ``F.embedding_bag`` per local table, ``all_to_all_single``, columns into
   global table order (what a model does without the fused op);
-- ``plain``: the op's ``"sequential"`` transport (one ``F.embedding_bag`` over the packed
-  tables, ``all_to_all_single``, one gather);
+- ``plain``: the op's ``"sequential"`` transport (the pooled lookup of the rank's packed
+  tables in one Triton launch, the fused kernel's gather without its flag rounds, written in
+  the exchange's send order; ``all_to_all_single``; one gather into global table order);
 - ``auto``: the op with ``transport="auto"`` (decided at an eager call before the timing);
 - ``compute``: the fused kernel on a world of one rank (its own tables for the whole global
   batch, every store local): the lookup alone;

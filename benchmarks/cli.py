@@ -185,7 +185,8 @@ def torchrun_command(script, argv: Sequence[str], world: int, port: int) -> list
 def launch(script, argv: Sequence[str], worlds: Sequence[int]) -> int:
     """Runs ``script`` (as :func:`torchrun_command` takes it) under torchrun once per world size
     that fits the visible devices, one after another; returns the first non-zero exit status,
-    1 where no world fits, else 0."""
+    2 where no world fits (the benchmarks' code for "cannot run here", as without GPUs; a
+    wrong result is 1), else 0."""
     import torch  # only here: parsing and --help never touch a device
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -195,7 +196,7 @@ def launch(script, argv: Sequence[str], worlds: Sequence[int]) -> int:
     if not todo:  # (a job given the wrong machine must not pass having run nothing)
         print(f"no world of --worlds {','.join(map(str, worlds))} fits the {n} device(s) "
               f"visible: nothing was run", flush=True)
-        return 1
+        return 2
     rc = 0
     for w in todo:
         name = os.path.basename(script) if isinstance(script, str) else script[-1]

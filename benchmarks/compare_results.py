@@ -15,6 +15,8 @@ import statistics
 import sys
 from collections import defaultdict
 
+from benchmarks.rows import json_rows, load_results, refuses_unreadable_results
+
 VARIANT_KEYS = ("transport", "schedule", "partition", "reserve_sms", "kind", "comm_ctas")
 
 
@@ -29,20 +31,15 @@ def load(path: str, impls: set) -> dict:
     """key -> list of median_ms over the timed rows of ``path`` whose impl is in ``impls``
     (all impls when empty)."""
     out = defaultdict(list)
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            r = json.loads(line)
-            if "median_ms" not in r or r.get("op", "").endswith(("_tuning", "_probe")):
-                continue
-            if impls and r.get("impl") not in impls:
-                continue
-            ms = r["median_ms"]
-            if not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
-                continue  # (not timed: no ratio to take)
-            out[row_key(r)].append(float(ms))
+    for _, r in json_rows(path):
+        if "median_ms" not in r or r.get("op", "").endswith(("_tuning", "_probe")):
+            continue
+        if impls and r.get("impl") not in impls:
+            continue
+        ms = r["median_ms"]
+        if not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            continue  # (not timed: no ratio to take)
+        out[row_key(r)].append(float(ms))
     return out
 
 
@@ -60,6 +57,7 @@ def _tolerance(text: str) -> float:
     return value
 
 
+@refuses_unreadable_results("compare_results")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old")
@@ -69,12 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="", help="comma-separated impls to compare (default all)")
     args = ap.parse_args(argv)
     impls = {s for s in args.impl.split(",") if s}
-    try:
-        old, new = load(args.old, impls), load(args.new, impls)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"compare_results: cannot read the results: {type(e).__name__}: {e}",
-              file=sys.stderr)
-        return 2
+    old, new = load_results(args.old, load, impls), load_results(args.new, load, impls)
     rows, unmatched = compare(old, new, args.tol)
     rows.sort(key=lambda x: x[0])
     print(f"{'op':<26} {'shape':<44} {'impl':<11} {'graph':<5} {'variant':<22} "

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from benchmarks.rows import json_rows, load_results, refuses_unreadable_results
 
 OPS = ("gemv_allreduce", "gemm_alltoall", "allgather_gemm", "gemm_reduce_scatter",
        "gemm_all_reduce", "moe_gemm_combine", "gemm_allreduce_signal",
@@ -35,16 +38,14 @@ def newest_rows(path, graph, barrier="host", ops=OPS, impls=None):
     (``graph``), timed with ``barrier`` (``"any"``: every row; rows that name none are
     host-barrier rows). The problem leaves out the shape's per-world fields."""
     table, world = {}, None
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("op") not in ops or not row.get("impl") \
-                    or (impls is not None and row["impl"] not in impls) \
-                    or bool(row.get("graph")) != graph or "median_ms" not in row \
-                    or barrier not in ("any", row.get("barrier", "host")):
-                continue
-            world = row["world"]
-            table.setdefault(_key(row), {})[row["impl"]] = row
+    for _, row in json_rows(path):
+        if row.get("op") not in ops or not row.get("impl") \
+                or (impls is not None and row["impl"] not in impls) \
+                or bool(row.get("graph")) != graph or "median_ms" not in row \
+                or barrier not in ("any", row.get("barrier", "host")):
+            continue
+        world = row["world"]
+        table.setdefault(_key(row), {})[row["impl"]] = row
     return table, world
 
 
@@ -64,7 +65,8 @@ def _cells(entry):
             t["sequential"] / t["fused"], t["sequential"] / max(t["compute"], t["comm"]))
 
 
-def main() -> None:
+@refuses_unreadable_results("compare_worlds")
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("small")
     p.add_argument("large")
@@ -73,8 +75,8 @@ def main() -> None:
     p.add_argument("--barrier", choices=("host", "device", "any"), default="host",
                    help="compare only rows timed with this barrier (default: %(default)s)")
     args = p.parse_args()
-    a, wa = load(args.small, not args.plain, args.barrier)
-    b, wb = load(args.large, not args.plain, args.barrier)
+    a, wa = load_results(args.small, load, not args.plain, args.barrier)
+    b, wb = load_results(args.large, load, not args.plain, args.barrier)
     cols = ["fused", "seq", "comp", "comm", "speedup", "ideal"]
     head = ["op", "shape", "dtype"] + [f"{c} W={w}" for w in (wa, wb) for c in cols]
     rows = []
@@ -93,7 +95,8 @@ def main() -> None:
         widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
         for r in [head] + rows:
             print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

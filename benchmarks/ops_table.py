@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from benchmarks.compare_worlds import newest_rows
+from benchmarks.rows import load_results, refuses_unreadable_results
 
 OPS = {"allgather_gemm": "AllGather + GEMM", "gemm_reduce_scatter": "GEMM + ReduceScatter",
        "gemm_all_reduce": "GEMM + AllReduce", "gemv_allreduce": "GEMV + AllReduce"}
@@ -111,13 +113,14 @@ def side_by_side(tables: list) -> list:
     return lines
 
 
-def main() -> None:
+@refuses_unreadable_results("ops_table")
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+")
     p.add_argument("--plain", action="store_true", help="plain launches instead of graph replay")
     p.add_argument("--barrier", choices=("device", "host", "any"), default="device")
     args = p.parse_args()
-    tables = [load(f, not args.plain, args.barrier) for f in args.files]
+    tables = [load_results(f, load, not args.plain, args.barrier) for f in args.files]
     for (table, world), path in zip(tables, args.files):
         print(f"\n{path} (world {world}, {'plain launches' if args.plain else 'graph replay'}, "
               f"barrier {args.barrier})\n")
@@ -125,7 +128,8 @@ def main() -> None:
     if len(tables) > 1:
         print("\nside by side\n")
         print("\n".join(side_by_side(tables)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,8 +28,10 @@ from typing import Iterable, Optional, Sequence
 
 try:
     from benchmarks.metrics import summarize
+    from benchmarks.rows import json_rows, load_results, refuses_unreadable_results
 except ImportError:  # started as ``python benchmarks/plot.py``: its folder is on the path
     from metrics import summarize
+    from rows import json_rows, load_results, refuses_unreadable_results
 
 #: shape fields that change with the world size for the same layer (the per-rank share): left
 #: out when shapes of different worlds are matched
@@ -45,21 +47,13 @@ TABLE_KEYS = ("op", "shape", "dtype", "world", "device", "graph", "fused_ms", "s
 
 def read_rows(paths: Sequence[str]) -> list:
     """Every JSON object of the files, in order; each gets ``_pos`` = (file index, line
-    number). Blank and unreadable lines are skipped."""
+    number). Blank lines and lines that are not a JSON object (a run's torn last line) are
+    skipped; a missing file, or one without a row, raises ``rows.UnreadableResults``."""
     rows = []
     for i, path in enumerate(paths):
-        with open(path) as f:
-            for n, line in enumerate(f):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict):
-                    row["_pos"] = (i, n)
-                    rows.append(row)
+        for n, row in load_results(path, lambda p: list(json_rows(p, skip_unreadable=True))):
+            row["_pos"] = (i, n - 1)  # (the line index, from 0)
+            rows.append(row)
     return rows
 
 
@@ -304,6 +298,7 @@ def _bars(ax, categories, series, values, n_ser, limits=(None, None)) -> None:
     ax.grid(axis="y", linewidth=0.3)
 
 
+@refuses_unreadable_results("plot")
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

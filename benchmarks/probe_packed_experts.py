@@ -9,6 +9,7 @@ expert contiguous): what the packing saves in the GEMM and what the copy costs. 
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -31,6 +32,9 @@ GEMM_TILINGS = ((128, 128, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4))
 
 
 def main() -> int:
+    # no option: the parser answers --help and refuses stray arguments before the probe starts
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     world = World.from_env()
     dev = world.device
     for S, H, I, E, k, W in LAYOUTS:

@@ -6,11 +6,13 @@ and whatever else a benchmark records about the case.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
 import subprocess
-from typing import Optional
+import sys
+from typing import Callable, Iterator, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,3 +89,68 @@ class ResultWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(finite(row), allow_nan=False) + "\n")
         return row
+
+
+# --- reading results files (the tools: compare_results, compare_worlds, ops_table, plot) ------
+
+class UnreadableResults(Exception):
+    """A results file a tool cannot read: missing, not JSON lines, or a row without a field the
+    tool reads. The message names the file."""
+
+
+def json_rows(path: str, skip_unreadable: bool = False) -> Iterator[tuple]:
+    """``(line number from 1, row)`` for each non-blank line of the JSON-lines file ``path``.
+    A line that is not a JSON object raises ``ValueError`` naming the line; with
+    ``skip_unreadable`` such lines are skipped, but a file with lines and not one row still
+    raises (it is no results file)."""
+    lines = rows = 0
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            lines += 1
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                row, why = None, f"not JSON ({e})"
+            else:
+                why = f"a JSON {type(row).__name__}, not an object"
+            if not isinstance(row, dict):
+                if skip_unreadable:
+                    continue
+                raise ValueError(f"line {n} is {why}")
+            rows += 1
+            yield n, row
+    if lines and not rows:
+        raise ValueError("no line is a JSON object (not a results file)")
+
+
+def load_results(path: str, load: Callable, *args, **kwargs):
+    """``load(path, *args, **kwargs)``; what makes the file unreadable to ``load`` (a missing
+    file, a line that is not a JSON object, a row without a field it reads) is raised as
+    :class:`UnreadableResults` naming ``path``."""
+    try:
+        return load(path, *args, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e  # (no path twice)
+        if isinstance(e, KeyError):
+            why = f"a row has no field {e}"
+        raise UnreadableResults(f"cannot read the results in {path}: {type(e).__name__}: "
+                                f"{why}") from e
+
+
+def refuses_unreadable_results(tool: str):
+    """A decorator for a tool's ``main``: :class:`UnreadableResults` ends it with one line on
+    stderr and exit code 2, the tools' code for input they cannot use (a traceback's exit
+    code 1 reads as a fault of the tool)."""
+    def wrap(main):
+        @functools.wraps(main)
+        def run(*args, **kwargs):
+            try:
+                return main(*args, **kwargs)
+            except UnreadableResults as e:
+                print(f"{tool}: {e}", file=sys.stderr)
+                return 2
+        return run
+    return wrap

@@ -251,7 +251,8 @@ def run_main(parser: "cli.BenchParser", body: Callable[[Bench], Optional[int]],
     started alone with that option, or skips when its launcher's world size is not listed;
     otherwise starts the world, runs ``body(bench)``, prints the table and ends the process
     group. Returns the exit status: 1 where an impl gave a wrong result or could not be timed,
-    2 for an ``--impls`` name no case has or a world without GPUs."""
+    2 for an ``--impls`` name no case has, a world without GPUs or a ``--worlds`` of which no
+    size fits the visible devices."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     size = cli.launched_world_size(os.environ)

@@ -400,7 +400,9 @@ def test_a_world_without_gpus_is_refused_up_front(tmp_path, monkeypatch, capsys)
     assert runner.run_main(_parser(), ran.append, ["--out", str(tmp_path / "r.jsonl")]) == 2
     assert ran == [] and "run them on a GPU machine" in capsys.readouterr().out
     monkeypatch.setattr(cli, "launch_plan", lambda worlds, n: ([], list(worlds)))
-    assert cli.launch("script.py", [], [2, 4]) == 1
+    # (2, as without GPUs: `--worlds 2` on a machine without GPUs exited 1, a wrong result's
+    # code)
+    assert cli.launch("script.py", [], [2, 4]) == 2
     assert "nothing was run" in capsys.readouterr().out
 
 
@@ -912,3 +914,58 @@ def test_compare_results_leaves_out_untimed_rows_and_refuses_bad_files(tmp_path,
     assert "cannot read" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare_results.main([str(old), str(new), "--tol", "-1"])
+
+
+# a child that answers ``--help`` with every module that runs as a script, one import of torch
+# for all; a module that makes a world instead (the work's first step) ends that module's turn
+_HELP_ALL = r"""
+import contextlib, io, runpy, sys
+from portable_overlap import World
+from portable_overlap.testing import EmulatedWorld
+
+class Started(Exception):
+    pass
+
+def refuse(*a, **k):
+    raise Started()
+
+World.from_env = World.from_torchrun = World.from_mpi = classmethod(refuse)
+EmulatedWorld.__init__ = refuse
+for name in sys.argv[1:]:
+    sys.argv = [name, "--help"]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        result = "returned"
+    except SystemExit as e:
+        result = f"exit {e.code}" if out.getvalue().startswith("usage:") else "exit, no usage"
+    except Started:
+        result = "started work"
+    except BaseException as e:
+        result = f"raised {type(e).__name__}: {e}"
+    print(name, result, flush=True)
+"""
+
+
+def test_every_benchmark_script_answers_help_without_starting_work():
+    """``--help`` of probe_embedding_residency raised argparse's conflicting-option error
+    (it added BenchParser's --rounds again), and probe_packed_experts took no arguments and
+    started its probe."""
+    import subprocess
+    import sys
+
+    names = sorted(f"benchmarks.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "benchmarks"))
+                   if f.endswith(".py") and "if __name__ == \"__main__\":" in open(
+                       os.path.join(ROOT, "benchmarks", f), encoding="utf-8").read())
+    assert len(names) > 30
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in ("RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", _HELP_ALL, *names], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert sorted(results) == names, done.stdout + done.stderr[-3000:]
+    bad = {n: r for n, r in results.items() if r != "exit 0"}
+    assert not bad, bad

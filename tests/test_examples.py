@@ -211,3 +211,70 @@ def test_an_emulated_world_refuses_a_size_out_of_range():
     for size in (0, 65, 2.0, True):
         with pytest.raises(ValueError, match=r"size must be an int in 1 \.\. 64"):
             EmulatedWorld(size)
+
+
+def test_prefill_refuses_torch_fused_on_cpu_ranks():
+    """torch's fused ops take GPU tensors only: every emulated rank raised BackendUnavailable
+    with a traceback, exit code 1 (the examples' code of a wrong result)."""
+    out = _run([os.path.join("examples", "transformer", "prefill.py"), "--transport",
+                "torch_fused"], timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "argument --transport: 'torch_fused' needs GPUs" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def _run_as_torchrun_rank(args, world_size, timeout=120):
+    """``args`` as rank 0 of a torchrun world of ``world_size`` CPU ranks, with no peers and no
+    rendezvous address: only a refusal before the world is made ends it cleanly."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RANK="0", WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE=str(world_size), PORTABLE_OVERLAP_BACKEND="cpu")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("decode.py", ["--tiny"]),
+    ("prefill.py", ["--tiny", "--seq", "9"]),  # --seq divides by 3: the heads do not
+])
+def test_transformer_examples_refuse_a_world_that_does_not_split_the_heads(script, argv):
+    """3 ranks of the toy model (4 heads, 2 kv heads): every rank raised a ValueError with a
+    traceback (``RowParallelLinear: in_features=64 must divide by the world size 3``)."""
+    out = _run_as_torchrun_rank([os.path.join("examples", "transformer", script), *argv], 3)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert ("error: world size 3: the model's heads 4, kv_heads 2, intermediate 128 must "
+            "divide by it") \
+        in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_prefill_refuses_torch_fused_on_cpu_torchrun_ranks():
+    out = _run_as_torchrun_rank([os.path.join("examples", "transformer", "prefill.py"),
+                                 "--transport", "torch_fused"], 2)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "'torch_fused' needs GPUs" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--zipf", "nan"), ("--lr", "nan"), ("--lr", "inf")])
+def test_dlrm_refuses_a_number_that_is_not_finite(flag, value):
+    """``--lr nan`` made both paths' losses NaN: "PATHS DISAGREE", exit code 1 (a wrong
+    result); ``--zipf nan`` ran on a distribution of NaN weights."""
+    out = _run([os.path.join("examples", "dlrm", "train.py"), flag, value], timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"argument {flag}: must be a finite number, got {value!r}" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("script, says", [
+    ("transformer/decode.py", ["3 on CPU", "at most 2 layers", "KV window of at most 16"]),
+    ("transformer/prefill.py", ["2 on CPU", "at most 2 layers", "16 prompt tokens"]),
+    ("moe/moe_layer.py", ["CPU ranks check the paths and time nothing"]),
+])
+def test_example_help_says_what_emulated_ranks_ignore_or_clamp(script, says):
+    """On emulated ranks decode.py's --tokens and moe_layer.py's --iters were ignored, and the
+    transformer examples' --layers, --seq and --cache clamped, without a word in --help."""
+    out = _run([os.path.join("examples", script), "--help"], timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # (argparse wraps the lines)
+    assert all(s in text for s in says), text

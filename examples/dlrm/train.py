@@ -26,6 +26,7 @@ global mean.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -232,6 +233,21 @@ def _emulated(world, args):
     return train(world, args)
 
 
+def finite_float(text: str) -> float:
+    """An argparse ``type=``: a finite float. ``nan`` or ``inf`` would make both paths' losses
+    NaN, which the comparison reports as the paths disagreeing (exit code 1, a wrong result)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+finite_float.__name__ = "finite number"  # (argparse names the type in its messages)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["fused", "reference", "both"], default="both")
@@ -244,8 +260,9 @@ def main() -> int:
                     help="rows per table cap (200000 / small 1000)")
     ap.add_argument("--pf", type=int_at_least(0), default=2,
                     help="mean bag length (uniform 0..2·pf)")
-    ap.add_argument("--zipf", type=float, default=1.05)
-    ap.add_argument("--lr", type=float, default=0.5)
+    ap.add_argument("--zipf", type=finite_float, default=1.05,
+                    help="exponent of the indices' Zipf distribution (0: uniform)")
+    ap.add_argument("--lr", type=finite_float, default=0.5, help="SGD learning rate")
     args = ap.parse_args()
     if "RANK" in os.environ:  # torchrun
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

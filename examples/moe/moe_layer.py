@@ -107,7 +107,9 @@ def _emulated(world, dims, iters, schedule):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int_at_least(1), default=20)
+    ap.add_argument("--iters", type=int_at_least(1), default=20,
+                    help="timed forwards and training steps of each path (GPUs; CPU ranks "
+                         "check the paths and time nothing)")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions on GPUs too")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
                     help="the layer's dimensions on GPUs (module docstring)")

@@ -24,7 +24,8 @@ from torch import nn
 from portable_overlap import RowParallelLinear
 from portable_overlap.testing.compare import worst
 from portable_overlap.cli import int_at_least
-from tp_common import LLAMA3_8B, TINY, launch, under_torchrun  # examples/transformer/
+from tp_common import (LLAMA3_8B, TINY, check_dims_divide,  # examples/transformer/
+                       launch, planned_on_cpu, planned_world_size, under_torchrun)
 
 
 class Block(nn.Module):
@@ -139,15 +140,22 @@ def report(world_size, args, result, device):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int_at_least(1), default=4)
+    ap = argparse.ArgumentParser(
+        description="CPU-emulated ranks (no torchrun) run the toy dimensions with at most 2 "
+                    "layers and a KV window of at most 16, and time 3 tokens.")
+    ap.add_argument("--layers", type=int_at_least(1), default=4,
+                    help="blocks (at most 2 on emulated ranks)")
     ap.add_argument("--batch", type=int_at_least(1), default=1)
-    ap.add_argument("--cache", type=int_at_least(1), default=1024)
-    ap.add_argument("--tokens", type=int_at_least(1), default=50)
+    ap.add_argument("--cache", type=int_at_least(1), default=1024,
+                    help="KV window (at most 16 on emulated ranks)")
+    ap.add_argument("--tokens", type=int_at_least(1), default=50,
+                    help="timed decode steps (GPUs; 3 on CPU)")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     args = ap.parse_args()
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
         args.layers, args.cache = min(args.layers, 2), min(args.cache, 16)
+    check_dims_divide(ap, TINY if args.tiny or planned_on_cpu() else LLAMA3_8B,
+                      planned_world_size())
     return launch(run, report, args)
 
 

@@ -46,8 +46,8 @@ from portable_overlap import (AllGatherMatmul, ColumnParallelLinear, MatmulReduc
                               RowParallelLinear)
 from portable_overlap.cli import int_at_least
 from portable_overlap.testing.compare import worst
-from tp_common import (LLAMA3_8B, TINY, launch, planned_world_size,  # examples/transformer/
-                       under_torchrun)
+from tp_common import (LLAMA3_8B, TINY, check_dims_divide,  # examples/transformer/
+                       launch, planned_on_cpu, planned_world_size, under_torchrun)
 
 
 class Block(nn.Module):
@@ -213,26 +213,36 @@ def report(world_size, args, result, device):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int_at_least(1), default=4)
+    ap = argparse.ArgumentParser(
+        description="CPU-emulated ranks (no torchrun) run the toy dimensions with at most 2 "
+                    "layers and 16 prompt tokens, and time 2 forwards.")
+    ap.add_argument("--layers", type=int_at_least(1), default=4,
+                    help="blocks (at most 2 on emulated ranks)")
     ap.add_argument("--seq", type=int_at_least(1), default=8192,
-                    help="prompt tokens (a multiple of ranks)")
+                    help="prompt tokens, a multiple of the ranks (at most 16 on emulated ranks)")
     ap.add_argument("--iters", type=int_at_least(1), default=20,
-                    help="timed forwards (GPUs)")
+                    help="timed forwards (GPUs; 2 on CPU)")
     ap.add_argument("--tiny", action="store_true", help="toy dimensions")
     ap.add_argument("--graph", action="store_true",
                     help="also time all layers captured in one CUDA graph (GPUs)")
     ap.add_argument("--transport", default=None,
                     choices=("copy_engine", "stores", "torch_fused", "sequential", "auto"),
                     help="the transport of both fused ops (AllGather + GEMM, GEMM + "
-                         "ReduceScatter; default: the library's, auto on GPUs)")
+                         "ReduceScatter; default: the library's, auto on GPUs; torch_fused "
+                         "needs GPUs)")
     args = ap.parse_args()
+    if args.transport == "torch_fused" and planned_on_cpu():
+        # (else every rank raised BackendUnavailable with a traceback, exit code 1: the code
+        # of a wrong result)
+        ap.error("argument --transport: 'torch_fused' needs GPUs (torch's symm_mem fused ops "
+                 "take GPU tensors only) and these ranks run on CPU; choose another transport")
     if not under_torchrun():  # emulated ranks: the interpreter is slow, keep the toy small
         args.layers, args.seq = min(args.layers, 2), min(args.seq, 16)
     W = planned_world_size()
     if args.seq % W:  # (else every rank raised it with a traceback, exit code 1)
         ap.error(f"argument --seq: {args.seq} tokens must divide by the world size {W} "
                  f"(each rank holds seq / world of them)")
+    check_dims_divide(ap, TINY if args.tiny or planned_on_cpu() else LLAMA3_8B, W)
     return launch(run, report, args)
 
 

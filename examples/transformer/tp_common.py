@@ -24,6 +24,34 @@ def planned_world_size(emulated_ranks: int = 2) -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else emulated_ranks
 
 
+def planned_on_cpu() -> bool:
+    """Whether ``launch``'s ranks will run on the CPU-emulated backend: always without torchrun,
+    and under torchrun where the selected backend is ``cpu`` (``PORTABLE_OVERLAP_BACKEND=cpu``,
+    or no GPU). A backend that cannot be selected counts as not CPU: the ranks then report it."""
+    if not under_torchrun():
+        return True
+    from portable_overlap.backends import get_backend
+    from portable_overlap.errors import BackendUnavailable
+
+    try:
+        return get_backend().name == "cpu"
+    except BackendUnavailable:
+        return False
+
+
+def check_dims_divide(ap, dims: dict, world_size: int) -> None:
+    """``ap.error`` (usage, exit code 2) unless the world size divides the model's heads,
+    key/value heads and MLP columns, which tensor parallelism splits over the ranks; checked in
+    ``main`` so that the ranks never start to raise it one traceback each."""
+    bad = [f"{name} {dims[key]}" for key, name in (("heads", "heads"), ("kv_heads", "kv_heads"),
+                                                   ("inter", "intermediate"))
+           if dims[key] % world_size]
+    if bad:
+        ap.error(f"world size {world_size}: the model's {', '.join(bad)} must divide by it "
+                 f"(each rank holds 1/{world_size} of the heads, kv_heads and intermediate "
+                 f"columns)")
+
+
 def launch(run, report, args, emulated_ranks: int = 2, timeout: float = 900) -> int:
     """``result = run(world, args)`` on every rank, then ``report(world_size, args, result,
     device_type)`` with rank 0's result on rank 0, whose return value is the exit code.
