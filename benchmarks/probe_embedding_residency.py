@@ -44,13 +44,9 @@ def parser() -> BenchParser:
                      shapes=SHAPES, dtypes=("fp32", "fp16"), iters=100, warmup=20,
                      shapes_help="(B x T x D x PF x ROWS) ")
     ap.add_argument("--dists", default="uniform,zipf")
-    # BenchParser's --rounds, which this probe times itself: the variants' alternating rounds
+    # BenchParser's --rounds: here the variants' rounds, the order reversed every other round,
+    # a variant's time the mean of its rounds' medians
     ap.set_defaults(rounds=2)
-    for action in ap._actions:
-        if action.dest == "rounds":
-            action.help = ("rounds of --iters per variant, the order reversed every other round; "
-                           "a variant's time is the mean of its rounds' medians "
-                           "(default: %(default)s)")
     return ap
 
 
