@@ -8,6 +8,7 @@ import torch
 
 from portable_overlap.ops.matmul import MatmulConfig
 from portable_overlap.ops.moe_experts import expert_swiglu, expert_swiglu_reference
+from portable_overlap.testing.compare import rel_err
 from portable_overlap.testing.faults import construction_outcome
 
 SMALL = MatmulConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
@@ -1087,3 +1088,88 @@ def test_a_layer_call_recorded_on_some_ranks_raises_in_the_forward(world2, sched
         assert found["seconds"] < 20, (rank, found)
         assert found["next"] < 1e-5, (rank, found)
         assert found["trained"], (rank, found)
+
+
+def _layer_pair(world, schedule, seed=7):
+    """A fused layer in ``schedule`` and the torch path's layer with the same weights."""
+    from portable_overlap import ExpertParallelMoE
+
+    kw = dict(max_tokens=6, dtype=torch.float32, seed=seed)
+    fused = ExpertParallelMoE(world, 8, 6, 2 * world.world_size, 2, **kw)
+    if schedule:
+        setattr(fused, schedule, True)
+    ref = ExpertParallelMoE(world, 8, 6, 2 * world.world_size, 2, fused=False, **kw)
+    return fused, ref
+
+
+def _column_major_parameters(world, schedule):
+    """Every expert weight stored column-major (the same values; what load_state_dict(...,
+    assign=True) leaves of such a checkpoint): the layer's error against the torch path."""
+    fused, ref = _layer_pair(world, schedule)
+    try:
+        for name in ("w_gate", "w_up", "w_down"):
+            p = getattr(fused, name)
+            setattr(fused, name, torch.nn.Parameter(
+                p.detach().transpose(1, 2).contiguous().transpose(1, 2)))
+        assert not fused.w_gate.is_contiguous()
+        tokens = torch.randn(5, 8, generator=torch.Generator().manual_seed(world.rank))
+        with torch.no_grad():
+            y = fused(tokens)
+            fused.synchronize()
+            return rel_err(y, ref(tokens))
+    finally:
+        fused.close()
+
+
+@pytest.mark.parametrize("schedule", [None, "fuse_dispatch", "one_launch"],
+                         ids=["staged", "fuse_dispatch", "one_launch"])
+def test_column_major_parameters_work_in_every_schedule(world2, schedule):
+    """The fused ops read weight rows: column-major parameters were refused by one schedule
+    and taken by another (the staged one took all three, refused w_gate alone), with messages
+    that named an op the caller never called. The layer copies them to rows."""
+    for err in world2.run(_column_major_parameters, schedule):
+        assert err < 1e-5, err
+
+
+def _refused_between_dispatch_and_combine(world):
+    """The staged layer; rank 1's w_up of another dtype, so its expert_swiglu (local, after
+    the dispatch) raises: what each rank's call raised and how long it took; then both ranks'
+    next call, with rank 1's weight restored, against the torch path."""
+    import time
+
+    fused, ref = _layer_pair(world, None)
+    try:
+        good = fused.w_up.data
+        if world.rank == 1:
+            fused.w_up.data = good.double()
+        tokens = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 + world.rank))
+        t0 = time.monotonic()
+        try:
+            with torch.no_grad():
+                fused(tokens)
+                fused.synchronize()
+            err = None
+        except Exception as e:  # noqa: BLE001  (the test reads it)
+            err = type(e).__name__
+        took = time.monotonic() - t0
+        fused.w_up.data = good
+        world.barrier()
+        tokens = torch.randn(4, 8, generator=torch.Generator().manual_seed(20 + world.rank))
+        with torch.no_grad():
+            y = fused(tokens)
+            fused.synchronize()
+            return err, took, rel_err(y, ref(tokens))
+    finally:
+        fused.close()
+
+
+def test_a_refusal_between_dispatch_and_combine_fails_the_call_on_every_rank(world2):
+    """The staged layer's expert_swiglu runs on each rank alone between the dispatch and the
+    combine: raised on one rank, its peers waited in the combine until their timeout, and the
+    rank's next combine paired with their call of the failed step, returning the previous
+    tokens' rows with no error. The combine's call is refused: every rank fails it at once,
+    and the next call is right."""
+    (e0, t0, _), (e1, t1, err1) = out = world2.run(_refused_between_dispatch_and_combine)
+    assert e1 == "TypeError" and e0 is not None and e0 != "TypeError", out
+    assert t0 < 5 and t1 < 5, out
+    assert all(o[2] < 1e-5 for o in out), out

@@ -270,20 +270,41 @@ class ExpertParallelMoE(FusedLayerState, nn.Module):
         # from the receive buffer's rows (expert_swiglu, after the unfused dispatch)
         m = None if torch.compiler.is_compiling() else \
             tokens.shape[0] * self.top_k / (self.experts_per_rank * self.world.world_size)
+        # Any layout of the parameters is the layer's to take (a column-major one is what
+        # load_state_dict(..., assign=True) leaves of such a checkpoint): the fused ops read
+        # rows, so a copy where they are not contiguous (none where they are, as built)
+        w_gate, w_up, w_down = (w if w.is_contiguous() else w.contiguous()
+                                for w in (self.w_gate, self.w_up, self.w_down))
         if self.one_launch:
-            return moe_layer(tokens, ids, weights, self.w_gate, self.w_up, self.w_down,
-                             self.dispatch_ctx, self.ctx, rows_per_segment=m)
+            return moe_layer(tokens, ids, weights, w_gate, w_up, w_down, self.dispatch_ctx,
+                             self.ctx, rows_per_segment=m)
         # under torch.compile the parts are functional ops (one node each, no out=)
         h_buf = None if torch.compiler.is_compiling() else self._h
         if self.fuse_dispatch:
-            h, counts, slots = moe_dispatch_swiglu(tokens, ids, self.w_gate, self.w_up,
-                                                   self.dispatch_ctx, out=h_buf,
-                                                   rows_per_segment=m)
+            h, counts, slots = moe_dispatch_swiglu(tokens, ids, w_gate, w_up, self.dispatch_ctx,
+                                                   out=h_buf, rows_per_segment=m)
         else:
             x, counts, slots = moe_dispatch(tokens, ids, self.dispatch_ctx)
-            h = expert_swiglu(x, self.w_gate, self.w_up, counts, out=h_buf,
-                              rows_per_segment=m)
-        return moe_gemm_combine(h, self.w_down, counts, slots, weights, self.ctx)
+            try:
+                h = expert_swiglu(x, w_gate, w_up, counts, out=h_buf, rows_per_segment=m)
+            except Exception as e:
+                # expert_swiglu is local, between two collective ops: raised on this rank
+                # alone (weights of another dtype here), it left the peers waiting in the
+                # combine until their timeout, and this rank's next combine paired with their
+                # call of this step (its output: the previous tokens' rows, no error). The
+                # combine's call is refused instead, as the peers key it.
+                if h_buf is not None:
+                    self._refuse_combine(e, h_buf, w_down, counts, slots, weights)
+                raise
+        return moe_gemm_combine(h, w_down, counts, slots, weights, self.ctx)
+
+    def _refuse_combine(self, error, h, w_down, counts, slots, weights) -> None:
+        """Refuse this step's combine call (its arguments as the peers pass them), so that the
+        peers fail it at once and stay in step; the caller raises ``error``."""
+        try:
+            self.ctx.refuse(error, h, w_down, counts, slots, weights)
+        except Exception:  # noqa: BLE001  (the refusal raises error, or the context's own)
+            pass
 
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise what the fused ops' kernels found."""

@@ -295,8 +295,8 @@ def _validate(x, w_gate, w_up, counts, out) -> None:
     if x.dim() != 2 or w_gate.dim() != 3 or w_up.shape != w_gate.shape \
             or w_up.stride() != w_gate.stride() or w_gate.shape[1] != x.shape[1]:
         raise ValueError(f"{OP}: need x [rows, H] and w_gate, w_up [E, H, I] of one shape and "
-                         f"strides; got {tuple(x.shape)}, {tuple(w_gate.shape)}, "
-                         f"{tuple(w_up.shape)}")
+                         f"strides; got {tuple(x.shape)}, {tuple(w_gate.shape)} strides "
+                         f"{w_gate.stride()}, {tuple(w_up.shape)} strides {w_up.stride()}")
     E = w_gate.shape[0]
     # (no source row, [0, E], divided the mean rows per segment by zero)
     if counts.dtype != torch.int32 or counts.dim() != 2 or counts.shape[1] != E \
