@@ -706,7 +706,8 @@ def test_offsets_a_larger_batch_outgrew_stay_alive(world2):
 def _state_dict_layouts(world):
     """Two reference-path modules of two equal tables placed the other way round: each
     rank's state dict loaded back (works, same values), into the other placement, and the
-    other rank's state dict (both refused)."""
+    other rank's state dict, and a weight without its layout (all refused, the weight left as
+    it was)."""
     import io
 
     from portable_overlap.modules.embedding import ShardedEmbeddingBagCollection
@@ -728,23 +729,32 @@ def _state_dict_layouts(world):
         c.weight.add_(1.0)
     c.load_state_dict(mine)
     out["same"] = torch.equal(c.weight, a.weight)
-    for name, target, state in (("placement", b, mine),
-                                ("rank", c, theirs[(world.rank + 1) % world.world_size])):
+    out["tensors"] = all(isinstance(v, torch.Tensor) for v in mine.values())
+    legacy = {"weight": mine["weight"]}
+    for name, target, state, strict in (
+            ("placement", b, mine, True),
+            ("rank", c, theirs[(world.rank + 1) % world.world_size], True),
+            ("no layout", c, legacy, True), ("no layout, not strict", c, legacy, False)):
+        before = target.weight.detach().clone()
         try:
-            target.load_state_dict(state)
+            target.load_state_dict(state, strict=strict)
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+        out[name + ": kept"] = torch.equal(target.weight, before)
     return out
 
 
 def test_a_state_dict_loads_only_under_its_own_layout(world2):
     """A state dict holds one rank's packed tables: loaded into a module whose tables sit on
     other ranks (equal rows, so the same shape), or on another rank, it was taken with no
-    error, and the tables answered with other tables' rows. Both raise now; the same layout
-    loads."""
+    error, and the tables answered with other tables' rows. Both raise now, before the weight
+    is copied, and so does a weight without its layout; the same layout loads."""
     for r, out in enumerate(world2.run(_state_dict_layouts)):
-        assert out["same"], (r, out)
+        assert out["same"] and out["tensors"], (r, out)
+        assert all(v for k, v in out.items() if k.endswith(": kept")), (r, out)
+        for key in ("no layout", "no layout, not strict"):
+            assert out[key] and "not the layout it was packed under" in out[key], (r, out)
         assert out["placement"] and "table_ranks [0, 1] there, [1, 0] here" in out["placement"]
         assert out["rank"] and f"rank {1 - r} there, {r} here" in out["rank"], (r, out)
 

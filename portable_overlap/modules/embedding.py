@@ -88,30 +88,56 @@ class ShardedEmbeddingBagCollection(FusedLayerState, nn.Module):
         return self.plan.tables_of(self.world.rank)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def _layout(self) -> dict:
-        return {"table_rows": list(self.plan.table_rows), "dim": self.plan.dim,
-                "table_ranks": list(self.plan.table_ranks), "rank": self.world.rank}
+    def _layout(self) -> torch.Tensor:
+        """``[rank, dim, T, table_rows..., table_ranks...]``: what this rank's packed weight
+        holds (a tensor, so a state dict stays all tensors: safetensors, ``.cpu()`` loops)."""
+        p = self.plan
+        return torch.tensor([self.world.rank, p.dim, p.num_tables, *p.table_rows,
+                             *p.table_ranks], dtype=torch.int64)
 
-    def get_extra_state(self) -> dict:
-        """What the packed ``weight`` of a state dict means: the plan and the rank that packed
-        it (a state dict holds one rank's local tables, end to end)."""
+    @staticmethod
+    def _describe(layout) -> dict:
+        v = [int(x) for x in layout.tolist()] if isinstance(layout, torch.Tensor) else []
+        if len(v) < 3 or len(v) != 3 + 2 * v[2]:
+            return {"layout": v}
+        T = v[2]
+        return {"rank": v[0], "dim": v[1], "table_rows": v[3:3 + T], "table_ranks": v[3 + T:]}
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The layout the packed ``weight`` of a state dict was packed under (a state dict
+        holds one rank's local tables, end to end): checked when it is loaded."""
         return self._layout()
 
     def set_extra_state(self, state) -> None:
-        """Refuse a state dict packed under another plan or by another rank: its ``weight``
-        may have this module's shape (two tables of equal rows placed the other way round,
-        rank 0's tables loaded on rank 1) and would load as other tables' rows, with no
-        error. Load each rank's own state dict into a module made with the same tables,
-        width and ``table_ranks``."""
-        mine = self._layout()
-        theirs = state if isinstance(state, dict) else {}
-        diff = [k for k in mine if theirs.get(k) != mine[k]]
-        if diff:
-            raise ValueError(
-                f"{NAME}: the state dict's weight was packed under another layout ("
-                + ", ".join(f"{k} {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff)
-                + "): each rank loads its own state dict into a module of the same tables, "
-                  "width and table_ranks")
+        """Nothing to set: the layout is checked before any tensor is copied
+        (``_load_from_state_dict``)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """Refuse a state dict packed under another plan or by another rank, before its weight
+        is copied: the weight may have this module's shape (two tables of equal rows placed
+        the other way round, rank 0's tables loaded on rank 1) and would load as other
+        tables' rows, with no error. A weight without its layout (a state dict made by hand)
+        is refused too, with ``strict=False`` as well: nothing else would check it."""
+        key = prefix + "_extra_state"
+        if prefix + "weight" in state_dict:
+            if key not in state_dict:
+                raise ValueError(
+                    f"{NAME}: the state dict holds a weight but not the layout it was packed "
+                    f"under ({key!r}): a table placement or rank of its own cannot be told from "
+                    f"this module's. Save it with this module's state_dict(), or, where it is "
+                    f"known to be this rank's tables under this plan, add "
+                    f"state[{key!r}] = module.get_extra_state()")
+            mine, theirs = (self._describe(t) for t in (self._layout(), state_dict[key]))
+            diff = [k for k in mine if theirs.get(k) != mine[k]]
+            if diff:
+                raise ValueError(
+                    f"{NAME}: the state dict's weight was packed under another layout ("
+                    + ", ".join(f"{k} {theirs.get(k)!r} there, {mine[k]!r} here" for k in diff)
+                    + "): each rank loads its own state dict into a module of the same tables, "
+                      "width and table_ranks")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def forward(self, lengths: torch.Tensor, indices: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None,

@@ -292,7 +292,8 @@ class ExpertParallelMoE(FusedLayerState, nn.Module):
                 # alone (weights of another dtype here), it left the peers waiting in the
                 # combine until their timeout, and this rank's next combine paired with their
                 # call of this step (its output: the previous tokens' rows, no error). The
-                # combine's call is refused instead, as the peers key it.
+                # combine's call is refused instead, as the peers key it (eager calls: a
+                # compiled graph runs the parts with no handler between them).
                 if h_buf is not None:
                     self._refuse_combine(e, h_buf, w_down, counts, slots, weights)
                 raise
@@ -303,8 +304,11 @@ class ExpertParallelMoE(FusedLayerState, nn.Module):
         peers fail it at once and stay in step; the caller raises ``error``."""
         try:
             self.ctx.refuse(error, h, w_down, counts, slots, weights)
-        except Exception:  # noqa: BLE001  (the refusal raises error, or the context's own)
-            pass
+        except Exception as e:  # noqa: BLE001  (the refusal raises error, or the context's own)
+            note = getattr(error, "add_note", None)  # (Python 3.11 on)
+            if e is not error and note is not None:
+                note(f"(the combine's refusal was not sent to the peers: {type(e).__name__}: "
+                     f"{e}; they may wait in this step's combine until their timeout)")
 
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise what the fused ops' kernels found."""

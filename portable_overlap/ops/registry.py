@@ -118,7 +118,8 @@ def _no_backward(name: str, eager: Callable, op: Callable) -> Callable:
     """The Autograd kernel of an op without a backward. Called eagerly with an input that
     requires grad (grad mode on), it runs ``eager``, the op's own call, which refuses it as a
     call of its contexts (the peers fail the same call). Traced (fake tensors: torch.compile's
-    AOT pass runs the op's forward with grad mode off, so the eager refusal never sees it) it
+    AOT pass runs the op's forward with grad mode off, so the eager refusal never sees it; or
+    meta tensors) it
     raises there, at compile time: without this kernel the compiled op returned a result that
     required grad and whose backward gave the inputs no gradient at all, with a warning only.
     Otherwise it runs the op below autograd."""
@@ -127,7 +128,9 @@ def _no_backward(name: str, eager: Callable, op: Callable) -> Callable:
     def autograd_kernel(*args, **kwargs):
         tensors = _tensors(args, kwargs)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            if any(is_fake(t) for t in tensors):
+            # (meta tensors too: shape inference on this rank alone, where the eager call's
+            # refusal would tell the peers of a call they never make)
+            if any(is_fake(t) or t.device.type == "meta" for t in tensors):
                 raise RuntimeError(f"{name} has no backward, and an input requires grad: call "
                                    f"it under torch.no_grad() (inference) or pass detached "
                                    f"tensors")

@@ -42,9 +42,9 @@ def even_splits(name: str, lengths, n_loc: int, world_size: int, rank: int) -> t
 
 def _count(n):
     """A batch count as an int (ints, NumPy ints, integer tensors), None for a bool of any
-    kind or a float. An int is kept as it is: traced by ``torch.compile`` with dynamic shapes
-    it is a SymInt, which ``operator.index`` (and any look at its attributes) would fix to its
-    value, one graph per batch size."""
+    kind (a float raises ``TypeError``, as ``operator.index`` does). An int is kept as it is:
+    traced by ``torch.compile`` with dynamic shapes it is a SymInt, which ``operator.index``
+    (and any look at its attributes) would fix to its value, one graph per batch size."""
     if isinstance(n, bool):
         return None
     if isinstance(n, (int, torch.SymInt)):
