@@ -144,8 +144,9 @@ class Workspace(ContextBase):
         """A zeroed int64 array of flags (or counters) named ``name`` in errors. Collective,
         like :meth:`tensor`. Give every flag array its own use: a flag holds the number of the
         call that last set it, a counter the sum of everything added to it. Refused
-        (``ValueError``) once the workspace has run 2**31 launches: a zeroed flag would read as
-        set for the next call (flags compare call numbers mod 2**32); carve flags first."""
+        (``ValueError``) once 2**31 launches of the workspace are done: a zeroed flag would
+        read as set for the next call (flags compare call numbers mod 2**32); carve flags
+        first."""
         bad = None if isinstance(name, str) and name else \
             f"a flag array needs a name (for its errors), got {name!r}"
         return self._carve(shape, torch.int64, name, bad)
