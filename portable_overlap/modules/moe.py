@@ -273,8 +273,7 @@ class ExpertParallelMoE(FusedLayerState, nn.Module):
         # Any layout of the parameters is the layer's to take (a column-major one is what
         # load_state_dict(..., assign=True) leaves of such a checkpoint): the fused ops read
         # rows, so a copy where they are not contiguous (none where they are, as built)
-        w_gate, w_up, w_down = (w if w.is_contiguous() else w.contiguous()
-                                for w in (self.w_gate, self.w_up, self.w_down))
+        w_gate, w_up, w_down = (w.contiguous() for w in (self.w_gate, self.w_up, self.w_down))
         if self.one_launch:
             return moe_layer(tokens, ids, weights, w_gate, w_up, w_down, self.dispatch_ctx,
                              self.ctx, rows_per_segment=m)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -73,6 +74,18 @@ def is_bool(v) -> bool:
     pass as one)."""
     dtype = getattr(v, "dtype", None)
     return isinstance(v, bool) or dtype is torch.bool or getattr(dtype, "kind", None) == "b"
+
+
+def exact_int(v):
+    """``v`` as an integer: an int (a SymInt, the traced value of one, kept as it is: looking
+    into it would fix a compiled graph to its value), a NumPy int or an integer tensor of one
+    element; None for a bool of any kind (``True`` would pass for 1). A float raises
+    ``TypeError``, as ``operator.index`` does: it is not rounded."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, torch.SymInt)):
+        return v
+    return None if is_bool(v) else operator.index(v)
 
 
 def check_transport(op: str, transport, transports: Sequence[str]) -> str:

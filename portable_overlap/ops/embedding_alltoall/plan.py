@@ -3,10 +3,9 @@ how a rank packs its tables into one flat weight buffer."""
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Optional, Sequence
 
-from ..context import is_bool
+from ..context import exact_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +87,7 @@ def _integers(name: str, values) -> tuple:
     refused, not rounded: ``int()`` took 7.9 rows as 7 and ``True`` as 1, and the tables the
     caller packed no longer matched the plan's."""
     try:
-        out = tuple(None if is_bool(v) else operator.index(v) for v in values)
+        out = tuple(exact_int(v) for v in values)
     except TypeError:
         out = (None,)
     if any(v is None for v in out):

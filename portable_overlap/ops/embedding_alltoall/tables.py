@@ -4,14 +4,13 @@ same errors whatever the transport), the data checks, and the backward (the reve
 and the rows' gradients), which no transport changes."""
 from __future__ import annotations
 
-import operator
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ...kept import GrowingBuffer
-from ..context import is_bool
+from ..context import exact_int
 from .plan import ShardingPlan
 
 OP = "embedding_all_to_all"
@@ -38,18 +37,6 @@ def even_splits(name: str, lengths, n_loc: int, world_size: int, rank: int) -> t
                          f"tables × a batch that splits evenly over {world_size} ranks; pass "
                          f"batch_splits")
     return (B // world_size,) * world_size
-
-
-def _count(n):
-    """A batch count as an int (ints, NumPy ints, integer tensors), None for a bool of any
-    kind (a float raises ``TypeError``, as ``operator.index`` does). An int is kept as it is:
-    traced by ``torch.compile`` with dynamic shapes it is a SymInt, which ``operator.index``
-    (and any look at its attributes) would fix to its value, one graph per batch size."""
-    if isinstance(n, bool):
-        return None
-    if isinstance(n, (int, torch.SymInt)):
-        return n
-    return None if is_bool(n) else operator.index(n)
 
 
 class RankTables:
@@ -93,7 +80,7 @@ class RankTables:
         try:
             # integers only (ints, NumPy ints, integer tensors): int() would round 2.5 down
             # and take True as 1, running the call on another batch than the caller's
-            splits = tuple(_count(n) for n in batch_splits)
+            splits = tuple(exact_int(n) for n in batch_splits)
         except TypeError:
             splits = None
         if splits is None or len(splits) != W or any(n is None or n < 0 for n in splits):
