@@ -321,6 +321,32 @@ def test_fused_gemm_kernels_fit_amd_without_spills(target):
                     f"LDS): {bad}"
 
 
+@pytest.mark.parametrize("target", TARGETS[1:], ids=lambda t: f"{t[0]}-{t[1]}")
+def test_embedding_kernel_fits_amd_at_its_launch_config(target):
+    """The fused embedding kernel compiles at the tile and warps a gfx942 / gfx950 launch
+    takes (``fused.default_block_b`` / ``default_num_warps`` for that arch: 4 warps, no
+    measured entry), every dtype, D from 64 to 1024 (and 92, not a power of two), weighted
+    and mean pooling, without VGPR spills and within a workgroup's LDS. (The compile matrix
+    builds the kernel at sm_90's warps where sm_90 has a measured tile.)"""
+    from portable_overlap.ops.embedding_alltoall.compile_specs import fused_spec
+    from portable_overlap.ops.embedding_alltoall.kernel import embedding_alltoall_kernel
+
+    arch = DEVICES[target][0]
+    limit = FACTS[target].shared_per_program
+    bad = []
+    for i, (dt, D) in enumerate((d, D) for d in ("fp32", "fp16", "bf16")
+                                for D in (64, 92, 1024)):
+        weighted, mean = i % 2 == 0, i % 3 == 1
+        sig, consts, aligned = fused_spec(dt, "i64", D, weighted, mean, arch=arch)
+        assert consts["num_warps"] == 4, consts  # no measured entry for AMD
+        k = compile_spec(embedding_alltoall_kernel, sig, consts, aligned, target)
+        spills, shared = _vgpr_spills(k), k.metadata.shared
+        if spills or shared > limit:
+            bad.append((dt, D, weighted, mean, consts["BLOCK_B"], spills, shared))
+    assert not bad, f"spilling or over {limit} bytes of LDS (dtype, D, weighted, mean, " \
+                    f"BLOCK_B, VGPR spills, LDS): {bad}"
+
+
 def test_gemm_tiles_on_sm90_are_the_h200_tiles():
     """32-lane warps keep the tiles measured on H200."""
     facts = FACTS[("cuda", 90, 32)]

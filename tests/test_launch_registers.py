@@ -6,11 +6,16 @@ Triton's launcher."""
 import dataclasses
 
 from portable_overlap.backends.base import DeviceFacts
-from portable_overlap.ops.launch import fewer_registers, resident_programs
+from portable_overlap.ops.launch import compiler_occupancy, fewer_registers, resident_programs
 
 H200 = DeviceFacts(vendor="nvidia", name="H200", arch="sm_90", sm_count=132, warp_size=32,
                    max_shared_bytes_per_sm=228 * 1024, max_regs_per_sm=65536,
                    max_warps_per_sm=64, register_cap=True)
+
+
+MI300X = DeviceFacts(vendor="amd", name="MI300X", arch="gfx942", sm_count=304, warp_size=64,
+                     max_shared_bytes_per_sm=64 * 1024, max_regs_per_sm=512 * 64 * 4,
+                     max_warps_per_sm=32, register_files=4)
 
 
 @dataclasses.dataclass
@@ -18,6 +23,7 @@ class Compiled:
     n_regs: int
     n_spills: int = 0
     cap: int = None
+    asm: dict = dataclasses.field(default_factory=dict)
 
     def _init_handles(self):
         pass
@@ -64,6 +70,49 @@ def test_no_cap_where_warps_bound_the_residency_or_the_backend_takes_none():
     amd = dataclasses.replace(H200, vendor="amd", register_cap=False)
     assert fewer_registers(compile_capped, Compiled(64), 8, amd)[1] is None
     assert asked == []
+
+
+def test_residency_takes_registers_in_the_hardware_s_units():
+    """A register count off the allocation unit takes the next unit up: one program too many
+    per SM or CU would wait for a place that waiting programs hold (the persistent ops' grids
+    are what is resident). sm_90: 50 registers are allocated as 56, 4 programs of 8 warps per
+    SM, not 5. gfx942: a wave of 100 VGPRs takes 104 of its SIMD's 512, 4 waves per SIMD and
+    16 per CU, so 4 programs of 4 waves, not 5; and waves never span two SIMDs: at 80 VGPRs a
+    SIMD holds 6, the CU 24, not the 25 of the CU's registers pooled."""
+    assert resident_programs(Compiled(50), 8, H200) == 132 * 4
+    assert resident_programs(Compiled(48), 8, H200) == 132 * 5
+    assert resident_programs(Compiled(100), 4, MI300X) == 304 * 4
+    assert resident_programs(Compiled(176), 4, MI300X) == 304 * 2
+    assert resident_programs(Compiled(80), 1, MI300X) == 304 * 24
+
+
+def test_residency_follows_the_amd_compiler_s_occupancy_where_lower():
+    """On AMD the assembly says how many waves per SIMD the compiler allows (VGPRs, AGPRs,
+    SGPRs, LDS): more than 100 SGPRs hold a SIMD to 7 waves whatever the VGPRs."""
+    asm = {"amdgcn": "kern:\n; NumVgprs: 64\n; Occupancy: 7\n"}
+    assert compiler_occupancy(Compiled(64, asm=asm)) == 7
+    assert resident_programs(Compiled(64, asm=asm), 1, MI300X) == 304 * 28  # not 32
+    assert resident_programs(Compiled(64, asm=asm), 4, MI300X) == 304 * 7
+    assert compiler_occupancy(Compiled(64)) is None
+    assert compiler_occupancy(Compiled(64, asm={"ptx": "; Occupancy: 1"})) is None
+
+
+def test_the_amd_compiler_reports_its_occupancy():
+    """A kernel cross-compiled for gfx942 carries the occupancy line the residency reads."""
+    import triton
+    import triton.language as tl
+
+    from portable_overlap.kernel_registry import compile_spec
+
+    @triton.jit
+    def _copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    k = compile_spec(_copy, {"src": "*fp32", "dst": "*fp32", "n": "i32"}, {"BLOCK": 256}, [],
+                     ("hip", "gfx942", 64), num_warps=4)
+    occupancy = compiler_occupancy(k)
+    assert occupancy is not None and 1 <= occupancy <= 8, k.asm["amdgcn"][-2000:]
 
 
 def test_launch_hooks_skipped_only_when_none_would_run():

@@ -62,6 +62,9 @@ class DeviceFacts:
     # of ``register_unit`` per thread (ops/launch.py: ``fewer_registers``)
     register_cap: bool = False
     register_unit: int = 8
+    # register files per SM / CU that a warp takes its registers from whole (AMD: the CU's 4
+    # SIMDs, 512 VGPRs per lane each; NVIDIA counts the SM's registers as one pool)
+    register_files: int = 1
     # shared memory (LDS on AMD) one program may take, where the device says: NVIDIA's opt-in
     # limit per block (227 KiB on H100/H200), AMD's per workgroup (64 KiB on gfx942, 160 KiB on
     # gfx950); None: ``max_shared_bytes_per_sm``

@@ -2,16 +2,49 @@
 the grid at what is resident, and call the compiled launcher directly on every call."""
 from __future__ import annotations
 
+import re
 from typing import Callable, Optional
+
+
+def warps_by_registers(n_regs: int, facts) -> int:
+    """Warps (waves) of ``n_regs`` registers per lane that one SM / CU holds by its registers.
+    The hardware allocates them per warp in units of ``register_unit`` per lane (8 on sm_90 and
+    on CDNA), and a warp's registers come from one of the SM's ``register_files`` (a CU's 4
+    SIMDs hold 512 per lane each; a wave never spans two): a count off the unit, as compilers
+    report it (117 VGPRs on gfx942), takes the next unit up."""
+    unit = max(1, facts.register_unit)
+    regs = -(-max(1, n_regs) // unit) * unit
+    files = max(1, facts.register_files)
+    return files * ((facts.max_regs_per_sm // files) // (regs * facts.warp_size))
+
+
+_OCCUPANCY = re.compile(r";\s*Occupancy:\s*(\d+)")
+
+
+def compiler_occupancy(compiled) -> Optional[int]:
+    """Waves per SIMD that the AMD compiler says a kernel can hold (``; Occupancy: N`` in its
+    assembly: every limit it knows, VGPRs with their granule, AGPRs, SGPRs, LDS), or None where
+    the assembly has no such line (NVIDIA)."""
+    asm = getattr(compiled, "asm", None)
+    try:
+        text = asm["amdgcn"] if asm is not None and "amdgcn" in asm else None
+    except TypeError:
+        text = None
+    found = _OCCUPANCY.findall(text) if isinstance(text, str) else []
+    return min(int(n) for n in found) if found else None
 
 
 def resident_programs(compiled, num_warps: int, facts) -> int:
     """How many programs of ``compiled`` fit on the device at once. Ops whose programs wait on
     their counterparts on peers never launch more, so no waiting program holds an SM that a
-    program it depends on needs."""
+    program it depends on needs: an estimate one program too high per SM leaves programs
+    waiting for a place that waiting programs hold, until the call times out."""
     compiled._init_handles()
     by_warps = facts.max_warps_per_sm // num_warps
-    by_regs = facts.max_regs_per_sm // max(1, compiled.n_regs * facts.warp_size * num_warps)
+    by_regs = warps_by_registers(compiled.n_regs, facts) // num_warps
+    occupancy = compiler_occupancy(compiled)
+    if occupancy is not None:  # waves per SIMD, the compiler's own count
+        by_regs = min(by_regs, max(1, facts.register_files) * occupancy // num_warps)
     by_smem = facts.max_shared_bytes_per_sm // max(1, compiled.metadata.shared)
     return facts.sm_count * max(1, min(by_warps, by_regs, by_smem))
 
@@ -31,7 +64,7 @@ def fewer_registers(compile_capped: Callable[[int], object], compiled, num_warps
     for _ in range(steps):
         best._init_handles()
         threads = facts.warp_size * num_warps
-        per_sm = facts.max_regs_per_sm // max(1, best.n_regs * threads)
+        per_sm = warps_by_registers(best.n_regs, facts) // num_warps
         if per_sm + 1 > facts.max_warps_per_sm // num_warps:
             break  # warps, not registers, bound the residency
         want = facts.max_regs_per_sm // ((per_sm + 1) * threads) // unit * unit

@@ -380,12 +380,23 @@ def report(status_addr, pid, code, peer, what, expected):
 
 
 @triton.jit
+def read_board(word_ptr):
+    """A word of the status board (host memory, written by any kernel of this rank), read past
+    every cache: an acquire atomic at system scope, which the compiler turns into a load
+    (``ld.global.sys.acquire`` on sm_90, ``global_load ... sc0 sc1`` then ``buffer_inv sc0
+    sc1`` on gfx942 / gfx950), so host memory over PCIe sees no read-modify-write.
+    ``tl.load(volatile=True)`` would not do on AMD: Triton's AMD backend drops ``volatile``
+    and the load may hit a stale line."""
+    return tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
 def report_first(status_addr, pid, code, peer, what, expected):
     """``report``, unless program ``pid``'s slot already holds a report: where a later kernel
     of the call only finds the consequence of what an earlier one reported in that slot (rows
     missing because a sender found its input bad), the cause is kept."""
     board = status_addr.to(tl.pointer_type(tl.int64))
-    if tl.load(board + (pid + 1) * 4, volatile=True) == 0:
+    if read_board(board + (pid + 1) * 4) == 0:
         report(status_addr, pid, code, peer, what, expected)
 
 

@@ -12,19 +12,14 @@ import triton.language as tl
 
 from ..shmem.device import (CALL_ONE, CALL_SHIFT, FAILED_TAG, REFUSED_TAG, STATUS_TIMEOUT,
                             await_word, calls_done, calls_in, flag_value, live, peer_ptr,
-                            poll_count, report, signal_peer)
+                            poll_count, read_board, report, signal_peer)
 
 
 @triton.jit
 def read_status(status_addr):
-    """The status board's header word (host memory, written by any kernel of this rank that gave
-    up), read past every cache: an acquire atomic at system scope. The compiler turns the
-    add of 0 into a load: ``ld.global.sys.acquire`` on sm_90, ``global_load ... sc0 sc1`` then
-    ``buffer_inv sc0 sc1`` on gfx942 / gfx950, so host memory over PCIe sees no read-modify-
-    write. (``tl.load(volatile=True)`` would give ``ld.volatile`` on sm_90, but Triton's AMD
-    backend drops ``volatile``: a plain, cacheable ``global_load`` that may return a stale 0.)"""
-    return tl.atomic_add(status_addr.to(tl.pointer_type(tl.int64)), 0, sem="acquire",
-                         scope="sys")
+    """The status board's header word (set by any kernel of this rank that gave up), read past
+    every cache (``shmem.device.read_board``)."""
+    return read_board(status_addr.to(tl.pointer_type(tl.int64)))
 
 
 @triton.jit

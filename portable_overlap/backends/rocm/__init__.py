@@ -7,17 +7,17 @@ from torch, whose device address ``hipHostGetDevicePointer`` returns.
 
 Stream-ordered flags (the gates) take one of two forms, chosen per call here, never by the ops:
 
-- ``hipStreamWaitValue32`` / ``hipStreamWriteValue32``, where the device reports
-  ``hipDeviceAttributeCanUseStreamWaitValue`` and the stream is not being captured. The runtime
-  waits with a spinning blit kernel (one workgroup on a CU) by default; with
-  ``GPU_STREAMOPS_CP_WAIT=1`` the command processor waits instead (no CU), but only on words
-  from ``hipMallocSignalMemory`` (anything else: hipErrorInvalidValue). Signal memory comes 8
-  bytes per allocation, so there every gate word is its own allocation and the kernels reach
-  them through a table of their addresses (``GateWords``).
+- ``hipStreamWaitValue32`` (where the device reports ``hipDeviceAttributeCanUseStreamWaitValue``,
+  an attribute of the waits only) / ``hipStreamWriteValue32`` (any device), where the stream is
+  not being captured. The runtime waits with a spinning blit kernel (one workgroup on a CU)
+  by default; with ``GPU_STREAMOPS_CP_WAIT=1`` the command processor waits instead (no CU), but
+  only on words from ``hipMallocSignalMemory`` (anything else: hipErrorInvalidValue). Signal
+  memory comes 8 bytes per allocation, so there every gate word is its own allocation and the
+  kernels reach them through a table of their addresses (``GateWords``).
 - the kernel gate (``backends/gate_kernels.py``): a one-program Triton wait / write, where the
   runtime's form would not do: under graph capture (older ROCm releases run stream value
-  operations at capture time instead of recording them), on a device without the capability,
-  and, with ``GPU_STREAMOPS_CP_WAIT=1``, on a word that is not signal memory (none of
+  operations at capture time instead of recording them), for waits on a device without the
+  capability, and, with ``GPU_STREAMOPS_CP_WAIT=1``, on a word that is not signal memory (none of
   :meth:`RocmBackend.alloc_gate_words`'s).
 
 Not run on AMD hardware in this project so far: CI imports this module and checks that every HIP
@@ -321,7 +321,7 @@ class RocmBackend(Backend):
             or lds_block,
             # 512 VGPRs per lane x 64 lanes x 4 SIMDs per CU (CDNA3); HIP's register attribute
             # counts per block, which is not what the residency count needs
-            max_regs_per_sm=512 * 64 * 4,
+            max_regs_per_sm=512 * 64 * 4, register_files=4,
             max_warps_per_sm=get("hipDeviceAttributeMaxThreadsPerMultiProcessor") // 64 or 32,
             max_shared_bytes_per_program=lds_block,
             # the default blit-kernel wait and the kernel gate (under capture) spin on a CU;

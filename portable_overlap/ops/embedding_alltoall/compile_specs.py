@@ -11,30 +11,39 @@ _SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iter
             "rank:i32 world:i32 tag:i32 timeout_us:i32")
 
 
+def fused_spec(dt: str, idx: str, D: int, weighted: bool, mean: bool, arch: str = "sm_90"):
+    """(signature, constexprs with launch options, aligned arguments) of the fused kernel at
+    the tile and warps a launch on ``arch`` takes (``fused.default_block_b`` /
+    ``default_num_warps``), one stage."""
+    sig = {"weight_ptr": f"*{dt}", "indices_ptr": f"*{idx}", "psw_ptr": "*fp32",
+           "offsets_ptr": "*i64", "out_ptr": f"*{dt}", "row_off_ptr": "*i64",
+           "rows_ptr": "*i64", "gtab_ptr": "*i32", "ntab_ptr": "*i32", "boff_ptr": "*i32",
+           "recv_ptr": f"*{dt}", "stage_ptr": f"*{dt}", "sent_ptr": "*i64",
+           "consumed_ptr": "*i64", "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
+    sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
+    nbytes = 4 if dt == "fp32" else 2
+    consts = dict(BLOCK_B=default_block_b(D, arch, nbytes), BLOCK_D=1 << (D - 1).bit_length(),
+                  HAS_WEIGHTS=weighted, MEAN=mean, G_MAX=1024)
+    sig.update({k: "constexpr" for k in consts})
+    consts.update(num_warps=default_num_warps(D, arch, nbytes), num_stages=1)
+    aligned = ["weight_ptr", "out_ptr", "recv_ptr", "offsets_ptr"]
+    if D % 16 == 0:  # what the JIT specializes at run time (D and the row stride % 16)
+        aligned += ["D", "row_stride"]
+    return sig, consts, aligned
+
+
 def specs():
     # fp32 D=128 sum (the benchmark's main shape), fp16 weighted, bf16 mean with a D that is not
-    # a power of two (masked columns, no alignment hints on D)
+    # a power of two (masked columns, no alignment hints on D); at the untuned tile, with
+    # sm_90's measured warps where its tile is that one (tests/test_compile_configs.py compiles
+    # every target's own picks)
     for dt, idx, D, weighted, mean in (("fp32", "i64", 128, False, False),
                                        ("fp16", "i32", 64, True, False),
                                        ("bf16", "i64", 92, False, True)):
-        sig = {"weight_ptr": f"*{dt}", "indices_ptr": f"*{idx}", "psw_ptr": "*fp32",
-               "offsets_ptr": "*i64", "out_ptr": f"*{dt}", "row_off_ptr": "*i64",
-               "rows_ptr": "*i64", "gtab_ptr": "*i32", "ntab_ptr": "*i32", "boff_ptr": "*i32",
-               "recv_ptr": f"*{dt}", "stage_ptr": f"*{dt}", "sent_ptr": "*i64",
-               "consumed_ptr": "*i64", "ctl_ptr": "*i64", "clock_ptr": "*i64", "bases_ptr": "*i64"}
-        sig.update(dict(kv.split(":") for kv in _SCALARS.split()))
-        block_d = 1 << (D - 1).bit_length()
-        consts = dict(BLOCK_B=max(1, min(64, 4096 // block_d)), BLOCK_D=block_d,
-                      HAS_WEIGHTS=weighted, MEAN=mean, G_MAX=1024)
-        sig.update({k: "constexpr" for k in consts})
-        # sm_90's measured warps where its tile is this one (the CUDA launch's), else 4
+        sig, consts, aligned = fused_spec(dt, idx, D, weighted, mean, arch="untuned")
         nbytes = 4 if dt == "fp32" else 2
-        tuned = default_block_b(D, "sm_90", nbytes) == consts["BLOCK_B"]
-        consts.update(num_warps=default_num_warps(D, "sm_90", nbytes) if tuned else 4,
-                      num_stages=1)
-        aligned = ["weight_ptr", "out_ptr", "recv_ptr", "offsets_ptr"]
-        if D % 16 == 0:  # what the JIT specializes at run time (D and the row stride % 16)
-            aligned += ["D", "row_stride"]
+        if default_block_b(D, "sm_90", nbytes) == consts["BLOCK_B"]:
+            consts["num_warps"] = default_num_warps(D, "sm_90", nbytes)
         yield (f"embedding_alltoall[{dt},D{D},w={weighted},mean={mean}]",
                embedding_alltoall_kernel, sig, consts, aligned)
     # the sequential transport's lookup (lookup.py): the same gather, no flags
