@@ -45,8 +45,10 @@ def check_names(environ=None, warn: bool = True) -> list:
 
 
 def env_str(name: str) -> Optional[str]:
-    """``$name``, or None when unset or empty."""
-    return os.environ.get(name) or None
+    """``$name``, or None when unset, empty or blank (spaces only: a value no setting takes,
+    where a file named " " would otherwise be made)."""
+    raw = os.environ.get(name)
+    return raw if raw and raw.strip() else None
 
 
 def env_int(name: str, default: int, lo: int, hi: int) -> int:
@@ -88,6 +90,9 @@ def env_file_path(name: str) -> Optional[str]:
     raw = env_str(name)
     if raw is None:
         return None
+    if raw != raw.strip():  # a copied line's stray space would name another file, silently
+        raise ValueError(f"{name}={raw!r} starts or ends with white space; give the path "
+                         f"without it")
     path = os.path.expanduser(raw)
     if is_folder_path(path):
         raise ValueError(f"{name}={raw!r} names a directory; give the path of a file "

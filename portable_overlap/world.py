@@ -12,7 +12,7 @@ import datetime
 import functools
 import os
 import socket
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -217,15 +217,16 @@ class World:
             word = self._barrier_word = kept_zeros(1, torch.int32, self.device)
         dist.all_reduce(word, group=self.group)
 
-    def check_same(self, what: str, value: Any) -> None:
+    def check_same(self, what: str, value: Any, gather: Optional[Callable] = None) -> None:
         """Raise on every rank if the ranks disagree on ``value`` (host sync; set-up time).
         ``what`` travels with it: ranks that meet here while setting up different things (one
         op's context on one rank, another's on the other: contexts made in other orders) are
         told what each rank was making, where naming this rank's ``what`` alone would call the
-        peer's arguments another value of it."""
+        peer's arguments another value of it. ``gather`` (default: ``all_gather_object`` on the
+        world's group, which has no deadline of its own) gathers one object from every rank."""
         from .errors import RankMismatchError
 
-        pairs = self.all_gather_object((what, value))
+        pairs = (gather or self.all_gather_object)((what, value))
         if any(w != what for w, _ in pairs):
             raise RankMismatchError(
                 "ranks are setting up different things at once (contexts made in other orders, "

@@ -146,3 +146,22 @@ def test_an_override_refused_on_one_rank_is_told_to_its_peers(world2):
     for (kind0, msg0), (kind1, msg1) in zip(mine, peer):
         assert kind1 == "ValueError" and "PORTABLE_OVERLAP_CPU_SLOTS" in msg1, (kind1, msg1)
         assert kind0 == "PeerSetupError" and "PORTABLE_OVERLAP_CPU_SLOTS" in msg0, (kind0, msg0)
+
+
+def test_a_blank_variable_is_unset_and_a_path_with_stray_space_is_refused(monkeypatch,
+                                                                           tmp_path):
+    """A blank value is no setting (the tuning cache made a file named " " in the working
+    folder); a path with white space around it named another file than the one meant (a
+    trailing space wrote "c.json "), silently: refused, naming the variable."""
+    from portable_overlap.envvars import env_file_path, env_str
+
+    name = "PORTABLE_OVERLAP_TUNING_CACHE"
+    for blank in ("", " ", "\t \n"):
+        monkeypatch.setenv(name, blank)
+        assert env_str(name) is None and env_file_path(name) is None
+    for stray in (f"{tmp_path}/c.json ", f" {tmp_path}/c.json"):
+        monkeypatch.setenv(name, stray)
+        with pytest.raises(ValueError, match=f"{name}=.*white space"):
+            env_file_path(name)
+    monkeypatch.setenv(name, f"{tmp_path}/c d.json")  # a space inside is a name like any
+    assert env_file_path(name) == f"{tmp_path}/c d.json"

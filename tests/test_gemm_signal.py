@@ -549,9 +549,11 @@ def _sequence(world):
 
 def test_host_sequence_on_streams(world2):
     first, later = world2.run(_sequence)[0]
-    # first call of a plan: no value wait (the comm stream waits for the whole GEMM), then sync
-    # (a kernel on the comm stream resets the counters: not in the log)
-    assert first == ["comm.wait(caller)", "caller:gemm", "comm.wait(caller)",
+    # first call of a plan: the plan's check of the ranks (on the bounded signal group), no
+    # value wait (the comm stream waits for the whole GEMM), then sync (a kernel on the comm
+    # stream resets the counters: not in the log)
+    assert first == ["caller:all_gather_object", "comm.wait(caller)", "caller:gemm",
+                     "comm.wait(caller)",
                      "comm:reduce_scatter", "comm:reduce_scatter",
                      "caller.wait(comm)", "caller:reorder", "sync"], first
     # later calls: fork before the GEMM, a value wait per group on the comm stream, reset, the

@@ -92,27 +92,32 @@ def _stale(world, tmp, edit):
     try:
         a, b = _inputs(world, 40, 32, 16, 3)
         ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=2, iters=1)
-        if world.rank == 1:
+        if world.rank == 1 or edit == "reserve past the SMs":  # (that one on every rank)
             entries = json.load(open(path))
             for v in entries.values():
                 n = sum(v["partition"])
-                v["partition"] = [1] * n if edit == "other partition" else [n + 1]
+                if edit == "reserve past the SMs":  # (the emulated device has 4)
+                    v["reserve_sms"] = 100
+                else:
+                    v["partition"] = [1] * n if edit == "other partition" else [n + 1]
             json.dump(entries, open(path, "w"))
         world.barrier()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cfg = ctx.tune("all_reduce", a, b, cache=TuningCache(path), top_k=2, iters=1)
+        ctx.grid_programs(cfg)  # a reserve the device can leave
         return (cfg.partition, [str(w.message) for w in caught],
                 [v["partition"] for v in json.load(open(path)).values()])
     finally:
         ctx.close()
 
 
-@pytest.mark.parametrize("edit", ["other partition", "no partition"])
+@pytest.mark.parametrize("edit", ["other partition", "no partition", "reserve past the SMs"])
 def test_ranks_whose_tuning_caches_disagree_tune_again(world2, tmp_path, edit):
     """Ranks whose files hold different partitions (another run's), or one that holds no
     partition of the shape's tiles, raised on every rank at every tune of the shape: now every
-    rank warns, tunes again and records rank 0's pick."""
+    rank warns, tunes again and records rank 0's pick. An SM reserve the device cannot leave,
+    in every rank's file, was taken as the decision, and every call of the shape raised."""
     got = world2.run(_stale, str(tmp_path), edit)
     assert got[0][0] == got[1][0] and got[0][2] == got[1][2] == [list(got[0][0])], got
     why = "disagree" if edit == "other partition" else "not a decision of this call"
@@ -293,3 +298,37 @@ def test_a_tuning_cache_needs_a_path():
     with environ(**{tuning.CACHE_VAR: None}), \
             pytest.raises(ValueError, match="give the file's path"):
         TuningCache()
+
+
+def _refused_on_one_rank(world, how):
+    """Rank 1 passes rows that do not split over the ranks, at a shape's first call (``how``:
+    "tune" or "call"): (error type, message, seconds) on this rank. Its peer went into the
+    plan's check of the ranks on the world's group and waited there with no deadline."""
+    import time
+
+    ctx = GemmSignal(world, timeout_s=5)
+    t0 = time.monotonic()
+    try:
+        a, b = _inputs(world, 8, 8, 8, 1)
+        if world.rank == 1:
+            a = a[:7]
+        if how == "tune":
+            ctx.tune("reduce_scatter", a, b, iters=1, top_k=1)
+        else:
+            ctx.reduce_scatter(a, b)
+        return "ran", "", time.monotonic() - t0
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("how", ["tune", "call"])
+def test_a_first_call_refused_on_one_rank_raises_on_every_rank(world2, how):
+    mine, peer = world2.run(_refused_on_one_rank, how, timeout=120)
+    assert peer[0] == "ValueError" and "split evenly" in peer[1], peer
+    if how == "tune":  # the ranks compare their checks: the refusal is named on every rank
+        assert mine[0] == "RankMismatchError" and "rank 1" in mine[1] and \
+            "split evenly" in mine[1], mine
+    else:  # the peer's plan check ends at the context's timeout
+        assert mine[0] == "PeerTimeoutError" and mine[2] < 60, mine

@@ -3,6 +3,7 @@ collective calibration on emulated ranks."""
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -298,3 +299,28 @@ def test_a_tuning_cache_refused_on_one_rank_raises_on_every_rank(world2, tmp_pat
     assert peer[0] == "ValueError" and "PORTABLE_OVERLAP_TUNING_CACHE" in peer[1], peer
     assert mine[0] == "PeerSetupError" and "rank 1" in mine[1] and \
         "PORTABLE_OVERLAP_TUNING_CACHE" in mine[1], mine
+
+
+def _decide_cache_unreadable_on_one_rank(world):
+    """Rank 1's cache file opens and fails to read (EIO): that rank warns and decides with
+    its peers; raised there, its peers waited in the decision's collective for ever."""
+    import os
+    import warnings
+
+    if world.rank == 1:
+        os.environ["PORTABLE_OVERLAP_TUNING_CACHE"] = "/proc/self/mem"
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = decide(world, "k", lambda: [7])
+        return got, [str(w.message) for w in said]
+    finally:
+        os.environ.pop("PORTABLE_OVERLAP_TUNING_CACHE", None)
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/self/mem"), reason="needs Linux's /proc")
+def test_a_tuning_cache_unreadable_on_one_rank_is_ignored_there(world2):
+    (mine, said0), (peer, said1) = world2.run(_decide_cache_unreadable_on_one_rank,
+                                              timeout=120)
+    assert mine == peer == [7], (mine, peer)
+    assert any("cannot be read" in w for w in said1), said1

@@ -78,6 +78,17 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning(tmp_path, text):
     assert json.loads(path.read_text()) == {"k": 1}
 
 
+@pytest.mark.skipif(not os.path.isfile("/proc/self/mem"), reason="needs Linux's /proc")
+def test_a_cache_file_that_fails_to_read_is_ignored_with_a_warning():
+    """A file that opens and then fails to read (on NFS, ESTALE where another node renamed a
+    new version over it) is ignored as an unreadable one is: raised on one rank, its peers
+    waited in the call's next collective. /proc/self/mem opens as a regular file and its read
+    at offset 0 fails with EIO."""
+    with pytest.warns(RuntimeWarning, match="cannot be read.*ignored"):
+        cache = TuningCache("/proc/self/mem")
+    assert cache.get("k") is None
+
+
 def test_a_value_that_cannot_be_stored_changes_nothing(tmp_path):
     path = tmp_path / "tuning.json"
     cache = TuningCache(str(path))

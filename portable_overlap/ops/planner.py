@@ -396,12 +396,15 @@ class TransportPlanner:
         # a path refused on some ranks only (a folder there, a per-rank variable) is raised
         # after the ranks compared their settings: raised before, it left the peers waiting
         # in that comparison for ever
+        # (the file is read here too, before the comparison and before anything is allocated:
+        # reading it is where this rank alone may fail)
         try:
             path = (_check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
                     if self.TIMES else None)
+            cache = tuning.TuningCache(path) if path else None
             path_error = None
-        except ValueError as e:
-            path, path_error = None, e
+        except Exception as e:
+            cache, path_error = None, e
         world.check_same(f"{op} transport='auto' settings (candidates, iters, warmup, graph; "
                          f"the tuning cache path's error)",
                          (self.candidates, self.iters, self.warmup, self.graph,
@@ -418,7 +421,7 @@ class TransportPlanner:
         self._broken: Optional[str] = None
         #: cache key -> decision, for the keys this context measured or found in its file
         self.decisions: dict = {}
-        self.cache = tuning.TuningCache(path) if path else tuning.MemoryCache(self.decisions)
+        self.cache = cache if cache is not None else tuning.MemoryCache(self.decisions)
         #: call key (tuple) -> (transport, its decision's agreement number, the call in words): the
         #: per-call lookup
         self._chosen: dict = {}

@@ -188,10 +188,17 @@ def _load(path: str, quiet: bool = False) -> dict:
         return _ignored(path, "is a symbolic link" if e.errno == errno.ELOOP
                         else f"cannot be read ({e.strerror})", quiet)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return _ignored(path, "is not a regular file", quiet)
         try:
-            entries = json.loads(f.read().decode())
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return _ignored(path, "is not a regular file", quiet)
+            text = f.read()
+        except OSError as e:
+            # a file that opens and then fails to read (EIO; ESTALE where another node renamed
+            # a new version over a file shared on NFS): ignored like an unreadable one, not
+            # raised on this rank alone while its peers wait in the call's next collective
+            return _ignored(path, f"cannot be read ({e.strerror or e})", quiet)
+        try:
+            entries = json.loads(text.decode())
         except (ValueError, RecursionError) as e:  # bad UTF-8, nesting past the parser's depth
             return _ignored(path, f"is not valid JSON ({e})", quiet)
     if not isinstance(entries, dict):
@@ -236,7 +243,7 @@ def decide(world, key: str, compute: Callable[[], Any],
         # peers in the collective below, where raised before it they waited there for ever
         cache = default_cache() if cache is None else cache
         refused = None
-    except ValueError as e:
+    except Exception as e:  # (any error of this rank alone: the peers hear of it below)
         refused = e
     mine = None
     if refused is None:

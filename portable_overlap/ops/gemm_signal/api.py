@@ -313,6 +313,25 @@ class GemmSignal(ContextBase):
             set_timeout(self._timeout, group)
         return group
 
+    def _bounded_gather(self, op: str, what: str):
+        """``world.all_gather_object`` on this context's signal group, under its timeout: a
+        shape's first call meets its peers in the plan's check, where a peer that refused the
+        call on the host (bad input) never comes; on the world's group the others waited there
+        with no deadline. A failed gather breaks the context (``PeerTimeoutError``). Without a
+        signal group (``collectives=False``) the world's own."""
+        if self._sig_group is None:
+            return None
+
+        def gather(obj):
+            got = [None] * self.size
+            try:
+                dist.all_gather_object(got, obj, group=self._group())
+            except RuntimeError as e:
+                self._mark_broken(e)
+                raise self._peer_lost(op, what, e) from e
+            return got
+        return gather
+
     def _mark_broken(self, e: BaseException) -> None:
         """Refuse further calls, and drop the world's signal group: it may hold a collective a
         peer never joined (``_bounded_group``)."""
@@ -470,7 +489,8 @@ class GemmSignal(ContextBase):
         try:
             self.world.check_same(f"{op} plan (M, N, dtype, tiling, partition)",
                                   (kind, M, N, str(dtype), mm, groups.sizes) if refusal is None
-                                  else f"refused ({type(refusal).__name__}: {refusal})")
+                                  else f"refused ({type(refusal).__name__}: {refusal})",
+                                  gather=self._bounded_gather(op, "plan check"))
         except RankMismatchError:
             if refusal is None:
                 raise
