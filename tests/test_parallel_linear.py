@@ -815,3 +815,56 @@ def test_a_call_pairing_with_a_peers_call_of_another_step_raises(world2):
     assert mine[0][0] == "RankMismatchError" and "op_changes" in mine[0][1], mine
     assert peer[0][0] == "PeerTimeoutError", peer
     assert peer[1][0] == "RankMismatchError" and "op_changes" in peer[1][1], peer
+
+
+def _second_derivative(world, module, fused):
+    """``module`` ("column", "row_rs", "row_ar") with ``create_graph=True``: the first
+    derivative (relative error against float64) and what a second derivative through it does
+    on this rank. Their backwards run collectives autograd cannot differentiate: the second
+    derivative came out wrong with no error (0.5-0.7 off), or raised or hung on some ranks."""
+    W, r = world.world_size, world.rank
+    S = 12
+    if module == "column":
+        lin, x_full, _, w = _column_and_data(world, S, fused, 7)
+        x = x_full[r * S // W:(r + 1) * S // W].clone().requires_grad_()
+        rows = slice(r * S // W, (r + 1) * S // W)
+        full_w = w
+    else:
+        reduce = "reduce_scatter" if module == "row_rs" else "all_reduce"
+        pair, full_w, _ = _pair(world, reduce, torch.float32, S)
+        lin = pair[0] if fused else pair[1]
+        g = torch.Generator().manual_seed(7)
+        x_full = torch.randn(S, K, generator=g)
+        k = K // W
+        x = x_full[:, r * k:(r + 1) * k].clone().requires_grad_()
+        rows = slice(r * k, (r + 1) * k)
+    try:
+        gx, = torch.autograd.grad(lin(x).pow(2).sum(), x, create_graph=True)
+        X, Wd = x_full.double().requires_grad_(), full_w.double()
+        if module == "column":
+            y_ref = X @ Wd.T
+        else:
+            y_ref = X @ Wd.T + (lin.bias.double() if lin.bias is not None else 0)
+        # the loss of the whole output: the sum of every rank's rows (reduce-scatter) or
+        # columns (column-parallel), or the replicated sum each rank differentiates once
+        # (all-reduce, Megatron's convention)
+        GX, = torch.autograd.grad(y_ref.pow(2).sum(), X)
+        err = rel_err(gx, GX[rows] if module == "column" else GX[:, rows])
+        try:
+            gx.pow(3).sum().backward()
+            second = "ran"
+        except RuntimeError as e:
+            second = str(e)
+        return err, second
+    finally:
+        for m in ((lin,) if module == "column" else pair):
+            m.close()
+
+
+@pytest.mark.parametrize("module,fused", [("column", True), ("column", False),
+                                          ("row_rs", True), ("row_rs", False),
+                                          ("row_ar", True)])
+def test_a_second_derivative_through_a_layer_raises_on_every_rank(world2, module, fused):
+    for err, second in world2.run(_second_derivative, module, fused, timeout=180):
+        assert err < 1e-5, err  # the first derivative, taken with create_graph=True
+        assert "once_differentiable" in second, second

@@ -9,6 +9,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+# The Functions' backwards below run collectives into fresh buffers, which autograd cannot
+# differentiate: a second derivative through them (create_graph=True, as a gradient penalty
+# takes) came out wrong with no error, or raised or hung on some ranks only. Marked
+# once_differentiable, they run without grad and a second derivative raises, on every rank.
+from torch.autograd.function import once_differentiable
 
 from .. import collectives
 from ..errors import PortableOverlapError
@@ -190,6 +195,7 @@ class _ScatterRows(torch.autograd.Function):
         return _scatter_rows(full, group, W)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return _gather_rows(grad, ctx.group, ctx.W), None, None
 
@@ -221,6 +227,7 @@ class _GatherRows(torch.autograd.Function):
         return _gather_rows(x, group, W)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return _scatter_rows(grad, ctx.group, ctx.W), None, None
 
@@ -239,6 +246,7 @@ class _AddReplicatedBias(torch.autograd.Function):
         return y + bias
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         db = None
         if ctx.needs_input_grad[1]:
@@ -262,6 +270,7 @@ class _RowFused(torch.autograd.Function):
         return run(x, weight)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         if ctx.scattered and ctx.W > 1:
@@ -286,6 +295,7 @@ class _ColumnFused(torch.autograd.Function):
         return run(x, weight)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dw = None
