@@ -222,8 +222,9 @@ class World:
         ``what`` travels with it: ranks that meet here while setting up different things (one
         op's context on one rank, another's on the other: contexts made in other orders) are
         told what each rank was making, where naming this rank's ``what`` alone would call the
-        peer's arguments another value of it. ``gather`` (default: ``all_gather_object`` on the
-        world's group, which has no deadline of its own) gathers one object from every rank."""
+        peer's arguments another value of it. ``gather`` gathers one object from every rank
+        (default: ``all_gather_object`` on the world's group, under the process group's own
+        timeout)."""
         from .errors import RankMismatchError
 
         pairs = (gather or self.all_gather_object)((what, value))
@@ -236,6 +237,23 @@ class World:
         if any(v != values[0] for v in values):
             raise RankMismatchError(f"ranks disagree on {what}: " + ", ".join(
                 f"rank {r}: {v}" for r, v in enumerate(values)))
+
+    def check_same_or_raise(self, what: str, value: Any, refusal: Optional[BaseException],
+                            gather: Optional[Callable] = None) -> None:
+        """``check_same`` of ``value``, or of ``refusal`` where this rank refused the step (its
+        own check failed): every rank then raises, the refusing ones their error, the others a
+        ``RankMismatchError`` naming it. Raised before the comparison, a refusal on some ranks
+        only left the others waiting in it."""
+        from .errors import RankMismatchError
+
+        try:
+            self.check_same(what, value if refusal is None else
+                            f"refused ({type(refusal).__name__}: {refusal})", gather=gather)
+        except RankMismatchError:
+            if refusal is None:
+                raise
+        if refusal is not None:
+            raise refusal
 
     def __repr__(self) -> str:
         return (f"World(rank={self.rank}/{self.world_size}, local={self.local_rank}/"

@@ -303,7 +303,8 @@ def test_a_tuning_cache_needs_a_path():
 def _refused_on_one_rank(world, how):
     """Rank 1 passes rows that do not split over the ranks, at a shape's first call (``how``:
     "tune" or "call"): (error type, message, seconds) on this rank. Its peer went into the
-    plan's check of the ranks on the world's group and waited there with no deadline."""
+    plan's check of the ranks on the world's group and waited there for the process group's
+    timeout."""
     import time
 
     ctx = GemmSignal(world, timeout_s=5)
@@ -332,3 +333,27 @@ def test_a_first_call_refused_on_one_rank_raises_on_every_rank(world2, how):
             "split evenly" in mine[1], mine
     else:  # the peer's plan check ends at the context's timeout
         assert mine[0] == "PeerTimeoutError" and mine[2] < 60, mine
+
+
+def _tune_after_close(world):
+    """``tune`` of a closed context on one rank: (error type, seconds). Taken for a refused
+    input, it went into the ranks' comparison on the world's signal group, which other
+    contexts of the world share, and waited there for the peer."""
+    import time
+
+    ctx = GemmSignal(world, timeout_s=5)
+    ctx.close()
+    if world.rank == 0:
+        return None
+    a, b = _inputs(world, 8, 8, 8, 1)
+    t0 = time.monotonic()
+    try:
+        ctx.tune("all_reduce", a, b, iters=1, top_k=1)
+        return "ran", time.monotonic() - t0
+    except Exception as e:
+        return type(e).__name__, time.monotonic() - t0
+
+
+def test_tune_of_a_closed_context_raises_before_any_collective(world2):
+    kind, seconds = world2.run(_tune_after_close, timeout=60)[1]
+    assert kind == "ContextClosedError" and seconds < 2, (kind, seconds)

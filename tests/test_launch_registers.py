@@ -10,7 +10,7 @@ from portable_overlap.ops.launch import compiler_occupancy, fewer_registers, res
 
 H200 = DeviceFacts(vendor="nvidia", name="H200", arch="sm_90", sm_count=132, warp_size=32,
                    max_shared_bytes_per_sm=228 * 1024, max_regs_per_sm=65536,
-                   max_warps_per_sm=64, register_cap=True)
+                   max_warps_per_sm=64, register_cap=True, register_files=4)
 
 
 MI300X = DeviceFacts(vendor="amd", name="MI300X", arch="gfx942", sm_count=304, warp_size=64,
@@ -51,6 +51,17 @@ def test_steps_down_while_no_spill_and_stops_at_the_first_spill():
     assert resident_programs(k, 8, H200) == 132 * 5
 
 
+def test_the_cap_is_what_fits_one_more_program_per_sub_partition():
+    """With few warps per program the cap is counted per register file, as the residency is:
+    2 warps of 104 registers are 8 programs per SM (4 warps per sub-partition); more need 5
+    warps in a sub-partition, at most 16384 / (5 * 32) = 102 registers, 96 in units of 8,
+    which hold 10 (a pooled count asked 112, which gains no program)."""
+    compile_capped, asked = compiler({96: (96, 0)})
+    k, cap = fewer_registers(compile_capped, Compiled(104), 2, H200, steps=1)
+    assert (k.n_regs, cap, asked) == (96, 96, [96])
+    assert resident_programs(k, 2, H200) == 132 * 10
+
+
 def test_keeps_the_kernel_when_the_first_cap_spills():
     compile_capped, asked = compiler({168: (168, 44)})
     k, cap = fewer_registers(compile_capped, Compiled(229), 4, H200)  # 2 per SM -> 3 wants 168
@@ -81,6 +92,10 @@ def test_residency_takes_registers_in_the_hardware_s_units():
     SIMD holds 6, the CU 24, not the 25 of the CU's registers pooled."""
     assert resident_programs(Compiled(50), 8, H200) == 132 * 4
     assert resident_programs(Compiled(48), 8, H200) == 132 * 5
+    # an SM's 4 sub-partitions hold 16384 registers each (CUDA's occupancy calculator): at
+    # 104 registers 4 warps each, 16 in all, 8 programs of 2 warps (one pool: 19 warps, 9)
+    assert resident_programs(Compiled(104), 2, H200) == 132 * 8
+    assert resident_programs(Compiled(200), 1, H200) == 132 * 8
     assert resident_programs(Compiled(100), 4, MI300X) == 304 * 4
     assert resident_programs(Compiled(176), 4, MI300X) == 304 * 2
     assert resident_programs(Compiled(80), 1, MI300X) == 304 * 24

@@ -868,3 +868,43 @@ def test_a_second_derivative_through_a_layer_raises_on_every_rank(world2, module
     for err, second in world2.run(_second_derivative, module, fused, timeout=180):
         assert err < 1e-5, err  # the first derivative, taken with create_graph=True
         assert "once_differentiable" in second, second
+
+
+def _shard_state_dicts(world):
+    """A layer's state dict loaded on another rank, or into the other kind of layer of the
+    same weight shape (row-parallel [12, 16 / 2], column-parallel [24 / 2, 8]): the weight has
+    this layer's shape and loaded as another shard, with no error. (message or "loaded", the
+    weight unchanged) for each case, on this rank."""
+    r = world.rank
+    row = RowParallelLinear(16, 12, world, dtype=torch.float32, max_rows=8, fused=False)
+    col = ColumnParallelLinear(8, 24, world, dtype=torch.float32, max_rows=8, fused=False)
+    try:
+        assert row.weight.shape == col.weight.shape == (12, 8)
+        mine = {k: v.clone() for k, v in row.state_dict().items()}
+        theirs = world.all_gather_object(mine)[1 - r]
+        found = {}
+        for case, layer, sd in (("own", row, mine), ("peer's", row, theirs),
+                                ("other kind", col, mine),
+                                ("hand-made", row, {k: torch.randn_like(v)
+                                                    for k, v in mine.items()
+                                                    if k != "_extra_state"})):
+            before = layer.weight.detach().clone()
+            try:
+                layer.load_state_dict(sd)
+                found[case] = ("loaded", torch.equal(layer.weight.detach(), sd["weight"]))
+            except ValueError as e:
+                found[case] = (str(e), torch.equal(layer.weight.detach(), before))
+        return found
+    finally:
+        row.close()
+        col.close()
+
+
+def test_a_state_dict_of_another_shard_is_refused(world2):
+    for r, found in enumerate(world2.run(_shard_state_dicts)):
+        assert found["own"] == ("loaded", True) and found["hand-made"] == ("loaded", True), found
+        msg, kept = found["peer's"]
+        assert kept and f"rank {1 - r} there, {r} here" in msg, found
+        msg, kept = found["other kind"]
+        assert kept and "layer 'RowParallelLinear' there, 'ColumnParallelLinear' here" in msg, \
+            found

@@ -62,8 +62,9 @@ class DeviceFacts:
     # of ``register_unit`` per thread (ops/launch.py: ``fewer_registers``)
     register_cap: bool = False
     register_unit: int = 8
-    # register files per SM / CU that a warp takes its registers from whole (AMD: the CU's 4
-    # SIMDs, 512 VGPRs per lane each; NVIDIA counts the SM's registers as one pool)
+    # register files per SM / CU that a warp takes its registers from whole: an sm_70+ SM's 4
+    # sub-partitions (CUDA's occupancy calculator), a CDNA CU's 4 SIMDs (512 VGPRs per lane
+    # each); 1 where the registers are one pool (the CPU backend)
     register_files: int = 1
     # shared memory (LDS on AMD) one program may take, where the device says: NVIDIA's opt-in
     # limit per block (227 KiB on H100/H200), AMD's per workgroup (64 KiB on gfx942, 160 KiB on

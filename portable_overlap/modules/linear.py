@@ -9,10 +9,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-# The Functions' backwards below run collectives into fresh buffers, which autograd cannot
-# differentiate: a second derivative through them (create_graph=True, as a gradient penalty
-# takes) came out wrong with no error, or raised or hung on some ranks only. Marked
-# once_differentiable, they run without grad and a second derivative raises, on every rank.
 from torch.autograd.function import once_differentiable
 
 from .. import collectives
@@ -173,6 +169,10 @@ def _stand_in(rows: int, cols: int, weight: torch.Tensor) -> torch.Tensor:
     return torch.empty((rows, cols), dtype=weight.dtype, device="meta")
 
 
+# The backwards of the Functions below that run collectives are once_differentiable: the
+# collectives write into fresh buffers, which autograd cannot differentiate, so a second
+# derivative through them (create_graph=True, as a gradient penalty takes) must raise, and on
+# every rank alike, rather than give a wrong gradient or leave one rank in a collective.
 def _scatter_rows(full, group, W):
     out = full.new_empty((full.shape[0] // W, full.shape[1]))
     collectives.reduce_scatter(out, full.contiguous(), group=group)
@@ -313,7 +313,59 @@ def _recording(module: nn.Module, x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (module.weight.requires_grad or x.requires_grad)
 
 
-class RowParallelLinear(FusedLayerState, nn.Module):
+class _ShardLayout:
+    """Mixin of the layers: a state dict carries which shard its weight is (``_extra_state``:
+    the layer kind, this rank, the world size and the layer's features, int64), checked before
+    anything is copied. Two shards have one shape (rank 0's state dict on rank 1, or a
+    row-parallel shard in a column-parallel layer of square features), so the weight would load
+    as another rank's columns or rows, with no error. A state dict without it (made by hand
+    from a dense checkpoint's slices) is taken as this rank's shard, as a plain module takes
+    it."""
+
+    KIND = {"RowParallelLinear": 0, "ColumnParallelLinear": 1}
+
+    def _layout(self) -> torch.Tensor:
+        return torch.tensor([self.KIND[self.NAME], self.world.rank, self.world.world_size,
+                             self.in_features, self.out_features], dtype=torch.int64)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self._layout()
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to set: the layout is checked before any tensor is copied
+        (``_load_from_state_dict``)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            theirs, mine = state_dict[key], self._layout()
+            same = (isinstance(theirs, torch.Tensor) and theirs.shape == mine.shape
+                    and torch.equal(theirs.detach().to("cpu", torch.int64), mine))
+            if not same:
+                names = ("layer", "rank", "world size", "in_features", "out_features")
+                kinds = {v: k for k, v in self.KIND.items()}
+
+                def words(t):
+                    if not isinstance(t, torch.Tensor) or t.shape != mine.shape:
+                        return {"layout": t}
+                    v = [int(x) for x in t.tolist()]
+                    return dict(zip(names, [kinds.get(v[0], v[0]), *v[1:]]))
+                there, here = words(theirs), words(mine)
+                diff = [k for k in here if there.get(k) != here[k]] or list(there)
+                raise ValueError(
+                    f"{self.NAME}: the state dict holds another shard ("
+                    + ", ".join(f"{k} {there.get(k)!r} there, {here.get(k)!r} here"
+                                for k in diff)
+                    + "): each rank loads the state dict its own rank saved, into a layer of "
+                      "the same kind, features and world size")
+        elif prefix + "weight" in state_dict:
+            state_dict[key] = self._layout()  # (a hand-made state dict: taken as this shard)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+class RowParallelLinear(_ShardLayout, FusedLayerState, nn.Module):
     """Row-parallel linear (Megatron tensor parallelism): rank r holds columns
     ``[r * in_features / W, (r + 1) * in_features / W)`` of the full ``[out, in]`` weight (its
     K-slice, ``self.weight``) and receives the matching slice ``x_r`` of the input activations.
@@ -560,7 +612,7 @@ class RowParallelLinear(FusedLayerState, nn.Module):
                 f"world={self.world.world_size}, reduce={self.reduce}, fused={self.fused}")
 
 
-class ColumnParallelLinear(FusedLayerState, nn.Module):
+class ColumnParallelLinear(_ShardLayout, FusedLayerState, nn.Module):
     """Sequence-parallel column-parallel linear: rank r holds its ``[r * S/W, (r+1) * S/W)``
     rows of the input and rows ``[r * out/W, (r+1) * out/W)`` of the weight, and gets
     ``all_gather(x)[...] @ W_rᵀ + bias_r``, i.e. all ``S`` rows of its ``out_features / world``

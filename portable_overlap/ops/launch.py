@@ -9,9 +9,10 @@ from typing import Callable, Optional
 def warps_by_registers(n_regs: int, facts) -> int:
     """Warps (waves) of ``n_regs`` registers per lane that one SM / CU holds by its registers.
     The hardware allocates them per warp in units of ``register_unit`` per lane (8 on sm_90 and
-    on CDNA), and a warp's registers come from one of the SM's ``register_files`` (a CU's 4
-    SIMDs hold 512 per lane each; a wave never spans two): a count off the unit, as compilers
-    report it (117 VGPRs on gfx942), takes the next unit up."""
+    on CDNA), and a warp's registers come from one of the SM's ``register_files`` (the 4
+    sub-partitions of an sm_90 SM, 16384 registers each, as CUDA's occupancy calculator counts
+    them; a CU's 4 SIMDs, 512 VGPRs per lane each): a count off the unit, as compilers report
+    it (117 VGPRs on gfx942), takes the next unit up, and a warp never spans two files."""
     unit = max(1, facts.register_unit)
     regs = -(-max(1, n_regs) // unit) * unit
     files = max(1, facts.register_files)
@@ -63,11 +64,14 @@ def fewer_registers(compile_capped: Callable[[int], object], compiled, num_warps
     unit = facts.register_unit
     for _ in range(steps):
         best._init_handles()
-        threads = facts.warp_size * num_warps
         per_sm = warps_by_registers(best.n_regs, facts) // num_warps
         if per_sm + 1 > facts.max_warps_per_sm // num_warps:
             break  # warps, not registers, bound the residency
-        want = facts.max_regs_per_sm // ((per_sm + 1) * threads) // unit * unit
+        # the most registers (in units) at which one more program fits, counted as the
+        # residency counts them
+        want = best.n_regs // unit * unit
+        while want >= 2 * unit and warps_by_registers(want, facts) // num_warps <= per_sm:
+            want -= unit
         if want < 2 * unit:
             break
         k = compile_capped(want)

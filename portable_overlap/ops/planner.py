@@ -393,11 +393,9 @@ class TransportPlanner:
             raise ValueError(f"{op}: graph must be None (time plain calls and graph replays, "
                              f"each picking for its own calls), True or False, got {graph!r}")
         self.graph = graph
-        # a path refused on some ranks only (a folder there, a per-rank variable) is raised
-        # after the ranks compared their settings: raised before, it left the peers waiting
-        # in that comparison for ever
-        # (the file is read here too, before the comparison and before anything is allocated:
-        # reading it is where this rank alone may fail)
+        # a cache refused on some ranks only (a folder there, a per-rank variable) is raised
+        # after the ranks compared their settings, not before while the peers wait in the
+        # comparison; its file is read here, before anything is allocated
         try:
             path = (_check_path(op, cache_path) or env_file_path(tuning.CACHE_VAR)
                     if self.TIMES else None)

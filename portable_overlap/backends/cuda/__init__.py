@@ -134,6 +134,7 @@ class CudaBackend(Backend):
             sm_count=int(sms), warp_size=32, max_shared_bytes_per_sm=int(smem),
             max_regs_per_sm=int(regs), max_warps_per_sm=int(threads) // 32,
             tensor_descriptors=int(major) >= 9, register_cap=True,
+            register_files=4 if int(major) >= 7 else 1,
             max_shared_bytes_per_program=int(smem_block),
             uid=str(torch.cuda.get_device_properties(device).uuid),
         )

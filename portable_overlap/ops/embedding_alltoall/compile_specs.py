@@ -3,6 +3,8 @@ at the untuned tile (``fused.default_block_b`` off ``TUNED_TILE``) and its launc
 stage, and the warps of ``fused.default_num_warps``. Where sm_90 has a measured entry of the same
 tile (fp16 D=64, bf16 D=92) that is its 8 warps, the CUDA launch's (a gfx942 / gfx950 launch of
 that tile takes 4); fp32 D=128 is 4 (sm_90 takes another tile there)."""
+from typing import Optional
+
 from .fused import default_block_b, default_num_warps
 from .kernel import embedding_alltoall_kernel
 from .lookup import pooled_lookup_kernel
@@ -11,10 +13,12 @@ _SCALARS = ("status_addr:i64 B:i32 D:i32 n_loc:i32 row_stride:i32 t_max:i32 iter
             "rank:i32 world:i32 tag:i32 timeout_us:i32")
 
 
-def fused_spec(dt: str, idx: str, D: int, weighted: bool, mean: bool, arch: str = "sm_90"):
+def fused_spec(dt: str, idx: str, D: int, weighted: bool, mean: bool,
+               arch: Optional[str] = None):
     """(signature, constexprs with launch options, aligned arguments) of the fused kernel at
     the tile and warps a launch on ``arch`` takes (``fused.default_block_b`` /
-    ``default_num_warps``), one stage."""
+    ``default_num_warps``; None: the untuned tile and 4 warps, no arch's measured entry), one
+    stage."""
     sig = {"weight_ptr": f"*{dt}", "indices_ptr": f"*{idx}", "psw_ptr": "*fp32",
            "offsets_ptr": "*i64", "out_ptr": f"*{dt}", "row_off_ptr": "*i64",
            "rows_ptr": "*i64", "gtab_ptr": "*i32", "ntab_ptr": "*i32", "boff_ptr": "*i32",
@@ -40,7 +44,7 @@ def specs():
     for dt, idx, D, weighted, mean in (("fp32", "i64", 128, False, False),
                                        ("fp16", "i32", 64, True, False),
                                        ("bf16", "i64", 92, False, True)):
-        sig, consts, aligned = fused_spec(dt, idx, D, weighted, mean, arch="untuned")
+        sig, consts, aligned = fused_spec(dt, idx, D, weighted, mean)
         nbytes = 4 if dt == "fp32" else 2
         if default_block_b(D, "sm_90", nbytes) == consts["BLOCK_B"]:
             consts["num_warps"] = default_num_warps(D, "sm_90", nbytes)

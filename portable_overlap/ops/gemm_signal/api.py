@@ -314,16 +314,19 @@ class GemmSignal(ContextBase):
         return group
 
     def _bounded_gather(self, op: str, what: str):
-        """``world.all_gather_object`` on this context's signal group, under its timeout: a
-        shape's first call meets its peers in the plan's check, where a peer that refused the
-        call on the host (bad input) never comes; on the world's group the others waited there
-        with no deadline. A failed gather breaks the context (``PeerTimeoutError``). Without a
-        signal group (``collectives=False``) the world's own."""
+        """``world.all_gather_object`` on this context's signal group, under its ``timeout_s``:
+        a shape's first call meets its peers in the plan's check, where a peer that refused the
+        call on the host (bad input) never comes, and the world's group would hold the others
+        there for the process group's timeout (minutes). Where the collective library raises
+        on a timeout (gloo) the context breaks with ``PeerTimeoutError``; NCCL's watchdog acts
+        on its own (``GemmSignal``). Without a signal group (``collectives=False``) the
+        world's own."""
         if self._sig_group is None:
             return None
 
         def gather(obj):
             got = [None] * self.size
+            self.world.collectives += 1  # (a collective of the world: collective_setup)
             try:
                 dist.all_gather_object(got, obj, group=self._group())
             except RuntimeError as e:
@@ -484,18 +487,11 @@ class GemmSignal(ContextBase):
         # each rank's product has its own (a reduction's K shards may differ in width), and
         # the collectives move [M, N] tiles whatever it is. A plan refused on some ranks only
         # (ranks' configs may differ: a partition that does not fit, an SM reserve too large)
-        # is raised after the comparison, by every rank: raised before, it left the peers
-        # waiting in the comparison, a host collective without a deadline
-        try:
-            self.world.check_same(f"{op} plan (M, N, dtype, tiling, partition)",
-                                  (kind, M, N, str(dtype), mm, groups.sizes) if refusal is None
-                                  else f"refused ({type(refusal).__name__}: {refusal})",
-                                  gather=self._bounded_gather(op, "plan check"))
-        except RankMismatchError:
-            if refusal is None:
-                raise
-        if refusal is not None:
-            raise refusal
+        # is raised after the comparison, by every rank
+        self.world.check_same_or_raise(
+            f"{op} plan (M, N, dtype, tiling, partition)",
+            None if refusal is not None else (kind, M, N, str(dtype), mm, groups.sizes),
+            refusal, gather=self._bounded_gather(op, "plan check"))
         lay = tile_layout(groups, dests)
         tile = mm.block_m * mm.block_n
         if kind == "all_reduce":  # reordered from staging: slot s holds tile t = inverse[s]

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from ... import collectives
-from ...errors import RankMismatchError
 from ...schedule import (Calibration, TuningCache, WaveGroups, cache_key, decide,
                          measure_comm_curve, predict_ms, search_top, time_call)
 from ...schedule.predict import invert_comm_slowdown
@@ -191,23 +190,16 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
     base = config or ctx.config
     # the partition is what is tuned: plan with the default one, whatever base says
     base = dataclasses.replace(base, partition=None)
-    # a call refused on some ranks only is raised on every rank, after the ranks compared
-    # their checks (bounded): raised before, it left the peers in the plan's check
+    ctx.check()  # a closed or broken context: raised here, before any collective
+    # inputs refused on some ranks only are raised on every rank, after the ranks compared
+    # their checks (bounded), not on those ranks alone while the others wait for them
     try:
         op, cfg, M, N, K, out_rows = ctx.check_call(kind, a, b, base)
         refusal = None
     except (ValueError, TypeError) as e:
         refusal = e
-    try:
-        ctx.world.check_same("gemm_signal tune: the call's checks",
-                             None if refusal is None else
-                             f"refused ({type(refusal).__name__}: {refusal})",
-                             gather=ctx._bounded_gather("gemm_signal tune", "call check"))
-    except RankMismatchError:
-        if refusal is None:
-            raise
-    if refusal is not None:
-        raise refusal
+    ctx.world.check_same_or_raise("gemm_signal tune: the call's checks", None, refusal,
+                                  gather=ctx._bounded_gather("gemm_signal tune", "call check"))
     graph = ctx.device.type != "cpu" if graph is None else graph
     plan = ctx.plan_call(kind, op, M, N, K, a.dtype, cfg)
     # every rank's K, not this rank's: ``decide`` compares the ranks' entries of one key, and
@@ -270,8 +262,7 @@ def tune_partition(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, *,
                                 reserve_sms=value.get("reserve_sms", base.reserve_sms))
         WaveGroups(c.partition).validate(plan.groups.n_tiles, plan.dests,
                                          what="cached partition")
-        # what the call's plan refuses too: taken from the file, every call of the shape
-        # raised after it
+        # a config the call's plan would refuse is no decision either
         ctx.grid_programs(c)  # an SM reserve this device cannot leave
         if len(c.partition) > MAX_GROUPS:
             raise ValueError(f"cached partition: at most {MAX_GROUPS} wave groups, got "
