@@ -25,33 +25,10 @@ def _signal_kernel(target):
     return compile_spec(fn, sig, consts, aligned, target)
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
-def test_the_status_read_bypasses_the_caches(target):
-    """The kernel's only system-scope read is the status board's header word. On gfx942 /
-    gfx950 it must be a load with both scope bits (``sc0 sc1``: system scope, no cache hit)
-    followed by a system-scope invalidate; ``tl.load(volatile=True)`` compiled to a plain
-    ``global_load`` there (Triton's AMD backend drops ``volatile``). On sm_90: an acquire
-    load at system scope."""
-    k = _signal_kernel(target)
-    if target[0] == "hip":
-        asm = k.asm["amdgcn"].split(".Lfunc_end")[0]
-        loads = re.findall(r"global_load_dwordx2 [^\n]*", asm)
-        assert [ld for ld in loads if ld.rstrip().endswith("sc0 sc1")], loads
-        assert "buffer_inv sc0 sc1" in asm
-    else:
-        ptx = k.asm["ptx"]
-        assert re.search(r"ld\.global\.sys\.acquire\.b64", ptx), ptx
-        assert "ld.volatile" not in ptx
-
-
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
-def test_a_report_reads_its_slot_past_the_caches(target):
-    """``report_first`` keeps an earlier report of the call: it reads the program's slot
-    before writing. On AMD a ``volatile`` load there compiled to a cached scalar load, which
-    may read a stale word after the host cleared the board (the cause lost, or a report
-    dropped): it must be the same system-scope acquire read as the header's."""
-    k = compile_spec(_report_once, {"status_addr": "i64", "pid": "i32", "code": "i64"}, {}, [],
-                     target)
+def _reads_past_the_caches(k, target) -> None:
+    """The kernel's system-scope read: on gfx942 / gfx950 a load with both scope bits (``sc0
+    sc1``: system scope, no cache hit) followed by a system-scope invalidate; on sm_90 an
+    acquire load at system scope, no ``ld.volatile``."""
     if target[0] == "hip":
         asm = k.asm["amdgcn"].split(".Lfunc_end")[0]
         loads = re.findall(r"global_load_dwordx2 [^\n]*", asm)
@@ -61,6 +38,24 @@ def test_a_report_reads_its_slot_past_the_caches(target):
         ptx = k.asm["ptx"]
         assert re.search(r"ld\.global\.sys\.acquire\.b64", ptx), ptx
         assert "ld.volatile" not in ptx
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def test_the_status_read_bypasses_the_caches(target):
+    """The signal kernel's only system-scope read is the status board's header word;
+    ``tl.load(volatile=True)`` compiled to a plain ``global_load`` on AMD (Triton's AMD
+    backend drops ``volatile``)."""
+    _reads_past_the_caches(_signal_kernel(target), target)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: f"{t[0]}-{t[1]}")
+def test_a_report_reads_its_slot_past_the_caches(target):
+    """``report_first`` keeps an earlier report of the call: it reads the program's slot
+    before writing. On AMD a ``volatile`` load there compiled to a cached scalar load, which
+    may read a stale word after the host cleared the board (the cause lost, or a report
+    dropped): it must be the same system-scope acquire read as the header's."""
+    _reads_past_the_caches(compile_spec(_report_once, {"status_addr": "i64", "pid": "i32",
+                                                       "code": "i64"}, {}, [], target), target)
 
 
 _SCRIPT = textwrap.dedent("""
