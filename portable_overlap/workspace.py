@@ -325,7 +325,12 @@ class Workspace(ContextBase):
         if not self.status.failed():
             return
         self.world.backend.synchronize(self.world.device)
-        timed_out = self.status.has(STATUS_TIMEOUT)
+        # a program keeps its first report, so a wait that timed out after its program had
+        # reported something else (a peer that gave up on an earlier flag) shows only in the
+        # device's word (``pol.is_live``): every later wait gives up at once, and the
+        # workspace must break here as for a reported timeout, not clear the board
+        timed_out = self.status.has(STATUS_TIMEOUT) or \
+            int(self.ctx[int(_lang.CTX_CLOCK.value) + 1]) != 0
         names = self._name_reports()
         try:
             self.status.raise_if_failed(self.OP, self.rank, names)

@@ -638,3 +638,75 @@ def test_a_flag_array_carved_after_2_31_launches_is_refused(world2):
         early, in_time, late, fresh_wait = errors
         assert early is None and in_time is None and fresh_wait is None, (r, errors)
         assert late and late[0] == "ValueError" and "2147483648 launches" in late[1], (r, late)
+
+
+@triton.jit
+def _give_up_then_wait_kernel(ctx, a_ptr, b_ptr):
+    """Rank 1 gives up on flag ``a`` (says so there) and never sets ``b``; rank 0 waits on
+    both: its wait on ``a`` reports the peer that gave up, its wait on ``b`` times out."""
+    call = pol.begin_call(ctx)
+    me, world = pol.rank(ctx), pol.num_ranks(ctx)
+    other = pol.peer_at(1, me, world)
+    pol.signal(ctx, a_ptr + me, other, call, me != 1)
+    if me != 1:
+        pol.signal(ctx, b_ptr + me, other, call)
+    ok = pol.wait(ctx, a_ptr + other, call, other)
+    ok = ok & pol.wait(ctx, b_ptr + other, call, other)
+    pol.end_call(ctx, call)
+
+
+@triton.jit
+def _ping_kernel(ctx, x_ptr, inbox_ptr, ready_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    call = pol.begin_call(ctx)
+    me, world = pol.rank(ctx), pol.num_ranks(ctx)
+    nxt, prev = pol.peer_at(1, me, world), pol.peer_at(world - 1, me, world)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    pol.put_signal(ctx, inbox_ptr + offs, tl.load(x_ptr + offs, mask=m), nxt, ready_ptr + me,
+                   call, m)
+    pol.wait(ctx, ready_ptr + prev, call, prev)
+    tl.store(out_ptr + offs, tl.load(inbox_ptr + offs, mask=m), mask=m)
+    pol.end_call(ctx, call)
+
+
+def _timeout_behind_a_report(world):
+    """A wait that timed out after its program had reported a peer that gave up (a program
+    keeps its first report): the workspace went on as after the peer's report alone, its
+    device no longer live, so every later wait gave up at once with no report and the next
+    calls returned the previous call's data. (what each step raised, the values received)."""
+    import time
+
+    ws = Workspace(world, 8192, timeout_s=0.5, name="hidden")
+    a, b, ready = ws.flags((2,), "a"), ws.flags((2,), "b"), ws.flags((2,), "ready")
+    inbox = ws.tensor((4,), torch.float32)
+    found = []
+    try:
+        try:
+            ws.launch(_give_up_then_wait_kernel, (1,), a, b)
+            ws.synchronize()
+            found.append(("first", "ok"))
+        except Exception as e:
+            found.append(("first", type(e).__name__))
+        world.barrier()
+        for i in range(2):
+            x = torch.full((4,), float(100 * (i + 1) + world.rank))
+            got = torch.full((4,), -7.0)
+            if world.rank == 1:
+                time.sleep(1.0)  # past rank 0's deadline, were its waits still live
+            try:
+                ws.launch(_ping_kernel, (1,), x, inbox, ready, got, 4, BLOCK=4)
+                ws.synchronize()
+                found.append((f"ping{i}", got.tolist()))
+            except Exception as e:
+                found.append((f"ping{i}", type(e).__name__))
+            world.barrier()
+    finally:
+        ws.close()
+    return found
+
+
+def test_a_timeout_behind_an_earlier_report_breaks_the_workspace(world2):
+    mine = dict(world2.run(_timeout_behind_a_report, timeout=120)[0])
+    assert mine["first"] == "PeerTimeoutError", mine
+    # broken, not answering with the previous call's rows (201 and 202 were sent)
+    assert mine["ping0"] == mine["ping1"] == "ContextBrokenError", mine

@@ -348,21 +348,17 @@ def _report(ctx, code, peer, flag_ptr, expected):
     slot = tl.minimum(program(), STATUS_SLOTS - 1)
     where = flag_ptr.to(tl.int64) - tl.load(ctx + CTX_HEAP)
     where = where | (tl.full((), 1, tl.int64) << REPORT_OFFSET)
-    board = tl.load(ctx + CTX_STATUS)
     # a program's first report is the cause; a later wait of the same call that failed
     # because of it (the peer gave up in turn) must not overwrite it
-    if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
-        _shmem.report(board, slot, code, peer, where, expected)
+    _shmem.report_first(tl.load(ctx + CTX_STATUS), slot, code, peer, where, expected)
 
 
 @triton.jit
 def _report_bad_peer(ctx, peer):
     """Record that this program addressed rank ``peer``, which is not in the world."""
     slot = tl.minimum(program(), STATUS_SLOTS - 1)
-    board = tl.load(ctx + CTX_STATUS)
-    if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
-        _shmem.report(board, slot, _shmem.STATUS_BAD_INPUT, -1,
-                      tl.full((), BAD_PEER_KIND, tl.int64) << 32, tl.cast(peer, tl.int64))
+    _shmem.report_first(tl.load(ctx + CTX_STATUS), slot, _shmem.STATUS_BAD_INPUT, -1,
+                        tl.full((), BAD_PEER_KIND, tl.int64) << 32, tl.cast(peer, tl.int64))
 
 
 @triton.jit
@@ -370,10 +366,8 @@ def _report_bad_pointer(ctx, off):
     """Record that this program gave ``remote_ptr`` a pointer ``off`` bytes from this rank's
     heap base, outside the heap."""
     slot = tl.minimum(program(), STATUS_SLOTS - 1)
-    board = tl.load(ctx + CTX_STATUS)
-    if tl.load(board.to(tl.pointer_type(tl.int64)) + (slot + 1) * 4) == 0:
-        _shmem.report(board, slot, _shmem.STATUS_BAD_INPUT, -1,
-                      tl.full((), BAD_POINTER_KIND, tl.int64) << 32, tl.cast(off, tl.int64))
+    _shmem.report_first(tl.load(ctx + CTX_STATUS), slot, _shmem.STATUS_BAD_INPUT, -1,
+                        tl.full((), BAD_POINTER_KIND, tl.int64) << 32, tl.cast(off, tl.int64))
 
 
 @triton.jit
