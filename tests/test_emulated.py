@@ -169,3 +169,21 @@ def test_stacks_keep_where_a_rank_waits_and_how_it_got_there():
     assert lines[-2:] == [f"  File \"{lib}/portable_overlap/ops/moe_dispatch/swiglu.py\", "
                           "line 9 in run", "  File \"/src/tests/test_moe.py\", line 5 in _layer"]
     assert "_feed" not in text
+
+
+def _unpicklable_answer(world):
+    import threading
+
+    return threading.Lock() if world.rank == 1 else "fine"
+
+
+@pytest.mark.emulated(ranks=2)
+def test_an_answer_the_caller_cannot_receive_fails_at_once():
+    """A rank's result that cannot be pickled: the queue's feeder thread printed the error and
+    the caller waited for the answer until its timeout (a WorkerHang naming idle ranks)."""
+    t0 = time.monotonic()
+    with EmulatedWorld(2) as ew:
+        with pytest.raises(RemoteError, match="rank 1 raised TypeError.*pickle"):
+            ew.run(_unpicklable_answer, timeout=60)
+        assert ew.run(lambda_free_rank) == [0, 1]  # the pool still serves
+    assert time.monotonic() - t0 < 30

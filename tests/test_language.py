@@ -710,3 +710,50 @@ def test_a_timeout_behind_an_earlier_report_breaks_the_workspace(world2):
     assert mine["first"] == "PeerTimeoutError", mine
     # broken, not answering with the previous call's rows (201 and 202 were sent)
     assert mine["ping0"] == mine["ping1"] == "ContextBrokenError", mine
+
+
+@triton.jit
+def _copy_kernel(ctx, box_ptr, local_ptr, n, GET: tl.constexpr, BLOCK: tl.constexpr):
+    call = pol.begin_call(ctx)
+    nxt = pol.peer_at(1, pol.rank(ctx), pol.num_ranks(ctx))
+    if GET:
+        pol.get(ctx, local_ptr, box_ptr, n, nxt, BLOCK)
+    else:
+        pol.put(ctx, box_ptr, local_ptr, n, nxt, BLOCK)
+    pol.end_call(ctx, call)
+
+
+def _copies_past_the_heap(world):
+    """``pol.put`` / ``pol.get`` of n elements from a heap tensor that run past the heap's end
+    on the peer: ``remote_ptr`` checked the first address only, and the copy wrote past the
+    peer's heap (both ranks crashed) or read another buffer's bytes (returned with no error).
+    (what each launch raised, the box's first words, the local buffer's first words)."""
+    from portable_overlap.errors import InvalidInputError
+
+    found = {}
+    with Workspace(world, 4096, timeout_s=2.0, name="past") as ws:
+        box = ws.tensor((16,), torch.float32)
+        for get in (False, True):
+            for n in (16, 4096):
+                box.fill_(-1.0)
+                local = torch.full((n,), float(world.rank + 1))
+                world.barrier()
+                try:
+                    ws.launch(_copy_kernel, (1,), box, local, n, GET=get, BLOCK=16)
+                    ws.synchronize()
+                    what = "ok"
+                except InvalidInputError as e:
+                    what = "outside" if "outside this rank's heap" in str(e) else str(e)
+                world.barrier()
+                found[("get" if get else "put", n)] = (what, box[:2].tolist(),
+                                                       local[:2].tolist())
+    return found
+
+
+def test_a_copy_past_the_heap_end_is_reported_and_copies_nothing(world2):
+    for r, found in enumerate(world2.run(_copies_past_the_heap, timeout=120)):
+        peer = 2 - r  # the other rank's value (rank + 1)
+        assert found[("put", 16)] == ("ok", [float(peer)] * 2, [float(r + 1)] * 2), found
+        assert found[("get", 16)] == ("ok", [-1.0] * 2, [-1.0] * 2), found
+        assert found[("put", 4096)] == ("outside", [-1.0] * 2, [float(r + 1)] * 2), found
+        assert found[("get", 4096)] == ("outside", [-1.0] * 2, [float(r + 1)] * 2), found

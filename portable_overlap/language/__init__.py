@@ -243,17 +243,30 @@ def _copy(dst, src, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _in_heap_count(ctx, ptr, n, peer):
+    """``n``, or 0 where the ``n`` elements from ``ptr`` run past the end of the heap on a
+    peer (reported, as ``remote_ptr`` reports its first): emulated ranks only. ``remote_ptr``
+    checks the address it is given, and a copy from a pointer inside the heap ran past it
+    unseen (a crash of both ranks, or another buffer's bytes returned with no error)."""
+    if _INTERPRETED:
+        if (peer != rank(ctx)) & (n > 0) & (peer >= 0) & (peer < num_ranks(ctx)):
+            if _outside_heap(ctx, ptr + (n - 1)):
+                n = 0
+    return n
+
+
+@triton.jit
 def put(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
     """Copy ``n`` elements from ``src`` (any memory this rank reads) to ``peer``'s copy of
     ``dst`` (a heap address), by this program, ``BLOCK`` elements per step."""
-    _copy(remote_ptr(ctx, dst, peer), src, n, BLOCK)
+    _copy(remote_ptr(ctx, dst, peer), src, _in_heap_count(ctx, dst, n, peer), BLOCK)
 
 
 @triton.jit
 def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
     """Copy ``n`` elements from ``peer``'s copy of ``src`` (a heap address) to ``dst`` (any
     memory this rank writes), by this program, ``BLOCK`` elements per step."""
-    _copy(dst, remote_ptr(ctx, src, peer), n, BLOCK)
+    _copy(dst, remote_ptr(ctx, src, peer), _in_heap_count(ctx, src, n, peer), BLOCK)
 
 
 # -- signals -------------------------------------------------------------------------------------

@@ -121,7 +121,11 @@ def _worker(rank: int, size: int, port: int, inbox, outbox, env: dict,
             break
         fn, args, kwargs = task
         try:
-            outbox.put((rank, "ok", fn(world, *args, **kwargs)))
+            result = fn(world, *args, **kwargs)
+            # pickled here, not by the queue's feeder thread, which only prints its error
+            # and leaves the caller waiting for an answer that never comes
+            ForkingPickler.dumps(result)
+            outbox.put((rank, "ok", result))
         except BaseException as e:  # report everything, keep serving
             outbox.put((rank, "err", (type(e).__name__, str(e), traceback.format_exc())))
     dist.destroy_process_group()
