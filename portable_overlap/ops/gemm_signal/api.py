@@ -267,6 +267,15 @@ class GemmSignal(ContextBase):
             # agrees before it runs, ``pattern.AGREED``) compared M, so every rank returns here
             # alike, and no counter of this workspace has moved on any rank
             return out if rms_weight is None else (out, normed)
+        capturing = self.capturing()
+        if capturing:
+            # before the plan: a first call checks the ranks (a host collective) and copies
+            # the plan's tables to the device, neither of which a capture takes
+            known = self._plans.get(self._plan_key(kind, M, N, a.dtype, cfg))
+            if known is None or not known.warm:
+                raise RuntimeError(f"{op}: call it once with these shapes outside graph "
+                                   f"capture first (the first call loads kernels and checks "
+                                   f"the ranks agree)")
         plan = self.plan_call(kind, op, M, N, K, a.dtype, cfg)
         gemm, reorder = self.launch_plan(plan, a, b, out, bias, residual, rms_weight, normed)
         stage = self.stage_raw[:plan.stage_bytes].view(a.dtype)
@@ -275,10 +284,6 @@ class GemmSignal(ContextBase):
                                      self.world.facts)
         reorder_args = _reorder_args(plan, recv, out, bias, residual, rms_weight, normed, eps)
         first = not plan.warm
-        capturing = self.capturing()
-        if first and capturing:
-            raise RuntimeError(f"{op}: call it once with these shapes outside graph capture "
-                               f"first (the first call loads kernels and checks the ranks agree)")
         if self._mod is None and self._collectives:
             self._check_stamp(op, plan)
         self._fork()
@@ -325,8 +330,10 @@ class GemmSignal(ContextBase):
             return None
 
         def gather(obj):
-            got = [None] * self.size
             self.world.collectives += 1  # (a collective of the world: collective_setup)
+            if self.size == 1:  # (as the world's own: no collective, nothing copied)
+                return [obj]
+            got = [None] * self.size
             try:
                 dist.all_gather_object(got, obj, group=self._group())
             except RuntimeError as e:
@@ -454,13 +461,17 @@ class GemmSignal(ContextBase):
                              f"GEMM (the stream waits hold {facts.gate_programs})")
         return sms - reserve - facts.gate_programs
 
+    @staticmethod
+    def _plan_key(kind, M, N, dtype, cfg: SignalConfig) -> tuple:
+        return (kind, M, N, dtype, cfg)
+
     def plan_call(self, kind, op, M, N, K, dtype, cfg: SignalConfig) -> _Plan:
         """The plan of one (kind, shape, dtype, config): tiling, wave groups, buffer sizes;
         made once and cached (the first ``run`` of it checks that every rank made the same).
         Not keyed by K, which the plan does not use: a reduction's K shards may differ between
         ranks, and a K in the key would make one rank reuse a plan while another makes one and
         waits alone in the plan's host check of the ranks."""
-        key = (kind, M, N, dtype, cfg)
+        key = self._plan_key(kind, M, N, dtype, cfg)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
