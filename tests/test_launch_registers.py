@@ -6,7 +6,8 @@ Triton's launcher."""
 import dataclasses
 
 from portable_overlap.backends.base import DeviceFacts
-from portable_overlap.ops.launch import compiler_occupancy, fewer_registers, resident_programs
+from portable_overlap.backends.occupancy import compiler_occupancy
+from portable_overlap.ops.launch import fewer_registers, resident_programs
 
 H200 = DeviceFacts(vendor="nvidia", name="H200", arch="sm_90", sm_count=132, warp_size=32,
                    max_shared_bytes_per_sm=228 * 1024, max_regs_per_sm=65536,

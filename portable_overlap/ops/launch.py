@@ -2,8 +2,9 @@
 the grid at what is resident, and call the compiled launcher directly on every call."""
 from __future__ import annotations
 
-import re
 from typing import Callable, Optional
+
+from ..backends.occupancy import compiler_occupancy
 
 
 def warps_by_registers(n_regs: int, facts) -> int:
@@ -17,22 +18,6 @@ def warps_by_registers(n_regs: int, facts) -> int:
     regs = -(-max(1, n_regs) // unit) * unit
     files = max(1, facts.register_files)
     return files * ((facts.max_regs_per_sm // files) // (regs * facts.warp_size))
-
-
-_OCCUPANCY = re.compile(r";\s*Occupancy:\s*(\d+)")
-
-
-def compiler_occupancy(compiled) -> Optional[int]:
-    """Waves per SIMD that the AMD compiler says a kernel can hold (``; Occupancy: N`` in its
-    assembly: every limit it knows, VGPRs with their granule, AGPRs, SGPRs, LDS), or None where
-    the assembly has no such line (NVIDIA)."""
-    asm = getattr(compiled, "asm", None)
-    try:
-        text = asm["amdgcn"] if asm is not None and "amdgcn" in asm else None
-    except TypeError:
-        text = None
-    found = _OCCUPANCY.findall(text) if isinstance(text, str) else []
-    return min(int(n) for n in found) if found else None
 
 
 def resident_programs(compiled, num_warps: int, facts) -> int:
